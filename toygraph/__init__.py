@@ -1,0 +1,9 @@
+"""toygraph: fine-tune Llama-family models straight from GGUF files.
+
+A small tensor-graph DSL builds the whole training step once; a Session realizes it on a
+backend (numpy on the CPU, NVRTC-compiled kernels on CUDA) and replays it every step.
+"""
+from .errors import ToygraphError, GraphError, GGUFError, DataError, CudaError
+
+__version__ = "0.1.0"
+__all__ = ["ToygraphError", "GraphError", "GGUFError", "DataError", "CudaError", "__version__"]
