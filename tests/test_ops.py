@@ -1,0 +1,218 @@
+"""Every op: a finite-difference gradient check in float64 (max relative error <= 1e-6),
+plus shape/dtype errors at build time and forward values against plain numpy."""
+import numpy as np
+import pytest
+
+from gradcheck import check_gradients, weighted_sum
+from toygraph import ops
+from toygraph.errors import GraphError
+from toygraph.graph import Graph
+from toygraph.session import Session
+
+TOL = 1e-6
+
+
+def rnd(rng, *shape, s=1.0):
+    return (rng.normal(size=shape) * s).astype(np.float32)
+
+
+def gradcheck_unary(build, shape, seed=0, positive=False):
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    init = rnd(rng, *shape)
+    if positive:
+        init = np.abs(init) + 0.5
+    x = g.param("x", init)
+    loss = weighted_sum(build(x), rng)
+    return check_gradients(g, loss, [x], {})
+
+
+@pytest.mark.parametrize("name,build,shape", [
+    ("scale", lambda x: ops.scale(x, -1.7), (3, 4)),
+    ("silu", ops.silu, (3, 5)),
+    ("rms_norm", lambda x: ops.rms_norm(x, 1e-5), (2, 3, 8)),
+    ("softmax", lambda x: ops.softmax(x, scale=0.7), (2, 5)),
+    ("softmax_causal", lambda x: ops.softmax(x, scale=0.5, causal=True), (2, 3, 4, 4)),
+    ("reshape", lambda x: x.reshape(6, 4), (2, 3, 4)),
+    ("permute", lambda x: x.permute(2, 0, 1), (2, 3, 4)),
+    ("transpose", lambda x: x.T, (3, 5)),
+    ("contiguous", ops.contiguous, (3, 4)),
+    ("sum_all", lambda x: ops.sum(x), (3, 4)),
+    ("sum_axis", lambda x: ops.sum(x, 1), (3, 4, 2)),
+    ("mean_axis", lambda x: ops.mean(x, -1), (3, 4)),
+    ("sum_to", lambda x: ops.sum_to(x, (1, 4)), (3, 4)),
+    ("sum_to_groups", lambda x: ops.sum_to(x, (2, 2, 3)), (2, 6, 3)),
+    ("expand", lambda x: ops.expand(x, (3, 2, 4)), (2, 1)),
+    ("expand_groups", lambda x: ops.expand(x, (2, 6, 3)), (2, 2, 3)),
+])
+def test_unary_gradients(name, build, shape):
+    assert gradcheck_unary(build, shape) <= TOL
+
+
+@pytest.mark.parametrize("op,sa,sb", [
+    (ops.add, (3, 4), (3, 4)), (ops.add, (2, 3, 4), (4,)),
+    (ops.sub, (3, 4), (1, 4)), (ops.mul, (3, 4), (3, 4)), (ops.mul, (2, 3, 4), (3, 1)),
+])
+def test_binary_gradients(op, sa, sb):
+    rng = np.random.default_rng(1)
+    g = Graph()
+    a, b = g.param("a", rnd(rng, *sa)), g.param("b", rnd(rng, *sb))
+    assert check_gradients(g, weighted_sum(op(a, b), rng), [a, b], {}) <= TOL
+
+
+def test_swiglu_gradient():
+    rng = np.random.default_rng(2)
+    g = Graph()
+    a, b = g.param("gate", rnd(rng, 4, 6)), g.param("up", rnd(rng, 4, 6))
+    assert check_gradients(g, weighted_sum(ops.swiglu(a, b), rng), [a, b], {}) <= TOL
+
+
+@pytest.mark.parametrize("sa,sb,ta,tb", [
+    ((3, 4), (4, 5), False, False), ((3, 4), (5, 4), False, True),
+    ((4, 3), (4, 5), True, False), ((4, 3), (5, 4), True, True),
+    ((2, 3, 4), (4, 5), False, False), ((2, 3, 4), (5, 4), False, True),
+    ((2, 3, 3, 4), (2, 3, 4, 5), False, False),          # batched heads
+    ((2, 6, 3, 4), (2, 2, 3, 4), False, True),           # grouped-query: 6 q heads, 2 kv
+    ((2, 6, 3, 3), (2, 2, 3, 4), False, False),          # attention-weights @ V, grouped
+])
+def test_matmul_gradients(sa, sb, ta, tb):
+    rng = np.random.default_rng(3)
+    g = Graph()
+    a, b = g.param("a", rnd(rng, *sa)), g.param("b", rnd(rng, *sb))
+    y = ops.matmul(a, b, trans_a=ta, trans_b=tb)
+    assert check_gradients(g, weighted_sum(y, rng), [a, b], {}) <= TOL
+
+
+def test_grouped_matmul_matches_repeated_heads():
+    rng = np.random.default_rng(4)
+    q, k = rnd(rng, 2, 6, 3, 4), rnd(rng, 2, 2, 3, 4)
+    g = Graph()
+    y = g.output(ops.matmul(g.const("q", q), g.const("k", k), trans_b=True))
+    s = Session(g); s.realize(); s.run("forward")
+    ref = q @ np.repeat(k, 3, axis=1).swapaxes(-1, -2)
+    np.testing.assert_allclose(s.download(y), ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("dims", [8, 4])
+def test_rope_gradient_and_values(mode, dims):
+    rng = np.random.default_rng(5)
+    g = Graph()
+    x = g.param("x", rnd(rng, 2, 3, 2, 8))
+    pos = g.input("pos", (2, 3), "i32")
+    posv = np.array([[0, 1, 2], [5, 9, 3]], np.int32)
+    y = ops.rope(x, pos, dims=dims, base=10000.0, mode=mode)
+    assert check_gradients(g, weighted_sum(y, rng), [x], {pos: posv}) <= TOL
+    # Values: rotate one pair by hand.
+    s = Session(g, dtype="f64"); s.realize(); s.upload(pos, posv); s.run("forward")
+    xv = g.find("x").data.astype(np.float64)
+    b, t, h = 1, 1, 0
+    theta = posv[b, t] * 10000.0 ** (-2 * 1 / dims)  # pair i=1
+    i0, i1 = (2, 3) if mode == "normal" else (1, 1 + dims // 2)
+    x0, x1 = xv[b, t, h, i0], xv[b, t, h, i1]
+    y0 = x0 * np.cos(theta) - x1 * np.sin(theta)
+    r = g.output(y)  # noqa: F841 - outputs must be marked before realize; recompute below
+    s2 = Session(g, dtype="f64"); s2.realize(); s2.upload(pos, posv); s2.run("forward")
+    assert np.isclose(s2.download(y)[b, t, h, i0], y0)
+    if dims < 8:  # features past dims pass through
+        assert np.allclose(s2.download(y)[..., dims:], xv[..., dims:])
+
+
+def test_get_rows_gradient_with_repeats():
+    rng = np.random.default_rng(6)
+    g = Graph()
+    table = g.param("table", rnd(rng, 7, 3))
+    ids = g.input("ids", (2, 4), "i32")
+    y = ops.get_rows(table, ids)
+    idv = np.array([[0, 3, 3, 6], [1, 0, 3, 2]], np.int32)
+    assert check_gradients(g, weighted_sum(y, rng), [table], {ids: idv}) <= TOL
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_gradient_with_ignored(reduction):
+    rng = np.random.default_rng(7)
+    g = Graph()
+    logits = g.param("logits", rnd(rng, 5, 6, s=2.0))
+    lab = g.input("lab", (5,), "i32")
+    loss = ops.cross_entropy(logits, lab, reduction=reduction)
+    labv = np.array([1, -1, 5, 0, -1], np.int32)
+    assert check_gradients(g, loss, [logits], {lab: labv}) <= TOL
+
+
+def test_cross_entropy_values_and_all_ignored():
+    rng = np.random.default_rng(8)
+    lv = rnd(rng, 4, 5)
+    labv = np.array([2, -1, 0, 4], np.int32)
+    g = Graph()
+    logits = g.param("logits", lv)
+    lab = g.input("lab", (4,), "i32")
+    loss = g.output(ops.cross_entropy(logits, lab))
+    from toygraph.autodiff import accumulate_grads, backward
+    accumulate_grads(backward(loss, [logits]))
+    s = Session(g, dtype="f64"); s.realize(); s.reset()
+    s.upload(lab, labv); s.run("backward")
+    lp = lv - np.log(np.exp(lv).sum(1, keepdims=True))
+    want = -np.mean([lp[0, 2], lp[2, 0], lp[3, 4]])
+    assert np.isclose(float(s.download(loss)), want, rtol=1e-6)
+    s.reset(); s.upload(lab, np.full(4, -1, np.int32)); s.run("backward")
+    assert float(s.download(loss)) == 0.0
+    assert not np.any(s.download(g.find("grad.logits")))
+
+
+def test_composite_attention_block_gradient():
+    """Q/K/V projections, rope, grouped-query causal attention, output projection."""
+    rng = np.random.default_rng(9)
+    B, T, D, H, KV, hd = 2, 4, 8, 4, 2, 2
+    g = Graph()
+    x = g.param("x", rnd(rng, B, T, D))
+    wq, wk = g.param("wq", rnd(rng, H * hd, D, s=0.5)), g.param("wk", rnd(rng, KV * hd, D, s=0.5))
+    wv, wo = g.param("wv", rnd(rng, KV * hd, D, s=0.5)), g.param("wo", rnd(rng, D, H * hd, s=0.5))
+    pos = g.input("pos", (B, T), "i32")
+    xn = ops.rms_norm(x, 1e-5)
+    q = ops.matmul(xn, wq, trans_b=True).reshape(B, T, H, hd).rope(pos, hd, 10000.0)
+    k = ops.matmul(xn, wk, trans_b=True).reshape(B, T, KV, hd).rope(pos, hd, 10000.0)
+    v = ops.matmul(xn, wv, trans_b=True).reshape(B, T, KV, hd)
+    q, k, v = q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    att = ops.matmul(q, k, trans_b=True).softmax(scale=hd ** -0.5, causal=True)
+    o = ops.matmul(att, v).permute(0, 2, 1, 3).reshape(B, T, H * hd)
+    y = ops.matmul(o, wo, trans_b=True) + x
+    posv = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    err = check_gradients(g, weighted_sum(y, rng), [x, wq, wk, wv, wo], {pos: posv})
+    assert err <= TOL
+
+
+def test_composite_two_layer_mlp_with_cross_entropy():
+    rng = np.random.default_rng(10)
+    g = Graph()
+    x = g.input("x", (6, 4))
+    lab = g.input("lab", (6,), "i32")
+    w1, b1 = g.param("w1", rnd(rng, 4, 8)), g.param("b1", rnd(rng, 8))
+    w2, b2 = g.param("w2", rnd(rng, 8, 3)), g.param("b2", rnd(rng, 3))
+    logits = ops.silu(x @ w1 + b1) @ w2 + b2
+    loss = ops.cross_entropy(logits, lab)
+    err = check_gradients(g, loss, [w1, b1, w2, b2],
+                          {x: rnd(rng, 6, 4), lab: np.array([0, 2, 1, -1, 2, 0], np.int32)})
+    assert err <= TOL
+
+
+# --- build-time checks ---------------------------------------------------------------------
+def test_shape_errors_name_op_and_operands():
+    g = Graph()
+    a, b = g.input("a", (3, 4)), g.input("b", (5, 6))
+    with pytest.raises(GraphError, match=r"matmul\(a \(3, 4\) f32, b \(5, 6\) f32\): inner"):
+        a @ b
+    with pytest.raises(GraphError, match="add.*do not broadcast"):
+        a + b
+    ids = g.input("ids", (3,), "i32")
+    with pytest.raises(GraphError, match="get_rows"):
+        ops.get_rows(ids, a)
+    with pytest.raises(GraphError, match="reshape"):
+        a.reshape(5, 3)
+    with pytest.raises(GraphError, match="causal"):
+        ops.softmax(a, causal=True)
+    with pytest.raises(GraphError, match="rope"):
+        ops.rope(a, ids, dims=4, base=1e4)
+    with pytest.raises(GraphError, match="already exists"):
+        g.input("a", (1,))
+    with pytest.raises(GraphError, match="dtype"):
+        g.input("c", (1,), "f16")

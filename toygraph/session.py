@@ -1,0 +1,184 @@
+"""The session: realize a graph once on a backend, then upload, run and download per step.
+
+>>> sess = Session(graph, backend="cpu")          # doctest: +SKIP
+>>> sess.realize()                                 # doctest: +SKIP
+>>> sess.reset()                                   # zero grads and moments
+>>> sess.upload(tokens, ids); sess.upload(hp, row)
+>>> sess.run("step")                               # forward + backward + update
+>>> loss = float(sess.download(loss_t))
+
+``run(phase)`` runs that phase and every phase before it ("forward" < "backward" <
+"step"), so one realized graph serves evaluation, gradient accumulation and updates.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .errors import GraphError
+from .graph import PHASES, Graph, Tensor, topo_order
+from .memory import BufferPlan, is_planned, nbytes, plan_buffers
+
+# Ops through which an integer input flows unchanged, so the range its consumer needs
+# applies to the input itself.
+_PASS_THROUGH = {"reshape", "permute", "contiguous"}
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _make_backend(backend: str, dtype: str):
+    if backend == "cpu":
+        from .cpu.backend import CpuBackend
+        return CpuBackend(dtype)
+    if backend == "cuda":
+        from .cuda.backend import CudaBackend
+        return CudaBackend(dtype)
+    raise GraphError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
+
+
+class Session:
+    """Runs one Graph on one backend. See the module docstring for the step sequence."""
+
+    def __init__(self, graph: Graph, backend: str = "cpu", dtype: str = "f32"):
+        self.graph = graph
+        self.backend_name = backend
+        self.backend = _make_backend(backend, dtype)
+        self.realized = False
+        self.plan: BufferPlan | None = None
+        self.realize_seconds = 0.0
+
+    # --- realize ----------------------------------------------------------------------------
+    def realize(self) -> BufferPlan:
+        """Order, plan memory, compile, allocate and bind consts. Returns the buffer plan."""
+        t0 = time.perf_counter()
+        g = self.graph
+        self.schedules: dict[str, list[Tensor]] = {}
+        done: set[int] = set()
+        order: list[Tensor] = []
+        for phase in PHASES:
+            order = order + topo_order(g.outputs[phase] + g.effects[phase], done)
+            done = {t.id for t in order}
+            self.schedules[phase] = order
+        full = self.schedules["step"]
+        if not any(t.op for t in full):
+            raise GraphError("nothing to run: mark outputs with graph.output() or add effects")
+        pinned = {t.id for t in full if t.role is not None}
+        pinned |= {t.id for p in PHASES for t in g.outputs[p]}
+        self.pinned = pinned
+        self.inputs = {t.id: t for t in full if t.role == "input"}
+        itemsize = self.backend.itemsize
+        pinned_bytes = sum(nbytes(t, 4 if t.dtype == "i32" else itemsize)
+                           for t in full if t.id in pinned and t.op not in ("accumulate", "adamw"))
+        self.plan = plan_buffers(full, pinned, itemsize, pinned_bytes)
+        self._ranges = self._id_ranges(full)
+        self.backend.realize(g, full, self.plan, pinned)
+        self._uploaded: set[int] = set()
+        self.realized = True
+        self.realize_seconds = time.perf_counter() - t0
+        return self.plan
+
+    def _id_ranges(self, schedule):
+        """For each i32 input, the [low, high) its consumers accept, and who asks."""
+        consumers: dict[int, list[Tensor]] = {}
+        for t in schedule:
+            for s in t.srcs:
+                consumers.setdefault(s.id, []).append(t)
+        ranges = {}
+        for inp in self.inputs.values():
+            if inp.dtype != "i32":
+                continue
+            lo, hi, why = 0, _INT32_MAX, "positions"
+            stack = [inp]
+            while stack:
+                cur = stack.pop()
+                for c in consumers.get(cur.id, []):
+                    if c.op in _PASS_THROUGH:
+                        stack.append(c)
+                    elif c.op == "get_rows" and c.srcs[1] is cur:
+                        if c.srcs[0].shape[0] < hi:
+                            hi, why = c.srcs[0].shape[0], f"rows of {c.srcs[0].name}"
+                    elif c.op in ("cross_entropy", "count_valid"):
+                        lo = -1
+                        if c.op == "cross_entropy" and c.srcs[0].shape[1] < hi:
+                            hi, why = c.srcs[0].shape[1], "the vocabulary (or -1 to ignore)"
+            ranges[inp.id] = (lo, hi, why)
+        return ranges
+
+    # --- state ------------------------------------------------------------------------------
+    def _require_realized(self):
+        if not self.realized:
+            raise GraphError("session is not realized: call realize() first")
+
+    def reset(self):
+        """Zero gradient accumulators and optimizer moments (before the first step)."""
+        self._require_realized()
+        for t in self.graph.by_role("state"):
+            if t.id in self.pinned:
+                self.backend.zero(t)
+
+    def reset_grads(self):
+        """Zero gradient accumulators only (between optimizer steps)."""
+        self._require_realized()
+        for t in self.graph.by_role("state"):
+            if t.kind in ("grad", "count") and t.id in self.pinned:
+                self.backend.zero(t)
+
+    # --- data in and out --------------------------------------------------------------------
+    def upload(self, tensor: Tensor | str, value) -> None:
+        """Copy ``value`` into an input tensor, after checking shape, dtype and ranges."""
+        self._require_realized()
+        t = self.graph.find(tensor) if isinstance(tensor, str) else tensor
+        if t.role != "input":
+            raise GraphError(f"upload: {t.name!r} is a {t.role or 'intermediate'}, not an input")
+        if t.id not in self.inputs:
+            raise GraphError(f"upload: input {t.name!r} is not used by any phase of this graph")
+        a = np.asarray(value)
+        if a.shape != t.shape:
+            raise GraphError(f"upload {t.name!r}: expected shape {t.shape}, got {a.shape}")
+        if t.dtype == "i32":
+            if a.dtype.kind not in "iu":
+                raise GraphError(f"upload {t.name!r}: expected integer ids, got dtype {a.dtype}")
+            lo, hi, why = self._ranges[t.id]
+            if a.size and (a.min() < lo or a.max() >= hi):
+                bad = a[(a < lo) | (a >= hi)].ravel()[0]
+                raise GraphError(f"upload {t.name!r}: value {bad} outside [{lo}, {hi}) "
+                                 f"({why})")
+        else:
+            if a.dtype.kind != "f":
+                raise GraphError(f"upload {t.name!r}: expected floating values, got dtype {a.dtype}")
+            if not np.all(np.isfinite(a)):
+                raise GraphError(f"upload {t.name!r}: contains NaN or inf")
+        self.backend.write(t, a)
+        self._uploaded.add(t.id)
+
+    def run(self, phase: str = "step") -> None:
+        """Run ``phase`` and the phases before it."""
+        self._require_realized()
+        if phase not in PHASES:
+            raise GraphError(f"run: phase must be one of {PHASES}, got {phase!r}")
+        nodes = self.schedules[phase]
+        missing = [t.name for t in nodes if t.role == "input" and t.id not in self._uploaded]
+        if missing:
+            raise GraphError(f"run({phase!r}): inputs never uploaded: {missing}")
+        self.backend.run(nodes)
+
+    def download(self, tensor: Tensor | str) -> np.ndarray:
+        """A copy of a pinned tensor's value (outputs, params, state, inputs)."""
+        self._require_realized()
+        t = self.graph.find(tensor) if isinstance(tensor, str) else tensor
+        if t.id not in self.pinned:
+            raise GraphError(f"download: {t.name!r} is an intermediate whose buffer is reused; "
+                             "mark it with graph.output() before realize")
+        return self.backend.read(t)
+
+    def load_param(self, tensor: Tensor, value) -> None:
+        """Overwrite a param or state buffer (adapter init from a file, checkpoint resume)."""
+        self._require_realized()
+        if tensor.role not in ("param", "state"):
+            raise GraphError(f"load_param: {tensor.name!r} is not a param or state")
+        a = np.asarray(value)
+        if a.shape != tensor.shape:
+            raise GraphError(f"load_param {tensor.name!r}: expected shape {tensor.shape}, got {a.shape}")
+        if not np.all(np.isfinite(a)):
+            raise GraphError(f"load_param {tensor.name!r}: contains NaN or inf")
+        self.backend.write(tensor, a)
