@@ -81,9 +81,9 @@ class Schedule:
     """Learning rate by optimizer step t (from 1).
 
     kind "constant": lr (after warmup); "linear": warmup then linear decay to ``floor``;
-    "cosine": warmup then cosine decay to ``floor`` at ``total`` steps. Warmup ramps
-    lr * t / (warmup + 1)... exactly lr * t / warmup for t <= warmup, so step 1 is never a
-    zero-LR no-op.
+    "cosine": warmup then cosine decay to ``floor`` at ``total`` steps. Warmup ramps as
+    lr * t / warmup for t <= warmup, so step 1 already moves the weights (never a zero-LR
+    no-op) and step ``warmup`` reaches the full rate.
     """
 
     lr: float
