@@ -1,0 +1,297 @@
+"""GGML block formats: sizes, byte layouts, and vectorized numpy dequantizers.
+
+A quantized tensor is stored row by row along its contiguous dimension (ggml ``ne0``,
+the *last* numpy dimension); each row is a run of fixed-size blocks. The layout
+constants below are the single description of those blocks that the numpy code here
+and the CUDA kernels share, so a kernel never hard-codes an offset of its own.
+
+Dequantization follows ggml's arithmetic order exactly (e.g. Q4_K is
+``(d*sc)*q - (dmin*m)`` in f32) so that our results are bit-identical to ggml's and to
+``gguf.quants.dequantize``; a CUDA kernel that wants the same bits must keep that order.
+
+>>> import numpy as np
+>>> raw = quantize(np.zeros((2, 32), np.float32), "q8_0")
+>>> dequantize(raw, "q8_0", (2, 32)).shape
+(2, 32)
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from gguf import GGMLQuantizationType as _T
+
+from toygraph.errors import GGUFError
+
+QK_K = 256  # super-block size of the K-quants
+
+# name -> (elements per block, bytes per block)
+BLOCK: dict[str, tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q4_k": (QK_K, 144),
+    "q5_k": (QK_K, 176),
+    "q6_k": (QK_K, 210),
+}
+
+GGML_TYPE: dict[str, _T] = {
+    "f32": _T.F32, "f16": _T.F16, "bf16": _T.BF16,
+    "q8_0": _T.Q8_0, "q4_0": _T.Q4_0, "q4_1": _T.Q4_1,
+    "q4_k": _T.Q4_K, "q5_k": _T.Q5_K, "q6_k": _T.Q6_K,
+}
+_NAME_OF = {v: k for k, v in GGML_TYPE.items()}
+
+# Byte offsets inside one block (all little-endian; d/dmin/m are f16).
+#   q8_0: d | qs int8[32]                      x[i] = qs[i] * d
+#   q4_0: d | qs[16]                           x[i] = (nib(i) - 8) * d,   nib(i): i<16 low
+#                                              nibble of qs[i], else high nibble of qs[i-16]
+#   q4_1: d | m | qs[16]                       x[i] = nib(i) * d + m  (same nibbles as q4_0)
+#   q4_k: d | dmin | scales[12] | qs[128]      8 sub-blocks of 32; sub-block j uses the
+#         32 bytes qs[32*(j//2):][:32], low nibbles for even j, high for odd j;
+#         x = (d*sc[j]) * q - (dmin*m[j]), 6-bit sc/m packed as in unpack_k_scales()
+#   q5_k: d | dmin | scales[12] | qh[32] | qs[128]   as q4_k plus bit 4 of element l of
+#         sub-block j = (qh[l] >> j) & 1
+#   q6_k: ql[128] | qh[64] | scales int8[16] | d   two halves of 128 elements; half h,
+#         l in 0..31: el l    = ql[64h+l] low  | ((qh[32h+l] >> 0) & 3) << 4
+#                     el l+32 = ql[64h+l+32] low | ((qh[32h+l] >> 2) & 3) << 4
+#                     el l+64 = ql[64h+l] high | ((qh[32h+l] >> 4) & 3) << 4
+#                     el l+96 = ql[64h+l+32] high | ((qh[32h+l] >> 6) & 3) << 4
+#         x = (d*scales[e//16]) * (q - 32)
+LAYOUT: dict[str, dict[str, int]] = {
+    "q8_0": {"d": 0, "qs": 2},
+    "q4_0": {"d": 0, "qs": 2},
+    "q4_1": {"d": 0, "m": 2, "qs": 4},
+    "q4_k": {"d": 0, "dmin": 2, "scales": 4, "qs": 16},
+    "q5_k": {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48},
+    "q6_k": {"ql": 0, "qh": 128, "scales": 192, "d": 208},
+}
+
+# Dequantize at most this many blocks at a time, so temporaries stay small even for
+# a 49152 x 576 embedding.
+_CHUNK_BLOCKS = 1 << 16
+
+
+def qtype_name(ggml_type) -> str:
+    """The toygraph name ("q4_k", ...) of a ``gguf.GGMLQuantizationType`` (or its int)."""
+    try:
+        return _NAME_OF[_T(int(ggml_type))]
+    except (KeyError, ValueError):
+        name = getattr(ggml_type, "name", ggml_type)
+        raise GGUFError(f"unsupported tensor type {name} (supported: {', '.join(BLOCK)})") from None
+
+
+def _check(qtype: str, shape) -> tuple[int, int]:
+    if qtype not in BLOCK:
+        raise GGUFError(f"unknown quantization type {qtype!r} (supported: {', '.join(BLOCK)})")
+    shape = tuple(int(s) for s in shape)
+    elems, nbytes_ = BLOCK[qtype]
+    if not shape or shape[-1] % elems:
+        raise GGUFError(f"{qtype}: row length of shape {shape} must be a multiple of {elems}")
+    return elems, nbytes_
+
+
+def nbytes(qtype: str, shape) -> int:
+    """Bytes a tensor of numpy ``shape`` takes in block format ``qtype``."""
+    elems, size = _check(qtype, shape)
+    return math.prod(int(s) for s in shape) // elems * size
+
+
+def _f16(blocks: np.ndarray, off: int) -> np.ndarray:
+    """The f16 field at byte ``off`` of every block, as an (n, 1) f32 column."""
+    return blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return qs & np.uint8(0x0F), qs >> np.uint8(4)
+
+
+def unpack_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack the 12-byte Q4_K/Q5_K scale field into 8 scales and 8 mins (6 bits each).
+
+    Sub-blocks 0..3 use the low 6 bits of bytes 0..3 (scale) and 4..7 (min); sub-blocks
+    4..7 take their low 4 bits from bytes 8..11 and their top 2 bits from the spare top
+    bits of bytes 0..3 (scale) and 4..7 (min).
+    """
+    lo, mid, hi = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _deq_q8_0(b):
+    return b[:, 2:].view(np.int8).astype(np.float32) * _f16(b, 0)
+
+
+def _q4_values(qs):
+    lo, hi = _nibbles(qs)
+    return np.concatenate([lo, hi], axis=1)
+
+
+def _deq_q4_0(b):
+    return _f16(b, 0) * (_q4_values(b[:, 2:]).astype(np.float32) - 8.0)
+
+
+def _deq_q4_1(b):
+    return _f16(b, 0) * _q4_values(b[:, 4:]).astype(np.float32) + _f16(b, 2)
+
+
+def _k_quants(b, qs_off, qh_off=None):
+    """Shared Q4_K/Q5_K body: (d*sc)*q - dmin*m over 8 sub-blocks of 32."""
+    n = b.shape[0]
+    sc, mn = unpack_k_scales(b[:, 4:16])
+    d = (_f16(b, 0) * sc)[:, :, None]
+    dm = (_f16(b, 2) * mn)[:, :, None]
+    lo, hi = _nibbles(b[:, qs_off:qs_off + 128].reshape(n, 4, 1, 32))
+    q = np.concatenate([lo, hi], axis=2).reshape(n, 8, 32)  # sub-block 2c: low, 2c+1: high
+    if qh_off is not None:
+        qh = b[:, qh_off:qh_off + 32].reshape(n, 1, 32)
+        bit = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+        q = q | (bit << np.uint8(4))
+    return (d * q.astype(np.float32) - dm).reshape(n, QK_K)
+
+
+def _deq_q4_k(b):
+    return _k_quants(b, 16)
+
+
+def _deq_q5_k(b):
+    return _k_quants(b, 48, qh_off=16)
+
+
+def _deq_q6_k(b):
+    n = b.shape[0]
+    lo, hi = _nibbles(b[:, 0:128].reshape(n, 2, 1, 64))
+    ql = np.concatenate([lo, hi], axis=2).reshape(n, 2, 4, 32)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = (ql | ((qh & np.uint8(3)) << np.uint8(4))).reshape(n, 16, 16).astype(np.float32)
+    d = (_f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]
+    return (d * (q - 32.0)).reshape(n, QK_K)
+
+
+_DEQUANT = {
+    "q8_0": _deq_q8_0, "q4_0": _deq_q4_0, "q4_1": _deq_q4_1,
+    "q4_k": _deq_q4_k, "q5_k": _deq_q5_k, "q6_k": _deq_q6_k,
+}
+
+
+def _as_bytes(raw: np.ndarray) -> np.ndarray:
+    raw = np.asarray(raw)
+    if not raw.flags.c_contiguous:
+        raw = np.ascontiguousarray(raw)
+    return raw.reshape(-1).view(np.uint8)
+
+
+def dequantize(raw: np.ndarray, qtype: str, shape) -> np.ndarray:
+    """Decode ``raw`` block bytes (uint8, may be a memmap) into a float32 array of ``shape``.
+
+    ``shape`` is in numpy order (last dim = contiguous ggml ne0). For f32/f16/bf16,
+    ``raw`` may also be an already typed array.
+
+    >>> import numpy as np
+    >>> dequantize(np.array([1.5, 2], np.float16), "f16", (2,))
+    array([1.5, 2. ], dtype=float32)
+    """
+    elems, size = _check(qtype, shape)
+    shape = tuple(int(s) for s in shape)
+    data = _as_bytes(raw)
+    want = nbytes(qtype, shape)
+    if data.size != want:
+        raise GGUFError(f"{qtype} tensor of shape {shape} needs {want} bytes, got {data.size}")
+    if qtype == "f32":
+        return data.view(np.float32).reshape(shape).copy()
+    if qtype == "f16":
+        return data.view(np.float16).astype(np.float32).reshape(shape)
+    if qtype == "bf16":
+        # bf16 is the top half of an f32: widen and shift.
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    blocks = data.reshape(-1, size)
+    out = np.empty((blocks.shape[0], elems), np.float32)
+    fn = _DEQUANT[qtype]
+    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+        chunk = np.asarray(blocks[start:start + _CHUNK_BLOCKS])
+        out[start:start + _CHUNK_BLOCKS] = fn(chunk)
+    return out.reshape(shape)
+
+
+# ---- quantization (for writing fixtures; not used on the training path) -----------
+
+def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Inverse of unpack_k_scales: (n, 8) uint8 6-bit scales and mins -> (n, 12) bytes."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    lo = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    mid = (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6)
+    hi = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return np.concatenate([lo, mid, hi], axis=1)
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _quantize_k(x: np.ndarray, bits: int) -> np.ndarray:
+    """A simple (not llama.cpp-optimal) Q4_K/Q5_K quantizer: per-sub-block min/max."""
+    n = x.shape[0]
+    top = (1 << bits) - 1
+    sub = x.reshape(n, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0.0)        # ggml's mins are <= 0 (stored negated)
+    scale = (sub.max(axis=2) - lo) / top
+    d = scale.max(axis=1) / 63
+    dmin = (-lo).max(axis=1) / 63
+    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(0, 63)
+        mn = np.where(dmin16[:, None] > 0, np.rint(-lo / dmin16[:, None]), 0).clip(0, 63)
+        eff_d = (d16[:, None] * sc)[:, :, None]
+        eff_m = (dmin16[:, None] * mn)[:, :, None]
+        q = np.where(eff_d > 0, np.rint((sub + eff_m) / eff_d), 0).clip(0, top).astype(np.uint8)
+    ql = (q & 0x0F).reshape(n, 4, 2, 32)
+    qs = (ql[:, :, 0] | (ql[:, :, 1] << 4)).reshape(n, 128)
+    parts = [_f16_bytes(d16), _f16_bytes(dmin16), _pack_k_scales(sc, mn)]
+    if bits == 5:
+        hbit = (q >> 4).astype(np.uint8)                              # (n, 8, 32)
+        qh = (hbit << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8)
+        parts.append(qh)
+    return np.concatenate(parts + [qs], axis=1)
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    amax_i = np.abs(sub).argmax(axis=2)
+    scale = np.take_along_axis(sub, amax_i[:, :, None], axis=2)[:, :, 0] / -32
+    d = np.abs(scale).max(axis=1) / 127
+    d16 = d.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(-128, 127)
+        eff = (d16[:, None] * sc)[:, :, None]
+        q = (np.where(eff != 0, np.rint(sub / eff), 0).clip(-32, 31) + 32).astype(np.uint8)
+    q = q.reshape(n, 2, 4, 32)            # half, quarter (l, l+32, l+64, l+96), l
+    ql = np.concatenate([q[:, :, 0] & 0x0F | (q[:, :, 2] & 0x0F) << 4,
+                         q[:, :, 1] & 0x0F | (q[:, :, 3] & 0x0F) << 4], axis=2).reshape(n, 128)
+    qh = ((q >> 4) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8)
+    return np.concatenate([ql, qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8),
+                           _f16_bytes(d16)], axis=1)
+
+
+def quantize(arr: np.ndarray, qtype: str) -> np.ndarray:
+    """Encode ``arr`` (last dim a multiple of the block size) as ``qtype`` block bytes.
+
+    Returns a uint8 array of shape ``(*arr.shape[:-1], bytes_per_row)``, the form
+    ``gguf.GGUFWriter.add_tensor(..., raw_dtype=...)`` expects. Types ``gguf.quants``
+    can encode are delegated to it; the K-quants use a simple min/max quantizer here
+    (gguf-py has none), which is valid but not llama.cpp's error-optimal search.
+    """
+    arr = np.asarray(arr, dtype=np.float32)
+    _check(qtype, arr.shape)
+    if qtype in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"):
+        import gguf.quants
+        out = gguf.quants.quantize(arr, GGML_TYPE[qtype])
+        return np.ascontiguousarray(out).view(np.uint8).reshape(*arr.shape[:-1], -1)
+    rows = arr.reshape(-1, QK_K)
+    enc = {"q4_k": lambda x: _quantize_k(x, 4), "q5_k": lambda x: _quantize_k(x, 5),
+           "q6_k": _quantize_q6_k}[qtype](rows)
+    return enc.reshape(*arr.shape[:-1], -1)
