@@ -1,0 +1,169 @@
+"""The recipe object: build the training graph once (realize), then one call per step.
+
+>>> recipe = LoRA(targets=("q", "v"), rank=8, alpha=16)
+>>> recipe.realize(model, model.config, RecipeOptions(t_seq=128, t_batch=4, seed=42))
+>>> loss = recipe.step(token_ids, positions, labels, hp_row(t, lr), is_first=(t == 1))
+
+The caller owns the GGUF handle, the config and the per-step inputs, as in the reference
+recipe over ggml: ``realize`` builds frozen base + trainable weights + loss + backward +
+clip + AdamW and realizes the session; ``step`` resets (first step) or resets grads,
+uploads token ids, positions, labels and the hp row, replays the graph, and downloads
+the loss.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from toygraph import ops
+from toygraph.errors import GraphError
+from toygraph.graph import Graph
+from toygraph.models.llama import LoraConfig, build_llama
+from toygraph.optim import build_training
+from toygraph.session import Session
+
+
+@dataclass(frozen=True)
+class RecipeOptions:
+    """Options every recipe shares. ``untied``/``qkv_bias`` default to the model's own
+    values; set them to assert what the model must have. ``grad_clip`` 0 turns clipping
+    off; ``grad_accum`` micro-batches of ``t_batch`` sequences make one optimizer step."""
+
+    t_seq: int = 128
+    t_batch: int = 4
+    seed: int = 42
+    init_scale: float = 0.01
+    weight_dtype: str = "f32"
+    untied: bool | None = None
+    qkv_bias: bool | None = None
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    backend: str = "cpu"
+
+    def __post_init__(self):
+        for name in ("t_seq", "t_batch", "grad_accum"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise GraphError(f"RecipeOptions.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not (self.init_scale >= 0 and math.isfinite(self.init_scale)):
+            raise GraphError(f"RecipeOptions.init_scale must be >= 0, got {self.init_scale}")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise GraphError(f"RecipeOptions.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if self.weight_dtype not in ("f32", "f64"):
+            raise GraphError(f"RecipeOptions.weight_dtype must be f32 or f64, got {self.weight_dtype!r}")
+        if self.backend not in ("cpu", "cuda"):
+            raise GraphError(f"RecipeOptions.backend must be cpu or cuda, got {self.backend!r}")
+
+    @classmethod
+    def names(cls):
+        return [f.name for f in fields(cls)]
+
+
+class Recipe:
+    """Shared realize/step machinery; subclasses choose which weights train."""
+
+    weight_mode = "frozen"
+
+    def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
+        return None
+
+    def realize(self, gguf, cfg, opts: RecipeOptions) -> None:
+        if opts.untied is not None and opts.untied == cfg.tied_output:
+            raise GraphError(f"options say untied={opts.untied} but the model's output head is "
+                             f"{'tied' if cfg.tied_output else 'untied'}")
+        if opts.qkv_bias is not None and opts.qkv_bias != cfg.qkv_bias:
+            raise GraphError(f"options say qkv_bias={opts.qkv_bias} but the model has "
+                             f"{'a' if cfg.qkv_bias else 'no'} qkv bias")
+        self.opts, self.cfg = opts, cfg
+        g = Graph()
+        B, T = opts.t_batch, opts.t_seq
+        self.net = build_llama(g, cfg, batch=B, seq=T, model=gguf, weights=self.weight_mode,
+                               lora=self.lora_config(opts), seed=opts.seed)
+        self.labels = g.input("labels", (B * T,), "i32")
+        # One cross-entropy serves both: its sum drives the gradients (token-weighted
+        # accumulation) and sum / count is the reported mean loss.
+        self.loss_sum = g.output(ops.cross_entropy(self.net.logits, self.labels, reduction="sum"))
+        self.count = g.output(ops.count_valid(self.labels))
+        self.train = build_training(self.loss_sum, self.net.params, count=self.count,
+                                    max_norm=opts.grad_clip)
+        self.graph = g
+        self.sess = Session(g, backend=opts.backend, dtype=opts.weight_dtype)
+        self.sess.realize()
+        self.step_index = 0
+
+    # --- per step -------------------------------------------------------------------------
+    def _micro_batches(self, token_ids, positions, labels):
+        B, T, k = self.opts.t_batch, self.opts.t_seq, self.opts.grad_accum
+        ids, pos, lab = (np.asarray(a) for a in (token_ids, positions, labels))
+        shape = (k, B, T) if k > 1 else (B, T)
+        for name, a in (("token_ids", ids), ("positions", pos), ("labels", lab)):
+            if a.shape != shape and not (name == "labels" and a.shape == shape[:-2] + (B * T,)):
+                raise GraphError(f"step: {name} must have shape {shape}, got {a.shape}")
+        if k == 1:
+            return [(ids, pos, lab)]
+        return list(zip(ids, pos, lab))
+
+    def _upload(self, ids, pos, lab):
+        s = self.sess
+        s.upload(self.net.tokens, ids)
+        s.upload(self.net.positions, pos)
+        s.upload(self.labels, np.asarray(lab).reshape(-1))
+
+    def step(self, token_ids, positions, labels, hp, is_first: bool) -> float:
+        """One optimizer step; returns the mean loss of the forward pass before the update.
+
+        With ``grad_accum`` = k > 1 the arrays carry a leading micro-batch axis of k, and
+        the loss is the token-weighted mean over all k micro-batches.
+        """
+        s = self.sess
+        if is_first:
+            s.reset()
+        else:
+            s.reset_grads()
+        micro = self._micro_batches(token_ids, positions, labels)
+        s.upload(self.train.hp, hp)
+        total, count = 0.0, 0.0
+        for i, (ids, pos, lab) in enumerate(micro):
+            self._upload(ids, pos, lab)
+            s.run("step" if i == len(micro) - 1 else "backward")
+            total += float(s.download(self.loss_sum))
+            count += float(s.download(self.count))
+        self.step_index += 1
+        return total / count if count else 0.0
+
+    def evaluate(self, token_ids, positions, labels) -> tuple[float, int]:
+        """Forward only: (summed loss, counted tokens) of one batch [t_batch, t_seq]."""
+        self._upload(token_ids, positions, labels)
+        self.sess.run("forward")
+        return float(self.sess.download(self.loss_sum)), int(self.sess.download(self.count))
+
+    def last_grad_norm(self) -> float:
+        return float(self.sess.download(self.train.grad_norm))
+
+    # --- weights and optimizer state --------------------------------------------------------
+    def trainable(self) -> dict[str, np.ndarray]:
+        """Current values of every trainable tensor, by name."""
+        return {p.name: self.sess.download(p) for p in self.net.params}
+
+    def load_trainable(self, values: dict[str, np.ndarray]) -> None:
+        by_name = {p.name: p for p in self.net.params}
+        unknown = sorted(set(values) - set(by_name))
+        if unknown:
+            raise GraphError(f"load_trainable: no trainable tensors named {unknown[:5]}")
+        for name, v in values.items():
+            self.sess.load_param(by_name[name], v)
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        out = {}
+        for p, (m, v) in self.train.moments.items():
+            out[f"adam_m.{p.name}"] = self.sess.download(m)
+            out[f"adam_v.{p.name}"] = self.sess.download(v)
+        return out
+
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        for p, (m, v) in self.train.moments.items():
+            for t in (m, v):
+                if t.name not in state:
+                    raise GraphError(f"optimizer state lacks {t.name!r}")
+                self.sess.load_param(t, state[t.name])

@@ -1,0 +1,31 @@
+"""LoRA: the GGUF base stays frozen (and quantized where it is); only adapters train."""
+from __future__ import annotations
+
+from toygraph.models.llama import TARGETS, LoraConfig
+
+from .base import Recipe, RecipeOptions
+
+
+class LoRA(Recipe):
+    """Low-rank adapters on any of q, k, v, o, gate, up, down.
+
+    >>> LoRA(targets=("q", "v"), rank=8, alpha=16)      # doctest: +ELLIPSIS
+    LoRA(targets=('q', 'v'), rank=8, alpha=16)
+    """
+
+    weight_mode = "frozen"
+
+    def __init__(self, targets=("q", "v"), rank: int = 8, alpha: float = 16):
+        self.targets, self.rank, self.alpha = tuple(targets), int(rank), alpha
+        LoraConfig(targets=self.targets, rank=self.rank, alpha=alpha)  # validate now
+
+    def __repr__(self):
+        return f"LoRA(targets={self.targets}, rank={self.rank}, alpha={self.alpha})"
+
+    def lora_config(self, opts: RecipeOptions) -> LoraConfig:
+        return LoraConfig(targets=self.targets, rank=self.rank, alpha=self.alpha,
+                          seed=opts.seed, init_scale=opts.init_scale)
+
+    @property
+    def all_targets(self):
+        return tuple(TARGETS)
