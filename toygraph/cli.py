@@ -42,7 +42,7 @@ def cmd_eval(args):
         loss, n = lm.loss(lm.tokenizer.encode(args.text, add_bos=None))
     else:
         from .data import encode_dataset, load_examples
-        enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.config.n_ctx - 1)
+        enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
         if not enc.items:
             raise ToygraphError(f"{args.data}: no example has a target token")
         loss, n = lm.loss([e.tokens for e in enc.items], [e.target_mask for e in enc.items])

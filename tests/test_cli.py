@@ -1,0 +1,72 @@
+"""The command line: tokenize, eval, finetune, gate, and clear errors on bad input."""
+import json
+
+import pytest
+
+from toygraph.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tokenize_prints_json_ids(capsys, tiny_llama):
+    code, out, _ = run(capsys, "tokenize", "--model", str(tiny_llama), "--text", "the cat")
+    ids = json.loads(out)
+    assert code == 0 and isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+
+
+def test_eval_tokens_text_and_json(capsys, tiny_llama):
+    code, out, _ = run(capsys, "eval", "--model", str(tiny_llama), "--tokens", "5,9,14,3,7", "--json")
+    res = json.loads(out)
+    assert code == 0 and res["tokens"] == 4
+    assert res["perplexity"] == pytest.approx(2.718281828 ** res["loss"], rel=1e-6)
+    code, out, _ = run(capsys, "eval", "--model", str(tiny_llama), "--text", "the cat sat")
+    assert code == 0 and "perplexity" in out
+
+
+def test_finetune_then_eval_with_adapter(capsys, tiny_llama, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n"
+                            for i in range(8)))
+    out_dir = tmp_path / "run"
+    code, out, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data", str(data),
+                         "--out", str(out_dir), "--steps", "3", "--batch", "2", "--seq-len", "32",
+                         "--rank", "2", "--targets", "q,k,v,o", "--val-split", "0", "--quiet")
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["status"] == "completed"
+    code, out, err = run(capsys, "eval", "--model", str(tiny_llama), "--data", str(data),
+                         "--adapter", str(out_dir), "--json")
+    assert code == 0, err and json.loads(out)["tokens"] > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["finetune", "--model", "nope.gguf", "--data", "x.jsonl", "--out", "o"], "no such file"),
+    (["eval", "--model", "nope.gguf", "--tokens", "1,2"], "no such file"),
+])
+def test_missing_model_is_a_clear_error(capsys, argv, needle):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_finetune_bad_inputs(capsys, tiny_llama, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "response": "b"}\n{"foo": 1}\n')
+    common = ["finetune", "--model", str(tiny_llama), "--out", str(tmp_path / "o"), "--quiet"]
+    code, _, err = run(capsys, *common, "--data", str(bad))
+    assert code == 2 and "bad.jsonl:2" in err
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "hello there"}\n' * 4)
+    code, _, err = run(capsys, *common, "--data", str(good), "--seq-len", "100000")
+    assert code == 2 and "context length" in err
+    code, _, err = run(capsys, *common, "--data", str(good), "--targets", "q,attn")
+    assert code == 2 and "LoRA targets" in err
+
+
+def test_gate_checks_goldens(capsys):
+    code, out, _ = run(capsys, "gate", "lora_qv_tiny_llama")
+    assert code == 0 and out.startswith("PASS lora_qv_tiny_llama")
+    code, _, err = run(capsys, "gate", "no_such_experiment")
+    assert code == 2 and "unknown experiments" in err
