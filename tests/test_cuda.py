@@ -1,0 +1,269 @@
+"""The CUDA backend against the numpy reference, on a GPU (skipped cleanly without one).
+
+Errors are normwise: max|cuda - numpy| / max|numpy| per tensor. f32 elementwise ops must
+agree within 1e-5, reductions and matmuls (whose summation order differs from numpy's
+pairwise sums and BLAS) within 1e-4. Each backend must also be bit-identical run to run.
+"""
+import numpy as np
+import pytest
+
+from toygraph.cuda import driver
+
+if not driver.available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from toygraph import ops, quant  # noqa: E402
+from toygraph.autodiff import accumulate_grads, backward  # noqa: E402
+from toygraph.cuda.backend import CudaBackend  # noqa: E402
+from toygraph.errors import CudaError  # noqa: E402
+from toygraph.graph import Graph, topo_order  # noqa: E402
+from toygraph.memory import plan_buffers  # noqa: E402
+from toygraph.optim import build_training, hp_row  # noqa: E402
+from toygraph.session import Session  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ELEMENTWISE, REDUCTION = 1e-5, 1e-4
+
+
+def rnd(rng, *shape, s=1.0):
+    return (rng.normal(size=shape) * s).astype(np.float32)
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def run_phase(graph, backend, inputs, phase, fetch):
+    s = Session(graph, backend=backend)
+    s.realize()
+    s.reset()
+    for t, v in inputs.items():
+        s.upload(t, v)
+    s.run(phase)
+    return [s.download(t) for t in fetch]
+
+
+def compare_op(build, shapes, tol, inputs_fn=None, seed=0, grad_tol=REDUCTION):
+    """Forward output and the gradients of sum(y * r) for every param, on both backends."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    params = [g.param(f"p{i}", rnd(rng, *s)) for i, s in enumerate(shapes)]
+    extra = inputs_fn(g, rng) if inputs_fn else {}
+    y = g.output(build(*params, *extra.keys()))
+    loss = ops.sum(ops.mul(y, g.const("r", rnd(rng, *y.shape))))
+    grads = accumulate_grads(backward(loss, params))
+    fetch = [y] + list(grads.values())
+    cpu = run_phase(g, "cpu", extra, "backward", fetch)
+    gpu = run_phase(g, "cuda", extra, "backward", fetch)
+    assert rel_err(gpu[0], cpu[0]) <= tol, "forward"
+    for p, a, b in zip(params, gpu[1:], cpu[1:]):
+        assert rel_err(a, b) <= grad_tol, f"gradient of {p.name}"
+    again = run_phase(g, "cuda", extra, "backward", fetch)
+    for a, b in zip(gpu, again):
+        assert np.array_equal(a, b), "not bit-identical run to run"
+
+
+@pytest.mark.parametrize("name,build,shapes,tol", [
+    ("scale", lambda x: ops.scale(x, -1.7), [(3, 4)], ELEMENTWISE),
+    ("silu", ops.silu, [(3, 5)], ELEMENTWISE),
+    ("silu_big", ops.silu, [(70, 300)], ELEMENTWISE),
+    ("rms_norm", lambda x: ops.rms_norm(x, 1e-5), [(2, 3, 8)], REDUCTION),
+    ("rms_norm_wide", lambda x: ops.rms_norm(x, 1e-6), [(5, 600)], REDUCTION),
+    ("softmax", lambda x: ops.softmax(x, scale=0.7), [(2, 5)], REDUCTION),
+    ("softmax_wide", lambda x: ops.softmax(x, scale=0.7), [(3, 700)], REDUCTION),
+    ("softmax_causal", lambda x: ops.softmax(x, scale=0.5, causal=True), [(2, 3, 4, 4)], REDUCTION),
+    ("softmax_causal_long", lambda x: ops.softmax(x, causal=True), [(2, 300, 300)], REDUCTION),
+    ("reshape", lambda x: x.reshape(6, 4), [(2, 3, 4)], ELEMENTWISE),
+    ("permute", lambda x: x.permute(2, 0, 1), [(2, 3, 4)], ELEMENTWISE),
+    ("permute_heads", lambda x: x.permute(0, 2, 1, 3), [(2, 5, 3, 4)], ELEMENTWISE),
+    ("transpose", lambda x: x.T, [(3, 5)], ELEMENTWISE),
+    ("contiguous", ops.contiguous, [(3, 4)], ELEMENTWISE),
+    ("sum_all", lambda x: ops.sum(x), [(3, 4)], REDUCTION),
+    ("sum_all_big", lambda x: ops.sum(x), [(300, 70)], REDUCTION),
+    ("sum_axis", lambda x: ops.sum(x, 1), [(3, 4, 2)], REDUCTION),
+    ("mean_axis", lambda x: ops.mean(x, -1), [(3, 400)], REDUCTION),
+    ("sum_to", lambda x: ops.sum_to(x, (1, 4)), [(3, 4)], REDUCTION),
+    ("sum_to_rows", lambda x: ops.sum_to(x, (50,)), [(300, 50)], REDUCTION),
+    ("sum_to_groups", lambda x: ops.sum_to(x, (2, 2, 3)), [(2, 6, 3)], REDUCTION),
+    ("expand", lambda x: ops.expand(x, (3, 2, 4)), [(2, 1)], ELEMENTWISE),
+    ("expand_groups", lambda x: ops.expand(x, (2, 6, 3)), [(2, 2, 3)], ELEMENTWISE),
+    ("add_bcast", lambda a, b: a + b, [(2, 3, 4), (4,)], ELEMENTWISE),
+    ("sub_bcast", lambda a, b: a - b, [(3, 4), (1, 4)], ELEMENTWISE),
+    ("mul", lambda a, b: a * b, [(3, 4), (3, 4)], ELEMENTWISE),
+    ("mul_bcast", lambda a, b: a * b, [(2, 3, 4), (3, 1)], ELEMENTWISE),
+    ("swiglu", ops.swiglu, [(4, 6), (4, 6)], ELEMENTWISE),
+])
+def test_op_matches_numpy(name, build, shapes, tol):
+    compare_op(build, shapes, tol)
+
+
+@pytest.mark.parametrize("sa,sb,ta,tb", [
+    ((3, 4), (4, 5), False, False), ((3, 4), (5, 4), False, True),
+    ((4, 3), (4, 5), True, False), ((4, 3), (5, 4), True, True),
+    ((2, 3, 4), (4, 5), False, False), ((2, 3, 4), (5, 4), False, True),
+    ((2, 3, 3, 4), (2, 3, 4, 5), False, False),
+    ((2, 6, 3, 4), (2, 2, 3, 4), False, True),            # grouped-query scores
+    ((2, 6, 3, 3), (2, 2, 3, 4), False, False),           # grouped-query weights @ V
+    ((70, 130), (130, 90), False, False), ((130, 70), (90, 130), True, True),
+    ((3, 65, 100), (100, 129), False, False), ((2, 4, 67, 33), (2, 2, 67, 33), False, True),
+])
+def test_matmul_matches_numpy(sa, sb, ta, tb):
+    compare_op(lambda a, b: ops.matmul(a, b, trans_a=ta, trans_b=tb), [sa, sb], REDUCTION)
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("dims", [8, 4])
+def test_rope_matches_numpy(mode, dims):
+    def pos(g, rng):
+        return {g.input("pos", (2, 3), "i32"): np.array([[0, 1, 2], [5, 900, 3]], np.int32)}
+    compare_op(lambda x, p: ops.rope(x, p, dims=dims, base=10000.0, mode=mode),
+               [(2, 3, 2, 8)], ELEMENTWISE, inputs_fn=pos)
+
+
+def test_get_rows_and_its_gradient_with_repeats():
+    def ids(g, rng):
+        return {g.input("ids", (3, 40), "i32"): rng.integers(0, 7, size=(3, 40)).astype(np.int32)}
+    compare_op(lambda t, i: ops.get_rows(t, i), [(7, 300)], ELEMENTWISE, inputs_fn=ids)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("labels", [[1, -1, 5, 0, -1], [-1, -1, -1, -1, -1]])
+def test_cross_entropy_matches_numpy(reduction, labels):
+    def lab(g, rng):
+        return {g.input("lab", (5,), "i32"): np.array(labels, np.int32)}
+    compare_op(lambda lg, lb: ops.cross_entropy(lg, lb, reduction).reshape(1), [(5, 6)],
+               REDUCTION, inputs_fn=lab)
+
+
+def test_cross_entropy_wide_vocabulary_and_count_valid():
+    rng = np.random.default_rng(3)
+    g = Graph()
+    logits = g.param("logits", rnd(rng, 40, 1000, s=3.0))
+    lab = g.input("lab", (40,), "i32")
+    loss = g.output(ops.cross_entropy(logits, lab))
+    n = g.output(ops.count_valid(lab))
+    grads = accumulate_grads(backward(loss, [logits]))
+    labv = rng.integers(-1, 1000, size=40).astype(np.int32)
+    fetch = [loss, n, grads[logits]]
+    cpu = run_phase(g, "cpu", {lab: labv}, "backward", fetch)
+    gpu = run_phase(g, "cuda", {lab: labv}, "backward", fetch)
+    assert rel_err(gpu[0], cpu[0]) <= REDUCTION
+    assert float(gpu[1]) == float(cpu[1]) == np.count_nonzero(labv >= 0)
+    assert rel_err(gpu[2], cpu[2]) <= REDUCTION
+
+
+def _mlp(seed=0, n=24, d=16, h=40, v=30, max_norm=1.0):
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    x, lab = g.input("x", (n, d)), g.input("lab", (n,), "i32")
+    w1, b1 = g.param("w1", rnd(rng, d, h, s=0.3)), g.param("b1", rnd(rng, h, s=0.1))
+    w2, b2 = g.param("w2", rnd(rng, h, v, s=0.3)), g.param("b2", rnd(rng, v, s=0.1))
+    hid = ops.rms_norm(ops.silu(x @ w1 + b1), 1e-5)
+    loss = g.output(ops.cross_entropy(hid @ w2 + b2, lab, reduction="sum"))
+    step = build_training(loss, [w1, b1, w2, b2], count=ops.count_valid(lab), max_norm=max_norm)
+    data = [(rnd(rng, n, d), rng.integers(-1, v, size=n).astype(np.int32)) for _ in range(3)]
+    return g, (x, lab), loss, step, data
+
+
+def _train(backend, steps=3, **kw):
+    g, (x, lab), loss, step, data = _mlp(**kw)
+    s = Session(g, backend=backend)
+    s.realize()
+    losses = []
+    for t in range(1, steps + 1):
+        s.reset() if t == 1 else s.reset_grads()
+        xv, lv = data[(t - 1) % len(data)]
+        s.upload(x, xv)
+        s.upload(lab, lv)
+        s.upload(step.hp, hp_row(t, lr=1e-2, weight_decay=0.01))
+        s.run("step")
+        losses.append(float(s.download(loss)))
+    params = [s.download(p) for p in step.grads]
+    norm = float(s.download(step.grad_norm))
+    return losses, params, norm
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.05])
+def test_mlp_training_step_matches_numpy_and_is_deterministic(max_norm):
+    cpu_losses, cpu_params, cpu_norm = _train("cpu", max_norm=max_norm)
+    gpu_losses, gpu_params, gpu_norm = _train("cuda", max_norm=max_norm)
+    for a, b in zip(gpu_losses, cpu_losses):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    for a, b in zip(gpu_params, cpu_params):
+        assert rel_err(a, b) <= 1e-4
+    assert abs(gpu_norm - cpu_norm) <= 1e-4 * cpu_norm
+    again = _train("cuda", max_norm=max_norm)
+    assert again[0] == gpu_losses and again[2] == gpu_norm
+    assert all(np.array_equal(a, b) for a, b in zip(again[1], gpu_params))
+
+
+def test_graph_replay_equals_eager_launches(monkeypatch):
+    replayed = _train("cuda")
+    monkeypatch.setenv("TOYGRAPH_CUDA_GRAPHS", "0")
+    eager = _train("cuda")
+    assert eager[0] == replayed[0]
+    assert all(np.array_equal(a, b) for a, b in zip(eager[1], replayed[1]))
+
+
+@pytest.mark.parametrize("qtype", sorted(set(quant.BLOCK) - {"f32"}))
+def test_quantized_const_dequantizes_like_numpy(qtype):
+    rng = np.random.default_rng(4)
+    shape = (3, 512)
+    raw = quant.quantize(rnd(rng, *shape), qtype)
+    g = Graph()
+    w = g.const("w", raw, shape=shape, storage=qtype)
+    y = g.output(ops.contiguous(w))
+    s = Session(g, backend="cuda")
+    s.realize()
+    s.run("forward")
+    np.testing.assert_array_equal(s.download(y), quant.dequantize(raw, qtype, shape))
+
+
+def test_quantized_weight_in_a_matmul():
+    rng = np.random.default_rng(5)
+    raw = quant.quantize(rnd(rng, 64, 256), "q4_k")
+    g = Graph()
+    x = g.input("x", (5, 256))
+    y = g.output(ops.matmul(x, g.const("w", raw, shape=(64, 256), storage="q4_k"), trans_b=True))
+    xv = rnd(rng, 5, 256)
+    cpu = run_phase(g, "cpu", {x: xv}, "forward", [y])[0]
+    gpu = run_phase(g, "cuda", {x: xv}, "forward", [y])[0]
+    assert rel_err(gpu, cpu) <= REDUCTION
+
+
+def _realize_parts():
+    g = Graph()
+    x = g.input("x", (4, 8))
+    y = g.output(ops.silu(ops.scale(x, 2.0)))
+    sched = topo_order([y])
+    pinned = {t.id for t in sched if t.role is not None} | {y.id}
+    return g, sched, pinned, plan_buffers(sched, pinned, 4)
+
+
+def test_realize_beyond_free_memory_is_a_cuda_error():
+    g, sched, pinned, plan = _realize_parts()
+    plan.arena_bytes = 1 << 60
+    with pytest.raises(CudaError, match="bytes"):
+        CudaBackend().realize(g, sched, plan, pinned)
+
+
+def test_realize_with_a_plan_outside_the_arena_is_a_cuda_error():
+    g, sched, pinned, plan = _realize_parts()
+    tid = next(iter(plan.offsets))
+    plan.offsets[tid] = plan.arena_bytes
+    with pytest.raises(CudaError, match="outside the arena"):
+        CudaBackend().realize(g, sched, plan, pinned)
+
+
+def test_f64_is_refused():
+    with pytest.raises(CudaError, match="f32"):
+        Session(Graph(), backend="cuda", dtype="f64")
+
+
+def test_bad_quantized_size_is_a_cuda_error():
+    g = Graph()
+    w = g.const("w", np.zeros(10, np.uint8), shape=(2, 32), storage="q8_0")
+    g.output(ops.contiguous(w))
+    with pytest.raises(CudaError, match="bytes"):
+        Session(g, backend="cuda").realize()

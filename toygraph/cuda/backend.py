@@ -1,0 +1,257 @@
+"""The CUDA backend: NVRTC-compiled kernels, one arena from the shared buffer plan, and
+each phase's launch sequence captured once as a CUDA graph and replayed.
+
+Same interface as cpu/backend.py's CpuBackend; a Session picks it with ``backend="cuda"``.
+Uploads are async copies into fixed device buffers (inputs go through page-locked staging
+buffers); ``read`` is the only host<->device synchronisation.
+
+>>> sess = Session(graph, backend="cuda")          # doctest: +SKIP
+>>> sess.realize(); sess.reset(); sess.upload(x, data); sess.run("step")   # doctest: +SKIP
+
+Set ``TOYGRAPH_CUDA_GRAPHS=0`` to launch kernels one by one instead of replaying graphs
+(useful when debugging a kernel with compute-sanitizer).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..errors import CudaError
+from ..memory import BufferPlan
+from ..ops import SIDE_EFFECTS
+from . import driver
+from .kernels import DEQUANT_KERNELS, OP_KERNELS, module_source
+from .lowering import MAX_ELEMENTS, THREADS, Launch, i32, lower, p, scratch_bytes
+
+_FLOAT_STORAGE = ("f32", "f64")
+
+
+def _raw_bytes(data) -> np.ndarray:
+    a = np.ascontiguousarray(np.asarray(data))
+    return a.reshape(-1).view(np.uint8)
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, dtype: str = "f32", device: int = 0):
+        if dtype != "f32":
+            raise CudaError(f"the cuda backend computes in f32 only, got dtype {dtype!r} "
+                            "(use backend='cpu' for f64 gradient checks)")
+        self.itemsize = 4
+        self.ctx = driver.Context(device)
+        self.use_graphs = os.environ.get("TOYGRAPH_CUDA_GRAPHS", "1") != "0"
+        self.ptrs: dict[int, int] = {}          # tensor id -> device address
+        self._owned: list[int] = []             # device allocations to free
+        self._staging: dict[int, tuple] = {}    # input id -> (host ptr, view, event)
+        self._keep: list[np.ndarray] = []       # host arrays an async copy still reads
+        self._launches: dict[int, list] = {}    # node id -> prepared launches
+        self._graphs: dict[tuple, object] = {}  # phase key -> driver.Graph or None (eager)
+        self._phase_refs: list = []
+        self.module = None
+
+    # --- realize ------------------------------------------------------------------------------
+    def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):
+        """Compile, allocate the arena and pinned buffers, upload consts and params."""
+        self.ctx.make_current()
+        missing = sorted({t.op for t in schedule if t.op is not None and t.op not in OP_KERNELS})
+        if missing:
+            raise CudaError(f"the cuda backend has no kernel for ops {missing}")
+        for t in schedule:
+            if t.size > MAX_ELEMENTS:
+                raise CudaError(f"tensor {t.name!r} has {t.size} elements; the CUDA kernels "
+                                f"index with int32 (at most {MAX_ELEMENTS})")
+        own = [t for t in schedule if t.id in pinned and t.op not in SIDE_EFFECTS]
+        for t in schedule:
+            if t.id in plan.offsets:
+                end = plan.offsets[t.id] + t.size * self.itemsize
+                if plan.offsets[t.id] < 0 or end > plan.arena_bytes:
+                    raise CudaError(f"buffer plan places {t.name!r} at bytes "
+                                    f"[{plan.offsets[t.id]}, {end}) outside the arena of "
+                                    f"{plan.arena_bytes} bytes")
+            elif t.op is not None and t.op not in SIDE_EFFECTS and t.id not in pinned:
+                raise CudaError(f"buffer plan has no place for {t.name!r}")
+        scratch = {t.id: scratch_bytes(t) for t in schedule if t.op is not None}
+        raw_peak = max([self._quant_bytes(t) for t in own if t.role == "const"] + [0])
+        needed = (plan.arena_bytes + sum(4 * max(t.size, 1) for t in own)
+                  + sum(scratch.values()) + raw_peak)
+        free, total = self.ctx.mem_info()
+        if needed > free:
+            raise CudaError(f"realize needs {needed} bytes of device memory ({plan.summary()}) "
+                            f"but only {free} of {total} bytes are free")
+        try:
+            arena = self._alloc(plan.arena_bytes) if plan.arena_bytes else 0
+            for tid, off in plan.offsets.items():
+                self.ptrs[tid] = arena + off
+            for t in own:
+                self.ptrs[t.id] = self._alloc(4 * max(t.size, 1))
+            scratch_ptr = {tid: self._alloc(n) for tid, n in scratch.items() if n}
+        except CudaError as e:
+            if "OUT_OF_MEMORY" not in str(e):
+                raise
+            free, _ = self.ctx.mem_info()
+            raise CudaError(f"out of device memory at realize: planned {needed} bytes "
+                            f"({plan.summary()}), {free} bytes free ({e})") from None
+        from .nvrtc import compile_cubin
+        self.module = driver.Module(compile_cubin(module_source(), arch=self.ctx.arch))
+        for t in own:
+            self._bind(t)
+        for t in schedule:
+            if t.op is not None:
+                launches = lower(t, self._ptr, scratch_ptr.get(t.id, 0))
+                self._launches[t.id] = [self._prepare(l) for l in launches]
+        self.ctx.sync()
+        self._keep.clear()
+        self.schedule = schedule
+
+    def _alloc(self, nbytes: int) -> int:
+        d = self.ctx.alloc(nbytes)
+        self._owned.append(d)
+        return d
+
+    def _ptr(self, t) -> int:
+        try:
+            return self.ptrs[t.id]
+        except KeyError:
+            raise CudaError(f"tensor {t.name!r} has no device buffer") from None
+
+    @staticmethod
+    def _quant_bytes(t) -> int:
+        if t.storage in _FLOAT_STORAGE or t.data is None:
+            return 0
+        return int(np.asarray(t.data).nbytes)
+
+    def _prepare(self, launch: Launch):
+        fn = self.module.function(launch.kernel)
+        params = np.array([a.ctypes.data for a in launch.args], np.uint64)
+        return fn, launch.grid, launch.block, launch.shmem, params, launch.args
+
+    def _bind(self, t):
+        """Fill a pinned buffer: consts and params get their values, the rest zeros."""
+        dptr = self.ptrs[t.id]
+        if t.role == "const":
+            if t.storage in _FLOAT_STORAGE:
+                from ..cpu.backend import const_array
+                self._upload(dptr, const_array(t, np.float32))
+            else:
+                self._dequantize(t, dptr)
+        elif t.role == "param":
+            self._upload(dptr, np.asarray(t.data, np.float32).reshape(t.shape))
+        else:
+            self.ctx.memset(dptr, 0, 4 * max(t.size, 1))
+        if t.role == "input":
+            hptr, view = self.ctx.alloc_host(4 * max(t.size, 1))
+            self._staging[t.id] = (hptr, view, self.ctx.event(), False)
+
+    def _dequantize(self, t, dptr: int):
+        """Upload a const in its stored block format and decode it on the GPU into f32."""
+        kernel = DEQUANT_KERNELS.get(t.storage)
+        if kernel is None:
+            raise CudaError(f"const {t.name!r}: no CUDA dequantizer for storage {t.storage!r} "
+                            f"(supported: f32, {', '.join(DEQUANT_KERNELS)})")
+        from .. import quant
+        raw = _raw_bytes(t.data)
+        want = quant.nbytes(t.storage, t.shape)
+        if raw.size != want:
+            raise CudaError(f"const {t.name!r}: {t.storage} data of shape {t.shape} needs "
+                            f"{want} bytes, got {raw.size}")
+        tmp = self.ctx.alloc(raw.size)
+        try:
+            self.ctx.htod(tmp, raw)
+            launch = Launch(kernel, (max(1, min((t.size + THREADS - 1) // THREADS, 1 << 20)), 1, 1),
+                            [p(dptr), p(tmp), i32(t.size)])
+            fn, grid, block, shmem, params, _keep = self._prepare(launch)
+            self.ctx.launch(fn, grid, block, shmem, params)
+            self.ctx.sync()  # the raw bytes may go: one quantized tensor on the GPU at a time
+        finally:
+            self.ctx.free(tmp)
+
+    def _upload(self, dptr: int, value: np.ndarray):
+        arr = np.ascontiguousarray(value)
+        self._keep.append(arr)
+        self.ctx.htod(dptr, arr)
+
+    # --- run ----------------------------------------------------------------------------------
+    def run(self, nodes):
+        """Launch every node of ``nodes`` on the stream; no host synchronisation."""
+        self.ctx.make_current()
+        key = (id(nodes), len(nodes))
+        if not self.use_graphs:
+            self._launch_all(nodes)
+            return
+        if key not in self._graphs:
+            self._phase_refs.append(nodes)  # keep the list alive so its id is never reused
+            try:
+                self._graphs[key] = self.ctx.capture(lambda: self._launch_all(nodes))
+            except CudaError:
+                self._graphs[key] = None  # this driver cannot capture it: launch eagerly
+        g = self._graphs[key]
+        if g is None:
+            self._launch_all(nodes)
+        else:
+            g.launch()
+
+    def _launch_all(self, nodes):
+        launch = self.ctx.launch
+        for t in nodes:
+            for fn, grid, block, shmem, params, _args in self._launches.get(t.id, ()):
+                launch(fn, grid, block, shmem, params)
+
+    # --- data in and out --------------------------------------------------------------------
+    def write(self, t, value: np.ndarray):
+        """Async upload into ``t``'s buffer (inputs via their page-locked staging copy)."""
+        self.ctx.make_current()
+        dt = np.int32 if t.dtype == "i32" else np.float32
+        staged = self._staging.get(t.id)
+        if staged is None:
+            arr = np.empty(t.shape, dt)
+            np.copyto(arr, value, casting="unsafe")
+            self._upload(self.ptrs[t.id], arr)
+            return
+        hptr, view, event, recorded = staged
+        if recorded:
+            self.ctx.wait_event(event)  # the previous copy out of this staging buffer is done
+        host = view[:4 * max(t.size, 1)].view(dt)[:t.size].reshape(t.shape)
+        np.copyto(host, value, casting="unsafe")
+        self.ctx.htod(self.ptrs[t.id], host)
+        self.ctx.record(event)
+        self._staging[t.id] = (hptr, view, event, True)
+
+    def read(self, t) -> np.ndarray:
+        """A copy of ``t``'s buffer; waits for everything queued before it."""
+        self.ctx.make_current()
+        out = np.empty(t.shape, np.int32 if t.dtype == "i32" else np.float32)
+        self.ctx.dtoh(out, self._ptr(t), out.nbytes)
+        self.ctx.sync()
+        self._keep.clear()
+        return out
+
+    def zero(self, t):
+        self.ctx.memset(self._ptr(t), 0, 4 * max(t.size, 1))
+
+    # --- teardown -----------------------------------------------------------------------------
+    def close(self):
+        """Free device and page-locked memory now (otherwise at garbage collection)."""
+        try:
+            self.ctx.sync()
+        except CudaError:
+            pass
+        for g in self._graphs.values():
+            if g is not None:
+                g.destroy()
+        self._graphs.clear()
+        for hptr, *_ in self._staging.values():
+            self.ctx.free_host(hptr)
+        self._staging.clear()
+        for d in self._owned:
+            self.ctx.free(d)
+        self._owned.clear()
+        self.ptrs.clear()
+
+    def __del__(self):
+        try:
+            if getattr(self, "ctx", None) is not None:
+                self.close()
+        except Exception:
+            pass

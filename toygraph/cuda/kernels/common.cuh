@@ -1,0 +1,95 @@
+// Shared definitions for every toygraph kernel. Plain CUDA C++: no toolkit headers, so
+// NVRTC needs nothing but its own wheel. f32 compute throughout; sizes are int (the
+// backend refuses tensors of 2^31 elements or more at realize).
+//
+// Reductions are tree reductions in shared memory over a power-of-two block, in a fixed
+// order, so every result is bit-identical run to run (no float atomics anywhere).
+
+#define TG_MAXD 8
+#define TG_THREADS 256
+
+// A strided walk over an index space of `nd` dims: element i (row-major over dims)
+// reads operand 0 at offset sum(idx[d] * sa[d]) and operand 1 at sum(idx[d] * sb[d]).
+// Broadcast dims have stride 0; the host splits grouped dims into (groups, group).
+struct Strided {
+    int nd;
+    int dims[TG_MAXD];
+    int sa[TG_MAXD];
+    int sb[TG_MAXD];
+};
+
+__device__ __forceinline__ void tg_offsets(const Strided& s, int i, int& oa, int& ob) {
+    oa = 0;
+    ob = 0;
+    for (int d = s.nd - 1; d >= 0; --d) {
+        int q = i % s.dims[d];
+        i /= s.dims[d];
+        oa += q * s.sa[d];
+        ob += q * s.sb[d];
+    }
+}
+
+__device__ __forceinline__ int tg_offset_a(const Strided& s, int i) {
+    int oa = 0;
+    for (int d = s.nd - 1; d >= 0; --d) {
+        int q = i % s.dims[d];
+        i /= s.dims[d];
+        oa += q * s.sa[d];
+    }
+    return oa;
+}
+
+// Block-wide sum/max of one value per thread; every thread gets the result. `sh` has
+// blockDim.x entries; blockDim.x is a power of two.
+template <typename T>
+__device__ __forceinline__ T tg_block_sum(T v, T* sh) {
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
+        if (t < s) sh[t] = sh[t] + sh[t + s];
+        __syncthreads();
+    }
+    T r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ float tg_block_max(float v, float* sh) {
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
+        if (t < s) sh[t] = fmaxf(sh[t], sh[t + s]);
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// IEEE half -> float without cuda_fp16.h: the PTX conversion is exact.
+__device__ __forceinline__ float tg_half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float tg_bf16_to_float(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+// Little-endian f16 at an arbitrary (possibly odd) byte address.
+__device__ __forceinline__ float tg_load_half(const unsigned char* p) {
+    return tg_half_to_float((unsigned short)(p[0] | (p[1] << 8)));
+}
+
+// numpy's sigmoid: exp of a non-positive argument only.
+__device__ __forceinline__ float tg_sigmoid(float x) {
+    float e = expf(-fabsf(x));
+    float d = __fadd_rn(1.0f, e);
+    return x >= 0.0f ? __fdiv_rn(1.0f, d) : __fdiv_rn(e, d);
+}
+
+#define TG_GRID_LOOP(i, n) \
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += gridDim.x * blockDim.x)

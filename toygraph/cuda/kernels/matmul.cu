@@ -1,0 +1,67 @@
+// Batched matmul, 64x64 output tiles, 16-deep k slices in shared memory, 256 threads
+// each computing 4x4 outputs. A(m, k) = a[m*sam + k*sak] and B(k, n) = b[k*sbk + n*sbn],
+// so transposed operands are just other strides. Batch z's operand offsets come from
+// `batch` (output batch dims; a's strides in sa, b's in sb; 0 for broadcast dims; the
+// host splits a grouped-query dim into (kv_heads, group) with b's group stride 0).
+// Each output is one thread's sequential sum over k: deterministic.
+
+#define MM_BM 64
+#define MM_BN 64
+#define MM_BK 16
+
+extern "C" __global__ void __launch_bounds__(256)
+tg_matmul(float* out, const float* a, const float* b, int M, int N, int K, int sam, int sak,
+          int sbk, int sbn, int nbatch, Strided batch) {
+    __shared__ float As[MM_BK][MM_BM + 1];
+    __shared__ float Bs[MM_BK][MM_BN + 1];
+    int t = threadIdx.x, tx = t % 16, ty = t / 16;
+    int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
+    for (int z = blockIdx.z; z < nbatch; z += gridDim.z) {
+        int oa, ob;
+        tg_offsets(batch, z, oa, ob);
+        const float* A = a + oa;
+        const float* B = b + ob;
+        float acc[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += MM_BK) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int idx = t + 256 * r;
+                int ak = idx % MM_BK, am = idx / MM_BK;        // A tile: k fastest
+                int gm = m0 + am, gk = k0 + ak;
+                As[ak][am] = (gm < M && gk < K) ? A[gm * sam + gk * sak] : 0.0f;
+                int bn = idx % MM_BN, bk = idx / MM_BN;        // B tile: n fastest
+                int gn = n0 + bn, gk2 = k0 + bk;
+                Bs[bk][bn] = (gn < N && gk2 < K) ? B[gk2 * sbk + gn * sbn] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int kk = 0; kk < MM_BK; ++kk) {
+                float ar[4], br[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) ar[i] = As[kk][ty + 16 * i];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) br[j] = Bs[kk][tx + 16 * j];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
+            }
+            __syncthreads();
+        }
+        float* C = out + (long long)z * M * N;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int gm = m0 + ty + 16 * i;
+            if (gm >= M) continue;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int gn = n0 + tx + 16 * j;
+                if (gn < N) C[(long long)gm * N + gn] = acc[i][j];
+            }
+        }
+    }
+}

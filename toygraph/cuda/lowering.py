@@ -1,0 +1,310 @@
+"""Lowering: one graph node -> the kernel launches that compute it.
+
+Everything shape-dependent is worked out here on the host, once, at realize: strides for
+broadcasting, permutes, grouped-query sharing and reductions are packed into the
+``Strided`` struct of kernels/common.cuh, and every scalar is a fixed-width numpy value
+(np.int32 / np.float32 / np.float64, pointers np.uint64), never a Python int or float.
+
+>>> launches = lower(node, ptr_of, scratch_ptr)     # doctest: +SKIP
+>>> [l.kernel for l in launches]                    # doctest: +SKIP
+['tg_ce_rows', 'tg_ce_reduce']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+import numpy as np
+
+from ..errors import CudaError
+
+MAXD = 8          # TG_MAXD in common.cuh
+THREADS = 256     # TG_THREADS in common.cuh
+MAX_GRID = 1 << 20  # grid-stride loops cover the rest
+MAX_GRID_YZ = 65535
+SUMSQ_BLOCKS = 1024  # at most this many partial sums per gradient in global_norm
+INT32_MAX = 2 ** 31 - 1
+# Grid-stride loops index with int: i + gridDim*blockDim must not overflow past the end.
+MAX_ELEMENTS = INT32_MAX - MAX_GRID * THREADS
+
+
+@dataclass
+class Launch:
+    kernel: str
+    grid: tuple[int, int, int]
+    args: list = field(default_factory=list)   # numpy arrays, one per kernel parameter
+    block: tuple[int, int, int] = (THREADS, 1, 1)
+    shmem: int = 0
+
+
+# --- argument packing ----------------------------------------------------------------------
+def p(addr: int) -> np.ndarray:
+    return np.array([addr], np.uint64)
+
+
+def i32(v: int) -> np.ndarray:
+    v = int(v)
+    if not -2 ** 31 <= v <= INT32_MAX:
+        raise CudaError(f"kernel argument {v} does not fit in int32")
+    return np.array([v], np.int32)
+
+
+def f32(v: float) -> np.ndarray:
+    return np.array([v], np.float32)
+
+
+def f64(v: float) -> np.ndarray:
+    return np.array([v], np.float64)
+
+
+def contiguous_strides(shape) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= int(s)
+    return out[::-1]
+
+
+def collapse(dims, *strides):
+    """Drop size-1 dims and merge neighbours that walk memory as one dim in every operand."""
+    keep = [i for i, d in enumerate(dims) if d != 1]
+    dims = [int(dims[i]) for i in keep]
+    strides = [[int(s[i]) for i in keep] for s in strides]
+    i = len(dims) - 2
+    while i >= 0:
+        if all(s[i] == s[i + 1] * dims[i + 1] for s in strides):
+            dims[i] *= dims[i + 1]
+            for s in strides:
+                s[i] = s[i + 1]
+                del s[i + 1]
+            del dims[i + 1]
+        i -= 1
+    return dims, strides
+
+
+def strided(dims, sa, sb=None) -> np.ndarray:
+    """Pack a ``Strided`` struct (int nd; int dims[8], sa[8], sb[8]) as 25 int32s."""
+    sb = [0] * len(dims) if sb is None else sb
+    dims, (sa, sb) = collapse(dims, sa, sb)
+    if len(dims) > MAXD:
+        raise CudaError(f"a strided walk over {len(dims)} dims exceeds the kernels' {MAXD}")
+    buf = np.zeros(1 + 3 * MAXD, np.int32)
+    buf[0] = len(dims)
+    for k, vals in enumerate((dims, sa, sb)):
+        buf[1 + k * MAXD:1 + k * MAXD + len(vals)] = vals
+    return buf
+
+
+def _blocks(n: int) -> tuple[int, int, int]:
+    return (max(1, min((int(n) + THREADS - 1) // THREADS, MAX_GRID)), 1, 1)
+
+
+def _rows_grid(rows: int) -> tuple[int, int, int]:
+    return (max(1, min(int(rows), MAX_GRID)), 1, 1)
+
+
+def _pad(shape, n):
+    return (1,) * (n - len(shape)) + tuple(shape)
+
+
+# --- shape walks -----------------------------------------------------------------------------
+def broadcast_strides(src_shape, out_shape) -> list[int]:
+    src = _pad(src_shape, len(out_shape))
+    cs = contiguous_strides(src)
+    return [0 if s == 1 and o != 1 else c for s, o, c in zip(src, out_shape, cs)]
+
+
+def expand_walk(src_shape, out_shape):
+    """(dims, src strides) that walk ``out_shape`` reading the broadcast/repeated source."""
+    src = _pad(src_shape, len(out_shape))
+    cs = contiguous_strides(src)
+    dims, sa = [], []
+    for s, o, c in zip(src, out_shape, cs):
+        if s == o:
+            dims.append(o), sa.append(c)
+        elif s == 1:
+            dims.append(o), sa.append(0)
+        else:  # grouped: np.repeat of each entry o // s times
+            dims += [s, o // s]
+            sa += [c, 0]
+    return dims, sa
+
+
+def sum_to_walk(x_shape, target):
+    """(kept dims, kept strides, reduced dims, reduced strides) reducing x to ``target``."""
+    small = _pad(target, len(x_shape))
+    cs = contiguous_strides(x_shape)
+    kd, ks, rd, rs = [], [], [], []
+    for xd, sd, c in zip(x_shape, small, cs):
+        if xd == sd:
+            kd.append(xd), ks.append(c)
+        elif sd == 1:
+            rd.append(xd), rs.append(c)
+        else:  # grouped: x's entry i belongs to target entry i // g
+            g = xd // sd
+            kd.append(sd), ks.append(c * g)
+            rd.append(g), rs.append(c)
+    return kd, ks, rd, rs
+
+
+def matmul_batch(a_shape, b_shape, out_batch):
+    """(dims, a strides, b strides) over the output batch axes; grouped axes are split into
+    (kv heads, group) with b's group stride 0, like the numpy kernel's reshape."""
+    n = len(out_batch)
+    ab, bb = _pad(a_shape[:-2], n), _pad(b_shape[:-2], n)
+    a_cs = contiguous_strides(_pad(a_shape, n + 2))[:n]
+    b_cs = contiguous_strides(_pad(b_shape, n + 2))[:n]
+    dims, sa, sb = [], [], []
+    for o, x, y, ca, cb in zip(out_batch, ab, bb, a_cs, b_cs):
+        xa = ca if x == o else 0
+        if y == o or y == 1:
+            dims.append(o), sa.append(xa), sb.append(cb if y == o else 0)
+        else:
+            g = o // y
+            dims += [y, g]
+            sa += [xa * g, xa]
+            sb += [cb, 0]
+    return dims, sa, sb
+
+
+# --- per-op lowering -------------------------------------------------------------------------
+def scratch_bytes(node) -> int:
+    """Device scratch a node needs besides its output (filled by its own launches)."""
+    if node.op == "cross_entropy":
+        return 4 * node.srcs[0].shape[0]
+    if node.op == "global_norm":
+        return 8 * sum(_sumsq_blocks(g.size) for g in node.srcs[:-1])
+    return 0
+
+
+def _sumsq_blocks(n: int) -> int:
+    return max(1, min((n + THREADS - 1) // THREADS, SUMSQ_BLOCKS))
+
+
+def _reduce(out_ptr, x_ptr, kd, ks, rd, rs) -> Launch:
+    n_out, n_red = prod(kd), prod(rd)
+    args = [p(out_ptr), p(x_ptr), i32(n_out), strided(kd, ks), strided(rd, rs), i32(n_red)]
+    if n_red <= 64 and n_out > 1:
+        return Launch("tg_reduce_thread", _blocks(n_out), args)
+    return Launch("tg_reduce_block", _rows_grid(n_out), args)
+
+
+def lower(node, ptr, scratch: int = 0) -> list[Launch]:
+    """The launches computing ``node``; ``ptr(t)`` is the device address of tensor t."""
+    op, s, a = node.op, node.srcs, node.attrs
+    out = ptr(node) if op not in ("accumulate", "adamw") else 0
+    n = node.size
+    if op in ("add", "sub", "mul"):
+        code = {"add": 0, "sub": 1, "mul": 2}[op]
+        sa = broadcast_strides(s[0].shape, node.shape)
+        sb = broadcast_strides(s[1].shape, node.shape)
+        return [Launch("tg_binary", _blocks(n), [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n),
+                                                   strided(node.shape, sa, sb), i32(code)])]
+    if op == "scale":
+        return [Launch("tg_scale", _blocks(n), [p(out), p(ptr(s[0])), i32(n), f32(a["s"])])]
+    if op == "silu":
+        return [Launch("tg_silu", _blocks(n), [p(out), p(ptr(s[0])), i32(n)])]
+    if op == "silu_back":
+        return [Launch("tg_silu_back", _blocks(n), [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n)])]
+    if op in ("reshape", "contiguous"):
+        return [Launch("tg_copy", _blocks(n), [p(out), p(ptr(s[0])), i32(n)])]
+    if op == "permute":
+        cs = contiguous_strides(s[0].shape)
+        sa = [cs[ax] for ax in a["axes"]]
+        return [Launch("tg_gather", _blocks(n), [p(out), p(ptr(s[0])), i32(n),
+                                                   strided(node.shape, sa)])]
+    if op == "expand":
+        dims, sa = expand_walk(s[0].shape, node.shape)
+        return [Launch("tg_gather", _blocks(n), [p(out), p(ptr(s[0])), i32(n), strided(dims, sa)])]
+    if op == "sum_to":
+        return [_reduce(out, ptr(s[0]), *sum_to_walk(s[0].shape, node.shape))]
+    if op == "sum":
+        shape, ax = s[0].shape, a["axis"]
+        cs = contiguous_strides(shape)
+        if ax is None:
+            return [_reduce(out, ptr(s[0]), [], [], list(shape), cs)]
+        kd = [d for i, d in enumerate(shape) if i != ax]
+        ks = [c for i, c in enumerate(cs) if i != ax]
+        return [_reduce(out, ptr(s[0]), kd, ks, [shape[ax]], [cs[ax]])]
+    if op in ("rms_norm", "rms_norm_back"):
+        D = node.shape[-1] if node.shape else 1
+        rows = n // D
+        srcs = [p(ptr(t)) for t in s]
+        return [Launch("tg_" + op, _rows_grid(rows),
+                       [p(out), *srcs, i32(rows), i32(D), f32(a["eps"])])]
+    if op == "rope":
+        B, S, H, D = s[0].shape
+        return [Launch("tg_rope", _blocks(n), [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n), i32(H),
+                                                 i32(D), i32(a["dims"]), f64(a["base"]),
+                                                 i32(a["mode"] == "neox"), i32(a["inverse"])])]
+    if op == "softmax":
+        T = node.shape[-1] if node.shape else 1
+        rows = n // T
+        return [Launch("tg_softmax", _rows_grid(rows), [p(out), p(ptr(s[0])), i32(rows), i32(T),
+                                                        f32(a["scale"]), i32(a["causal"])])]
+    if op == "softmax_back":
+        T = node.shape[-1] if node.shape else 1
+        rows = n // T
+        return [Launch("tg_softmax_back", _rows_grid(rows),
+                       [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(rows), i32(T), f32(a["scale"])])]
+    if op == "matmul":
+        return [_matmul(node, out, ptr)]
+    if op == "get_rows":
+        D = s[0].shape[1]
+        return [Launch("tg_get_rows", _blocks(n), [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n),
+                                                     i32(D)])]
+    if op == "get_rows_back":
+        N, D = s[1].size, node.shape[1]
+        return [Launch("tg_fill", _blocks(n), [p(out), i32(n), f32(0.0)]),
+                Launch("tg_get_rows_back", _rows_grid(N),
+                       [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(N), i32(D)])]
+    if op == "cross_entropy":
+        N, V = s[0].shape
+        mean = i32(a["reduction"] == "mean")
+        return [Launch("tg_ce_rows", _rows_grid(N), [p(scratch), p(ptr(s[0])), p(ptr(s[1])),
+                                                     i32(N), i32(V)]),
+                Launch("tg_ce_reduce", (1, 1, 1), [p(out), p(scratch), p(ptr(s[1])), i32(N), mean])]
+    if op == "cross_entropy_back":
+        N, V = s[0].shape
+        return [Launch("tg_ce_back", _rows_grid(N),
+                       [p(out), p(ptr(s[0])), p(ptr(s[1])), p(ptr(s[2])), i32(N), i32(V),
+                        i32(a["reduction"] == "mean")])]
+    if op == "count_valid":
+        return [Launch("tg_count_valid", (1, 1, 1), [p(out), p(ptr(s[0])), i32(s[0].size)])]
+    if op == "accumulate":
+        return [Launch("tg_accumulate", _blocks(s[0].size),
+                       [p(ptr(s[0])), p(ptr(s[1])), i32(s[0].size)])]
+    if op == "global_norm":
+        launches, offset = [], 0
+        for g in s[:-1]:
+            nb = _sumsq_blocks(g.size)
+            launches.append(Launch("tg_sumsq_partial", (nb, 1, 1),
+                                   [p(scratch + 8 * offset), p(ptr(g)), i32(g.size)]))
+            offset += nb
+        launches.append(Launch("tg_global_norm", (1, 1, 1),
+                               [p(out), p(scratch), i32(offset), p(ptr(s[-1]))]))
+        return launches
+    if op == "adamw":
+        w, g, m, v, hp, norm, div = s
+        return [Launch("tg_adamw", _blocks(w.size),
+                       [p(ptr(w)), p(ptr(g)), p(ptr(m)), p(ptr(v)), p(ptr(hp)), p(ptr(norm)),
+                        p(ptr(div)), i32(w.size), f64(a["max_norm"])])]
+    raise CudaError(f"the CUDA backend has no lowering for op {op!r} (node {node.name!r})")
+
+
+def _matmul(node, out, ptr) -> Launch:
+    (x, y), ta, tb = node.srcs, node.attrs["trans_a"], node.attrs["trans_b"]
+    M, N = node.shape[-2], node.shape[-1]
+    K = x.shape[-2] if ta else x.shape[-1]
+    sam, sak = (1, M) if ta else (K, 1)
+    sbk, sbn = (1, K) if tb else (N, 1)
+    out_batch = node.shape[:-2]
+    nbatch = prod(out_batch)
+    dims, sa, sb = matmul_batch(x.shape, y.shape, out_batch)
+    gy = (M + 63) // 64
+    if gy > MAX_GRID_YZ:
+        raise CudaError(f"matmul {node.name!r}: {M} rows exceed the kernel's grid limit")
+    grid = ((N + 63) // 64, gy, max(1, min(nbatch, MAX_GRID_YZ)))
+    return Launch("tg_matmul", grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
+                                      i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
+                                      strided(dims, sa, sb)])
