@@ -8,7 +8,7 @@
 Weights keep their GGUF names and layout: a projection ``W`` is [n_out, n_in] and
 ``y = x W^T``. Q/K rows are in the order the GGUF stores them, so rope uses the mode the
 architecture's GGUFs expect ("normal" for llama, "neox" for qwen2); converting to Hugging
-Face's row order happens only at the adapter-export boundary (models/hf_layout.py).
+Face's row order happens only at the adapter-export boundary (adapters.hf_row_order).
 """
 from __future__ import annotations
 

@@ -1,0 +1,213 @@
+"""Evaluation and generation with a GGUF model and, optionally, a PEFT LoRA adapter.
+
+>>> lm = LanguageModel("SmolLM2-135M-Instruct.Q4_1.gguf", adapter_dir="out/adapter")  # doctest: +SKIP
+>>> lm.loss(lm.tokenizer.encode("The capital of France is Paris."))                   # doctest: +SKIP
+(2.91..., 7)
+>>> lm.generate("What is the capital of France?", chat=True, max_new_tokens=16)       # doctest: +SKIP
+'The capital of France is Paris.'
+
+One forward graph is realized per (batch, seq) shape and cached. Shapes are rounded up
+(see `_SEQ_STEP`) and sequences right-padded, so evaluating examples of many lengths
+or generating from prompts of many lengths reuses a handful of graphs. Causal attention
+means padding after a position never changes that position's logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ops
+from .adapters import load_peft
+from .errors import DataError
+from .gguf import GGUFModel
+from .graph import Graph, Tensor
+from .models.llama import LoraConfig, build_llama
+from .session import Session
+from .tokenizer import Tokenizer
+
+_SEQ_STEP = 16          # graph lengths are multiples of this (capped at the context)
+_TOKENS_PER_BATCH = 4096  # loss(): sequences per graph so that batch * seq stays near this
+# End-of-generation tokens llama.cpp recognises by spelling, beyond the GGUF's EOS/EOT ids.
+_EOG_SPELLINGS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+@dataclass
+class _Forward:
+    sess: Session
+    tokens: Tensor
+    positions: Tensor
+    labels: Tensor
+    logits: Tensor
+    loss_sum: Tensor
+    count: Tensor
+
+
+class LanguageModel:
+    """A GGUF model (plus optional PEFT LoRA adapter) for loss evaluation and generation."""
+
+    def __init__(self, model_path, adapter_dir=None, backend: str = "cpu", seq_len: int | None = None):
+        self.model = GGUFModel(model_path)
+        self.cfg = self.model.config
+        self.tokenizer = Tokenizer.from_gguf(self.model.reader)  # reuse the parsed header
+        self.tokenizer.source = str(model_path)
+        self.backend = backend
+        self.seq_len = min(int(seq_len), self.cfg.n_ctx) if seq_len else self.cfg.n_ctx
+        if self.seq_len < 2:
+            raise DataError(f"seq_len must be >= 2, got {seq_len}")
+        self.lora_config, self.adapter = None, {}
+        if adapter_dir is not None:
+            lora, rank, alpha, targets = load_peft(adapter_dir, self.cfg)
+            self.lora_config = LoraConfig(targets=targets, rank=rank, alpha=alpha)
+            self.adapter = lora
+        self._graphs: dict[tuple[int, int], _Forward] = {}
+        self.stop_ids = self._stop_ids()
+
+    def _stop_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_id, self.model.metadata("tokenizer.ggml.eot_token_id")}
+        ids |= {self.tokenizer.token_to_id(t) for t in _EOG_SPELLINGS}
+        return {int(i) for i in ids if i is not None}
+
+    # --- graphs ---------------------------------------------------------------------------
+    def _forward(self, batch: int, seq: int) -> _Forward:
+        key = (batch, seq)
+        if key not in self._graphs:
+            g = Graph()
+            net = build_llama(g, self.cfg, batch=batch, seq=seq, model=self.model,
+                              lora=self.lora_config)
+            labels = g.input("labels", (batch * seq,), "i32")
+            f = _Forward(sess=Session(g, backend=self.backend), tokens=net.tokens,
+                         positions=net.positions, labels=labels, logits=g.output(net.logits),
+                         loss_sum=g.output(ops.cross_entropy(net.logits, labels, reduction="sum")),
+                         count=g.output(ops.count_valid(labels)))
+            f.sess.realize()
+            for name, (a, b) in net.lora.items():
+                # A layer the adapter file lacks keeps B = 0: no change to the base model.
+                if name in self.adapter:
+                    f.sess.load_param(a, self.adapter[name][0])
+                    f.sess.load_param(b, self.adapter[name][1])
+            self._graphs[key] = f
+        return self._graphs[key]
+
+    def _graph_len(self, n: int) -> int:
+        return min(-(-n // _SEQ_STEP) * _SEQ_STEP, self.seq_len)
+
+    def _run(self, f: _Forward, tokens: np.ndarray, labels: np.ndarray) -> None:
+        B, T = tokens.shape
+        f.sess.upload(f.tokens, tokens)
+        f.sess.upload(f.positions, np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+        f.sess.upload(f.labels, labels.reshape(-1))
+        f.sess.run("forward")
+
+    def _check_ids(self, ids, what: str) -> np.ndarray:
+        a = np.asarray(ids)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise DataError(f"{what}: expected a flat list of integer token ids")
+        if len(a) > self.seq_len:
+            raise DataError(f"{what}: {len(a)} tokens exceed the context of {self.seq_len}")
+        if a.size and (a.min() < 0 or a.max() >= self.cfg.n_vocab):
+            raise DataError(f"{what}: token ids must be in [0, {self.cfg.n_vocab})")
+        return a.astype(np.int32)
+
+    # --- loss -----------------------------------------------------------------------------
+    def loss(self, token_ids, target_mask=None) -> tuple[float, int]:
+        """Mean next-token cross-entropy and the number of predicted tokens.
+
+        ``token_ids`` is one sequence or a list of them. Token i is predicted from tokens
+        0..i-1; with ``target_mask`` (same structure, truthy = counted) only masked tokens
+        count, e.g. the response of an instruction example. The mean is token-weighted
+        over all sequences.
+        """
+        if len(token_ids) == 0:
+            raise DataError("loss: no tokens given")
+        single = np.isscalar(token_ids[0])  # one flat sequence rather than a list of them
+        seqs = [token_ids] if single else list(token_ids)
+        masks = None if target_mask is None else [target_mask] if single else list(target_mask)
+        if masks is not None and len(masks) != len(seqs):
+            raise DataError(f"loss: {len(masks)} masks for {len(seqs)} sequences")
+        rows = []
+        for i, s in enumerate(seqs):
+            ids = self._check_ids(s, f"sequence {i}")
+            if len(ids) < 2:
+                raise DataError(f"sequence {i}: needs at least 2 tokens to predict one, got {len(ids)}")
+            lab = ids[1:].copy()
+            if masks is not None:
+                m = np.asarray(masks[i], bool)
+                if m.shape != ids.shape:
+                    raise DataError(f"sequence {i}: mask has {m.size} entries for {len(ids)} tokens")
+                lab[~m[1:]] = -1
+            rows.append((ids, lab))
+        T = self._graph_len(max(len(ids) for ids, _ in rows))
+        B = min(len(rows), max(1, _TOKENS_PER_BATCH // T))
+        total, count = 0.0, 0
+        for start in range(0, len(rows), B):
+            # The last chunk is padded with fully ignored rows so one graph serves all.
+            tokens = np.zeros((B, T), np.int32)
+            labels = np.full((B, T), -1, np.int32)
+            for r, (ids, lab) in enumerate(rows[start:start + B]):
+                tokens[r, :len(ids)] = ids
+                labels[r, :len(lab)] = lab
+            f = self._forward(B, T)
+            self._run(f, tokens, labels)
+            total += float(f.sess.download(f.loss_sum))
+            count += int(f.sess.download(f.count))
+        if count == 0:
+            raise DataError("loss: the target mask selects no predictable token")
+        return total / count, count
+
+    # --- generation -----------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids of a prompt, rendered with the GGUF chat template when ``chat``."""
+        tok = self.tokenizer
+        if not chat:
+            return tok.encode(prompt)
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                       add_generation_prompt=True)
+        # Templates that print bos_token themselves must not get a second one.
+        double = tok.bos_token is not None and text.startswith(tok.bos_token)
+        return tok.encode(text, add_bos=False if double else None)
+
+    def generate(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> str:
+        """Continue ``prompt``: greedy at temperature 0, else sampled (top-k if > 0).
+
+        Stops at an end-of-generation token, after ``max_new_tokens``, or at the context
+        length. Returns only the new text.
+        """
+        if max_new_tokens < 0 or temperature < 0 or top_k < 0:
+            raise DataError("generate: max_new_tokens, temperature and top_k must be >= 0")
+        ids = self.encode_prompt(prompt, chat)
+        if not ids:
+            raise DataError("generate: the prompt encodes to no tokens")
+        if len(ids) >= self.seq_len:
+            raise DataError(f"generate: the prompt has {len(ids)} tokens, leaving no room in "
+                            f"the context of {self.seq_len}")
+        end = min(len(ids) + max_new_tokens, self.seq_len)
+        # Fixed graph over the whole window: rerun it as the sequence grows (no KV cache).
+        T = self._graph_len(end)
+        f = self._forward(1, T)
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :len(ids)] = ids
+        no_labels = np.full((1, T), -1, np.int32)
+        rng = np.random.default_rng(seed)
+        n, new = len(ids), []
+        while n < end:
+            self._run(f, tokens, no_labels)
+            row = f.sess.download(f.logits)[n - 1].astype(np.float64)
+            nxt = self._pick(row, temperature, top_k, rng)
+            if nxt in self.stop_ids:
+                break
+            tokens[0, n] = nxt
+            new.append(nxt)
+            n += 1
+        return self.tokenizer.decode(new, skip_special_tokens=True)
+
+    @staticmethod
+    def _pick(logits: np.ndarray, temperature: float, top_k: int, rng) -> int:
+        if temperature == 0:
+            return int(np.argmax(logits))
+        z = logits / temperature
+        if 0 < top_k < z.size:
+            z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
+        p = np.exp(z - z.max())
+        return int(rng.choice(z.size, p=p / p.sum()))
