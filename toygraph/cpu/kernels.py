@@ -78,26 +78,31 @@ def _scale(out, srcs, attrs):
     np.multiply(srcs[0], out.dtype.type(attrs["s"]), out=out)
 
 
-def _sigmoid(x):
-    # exp of a non-positive argument only, so large |x| never overflows.
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)
-
-
 @kernel("silu")
 def _silu(out, srcs, attrs):
     x = srcs[0]
-    np.multiply(x, _sigmoid(x), out=out)
+    # x / (1 + exp(-x)): exp overflows to inf for x < -88 and the quotient is then the
+    # correct limit -0, so the overflow warning is silenced rather than branched around.
+    with np.errstate(over="ignore"):
+        np.exp(-x, out=out)
+    out += 1
+    np.divide(x, out, out=out)
 
 
 @kernel("silu_back")
 def _silu_back(out, srcs, attrs):
     x, g = srcs
-    s = _sigmoid(x)
-    out[...] = g * s * (1 + x * (1 - s))
+    with np.errstate(over="ignore"):
+        s = np.exp(-x)
+    s += 1
+    np.reciprocal(s, out=s)                 # sigmoid(x)
+    np.subtract(1, s, out=out)
+    out *= x
+    out += 1                                # 1 + x (1 - s)
+    out *= s
+    out *= g
 
 
-# --- normalisation, rope, softmax ----------------------------------------------------------
 @kernel("rms_norm")
 def _rms_norm(out, srcs, attrs):
     x = srcs[0]
@@ -221,21 +226,26 @@ def _get_rows_back(out, srcs, attrs):
     np.add.at(out, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
 
 
-def _log_softmax_parts(logits, labels):
-    valid = labels >= 0
-    safe = np.where(valid, labels, 0)
-    m = logits.max(axis=-1, keepdims=True)
-    lse = np.log(np.exp(logits - m).sum(axis=-1)) + m[:, 0]
-    picked = logits[np.arange(len(labels)), safe]
-    return valid, safe, lse, picked
+_CE_ROWS = 64  # rows per chunk: keeps the exp temporaries in cache, not [N, vocab]
 
 
 @kernel("cross_entropy")
 def _cross_entropy(out, srcs, attrs):
     logits, labels = srcs
-    valid, _, lse, picked = _log_softmax_parts(logits, labels)
-    total = np.sum(np.where(valid, lse - picked, 0.0))
-    n = int(valid.sum())
+    valid = labels >= 0
+    rows = np.nonzero(valid)[0]
+    total = 0.0
+    buf = np.empty((min(_CE_ROWS, max(len(rows), 1)), logits.shape[1]), logits.dtype)
+    for start in range(0, len(rows), _CE_ROWS):
+        r = rows[start:start + _CE_ROWS]
+        z = buf[:len(r)]
+        np.take(logits, r, axis=0, out=z)
+        m = z.max(axis=1, keepdims=True)
+        picked = z[np.arange(len(r)), labels[r]] - m[:, 0]
+        z -= m
+        np.exp(z, out=z)
+        total += float(np.sum(np.log(z.sum(axis=1)) - picked, dtype=np.float64))
+    n = len(rows)
     out[...] = total if attrs["reduction"] == "sum" else (total / n if n else 0.0)
 
 
