@@ -70,3 +70,14 @@ def test_gate_checks_goldens(capsys):
     assert code == 0 and out.startswith("PASS lora_qv_tiny_llama")
     code, _, err = run(capsys, "gate", "no_such_experiment")
     assert code == 2 and "unknown experiments" in err
+
+
+def test_generate_greedy_is_deterministic(capsys, tiny_llama):
+    argv = ["generate", "--model", str(tiny_llama), "--prompt", "the cat", "--max-new-tokens", "6"]
+    code, out1, _ = run(capsys, *argv)
+    code2, out2, _ = run(capsys, *argv, "--chat")
+    code3, out3, _ = run(capsys, *argv)
+    assert code == code2 == code3 == 0 and out1 == out3
+    code, s1, _ = run(capsys, *argv, "--temperature", "1.0", "--top-k", "5", "--seed", "3")
+    code, s2, _ = run(capsys, *argv, "--temperature", "1.0", "--top-k", "5", "--seed", "3")
+    assert s1 == s2

@@ -149,3 +149,35 @@ def test_bad_inputs_give_clear_errors(tiny_llama, chat_data, tmp_path):
         run_training(cfg_for(tmp_path / "missing.gguf", chat_data, tmp_path / "e"))
     with pytest.raises(DataError, match="not a checkpoint"):
         run_training(cfg_for(tiny_llama, chat_data, tmp_path / "f", resume=str(tmp_path)))
+
+
+def test_early_stopping_and_loss_plot(tiny_llama, chat_data, tmp_path):
+    """A learning rate far too high makes validation worse; patience 1 stops the run."""
+    out = tmp_path / "r"
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=40, lr=5.0, clip=0.0,
+                             eval_every=2, patience=1, schedule="constant"))
+    assert s["status"] == "early_stopped" and s["steps"] < 40
+    evals = [e for e in events(out) if e["event"] == "eval"]
+    assert not evals[-1]["best"]
+    pytest.importorskip("matplotlib")
+    assert (out / "loss.png").stat().st_size > 1000
+
+
+def test_adapter_init_starts_from_a_saved_adapter(tiny_llama, chat_data, tmp_path):
+    from toygraph.inference import LanguageModel
+    first = tmp_path / "first"
+    run_training(cfg_for(tiny_llama, chat_data, first, steps=4, val_split=0.0, lr=2e-2))
+    # Evaluate the saved adapter on the first training batch of a new run ...
+    second = tmp_path / "second"
+    run_training(cfg_for(tiny_llama, chat_data, second, steps=1, val_split=0.0,
+                         adapter_init=str(first), lr=1e-12, seed=9))
+    step1 = [e for e in events(second) if e["event"] == "step"][0]["loss"]
+    fresh = tmp_path / "fresh"
+    run_training(cfg_for(tiny_llama, chat_data, fresh, steps=1, val_split=0.0, lr=1e-12, seed=9))
+    step1_fresh = [e for e in events(fresh) if e["event"] == "step"][0]["loss"]
+    # ... it must differ from a fresh adapter's, and the saved adapter must be what loaded.
+    assert step1 != step1_fresh
+    lm = LanguageModel(str(tiny_llama), adapter_dir=str(second))
+    lm_first = LanguageModel(str(tiny_llama), adapter_dir=str(first))
+    ids = list(range(3, 20))
+    assert lm.loss(ids)[0] == pytest.approx(lm_first.loss(ids)[0], rel=1e-6)
