@@ -220,3 +220,12 @@ def test_scalar_arguments_are_fixed_width():
     for node in (ops.scale(x, 0.5), ops.rms_norm(x, 1e-5), ops.softmax(x, scale=2.0)):
         for launch in lowering.lower(node, lambda t: 1 << 20):
             assert all(isinstance(v, np.ndarray) and v.dtype.itemsize in (4, 8) for v in launch.args)
+
+
+@needs_nvrtc
+def test_compiling_leaves_shared_bytes_objects_alone(cache):
+    """NVRTC writes its log and cubin into Python buffers; a 1-byte log once went into
+    CPython's shared b" " and turned every space in the process into NUL."""
+    from toygraph.cuda.nvrtc import compile_cubin
+    compile_cubin('extern "C" __global__ void k() {}', arch="sm_80", name="tiny.cu")
+    assert b" " == bytes([32]) and " ".encode() == b"\x20"

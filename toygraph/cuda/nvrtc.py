@@ -121,7 +121,9 @@ def _compile(source: str, opts: list[str], name: str) -> bytes:
         _check(f"NVRTC compile of {name} ({' '.join(opts)})", res, log)
         compile_count += 1
         size = _check("nvrtcGetCUBINSize", nv.nvrtcGetCUBINSize(prog))
-        buf = b" " * int(size)
+        # A bytearray, never b" " * n: for n == 1 that is CPython's shared b" ", and
+        # NVRTC writing into it would corrupt every b" " in the process.
+        buf = bytearray(int(size))
         _check("nvrtcGetCUBIN", nv.nvrtcGetCUBIN(prog, buf))
         return bytes(buf)
     finally:
@@ -131,7 +133,7 @@ def _compile(source: str, opts: list[str], name: str) -> bytes:
 def _log(nv, prog) -> str:
     try:
         size = _check("nvrtcGetProgramLogSize", nv.nvrtcGetProgramLogSize(prog))
-        buf = b" " * int(size)
+        buf = bytearray(int(size))  # writable, never a shared bytes object (see above)
         _check("nvrtcGetProgramLog", nv.nvrtcGetProgramLog(prog, buf))
         return buf.rstrip(b"\0 ").decode(errors="replace")
     except CudaError:
