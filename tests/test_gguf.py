@@ -1,5 +1,4 @@
 """GGUF reading: configs, tensors, lazy loading, and a clear error for every bad file."""
-import re
 import subprocess
 import sys
 

@@ -103,19 +103,18 @@ def test_rope_gradient_and_values(mode, dims):
     posv = np.array([[0, 1, 2], [5, 9, 3]], np.int32)
     y = ops.rope(x, pos, dims=dims, base=10000.0, mode=mode)
     assert check_gradients(g, weighted_sum(y, rng), [x], {pos: posv}) <= TOL
-    # Values: rotate one pair by hand.
+    # Values: rotate one pair by hand (y was marked as an output before realize).
+    g.output(y)
     s = Session(g, dtype="f64"); s.realize(); s.upload(pos, posv); s.run("forward")
     xv = g.find("x").data.astype(np.float64)
     b, t, h = 1, 1, 0
     theta = posv[b, t] * 10000.0 ** (-2 * 1 / dims)  # pair i=1
     i0, i1 = (2, 3) if mode == "normal" else (1, 1 + dims // 2)
     x0, x1 = xv[b, t, h, i0], xv[b, t, h, i1]
-    y0 = x0 * np.cos(theta) - x1 * np.sin(theta)
-    r = g.output(y)  # noqa: F841 - outputs must be marked before realize; recompute below
-    s2 = Session(g, dtype="f64"); s2.realize(); s2.upload(pos, posv); s2.run("forward")
-    assert np.isclose(s2.download(y)[b, t, h, i0], y0)
+    assert np.isclose(s.download(y)[b, t, h, i0], x0 * np.cos(theta) - x1 * np.sin(theta))
+    assert np.isclose(s.download(y)[b, t, h, i1], x0 * np.sin(theta) + x1 * np.cos(theta))
     if dims < 8:  # features past dims pass through
-        assert np.allclose(s2.download(y)[..., dims:], xv[..., dims:])
+        assert np.allclose(s.download(y)[..., dims:], xv[..., dims:])
 
 
 def test_get_rows_gradient_with_repeats():

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import GraphError
 from .graph import PHASES, Graph, Tensor, topo_order
-from .memory import BufferPlan, is_planned, nbytes, plan_buffers
+from .memory import BufferPlan, nbytes, plan_buffers
 
 # Ops through which an integer input flows unchanged, so the range its consumer needs
 # applies to the input itself.
