@@ -267,3 +267,152 @@ def test_bad_quantized_size_is_a_cuda_error():
     g.output(ops.contiguous(w))
     with pytest.raises(CudaError, match="bytes"):
         Session(g, backend="cuda").realize()
+
+
+# --- frozen consts kept in block format (kernels/qmatmul.cu) -----------------------------------
+BLOCK_FORMATS = sorted(set(quant.BLOCK) - {"f32"})
+
+
+def _qcols(fmt):  # f16/bf16 get a row length that leaves a partial 16-deep k tile
+    return {1: 100, 32: 160, 256: 512}[quant.BLOCK[fmt][0]]
+
+
+def _qlinear(fmt, seed=0, batch=(70,), rows=130):
+    """y = x @ W^T with W [rows, K] a block-format const; loss = sum(y * r)."""
+    rng = np.random.default_rng(seed)
+    K = _qcols(fmt)
+    raw = quant.quantize(rnd(rng, rows, K), fmt)
+    g = Graph()
+    x = g.param("x", rnd(rng, *batch, K))
+    w = g.const("w", raw, shape=(rows, K), storage=fmt)
+    y = g.output(ops.matmul(x, w, trans_b=True))
+    r = rnd(rng, *y.shape)
+    loss = ops.sum(ops.mul(y, g.const("r", r)))
+    grads = accumulate_grads(backward(loss, [x]))
+    wv = quant.dequantize(raw, fmt, (rows, K)).astype(np.float64)
+    xv = np.asarray(x.data, np.float64)
+    return g, w, [y, grads[x]], [xv @ wv.T, r.astype(np.float64) @ wv]
+
+
+def _cuda_run(g, fetch, inputs=None):
+    s = Session(g, backend="cuda")
+    s.realize()
+    s.reset()
+    for t, v in (inputs or {}).items():
+        s.upload(t, v)
+    s.run("backward")
+    return s, [s.download(t) for t in fetch]
+
+
+@pytest.mark.parametrize("batch", [(70,), (2, 33)])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_quantized_matmul_forward_and_backward_match_numpy(fmt, batch, monkeypatch):
+    g, w, fetch, want = _qlinear(fmt, batch=batch)
+    s, got = _cuda_run(g, fetch)
+    assert s.backend.raw_consts == {w.id}, "W should stay in its block format"
+    assert rel_err(got[0], want[0]) <= REDUCTION, "forward x @ W^T"
+    assert rel_err(got[1], want[1]) <= REDUCTION, "backward dX = dY @ W"
+    _, again = _cuda_run(g, fetch)
+    assert all(np.array_equal(a, b) for a, b in zip(got, again)), "not deterministic"
+    # The fused kernels tile, decode and sum exactly like tg_matmul on the f32 copy.
+    monkeypatch.setenv("TOYGRAPH_CUDA_QMATMUL", "0")
+    s0, old = _cuda_run(g, fetch)
+    assert not s0.backend.raw_consts
+    assert all(np.array_equal(a, b) for a, b in zip(got, old)), "fused != dequantize + matmul"
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_quantized_get_rows_decodes_the_rows_it_needs(fmt):
+    rng = np.random.default_rng(2)
+    rows, D = 37, _qcols(fmt)
+    raw = quant.quantize(rnd(rng, rows, D), fmt)
+    g = Graph()
+    table = g.const("table", raw, shape=(rows, D), storage=fmt)
+    ids = g.input("ids", (3, 40), "i32")
+    x = g.input("x", (3, 40, 24))   # the tied-head pattern: the table is also a weight
+    emb = g.output(ops.get_rows(table, ids))
+    pv = rnd(rng, 24, D)
+    logits = g.output(ops.matmul(x @ g.const("p", pv), table, trans_b=True))
+    idv = rng.integers(0, rows, size=(3, 40)).astype(np.int32)
+    xv = rnd(rng, 3, 40, 24)
+    s, (got, lg) = _cuda_run(g, [emb, logits], {ids: idv, x: xv})
+    assert s.backend.raw_consts == {table.id}
+    wv = quant.dequantize(raw, fmt, (rows, D))
+    np.testing.assert_array_equal(got, wv[idv])
+    want = (xv.astype(np.float64) @ pv.astype(np.float64)) @ wv.T.astype(np.float64)
+    assert rel_err(lg, want) <= REDUCTION
+    np.testing.assert_array_equal(s.download(table), wv)  # a block-format const still reads
+
+
+def _lora_losses(path, backend, steps=3):
+    from toygraph.gguf import GGUFModel
+    from toygraph.recipes import LoRA, RecipeOptions
+    model = GGUFModel(path)
+    B, T = 2, 16
+    recipe = LoRA(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, alpha=8)
+    recipe.realize(model, model.config, RecipeOptions(t_seq=T, t_batch=B, seed=3,
+                                                      init_scale=0.05, backend=backend))
+    rng = np.random.default_rng(0)
+    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    losses = []
+    for i in range(steps):
+        ids = rng.integers(0, model.config.n_vocab, size=(B, T)).astype(np.int32)
+        lab = np.roll(ids, -1, axis=1).astype(np.int32)
+        lab[:, -1] = -1
+        losses.append(recipe.step(ids, pos, lab.reshape(-1), hp_row(i + 1, lr=1e-2),
+                                  is_first=(i == 0)))
+    return recipe, losses, {k: np.asarray(v) for k, v in recipe.trainable().items()}
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_llama_kquant"])
+def test_lora_training_with_block_format_weights_matches_numpy(model, request, monkeypatch):
+    path = request.getfixturevalue(model)
+    _, cpu_losses, cpu_w = _lora_losses(path, "cpu")
+    recipe, gpu_losses, gpu_w = _lora_losses(path, "cuda")
+    backend = recipe.sess.backend
+    quantized = [t for t in recipe.graph.by_role("const") if t.storage != "f32"]
+    assert quantized and {t.id for t in quantized} <= backend.raw_consts
+    for a, b in zip(gpu_losses, cpu_losses):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    for k in cpu_w:
+        assert rel_err(gpu_w[k], cpu_w[k]) <= 1e-4, k
+    again = _lora_losses(path, "cuda")[1]
+    assert again == gpu_losses
+    monkeypatch.setenv("TOYGRAPH_CUDA_QMATMUL", "0")
+    assert _lora_losses(path, "cuda")[1] == gpu_losses  # fused == dequantize + matmul
+
+
+def _device_bytes_used(build):
+    from toygraph.cuda import driver as drv
+    ctx = drv.Context(0)
+    free0 = ctx.mem_info()[0]
+    s = Session(build(), backend="cuda")
+    s.realize()
+    used = free0 - ctx.mem_info()[0]
+    report = s.backend.memory_report()
+    s.backend.close()
+    return used, report
+
+
+def test_block_format_weights_use_less_device_memory(monkeypatch):
+    rng = np.random.default_rng(9)
+    raw = quant.quantize(rnd(rng, 4096, 4096), "q4_0")   # 64 MiB as f32, 9 MiB as blocks
+
+    def build():
+        g = Graph()
+        x = g.param("x", rnd(rng, 8, 4096))
+        w = g.const("w", raw, shape=(4096, 4096), storage="q4_0")
+        loss = ops.sum(ops.matmul(x, w, trans_b=True))
+        g.output(loss)
+        accumulate_grads(backward(loss, [x]))
+        return g
+
+    _device_bytes_used(build)  # first realize: one-time context and module costs
+    used_q, rep_q = _device_bytes_used(build)
+    monkeypatch.setenv("TOYGRAPH_CUDA_QMATMUL", "0")
+    used_f, rep_f = _device_bytes_used(build)
+    assert rep_q["qmatmul"] and not rep_f["qmatmul"]
+    assert rep_q["saved_bytes"] == 4 * 4096 * 4096 - quant.nbytes("q4_0", (4096, 4096))
+    assert rep_f["saved_bytes"] == 0
+    assert used_q < used_f
+    assert used_f - used_q >= 0.9 * rep_q["saved_bytes"]

@@ -229,3 +229,305 @@ def test_compiling_leaves_shared_bytes_objects_alone(cache):
     from toygraph.cuda.nvrtc import compile_cubin
     compile_cubin('extern "C" __global__ void k() {}', arch="sm_80", name="tiny.cu")
     assert b" "[0] == 32 and " ".encode()[0] == 32
+
+
+# --- frozen consts kept in block format: fused quantized matmul / get_rows -----------------------
+from toygraph.cuda import devmem  # noqa: E402
+from toygraph.cuda.kernels import QUANT_KERNELS, layout_defines  # noqa: E402
+from toygraph.graph import PHASES, topo_order  # noqa: E402
+from toygraph.memory import plan_buffers  # noqa: E402
+
+BLOCK_FORMATS = sorted(set(quant.BLOCK) - {"f32"})
+
+
+def test_quant_kernel_table_covers_every_block_format():
+    assert set(QUANT_KERNELS) == set(BLOCK_FORMATS) == set(lowering.BLOCK_STORAGE)
+    for fmt, names in QUANT_KERNELS.items():
+        assert set(names) == {"nt", "nn", "rows"}
+        for n in names.values():
+            assert n in KERNEL_NAMES, f"{fmt}: kernel {n} missing from the sources"
+
+
+def test_kernels_take_block_layouts_from_quant_py():
+    defines = layout_defines()
+    for fmt in BLOCK_FORMATS:
+        elems, size = quant.BLOCK[fmt]
+        assert f"#define TG_{fmt.upper()}_QK {elems}\n" in defines
+        assert f"#define TG_{fmt.upper()}_BYTES {size}\n" in defines
+        for field, off in quant.LAYOUT.get(fmt, {}).items():
+            assert f"#define TG_{fmt.upper()}_{field.upper()} {off}\n" in defines
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_quantized_matmul_kernels_compile_for_every_format(arch, cache):
+    from toygraph.cuda.nvrtc import compile_cubin
+    cubin = compile_cubin(module_source(("matmul.cu", "dequant.cu", "qmatmul.cu")), arch=arch,
+                          name="qmatmul.cu")
+    assert cubin[:4] == b"\x7fELF"
+    for fmt in BLOCK_FORMATS:
+        for name in [DEQUANT_KERNELS[fmt], *QUANT_KERNELS[fmt].values()]:
+            assert name.encode() in cubin, name
+
+
+def _qmm_format(kernel: str) -> tuple[str, str]:
+    for fmt, names in QUANT_KERNELS.items():
+        for kind, name in names.items():
+            if name == kernel:
+                return fmt, kind
+    raise AssertionError(f"not a quantized kernel: {kernel}")
+
+
+def _emulate_quant(launch, mem, raw_rows):
+    """Replay a fused kernel's host-computed arguments in numpy: the block-format weight is
+    decoded from its bytes with the row length ``row_bytes`` implies."""
+    fmt, kind = _qmm_format(launch.kernel)
+    a = [int(x[0]) for x in launch.args]
+    elems, size = quant.BLOCK[fmt]
+    if kind == "rows":
+        out, table, ids, n, D, rb = a
+        assert rb % size == 0 and rb // size * elems == D
+        W = quant.dequantize(mem[table][:raw_rows * rb], fmt, (raw_rows, D))
+        i = np.arange(n)
+        mem[out][:n] = W[mem[ids].astype(np.int64)[i // D], i % D]
+        return
+    out, x, w, M, N, K, rb = a
+    assert rb % size == 0
+    cols = rb // size * elems
+    W = quant.dequantize(mem[w][:raw_rows * rb], fmt, (raw_rows, cols)).astype(np.float64)
+    B = W.T if kind == "nt" else W
+    assert B.shape == (K, N)
+    mem[out][:M * N] = (mem[x][:M * K].reshape(M, K) @ B).ravel()
+
+
+def _qweight(rng, fmt, rows, cols):
+    raw = quant.quantize(rng.normal(size=(rows, cols)).astype(np.float32), fmt)
+    return raw, quant.dequantize(raw, fmt, (rows, cols))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("build", ["forward", "backward", "forward3d", "get_rows"])
+def test_quantized_lowering_matches_numpy_on_the_dequantized_weight(fmt, build):
+    rng = np.random.default_rng(7)
+    elems = quant.BLOCK[fmt][0]
+    rows, cols = 67, max(2 * elems, 96) if elems < 256 else 512
+    raw, wv = _qweight(rng, fmt, rows, cols)
+    g = Graph()
+    w = g.const("w", raw, shape=(rows, cols), storage=fmt)
+    if build == "forward":
+        xv = rng.normal(size=(70, cols))
+        node = ops.matmul(g.const("x", xv), w, trans_b=True)
+    elif build == "forward3d":   # [B, T, K] @ W^T: batch axes fold into M
+        xv = rng.normal(size=(2, 35, cols))
+        node = ops.matmul(g.const("x", xv), w, trans_b=True)
+    elif build == "backward":    # dX = dY @ W
+        xv = rng.normal(size=(2, 33, rows))
+        node = ops.matmul(g.const("x", xv), w)
+    else:
+        xv = rng.integers(0, rows, size=(3, 11)).astype(np.int32)
+        node = ops.get_rows(w, g.input("ids", (3, 11), "i32"))
+    x = node.srcs[1] if build == "get_rows" else node.srcs[0]
+    addr = {w.id: 1 << 24, x.id: 2 << 24, node.id: 3 << 24}
+    mem = {addr[w.id]: quant._as_bytes(raw), addr[x.id]: np.asarray(xv).ravel(),
+           addr[node.id]: np.zeros(node.size)}
+    launches = lowering.lower(node, lambda t: addr[t.id], raw_consts={w.id})
+    assert [l.kernel for l in launches] == [QUANT_KERNELS[fmt][
+        {"forward": "nt", "forward3d": "nt", "backward": "nn", "get_rows": "rows"}[build]]]
+    for launch in launches:
+        assert all(isinstance(v, np.ndarray) and v.dtype in (np.int32, np.uint64)
+                   for v in launch.args)
+        M = int(launch.args[3][0]) if build != "get_rows" else 0
+        assert launch.grid[1] == max(1, (M + 63) // 64) or build == "get_rows"
+        _emulate_quant(launch, mem, rows)
+    want = np.zeros(node.shape)
+    srcs = [wv.astype(np.float64), xv] if build == "get_rows" else [xv, wv.astype(np.float64)]
+    CPU_KERNELS[node.op](want, srcs, node.attrs)
+    np.testing.assert_allclose(mem[addr[node.id]].reshape(node.shape), want, rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_lowering_refuses_a_block_format_const_where_no_fused_kernel_reads_it():
+    rng = np.random.default_rng(0)
+    raw, _ = _qweight(rng, "q8_0", 64, 64)
+    g = Graph()
+    w = g.const("w", raw, shape=(64, 64), storage="q8_0")
+    x = g.const("x", np.ones((64, 64)))
+    for node, i in [(ops.matmul(w, x), 0), (ops.matmul(x, w, trans_a=True), 1),
+                    (ops.contiguous(w), 0), (ops.matmul(w, w, trans_b=True), 1)]:
+        assert not lowering.reads_block_format(node, i)
+        with pytest.raises(CudaError, match="block format"):
+            lowering.lower(node, lambda t: 1 << 20, raw_consts={w.id})
+    assert lowering.reads_block_format(ops.matmul(x, w), 1)
+    assert not lowering.reads_block_format(ops.matmul(x, x), 1)  # f32 storage
+
+
+def _training_plan(graph):
+    """Session.realize's schedule, pins and buffer plan, without a backend."""
+    done, order = set(), []
+    for phase in PHASES:
+        order = order + topo_order(graph.outputs[phase] + graph.effects[phase], done)
+        done = {t.id for t in order}
+    pinned = {t.id for t in order if t.role is not None}
+    pinned |= {t.id for p in PHASES for t in graph.outputs[p]}
+    outputs = [t for ts in graph.outputs.values() for t in ts]
+    return order, pinned, plan_buffers(order, pinned, 4), outputs
+
+
+def _lora_graph(path, targets=("q", "v")):
+    from toygraph.gguf import GGUFModel
+    from toygraph.models.llama import LoraConfig, build_llama
+    from toygraph.optim import build_training
+    model = GGUFModel(path)
+    g = Graph()
+    net = build_llama(g, model.config, batch=2, seq=8, model=model,
+                      lora=LoraConfig(targets=targets, rank=4, alpha=8))
+    lab = g.input("labels", (16,), "i32")
+    loss = g.output(ops.cross_entropy(net.logits, lab, reduction="sum"))
+    build_training(loss, net.params, count=g.output(ops.count_valid(lab)), max_norm=1.0)
+    return g
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_llama_kquant"])
+def test_realize_plan_keeps_frozen_weights_in_block_format(model, request):
+    g = _lora_graph(request.getfixturevalue(model), targets=("q", "k", "v", "o", "gate"))
+    order, pinned, plan, outputs = _training_plan(g)
+    consts = [t for t in order if t.role == "const" and t.storage != "f32"]
+    assert consts
+    mem = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
+    old = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=False)
+    for t in consts:  # every quantized const is only read by matmul / get_rows
+        assert t.id not in mem.f32_buffers, t.name
+        assert mem.raw_consts[t.id] == quant.nbytes(t.storage, t.shape)
+        assert old.f32_buffers[t.id] == 4 * t.size and t.id not in old.raw_consts
+    assert set(mem.f32_buffers) | set(mem.raw_consts) == set(old.f32_buffers)
+    assert mem.dequant_temp_bytes == 0 < old.dequant_temp_bytes
+    saved = sum(4 * t.size - quant.nbytes(t.storage, t.shape) for t in consts)
+    assert mem.saved_bytes == saved == old.resident_bytes - mem.resident_bytes > 0
+    assert mem.report()["saved_bytes"] == saved and old.report()["saved_bytes"] == 0
+    # every node lowers, and the ones reading a block-format const use a fused kernel
+    fused = {n for names in QUANT_KERNELS.values() for n in names.values()}
+    addr = {t.id: (i + 1) << 20 for i, t in enumerate(order)}
+    for node in order:
+        if node.op is None:
+            continue
+        kernels = [l.kernel for l in lowering.lower(node, lambda t: addr[t.id], 1 << 40,
+                                                    frozenset(mem.raw_consts))]
+        if any(s.id in mem.raw_consts for s in node.srcs):
+            assert kernels and set(kernels) <= fused, (node.op, kernels)
+        else:
+            assert not set(kernels) & fused
+
+
+def test_plan_keeps_f32_copies_where_a_consumer_needs_them(monkeypatch):
+    rng = np.random.default_rng(1)
+    raw, _ = _qweight(rng, "q4_0", 32, 64)
+    g = Graph()
+    x = g.input("x", (5, 64))
+    shared = g.const("shared", raw, shape=(32, 64), storage="q4_0")  # also read by contiguous
+    only_mm = g.const("only_mm", raw, shape=(32, 64), storage="q4_0")
+    shown = g.const("shown", raw, shape=(32, 64), storage="q4_0")    # a graph output
+    g.output(ops.matmul(x, shared, trans_b=True) + ops.matmul(x, only_mm, trans_b=True))
+    g.output(ops.contiguous(shared))
+    g.output(shown)
+    g.output(ops.matmul(x, shown, trans_b=True))
+    order, pinned, plan, outputs = _training_plan(g)
+    assert devmem.block_format_consts(order, outputs) == {only_mm.id}
+    mem = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
+    assert set(mem.raw_consts) == {only_mm.id}
+    assert shared.id in mem.f32_buffers and shown.id in mem.f32_buffers
+    monkeypatch.setenv("TOYGRAPH_CUDA_QMATMUL", "0")
+    assert not devmem.qmatmul_enabled()
+    assert not devmem.plan_device_memory(order, plan, pinned, outputs).raw_consts
+    monkeypatch.setenv("TOYGRAPH_CUDA_QMATMUL", "1")
+    assert devmem.plan_device_memory(order, plan, pinned, outputs).raw_consts
+
+
+def test_smollm2_frozen_weights_in_block_format_save_421_mib(smollm2):
+    """SmolLM2-135M Q4_1 (Q8_0 tied embedding): 134.5 M frozen weights take 96.4 MB as
+    blocks instead of 537.9 MB as f32."""
+    g = _lora_graph(smollm2)
+    order, pinned, plan, outputs = _training_plan(g)
+    mem = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
+    assert len(mem.raw_consts) == 211          # 30 layers x 7 matrices + token_embd
+    assert sum(mem.raw_consts.values()) == 96_436_224
+    assert mem.f32_avoided_bytes == 537_919_488
+    assert mem.saved_bytes == 441_483_264      # 421.0 MiB
+
+
+# --- quant.cuh's decoders, compiled for the host and checked bit for bit against quant.py ----
+_HOST_SHIM = r"""
+#include <math.h>
+#include <string.h>
+#define __device__
+#define __forceinline__ inline
+static float tg_keep(float v) { volatile float r = v; return r; }
+static float __fmul_rn(float a, float b) { return tg_keep(a * b); }
+static float __fadd_rn(float a, float b) { return tg_keep(a + b); }
+static float __fsub_rn(float a, float b) { return tg_keep(a - b); }
+static float tg_load_half(const unsigned char* p) {   // exact IEEE half -> float
+    unsigned h = p[0] | (p[1] << 8), e = (h >> 10) & 31, m = h & 1023;
+    float f = e == 0 ? ldexpf((float)m, -24)
+            : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m | 1024), (int)e - 25);
+    return (h >> 15) ? -f : f;
+}
+static float tg_bf16_to_float(unsigned short h) {
+    unsigned u = ((unsigned)h) << 16; float f; memcpy(&f, &u, 4); return f;
+}
+"""
+
+_HOST_DRIVER = r"""
+template <class F> static void run(const unsigned char* raw, long long n, int rows,
+                                   int row_bytes, float* out) {
+    long long cols = n / rows;   // decode through rows, as the fused kernels do
+    for (long long e = 0; e < n; ++e)
+        out[e] = tg_dequant_at<F>(raw + (e / cols) * row_bytes, e % cols);
+}
+extern "C" int decode(const char* fmt, const unsigned char* raw, long long n, int rows,
+                      int row_bytes, float* out) {
+#define TG_CASE(name, F) if (!strcmp(fmt, name)) { run<F>(raw, n, rows, row_bytes, out); return 0; }
+    TG_CASE("f16", TgF16) TG_CASE("bf16", TgBF16) TG_CASE("q8_0", TgQ8_0)
+    TG_CASE("q4_0", TgQ4_0) TG_CASE("q4_1", TgQ4_1) TG_CASE("q4_k", TgQ4_K)
+    TG_CASE("q5_k", TgQ5_K) TG_CASE("q6_k", TgQ6_K)
+    return 1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_decoder(tmp_path_factory):
+    import ctypes
+    import shutil
+    import subprocess
+    from toygraph.cuda.kernels import read_source
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    d = tmp_path_factory.mktemp("hostdecode")
+    src = d / "decode.cpp"
+    src.write_text(_HOST_SHIM + layout_defines() + read_source("quant.cuh") + _HOST_DRIVER)
+    lib = d / "decode.so"
+    subprocess.run([cxx, "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib),
+                    str(src)], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_void_p]
+    return fn
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_shared_decoders_match_quant_py_bit_for_bit(fmt, host_decoder):
+    rng = np.random.default_rng(11)
+    elems = quant.BLOCK[fmt][0]
+    rows, cols = 5, 2 * max(elems, 32)
+    x = (rng.normal(size=(rows, cols)) * rng.uniform(0.01, 3, size=(rows, 1))).astype(np.float32)
+    raw = np.ascontiguousarray(quant.quantize(x, fmt)).reshape(-1).view(np.uint8)
+    if fmt in ("f16", "bf16"):  # every finite bit pattern, subnormals and -0 included
+        bits = np.arange(1 << 16, dtype=np.uint16)
+        bits = bits[np.isfinite(quant.dequantize(bits, fmt, bits.shape))]
+        raw, rows, cols = bits.view(np.uint8), 1, bits.size
+    want = quant.dequantize(raw, fmt, (rows, cols))
+    got = np.empty(rows * cols, np.float32)
+    assert host_decoder(fmt.encode(), raw.ctypes.data, rows * cols, rows,
+                        quant.nbytes(fmt, (1, cols)), got.ctypes.data) == 0
+    np.testing.assert_array_equal(got.view(np.uint32), want.ravel().view(np.uint32))

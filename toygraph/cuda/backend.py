@@ -10,6 +10,11 @@ buffers); ``read`` is the only host<->device synchronisation.
 
 Set ``TOYGRAPH_CUDA_GRAPHS=0`` to launch kernels one by one instead of replaying graphs
 (useful when debugging a kernel with compute-sanitizer).
+
+Frozen consts in a GGUF block format stay in it on the device when every consumer is a
+matmul or get_rows that dequantizes tiles on the fly (see devmem.py); the rest get an f32
+copy decoded at realize. ``TOYGRAPH_CUDA_QMATMUL=0`` gives every const its f32 copy.
+:meth:`CudaBackend.memory_report` says what was allocated and saved.
 """
 from __future__ import annotations
 
@@ -21,8 +26,9 @@ from ..errors import CudaError
 from ..memory import BufferPlan
 from ..ops import SIDE_EFFECTS
 from . import driver
+from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
 from .kernels import DEQUANT_KERNELS, OP_KERNELS, module_source
-from .lowering import MAX_ELEMENTS, THREADS, Launch, i32, lower, p, scratch_bytes
+from .lowering import MAX_ELEMENTS, THREADS, Launch, i32, lower, p
 
 _FLOAT_STORAGE = ("f32", "f64")
 
@@ -42,6 +48,9 @@ class CudaBackend:
         self.itemsize = 4
         self.ctx = driver.Context(device)
         self.use_graphs = os.environ.get("TOYGRAPH_CUDA_GRAPHS", "1") != "0"
+        self.qmatmul = qmatmul_enabled()
+        self.memory: DeviceMemoryPlan | None = None
+        self.raw_consts: frozenset[int] = frozenset()  # consts kept in block format
         self.ptrs: dict[int, int] = {}          # tensor id -> device address
         self._owned: list[int] = []             # device allocations to free
         self._staging: dict[int, tuple] = {}    # input id -> (host ptr, view, event)
@@ -62,7 +71,11 @@ class CudaBackend:
             if t.size > MAX_ELEMENTS:
                 raise CudaError(f"tensor {t.name!r} has {t.size} elements; the CUDA kernels "
                                 f"index with int32 (at most {MAX_ELEMENTS})")
-        own = [t for t in schedule if t.id in pinned and t.op not in SIDE_EFFECTS]
+        outputs = [t for ts in getattr(graph, "outputs", {}).values() for t in ts]
+        mem = plan_device_memory(schedule, plan, pinned, outputs, qmatmul=self.qmatmul)
+        self.memory = mem
+        self.raw_consts = frozenset(mem.raw_consts)
+        own = [t for t in schedule if t.id in mem.f32_buffers or t.id in mem.raw_consts]
         for t in schedule:
             if t.id in plan.offsets:
                 end = plan.offsets[t.id] + t.size * self.itemsize
@@ -72,10 +85,7 @@ class CudaBackend:
                                     f"{plan.arena_bytes} bytes")
             elif t.op is not None and t.op not in SIDE_EFFECTS and t.id not in pinned:
                 raise CudaError(f"buffer plan has no place for {t.name!r}")
-        scratch = {t.id: scratch_bytes(t) for t in schedule if t.op is not None}
-        raw_peak = max([self._quant_bytes(t) for t in own if t.role == "const"] + [0])
-        needed = (plan.arena_bytes + sum(4 * max(t.size, 1) for t in own)
-                  + sum(scratch.values()) + raw_peak)
+        needed = mem.peak_bytes
         free, total = self.ctx.mem_info()
         if needed > free:
             raise CudaError(f"realize needs {needed} bytes of device memory ({plan.summary()}) "
@@ -85,8 +95,9 @@ class CudaBackend:
             for tid, off in plan.offsets.items():
                 self.ptrs[tid] = arena + off
             for t in own:
-                self.ptrs[t.id] = self._alloc(4 * max(t.size, 1))
-            scratch_ptr = {tid: self._alloc(n) for tid, n in scratch.items() if n}
+                nbytes = mem.f32_buffers.get(t.id) or mem.raw_consts[t.id]
+                self.ptrs[t.id] = self._alloc(max(1, nbytes))
+            scratch_ptr = {tid: self._alloc(n) for tid, n in mem.scratch.items() if n}
         except CudaError as e:
             if "OUT_OF_MEMORY" not in str(e):
                 raise
@@ -99,7 +110,7 @@ class CudaBackend:
             self._bind(t)
         for t in schedule:
             if t.op is not None:
-                launches = lower(t, self._ptr, scratch_ptr.get(t.id, 0))
+                launches = lower(t, self._ptr, scratch_ptr.get(t.id, 0), self.raw_consts)
                 self._launches[t.id] = [self._prepare(l) for l in launches]
         self.ctx.sync()
         self._keep.clear()
@@ -116,11 +127,16 @@ class CudaBackend:
         except KeyError:
             raise CudaError(f"tensor {t.name!r} has no device buffer") from None
 
-    @staticmethod
-    def _quant_bytes(t) -> int:
-        if t.storage in _FLOAT_STORAGE or t.data is None:
-            return 0
-        return int(np.asarray(t.data).nbytes)
+    def memory_report(self) -> dict:
+        """Device bytes realize allocated, by kind, and what keeping block-format consts
+        saved against f32 copies (``saved_bytes``; 0 with ``TOYGRAPH_CUDA_QMATMUL=0``).
+
+        >>> sess.backend.memory_report()["saved_bytes"]      # doctest: +SKIP
+        441483264
+        """
+        if self.memory is None:
+            raise CudaError("memory_report: the backend is not realized")
+        return dict(self.memory.report(), qmatmul=self.qmatmul)
 
     def _prepare(self, launch: Launch):
         fn = self.module.function(launch.kernel)
@@ -131,7 +147,9 @@ class CudaBackend:
         """Fill a pinned buffer: consts and params get their values, the rest zeros."""
         dptr = self.ptrs[t.id]
         if t.role == "const":
-            if t.storage in _FLOAT_STORAGE:
+            if t.id in self.raw_consts:
+                self._upload(dptr, self._block_bytes(t))
+            elif t.storage in _FLOAT_STORAGE:
                 from ..cpu.backend import const_array
                 self._upload(dptr, const_array(t, np.float32))
             else:
@@ -150,12 +168,7 @@ class CudaBackend:
         if kernel is None:
             raise CudaError(f"const {t.name!r}: no CUDA dequantizer for storage {t.storage!r} "
                             f"(supported: f32, {', '.join(DEQUANT_KERNELS)})")
-        from .. import quant
-        raw = _raw_bytes(t.data)
-        want = quant.nbytes(t.storage, t.shape)
-        if raw.size != want:
-            raise CudaError(f"const {t.name!r}: {t.storage} data of shape {t.shape} needs "
-                            f"{want} bytes, got {raw.size}")
+        raw = self._block_bytes(t)
         tmp = self.ctx.alloc(raw.size)
         try:
             self.ctx.htod(tmp, raw)
@@ -166,6 +179,16 @@ class CudaBackend:
             self.ctx.sync()  # the raw bytes may go: one quantized tensor on the GPU at a time
         finally:
             self.ctx.free(tmp)
+
+    @staticmethod
+    def _block_bytes(t) -> np.ndarray:
+        from .. import quant
+        raw = _raw_bytes(t.data)
+        want = quant.nbytes(t.storage, t.shape)
+        if raw.size != want:
+            raise CudaError(f"const {t.name!r}: {t.storage} data of shape {t.shape} needs "
+                            f"{want} bytes, got {raw.size}")
+        return raw
 
     def _upload(self, dptr: int, value: np.ndarray):
         arr = np.ascontiguousarray(value)
@@ -221,6 +244,9 @@ class CudaBackend:
     def read(self, t) -> np.ndarray:
         """A copy of ``t``'s buffer; waits for everything queued before it."""
         self.ctx.make_current()
+        if t.id in self.raw_consts:  # frozen, so its host data is its value
+            from ..cpu.backend import const_array
+            return np.array(const_array(t, np.float32))
         out = np.empty(t.shape, np.int32 if t.dtype == "i32" else np.float32)
         self.ctx.dtoh(out, self._ptr(t), out.nbytes)
         self.ctx.sync()

@@ -1,7 +1,9 @@
 """The CUDA C++ sources of every toygraph kernel, assembled into one module.
 
 The kernels live in ``kernels/*.cu`` by family (elementwise, row-wise, matmul, loss,
-optimizer, dequantization) with shared helpers in ``kernels/common.cuh``. They need no
+optimizer, dequantization, quantized matmul) with shared helpers in ``kernels/common.cuh``
+and the block-format decoders in ``kernels/quant.cuh``, whose byte offsets are
+quant.LAYOUT emitted as ``#define``s (:func:`layout_defines`). They need no
 CUDA toolkit header, so NVRTC compiles them with nothing but its own wheel. The backend
 compiles :func:`module_source` once (cached on disk by nvrtc.py) and looks kernels up by
 name.
@@ -17,8 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-HEADER = "common.cuh"
-FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "optim.cu", "dequant.cu")
+HEADERS = ("common.cuh", "quant.cuh")
+# qmatmul.cu reuses matmul.cu's tile sizes (MM_BM, MM_BN, MM_BK): keep it after matmul.cu.
+FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "optim.cu", "dequant.cu",
+            "qmatmul.cu")
 
 #: The kernels each op of ops.OPS lowers to (see lowering.py); tests check the table is
 #: complete and every name exists in the sources.
@@ -45,15 +49,37 @@ DEQUANT_KERNELS: dict[str, str] = {
     "q4_1": "tg_deq_q4_1", "q4_k": "tg_deq_q4_k", "q5_k": "tg_deq_q5_k", "q6_k": "tg_deq_q6_k",
 }
 
+#: Kernels that read a const in its block format (qmatmul.cu), per storage format:
+#: "nt" y = x @ W^T, "nn" dx = dy @ W, "rows" get_rows from a block-format table.
+QUANT_KERNELS: dict[str, dict[str, str]] = {
+    fmt: {"nt": f"tg_qmm_nt_{fmt}", "nn": f"tg_qmm_nn_{fmt}", "rows": f"tg_get_rows_{fmt}"}
+    for fmt in DEQUANT_KERNELS
+}
+
 
 def read_source(name: str) -> str:
     return (KERNEL_DIR / name).read_text()
 
 
+def layout_defines() -> str:
+    """quant.BLOCK and quant.LAYOUT as C macros (``TG_Q4_K_QK``, ``TG_Q4_K_BYTES``,
+    ``TG_Q4_K_SCALES``...), so the kernels use the one description of each block."""
+    from .. import quant
+    lines = ["// generated from toygraph.quant.BLOCK and toygraph.quant.LAYOUT"]
+    for fmt in DEQUANT_KERNELS:
+        elems, size = quant.BLOCK[fmt]
+        name = fmt.upper()
+        lines += [f"#define TG_{name}_QK {elems}", f"#define TG_{name}_BYTES {size}"]
+        lines += [f"#define TG_{name}_{field.upper()} {off}"
+                  for field, off in quant.LAYOUT.get(fmt, {}).items()]
+    return "\n".join(lines) + "\n"
+
+
 @lru_cache(maxsize=None)
 def module_source(families: tuple[str, ...] = FAMILIES) -> str:
-    """The header followed by the given kernel families: one translation unit."""
-    parts = [f"// ---- {HEADER}\n" + read_source(HEADER)]
+    """The headers followed by the given kernel families: one translation unit."""
+    parts = ["// ---- quant layout\n" + layout_defines()]
+    parts += [f"// ---- {h}\n" + read_source(h) for h in HEADERS]
     parts += [f"// ---- {f}\n" + read_source(f) for f in families]
     return "\n".join(parts)
 

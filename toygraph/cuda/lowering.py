@@ -8,6 +8,10 @@ broadcasting, permutes, grouped-query sharing and reductions are packed into the
 >>> launches = lower(node, ptr_of, scratch_ptr)     # doctest: +SKIP
 >>> [l.kernel for l in launches]                    # doctest: +SKIP
 ['tg_ce_rows', 'tg_ce_reduce']
+
+Consts whose ids are in ``raw_consts`` live on the device in their GGUF block format; their
+consumers must be ones :func:`reads_block_format` accepts (a 2-D weight as a matmul's b
+with trans_a=False, or a get_rows table), which lower to the fused kernels of qmatmul.cu.
 """
 from __future__ import annotations
 
@@ -189,9 +193,32 @@ def _reduce(out_ptr, x_ptr, kd, ks, rd, rs) -> Launch:
     return Launch("tg_reduce_block", _rows_grid(n_out), args)
 
 
-def lower(node, ptr, scratch: int = 0) -> list[Launch]:
-    """The launches computing ``node``; ``ptr(t)`` is the device address of tensor t."""
+#: Storage formats the fused kernels of qmatmul.cu read (f32 consts are used as they are).
+BLOCK_STORAGE = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+
+
+def reads_block_format(node, index: int) -> bool:
+    """Whether ``node`` can read its source ``index`` (a const) in its block format: as
+    the weight of ``x @ W^T`` / ``dy @ W`` (a 2-D b, trans_a=False, a's batch axes folded
+    into M), or as the table of get_rows."""
+    src = node.srcs[index]
+    if src.role != "const" or src.storage not in BLOCK_STORAGE or len(src.shape) != 2:
+        return False
+    if node.op == "get_rows":
+        return index == 0
+    if node.op == "matmul":
+        return index == 1 and node.srcs[0] is not src and not node.attrs["trans_a"]
+    return False
+
+
+def lower(node, ptr, scratch: int = 0, raw_consts=frozenset()) -> list[Launch]:
+    """The launches computing ``node``; ``ptr(t)`` is the device address of tensor t (for a
+    const in ``raw_consts``, the address of its block bytes)."""
     op, s, a = node.op, node.srcs, node.attrs
+    for i, src in enumerate(s):
+        if src.id in raw_consts and not reads_block_format(node, i):
+            raise CudaError(f"{op} {node.name!r} cannot read const {src.name!r} in its "
+                            f"{src.storage} block format")
     out = ptr(node) if op not in ("accumulate", "adamw") else 0
     n = node.size
     if op in ("add", "sub", "mul"):
@@ -248,7 +275,15 @@ def lower(node, ptr, scratch: int = 0) -> list[Launch]:
         return [Launch("tg_softmax_back", _rows_grid(rows),
                        [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(rows), i32(T), f32(a["scale"])])]
     if op == "matmul":
+        if s[1].id in raw_consts:
+            return [_qmatmul(node, out, ptr)]
         return [_matmul(node, out, ptr)]
+    if op == "get_rows" and s[0].id in raw_consts:
+        from .kernels import QUANT_KERNELS
+        D = s[0].shape[1]
+        return [Launch(QUANT_KERNELS[s[0].storage]["rows"], _blocks(n),
+                       [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n), i32(D),
+                        i32(row_bytes(s[0]))])]
     if op == "get_rows":
         D = s[0].shape[1]
         return [Launch("tg_get_rows", _blocks(n), [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n),
@@ -308,3 +343,27 @@ def _matmul(node, out, ptr) -> Launch:
     return Launch("tg_matmul", grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
                                       i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
                                       strided(dims, sa, sb)])
+
+
+def row_bytes(w) -> int:
+    """Bytes of one row of the 2-D block-format const ``w``."""
+    from .. import quant
+    return quant.nbytes(w.storage, (1, w.shape[1]))
+
+
+def _qmatmul(node, out, ptr) -> Launch:
+    """x @ W^T (trans_b) or dy @ W on a block-format W [rows, cols]; x's batch axes fold
+    into M since the 2-D W is shared by every batch entry and all buffers are contiguous."""
+    from .kernels import QUANT_KERNELS
+    (x, w), tb = node.srcs, node.attrs["trans_b"]
+    K = x.shape[-1]
+    M = x.size // K if K else 0
+    N = w.shape[0] if tb else w.shape[1]
+    if K != (w.shape[1] if tb else w.shape[0]):
+        raise CudaError(f"matmul {node.name!r}: inner dimensions {x.shape} and {w.shape} differ")
+    gy = (M + 63) // 64
+    if gy > MAX_GRID_YZ:
+        raise CudaError(f"matmul {node.name!r}: {M} rows exceed the kernel's grid limit")
+    kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
+    return Launch(kernel, (max(1, (N + 63) // 64), max(1, gy), 1),
+                  [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))])

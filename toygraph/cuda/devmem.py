@@ -1,0 +1,111 @@
+"""Device memory of a realized graph: which frozen consts stay in their GGUF block format
+and what the backend allocates, worked out on the host with no device.
+
+A const stored as f16/bf16/q8_0/q4_0/q4_1/q4_k/q5_k/q6_k whose every consumer in the
+schedule reads it through a fused kernel of kernels/qmatmul.cu (``x @ W^T``, ``dy @ W``, or
+get_rows; see lowering.reads_block_format) keeps its block bytes on the device and gets no
+f32 copy: for Q4_1 weights that is 0.625 bytes per element instead of 4 (QLoRA-style).
+Any other consumer (or the const being a graph output) falls back to the f32 copy that
+realize decodes with kernels/dequant.cu. ``TOYGRAPH_CUDA_QMATMUL=0`` forces the fallback
+for every const.
+
+>>> mem = plan_device_memory(schedule, plan, pinned)       # doctest: +SKIP
+>>> mem.report()["saved_bytes"]                            # doctest: +SKIP
+441483264
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import quant
+from ..ops import SIDE_EFFECTS
+from .lowering import BLOCK_STORAGE, reads_block_format, scratch_bytes
+
+
+def qmatmul_enabled() -> bool:
+    """False when ``TOYGRAPH_CUDA_QMATMUL=0`` asks for f32 copies of every const."""
+    return os.environ.get("TOYGRAPH_CUDA_QMATMUL", "1") != "0"
+
+
+def block_format_consts(schedule, outputs=()) -> set[int]:
+    """Ids of the consts of ``schedule`` that every consumer reads in their block format
+    (and that are not among ``outputs``, which are downloaded as f32)."""
+    out_ids = {t.id for t in outputs}
+    candidates = {t.id for t in schedule if t.role == "const" and t.storage in BLOCK_STORAGE
+                  and len(t.shape) == 2 and t.id not in out_ids}
+    used: set[int] = set()
+    for node in schedule:
+        for i, src in enumerate(node.srcs):
+            if src.id in candidates:
+                used.add(src.id)
+                if not reads_block_format(node, i):
+                    candidates.discard(src.id)
+    return candidates & used
+
+
+@dataclass
+class DeviceMemoryPlan:
+    """Every device allocation realize makes, in bytes."""
+    arena_bytes: int = 0
+    f32_buffers: dict[int, int] = field(default_factory=dict)   # pinned tensor id -> bytes
+    raw_consts: dict[int, int] = field(default_factory=dict)    # block-format const -> bytes
+    scratch: dict[int, int] = field(default_factory=dict)       # node id -> bytes
+    dequant_temp_bytes: int = 0   # transient at realize: the largest const decoded to f32
+    f32_avoided_bytes: int = 0    # the f32 copies the raw consts would have needed
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes held from realize until close."""
+        return (self.arena_bytes + sum(self.f32_buffers.values()) + sum(self.raw_consts.values())
+                + sum(self.scratch.values()))
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.resident_bytes + self.dequant_temp_bytes
+
+    @property
+    def saved_bytes(self) -> int:
+        """Resident bytes saved against f32 copies of the block-format consts."""
+        return self.f32_avoided_bytes - sum(self.raw_consts.values())
+
+    def report(self) -> dict:
+        return {"arena_bytes": self.arena_bytes,
+                "f32_pinned_bytes": sum(self.f32_buffers.values()),
+                "block_format_consts": len(self.raw_consts),
+                "block_format_bytes": sum(self.raw_consts.values()),
+                "scratch_bytes": sum(self.scratch.values()),
+                "dequant_temp_bytes": self.dequant_temp_bytes,
+                "resident_bytes": self.resident_bytes, "peak_bytes": self.peak_bytes,
+                "f32_avoided_bytes": self.f32_avoided_bytes, "saved_bytes": self.saved_bytes}
+
+
+def plan_device_memory(schedule, plan, pinned, outputs=(), qmatmul: bool | None = None
+                       ) -> DeviceMemoryPlan:
+    """The allocations of CudaBackend.realize for ``schedule`` with the shared buffer
+    ``plan``: the arena, one f32 (or i32) buffer per pinned tensor except the consts kept in
+    block format, which get their block bytes instead, and per-node scratch."""
+    if qmatmul is None:
+        qmatmul = qmatmul_enabled()
+    raw = block_format_consts(schedule, outputs) if qmatmul else set()
+    mem = DeviceMemoryPlan(arena_bytes=plan.arena_bytes)
+    for t in schedule:
+        if t.id not in pinned or t.op in SIDE_EFFECTS:
+            continue
+        f32 = 4 * max(t.size, 1)
+        if t.id in raw:
+            mem.raw_consts[t.id] = quant.nbytes(t.storage, t.shape)
+            mem.f32_avoided_bytes += f32
+        else:
+            mem.f32_buffers[t.id] = f32
+            if t.role == "const" and t.storage not in ("f32", "f64") and t.data is not None:
+                mem.dequant_temp_bytes = max(mem.dequant_temp_bytes,
+                                             int(np.asarray(t.data).nbytes))
+    for t in schedule:
+        if t.op is not None:
+            n = scratch_bytes(t)
+            if n:
+                mem.scratch[t.id] = n
+    return mem

@@ -1,0 +1,110 @@
+// Per-element decode of the GGUF block formats, shared by the dequantize kernels
+// (dequant.cu) and the fused quantized matmul / get_rows kernels (qmatmul.cu), so the two
+// paths cannot disagree. Byte offsets are quant.LAYOUT and block sizes quant.BLOCK, which
+// kernels.py emits as TG_<FMT>_<FIELD>, TG_<FMT>_QK and TG_<FMT>_BYTES ahead of this file.
+//
+// Each format is a struct: QK (elements per block), BYTES (bytes per block) and
+// at(blk, i), element i of the block at blk, computed in quant.py's (ggml's) f32 rounding
+// order with explicitly rounded intrinsics, so no FMA contraction can change a bit.
+
+__device__ __forceinline__ int tg_nib32(const unsigned char* qs, int i) {
+    return i < 16 ? (qs[i] & 0x0F) : (qs[i - 16] >> 4);
+}
+
+// The 6-bit scale and min of sub-block j from the 12-byte K-quant scale field.
+__device__ __forceinline__ void tg_k_scale(const unsigned char* s, int j, int& sc, int& mn) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        mn = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// q4_k / q5_k: (d*sc[j])*q - (dmin*m[j]); q5_k adds bit 4 of element l of sub-block j
+// from (qh[l] >> j) & 1 (qh_off < 0 for q4_k).
+__device__ __forceinline__ float tg_k_quant(const unsigned char* blk, int i, int d_off,
+                                            int dmin_off, int sc_off, int qs_off, int qh_off) {
+    int j = i / 32, l = i % 32;
+    unsigned char byte = blk[qs_off + 32 * (j / 2) + l];
+    int q = (j & 1) ? (byte >> 4) : (byte & 0x0F);
+    if (qh_off >= 0) q |= ((blk[qh_off + l] >> j) & 1) << 4;
+    int sc, mn;
+    tg_k_scale(blk + sc_off, j, sc, mn);
+    float d = __fmul_rn(tg_load_half(blk + d_off), (float)sc);
+    float dm = __fmul_rn(tg_load_half(blk + dmin_off), (float)mn);
+    return __fsub_rn(__fmul_rn(d, (float)q), dm);
+}
+
+struct TgF16 {
+    static constexpr int QK = TG_F16_QK, BYTES = TG_F16_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int) {
+        return tg_load_half(blk);
+    }
+};
+
+struct TgBF16 {
+    static constexpr int QK = TG_BF16_QK, BYTES = TG_BF16_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int) {
+        return tg_bf16_to_float((unsigned short)(blk[0] | (blk[1] << 8)));
+    }
+};
+
+struct TgQ8_0 {  // d | qs int8[32]
+    static constexpr int QK = TG_Q8_0_QK, BYTES = TG_Q8_0_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int i) {
+        return __fmul_rn((float)(signed char)blk[TG_Q8_0_QS + i], tg_load_half(blk + TG_Q8_0_D));
+    }
+};
+
+struct TgQ4_0 {  // d | qs[16]
+    static constexpr int QK = TG_Q4_0_QK, BYTES = TG_Q4_0_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int i) {
+        float q = (float)tg_nib32(blk + TG_Q4_0_QS, i);
+        return __fmul_rn(tg_load_half(blk + TG_Q4_0_D), __fsub_rn(q, 8.0f));
+    }
+};
+
+struct TgQ4_1 {  // d | m | qs[16]
+    static constexpr int QK = TG_Q4_1_QK, BYTES = TG_Q4_1_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int i) {
+        float q = (float)tg_nib32(blk + TG_Q4_1_QS, i);
+        return __fadd_rn(__fmul_rn(tg_load_half(blk + TG_Q4_1_D), q), tg_load_half(blk + TG_Q4_1_M));
+    }
+};
+
+struct TgQ4_K {  // d | dmin | scales[12] | qs[128]
+    static constexpr int QK = TG_Q4_K_QK, BYTES = TG_Q4_K_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int i) {
+        return tg_k_quant(blk, i, TG_Q4_K_D, TG_Q4_K_DMIN, TG_Q4_K_SCALES, TG_Q4_K_QS, -1);
+    }
+};
+
+struct TgQ5_K {  // d | dmin | scales[12] | qh[32] | qs[128]
+    static constexpr int QK = TG_Q5_K_QK, BYTES = TG_Q5_K_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int i) {
+        return tg_k_quant(blk, i, TG_Q5_K_D, TG_Q5_K_DMIN, TG_Q5_K_SCALES, TG_Q5_K_QS,
+                          TG_Q5_K_QH);
+    }
+};
+
+struct TgQ6_K {  // ql[128] | qh[64] | scales int8[16] | d
+    static constexpr int QK = TG_Q6_K_QK, BYTES = TG_Q6_K_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int i) {
+        int h = i / 128, r = i % 128, quarter = r / 32, l = r % 32;
+        unsigned char lb = blk[TG_Q6_K_QL + 64 * h + l + ((quarter & 1) ? 32 : 0)];
+        int lo = (quarter >= 2) ? (lb >> 4) : (lb & 0x0F);
+        int hi = (blk[TG_Q6_K_QH + 32 * h + l] >> (2 * quarter)) & 3;
+        float q = (float)(lo | (hi << 4));
+        float d = __fmul_rn(tg_load_half(blk + TG_Q6_K_D),
+                            (float)(signed char)blk[TG_Q6_K_SCALES + i / 16]);
+        return __fmul_rn(d, __fsub_rn(q, 32.0f));
+    }
+};
+
+// Element e of a run of F blocks (a whole tensor, or one row of one).
+template <class F>
+__device__ __forceinline__ float tg_dequant_at(const unsigned char* raw, long long e) {
+    return F::at(raw + (e / F::QK) * F::BYTES, (int)(e % F::QK));
+}
