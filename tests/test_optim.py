@@ -141,11 +141,12 @@ def test_hp_row_and_schedules():
         hp_row(0, 1e-3)
     warm = Schedule(1e-3, "cosine", warmup=10, total=100, floor=1e-5)
     assert warm(1) == pytest.approx(1e-4) and warm(1) > 0   # step 1 is not a no-op
-    assert warm(10) == pytest.approx(1e-3)
-    assert warm(100) == pytest.approx(1e-5)
-    assert warm(55) == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5)
+    assert warm(10) == pytest.approx(1e-3) and warm(11) == pytest.approx(1e-3)
+    assert warm(56) == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5)  # halfway through the decay
+    last = 1e-5 + (1e-3 - 1e-5) * 0.5 * (1 + math.cos(math.pi * 89 / 90))
+    assert warm(100) == pytest.approx(last) and warm(100) > 1e-5  # the last step still learns
     lin = Schedule(2e-3, "linear", warmup=0, total=10)
-    assert lin(1) == pytest.approx(2e-3 * 0.9) and lin(10) == pytest.approx(0.0)
+    assert lin(1) == pytest.approx(2e-3) and lin(10) == pytest.approx(2e-4)
     assert Schedule(5e-4)(1000) == 5e-4
     with pytest.raises(GraphError):
         Schedule(1e-3, "cosine", warmup=10, total=5)

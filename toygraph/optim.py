@@ -80,8 +80,8 @@ def hp_row(t: int, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: flo
 class Schedule:
     """Learning rate by optimizer step t (from 1).
 
-    kind "constant": lr (after warmup); "linear": warmup then linear decay to ``floor``;
-    "cosine": warmup then cosine decay to ``floor`` at ``total`` steps. Warmup ramps as
+    kind "constant": lr (after warmup); "linear": warmup then linear decay towards
+    ``floor``; "cosine": warmup then cosine decay towards ``floor`` over ``total`` steps. Warmup ramps as
     lr * t / warmup for t <= warmup, so step 1 already moves the weights (never a zero-LR
     no-op) and step ``warmup`` reaches the full rate.
     """
@@ -105,7 +105,10 @@ class Schedule:
             return self.lr * t / self.warmup
         if self.kind == "constant":
             return self.lr
-        frac = min(1.0, (t - self.warmup) / max(1, self.total - self.warmup))
+        # Progress 0 at the first step after warmup and (n-1)/n at the last, so the last
+        # step still learns (a schedule that hits the floor at step ``total`` wastes it
+        # when the floor is 0).
+        frac = min(1.0, (t - self.warmup - 1) / (self.total - self.warmup))
         if self.kind == "linear":
             return self.floor + (self.lr - self.floor) * (1.0 - frac)
         return self.floor + (self.lr - self.floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
