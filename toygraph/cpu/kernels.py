@@ -132,6 +132,13 @@ def _rope(out, srcs, attrs):
     cos, sin = rope_angles(pos, d, attrs["base"], x.dtype)
     if attrs["inverse"]:
         sin = -sin
+    if attrs["mode"] == "normal" and d == x.shape[-1] and x.flags.c_contiguous:
+        # Adjacent pairs (x0, x1) are the complex number x0 + i x1, and rotating by theta
+        # is one complex multiply: a third of the strided real arithmetic below.
+        ctype = np.complex64 if x.dtype == np.float32 else np.complex128
+        rot = (cos + 1j * sin).astype(ctype)
+        np.multiply(x.view(ctype), rot, out=out.view(ctype))
+        return
     if attrs["mode"] == "normal":
         x0, x1, o0, o1 = x[..., 0:d:2], x[..., 1:d:2], out[..., 0:d:2], out[..., 1:d:2]
     else:
