@@ -50,10 +50,15 @@ class RecipeOptions:
             raise GraphError(f"RecipeOptions.init_scale must be >= 0, got {self.init_scale}")
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
             raise GraphError(f"RecipeOptions.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
-        if self.weight_dtype not in ("f32", "f64"):
-            raise GraphError(f"RecipeOptions.weight_dtype must be f32 or f64, got {self.weight_dtype!r}")
+        if self.weight_dtype not in ("f32", "f64", "bf16", "tf32"):
+            raise GraphError(f"RecipeOptions.weight_dtype must be f32, f64, bf16 or tf32, "
+                             f"got {self.weight_dtype!r}")
         if self.backend not in ("cpu", "cuda"):
             raise GraphError(f"RecipeOptions.backend must be cpu or cuda, got {self.backend!r}")
+        if self.weight_dtype in ("bf16", "tf32") and self.backend != "cuda":
+            raise GraphError(f"RecipeOptions.weight_dtype={self.weight_dtype!r} (tensor-core "
+                             f"matmuls, f32 everything else) needs backend='cuda', got "
+                             f"backend={self.backend!r}")
 
     @classmethod
     def names(cls):

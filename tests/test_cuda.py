@@ -3,6 +3,8 @@
 Errors are normwise: max|cuda - numpy| / max|numpy| per tensor. f32 elementwise ops must
 agree within 1e-5, reductions and matmuls (whose summation order differs from numpy's
 pairwise sums and BLAS) within 1e-4. Each backend must also be bit-identical run to run.
+Mixed precision (dtype "bf16" / "tf32": tensor-core matmuls) is held to 2e-2 / 5e-3 against
+numpy f32, and to 1e-5 against numpy on inputs rounded the way the kernels round them.
 """
 import numpy as np
 import pytest
@@ -34,8 +36,8 @@ def rel_err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def run_phase(graph, backend, inputs, phase, fetch):
-    s = Session(graph, backend=backend)
+def run_phase(graph, backend, inputs, phase, fetch, dtype="f32"):
+    s = Session(graph, backend=backend, dtype=dtype)
     s.realize()
     s.reset()
     for t, v in inputs.items():
@@ -44,8 +46,9 @@ def run_phase(graph, backend, inputs, phase, fetch):
     return [s.download(t) for t in fetch]
 
 
-def compare_op(build, shapes, tol, inputs_fn=None, seed=0, grad_tol=REDUCTION):
-    """Forward output and the gradients of sum(y * r) for every param, on both backends."""
+def compare_op(build, shapes, tol, inputs_fn=None, seed=0, grad_tol=REDUCTION, dtype="f32"):
+    """Forward output and the gradients of sum(y * r) for every param, on both backends
+    (the CUDA one at ``dtype``; the numpy reference is always f32)."""
     rng = np.random.default_rng(seed)
     g = Graph()
     params = [g.param(f"p{i}", rnd(rng, *s)) for i, s in enumerate(shapes)]
@@ -55,11 +58,11 @@ def compare_op(build, shapes, tol, inputs_fn=None, seed=0, grad_tol=REDUCTION):
     grads = accumulate_grads(backward(loss, params))
     fetch = [y] + list(grads.values())
     cpu = run_phase(g, "cpu", extra, "backward", fetch)
-    gpu = run_phase(g, "cuda", extra, "backward", fetch)
+    gpu = run_phase(g, "cuda", extra, "backward", fetch, dtype)
     assert rel_err(gpu[0], cpu[0]) <= tol, "forward"
     for p, a, b in zip(params, gpu[1:], cpu[1:]):
         assert rel_err(a, b) <= grad_tol, f"gradient of {p.name}"
-    again = run_phase(g, "cuda", extra, "backward", fetch)
+    again = run_phase(g, "cuda", extra, "backward", fetch, dtype)
     for a, b in zip(gpu, again):
         assert np.array_equal(a, b), "not bit-identical run to run"
 
@@ -344,14 +347,15 @@ def test_quantized_get_rows_decodes_the_rows_it_needs(fmt):
     np.testing.assert_array_equal(s.download(table), wv)  # a block-format const still reads
 
 
-def _lora_losses(path, backend, steps=3):
+def _lora_losses(path, backend, steps=3, dtype="f32"):
     from toygraph.gguf import GGUFModel
     from toygraph.recipes import LoRA, RecipeOptions
     model = GGUFModel(path)
     B, T = 2, 16
     recipe = LoRA(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, alpha=8)
     recipe.realize(model, model.config, RecipeOptions(t_seq=T, t_batch=B, seed=3,
-                                                      init_scale=0.05, backend=backend))
+                                                      init_scale=0.05, backend=backend,
+                                                      weight_dtype=dtype))
     rng = np.random.default_rng(0)
     pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
     losses = []
@@ -416,3 +420,108 @@ def test_block_format_weights_use_less_device_memory(monkeypatch):
     assert rep_f["saved_bytes"] == 0
     assert used_q < used_f
     assert used_f - used_q >= 0.9 * rep_q["saved_bytes"]
+
+
+# --- mixed precision: tensor-core matmuls (dtype "bf16" / "tf32", kernels/tc_matmul.cu) --------
+MIXED_TOL = {"bf16": 2e-2, "tf32": 5e-3}
+MATMUL_CASES = [
+    ((3, 4), (4, 5), False, False), ((3, 4), (5, 4), False, True),
+    ((4, 3), (4, 5), True, False), ((4, 3), (5, 4), True, True),
+    ((2, 3, 4), (4, 5), False, False), ((2, 3, 3, 4), (2, 3, 4, 5), False, False),
+    ((2, 6, 3, 4), (2, 2, 3, 4), False, True),            # grouped-query scores
+    ((2, 6, 3, 3), (2, 2, 3, 4), False, False),           # grouped-query weights @ V
+    ((70, 130), (130, 90), False, False), ((130, 70), (90, 130), True, True),
+    ((3, 65, 100), (100, 129), False, False), ((2, 4, 67, 33), (2, 2, 67, 33), False, True),
+    ((300, 257), (257, 190), False, False), ((257, 300), (190, 257), True, True),
+]
+
+
+@pytest.mark.parametrize("prec", ["bf16", "tf32"])
+@pytest.mark.parametrize("sa,sb,ta,tb", MATMUL_CASES)
+def test_tc_matmul_matches_numpy_and_is_deterministic(prec, sa, sb, ta, tb):
+    """Forward and both gradients (also tensor-core matmuls) within the mixed-precision
+    tolerance of numpy f32, bit-identical run to run."""
+    compare_op(lambda a, b: ops.matmul(a, b, trans_a=ta, trans_b=tb), [sa, sb],
+               MIXED_TOL[prec], grad_tol=MIXED_TOL[prec], dtype=prec)
+
+
+def _round(x, prec):   # cvt.rn.bf16.f32 / cvt.rna.tf32.f32 on the host
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000 if prec == "bf16" else \
+        (u + 0x1000) & 0xFFFFE000
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("prec", ["bf16", "tf32"])
+@pytest.mark.parametrize("sa,sb,ta,tb", [((300, 257), (257, 190), False, False),
+                                         ((2, 4, 67, 33), (2, 2, 67, 33), False, True),
+                                         ((257, 300), (190, 257), True, True)])
+def test_tc_matmul_is_exactly_the_matmul_of_rounded_inputs(prec, sa, sb, ta, tb):
+    """The sharp check of the fragment layouts on hardware: against numpy on inputs rounded
+    the way the kernel rounds them, only f32 accumulation error may remain (1e-5), far
+    below what any misplaced element would cause, and the result differs from f32's."""
+    rng = np.random.default_rng(8)
+    g = Graph()
+    a, b = g.input("a", sa), g.input("b", sb)
+    y = g.output(ops.matmul(a, b, trans_a=ta, trans_b=tb))
+    av, bv = rnd(rng, *sa), rnd(rng, *sb)
+    got = run_phase(g, "cuda", {a: av, b: bv}, "forward", [y], prec)[0]
+    want = np.zeros(y.shape)
+    from toygraph.cpu.kernels import KERNELS
+    KERNELS["matmul"](want, [_round(av, prec), _round(bv, prec)], y.attrs)
+    assert rel_err(got, want) <= 1e-5
+    f32 = run_phase(g, "cuda", {a: av, b: bv}, "forward", [y])[0]
+    assert not np.array_equal(got, f32)
+
+
+@pytest.mark.parametrize("prec", ["bf16", "tf32"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_tc_quantized_matmul_matches_numpy(prec, fmt):
+    g, w, fetch, want = _qlinear(fmt, batch=(2, 70))
+    s = Session(g, backend="cuda", dtype=prec)
+    s.realize()
+    s.reset()
+    s.run("backward")
+    got = [s.download(t) for t in fetch]
+    assert s.backend.raw_consts == {w.id}, "W should stay in its block format"
+    assert rel_err(got[0], want[0]) <= MIXED_TOL[prec], "forward x @ W^T"
+    assert rel_err(got[1], want[1]) <= MIXED_TOL[prec], "backward dX = dY @ W"
+
+
+@pytest.mark.parametrize("prec", ["bf16", "tf32"])
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_llama_kquant"])
+def test_lora_training_in_mixed_precision_tracks_f32(model, prec, request):
+    """A LoRA trajectory with tensor-core matmuls stays within 2e-2 (relative) of the f32
+    one on every step's loss, is deterministic, and keeps f32 master weights."""
+    path = request.getfixturevalue(model)
+    _, f32_losses, f32_w = _lora_losses(path, "cuda", steps=5)
+    recipe, losses, w = _lora_losses(path, "cuda", steps=5, dtype=prec)
+    assert recipe.sess.backend.precision == prec
+    for a, b in zip(losses, f32_losses):
+        assert abs(a - b) <= 2e-2 * abs(b), (losses, f32_losses)
+    assert losses != f32_losses   # the tensor cores really ran
+    for k in f32_w:
+        assert w[k].dtype == np.float32
+    assert _lora_losses(path, "cuda", steps=5, dtype=prec)[1] == losses
+
+
+def test_f32_default_stays_on_the_plain_kernels():
+    g = Graph()
+    a, b = g.input("a", (70, 130)), g.input("b", (130, 90))
+    g.output(ops.matmul(a, b))
+    s = Session(g, backend="cuda")
+    s.realize()
+    assert s.backend.precision == "f32"
+    assert all(not fn_name.startswith("tg_tc_") for fn_name in _launched_kernels(s))
+
+
+def _launched_kernels(s):
+    from toygraph.cuda.lowering import lower
+    be = s.backend
+    return [l.kernel for t in be.schedule if t.op is not None
+            for l in lower(t, be._ptr, 0, be.raw_consts, be.precision)]
+
+
+def test_other_dtypes_are_refused():
+    with pytest.raises(CudaError, match="bf16"):
+        Session(Graph(), backend="cuda", dtype="f16")

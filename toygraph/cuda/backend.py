@@ -8,6 +8,14 @@ buffers); ``read`` is the only host<->device synchronisation.
 >>> sess = Session(graph, backend="cuda")          # doctest: +SKIP
 >>> sess.realize(); sess.reset(); sess.upload(x, data); sess.run("step")   # doctest: +SKIP
 
+``dtype="bf16"`` (or ``"tf32"``) is mixed precision: every matmul runs on tensor cores
+(kernels/tc_matmul.cu) with its f32 operands rounded to bf16 (tf32) as they are staged in
+shared memory and block-format weights decoded straight to that type, accumulating in f32;
+all other ops, the f32 master weights and the Adam moments are unchanged. ``"f32"`` (the
+default) compiles and launches exactly the plain f32 kernels.
+
+>>> sess = Session(graph, backend="cuda", dtype="bf16")   # doctest: +SKIP
+
 Set ``TOYGRAPH_CUDA_GRAPHS=0`` to launch kernels one by one instead of replaying graphs
 (useful when debugging a kernel with compute-sanitizer).
 
@@ -27,10 +35,18 @@ from ..memory import BufferPlan
 from ..ops import SIDE_EFFECTS
 from . import driver
 from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
-from .kernels import DEQUANT_KERNELS, OP_KERNELS, module_source
+from .kernels import DEQUANT_KERNELS, OP_KERNELS, TC_PRECISIONS, backend_source
 from .lowering import MAX_ELEMENTS, THREADS, Launch, i32, lower, p
 
 _FLOAT_STORAGE = ("f32", "f64")
+#: Backend dtypes: "f32" is the plain f32 path; "bf16" / "tf32" run every matmul on tensor
+#: cores (bf16 or tf32 inputs, f32 accumulation) and keep everything else (norms, softmax,
+#: loss, params as f32 master weights, Adam moments) in f32.
+PRECISIONS = ("f32",) + TC_PRECISIONS
+
+
+def _sm(arch: str) -> int:
+    return int("".join(ch for ch in arch[3:] if ch.isdigit()) or 0)
 
 
 def _raw_bytes(data) -> np.ndarray:
@@ -42,11 +58,16 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, dtype: str = "f32", device: int = 0):
-        if dtype != "f32":
-            raise CudaError(f"the cuda backend computes in f32 only, got dtype {dtype!r} "
+        if dtype not in PRECISIONS:
+            raise CudaError(f"the cuda backend computes in f32 (dtype 'f32', or 'bf16' / 'tf32' "
+                            f"for tensor-core matmuls), got dtype {dtype!r} "
                             "(use backend='cpu' for f64 gradient checks)")
-        self.itemsize = 4
+        self.precision = dtype
+        self.itemsize = 4   # every buffer is f32 whatever the matmuls' input precision
         self.ctx = driver.Context(device)
+        if dtype in TC_PRECISIONS and _sm(self.ctx.arch) < 80:
+            raise CudaError(f"dtype {dtype!r} needs tensor cores with bf16/tf32 mma (sm_80 or "
+                            f"newer); this device is {self.ctx.arch}: use dtype='f32'")
         self.use_graphs = os.environ.get("TOYGRAPH_CUDA_GRAPHS", "1") != "0"
         self.qmatmul = qmatmul_enabled()
         self.memory: DeviceMemoryPlan | None = None
@@ -105,12 +126,14 @@ class CudaBackend:
             raise CudaError(f"out of device memory at realize: planned {needed} bytes "
                             f"({plan.summary()}), {free} bytes free ({e})") from None
         from .nvrtc import compile_cubin
-        self.module = driver.Module(compile_cubin(module_source(), arch=self.ctx.arch))
+        self.module = driver.Module(compile_cubin(backend_source(self.precision),
+                                                  arch=self.ctx.arch))
         for t in own:
             self._bind(t)
         for t in schedule:
             if t.op is not None:
-                launches = lower(t, self._ptr, scratch_ptr.get(t.id, 0), self.raw_consts)
+                launches = lower(t, self._ptr, scratch_ptr.get(t.id, 0), self.raw_consts,
+                                 self.precision)
                 self._launches[t.id] = [self._prepare(l) for l in launches]
         self.ctx.sync()
         self._keep.clear()

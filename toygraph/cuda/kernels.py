@@ -6,7 +6,8 @@ and the block-format decoders in ``kernels/quant.cuh``, whose byte offsets are
 quant.LAYOUT emitted as ``#define``s (:func:`layout_defines`). They need no
 CUDA toolkit header, so NVRTC compiles them with nothing but its own wheel. The backend
 compiles :func:`module_source` once (cached on disk by nvrtc.py) and looks kernels up by
-name.
+name; a backend with dtype "bf16"/"tf32" compiles :func:`backend_source`, which adds the
+tensor-core matmuls of ``kernels/tc_layout.cuh`` + ``kernels/tc_matmul.cu`` (TC_KERNELS).
 
 >>> from toygraph.cuda.kernels import KERNEL_NAMES, module_source
 >>> "tg_matmul" in KERNEL_NAMES and "tg_deq_q6_k" in KERNEL_NAMES
@@ -23,6 +24,11 @@ HEADERS = ("common.cuh", "quant.cuh")
 # qmatmul.cu reuses matmul.cu's tile sizes (MM_BM, MM_BN, MM_BK): keep it after matmul.cu.
 FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "optim.cu", "dequant.cu",
             "qmatmul.cu")
+#: The tensor-core matmuls of the mixed-precision modes, compiled only for a backend with
+#: dtype "bf16" or "tf32" so the default f32 module (and its cubin) stays as it is.
+TC_FAMILIES = ("tc_layout.cuh", "tc_matmul.cu")
+#: Backend dtypes whose matmuls run on tensor cores (the rest of the step stays f32).
+TC_PRECISIONS = ("bf16", "tf32")
 
 #: The kernels each op of ops.OPS lowers to (see lowering.py); tests check the table is
 #: complete and every name exists in the sources.
@@ -54,6 +60,16 @@ DEQUANT_KERNELS: dict[str, str] = {
 QUANT_KERNELS: dict[str, dict[str, str]] = {
     fmt: {"nt": f"tg_qmm_nt_{fmt}", "nn": f"tg_qmm_nn_{fmt}", "rows": f"tg_get_rows_{fmt}"}
     for fmt in DEQUANT_KERNELS
+}
+
+
+#: Tensor-core kernels per precision: "matmul" takes tg_matmul's arguments, "nt"/"nn" per
+#: block format take the fused kernels' (QUANT_KERNELS) arguments.
+TC_KERNELS: dict[str, dict] = {
+    prec: {"matmul": f"tg_tc_matmul_{prec}",
+           "nt": {fmt: f"tg_tc_qmm_nt_{fmt}_{prec}" for fmt in DEQUANT_KERNELS},
+           "nn": {fmt: f"tg_tc_qmm_nn_{fmt}_{prec}" for fmt in DEQUANT_KERNELS}}
+    for prec in TC_PRECISIONS
 }
 
 
@@ -89,4 +105,11 @@ def kernel_names(source: str) -> list[str]:
                       source)
 
 
+def backend_source(precision: str = "f32") -> str:
+    """The module a backend of this precision compiles: f32 exactly :func:`module_source`,
+    bf16/tf32 that plus the tensor-core kernels."""
+    return module_source() if precision == "f32" else module_source(FAMILIES + TC_FAMILIES)
+
+
 KERNEL_NAMES: tuple[str, ...] = tuple(kernel_names(module_source()))
+TC_KERNEL_NAMES: tuple[str, ...] = tuple(kernel_names(module_source(TC_FAMILIES)))

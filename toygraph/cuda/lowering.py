@@ -211,9 +211,12 @@ def reads_block_format(node, index: int) -> bool:
     return False
 
 
-def lower(node, ptr, scratch: int = 0, raw_consts=frozenset()) -> list[Launch]:
+def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = "f32"
+          ) -> list[Launch]:
     """The launches computing ``node``; ``ptr(t)`` is the device address of tensor t (for a
-    const in ``raw_consts``, the address of its block bytes)."""
+    const in ``raw_consts``, the address of its block bytes). ``precision`` "bf16"/"tf32"
+    lowers matmuls to the tensor-core kernels of tc_matmul.cu (same arguments, 128 x 128
+    tiles); every other op, and every op at "f32", lowers as it always has."""
     op, s, a = node.op, node.srcs, node.attrs
     for i, src in enumerate(s):
         if src.id in raw_consts and not reads_block_format(node, i):
@@ -275,6 +278,8 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset()) -> list[Launch]:
         return [Launch("tg_softmax_back", _rows_grid(rows),
                        [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(rows), i32(T), f32(a["scale"])])]
     if op == "matmul":
+        if precision != "f32":
+            return [_tc_matmul(node, out, ptr, raw_consts, precision)]
         if s[1].id in raw_consts:
             return [_qmatmul(node, out, ptr)]
         return [_matmul(node, out, ptr)]
@@ -327,7 +332,9 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset()) -> list[Launch]:
     raise CudaError(f"the CUDA backend has no lowering for op {op!r} (node {node.name!r})")
 
 
-def _matmul(node, out, ptr) -> Launch:
+def matmul_geometry(node):
+    """(M, N, K, sam, sak, sbk, sbn, nbatch, batch dims, a strides, b strides) of a dense
+    matmul: A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn], plus the batch walk."""
     (x, y), ta, tb = node.srcs, node.attrs["trans_a"], node.attrs["trans_b"]
     M, N = node.shape[-2], node.shape[-1]
     K = x.shape[-2] if ta else x.shape[-1]
@@ -336,13 +343,39 @@ def _matmul(node, out, ptr) -> Launch:
     out_batch = node.shape[:-2]
     nbatch = prod(out_batch)
     dims, sa, sb = matmul_batch(x.shape, y.shape, out_batch)
-    gy = (M + 63) // 64
+    return M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb
+
+
+def _matmul(node, out, ptr, tile: int = 64, kernel: str = "tg_matmul") -> Launch:
+    M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
+    x, y = node.srcs
+    gy = (M + tile - 1) // tile
     if gy > MAX_GRID_YZ:
         raise CudaError(f"matmul {node.name!r}: {M} rows exceed the kernel's grid limit")
-    grid = ((N + 63) // 64, gy, max(1, min(nbatch, MAX_GRID_YZ)))
-    return Launch("tg_matmul", grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
-                                      i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
-                                      strided(dims, sa, sb)])
+    grid = ((N + tile - 1) // tile, gy, max(1, min(nbatch, MAX_GRID_YZ)))
+    return Launch(kernel, grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
+                                 i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
+                                 strided(dims, sa, sb)])
+
+
+#: Output tile edge of the tensor-core kernels (TC_BM == TC_BN in tc_layout.cuh).
+TC_TILE = 128
+
+
+def _tc_matmul(node, out, ptr, raw_consts, precision: str) -> Launch:
+    """The tensor-core launch for a matmul: dense operands take tg_matmul's arguments (so
+    every trans/batch/grouped-query case is covered), a block-format weight the fused
+    kernels' arguments."""
+    from .kernels import TC_KERNELS
+    if precision not in TC_KERNELS:
+        raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
+                        f"{precision!r} (have {sorted(TC_KERNELS)})")
+    table = TC_KERNELS[precision]
+    if node.srcs[1].id in raw_consts:
+        q = _qmatmul(node, out, ptr, tile=TC_TILE)
+        return Launch(table["nt" if node.attrs["trans_b"] else "nn"][node.srcs[1].storage],
+                      q.grid, q.args, block=(256, 1, 1))
+    return _matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"])
 
 
 def row_bytes(w) -> int:
@@ -351,7 +384,7 @@ def row_bytes(w) -> int:
     return quant.nbytes(w.storage, (1, w.shape[1]))
 
 
-def _qmatmul(node, out, ptr) -> Launch:
+def _qmatmul(node, out, ptr, tile: int = 64) -> Launch:
     """x @ W^T (trans_b) or dy @ W on a block-format W [rows, cols]; x's batch axes fold
     into M since the 2-D W is shared by every batch entry and all buffers are contiguous."""
     from .kernels import QUANT_KERNELS
@@ -361,9 +394,9 @@ def _qmatmul(node, out, ptr) -> Launch:
     N = w.shape[0] if tb else w.shape[1]
     if K != (w.shape[1] if tb else w.shape[0]):
         raise CudaError(f"matmul {node.name!r}: inner dimensions {x.shape} and {w.shape} differ")
-    gy = (M + 63) // 64
+    gy = (M + tile - 1) // tile
     if gy > MAX_GRID_YZ:
         raise CudaError(f"matmul {node.name!r}: {M} rows exceed the kernel's grid limit")
     kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
-    return Launch(kernel, (max(1, (N + 63) // 64), max(1, gy), 1),
+    return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
                   [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))])

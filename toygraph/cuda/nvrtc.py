@@ -130,6 +130,49 @@ def _compile(source: str, opts: list[str], name: str) -> bytes:
         nv.nvrtcDestroyProgram(prog)
 
 
+def resource_usage(source: str, arch: str, name: str = "toygraph.cu") -> dict[str, dict]:
+    """Per kernel, what ptxas reports compiling ``source`` for ``arch`` (no cache, no GPU):
+    ``{"registers", "stack", "spill_stores", "spill_loads", "smem"}`` (bytes of static shared
+    memory). A kernel whose register
+    arrays are indexed at run time or that runs out of registers shows stack / spills.
+
+    >>> resource_usage(module_source(), "sm_90")["tg_matmul"]["spill_stores"]  # doctest: +SKIP
+    0
+    """
+    nv = bindings()
+    prog = _check("nvrtcCreateProgram",
+                  nv.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
+    try:
+        enc = [o.encode() for o in options(arch) + ["--ptxas-options=-v"]]
+        res = nv.nvrtcCompileProgram(prog, len(enc), enc)
+        log = _log(nv, prog)
+        _check(f"NVRTC compile of {name} for {arch}", res, log)
+    finally:
+        nv.nvrtcDestroyProgram(prog)
+    out: dict[str, dict] = {}
+    kernel = None
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            kernel = m.group(1)
+            out[kernel] = {"registers": 0, "stack": 0, "spill_stores": 0, "spill_loads": 0,
+                           "smem": 0}
+            continue
+        if kernel is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                      r"loads", line)
+        if m:
+            out[kernel].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                               spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out[kernel]["registers"] = int(m.group(1))
+            m = re.search(r"(\d+) bytes smem", line)
+            out[kernel]["smem"] = int(m.group(1)) if m else 0
+    return out
+
+
 def _log(nv, prog) -> str:
     try:
         size = _check("nvrtcGetProgramLogSize", nv.nvrtcGetProgramLogSize(prog))
