@@ -139,6 +139,20 @@ def test_cross_entropy_matches_numpy(reduction, labels):
                REDUCTION, inputs_fn=lab)
 
 
+@pytest.mark.parametrize("B,H,KV,T,hd,causal", [
+    (2, 4, 4, 5, 8, True), (2, 4, 4, 5, 8, False),      # one partial tile
+    (2, 6, 2, 37, 16, True), (1, 6, 2, 37, 16, False),  # grouped-query, T off the 32 tile
+    (1, 9, 3, 70, 64, True), (2, 9, 3, 64, 64, True),   # SmolLM2's heads; tile-exact T
+    (1, 4, 2, 300, 64, True), (1, 2, 1, 130, 64, False),  # many tiles, causal skipping
+    (1, 4, 1, 35, 100, True), (1, 2, 2, 40, 128, False),  # the HD=128 kernels (16-row tiles)
+])
+def test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, causal):
+    """Output and dq, dk, dv (one attention_back node: prep, dk/dv, dq kernels) within 1e-4
+    of numpy, bit-identical run to run (compare_op runs the CUDA side twice)."""
+    compare_op(lambda q, k, v: ops.attention(q, k, v, scale=hd ** -0.5, causal=causal),
+               [(B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd)], REDUCTION)
+
+
 def test_cross_entropy_wide_vocabulary_and_count_valid():
     rng = np.random.default_rng(3)
     g = Graph()

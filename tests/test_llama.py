@@ -90,6 +90,22 @@ def test_lora_gradients_through_the_whole_model(tiny_qwen2):
     assert err <= 1e-6
 
 
+def test_attention_never_materialises_seq_by_seq_scores(tiny_llama):
+    """Forward and backward of a LoRA step: no node is [.., T, T] (fused attention), and
+    each layer has one attention and one attention_back node."""
+    from toygraph.autodiff import backward
+    m = GGUFModel(tiny_llama)
+    g = Graph()
+    T = 12
+    net = build_llama(g, m.config, batch=2, seq=T, model=m,
+                      lora=LoraConfig(targets=("q", "k", "v", "o")))
+    labels = g.input("labels", (2 * T,), "i32")
+    backward(ops.cross_entropy(net.logits, labels), net.params)
+    assert not [t for t in g.nodes if t.shape[-2:] == (T, T)]
+    ops_used = [t.op for t in g.nodes]
+    assert ops_used.count("attention") == ops_used.count("attention_back") == m.config.n_layer
+
+
 def test_build_errors(tiny_llama):
     m = GGUFModel(tiny_llama)
     with pytest.raises(GraphError, match="exceeds the model's context length"):

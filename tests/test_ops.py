@@ -180,6 +180,99 @@ def test_composite_attention_block_gradient():
     assert err <= TOL
 
 
+# --- fused attention -------------------------------------------------------------------------
+ATTN_CASES = [  # (B, H, KV, T, hd, causal)
+    (2, 4, 4, 5, 3, True), (2, 4, 4, 5, 3, False),       # one K/V head per query head
+    (2, 6, 2, 5, 4, True), (1, 6, 2, 6, 4, False),       # grouped-query: 3 query heads per kv
+    (1, 3, 1, 7, 2, True),                               # multi-query
+]
+
+
+@pytest.fixture(params=[256, 2], ids=["one_block", "query_blocks_of_2"])
+def attn_rows(request, monkeypatch):
+    """The numpy kernels' query-block size: the default, and 2 rows so that T splits into
+    several blocks (and a ragged last one) even in these small tests."""
+    from toygraph.cpu import kernels
+    monkeypatch.setattr(kernels, "ATTN_ROWS", request.param)
+    return request.param
+
+
+def _attn_inputs(rng, B, H, KV, T, hd):
+    return rnd(rng, B, H, T, hd), rnd(rng, B, KV, T, hd), rnd(rng, B, KV, T, hd)
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal", ATTN_CASES)
+def test_attention_gradients(B, H, KV, T, hd, causal, attn_rows):
+    rng = np.random.default_rng(11)
+    g = Graph()
+    q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, B, H, KV, T, hd)))
+    y = ops.attention(q, k, v, scale=hd ** -0.5, causal=causal)
+    assert check_gradients(g, weighted_sum(y, rng), [q, k, v], {}) <= TOL
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal", ATTN_CASES + [(2, 6, 3, 40, 8, True)])
+def test_attention_equals_the_unfused_composition(B, H, KV, T, hd, causal, attn_rows):
+    """Forward value and all three gradients against matmul -> softmax -> matmul (f64)."""
+    from toygraph.autodiff import accumulate_grads, backward
+    rng = np.random.default_rng(12)
+    vals = _attn_inputs(rng, B, H, KV, T, hd)
+    r = rng.normal(size=(B, H, T, hd))
+    results = []
+    for fused in (True, False):
+        g = Graph()
+        q, k, v = (g.param(n, x) for n, x in zip("qkv", vals))
+        if fused:
+            y = ops.attention(q, k, v, scale=0.3, causal=causal)
+        else:
+            att = ops.matmul(q, k, trans_b=True).softmax(scale=0.3, causal=causal)
+            y = ops.matmul(att, v)
+        g.output(y)
+        loss = g.output(ops.sum(ops.mul(y, g.const("r", r))))
+        accumulate_grads(backward(loss, [q, k, v]))
+        s = Session(g, dtype="f64"); s.realize(); s.reset(); s.run("backward")
+        results.append([s.download(y)] + [s.download(g.find(f"grad.{n}")) for n in "qkv"])
+    for what, a, b in zip(["output", "dq", "dk", "dv"], *results):
+        assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max(), what
+
+
+def test_attention_backward_is_one_node_read_through_three_unpacks():
+    from toygraph.autodiff import backward
+    rng = np.random.default_rng(13)
+    g = Graph()
+    q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, 2, 6, 2, 5, 4)))
+    y = ops.attention(q, k, v, scale=0.5)
+    grads = backward(ops.sum(y), [q, k, v])
+    assert [t.op for t in grads.values()] == ["unpack"] * 3
+    back = {t.srcs[0] for t in grads.values()}
+    assert len(back) == 1 and next(iter(back)).op == "attention_back"
+    assert [t.attrs["offset"] for t in grads.values()] == [0, q.size, q.size + k.size]
+    assert next(iter(back)).shape == (q.size + k.size + v.size,)
+
+
+def test_unpack_values_and_errors():
+    g = Graph()
+    x = g.const("x", np.arange(10.0))
+    y = g.output(ops.unpack(x, 3, (2, 3)))
+    s = Session(g, dtype="f64"); s.realize(); s.run("forward")
+    np.testing.assert_array_equal(s.download(y), np.arange(3.0, 9.0).reshape(2, 3))
+    with pytest.raises(GraphError, match="unpack.*outside"):
+        ops.unpack(x, 5, (2, 3))
+
+
+def test_attention_shape_errors():
+    g = Graph()
+    q, k = g.input("q", (2, 6, 5, 4)), g.input("k", (2, 4, 5, 4))
+    with pytest.raises(GraphError, match="attention.*multiple of kv heads"):
+        ops.attention(q, k, k, scale=1.0)
+    k2 = g.input("k2", (2, 2, 5, 4))
+    with pytest.raises(GraphError, match="must share a shape"):
+        ops.attention(q, k2, g.input("v3", (2, 2, 5, 3)), scale=1.0)
+    with pytest.raises(GraphError, match="batch, sequence and head_dim"):
+        ops.attention(q, g.input("k4", (2, 2, 6, 4)), g.input("v4", (2, 2, 6, 4)), scale=1.0)
+    with pytest.raises(GraphError, match="attention"):
+        ops.attention(g.input("q3", (6, 5, 4)), k2, k2, scale=1.0)
+
+
 def test_composite_two_layer_mlp_with_cross_entropy():
     rng = np.random.default_rng(10)
     g = Graph()

@@ -220,6 +220,70 @@ _op("softmax", _infer_softmax,
 _op("softmax_back", _infer_same2)
 
 
+# --- fused attention -------------------------------------------------------------------------
+def attention(q, k, v, *, scale: float, causal: bool = True):
+    """softmax(scale * q k^T [causal-masked]) v without a [heads, seq, seq] tensor.
+
+    q [B, H, T, hd], k and v [B, KV, T, hd] with H % KV == 0: query head h reads K/V head
+    h // (H / KV) (grouped-query). Returns [B, H, T, hd]. The gradient is one
+    ``attention_back`` node (dq, dk and dv together, the way a flash-style kernel makes
+    them) read through three ``unpack`` views.
+
+    >>> o = attention(q, k, v, scale=hd ** -0.5)          # doctest: +SKIP
+    """
+    return _node("attention", [q, k, v], scale=float(scale), causal=bool(causal))
+
+
+def _infer_attention(shapes, dtypes, attrs):
+    _floats(dtypes)
+    q, k, v = shapes[:3]
+    _need(len(q) == 4 and len(k) == 4, f"q must be [B, H, T, hd] and k, v [B, KV, T, hd], "
+                                       f"got {q} and {k}")
+    _need(tuple(k) == tuple(v), f"k and v must share a shape, got {k} and {v}")
+    _need(q[0] == k[0] and q[2] == k[2] and q[3] == k[3],
+          f"q {q} and k {k} must agree on batch, sequence and head_dim")
+    _need(q[1] % k[1] == 0, f"query heads {q[1]} must be a multiple of kv heads {k[1]}")
+    return tuple(q), F32
+
+
+def _infer_attention_back(shapes, dtypes, attrs):
+    q, k, v, o, g = shapes
+    _infer_attention([q, k, v], dtypes[:3], attrs)
+    _floats(dtypes)
+    _need(tuple(o) == tuple(q) and tuple(g) == tuple(q),
+          f"output {o} and its gradient {g} must have q's shape {q}")
+    return (int(np.prod(q)) + 2 * int(np.prod(k)),), F32
+
+
+def _grad_attention(n, g, need):
+    back = _node("attention_back", [*n.srcs, n, g], **n.attrs)
+    grads, offset = [], 0
+    for s, nd in zip(n.srcs, need):
+        grads.append(unpack(back, offset, s.shape) if nd else None)
+        offset += s.size
+    return grads
+
+
+def unpack(x, offset: int, shape):
+    """Elements [offset, offset + prod(shape)) of x (read flat) as a tensor of ``shape``:
+    how one node that packs several results (attention_back) hands them out."""
+    return _node("unpack", [x], offset=int(offset), shape=tuple(int(s) for s in shape))
+
+
+def _infer_unpack(shapes, dtypes, attrs):
+    off, shape = attrs["offset"], attrs["shape"]
+    size = int(np.prod(shapes[0]))
+    _need(all(s > 0 for s in shape), f"unpack shape must be positive, got {shape}")
+    _need(0 <= off and off + int(np.prod(shape)) <= size,
+          f"unpack [{off}, {off + int(np.prod(shape))}) lies outside {size} elements")
+    return shape, dtypes[0]
+
+
+_op("attention", _infer_attention, _grad_attention)
+_op("attention_back", _infer_attention_back)
+_op("unpack", _infer_unpack)
+
+
 # --- matmul ----------------------------------------------------------------------------------
 def matmul(a, b, *, trans_a=False, trans_b=False):
     """a @ b over the last two axes, batch axes broadcast. ``b`` may have fewer heads

@@ -170,6 +170,86 @@ def _softmax_back(out, srcs, attrs):
     out[...] = attrs["scale"] * y * (g - np.sum(g * y, axis=-1, keepdims=True))
 
 
+# --- fused attention ----------------------------------------------------------------------------
+# Query rows per block: the scores of one block are [B, KV, group * rows, keys], never the
+# whole [B, H, T, T]. The grouped query heads that share a K/V head are folded into the
+# rows, so each block is one BLAS matmul per (batch, kv head).
+ATTN_ROWS = 256
+
+
+def _attn_blocks(q, k, attrs):
+    """Per query block [i0, i1): the visible key count n, the block's queries folded to
+    [B, KV, G * rows, hd] and its probabilities softmax(scale * q k^T) [B, KV, G*rows, n]."""
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    q5 = q.reshape(B, KV, G, T, hd)
+    for i0 in range(0, T, ATTN_ROWS):
+        i1 = min(i0 + ATTN_ROWS, T)
+        rows = i1 - i0
+        n = i1 if attrs["causal"] else T  # keys past the block's last query are all masked
+        qb = q5[:, :, :, i0:i1].reshape(B, KV, G * rows, hd)
+        p = np.matmul(qb, np.swapaxes(k[:, :, :n], -1, -2))
+        p *= p.dtype.type(attrs["scale"])
+        if attrs["causal"]:
+            masked = np.arange(n)[None, :] > np.arange(i0, i1)[:, None]
+            np.copyto(p.reshape(B, KV, G, rows, n), -np.inf, where=masked)
+        p -= p.max(axis=-1, keepdims=True)
+        np.exp(p, out=p)
+        p /= p.sum(axis=-1, keepdims=True)
+        yield i0, i1, n, qb, p
+
+
+def _fold(x5, i0, i1):
+    """Rows [i0, i1) of a [B, KV, G, T, d] array as [B, KV, G * rows, d]."""
+    B, KV, G, _, d = x5.shape
+    return x5[:, :, :, i0:i1].reshape(B, KV, G * (i1 - i0), d)
+
+
+@kernel("attention")
+def _attention(out, srcs, attrs):
+    q, k, v = srcs
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    out5 = out.reshape(B, KV, H // KV, T, hd)
+    for i0, i1, n, _, p in _attn_blocks(q, k, attrs):
+        out5[:, :, :, i0:i1] = np.matmul(p, v[:, :, :n]).reshape(B, KV, H // KV, i1 - i0, hd)
+
+
+@kernel("attention_back")
+def _attention_back(out, srcs, attrs):
+    """[dq, dk, dv] packed flat, from the recomputed probabilities block by block:
+    dv = P^T dO, dS = P * (dO V^T - rowsum(dO * O)) * scale, dq = dS K, dk = dS^T Q."""
+    q, k, v, o, g = srcs
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    nq, nk = q.size, k.size
+    dq = out[:nq].reshape(B, KV, G, T, hd)
+    dk = out[nq:nq + nk].reshape(k.shape)
+    dv = out[nq + nk:].reshape(v.shape)
+    dk.fill(0)
+    dv.fill(0)
+    g5, o5 = g.reshape(dq.shape), o.reshape(dq.shape)
+    scale = out.dtype.type(attrs["scale"])
+    for i0, i1, n, qb, p in _attn_blocks(q, k, attrs):
+        gb = _fold(g5, i0, i1)
+        delta = np.sum(gb * _fold(o5, i0, i1), axis=-1, keepdims=True)
+        dv[:, :, :n] += np.matmul(np.swapaxes(p, -1, -2), gb)
+        ds = np.matmul(gb, np.swapaxes(v[:, :, :n], -1, -2))
+        ds -= delta
+        ds *= p
+        ds *= scale
+        dq[:, :, :, i0:i1] = np.matmul(ds, k[:, :, :n]).reshape(B, KV, G, i1 - i0, hd)
+        dk[:, :, :n] += np.matmul(np.swapaxes(ds, -1, -2), qb)
+
+
+@kernel("unpack")
+def _unpack(out, srcs, attrs):
+    off = attrs["offset"]
+    out[...] = srcs[0].reshape(-1)[off:off + out.size].reshape(out.shape)
+
+
 # --- matmul ------------------------------------------------------------------------------------
 @kernel("matmul")
 def _matmul(out, srcs, attrs):

@@ -1,8 +1,8 @@
 """The CUDA C++ sources of every toygraph kernel, assembled into one module.
 
 The kernels live in ``kernels/*.cu`` by family (elementwise, row-wise, matmul, loss,
-optimizer, dequantization, quantized matmul) with shared helpers in ``kernels/common.cuh``
-and the block-format decoders in ``kernels/quant.cuh``, whose byte offsets are
+optimizer, dequantization, quantized matmul, fused attention) with shared helpers in
+``kernels/common.cuh`` and the block-format decoders in ``kernels/quant.cuh``, whose byte offsets are
 quant.LAYOUT emitted as ``#define``s (:func:`layout_defines`). They need no
 CUDA toolkit header, so NVRTC compiles them with nothing but its own wheel. The backend
 compiles :func:`module_source` once (cached on disk by nvrtc.py) and looks kernels up by
@@ -23,12 +23,16 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 HEADERS = ("common.cuh", "quant.cuh")
 # qmatmul.cu reuses matmul.cu's tile sizes (MM_BM, MM_BN, MM_BK): keep it after matmul.cu.
 FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "optim.cu", "dequant.cu",
-            "qmatmul.cu")
+            "qmatmul.cu", "attention.cu")
 #: The tensor-core matmuls of the mixed-precision modes, compiled only for a backend with
 #: dtype "bf16" or "tf32" so the default f32 module (and its cubin) stays as it is.
 TC_FAMILIES = ("tc_layout.cuh", "tc_matmul.cu")
 #: Backend dtypes whose matmuls run on tensor cores (the rest of the step stays f32).
 TC_PRECISIONS = ("bf16", "tf32")
+
+#: The head_dim bounds the attention kernels are instantiated for (attention.cu; the tile
+#: shape of each is lowering.ATTN_TILES): a head_dim runs on the smallest bound >= it.
+ATTN_HEAD_DIMS = (32, 64, 128)
 
 #: The kernels each op of ops.OPS lowers to (see lowering.py); tests check the table is
 #: complete and every name exists in the sources.
@@ -39,6 +43,10 @@ OP_KERNELS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("tg_rms_norm",), "rms_norm_back": ("tg_rms_norm_back",),
     "rope": ("tg_rope",), "softmax": ("tg_softmax",), "softmax_back": ("tg_softmax_back",),
     "matmul": ("tg_matmul",),
+    "attention": tuple(f"tg_attn_fwd_{hd}" for hd in ATTN_HEAD_DIMS),
+    "attention_back": tuple(f"tg_attn_bwd_{part}_{hd}" for part in ("prep", "dkdv", "dq")
+                            for hd in ATTN_HEAD_DIMS),
+    "unpack": ("tg_copy",),
     "reshape": ("tg_copy",), "contiguous": ("tg_copy",), "permute": ("tg_gather",),
     "sum": ("tg_reduce_block", "tg_reduce_thread"),
     "get_rows": ("tg_get_rows",), "get_rows_back": ("tg_fill", "tg_get_rows_back"),

@@ -174,6 +174,8 @@ def matmul_batch(a_shape, b_shape, out_batch):
 # --- per-op lowering -------------------------------------------------------------------------
 def scratch_bytes(node) -> int:
     """Device scratch a node needs besides its output (filled by its own launches)."""
+    if node.op == "attention_back":  # row log-sum-exp and rowsum(dO * O), [B, H, T] each
+        return 2 * 4 * node.srcs[0].size // node.srcs[0].shape[-1]
     if node.op == "cross_entropy":
         return 4 * node.srcs[0].shape[0]
     if node.op == "global_norm":
@@ -277,6 +279,10 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
         rows = n // T
         return [Launch("tg_softmax_back", _rows_grid(rows),
                        [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(rows), i32(T), f32(a["scale"])])]
+    if op in ("attention", "attention_back"):
+        return _attention(node, out, ptr, scratch)
+    if op == "unpack":  # a copy out of the packed buffer, read from the element offset on
+        return [Launch("tg_copy", _blocks(n), [p(out), p(ptr(s[0]) + 4 * a["offset"]), i32(n)])]
     if op == "matmul":
         if precision != "f32":
             return [_tc_matmul(node, out, ptr, raw_consts, precision)]
@@ -330,6 +336,49 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
                        [p(ptr(w)), p(ptr(g)), p(ptr(m)), p(ptr(v)), p(ptr(hp)), p(ptr(norm)),
                         p(ptr(div)), i32(w.size), f64(a["max_norm"])])]
     raise CudaError(f"the CUDA backend has no lowering for op {op!r} (node {node.name!r})")
+
+
+#: head_dim bound -> (BT, TPR) of the attention kernels (the template arguments of the
+#: instantiations in attention.cu): BT x BT query/key tiles, TPR threads per tile row.
+ATTN_TILES = {32: (32, 4), 64: (32, 4), 128: (16, 8)}
+
+
+def attention_config(hd: int) -> tuple[int, int, int]:
+    """(HD, BT, TPR) of the kernels that run head_dim ``hd``: the smallest HD >= hd."""
+    for HD in sorted(ATTN_TILES):
+        if hd <= HD:
+            return (HD, *ATTN_TILES[HD])
+    raise CudaError(f"attention: head_dim {hd} exceeds the kernels' maximum {max(ATTN_TILES)}")
+
+
+def _attention(node, out, ptr, scratch) -> list[Launch]:
+    """attention: one launch, a block per (query tile, head, batch). attention_back: the
+    row statistics into scratch, then dk/dv per (key tile, kv head, batch) and dq per
+    (query tile, head, batch), written straight into the packed [dq, dk, dv] output."""
+    q, k, v = node.srcs[:3]
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    HD, BT, TPR = attention_config(hd)
+    if max(H, B) > MAX_GRID_YZ:
+        raise CudaError(f"attention {node.name!r}: {B} x {H} exceeds the grid limit")
+    tiles = (T + BT - 1) // BT
+    common = [i32(H), i32(KV), i32(T), i32(hd), f32(node.attrs["scale"]),
+              i32(node.attrs["causal"])]
+    block = (BT * TPR, 1, 1)
+    per_head, per_kv = (tiles, H, B), (tiles, KV, B)
+    if node.op == "attention":
+        return [Launch(f"tg_attn_fwd_{HD}", per_head,
+                       [p(out), p(ptr(q)), p(ptr(k)), p(ptr(v)), *common], block)]
+    o, g = node.srcs[3:]
+    lse, delta = scratch, scratch + 4 * B * H * T
+    dq, dk, dv = out, out + 4 * q.size, out + 4 * (q.size + k.size)
+    stats = [p(lse), p(delta)]
+    qkvg = [p(ptr(q)), p(ptr(k)), p(ptr(v)), p(ptr(g))]
+    return [Launch(f"tg_attn_bwd_prep_{HD}", per_head,
+                   [*stats, p(ptr(q)), p(ptr(k)), p(ptr(o)), p(ptr(g)), *common], block),
+            Launch(f"tg_attn_bwd_dkdv_{HD}", per_kv, [p(dk), p(dv), *qkvg, *stats, *common],
+                   block),
+            Launch(f"tg_attn_bwd_dq_{HD}", per_head, [p(dq), *qkvg, *stats, *common], block)]
 
 
 def matmul_geometry(node):

@@ -174,8 +174,9 @@ def build_llama(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: str
         q = heads(linear(x, p + "attn_q.weight"), H, True)
         k = heads(linear(x, p + "attn_k.weight"), KV, True)
         v = heads(linear(x, p + "attn_v.weight"), KV, False)
-        att = ops.matmul(q, k, trans_b=True).softmax(scale=hd ** -0.5, causal=True)
-        o = ops.matmul(att, v).permute(0, 2, 1, 3).reshape(B * T, H * hd)
+        # Fused: no [B, H, T, T] scores in memory, forward or backward.
+        o = ops.attention(q, k, v, scale=hd ** -0.5, causal=True)
+        o = o.permute(0, 2, 1, 3).reshape(B * T, H * hd)
         h = h + linear(o, p + "attn_output.weight")
         x = ops.rms_norm(h, cfg.rms_eps) * W[p + "ffn_norm.weight"]
         ff = ops.swiglu(linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight"))
