@@ -205,7 +205,8 @@ def child_toygraph(spec: dict) -> dict:
     recipe = LoRA(targets=tuple(spec["targets"]), rank=spec["rank"], alpha=spec["alpha"])
     opts = RecipeOptions(t_seq=spec["seq"], t_batch=spec["batch"], seed=spec["seed"],
                          init_scale=spec["init_scale"], grad_clip=spec["clip"],
-                         grad_accum=1, backend=spec["device"])
+                         grad_accum=1, backend=spec["device"],
+                         weight_dtype=toygraph_dtype(spec["device"], spec["dtype"]))
     recipe.realize(model, model.config, opts)
     out["load_s"] = time.perf_counter() - t0
     out["realize_s"] = recipe.sess.realize_seconds
@@ -407,13 +408,19 @@ def device_description(device: str, results: list) -> str:
     return f"CPU {name}, {os.cpu_count()} logical CPUs (os.cpu_count())"
 
 
+def toygraph_dtype(device: str, dtype: str) -> str:
+    """bf16 on CUDA means tensor-core matmuls with f32 master weights; the numpy backend
+    computes in f32 whatever the torch side uses."""
+    return dtype if device == "cuda" else "f32"
+
+
 def fmt(x, spec="{:.1f}", none="n/a"):
     return none if x is None else spec.format(x)
 
 
 def summarize(impl: str, r: dict, cold: dict | None, a, facts: dict) -> dict:
     tokens = a.seq * a.batch
-    row = {"impl": impl, "dtype": "f32" if impl == "toygraph" else a.dtype}
+    row = {"impl": impl, "dtype": toygraph_dtype(a.device, a.dtype) if impl == "toygraph" else a.dtype}
     if "error" in r:
         row["error"] = r["error"]
         return row
@@ -548,7 +555,8 @@ def parse_args(argv):
     ap.add_argument("--impl", help="comma list of toygraph, torch-eager, torch-compile "
                                    "(default: all on cuda, toygraph,torch-eager on cpu)")
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
-                    help="torch weights/activations (toygraph computes in f32)")
+                    help="bf16: torch weights/activations in bf16, toygraph's matmuls on bf16 "
+                         "tensor cores with f32 master weights (CUDA only; f32 on the CPU)")
     ap.add_argument("--random-wtype", choices=["f16", "q8_0", "f32"], default="f16",
                     help="weight type of generated random GGUFs (llama1b-random, and SmolLM2's "
                          "shapes where the real file is missing)")

@@ -25,7 +25,7 @@
 #   GS_STAGES   comma list of the stages above to run (default: all); setup/info always run.
 #               Second call for the benchmarks only:  GS_STAGES=bench bash bench/gpu_session.sh
 #   GS_BENCH    benchmark stages in order (default below); names: smollm2-512x8,
-#               smollm2-2048x4, llama1b-random, llama1b-bf16 (torch bf16 side only)
+#               smollm2-2048x4, llama1b-random, llama1b-bf16 (toygraph and torch in bf16)
 #   GS_BENCH_ARGS  extra bench_lora.py arguments for every bench stage (e.g. "--cold no")
 #   GS_BUDGET   seconds the whole script may take (default 540: ends inside a 600 s call)
 #   GS_SLICE    the SmolLM2 slice (default .gpu/smollm2-8l.gguf)
@@ -368,7 +368,7 @@ fi
 if want bench; then
     for b in $BENCH_LIST; do
         case $b in
-            llama1b-bf16) args="--config llama1b-random --dtype bf16 --impl torch-eager,torch-compile"; cap=240 ;;
+            llama1b-bf16) args="--config llama1b-random --dtype bf16 --impl toygraph,torch-eager,torch-compile"; cap=240 ;;
             smollm2-512x8) args="--config $b"; cap=300 ;;
             *) args="--config $b"; cap=300 ;;
         esac
