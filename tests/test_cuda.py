@@ -539,3 +539,118 @@ def _launched_kernels(s):
 def test_other_dtypes_are_refused():
     with pytest.raises(CudaError, match="bf16"):
         Session(Graph(), backend="cuda", dtype="f16")
+
+
+# --- fused output head + cross-entropy (lowering._linear_cross_entropy: row chunks) -------------
+def _lce_graph(seed, N, D, V, labels, reduction, head="param", fmt=None):
+    """loss = linear_cross_entropy(h, w, labels) with h a param and w a param, an f32 const
+    or a block-format const; returns (graph, fetch list, inputs, w)."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    h = g.param("h", rnd(rng, N, D))
+    if fmt is not None:
+        w = g.const("w", quant.quantize(rnd(rng, V, D), fmt), shape=(V, D), storage=fmt)
+    elif head == "param":
+        w = g.param("w", rnd(rng, V, D, s=0.5))
+    else:
+        w = g.const("w", rnd(rng, V, D, s=0.5))
+    lab = g.input("lab", (N,), "i32")
+    loss = g.output(ops.linear_cross_entropy(h, w, lab, reduction=reduction))
+    params = [t for t in (h, w) if t.role == "param"]
+    grads = accumulate_grads(backward(loss, params))
+    labv = {"some": np.where(rng.random(N) < 0.3, -1, rng.integers(0, V, N)),
+            "all": np.full(N, -1)}[labels].astype(np.int32)
+    return g, [loss] + [grads[p] for p in params], {lab: labv}, w
+
+
+@pytest.mark.parametrize("labels", ["some", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_rows", [None, 48])
+@pytest.mark.parametrize("head", ["param", "const"])
+def test_linear_cross_entropy_matches_numpy_and_is_deterministic(head, chunk_rows, reduction,
+                                                                 labels, monkeypatch):
+    """Loss, dh and (trainable head) dw within 1e-4 of numpy, bit-identical run to run, in
+    one chunk and in 48-row chunks (a ragged last one); all-ignored gives zeros."""
+    from toygraph.cuda import lowering
+    if chunk_rows:
+        monkeypatch.setattr(lowering, "LCE_CHUNK_BYTES", 4 * 1000 * chunk_rows)
+    g, fetch, inputs, _ = _lce_graph(0, 200, 96, 1000, labels, reduction, head)
+    cpu = run_phase(g, "cpu", inputs, "backward", fetch)
+    gpu = run_phase(g, "cuda", inputs, "backward", fetch)
+    for name, a, b in zip(["loss", "dh", "dw"], gpu, cpu):
+        assert rel_err(a, b) <= REDUCTION if np.abs(b).max() else not np.abs(a).max(), name
+    again = run_phase(g, "cuda", inputs, "backward", fetch)
+    assert all(np.array_equal(a, b) for a, b in zip(gpu, again)), "not deterministic"
+
+
+def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
+    """Per chunk the same kernels run on the same values as the unfused head (tg_matmul's
+    sums do not depend on the row tiling), so loss and dh are bit-identical to matmul +
+    cross_entropy on the GPU; dw adds chunk sums, so it is only close."""
+    from toygraph.cuda import lowering
+    monkeypatch.setattr(lowering, "LCE_CHUNK_BYTES", 4 * 1000 * 64)
+    rng = np.random.default_rng(4)
+    hv, wv = rnd(rng, 200, 96), rnd(rng, 1000, 96, s=0.5)
+    labv = np.where(rng.random(200) < 0.3, -1, rng.integers(0, 1000, 200)).astype(np.int32)
+    out = []
+    for fused in (True, False):
+        g = Graph()
+        h, w = g.param("h", hv), g.param("w", wv)
+        lab = g.input("lab", (200,), "i32")
+        loss = (ops.linear_cross_entropy(h, w, lab) if fused else
+                ops.cross_entropy(ops.matmul(h, w, trans_b=True), lab))
+        g.output(loss)
+        grads = accumulate_grads(backward(loss, [h, w]))
+        out.append(run_phase(g, "cuda", {lab: labv}, "backward", [loss, grads[h], grads[w]]))
+    (l1, dh1, dw1), (l0, dh0, dw0) = out
+    assert np.array_equal(l1, l0) and np.array_equal(dh1, dh0)
+    assert rel_err(dw1, dw0) <= REDUCTION
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q4_k", "q6_k"])
+def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
+    """A frozen quantized head (SmolLM2's tied Q8_0 token_embd) stays in its block format;
+    loss and dh match numpy on the dequantized weight, deterministically."""
+    from toygraph.cuda import lowering
+    monkeypatch.setattr(lowering, "LCE_CHUNK_BYTES", 4 * 300 * 64)
+    g, fetch, inputs, w = _lce_graph(1, 150, 256, 300, "some", "mean", fmt=fmt)
+    cpu = run_phase(g, "cpu", inputs, "backward", fetch)
+    s, gpu = _cuda_run(g, fetch, inputs)
+    assert w.id in s.backend.raw_consts, "the head should stay in its block format"
+    for name, a, b in zip(["loss", "dh"], gpu, cpu):
+        assert rel_err(a, b) <= REDUCTION, name
+    _, again = _cuda_run(g, fetch, inputs)
+    assert all(np.array_equal(a, b) for a, b in zip(gpu, again))
+
+
+@pytest.mark.parametrize("recipe", ["LoRA", "FullFinetune"])
+def test_recipe_on_cuda_uses_the_fused_head_and_tracks_numpy(recipe, tiny_llama):
+    """The CUDA recipe's loss is linear_cross_entropy (the CPU keeps matmul + cross_entropy);
+    losses agree within 1e-4 (FullFinetune: tied trainable embedding, so dw flows into
+    token_embd through both get_rows and the head; LoRA: the adapters within 1e-3)."""
+    from toygraph.gguf import GGUFModel
+    from toygraph import recipes as R
+    model = GGUFModel(tiny_llama)
+    B, T = 2, 16
+    runs = {}
+    for backend in ("cpu", "cuda"):
+        r = R.LoRA(targets=("q", "v"), rank=4, alpha=8) if recipe == "LoRA" else R.FullFinetune()
+        r.realize(model, model.config, R.RecipeOptions(t_seq=T, t_batch=B, seed=3,
+                                                       init_scale=0.05, backend=backend))
+        ops_used = {t.op for t in r.graph.nodes}
+        assert ("linear_cross_entropy" in ops_used) == (backend == "cuda")
+        rng = np.random.default_rng(0)
+        pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+        losses = []
+        for i in range(3):
+            ids = rng.integers(0, model.config.n_vocab, size=(B, T)).astype(np.int32)
+            lab = np.roll(ids, -1, axis=1).astype(np.int32)
+            lab[:, -1] = -1
+            losses.append(r.step(ids, pos, lab.reshape(-1), hp_row(i + 1, lr=1e-3),
+                                 is_first=(i == 0)))
+        runs[backend] = (losses, r.trainable())
+    for a, b in zip(runs["cuda"][0], runs["cpu"][0]):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    if recipe == "LoRA":   # (every weight training: Adam's sign-like steps on near-zero
+        for k, v in runs["cpu"][1].items():   # gradient entries make weights a weak check)
+            assert rel_err(runs["cuda"][1][k], v) <= 1e-3, k

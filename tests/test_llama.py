@@ -114,3 +114,50 @@ def test_build_errors(tiny_llama):
         LoraConfig(targets=("q", "qkv"))
     with pytest.raises(GraphError, match="needs a GGUF model"):
         build_llama(Graph(), m.config, batch=1, seq=4)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("weights", ["frozen", "finetune"])
+def test_fused_head_training_graph_equals_the_unfused_one(model, weights, request):
+    """build_llama(logits=False) stops at hidden/head; the recipe's fused loss
+    (linear_cross_entropy, used on CUDA) gives the unfused head's loss and gradients (f64),
+    tied (tiny_llama) and untied (tiny_qwen2) heads, frozen (LoRA) or trainable."""
+    from toygraph.autodiff import accumulate_grads, backward
+    from toygraph.recipes.base import head_loss
+    m = GGUFModel(request.getfixturevalue(model))
+    B, T = 2, 6
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, m.config.n_vocab, size=(B, T)).astype(np.int32)
+    lab = np.roll(tok, -1, axis=1).reshape(-1).astype(np.int32)
+    lab[::T] = -1
+    results = []
+    for backend in ("cuda", "cpu"):   # only picks the head: both graphs run on numpy here
+        g = Graph()
+        net = build_llama(g, m.config, batch=B, seq=T, model=m, weights=weights, logits=False,
+                          lora=LoraConfig(targets=("q", "v"), init_scale=0.1)
+                          if weights == "frozen" else None)
+        assert net.logits is None and net.hidden.shape == (B * T, m.config.n_embd)
+        assert net.head.shape == (m.config.n_vocab, m.config.n_embd)
+        assert (net.head.name == "token_embd.weight") == m.config.tied_output
+        labels = g.input("labels", (B * T,), "i32")
+        loss = g.output(head_loss(net, labels, backend))
+        assert loss.op == ("linear_cross_entropy" if backend == "cuda" else "cross_entropy")
+        assert not [t for t in g.nodes if t.shape == (B * T, m.config.n_vocab)] or backend == "cpu"
+        params = net.params[:6] + ([net.head] if net.head.role == "param" else [])
+        accumulate_grads(backward(loss, params))
+        s = Session(g, dtype="f64"); s.realize(); s.reset()
+        s.upload(net.tokens, tok); s.upload(net.positions, np.tile(np.arange(T), (B, 1)))
+        s.upload(labels, lab); s.run("backward")
+        results.append([s.download(loss)] + [s.download(g.find(f"grad.{p.name}")) for p in params])
+    for a, b in zip(*results):
+        assert np.abs(a - b).max() <= 1e-10 * max(np.abs(b).max(), 1.0)
+
+
+def test_logits_are_built_when_asked(tiny_llama):
+    from toygraph.models.llama import lm_head
+    m = GGUFModel(tiny_llama)
+    g = Graph()
+    net = build_llama(g, m.config, batch=1, seq=4, model=m)
+    assert net.logits is not None and net.logits.shape == (4, m.config.n_vocab)
+    assert net.logits.op == "matmul" and list(net.logits.srcs) == [net.hidden, net.head]
+    assert lm_head(net).shape == net.logits.shape

@@ -450,6 +450,53 @@ _op("cross_entropy_back", _infer_ce_back)
 _op("count_valid", lambda s, d, a: (_need(d[0] == I32, "labels must be i32") or ((), F32)))
 
 
+def linear_cross_entropy(h, w, labels, reduction="mean"):
+    """cross_entropy(matmul(h, w, trans_b=True), labels, reduction) without [N, vocab] logits.
+
+    h [N, D] hidden states, w [V, D] the output head (a frozen, possibly quantized const or
+    a trainable param), labels [N] i32 with -1 ignored. The kernels walk the rows in chunks,
+    so only a [chunk, V] block of logits exists at a time, forward and backward (which
+    recomputes it). The gradient is one ``linear_cross_entropy_back`` node packing dh and,
+    only when w needs one, dw, read through ``unpack``.
+
+    >>> loss = linear_cross_entropy(h, head, labels, reduction="sum")   # doctest: +SKIP
+    """
+    return _node("linear_cross_entropy", [h, w, labels], reduction=reduction)
+
+
+def _infer_lce(shapes, dtypes, attrs):
+    (hs, ws, ls), (hd, wd, ld) = shapes, dtypes
+    _need(hd == F32 and wd == F32 and ld == I32,
+          f"linear_cross_entropy needs f32 h and w and i32 labels, got {hd}, {wd}, {ld}")
+    _need(len(hs) == 2 and len(ws) == 2 and hs[1] == ws[1],
+          f"h must be [N, D] and w [V, D], got {hs} and {ws}")
+    _need(tuple(ls) == tuple(hs[:1]), f"labels must be [{hs[0]}], got {ls}")
+    _need(attrs["reduction"] in ("mean", "sum"), "reduction must be mean or sum")
+    return (), F32
+
+
+def _infer_lce_back(shapes, dtypes, attrs):
+    _infer_lce(shapes[:3], dtypes[:3], attrs)
+    _need(tuple(shapes[3]) == () and dtypes[3] == F32, f"the loss gradient must be an f32 "
+                                                        f"scalar, got {shapes[3]}")
+    _need(attrs["grad_h"] or attrs["grad_w"], "linear_cross_entropy_back computes nothing")
+    (n, d), v = shapes[0], shapes[1][0]
+    return (n * d * attrs["grad_h"] + v * d * attrs["grad_w"],), F32
+
+
+def _grad_lce(n, g, need):
+    h, w, _ = n.srcs
+    back = _node("linear_cross_entropy_back", [*n.srcs, g], reduction=n.attrs["reduction"],
+                 grad_h=bool(need[0]), grad_w=bool(need[1]))
+    dh = unpack(back, 0, h.shape) if need[0] else None
+    dw = unpack(back, h.size * need[0], w.shape) if need[1] else None
+    return [dh, dw, None]
+
+
+_op("linear_cross_entropy", _infer_lce, _grad_lce)
+_op("linear_cross_entropy_back", _infer_lce_back)
+
+
 # --- training side effects (no gradient; they write param/state buffers) -----------------------
 def accumulate(acc, value):
     """acc += value, in place (gradient accumulation across micro-batches)."""

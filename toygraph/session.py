@@ -97,10 +97,12 @@ class Session:
                     elif c.op == "get_rows" and c.srcs[1] is cur:
                         if c.srcs[0].shape[0] < hi:
                             hi, why = c.srcs[0].shape[0], f"rows of {c.srcs[0].name}"
-                    elif c.op in ("cross_entropy", "count_valid"):
+                    elif c.op in ("cross_entropy", "linear_cross_entropy", "count_valid"):
                         lo = -1
-                        if c.op == "cross_entropy" and c.srcs[0].shape[1] < hi:
-                            hi, why = c.srcs[0].shape[1], "the vocabulary (or -1 to ignore)"
+                        vocab = (c.srcs[0].shape[1] if c.op == "cross_entropy" else
+                                 c.srcs[1].shape[0] if c.op == "linear_cross_entropy" else hi)
+                        if vocab < hi:
+                            hi, why = vocab, "the vocabulary (or -1 to ignore)"
             ranges[inp.id] = (lo, hi, why)
         return ranges
 

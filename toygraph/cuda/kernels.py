@@ -1,7 +1,7 @@
 """The CUDA C++ sources of every toygraph kernel, assembled into one module.
 
 The kernels live in ``kernels/*.cu`` by family (elementwise, row-wise, matmul, loss,
-optimizer, dequantization, quantized matmul, fused attention) with shared helpers in
+fused head + loss, optimizer, dequantization, quantized matmul, fused attention) with shared helpers in
 ``kernels/common.cuh`` and the block-format decoders in ``kernels/quant.cuh``, whose byte offsets are
 quant.LAYOUT emitted as ``#define``s (:func:`layout_defines`). They need no
 CUDA toolkit header, so NVRTC compiles them with nothing but its own wheel. The backend
@@ -22,8 +22,8 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).with_name("kernels")
 HEADERS = ("common.cuh", "quant.cuh")
 # qmatmul.cu reuses matmul.cu's tile sizes (MM_BM, MM_BN, MM_BK): keep it after matmul.cu.
-FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "optim.cu", "dequant.cu",
-            "qmatmul.cu", "attention.cu")
+FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "lce.cu", "optim.cu",
+            "dequant.cu", "qmatmul.cu", "attention.cu")
 #: The tensor-core matmuls of the mixed-precision modes, compiled only for a backend with
 #: dtype "bf16" or "tf32" so the default f32 module (and its cubin) stays as it is.
 TC_FAMILIES = ("tc_layout.cuh", "tc_matmul.cu")
@@ -52,6 +52,11 @@ OP_KERNELS: dict[str, tuple[str, ...]] = {
     "get_rows": ("tg_get_rows",), "get_rows_back": ("tg_fill", "tg_get_rows_back"),
     "cross_entropy": ("tg_ce_rows", "tg_ce_reduce"), "cross_entropy_back": ("tg_ce_back",),
     "count_valid": ("tg_count_valid",),
+    # Fused head + loss: launches over row chunks (a block-format head reads through the
+    # QUANT_KERNELS "nt"/"nn" kernels instead of tg_matmul; see lowering.py).
+    "linear_cross_entropy": ("tg_matmul", "tg_ce_rows", "tg_ce_reduce"),
+    "linear_cross_entropy_back": ("tg_lce_grad_scale", "tg_fill", "tg_matmul", "tg_ce_back",
+                                  "tg_matmul_acc"),
     "accumulate": ("tg_accumulate",),
     "global_norm": ("tg_sumsq_partial", "tg_global_norm"),
     "adamw": ("tg_adamw",),

@@ -180,6 +180,8 @@ def scratch_bytes(node) -> int:
         return 4 * node.srcs[0].shape[0]
     if node.op == "global_norm":
         return 8 * sum(_sumsq_blocks(g.size) for g in node.srcs[:-1])
+    if node.op in ("linear_cross_entropy", "linear_cross_entropy_back"):
+        return sum(_lce_scratch(node).values())
     return 0
 
 
@@ -210,6 +212,10 @@ def reads_block_format(node, index: int) -> bool:
         return index == 0
     if node.op == "matmul":
         return index == 1 and node.srcs[0] is not src and not node.attrs["trans_a"]
+    if node.op in ("linear_cross_entropy", "linear_cross_entropy_back"):
+        # the head as the weight of logits = h W^T and dh = dlogits W; a frozen const has
+        # no dw, the one product that would read W another way
+        return index == 1 and node.srcs[0] is not src and not node.attrs.get("grad_w")
     return False
 
 
@@ -315,6 +321,8 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
         return [Launch("tg_ce_back", _rows_grid(N),
                        [p(out), p(ptr(s[0])), p(ptr(s[1])), p(ptr(s[2])), i32(N), i32(V),
                         i32(a["reduction"] == "mean")])]
+    if op in ("linear_cross_entropy", "linear_cross_entropy_back"):
+        return _linear_cross_entropy(node, out, ptr, scratch, raw_consts, precision)
     if op == "count_valid":
         return [Launch("tg_count_valid", (1, 1, 1), [p(out), p(ptr(s[0])), i32(s[0].size)])]
     if op == "accumulate":
@@ -449,3 +457,120 @@ def _qmatmul(node, out, ptr, tile: int = 64) -> Launch:
     kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
                   [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))])
+
+
+# --- fused output head + cross-entropy --------------------------------------------------------
+#: Bytes of the [rows, vocab] f32 logits block one chunk of linear_cross_entropy uses (its
+#: only vocabulary-sized buffer). 256 MiB is 1344 rows of SmolLM2's 49152-token vocabulary:
+#: enough rows that dh = dlogits @ W (K = vocab, N = n_embd) still fills the GPU.
+LCE_CHUNK_BYTES = 256 << 20
+
+
+def lce_chunk_rows(n_rows: int, vocab: int) -> int:
+    """Rows per chunk: as many as LCE_CHUNK_BYTES holds, a multiple of the 64-row matmul
+    tile when that is at least one tile, never more than the rows there are."""
+    rows = LCE_CHUNK_BYTES // (4 * vocab)
+    if rows >= 64:
+        rows = rows // 64 * 64
+    return max(1, min(n_rows, rows))
+
+
+def _lce_scratch(node) -> dict[str, int]:
+    """Scratch parts, in order, in bytes (each 256-byte aligned): the chunk's logits block,
+    then forward the per-row losses [N], backward the dlogits weight (one f32)."""
+    (N, _), V = node.srcs[0].shape, node.srcs[1].shape[0]
+    parts = {"logits": 4 * lce_chunk_rows(N, V) * V}
+    parts["rowloss" if node.op == "linear_cross_entropy" else "gscale"] = (
+        4 * N if node.op == "linear_cross_entropy" else 4)
+    return {k: (v + 255) // 256 * 256 for k, v in parts.items()}
+
+
+def _dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matmul") -> Launch:
+    """One unbatched matmul launch, A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn];
+    tensor-core kernels (same arguments) for ``precision`` bf16/tf32 unless ``kernel`` is
+    tg_matmul_acc, which has no tensor-core twin."""
+    tile, block = 64, (THREADS, 1, 1)
+    if precision != "f32" and kernel == "tg_matmul":
+        from .kernels import TC_KERNELS
+        kernel, tile = TC_KERNELS[precision]["matmul"], TC_TILE
+    gy = (M + tile - 1) // tile
+    if gy > MAX_GRID_YZ:
+        raise CudaError(f"{kernel}: {M} rows exceed the kernel's grid limit")
+    return Launch(kernel, ((N + tile - 1) // tile, gy, 1),
+                  [p(out), p(a), p(b), i32(M), i32(N), i32(K), i32(sam), i32(sak), i32(sbk),
+                   i32(sbn), i32(1), strided([], [])], block)
+
+
+def _q_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
+    """x @ W^T ("nt") or dy @ W ("nn") with the block-format const ``w`` at ``w_ptr``, with
+    _qmatmul's arguments (tensor-core twins for bf16/tf32, as _tc_matmul picks them)."""
+    from .kernels import QUANT_KERNELS, TC_KERNELS
+    kernel, tile = QUANT_KERNELS[w.storage][kind], 64
+    if precision != "f32":
+        kernel, tile = TC_KERNELS[precision][kind][w.storage], TC_TILE
+    gy = (M + tile - 1) // tile
+    if gy > MAX_GRID_YZ:
+        raise CudaError(f"{kernel}: {M} rows exceed the kernel's grid limit")
+    return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
+                  [p(out), p(a), p(w_ptr), i32(M), i32(N), i32(K), i32(row_bytes(w))])
+
+
+def _linear_cross_entropy(node, out, ptr, scratch, raw_consts, precision) -> list[Launch]:
+    """Launches over chunks of ``rows`` rows sharing one [rows, V] logits block in scratch.
+
+    forward:  per chunk  logits = h_c W^T;  tg_ce_rows -> rowloss[c]
+              then       tg_ce_reduce(rowloss, all labels) -> the loss
+    backward: tg_lce_grad_scale -> gs (g, or g / n for mean); tg_fill dw = 0 if dw is asked
+              per chunk  logits = h_c W^T;  tg_ce_back in place -> dlogits_c (weight gs)
+                         dh_c = dlogits_c W          (into dh's rows of the chunk)
+                         dw += dlogits_c^T h_c       (tg_matmul_acc; chunk order fixed)
+    """
+    h, w, labels = node.srcs[:3]
+    (N, D), V = h.shape, w.shape[0]
+    rows = lce_chunk_rows(N, V)
+    parts = _lce_scratch(node)
+    zbuf = scratch
+    extra = scratch + parts["logits"]
+    hp, lp = ptr(h), ptr(labels)
+    quant = w.id in raw_consts
+    fwd = node.op == "linear_cross_entropy"
+    grad_h = not fwd and node.attrs["grad_h"]
+    grad_w = not fwd and node.attrs["grad_w"]
+    if grad_w and quant:
+        raise CudaError(f"{node.op} {node.name!r}: no dw for the block-format const {w.name!r}")
+    dh, dw = out, out + 4 * N * D * grad_h
+    launches = []
+    if not fwd:
+        launches.append(Launch("tg_lce_grad_scale", (1, 1, 1),
+                               [p(extra), p(lp), i32(N), p(ptr(node.srcs[3])),
+                                i32(node.attrs["reduction"] == "mean")]))
+        if grad_w:
+            launches.append(Launch("tg_fill", _blocks(V * D), [p(dw), i32(V * D), f32(0.0)]))
+    for r0 in range(0, N, rows):
+        c = min(rows, N - r0)
+        hc, lc = hp + 4 * r0 * D, lp + 4 * r0
+        if quant:   # logits = h_c W^T: A = h_c [c, D], W [V, D]
+            launches.append(_q_mm(zbuf, hc, w, ptr(w), c, V, D, "nt", precision))
+        else:
+            launches.append(_dense_mm(zbuf, hc, ptr(w), c, V, D, D, 1, 1, D, precision))
+        if fwd:
+            launches.append(Launch("tg_ce_rows", _rows_grid(c),
+                                   [p(extra + 4 * r0), p(zbuf), p(lc), i32(c), i32(V)]))
+            continue
+        launches.append(Launch("tg_ce_back", _rows_grid(c),
+                               [p(zbuf), p(zbuf), p(lc), p(extra), i32(c), i32(V), i32(0)]))
+        if grad_h:   # dh_c = dlogits_c [c, V] @ W [V, D]
+            if quant:
+                launches.append(_q_mm(dh + 4 * r0 * D, zbuf, w, ptr(w), c, D, V, "nn",
+                                            precision))
+            else:
+                launches.append(_dense_mm(dh + 4 * r0 * D, zbuf, ptr(w), c, D, V, V, 1, D, 1,
+                                          precision))
+        if grad_w:   # dw [V, D] += dlogits_c^T [V, c] @ h_c [c, D]
+            launches.append(_dense_mm(dw, zbuf, hc, V, D, c, 1, V, D, 1, precision,
+                                      kernel="tg_matmul_acc"))
+    if fwd:
+        launches.append(Launch("tg_ce_reduce", (1, 1, 1),
+                               [p(out), p(extra), p(lp), i32(N),
+                                i32(node.attrs["reduction"] == "mean")]))
+    return launches

@@ -5,6 +5,11 @@
 ...                   lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
 >>> net.tokens, net.positions, net.logits   # inputs [4, 128] i32 and logits [512, vocab]
 
+Training graphs pass ``logits=False`` and feed ``net.hidden`` (the final-normed hidden
+states [512, n_embd]) and ``net.head`` (the output weight [vocab, n_embd]) to the fused
+``ops.linear_cross_entropy``, so no [tokens, vocab] logits are built; :func:`lm_head`
+builds them when wanted.
+
 Weights keep their GGUF names and layout: a projection ``W`` is [n_out, n_in] and
 ``y = x W^T``. Q/K rows are in the order the GGUF stores them, so rope uses the mode the
 architecture's GGUFs expect ("normal" for llama, "neox" for qwen2); converting to Hugging
@@ -55,9 +60,11 @@ class Llama:
     cfg: object
     tokens: Tensor
     positions: Tensor
-    logits: Tensor                                   # [batch * seq, vocab]
+    logits: Tensor | None                            # [batch * seq, vocab]; None if not asked
     weights: dict[str, Tensor] = field(default_factory=dict)   # GGUF name -> const/param
     lora: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # GGUF weight -> (A, B)
+    hidden: Tensor | None = None                     # final-normed states [batch * seq, n_embd]
+    head: Tensor | None = None                       # output weight [vocab, n_embd] (maybe tied)
 
     @property
     def params(self) -> list[Tensor]:
@@ -129,8 +136,9 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
 
 
 def build_llama(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: str = "frozen",
-                lora: LoraConfig | None = None, seed: int = 42) -> Llama:
-    """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq`` tokens."""
+                lora: LoraConfig | None = None, seed: int = 42, logits: bool = True) -> Llama:
+    """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq`` tokens;
+    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`)."""
     if seq > cfg.n_ctx:
         raise GraphError(f"sequence length {seq} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq < 1:
@@ -182,6 +190,14 @@ def build_llama(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: str
         ff = ops.swiglu(linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight"))
         h = h + linear(ff, p + "ffn_down.weight")
     h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
-    head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
-    net.logits = ops.matmul(h, head, trans_b=True)
+    net.hidden = h
+    net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
+    if logits:
+        net.logits = lm_head(net)
     return net
+
+
+def lm_head(net: Llama) -> Tensor:
+    """The output logits [batch * seq, vocab] = hidden @ head^T (for generation and
+    evaluation; a training loss uses ops.linear_cross_entropy on hidden and head instead)."""
+    return ops.matmul(net.hidden, net.head, trans_b=True)

@@ -3,15 +3,18 @@
 // so transposed operands are just other strides. Batch z's operand offsets come from
 // `batch` (output batch dims; a's strides in sa, b's in sb; 0 for broadcast dims; the
 // host splits a grouped-query dim into (kv_heads, group) with b's group stride 0).
-// Each output is one thread's sequential sum over k: deterministic.
+// Each output is one thread's sequential sum over k: deterministic. tg_matmul_acc adds
+// that sum to what `out` holds (out += a @ b), so a sum over k split into launches (the
+// row chunks of linear_cross_entropy's dw) adds chunk by chunk, in launch order.
 
 #define MM_BM 64
 #define MM_BN 64
 #define MM_BK 16
 
-extern "C" __global__ void __launch_bounds__(256)
-tg_matmul(float* out, const float* a, const float* b, int M, int N, int K, int sam, int sak,
-          int sbk, int sbn, int nbatch, Strided batch) {
+template <bool ACC>
+__device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, const float* b,
+                                                int M, int N, int K, int sam, int sak, int sbk,
+                                                int sbn, int nbatch, const Strided& batch) {
     __shared__ float As[MM_BK][MM_BM + 1];
     __shared__ float Bs[MM_BK][MM_BN + 1];
     int t = threadIdx.x, tx = t % 16, ty = t / 16;
@@ -60,8 +63,22 @@ tg_matmul(float* out, const float* a, const float* b, int M, int N, int K, int s
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 int gn = n0 + tx + 16 * j;
-                if (gn < N) C[(long long)gm * N + gn] = acc[i][j];
+                if (gn < N) {
+                    float* c = C + (long long)gm * N + gn;
+                    *c = ACC ? __fadd_rn(*c, acc[i][j]) : acc[i][j];
+                }
             }
         }
     }
+}
+
+#define TG_MM_ARGS float* out, const float* a, const float* b, int M, int N, int K, int sam, \
+                   int sak, int sbk, int sbn, int nbatch, Strided batch
+
+extern "C" __global__ void __launch_bounds__(256) tg_matmul(TG_MM_ARGS) {
+    tg_matmul_tiles<false>(out, a, b, M, N, K, sam, sak, sbk, sbn, nbatch, batch);
+}
+
+extern "C" __global__ void __launch_bounds__(256) tg_matmul_acc(TG_MM_ARGS) {
+    tg_matmul_tiles<true>(out, a, b, M, N, K, sam, sak, sbk, sbn, nbatch, batch);
 }
