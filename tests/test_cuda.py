@@ -571,9 +571,9 @@ def test_linear_cross_entropy_matches_numpy_and_is_deterministic(head, chunk_row
                                                                  labels, monkeypatch):
     """Loss, dh and (trainable head) dw within 1e-4 of numpy, bit-identical run to run, in
     one chunk and in 48-row chunks (a ragged last one); all-ignored gives zeros."""
-    from toygraph.cuda import lowering
+    from toygraph.cuda import lower_fused
     if chunk_rows:
-        monkeypatch.setattr(lowering, "LCE_CHUNK_BYTES", 4 * 1000 * chunk_rows)
+        monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 1000 * chunk_rows)
     g, fetch, inputs, _ = _lce_graph(0, 200, 96, 1000, labels, reduction, head)
     cpu = run_phase(g, "cpu", inputs, "backward", fetch)
     gpu = run_phase(g, "cuda", inputs, "backward", fetch)
@@ -587,8 +587,8 @@ def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
     """Per chunk the same kernels run on the same values as the unfused head (tg_matmul's
     sums do not depend on the row tiling), so loss and dh are bit-identical to matmul +
     cross_entropy on the GPU; dw adds chunk sums, so it is only close."""
-    from toygraph.cuda import lowering
-    monkeypatch.setattr(lowering, "LCE_CHUNK_BYTES", 4 * 1000 * 64)
+    from toygraph.cuda import lower_fused
+    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 1000 * 64)
     rng = np.random.default_rng(4)
     hv, wv = rnd(rng, 200, 96), rnd(rng, 1000, 96, s=0.5)
     labv = np.where(rng.random(200) < 0.3, -1, rng.integers(0, 1000, 200)).astype(np.int32)
@@ -611,8 +611,8 @@ def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
 def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
     """A frozen quantized head (SmolLM2's tied Q8_0 token_embd) stays in its block format;
     loss and dh match numpy on the dequantized weight, deterministically."""
-    from toygraph.cuda import lowering
-    monkeypatch.setattr(lowering, "LCE_CHUNK_BYTES", 4 * 300 * 64)
+    from toygraph.cuda import lower_fused
+    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 300 * 64)
     g, fetch, inputs, w = _lce_graph(1, 150, 256, 300, "some", "mean", fmt=fmt)
     cpu = run_phase(g, "cpu", inputs, "backward", fetch)
     s, gpu = _cuda_run(g, fetch, inputs)

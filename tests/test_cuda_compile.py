@@ -13,7 +13,7 @@ import pytest
 
 from toygraph import ops, quant
 from toygraph.cpu.kernels import KERNELS as CPU_KERNELS
-from toygraph.cuda import lowering
+from toygraph.cuda import lower_fused, lowering
 from toygraph.cuda.kernels import DEQUANT_KERNELS, KERNEL_NAMES, OP_KERNELS, module_source
 from toygraph.errors import CudaError
 from toygraph.graph import Graph
@@ -1356,7 +1356,7 @@ def test_linear_cross_entropy_launches_replayed_in_numpy_match_the_cpu_kernels(
     rng = np.random.default_rng(5)
     D, V = 12, 70
     if chunk_rows is not None:
-        monkeypatch.setattr(lowering, "LCE_CHUNK_BYTES", 4 * V * chunk_rows)
+        monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * V * chunk_rows)
     rows = lowering.lce_chunk_rows(N, V)
     assert rows == (chunk_rows or N)
     g, h, w, lab, hv, wv, labv, _ = _lce_case(rng, N, D, V,
@@ -1394,7 +1394,7 @@ def test_linear_cross_entropy_reads_a_block_format_head_through_the_fused_kernel
     rng = np.random.default_rng(6)
     N, V = 37, 70
     D = 256 if quant.BLOCK[fmt][0] == 256 else 64
-    monkeypatch.setattr(lowering, "LCE_CHUNK_BYTES", 4 * V * 16)
+    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * V * 16)
     g, h, w, lab, hv, wv, labv, raw = _lce_case(
         rng, N, D, V, np.where(rng.random(N) < 0.3, -1, rng.integers(0, V, N)), fmt)
     loss = ops.linear_cross_entropy(h, w, lab, reduction="mean")

@@ -15,100 +15,26 @@ with trans_a=False, or a get_rows table), which lower to the fused kernels of qm
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from math import prod
 
-import numpy as np
+
 
 from ..errors import CudaError
+# The launch vocabulary and the matmul/fused lowerings live in their own modules; the
+# names the backend, devmem and the tests use are re-exported from here.
+from .launch import (MAX_ELEMENTS, MAX_GRID, MAX_GRID_YZ, MAXD, SUMSQ_BLOCKS, THREADS,
+                     Launch, _blocks, _pad, _rows_grid, collapse, contiguous_strides, f32, f64,
+                     i32, p, strided)
+from .lower_fused import (ATTN_TILES, _attention, _lce_scratch, _linear_cross_entropy,
+                          attention_config, lce_chunk_rows)
+from .lower_matmul import (BLOCK_STORAGE, TC_TILE, _matmul, _qmatmul, _tc_matmul,
+                           matmul_batch, reads_block_format, row_bytes)
 
-MAXD = 8          # TG_MAXD in common.cuh
-THREADS = 256     # TG_THREADS in common.cuh
-MAX_GRID = 1 << 20  # grid-stride loops cover the rest
-MAX_GRID_YZ = 65535
-SUMSQ_BLOCKS = 1024  # at most this many partial sums per gradient in global_norm
-INT32_MAX = 2 ** 31 - 1
-# Grid-stride loops index with int: i + gridDim*blockDim must not overflow past the end.
-MAX_ELEMENTS = INT32_MAX - MAX_GRID * THREADS
-
-
-@dataclass
-class Launch:
-    kernel: str
-    grid: tuple[int, int, int]
-    args: list = field(default_factory=list)   # numpy arrays, one per kernel parameter
-    block: tuple[int, int, int] = (THREADS, 1, 1)
-    shmem: int = 0
-
-
-# --- argument packing ----------------------------------------------------------------------
-def p(addr: int) -> np.ndarray:
-    return np.array([addr], np.uint64)
-
-
-def i32(v: int) -> np.ndarray:
-    v = int(v)
-    if not -2 ** 31 <= v <= INT32_MAX:
-        raise CudaError(f"kernel argument {v} does not fit in int32")
-    return np.array([v], np.int32)
-
-
-def f32(v: float) -> np.ndarray:
-    return np.array([v], np.float32)
-
-
-def f64(v: float) -> np.ndarray:
-    return np.array([v], np.float64)
-
-
-def contiguous_strides(shape) -> list[int]:
-    out, acc = [], 1
-    for s in reversed(tuple(shape)):
-        out.append(acc)
-        acc *= int(s)
-    return out[::-1]
-
-
-def collapse(dims, *strides):
-    """Drop size-1 dims and merge neighbours that walk memory as one dim in every operand."""
-    keep = [i for i, d in enumerate(dims) if d != 1]
-    dims = [int(dims[i]) for i in keep]
-    strides = [[int(s[i]) for i in keep] for s in strides]
-    i = len(dims) - 2
-    while i >= 0:
-        if all(s[i] == s[i + 1] * dims[i + 1] for s in strides):
-            dims[i] *= dims[i + 1]
-            for s in strides:
-                s[i] = s[i + 1]
-                del s[i + 1]
-            del dims[i + 1]
-        i -= 1
-    return dims, strides
-
-
-def strided(dims, sa, sb=None) -> np.ndarray:
-    """Pack a ``Strided`` struct (int nd; int dims[8], sa[8], sb[8]) as 25 int32s."""
-    sb = [0] * len(dims) if sb is None else sb
-    dims, (sa, sb) = collapse(dims, sa, sb)
-    if len(dims) > MAXD:
-        raise CudaError(f"a strided walk over {len(dims)} dims exceeds the kernels' {MAXD}")
-    buf = np.zeros(1 + 3 * MAXD, np.int32)
-    buf[0] = len(dims)
-    for k, vals in enumerate((dims, sa, sb)):
-        buf[1 + k * MAXD:1 + k * MAXD + len(vals)] = vals
-    return buf
-
-
-def _blocks(n: int) -> tuple[int, int, int]:
-    return (max(1, min((int(n) + THREADS - 1) // THREADS, MAX_GRID)), 1, 1)
-
-
-def _rows_grid(rows: int) -> tuple[int, int, int]:
-    return (max(1, min(int(rows), MAX_GRID)), 1, 1)
-
-
-def _pad(shape, n):
-    return (1,) * (n - len(shape)) + tuple(shape)
+__all__ = ["lower", "scratch_bytes", "broadcast_strides", "expand_walk", "sum_to_walk",
+           "MAX_ELEMENTS", "MAX_GRID", "MAX_GRID_YZ", "MAXD", "THREADS", "Launch", "collapse",
+           "contiguous_strides", "strided", "p", "i32", "f32", "f64", "ATTN_TILES",
+           "attention_config", "lce_chunk_rows", "BLOCK_STORAGE", "TC_TILE", "matmul_batch",
+           "reads_block_format", "row_bytes"]
 
 
 # --- shape walks -----------------------------------------------------------------------------
@@ -151,26 +77,6 @@ def sum_to_walk(x_shape, target):
     return kd, ks, rd, rs
 
 
-def matmul_batch(a_shape, b_shape, out_batch):
-    """(dims, a strides, b strides) over the output batch axes; grouped axes are split into
-    (kv heads, group) with b's group stride 0, like the numpy kernel's reshape."""
-    n = len(out_batch)
-    ab, bb = _pad(a_shape[:-2], n), _pad(b_shape[:-2], n)
-    a_cs = contiguous_strides(_pad(a_shape, n + 2))[:n]
-    b_cs = contiguous_strides(_pad(b_shape, n + 2))[:n]
-    dims, sa, sb = [], [], []
-    for o, x, y, ca, cb in zip(out_batch, ab, bb, a_cs, b_cs):
-        xa = ca if x == o else 0
-        if y == o or y == 1:
-            dims.append(o), sa.append(xa), sb.append(cb if y == o else 0)
-        else:
-            g = o // y
-            dims += [y, g]
-            sa += [xa * g, xa]
-            sb += [cb, 0]
-    return dims, sa, sb
-
-
 # --- per-op lowering -------------------------------------------------------------------------
 def scratch_bytes(node) -> int:
     """Device scratch a node needs besides its output (filled by its own launches)."""
@@ -195,28 +101,6 @@ def _reduce(out_ptr, x_ptr, kd, ks, rd, rs) -> Launch:
     if n_red <= 64 and n_out > 1:
         return Launch("tg_reduce_thread", _blocks(n_out), args)
     return Launch("tg_reduce_block", _rows_grid(n_out), args)
-
-
-#: Storage formats the fused kernels of qmatmul.cu read (f32 consts are used as they are).
-BLOCK_STORAGE = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
-
-
-def reads_block_format(node, index: int) -> bool:
-    """Whether ``node`` can read its source ``index`` (a const) in its block format: as
-    the weight of ``x @ W^T`` / ``dy @ W`` (a 2-D b, trans_a=False, a's batch axes folded
-    into M), or as the table of get_rows."""
-    src = node.srcs[index]
-    if src.role != "const" or src.storage not in BLOCK_STORAGE or len(src.shape) != 2:
-        return False
-    if node.op == "get_rows":
-        return index == 0
-    if node.op == "matmul":
-        return index == 1 and node.srcs[0] is not src and not node.attrs["trans_a"]
-    if node.op in ("linear_cross_entropy", "linear_cross_entropy_back"):
-        # the head as the weight of logits = h W^T and dh = dlogits W; a frozen const has
-        # no dw, the one product that would read W another way
-        return index == 1 and node.srcs[0] is not src and not node.attrs.get("grad_w")
-    return False
 
 
 def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = "f32"
@@ -344,233 +228,3 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
                        [p(ptr(w)), p(ptr(g)), p(ptr(m)), p(ptr(v)), p(ptr(hp)), p(ptr(norm)),
                         p(ptr(div)), i32(w.size), f64(a["max_norm"])])]
     raise CudaError(f"the CUDA backend has no lowering for op {op!r} (node {node.name!r})")
-
-
-#: head_dim bound -> (BT, TPR) of the attention kernels (the template arguments of the
-#: instantiations in attention.cu): BT x BT query/key tiles, TPR threads per tile row.
-ATTN_TILES = {32: (32, 4), 64: (32, 4), 128: (16, 8)}
-
-
-def attention_config(hd: int) -> tuple[int, int, int]:
-    """(HD, BT, TPR) of the kernels that run head_dim ``hd``: the smallest HD >= hd."""
-    for HD in sorted(ATTN_TILES):
-        if hd <= HD:
-            return (HD, *ATTN_TILES[HD])
-    raise CudaError(f"attention: head_dim {hd} exceeds the kernels' maximum {max(ATTN_TILES)}")
-
-
-def _attention(node, out, ptr, scratch) -> list[Launch]:
-    """attention: one launch, a block per (query tile, head, batch). attention_back: the
-    row statistics into scratch, then dk/dv per (key tile, kv head, batch) and dq per
-    (query tile, head, batch), written straight into the packed [dq, dk, dv] output."""
-    q, k, v = node.srcs[:3]
-    B, H, T, hd = q.shape
-    KV = k.shape[1]
-    HD, BT, TPR = attention_config(hd)
-    if max(H, B) > MAX_GRID_YZ:
-        raise CudaError(f"attention {node.name!r}: {B} x {H} exceeds the grid limit")
-    tiles = (T + BT - 1) // BT
-    common = [i32(H), i32(KV), i32(T), i32(hd), f32(node.attrs["scale"]),
-              i32(node.attrs["causal"])]
-    block = (BT * TPR, 1, 1)
-    per_head, per_kv = (tiles, H, B), (tiles, KV, B)
-    if node.op == "attention":
-        return [Launch(f"tg_attn_fwd_{HD}", per_head,
-                       [p(out), p(ptr(q)), p(ptr(k)), p(ptr(v)), *common], block)]
-    o, g = node.srcs[3:]
-    lse, delta = scratch, scratch + 4 * B * H * T
-    dq, dk, dv = out, out + 4 * q.size, out + 4 * (q.size + k.size)
-    stats = [p(lse), p(delta)]
-    qkvg = [p(ptr(q)), p(ptr(k)), p(ptr(v)), p(ptr(g))]
-    return [Launch(f"tg_attn_bwd_prep_{HD}", per_head,
-                   [*stats, p(ptr(q)), p(ptr(k)), p(ptr(o)), p(ptr(g)), *common], block),
-            Launch(f"tg_attn_bwd_dkdv_{HD}", per_kv, [p(dk), p(dv), *qkvg, *stats, *common],
-                   block),
-            Launch(f"tg_attn_bwd_dq_{HD}", per_head, [p(dq), *qkvg, *stats, *common], block)]
-
-
-def matmul_geometry(node):
-    """(M, N, K, sam, sak, sbk, sbn, nbatch, batch dims, a strides, b strides) of a dense
-    matmul: A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn], plus the batch walk."""
-    (x, y), ta, tb = node.srcs, node.attrs["trans_a"], node.attrs["trans_b"]
-    M, N = node.shape[-2], node.shape[-1]
-    K = x.shape[-2] if ta else x.shape[-1]
-    sam, sak = (1, M) if ta else (K, 1)
-    sbk, sbn = (1, K) if tb else (N, 1)
-    out_batch = node.shape[:-2]
-    nbatch = prod(out_batch)
-    dims, sa, sb = matmul_batch(x.shape, y.shape, out_batch)
-    return M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb
-
-
-def _matmul(node, out, ptr, tile: int = 64, kernel: str = "tg_matmul") -> Launch:
-    M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
-    x, y = node.srcs
-    gy = (M + tile - 1) // tile
-    if gy > MAX_GRID_YZ:
-        raise CudaError(f"matmul {node.name!r}: {M} rows exceed the kernel's grid limit")
-    grid = ((N + tile - 1) // tile, gy, max(1, min(nbatch, MAX_GRID_YZ)))
-    return Launch(kernel, grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
-                                 i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
-                                 strided(dims, sa, sb)])
-
-
-#: Output tile edge of the tensor-core kernels (TC_BM == TC_BN in tc_layout.cuh).
-TC_TILE = 128
-
-
-def _tc_matmul(node, out, ptr, raw_consts, precision: str) -> Launch:
-    """The tensor-core launch for a matmul: dense operands take tg_matmul's arguments (so
-    every trans/batch/grouped-query case is covered), a block-format weight the fused
-    kernels' arguments."""
-    from .kernels import TC_KERNELS
-    if precision not in TC_KERNELS:
-        raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
-                        f"{precision!r} (have {sorted(TC_KERNELS)})")
-    table = TC_KERNELS[precision]
-    if node.srcs[1].id in raw_consts:
-        q = _qmatmul(node, out, ptr, tile=TC_TILE)
-        return Launch(table["nt" if node.attrs["trans_b"] else "nn"][node.srcs[1].storage],
-                      q.grid, q.args, block=(256, 1, 1))
-    return _matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"])
-
-
-def row_bytes(w) -> int:
-    """Bytes of one row of the 2-D block-format const ``w``."""
-    from .. import quant
-    return quant.nbytes(w.storage, (1, w.shape[1]))
-
-
-def _qmatmul(node, out, ptr, tile: int = 64) -> Launch:
-    """x @ W^T (trans_b) or dy @ W on a block-format W [rows, cols]; x's batch axes fold
-    into M since the 2-D W is shared by every batch entry and all buffers are contiguous."""
-    from .kernels import QUANT_KERNELS
-    (x, w), tb = node.srcs, node.attrs["trans_b"]
-    K = x.shape[-1]
-    M = x.size // K if K else 0
-    N = w.shape[0] if tb else w.shape[1]
-    if K != (w.shape[1] if tb else w.shape[0]):
-        raise CudaError(f"matmul {node.name!r}: inner dimensions {x.shape} and {w.shape} differ")
-    gy = (M + tile - 1) // tile
-    if gy > MAX_GRID_YZ:
-        raise CudaError(f"matmul {node.name!r}: {M} rows exceed the kernel's grid limit")
-    kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
-    return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
-                  [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))])
-
-
-# --- fused output head + cross-entropy --------------------------------------------------------
-#: Bytes of the [rows, vocab] f32 logits block one chunk of linear_cross_entropy uses (its
-#: only vocabulary-sized buffer). 256 MiB is 1344 rows of SmolLM2's 49152-token vocabulary:
-#: enough rows that dh = dlogits @ W (K = vocab, N = n_embd) still fills the GPU.
-LCE_CHUNK_BYTES = 256 << 20
-
-
-def lce_chunk_rows(n_rows: int, vocab: int) -> int:
-    """Rows per chunk: as many as LCE_CHUNK_BYTES holds, a multiple of the 64-row matmul
-    tile when that is at least one tile, never more than the rows there are."""
-    rows = LCE_CHUNK_BYTES // (4 * vocab)
-    if rows >= 64:
-        rows = rows // 64 * 64
-    return max(1, min(n_rows, rows))
-
-
-def _lce_scratch(node) -> dict[str, int]:
-    """Scratch parts, in order, in bytes (each 256-byte aligned): the chunk's logits block,
-    then forward the per-row losses [N], backward the dlogits weight (one f32)."""
-    (N, _), V = node.srcs[0].shape, node.srcs[1].shape[0]
-    parts = {"logits": 4 * lce_chunk_rows(N, V) * V}
-    parts["rowloss" if node.op == "linear_cross_entropy" else "gscale"] = (
-        4 * N if node.op == "linear_cross_entropy" else 4)
-    return {k: (v + 255) // 256 * 256 for k, v in parts.items()}
-
-
-def _dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matmul") -> Launch:
-    """One unbatched matmul launch, A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn];
-    tensor-core kernels (same arguments) for ``precision`` bf16/tf32 unless ``kernel`` is
-    tg_matmul_acc, which has no tensor-core twin."""
-    tile, block = 64, (THREADS, 1, 1)
-    if precision != "f32" and kernel == "tg_matmul":
-        from .kernels import TC_KERNELS
-        kernel, tile = TC_KERNELS[precision]["matmul"], TC_TILE
-    gy = (M + tile - 1) // tile
-    if gy > MAX_GRID_YZ:
-        raise CudaError(f"{kernel}: {M} rows exceed the kernel's grid limit")
-    return Launch(kernel, ((N + tile - 1) // tile, gy, 1),
-                  [p(out), p(a), p(b), i32(M), i32(N), i32(K), i32(sam), i32(sak), i32(sbk),
-                   i32(sbn), i32(1), strided([], [])], block)
-
-
-def _q_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
-    """x @ W^T ("nt") or dy @ W ("nn") with the block-format const ``w`` at ``w_ptr``, with
-    _qmatmul's arguments (tensor-core twins for bf16/tf32, as _tc_matmul picks them)."""
-    from .kernels import QUANT_KERNELS, TC_KERNELS
-    kernel, tile = QUANT_KERNELS[w.storage][kind], 64
-    if precision != "f32":
-        kernel, tile = TC_KERNELS[precision][kind][w.storage], TC_TILE
-    gy = (M + tile - 1) // tile
-    if gy > MAX_GRID_YZ:
-        raise CudaError(f"{kernel}: {M} rows exceed the kernel's grid limit")
-    return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
-                  [p(out), p(a), p(w_ptr), i32(M), i32(N), i32(K), i32(row_bytes(w))])
-
-
-def _linear_cross_entropy(node, out, ptr, scratch, raw_consts, precision) -> list[Launch]:
-    """Launches over chunks of ``rows`` rows sharing one [rows, V] logits block in scratch.
-
-    forward:  per chunk  logits = h_c W^T;  tg_ce_rows -> rowloss[c]
-              then       tg_ce_reduce(rowloss, all labels) -> the loss
-    backward: tg_lce_grad_scale -> gs (g, or g / n for mean); tg_fill dw = 0 if dw is asked
-              per chunk  logits = h_c W^T;  tg_ce_back in place -> dlogits_c (weight gs)
-                         dh_c = dlogits_c W          (into dh's rows of the chunk)
-                         dw += dlogits_c^T h_c       (tg_matmul_acc; chunk order fixed)
-    """
-    h, w, labels = node.srcs[:3]
-    (N, D), V = h.shape, w.shape[0]
-    rows = lce_chunk_rows(N, V)
-    parts = _lce_scratch(node)
-    zbuf = scratch
-    extra = scratch + parts["logits"]
-    hp, lp = ptr(h), ptr(labels)
-    quant = w.id in raw_consts
-    fwd = node.op == "linear_cross_entropy"
-    grad_h = not fwd and node.attrs["grad_h"]
-    grad_w = not fwd and node.attrs["grad_w"]
-    if grad_w and quant:
-        raise CudaError(f"{node.op} {node.name!r}: no dw for the block-format const {w.name!r}")
-    dh, dw = out, out + 4 * N * D * grad_h
-    launches = []
-    if not fwd:
-        launches.append(Launch("tg_lce_grad_scale", (1, 1, 1),
-                               [p(extra), p(lp), i32(N), p(ptr(node.srcs[3])),
-                                i32(node.attrs["reduction"] == "mean")]))
-        if grad_w:
-            launches.append(Launch("tg_fill", _blocks(V * D), [p(dw), i32(V * D), f32(0.0)]))
-    for r0 in range(0, N, rows):
-        c = min(rows, N - r0)
-        hc, lc = hp + 4 * r0 * D, lp + 4 * r0
-        if quant:   # logits = h_c W^T: A = h_c [c, D], W [V, D]
-            launches.append(_q_mm(zbuf, hc, w, ptr(w), c, V, D, "nt", precision))
-        else:
-            launches.append(_dense_mm(zbuf, hc, ptr(w), c, V, D, D, 1, 1, D, precision))
-        if fwd:
-            launches.append(Launch("tg_ce_rows", _rows_grid(c),
-                                   [p(extra + 4 * r0), p(zbuf), p(lc), i32(c), i32(V)]))
-            continue
-        launches.append(Launch("tg_ce_back", _rows_grid(c),
-                               [p(zbuf), p(zbuf), p(lc), p(extra), i32(c), i32(V), i32(0)]))
-        if grad_h:   # dh_c = dlogits_c [c, V] @ W [V, D]
-            if quant:
-                launches.append(_q_mm(dh + 4 * r0 * D, zbuf, w, ptr(w), c, D, V, "nn",
-                                            precision))
-            else:
-                launches.append(_dense_mm(dh + 4 * r0 * D, zbuf, ptr(w), c, D, V, V, 1, D, 1,
-                                          precision))
-        if grad_w:   # dw [V, D] += dlogits_c^T [V, c] @ h_c [c, D]
-            launches.append(_dense_mm(dw, zbuf, hc, V, D, c, 1, V, D, 1, precision,
-                                      kernel="tg_matmul_acc"))
-    if fwd:
-        launches.append(Launch("tg_ce_reduce", (1, 1, 1),
-                               [p(out), p(extra), p(lp), i32(N),
-                                i32(node.attrs["reduction"] == "mean")]))
-    return launches
