@@ -185,28 +185,14 @@ import numpy as np
 path, out = Path(sys.argv[1]).resolve(), sys.argv[2]
 os.environ["TOYGRAPH_SMOLLM2"] = str(path)
 backend, RTOL = os.environ.get("GS_BACKEND", "cuda"), 1e-4
-from toygraph import ops
 from toygraph.gguf import GGUFModel
-from toygraph.graph import Graph
-from toygraph.models.llama import build_llama
-from toygraph.session import Session
+from toygraph.inference import LanguageModel
 from toygraph.tokenizer import Tokenizer
 
 
 def fwd_loss(tokens, be):
-    m = GGUFModel(path)
-    B, T = tokens.shape
-    g = Graph()
-    net = build_llama(g, m.config, batch=B, seq=T, model=m)
-    labels = g.input("labels", (B * T,), "i32")
-    loss = g.output(ops.cross_entropy(net.logits, labels))
-    s = Session(g, backend=be)
-    s.realize()
-    s.upload(net.tokens, tokens)
-    s.upload(net.positions, np.tile(np.arange(T, dtype=np.int32), (B, 1)))
-    s.upload(labels, np.concatenate([tokens[:, 1:], np.full((B, 1), -1)], 1).ravel())
-    s.run("forward")
-    return float(s.download(loss))
+    """Mean next-token cross-entropy of each row of ``tokens`` on backend ``be``."""
+    return LanguageModel(str(path), backend=be).loss([list(map(int, r)) for r in tokens])[0]
 
 
 def rel(a, b):
