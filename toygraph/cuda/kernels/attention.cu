@@ -57,6 +57,31 @@ __device__ __forceinline__ bool attn_visible(int i, int j, int T, int causal) {
 
 __device__ __forceinline__ int attn_tiles(int T, int BT) { return (T + BT - 1) / BT; }
 
+// Scaled, causally masked scores of query row r (global row i) against this thread's NK
+// keys of the key tile starting at j0 (-inf where masked); returns their maximum. Shared
+// by the forward and the backward's row statistics, so both see the same scores.
+template <int HD, int TPR, int NK>
+__device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Qs)[HD + 1],
+                                                 const float (*Ks)[HD + 1], int r, int sub,
+                                                 int i, int j0, int T, int causal, float scale) {
+#pragma unroll
+    for (int c = 0; c < NK; ++c) s[c] = 0.0f;
+#pragma unroll 8
+    for (int d = 0; d < HD; ++d) {
+        float qd = Qs[r][d];
+#pragma unroll
+        for (int c = 0; c < NK; ++c) s[c] = fmaf(qd, Ks[sub + TPR * c][d], s[c]);
+    }
+    float mt = TG_ATTN_NEG_INF;
+#pragma unroll
+    for (int c = 0; c < NK; ++c) {
+        s[c] = attn_visible(i, j0 + sub + TPR * c, T, causal) ? __fmul_rn(s[c], scale)
+                                                             : TG_ATTN_NEG_INF;
+        mt = fmaxf(mt, s[c]);
+    }
+    return mt;
+}
+
 template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float* k,
                                          const float* v, int H, int KV, int T, int hd,
@@ -83,21 +108,7 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
         attn_load<HD, BT>(KVs, K, j0, T, hd);
         __syncthreads();
         float s[NK];
-#pragma unroll
-        for (int c = 0; c < NK; ++c) s[c] = 0.0f;
-#pragma unroll 8
-        for (int d = 0; d < HD; ++d) {
-            float qd = Qs[r][d];
-#pragma unroll
-            for (int c = 0; c < NK; ++c) s[c] = fmaf(qd, KVs[sub + TPR * c][d], s[c]);
-        }
-        float mt = TG_ATTN_NEG_INF;
-#pragma unroll
-        for (int c = 0; c < NK; ++c) {
-            s[c] = attn_visible(i, j0 + sub + TPR * c, T, causal) ? __fmul_rn(s[c], scale)
-                                                                 : TG_ATTN_NEG_INF;
-            mt = fmaxf(mt, s[c]);
-        }
+        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, KVs, r, sub, i, j0, T, causal, scale);
         const float mn = fmaxf(m, attn_group_max<TPR>(mt));
         const float base = mn == TG_ATTN_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
         const float alpha = expf(__fsub_rn(m, base));
@@ -155,21 +166,7 @@ __device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const fl
         attn_load<HD, BT>(Ks, K, j0, T, hd);
         __syncthreads();
         float s[NK];
-#pragma unroll
-        for (int c = 0; c < NK; ++c) s[c] = 0.0f;
-#pragma unroll 8
-        for (int d = 0; d < HD; ++d) {
-            float qd = Qs[r][d];
-#pragma unroll
-            for (int c = 0; c < NK; ++c) s[c] = fmaf(qd, Ks[sub + TPR * c][d], s[c]);
-        }
-        float mt = TG_ATTN_NEG_INF;
-#pragma unroll
-        for (int c = 0; c < NK; ++c) {
-            s[c] = attn_visible(i, j0 + sub + TPR * c, T, causal) ? __fmul_rn(s[c], scale)
-                                                                 : TG_ATTN_NEG_INF;
-            mt = fmaxf(mt, s[c]);
-        }
+        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, Ks, r, sub, i, j0, T, causal, scale);
         const float mn = fmaxf(m, attn_group_max<TPR>(mt));
         const float base = mn == TG_ATTN_NEG_INF ? 0.0f : mn;
         float ls = 0.0f;

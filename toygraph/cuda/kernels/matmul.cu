@@ -11,6 +11,25 @@
 #define MM_BN 64
 #define MM_BK 16
 
+// One 16-deep k slice of the staged tiles into this thread's 4x4 outputs. Shared by the
+// f32 and block-format matmuls (qmatmul.cu), so both sum in exactly the same order.
+__device__ __forceinline__ void tg_mm_tile_fma(const float (*As)[MM_BM + 1],
+                                               const float (*Bs)[MM_BN + 1],
+                                               float (&acc)[4][4], int tx, int ty) {
+#pragma unroll
+    for (int kk = 0; kk < MM_BK; ++kk) {
+        float ar[4], br[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ar[i] = As[kk][ty + 16 * i];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) br[j] = Bs[kk][tx + 16 * j];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
+    }
+}
+
 template <bool ACC>
 __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, const float* b,
                                                 int M, int N, int K, int sam, int sak, int sbk,
@@ -41,18 +60,7 @@ __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, cons
                 Bs[bk][bn] = (gn < N && gk2 < K) ? B[gk2 * sbk + gn * sbn] : 0.0f;
             }
             __syncthreads();
-#pragma unroll
-            for (int kk = 0; kk < MM_BK; ++kk) {
-                float ar[4], br[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) ar[i] = As[kk][ty + 16 * i];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) br[j] = Bs[kk][tx + 16 * j];
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
-            }
+            tg_mm_tile_fma(As, Bs, acc, tx, ty);
             __syncthreads();
         }
         float* C = out + (long long)z * M * N;

@@ -42,18 +42,7 @@ __device__ __forceinline__ void tg_qmm(float* out, const float* a, const unsigne
             }
         }
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < MM_BK; ++kk) {
-            float ar[4], br[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) ar[i] = As[kk][ty + 16 * i];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) br[j] = Bs[kk][tx + 16 * j];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
-        }
+        tg_mm_tile_fma(As, Bs, acc, tx, ty);
         __syncthreads();
     }
 #pragma unroll
