@@ -23,13 +23,18 @@ class OpSpec:
     name: str
     infer: Callable       # (shapes, dtypes, attrs) -> (shape, dtype); raises GraphError
     grad: Callable | None  # (node, gout, need) -> [grad or None per src]
+    # For ops that index with integer operands: {src index: (low, high, what)}, the range
+    # [low, high) those values must lie in. Sessions check uploads against it, so a bad
+    # id is a clear error on the host, never an out-of-bounds read in a kernel.
+    id_ranges: Callable | None = None  # (node) -> dict[int, tuple[int, int, str]]
 
 
 OPS: dict[str, OpSpec] = {}
+INT32_MAX = 2 ** 31 - 1
 
 
-def _op(name, infer, grad=None):
-    OPS[name] = OpSpec(name, infer, grad)
+def _op(name, infer, grad=None, id_ranges=None):
+    OPS[name] = OpSpec(name, infer, grad, id_ranges)
 
 
 def _need(cond, msg):
@@ -198,7 +203,8 @@ def _grad_rope(n, g, need):
                  inverse=not a["inverse"]), None]
 
 
-_op("rope", _infer_rope, _grad_rope)
+_op("rope", _infer_rope, _grad_rope,
+    id_ranges=lambda n: {1: (0, INT32_MAX, "positions")})
 
 
 def softmax(x, *, scale: float = 1.0, causal: bool = False):
@@ -414,7 +420,8 @@ def _infer_get_rows_back(shapes, dtypes, attrs):
 
 
 _op("get_rows", _infer_get_rows, lambda n, g, need: [
-    _node("get_rows_back", [g, n.srcs[1]], rows=n.srcs[0].shape[0]), None])
+    _node("get_rows_back", [g, n.srcs[1]], rows=n.srcs[0].shape[0]), None],
+    id_ranges=lambda n: {1: (0, n.srcs[0].shape[0], f"rows of {n.srcs[0].name}")})
 _op("get_rows_back", _infer_get_rows_back)
 
 
@@ -443,11 +450,13 @@ def _infer_ce_back(shapes, dtypes, attrs):
     return shapes[0], F32
 
 
+_LABELS = "the vocabulary (or -1 to ignore)"
 _op("cross_entropy", _infer_ce, lambda n, g, need: [
     _node("cross_entropy_back", [n.srcs[0], n.srcs[1], g], reduction=n.attrs["reduction"]),
-    None])
+    None], id_ranges=lambda n: {1: (-1, n.srcs[0].shape[1], _LABELS)})
 _op("cross_entropy_back", _infer_ce_back)
-_op("count_valid", lambda s, d, a: (_need(d[0] == I32, "labels must be i32") or ((), F32)))
+_op("count_valid", lambda s, d, a: (_need(d[0] == I32, "labels must be i32") or ((), F32)),
+    id_ranges=lambda n: {0: (-1, INT32_MAX, "labels (-1 to ignore)")})
 
 
 def linear_cross_entropy(h, w, labels, reduction="mean"):
@@ -493,7 +502,8 @@ def _grad_lce(n, g, need):
     return [dh, dw, None]
 
 
-_op("linear_cross_entropy", _infer_lce, _grad_lce)
+_op("linear_cross_entropy", _infer_lce, _grad_lce,
+    id_ranges=lambda n: {2: (-1, n.srcs[1].shape[0], _LABELS)})
 _op("linear_cross_entropy_back", _infer_lce_back)
 
 

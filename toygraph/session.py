@@ -19,11 +19,11 @@ import numpy as np
 from .errors import GraphError
 from .graph import PHASES, Graph, Tensor, topo_order
 from .memory import BufferPlan, nbytes, plan_buffers
+from .ops import INT32_MAX as _INT32_MAX, OPS
 
 # Ops through which an integer input flows unchanged, so the range its consumer needs
 # applies to the input itself.
 _PASS_THROUGH = {"reshape", "permute", "contiguous"}
-_INT32_MAX = 2 ** 31 - 1
 
 
 def _make_backend(backend: str, dtype: str):
@@ -78,7 +78,8 @@ class Session:
         return self.plan
 
     def _id_ranges(self, schedule):
-        """For each i32 input, the [low, high) its consumers accept, and who asks."""
+        """For each i32 input, the [low, high) its consumers accept (by their op's
+        ``id_ranges`` in ops.py), and who asks for the tightest bound."""
         consumers: dict[int, list[Tensor]] = {}
         for t in schedule:
             for s in t.srcs:
@@ -87,22 +88,19 @@ class Session:
         for inp in self.inputs.values():
             if inp.dtype != "i32":
                 continue
-            lo, hi, why = 0, _INT32_MAX, "positions"
+            bounds = []
             stack = [inp]
             while stack:
                 cur = stack.pop()
                 for c in consumers.get(cur.id, []):
                     if c.op in _PASS_THROUGH:
                         stack.append(c)
-                    elif c.op == "get_rows" and c.srcs[1] is cur:
-                        if c.srcs[0].shape[0] < hi:
-                            hi, why = c.srcs[0].shape[0], f"rows of {c.srcs[0].name}"
-                    elif c.op in ("cross_entropy", "linear_cross_entropy", "count_valid"):
-                        lo = -1
-                        vocab = (c.srcs[0].shape[1] if c.op == "cross_entropy" else
-                                 c.srcs[1].shape[0] if c.op == "linear_cross_entropy" else hi)
-                        if vocab < hi:
-                            hi, why = vocab, "the vocabulary (or -1 to ignore)"
+                        continue
+                    rule = OPS[c.op].id_ranges
+                    wanted = rule(c) if rule else {}
+                    bounds += [wanted[i] for i, s in enumerate(c.srcs) if s is cur and i in wanted]
+            lo = max((b[0] for b in bounds), default=0)
+            hi, why = min(((b[1], b[2]) for b in bounds), default=(_INT32_MAX, "int32"))
             ranges[inp.id] = (lo, hi, why)
         return ranges
 
