@@ -1,6 +1,8 @@
 """Merged GGUF export: the merged file computes what base + PEFT adapter computes, in
 transformers (the independent reference) and in toygraph; untouched tensors and metadata
 are carried over byte for byte."""
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from toygraph.errors import DataError  # noqa: E402
 from toygraph.export import PROVENANCE, export_merged  # noqa: E402
 from toygraph.gguf import GGUFModel  # noqa: E402
 from toygraph.inference import LanguageModel  # noqa: E402
+from toygraph.modelfile import OLLAMA_CHATML, modelfile_text, ollama_template  # noqa: E402
 
 # Relative loss bounds per output type (issue 15). bf16 keeps 8 mantissa bits, about as
 # coarse as q8_0's int8 blocks, so it gets the quantized bound.
@@ -153,14 +156,47 @@ def test_training_run_writes_an_ollama_modelfile(tiny_llama, tmp_path):
     out = tmp_path / "run"
     run_training(TrainConfig(model=str(tiny_llama), data=str(data), out=str(out), steps=2,
                              batch=2, seq_len=32, val_split=0.0, quiet=True))
-    lines = (out / "Modelfile").read_text().splitlines()
-    commands = [l.split(" ", 1) for l in lines if l and not l.startswith("#")]
-    assert {c for c, _ in commands} <= {"FROM", "ADAPTER", "PARAMETER"}
+    text = (out / "Modelfile").read_text()
+    # Modelfile syntax: "# comment" lines, or INSTRUCTION value with """multi-line""" values.
+    commands = re.findall(r'^([A-Z]+) ("""[\s\S]*?"""|.*)$', text, re.M)
+    rest = re.sub(r'^([A-Z]+) ("""[\s\S]*?"""|.*)$', "", text, flags=re.M)
+    assert all(not l or l.startswith("#") for l in rest.splitlines())
     values = {}
     for c, v in commands:
         values.setdefault(c, []).append(v)
+    assert set(values) == {"FROM", "ADAPTER", "TEMPLATE", "PARAMETER"}   # no SYSTEM for tiny
     (base,), (adapter,) = values["FROM"], values["ADAPTER"]
     assert base == str(tiny_llama.resolve()) and adapter == "./adapter.gguf"
     assert check_gguf_adapter(out / adapter, base)["rank"] == 8
+    assert values["TEMPLATE"] == [f'"""{OLLAMA_CHATML}"""']   # tiny's template is ChatML
     # tiny vocabulary: <|endoftext|> is EOS, <|im_end|> ends a ChatML turn
     assert sorted(values["PARAMETER"]) == ['stop "<|endoftext|>"', 'stop "<|im_end|>"']
+
+
+def test_ollama_template_only_when_faithful(tiny_llama):
+    from toygraph.fixtures.tiny_models import CHATML
+    from toygraph.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(tiny_llama)
+    assert ollama_template(tok) == (OLLAMA_CHATML, None)
+    # ChatML with a default system message (SmolLM2's shape): Ollama's SYSTEM carries it.
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n"
+                         "You are a helpful bot<|im_end|>\\n' }}{% endif %}" + CHATML)
+    assert ollama_template(tok) == (OLLAMA_CHATML, "You are a helpful bot")
+    for other in (
+        CHATML.replace("'\\n' + message['content']", "message['content']"),  # no newline
+        "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}",  # llama-2 style
+        "{{ bos_token }}" + CHATML,                                           # prints BOS
+        "{{ raise_exception('no') }}",
+    ):
+        tok.chat_template = other
+        assert ollama_template(tok) is None, other
+    tok.chat_template = None
+    assert ollama_template(tok) is None
+
+
+def test_smollm2_modelfile_keeps_its_default_system_message(smollm2):
+    text = modelfile_text(smollm2)
+    assert f'TEMPLATE """{OLLAMA_CHATML}"""' in text
+    assert 'SYSTEM """You are a helpful AI assistant named SmolLM, trained by Hugging Face"""' in text
+    assert 'PARAMETER stop "<|im_end|>"' in text and f"FROM {smollm2.resolve()}" in text

@@ -140,3 +140,17 @@ def test_generate_streams_and_stops(tiny_llama):
     b = lm.generate("the cat", max_new_tokens=12, temperature=1.0, top_p=0.9, min_p=0.05,
                     repetition_penalty=1.2, seed=5)
     assert a == b
+
+
+def test_cli_generate_prints_the_streamed_text(tiny_llama, capsys):
+    from toygraph.cli import main
+    lm = LanguageModel(tiny_llama)
+    full = lm.generate("the cat", max_new_tokens=16)
+    stop = full[5:8]
+    want = lm.generate("the cat", max_new_tokens=16, stop=[stop], top_k=3)  # greedy: top_k unused
+    assert want == full[:full.find(stop)]
+    assert main(["generate", "--model", str(tiny_llama), "--prompt", "the cat", "--top-k", "3",
+                 "--max-new-tokens", "16", "--stop", stop]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    assert main(["generate", "--model", str(tiny_llama), "--prompt", "x", "--top-p", "0"]) == 2
+    assert "top_p=0.0 is out of range" in capsys.readouterr().err

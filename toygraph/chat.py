@@ -73,7 +73,7 @@ def add_chat_parser(sub) -> None:
     p.add_argument("--system", help="system message to start every conversation with")
     add_sampling_args(p)
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
-    p.set_defaults(fn=_cmd_chat)
+    p.set_defaults(fn=_cmd_chat, max_new_tokens=256)
 
 
 def _cmd_chat(args) -> int:
