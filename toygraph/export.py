@@ -89,10 +89,11 @@ def _copy_metadata(reader, writer, skip: set[str]) -> None:
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
 
 
-def export_merged(model_path, adapter, out_path, out_type: str = "f16") -> Path:
-    """Write ``out_path``: the GGUF at ``model_path`` with the LoRA ``adapter`` (run or PEFT
-    directory, or llama.cpp adapter ``.gguf``) merged into its target weights, stored as
-    ``out_type`` (f32, f16, bf16 or q8_0). Returns the path. The file appears atomically."""
+def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16") -> Path:
+    """Write ``out_path``: the GGUF at ``model_path`` with the LoRA adapter ``adapter_dir``
+    (run, checkpoint or PEFT directory, or a llama.cpp adapter ``.gguf`` file) merged into
+    its target weights, stored as ``out_type`` (f32, f16, bf16 or q8_0). Returns the path;
+    the file appears atomically (temp file + rename)."""
     import gguf
 
     if out_type not in OUT_TYPES:
@@ -100,11 +101,11 @@ def export_merged(model_path, adapter, out_path, out_type: str = "f16") -> Path:
     if Path(out_path).resolve() == Path(model_path).resolve():
         raise DataError(f"--out {out_path}: would overwrite the base model; choose another path")
     model = GGUFModel(model_path)
-    lora, rank, alpha, source = load_adapter(adapter, model.config)
+    lora, rank, alpha, source = load_adapter(adapter_dir, model.config)
     merged = _merged_tensors(model, lora, alpha / rank, out_type)
     reader, out_path = model.reader, Path(out_path)
     name = model.metadata("general.name") or Path(model_path).stem
-    source_dir = str(Path(adapter).resolve())
+    source_dir = str(Path(adapter_dir).resolve())
 
     def write(tmp):
         w = gguf.GGUFWriter(tmp, model.config.arch, endianess=reader.endianess)
