@@ -865,7 +865,7 @@ def test_tc_matmul_replayed_through_the_mma_emulator_matches_numpy(prec, sa, sb,
 
 @pytest.mark.parametrize("prec", TC_PRECISIONS)
 @pytest.mark.parametrize("fmt,build", [("q4_k", "forward"), ("q8_0", "backward"),
-                                       ("bf16", "forward3d"), ("q3_k", "forward"),
+                                       ("bf16", "forward3d"), ("q3_k", "backward"),
                                        ("iq4_xs", "backward"), ("q5_0", "forward")])
 def test_tc_quantized_matmul_replayed_through_the_mma_emulator(prec, fmt, build, tc_layout):
     rng = np.random.default_rng(5)

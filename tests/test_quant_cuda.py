@@ -11,7 +11,7 @@ from test_llama import transformers_loss
 from test_quant import random_blocks
 from toygraph import quant
 from toygraph.cuda import devmem, lowering
-from toygraph.cuda.kernels import QUANT_KERNELS
+from toygraph.cuda.kernels import QUANT_KERNELS, layout_defines, read_source
 from toygraph.fixtures.tiny_models import write_tiny_llama
 from toygraph.gguf import GGUFModel
 from toygraph.optim import hp_row
@@ -35,6 +35,14 @@ def test_cuda_decoders_match_gguf_py_on_random_blocks(fmt, host_decoder):  # noq
     assert host_decoder(fmt.encode(), raw.ctypes.data, rows * cols, rows,
                         quant.nbytes(fmt, (1, cols)), got.ctypes.data) == 0
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_iq4nl_levels_are_ggmls_and_reach_the_kernels_only_through_layout_defines():
+    assert quant.IQ4NL_VALUES == tuple(gq.IQ4_NL.kvalues)
+    levels = ", ".join(map(str, quant.IQ4NL_VALUES))
+    assert f"#define TG_IQ4NL_VALUES {levels}\n" in layout_defines()
+    assert "{TG_IQ4NL_VALUES}" in read_source("quant.cuh")
+    assert "-127, -104" not in read_source("quant.cuh")    # no hand-written copy
 
 
 # One tensor role per type, as a Q4_K_M/Q3_K_M file mixes them: ffn_down's rows (n_ff = 288,
