@@ -148,8 +148,7 @@ def rope_angles(positions, dims, base, dtype, freq_factors=None, freq_scale=1.0)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.astype(np.float64)
     theta = positions.astype(np.float64)[..., None] * inv_freq
-    if freq_scale != 1.0:
-        theta *= freq_scale
+    theta *= freq_scale  # exact at the default 1.0
     return np.cos(theta)[:, :, None, :].astype(dtype), np.sin(theta)[:, :, None, :].astype(dtype)
 
 
