@@ -449,7 +449,8 @@ def test_template_extras_match_transformers(qwen3, vocab_files):
                 "{% if loop.first %}{% continue %}{% endif %}{{ m.content }}{% endfor %}")
     messages = [{"role": "user", "content": "<b>", "name": None, "reasoning": "r"},
                 {"role": "assistant", "content": "ok"}]
-    ref = _reference(vocab_files["qwen3"]).apply_chat_template(messages, chat_template=template, tokenize=False)
+    ref = _reference(vocab_files["qwen3"]).apply_chat_template(messages, chat_template=template,
+                                                               tokenize=False)
     tok = copy.copy(qwen3)
     tok.chat_template = template
     assert tok.apply_chat_template(messages) == ref == '[<b>]TrueFalseFalser{"a": 1}[\n "<é>"\n]ok'
