@@ -110,6 +110,27 @@ def test_bad_launches_are_errors():
         run_kernel("x", (1, 1, 1), (1, 1, 1), [], source="this is not C++")
 
 
+def test_build_is_cached_on_disk_and_a_missing_compiler_is_a_clear_error(tmp_path,
+                                                                         monkeypatch):
+    from toygraph.cuda import hostcc
+    monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path))
+    src = kernels.module_source(("dequant.cu",))
+    before = hostcc.build_count
+    first = hostcc.build_library(src)
+    assert hostcc.build_library(src) == first and hostcc.build_count == before + 1
+    assert first.parent == tmp_path / "host"
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    with pytest.raises(CudaError, match=r"host compiler .*no-such-g\+\+. does not run"):
+        hostcc.build_library(src + "// changed")
+
+
+def test_device_switch():
+    with pytest.raises(CudaError, match="TOYGRAPH_CUDA_DEVICE must be a device ordinal or "
+                                        "'host', got 'gpu0'"):
+        cuda_backend.open_device("gpu0")
+    assert cuda_backend.CudaBackend().ctx.name == "host"   # from the environment (fixture)
+
+
 def _round_bf16(x):   # written from the definitions, independently of the shim
     u = x.view(np.uint32).astype(np.uint64)
     return np.where(np.isnan(x), 0x7FFF, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
