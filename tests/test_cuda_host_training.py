@@ -180,6 +180,9 @@ def test_adamw_step_with_clip_matches_numpy_and_replays_identically(max_norm, mo
 
 # --- the whole LoRA step of a tiny model ------------------------------------------------------
 def _lora_run(path, backend, steps=3, dtype="f32"):
+    """A LoRA recipe on ``path`` trained ``steps`` steps; the recipe's session is driven
+    directly (inputs, hp, run "step", loss sum / count), which keeps this test apart from
+    how Recipe.step shapes its arguments."""
     from toygraph.gguf import GGUFModel
     from toygraph.recipes import LoRA, RecipeOptions
     model = GGUFModel(path)
@@ -188,15 +191,19 @@ def _lora_run(path, backend, steps=3, dtype="f32"):
     recipe.realize(model, model.config, RecipeOptions(t_seq=T, t_batch=B, seed=3,
                                                       init_scale=0.05, backend=backend,
                                                       weight_dtype=dtype))
-    rng = np.random.default_rng(0)
-    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    s, rng = recipe.sess, np.random.default_rng(0)
     losses = []
     for i in range(steps):
         ids = rng.integers(0, model.config.n_vocab, size=(B, T)).astype(np.int32)
         lab = np.roll(ids, -1, axis=1).astype(np.int32)
         lab[:, -1] = -1
-        losses.append(recipe.step(ids, pos, lab.reshape(-1), hp_row(i + 1, lr=1e-2),
-                                  is_first=(i == 0)))
+        s.reset() if i == 0 else s.reset_grads()
+        s.upload(recipe.train.hp, hp_row(i + 1, lr=1e-2))
+        s.upload(recipe.net.tokens, ids)
+        s.upload(recipe.net.positions, np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+        s.upload(recipe.labels, lab.reshape(-1))
+        s.run("step")
+        losses.append(float(s.download(recipe.loss_sum)) / float(s.download(recipe.count)))
     return recipe, losses
 
 
