@@ -301,6 +301,33 @@ def test_linear_cross_entropy_in_ragged_chunks(head, reduction, labels, monkeypa
         assert rel_err(a, b) <= REDUCTION if np.abs(b).max() else not np.abs(a).max()
 
 
+@pytest.fixture
+def capped_grids(monkeypatch):
+    """Grids capped far below the work (as MAX_GRID / MAX_GRID_YZ / SUMSQ_BLOCKS cap them
+    for huge tensors on a GPU), so every grid-stride, row and batch loop takes more turns."""
+    from toygraph.cuda import launch, lower_matmul, lowering
+    monkeypatch.setattr(launch, "MAX_GRID", 3)
+    monkeypatch.setattr(lower_matmul, "MAX_GRID_YZ", 2)
+    monkeypatch.setattr(lowering, "SUMSQ_BLOCKS", 2)
+
+
+@pytest.mark.parametrize("name,build,shapes,tol", [
+    ("silu", ops.silu, [(7, 300)], ELEMENTWISE),
+    ("rms_norm", lambda x: ops.rms_norm(x, 1e-5), [(9, 40)], REDUCTION),
+    ("softmax_causal", lambda x: ops.softmax(x, scale=0.5, causal=True), [(2, 7, 7)], REDUCTION),
+    ("sum_to_cols", lambda x: ops.sum_to(x, (1, 9)), [(700, 9)], REDUCTION),
+    ("matmul_batched", lambda a, b: ops.matmul(a, b), [(5, 3, 9, 4), (5, 3, 4, 6)], REDUCTION),
+])
+def test_ops_with_capped_grids_loop_over_the_rest(name, build, shapes, tol, capped_grids):
+    compare_op(build, shapes, tol)
+
+
+def test_embedding_gradient_with_capped_grids(capped_grids):
+    def ids(g, rng):
+        return {g.input("ids", (2, 9), "i32"): rng.integers(0, 5, size=(2, 9)).astype(np.int32)}
+    compare_op(lambda t, i: ops.get_rows(t, i), [(5, 30)], ELEMENTWISE, inputs_fn=ids)
+
+
 # --- a broken kernel must fail -----------------------------------------------------------------
 MUTATIONS = {   # one index expression each, as a careless edit would change it
     "matmul drops the last k of a ragged tile": (

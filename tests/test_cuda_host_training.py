@@ -178,6 +178,20 @@ def test_adamw_step_with_clip_matches_numpy_and_replays_identically(max_norm, mo
         assert all(np.array_equal(a, b) for a, b in zip(other[1], got[1]))
 
 
+def test_adamw_step_with_capped_grids_matches_numpy(monkeypatch):
+    """The step with every grid capped at 3 blocks (2 partial sums per gradient norm), so
+    AdamW, the norm, cross-entropy and the row kernels loop over what the grid misses."""
+    from toygraph.cuda import launch, lowering
+    monkeypatch.setattr(launch, "MAX_GRID", 3)
+    monkeypatch.setattr(lowering, "SUMSQ_BLOCKS", 2)
+    cpu, got = _mlp_train("cpu", 0.05, n=70, h=300), _mlp_train("cuda", 0.05, n=70, h=300)
+    for a, b in zip(got[0], cpu[0]):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    for a, b in zip(got[1], cpu[1]):
+        assert rel_err(a, b) <= 1e-4
+    assert abs(got[2] - cpu[2]) <= 1e-4 * cpu[2]
+
+
 # --- the whole LoRA step of a tiny model ------------------------------------------------------
 def _lora_run(path, backend, steps=3, dtype="f32"):
     """A LoRA recipe on ``path`` trained ``steps`` steps; the recipe's session is driven
