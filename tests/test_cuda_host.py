@@ -46,6 +46,11 @@ extern "C" __global__ void probe_stale_shared(float* out) {
     __syncthreads();
     out[blockIdx.x * 32 + threadIdx.x] = sh[threadIdx.x];
 }
+extern "C" __global__ void probe_race(float* out) {
+    __shared__ float sh[32];
+    sh[threadIdx.x] = (float)threadIdx.x;
+    out[threadIdx.x] = sh[(threadIdx.x + 31) % 32];      // no barrier: a race
+}
 extern "C" __global__ void probe_divergent_barrier(int* out) {
     if (threadIdx.x < 16) return;
     __syncthreads();
@@ -89,6 +94,16 @@ def test_shared_memory_a_block_did_not_write_is_garbage():
     out = np.zeros((2, 32), np.float32)
     run_kernel("probe_stale_shared", (2, 1, 1), (32, 1, 1), [out], source=_probe_source())
     assert (out[0] == 1).all() and np.isnan(out[1]).all()
+
+
+def test_a_race_on_shared_memory_shows_under_the_reverse_schedule(monkeypatch):
+    runs = []
+    for order in ("forward", "reverse"):
+        monkeypatch.setenv("TOYGRAPH_HOST_SCHEDULE", order)
+        runs.append(np.zeros(32, np.float32))
+        run_kernel("probe_race", (1, 1, 1), (32, 1, 1), [runs[-1]], source=_probe_source())
+    np.testing.assert_array_equal(runs[0][1:], np.arange(31))   # earlier threads wrote
+    assert np.isnan(runs[0][0]) and runs[1][0] == 31 and np.isnan(runs[1][1:]).all()
 
 
 def test_a_barrier_that_cannot_complete_is_an_error_not_a_hang():

@@ -192,6 +192,41 @@ def test_adamw_step_with_capped_grids_matches_numpy(monkeypatch):
     assert abs(got[2] - cpu[2]) <= 1e-4 * cpu[2]
 
 
+@pytest.mark.parametrize("case", ["attention", "tc_matmul_bf16", "lce_chunks", "mlp_step"])
+def test_results_do_not_depend_on_the_thread_schedule(case, monkeypatch):
+    """Threads of a block run first to last between barriers, then last to first
+    (TOYGRAPH_HOST_SCHEDULE=reverse): a read of shared memory another thread writes without
+    a barrier in between sees a different value, so race-free kernels are bit-identical."""
+    from hostparity import op_case
+    from toygraph.cuda import lower_fused
+    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 300 * 24)
+
+    def run():
+        if case == "mlp_step":
+            losses, params, norm = _mlp_train("cuda", 0.05)
+            return [np.array(losses), np.array(norm)] + params
+        if case == "lce_chunks":
+            def build(h, w, lab):
+                return ops.linear_cross_entropy(h, w, lab).reshape(1)
+
+            def inputs_fn(g, rng):
+                return {g.input("lab", (70,), "i32"): rng.integers(-1, 300, 70).astype(np.int32)}
+            g, extra, fetch = op_case(build, [(70, 40), (300, 40)], inputs_fn)
+        elif case == "attention":
+            g, extra, fetch = op_case(
+                lambda q, k, v: ops.attention(q, k, v, scale=0.25, causal=True),
+                [(1, 4, 37, 16), (1, 2, 37, 16), (1, 2, 37, 16)])
+        else:
+            g, extra, fetch = op_case(lambda a, b: ops.matmul(a, b), [(130, 70), (70, 90)])
+        return run_phase(g, "cuda", extra, "backward", fetch,
+                         "bf16" if case == "tc_matmul_bf16" else "f32")
+
+    forward = run()
+    monkeypatch.setenv("TOYGRAPH_HOST_SCHEDULE", "reverse")
+    reverse = run()
+    assert all(np.array_equal(a, b) for a, b in zip(forward, reverse))
+
+
 # --- the whole LoRA step of a tiny model ------------------------------------------------------
 def _lora_run(path, backend, steps=3, dtype="f32"):
     """A LoRA recipe on ``path`` trained ``steps`` steps; the recipe's session is driven

@@ -73,6 +73,7 @@ static int g_nthreads, g_block_arrived;
 static void (*g_body)(void*);
 static void* g_body_ctx;
 static char g_error[1024];
+static int g_reverse;   // run the fibers of a block last to first (tg_host_set_schedule)
 static const char* g_kernel;
 static std::mutex g_lock;
 
@@ -333,8 +334,8 @@ static bool run_block() {
     while (done < g_nthreads) {
         bool progress = false;
         done = 0;
-        for (int t = 0; t < g_nthreads; ++t) {
-            Thread& th = g_threads[t];
+        for (int i = 0; i < g_nthreads; ++i) {
+            Thread& th = g_threads[g_reverse ? g_nthreads - 1 - i : i];
             if (th.state == RUNNABLE) {
                 g_cur = &th;
                 fiber_swap(&g_sched_sp, th.sp);
@@ -420,6 +421,12 @@ static int launch(const char* name, void (*f)(A...), const int* dims, int shmem,
 
 extern "C" __attribute__((visibility("default"))) const char* tg_host_error() {
     return tg_host::g_error;
+}
+
+// The order fibers run in between barriers: a kernel whose result depends on it has a
+// race (a thread reading shared memory another writes without a barrier between).
+extern "C" __attribute__((visibility("default"))) void tg_host_set_schedule(int reverse) {
+    tg_host::g_reverse = reverse;
 }
 
 // One exported entry per kernel (hostexec.py appends these for every kernel it finds).

@@ -29,6 +29,16 @@ from .hostcc import build_library
 HOST_ARCH = "sm_80"
 
 
+def schedule() -> str:
+    """``$TOYGRAPH_HOST_SCHEDULE``: "forward" (default) runs the threads of a block first to
+    last between barriers, "reverse" last to first. Race-free kernels give bit-identical
+    results either way (tests/test_cuda_host_training.py checks)."""
+    order = os.environ.get("TOYGRAPH_HOST_SCHEDULE", "forward")
+    if order not in ("forward", "reverse"):
+        raise CudaError(f"TOYGRAPH_HOST_SCHEDULE must be 'forward' or 'reverse', got {order!r}")
+    return order
+
+
 @lru_cache(maxsize=8)
 def _load(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
@@ -42,6 +52,7 @@ class HostModule:
     def __init__(self, source: str, opt: str | None = None):
         self.lib = _load(str(build_library(source, opt)))
         self._functions: dict[str, object] = {}
+        self.lib.tg_host_set_schedule(int(schedule() == "reverse"))
 
     def function(self, name: str):
         fn = self._functions.get(name)
