@@ -7,7 +7,9 @@
 // a warp collective (__shfl_*_sync, __ballot_sync, mma.sync) for the 32 lanes of the warp.
 // The last thread to arrive releases the others (and, for a collective, computes its
 // result from what every lane deposited). A barrier that can never complete (threads
-// exited or waiting elsewhere) fails the launch with a message instead of hanging.
+// exited or waiting elsewhere) fails the launch with a message instead of hanging; so
+// does a partial-warp mask. Fibers run first to last, or last to first
+// (tg_host_set_schedule): a kernel that gives different results has a race.
 //
 // __shared__ arrays become static arrays in the section "tg_shared": with blocks run one
 // at a time they are per block, and the whole section is filled with 0xFF bytes (NaN as
