@@ -8,7 +8,7 @@ import pytest
 
 from toygraph.errors import GGUFError
 from toygraph.fixtures.tiny_models import write_tiny_llama, write_tiny_qwen2
-from toygraph.gguf import GGUFModel, LlamaConfig, WeightTensor, open_gguf
+from toygraph.gguf import GGUFModel, ModelConfig, WeightTensor, open_gguf
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,12 @@ def smollm2_or_skip():
 
 def test_tiny_llama_config(tiny):
     cfg = open_gguf(tiny["llama"]).config
-    assert cfg == LlamaConfig(
+    assert cfg == ModelConfig(
         arch="llama", n_layer=2, n_embd=64, n_ff=96, n_head=4, n_head_kv=2, head_dim=16,
         rope_base=10000.0, rope_dims=16, rope_mode="normal", rms_eps=cfg.rms_eps,
-        n_vocab=cfg.n_vocab, n_ctx=128, tied_output=True, qkv_bias=False)
+        n_vocab=cfg.n_vocab, n_ctx=128, tied_output=True, qkv_bias=False, rope_freqs=False,
+        rope_scale=1.0, sliding_window=0, attn_scale=0.25, embed_scale=1.0, windows=(0, 0),
+        rope_bases=(10000.0, 10000.0), rope_scales=(1.0, 1.0))
     assert cfg.rms_eps == pytest.approx(1e-5) and 256 < cfg.n_vocab <= 512
 
 
@@ -160,11 +162,13 @@ def test_unknown_architecture(tiny, tmp_path):
         open_gguf(p)
 
 
-def test_missing_required_tensor(tiny, tmp_path):
-    # Claim 3 blocks where the file holds 2.
+@pytest.mark.parametrize("claimed", [3, 1, 2_300_000_000])
+def test_block_count_must_match_the_blocks_present(tiny, tmp_path, claimed):
+    """Checked before any per-layer loop: a corrupted count (~2.3e9) fails at once."""
     p = patched(tiny["llama"], tmp_path / "blocks.gguf", kv_u32("llama.block_count", 2),
-                kv_u32("llama.block_count", 3))
-    with pytest.raises(GGUFError, match=r"blocks\.gguf: missing required tensor 'blk\.2\."):
+                kv_u32("llama.block_count", claimed))
+    with pytest.raises(GGUFError, match=rf"blocks\.gguf: metadata 'llama\.block_count' is "
+                                        rf"{claimed}, but the file holds tensors for 2 blocks"):
         open_gguf(p)
 
 
