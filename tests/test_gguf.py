@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from toygraph.errors import GGUFError
-from toygraph.fixtures.tiny_models import write_tiny_llama, write_tiny_qwen2
+from toygraph.fixtures.tiny_models import (write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2,
+                                           write_tiny_qwen3)
 from toygraph.gguf import GGUFModel, ModelConfig, WeightTensor, open_gguf
 
 
@@ -183,3 +184,74 @@ def test_unsupported_tensor_type(tmp_path):
     p = write_tiny_llama(tmp_path / "q5.gguf", weight_types={"ffn_up": "q5_0"})
     with pytest.raises(GGUFError, match=r"q5\.gguf: tensor 'blk\.0\.ffn_up\.weight'.*Q5_0"):
         open_gguf(p)
+
+
+# ---- nothing ignored, nothing unbounded (models/config.py) ---------------------------
+
+def kv_f32(key: str, value: float) -> bytes:
+    return key.encode() + np.uint32(gguf.GGUFValueType.FLOAT32).tobytes() + np.float32(value).tobytes()
+
+
+@pytest.mark.parametrize("case, write, match", [
+    ("extra_tensor", lambda p: write_tiny_llama(p, extra_tensors={"blk.0.attn_sinks.weight": np.zeros(4)}),
+     r"tensor 'blk\.0\.attn_sinks\.weight' is not used by the llama graph"),
+    ("attn_softcap", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.attn_logit_softcapping": 50.0}),
+     r"metadata key 'gemma3\.attn_logit_softcapping' is not understood for gemma3"),
+    ("final_softcap", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.final_logit_softcapping": 30.0}),
+     r"metadata key 'gemma3\.final_logit_softcapping' is not understood"),
+    ("unknown_key", lambda p: write_tiny_llama(p, extra_kv={"llama.expert_count": 8}),
+     r"metadata key 'llama\.expert_count' is not understood"),
+    ("swa_pattern", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.attention.sliding_window_pattern": 4}),
+     r"'gemma3\.attention\.sliding_window_pattern' is not understood"),
+    ("yarn", lambda p: write_tiny_qwen3(p, extra_kv={"qwen3.rope.scaling.type": "yarn",
+                                                    "qwen3.rope.scaling.factor": 4.0}),
+     r"qwen3\.rope\.scaling\.type = 'yarn' is not supported"),
+    ("qwen3_no_qk_norm", lambda p: write_tiny_qwen3(p, qk_norm=False),
+     r"missing required tensor 'blk\.0\.attn_q_norm\.weight'"),
+    ("qwen3_bias", lambda p: write_tiny_qwen3(p, qkv_bias=True),
+     r"tensor 'blk\.0\.attn_q\.bias' is not used by the qwen3 graph"),
+    ("gemma3_no_post_norm", lambda p: write_tiny_gemma3(p, post_norms=False),
+     r"missing required tensor 'blk\.0\.post_attention_norm\.weight'"),
+    ("gemma3_no_window", lambda p: write_tiny_gemma3(p, sliding_window=None),
+     r"gemma3 needs a positive gemma3\.attention\.sliding_window"),
+    ("qwen2_rope_freqs", lambda p: write_tiny_qwen2(p, rope_freqs=np.ones(8)),
+     r"tensor 'rope_freqs\.weight' is not used by the qwen2 graph"),
+    ("rope_freqs_shape", lambda p: write_tiny_llama(p, rope_freqs=np.ones(5)),
+     r"tensor 'rope_freqs\.weight' has shape \(5,\), expected \(8,\)"),
+    ("value_length", lambda p: write_tiny_qwen3(p, head_dim=None, extra_kv={"qwen3.attention.value_length": 24}),
+     r"attention\.value_length differs from attention\.key_length"),
+    ("type", lambda p: write_tiny_llama(p, extra_kv={"llama.attention.key_length": "16"}),
+     r"metadata 'llama\.attention\.key_length' must be an integer, found '16'"),
+])
+def test_refuses_what_it_does_not_implement(tmp_path, case, write, match):
+    path = write(tmp_path / f"{case}.gguf")
+    with pytest.raises(GGUFError, match=match) as e:
+        open_gguf(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("old, new, match", [
+    (kv_u32("llama.attention.head_count", 4), kv_u32("llama.attention.head_count", 0),
+     r"'llama\.attention\.head_count' must be positive and finite, found 0"),
+    (kv_u32("llama.attention.head_count_kv", 2), kv_u32("llama.attention.head_count_kv", 3),
+     r"head_count_kv = 3 does not divide attention\.head_count = 4"),
+    (kv_u32("llama.attention.head_count_kv", 2), kv_u32("llama.attention.head_count_kv", 0),
+     r"'llama\.attention\.head_count_kv' must be positive"),
+    (kv_u32("llama.embedding_length", 64), kv_u32("llama.embedding_length", 4_000_000_000),
+     r"tensor 'token_embd\.weight' has shape \(\d+, 64\), expected \(\d+, 4000000000\)"),
+    (kv_u32("llama.rope.dimension_count", 16), kv_u32("llama.rope.dimension_count", 17),
+     r"rope\.dimension_count = 17 must be even and at most the head size 16"),
+    (kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5),
+     kv_f32("llama.attention.layer_norm_rms_epsilon", -1e-5),
+     r"'llama\.attention\.layer_norm_rms_epsilon' must be positive and finite"),
+    (kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5),
+     kv_f32("llama.attention.layer_norm_rms_epsilon", float("nan")),
+     r"'llama\.attention\.layer_norm_rms_epsilon' must be positive and finite, found nan"),
+    (kv_f32("llama.rope.freq_base", 10000.0), kv_f32("llama.rope.freq_base", 0.0),
+     r"'llama\.rope\.freq_base' must be positive and finite"),
+])
+def test_metadata_is_bounded_before_use(tiny, tmp_path, old, new, match):
+    p = patched(tiny["llama"], tmp_path / "bad.gguf", old, new)
+    with pytest.raises(GGUFError, match=match) as e:
+        open_gguf(p)
+    assert "\n" not in str(e.value)
