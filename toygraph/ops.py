@@ -164,6 +164,25 @@ _op("silu", _infer_unary, lambda n, g, need: [silu_back(n.srcs[0], g)])
 _op("silu_back", _infer_same2)
 
 
+def gelu(x):
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), exactly
+    torch's ``gelu(approximate="tanh")`` (Hugging Face's ``gelu_pytorch_tanh``, Gemma)."""
+    return _node("gelu", [x])
+
+
+def gelu_back(x, g):
+    return _node("gelu_back", [x, g])
+
+
+def geglu(gate, up):
+    """gelu(gate) * up, the Gemma FFN activation."""
+    return mul(gelu(gate), up)
+
+
+_op("gelu", _infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
+_op("gelu_back", _infer_same2)
+
+
 # --- normalisation, rope, softmax ----------------------------------------------------------
 def rms_norm(x, eps: float):
     """x / sqrt(mean(x^2, last axis) + eps); multiply by a weight separately."""
@@ -175,32 +194,46 @@ _op("rms_norm", _infer_unary,
 _op("rms_norm_back", _infer_same2)
 
 
-def rope(x, positions, *, dims: int, base: float, mode: str = "normal", inverse=False):
+def rope(x, positions, *, dims: int, base: float, mode: str = "normal", freq_factors=None,
+         freq_scale: float = 1.0, inverse=False):
     """Rotary embedding of x [batch, seq, heads, head_dim] at positions [batch, seq].
 
     mode "normal" rotates adjacent pairs (2i, 2i+1), as llama.cpp does for the Q/K rows a
     GGUF stores; "neox" rotates (i, i + dims/2), as Hugging Face and Qwen2 GGUFs do. Only
     the first ``dims`` features of each head rotate.
+
+    Pair i at position p turns by ``freq_scale * p * base^(-2i/dims) / freq_factors[i]``,
+    as in ggml's rope: ``freq_factors`` is an f32 [dims/2] tensor (a Llama-3 GGUF's
+    ``rope_freqs.weight``, which is how llama.cpp's converter encodes rope_type "llama3"),
+    a third source that gets no gradient; ``freq_scale`` is linear rope scaling
+    (1 / ``rope.scaling.factor``). The defaults leave the angles untouched.
     """
-    return _node("rope", [x, positions], dims=int(dims), base=float(base), mode=mode,
-                 inverse=bool(inverse))
+    srcs = [x, positions] + ([] if freq_factors is None else [freq_factors])
+    return _node("rope", srcs, dims=int(dims), base=float(base), mode=mode,
+                 freq_scale=float(freq_scale), inverse=bool(inverse))
 
 
 def _infer_rope(shapes, dtypes, attrs):
-    (xs, ps), (xd, pd) = shapes, dtypes
+    (xs, ps), (xd, pd) = shapes[:2], dtypes[:2]
     _need(xd == F32 and pd == I32, "rope needs f32 x and i32 positions")
     _need(len(xs) == 4, f"x must be [batch, seq, heads, head_dim], got {xs}")
     _need(tuple(ps) == tuple(xs[:2]), f"positions must be {xs[:2]}, got {ps}")
     _need(attrs["mode"] in ("normal", "neox"), f"mode must be normal or neox, got {attrs['mode']!r}")
     d = attrs["dims"]
     _need(0 < d <= xs[3] and d % 2 == 0, f"rope dims must be even and <= {xs[3]}, got {d}")
+    _need(attrs["freq_scale"] > 0, f"freq_scale must be positive, got {attrs['freq_scale']}")
+    if len(shapes) == 3:
+        _need(dtypes[2] == F32 and tuple(shapes[2]) == (d // 2,),
+              f"freq_factors must be f32 [{d // 2}] (dims / 2), got {dtypes[2]} {shapes[2]}")
     return xs, F32
 
 
 def _grad_rope(n, g, need):
     a = n.attrs
-    return [rope(g, n.srcs[1], dims=a["dims"], base=a["base"], mode=a["mode"],
-                 inverse=not a["inverse"]), None]
+    factors = n.srcs[2] if len(n.srcs) == 3 else None
+    dx = rope(g, n.srcs[1], dims=a["dims"], base=a["base"], mode=a["mode"],
+              freq_factors=factors, freq_scale=a["freq_scale"], inverse=not a["inverse"])
+    return [dx] + [None] * (len(n.srcs) - 1)
 
 
 _op("rope", _infer_rope, _grad_rope,
@@ -227,8 +260,14 @@ _op("softmax_back", _infer_same2)
 
 
 # --- fused attention -------------------------------------------------------------------------
-def attention(q, k, v, *, scale: float, causal: bool = True):
+def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0):
     """softmax(scale * q k^T [causal-masked]) v without a [heads, seq, seq] tensor.
+
+    ``window`` > 0 is sliding-window causal attention (Gemma 3's local layers): query i
+    sees key j iff j <= i and i - j < window. That is transformers' sliding overlay
+    (masking_utils.sliding_window_overlay: ``kv_idx > q_idx - sliding_window``) and
+    llama.cpp's LLAMA_SWA_TYPE_STANDARD (is_masked_swa masks ``p1 - p0 >= n_swa``).
+    0 means no window.
 
     q [B, H, T, hd], k and v [B, KV, T, hd] with H % KV == 0: query head h reads K/V head
     h // (H / KV) (grouped-query). Returns [B, H, T, hd]. The gradient is one
@@ -237,7 +276,8 @@ def attention(q, k, v, *, scale: float, causal: bool = True):
 
     >>> o = attention(q, k, v, scale=hd ** -0.5)          # doctest: +SKIP
     """
-    return _node("attention", [q, k, v], scale=float(scale), causal=bool(causal))
+    return _node("attention", [q, k, v], scale=float(scale), causal=bool(causal),
+                 window=int(window))
 
 
 def _infer_attention(shapes, dtypes, attrs):
@@ -249,6 +289,8 @@ def _infer_attention(shapes, dtypes, attrs):
     _need(q[0] == k[0] and q[2] == k[2] and q[3] == k[3],
           f"q {q} and k {k} must agree on batch, sequence and head_dim")
     _need(q[1] % k[1] == 0, f"query heads {q[1]} must be a multiple of kv heads {k[1]}")
+    _need(attrs["window"] >= 0, f"window must be >= 0 (0: none), got {attrs['window']}")
+    _need(attrs["causal"] or not attrs["window"], "a sliding window needs causal=True")
     return tuple(q), F32
 
 

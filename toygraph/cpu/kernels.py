@@ -103,6 +103,29 @@ def _silu_back(out, srcs, attrs):
     out *= g
 
 
+# GELU, tanh approximation (torch's approximate="tanh"): 0.5 x (1 + tanh(c (x + a x^3))).
+_GELU_C, _GELU_A = np.sqrt(2.0 / np.pi), 0.044715
+
+
+def _gelu_tanh(x):
+    return np.tanh(x.dtype.type(_GELU_C) * (x + x.dtype.type(_GELU_A) * x * x * x))
+
+
+@kernel("gelu")
+def _gelu(out, srcs, attrs):
+    x = srcs[0]
+    np.multiply(x, 0.5 * (1 + _gelu_tanh(x)), out=out)
+
+
+@kernel("gelu_back")
+def _gelu_back(out, srcs, attrs):
+    """d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), t = tanh(c (x + a x^3))."""
+    x, g = srcs
+    t = _gelu_tanh(x)
+    c, a = x.dtype.type(_GELU_C), x.dtype.type(3 * _GELU_A)
+    out[...] = g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + a * x * x))
+
+
 @kernel("rms_norm")
 def _rms_norm(out, srcs, attrs):
     x = srcs[0]
@@ -118,18 +141,24 @@ def _rms_norm_back(out, srcs, attrs):
     out[...] = r * (g - y * np.mean(g * y, axis=-1, keepdims=True))
 
 
-def rope_angles(positions, dims, base, dtype):
-    """cos and sin of pos * base^(-2i/dims), shaped [batch, seq, 1, dims/2]."""
+def rope_angles(positions, dims, base, dtype, freq_factors=None, freq_scale=1.0):
+    """cos and sin of freq_scale * pos * base^(-2i/dims) / freq_factors[i], shaped
+    [batch, seq, 1, dims/2] (ggml's rope angle with frequency factors and linear scaling)."""
     inv_freq = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
     theta = positions.astype(np.float64)[..., None] * inv_freq
+    if freq_scale != 1.0:
+        theta *= freq_scale
     return np.cos(theta)[:, :, None, :].astype(dtype), np.sin(theta)[:, :, None, :].astype(dtype)
 
 
 @kernel("rope")
 def _rope(out, srcs, attrs):
-    x, pos = srcs
+    x, pos = srcs[:2]
     d = attrs["dims"]
-    cos, sin = rope_angles(pos, d, attrs["base"], x.dtype)
+    factors = srcs[2] if len(srcs) == 3 else None
+    cos, sin = rope_angles(pos, d, attrs["base"], x.dtype, factors, attrs["freq_scale"])
     if attrs["inverse"]:
         sin = -sin
     if attrs["mode"] == "normal" and d == x.shape[-1] and x.flags.c_contiguous:
@@ -178,26 +207,33 @@ ATTN_ROWS = 256
 
 
 def _attn_blocks(q, k, attrs):
-    """Per query block [i0, i1): the visible key count n, the block's queries folded to
-    [B, KV, G * rows, hd] and its probabilities softmax(scale * q k^T) [B, KV, G*rows, n]."""
+    """Per query block [i0, i1): the visible keys [j0, j1) as a slice, the block's queries
+    folded to [B, KV, G * rows, hd] and its probabilities softmax(scale * q k^T)
+    [B, KV, G * rows, j1 - j0]. Query i sees key j iff j <= i (causal) and i - j < window
+    (when window > 0), so keys past the block's last query and before its first query's
+    window are never multiplied."""
     B, H, T, hd = q.shape
     KV = k.shape[1]
     G = H // KV
+    window = attrs["window"]
     q5 = q.reshape(B, KV, G, T, hd)
     for i0 in range(0, T, ATTN_ROWS):
         i1 = min(i0 + ATTN_ROWS, T)
         rows = i1 - i0
-        n = i1 if attrs["causal"] else T  # keys past the block's last query are all masked
+        j1 = i1 if attrs["causal"] else T
+        j0 = max(0, i0 - window + 1) if window else 0
+        keys = slice(j0, j1)
         qb = q5[:, :, :, i0:i1].reshape(B, KV, G * rows, hd)
-        p = np.matmul(qb, np.swapaxes(k[:, :, :n], -1, -2))
+        p = np.matmul(qb, np.swapaxes(k[:, :, keys], -1, -2))
         p *= p.dtype.type(attrs["scale"])
         if attrs["causal"]:
-            masked = np.arange(n)[None, :] > np.arange(i0, i1)[:, None]
-            np.copyto(p.reshape(B, KV, G, rows, n), -np.inf, where=masked)
+            i, j = np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :]
+            masked = (j > i) | (i - j >= window) if window else j > i
+            np.copyto(p.reshape(B, KV, G, rows, j1 - j0), -np.inf, where=masked)
         p -= p.max(axis=-1, keepdims=True)
         np.exp(p, out=p)
         p /= p.sum(axis=-1, keepdims=True)
-        yield i0, i1, n, qb, p
+        yield i0, i1, keys, qb, p
 
 
 def _fold(x5, i0, i1):
@@ -212,8 +248,8 @@ def _attention(out, srcs, attrs):
     B, H, T, hd = q.shape
     KV = k.shape[1]
     out5 = out.reshape(B, KV, H // KV, T, hd)
-    for i0, i1, n, _, p in _attn_blocks(q, k, attrs):
-        out5[:, :, :, i0:i1] = np.matmul(p, v[:, :, :n]).reshape(B, KV, H // KV, i1 - i0, hd)
+    for i0, i1, keys, _, p in _attn_blocks(q, k, attrs):
+        out5[:, :, :, i0:i1] = np.matmul(p, v[:, :, keys]).reshape(B, KV, H // KV, i1 - i0, hd)
 
 
 @kernel("attention_back")
@@ -232,16 +268,16 @@ def _attention_back(out, srcs, attrs):
     dv.fill(0)
     g5, o5 = g.reshape(dq.shape), o.reshape(dq.shape)
     scale = out.dtype.type(attrs["scale"])
-    for i0, i1, n, qb, p in _attn_blocks(q, k, attrs):
+    for i0, i1, keys, qb, p in _attn_blocks(q, k, attrs):
         gb = _fold(g5, i0, i1)
         delta = np.sum(gb * _fold(o5, i0, i1), axis=-1, keepdims=True)
-        dv[:, :, :n] += np.matmul(np.swapaxes(p, -1, -2), gb)
-        ds = np.matmul(gb, np.swapaxes(v[:, :, :n], -1, -2))
+        dv[:, :, keys] += np.matmul(np.swapaxes(p, -1, -2), gb)
+        ds = np.matmul(gb, np.swapaxes(v[:, :, keys], -1, -2))
         ds -= delta
         ds *= p
         ds *= scale
-        dq[:, :, :, i0:i1] = np.matmul(ds, k[:, :, :n]).reshape(B, KV, G, i1 - i0, hd)
-        dk[:, :, :n] += np.matmul(np.swapaxes(ds, -1, -2), qb)
+        dq[:, :, :, i0:i1] = np.matmul(ds, k[:, :, keys]).reshape(B, KV, G, i1 - i0, hd)
+        dk[:, :, keys] += np.matmul(np.swapaxes(ds, -1, -2), qb)
 
 
 @kernel("unpack")
