@@ -34,7 +34,7 @@ TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
            "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 WEIGHT_MODES = ("frozen", "finetune", "scratch")
 # Gated FFN activations by Family.ffn: act(gate) * up.
-ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": lambda gate, up: ops.geglu(gate, up)}
+ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu}
 # Tensors that describe the model rather than weigh it: frozen in every weight mode.
 FIXED = ("rope_freqs.weight",)
 
