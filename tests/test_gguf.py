@@ -255,3 +255,19 @@ def test_metadata_is_bounded_before_use(tiny, tmp_path, old, new, match):
     with pytest.raises(GGUFError, match=match) as e:
         open_gguf(p)
     assert "\n" not in str(e.value)
+
+
+def test_gemma3_config_follows_llama_cpp(tmp_path):
+    """Attention scale 1/sqrt(head_dim), except the 62-layer 27B (1/sqrt(n_embd/n_head));
+    layer i global iff (i + 1) % 6 == 0; rope base 10000 on sliding layers; embeddings
+    times sqrt(n_embd); rope.freq_base required (llama.cpp and transformers default
+    differently)."""
+    cfg = open_gguf(write_tiny_gemma3(tmp_path / "g.gguf", n_layer=12)).config
+    assert cfg.attn_scale == 24 ** -0.5 and cfg.embed_scale == 80 ** 0.5
+    assert [i for i, w in enumerate(cfg.windows) if w == 0] == [5, 11]
+    assert cfg.rope_bases == tuple(1e6 if i in (5, 11) else 1e4 for i in range(12))
+    big = open_gguf(write_tiny_gemma3(tmp_path / "g62.gguf", n_layer=62, n_embd=64, n_ff=64,
+                                      weight_types={})).config
+    assert big.attn_scale == (64 // 4) ** -0.5 != big.head_dim ** -0.5
+    with pytest.raises(GGUFError, match=r"missing metadata key 'gemma3\.rope\.freq_base'"):
+        open_gguf(write_tiny_gemma3(tmp_path / "nobase.gguf", rope_base=None))

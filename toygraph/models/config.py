@@ -151,7 +151,8 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
         n_ff=num(k("feed_forward_length"), int),
         n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
         rope_base=rope_base, rope_dims=rope_dims, rope_mode=fam.rope_mode,
-        rms_eps=num(k("attention.layer_norm_rms_epsilon"), float, fam.default_rms_eps),
+        # Required, as llama.cpp requires it (the two references' defaults differ).
+        rms_eps=num(k("attention.layer_norm_rms_epsilon"), float),
         # The embedding's row count is what the weights actually hold.
         n_vocab=int(tensors["token_embd.weight"][0]),
         n_ctx=num(k("context_length"), int, 2048),

@@ -59,6 +59,8 @@ class Family:
     ``attn_scale_embd_layers``: layer counts where the attention scale is
     1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim) (Gemma 3 27B, as llama.cpp does).
     ``rope_freqs``: the optional ``rope_freqs.weight`` frequency factors (Llama 3.x).
+    ``default_rope_base``: used when ``rope.freq_base`` is absent; None where llama.cpp
+    (10000) and transformers (Gemma 3: 1e6) disagree, so the key is required.
     ``extra_keys``: metadata keys understood beyond COMMON_KEYS.
     """
 
@@ -74,8 +76,7 @@ class Family:
     swa_rope_base: float = 10000.0
     attn_scale_embd_layers: tuple[int, ...] = ()
     rope_freqs: bool = False
-    default_rope_base: float = 10000.0
-    default_rms_eps: float = 1e-5
+    default_rope_base: float | None = 10000.0
     extra_keys: frozenset = frozenset()
     hf_modules: dict = field(default_factory=lambda: dict(HF_LAYER_MODULES))
 
@@ -87,15 +88,13 @@ class Family:
 FAMILIES = {f.arch: f for f in (
     # Llama 2/3.x, SmolLM2, Mistral (llama.cpp writes Mistral as "llama").
     Family(arch="llama", rope_mode="normal", qk_permuted=True, qkv_bias=True, rope_freqs=True),
-    Family(arch="qwen2", rope_mode="neox", qk_permuted=False, qkv_bias=True,
-           default_rms_eps=1e-6),
-    Family(arch="qwen3", rope_mode="neox", qk_permuted=False, qk_norm=True,
-           default_rms_eps=1e-6),
+    Family(arch="qwen2", rope_mode="neox", qk_permuted=False, qkv_bias=True),
+    Family(arch="qwen3", rope_mode="neox", qk_permuted=False, qk_norm=True),
     # Gemma 3 text. llama.cpp: n_swa_pattern 6, rope_freq_base_train_swa 10000 and
     # rope_freq_scale_train_swa 1, f_attention_scale 1/sqrt(n_embd_head_k) except 27B
     # (62 layers: 1/sqrt(n_embd/n_head)). GGUF norm weights already hold Gemma's 1 + w.
     Family(arch="gemma3", rope_mode="neox", qk_permuted=False, ffn="geglu", qk_norm=True,
            post_norms=True, embed_scale_sqrt=True, swa_period=6, swa_rope_base=10000.0,
-           attn_scale_embd_layers=(62,), default_rope_base=1000000.0, default_rms_eps=1e-6,
+           attn_scale_embd_layers=(62,), default_rope_base=None,
            extra_keys=frozenset({"attention.sliding_window", "rope.freq_base_swa"})),
 )}
