@@ -162,3 +162,20 @@ def test_gguf_adapter_uses_llama_cpp_names(models, name, tmp_path):
             for proj in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                          "ffn_down")}
     assert set(info["tensors"]) == want and info["rank"] == 2
+
+
+@pytest.mark.parametrize("change", [
+    {"sliding_window": 1000},   # every layer full attention
+    {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+])
+def test_gemma3_window_and_local_rope_base_matter(models, change):
+    """The reference with no sliding window, or with the file's base on the sliding layers
+    too, is far from toygraph: the fixture exercises both (seq 16 > window 5)."""
+    path = models["gemma3"]
+    cfg = GGUFModel(path).config
+    tokens = tokens_for(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        **{**HF_OVERRIDES["gemma3"](cfg), **change})
+    assert rel(toygraph_loss(path, tokens), reference_loss(model, tokens)) > 1e-3
