@@ -199,10 +199,12 @@ def kv_f32(key: str, value: float) -> bytes:
      r"metadata key 'gemma3\.attn_logit_softcapping' is not understood for gemma3"),
     ("final_softcap", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.final_logit_softcapping": 30.0}),
      r"metadata key 'gemma3\.final_logit_softcapping' is not understood"),
-    ("unknown_key", lambda p: write_tiny_llama(p, extra_kv={"llama.expert_count": 8}),
+    ("unknown_key", lambda p: write_tiny_llama(p, extra_kv={"llama.attention.layer_norm_epsilon": 1e-5}),
+     r"metadata key 'llama\.attention\.layer_norm_epsilon' is not understood"),
+    ("swa_pattern", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.attention.sliding_window_pattern": "6"}),
+     r"'gemma3\.attention\.sliding_window_pattern' must be an integer, found '6'"),
+    ("moe", lambda p: write_tiny_llama(p, extra_kv={"llama.expert_count": 8}),
      r"metadata key 'llama\.expert_count' is not understood"),
-    ("swa_pattern", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.attention.sliding_window_pattern": 4}),
-     r"'gemma3\.attention\.sliding_window_pattern' is not understood"),
     ("yarn", lambda p: write_tiny_qwen3(p, extra_kv={"qwen3.rope.scaling.type": "yarn",
                                                     "qwen3.rope.scaling.factor": 4.0}),
      r"qwen3\.rope\.scaling\.type = 'yarn' is not supported"),
@@ -271,3 +273,12 @@ def test_gemma3_config_follows_llama_cpp(tmp_path):
     assert big.attn_scale == (64 // 4) ** -0.5 != big.head_dim ** -0.5
     with pytest.raises(GGUFError, match=r"missing metadata key 'gemma3\.rope\.freq_base'"):
         open_gguf(write_tiny_gemma3(tmp_path / "nobase.gguf", rope_base=None))
+
+
+def test_harmless_keys_load(tmp_path):
+    """A dense model may say it has 0 experts; a gemma3 file may spell out its period."""
+    assert open_gguf(write_tiny_llama(tmp_path / "a.gguf", extra_kv={
+        "llama.expert_count": 0, "llama.expert_used_count": 0})).config.n_layer == 2
+    cfg = open_gguf(write_tiny_gemma3(tmp_path / "g.gguf", extra_kv={
+        "gemma3.attention.sliding_window_pattern": 3})).config
+    assert [i for i, w in enumerate(cfg.windows) if w == 0] == [2, 5]

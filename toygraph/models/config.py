@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import GGUFError
-from .families import FAMILIES, Family
+from .families import FAMILIES, ZERO_ONLY_KEYS, Family
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
@@ -79,10 +79,11 @@ def _blocks_present(tensor_names) -> int:
     return max(ns) + 1 if ns else 0
 
 
-def _check_keys(meta_keys, fam: Family, path) -> None:
+def _check_keys(meta, meta_keys, fam: Family, path) -> None:
     prefix = fam.arch + "."
     unknown = sorted(k[len(prefix):] for k in meta_keys
-                     if k.startswith(prefix) and k[len(prefix):] not in fam.keys)
+                     if k.startswith(prefix) and k[len(prefix):] not in fam.keys
+                     and not (k[len(prefix):] in ZERO_ONLY_KEYS and meta(k) == 0))
     if unknown:
         raise GGUFError(f"{path}: metadata key {prefix + unknown[0]!r} is not understood for "
                         f"{fam.arch}: it may change the model's math, so toygraph refuses the file")
@@ -103,6 +104,18 @@ def _rope_scale(num, meta, path, k) -> float:
     return 1.0 if factor == 0.0 else 1.0 / factor
 
 
+def _global_layers(num, fam: Family, k, n_layer: int, path) -> list[bool]:
+    """Which layers attend to the whole causal past (the rest use the sliding window):
+    llama.cpp's set_swa_pattern(period), layer i sliding iff i % period < period - 1."""
+    if not fam.swa_period:
+        return [True] * n_layer
+    period = num(k("attention.sliding_window_pattern"), int, fam.swa_period, positive=False)
+    if period < 0:
+        raise GGUFError(f"{path}: metadata {k('attention.sliding_window_pattern')!r} must be >= 0, "
+                        f"found {period}")
+    return [period > 0 and i % period == period - 1 for i in range(n_layer)]
+
+
 def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     """Config of a GGUF from ``meta(key) -> value or None``, its key names, and its tensor
     index ``{name: numpy-order shape}``; every value bounded before use."""
@@ -111,7 +124,7 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     if fam is None:
         raise GGUFError(f"{path}: unsupported architecture {arch!r} "
                         f"(supported: {', '.join(FAMILIES)})")
-    _check_keys(meta_keys, fam, path)
+    _check_keys(meta, meta_keys, fam, path)
     k = lambda key: f"{arch}.{key}"  # noqa: E731
 
     def num(key, kind, default=None, *, positive=True):
@@ -144,7 +157,7 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     if fam.swa_period and window <= 0:
         raise GGUFError(f"{path}: {arch} needs a positive {k('attention.sliding_window')}")
     swa_base = num(k("rope.freq_base_swa"), float, fam.swa_rope_base)
-    is_global = [not fam.swa_period or (i + 1) % fam.swa_period == 0 for i in range(n_layer)]
+    is_global = _global_layers(num, fam, k, n_layer, path)
     attn_scale = (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5
     return ModelConfig(
         arch=arch, n_layer=n_layer, n_embd=n_embd,

@@ -30,6 +30,10 @@ COMMON_KEYS = frozenset({
     "rope.scaling.original_context_length",
 })
 
+# Keys understood only with the value 0: a dense model saying it has no experts (some
+# llama-arch converters write them). Any other value (a mixture of experts) is refused.
+ZERO_ONLY_KEYS = frozenset({"expert_count", "expert_used_count"})
+
 # Hugging Face module paths inside a decoder layer, by GGUF projection name. The four
 # families share them (LlamaDecoderLayer, Qwen2/3DecoderLayer, Gemma3DecoderLayer).
 HF_LAYER_MODULES = {
@@ -53,7 +57,9 @@ class Family:
     ``qkv_bias``: attn_q/k/v biases allowed (they are used when present).
     ``embed_scale_sqrt``: token embeddings multiplied by sqrt(n_embd).
     ``swa_period``: 0, or N: sliding-window attention (window from
-    ``attention.sliding_window``) on every layer i except those with (i + 1) % N == 0.
+    ``attention.sliding_window``) on every layer i except those with (i + 1) % N == 0;
+    the file's ``attention.sliding_window_pattern`` (an integer) overrides N, with
+    llama.cpp's meaning (0: every layer sliding).
     ``swa_rope_base``: rope base of the sliding layers (the file's base is used on the
     global ones, and linear rope scaling applies only there).
     ``attn_scale_embd_layers``: layer counts where the attention scale is
@@ -96,5 +102,6 @@ FAMILIES = {f.arch: f for f in (
     Family(arch="gemma3", rope_mode="neox", qk_permuted=False, ffn="geglu", qk_norm=True,
            post_norms=True, embed_scale_sqrt=True, swa_period=6, swa_rope_base=10000.0,
            attn_scale_embd_layers=(62,), default_rope_base=None,
-           extra_keys=frozenset({"attention.sliding_window", "rope.freq_base_swa"})),
+           extra_keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
+                                 "rope.freq_base_swa"})),
 )}
