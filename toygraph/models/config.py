@@ -116,6 +116,24 @@ def _global_layers(num, fam: Family, k, n_layer: int, path) -> list[bool]:
     return [period > 0 and i % period == period - 1 for i in range(n_layer)]
 
 
+def _heads(num, k, n_embd: int, path) -> tuple[int, int, int, int]:
+    """(n_head, n_head_kv, head_dim, rope_dims), each positive and mutually consistent."""
+    n_head = num(k("attention.head_count"), int)
+    n_head_kv = num(k("attention.head_count_kv"), int, n_head)
+    if n_head % n_head_kv:
+        raise GGUFError(f"{path}: attention.head_count_kv = {n_head_kv} does not divide "
+                        f"attention.head_count = {n_head}")
+    head_dim = num(k("attention.key_length"), int, max(n_embd // n_head, 1))
+    if num(k("attention.value_length"), int, head_dim) != head_dim:
+        raise GGUFError(f"{path}: attention.value_length differs from attention.key_length "
+                        "(not supported)")
+    rope_dims = num(k("rope.dimension_count"), int, head_dim)
+    if rope_dims > head_dim or rope_dims % 2:
+        raise GGUFError(f"{path}: rope.dimension_count = {rope_dims} must be even and at most "
+                        f"the head size {head_dim}")
+    return n_head, n_head_kv, head_dim, rope_dims
+
+
 def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     """Config of a GGUF from ``meta(key) -> value or None``, its key names, and its tensor
     index ``{name: numpy-order shape}``; every value bounded before use."""
@@ -138,19 +156,7 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
         raise GGUFError(f"{path}: metadata {k('block_count')!r} is {n_layer}, but the file holds "
                         f"tensors for {present} blocks")
     n_embd = num(k("embedding_length"), int)
-    n_head = num(k("attention.head_count"), int)
-    n_head_kv = num(k("attention.head_count_kv"), int, n_head)
-    if n_head % n_head_kv:
-        raise GGUFError(f"{path}: attention.head_count_kv = {n_head_kv} does not divide "
-                        f"attention.head_count = {n_head}")
-    head_dim = num(k("attention.key_length"), int, max(n_embd // n_head, 1))
-    if num(k("attention.value_length"), int, head_dim) != head_dim:
-        raise GGUFError(f"{path}: attention.value_length differs from attention.key_length "
-                        "(not supported)")
-    rope_dims = num(k("rope.dimension_count"), int, head_dim)
-    if rope_dims > head_dim or rope_dims % 2:
-        raise GGUFError(f"{path}: rope.dimension_count = {rope_dims} must be even and at most "
-                        f"the head size {head_dim}")
+    n_head, n_head_kv, head_dim, rope_dims = _heads(num, k, n_embd, path)
     rope_base = num(k("rope.freq_base"), float, fam.default_rope_base)
     scale = _rope_scale(num, meta, path, k)
     window = num(k("attention.sliding_window"), int, 0, positive=False) if fam.swa_period else 0
