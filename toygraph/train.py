@@ -30,6 +30,7 @@ from .data import (batches, data_hash, encode_dataset, load_examples, pad_id_for
                    split_train_val, steps_per_epoch)
 from .errors import DataError, ToygraphError
 from .gguf import GGUFModel
+from .modelfile import write_modelfile
 from .optim import Schedule, hp_row
 from .tokenizer import Tokenizer
 
@@ -313,6 +314,7 @@ def run_training(cfg: TrainConfig) -> dict:
         if status in ("early_stopped", "completed") and state["step"] > 0:
             if lora_meta is not None:
                 write_adapter(out, recipe, lora_meta)
+                write_modelfile(out, cfg.model)  # Ollama: FROM base + ADAPTER ./adapter.gguf
             else:
                 from safetensors.numpy import save_file
                 tmp = out / ".weights.safetensors.tmp"
