@@ -199,8 +199,8 @@ ATTN_CASES = [  # (B, H, KV, T, hd, causal)
 def attn_rows(request, monkeypatch):
     """The numpy kernels' query-block size: the default, and 2 rows so that T splits into
     several blocks (and a ragged last one) even in these small tests."""
-    from toygraph.cpu import kernels
-    monkeypatch.setattr(kernels, "ATTN_ROWS", request.param)
+    from toygraph.cpu import fused
+    monkeypatch.setattr(fused, "ATTN_ROWS", request.param)
     return request.param
 
 
@@ -347,8 +347,8 @@ LCE_LABELS = {  # N = 7 rows over a vocabulary of 9
 def lce_rows(request, monkeypatch):
     """The numpy kernels' chunk size: the default, and 2 rows, so the rows split into
     several chunks (and a ragged last one) even here."""
-    from toygraph.cpu import kernels
-    monkeypatch.setattr(kernels, "LCE_ROWS", request.param)
+    from toygraph.cpu import fused
+    monkeypatch.setattr(fused, "LCE_ROWS", request.param)
     return request.param
 
 

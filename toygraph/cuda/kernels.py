@@ -39,6 +39,7 @@ ATTN_HEAD_DIMS = (32, 64, 128)
 OP_KERNELS: dict[str, tuple[str, ...]] = {
     "add": ("tg_binary",), "sub": ("tg_binary",), "mul": ("tg_binary",),
     "scale": ("tg_scale",), "silu": ("tg_silu",), "silu_back": ("tg_silu_back",),
+    "gelu": ("tg_gelu",), "gelu_back": ("tg_gelu_back",),
     "sum_to": ("tg_reduce_block", "tg_reduce_thread"), "expand": ("tg_gather",),
     "rms_norm": ("tg_rms_norm",), "rms_norm_back": ("tg_rms_norm_back",),
     "rope": ("tg_rope",), "softmax": ("tg_softmax",), "softmax_back": ("tg_softmax_back",),
