@@ -179,3 +179,20 @@ def test_gemma3_window_and_local_rope_base_matter(models, change):
         str(path.parent), gguf_file=path.name, dtype=torch.float32,
         **{**HF_OVERRIDES["gemma3"](cfg), **change})
     assert rel(toygraph_loss(path, tokens), reference_loss(model, tokens)) > 1e-3
+
+
+def test_gemma3_norm_weights_are_used_as_stored(models):
+    """llama.cpp's converter stores Gemma's RMSNorm weight as 1 + w; transformers' GGUF
+    loader subtracts the 1 again and its Gemma3RMSNorm multiplies by (1 + w). So the
+    stored value is the multiplier, which is how toygraph uses it."""
+    path = models["gemma3"]
+    gg = GGUFModel(path)
+    hf = reference_for("gemma3")(path).model
+    layer = hf.layers[0]
+    for gguf_name, module in (("blk.0.attn_norm.weight", layer.input_layernorm),
+                              ("blk.0.attn_q_norm.weight", layer.self_attn.q_norm),
+                              ("blk.0.post_ffw_norm.weight", layer.post_feedforward_layernorm),
+                              ("output_norm.weight", hf.norm)):
+        stored = gg.tensor(gguf_name).dequantize()
+        np.testing.assert_allclose(1.0 + module.weight.detach().numpy(), stored, rtol=1e-6)
+        assert abs(stored.mean() - 1.0) < 0.1  # the fixture's weights are near 1, not near 0
