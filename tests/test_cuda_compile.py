@@ -487,7 +487,9 @@ extern "C" int decode(const char* fmt, const unsigned char* raw, long long n, in
 #define TG_CASE(name, F) if (!strcmp(fmt, name)) { run<F>(raw, n, rows, row_bytes, out); return 0; }
     TG_CASE("f16", TgF16) TG_CASE("bf16", TgBF16) TG_CASE("q8_0", TgQ8_0)
     TG_CASE("q4_0", TgQ4_0) TG_CASE("q4_1", TgQ4_1) TG_CASE("q4_k", TgQ4_K)
-    TG_CASE("q5_k", TgQ5_K) TG_CASE("q6_k", TgQ6_K)
+    TG_CASE("q5_k", TgQ5_K) TG_CASE("q6_k", TgQ6_K) TG_CASE("q5_0", TgQ5_0)
+    TG_CASE("q5_1", TgQ5_1) TG_CASE("iq4_nl", TgIQ4_NL) TG_CASE("q2_k", TgQ2_K)
+    TG_CASE("q3_k", TgQ3_K) TG_CASE("iq4_xs", TgIQ4_XS)
     return 1;
 }
 """
@@ -863,7 +865,8 @@ def test_tc_matmul_replayed_through_the_mma_emulator_matches_numpy(prec, sa, sb,
 
 @pytest.mark.parametrize("prec", TC_PRECISIONS)
 @pytest.mark.parametrize("fmt,build", [("q4_k", "forward"), ("q8_0", "backward"),
-                                       ("bf16", "forward3d")])
+                                       ("bf16", "forward3d"), ("q3_k", "backward"),
+                                       ("iq4_xs", "backward"), ("q5_0", "forward")])
 def test_tc_quantized_matmul_replayed_through_the_mma_emulator(prec, fmt, build, tc_layout):
     rng = np.random.default_rng(5)
     elems = quant.BLOCK[fmt][0]
