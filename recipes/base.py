@@ -20,7 +20,7 @@ import numpy as np
 from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
-from toygraph.models.llama import LoraConfig, build_llama, lm_head
+from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
 from toygraph.optim import build_training
 from toygraph.session import Session
 
@@ -103,8 +103,8 @@ class Recipe:
         self.opts, self.cfg = opts, cfg
         g = Graph()
         B, T = opts.t_batch, opts.t_seq
-        self.net = build_llama(g, cfg, batch=B, seq=T, model=gguf, weights=self.weight_mode,
-                               lora=self.lora_config(opts), seed=opts.seed, logits=False)
+        self.net = build_decoder(g, cfg, batch=B, seq=T, model=gguf, weights=self.weight_mode,
+                                 lora=self.lora_config(opts), seed=opts.seed, logits=False)
         self.labels = g.input("labels", (B * T,), "i32")
         # One cross-entropy serves both: its sum drives the gradients (token-weighted
         # accumulation) and sum / count is the reported mean loss.
