@@ -152,9 +152,10 @@ def test_bad_inputs_give_clear_errors(tiny_llama, chat_data, tmp_path):
 
 
 def test_early_stopping_and_loss_plot(tiny_llama, chat_data, tmp_path):
-    """A learning rate far too high makes validation worse; patience 1 stops the run."""
+    """A learning rate too high to settle makes validation worse at some point (but not
+    so high that the divergence guard stops the run); patience 1 stops the run."""
     out = tmp_path / "r"
-    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=40, lr=5.0, clip=0.0,
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=40, lr=0.5,
                              eval_every=2, patience=1, schedule="constant"))
     assert s["status"] == "early_stopped" and s["steps"] < 40
     evals = [e for e in events(out) if e["event"] == "eval"]
