@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from itertools import accumulate
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,34 +100,68 @@ class Batch:
 
 
 # ------------------------------------------------------------------------- loading
+#: The longest line accepted (bytes). A training example is cut to --seq-len tokens anyway;
+#: a longer line is almost surely a broken file (e.g. a whole dump on one line) and would
+#: cost many times its size in memory while parsed and tokenized.
+MAX_LINE_BYTES = 8 << 20
+#: The deepest JSON nesting accepted; real rows are 3-4 levels deep.
+MAX_JSON_DEPTH = 64
+
+
 def load_examples(path) -> list[Example]:
     """Parse a JSONL data file; raises DataError naming ``file:line`` on any bad row."""
     p = Path(path)
+    examples = []
     try:
-        raw = p.read_bytes()
+        with open(p, "rb") as f:
+            for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+                if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    raise DataError(f"{p}:{n}: line longer than {MAX_LINE_BYTES >> 20} MiB; "
+                                    f"split the example (training uses --seq-len tokens of it)")
+                ex = _parse_line(line, p, n)
+                if ex is not None:
+                    examples.append(ex)
     except FileNotFoundError:
         raise DataError(f"{p}: data file not found") from None
+    except IsADirectoryError:
+        raise DataError(f"{p}: is a directory, not a data file") from None
     except OSError as e:
         raise DataError(f"{p}: cannot read data file: {e}") from e
-    examples = []
-    for n, line in enumerate(raw.split(b"\n"), start=1):
-        where = f"{p}:{n}"
-        try:
-            s = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
-        if n == 1:
-            s = s.lstrip("\ufeff")  # editors on Windows like to add a BOM
-        if not s.strip():
-            continue
-        try:
-            obj = json.loads(s)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
-        examples.append(_parse_row(obj, where, n, str(p)))
     if not examples:
         raise DataError(f"{p}: no examples (the file is empty or holds only blank lines)")
     return examples
+
+
+def _parse_line(line: bytes, p: Path, n: int) -> Example | None:
+    where = f"{p}:{n}"
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    if n == 1:
+        s = s.lstrip("\ufeff")  # editors on Windows like to add a BOM
+    if not s.strip():
+        return None
+    depth = _nesting(s)
+    if depth > MAX_JSON_DEPTH:
+        raise DataError(f"{where}: JSON nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
+    return _parse_row(obj, where, n, str(p))
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _nesting(s: str) -> int:
+    """The bracket nesting depth of a JSON text (brackets inside strings do not count);
+    json.loads recurses once a level, so it is checked before parsing."""
+    if s.count("[") + s.count("{") <= MAX_JSON_DEPTH:
+        return 0
+    bare = _JSON_STRING.sub("", s)
+    return max(accumulate(1 if c in "[{" else -1 for c in bare if c in "[]{}"), default=0)
 
 
 def _parse_row(obj, where: str, line: int, path: str) -> Example:
@@ -134,7 +170,7 @@ def _parse_row(obj, where: str, line: int, path: str) -> Example:
         raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}; {accepted}")
     shapes = [k for k in ("messages", "instruction", "text") if k in obj]
     if len(shapes) != 1:
-        found = ", ".join(sorted(obj)) or "none"
+        found = _keys(obj) or "none"
         what = "ambiguous row" if shapes else "unknown row shape"
         raise DataError(f"{where}: {what} (keys found: {found}); {accepted}")
     if shapes[0] == "text":
@@ -144,7 +180,7 @@ def _parse_row(obj, where: str, line: int, path: str) -> Example:
 
     answer_keys = [k for k in ("response", "output") if k in obj]
     if len(answer_keys) != 1:
-        found = ", ".join(sorted(obj))
+        found = _keys(obj)
         raise DataError(f"{where}: an instruction row needs exactly one of 'response' or 'output' "
                         f"(keys found: {found}); {accepted}")
     instruction = _string(obj, "instruction", where)
@@ -163,7 +199,22 @@ def _string(obj: dict, key: str, where: str, optional: bool = False) -> str | No
         return None
     if not isinstance(value, str):
         raise DataError(f"{where}: '{key}' must be a string, found {_type_name(value)}")
+    return _checked_text(value, where, f"'{key}'")
+
+
+def _checked_text(value: str, where: str, what: str) -> str:
+    """JSON may escape a lone surrogate (\\ud800), which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: {what} holds a lone surrogate (\\u{ord(value[e.start]):04x} "
+                        f"at character {e.start}), not valid Unicode text") from None
     return value
+
+
+def _keys(obj: dict) -> str:
+    """The row's keys for an error message, escaped so that the message stays one line."""
+    return ", ".join(json.dumps(k)[1:-1] for k in sorted(obj))
 
 
 def _type_name(value) -> str:
@@ -186,7 +237,7 @@ def _parse_messages(messages, where: str) -> list[dict]:
         if not isinstance(content, str):
             raise DataError(f"{where}: messages[{i}].content must be a string, "
                             f"found {_type_name(content)}")
-        out.append({"role": role, "content": content})  # drop extra keys: templates see only these
+        out.append({"role": role, "content": _checked_text(content, where, f"messages[{i}].content")})  # drop extra keys: templates see only these
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: chat has no assistant turn, so nothing to train on")
     return out
@@ -202,7 +253,7 @@ def encode_example(ex: Example, tok, max_len: int) -> Encoded | None:
     its end-of-turn token are targets. Plain text: every token is a target, and EOS follows.
     """
     if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
+        raise DataError(f"max_len must be >= 1, got {max_len}")
     if ex.text is not None:
         tokens = tok.encode(ex.text, add_bos=None, add_eos=False)
         if tok.eos_id is not None:
@@ -352,7 +403,7 @@ def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, 
     round(n * val_fraction) items, at least 1 (and train at least 1) when val_fraction > 0
     and n >= 2."""
     if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n = len(items)
     if val_fraction == 0 or n < 2:
         return list(items), []
@@ -380,7 +431,7 @@ def batches(items: list[Encoded], batch_size: int, seq_len: int, pad_id: int, *,
     """One epoch of fixed-shape batches. The order depends only on (seed, epoch), so a
     resumed run regenerates it; the last partial batch is filled with all-ignored rows."""
     if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
     n = len(items)
     order = (np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n))
     rows = steps_per_epoch(n, batch_size) * batch_size

@@ -27,7 +27,7 @@ from .checkpoint import find_resumable, load_checkpoint, write_final
 from .config import TrainConfig, check_against_model
 from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
                    steps_per_epoch, batches)
-from .errors import DataError, ToygraphError
+from .errors import DataError
 from .gguf import GGUFModel
 from .guard import DivergenceGuard, Diverged
 from .optim import Schedule
@@ -174,11 +174,10 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     log = EventLog(out / EVENTS_FILE)
     _log_start(cfg, prep, log, recipe, total, realize_s)
     progress = Progress(total, cfg.quiet)
-    progress.message(f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
-                     f"{total} steps of {cfg.batch * cfg.grad_accum} sequences x {cfg.seq_len} "
-                     f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}")
-    for path, why in prep.skipped:
-        progress.message(f"resume: skipped {path} ({why})", always=True)
+    intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
+             f"{total} steps of {cfg.batch * cfg.grad_accum} sequences x {cfg.seq_len} "
+             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
+    intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets),
                   "base": Path(cfg.model).name, "arch": prep.model.config.arch}
                  if cfg.recipe == "lora" else None)
@@ -187,7 +186,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
         sup = RunSupervisor(cfg, out, recipe, log, progress, guard, signals, val=prep.val,
                             pad=prep.pad, lora_meta=lora_meta,
                             eval_every=cfg.eval_every or max(1, n_batches // cfg.grad_accum))
-        error, status, reason = _loop(trainer, sup, guard, recipe, signals)
+        error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro)
         if status in COMPLETED or (status == "interrupted" and error is None):
             error, status, reason = _finish(trainer, sup, out, recipe, lora_meta, status, reason)
     summary = {"status": status, "reason": reason, "steps": trainer.state.step,
@@ -203,9 +202,11 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     return summary
 
 
-def _loop(trainer, sup, guard, recipe, signals):
+def _loop(trainer, sup, guard, recipe, signals, intro: list[str]):
     """Run the loop; returns (error to re-raise or None, status, reason)."""
     try:
+        for i, line in enumerate(intro):
+            sup.progress.message(line, always=i > 0)  # skipped checkpoints always show
         if trainer.state.step == 0:
             guard.reference(recipe.trainable())
             if sup.val:
@@ -219,7 +220,7 @@ def _loop(trainer, sup, guard, recipe, signals):
                 f"no checkpoint written for it")
     except Diverged as e:
         return None, "diverged", str(e)
-    except (ToygraphError, OSError) as e:
+    except Exception as e:  # recorded as the run's failure, then re-raised to the caller
         return e, "failed", _one_line(e)
 
 
@@ -238,7 +239,7 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
         return None, status, reason
     except Diverged as e:
         return None, "diverged", str(e)
-    except (ToygraphError, OSError) as e:
+    except Exception as e:  # recorded as the run's failure, then re-raised to the caller
         return e, "failed", _one_line(e)
 
 
