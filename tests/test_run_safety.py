@@ -13,12 +13,17 @@ import numpy as np
 import pytest
 
 import toygraph.checkpoint as ckpt
-from test_train import cfg_for, chat_data, events  # noqa: F401  (chat_data is a fixture)
+from test_train import cfg_for, events, write_chat_data
 from toygraph.checkpoint import find_resumable, list_checkpoints, load_checkpoint, verify_checkpoint
 from toygraph.errors import DataError, ToygraphError
 from toygraph.resume import ResumeMismatch
 from toygraph.runs import RunError, read_events
 from toygraph.train import run_training
+
+@pytest.fixture
+def chat_data(tmp_path):
+    return write_chat_data(tmp_path / "chat.jsonl")
+
 
 FINAL = ("adapter_model.safetensors", "adapter_config.json", "adapter.gguf")
 
@@ -43,9 +48,7 @@ def step_losses(out):
 def base_run(tiny_llama, tmp_path_factory):
     """A completed 6-step run with checkpoints at steps 3 and 6."""
     root = tmp_path_factory.mktemp("base")
-    data = root / "chat.jsonl"
-    data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": f"the number is {i}"})
-                            + "\n" for i in range(24)))
+    data = write_chat_data(root / "chat.jsonl")
     out = root / "run"
     summary = run_training(cfg_for(tiny_llama, data, out))
     assert summary["status"] == "completed"

@@ -14,14 +14,16 @@ TEXTS = ["the cat sat on the mat and the dog sat on the log",
          "the sun is hot and the moon is cold and far away"]
 
 
-@pytest.fixture
-def chat_data(tmp_path):
-    p = tmp_path / "chat.jsonl"
-    rows = []
-    for i in range(24):
-        rows.append({"instruction": f"say {i}", "response": f"the number is {i}"})
+def write_chat_data(p):
+    """24 instruction rows "say i" -> "the number is i"."""
+    rows = [{"instruction": f"say {i}", "response": f"the number is {i}"} for i in range(24)]
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return p
+
+
+@pytest.fixture
+def chat_data(tmp_path):
+    return write_chat_data(tmp_path / "chat.jsonl")
 
 
 def events(out):
