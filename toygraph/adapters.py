@@ -29,6 +29,8 @@ from .errors import DataError
 from .models.llama import TARGETS, weight_shape
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+#: safetensors metadata key recording the architecture an adapter was trained for.
+ARCH_METADATA = "toygraph.arch"
 # GGUF projection name -> Hugging Face module path inside a decoder layer.
 HF_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
@@ -137,7 +139,11 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     dir.mkdir(parents=True, exist_ok=True)
     # Each file is replaced whole; the config goes last, so a crash in between leaves the
     # old config with complete (new) weights, never a truncated file.
-    _atomic_write(dir / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    # The architecture goes into the safetensors metadata (PEFT ignores it there, while an
+    # unknown adapter_config key makes PEFT warn): q/k rows are stored in HF order, which
+    # differs between architectures, so an adapter must not load onto another one.
+    _atomic_write(dir / WEIGHTS_FILE, lambda p: save_file(
+        tensors, p, metadata={"format": "pt", ARCH_METADATA: cfg.arch}))
     _atomic_write(dir / CONFIG_FILE,
                   lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     return dir
@@ -173,7 +179,7 @@ def _read_peft_config(path: Path) -> dict:
 def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     """Read a PEFT LoRA directory for the model ``cfg``: (lora in GGUF layout, rank, alpha,
     short target names). Raises DataError naming the file for anything it cannot use."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
     dir = Path(dir)
@@ -183,8 +189,17 @@ def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
         raise DataError(f"{wpath}: missing adapter weights (only safetensors is supported)")
     try:
         raw = load_file(str(wpath))
+        with safe_open(str(wpath), "np") as f:
+            arch = (f.metadata() or {}).get(ARCH_METADATA)
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise DataError(f"{wpath}: cannot read safetensors ({e})") from None
+    if arch is not None and arch != cfg.arch:
+        raise DataError(f"{wpath}: adapter was trained on a {arch} model; the base model is "
+                        f"{cfg.arch} (q/k row order and semantics differ)")
+    for key, value in raw.items():
+        if value.dtype.kind != "f":
+            raise DataError(f"{wpath}: tensor {key!r} is {value.dtype}; adapter tensors must be "
+                            f"floating point")
     halves: dict[str, dict[str, np.ndarray]] = {}
     for key, value in raw.items():
         m = _PEFT_KEY.fullmatch(key)
