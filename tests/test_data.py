@@ -335,8 +335,8 @@ def test_deep_nesting_is_refused_before_parsing(tmp_path):
 
 
 def test_an_overlong_line_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
-    import toygraph.data as data_mod
-    monkeypatch.setattr(data_mod, "MAX_LINE_BYTES", 1000)
+    import toygraph.examples
+    monkeypatch.setattr(toygraph.examples, "MAX_LINE_BYTES", 1000)
     p = write(tmp_path, ['{"text": "short"}', json.dumps({"text": "a" * 5000}), '{"text": "after"}'])
     with pytest.raises(DataError, match=r"d.jsonl:2: line longer than"):
         load_examples(p)

@@ -368,3 +368,17 @@ def test_loss_events_are_finite_numbers(base_run):
     _, _, out = base_run
     losses = [e["loss"] for e in strict_lines(out / "events.jsonl") if e["event"] == "step"]
     assert len(losses) == 6 and np.isfinite(losses).all()
+
+
+def test_best_survives_a_kill_between_its_two_renames(base_run, tmp_path):
+    """Replacing best/ renames it to best.old, then the new one in; a kill in between
+    leaves only best.old, which the next run puts back (and a later save replaces)."""
+    _, _, first = base_run
+    shutil.copytree(first / "best", tmp_path / "best.old")
+    ckpt.restore_swapped(tmp_path / "best")
+    assert verify_checkpoint(tmp_path / "best") is None and not (tmp_path / "best.old").exists()
+    shutil.copytree(first / "best", tmp_path / "best.old")  # both present: the save must still work
+    state, weights, moments = load_checkpoint(tmp_path / "best")
+    ckpt.save_checkpoint(tmp_path / "best", weights, moments, {**state, "step": 99})
+    assert load_checkpoint(tmp_path / "best")[0]["step"] == 99
+    assert not (tmp_path / "best.old").exists()

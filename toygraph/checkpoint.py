@@ -70,6 +70,7 @@ def save_checkpoint(dest: Path, weights: dict, moments: dict, state: dict,
         (tmp / "state.json").write_text(json.dumps(state, indent=1, allow_nan=False))
         _write_manifest(tmp)
         old = dest.with_name(dest.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)  # left by a process killed between the renames
         if dest.exists():
             os.replace(dest, old)
         os.replace(tmp, dest)
@@ -83,6 +84,14 @@ def save_checkpoint(dest: Path, weights: dict, moments: dict, state: dict,
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def restore_swapped(dest: Path):
+    """Put ``dest.old`` back when a process died between the two renames that replace
+    ``dest`` (only ``best/`` is ever replaced)."""
+    old = dest.with_name(dest.name + ".old")
+    if old.is_dir() and not dest.exists():
+        os.replace(old, dest)
 
 
 # --- finding and verifying ---------------------------------------------------------------------

@@ -220,6 +220,9 @@ def main(argv=None) -> int:
     except OSError as e:  # e.g. a broken pipe on the output; the run (if any) recorded it
         _report(args.command, e)
         return 1
+    except KeyboardInterrupt:  # before or after a run's own handling (loading, realizing)
+        _report(args.command, "interrupted")
+        return 130
 
 
 if __name__ == "__main__":

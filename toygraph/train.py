@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .checkpoint import find_resumable, load_checkpoint, write_final
+from .checkpoint import find_resumable, load_checkpoint, restore_swapped, write_final
 from .config import TrainConfig, check_against_model
 from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
                    steps_per_epoch, batches)
@@ -161,6 +161,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     for name in ("adapter_model.safetensors", "adapter_config.json", "adapter.gguf",
                  "weights.safetensors"):
         (out / name).unlink(missing_ok=True)  # present again only if this run completes
+    restore_swapped(out / "best")
     t0 = time.perf_counter()
     recipe = _realize(cfg, prep)
     realize_s = time.perf_counter() - t0
