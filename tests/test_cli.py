@@ -139,11 +139,15 @@ def test_finetune_exit_codes_say_how_the_run_ended(capsys, tiny_llama, tmp_path)
     assert code == 3 and json.loads(out)["status"] == "diverged" and "run diverged" in err
 
 
-@pytest.mark.parametrize("flags, needle", [(["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
-                                           (["--temperature", "nan"], "--temperature must be")])
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be"),
+    # argv bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape)
+    (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8 text (byte 0xe9 at character 3)"),
+])
 def test_generate_arguments_are_checked(capsys, tiny_llama, flags, needle):
     code, _, err = run(capsys, "generate", "--model", str(tiny_llama), "--prompt", "hi", *flags)
-    assert code == 2 and needle in err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
 
 
 def test_generate_stops_at_the_context(tmp_path):

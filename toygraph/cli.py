@@ -27,10 +27,22 @@ def _parse_ids(text: str) -> list[int]:
         raise ToygraphError(f"--tokens must be comma-separated integers, got {text!r}") from None
 
 
+def _utf8(flag: str, text: str) -> str:
+    """Command-line text as valid Unicode: undecodable bytes in argv arrive as lone
+    surrogates (Python's surrogateescape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate \\u{c:04x}"
+        raise ToygraphError(f"{flag} is not valid UTF-8 text ({what} at character {e.start})") from None
+    return text
+
+
 def cmd_tokenize(args):
     from .tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(resolve_model(args.model))
-    print(json.dumps(tok.encode(args.text)))
+    print(json.dumps(tok.encode(_utf8("--text", args.text))))
 
 
 def cmd_eval(args):
@@ -39,7 +51,7 @@ def cmd_eval(args):
     if args.tokens is not None:
         loss, n = lm.loss(_parse_ids(args.tokens))
     elif args.text is not None:
-        loss, n = lm.loss(lm.tokenizer.encode(args.text, add_bos=None))
+        loss, n = lm.loss(lm.tokenizer.encode(_utf8("--text", args.text), add_bos=None))
     else:
         from .data import encode_dataset, load_examples
         enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
@@ -61,8 +73,9 @@ def cmd_generate(args):
         raise ToygraphError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.top_k < 0:
         raise ToygraphError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    prompt = _utf8("--prompt", args.prompt)
     lm = LanguageModel(resolve_model(args.model), adapter_dir=args.adapter, backend=args.backend)
-    print(lm.generate(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
+    print(lm.generate(prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, seed=args.seed))
 
 
