@@ -328,6 +328,9 @@ def test_sigterm_is_handled_like_ctrl_c(tiny_llama, chat_data, tmp_path, monkeyp
     s = run_training(cfg_for(tiny_llama, chat_data, out, steps=6, val_split=0.0))
     assert s["status"] == "interrupted" and "SIGTERM" in s["reason"] and s["steps"] == 2
     assert verify_checkpoint(out / "checkpoints" / "step-000002") is None
+    state = load_checkpoint(out / "checkpoints" / "step-000002")[0]
+    assert (state["status"], state["step"], state["options"]["lr"]) == ("interrupted", 2, 5e-3)
+    assert state["model_fingerprint"]["size"] == tiny_llama.stat().st_size
     assert not (out / "adapter_model.safetensors").exists()
 
 

@@ -188,7 +188,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
                             pad=prep.pad, lora_meta=lora_meta,
                             eval_every=cfg.eval_every or max(1, n_batches // cfg.grad_accum))
         error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro)
-        if status in COMPLETED or (status == "interrupted" and error is None):
+        if status in (*COMPLETED, "interrupted"):
             error, status, reason = _finish(trainer, sup, out, recipe, lora_meta, status, reason)
     summary = {"status": status, "reason": reason, "steps": trainer.state.step,
                "best_val_loss": trainer.state.best_val,
@@ -229,6 +229,7 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
     """The final (or interrupt) checkpoint and, for a completed run, the top-level result."""
     if trainer.state.step == 0:
         return None, status, reason
+    trainer.state.status, trainer.state.reason = status, reason  # recorded in the checkpoint
     try:
         if status == "interrupted":
             sup.save(trainer, "interrupt")
