@@ -108,8 +108,6 @@ def _atomic_write(path: Path, write) -> None:
 def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "") -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
     the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order)."""
-    from safetensors.numpy import save_file
-
     dir = Path(dir)
     found = _check_lora(lora, cfg, str(dir))
     if found != rank:
@@ -142,11 +140,26 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     # The architecture goes into the safetensors metadata (PEFT ignores it there, while an
     # unknown adapter_config key makes PEFT warn): q/k rows are stored in HF order, which
     # differs between architectures, so an adapter must not load onto another one.
-    _atomic_write(dir / WEIGHTS_FILE, lambda p: save_file(
-        tensors, p, metadata={"format": "pt", ARCH_METADATA: cfg.arch}))
+    _atomic_write(dir / WEIGHTS_FILE, lambda p: _save_sorted_metadata(
+        tensors, p, {"format": "pt", ARCH_METADATA: cfg.arch}))
     _atomic_write(dir / CONFIG_FILE,
                   lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     return dir
+
+
+def _save_sorted_metadata(tensors: dict, path: str, metadata: dict):
+    """safetensors' save_file, with the metadata in sorted order: it keeps metadata in a
+    Rust HashMap, whose order changes from process to process, so two runs would write
+    different bytes. The header is rewritten in place (same keys, same length)."""
+    from safetensors.numpy import save_file
+    save_file(tensors, path, metadata=metadata)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":")).encode()
+        f.seek(8)
+        f.write(text.ljust(n))
 
 
 def _read_peft_config(path: Path) -> dict:
