@@ -156,8 +156,8 @@ def test_generate_stops_at_the_context(tmp_path):
     from toygraph.inference import LanguageModel
     lm = LanguageModel(str(write_tiny_llama(tmp_path / "short.gguf", n_ctx=24)))
     lm.stop_ids = set()  # never stop early: the context is the only limit left
-    picks = []
-    real_pick = lm._pick
-    lm._pick = lambda *a: picks.append(1) or real_pick(*a)
+    forwards = []
+    real_run = lm._run
+    lm._run = lambda *a: forwards.append(1) or real_run(*a)  # one forward per new token
     lm.generate("the cat", max_new_tokens=10**9)
-    assert len(picks) == lm.seq_len - len(lm.encode_prompt("the cat", False))
+    assert len(forwards) == lm.seq_len - len(lm.encode_prompt("the cat", False))

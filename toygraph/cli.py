@@ -1,4 +1,4 @@
-"""The ``toygraph`` command line: tokenize, eval, finetune, generate, gate, demo."""
+"""The ``toygraph`` command line: tokenize, eval, finetune, generate, gate, demo, export, chat."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,10 @@ import math
 import sys
 from pathlib import Path
 
+from .chat import add_chat_parser
 from .errors import ToygraphError
+from .export import add_export_parser
+from .sampling import add_sampling_args
 
 
 def resolve_model(name: str) -> str:
@@ -75,8 +78,9 @@ def cmd_generate(args):
         raise ToygraphError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
     prompt = _utf8("--prompt", args.prompt)
     lm = LanguageModel(resolve_model(args.model), adapter_dir=args.adapter, backend=args.backend)
-    print(lm.generate(prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    from .sampling import generation_kwargs  # streams the text to stdout as it is produced
+    lm.generate(prompt, chat=args.chat, **generation_kwargs(args, print_to=sys.stdout))
+    print()
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -195,10 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    add_sampling_args(p)
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
     p.set_defaults(fn=cmd_generate)
 
@@ -213,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
     p.set_defaults(fn=cmd_demo)
+    add_export_parser(sub)
+    add_chat_parser(sub)
     return ap
 
 

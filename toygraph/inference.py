@@ -23,6 +23,7 @@ from .errors import DataError
 from .gguf import GGUFModel
 from .graph import Graph, Tensor
 from .models.llama import LoraConfig, build_llama
+from .sampling import SamplingOptions, TextStream, pick_token
 from .session import Session
 from .tokenizer import Tokenizer
 
@@ -156,27 +157,33 @@ class LanguageModel:
         return total / count, count
 
     # --- generation -----------------------------------------------------------------------
-    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids of a prompt, rendered with the GGUF chat template when ``chat``."""
+    def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
+        """Token ids of a prompt, rendered with the GGUF chat template when ``chat``
+        (``prompt`` may then be a list of {"role", "content"} messages)."""
         tok = self.tokenizer
         if not chat:
             return tok.encode(prompt)
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                       add_generation_prompt=True)
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
         # Templates that print bos_token themselves must not get a second one.
         double = tok.bos_token is not None and text.startswith(tok.bos_token)
         return tok.encode(text, add_bos=False if double else None)
 
-    def generate(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 64,
-                 temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> str:
-        """Continue ``prompt``: greedy at temperature 0, else sampled (top-k if > 0).
+    def generate(self, prompt, *, chat: bool = False, max_new_tokens: int = 64,
+                 stop=(), on_text=None, **sampling) -> str:
+        """Continue ``prompt`` (text; token ids; with ``chat``, text or a list of messages
+        rendered with the chat template): greedy by default, else as
+        ``sampling`` says (SamplingOptions fields: temperature, top_k, top_p, min_p,
+        repetition_penalty, seed).
 
-        Stops at an end-of-generation token, after ``max_new_tokens``, or at the context
-        length. Returns only the new text.
+        Stops at an end-of-generation token, after ``max_new_tokens``, at the context
+        length, or when the text contains one of the ``stop`` strings (cut off before
+        it). ``on_text(piece)`` receives the text as it is produced. Returns the new text.
         """
-        if max_new_tokens < 0 or temperature < 0 or top_k < 0:
-            raise DataError("generate: max_new_tokens, temperature and top_k must be >= 0")
-        ids = self.encode_prompt(prompt, chat)
+        opts = SamplingOptions(**sampling)
+        if max_new_tokens < 0:
+            raise DataError("generate: max_new_tokens must be >= 0")
+        ids = self.encode_prompt(prompt, chat) if chat or isinstance(prompt, str) else list(prompt)
         if not ids:
             raise DataError("generate: the prompt encodes to no tokens")
         if len(ids) >= self.seq_len:
@@ -189,25 +196,17 @@ class LanguageModel:
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :len(ids)] = ids
         no_labels = np.full((1, T), -1, np.int32)
-        rng = np.random.default_rng(seed)
-        n, new = len(ids), []
-        while n < end:
+        rng, stream = opts.rng(), TextStream(self.tokenizer, stop)
+        emit = on_text or (lambda piece: None)
+        n = len(ids)
+        while n < end and not stream.stopped:
             self._run(f, tokens, no_labels)
             row = f.sess.download(f.logits)[n - 1].astype(np.float64)
-            nxt = self._pick(row, temperature, top_k, rng)
+            nxt = pick_token(row, tokens[0, :n], opts, rng)
             if nxt in self.stop_ids:
                 break
             tokens[0, n] = nxt
-            new.append(nxt)
             n += 1
-        return self.tokenizer.decode(new, skip_special_tokens=True)
-
-    @staticmethod
-    def _pick(logits: np.ndarray, temperature: float, top_k: int, rng) -> int:
-        if temperature == 0:
-            return int(np.argmax(logits))
-        z = logits / temperature
-        if 0 < top_k < z.size:
-            z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
-        p = np.exp(z - z.max())
-        return int(rng.choice(z.size, p=p / p.sum()))
+            emit(stream.push(nxt))
+        emit(stream.finish())
+        return stream.text

@@ -22,9 +22,11 @@ from .errors import ToygraphError
 
 LOCK_FILE = ".lock"
 EVENTS_FILE = "events.jsonl"
-#: What a run writes at the top of its directory; ``--overwrite`` removes exactly these.
-RUN_ARTIFACTS = (EVENTS_FILE, "checkpoints", "best", "adapter_model.safetensors",
-                 "adapter_config.json", "adapter.gguf", "weights.safetensors", "loss.png")
+#: A completed run's result at the top of its directory (absent unless it completed).
+FINAL_ARTIFACTS = ("adapter_model.safetensors", "adapter_config.json", "adapter.gguf",
+                   "Modelfile", "weights.safetensors")
+#: What a run writes into its directory; ``--overwrite`` removes exactly these.
+RUN_ARTIFACTS = (EVENTS_FILE, "checkpoints", "best", "loss.png", *FINAL_ARTIFACTS)
 
 
 class RunError(ToygraphError):

@@ -30,10 +30,11 @@ from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_t
 from .errors import DataError
 from .gguf import GGUFModel
 from .guard import DivergenceGuard, Diverged
+from .modelfile import write_modelfile
 from .optim import Schedule
 from .plot import plot_losses
 from .resume import check_resume, model_fingerprint
-from .runs import EventLog, RunError, open_run_dir, EVENTS_FILE
+from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, RunError, open_run_dir
 from .supervisor import Progress, RunSupervisor, Signals
 from .tokenizer import Tokenizer
 from .trainer import AdamW, LoopState, Trainer
@@ -158,8 +159,7 @@ def run_training(cfg: TrainConfig) -> dict:
 
 
 def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
-    for name in ("adapter_model.safetensors", "adapter_config.json", "adapter.gguf",
-                 "weights.safetensors"):
+    for name in FINAL_ARTIFACTS:
         (out / name).unlink(missing_ok=True)  # present again only if this run completes
     restore_swapped(out / "best")
     t0 = time.perf_counter()
@@ -238,6 +238,8 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
             return None, status, reason
         sup.save(trainer, "final")
         write_final(out, recipe, lora_meta)
+        if lora_meta is not None:
+            write_modelfile(out, sup.cfg.model)  # Ollama: FROM base + ADAPTER ./adapter.gguf
         return None, status, reason
     except Diverged as e:
         return None, "diverged", str(e)
