@@ -411,7 +411,7 @@ def _lora_losses(path, backend, steps=3, dtype="f32"):
         ids = rng.integers(0, model.config.n_vocab, size=(B, T)).astype(np.int32)
         lab = np.roll(ids, -1, axis=1).astype(np.int32)
         lab[:, -1] = -1
-        losses.append(recipe.step(ids, pos, lab.reshape(-1), hp_row(i + 1, lr=1e-2),
+        losses.append(recipe.step(ids[None], pos[None], lab[None], hp_row(i + 1, lr=1e-2),
                                   is_first=(i == 0)))
     return recipe, losses, {k: np.asarray(v) for k, v in recipe.trainable().items()}
 
@@ -686,7 +686,7 @@ def test_recipe_on_cuda_uses_the_fused_head_and_tracks_numpy(recipe, tiny_llama)
             ids = rng.integers(0, model.config.n_vocab, size=(B, T)).astype(np.int32)
             lab = np.roll(ids, -1, axis=1).astype(np.int32)
             lab[:, -1] = -1
-            losses.append(r.step(ids, pos, lab.reshape(-1), hp_row(i + 1, lr=1e-3),
+            losses.append(r.step(ids[None], pos[None], lab[None], hp_row(i + 1, lr=1e-3),
                                  is_first=(i == 0)))
         runs[backend] = (losses, r.trainable())
     for a, b in zip(runs["cuda"][0], runs["cpu"][0]):

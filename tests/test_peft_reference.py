@@ -105,7 +105,7 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
     positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
     mine, norms = [], []
     for t in range(1, steps + 1):
-        mine.append(recipe.step(tokens, positions, labels, hp_row(t, lr, *betas, eps, wd),
+        mine.append(recipe.step(tokens[None], positions[None], labels[None], hp_row(t, lr, *betas, eps, wd),
                                 is_first=(t == 1)))
         norms.append(recipe.last_grad_norm())
 

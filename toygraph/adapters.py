@@ -31,6 +31,8 @@ from .models.decoder import TARGETS, weight_shape
 from .models.families import HF_LAYER_MODULES
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+#: safetensors metadata key recording the architecture an adapter was trained for.
+ARCH_METADATA = "toygraph.arch"
 # GGUF projection name -> Hugging Face module path inside a decoder layer (the families'
 # own tables, cfg.family.hf_modules, are what export and import use; this is the default).
 HF_MODULES = HF_LAYER_MODULES
@@ -106,8 +108,6 @@ def _atomic_write(path: Path, write) -> None:
 def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "") -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
     the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order)."""
-    from safetensors.numpy import save_file
-
     dir = Path(dir)
     found = _check_lora(lora, cfg, str(dir))
     if found != rank:
@@ -137,10 +137,29 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     dir.mkdir(parents=True, exist_ok=True)
     # Each file is replaced whole; the config goes last, so a crash in between leaves the
     # old config with complete (new) weights, never a truncated file.
-    _atomic_write(dir / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    # The architecture goes into the safetensors metadata (PEFT ignores it there, while an
+    # unknown adapter_config key makes PEFT warn): q/k rows are stored in HF order, which
+    # differs between architectures, so an adapter must not load onto another one.
+    _atomic_write(dir / WEIGHTS_FILE, lambda p: _save_sorted_metadata(
+        tensors, p, {"format": "pt", ARCH_METADATA: cfg.arch}))
     _atomic_write(dir / CONFIG_FILE,
                   lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     return dir
+
+
+def _save_sorted_metadata(tensors: dict, path: str, metadata: dict):
+    """safetensors' save_file, with the metadata in sorted order: it keeps metadata in a
+    Rust HashMap, whose order changes from process to process, so two runs would write
+    different bytes. The header is rewritten in place (same keys, same length)."""
+    from safetensors.numpy import save_file
+    save_file(tensors, path, metadata=metadata)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":")).encode()
+        f.seek(8)
+        f.write(text.ljust(n))
 
 
 def _read_peft_config(path: Path) -> dict:
@@ -173,7 +192,7 @@ def _read_peft_config(path: Path) -> dict:
 def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     """Read a PEFT LoRA directory for the model ``cfg``: (lora in GGUF layout, rank, alpha,
     short target names). Raises DataError naming the file for anything it cannot use."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
     dir = Path(dir)
@@ -183,8 +202,17 @@ def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
         raise DataError(f"{wpath}: missing adapter weights (only safetensors is supported)")
     try:
         raw = load_file(str(wpath))
+        with safe_open(str(wpath), "np") as f:
+            arch = (f.metadata() or {}).get(ARCH_METADATA)
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise DataError(f"{wpath}: cannot read safetensors ({e})") from None
+    if arch is not None and arch != cfg.arch:
+        raise DataError(f"{wpath}: adapter was trained on a {arch} model; the base model is "
+                        f"{cfg.arch} (q/k row order and semantics differ)")
+    for key, value in raw.items():
+        if value.dtype.kind != "f":
+            raise DataError(f"{wpath}: tensor {key!r} is {value.dtype}; adapter tensors must be "
+                            f"floating point")
     halves: dict[str, dict[str, np.ndarray]] = {}
     gguf_by_hf = {hf: g for g, hf in cfg.family.hf_modules.items()}
     for key, value in raw.items():
