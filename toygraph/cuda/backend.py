@@ -31,10 +31,11 @@ copy decoded at realize. ``TOYGRAPH_CUDA_QMATMUL=0`` gives every const its f32 c
 """
 from __future__ import annotations
 
-import os
+import logging
 
 import numpy as np
 
+from .. import settings
 from ..errors import CudaError
 from ..memory import BufferPlan
 from ..ops import SIDE_EFFECTS
@@ -43,6 +44,7 @@ from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
 from .kernels import DEQUANT_KERNELS, OP_KERNELS, TC_PRECISIONS, backend_source
 from .lowering import MAX_ELEMENTS, THREADS, Launch, i32, lower, p
 
+log = logging.getLogger(__name__)
 _FLOAT_STORAGE = ("f32", "f64")
 #: Backend dtypes: "f32" is the plain f32 path; "bf16" / "tf32" run every matmul on tensor
 #: cores (bf16 or tf32 inputs, f32 accumulation) and keep everything else (norms, softmax,
@@ -57,17 +59,12 @@ def _sm(arch: str) -> int:
 def open_device(device=None):
     """The context kernels run in: ``device`` (else ``$TOYGRAPH_CUDA_DEVICE``, else 0) is a
     CUDA device ordinal, or ``"host"`` for the CPU executor."""
-    if device is None:
-        device = os.environ.get("TOYGRAPH_CUDA_DEVICE", "0")
+    device = settings.get("TOYGRAPH_CUDA_DEVICE") if device is None else \
+        settings.parse("TOYGRAPH_CUDA_DEVICE", str(device))
     if device == "host":
         from .hostdev import HostContext
         return HostContext()
-    try:
-        ordinal = int(device)
-    except ValueError:
-        raise CudaError(f"TOYGRAPH_CUDA_DEVICE must be a device ordinal or 'host', "
-                        f"got {device!r}") from None
-    return driver.Context(ordinal)
+    return driver.Context(device)
 
 
 def _raw_bytes(data) -> np.ndarray:
@@ -89,7 +86,7 @@ class CudaBackend:
         if dtype in TC_PRECISIONS and _sm(self.ctx.arch) < 80:
             raise CudaError(f"dtype {dtype!r} needs tensor cores with bf16/tf32 mma (sm_80 or "
                             f"newer); this device is {self.ctx.arch}: use dtype='f32'")
-        self.use_graphs = os.environ.get("TOYGRAPH_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = settings.get("TOYGRAPH_CUDA_GRAPHS")
         self.qmatmul = qmatmul_enabled()
         self.memory: DeviceMemoryPlan | None = None
         self.raw_consts: frozenset[int] = frozenset()  # consts kept in block format
@@ -249,8 +246,10 @@ class CudaBackend:
             self._phase_refs.append(nodes)  # keep the list alive so its id is never reused
             try:
                 self._graphs[key] = self.ctx.capture(lambda: self._launch_all(nodes))
-            except CudaError:
-                self._graphs[key] = None  # this driver cannot capture it: launch eagerly
+            except CudaError as e:  # this driver cannot capture it: launch eagerly
+                log.warning("CUDA graph capture of a %d-node phase failed, launching its "
+                            "kernels one by one instead (slower): %s", len(nodes), e)
+                self._graphs[key] = None
         g = self._graphs[key]
         if g is None:
             self._launch_all(nodes)

@@ -18,6 +18,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from .. import settings
 from ..errors import CudaError
 
 _nvrtc = None
@@ -66,8 +67,8 @@ def version() -> tuple[int, int]:
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("TOYGRAPH_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "toygraph" / "cubin"
+    """Where compiled kernels are cached: ``$TOYGRAPH_CACHE/kernels``."""
+    return settings.cache_dir("kernels")
 
 
 def options(arch: str, include_dirs=()) -> list[str]:
