@@ -22,7 +22,8 @@ grids and blocks (hostdev.py), slowly but exactly as written; CI uses it to chec
 kernel without a GPU. Otherwise the variable (default 0) is the CUDA device ordinal.
 
 Set ``TOYGRAPH_CUDA_GRAPHS=0`` to launch kernels one by one instead of replaying graphs
-(useful when debugging a kernel with compute-sanitizer).
+(useful when debugging a kernel with compute-sanitizer). A phase whose capture fails is
+launched that way too, with a warning on the ``toygraph.cuda.backend`` logger.
 
 Frozen consts in a GGUF block format stay in it on the device when every consumer is a
 matmul or get_rows that dequantizes tiles on the fly (see devmem.py); the rest get an f32
@@ -44,7 +45,7 @@ from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
 from .kernels import DEQUANT_KERNELS, OP_KERNELS, TC_PRECISIONS, backend_source
 from .lowering import MAX_ELEMENTS, THREADS, Launch, i32, lower, p
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 _FLOAT_STORAGE = ("f32", "f64")
 #: Backend dtypes: "f32" is the plain f32 path; "bf16" / "tf32" run every matmul on tensor
 #: cores (bf16 or tf32 inputs, f32 accumulation) and keep everything else (norms, softmax,
@@ -247,8 +248,8 @@ class CudaBackend:
             try:
                 self._graphs[key] = self.ctx.capture(lambda: self._launch_all(nodes))
             except CudaError as e:  # this driver cannot capture it: launch eagerly
-                log.warning("CUDA graph capture of a %d-node phase failed, launching its "
-                            "kernels one by one instead (slower): %s", len(nodes), e)
+                logger.warning("CUDA graph capture of a %d-node phase failed, launching its "
+                               "kernels one by one instead (slower): %s", len(nodes), e)
                 self._graphs[key] = None
         g = self._graphs[key]
         if g is None:

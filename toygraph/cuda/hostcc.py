@@ -15,6 +15,7 @@ library lives in ``$TOYGRAPH_CACHE/kernels/host`` (the folder nvrtc.py caches cu
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -27,6 +28,8 @@ from .. import settings
 from ..errors import CudaError
 from .kernels import kernel_names
 from .nvrtc import cache_dir
+
+logger = logging.getLogger(__name__)
 
 SHIM = Path(__file__).with_name("host_shim.h")
 #: -O1 builds the whole kernel module about twice as fast as -O2; the kernels then run a
@@ -100,6 +103,7 @@ def build_library(source: str, opt: str | None = None, use_cache: bool = True) -
     try:
         src, lib = work / "toygraph_host.cpp", work / "lib.so"
         src.write_text(text)
+        logger.debug("building the host kernel library with %s %s", cxx, " ".join(flags))
         res = subprocess.run([cxx, *flags, "-o", str(lib), str(src)], capture_output=True,
                              text=True)
         if res.returncode != 0:

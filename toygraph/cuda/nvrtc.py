@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -20,6 +21,8 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import CudaError
+
+logger = logging.getLogger(__name__)
 
 _nvrtc = None
 
@@ -104,6 +107,7 @@ def compile_cubin(source: str, arch: str | None = None, name: str = "toygraph.cu
                 return data
         except OSError:
             pass
+    logger.debug("compiling %s for %s with NVRTC (not in the cache %s)", name, arch, cache_dir())
     cubin = _compile(source, opts, name)
     if use_cache:
         _write_atomic(path, cubin)
