@@ -99,6 +99,11 @@ def compare_op(build, shapes, tol, inputs_fn=None, seed=0, grad_tol=REDUCTION, d
     ("mul", lambda a, b: a * b, [(3, 4), (3, 4)], ELEMENTWISE),
     ("mul_bcast", lambda a, b: a * b, [(2, 3, 4), (3, 1)], ELEMENTWISE),
     ("swiglu", ops.swiglu, [(4, 6), (4, 6)], ELEMENTWISE),
+    ("gelu", ops.gelu, [(3, 5)], ELEMENTWISE),
+    ("gelu_big", lambda x: ops.gelu(ops.scale(x, 4.0)), [(70, 300)], ELEMENTWISE),
+    ("geglu", ops.geglu, [(4, 6), (4, 6)], ELEMENTWISE),
+    # Per-head q/k norm (Qwen3, Gemma 3): rms_norm over head_dim of [B, T, H, hd] * w[hd].
+    ("qk_norm", lambda x, w: ops.rms_norm(x, 1e-6) * w, [(2, 3, 4, 40), (40,)], REDUCTION),
 ])
 def test_op_matches_numpy(name, build, shapes, tol):
     compare_op(build, shapes, tol)
@@ -127,6 +132,19 @@ def test_rope_matches_numpy(mode, dims):
                [(2, 3, 2, 8)], ELEMENTWISE, inputs_fn=pos)
 
 
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("dims", [8, 4])
+def test_rope_with_frequency_factors_and_linear_scaling_matches_numpy(mode, dims):
+    """Llama 3's rope_freqs factors (a third source) and rope.scaling linear (freq_scale)."""
+    def inputs(g, rng):
+        return {g.input("pos", (2, 3), "i32"): np.array([[0, 1, 2], [5, 900, 3]], np.int32),
+                g.input("rope_freqs", (dims // 2,)): np.array([1.0, 2.5, 8.0, 32.0][:dims // 2],
+                                                              np.float32)}
+    compare_op(lambda x, p, f: ops.rope(x, p, dims=dims, base=500000.0, mode=mode,
+                                        freq_factors=f, freq_scale=0.25),
+               [(2, 3, 2, 8)], ELEMENTWISE, inputs_fn=inputs)
+
+
 def test_get_rows_and_its_gradient_with_repeats():
     def ids(g, rng):
         return {g.input("ids", (3, 40), "i32"): rng.integers(0, 7, size=(3, 40)).astype(np.int32)}
@@ -149,11 +167,24 @@ def test_cross_entropy_matches_numpy(reduction, labels):
     (1, 4, 2, 300, 64, True), (1, 2, 1, 130, 64, False),  # many tiles, causal skipping
     (1, 4, 1, 35, 100, True), (1, 2, 2, 40, 128, False),  # the HD=128 kernels (16-row tiles)
 ])
-def test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, causal):
+def test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, causal, window=0):
     """Output and dq, dk, dv (one attention_back node: prep, dk/dv, dq kernels) within 1e-4
     of numpy, bit-identical run to run (compare_op runs the CUDA side twice)."""
-    compare_op(lambda q, k, v: ops.attention(q, k, v, scale=hd ** -0.5, causal=causal),
+    compare_op(lambda q, k, v: ops.attention(q, k, v, scale=hd ** -0.5, causal=causal,
+                                             window=window),
                [(B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd)], REDUCTION)
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,window", [
+    (2, 6, 2, 37, 16, 5), (1, 4, 2, 300, 64, 64),        # inside a tile; tile-exact window
+    (1, 8, 2, 200, 32, 50), (1, 4, 1, 35, 100, 17),      # whole tiles skipped; HD=128 kernels
+    (1, 2, 1, 130, 64, 2), (1, 4, 2, 70, 64, 70),        # window 2; window >= T (plain causal)
+])
+def test_sliding_window_attention_matches_numpy(B, H, KV, T, hd, window):
+    """Gemma 3's local layers: the window masked in the forward and both backward kernels.
+    (Window 1, where dq = dk = 0 exactly and both sides return rounding noise, is checked by
+    the launch replay in test_cuda_new_ops.py.)"""
+    test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, True, window)
 
 
 def test_cross_entropy_wide_vocabulary_and_count_valid():

@@ -487,7 +487,9 @@ extern "C" int decode(const char* fmt, const unsigned char* raw, long long n, in
 #define TG_CASE(name, F) if (!strcmp(fmt, name)) { run<F>(raw, n, rows, row_bytes, out); return 0; }
     TG_CASE("f16", TgF16) TG_CASE("bf16", TgBF16) TG_CASE("q8_0", TgQ8_0)
     TG_CASE("q4_0", TgQ4_0) TG_CASE("q4_1", TgQ4_1) TG_CASE("q4_k", TgQ4_K)
-    TG_CASE("q5_k", TgQ5_K) TG_CASE("q6_k", TgQ6_K)
+    TG_CASE("q5_k", TgQ5_K) TG_CASE("q6_k", TgQ6_K) TG_CASE("q5_0", TgQ5_0)
+    TG_CASE("q5_1", TgQ5_1) TG_CASE("iq4_nl", TgIQ4_NL) TG_CASE("q2_k", TgQ2_K)
+    TG_CASE("q3_k", TgQ3_K) TG_CASE("iq4_xs", TgIQ4_XS)
     return 1;
 }
 """
@@ -863,7 +865,8 @@ def test_tc_matmul_replayed_through_the_mma_emulator_matches_numpy(prec, sa, sb,
 
 @pytest.mark.parametrize("prec", TC_PRECISIONS)
 @pytest.mark.parametrize("fmt,build", [("q4_k", "forward"), ("q8_0", "backward"),
-                                       ("bf16", "forward3d")])
+                                       ("bf16", "forward3d"), ("q3_k", "backward"),
+                                       ("iq4_xs", "backward"), ("q5_0", "forward")])
 def test_tc_quantized_matmul_replayed_through_the_mma_emulator(prec, fmt, build, tc_layout):
     rng = np.random.default_rng(5)
     elems = quant.BLOCK[fmt][0]
@@ -1025,28 +1028,41 @@ def _emulate_attention(launch, mem):
     BT, TPR = lowering.ATTN_TILES[HD]
     assert launch.block == (BT * TPR, 1, 1)
     a = [x[0] for x in launch.args]
-    H, KV, T, hd, scale, causal = (int(a[-6]), int(a[-5]), int(a[-4]), int(a[-3]),
-                                   float(a[-2]), int(a[-1]))
-    ptrs = [int(x) for x in a[:-6]]
+    H, KV, T, hd, scale, causal, window = (int(a[-7]), int(a[-6]), int(a[-5]), int(a[-4]),
+                                           float(a[-3]), int(a[-2]), int(a[-1]))
+    ptrs = [int(x) for x in a[:-7]]
     G, nt, head = H // KV, (T + BT - 1) // BT, T * hd
     gx, gy, gz = launch.grid
     ar = np.arange(BT)
 
     def visible(i0, j0):
         i, j = i0 + ar[:, None], j0 + ar[None, :]
-        return (i < T) & (j < T) & ((j <= i) if causal else True)
+        vis = (i < T) & (j < T) & ((j <= i) if causal else True)
+        return vis & (i - j < window) if window else vis
+
+    def key_tiles(qt):  # the kernels' tile loop bounds (attn_first_key_tile and causal last)
+        first = max(0, qt * BT - window + 1) // BT if window else 0
+        return range(first, (qt if causal else nt - 1) + 1)
+
+    def query_tiles(kt):  # attn_last_query_tile
+        last = min(nt - 1, (kt * BT + BT - 1 + window - 1) // BT) if window else nt - 1
+        return range(kt if causal else 0, last + 1)
+
+    def tile_pair(i0, j0):  # a tile pair the kernels visit: none with nothing visible
+        assert visible(i0, j0).any(), ("a visited tile is wholly masked", i0, j0)
+        return i0, j0
 
     def write(addr, rows0, vals):  # rows [rows0, rows0 + BT) of a [T, hd] matrix
         arr, off = _resolve(mem, addr)
         n = max(0, min(BT, T - rows0))
         arr[off + rows0 * hd:off + (rows0 + n) * hd] = vals[:n, :hd].ravel()
 
-    def scores(Q, i0, kaddr, last):
-        """Online row max / sum over key tiles 0..last; yields per tile (j0, s, base)."""
+    def scores(Q, i0, kaddr, qt):
+        """Online row max / sum over query tile qt's key tiles; yields per tile (j0, s, base)."""
         m, l = np.full(BT, -np.inf), np.zeros(BT)
-        for kt in range(last + 1):
+        for kt in key_tiles(qt):
             Ks = _attn_tile(mem, kaddr, kt * BT, T, hd, BT, HD)
-            s = np.where(visible(i0, kt * BT), (Q @ Ks.T) * scale, -np.inf)
+            s = np.where(visible(*tile_pair(i0, kt * BT)), (Q @ Ks.T) * scale, -np.inf)
             mn = np.maximum(m, s.max(1))
             base = np.where(mn == -np.inf, 0.0, mn)
             p = np.exp(s - base[:, None])
@@ -1062,19 +1078,18 @@ def _emulate_attention(launch, mem):
                 kv = b * KV + h // G
                 for qt in range(nt):
                     i0 = qt * BT
-                    last = qt if causal else nt - 1
                     if name.startswith("tg_attn_fwd_"):
                         out, q, k, v = ptrs
                         Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
                         acc = np.zeros((BT, HD))
-                        for j0, p, alpha, m, l in scores(Q, i0, k + 4 * kv * head, last):
+                        for j0, p, alpha, m, l in scores(Q, i0, k + 4 * kv * head, qt):
                             Vs = _attn_tile(mem, v + 4 * kv * head, j0, T, hd, BT, HD)
                             acc = acc * alpha[:, None] + p @ Vs
                         write(out + 4 * (b * H + h) * head, i0, acc / l[:, None])
                     else:
                         lse, delta, q, k, o, g = ptrs
                         Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
-                        for _, _, _, m, l in scores(Q, i0, k + 4 * kv * head, last):
+                        for _, _, _, m, l in scores(Q, i0, k + 4 * kv * head, qt):
                             pass
                         O = _attn_tile(mem, o + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
                         dO = _attn_tile(mem, g + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
@@ -1097,7 +1112,7 @@ def _emulate_attention(launch, mem):
                     dka, dva = np.zeros((BT, HD)), np.zeros((BT, HD))
                     for h in range(kvh * G, kvh * G + G):
                         qa, ga = q + 4 * (b * H + h) * head, g + 4 * (b * H + h) * head
-                        for qt in range(kt if causal else 0, nt):
+                        for qt in query_tiles(kt):
                             i0 = qt * BT
                             Q = _attn_tile(mem, qa, i0, T, hd, BT, HD)
                             dO = _attn_tile(mem, ga, i0, T, hd, BT, HD)
@@ -1106,7 +1121,7 @@ def _emulate_attention(launch, mem):
                             D, Do = _resolve(mem, delta)
                             Li = np.where(i0 + ar < T, L[Lo + rows], 0.0)
                             Di = np.where(i0 + ar < T, D[Do + rows], 0.0)
-                            vis = visible(i0, j0)      # [query, key]
+                            vis = visible(*tile_pair(i0, j0))      # [query, key]
                             p = np.where(vis, np.exp((Q @ Ks.T) * scale - Li[:, None]), 0.0)
                             ds = p * ((dO @ Vs.T) - Di[:, None]) * scale
                             dva += p.T @ dO
@@ -1130,12 +1145,12 @@ def _emulate_attention(launch, mem):
                     Li = np.where(i0 + ar < T, L[Lo + rows], 0.0)
                     Di = np.where(i0 + ar < T, D[Do + rows], 0.0)
                     acc = np.zeros((BT, HD))
-                    for kt in range(qt + 1 if causal else nt):
+                    for kt in key_tiles(qt):
                         j0 = kt * BT
                         Ks = _attn_tile(mem, k + 4 * kv * head, j0, T, hd, BT, HD)
                         Vs = _attn_tile(mem, v + 4 * kv * head, j0, T, hd, BT, HD)
-                        p = np.where(visible(i0, j0), np.exp((Q @ Ks.T) * scale - Li[:, None]),
-                                     0.0)
+                        p = np.where(visible(*tile_pair(i0, j0)),
+                                     np.exp((Q @ Ks.T) * scale - Li[:, None]), 0.0)
                         acc += (p * ((dO @ Vs.T) - Di[:, None]) * scale) @ Ks
                     write(dq + 4 * (b * H + h) * head, i0, acc)
         return
@@ -1152,12 +1167,19 @@ ATTN_LOWERING_CASES = [  # (B, H, KV, T, hd, causal): T off the tile, GQA, every
 def test_attention_launches_replayed_in_numpy_match_the_cpu_kernels(B, H, KV, T, hd, causal):
     """Grid, block, tile loop bounds (causal skipping), grouped-query head mapping, the
     scratch layout of the row statistics and the packed [dq, dk, dv] addresses."""
+    replay_attention_launches(B, H, KV, T, hd, causal)
+
+
+def replay_attention_launches(B, H, KV, T, hd, causal, window=0):
+    """Lower attention and its backward, replay every launch with _emulate_attention and
+    compare with the numpy kernels (test_cuda_new_ops.py runs it with sliding windows)."""
     rng = np.random.default_rng(0)
     g = Graph()
     vals = [rng.normal(size=s) for s in ((B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd))]
     q, k, v = (g.const(n, x) for n, x in zip("qkv", vals))
     # The kernels take the scale as an f32 argument: give both sides that value.
-    att = ops.attention(q, k, v, scale=float(np.float32(hd ** -0.5)), causal=causal)
+    att = ops.attention(q, k, v, scale=float(np.float32(hd ** -0.5)), causal=causal,
+                        window=window)
     gout = g.const("gout", rng.normal(size=att.shape))
     back = ops.OPS["attention"].grad(att, gout, [True] * 3)[0].srcs[0]
     addr = {t.id: (i + 1) << 24 for i, t in enumerate((q, k, v, gout, att, back))}

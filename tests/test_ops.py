@@ -95,26 +95,33 @@ def test_grouped_matmul_matches_repeated_heads():
 
 @pytest.mark.parametrize("mode", ["normal", "neox"])
 @pytest.mark.parametrize("dims", [8, 4])
-def test_rope_gradient_and_values(mode, dims):
+@pytest.mark.parametrize("factors,freq_scale", [(None, 1.0), ([1.0, 2.5, 8.0, 0.5], 0.25)],
+                         ids=["plain", "factors_and_linear_scaling"])
+def test_rope_gradient_and_values(mode, dims, factors, freq_scale):
     rng = np.random.default_rng(5)
     g = Graph()
     x = g.param("x", rnd(rng, 2, 3, 2, 8))
     pos = g.input("pos", (2, 3), "i32")
     posv = np.array([[0, 1, 2], [5, 9, 3]], np.int32)
-    y = ops.rope(x, pos, dims=dims, base=10000.0, mode=mode)
+    ff = None if factors is None else g.const("rope_freqs", np.array(factors[:dims // 2]))
+    y = ops.rope(x, pos, dims=dims, base=500.0, mode=mode, freq_factors=ff,
+                 freq_scale=freq_scale)
     assert check_gradients(g, weighted_sum(y, rng), [x], {pos: posv}) <= TOL
-    # Values: rotate one pair by hand (y was marked as an output before realize).
+    # Values: rotate every pair by hand (y was marked as an output before realize), at
+    # theta_i = freq_scale * p * base^(-2i/dims) / factors[i] as in ggml.
     g.output(y)
     s = Session(g, dtype="f64"); s.realize(); s.upload(pos, posv); s.run("forward")
-    xv = g.find("x").data.astype(np.float64)
-    b, t, h = 1, 1, 0
-    theta = posv[b, t] * 10000.0 ** (-2 * 1 / dims)  # pair i=1
-    i0, i1 = (2, 3) if mode == "normal" else (1, 1 + dims // 2)
-    x0, x1 = xv[b, t, h, i0], xv[b, t, h, i1]
-    assert np.isclose(s.download(y)[b, t, h, i0], x0 * np.cos(theta) - x1 * np.sin(theta))
-    assert np.isclose(s.download(y)[b, t, h, i1], x0 * np.sin(theta) + x1 * np.cos(theta))
-    if dims < 8:  # features past dims pass through
-        assert np.allclose(s.download(y)[..., dims:], xv[..., dims:])
+    out, xv = s.download(y), g.find("x").data.astype(np.float64)
+    for i in range(dims // 2):
+        f = 1.0 if factors is None else factors[i]
+        theta = freq_scale * posv[..., None] * 500.0 ** (-2 * i / dims) / f
+        i0, i1 = (2 * i, 2 * i + 1) if mode == "normal" else (i, i + dims // 2)
+        x0, x1 = xv[..., i0], xv[..., i1]
+        np.testing.assert_allclose(out[..., i0], x0 * np.cos(theta) - x1 * np.sin(theta),
+                                   rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(out[..., i1], x0 * np.sin(theta) + x1 * np.cos(theta),
+                                   rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(out[..., dims:], xv[..., dims:])  # past dims: untouched
 
 
 def test_get_rows_gradient_with_repeats():
@@ -192,8 +199,8 @@ ATTN_CASES = [  # (B, H, KV, T, hd, causal)
 def attn_rows(request, monkeypatch):
     """The numpy kernels' query-block size: the default, and 2 rows so that T splits into
     several blocks (and a ragged last one) even in these small tests."""
-    from toygraph.cpu import kernels
-    monkeypatch.setattr(kernels, "ATTN_ROWS", request.param)
+    from toygraph.cpu import fused
+    monkeypatch.setattr(fused, "ATTN_ROWS", request.param)
     return request.param
 
 
@@ -201,38 +208,56 @@ def _attn_inputs(rng, B, H, KV, T, hd):
     return rnd(rng, B, H, T, hd), rnd(rng, B, KV, T, hd), rnd(rng, B, KV, T, hd)
 
 
-@pytest.mark.parametrize("B,H,KV,T,hd,causal", ATTN_CASES)
-def test_attention_gradients(B, H, KV, T, hd, causal, attn_rows):
+# Sliding-window causal attention (Gemma 3): query i sees key j iff j <= i and i - j < window.
+WINDOW_CASES = [  # (B, H, KV, T, hd, window)
+    (2, 4, 4, 5, 3, 2), (2, 6, 2, 7, 4, 3),              # grouped-query, ragged blocks
+    (1, 3, 1, 7, 2, 1),                                  # window 1: each query sees itself
+    (1, 4, 2, 6, 3, 6), (1, 4, 2, 5, 3, 9),              # window >= T: plain causal
+]
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal,window",
+                         [c + (0,) for c in ATTN_CASES] +
+                         [c[:5] + (True, c[5]) for c in WINDOW_CASES])
+def test_attention_gradients(B, H, KV, T, hd, causal, window, attn_rows):
     rng = np.random.default_rng(11)
     g = Graph()
     q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, B, H, KV, T, hd)))
-    y = ops.attention(q, k, v, scale=hd ** -0.5, causal=causal)
-    assert check_gradients(g, weighted_sum(y, rng), [q, k, v], {}) <= TOL
+    y = ops.attention(q, k, v, scale=hd ** -0.5, causal=causal, window=window)
+    # With window 1 the output is v itself: q and k get exactly no gradient, and a relative
+    # error against an all-zero finite difference means nothing (the comparison with the
+    # explicitly masked softmax in test_ops_llama3_gemma3.py checks dq = dk = 0 there).
+    params = [v] if window == 1 else [q, k, v]
+    assert check_gradients(g, weighted_sum(y, rng), params, {}) <= TOL
 
 
-@pytest.mark.parametrize("B,H,KV,T,hd,causal", ATTN_CASES + [(2, 6, 3, 40, 8, True)])
-def test_attention_equals_the_unfused_composition(B, H, KV, T, hd, causal, attn_rows):
-    """Forward value and all three gradients against matmul -> softmax -> matmul (f64)."""
+def assert_attention_matches(vals, fused, unfused, seed=12):
+    """Forward value and all three gradients of ``fused(q, k, v)`` against
+    ``unfused(q, k, v)`` in f64, to 1e-12 of the largest reference value (or of 1, where
+    a gradient is exactly zero)."""
     from toygraph.autodiff import accumulate_grads, backward
-    rng = np.random.default_rng(12)
-    vals = _attn_inputs(rng, B, H, KV, T, hd)
-    r = rng.normal(size=(B, H, T, hd))
+    r = np.random.default_rng(seed).normal(size=vals[0].shape)
     results = []
-    for fused in (True, False):
+    for build in (fused, unfused):
         g = Graph()
         q, k, v = (g.param(n, x) for n, x in zip("qkv", vals))
-        if fused:
-            y = ops.attention(q, k, v, scale=0.3, causal=causal)
-        else:
-            att = ops.matmul(q, k, trans_b=True).softmax(scale=0.3, causal=causal)
-            y = ops.matmul(att, v)
-        g.output(y)
+        y = g.output(build(q, k, v))
         loss = g.output(ops.sum(ops.mul(y, g.const("r", r))))
         accumulate_grads(backward(loss, [q, k, v]))
         s = Session(g, dtype="f64"); s.realize(); s.reset(); s.run("backward")
         results.append([s.download(y)] + [s.download(g.find(f"grad.{n}")) for n in "qkv"])
     for what, a, b in zip(["output", "dq", "dk", "dv"], *results):
-        assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max(), what
+        assert np.abs(a - b).max() <= 1e-12 * max(np.abs(b).max(), 1.0), what
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal", ATTN_CASES + [(2, 6, 3, 40, 8, True)])
+def test_attention_equals_the_unfused_composition(B, H, KV, T, hd, causal, attn_rows):
+    """Forward value and all three gradients against matmul -> softmax -> matmul (f64)."""
+    def unfused(q, k, v):
+        return ops.matmul(ops.matmul(q, k, trans_b=True).softmax(scale=0.3, causal=causal), v)
+    assert_attention_matches(_attn_inputs(np.random.default_rng(12), B, H, KV, T, hd),
+                             lambda q, k, v: ops.attention(q, k, v, scale=0.3, causal=causal),
+                             unfused)
 
 
 def test_attention_backward_is_one_node_read_through_three_unpacks():
@@ -322,8 +347,8 @@ LCE_LABELS = {  # N = 7 rows over a vocabulary of 9
 def lce_rows(request, monkeypatch):
     """The numpy kernels' chunk size: the default, and 2 rows, so the rows split into
     several chunks (and a ragged last one) even here."""
-    from toygraph.cpu import kernels
-    monkeypatch.setattr(kernels, "LCE_ROWS", request.param)
+    from toygraph.cpu import fused
+    monkeypatch.setattr(fused, "LCE_ROWS", request.param)
     return request.param
 
 

@@ -8,8 +8,8 @@ from toygraph import quant
 from toygraph.errors import GGUFError
 
 TYPES = list(quant.BLOCK)
-# Types gguf-py 0.19 can encode; the K-quants it can only decode.
-GGUF_CAN_QUANTIZE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+# Types gguf-py 0.19 can encode; the K-quants and IQ4 formats it can only decode.
+GGUF_CAN_QUANTIZE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 def reference(raw: np.ndarray, qtype: str, shape) -> np.ndarray:
@@ -65,7 +65,8 @@ def test_our_quantize_roundtrip(qtype):
     ours = quant.dequantize(raw, qtype, x.shape)
     np.testing.assert_array_equal(ours, reference(raw, qtype, x.shape))
     # Quantization error stays a small fraction of the data's scale.
-    bits = {"q4_0": 4, "q4_1": 4, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q8_0": 8}.get(qtype, 10)
+    bits = {"q2_k": 2, "q3_k": 3, "q4_0": 4, "q4_1": 4, "q4_k": 4, "iq4_nl": 4, "iq4_xs": 4,
+            "q5_0": 5, "q5_1": 5, "q5_k": 5, "q6_k": 6, "q8_0": 8}.get(qtype, 10)
     assert np.abs(ours - x).max() < 0.05 * 2.0 ** (4 - bits) * 4
 
 
@@ -92,8 +93,8 @@ def test_bad_sizes_and_types_raise():
     with pytest.raises(GGUFError, match="multiple of 256"):
         quant.nbytes("q6_k", (4, 128))
     with pytest.raises(GGUFError, match="unknown quantization type"):
-        quant.dequantize(np.zeros(4, np.uint8), "q3_k", (1, 256))
-    with pytest.raises(GGUFError, match="Q2_K"):
-        quant.qtype_name(gguf.GGMLQuantizationType.Q2_K)
+        quant.dequantize(np.zeros(4, np.uint8), "iq2_xxs", (1, 256))
+    with pytest.raises(GGUFError, match="IQ2_XXS"):
+        quant.qtype_name(gguf.GGMLQuantizationType.IQ2_XXS)
     with pytest.raises(GGUFError):
         quant.quantize(np.zeros((2, 100), np.float32), "q4_0")

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import gguf as _gguf
 
 from toygraph import quant
 from toygraph.errors import GGUFError
+# The bounded parser of header, metadata and tensor index (see gguf_reader.py).
+from toygraph.gguf_reader import BoundedReader as _Reader, PastEnd as _PastEnd
 
 # Architectures we can run, and the rope layout their Q/K rows are stored in:
 # llama.cpp's converter permutes llama Q/K rows for its "normal" (adjacent-pair)
@@ -57,54 +58,6 @@ class WeightTensor:
     def dequantize(self) -> np.ndarray:
         """The tensor as float32 of ``shape`` (reads the mapped bytes)."""
         return quant.dequantize(self.raw, self.qtype, self.shape)
-
-
-class _Reader(_gguf.GGUFReader):
-    """GGUFReader, leaner on metadata, and naming the tensor whose data runs past EOF.
-
-    The stock reader slices its ``np.memmap`` once per metadata value: for a 49k-token
-    vocabulary that is ~250k memmap views, each dragging a Python attribute dict and a
-    fresh byte-order dtype (~160 MB resident for SmolLM2, 2.5 s). Parsing from a plain
-    ndarray view of the same mapping, and skipping the no-op byte-order view, gives the
-    same values in ~40 MB and 0.5 s. ``mmap`` keeps the original memmap for tensor data.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain_data
-
-    @data.setter
-    def data(self, mm: np.memmap) -> None:  # GGUFReader.__init__ assigns the memmap here
-        self.mmap = mm
-        self._plain_data = mm.view(np.ndarray)
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        order = self.byte_order if override_order is None else override_order
-        if order == "S":  # byte-swapped file: let the stock reader handle it
-            return super()._get(offset, dtype, count, override_order)
-        dt = np.dtype(dtype)
-        return self._plain_data[offset:offset + dt.itemsize * int(count)].view(dt)
-
-    # The stock reader fails with a bare numpy reshape error when a tensor's data runs
-    # past the end of the file; check the bounds first, from the parsed tensor index.
-    def _build_tensors(self, start_offs, fields):
-        size = len(self.data)
-        for field in fields:
-            _, name, _, dims, raw_type, offset = field.parts
-            name = bytes(name).decode("utf-8", "replace")
-            try:
-                qt = _gguf.GGMLQuantizationType(int(raw_type[0]))
-            except ValueError:
-                raise GGUFError(f"tensor {name!r} has unknown ggml type id {int(raw_type[0])}") from None
-            block, type_size = _gguf.GGML_QUANT_SIZES[qt]
-            end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
-            if end > size:
-                raise _PastEnd(f"tensor {name!r} data ends at byte {end}, past the end of the file ({size} bytes)")
-        super()._build_tensors(start_offs, fields)
-
-
-class _PastEnd(GGUFError):
-    pass
 
 
 def _plain(field) -> Any:

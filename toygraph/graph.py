@@ -86,6 +86,9 @@ class Tensor:
     def silu(self):
         return ops.silu(self)
 
+    def gelu(self):
+        return ops.gelu(self)
+
     def reshape(self, *shape):
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         return ops.reshape(self, tuple(shape))

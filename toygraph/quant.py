@@ -33,15 +33,23 @@ BLOCK: dict[str, tuple[int, int]] = {
     "q8_0": (32, 34),
     "q4_0": (32, 18),
     "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "iq4_nl": (32, 18),
+    "q2_k": (QK_K, 84),
+    "q3_k": (QK_K, 110),
     "q4_k": (QK_K, 144),
     "q5_k": (QK_K, 176),
     "q6_k": (QK_K, 210),
+    "iq4_xs": (QK_K, 136),
 }
 
 GGML_TYPE: dict[str, _T] = {
     "f32": _T.F32, "f16": _T.F16, "bf16": _T.BF16,
     "q8_0": _T.Q8_0, "q4_0": _T.Q4_0, "q4_1": _T.Q4_1,
-    "q4_k": _T.Q4_K, "q5_k": _T.Q5_K, "q6_k": _T.Q6_K,
+    "q5_0": _T.Q5_0, "q5_1": _T.Q5_1, "iq4_nl": _T.IQ4_NL,
+    "q2_k": _T.Q2_K, "q3_k": _T.Q3_K, "q4_k": _T.Q4_K, "q5_k": _T.Q5_K, "q6_k": _T.Q6_K,
+    "iq4_xs": _T.IQ4_XS,
 }
 _NAME_OF = {v: k for k, v in GGML_TYPE.items()}
 
@@ -50,6 +58,19 @@ _NAME_OF = {v: k for k, v in GGML_TYPE.items()}
 #   q4_0: d | qs[16]                           x[i] = (nib(i) - 8) * d,   nib(i): i<16 low
 #                                              nibble of qs[i], else high nibble of qs[i-16]
 #   q4_1: d | m | qs[16]                       x[i] = nib(i) * d + m  (same nibbles as q4_0)
+#   q5_0: d | qh[4] | qs[16]                   x[i] = (q(i) - 16) * d, q(i) = nib(i) | bit i
+#                                              of qh (a little-endian u32) << 4
+#   q5_1: d | m | qh[4] | qs[16]               x[i] = q(i) * d + m   (q(i) as q5_0)
+#   iq4_nl: d | qs[16]                         x[i] = d * IQ4NL_VALUES[nib(i)]
+#   q2_k: scales[16] | qs[64] | d | dmin       16 sub-blocks of 16; element e in half
+#         h = e//128, r = e%128: q = (qs[32h + r%32] >> 2*(r//32)) & 3 (as q6_k's ql
+#         crumbs); x = (d*(sc[e//16] & 15))*q - dmin*(sc[e//16] >> 4)
+#   q3_k: hmask[32] | qs[64] | scales[12] | d  q = crumb(e) (as q2_k) - 4 unless bit
+#         e//32 of hmask[e%32] is set; 16 6-bit scales s: low 4 bits from nibble j//8
+#         of byte j%8, high 2 from bits 2*(j//4) of byte 8 + j%4; x = (d*(s - 32))*q
+#   iq4_xs: d | scales_h u16 | scales_l[4] | qs[128]   8 sub-blocks of 32, each packed
+#         like an iq4_nl block; 6-bit ls[j] = nibble j%2 of scales_l[j//2] | bits 2j of
+#         scales_h << 4; x = (d*(ls - 32)) * IQ4NL_VALUES[nib]
 #   q4_k: d | dmin | scales[12] | qs[128]      8 sub-blocks of 32; sub-block j uses the
 #         32 bytes qs[32*(j//2):][:32], low nibbles for even j, high for odd j;
 #         x = (d*sc[j]) * q - (dmin*m[j]), 6-bit sc/m packed as in unpack_k_scales()
@@ -65,10 +86,21 @@ LAYOUT: dict[str, dict[str, int]] = {
     "q8_0": {"d": 0, "qs": 2},
     "q4_0": {"d": 0, "qs": 2},
     "q4_1": {"d": 0, "m": 2, "qs": 4},
+    "q5_0": {"d": 0, "qh": 2, "qs": 6},
+    "q5_1": {"d": 0, "m": 2, "qh": 4, "qs": 8},
+    "iq4_nl": {"d": 0, "qs": 2},
+    "q2_k": {"scales": 0, "qs": 16, "d": 80, "dmin": 82},
+    "q3_k": {"hmask": 0, "qs": 32, "scales": 96, "d": 108},
     "q4_k": {"d": 0, "dmin": 2, "scales": 4, "qs": 16},
     "q5_k": {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48},
     "q6_k": {"ql": 0, "qh": 128, "scales": 192, "d": 208},
+    "iq4_xs": {"d": 0, "scales_h": 2, "scales_l": 4, "qs": 8},
 }
+
+#: The 16 non-linear levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl). The CUDA
+#: decoders get them from here too (kernels.layout_defines).
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4NL = np.array(IQ4NL_VALUES, np.float32)
 
 # Dequantize at most this many blocks at a time, so temporaries stay small even for
 # a 49152 x 576 embedding.
@@ -139,6 +171,69 @@ def _deq_q4_1(b):
     return _f16(b, 0) * _q4_values(b[:, 4:]).astype(np.float32) + _f16(b, 2)
 
 
+def _q5_values(b, qh_off, qs_off):
+    """Q5_0/Q5_1's 32 five-bit values: the Q4 nibbles plus bit i of the u32 qh."""
+    hbit = np.unpackbits(b[:, qh_off:qh_off + 4], axis=1, bitorder="little")
+    return _q4_values(b[:, qs_off:qs_off + 16]) | (hbit << np.uint8(4))
+
+
+def _deq_q5_0(b):
+    lay = LAYOUT["q5_0"]
+    q = _q5_values(b, lay["qh"], lay["qs"]).astype(np.float32)
+    return _f16(b, lay["d"]) * (q - 16.0)
+
+
+def _deq_q5_1(b):
+    lay = LAYOUT["q5_1"]
+    q = _q5_values(b, lay["qh"], lay["qs"]).astype(np.float32)
+    return _f16(b, lay["d"]) * q + _f16(b, lay["m"])
+
+
+def _deq_iq4_nl(b):
+    lay = LAYOUT["iq4_nl"]
+    return _f16(b, lay["d"]) * _IQ4NL[_q4_values(b[:, lay["qs"]:lay["qs"] + 16])]
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 256 two-bit values from their 64 qs bytes, as (n, 16, 16) sub-blocks."""
+    n = qs.shape[0]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return ((qs.reshape(n, 2, 1, 32) >> shifts) & np.uint8(3)).reshape(n, 16, 16)
+
+
+def _deq_q2_k(b):
+    lay, n = LAYOUT["q2_k"], b.shape[0]
+    sc = b[:, lay["scales"]:lay["scales"] + 16]
+    dl = (_f16(b, lay["d"]) * (sc & np.uint8(15)).astype(np.float32))[:, :, None]
+    ml = (_f16(b, lay["dmin"]) * (sc >> np.uint8(4)).astype(np.float32))[:, :, None]
+    q = _crumbs(b[:, lay["qs"]:lay["qs"] + 64]).astype(np.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _deq_q3_k(b):
+    lay, n = LAYOUT["q3_k"], b.shape[0]
+    raw = b[:, lay["scales"]:lay["scales"] + 12]
+    low = np.concatenate(_nibbles(raw[:, :8]), axis=1)
+    high = (raw[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1))
+    sc = (low | ((high.reshape(n, 16) & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    dl = (_f16(b, lay["d"]) * sc.astype(np.float32))[:, :, None]
+    hmask = b[:, lay["hmask"]:lay["hmask"] + 32].reshape(n, 1, 32)
+    hbit = ((hmask >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)).reshape(n, 16, 16)
+    q = _crumbs(b[:, lay["qs"]:lay["qs"] + 64]).astype(np.int8) - ((hbit ^ np.uint8(1)) << np.uint8(2)).astype(np.int8)
+    return (dl * q.astype(np.float32)).reshape(n, QK_K)
+
+
+def _deq_iq4_xs(b):
+    lay, n = LAYOUT["iq4_xs"], b.shape[0]
+    lo = np.stack(_nibbles(b[:, lay["scales_l"]:lay["scales_l"] + 4]), axis=2).reshape(n, 8)
+    sh = b[:, lay["scales_h"]:lay["scales_h"] + 2].copy().view(np.uint16)      # (n, 1)
+    hi = ((sh >> np.arange(0, 16, 2, dtype=np.uint16)) & np.uint16(3)).astype(np.uint8)
+    ls = (lo | (hi << np.uint8(4))).astype(np.int8) - np.int8(32)
+    dl = (_f16(b, lay["d"]) * ls.astype(np.float32))[:, :, None]
+    q = _q4_values(b[:, lay["qs"]:lay["qs"] + 128].reshape(n * 8, 16)).reshape(n, 8, 32)
+    return (dl * _IQ4NL[q]).reshape(n, QK_K)
+
+
 def _k_quants(b, qs_off, qh_off=None):
     """Shared Q4_K/Q5_K body: (d*sc)*q - dmin*m over 8 sub-blocks of 32."""
     n = b.shape[0]
@@ -174,7 +269,9 @@ def _deq_q6_k(b):
 
 _DEQUANT = {
     "q8_0": _deq_q8_0, "q4_0": _deq_q4_0, "q4_1": _deq_q4_1,
-    "q4_k": _deq_q4_k, "q5_k": _deq_q5_k, "q6_k": _deq_q6_k,
+    "q5_0": _deq_q5_0, "q5_1": _deq_q5_1, "iq4_nl": _deq_iq4_nl,
+    "q2_k": _deq_q2_k, "q3_k": _deq_q3_k, "q4_k": _deq_q4_k, "q5_k": _deq_q5_k,
+    "q6_k": _deq_q6_k, "iq4_xs": _deq_iq4_xs,
 }
 
 
@@ -217,81 +314,14 @@ def dequantize(raw: np.ndarray, qtype: str, shape) -> np.ndarray:
     return out.reshape(shape)
 
 
-# ---- quantization (for writing fixtures; not used on the training path) -----------
-
-def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """Inverse of unpack_k_scales: (n, 8) uint8 6-bit scales and mins -> (n, 12) bytes."""
-    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
-    lo = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
-    mid = (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6)
-    hi = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
-    return np.concatenate([lo, mid, hi], axis=1)
-
-
-def _f16_bytes(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def _quantize_k(x: np.ndarray, bits: int) -> np.ndarray:
-    """A simple (not llama.cpp-optimal) Q4_K/Q5_K quantizer: per-sub-block min/max."""
-    n = x.shape[0]
-    top = (1 << bits) - 1
-    sub = x.reshape(n, 8, 32)
-    lo = np.minimum(sub.min(axis=2), 0.0)        # ggml's mins are <= 0 (stored negated)
-    scale = (sub.max(axis=2) - lo) / top
-    d = scale.max(axis=1) / 63
-    dmin = (-lo).max(axis=1) / 63
-    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(0, 63)
-        mn = np.where(dmin16[:, None] > 0, np.rint(-lo / dmin16[:, None]), 0).clip(0, 63)
-        eff_d = (d16[:, None] * sc)[:, :, None]
-        eff_m = (dmin16[:, None] * mn)[:, :, None]
-        q = np.where(eff_d > 0, np.rint((sub + eff_m) / eff_d), 0).clip(0, top).astype(np.uint8)
-    ql = (q & 0x0F).reshape(n, 4, 2, 32)
-    qs = (ql[:, :, 0] | (ql[:, :, 1] << 4)).reshape(n, 128)
-    parts = [_f16_bytes(d16), _f16_bytes(dmin16), _pack_k_scales(sc, mn)]
-    if bits == 5:
-        hbit = (q >> 4).astype(np.uint8)                              # (n, 8, 32)
-        qh = (hbit << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8)
-        parts.append(qh)
-    return np.concatenate(parts + [qs], axis=1)
-
-
-def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
-    n = x.shape[0]
-    sub = x.reshape(n, 16, 16)
-    amax_i = np.abs(sub).argmax(axis=2)
-    scale = np.take_along_axis(sub, amax_i[:, :, None], axis=2)[:, :, 0] / -32
-    d = np.abs(scale).max(axis=1) / 127
-    d16 = d.astype(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d16[:, None] > 0, np.rint(scale / d16[:, None]), 0).clip(-128, 127)
-        eff = (d16[:, None] * sc)[:, :, None]
-        q = (np.where(eff != 0, np.rint(sub / eff), 0).clip(-32, 31) + 32).astype(np.uint8)
-    q = q.reshape(n, 2, 4, 32)            # half, quarter (l, l+32, l+64, l+96), l
-    ql = np.concatenate([q[:, :, 0] & 0x0F | (q[:, :, 2] & 0x0F) << 4,
-                         q[:, :, 1] & 0x0F | (q[:, :, 3] & 0x0F) << 4], axis=2).reshape(n, 128)
-    qh = ((q >> 4) << np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8)
-    return np.concatenate([ql, qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8),
-                           _f16_bytes(d16)], axis=1)
-
-
 def quantize(arr: np.ndarray, qtype: str) -> np.ndarray:
     """Encode ``arr`` (last dim a multiple of the block size) as ``qtype`` block bytes.
 
     Returns a uint8 array of shape ``(*arr.shape[:-1], bytes_per_row)``, the form
-    ``gguf.GGUFWriter.add_tensor(..., raw_dtype=...)`` expects. Types ``gguf.quants``
-    can encode are delegated to it; the K-quants use a simple min/max quantizer here
-    (gguf-py has none), which is valid but not llama.cpp's error-optimal search.
+    ``gguf.GGUFWriter.add_tensor(..., raw_dtype=...)`` expects. For writing fixtures and
+    tests, not used on the training path; see :mod:`toygraph.quant_encode`.
     """
+    from toygraph.quant_encode import encode  # imported here: it builds on this module
     arr = np.asarray(arr, dtype=np.float32)
     _check(qtype, arr.shape)
-    if qtype in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"):
-        import gguf.quants
-        out = gguf.quants.quantize(arr, GGML_TYPE[qtype])
-        return np.ascontiguousarray(out).view(np.uint8).reshape(*arr.shape[:-1], -1)
-    rows = arr.reshape(-1, QK_K)
-    enc = {"q4_k": lambda x: _quantize_k(x, 4), "q5_k": lambda x: _quantize_k(x, 5),
-           "q6_k": _quantize_q6_k}[qtype](rows)
-    return enc.reshape(*arr.shape[:-1], -1)
+    return encode(arr, qtype)

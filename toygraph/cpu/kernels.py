@@ -2,19 +2,15 @@
 
 Everything is vectorised: no Python loops over tokens or heads. Matmuls go to BLAS.
 Side-effect kernels (accumulate, adamw) get ``out=None`` and write into their operands.
+The fused ops' kernels (attention, linear_cross_entropy; ops_fused.py) are in fused.py;
+``KERNELS`` here has them all.
 """
 from __future__ import annotations
 
 import numpy as np
 
-KERNELS = {}
-
-
-def kernel(name):
-    def register(fn):
-        KERNELS[name] = fn
-        return fn
-    return register
+from . import fused  # noqa: F401 (registers the fused kernels in KERNELS)
+from .registry import KERNELS, kernel  # noqa: F401 (KERNELS: the table, for the backend)
 
 
 # --- broadcasting helpers shared with the grouped-query matmul ----------------------------
@@ -103,6 +99,29 @@ def _silu_back(out, srcs, attrs):
     out *= g
 
 
+# GELU, tanh approximation (torch's approximate="tanh"): 0.5 x (1 + tanh(c (x + a x^3))).
+_GELU_C, _GELU_A = np.sqrt(2.0 / np.pi), 0.044715
+
+
+def _gelu_tanh(x):
+    return np.tanh(x.dtype.type(_GELU_C) * (x + x.dtype.type(_GELU_A) * x * x * x))
+
+
+@kernel("gelu")
+def _gelu(out, srcs, attrs):
+    x = srcs[0]
+    np.multiply(x, 0.5 * (1 + _gelu_tanh(x)), out=out)
+
+
+@kernel("gelu_back")
+def _gelu_back(out, srcs, attrs):
+    """d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), t = tanh(c (x + a x^3))."""
+    x, g = srcs
+    t = _gelu_tanh(x)
+    c, a = x.dtype.type(_GELU_C), x.dtype.type(3 * _GELU_A)
+    out[...] = g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + a * x * x))
+
+
 @kernel("rms_norm")
 def _rms_norm(out, srcs, attrs):
     x = srcs[0]
@@ -118,18 +137,23 @@ def _rms_norm_back(out, srcs, attrs):
     out[...] = r * (g - y * np.mean(g * y, axis=-1, keepdims=True))
 
 
-def rope_angles(positions, dims, base, dtype):
-    """cos and sin of pos * base^(-2i/dims), shaped [batch, seq, 1, dims/2]."""
+def rope_angles(positions, dims, base, dtype, freq_factors=None, freq_scale=1.0):
+    """cos and sin of freq_scale * pos * base^(-2i/dims) / freq_factors[i], shaped
+    [batch, seq, 1, dims/2] (ggml's rope angle with frequency factors and linear scaling)."""
     inv_freq = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
     theta = positions.astype(np.float64)[..., None] * inv_freq
+    theta *= freq_scale  # exact at the default 1.0
     return np.cos(theta)[:, :, None, :].astype(dtype), np.sin(theta)[:, :, None, :].astype(dtype)
 
 
 @kernel("rope")
 def _rope(out, srcs, attrs):
-    x, pos = srcs
+    x, pos = srcs[:2]
     d = attrs["dims"]
-    cos, sin = rope_angles(pos, d, attrs["base"], x.dtype)
+    factors = srcs[2] if len(srcs) == 3 else None
+    cos, sin = rope_angles(pos, d, attrs["base"], x.dtype, factors, attrs["freq_scale"])
     if attrs["inverse"]:
         sin = -sin
     if attrs["mode"] == "normal" and d == x.shape[-1] and x.flags.c_contiguous:
@@ -168,86 +192,6 @@ def _softmax(out, srcs, attrs):
 def _softmax_back(out, srcs, attrs):
     y, g = srcs
     out[...] = attrs["scale"] * y * (g - np.sum(g * y, axis=-1, keepdims=True))
-
-
-# --- fused attention ----------------------------------------------------------------------------
-# Query rows per block: the scores of one block are [B, KV, group * rows, keys], never the
-# whole [B, H, T, T]. The grouped query heads that share a K/V head are folded into the
-# rows, so each block is one BLAS matmul per (batch, kv head).
-ATTN_ROWS = 256
-
-
-def _attn_blocks(q, k, attrs):
-    """Per query block [i0, i1): the visible key count n, the block's queries folded to
-    [B, KV, G * rows, hd] and its probabilities softmax(scale * q k^T) [B, KV, G*rows, n]."""
-    B, H, T, hd = q.shape
-    KV = k.shape[1]
-    G = H // KV
-    q5 = q.reshape(B, KV, G, T, hd)
-    for i0 in range(0, T, ATTN_ROWS):
-        i1 = min(i0 + ATTN_ROWS, T)
-        rows = i1 - i0
-        n = i1 if attrs["causal"] else T  # keys past the block's last query are all masked
-        qb = q5[:, :, :, i0:i1].reshape(B, KV, G * rows, hd)
-        p = np.matmul(qb, np.swapaxes(k[:, :, :n], -1, -2))
-        p *= p.dtype.type(attrs["scale"])
-        if attrs["causal"]:
-            masked = np.arange(n)[None, :] > np.arange(i0, i1)[:, None]
-            np.copyto(p.reshape(B, KV, G, rows, n), -np.inf, where=masked)
-        p -= p.max(axis=-1, keepdims=True)
-        np.exp(p, out=p)
-        p /= p.sum(axis=-1, keepdims=True)
-        yield i0, i1, n, qb, p
-
-
-def _fold(x5, i0, i1):
-    """Rows [i0, i1) of a [B, KV, G, T, d] array as [B, KV, G * rows, d]."""
-    B, KV, G, _, d = x5.shape
-    return x5[:, :, :, i0:i1].reshape(B, KV, G * (i1 - i0), d)
-
-
-@kernel("attention")
-def _attention(out, srcs, attrs):
-    q, k, v = srcs
-    B, H, T, hd = q.shape
-    KV = k.shape[1]
-    out5 = out.reshape(B, KV, H // KV, T, hd)
-    for i0, i1, n, _, p in _attn_blocks(q, k, attrs):
-        out5[:, :, :, i0:i1] = np.matmul(p, v[:, :, :n]).reshape(B, KV, H // KV, i1 - i0, hd)
-
-
-@kernel("attention_back")
-def _attention_back(out, srcs, attrs):
-    """[dq, dk, dv] packed flat, from the recomputed probabilities block by block:
-    dv = P^T dO, dS = P * (dO V^T - rowsum(dO * O)) * scale, dq = dS K, dk = dS^T Q."""
-    q, k, v, o, g = srcs
-    B, H, T, hd = q.shape
-    KV = k.shape[1]
-    G = H // KV
-    nq, nk = q.size, k.size
-    dq = out[:nq].reshape(B, KV, G, T, hd)
-    dk = out[nq:nq + nk].reshape(k.shape)
-    dv = out[nq + nk:].reshape(v.shape)
-    dk.fill(0)
-    dv.fill(0)
-    g5, o5 = g.reshape(dq.shape), o.reshape(dq.shape)
-    scale = out.dtype.type(attrs["scale"])
-    for i0, i1, n, qb, p in _attn_blocks(q, k, attrs):
-        gb = _fold(g5, i0, i1)
-        delta = np.sum(gb * _fold(o5, i0, i1), axis=-1, keepdims=True)
-        dv[:, :, :n] += np.matmul(np.swapaxes(p, -1, -2), gb)
-        ds = np.matmul(gb, np.swapaxes(v[:, :, :n], -1, -2))
-        ds -= delta
-        ds *= p
-        ds *= scale
-        dq[:, :, :, i0:i1] = np.matmul(ds, k[:, :, :n]).reshape(B, KV, G, i1 - i0, hd)
-        dk[:, :, :n] += np.matmul(np.swapaxes(ds, -1, -2), qb)
-
-
-@kernel("unpack")
-def _unpack(out, srcs, attrs):
-    off = attrs["offset"]
-    out[...] = srcs[0].reshape(-1)[off:off + out.size].reshape(out.shape)
 
 
 # --- matmul ------------------------------------------------------------------------------------
@@ -349,71 +293,6 @@ def _cross_entropy_back(out, srcs, attrs):
     out[rows, labels[rows]] -= 1.0
     w = g if attrs["reduction"] == "sum" else (g / n if n else 0.0 * g)
     out *= (valid[:, None] * w).astype(out.dtype)
-
-
-# Rows of the fused head + loss per chunk: a [rows, vocab] block of logits at a time (25 MB
-# for SmolLM2's 49152-token vocabulary at 128 rows, f32) instead of [N, vocab]; fewer rows
-# make the BLAS calls slower (SmolLM2 head, 512 rows: 0.73 s at 64, 0.63 s at 128).
-LCE_ROWS = 128
-
-
-def _lce_chunks(h, w, labels):
-    """Per chunk of the rows whose label is not ignored: (row ids, h rows, exp(z - max) in
-    a reused buffer, its row sums, the row max, the label's logit) with z = h_rows @ w^T."""
-    rows = np.flatnonzero(labels >= 0)
-    if not len(rows):
-        return
-    n = min(LCE_ROWS, len(rows))
-    hbuf = np.empty((n, h.shape[1]), h.dtype)
-    zbuf = np.empty((n, w.shape[0]), h.dtype)
-    for start in range(0, len(rows), LCE_ROWS):
-        r = rows[start:start + LCE_ROWS]
-        c = len(r)
-        hc, z = hbuf[:c], zbuf[:c]
-        np.take(h, r, axis=0, out=hc)
-        np.matmul(hc, w.T, out=z)
-        m = z.max(axis=1, keepdims=True)
-        picked = z[np.arange(c), labels[r]]
-        z -= m
-        np.exp(z, out=z)
-        yield r, hc, z, z.sum(axis=1), m[:, 0], picked
-
-
-@kernel("linear_cross_entropy")
-def _linear_cross_entropy(out, srcs, attrs):
-    h, w, labels = srcs
-    total, n = 0.0, 0
-    for r, _, _, s, m, picked in _lce_chunks(h, w, labels):
-        total += float(np.sum(np.log(s) + m - picked, dtype=np.float64))
-        n += len(r)
-    out[...] = total if attrs["reduction"] == "sum" else (total / n if n else 0.0)
-
-
-@kernel("linear_cross_entropy_back")
-def _linear_cross_entropy_back(out, srcs, attrs):
-    """[dh, dw] packed flat (each only when asked), chunk by chunk from the recomputed
-    softmax: dz = (softmax(z) - onehot) * g (/ n for mean), dh = dz @ w, dw += dz^T h, the
-    chunks added into dw in row order."""
-    h, w, labels, g = srcs
-    (N, D), V = h.shape, w.shape[0]
-    dh = out[:N * D].reshape(N, D) if attrs["grad_h"] else None
-    dw = out[N * D * attrs["grad_h"]:].reshape(V, D) if attrs["grad_w"] else None
-    out.fill(0)
-    n = int(np.count_nonzero(labels >= 0))
-    scale = g if attrs["reduction"] == "sum" else (g / n if n else 0.0 * g)
-    scale = out.dtype.type(scale)
-    tmp = None
-    for r, hc, z, s, _, _ in _lce_chunks(h, w, labels):
-        z /= s[:, None]
-        z[np.arange(len(r)), labels[r]] -= 1.0
-        z *= scale
-        if dh is not None:
-            dh[r] = z @ w
-        if dw is not None:
-            if tmp is None:
-                tmp = np.empty_like(dw)
-            np.matmul(z.T, hc, out=tmp)
-            dw += tmp
 
 
 @kernel("count_valid")

@@ -39,6 +39,7 @@ ATTN_HEAD_DIMS = (32, 64, 128)
 OP_KERNELS: dict[str, tuple[str, ...]] = {
     "add": ("tg_binary",), "sub": ("tg_binary",), "mul": ("tg_binary",),
     "scale": ("tg_scale",), "silu": ("tg_silu",), "silu_back": ("tg_silu_back",),
+    "gelu": ("tg_gelu",), "gelu_back": ("tg_gelu_back",),
     "sum_to": ("tg_reduce_block", "tg_reduce_thread"), "expand": ("tg_gather",),
     "rms_norm": ("tg_rms_norm",), "rms_norm_back": ("tg_rms_norm_back",),
     "rope": ("tg_rope",), "softmax": ("tg_softmax",), "softmax_back": ("tg_softmax_back",),
@@ -64,8 +65,8 @@ OP_KERNELS: dict[str, tuple[str, ...]] = {
 
 #: Dequantization kernel per const storage format (f32 consts are uploaded as they are).
 DEQUANT_KERNELS: dict[str, str] = {
-    "f16": "tg_deq_f16", "bf16": "tg_deq_bf16", "q8_0": "tg_deq_q8_0", "q4_0": "tg_deq_q4_0",
-    "q4_1": "tg_deq_q4_1", "q4_k": "tg_deq_q4_k", "q5_k": "tg_deq_q5_k", "q6_k": "tg_deq_q6_k",
+    fmt: f"tg_deq_{fmt}" for fmt in ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+                                     "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 }
 
 #: Kernels that read a const in its block format (qmatmul.cu), per storage format:
@@ -92,9 +93,11 @@ def read_source(name: str) -> str:
 
 def layout_defines() -> str:
     """quant.BLOCK and quant.LAYOUT as C macros (``TG_Q4_K_QK``, ``TG_Q4_K_BYTES``,
-    ``TG_Q4_K_SCALES``...), so the kernels use the one description of each block."""
+    ``TG_Q4_K_SCALES``...) and quant.IQ4NL_VALUES as ``TG_IQ4NL_VALUES``, so the kernels
+    use the one description of each block."""
     from .. import quant
-    lines = ["// generated from toygraph.quant.BLOCK and toygraph.quant.LAYOUT"]
+    lines = ["// generated from toygraph.quant.BLOCK, LAYOUT and IQ4NL_VALUES",
+             f"#define TG_IQ4NL_VALUES {', '.join(map(str, quant.IQ4NL_VALUES))}"]
     for fmt in DEQUANT_KERNELS:
         elems, size = quant.BLOCK[fmt]
         name = fmt.upper()

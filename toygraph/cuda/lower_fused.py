@@ -1,5 +1,5 @@
-"""Lowering of the fused ops: flash-style causal attention (attention.cu) and the output
-head + cross-entropy over row chunks (lce.cu)."""
+"""Lowering of the fused ops: flash-style causal (optionally sliding-window) attention
+(attention.cu) and the output head + cross-entropy over row chunks (lce.cu)."""
 from __future__ import annotations
 
 
@@ -35,7 +35,7 @@ def _attention(node, out, ptr, scratch) -> list[Launch]:
         raise CudaError(f"attention {node.name!r}: {B} x {H} exceeds the grid limit")
     tiles = (T + BT - 1) // BT
     common = [i32(H), i32(KV), i32(T), i32(hd), f32(node.attrs["scale"]),
-              i32(node.attrs["causal"])]
+              i32(node.attrs["causal"]), i32(node.attrs["window"])]
     block = (BT * TPR, 1, 1)
     per_head, per_kv = (tiles, H, B), (tiles, KV, B)
     if node.op == "attention":

@@ -31,7 +31,8 @@ def matmul_batch(a_shape, b_shape, out_batch):
 
 
 #: Storage formats the fused kernels of qmatmul.cu read (f32 consts are used as they are).
-BLOCK_STORAGE = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+BLOCK_STORAGE = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k",
+                 "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
 
 
 def reads_block_format(node, index: int) -> bool:

@@ -128,6 +128,10 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
         return [Launch("tg_silu", _blocks(n), [p(out), p(ptr(s[0])), i32(n)])]
     if op == "silu_back":
         return [Launch("tg_silu_back", _blocks(n), [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n)])]
+    if op == "gelu":
+        return [Launch("tg_gelu", _blocks(n), [p(out), p(ptr(s[0])), i32(n)])]
+    if op == "gelu_back":
+        return [Launch("tg_gelu_back", _blocks(n), [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n)])]
     if op in ("reshape", "contiguous"):
         return [Launch("tg_copy", _blocks(n), [p(out), p(ptr(s[0])), i32(n)])]
     if op == "permute":
@@ -154,11 +158,13 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
         srcs = [p(ptr(t)) for t in s]
         return [Launch("tg_" + op, _rows_grid(rows),
                        [p(out), *srcs, i32(rows), i32(D), f32(a["eps"])])]
-    if op == "rope":
+    if op == "rope":  # a null factors pointer: no frequency factors
         B, S, H, D = s[0].shape
-        return [Launch("tg_rope", _blocks(n), [p(out), p(ptr(s[0])), p(ptr(s[1])), i32(n), i32(H),
-                                                 i32(D), i32(a["dims"]), f64(a["base"]),
-                                                 i32(a["mode"] == "neox"), i32(a["inverse"])])]
+        factors = ptr(s[2]) if len(s) == 3 else 0
+        return [Launch("tg_rope", _blocks(n),
+                       [p(out), p(ptr(s[0])), p(ptr(s[1])), p(factors), i32(n), i32(H), i32(D),
+                        i32(a["dims"]), f64(a["base"]), f64(a["freq_scale"]),
+                        i32(a["mode"] == "neox"), i32(a["inverse"])])]
     if op == "softmax":
         T = node.shape[-1] if node.shape else 1
         rows = n // T

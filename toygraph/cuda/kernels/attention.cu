@@ -21,6 +21,12 @@
 // with P = exp(scale * q k^T - L) and dS = P * (dO v^T - D). The causal kernels skip the
 // key tiles after the query tile (BT is the same for queries and keys).
 //
+// Sliding window (window > 0, causal only): query i sees key j iff j <= i and i - j <
+// window -- transformers' sliding_window_overlay (kv_idx > q_idx - sliding_window) and
+// llama.cpp's LLAMA_SWA_TYPE_STANDARD (masked when p1 - p0 >= n_swa). Whole tiles outside
+// the window are skipped (attn_first_key_tile / attn_last_query_tile); the edge tiles are
+// masked element by element in attn_visible.
+//
 // Instantiations (HD, BT, TPR), mirrored by lowering.ATTN_TILES: (32, 32, 4), (64, 32, 4),
 // (128, 16, 8); a head_dim hd <= HD runs on the smallest such HD. Static shared memory
 // stays under 48 KB in every kernel.
@@ -51,19 +57,33 @@ __device__ __forceinline__ void attn_load(float (*S)[HD + 1], const float* src, 
     }
 }
 
-__device__ __forceinline__ bool attn_visible(int i, int j, int T, int causal) {
-    return i < T && j < T && (!causal || j <= i);
+__device__ __forceinline__ bool attn_visible(int i, int j, int T, int causal, int window) {
+    return i < T && j < T && (!causal || j <= i) && (window == 0 || i - j < window);
 }
 
 __device__ __forceinline__ int attn_tiles(int T, int BT) { return (T + BT - 1) / BT; }
 
-// Scaled, causally masked scores of query row r (global row i) against this thread's NK
-// keys of the key tile starting at j0 (-inf where masked); returns their maximum. Shared
-// by the forward and the backward's row statistics, so both see the same scores.
+// The first key tile query tile qt sees: its first query i0 sees keys from i0 - window + 1
+// on, and every later query of the tile starts later still.
+__device__ __forceinline__ int attn_first_key_tile(int qt, int BT, int window) {
+    return window > 0 ? max(0, qt * BT - window + 1) / BT : 0;
+}
+
+// The last query tile that sees key tile kt: its last key j0 + BT - 1 is seen by queries
+// up to j0 + BT - 1 + window - 1.
+__device__ __forceinline__ int attn_last_query_tile(int kt, int BT, int window, int nt) {
+    return window > 0 ? min(nt - 1, (kt * BT + BT - 1 + window - 1) / BT) : nt - 1;
+}
+
+// Scaled, masked (causal, window) scores of query row r (global row i) against this
+// thread's NK keys of the key tile starting at j0 (-inf where masked); returns their
+// maximum. Shared by the forward and the backward's row statistics, so both see the same
+// scores.
 template <int HD, int TPR, int NK>
 __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Qs)[HD + 1],
                                                  const float (*Ks)[HD + 1], int r, int sub,
-                                                 int i, int j0, int T, int causal, float scale) {
+                                                 int i, int j0, int T, int causal, int window,
+                                                 float scale) {
 #pragma unroll
     for (int c = 0; c < NK; ++c) s[c] = 0.0f;
 #pragma unroll 8
@@ -75,8 +95,8 @@ __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Q
     float mt = TG_ATTN_NEG_INF;
 #pragma unroll
     for (int c = 0; c < NK; ++c) {
-        s[c] = attn_visible(i, j0 + sub + TPR * c, T, causal) ? __fmul_rn(s[c], scale)
-                                                             : TG_ATTN_NEG_INF;
+        s[c] = attn_visible(i, j0 + sub + TPR * c, T, causal, window) ? __fmul_rn(s[c], scale)
+                                                                     : TG_ATTN_NEG_INF;
         mt = fmaxf(mt, s[c]);
     }
     return mt;
@@ -85,7 +105,7 @@ __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Q
 template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float* k,
                                          const float* v, int H, int KV, int T, int hd,
-                                         float scale, int causal) {
+                                         float scale, int causal, int window) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float KVs[BT][HD + 1];
@@ -102,13 +122,14 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) acc[dd] = 0.0f;
     const int last = causal ? qt : attn_tiles(T, BT) - 1;
-    for (int kt = 0; kt <= last; ++kt) {
+    for (int kt = attn_first_key_tile(qt, BT, window); kt <= last; ++kt) {
         const int j0 = kt * BT;
         __syncthreads();  // the previous tile's V and P are no longer read
         attn_load<HD, BT>(KVs, K, j0, T, hd);
         __syncthreads();
         float s[NK];
-        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, KVs, r, sub, i, j0, T, causal, scale);
+        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, KVs, r, sub, i, j0, T, causal,
+                                                       window, scale);
         const float mn = fmaxf(m, attn_group_max<TPR>(mt));
         const float base = mn == TG_ATTN_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
         const float alpha = expf(__fsub_rn(m, base));
@@ -147,7 +168,7 @@ template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const float* q,
                                               const float* k, const float* o, const float* g,
                                               int H, int KV, int T, int hd, float scale,
-                                              int causal) {
+                                              int causal, int window) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float Ks[BT][HD + 1];
@@ -160,13 +181,14 @@ __device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const fl
     attn_load<HD, BT>(Qs, Q, i0, T, hd);
     float m = TG_ATTN_NEG_INF, l = 0.0f;
     const int last = causal ? qt : attn_tiles(T, BT) - 1;
-    for (int kt = 0; kt <= last; ++kt) {
+    for (int kt = attn_first_key_tile(qt, BT, window); kt <= last; ++kt) {
         const int j0 = kt * BT;
         __syncthreads();
         attn_load<HD, BT>(Ks, K, j0, T, hd);
         __syncthreads();
         float s[NK];
-        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, Ks, r, sub, i, j0, T, causal, scale);
+        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, Ks, r, sub, i, j0, T, causal,
+                                                       window, scale);
         const float mn = fmaxf(m, attn_group_max<TPR>(mt));
         const float base = mn == TG_ATTN_NEG_INF ? 0.0f : mn;
         float ls = 0.0f;
@@ -197,7 +219,8 @@ template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float* q,
                                               const float* k, const float* v, const float* g,
                                               const float* lse, const float* delta, int H,
-                                              int KV, int T, int hd, float scale, int causal) {
+                                              int KV, int T, int hd, float scale, int causal,
+                                              int window) {
     constexpr int NQ = BT / TPR, ND = HD / TPR;
     __shared__ float Ks[BT][HD + 1];
     __shared__ float Vs[BT][HD + 1];
@@ -216,13 +239,13 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
     float dka[ND], dva[ND];
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) dka[dd] = dva[dd] = 0.0f;
-    const int nt = attn_tiles(T, BT);
+    const int last = attn_last_query_tile(kt, BT, window, attn_tiles(T, BT));
     for (int gi = 0; gi < G; ++gi) {
         const int h = kvh * G + gi;
         const long long q_off = ((long long)b * H + h) * head;
         const float* L = lse + ((long long)b * H + h) * T;
         const float* D = delta + ((long long)b * H + h) * T;
-        for (int qt = causal ? kt : 0; qt < nt; ++qt) {
+        for (int qt = causal ? kt : 0; qt <= last; ++qt) {
             const int i0 = qt * BT;
             __syncthreads();  // the previous query tile is no longer read
             attn_load<HD, BT>(Qs, q + q_off, i0, T, hd);
@@ -247,7 +270,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
 #pragma unroll
             for (int m = 0; m < NQ; ++m) {
                 int ii = sub + TPR * m;
-                float p = attn_visible(i0 + ii, j, T, causal)
+                float p = attn_visible(i0 + ii, j, T, causal, window)
                               ? expf(__fsub_rn(__fmul_rn(s[m], scale), Ls[ii])) : 0.0f;
                 Ps[c][ii] = p;
                 Ss[c][ii] = __fmul_rn(__fmul_rn(p, __fsub_rn(dp[m], Ds[ii])), scale);
@@ -281,7 +304,7 @@ template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const float* k,
                                             const float* v, const float* g, const float* lse,
                                             const float* delta, int H, int KV, int T, int hd,
-                                            float scale, int causal) {
+                                            float scale, int causal, int window) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float Gs[BT][HD + 1];
@@ -302,7 +325,7 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) acc[dd] = 0.0f;
     const int last = causal ? qt : attn_tiles(T, BT) - 1;
-    for (int kt = 0; kt <= last; ++kt) {
+    for (int kt = attn_first_key_tile(qt, BT, window); kt <= last; ++kt) {
         const int j0 = kt * BT;
         __syncthreads();
         attn_load<HD, BT>(Ks, k + kv_off, j0, T, hd);
@@ -323,7 +346,7 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
 #pragma unroll
         for (int c = 0; c < NK; ++c) {
             int jj = sub + TPR * c;
-            float p = attn_visible(i, j0 + jj, T, causal)
+            float p = attn_visible(i, j0 + jj, T, causal, window)
                           ? expf(__fsub_rn(__fmul_rn(s[c], scale), Li)) : 0.0f;
             Ss[r][jj] = __fmul_rn(__fmul_rn(p, __fsub_rn(dp[c], Di)), scale);
         }
@@ -347,55 +370,55 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
 // ---- instantiations: grid (query or key tiles, heads or kv heads, batch), BT * TPR threads
 #define TG_ATTN_FWD_ARGS                                                                  \
     float *out, const float *q, const float *k, const float *v, int H, int KV, int T, int hd, \
-        float scale, int causal
+        float scale, int causal, int window
 #define TG_ATTN_PREP_ARGS                                                                 \
     float *lse, float *delta, const float *q, const float *k, const float *o, const float *g, \
-        int H, int KV, int T, int hd, float scale, int causal
+        int H, int KV, int T, int hd, float scale, int causal, int window
 #define TG_ATTN_DKDV_ARGS                                                                 \
     float *dk, float *dv, const float *q, const float *k, const float *v, const float *g,    \
         const float *lse, const float *delta, int H, int KV, int T, int hd, float scale,   \
-        int causal
+        int causal, int window
 #define TG_ATTN_DQ_ARGS                                                                   \
     float *dq, const float *q, const float *k, const float *v, const float *g,              \
         const float *lse, const float *delta, int H, int KV, int T, int hd, float scale,   \
-        int causal
+        int causal, int window
 
 extern "C" __global__ void __launch_bounds__(128) tg_attn_fwd_32(TG_ATTN_FWD_ARGS) {
-    attn_fwd<32, 32, 4>(out, q, k, v, H, KV, T, hd, scale, causal);
+    attn_fwd<32, 32, 4>(out, q, k, v, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(128) tg_attn_fwd_64(TG_ATTN_FWD_ARGS) {
-    attn_fwd<64, 32, 4>(out, q, k, v, H, KV, T, hd, scale, causal);
+    attn_fwd<64, 32, 4>(out, q, k, v, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(128) tg_attn_fwd_128(TG_ATTN_FWD_ARGS) {
-    attn_fwd<128, 16, 8>(out, q, k, v, H, KV, T, hd, scale, causal);
+    attn_fwd<128, 16, 8>(out, q, k, v, H, KV, T, hd, scale, causal, window);
 }
 
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_prep_32(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<32, 32, 4>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal);
+    attn_bwd_prep<32, 32, 4>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_prep_64(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<64, 32, 4>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal);
+    attn_bwd_prep<64, 32, 4>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_prep_128(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<128, 16, 8>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal);
+    attn_bwd_prep<128, 16, 8>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
 }
 
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dkdv_32(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<32, 32, 4>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal);
+    attn_bwd_dkdv<32, 32, 4>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dkdv_64(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<64, 32, 4>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal);
+    attn_bwd_dkdv<64, 32, 4>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dkdv_128(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<128, 16, 8>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal);
+    attn_bwd_dkdv<128, 16, 8>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }
 
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dq_32(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<32, 32, 4>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal);
+    attn_bwd_dq<32, 32, 4>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dq_64(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<64, 32, 4>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal);
+    attn_bwd_dq<64, 32, 4>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dq_128(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<128, 16, 8>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal);
+    attn_bwd_dq<128, 16, 8>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }

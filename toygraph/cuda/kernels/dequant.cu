@@ -15,3 +15,9 @@ extern "C" __global__ void tg_deq_q4_1(float* out, const unsigned char* raw, int
 extern "C" __global__ void tg_deq_q4_k(float* out, const unsigned char* raw, int n) { tg_deq<TgQ4_K>(out, raw, n); }
 extern "C" __global__ void tg_deq_q5_k(float* out, const unsigned char* raw, int n) { tg_deq<TgQ5_K>(out, raw, n); }
 extern "C" __global__ void tg_deq_q6_k(float* out, const unsigned char* raw, int n) { tg_deq<TgQ6_K>(out, raw, n); }
+extern "C" __global__ void tg_deq_q5_0(float* out, const unsigned char* raw, int n) { tg_deq<TgQ5_0>(out, raw, n); }
+extern "C" __global__ void tg_deq_q5_1(float* out, const unsigned char* raw, int n) { tg_deq<TgQ5_1>(out, raw, n); }
+extern "C" __global__ void tg_deq_iq4_nl(float* out, const unsigned char* raw, int n) { tg_deq<TgIQ4_NL>(out, raw, n); }
+extern "C" __global__ void tg_deq_q2_k(float* out, const unsigned char* raw, int n) { tg_deq<TgQ2_K>(out, raw, n); }
+extern "C" __global__ void tg_deq_q3_k(float* out, const unsigned char* raw, int n) { tg_deq<TgQ3_K>(out, raw, n); }
+extern "C" __global__ void tg_deq_iq4_xs(float* out, const unsigned char* raw, int n) { tg_deq<TgIQ4_XS>(out, raw, n); }

@@ -29,6 +29,36 @@ extern "C" __global__ void tg_silu_back(float* out, const float* x, const float*
     }
 }
 
+// GELU, tanh approximation: t = tanh(c (x + a x^3)), c = sqrt(2/pi), a = 0.044715, with
+// the products in the numpy kernel's order ((a x) x) x.
+#define TG_GELU_C 0.7978845608028654f
+#define TG_GELU_A 0.044715f
+
+__device__ __forceinline__ float tg_gelu_tanh(float x) {
+    float cube = __fmul_rn(__fmul_rn(__fmul_rn(TG_GELU_A, x), x), x);
+    return tanhf(__fmul_rn(TG_GELU_C, __fadd_rn(x, cube)));
+}
+
+// x * 0.5 (1 + t).
+extern "C" __global__ void tg_gelu(float* out, const float* x, int n) {
+    TG_GRID_LOOP(i, n) {
+        float t = tg_gelu_tanh(x[i]);
+        out[i] = __fmul_rn(x[i], __fmul_rn(0.5f, __fadd_rn(1.0f, t)));
+    }
+}
+
+// g * (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3a x^2)), left to right as numpy evaluates it.
+extern "C" __global__ void tg_gelu_back(float* out, const float* x, const float* g, int n) {
+    TG_GRID_LOOP(i, n) {
+        float xi = x[i], t = tg_gelu_tanh(xi);
+        float outer = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
+        float inner = __fmul_rn(__fmul_rn(0.5f, xi), __fsub_rn(1.0f, __fmul_rn(t, t)));
+        inner = __fmul_rn(inner, TG_GELU_C);
+        float poly = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(3.0f * TG_GELU_A, xi), xi));
+        out[i] = __fmul_rn(g[i], __fadd_rn(outer, __fmul_rn(inner, poly)));
+    }
+}
+
 // Bitwise copies work for f32 and i32 alike (reshape/contiguous of token ids).
 extern "C" __global__ void tg_copy(unsigned int* out, const unsigned int* x, int n) {
     TG_GRID_LOOP(i, n) out[i] = x[i];
@@ -50,10 +80,12 @@ extern "C" __global__ void tg_accumulate(float* acc, const float* v, int n) {
 }
 
 // Rotary embedding of x [rows = batch*seq*heads, D] at pos [batch*seq]; one thread per
-// element. Angles in double, cast to f32, exactly as the numpy kernel computes them.
-extern "C" __global__ void tg_rope(float* out, const float* x, const int* pos, int n,
-                                   int heads, int D, int dims, double base, int neox,
-                                   int inverse) {
+// element. Pair i at position p turns by freq_scale * p * base^(-2i/dims) / factors[i]
+// (factors: the [dims/2] frequency factors, or nullptr for none), in double and then cast
+// to f32, exactly as the numpy kernel computes it.
+extern "C" __global__ void tg_rope(float* out, const float* x, const int* pos,
+                                   const float* factors, int n, int heads, int D, int dims,
+                                   double base, double freq_scale, int neox, int inverse) {
     TG_GRID_LOOP(e, n) {
         int row = e / D, j = e - row * D;
         const float* xr = x + (long long)row * D;
@@ -75,7 +107,8 @@ extern "C" __global__ void tg_rope(float* out, const float* x, const int* pos, i
             i1 = i0 + 1;
         }
         double inv_freq = pow(base, -(double)(2 * pair) / (double)dims);
-        double theta = (double)pos[row / heads] * inv_freq;
+        if (factors) inv_freq = inv_freq / (double)factors[pair];
+        double theta = (double)pos[row / heads] * inv_freq * freq_scale;
         float c = (float)cos(theta), sn = (float)sin(theta);
         if (inverse) sn = -sn;
         float x0 = xr[i0], x1 = xr[i1];

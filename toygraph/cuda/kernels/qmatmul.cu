@@ -78,6 +78,12 @@ extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q4_1(TG_QMM_ARGS) { 
 extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
 
 extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_f16(TG_QMM_ARGS) { tg_qmm<TgF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, false>(out, a, w, M, N, K, row_bytes); }
@@ -87,6 +93,12 @@ extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q4_1(TG_QMM_ARGS) { 
 extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
 
 extern "C" __global__ void tg_get_rows_f16(TG_QROWS_ARGS) { tg_get_rows_q<TgF16>(out, table, ids, n, D, row_bytes); }
 extern "C" __global__ void tg_get_rows_bf16(TG_QROWS_ARGS) { tg_get_rows_q<TgBF16>(out, table, ids, n, D, row_bytes); }
@@ -96,3 +108,9 @@ extern "C" __global__ void tg_get_rows_q4_1(TG_QROWS_ARGS) { tg_get_rows_q<TgQ4_
 extern "C" __global__ void tg_get_rows_q4_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ4_K>(out, table, ids, n, D, row_bytes); }
 extern "C" __global__ void tg_get_rows_q5_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_K>(out, table, ids, n, D, row_bytes); }
 extern "C" __global__ void tg_get_rows_q6_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ6_K>(out, table, ids, n, D, row_bytes); }
+extern "C" __global__ void tg_get_rows_q5_0(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_0>(out, table, ids, n, D, row_bytes); }
+extern "C" __global__ void tg_get_rows_q5_1(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_1>(out, table, ids, n, D, row_bytes); }
+extern "C" __global__ void tg_get_rows_iq4_nl(TG_QROWS_ARGS) { tg_get_rows_q<TgIQ4_NL>(out, table, ids, n, D, row_bytes); }
+extern "C" __global__ void tg_get_rows_q2_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ2_K>(out, table, ids, n, D, row_bytes); }
+extern "C" __global__ void tg_get_rows_q3_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ3_K>(out, table, ids, n, D, row_bytes); }
+extern "C" __global__ void tg_get_rows_iq4_xs(TG_QROWS_ARGS) { tg_get_rows_q<TgIQ4_XS>(out, table, ids, n, D, row_bytes); }

@@ -285,6 +285,12 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_1_bf16(
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q6_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_1_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_nl_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q2_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q3_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_xs_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_f16_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_bf16_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgBF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q8_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
@@ -293,6 +299,12 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_1_bf16(
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q6_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_1_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_nl_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q2_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q3_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_xs_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_f16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgF16, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_bf16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgBF16, true>(out, a, w, M, N, K, row_bytes); }
@@ -302,6 +314,12 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_1_tf32(
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q6_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_1_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_nl_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q2_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q3_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_xs_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_f16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_bf16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgBF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q8_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
@@ -310,3 +328,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_1_tf32(
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q6_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_1_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_nl_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q2_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q3_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_xs_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }

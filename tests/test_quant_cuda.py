@@ -1,0 +1,117 @@
+"""Block formats end to end: the CUDA decoders (quant.cuh, compiled for the host) on random
+blocks against gguf-py, and a tiny model whose tensors mix block types the way K_M/K_S
+downloads do — loaded, compared with transformers, planned for the GPU in block format,
+and trained a few LoRA steps."""
+import numpy as np
+import pytest
+
+import gguf.quants as gq
+from test_cuda_compile import _lora_graph, _training_plan, host_decoder  # noqa: F401
+from test_llama import transformers_loss
+from test_quant import random_blocks
+from toygraph import quant
+from toygraph.cuda import devmem, lowering
+from toygraph.cuda.kernels import QUANT_KERNELS, layout_defines, read_source
+from toygraph.fixtures.tiny_models import write_tiny_llama
+from toygraph.gguf import GGUFModel
+from toygraph.optim import hp_row
+from toygraph.recipes import LoRA, RecipeOptions
+
+BLOCK_TYPES = sorted(set(quant.BLOCK) - {"f32", "f16", "bf16"})
+NEW_TYPES = ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "iq4_xs")
+
+
+@pytest.mark.parametrize("fmt", BLOCK_TYPES)
+def test_cuda_decoders_match_gguf_py_on_random_blocks(fmt, host_decoder):  # noqa: F811
+    """Every bit pattern of the quantized fields (finite f16 scales), decoded by quant.cuh
+    through rows as the fused kernels read them, equals gguf-py bit for bit."""
+    rng = np.random.default_rng(12)
+    elems, size = quant.BLOCK[fmt]
+    rows, cols = 24, 2 * quant.QK_K
+    blocks = random_blocks(fmt, rows * cols // elems, rng)
+    want = np.asarray(gq.dequantize(blocks, quant.GGML_TYPE[fmt]), np.float32).ravel()
+    got = np.empty(rows * cols, np.float32)
+    raw = np.ascontiguousarray(blocks).ravel()
+    assert host_decoder(fmt.encode(), raw.ctypes.data, rows * cols, rows,
+                        quant.nbytes(fmt, (1, cols)), got.ctypes.data) == 0
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_iq4nl_levels_are_ggmls_and_reach_the_kernels_only_through_layout_defines():
+    assert quant.IQ4NL_VALUES == tuple(gq.IQ4_NL.kvalues)
+    levels = ", ".join(map(str, quant.IQ4NL_VALUES))
+    assert f"#define TG_IQ4NL_VALUES {levels}\n" in layout_defines()
+    assert "{TG_IQ4NL_VALUES}" in read_source("quant.cuh")
+    assert "-127, -104" not in read_source("quant.cuh")    # no hand-written copy
+
+
+# One tensor role per type, as a Q4_K_M/Q3_K_M file mixes them: ffn_down's rows (n_ff = 288,
+# not a multiple of 256) take a 32-element fallback type as llama.cpp's quantizer does.
+MIXED_TYPES = {
+    "token_embd": "q3_k", "output": "iq4_xs",
+    "attn_q": "q2_k", "attn_k": "q4_k", "attn_v": "q5_1", "attn_output": "iq4_nl",
+    "ffn_gate": "q3_k", "ffn_up": "q6_k", "ffn_down": "q5_0",
+}
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mixed") / "tiny-mixed.gguf"
+    return write_tiny_llama(path, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=288,
+                            tied=False, weight_types=MIXED_TYPES, std=0.05)
+
+
+def test_mixed_model_carries_every_new_type(mixed_model):
+    m = GGUFModel(mixed_model)
+    types = {m.tensor(n).qtype for n in m.tensor_names()}
+    assert set(NEW_TYPES) <= types
+    assert m.tensor("blk.1.ffn_down.weight").shape == (256, 288)
+
+
+def _batch(vocab, B=2, T=16, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, vocab, size=(B, T)).astype(np.int32)
+    positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    labels = np.concatenate([tokens[:, 1:], np.full((B, 1), -1, np.int32)], 1)
+    return tokens, positions, labels
+
+
+@pytest.mark.reference
+def test_mixed_model_matches_transformers_and_trains(mixed_model):
+    """transformers dequantizes every tensor with gguf-py; LoRA's B starts at zero, so the
+    recipe's first loss is the base model's. Then a few LoRA steps on one batch: finite and
+    falling."""
+    m = GGUFModel(mixed_model)
+    tokens, positions, labels = _batch(m.config.n_vocab)
+    recipe = LoRA(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, alpha=8)
+    recipe.realize(m, m.config, RecipeOptions(t_seq=16, t_batch=2, seed=0))
+    total, count = recipe.evaluate(tokens, positions, labels)
+    mine, ref = total / count, transformers_loss(mixed_model, tokens)
+    print(f"mixed block types: toygraph {mine:.7f} transformers {ref:.7f} "
+          f"rel {abs(mine - ref) / ref:.2e}")
+    assert abs(mine - ref) / ref <= 1e-4
+    losses = [recipe.step(tokens, positions, labels, hp_row(t, 1e-2), is_first=(t == 1))
+              for t in range(1, 6)]
+    print("LoRA losses:", " ".join(f"{x:.5f}" for x in losses))
+    assert np.all(np.isfinite(losses)) and abs(losses[0] - mine) <= 1e-6 * mine
+    assert losses[-1] < losses[0] - 0.05 and all(b < a for a, b in zip(losses, losses[1:]))
+
+
+def test_mixed_model_stays_in_block_format_on_the_gpu_plan(mixed_model):
+    """The CUDA plan keeps every frozen weight of every type in its blocks, and each node
+    reading one lowers to the fused kernel of that type."""
+    g = _lora_graph(mixed_model, targets=("q", "v", "down"))
+    order, pinned, plan, outputs = _training_plan(g)
+    consts = [t for t in order if t.role == "const" and t.storage != "f32"]
+    assert {t.storage for t in consts} == set(MIXED_TYPES.values())
+    mem = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
+    assert {t.id for t in consts} == set(mem.raw_consts)
+    addr = {t.id: (i + 1) << 20 for i, t in enumerate(order)}
+    seen = set()
+    for node in order:
+        raw = [s for s in node.srcs if s.id in mem.raw_consts] if node.op else []
+        if raw:
+            kernels = [launch.kernel for launch in lowering.lower(
+                node, lambda t: addr[t.id], 1 << 40, frozenset(mem.raw_consts))]
+            assert set(kernels) <= set(QUANT_KERNELS[raw[0].storage].values()), (node.op, kernels)
+            seen.add(raw[0].storage)
+    assert seen == set(MIXED_TYPES.values())
