@@ -1,7 +1,6 @@
 """Shared fixtures: tiny GGUF models written once per session, SmolLM2 when present."""
 from __future__ import annotations
 
-
 import pytest
 
 from toygraph import settings

@@ -140,8 +140,8 @@ def test_build_is_cached_on_disk_and_a_missing_compiler_is_a_clear_error(tmp_pat
 
 
 def test_device_switch():
-    with pytest.raises(SettingError, match="TOYGRAPH_CUDA_DEVICE must be a device ordinal or "
-                                        "'host', got 'gpu0'"):
+    with pytest.raises(SettingError, match="TOYGRAPH_CUDA_DEVICE must be a device ordinal "
+                                           "or 'host', got 'gpu0'"):
         cuda_backend.open_device("gpu0")
     assert cuda_backend.CudaBackend().ctx.name == "host"   # from the environment (fixture)
 

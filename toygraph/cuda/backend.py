@@ -60,8 +60,10 @@ def _sm(arch: str) -> int:
 def open_device(device=None):
     """The context kernels run in: ``device`` (else ``$TOYGRAPH_CUDA_DEVICE``, else 0) is a
     CUDA device ordinal, or ``"host"`` for the CPU executor."""
-    device = settings.get("TOYGRAPH_CUDA_DEVICE") if device is None else \
-        settings.parse("TOYGRAPH_CUDA_DEVICE", str(device))
+    if device is None:
+        device = settings.get("TOYGRAPH_CUDA_DEVICE")
+    else:  # an explicit argument is checked like the variable
+        device = settings.parse("TOYGRAPH_CUDA_DEVICE", str(device))
     if device == "host":
         from .hostdev import HostContext
         return HostContext()
