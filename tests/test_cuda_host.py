@@ -106,6 +106,19 @@ def test_a_race_on_shared_memory_shows_under_the_reverse_schedule(monkeypatch):
     assert np.isnan(runs[0][0]) and runs[1][0] == 31 and np.isnan(runs[1][1:]).all()
 
 
+def test_a_write_past_an_allocation_is_caught_at_the_next_sync():
+    from toygraph.cuda.hostdev import HostContext
+    ctx = HostContext()
+    module = ctx.load_module(kernels.module_source(("elementwise.cu",)))
+    buf = ctx.alloc(4 * 100)
+    params = [np.array([buf], np.uint64), np.array([101], np.int32), np.array([1.0], np.float32)]
+    ctx.launch(module.function("tg_fill"), (1, 1, 1), (256, 1, 1), 0,
+               np.array([a.ctypes.data for a in params], np.uint64))
+    with pytest.raises(CudaError, match="wrote past the end of the 400-byte host-device "
+                                        "allocation"):
+        ctx.sync()
+
+
 def test_a_barrier_that_cannot_complete_is_an_error_not_a_hang():
     out = np.zeros(32, np.int32)
     with pytest.raises(CudaError, match=r"probe_divergent_barrier block \(0,0,0\): deadlock: "

@@ -11,7 +11,9 @@ run whole graphs on the CPU:
 :func:`run_kernel` launches one kernel over numpy buffers, for testing a kernel alone.
 
 Allocations start filled with 0xFF bytes (NaN as f32, -1 as int), like the undefined
-contents of fresh device memory, so reading memory nothing wrote shows up.
+contents of fresh device memory, so reading memory nothing wrote shows up; each is followed
+by 64 guard bytes, checked at every sync (each download), so a kernel writing past the end
+of an allocation is a CudaError there (not within one allocation, e.g. the arena).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import numpy as np
 from .. import settings
 from ..errors import CudaError
 from .hostcc import build_library
+
+_GUARD = bytes([0xA5]) * 64
 
 #: The architecture the host executor stands in for: the kernels' sm_80 features
 #: (bf16/tf32 mma.sync) are emulated.
@@ -92,7 +96,7 @@ class HostContext:
 
     def __init__(self):
         self.arch = HOST_ARCH
-        self._mem: dict[int, np.ndarray] = {}   # address -> the array that owns it
+        self._mem: dict[int, tuple] = {}   # address -> (owning array, its guard bytes)
         self._capture: list | None = None
         self._module: HostModule | None = None
 
@@ -109,14 +113,26 @@ class HostContext:
         return total, total
 
     def alloc(self, nbytes: int) -> int:
-        buf = np.full(max(int(nbytes), 1) + 64, 0xFF, np.uint8)
+        n = max(int(nbytes), 1)
+        buf = np.full(n + 64 + len(_GUARD), 0xFF, np.uint8)
         addr = (buf.ctypes.data + 63) & ~63   # aligned like cuMemAlloc's (256 there)
-        self._mem[addr] = buf
+        start = addr - buf.ctypes.data + n
+        guard = buf[start:start + len(_GUARD)]
+        guard[:] = 0xA5
+        self._mem[addr] = (buf, guard)
         return addr
 
     def free(self, dptr: int) -> None:
+        self._check_guards()
         if self._mem.pop(int(dptr), None) is None:
             raise CudaError(f"free of {int(dptr):#x}: not a host-device allocation")
+
+    def _check_guards(self) -> None:
+        for addr, (buf, guard) in self._mem.items():
+            if guard.tobytes() != _GUARD:
+                size = guard.ctypes.data - addr
+                raise CudaError(f"a kernel wrote past the end of the {size}-byte host-device "
+                                f"allocation at {addr:#x} (caught at the next sync)")
 
     def alloc_host(self, nbytes: int) -> tuple[int, np.ndarray]:
         addr = self.alloc(nbytes)
@@ -137,7 +153,7 @@ class HostContext:
         ctypes.memset(int(dptr), int(value) & 0xFF, int(nbytes))
 
     def sync(self) -> None:
-        pass
+        self._check_guards()
 
     # --- events: nothing is asynchronous ----------------------------------------------------
     def event(self):
