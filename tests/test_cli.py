@@ -161,3 +161,32 @@ def test_generate_stops_at_the_context(tmp_path):
     lm._run = lambda *a: forwards.append(1) or real_run(*a)  # one forward per new token
     lm.generate("the cat", max_new_tokens=10**9)
     assert len(forwards) == lm.seq_len - len(lm.encode_prompt("the cat", False))
+
+
+def test_demo_next_steps_run_as_printed(capsys, tiny_llama, tmp_path, monkeypatch):
+    """The commands the demo ends with work when pasted: chat and export run through the
+    real CLI on a finished run, and the Modelfile the Ollama line names exists."""
+    import io
+    import shlex
+
+    import gguf
+
+    from toygraph.demo import next_steps
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n"
+                            for i in range(8)))
+    out_dir = tmp_path / "my run"  # a space: the printed commands must quote it
+    code, _, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data", str(data),
+                       "--out", str(out_dir), "--steps", "2", "--batch", "2", "--seq-len", "32",
+                       "--rank", "2", "--targets", "q,v", "--val-split", "0", "--quiet")
+    assert code == 0, err
+    chat, export, ollama = (shlex.split(c) for c, _ in next_steps(str(out_dir), str(tiny_llama)))
+    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))
+    assert chat[0] == "toygraph" and run(capsys, *chat[1:])[0] == 0
+    code, _, err = run(capsys, *export[1:])
+    assert export[0] == "toygraph" and code == 0, err
+    merged = gguf.GGUFReader(export[export.index("--out") + 1])
+    name = merged.get_field("general.name")
+    assert "my run (merged)" in bytes(name.parts[name.data[0]]).decode()
+    assert ollama[:3] == ["ollama", "create", "capitals"] and (out_dir / "Modelfile").is_file()
+    assert ollama[4] == str(out_dir / "Modelfile")

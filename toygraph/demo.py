@@ -2,11 +2,13 @@
 
 The shipped capitals set teaches the model to answer country questions as one line of
 JSON. The demo prints what the model says before and after, with phrasings that are not
-in the training data, and the validation loss as it falls.
+in the training data, and the validation loss as it falls; it ends with the commands that
+use the result (chat, merged GGUF export, Ollama).
 """
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -44,4 +46,22 @@ def run_demo(out: str = "runs/demo", steps: int = 60, backend: str = "cpu") -> i
     print(f"adapter: {out}/adapter_model.safetensors (PEFT) and {out}/adapter.gguf (llama.cpp)\n")
     for p in PROMPTS:
         print(f"Q: {p}\n  before: {before[p]!r}\n  after:  {tuned.generate(p, chat=True, max_new_tokens=24)!r}")
+    print("\nuse the result:")
+    for command, why in next_steps(out):
+        print(f"  {command}\n      # {why}")
     return 0
+
+
+def next_steps(out: str, model: str = "smollm2") -> list[tuple[str, str]]:
+    """The commands that use a finished run directory ``out``, each with what it is for."""
+    # quoted so that a run directory with spaces stays one argument when pasted
+    run_dir, merged, modelfile = (shlex.quote(str(p)) for p in
+                                  (out, Path(out) / "merged.gguf", Path(out) / "Modelfile"))
+    return [
+        (f"toygraph chat --model {model} --adapter {run_dir}",
+         "talk to the fine-tuned model here (/reset, /exit)"),
+        (f"toygraph export --model {model} --adapter {run_dir} --out {merged}",
+         "one self-contained GGUF with the adapter merged in (llama.cpp, LM Studio, Ollama)"),
+        (f"ollama create capitals -f {modelfile} && ollama run capitals",
+         "Ollama: the base GGUF plus adapter.gguf, as the Modelfile beside it says"),
+    ]
