@@ -35,8 +35,8 @@ from ..memory import BufferPlan
 from ..ops import SIDE_EFFECTS
 from . import driver
 from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
-from .kernels import DEQUANT_KERNELS, OP_KERNELS, TC_PRECISIONS, backend_source
-from .lowering import MAX_ELEMENTS, THREADS, Launch, i32, lower, p
+from .kernels import DEQUANT_KERNELS, TC_PRECISIONS, backend_source
+from .lowering import MAX_ELEMENTS, OP_KERNELS, THREADS, Launch, i32, lower, p
 
 _FLOAT_STORAGE = ("f32", "f64")
 #: Backend dtypes: "f32" is the plain f32 path; "bf16" / "tf32" run every matmul on tensor
