@@ -47,6 +47,12 @@ class FakeTokenizer:
             ids.append(self.eos_id)
         return ids
 
+    @property
+    def end_of_turn_ids(self):
+        # As Tokenizer.end_of_turn_ids: eos plus the turn-ending spellings in the vocabulary.
+        ends = {self.SPECIALS.index(t) for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>")}
+        return frozenset(ends | ({self.eos_id} - {None}))
+
     def decode(self, ids, skip_special_tokens=False):
         out, buf = [], b""
         for i in ids:

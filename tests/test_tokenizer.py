@@ -1,4 +1,6 @@
-"""Tokenizer built from GGUF metadata: SmolLM2 (byte-level BPE) and a tiny sentencepiece vocab.
+"""Tokenizer built from GGUF metadata: SmolLM2 (byte-level BPE), a tiny sentencepiece vocab, and
+tiny Qwen3-style (byte-level BPE, qwen2 split) and Gemma-3-style (sentencepiece) vocabularies with
+their real chat templates.
 
 Reference comparisons use transformers' own GGUF tokenizer loader and skip when it is absent;
 the round-trip and error tests need only toygraph.
@@ -6,6 +8,7 @@ the round-trip and error tests need only toygraph.
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 
 from toygraph.errors import DataError, GGUFError
@@ -248,3 +251,254 @@ def test_unsupported_model_is_gguf_error(tmp_path):
     w.close()
     with pytest.raises(GGUFError, match="unsupported tokenizer.ggml.model 'bert'"):
         Tokenizer.from_gguf(path)
+
+
+# ------------------------------------------------------------------ Qwen3- and Gemma-3-style vocabularies
+# Tiny vocabularies trained on multilingual prose and code (fixtures/tiny_vocab.py), in the
+# layout and metadata real Qwen3 (byte-level BPE, qwen2 split) and Gemma 3 (sentencepiece,
+# byte fallback, no dummy prefix) GGUFs carry.
+MIXED_TEXTS = TEXTS + [
+    "IT'S WE'RE I'M, it'ſſ (long s folds to s only in the (?i:) regex) and the Kelvin sign 5 K",
+    "cafe\u0301 (decomposed: nobody NFC-normalizes), Ångström, déjà vu, Straße",
+    "مرحبا بالعالم. שלום עולם, ירושלים. \u200fRTL mark, Привет мир",
+    "🤖🎉👍🏽 ❤️ 🇫🇷 family 👨‍👩‍👧",
+    "中文文本测试, 한국어 텍스트입니다",
+    "12345678901234567890 then 2025-01-01, 0.000001, 1e-5",
+    "class A:\n\tdef g(self):\n\t\treturn [ord(c) for c in 'abc']  # comment\n\n\n",
+    "for (int i = 0; i < n; ++i) {\n    sum += a[i] * b[i];\n}\r\n",
+    " ", "  ", "\n", "\t \t", "\r\n\r\n", "        eight spaces",
+    "<|im_start|>assistant\n<think>\n\n</think>\n\nok<|im_end|><|endoftext|>[PAD719]",
+    "<bos><start_of_turn>model\nok<end_of_turn>\n<eos><pad><unk>  x<start_of_image>",
+    "x<|im_start|> y<|im_end|>  z<think>w</think>",
+]
+SYSTEM = {"role": "system", "content": "You are terse."}
+USER_1 = {"role": "user", "content": "What is 2+2?"}
+REPLY_1 = {"role": "assistant", "content": "4."}
+USER_2 = {"role": "user", "content": "  And 3+3? 日本 🤖  "}
+REPLY_2 = {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n6."}
+REPLY_2R = {"role": "assistant", "content": "6.", "reasoning_content": "three and three"}
+CONVERSATIONS = [
+    [USER_1], [USER_1, REPLY_1], [SYSTEM, USER_1, REPLY_1], [SYSTEM, USER_1, REPLY_1, USER_2],
+    [SYSTEM, USER_1, REPLY_1, USER_2, REPLY_2], [USER_1, REPLY_1, USER_2, REPLY_2R],
+    [SYSTEM, USER_1, REPLY_1, USER_2, REPLY_2R, {"role": "user", "content": "ok"}],
+]
+THINKING = [{}, {"enable_thinking": True}, {"enable_thinking": False}]
+
+
+@pytest.fixture(scope="module")
+def vocab_files(tmp_path_factory):
+    from toygraph.fixtures.tiny_vocab import write_vocab_gguf
+
+    folder = tmp_path_factory.mktemp("vocab")
+    return {kind: write_vocab_gguf(folder / f"{kind}.gguf", kind) for kind in ("qwen3", "gemma3")}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def vocab(request, vocab_files):
+    path = vocab_files[request.param]
+    return request.param, path, Tokenizer.from_gguf(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3(vocab_files):
+    return Tokenizer.from_gguf(vocab_files["qwen3"])
+
+
+@pytest.fixture(scope="module")
+def gemma3(vocab_files):
+    return Tokenizer.from_gguf(vocab_files["gemma3"])
+
+
+def _reference(path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def vocab_ref(vocab):
+    return _reference(vocab[1])
+
+
+@pytest.mark.reference
+def test_vocab_ids_match_transformers(vocab, vocab_ref):
+    kind, _, tok = vocab
+    for text in MIXED_TEXTS:
+        assert tok.encode(text) == vocab_ref.encode(text), (kind, text)
+        plain = vocab_ref.encode(text, add_special_tokens=False)
+        assert tok.encode(text, add_bos=False) == plain, (kind, text)
+        ids = tok.encode(text)
+        assert tok.decode(ids) == vocab_ref.decode(ids), (kind, text)
+
+
+@pytest.mark.reference
+def test_qwen3_split_matches_transformers(qwen3, vocab_files):
+    # Ids alone cannot show it: the (?i:) contraction regex differs from llama.cpp's
+    # expansion only on splits whose pieces no merge joins.
+    ours = qwen3._hf.pre_tokenizer
+    theirs = _reference(vocab_files["qwen3"]).backend_tokenizer.pre_tokenizer
+    for text in MIXED_TEXTS:
+        assert ours.pre_tokenize_str(text) == theirs.pre_tokenize_str(text), text
+
+
+@pytest.mark.reference
+def test_chat_templates_match_transformers(vocab, vocab_ref):
+    from jinja2.exceptions import TemplateError
+
+    kind, _, tok = vocab
+    rendered = 0
+    for messages in CONVERSATIONS:
+        for add_generation_prompt in (False, True):
+            for extra in THINKING:
+                try:
+                    ref = vocab_ref.apply_chat_template(messages, tokenize=False,
+                                                        add_generation_prompt=add_generation_prompt, **extra)
+                except TemplateError as e:  # Gemma: roles must alternate after the system turn
+                    with pytest.raises(TemplateError, match=str(e)):
+                        tok.apply_chat_template(messages, add_generation_prompt, **extra)
+                    continue
+                ours = tok.apply_chat_template(messages, add_generation_prompt, **extra)
+                assert ours == ref, (kind, messages, add_generation_prompt, extra)
+                ref_ids = vocab_ref.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                        add_generation_prompt=add_generation_prompt, **extra)
+                assert tok.encode(ours, add_bos=False) == list(ref_ids)
+                rendered += 1
+    assert rendered >= 24  # most conversations render for both families
+
+
+@pytest.mark.reference
+def test_gemma_merges_follow_file_order_not_scores(tmp_path):
+    # transformers ranks a Gemma file's merges by token position; scores that disagree with
+    # it (as Gemma's do) must not change the ids.
+    from toygraph.fixtures.tiny_vocab import gemma3_vocab, write_vocab_gguf
+
+    _, scores, _ = gemma3_vocab()
+    shuffled = list(np.random.default_rng(0).permutation(scores))
+    path = write_vocab_gguf(tmp_path / "gemma3.gguf", "gemma3", scores=[float(s) for s in shuffled])
+    tok, ref = Tokenizer.from_gguf(path), _reference(path)
+    for text in MIXED_TEXTS:
+        assert tok.encode(text) == ref.encode(text), text
+
+
+# ------------------------------------------------------------------ the same vocabularies, our code only
+def test_qwen3_special_and_thinking_tokens(qwen3):
+    tok = qwen3
+    assert tok.add_bos_token is False and tok.eos_token == "<|im_end|>" and tok.bos_token == "<|endoftext|>"
+    ids = tok.encode("<|im_start|>assistant\n<think>\nhm\n</think>\n\nok<|im_end|>")
+    names = [tok.id_to_token(i) for i in ids]
+    assert names[0] == "<|im_start|>" and names[-1] == "<|im_end|>"
+    assert "<think>" in names and "</think>" in names
+    # <think> is user-defined, not control: decoding without specials keeps it.
+    assert tok.decode(ids, skip_special_tokens=True) == "assistant\n<think>\nhm\n</think>\n\nok"
+
+
+def test_qwen3_template_thinking_blocks(qwen3):
+    tok = qwen3
+    one = tok.apply_chat_template([{"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "Hello"}])
+    # The published rendering of this conversation (an empty think block on the last reply).
+    assert one == ("<|im_start|>user\nHi<|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>\n")
+    prompt = tok.apply_chat_template([USER_1], add_generation_prompt=True, enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tok.apply_chat_template([USER_1], add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    # A reply before the last user turn loses its reasoning; the last one keeps it.
+    text = tok.apply_chat_template([USER_1, REPLY_2, USER_2, REPLY_2])
+    assert text.count("add them") == 1 and "<|im_start|>assistant\n6.<|im_end|>" in text
+
+
+def test_gemma3_vocabulary_and_template(gemma3):
+    from jinja2.exceptions import TemplateError
+
+    tok = gemma3
+    t = tok.token_to_id
+    assert tok.add_bos_token is True and (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)
+    # No dummy prefix; a run of spaces stored as "  " in the file is the "▁▁" piece.
+    assert tok.encode("  x", add_bos=False)[0] == t("▁▁") == 16
+    # A character outside the vocabulary falls back to its UTF-8 bytes.
+    assert tok.encode("Ω", add_bos=False) == [t("<0xCE>"), t("<0xA9>")]
+    out = tok.apply_chat_template([SYSTEM, USER_1, REPLY_1], add_generation_prompt=False)
+    assert out == ("<bos><start_of_turn>user\nYou are terse.\n\nWhat is 2+2?<end_of_turn>\n"
+                   "<start_of_turn>model\n4.<end_of_turn>\n")
+    with pytest.raises(TemplateError, match="alternate"):
+        tok.apply_chat_template([USER_1, USER_2])
+
+
+def test_template_environment_extras(qwen3):
+    from jinja2.exceptions import SecurityError
+
+    tok = Tokenizer(qwen3._hf, qwen3._tokens, ids={"eos": qwen3.eos_id}, add_bos=False, add_eos=False,
+                    chat_template="{% generation %}[{{ messages[0].content }}]{% endgeneration %}"
+                                  "{{ bos_token is defined }}{{ messages[0].name is defined }}"
+                                  "{{ dict(a=1) | tojson }}",
+                    model="x")
+    # transformers drops keys set to None and passes only the special tokens the tokenizer has.
+    out = tok.apply_chat_template([{"role": "user", "content": "<b>", "name": None}])
+    assert out == '[<b>]FalseFalse{"a": 1}'
+    tok.chat_template = "{% set ns = namespace(_x=1) %}"
+    with pytest.raises(SecurityError):
+        tok.apply_chat_template([])
+
+
+@pytest.mark.reference
+def test_template_extras_match_transformers(qwen3, vocab_files):
+    import copy
+
+    template = ("{% generation %}[{{ messages[0].content }}]{% endgeneration %}{{ bos_token is defined }}"
+                "{{ unk_token is defined }}{{ messages[0].name is defined }}{{ messages[0].thinking }}"
+                "{{ dict(a=1) | tojson }}{{ ['<é>'] | tojson(indent=1) }}{% for m in messages %}"
+                "{% if loop.first %}{% continue %}{% endif %}{{ m.content }}{% endfor %}")
+    messages = [{"role": "user", "content": "<b>", "name": None, "reasoning": "r"},
+                {"role": "assistant", "content": "ok"}]
+    ref = _reference(vocab_files["qwen3"]).apply_chat_template(messages, chat_template=template,
+                                                               tokenize=False)
+    tok = copy.copy(qwen3)
+    tok.chat_template = template
+    assert tok.apply_chat_template(messages) == ref == '[<b>]TrueFalseFalser{"a": 1}[\n "<é>"\n]ok'
+
+
+# ------------------------------------------------------------------ end of turn: one list
+def test_end_of_turn_ids_from_vocabulary_and_metadata(tmp_path, vocab):
+    from toygraph.fixtures.tiny_vocab import write_vocab_gguf
+
+    kind, _, tok = vocab
+    expected = {"qwen3": {"<|im_end|>", "<|endoftext|>"}, "gemma3": {"<eos>", "<end_of_turn>"}}[kind]
+    assert {tok.id_to_token(i) for i in tok.end_of_turn_ids} == expected
+    # tokenizer.ggml.eot_token_id adds its token, whatever its spelling.
+    other = 5
+    tok = Tokenizer.from_gguf(write_vocab_gguf(tmp_path / "eot.gguf", kind, ids={"eot": other}))
+    assert tok.eot_id == other and other in tok.end_of_turn_ids
+
+
+def test_training_and_generation_stop_on_the_same_tokens(tmp_path, vocab):
+    from toygraph.data import _end_of_turn_index, encode_example, Example
+    from toygraph.fixtures.tiny_models import write_tiny_llama
+    from toygraph.inference import LanguageModel
+
+    # Generation stops on exactly the tokenizer's list...
+    lm = LanguageModel(write_tiny_llama(tmp_path / "tiny.gguf"))
+    assert lm.stop_ids == lm.tokenizer.end_of_turn_ids
+    assert {lm.tokenizer.id_to_token(i) for i in lm.stop_ids} == {"<|endoftext|>", "<|im_end|>"}
+    # ...and training closes a reply on a token exactly when it is in that list.
+    for tok in (lm.tokenizer, vocab[2]):
+        for i in range(tok.vocab_size):
+            assert (_end_of_turn_index([i], tok) == 0) == (i in tok.end_of_turn_ids)
+    # The reply's last target token, rendered by the real template, is one generation stops on.
+    tok = vocab[2]
+    enc = encode_example(Example(messages=[USER_1, REPLY_1], line=1), tok, 256)
+    last_target = max(i for i, m in enumerate(enc.target_mask) if m)
+    assert enc.tokens[last_target] in tok.end_of_turn_ids
+
+
+# ------------------------------------------------------------------ special ids outside the vocabulary
+@pytest.mark.parametrize("name,key", [("bos", "bos"), ("eos", "eos"), ("pad", "padding"),
+                                      ("unk", "unknown"), ("eot", "eot")])
+def test_special_id_outside_vocabulary_is_one_line_error(tmp_path, name, key):
+    from toygraph.fixtures.tiny_vocab import write_vocab_gguf
+
+    path = write_vocab_gguf(tmp_path / "bad.gguf", "gemma3", ids={name: 100000})
+    n = Tokenizer.from_gguf(write_vocab_gguf(tmp_path / "good.gguf", "gemma3")).vocab_size
+    with pytest.raises(GGUFError) as e:
+        Tokenizer.from_gguf(path)
+    msg = str(e.value)
+    assert "\n" not in msg and "bad.gguf" in msg
+    assert f"tokenizer.ggml.{key}_token_id = 100000" in msg and f"vocabulary of {n} tokens" in msg

@@ -31,11 +31,6 @@ from toygraph.errors import DataError
 ROLES = ("system", "user", "assistant")
 SHAPES = ('{"instruction", "response", "system"?}', '{"instruction", "input"?, "output", "system"?}',
           '{"messages": [{"role", "content"}, ...]}', '{"text"}')
-# Tokens that close a turn in common chat templates. The eos id always counts too; this
-# list covers templates whose turn end is not the GGUF's eos (Qwen2 base: eos is
-# <|endoftext|>, turns end with <|im_end|>).
-END_OF_TURN = frozenset({"<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>",
-                         "<|endoftext|>", "<|end_of_text|>", "<|eot|>"})
 # Used when the GGUF has no chat template (base models). Each assistant turn is followed by
 # EOS, so the model learns to stop; the prompt for generation ends with "### Response:\n".
 FALLBACK_HEADERS = {"system": "### System:", "user": "### Instruction:", "assistant": "### Response:"}
@@ -202,7 +197,7 @@ def encode_example(ex: Example, tok, max_len: int) -> Encoded | None:
     its end-of-turn token are targets. Plain text: every token is a target, and EOS follows.
     """
     if max_len < 1:
-        raise ValueError(f"max_len must be >= 1, got {max_len}")
+        raise DataError(f"max_len must be >= 1, got {max_len}")
     if ex.text is not None:
         tokens = tok.encode(ex.text, add_bos=None, add_eos=False)
         if tok.eos_id is not None:
@@ -284,14 +279,13 @@ def _render(tok, messages: list[dict], add_generation_prompt: bool, ex: Example,
 
 
 def _end_of_turn_index(reply: list[int], tok) -> int | None:
-    """Index of the token closing the turn, looking back only over trailing whitespace
-    (templates put "\\n" after <|im_end|>); None if the reply ends in plain content."""
+    """Index of the token closing the turn (one of ``tok.end_of_turn_ids``, the same ids
+    generation stops on), looking back only over trailing whitespace (templates put "\\n"
+    after <|im_end|>); None if the reply ends in plain content."""
     for j in range(len(reply) - 1, -1, -1):
-        t = reply[j]
-        text = tok.decode([t])
-        if t == tok.eos_id or text in END_OF_TURN:
+        if reply[j] in tok.end_of_turn_ids:
             return j
-        if text.strip():
+        if tok.decode([reply[j]]).strip():
             return None
     return None
 
@@ -352,7 +346,7 @@ def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, 
     round(n * val_fraction) items, at least 1 (and train at least 1) when val_fraction > 0
     and n >= 2."""
     if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     n = len(items)
     if val_fraction == 0 or n < 2:
         return list(items), []
@@ -380,7 +374,7 @@ def batches(items: list[Encoded], batch_size: int, seq_len: int, pad_id: int, *,
     """One epoch of fixed-shape batches. The order depends only on (seed, epoch), so a
     resumed run regenerates it; the last partial batch is filled with all-ignored rows."""
     if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
     n = len(items)
     order = (np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n))
     rows = steps_per_epoch(n, batch_size) * batch_size

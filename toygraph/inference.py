@@ -29,8 +29,6 @@ from .tokenizer import Tokenizer
 
 _SEQ_STEP = 16          # graph lengths are multiples of this (capped at the context)
 _TOKENS_PER_BATCH = 4096  # loss(): sequences per graph so that batch * seq stays near this
-# End-of-generation tokens llama.cpp recognises by spelling, beyond the GGUF's EOS/EOT ids.
-_EOG_SPELLINGS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
 @dataclass
@@ -62,12 +60,8 @@ class LanguageModel:
             self.lora_config = LoraConfig(targets=targets, rank=rank, alpha=alpha)
             self.adapter = lora
         self._graphs: dict[tuple[int, int], _Forward] = {}
-        self.stop_ids = self._stop_ids()
-
-    def _stop_ids(self) -> set[int]:
-        ids = {self.tokenizer.eos_id, self.model.metadata("tokenizer.ggml.eot_token_id")}
-        ids |= {self.tokenizer.token_to_id(t) for t in _EOG_SPELLINGS}
-        return {int(i) for i in ids if i is not None}
+        # The tokens training teaches to end a reply with (data.py) are the ones we stop on.
+        self.stop_ids = self.tokenizer.end_of_turn_ids
 
     # --- graphs ---------------------------------------------------------------------------
     def _forward(self, batch: int, seq: int) -> _Forward:

@@ -16,6 +16,11 @@ default) compiles and launches exactly the plain f32 kernels.
 
 >>> sess = Session(graph, backend="cuda", dtype="bf16")   # doctest: +SKIP
 
+``TOYGRAPH_CUDA_DEVICE=host`` (or ``CudaBackend(device="host")``) runs everything on the
+CPU instead: the same kernels compiled by g++ against host_shim.h and executed with their
+grids and blocks (hostdev.py), slowly but exactly as written; CI uses it to check every
+kernel without a GPU. Otherwise the variable (default 0) is the CUDA device ordinal.
+
 Set ``TOYGRAPH_CUDA_GRAPHS=0`` to launch kernels one by one instead of replaying graphs
 (useful when debugging a kernel with compute-sanitizer).
 
@@ -49,6 +54,22 @@ def _sm(arch: str) -> int:
     return int("".join(ch for ch in arch[3:] if ch.isdigit()) or 0)
 
 
+def open_device(device=None):
+    """The context kernels run in: ``device`` (else ``$TOYGRAPH_CUDA_DEVICE``, else 0) is a
+    CUDA device ordinal, or ``"host"`` for the CPU executor."""
+    if device is None:
+        device = os.environ.get("TOYGRAPH_CUDA_DEVICE", "0")
+    if device == "host":
+        from .hostdev import HostContext
+        return HostContext()
+    try:
+        ordinal = int(device)
+    except ValueError:
+        raise CudaError(f"TOYGRAPH_CUDA_DEVICE must be a device ordinal or 'host', "
+                        f"got {device!r}") from None
+    return driver.Context(ordinal)
+
+
 def _raw_bytes(data) -> np.ndarray:
     a = np.ascontiguousarray(np.asarray(data))
     return a.reshape(-1).view(np.uint8)
@@ -57,14 +78,14 @@ def _raw_bytes(data) -> np.ndarray:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, dtype: str = "f32", device: int = 0):
+    def __init__(self, dtype: str = "f32", device: int | str | None = None):
         if dtype not in PRECISIONS:
             raise CudaError(f"the cuda backend computes in f32 (dtype 'f32', or 'bf16' / 'tf32' "
                             f"for tensor-core matmuls), got dtype {dtype!r} "
                             "(use backend='cpu' for f64 gradient checks)")
         self.precision = dtype
         self.itemsize = 4   # every buffer is f32 whatever the matmuls' input precision
-        self.ctx = driver.Context(device)
+        self.ctx = open_device(device)
         if dtype in TC_PRECISIONS and _sm(self.ctx.arch) < 80:
             raise CudaError(f"dtype {dtype!r} needs tensor cores with bf16/tf32 mma (sm_80 or "
                             f"newer); this device is {self.ctx.arch}: use dtype='f32'")
@@ -125,9 +146,7 @@ class CudaBackend:
             free, _ = self.ctx.mem_info()
             raise CudaError(f"out of device memory at realize: planned {needed} bytes "
                             f"({plan.summary()}), {free} bytes free ({e})") from None
-        from .nvrtc import compile_cubin
-        self.module = driver.Module(compile_cubin(backend_source(self.precision),
-                                                  arch=self.ctx.arch))
+        self.module = self.ctx.load_module(backend_source(self.precision))
         for t in own:
             self._bind(t)
         for t in schedule:

@@ -132,6 +132,11 @@ class Context:
     def make_current(self):
         call("cuCtxSetCurrent", self.ctx)
 
+    def load_module(self, source: str) -> Module:
+        """``source`` compiled by NVRTC for this device (disk-cached) and loaded."""
+        from .nvrtc import compile_cubin
+        return Module(compile_cubin(source, arch=self.arch))
+
     # --- memory ---------------------------------------------------------------------------
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""

@@ -69,10 +69,15 @@ __device__ __forceinline__ float tg_block_max(float v, float* sh) {
 }
 
 // IEEE half -> float without cuda_fp16.h: the PTX conversion is exact.
+// TG_HOST: the CPU executor's C++ versions of the inline PTX (toygraph/cuda/host_shim.h).
 __device__ __forceinline__ float tg_half_to_float(unsigned short h) {
+#ifdef TG_HOST
+    return tg_host::half_to_float(h);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 __device__ __forceinline__ float tg_bf16_to_float(unsigned short h) {

@@ -18,9 +18,13 @@ struct TcBF16 {
     static constexpr int BK = TC_BF16_BK, LD = TC_BF16_LD, KSTEP = 16;
     typedef unsigned short elem;
     static __device__ __forceinline__ elem cvt(float x) {
+#ifdef TG_HOST
+        return tg_host::cvt_rn_bf16(x);
+#else
         unsigned short h;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
         return h;
+#endif
     }
     // Register r of the A / B fragment: two consecutive k of one row, one 32-bit load.
     static __device__ __forceinline__ unsigned a_reg(const elem* s, int lane, int r, int kk) {
@@ -34,11 +38,15 @@ struct TcBF16 {
         return *reinterpret_cast<const unsigned*>(s + n * LD + kk + k);
     }
     static __device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b) {
+#ifdef TG_HOST
+        tg_host::mma<16>(c, a, b);
+#else
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
             "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
     }
 };
 
@@ -46,9 +54,13 @@ struct TcTF32 {
     static constexpr int BK = TC_TF32_BK, LD = TC_TF32_LD, KSTEP = 8;
     typedef unsigned int elem;
     static __device__ __forceinline__ elem cvt(float x) {
+#ifdef TG_HOST
+        return tg_host::cvt_rna_tf32(x);
+#else
         unsigned u;
         asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(x));
         return u;
+#endif
     }
     static __device__ __forceinline__ unsigned a_reg(const elem* s, int lane, int r, int kk) {
         int row, k;
@@ -61,11 +73,15 @@ struct TcTF32 {
         return s[n * LD + kk + k];
     }
     static __device__ __forceinline__ void mma(float* c, const unsigned* a, const unsigned* b) {
+#ifdef TG_HOST
+        tg_host::mma<8>(c, a, b);
+#else
         asm volatile(
             "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
             "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
     }
 };
 
