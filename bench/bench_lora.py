@@ -233,7 +233,7 @@ def child_toygraph(spec: dict) -> dict:
     for i in range(len(ids)):
         first_read.clear()
         ts = time.perf_counter()
-        loss = recipe.step(ids[i], positions, labels[i], hp_row(i + 1, spec["lr"]),
+        loss = recipe.step(ids[i][None], positions[None], labels[i][None], hp_row(i + 1, spec["lr"]),
                            is_first=(i == 0))
         te = time.perf_counter()
         losses.append(loss)
@@ -284,7 +284,7 @@ def _op_profile(recipe, ids, positions, labels, hp) -> list:
         kernels.KERNELS[name] = timed(name, fn)
     try:
         t0 = time.perf_counter()
-        recipe.step(ids, positions, labels, hp, is_first=False)
+        recipe.step(ids[None], positions[None], labels[None], hp, is_first=False)
         total = time.perf_counter() - t0
     finally:
         kernels.KERNELS.update(plain)

@@ -2,7 +2,7 @@
 
 >>> recipe = LoRA(targets=("q", "v"), rank=8, alpha=16)
 >>> recipe.realize(model, model.config, RecipeOptions(t_seq=128, t_batch=4, seed=42))
->>> loss = recipe.step(token_ids, positions, labels, hp_row(t, lr), is_first=(t == 1))
+>>> loss = recipe.step(token_ids, positions, labels, hp_row(t, lr), is_first=(t == 1))  # [1, 4, 128] each
 
 The caller owns the GGUF handle, the config and the per-step inputs, as in the reference
 recipe over ggml: ``realize`` builds frozen base + trainable weights + loss + backward +
@@ -20,7 +20,7 @@ import numpy as np
 from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
-from toygraph.models.llama import LoraConfig, build_llama, lm_head
+from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
 from toygraph.optim import build_training
 from toygraph.session import Session
 
@@ -103,8 +103,8 @@ class Recipe:
         self.opts, self.cfg = opts, cfg
         g = Graph()
         B, T = opts.t_batch, opts.t_seq
-        self.net = build_llama(g, cfg, batch=B, seq=T, model=gguf, weights=self.weight_mode,
-                               lora=self.lora_config(opts), seed=opts.seed, logits=False)
+        self.net = build_decoder(g, cfg, batch=B, seq=T, model=gguf, weights=self.weight_mode,
+                                 lora=self.lora_config(opts), seed=opts.seed, logits=False)
         self.labels = g.input("labels", (B * T,), "i32")
         # One cross-entropy serves both: its sum drives the gradients (token-weighted
         # accumulation) and sum / count is the reported mean loss.
@@ -119,15 +119,14 @@ class Recipe:
 
     # --- per step -------------------------------------------------------------------------
     def _micro_batches(self, token_ids, positions, labels):
-        B, T, k = self.opts.t_batch, self.opts.t_seq, self.opts.grad_accum
-        ids, pos, lab = (np.asarray(a) for a in (token_ids, positions, labels))
-        shape = (k, B, T) if k > 1 else (B, T)
-        for name, a in (("token_ids", ids), ("positions", pos), ("labels", lab)):
-            if a.shape != shape and not (name == "labels" and a.shape == shape[:-2] + (B * T,)):
-                raise GraphError(f"step: {name} must have shape {shape}, got {a.shape}")
-        if k == 1:
-            return [(ids, pos, lab)]
-        return list(zip(ids, pos, lab))
+        """Check the step inputs: each is [grad_accum, t_batch, t_seq], whatever k is."""
+        shape = (self.opts.grad_accum, self.opts.t_batch, self.opts.t_seq)
+        arrays = [np.asarray(a) for a in (token_ids, positions, labels)]
+        for name, a in zip(("token_ids", "positions", "labels"), arrays):
+            if a.shape != shape:
+                raise GraphError(f"step: {name} must have shape [grad_accum, t_batch, t_seq] "
+                                 f"= {shape}, got {a.shape}")
+        return list(zip(*arrays))
 
     def _upload(self, ids, pos, lab):
         s = self.sess
@@ -138,8 +137,8 @@ class Recipe:
     def step(self, token_ids, positions, labels, hp, is_first: bool) -> float:
         """One optimizer step; returns the mean loss of the forward pass before the update.
 
-        With ``grad_accum`` = k > 1 the arrays carry a leading micro-batch axis of k, and
-        the loss is the token-weighted mean over all k micro-batches.
+        The arrays are [grad_accum, t_batch, t_seq] (one micro-batch axis, k = 1 without
+        accumulation); the loss is the token-weighted mean over all k micro-batches.
         """
         s = self.sess
         if is_first:

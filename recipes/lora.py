@@ -1,7 +1,7 @@
 """LoRA: the GGUF base stays frozen (and quantized where it is); only adapters train."""
 from __future__ import annotations
 
-from toygraph.models.llama import TARGETS, LoraConfig
+from toygraph.models.decoder import TARGETS, LoraConfig
 
 from .base import Recipe, RecipeOptions
 

@@ -81,3 +81,83 @@ def test_generate_greedy_is_deterministic(capsys, tiny_llama):
     code, s1, _ = run(capsys, *argv, "--temperature", "1.0", "--top-k", "5", "--seed", "3")
     code, s2, _ = run(capsys, *argv, "--temperature", "1.0", "--top-k", "5", "--seed", "3")
     assert s1 == s2
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--batch", "0"], "--batch must be an integer >= 1, got 0"),
+    (["--grad-accum", "0"], "--grad-accum must be an integer >= 1"),
+    (["--seq-len", "0"], "--seq-len must be an integer >= 1"),
+    (["--rank", "0"], "--rank must be an integer >= 1"),
+    (["--rank", "40"], "--rank 40 exceeds the v matrix's smaller side 32"),
+    (["--alpha", "0"], "--alpha must be a finite number > 0"),
+    (["--alpha", "nan"], "--alpha must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--epochs", "inf"], "--epochs must be a finite number > 0"),
+    (["--eval-every", "-1"], "--eval-every must be an integer >= 0"),
+    (["--save-every", "-2"], "--save-every must be an integer >= 0"),
+    (["--save-minutes", "-1"], "--save-minutes must be a finite number >= 0"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be an integer >= 1"),
+    (["--patience", "-1"], "--patience must be an integer >= 0"),
+    (["--patience", "2", "--val-split", "0"], "--patience needs a validation set"),
+    (["--max-examples", "-3"], "--max-examples must be an integer >= 1"),
+    (["--val-split", "1"], "--val-split must be a finite number >= 0 and < 1"),
+    (["--diverge-factor", "0.5"], "--diverge-factor must be > 1"),
+    (["--allow-change", "lr,colour"], "--allow-change: no options named ['colour']"),
+    (["--resume", "x", "--overwrite"], "give --resume or --overwrite, not both"),
+])
+def test_finetune_arguments_are_checked_up_front(capsys, tiny_llama, tmp_path, flags, needle):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello there"}\n' * 4)
+    out = tmp_path / "o"
+    code, _, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data", str(data),
+                       "--out", str(out), "--quiet", "--targets", "q,v", *flags)
+    assert code == 2 and needle in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize("out_dir, needle", [("", "--out must name a directory"),
+                                             ("FILE/run", "is a file, not a directory")])
+def test_finetune_out_must_be_a_usable_directory(capsys, tiny_llama, tmp_path, out_dir, needle):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello there"}\n' * 4)
+    (tmp_path / "FILE").write_text("not a directory")
+    out = out_dir.replace("FILE", str(tmp_path / "FILE"))
+    code, _, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data", str(data),
+                       "--out", out, "--quiet")
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_finetune_exit_codes_say_how_the_run_ended(capsys, tiny_llama, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n"
+                            for i in range(8)))
+    common = ["finetune", "--model", str(tiny_llama), "--data", str(data), "--steps", "4",
+              "--batch", "2", "--seq-len", "32", "--rank", "2", "--val-split", "0", "--quiet"]
+    code, out, _ = run(capsys, *common, "--out", str(tmp_path / "ok"))
+    assert code == 0 and json.loads(out)["status"] == "completed"
+    code, out, err = run(capsys, *common, "--out", str(tmp_path / "bad"), "--lr", "1e10")
+    assert code == 3 and json.loads(out)["status"] == "diverged" and "run diverged" in err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be"),
+    # argv bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape)
+    (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8 text (byte 0xe9 at character 3)"),
+])
+def test_generate_arguments_are_checked(capsys, tiny_llama, flags, needle):
+    code, _, err = run(capsys, "generate", "--model", str(tiny_llama), "--prompt", "hi", *flags)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_stops_at_the_context(tmp_path):
+    """--max-new-tokens far beyond a 24-token context ends at the context, not a hang."""
+    from toygraph.fixtures.tiny_models import write_tiny_llama
+    from toygraph.inference import LanguageModel
+    lm = LanguageModel(str(write_tiny_llama(tmp_path / "short.gguf", n_ctx=24)))
+    lm.stop_ids = set()  # never stop early: the context is the only limit left
+    forwards = []
+    real_run = lm._run
+    lm._run = lambda *a: forwards.append(1) or real_run(*a)  # one forward per new token
+    lm.generate("the cat", max_new_tokens=10**9)
+    assert len(forwards) == lm.seq_len - len(lm.encode_prompt("the cat", False))

@@ -411,7 +411,7 @@ def _lora_losses(path, backend, steps=3, dtype="f32"):
         ids = rng.integers(0, model.config.n_vocab, size=(B, T)).astype(np.int32)
         lab = np.roll(ids, -1, axis=1).astype(np.int32)
         lab[:, -1] = -1
-        losses.append(recipe.step(ids, pos, lab.reshape(-1), hp_row(i + 1, lr=1e-2),
+        losses.append(recipe.step(ids[None], pos[None], lab[None], hp_row(i + 1, lr=1e-2),
                                   is_first=(i == 0)))
     return recipe, losses, {k: np.asarray(v) for k, v in recipe.trainable().items()}
 
@@ -426,8 +426,12 @@ def test_lora_training_with_block_format_weights_matches_numpy(model, request, m
     assert quantized and {t.id for t in quantized} <= backend.raw_consts
     for a, b in zip(gpu_losses, cpu_losses):
         assert abs(a - b) <= 1e-4 * abs(b)
+    # The weights after 3 AdamW steps get a looser bound than the losses: Adam divides each
+    # moment by sqrt(v), so an entry whose gradient is ~0 moves by up to lr whatever its
+    # sign, and summation-order noise decides that sign (the host device showed 2.1e-3 on
+    # tiny_llama_kquant with gradients equal to 2e-6). 1e-2 * 3 steps bounds such moves.
     for k in cpu_w:
-        assert rel_err(gpu_w[k], cpu_w[k]) <= 1e-4, k
+        assert rel_err(gpu_w[k], cpu_w[k]) <= 5e-3, k
     again = _lora_losses(path, "cuda")[1]
     assert again == gpu_losses
     monkeypatch.setenv("TOYGRAPH_CUDA_QMATMUL", "0")
@@ -682,7 +686,7 @@ def test_recipe_on_cuda_uses_the_fused_head_and_tracks_numpy(recipe, tiny_llama)
             ids = rng.integers(0, model.config.n_vocab, size=(B, T)).astype(np.int32)
             lab = np.roll(ids, -1, axis=1).astype(np.int32)
             lab[:, -1] = -1
-            losses.append(r.step(ids, pos, lab.reshape(-1), hp_row(i + 1, lr=1e-3),
+            losses.append(r.step(ids[None], pos[None], lab[None], hp_row(i + 1, lr=1e-3),
                                  is_first=(i == 0)))
         runs[backend] = (losses, r.trainable())
     for a, b in zip(runs["cuda"][0], runs["cpu"][0]):

@@ -315,3 +315,36 @@ def test_smollm2_capitals_fit_and_truncate(smollm2_tok):
     assert all(len(e.tokens) <= 65 and any(e.target_mask) for e in ds.items)
     enc = encode_example(chat(("user", "word " * 200), ("assistant", "x " * 200)), smollm2_tok, 32)
     assert enc.truncated and len(enc.tokens) == 33 and 0 < sum(enc.target_mask) < 33
+
+
+# --- hostile files: each a one-line DataError with the line, in bounded time and memory -----
+def test_lone_surrogates_and_non_utf8_name_the_line(tmp_path):
+    p = write(tmp_path, ['{"text": "fine"}', '{"text": "half a pair \\ud83d here"}'])
+    with pytest.raises(DataError, match=r"d.jsonl:2: 'text' holds a lone surrogate \(\\ud83d"):
+        load_examples(p)
+    bad = '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\\udc00"}]}'
+    with pytest.raises(DataError, match=r"d.jsonl:1: messages\[1\].content holds a lone surrogate"):
+        load_examples(write(tmp_path, [bad]))
+    raw = tmp_path / "latin1.jsonl"
+    raw.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8"):
+        load_examples(raw)
+
+
+def test_deep_nesting_is_refused_before_parsing(tmp_path):
+    deep = '{"text": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(DataError, match=r"d.jsonl:1: JSON nested 100001 levels deep"):
+        load_examples(write(tmp_path, [deep]))
+    # Brackets inside strings are text, not nesting.
+    ok = load_examples(write(tmp_path, [json.dumps({"text": "[" * 500 + "{" * 500})]))
+    assert ok[0].text.startswith("[[[")
+
+
+def test_an_overlong_line_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    import toygraph.examples
+    monkeypatch.setattr(toygraph.examples, "MAX_LINE_BYTES", 1000)
+    p = write(tmp_path, ['{"text": "short"}', json.dumps({"text": "a" * 5000}), '{"text": "after"}'])
+    with pytest.raises(DataError, match=r"d.jsonl:2: line longer than"):
+        load_examples(p)
+    # At the limit itself the line is fine (the newline does not count against it).
+    assert len(load_examples(write(tmp_path, [json.dumps({"text": "a" * 980})]))) == 1

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from toygraph.errors import GGUFError
-from toygraph.fixtures.tiny_models import write_tiny_llama, write_tiny_qwen2
-from toygraph.gguf import GGUFModel, LlamaConfig, WeightTensor, open_gguf
+from toygraph.fixtures.tiny_models import (write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2,
+                                           write_tiny_qwen3)
+from toygraph.gguf import GGUFModel, ModelConfig, WeightTensor, open_gguf
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +29,12 @@ def smollm2_or_skip():
 
 def test_tiny_llama_config(tiny):
     cfg = open_gguf(tiny["llama"]).config
-    assert cfg == LlamaConfig(
+    assert cfg == ModelConfig(
         arch="llama", n_layer=2, n_embd=64, n_ff=96, n_head=4, n_head_kv=2, head_dim=16,
         rope_base=10000.0, rope_dims=16, rope_mode="normal", rms_eps=cfg.rms_eps,
-        n_vocab=cfg.n_vocab, n_ctx=128, tied_output=True, qkv_bias=False)
+        n_vocab=cfg.n_vocab, n_ctx=128, tied_output=True, qkv_bias=False, rope_freqs=False,
+        rope_scale=1.0, sliding_window=0, attn_scale=0.25, embed_scale=1.0, windows=(0, 0),
+        rope_bases=(10000.0, 10000.0), rope_scales=(1.0, 1.0))
     assert cfg.rms_eps == pytest.approx(1e-5) and 256 < cfg.n_vocab <= 512
 
 
@@ -160,11 +163,13 @@ def test_unknown_architecture(tiny, tmp_path):
         open_gguf(p)
 
 
-def test_missing_required_tensor(tiny, tmp_path):
-    # Claim 3 blocks where the file holds 2.
+@pytest.mark.parametrize("claimed", [3, 1, 2_300_000_000])
+def test_block_count_must_match_the_blocks_present(tiny, tmp_path, claimed):
+    """Checked before any per-layer loop: a corrupted count (~2.3e9) fails at once."""
     p = patched(tiny["llama"], tmp_path / "blocks.gguf", kv_u32("llama.block_count", 2),
-                kv_u32("llama.block_count", 3))
-    with pytest.raises(GGUFError, match=r"blocks\.gguf: missing required tensor 'blk\.2\."):
+                kv_u32("llama.block_count", claimed))
+    with pytest.raises(GGUFError, match=rf"blocks\.gguf: metadata 'llama\.block_count' is "
+                                        rf"{claimed}, but the file holds tensors for 2 blocks"):
         open_gguf(p)
 
 
@@ -179,3 +184,101 @@ def test_unsupported_tensor_type(tmp_path):
     p = write_tiny_llama(tmp_path / "fp4.gguf", weight_types={"ffn_up": "mxfp4"})
     with pytest.raises(GGUFError, match=r"fp4\.gguf: tensor 'blk\.0\.ffn_up\.weight'.*MXFP4"):
         open_gguf(p)
+
+
+# ---- nothing ignored, nothing unbounded (models/config.py) ---------------------------
+
+def kv_f32(key: str, value: float) -> bytes:
+    return key.encode() + np.uint32(gguf.GGUFValueType.FLOAT32).tobytes() + np.float32(value).tobytes()
+
+
+@pytest.mark.parametrize("case, write, match", [
+    ("extra_tensor", lambda p: write_tiny_llama(p, extra_tensors={"blk.0.attn_sinks.weight": np.zeros(4)}),
+     r"tensor 'blk\.0\.attn_sinks\.weight' is not used by the llama graph"),
+    ("attn_softcap", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.attn_logit_softcapping": 50.0}),
+     r"metadata key 'gemma3\.attn_logit_softcapping' is not understood for gemma3"),
+    ("final_softcap", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.final_logit_softcapping": 30.0}),
+     r"metadata key 'gemma3\.final_logit_softcapping' is not understood"),
+    ("unknown_key", lambda p: write_tiny_llama(p, extra_kv={"llama.attention.layer_norm_epsilon": 1e-5}),
+     r"metadata key 'llama\.attention\.layer_norm_epsilon' is not understood"),
+    ("swa_pattern", lambda p: write_tiny_gemma3(p, extra_kv={"gemma3.attention.sliding_window_pattern": "6"}),
+     r"'gemma3\.attention\.sliding_window_pattern' must be an integer, found '6'"),
+    ("moe", lambda p: write_tiny_llama(p, extra_kv={"llama.expert_count": 8}),
+     r"metadata key 'llama\.expert_count' is not understood"),
+    ("yarn", lambda p: write_tiny_qwen3(p, extra_kv={"qwen3.rope.scaling.type": "yarn",
+                                                    "qwen3.rope.scaling.factor": 4.0}),
+     r"qwen3\.rope\.scaling\.type = 'yarn' is not supported"),
+    ("qwen3_no_qk_norm", lambda p: write_tiny_qwen3(p, qk_norm=False),
+     r"missing required tensor 'blk\.0\.attn_q_norm\.weight'"),
+    ("qwen3_bias", lambda p: write_tiny_qwen3(p, qkv_bias=True),
+     r"tensor 'blk\.0\.attn_q\.bias' is not used by the qwen3 graph"),
+    ("gemma3_no_post_norm", lambda p: write_tiny_gemma3(p, post_norms=False),
+     r"missing required tensor 'blk\.0\.post_attention_norm\.weight'"),
+    ("gemma3_no_window", lambda p: write_tiny_gemma3(p, sliding_window=None),
+     r"gemma3 needs a positive gemma3\.attention\.sliding_window"),
+    ("qwen2_rope_freqs", lambda p: write_tiny_qwen2(p, rope_freqs=np.ones(8)),
+     r"tensor 'rope_freqs\.weight' is not used by the qwen2 graph"),
+    ("rope_freqs_shape", lambda p: write_tiny_llama(p, rope_freqs=np.ones(5)),
+     r"tensor 'rope_freqs\.weight' has shape \(5,\), expected \(8,\)"),
+    ("value_length", lambda p: write_tiny_qwen3(p, head_dim=None, extra_kv={"qwen3.attention.value_length": 24}),
+     r"attention\.value_length differs from attention\.key_length"),
+    ("type", lambda p: write_tiny_llama(p, extra_kv={"llama.attention.key_length": "16"}),
+     r"metadata 'llama\.attention\.key_length' must be an integer, found '16'"),
+])
+def test_refuses_what_it_does_not_implement(tmp_path, case, write, match):
+    path = write(tmp_path / f"{case}.gguf")
+    with pytest.raises(GGUFError, match=match) as e:
+        open_gguf(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("old, new, match", [
+    (kv_u32("llama.attention.head_count", 4), kv_u32("llama.attention.head_count", 0),
+     r"'llama\.attention\.head_count' must be positive and finite, found 0"),
+    (kv_u32("llama.attention.head_count_kv", 2), kv_u32("llama.attention.head_count_kv", 3),
+     r"head_count_kv = 3 does not divide attention\.head_count = 4"),
+    (kv_u32("llama.attention.head_count_kv", 2), kv_u32("llama.attention.head_count_kv", 0),
+     r"'llama\.attention\.head_count_kv' must be positive"),
+    (kv_u32("llama.embedding_length", 64), kv_u32("llama.embedding_length", 4_000_000_000),
+     r"tensor 'token_embd\.weight' has shape \(\d+, 64\), expected \(\d+, 4000000000\)"),
+    (kv_u32("llama.rope.dimension_count", 16), kv_u32("llama.rope.dimension_count", 17),
+     r"rope\.dimension_count = 17 must be even and at most the head size 16"),
+    (kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5),
+     kv_f32("llama.attention.layer_norm_rms_epsilon", -1e-5),
+     r"'llama\.attention\.layer_norm_rms_epsilon' must be positive and finite"),
+    (kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5),
+     kv_f32("llama.attention.layer_norm_rms_epsilon", float("nan")),
+     r"'llama\.attention\.layer_norm_rms_epsilon' must be positive and finite, found nan"),
+    (kv_f32("llama.rope.freq_base", 10000.0), kv_f32("llama.rope.freq_base", 0.0),
+     r"'llama\.rope\.freq_base' must be positive and finite"),
+])
+def test_metadata_is_bounded_before_use(tiny, tmp_path, old, new, match):
+    p = patched(tiny["llama"], tmp_path / "bad.gguf", old, new)
+    with pytest.raises(GGUFError, match=match) as e:
+        open_gguf(p)
+    assert "\n" not in str(e.value)
+
+
+def test_gemma3_config_follows_llama_cpp(tmp_path):
+    """Attention scale 1/sqrt(head_dim), except the 62-layer 27B (1/sqrt(n_embd/n_head));
+    layer i global iff (i + 1) % 6 == 0; rope base 10000 on sliding layers; embeddings
+    times sqrt(n_embd); rope.freq_base required (llama.cpp and transformers default
+    differently)."""
+    cfg = open_gguf(write_tiny_gemma3(tmp_path / "g.gguf", n_layer=12)).config
+    assert cfg.attn_scale == 24 ** -0.5 and cfg.embed_scale == 80 ** 0.5
+    assert [i for i, w in enumerate(cfg.windows) if w == 0] == [5, 11]
+    assert cfg.rope_bases == tuple(1e6 if i in (5, 11) else 1e4 for i in range(12))
+    big = open_gguf(write_tiny_gemma3(tmp_path / "g62.gguf", n_layer=62, n_embd=64, n_ff=64,
+                                      weight_types={})).config
+    assert big.attn_scale == (64 // 4) ** -0.5 != big.head_dim ** -0.5
+    with pytest.raises(GGUFError, match=r"missing metadata key 'gemma3\.rope\.freq_base'"):
+        open_gguf(write_tiny_gemma3(tmp_path / "nobase.gguf", rope_base=None))
+
+
+def test_harmless_keys_load(tmp_path):
+    """A dense model may say it has 0 experts; a gemma3 file may spell out its period."""
+    assert open_gguf(write_tiny_llama(tmp_path / "a.gguf", extra_kv={
+        "llama.expert_count": 0, "llama.expert_used_count": 0})).config.n_layer == 2
+    cfg = open_gguf(write_tiny_gemma3(tmp_path / "g.gguf", extra_kv={
+        "gemma3.attention.sliding_window_pattern": 3})).config
+    assert [i for i, w in enumerate(cfg.windows) if w == 0] == [2, 5]

@@ -37,10 +37,15 @@ def random_lora(cfg, targets, rank, seed=0, b_std=0.02):
     return lora
 
 
-def peft_model(path, adapter_dir, trainable=False):
-    base = transformers.AutoModelForCausalLM.from_pretrained(
+def gguf_reference(path):
+    """transformers' own model of a GGUF (float32)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return peft.PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
+
+
+def peft_model(path, adapter_dir, trainable=False, reference=gguf_reference):
+    """PEFT's LoRA model: the adapter directory on ``reference(path)``."""
+    return peft.PeftModel.from_pretrained(reference(path), str(adapter_dir), is_trainable=trainable)
 
 
 def token_batch(path, tiny: bool, seq: int):
@@ -83,8 +88,9 @@ def test_peft_adapter_loss_matches_transformers(which, request, tmp_path):
 
 
 def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=5, lr=2e-3,
-               betas=(0.9, 0.99), eps=1e-8, wd=0.05, max_norm=0.5):
-    """Per-step losses of toygraph's LoRA recipe and of torch + PEFT from the same init."""
+               betas=(0.9, 0.99), eps=1e-8, wd=0.05, max_norm=0.5, reference=gguf_reference):
+    """Per-step losses of toygraph's LoRA recipe and of torch + PEFT (on the model
+    ``reference(path)``) from the same init."""
     model_file = GGUFModel(path)
     cfg = model_file.config
     lora = random_lora(cfg, targets, rank)
@@ -99,12 +105,12 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
     positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
     mine, norms = [], []
     for t in range(1, steps + 1):
-        mine.append(recipe.step(tokens, positions, labels, hp_row(t, lr, *betas, eps, wd),
+        mine.append(recipe.step(tokens[None], positions[None], labels[None], hp_row(t, lr, *betas, eps, wd),
                                 is_first=(t == 1)))
         norms.append(recipe.last_grad_norm())
 
     save_peft(tmp_path, lora, cfg, rank=rank, alpha=alpha, targets=targets)
-    model = peft_model(path, tmp_path, trainable=True)
+    model = peft_model(path, tmp_path, trainable=True, reference=reference)
     params = [p for p in model.parameters() if p.requires_grad]
     assert len(params) == 2 * len(lora)
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)

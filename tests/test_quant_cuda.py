@@ -89,7 +89,8 @@ def test_mixed_model_matches_transformers_and_trains(mixed_model):
     print(f"mixed block types: toygraph {mine:.7f} transformers {ref:.7f} "
           f"rel {abs(mine - ref) / ref:.2e}")
     assert abs(mine - ref) / ref <= 1e-4
-    losses = [recipe.step(tokens, positions, labels, hp_row(t, 1e-2), is_first=(t == 1))
+    losses = [recipe.step(tokens[None], positions[None], labels[None], hp_row(t, 1e-2),
+                          is_first=(t == 1))
               for t in range(1, 6)]
     print("LoRA losses:", " ".join(f"{x:.5f}" for x in losses))
     assert np.all(np.isfinite(losses)) and abs(losses[0] - mine) <= 1e-6 * mine

@@ -14,14 +14,16 @@ TEXTS = ["the cat sat on the mat and the dog sat on the log",
          "the sun is hot and the moon is cold and far away"]
 
 
-@pytest.fixture
-def chat_data(tmp_path):
-    p = tmp_path / "chat.jsonl"
-    rows = []
-    for i in range(24):
-        rows.append({"instruction": f"say {i}", "response": f"the number is {i}"})
+def write_chat_data(p):
+    """24 instruction rows "say i" -> "the number is i"."""
+    rows = [{"instruction": f"say {i}", "response": f"the number is {i}"} for i in range(24)]
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return p
+
+
+@pytest.fixture
+def chat_data(tmp_path):
+    return write_chat_data(tmp_path / "chat.jsonl")
 
 
 def events(out):
@@ -152,9 +154,10 @@ def test_bad_inputs_give_clear_errors(tiny_llama, chat_data, tmp_path):
 
 
 def test_early_stopping_and_loss_plot(tiny_llama, chat_data, tmp_path):
-    """A learning rate far too high makes validation worse; patience 1 stops the run."""
+    """A learning rate too high to settle makes validation worse at some point (but not
+    so high that the divergence guard stops the run); patience 1 stops the run."""
     out = tmp_path / "r"
-    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=40, lr=5.0, clip=0.0,
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=40, lr=0.5,
                              eval_every=2, patience=1, schedule="constant"))
     assert s["status"] == "early_stopped" and s["steps"] < 40
     evals = [e for e in events(out) if e["event"] == "eval"]

@@ -1,7 +1,7 @@
 """LoRA adapter files: PEFT directories (Hugging Face) and llama.cpp GGUF adapters.
 
 Adapters live in memory as ``{gguf weight name: (A, B)}`` with A [rank, n_in] and
-B [n_out, rank] float32 in the GGUF row order the graph computes in (models/llama.py).
+B [n_out, rank] float32 in the GGUF row order the graph computes in (models/decoder.py).
 
 >>> save_peft("out/adapter", lora, cfg, rank=8, alpha=16, targets=("q", "v"),
 ...           base_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")      # doctest: +SKIP
@@ -10,7 +10,8 @@ B [n_out, rank] float32 in the GGUF row order the graph computes in (models/llam
 >>> check_gguf_adapter("out/adapter.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf")      # doctest: +SKIP
 
 The one layout difference between the formats: llama-arch GGUFs store Q/K rows permuted
-for llama.cpp's "normal" rope, Hugging Face checkpoints in rotate-half order.
+for llama.cpp's "normal" rope, Hugging Face checkpoints in rotate-half order (which
+families do is data: Family.qk_permuted in models/families.py).
 `hf_row_order` is the single place that converts (lora_B rows only: A multiplies the
 hidden input, whose order both sides share). GGUF adapters keep GGUF order, since
 llama.cpp adds them to the GGUF base as stored.
@@ -26,15 +27,16 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataError
-from .models.llama import TARGETS, weight_shape
+from .models.decoder import TARGETS, weight_shape
+from .models.families import HF_LAYER_MODULES
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-# GGUF projection name -> Hugging Face module path inside a decoder layer.
-HF_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+#: safetensors metadata key recording the architecture an adapter was trained for.
+ARCH_METADATA = "toygraph.arch"
+# GGUF projection name -> Hugging Face module path inside a decoder layer (the families'
+# own tables, cfg.family.hf_modules, are what export and import use; this is the default).
+HF_MODULES = HF_LAYER_MODULES
 _SHORT_BY_GGUF = {g: s for s, g in TARGETS.items()}
-_GGUF_BY_HF = {hf: g for g, hf in HF_MODULES.items()}
 _PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
 
 
@@ -44,11 +46,11 @@ def hf_row_order(rows: np.ndarray, cfg, name: str, to_hf: bool) -> np.ndarray:
 
     transformers un-permutes llama Q/K at GGUF load with
     ``w.reshape(n_head, head_dim // 2, 2, n).swapaxes(1, 2)``; ``to_hf`` applies exactly
-    that, ``to_hf=False`` its inverse. Everything else (v, o, mlp, and all of qwen2,
-    which is stored unpermuted) passes through unchanged.
+    that, ``to_hf=False`` its inverse. Everything else (v, o, mlp, and every family whose
+    GGUFs store Q/K unpermuted: Family.qk_permuted False) passes through unchanged.
     """
     proj = name.split(".")[-2]
-    if cfg.rope_mode != "normal" or proj not in ("attn_q", "attn_k"):
+    if not cfg.family.qk_permuted or proj not in ("attn_q", "attn_k"):
         return rows
     n_head = cfg.n_head if proj == "attn_q" else cfg.n_head_kv
     half = rows.shape[0] // n_head // 2
@@ -106,8 +108,6 @@ def _atomic_write(path: Path, write) -> None:
 def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "") -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
     the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order)."""
-    from safetensors.numpy import save_file
-
     dir = Path(dir)
     found = _check_lora(lora, cfg, str(dir))
     if found != rank:
@@ -120,7 +120,7 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     tensors = {}
     for name, (a, b) in lora.items():
         layer, proj = int(name.split(".")[1]), name.split(".")[2]
-        key = f"base_model.model.model.layers.{layer}.{HF_MODULES[proj]}"
+        key = f"base_model.model.model.layers.{layer}.{cfg.family.hf_modules[proj]}"
         tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
         tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(
             hf_row_order(np.asarray(b, np.float32), cfg, name, to_hf=True))
@@ -128,7 +128,7 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name or None, "revision": None,
         "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": 0.0,
-        "target_modules": sorted(HF_MODULES[TARGETS[t]].split(".")[1] for t in targets),
+        "target_modules": sorted(cfg.family.hf_modules[TARGETS[t]].split(".")[1] for t in targets),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
@@ -137,10 +137,29 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     dir.mkdir(parents=True, exist_ok=True)
     # Each file is replaced whole; the config goes last, so a crash in between leaves the
     # old config with complete (new) weights, never a truncated file.
-    _atomic_write(dir / WEIGHTS_FILE, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    # The architecture goes into the safetensors metadata (PEFT ignores it there, while an
+    # unknown adapter_config key makes PEFT warn): q/k rows are stored in HF order, which
+    # differs between architectures, so an adapter must not load onto another one.
+    _atomic_write(dir / WEIGHTS_FILE, lambda p: _save_sorted_metadata(
+        tensors, p, {"format": "pt", ARCH_METADATA: cfg.arch}))
     _atomic_write(dir / CONFIG_FILE,
                   lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     return dir
+
+
+def _save_sorted_metadata(tensors: dict, path: str, metadata: dict):
+    """safetensors' save_file, with the metadata in sorted order: it keeps metadata in a
+    Rust HashMap, whose order changes from process to process, so two runs would write
+    different bytes. The header is rewritten in place (same keys, same length)."""
+    from safetensors.numpy import save_file
+    save_file(tensors, path, metadata=metadata)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":")).encode()
+        f.seek(8)
+        f.write(text.ljust(n))
 
 
 def _read_peft_config(path: Path) -> dict:
@@ -173,7 +192,7 @@ def _read_peft_config(path: Path) -> dict:
 def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     """Read a PEFT LoRA directory for the model ``cfg``: (lora in GGUF layout, rank, alpha,
     short target names). Raises DataError naming the file for anything it cannot use."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
     dir = Path(dir)
@@ -183,12 +202,22 @@ def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
         raise DataError(f"{wpath}: missing adapter weights (only safetensors is supported)")
     try:
         raw = load_file(str(wpath))
+        with safe_open(str(wpath), "np") as f:
+            arch = (f.metadata() or {}).get(ARCH_METADATA)
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise DataError(f"{wpath}: cannot read safetensors ({e})") from None
+    if arch is not None and arch != cfg.arch:
+        raise DataError(f"{wpath}: adapter was trained on a {arch} model; the base model is "
+                        f"{cfg.arch} (q/k row order and semantics differ)")
+    for key, value in raw.items():
+        if value.dtype.kind != "f":
+            raise DataError(f"{wpath}: tensor {key!r} is {value.dtype}; adapter tensors must be "
+                            f"floating point")
     halves: dict[str, dict[str, np.ndarray]] = {}
+    gguf_by_hf = {hf: g for g, hf in cfg.family.hf_modules.items()}
     for key, value in raw.items():
         m = _PEFT_KEY.fullmatch(key)
-        proj = _GGUF_BY_HF.get(m.group(2)) if m else None
+        proj = gguf_by_hf.get(m.group(2)) if m else None
         if proj is None or int(m.group(1)) >= cfg.n_layer:
             raise DataError(f"{wpath}: key {key!r} does not map to a LoRA module of this "
                             f"{cfg.n_layer}-layer {cfg.arch} model")
@@ -321,7 +350,7 @@ def load_gguf_adapter(path, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     reader = _open_reader(path)
     base_ne = {}
     for i in range(cfg.n_layer):
-        for proj in HF_MODULES:
+        for proj in cfg.family.hf_modules:
             name = f"blk.{i}.{proj}.weight"
             base_ne[name] = tuple(reversed(weight_shape(cfg, name)))
     pairs, rank, alpha = _validate_gguf_adapter(reader, path, cfg.arch, base_ne)

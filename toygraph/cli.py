@@ -30,10 +30,22 @@ def _parse_ids(text: str) -> list[int]:
         raise ToygraphError(f"--tokens must be comma-separated integers, got {text!r}") from None
 
 
+def _utf8(flag: str, text: str) -> str:
+    """Command-line text as valid Unicode: undecodable bytes in argv arrive as lone
+    surrogates (Python's surrogateescape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate \\u{c:04x}"
+        raise ToygraphError(f"{flag} is not valid UTF-8 text ({what} at character {e.start})") from None
+    return text
+
+
 def cmd_tokenize(args):
     from .tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(resolve_model(args.model))
-    print(json.dumps(tok.encode(args.text)))
+    print(json.dumps(tok.encode(_utf8("--text", args.text))))
 
 
 def cmd_eval(args):
@@ -42,7 +54,7 @@ def cmd_eval(args):
     if args.tokens is not None:
         loss, n = lm.loss(_parse_ids(args.tokens))
     elif args.text is not None:
-        loss, n = lm.loss(lm.tokenizer.encode(args.text, add_bos=None))
+        loss, n = lm.loss(lm.tokenizer.encode(_utf8("--text", args.text), add_bos=None))
     else:
         from .data import encode_dataset, load_examples
         enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
@@ -58,30 +70,43 @@ def cmd_eval(args):
 
 def cmd_generate(args):
     from .inference import LanguageModel
+    if args.max_new_tokens < 0:
+        raise ToygraphError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ToygraphError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise ToygraphError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    prompt = _utf8("--prompt", args.prompt)
     lm = LanguageModel(resolve_model(args.model), adapter_dir=args.adapter, backend=args.backend)
     from .sampling import generation_kwargs  # streams the text to stdout as it is produced
-    lm.generate(args.prompt, chat=args.chat, **generation_kwargs(args, print_to=sys.stdout))
+    lm.generate(prompt, chat=args.chat, **generation_kwargs(args, print_to=sys.stdout))
     print()
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(t.strip().replace("-", "_") for t in text.split(",") if t.strip())
+
+
 def train_config_from_args(args):
-    from .train import TrainConfig
-    return TrainConfig(
-        model=resolve_model(args.model), data=args.data, out=args.out, recipe=args.recipe,
-        targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()), rank=args.rank,
-        alpha=args.alpha, steps=args.steps, epochs=args.epochs, batch=args.batch,
-        grad_accum=args.grad_accum, seq_len=args.seq_len, lr=args.lr, schedule=args.schedule,
-        warmup=args.warmup, clip=args.clip, weight_decay=args.weight_decay, seed=args.seed,
-        val_split=args.val_split, eval_every=args.eval_every, patience=args.patience,
-        save_every=args.save_every, adapter_init=args.adapter_init, resume=args.resume,
-        backend=args.backend, max_examples=args.max_examples, quiet=args.quiet)
+    """A TrainConfig from the parsed flags: every field of the dataclass with a flag."""
+    from dataclasses import fields
+
+    from .config import TrainConfig
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    given.update(model=resolve_model(args.model), allow_change=_names(args.allow_change),
+                 targets=tuple(t.strip() for t in args.targets.split(",") if t.strip()))
+    return TrainConfig(**given)
+
+
+#: Exit codes of ``finetune`` by run status (errors before or during the run exit 2).
+EXIT_CODES = {"completed": 0, "early_stopped": 0, "diverged": 3, "interrupted": 130}
 
 
 def cmd_finetune(args):
     from .train import run_training
     summary = run_training(train_config_from_args(args))
     print(json.dumps(summary))
-    return 130 if summary["status"] == "interrupted" else 0
+    return EXIT_CODES.get(summary["status"], 1)
 
 
 def cmd_gate(args):
@@ -103,33 +128,45 @@ def cmd_demo(args):
 
 
 def _add_finetune_args(p):
+    from .config import TrainConfig
+    d = TrainConfig("", "", "")  # defaults come from the dataclass
     p.add_argument("--model", required=True, help="GGUF file, or 'smollm2'")
     p.add_argument("--data", required=True, help="JSONL: instruction/response, alpaca, chat or text")
     p.add_argument("--out", required=True, help="run directory (adapter, checkpoints, events)")
-    p.add_argument("--recipe", default="lora", choices=["lora", "full", "scratch"])
-    p.add_argument("--targets", default="q,v", help="LoRA targets among q,k,v,o,gate,up,down")
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=16.0)
+    p.add_argument("--recipe", default=d.recipe, choices=["lora", "full", "scratch"])
+    p.add_argument("--targets", default=",".join(d.targets), help="LoRA targets among q,k,v,o,gate,up,down")
+    p.add_argument("--rank", type=int, default=d.rank)
+    p.add_argument("--alpha", type=float, default=d.alpha)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int)
     g.add_argument("--epochs", type=float)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--schedule", default="cosine", choices=["constant", "cosine", "linear"])
-    p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip; 0 = off")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--val-split", type=float, default=0.1, help="0 = no validation")
-    p.add_argument("--eval-every", type=int, default=0, help="0 = every epoch and at the end")
-    p.add_argument("--patience", type=int, default=0, help="early stopping; 0 = off")
-    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--schedule", default=d.schedule, choices=["constant", "cosine", "linear"])
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--clip", type=float, default=d.clip, help="global grad-norm clip; 0 = off")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--val-split", type=float, default=d.val_split, help="0 = no validation")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="0 = every epoch and at the end")
+    p.add_argument("--patience", type=int, default=d.patience, help="early stopping; 0 = off")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help="also checkpoint every N steps (evaluations always checkpoint); 0 = off")
+    p.add_argument("--save-minutes", type=float, default=d.save_minutes,
+                   help="checkpoint every N minutes; 0 = off")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                   help="step checkpoints kept (best/ is kept apart)")
+    p.add_argument("--diverge-factor", type=float, default=d.diverge_factor,
+                   help="stop as diverged when a loss exceeds this x the running median; 0 = off")
     p.add_argument("--adapter-init", help="start from this PEFT adapter directory")
-    p.add_argument("--resume", help="checkpoint directory (or run directory) to continue")
+    p.add_argument("--resume", help="run directory (its newest good checkpoint) or checkpoint to continue")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--allow-change", default="",
+                   help="comma-separated options that may differ from the resumed checkpoint")
     p.add_argument("--max-examples", type=int)
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--backend", default=d.backend, choices=["cpu", "cuda"])
     p.add_argument("--quiet", action="store_true")
 
 
@@ -182,16 +219,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _report(command: str, e: BaseException):
+    try:
+        print(f"toygraph {command}: error: {e}", file=sys.stderr, flush=True)
+    except OSError:  # stderr itself is gone (a closed pipe): the exit code still says it
+        pass
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
-    except ToygraphError as e:
-        print(f"toygraph {args.command}: error: {e}", file=sys.stderr)
+    except (ToygraphError, ValueError) as e:  # ValueError: values the library rejected up front
+        _report(args.command, e)
         return 2
-    except ValueError as e:  # argument values the library rejected before any work
-        print(f"toygraph {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except OSError as e:  # e.g. a broken pipe on the output; the run (if any) recorded it
+        _report(args.command, e)
+        return 1
+    except KeyboardInterrupt:  # before or after a run's own handling (loading, realizing)
+        _report(args.command, "interrupted")
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,41 +12,26 @@ of seed and epoch so a resumed run regenerates the same order).
 >>> train, val = split_train_val(ds.items, 0.1, seed=0)           # doctest: +SKIP
 >>> for b in batches(train, 4, 64, pad_id_for(tok), shuffle=True, seed=0, epoch=0): ...  # doctest: +SKIP
 
-Accepted JSONL shapes (one object per line, blank lines skipped; extra keys are ignored):
-instruction ``{"instruction", "response", "system"?}``, alpaca
-``{"instruction", "input"?, "output", "system"?}``, chat ``{"messages": [{"role", "content"}]}``
-and plain ``{"text"}``. Instruction/alpaca rows become chat messages.
+The accepted JSONL shapes and the limits on hostile files are in ``toygraph.examples``
+(``load_examples`` and ``Example`` are re-exported here).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from toygraph.errors import DataError
+from toygraph.examples import Example, load_examples
 
-ROLES = ("system", "user", "assistant")
-SHAPES = ('{"instruction", "response", "system"?}', '{"instruction", "input"?, "output", "system"?}',
-          '{"messages": [{"role", "content"}, ...]}', '{"text"}')
+__all__ = ["Example", "Encoded", "DataReport", "EncodedDataset", "Batch", "load_examples",
+           "encode_example", "encode_dataset", "check_special_tokens", "split_train_val",
+           "pad_id_for", "steps_per_epoch", "batches", "data_hash"]
+
 # Used when the GGUF has no chat template (base models). Each assistant turn is followed by
 # EOS, so the model learns to stop; the prompt for generation ends with "### Response:\n".
 FALLBACK_HEADERS = {"system": "### System:", "user": "### Instruction:", "assistant": "### Response:"}
-
-
-@dataclass
-class Example:
-    """One parsed row: chat ``messages`` (instruction data normalized) or plain ``text``."""
-    messages: list[dict] | None = None
-    text: str | None = None
-    line: int = 0
-    path: str | None = None  # for error messages raised while encoding
-
-    @property
-    def where(self) -> str:
-        return f"{self.path or '<data>'}:{self.line}"
 
 
 @dataclass
@@ -90,101 +75,6 @@ class Batch:
     positions: np.ndarray
     labels: np.ndarray
     n_targets: int
-
-
-# ------------------------------------------------------------------------- loading
-def load_examples(path) -> list[Example]:
-    """Parse a JSONL data file; raises DataError naming ``file:line`` on any bad row."""
-    p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{p}: data file not found") from None
-    except OSError as e:
-        raise DataError(f"{p}: cannot read data file: {e}") from e
-    examples = []
-    for n, line in enumerate(raw.split(b"\n"), start=1):
-        where = f"{p}:{n}"
-        try:
-            s = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
-        if n == 1:
-            s = s.lstrip("\ufeff")  # editors on Windows like to add a BOM
-        if not s.strip():
-            continue
-        try:
-            obj = json.loads(s)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
-        examples.append(_parse_row(obj, where, n, str(p)))
-    if not examples:
-        raise DataError(f"{p}: no examples (the file is empty or holds only blank lines)")
-    return examples
-
-
-def _parse_row(obj, where: str, line: int, path: str) -> Example:
-    accepted = "accepted shapes: " + "; ".join(SHAPES)
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, found {type(obj).__name__}; {accepted}")
-    shapes = [k for k in ("messages", "instruction", "text") if k in obj]
-    if len(shapes) != 1:
-        found = ", ".join(sorted(obj)) or "none"
-        what = "ambiguous row" if shapes else "unknown row shape"
-        raise DataError(f"{where}: {what} (keys found: {found}); {accepted}")
-    if shapes[0] == "text":
-        return Example(text=_string(obj, "text", where), line=line, path=path)
-    if shapes[0] == "messages":
-        return Example(messages=_parse_messages(obj["messages"], where), line=line, path=path)
-
-    answer_keys = [k for k in ("response", "output") if k in obj]
-    if len(answer_keys) != 1:
-        found = ", ".join(sorted(obj))
-        raise DataError(f"{where}: an instruction row needs exactly one of 'response' or 'output' "
-                        f"(keys found: {found}); {accepted}")
-    instruction = _string(obj, "instruction", where)
-    extra = _string(obj, "input", where, optional=True)
-    system = _string(obj, "system", where, optional=True)
-    user = f"{instruction}\n\n{extra}" if extra else instruction
-    messages = [{"role": "system", "content": system}] if system is not None else []
-    messages += [{"role": "user", "content": user},
-                 {"role": "assistant", "content": _string(obj, answer_keys[0], where)}]
-    return Example(messages=messages, line=line, path=path)
-
-
-def _string(obj: dict, key: str, where: str, optional: bool = False) -> str | None:
-    value = obj.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise DataError(f"{where}: '{key}' must be a string, found {_type_name(value)}")
-    return value
-
-
-def _type_name(value) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _parse_messages(messages, where: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list, found {_type_name(messages)}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: messages[{i}] must be an object, found {_type_name(m)}")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str):
-            raise DataError(f"{where}: messages[{i}].role must be a string, found {_type_name(role)}")
-        if role not in ROLES:
-            raise DataError(f"{where}: messages[{i}] has unknown role {role!r} "
-                            f"(accepted: {', '.join(ROLES)})")
-        if not isinstance(content, str):
-            raise DataError(f"{where}: messages[{i}].content must be a string, "
-                            f"found {_type_name(content)}")
-        out.append({"role": role, "content": content})  # drop extra keys: templates see only these
-    if not any(m["role"] == "assistant" for m in out):
-        raise DataError(f"{where}: chat has no assistant turn, so nothing to train on")
-    return out
 
 
 # ------------------------------------------------------------------------- encoding

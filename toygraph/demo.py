@@ -32,7 +32,8 @@ def run_demo(out: str = "runs/demo", steps: int = 60, backend: str = "cpu") -> i
     cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora",
                       targets=("q", "k", "v", "o"), rank=8, alpha=16, steps=steps, batch=8,
                       seq_len=66, lr=3e-3, schedule="cosine", warmup=5, clip=1.0,
-                      val_split=0.1, eval_every=max(1, steps // 3), seed=42, backend=backend)
+                      val_split=0.1, eval_every=max(1, steps // 3), seed=42, backend=backend,
+                      overwrite=True)  # a demo run replaces the previous demo
     summary = run_training(cfg)
     minutes = (time.perf_counter() - t0) / 60
     tuned = LanguageModel(model, adapter_dir=out, backend=backend)

@@ -22,7 +22,7 @@ from .adapters import load_peft
 from .errors import DataError
 from .gguf import GGUFModel
 from .graph import Graph, Tensor
-from .models.llama import LoraConfig, build_llama
+from .models.decoder import LoraConfig, build_decoder
 from .sampling import SamplingOptions, TextStream, pick_token
 from .session import Session
 from .tokenizer import Tokenizer
@@ -68,8 +68,8 @@ class LanguageModel:
         key = (batch, seq)
         if key not in self._graphs:
             g = Graph()
-            net = build_llama(g, self.cfg, batch=batch, seq=seq, model=self.model,
-                              lora=self.lora_config)
+            net = build_decoder(g, self.cfg, batch=batch, seq=seq, model=self.model,
+                                lora=self.lora_config)
             labels = g.input("labels", (batch * seq,), "i32")
             f = _Forward(sess=Session(g, backend=self.backend), tokens=net.tokens,
                          positions=net.positions, labels=labels, logits=g.output(net.logits),

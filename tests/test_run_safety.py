@@ -1,0 +1,387 @@
+"""Run safety: a run is never lost, mixed with another or misreported (issues 11 and 18).
+
+In-process runs on the tiny model; each test checks the files a run leaves behind."""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import toygraph.checkpoint as ckpt
+from test_train import cfg_for, events, write_chat_data
+from toygraph.checkpoint import find_resumable, list_checkpoints, load_checkpoint, verify_checkpoint
+from toygraph.errors import DataError, ToygraphError
+from toygraph.resume import ResumeMismatch
+from toygraph.runs import RunError, read_events
+from toygraph.train import run_training
+
+@pytest.fixture
+def chat_data(tmp_path):
+    return write_chat_data(tmp_path / "chat.jsonl")
+
+
+FINAL = ("adapter_model.safetensors", "adapter_config.json", "adapter.gguf")
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def strict_lines(path):
+    """Every line of an events file parsed as strict JSON (NaN/Infinity refused)."""
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def step_losses(out):
+    """{step: loss} from a run's events; a resumed run's repeat of a step overwrites it."""
+    return {e["step"]: e["loss"] for e in events(out) if e["event"] == "step"}
+
+
+@pytest.fixture(scope="module")
+def base_run(tiny_llama, tmp_path_factory):
+    """A completed 6-step run with checkpoints at steps 3 and 6."""
+    root = tmp_path_factory.mktemp("base")
+    data = write_chat_data(root / "chat.jsonl")
+    out = root / "run"
+    summary = run_training(cfg_for(tiny_llama, data, out))
+    assert summary["status"] == "completed"
+    return tiny_llama, data, out
+
+
+# --- the run directory ---------------------------------------------------------------------------
+def test_a_second_run_into_a_run_directory_is_refused_and_changes_nothing(base_run, capsys):
+    from toygraph.cli import main
+    model, data, out = base_run
+    before = snapshot(out)
+    with pytest.raises(RunError, match="holds a run; pass --resume"):
+        run_training(cfg_for(model, data, out, seed=8))
+    code = main(["finetune", "--model", str(model), "--data", str(data), "--out", str(out),
+                 "--steps", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds a run" in err and "Traceback" not in err
+    assert snapshot(out) == before
+
+
+def test_overwrite_replaces_the_run(tiny_llama, chat_data, tmp_path):
+    out = tmp_path / "r"
+    run_training(cfg_for(tiny_llama, chat_data, out, steps=3, val_split=0.0))
+    (out / "notes.txt").write_text("mine")
+    run_training(cfg_for(tiny_llama, chat_data, out, steps=2, val_split=0.0, overwrite=True))
+    assert [e["event"] for e in events(out)].count("run_start") == 1
+    assert [s for s, _ in list_checkpoints(out)] == [2]
+    assert (out / "notes.txt").read_text() == "mine"  # only the run's own files are replaced
+
+
+def test_a_live_lock_refuses_and_a_dead_one_is_taken_over(tiny_llama, chat_data, tmp_path):
+    from toygraph.runs import LOCK_FILE, RunLock
+    out = tmp_path / "r"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # Take the lock as the other process would (its pid and start time).
+        lock = RunLock(out / LOCK_FILE)
+        real_pid = os.getpid
+        os.getpid = lambda: other.pid
+        try:
+            lock.acquire()
+        finally:
+            os.getpid = real_pid
+        with pytest.raises(RunError, match=rf"in use by another run \(pid {other.pid}\)"):
+            run_training(cfg_for(tiny_llama, chat_data, out, steps=1, resume=None, overwrite=True))
+    finally:
+        other.kill()
+        other.wait()
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=1, val_split=0.0, overwrite=True))
+    assert s["status"] == "completed" and not (out / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("out_of", ["empty", "under_file"])
+def test_unusable_out_is_a_one_line_error(tiny_llama, chat_data, tmp_path, out_of):
+    f = tmp_path / "file"
+    f.write_text("x")
+    out = "" if out_of == "empty" else str(f / "run")
+    with pytest.raises(RunError if out_of == "under_file" else ToygraphError, match="--out") as e:
+        run_training(cfg_for(tiny_llama, chat_data, out, steps=1))
+    assert "\n" not in str(e.value)
+
+
+# --- failures are recorded as failures -----------------------------------------------------------
+def test_a_broken_pipe_mid_run_is_recorded_as_failed(tiny_llama, chat_data, tmp_path):
+    """stderr is a pipe whose reader went away (``finetune ... 2>&1 | head``)."""
+    out = tmp_path / "r"
+    cmd = [sys.executable, "-m", "toygraph.cli", "finetune", "--model", str(tiny_llama),
+           "--data", str(chat_data), "--out", str(out), "--steps", "40", "--batch", "2",
+           "--seq-len", "32", "--rank", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc.stderr.close()  # the reader is gone before the first progress line
+    assert proc.wait(timeout=120) == 1
+    end = events(out)[-1]
+    assert end["event"] == "run_end" and end["status"] == "failed" and "pipe" in end["reason"].lower()
+    assert not any((out / n).exists() for n in FINAL)
+
+
+def test_an_exception_mid_loop_is_failed_with_no_final_artifacts(tiny_llama, chat_data, tmp_path,
+                                                                monkeypatch):
+    import toygraph.supervisor as sup
+    real = sup.Progress.update
+
+    def update(self, t, *a, **k):
+        if t == 4:
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+        return real(self, t, *a, **k)
+    monkeypatch.setattr(sup.Progress, "update", update)
+    out = tmp_path / "r"
+    with pytest.raises(BrokenPipeError):
+        run_training(cfg_for(tiny_llama, chat_data, out, steps=6, eval_every=3))
+    end = events(out)[-1]
+    assert (end["event"], end["status"], end["steps"]) == ("run_end", "failed", 4)
+    assert not any((out / n).exists() for n in FINAL)
+    assert [s for s, _ in list_checkpoints(out)] == [3]  # no "final" checkpoint either
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tiny_llama, chat_data, tmp_path,
+                                                             monkeypatch):
+    from safetensors import numpy as stnp
+    real = stnp.save_file
+    calls = []
+
+    def save_file(tensors, path, *a, **k):
+        calls.append(path)
+        if "step-000004" in path:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(tensors, path, *a, **k)
+    monkeypatch.setattr(stnp, "save_file", save_file)
+    out = tmp_path / "r"
+    with pytest.raises(RunError) as e:
+        run_training(cfg_for(tiny_llama, chat_data, out, steps=6, save_every=2, val_split=0.0))
+    msg = str(e.value)
+    assert "\n" not in msg and "step-000004" in msg and "No space left on device" in msg
+    assert "earlier checkpoints are intact" in msg and "step-000002" in msg
+    assert [s for s, _ in list_checkpoints(out)] == [2]
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert verify_checkpoint(out / "checkpoints" / "step-000002") is None
+    state, weights, _ = load_checkpoint(out / "checkpoints" / "step-000002")
+    assert state["step"] == 2 and weights
+    assert events(out)[-1]["status"] == "failed"
+    monkeypatch.setattr(stnp, "save_file", real)
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=6, save_every=2, val_split=0.0,
+                             resume=str(out)))
+    assert s["status"] == "completed"
+
+
+# --- checkpoints: verification, ordering, retention ----------------------------------------------
+def test_a_truncated_newest_checkpoint_is_skipped_and_resume_is_exact(base_run, tmp_path):
+    model, data, first = base_run
+    out = tmp_path / "run"
+    shutil.copytree(first, out)
+    newest = out / "checkpoints" / "step-000006" / "trainable.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    path, skipped = find_resumable(out)
+    assert path.name == "step-000003"
+    assert skipped[0][0].name == "step-000006" and "bytes" in skipped[0][1]
+    run_training(cfg_for(model, data, out, resume=str(out)))
+    start = [e for e in events(out) if e["event"] == "run_start"][-1]
+    assert start["resumed_from"] == 3 and "step-000006" in start["skipped_checkpoints"][0]["path"]
+    assert step_losses(out) == step_losses(first)
+    assert (out / "adapter_model.safetensors").read_bytes() == \
+        (first / "adapter_model.safetensors").read_bytes()
+
+
+def test_checkpoints_order_by_number_past_step_999999(base_run, tmp_path):
+    _, _, first = base_run
+    for step in (999_999, 1_000_000, 20):
+        shutil.copytree(first / "checkpoints" / "step-000003",
+                        tmp_path / "checkpoints" / ckpt.step_dir_name(step))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 999_999, 1_000_000]
+    assert find_resumable(tmp_path)[0].name == "step-1000000"
+
+
+def test_keep_checkpoints_keeps_the_newest_and_best(tiny_llama, chat_data, tmp_path):
+    out = tmp_path / "r"
+    run_training(cfg_for(tiny_llama, chat_data, out, steps=6, save_every=1, keep_checkpoints=2))
+    assert [s for s, _ in list_checkpoints(out)] == [5, 6]
+    assert verify_checkpoint(out / "best") is None
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000005", "step-000006"]
+
+
+def test_a_checkpoint_without_manifest_is_not_resumed(base_run, tmp_path):
+    _, _, first = base_run
+    ck = tmp_path / "ck"
+    shutil.copytree(first / "checkpoints" / "step-000003", ck)
+    (ck / "manifest.json").unlink()
+    with pytest.raises(DataError, match="not a checkpoint .no manifest.json"):
+        find_resumable(ck)
+
+
+# --- resume refuses changed meaning ------------------------------------------------------------
+@pytest.mark.parametrize("option, value", [
+    ("alpha", 4.0), ("lr", 1e-2), ("schedule", "linear"), ("batch", 3), ("seed", 8),
+    ("rank", 2), ("targets", ("q", "k")), ("seq_len", 24), ("clip", 0.5), ("recipe", "full"),
+    ("steps", 8), ("val_split", 0.5),
+])
+def test_resume_with_a_changed_option_is_refused(base_run, option, value):
+    model, data, out = base_run
+    before = snapshot(out)
+    with pytest.raises(ResumeMismatch) as e:
+        run_training(cfg_for(model, data, out, resume=str(out), **{option: value}))
+    msg = str(e.value)
+    flag = "--" + option.replace("_", "-")
+    assert "\n" not in msg and f"{flag} was " in msg and "now" in msg
+    assert snapshot(out) == before
+
+
+def test_resume_with_another_model_or_data_is_refused(base_run, tmp_path):
+    from toygraph.fixtures.tiny_models import write_tiny_llama
+    model, data, out = base_run
+    other = write_tiny_llama(tmp_path / "same-shape.gguf", seed=1)
+    with pytest.raises(ResumeMismatch, match=r"--model was tiny-llama.gguf .* now same-shape.gguf"):
+        run_training(cfg_for(other, data, out, resume=str(out)))
+    changed = tmp_path / "d.jsonl"
+    changed.write_text(data.read_text().replace("say 3", "say three"))
+    with pytest.raises(ResumeMismatch, match="--data was data with sha256"):
+        run_training(cfg_for(model, changed, out, resume=str(out)))
+
+
+def test_allow_change_lets_a_named_option_differ(base_run, tmp_path):
+    model, data, first = base_run
+    out = tmp_path / "run"
+    shutil.copytree(first, out)
+    s = run_training(cfg_for(model, data, out, resume=str(out / "checkpoints" / "step-000003"),
+                             lr=1e-3, allow_change=("lr",)))
+    assert s["status"] == "completed"
+    start = [e for e in events(out) if e["event"] == "run_start"][-1]
+    assert start["allowed_changes"] == ["lr"] and start["config"]["lr"] == 1e-3
+    with pytest.raises(ResumeMismatch, match="--rank was 4 .* shapes the trainable tensors"):
+        run_training(cfg_for(model, data, out, resume=str(out), rank=2, allow_change=("rank",)))
+
+
+# --- the divergence guard ----------------------------------------------------------------------
+def test_a_runaway_learning_rate_stops_as_diverged_and_keeps_the_good_checkpoint(base_run, tmp_path):
+    model, data, first = base_run
+    out = tmp_path / "run"
+    shutil.copytree(first, out)
+    shutil.rmtree(out / "checkpoints" / "step-000006")
+    best_before = snapshot(out / "best")
+    s = run_training(cfg_for(model, data, out, resume=str(out), lr=1e10, allow_change=("lr",)))
+    assert s["status"] == "diverged" and "norm jumped" in s["reason"]
+    end = strict_lines(out / "events.jsonl")[-1]
+    assert end["event"] == "run_end" and end["status"] == "diverged"
+    assert [st for st, _ in list_checkpoints(out)] == [3]  # nothing saved from the runaway state
+    assert snapshot(out / "best") == best_before and not (out / "adapter_model.safetensors").exists()
+
+
+def test_a_nan_loss_is_strict_json_and_diverged(tiny_llama, chat_data, tmp_path, monkeypatch):
+    from toygraph.recipes.base import Recipe
+    real = Recipe.step
+
+    def step(self, *a, **k):
+        loss = real(self, *a, **k)
+        return float("nan") if self.step_index == 3 else loss
+    monkeypatch.setattr(Recipe, "step", step)
+    out = tmp_path / "r"
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=6, save_every=1))
+    assert s["status"] == "diverged" and "loss nan" in s["reason"]
+    lines = strict_lines(out / "events.jsonl")
+    bad = [e for e in lines if e["event"] == "step" and e["step"] == 3][0]
+    assert bad["loss"] is None and bad["nonfinite"] == {"loss": "nan"}
+    assert [st for st, _ in list_checkpoints(out)] == [1, 2]
+
+
+def test_the_loss_median_guard(tiny_llama, chat_data, tmp_path, monkeypatch):
+    from toygraph.recipes.base import Recipe
+    real = Recipe.step
+
+    def step(self, *a, **k):
+        loss = real(self, *a, **k)
+        return loss * 50 if self.step_index == 7 else loss
+    monkeypatch.setattr(Recipe, "step", step)
+    s = run_training(cfg_for(tiny_llama, chat_data, tmp_path / "r", steps=8, val_split=0.0))
+    assert s["status"] == "diverged" and "running median" in s["reason"] and s["steps"] == 7
+    s = run_training(cfg_for(tiny_llama, chat_data, tmp_path / "off", steps=8, val_split=0.0,
+                             diverge_factor=0.0))
+    assert s["status"] == "completed"
+
+
+# --- signals and torn logs ---------------------------------------------------------------------
+def _signal_after(monkeypatch, step, signals):
+    import toygraph.runs as runs
+    real = runs.EventLog.write
+
+    def write(self, event, **fields):
+        real(self, event, **fields)
+        if event == "step" and fields["step"] == step:
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+    monkeypatch.setattr(runs.EventLog, "write", write)
+
+
+def test_sigterm_is_handled_like_ctrl_c(tiny_llama, chat_data, tmp_path, monkeypatch):
+    _signal_after(monkeypatch, 2, [signal.SIGTERM])
+    out = tmp_path / "r"
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=6, val_split=0.0))
+    assert s["status"] == "interrupted" and "SIGTERM" in s["reason"] and s["steps"] == 2
+    assert verify_checkpoint(out / "checkpoints" / "step-000002") is None
+    state = load_checkpoint(out / "checkpoints" / "step-000002")[0]
+    assert (state["status"], state["step"], state["options"]["lr"]) == ("interrupted", 2, 5e-3)
+    assert state["model_fingerprint"]["size"] == tiny_llama.stat().st_size
+    assert not (out / "adapter_model.safetensors").exists()
+
+
+def test_a_second_ctrl_c_during_a_save_neither_corrupts_nor_skips_it(tiny_llama, chat_data,
+                                                                    tmp_path, monkeypatch):
+    real = ckpt._write_manifest
+    sent = []
+
+    def write_manifest(folder):
+        if not sent:  # two Ctrl-C in the middle of the first checkpoint write
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        real(folder)
+    monkeypatch.setattr(ckpt, "_write_manifest", write_manifest)
+    out = tmp_path / "r"
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=6, save_every=2, val_split=0.0))
+    assert s["status"] == "interrupted" and s["steps"] == 2 and "waited" in s["reason"]
+    assert [st for st, _ in list_checkpoints(out)] == [2]
+    assert verify_checkpoint(out / "checkpoints" / "step-000002") is None
+
+
+def test_a_torn_last_event_line_does_not_break_resume(tiny_llama, chat_data, tmp_path, monkeypatch):
+    _signal_after(monkeypatch, 3, [signal.SIGINT])
+    out = tmp_path / "r"
+    run_training(cfg_for(tiny_llama, chat_data, out, steps=6))
+    monkeypatch.undo()
+    with open(out / "events.jsonl", "ab") as f:
+        f.write(b'{"event": "step", "step": 4, "lo')  # what a power cut can leave
+    assert read_events(out / "events.jsonl")[-1]["event"] == "run_end"
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=6, resume=str(out)))
+    assert s["status"] == "completed"
+    lines = strict_lines(out / "events.jsonl")
+    assert [e["step"] for e in lines if e["event"] == "step"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_loss_events_are_finite_numbers(base_run):
+    _, _, out = base_run
+    losses = [e["loss"] for e in strict_lines(out / "events.jsonl") if e["event"] == "step"]
+    assert len(losses) == 6 and np.isfinite(losses).all()
+
+
+def test_best_survives_a_kill_between_its_two_renames(base_run, tmp_path):
+    """Replacing best/ renames it to best.old, then the new one in; a kill in between
+    leaves only best.old, which the next run puts back (and a later save replaces)."""
+    _, _, first = base_run
+    shutil.copytree(first / "best", tmp_path / "best.old")
+    ckpt.restore_swapped(tmp_path / "best")
+    assert verify_checkpoint(tmp_path / "best") is None and not (tmp_path / "best.old").exists()
+    shutil.copytree(first / "best", tmp_path / "best.old")  # both present: the save must still work
+    state, weights, moments = load_checkpoint(tmp_path / "best")
+    ckpt.save_checkpoint(tmp_path / "best", weights, moments, {**state, "step": 99})
+    assert load_checkpoint(tmp_path / "best")[0]["step"] == 99
+    assert not (tmp_path / "best.old").exists()

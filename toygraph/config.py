@@ -1,0 +1,139 @@
+"""The options of a fine-tuning run, each checked up front with a one-line error.
+
+``TrainConfig.validate`` checks every option on its own (ranges, finiteness, types);
+``check_against_model`` checks those that depend on the model (context length, LoRA rank
+against the widths of the targeted matrices). Errors name the CLI flag.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+from .errors import ToygraphError
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    data: str
+    out: str
+    recipe: str = "lora"
+    targets: tuple[str, ...] = ("q", "v")
+    rank: int = 8
+    alpha: float = 16.0
+    steps: int | None = None
+    epochs: float | None = None
+    batch: int = 4
+    grad_accum: int = 1
+    seq_len: int = 128
+    lr: float = 1e-3
+    schedule: str = "cosine"
+    warmup: int = 0
+    min_lr: float = 0.0
+    clip: float = 1.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    seed: int = 42
+    init_scale: float = 0.01
+    val_split: float = 0.1
+    eval_every: int = 0            # 0: at the end of every epoch and at the last step
+    patience: int = 0              # early stopping after this many evals without gain; 0 off
+    save_every: int = 0            # checkpoints every N steps; 0 off (time and evals still save)
+    save_minutes: float = 5.0      # checkpoints every N minutes of training; 0 off
+    keep_checkpoints: int = 3      # step checkpoints kept (best/ is kept apart)
+    diverge_factor: float = 10.0   # stop when a loss exceeds this x the running median; 0 off
+    adapter_init: str | None = None
+    resume: str | None = None
+    overwrite: bool = False        # replace the run in ``out``
+    allow_change: tuple[str, ...] = ()   # options that may differ from the resumed checkpoint
+    backend: str = "cpu"
+    max_examples: int | None = None
+    quiet: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def options(self) -> dict:
+        """Every option as plain JSON (what a checkpoint records)."""
+        return {k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in asdict(self).items() if k != "extra"}
+
+    def validate(self):
+        """Raise ToygraphError naming the flag of the first option out of range."""
+        if self.steps is not None and self.epochs is not None:
+            raise ToygraphError("give --steps or --epochs, not both")
+        _choice("recipe", self.recipe, ("lora", "full", "scratch"))
+        _choice("schedule", self.schedule, ("constant", "cosine", "linear"))
+        _choice("backend", self.backend, ("cpu", "cuda"))
+        for name in ("batch", "grad_accum", "seq_len", "rank", "keep_checkpoints"):
+            _integer(name, getattr(self, name), lo=1)
+        for name in ("warmup", "seed", "eval_every", "patience", "save_every"):
+            _integer(name, getattr(self, name), lo=0)
+        if self.steps is not None:
+            _integer("steps", self.steps, lo=1)
+        if self.max_examples is not None:
+            _integer("max_examples", self.max_examples, lo=1)
+        if self.epochs is not None:
+            _real("epochs", self.epochs, lo=0, open_lo=True)
+        for name in ("alpha", "lr", "eps"):
+            _real(name, getattr(self, name), lo=0, open_lo=True)
+        for name in ("min_lr", "clip", "weight_decay", "init_scale", "save_minutes", "diverge_factor"):
+            _real(name, getattr(self, name), lo=0)
+        for name in ("beta1", "beta2", "val_split"):
+            _real(name, getattr(self, name), lo=0, hi=1)
+        if self.min_lr > self.lr:
+            raise ToygraphError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if 0 < self.diverge_factor <= 1:
+            raise ToygraphError(f"--diverge-factor must be > 1 (0 = off), got {self.diverge_factor}")
+        if self.patience and not self.val_split:
+            raise ToygraphError("--patience needs a validation set (--val-split > 0)")
+        if self.recipe != "lora" and self.adapter_init:
+            raise ToygraphError("--adapter-init needs --recipe lora")
+        if self.overwrite and self.resume:
+            raise ToygraphError("give --resume or --overwrite, not both")
+        if not self.out or not str(self.out).strip():
+            raise ToygraphError("--out must name a directory, got an empty string")
+        unknown = sorted(set(self.allow_change) - {f.name for f in fields(self)})
+        if unknown:
+            raise ToygraphError(f"--allow-change: no options named {unknown}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _choice(name, value, allowed):
+    if value not in allowed:
+        raise ToygraphError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _integer(name, value, lo: int):
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ToygraphError(f"{_flag(name)} must be an integer >= {lo}, got {value!r}")
+
+
+def _real(name, value, lo: float, hi: float | None = None, open_lo: bool = False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > lo if open_lo else value >= lo) and (hi is None or value < hi)
+    if not ok:
+        rng = f"{'>' if open_lo else '>='} {lo}" + (f" and < {hi}" if hi is not None else "")
+        raise ToygraphError(f"{_flag(name)} must be a finite number {rng}, got {value!r}")
+
+
+def check_against_model(cfg: TrainConfig, mcfg) -> None:
+    """Options that depend on the model: context length and LoRA rank vs matrix widths."""
+    from toygraph.models.llama import LoraConfig
+    if cfg.seq_len > mcfg.n_ctx:
+        raise ToygraphError(f"--seq-len {cfg.seq_len} exceeds the model's context length {mcfg.n_ctx}")
+    if cfg.recipe != "lora":
+        return
+    LoraConfig(targets=tuple(cfg.targets), rank=cfg.rank, alpha=cfg.alpha)  # names checked here
+    q, kv = mcfg.n_head * mcfg.head_dim, mcfg.n_head_kv * mcfg.head_dim
+    widths = {"q": (mcfg.n_embd, q), "k": (mcfg.n_embd, kv), "v": (mcfg.n_embd, kv),
+              "o": (q, mcfg.n_embd), "gate": (mcfg.n_embd, mcfg.n_ff),
+              "up": (mcfg.n_embd, mcfg.n_ff), "down": (mcfg.n_ff, mcfg.n_embd)}
+    for t in (t for t in cfg.targets if t in widths):
+        limit = min(widths[t])
+        if cfg.rank > limit:
+            raise ToygraphError(f"--rank {cfg.rank} exceeds the {t} matrix's smaller side "
+                                f"{limit} (a rank above it adds nothing); use --rank <= {limit}")

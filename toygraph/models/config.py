@@ -1,0 +1,237 @@
+"""A GGUF's metadata turned into a checked `ModelConfig`, and the tensors it requires.
+
+Everything here is bounded against the file before anything loops or allocates over it:
+``block_count`` must match the ``blk.N.`` tensors present, head counts and widths must be
+positive and consistent, epsilons and rope bases positive and finite. Every "<arch>."
+metadata key must be one the family understands, and (models/config.check_tensors) every
+tensor in the file must be one the graph consumes. Each failure is one GGUFError line.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ..errors import GGUFError
+from .families import FAMILIES, ZERO_ONLY_KEYS, Family
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The numbers a decoder graph needs, read from (and checked against) a GGUF.
+
+    Per-layer attention: ``windows[i]`` (0 = full causal attention, else the sliding
+    window), ``rope_bases[i]`` and ``rope_scales[i]`` (linear scaling: positions times
+    this, 1.0 = none).
+    """
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rope_base: float
+    rope_dims: int
+    rope_mode: str      # "normal" | "neox"
+    rms_eps: float
+    n_vocab: int
+    n_ctx: int
+    tied_output: bool   # no output.weight: the LM head reuses token_embd.weight
+    qkv_bias: bool      # attn_q/k/v have biases (qwen2)
+    rope_freqs: bool = False          # rope_freqs.weight frequency factors (Llama 3.x)
+    rope_scale: float = 1.0           # linear rope scaling on the file's-base layers
+    sliding_window: int = 0
+    attn_scale: float = 0.0           # softmax scale of q k^T
+    embed_scale: float = 1.0          # token embeddings are multiplied by this
+    windows: tuple[int, ...] = ()
+    rope_bases: tuple[float, ...] = ()
+    rope_scales: tuple[float, ...] = ()
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.arch]
+
+
+def _number(meta, path, key: str, kind, default=None, *, positive=True):
+    """A scalar metadata value of ``kind`` (int or float), checked; ``default`` if absent."""
+    value = meta(key)
+    if value is None:
+        if default is None:
+            raise GGUFError(f"{path}: missing metadata key {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (kind is int and not float(value).is_integer()):
+        raise GGUFError(f"{path}: metadata {key!r} must be a{'n integer' if kind is int else ' number'}, "
+                        f"found {value!r}")
+    value = kind(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise GGUFError(f"{path}: metadata {key!r} must be positive and finite, found {value!r}")
+    return value
+
+
+def _blocks_present(tensor_names) -> int:
+    """1 + the largest N of the file's ``blk.N.`` tensors (0 if none)."""
+    ns = [int(m.group(1)) for m in map(_BLOCK.match, tensor_names) if m]
+    return max(ns) + 1 if ns else 0
+
+
+def _check_keys(meta, meta_keys, fam: Family, path) -> None:
+    prefix = fam.arch + "."
+    unknown = sorted(k[len(prefix):] for k in meta_keys
+                     if k.startswith(prefix) and k[len(prefix):] not in fam.keys
+                     and not (k[len(prefix):] in ZERO_ONLY_KEYS and meta(k) == 0))
+    if unknown:
+        raise GGUFError(f"{path}: metadata key {prefix + unknown[0]!r} is not understood for "
+                        f"{fam.arch}: it may change the model's math, so toygraph refuses the file")
+
+
+def _rope_scale(num, meta, path, k) -> float:
+    """llama.cpp's rope_freq_scale: 1/factor when ``rope.scaling.factor`` (or the older
+    ``rope.scale_linear``) is present; only linear scaling (or none) is implemented."""
+    kind = meta(k("rope.scaling.type"))
+    if kind not in (None, "none", "linear"):
+        raise GGUFError(f"{path}: {k('rope.scaling.type')} = {kind!r} is not supported "
+                        "(only 'linear' rope scaling)")
+    factor = num(k("rope.scaling.factor"), float, 0.0, positive=False)
+    if factor == 0.0:
+        factor = num(k("rope.scale_linear"), float, 0.0, positive=False)
+    if factor < 0:
+        raise GGUFError(f"{path}: metadata {k('rope.scaling.factor')!r} must be >= 0, found {factor}")
+    return 1.0 if factor == 0.0 else 1.0 / factor
+
+
+def _global_layers(num, fam: Family, k, n_layer: int, path) -> list[bool]:
+    """Which layers attend to the whole causal past (the rest use the sliding window):
+    llama.cpp's set_swa_pattern(period), layer i sliding iff i % period < period - 1."""
+    if not fam.swa_period:
+        return [True] * n_layer
+    period = num(k("attention.sliding_window_pattern"), int, fam.swa_period, positive=False)
+    if period < 0:
+        raise GGUFError(f"{path}: metadata {k('attention.sliding_window_pattern')!r} must be >= 0, "
+                        f"found {period}")
+    return [period > 0 and i % period == period - 1 for i in range(n_layer)]
+
+
+def _heads(num, k, n_embd: int, path) -> tuple[int, int, int, int]:
+    """(n_head, n_head_kv, head_dim, rope_dims), each positive and mutually consistent."""
+    n_head = num(k("attention.head_count"), int)
+    n_head_kv = num(k("attention.head_count_kv"), int, n_head)
+    if n_head % n_head_kv:
+        raise GGUFError(f"{path}: attention.head_count_kv = {n_head_kv} does not divide "
+                        f"attention.head_count = {n_head}")
+    head_dim = num(k("attention.key_length"), int, max(n_embd // n_head, 1))
+    if num(k("attention.value_length"), int, head_dim) != head_dim:
+        raise GGUFError(f"{path}: attention.value_length differs from attention.key_length "
+                        "(not supported)")
+    rope_dims = num(k("rope.dimension_count"), int, head_dim)
+    if rope_dims > head_dim or rope_dims % 2:
+        raise GGUFError(f"{path}: rope.dimension_count = {rope_dims} must be even and at most "
+                        f"the head size {head_dim}")
+    return n_head, n_head_kv, head_dim, rope_dims
+
+
+def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
+    """Config of a GGUF from ``meta(key) -> value or None``, its key names, and its tensor
+    index ``{name: numpy-order shape}``; every value bounded before use."""
+    arch = meta("general.architecture")
+    fam = FAMILIES.get(arch) if isinstance(arch, str) else None
+    if fam is None:
+        raise GGUFError(f"{path}: unsupported architecture {arch!r} "
+                        f"(supported: {', '.join(FAMILIES)})")
+    _check_keys(meta, meta_keys, fam, path)
+    k = lambda key: f"{arch}.{key}"  # noqa: E731
+
+    def num(key, kind, default=None, *, positive=True):
+        return _number(meta, path, key, kind, default, positive=positive)
+
+    if "token_embd.weight" not in tensors or len(tensors["token_embd.weight"]) != 2:
+        raise GGUFError(f"{path}: missing required tensor 'token_embd.weight'")
+    n_layer = num(k("block_count"), int)
+    present = _blocks_present(tensors)
+    if n_layer != present:
+        raise GGUFError(f"{path}: metadata {k('block_count')!r} is {n_layer}, but the file holds "
+                        f"tensors for {present} blocks")
+    n_embd = num(k("embedding_length"), int)
+    n_head, n_head_kv, head_dim, rope_dims = _heads(num, k, n_embd, path)
+    rope_base = num(k("rope.freq_base"), float, fam.default_rope_base)
+    scale = _rope_scale(num, meta, path, k)
+    window = num(k("attention.sliding_window"), int, 0, positive=False) if fam.swa_period else 0
+    if fam.swa_period and window <= 0:
+        raise GGUFError(f"{path}: {arch} needs a positive {k('attention.sliding_window')}")
+    swa_base = num(k("rope.freq_base_swa"), float, fam.swa_rope_base)
+    is_global = _global_layers(num, fam, k, n_layer, path)
+    attn_scale = (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5
+    return ModelConfig(
+        arch=arch, n_layer=n_layer, n_embd=n_embd,
+        n_ff=num(k("feed_forward_length"), int),
+        n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        rope_base=rope_base, rope_dims=rope_dims, rope_mode=fam.rope_mode,
+        # Required, as llama.cpp requires it (the two references' defaults differ).
+        rms_eps=num(k("attention.layer_norm_rms_epsilon"), float),
+        # The embedding's row count is what the weights actually hold.
+        n_vocab=int(tensors["token_embd.weight"][0]),
+        n_ctx=num(k("context_length"), int, 2048),
+        tied_output="output.weight" not in tensors,
+        qkv_bias=fam.qkv_bias and "blk.0.attn_q.bias" in tensors,
+        rope_freqs=fam.rope_freqs and "rope_freqs.weight" in tensors,
+        rope_scale=scale, sliding_window=window, attn_scale=attn_scale,
+        embed_scale=math.sqrt(n_embd) if fam.embed_scale_sqrt else 1.0,
+        windows=tuple(0 if g else window for g in is_global),
+        rope_bases=tuple(rope_base if g else swa_base for g in is_global),
+        rope_scales=tuple(scale if g else 1.0 for g in is_global),
+    )
+
+
+def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor block ``i`` has, with its numpy-order shape."""
+    d, hd, fam = cfg.n_embd, cfg.head_dim, cfg.family
+    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
+    shapes = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
+              "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,),
+              "ffn_gate.weight": (cfg.n_ff, d), "ffn_up.weight": (cfg.n_ff, d),
+              "ffn_down.weight": (d, cfg.n_ff)}
+    if cfg.qkv_bias:
+        shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    if fam.qk_norm:
+        shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+    if fam.post_norms:
+        shapes.update({"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)})
+    return {f"blk.{i}.{n}": s for n, s in shapes.items()}
+
+
+def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors outside the blocks, with their numpy-order shapes."""
+    want = {"token_embd.weight": (cfg.n_vocab, cfg.n_embd), "output_norm.weight": (cfg.n_embd,)}
+    if not cfg.tied_output:
+        want["output.weight"] = (cfg.n_vocab, cfg.n_embd)
+    if cfg.rope_freqs:
+        want["rope_freqs.weight"] = (cfg.rope_dims // 2,)
+    return want
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the graph of ``cfg`` consumes, with its numpy-order shape."""
+    want = global_shapes(cfg)
+    for i in range(cfg.n_layer):
+        want.update(layer_shapes(cfg, i))
+    return want
+
+
+def check_tensors(cfg: ModelConfig, tensors: dict, path) -> dict[str, tuple[int, ...]]:
+    """Every required tensor present with its shape, and nothing else in the file."""
+    want = tensor_shapes(cfg)
+    for name, shape in want.items():
+        got = tensors.get(name)
+        if got is None:
+            raise GGUFError(f"{path}: missing required tensor {name!r}")
+        if tuple(got) != shape:
+            raise GGUFError(f"{path}: tensor {name!r} has shape {tuple(got)}, expected {shape}")
+    extra = [n for n in tensors if n not in want]
+    if extra:
+        raise GGUFError(f"{path}: tensor {extra[0]!r} is not used by the {cfg.arch} graph "
+                        "(toygraph refuses to ignore it)")
+    return want

@@ -1,0 +1,214 @@
+"""The one decoder graph builder, for every family in models/families.py, with LoRA wiring.
+
+>>> g = Graph()                                                        # doctest: +SKIP
+>>> net = build_decoder(g, cfg, batch=4, seq=128, model=gguf_model,
+...                     lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
+>>> net.tokens, net.positions, net.logits   # inputs [4, 128] i32 and logits [512, vocab]
+
+Training graphs pass ``logits=False`` and feed ``net.hidden`` (the final-normed hidden
+states [512, n_embd]) and ``net.head`` (the output weight [vocab, n_embd]) to the fused
+``ops.linear_cross_entropy``, so no [tokens, vocab] logits are built; :func:`lm_head`
+builds them when wanted.
+
+Weights keep their GGUF names and layout: a projection ``W`` is [n_out, n_in] and
+``y = x W^T``. Q/K rows are in the order the GGUF stores them, so rope uses the mode the
+family's GGUFs expect ("normal" for llama, "neox" for the others); converting to Hugging
+Face's row order happens only at the adapter-export boundary (adapters.hf_row_order).
+The family's differences (q/k norms, post norms, activation, sliding windows, rope bases,
+embedding scale) arrive as data in ``cfg`` (models/config.ModelConfig) and its Family.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import ops
+from ..errors import GraphError
+from ..graph import Graph, Tensor
+from .config import global_shapes, layer_shapes, tensor_shapes
+
+# LoRA target short names -> GGUF projection names.
+TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+           "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+WEIGHT_MODES = ("frozen", "finetune", "scratch")
+# Gated FFN activations by Family.ffn: act(gate) * up.
+ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu}
+# Tensors that describe the model rather than weigh it: frozen in every weight mode.
+FIXED = ("rope_freqs.weight",)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapters ``y = W x + (alpha / rank) * B (A x)``; A ~ N(0, init_scale) seeded, B = 0."""
+
+    targets: tuple[str, ...] = ("q", "v")
+    rank: int = 8
+    alpha: float = 16.0
+    seed: int = 42
+    init_scale: float = 0.01
+
+    def __post_init__(self):
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad or not self.targets:
+            raise GraphError(f"LoRA targets must be a non-empty subset of {list(TARGETS)}, got {list(self.targets)}")
+        if self.rank < 1:
+            raise GraphError(f"LoRA rank must be >= 1, got {self.rank}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass
+class Decoder:
+    """Handles into a built decoder graph."""
+
+    cfg: object
+    tokens: Tensor
+    positions: Tensor
+    logits: Tensor | None                            # [batch * seq, vocab]; None if not asked
+    weights: dict[str, Tensor] = field(default_factory=dict)   # GGUF name -> const/param
+    lora: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # GGUF weight -> (A, B)
+    hidden: Tensor | None = None                     # final-normed states [batch * seq, n_embd]
+    head: Tensor | None = None                       # output weight [vocab, n_embd] (maybe tied)
+
+    @property
+    def params(self) -> list[Tensor]:
+        ps = [t for t in self.weights.values() if t.role == "param"]
+        for a, b in self.lora.values():
+            ps += [a, b]
+        return ps
+
+
+def weight_names(cfg) -> list[str]:
+    return list(tensor_shapes(cfg))
+
+
+def weight_shape(cfg, name: str) -> tuple[int, ...]:
+    """The numpy-order shape of a GGUF weight for ``cfg`` (used for random init)."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return (layer_shapes(cfg, int(m.group(1))) if m else global_shapes(cfg))[name]
+
+
+def _scratch_init(name: str, shape, rng) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return np.ones(shape, np.float32)
+    if name.endswith(".bias"):
+        return np.zeros(shape, np.float32)
+    return (rng.normal(size=shape) * 0.02).astype(np.float32)
+
+
+def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tensor]:
+    if mode not in WEIGHT_MODES:
+        raise GraphError(f"weight mode must be one of {WEIGHT_MODES}, got {mode!r}")
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in tensor_shapes(cfg).items():
+        if mode == "scratch" and name not in FIXED:
+            out[name] = g.param(name, _scratch_init(name, shape, rng))
+            continue
+        if model is None:
+            raise GraphError(f"{name} needs a GGUF model")
+        w = model.tensor(name)
+        if mode == "finetune" and name not in FIXED:  # a trainable f32 copy
+            out[name] = g.param(name, w.dequantize())
+        else:
+            out[name] = g.const(name, w.raw, shape=w.shape, storage=w.qtype)
+    return out
+
+
+def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng):
+    a = g.param(f"{name}.lora_a", (rng.normal(size=(lora.rank, n_in)) * lora.init_scale).astype(np.float32))
+    b = g.param(f"{name}.lora_b", np.zeros((n_out, lora.rank), np.float32))
+    return a, b
+
+
+def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: str = "frozen",
+                  lora: LoraConfig | None = None, seed: int = 42, logits: bool = True) -> Decoder:
+    """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq`` tokens;
+    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`)."""
+    if seq > cfg.n_ctx:
+        raise GraphError(f"sequence length {seq} exceeds the model's context length {cfg.n_ctx}")
+    if batch < 1 or seq < 1:
+        raise GraphError(f"batch and seq must be >= 1, got {batch} and {seq}")
+    if weights != "scratch" and model is None:
+        raise GraphError(f"weight mode {weights!r} needs a GGUF model")
+    W = _make_weights(g, cfg, model, weights, seed)
+    net = Decoder(cfg=cfg, tokens=g.input("tokens", (batch, seq), "i32"),
+                  positions=g.input("positions", (batch, seq), "i32"), logits=None, weights=W)
+    lora_rng = np.random.default_rng(lora.seed) if lora else None
+    wanted = {TARGETS[t] for t in lora.targets} if lora else set()
+
+    def linear(x, name: str):
+        """x [N, n_in] -> [N, n_out] through weight ``name`` (+ bias, + LoRA)."""
+        w = W[name]
+        y = ops.matmul(x, w, trans_b=True)
+        bias = W.get(name.replace(".weight", ".bias"))
+        if bias is not None:
+            y = y + bias
+        if name.split(".")[-2] in wanted:
+            a, b = _lora_pair(g, name, w.shape[1], w.shape[0], lora, lora_rng)
+            net.lora[name] = (a, b)
+            low = ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True)
+            y = y + ops.scale(low, lora.scaling)
+        return y
+
+    B, T, D = batch, seq, cfg.n_embd
+    h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
+    if cfg.embed_scale != 1.0:
+        h = ops.scale(h, cfg.embed_scale)
+    for i in range(cfg.n_layer):
+        h = _block(net, cfg, i, h, linear, B, T)
+    h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
+    net.hidden = h
+    net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
+    if logits:
+        net.logits = lm_head(net)
+    return net
+
+
+def _block(net: Decoder, cfg, i: int, h: Tensor, linear, B: int, T: int) -> Tensor:
+    """Decoder layer ``i`` on the residual stream h [B * T, n_embd] (see models/families.py
+    for the layer's shape and which parts each family has)."""
+    W, fam, p = net.weights, cfg.family, f"blk.{i}."
+    H, KV, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+
+    def norm(x, name):
+        return ops.rms_norm(x, cfg.rms_eps) * W[p + name + ".weight"]
+
+    def heads(y, n, qk_norm: str | None):
+        y = y.reshape(B, T, n, hd)
+        if qk_norm:  # per-head RMSNorm over head_dim, before rope (Qwen3, Gemma 3)
+            y = norm(y, qk_norm)
+        return y
+
+    def rope(y):
+        y = ops.rope(y, net.positions, dims=cfg.rope_dims, base=cfg.rope_bases[i],
+                     mode=cfg.rope_mode, freq_factors=W.get("rope_freqs.weight"),
+                     freq_scale=cfg.rope_scales[i])
+        return y.permute(0, 2, 1, 3)  # [B, heads, T, hd]
+
+    x = norm(h, "attn_norm")
+    q = rope(heads(linear(x, p + "attn_q.weight"), H, "attn_q_norm" if fam.qk_norm else None))
+    k = rope(heads(linear(x, p + "attn_k.weight"), KV, "attn_k_norm" if fam.qk_norm else None))
+    v = heads(linear(x, p + "attn_v.weight"), KV, None).permute(0, 2, 1, 3)
+    # Fused: no [B, H, T, T] scores in memory, forward or backward.
+    o = ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i])
+    a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
+    if fam.post_norms:
+        a = norm(a, "post_attention_norm")
+    h = h + a
+    x = norm(h, "ffn_norm")
+    f = ACTIVATIONS[fam.ffn](linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight"))
+    f = linear(f, p + "ffn_down.weight")
+    if fam.post_norms:
+        f = norm(f, "post_ffw_norm")
+    return h + f
+
+
+def lm_head(net: Decoder) -> Tensor:
+    """The output logits [batch * seq, vocab] = hidden @ head^T (for generation and
+    evaluation; a training loss uses ops.linear_cross_entropy on hidden and head instead)."""
+    return ops.matmul(net.hidden, net.head, trans_b=True)

@@ -1,0 +1,107 @@
+"""The model families toygraph runs, as data: one `Family` per GGUF architecture.
+
+The decoder builder (models/decoder.py), the GGUF loader (models/config.py) and the
+adapter exporters (adapters.py) read these descriptions; none of them branches on the
+architecture's name. Adding a family means adding one `Family` here and its parity tests.
+
+Every block is the same pre-norm decoder layer::
+
+    x = attn_norm(h);  q, k, v = proj(x);  [q_norm(q), k_norm(k)];  rope(q, k)
+    a = attn_output(attention(q, k, v));   [a = post_attention_norm(a)];  h = h + a
+    x = ffn_norm(h);   f = ffn_down(act(ffn_gate(x)) * ffn_up(x));  [post_ffw_norm(f)];  h = h + f
+
+and the families differ only in the bracketed parts and the numbers below. Sources:
+llama.cpp (src/llama-model.cpp hparams and graph builders, convert_hf_to_gguf.py) and
+Hugging Face transformers (modeling_llama/qwen2/qwen3/gemma3.py and its GGUF loader).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Metadata keys (after "<arch>.") every family understands. The loader fails on any other
+# "<arch>." key, so a key that would change the math is never silently skipped.
+COMMON_KEYS = frozenset({
+    "block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
+    # Harmless: they describe the file or the training run, not the function computed.
+    "context_length", "vocab_size", "rope.scaling.finetuned",
+    "rope.scaling.original_context_length",
+})
+
+# Keys understood only with the value 0: a dense model saying it has no experts (some
+# llama-arch converters write them). Any other value (a mixture of experts) is refused.
+ZERO_ONLY_KEYS = frozenset({"expert_count", "expert_used_count"})
+
+# Hugging Face module paths inside a decoder layer, by GGUF projection name. The four
+# families share them (LlamaDecoderLayer, Qwen2/3DecoderLayer, Gemma3DecoderLayer).
+HF_LAYER_MODULES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What makes one architecture's decoder differ from the plain Llama one.
+
+    ``rope_mode``: "normal" (adjacent pairs; llama GGUFs store Q/K rows permuted for it)
+    or "neox" (rotate-half; rows stored as Hugging Face has them). ``qk_permuted`` says
+    whether lora_B rows of q/k need reordering at the Hugging Face boundary.
+    ``ffn``: "swiglu" (SiLU-gated) or "geglu" (tanh-GELU-gated).
+    ``qk_norm``: per-head RMSNorm of q and k before rope (attn_q_norm / attn_k_norm).
+    ``post_norms``: RMSNorm of the attention and FFN outputs before each residual add
+    (post_attention_norm / post_ffw_norm).
+    ``qkv_bias``: attn_q/k/v biases allowed (they are used when present).
+    ``embed_scale_sqrt``: token embeddings multiplied by sqrt(n_embd).
+    ``swa_period``: 0, or N: sliding-window attention (window from
+    ``attention.sliding_window``) on every layer i except those with (i + 1) % N == 0;
+    the file's ``attention.sliding_window_pattern`` (an integer) overrides N, with
+    llama.cpp's meaning (0: every layer sliding).
+    ``swa_rope_base``: rope base of the sliding layers (the file's base is used on the
+    global ones, and linear rope scaling applies only there).
+    ``attn_scale_embd_layers``: layer counts where the attention scale is
+    1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim) (Gemma 3 27B, as llama.cpp does).
+    ``rope_freqs``: the optional ``rope_freqs.weight`` frequency factors (Llama 3.x).
+    ``default_rope_base``: used when ``rope.freq_base`` is absent; None where llama.cpp
+    (10000) and transformers (Gemma 3: 1e6) disagree, so the key is required.
+    ``extra_keys``: metadata keys understood beyond COMMON_KEYS.
+    """
+
+    arch: str
+    rope_mode: str
+    qk_permuted: bool
+    ffn: str = "swiglu"
+    qk_norm: bool = False
+    post_norms: bool = False
+    qkv_bias: bool = False
+    embed_scale_sqrt: bool = False
+    swa_period: int = 0
+    swa_rope_base: float = 10000.0
+    attn_scale_embd_layers: tuple[int, ...] = ()
+    rope_freqs: bool = False
+    default_rope_base: float | None = 10000.0
+    extra_keys: frozenset = frozenset()
+    hf_modules: dict = field(default_factory=lambda: dict(HF_LAYER_MODULES))
+
+    @property
+    def keys(self) -> frozenset:
+        return COMMON_KEYS | self.extra_keys
+
+
+FAMILIES = {f.arch: f for f in (
+    # Llama 2/3.x, SmolLM2, Mistral (llama.cpp writes Mistral as "llama").
+    Family(arch="llama", rope_mode="normal", qk_permuted=True, qkv_bias=True, rope_freqs=True),
+    Family(arch="qwen2", rope_mode="neox", qk_permuted=False, qkv_bias=True),
+    Family(arch="qwen3", rope_mode="neox", qk_permuted=False, qk_norm=True),
+    # Gemma 3 text. llama.cpp: n_swa_pattern 6, rope_freq_base_train_swa 10000 and
+    # rope_freq_scale_train_swa 1, f_attention_scale 1/sqrt(n_embd_head_k) except 27B
+    # (62 layers: 1/sqrt(n_embd/n_head)). GGUF norm weights already hold Gemma's 1 + w.
+    Family(arch="gemma3", rope_mode="neox", qk_permuted=False, ffn="geglu", qk_norm=True,
+           post_norms=True, embed_scale_sqrt=True, swa_period=6, swa_rope_base=10000.0,
+           attn_scale_embd_layers=(62,), default_rope_base=None,
+           extra_keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
+                                 "rope.freq_base_swa"})),
+)}
