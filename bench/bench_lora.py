@@ -107,8 +107,8 @@ def blas_threads() -> str:
 
 # --- the workload --------------------------------------------------------------------------
 def bench_cache() -> Path:
-    return Path(os.environ.get("TOYGRAPH_BENCH_CACHE",
-                               Path.home() / ".cache" / "toygraph" / "bench"))
+    from toygraph import settings
+    return settings.get("TOYGRAPH_BENCH_CACHE") or settings.cache_dir("bench")
 
 
 def _random_gguf(stem: str, dims: dict, wtype: str) -> Path:

@@ -33,8 +33,8 @@ needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda.bindings.nvrtc n
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path / "cubin"))
-    return tmp_path / "cubin"
+    monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path))
+    return tmp_path / "kernels"   # nvrtc.py's cubins: $TOYGRAPH_CACHE/kernels
 
 
 # --- the kernel table ------------------------------------------------------------------------

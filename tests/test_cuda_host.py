@@ -14,7 +14,7 @@ from toygraph import ops
 from toygraph.cuda import backend as cuda_backend, kernels
 from toygraph.cuda.hostdev import by_value, run_kernel
 from toygraph.cuda.launch import strided
-from toygraph.errors import CudaError
+from toygraph.errors import CudaError, SettingError
 
 
 @pytest.fixture(autouse=True)
@@ -146,15 +146,15 @@ def test_build_is_cached_on_disk_and_a_missing_compiler_is_a_clear_error(tmp_pat
     before = hostcc.build_count
     first = hostcc.build_library(src)
     assert hostcc.build_library(src) == first and hostcc.build_count == before + 1
-    assert first.parent == tmp_path / "host"
+    assert first.parent == tmp_path / "kernels" / "host"
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(CudaError, match=r"host compiler .*no-such-g\+\+. does not run"):
         hostcc.build_library(src + "// changed")
 
 
 def test_device_switch():
-    with pytest.raises(CudaError, match="TOYGRAPH_CUDA_DEVICE must be a device ordinal or "
-                                        "'host', got 'gpu0'"):
+    with pytest.raises(SettingError, match="TOYGRAPH_CUDA_DEVICE must be a device ordinal "
+                                           "or 'host', got 'gpu0'"):
         cuda_backend.open_device("gpu0")
     assert cuda_backend.CudaBackend().ctx.name == "host"   # from the environment (fixture)
 

@@ -19,3 +19,7 @@ class DataError(ToygraphError):
 
 class CudaError(ToygraphError):
     """A CUDA driver or NVRTC call failed."""
+
+
+class SettingError(ToygraphError):
+    """An environment variable of toygraph/settings.py has a malformed value."""

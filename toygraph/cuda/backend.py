@@ -22,7 +22,8 @@ grids and blocks (hostdev.py), slowly but exactly as written; CI uses it to chec
 kernel without a GPU. Otherwise the variable (default 0) is the CUDA device ordinal.
 
 Set ``TOYGRAPH_CUDA_GRAPHS=0`` to launch kernels one by one instead of replaying graphs
-(useful when debugging a kernel with compute-sanitizer).
+(useful when debugging a kernel with compute-sanitizer). A phase whose capture fails is
+launched that way too, with a warning on the ``toygraph.cuda.backend`` logger.
 
 Frozen consts in a GGUF block format stay in it on the device when every consumer is a
 matmul or get_rows that dequantizes tiles on the fly (see devmem.py); the rest get an f32
@@ -31,10 +32,11 @@ copy decoded at realize. ``TOYGRAPH_CUDA_QMATMUL=0`` gives every const its f32 c
 """
 from __future__ import annotations
 
-import os
+import logging
 
 import numpy as np
 
+from .. import settings
 from ..errors import CudaError
 from ..memory import BufferPlan
 from ..ops import SIDE_EFFECTS
@@ -43,6 +45,7 @@ from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
 from .kernels import DEQUANT_KERNELS, TC_PRECISIONS, backend_source
 from .lowering import MAX_ELEMENTS, OP_KERNELS, THREADS, Launch, i32, lower, p
 
+logger = logging.getLogger(__name__)
 _FLOAT_STORAGE = ("f32", "f64")
 #: Backend dtypes: "f32" is the plain f32 path; "bf16" / "tf32" run every matmul on tensor
 #: cores (bf16 or tf32 inputs, f32 accumulation) and keep everything else (norms, softmax,
@@ -58,16 +61,13 @@ def open_device(device=None):
     """The context kernels run in: ``device`` (else ``$TOYGRAPH_CUDA_DEVICE``, else 0) is a
     CUDA device ordinal, or ``"host"`` for the CPU executor."""
     if device is None:
-        device = os.environ.get("TOYGRAPH_CUDA_DEVICE", "0")
+        device = settings.get("TOYGRAPH_CUDA_DEVICE")
+    else:  # an explicit argument is checked like the variable
+        device = settings.parse("TOYGRAPH_CUDA_DEVICE", str(device))
     if device == "host":
         from .hostdev import HostContext
         return HostContext()
-    try:
-        ordinal = int(device)
-    except ValueError:
-        raise CudaError(f"TOYGRAPH_CUDA_DEVICE must be a device ordinal or 'host', "
-                        f"got {device!r}") from None
-    return driver.Context(ordinal)
+    return driver.Context(device)
 
 
 def _raw_bytes(data) -> np.ndarray:
@@ -89,7 +89,7 @@ class CudaBackend:
         if dtype in TC_PRECISIONS and _sm(self.ctx.arch) < 80:
             raise CudaError(f"dtype {dtype!r} needs tensor cores with bf16/tf32 mma (sm_80 or "
                             f"newer); this device is {self.ctx.arch}: use dtype='f32'")
-        self.use_graphs = os.environ.get("TOYGRAPH_CUDA_GRAPHS", "1") != "0"
+        self.use_graphs = settings.get("TOYGRAPH_CUDA_GRAPHS")
         self.qmatmul = qmatmul_enabled()
         self.memory: DeviceMemoryPlan | None = None
         self.raw_consts: frozenset[int] = frozenset()  # consts kept in block format
@@ -249,8 +249,10 @@ class CudaBackend:
             self._phase_refs.append(nodes)  # keep the list alive so its id is never reused
             try:
                 self._graphs[key] = self.ctx.capture(lambda: self._launch_all(nodes))
-            except CudaError:
-                self._graphs[key] = None  # this driver cannot capture it: launch eagerly
+            except CudaError as e:  # this driver cannot capture it: launch eagerly
+                logger.warning("CUDA graph capture of a %d-node phase failed, launching its "
+                               "kernels one by one instead (slower): %s", len(nodes), e)
+                self._graphs[key] = None
         g = self._graphs[key]
         if g is None:
             self._launch_all(nodes)

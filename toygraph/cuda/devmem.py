@@ -15,19 +15,18 @@ for every const.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import quant
+from .. import quant, settings
 from ..ops import SIDE_EFFECTS
 from .lowering import BLOCK_STORAGE, reads_block_format, scratch_bytes
 
 
 def qmatmul_enabled() -> bool:
     """False when ``TOYGRAPH_CUDA_QMATMUL=0`` asks for f32 copies of every const."""
-    return os.environ.get("TOYGRAPH_CUDA_QMATMUL", "1") != "0"
+    return settings.get("TOYGRAPH_CUDA_QMATMUL")
 
 
 def block_format_consts(schedule, outputs=()) -> set[int]:

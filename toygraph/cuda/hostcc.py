@@ -6,7 +6,7 @@ warp shuffles, mma.sync and the cvt roundings; one ``tg_host_launch_<kernel>`` e
 appended per kernel. hostdev.py loads it and launches kernels over host memory.
 
 The cache key is the sha256 of the full host source, the flags and ``g++ --version``; the
-library lives in ``$TOYGRAPH_CACHE/host`` (the folder nvrtc.py caches cubins in, plus
+library lives in ``$TOYGRAPH_CACHE/kernels/host`` (the folder nvrtc.py caches cubins in, plus
 ``host``) and is written atomically (temp file + os.replace).
 
 >>> from toygraph.cuda.hostcc import build_library
@@ -15,6 +15,7 @@ library lives in ``$TOYGRAPH_CACHE/host`` (the folder nvrtc.py caches cubins in,
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -23,14 +24,17 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from .. import settings
 from ..errors import CudaError
 from .kernels import kernel_names
 from .nvrtc import cache_dir
 
+logger = logging.getLogger(__name__)
+
 SHIM = Path(__file__).with_name("host_shim.h")
 #: -O1 builds the whole kernel module about twice as fast as -O2; the kernels then run a
-#: little slower, which small test shapes do not notice (see bench/README.md).
-OPT = os.environ.get("TOYGRAPH_HOST_OPT", "-O1")
+#: little slower, which small test shapes do not notice (see bench/README.md); hence the
+#: default of ``$TOYGRAPH_HOST_OPT`` (toygraph/settings.py), read at each build.
 #: No FMA contraction (the kernels' __f*_rn must stay single operations, as on the GPU);
 #: no strict aliasing (the tensor-core kernels read bf16 pairs through unsigned*).
 FLAGS = ("-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math",
@@ -82,7 +86,7 @@ def build_library(source: str, opt: str | None = None, use_cache: bool = True) -
     error raises CudaError with the compiler's log."""
     global build_count
     cxx = compiler()
-    flags = [opt or OPT, *FLAGS, *_cpu_flags()]
+    flags = [opt or settings.get("TOYGRAPH_HOST_OPT"), *FLAGS, *_cpu_flags()]
     text = host_source(source)
     h = hashlib.sha256(text.encode())
     h.update(("\0" + " ".join(flags) + "\0" + _compiler_version(cxx)).encode())
@@ -99,6 +103,7 @@ def build_library(source: str, opt: str | None = None, use_cache: bool = True) -
     try:
         src, lib = work / "toygraph_host.cpp", work / "lib.so"
         src.write_text(text)
+        logger.debug("building the host kernel library with %s %s", cxx, " ".join(flags))
         res = subprocess.run([cxx, *flags, "-o", str(lib), str(src)], capture_output=True,
                              text=True)
         if res.returncode != 0:

@@ -23,6 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from .. import settings
 from ..errors import CudaError
 from .hostcc import build_library
 
@@ -37,10 +38,7 @@ def schedule() -> str:
     """``$TOYGRAPH_HOST_SCHEDULE``: "forward" (default) runs the threads of a block first to
     last between barriers, "reverse" last to first. Race-free kernels give bit-identical
     results either way (tests/test_cuda_host_training.py checks)."""
-    order = os.environ.get("TOYGRAPH_HOST_SCHEDULE", "forward")
-    if order not in ("forward", "reverse"):
-        raise CudaError(f"TOYGRAPH_HOST_SCHEDULE must be 'forward' or 'reverse', got {order!r}")
-    return order
+    return settings.get("TOYGRAPH_HOST_SCHEDULE")
 
 
 @lru_cache(maxsize=8)

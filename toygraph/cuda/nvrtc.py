@@ -13,12 +13,16 @@ True
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import tempfile
 from pathlib import Path
 
+from .. import settings
 from ..errors import CudaError
+
+logger = logging.getLogger(__name__)
 
 _nvrtc = None
 
@@ -66,8 +70,8 @@ def version() -> tuple[int, int]:
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("TOYGRAPH_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "toygraph" / "cubin"
+    """Where compiled kernels are cached: ``$TOYGRAPH_CACHE/kernels``."""
+    return settings.cache_dir("kernels")
 
 
 def options(arch: str, include_dirs=()) -> list[str]:
@@ -103,6 +107,7 @@ def compile_cubin(source: str, arch: str | None = None, name: str = "toygraph.cu
                 return data
         except OSError:
             pass
+    logger.debug("compiling %s for %s with NVRTC (not in the cache %s)", name, arch, cache_dir())
     cubin = _compile(source, opts, name)
     if use_cache:
         _write_atomic(path, cubin)

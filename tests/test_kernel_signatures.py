@@ -1,0 +1,230 @@
+"""Every launch the CUDA lowering produces against the parameter list of its kernel in the
+CUDA sources: the number of arguments and each one's fixed-width type (a pointer is one
+np.uint64, int one np.int32, float one np.float32, double one np.float64, the ``Strided``
+struct of common.cuh 1 + 3 * TG_MAXD np.int32). The driver packs ``Launch.args`` by
+position and cannot tell a missing or mistyped argument; this test can.
+
+The launches come from lowering training graphs of the tiny models (LoRA on block-format
+weights at every precision, the fused head, full fine-tuning), every block format's fused
+kernels, every attention head-dim bound, and a small graph of the remaining ops; the test
+checks that together they cover every op of ``ops.OPS`` and every kernel in the sources
+(except the dequantizers, which backend.py launches at realize, not through a lowering).
+"""
+import re
+
+import numpy as np
+import pytest
+
+from test_cuda_compile import _lora_graph, _qweight, _smollm2_training_graph, _training_plan
+from toygraph import ops, quant
+from toygraph.autodiff import backward
+from toygraph.cuda import devmem, lowering
+from toygraph.cuda.kernels import (ATTN_HEAD_DIMS, FAMILIES, KERNEL_NAMES, TC_FAMILIES,
+                                   TC_KERNEL_NAMES, TC_PRECISIONS, module_source)
+from toygraph.cuda.lowering import MAXD, Launch, f32, f64, i32, p, strided
+from toygraph.graph import Graph, topo_order
+
+PRECISIONS = ("f32",) + TC_PRECISIONS
+BLOCK_FORMATS = sorted(set(quant.BLOCK) - {"f32"})
+
+#: C parameter type -> (numpy dtype, number of elements) of its packed launch argument.
+SCALAR_TYPES = {"int": (np.int32, 1), "float": (np.float32, 1), "double": (np.float64, 1),
+                "Strided": (np.int32, 1 + 3 * MAXD)}
+POINTER = (np.uint64, 1)
+
+
+# --- the parameter lists, parsed from the sources --------------------------------------------
+def _object_macros(src: str) -> dict[str, str]:
+    """``#define NAME body`` (continuation lines joined) for macros without arguments."""
+    joined = src.replace("\\\n", " ")
+    return {m[1]: m[2].strip() for m in re.finditer(r"^\s*#define\s+(\w+)[ \t]+(.*)$", joined,
+                                                    re.M)}
+
+
+def kernel_signatures(src: str) -> dict[str, list[str]]:
+    """kernel name -> its parameter types, e.g. ``["float*", "int", "Strided"]``."""
+    macros = _object_macros(src)
+    sigs = {}
+    pattern = (r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
+               r'(\w+)\s*\(([^)]*)\)')
+    for name, params in re.findall(pattern, src):
+        params = macros.get(params.strip(), params)
+        sigs[name] = [_param_type(decl) for decl in params.split(",") if decl.strip()]
+    return sigs
+
+
+def _param_type(decl: str) -> str:
+    """The type of one declaration (``const float *q`` -> ``float*``), qualifiers dropped."""
+    words = decl.replace("*", " * ").split()
+    stars = words.count("*")
+    base = [w for w in words[:-1] if w not in ("const", "*", "__restrict__")]
+    return " ".join(base) + "*" * stars
+
+
+SIGNATURES = kernel_signatures(module_source(FAMILIES + TC_FAMILIES))
+
+
+def mismatches(launch: Launch, signatures=SIGNATURES) -> list[str]:
+    """What is wrong with ``launch.args`` for its kernel's parameter list (empty: nothing)."""
+    params = signatures.get(launch.kernel)
+    if params is None:
+        return [f"{launch.kernel}: no such kernel in the sources"]
+    if len(launch.args) != len(params):
+        return [f"{launch.kernel}: {len(launch.args)} arguments for {len(params)} parameters "
+                f"({', '.join(params)})"]
+    problems = []
+    for i, (arg, ctype) in enumerate(zip(launch.args, params)):
+        want = POINTER if ctype.endswith("*") else SCALAR_TYPES.get(ctype)
+        if want is None:
+            problems.append(f"{launch.kernel} parameter {i}: no packing rule for C type {ctype}")
+        elif not (isinstance(arg, np.ndarray) and arg.dtype == want[0] and arg.size == want[1]):
+            got = (f"{arg.dtype}[{arg.size}]" if isinstance(arg, np.ndarray)
+                   else type(arg).__name__)
+            problems.append(f"{launch.kernel} parameter {i} ({ctype}): got {got}, want "
+                            f"{np.dtype(want[0])}[{want[1]}]")
+    return problems
+
+
+# --- the launches --------------------------------------------------------------------------
+def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS):
+    """(op, launch) for every non-leaf node of ``nodes`` at every precision."""
+    out = []
+    for node in nodes:
+        if node.op is None:
+            continue
+        for prec in precisions:
+            out += [(node.op, l) for l in lowering.lower(node, lambda t: (t.id + 1) << 20,
+                                                         1 << 40, raw, precision=prec)]
+    return out
+
+
+def _model_launches(path, **lora_graph_kw):
+    order, pinned, plan, outputs = _training_plan(_lora_graph(path, **lora_graph_kw))
+    raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
+                    .raw_consts)
+    return _lower_all(order, raw)
+
+
+def _full_finetune_launches(path):
+    from toygraph.gguf import GGUFModel
+    from toygraph.models.llama import build_llama
+    from toygraph.optim import build_training
+    model = GGUFModel(path)
+    g = Graph()
+    net = build_llama(g, model.config, batch=1, seq=4, model=model, weights="finetune",
+                      logits=False)
+    lab = g.input("labels", (4,), "i32")   # the fused head, trained: tg_matmul_acc
+    loss = ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum")
+    build_training(g.output(loss), net.params)
+    return _lower_all(_training_plan(g)[0])
+
+
+def _block_format_launches(rng):
+    """The fused kernels of every block format: y = x @ W^T, dx = dy @ W, get_rows."""
+    out = []
+    for fmt in BLOCK_FORMATS:
+        rows, cols = 8, quant.BLOCK[fmt][0]
+        g = Graph()
+        w = g.const("w", _qweight(rng, fmt, rows, cols)[0], shape=(rows, cols), storage=fmt)
+        nodes = [w, ops.matmul(g.const("x", np.ones((3, cols))), w, trans_b=True),
+                 ops.matmul(g.const("dy", np.ones((3, rows))), w),
+                 ops.get_rows(w, g.input("ids", (5,), "i32"))]
+        out += _lower_all(nodes, frozenset({w.id}))
+    return out
+
+
+def _attention_launches():
+    out = []
+    for hd in ATTN_HEAD_DIMS:
+        g = Graph()
+        q, k, v = (g.const(n, np.ones((1, 2, 5, hd))) for n in "qkv")
+        att = ops.attention(q, k, v, scale=hd ** -0.5, causal=True)
+        back = ops.OPS["attention"].grad(att, g.const("g", np.ones(att.shape)), [True] * 3)
+        out += _lower_all([att, back[0].srcs[0]], precisions=("f32",))
+    return out
+
+
+def _small_op_launches():
+    """The ops no model graph above uses, forward and backward."""
+    g = Graph()
+    x = g.param("x", np.ones((2, 3, 4)))
+    b = g.param("b", np.ones((4,)))
+    y = ops.softmax(ops.gelu(ops.sub(ops.scale(x, 0.5), b)), scale=2.0, causal=False)
+    y = ops.contiguous(ops.permute(y, (1, 0, 2))).reshape(3, 8)
+    packed = g.const("packed", np.ones(40))
+    loss = ops.sum(ops.mul(y, ops.unpack(packed, 16, (3, 8))))
+    grads = backward(loss, [x, b])
+    acc = ops.accumulate(g.state("acc", (4,), kind="grad"), grads[b])
+    return _lower_all(topo_order([loss, grads[x], acc]), precisions=("f32",))
+
+
+@pytest.fixture(scope="module")
+def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
+    rng = np.random.default_rng(0)
+    targets = ("q", "k", "v", "o", "gate", "up", "down")
+    out = []
+    for path in (tiny_llama, tiny_qwen2, tiny_llama_kquant):
+        out += _model_launches(path, targets=targets)
+    for fused in (True, False):
+        g = _smollm2_training_graph(tiny_llama_kquant, fused=fused, batch=2, seq=8)
+        order, pinned, plan, outputs = _training_plan(g)
+        raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
+                        .raw_consts)
+        out += _lower_all(order, raw)
+    out += _full_finetune_launches(tiny_qwen2)
+    out += _block_format_launches(rng) + _attention_launches() + _small_op_launches()
+    return out
+
+
+# --- the tests -----------------------------------------------------------------------------
+def test_every_kernel_in_the_sources_is_parsed():
+    assert set(SIGNATURES) == set(KERNEL_NAMES) | set(TC_KERNEL_NAMES)
+    assert SIGNATURES["tg_binary"] == ["float*", "float*", "float*", "int", "Strided", "int"]
+    assert SIGNATURES["tg_adamw"][-1] == "double"
+    dkdv = SIGNATURES["tg_attn_bwd_dkdv_64"]                      # through TG_ATTN_DKDV_ARGS
+    assert len(dkdv) > 10 and dkdv[:2] == ["float*", "float*"] and dkdv[-1] == "int"
+    assert SIGNATURES["tg_tc_matmul_bf16"] == SIGNATURES["tg_matmul"]
+    assert SIGNATURES["tg_matmul"][-1] == "Strided"               # through TG_MM_ARGS
+    assert SIGNATURES["tg_qmm_nt_q4_k"] == ["float*", "float*", "unsigned char*"] + ["int"] * 4
+
+
+def test_the_launches_cover_every_op_and_kernel(launches):
+    assert {op for op, _ in launches} == set(ops.OPS)
+    launched = {l.kernel for _, l in launches}
+    dequantizers = {k for k in SIGNATURES if k.startswith("tg_deq_")}  # backend.py's realize
+    assert launched == set(SIGNATURES) - dequantizers
+
+
+def test_every_launch_matches_its_kernel_signature(launches):
+    problems = sorted({m for _, launch in launches for m in mismatches(launch)})
+    assert not problems, "\n".join(problems)
+
+
+def test_a_wrong_launch_is_caught():
+    good = Launch("tg_scale", (1, 1, 1), [p(1 << 20), p(2 << 20), i32(8), f32(0.5)])
+    assert mismatches(good) == []
+    bad = {
+        "missing": (good.args[:3], "3 arguments for 4 parameters"),
+        "extra": (good.args + [i32(0)], "5 arguments for 4 parameters"),
+        "f64 for float": (good.args[:3] + [f64(0.5)], "parameter 3 .float.: got float64.1., "
+                                                       "want float32.1."),
+        "python int": (good.args[:2] + [8, good.args[3]], "parameter 2 .int.: got int, want"),
+        "int for pointer": (good.args[:1] + [i32(7)] + good.args[2:],
+                            "parameter 1 .float..: got int32.1., want uint64.1."),
+    }
+    for what, (args, message) in bad.items():
+        found = mismatches(Launch("tg_scale", (1, 1, 1), args))
+        assert len(found) == 1 and re.search(message, found[0]), (what, found)
+    short = strided([2, 3], [3, 1])[:-1]                         # a Strided struct too short
+    gather = Launch("tg_gather", (1, 1, 1), [p(1), p(2), i32(6), short])
+    assert mismatches(gather) == [f"tg_gather parameter 3 (Strided): got int32[{3 * MAXD}], "
+                                  f"want int32[{3 * MAXD + 1}]"]
+    assert mismatches(Launch("tg_nope", (1, 1, 1), [])) == ["tg_nope: no such kernel in the "
+                                                            "sources"]
+
+
+def test_a_type_without_a_packing_rule_is_reported():
+    sigs = kernel_signatures('extern "C" __global__ void k(float* a, unsigned short n) {}')
+    assert sigs == {"k": ["float*", "unsigned short"]}
+    assert mismatches(Launch("k", (1, 1, 1), [p(1), i32(1)]), sigs) == [
+        "k parameter 1: no packing rule for C type unsigned short"]
