@@ -14,7 +14,8 @@ import pytest
 from toygraph import ops, quant
 from toygraph.cpu.kernels import KERNELS as CPU_KERNELS
 from toygraph.cuda import lower_fused, lowering
-from toygraph.cuda.kernels import DEQUANT_KERNELS, KERNEL_NAMES, OP_KERNELS, module_source
+from toygraph.cuda.kernels import DEQUANT_KERNELS, KERNEL_NAMES, module_source
+from toygraph.cuda.lowering import OP_KERNELS
 from toygraph.errors import CudaError
 from toygraph.graph import Graph
 
@@ -572,6 +573,7 @@ def tc_layout(tmp_path_factory):
     import ctypes
     import shutil
     import subprocess
+    from toygraph.cuda.constants import constant_defines
     from toygraph.cuda.kernels import read_source
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
@@ -579,7 +581,7 @@ def tc_layout(tmp_path_factory):
     d = tmp_path_factory.mktemp("tclayout")
     src = d / "tc_layout.cpp"
     src.write_text("#define __device__\n#define __forceinline__ inline\n"
-                   + read_source("tc_layout.cuh") + _TC_HOST_DRIVER)
+                   + constant_defines() + read_source("tc_layout.cuh") + _TC_HOST_DRIVER)
     lib = d / "tc_layout.so"
     subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True,
                    capture_output=True)
@@ -1001,7 +1003,8 @@ def test_mixed_precision_is_cuda_only_and_validated():
 # --- fused attention: the tiled algorithm replayed per launch, and its compiled kernels ---------
 import re  # noqa: E402
 
-from toygraph.cuda.kernels import ATTN_HEAD_DIMS, read_source  # noqa: E402
+from toygraph.cuda.constants import ATTN_HEAD_DIMS  # noqa: E402
+from toygraph.cuda.kernels import read_source  # noqa: E402
 
 
 def _resolve(mem, addr):
@@ -1229,16 +1232,21 @@ def test_attention_head_dim_selection_and_limit():
 
 
 def test_attention_instantiations_match_the_lowering_tiles():
-    """attention.cu's wrappers pass the (HD, BT, TPR) that lowering.ATTN_TILES launches
-    with; every kernel's __launch_bounds__ equals BT * TPR."""
+    """attention.cu's wrapper for head_dim bound HD passes (HD, TG_ATTN_BT_<HD>,
+    TG_ATTN_TPR_<HD>), with __launch_bounds__(TG_ATTN_THREADS_<HD>), and those macros are
+    the (BT, TPR, BT * TPR) that lowering.ATTN_TILES launches with."""
+    from toygraph.cuda.constants import DEFINES
     src = read_source("attention.cu")
-    assert set(lowering.ATTN_TILES) == set(ATTN_HEAD_DIMS)
+    instantiated = {int(hd) for hd in re.findall(r"\btg_attn_fwd_(\d+)\(", src)}
+    assert instantiated == set(ATTN_HEAD_DIMS) == set(lowering.ATTN_TILES)
     for part in ("fwd", "bwd_prep", "bwd_dkdv", "bwd_dq"):
         for HD, (BT, TPR) in lowering.ATTN_TILES.items():
-            m = re.search(rf"__launch_bounds__\((\d+)\)\s+tg_attn_{part}_{HD}\(.*?\)\s*{{\s*"
-                          rf"attn_{part}<(\d+), (\d+), (\d+)>", src, re.S)
+            m = re.search(rf"__launch_bounds__\((\w+)\)\s+tg_attn_{part}_{HD}\(.*?\)\s*{{\s*"
+                          rf"attn_{part}<(\w+), (\w+), (\w+)>", src, re.S)
             assert m, (part, HD)
-            assert tuple(int(x) for x in m.groups()) == (BT * TPR, HD, BT, TPR)
+            assert m.groups() == (f"TG_ATTN_THREADS_{HD}", str(HD), f"TG_ATTN_BT_{HD}",
+                                  f"TG_ATTN_TPR_{HD}")
+            assert [DEFINES[x] for x in (m[1], m[3], m[4])] == [BT * TPR, BT, TPR]
 
 
 @needs_nvrtc

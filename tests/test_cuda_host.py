@@ -333,10 +333,10 @@ def test_linear_cross_entropy_in_ragged_chunks(head, reduction, labels, monkeypa
 def capped_grids(monkeypatch):
     """Grids capped far below the work (as MAX_GRID / MAX_GRID_YZ / SUMSQ_BLOCKS cap them
     for huge tensors on a GPU), so every grid-stride, row and batch loop takes more turns."""
-    from toygraph.cuda import launch, lower_matmul, lowering
+    from toygraph.cuda import launch, lower_matmul, lower_optim
     monkeypatch.setattr(launch, "MAX_GRID", 3)
     monkeypatch.setattr(lower_matmul, "MAX_GRID_YZ", 2)
-    monkeypatch.setattr(lowering, "SUMSQ_BLOCKS", 2)
+    monkeypatch.setattr(lower_optim, "SUMSQ_BLOCKS", 2)
 
 
 @pytest.mark.parametrize("name,build,shapes,tol", [

@@ -181,9 +181,9 @@ def test_adamw_step_with_clip_matches_numpy_and_replays_identically(max_norm, mo
 def test_adamw_step_with_capped_grids_matches_numpy(monkeypatch):
     """The step with every grid capped at 3 blocks (2 partial sums per gradient norm), so
     AdamW, the norm, cross-entropy and the row kernels loop over what the grid misses."""
-    from toygraph.cuda import launch, lowering
+    from toygraph.cuda import launch, lower_optim
     monkeypatch.setattr(launch, "MAX_GRID", 3)
-    monkeypatch.setattr(lowering, "SUMSQ_BLOCKS", 2)
+    monkeypatch.setattr(lower_optim, "SUMSQ_BLOCKS", 2)
     cpu, got = _mlp_train("cpu", 0.05, n=70, h=300), _mlp_train("cuda", 0.05, n=70, h=300)
     for a, b in zip(got[0], cpu[0]):
         assert abs(a - b) <= 1e-4 * abs(b)

@@ -12,7 +12,8 @@ from test_cuda_compile import _check_lowering, _node, replay_attention_launches
 from toygraph import ops
 from toygraph.cpu.kernels import KERNELS as CPU_KERNELS
 from toygraph.cuda import lowering
-from toygraph.cuda.kernels import KERNEL_NAMES, OP_KERNELS
+from toygraph.cuda.kernels import KERNEL_NAMES
+from toygraph.cuda.lowering import OP_KERNELS
 from toygraph.graph import Graph
 
 

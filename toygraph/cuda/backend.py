@@ -42,8 +42,8 @@ from ..memory import BufferPlan
 from ..ops import SIDE_EFFECTS
 from . import driver
 from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
-from .kernels import DEQUANT_KERNELS, OP_KERNELS, TC_PRECISIONS, backend_source
-from .lowering import MAX_ELEMENTS, THREADS, Launch, i32, lower, p
+from .kernels import DEQUANT_KERNELS, TC_PRECISIONS, backend_source
+from .lowering import MAX_ELEMENTS, OP_KERNELS, THREADS, Launch, i32, lower, p
 
 logger = logging.getLogger(__name__)
 _FLOAT_STORAGE = ("f32", "f64")

@@ -1,12 +1,15 @@
 """The CUDA C++ sources of every toygraph kernel, assembled into one module.
 
-The kernels live in ``kernels/*.cu`` by family (elementwise, row-wise, matmul, loss,
-fused head + loss, optimizer, dequantization, quantized matmul, fused attention) with shared helpers in
-``kernels/common.cuh`` and the block-format decoders in ``kernels/quant.cuh``, whose byte offsets are
-quant.LAYOUT emitted as ``#define``s (:func:`layout_defines`). They need no
-CUDA toolkit header, so NVRTC compiles them with nothing but its own wheel. The backend
-compiles :func:`module_source` once (cached on disk by nvrtc.py) and looks kernels up by
-name; a backend with dtype "bf16"/"tf32" compiles :func:`backend_source`, which adds the
+The kernels live in ``kernels/*.cu`` by family (elementwise, row-wise, matmul, loss, fused
+head + loss, optimizer, dequantization, quantized matmul, fused attention) with shared
+helpers in ``kernels/common.cuh`` and the block-format decoders in ``kernels/quant.cuh``.
+Numbers the host and the kernels share are emitted ahead of them as ``#define``s: the tile
+sizes and thread counts of constants.py (:func:`constants.constant_defines`) and the block
+layouts of quant.LAYOUT (:func:`layout_defines`). Which op launches which kernels is each
+op's entry in the lowering registry (registry.py). The kernels need no CUDA toolkit header,
+so NVRTC compiles them with nothing but its own wheel. The backend compiles
+:func:`module_source` once (cached on disk by nvrtc.py) and looks kernels up by name; a
+backend with dtype "bf16"/"tf32" compiles :func:`backend_source`, which adds the
 tensor-core matmuls of ``kernels/tc_layout.cuh`` + ``kernels/tc_matmul.cu`` (TC_KERNELS).
 
 >>> from toygraph.cuda.kernels import KERNEL_NAMES, module_source
@@ -19,9 +22,12 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+# ATTN_HEAD_DIMS: the attention kernels' head_dim bounds, importable from here as before.
+from .constants import ATTN_HEAD_DIMS, constant_defines  # noqa: F401
+
 KERNEL_DIR = Path(__file__).with_name("kernels")
 HEADERS = ("common.cuh", "quant.cuh")
-# qmatmul.cu reuses matmul.cu's tile sizes (MM_BM, MM_BN, MM_BK): keep it after matmul.cu.
+# qmatmul.cu reuses matmul.cu's tile helper (tg_mm_tile_fma): keep it after matmul.cu.
 FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "lce.cu", "optim.cu",
             "dequant.cu", "qmatmul.cu", "attention.cu")
 #: The tensor-core matmuls of the mixed-precision modes, compiled only for a backend with
@@ -29,39 +35,6 @@ FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "lce.cu", "opti
 TC_FAMILIES = ("tc_layout.cuh", "tc_matmul.cu")
 #: Backend dtypes whose matmuls run on tensor cores (the rest of the step stays f32).
 TC_PRECISIONS = ("bf16", "tf32")
-
-#: The head_dim bounds the attention kernels are instantiated for (attention.cu; the tile
-#: shape of each is lowering.ATTN_TILES): a head_dim runs on the smallest bound >= it.
-ATTN_HEAD_DIMS = (32, 64, 128)
-
-#: The kernels each op of ops.OPS lowers to (see lowering.py); tests check the table is
-#: complete and every name exists in the sources.
-OP_KERNELS: dict[str, tuple[str, ...]] = {
-    "add": ("tg_binary",), "sub": ("tg_binary",), "mul": ("tg_binary",),
-    "scale": ("tg_scale",), "silu": ("tg_silu",), "silu_back": ("tg_silu_back",),
-    "gelu": ("tg_gelu",), "gelu_back": ("tg_gelu_back",),
-    "sum_to": ("tg_reduce_block", "tg_reduce_thread"), "expand": ("tg_gather",),
-    "rms_norm": ("tg_rms_norm",), "rms_norm_back": ("tg_rms_norm_back",),
-    "rope": ("tg_rope",), "softmax": ("tg_softmax",), "softmax_back": ("tg_softmax_back",),
-    "matmul": ("tg_matmul",),
-    "attention": tuple(f"tg_attn_fwd_{hd}" for hd in ATTN_HEAD_DIMS),
-    "attention_back": tuple(f"tg_attn_bwd_{part}_{hd}" for part in ("prep", "dkdv", "dq")
-                            for hd in ATTN_HEAD_DIMS),
-    "unpack": ("tg_copy",),
-    "reshape": ("tg_copy",), "contiguous": ("tg_copy",), "permute": ("tg_gather",),
-    "sum": ("tg_reduce_block", "tg_reduce_thread"),
-    "get_rows": ("tg_get_rows",), "get_rows_back": ("tg_fill", "tg_get_rows_back"),
-    "cross_entropy": ("tg_ce_rows", "tg_ce_reduce"), "cross_entropy_back": ("tg_ce_back",),
-    "count_valid": ("tg_count_valid",),
-    # Fused head + loss: launches over row chunks (a block-format head reads through the
-    # QUANT_KERNELS "nt"/"nn" kernels instead of tg_matmul; see lowering.py).
-    "linear_cross_entropy": ("tg_matmul", "tg_ce_rows", "tg_ce_reduce"),
-    "linear_cross_entropy_back": ("tg_lce_grad_scale", "tg_fill", "tg_matmul", "tg_ce_back",
-                                  "tg_matmul_acc"),
-    "accumulate": ("tg_accumulate",),
-    "global_norm": ("tg_sumsq_partial", "tg_global_norm"),
-    "adamw": ("tg_adamw",),
-}
 
 #: Dequantization kernel per const storage format (f32 consts are uploaded as they are).
 DEQUANT_KERNELS: dict[str, str] = {
@@ -109,8 +82,10 @@ def layout_defines() -> str:
 
 @lru_cache(maxsize=None)
 def module_source(families: tuple[str, ...] = FAMILIES) -> str:
-    """The headers followed by the given kernel families: one translation unit."""
-    parts = ["// ---- quant layout\n" + layout_defines()]
+    """The shared constants and block layouts as macros, the headers, then the given kernel
+    families: one translation unit."""
+    parts = ["// ---- constants\n" + constant_defines(),
+             "// ---- quant layout\n" + layout_defines()]
     parts += [f"// ---- {h}\n" + read_source(h) for h in HEADERS]
     parts += [f"// ---- {f}\n" + read_source(f) for f in families]
     return "\n".join(parts)

@@ -5,16 +5,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-
 from ..errors import CudaError
+from .constants import MAXD, THREADS
 
-
-MAXD = 8          # TG_MAXD in common.cuh
-THREADS = 256     # TG_THREADS in common.cuh
 MAX_GRID = 1 << 20  # grid-stride loops cover the rest
 MAX_GRID_YZ = 65535
-SUMSQ_BLOCKS = 1024  # at most this many partial sums per gradient in global_norm
 INT32_MAX = 2 ** 31 - 1
 # Grid-stride loops index with int: i + gridDim*blockDim must not overflow past the end.
 MAX_ELEMENTS = INT32_MAX - MAX_GRID * THREADS

@@ -2,17 +2,12 @@
 (attention.cu) and the output head + cross-entropy over row chunks (lce.cu)."""
 from __future__ import annotations
 
-
-
 from ..errors import CudaError
-from .launch import (MAX_GRID_YZ, THREADS, Launch, _blocks, _rows_grid, f32, i32, p,
-                     strided)
+from .constants import ATTN_TILES, MM_BM, MM_THREADS, TC_THREADS
+from .kernels import QUANT_KERNELS, TC_KERNELS
+from .launch import MAX_GRID_YZ, Launch, _blocks, _rows_grid, f32, i32, p, strided
 from .lower_matmul import TC_TILE, row_bytes
-
-
-#: head_dim bound -> (BT, TPR) of the attention kernels (the template arguments of the
-#: instantiations in attention.cu): BT x BT query/key tiles, TPR threads per tile row.
-ATTN_TILES = {32: (32, 4), 64: (32, 4), 128: (16, 8)}
+from .registry import lowers
 
 
 def attention_config(hd: int) -> tuple[int, int, int]:
@@ -23,10 +18,22 @@ def attention_config(hd: int) -> tuple[int, int, int]:
     raise CudaError(f"attention: head_dim {hd} exceeds the kernels' maximum {max(ATTN_TILES)}")
 
 
-def _attention(node, out, ptr, scratch) -> list[Launch]:
+def _attention_scratch(node) -> int:
+    """attention_back: row log-sum-exp and rowsum(dO * O), [B, H, T] each."""
+    return 2 * 4 * node.srcs[0].size // node.srcs[0].shape[-1]
+
+
+@lowers("attention", kernels=("tg_attn_fwd_32", "tg_attn_fwd_64", "tg_attn_fwd_128"))
+@lowers("attention_back", scratch=_attention_scratch,
+        kernels=("tg_attn_bwd_prep_32", "tg_attn_bwd_prep_64", "tg_attn_bwd_prep_128",
+                 "tg_attn_bwd_dkdv_32", "tg_attn_bwd_dkdv_64", "tg_attn_bwd_dkdv_128",
+                 "tg_attn_bwd_dq_32", "tg_attn_bwd_dq_64", "tg_attn_bwd_dq_128"))
+def _attention(node, at) -> list[Launch]:
     """attention: one launch, a block per (query tile, head, batch). attention_back: the
     row statistics into scratch, then dk/dv per (key tile, kv head, batch) and dq per
-    (query tile, head, batch), written straight into the packed [dq, dk, dv] output."""
+    (query tile, head, batch), written straight into the packed [dq, dk, dv] output. The
+    kernels are instantiated per head_dim bound HD (constants.ATTN_TILES), named ``_HD``."""
+    out, ptr, scratch = at.out, at.ptr, at.scratch
     q, k, v = node.srcs[:3]
     B, H, T, hd = q.shape
     KV = k.shape[1]
@@ -61,11 +68,11 @@ LCE_CHUNK_BYTES = 256 << 20
 
 
 def lce_chunk_rows(n_rows: int, vocab: int) -> int:
-    """Rows per chunk: as many as LCE_CHUNK_BYTES holds, a multiple of the 64-row matmul
+    """Rows per chunk: as many as LCE_CHUNK_BYTES holds, a multiple of the MM_BM-row matmul
     tile when that is at least one tile, never more than the rows there are."""
     rows = LCE_CHUNK_BYTES // (4 * vocab)
-    if rows >= 64:
-        rows = rows // 64 * 64
+    if rows >= MM_BM:
+        rows = rows // MM_BM * MM_BM
     return max(1, min(n_rows, rows))
 
 
@@ -83,10 +90,9 @@ def _dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matm
     """One unbatched matmul launch, A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn];
     tensor-core kernels (same arguments) for ``precision`` bf16/tf32 unless ``kernel`` is
     tg_matmul_acc, which has no tensor-core twin."""
-    tile, block = 64, (THREADS, 1, 1)
+    tile, block = MM_BM, (MM_THREADS, 1, 1)
     if precision != "f32" and kernel == "tg_matmul":
-        from .kernels import TC_KERNELS
-        kernel, tile = TC_KERNELS[precision]["matmul"], TC_TILE
+        kernel, tile, block = TC_KERNELS[precision]["matmul"], TC_TILE, (TC_THREADS, 1, 1)
     gy = (M + tile - 1) // tile
     if gy > MAX_GRID_YZ:
         raise CudaError(f"{kernel}: {M} rows exceed the kernel's grid limit")
@@ -98,18 +104,32 @@ def _dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matm
 def _q_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
     """x @ W^T ("nt") or dy @ W ("nn") with the block-format const ``w`` at ``w_ptr``, with
     _qmatmul's arguments (tensor-core twins for bf16/tf32, as _tc_matmul picks them)."""
-    from .kernels import QUANT_KERNELS, TC_KERNELS
-    kernel, tile = QUANT_KERNELS[w.storage][kind], 64
+    kernel, tile, threads = QUANT_KERNELS[w.storage][kind], MM_BM, MM_THREADS
     if precision != "f32":
-        kernel, tile = TC_KERNELS[precision][kind][w.storage], TC_TILE
+        kernel, tile, threads = TC_KERNELS[precision][kind][w.storage], TC_TILE, TC_THREADS
     gy = (M + tile - 1) // tile
     if gy > MAX_GRID_YZ:
         raise CudaError(f"{kernel}: {M} rows exceed the kernel's grid limit")
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
-                  [p(out), p(a), p(w_ptr), i32(M), i32(N), i32(K), i32(row_bytes(w))])
+                  [p(out), p(a), p(w_ptr), i32(M), i32(N), i32(K), i32(row_bytes(w))],
+                  block=(threads, 1, 1))
 
 
-def _linear_cross_entropy(node, out, ptr, scratch, raw_consts, precision) -> list[Launch]:
+def _head_in_blocks(node, index: int) -> bool:
+    """The head as the weight of logits = h W^T and dh = dlogits W; a frozen const has no
+    dw, the one product that would read W another way."""
+    return index == 1 and node.srcs[0] is not node.srcs[1] and not node.attrs.get("grad_w")
+
+
+def _lce_scratch_bytes(node) -> int:
+    return sum(_lce_scratch(node).values())
+
+
+@lowers("linear_cross_entropy", kernels=("tg_matmul", "tg_ce_rows", "tg_ce_reduce"),
+        scratch=_lce_scratch_bytes, block_format=_head_in_blocks)
+@lowers("linear_cross_entropy_back", scratch=_lce_scratch_bytes, block_format=_head_in_blocks,
+        kernels=("tg_lce_grad_scale", "tg_fill", "tg_matmul", "tg_ce_back", "tg_matmul_acc"))
+def _linear_cross_entropy(node, at) -> list[Launch]:
     """Launches over chunks of ``rows`` rows sharing one [rows, V] logits block in scratch.
 
     forward:  per chunk  logits = h_c W^T;  tg_ce_rows -> rowloss[c]
@@ -118,7 +138,11 @@ def _linear_cross_entropy(node, out, ptr, scratch, raw_consts, precision) -> lis
               per chunk  logits = h_c W^T;  tg_ce_back in place -> dlogits_c (weight gs)
                          dh_c = dlogits_c W          (into dh's rows of the chunk)
                          dw += dlogits_c^T h_c       (tg_matmul_acc; chunk order fixed)
+    A block-format head reads through the QUANT_KERNELS "nt"/"nn" kernels instead of
+    tg_matmul, and bf16/tf32 through their tensor-core twins.
     """
+    out, ptr, scratch = at.out, at.ptr, at.scratch
+    raw_consts, precision = at.raw_consts, at.precision
     h, w, labels = node.srcs[:3]
     (N, D), V = h.shape, w.shape[0]
     rows = lce_chunk_rows(N, V)

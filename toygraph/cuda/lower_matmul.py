@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from math import prod
 
-
-
 from ..errors import CudaError
+from .constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
+from .kernels import QUANT_KERNELS, TC_KERNELS
 from .launch import MAX_GRID_YZ, Launch, _pad, contiguous_strides, i32, p, strided
+from .registry import lowers
+
+#: Output tile edge of the tensor-core kernels (square: TC_BM == TC_BN, checked by a test;
+#: so are the f32 tiles, MM_BM == MM_BN).
+TC_TILE = TC_BM
 
 
 def matmul_batch(a_shape, b_shape, out_batch):
@@ -30,29 +35,6 @@ def matmul_batch(a_shape, b_shape, out_batch):
     return dims, sa, sb
 
 
-#: Storage formats the fused kernels of qmatmul.cu read (f32 consts are used as they are).
-BLOCK_STORAGE = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k",
-                 "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
-
-
-def reads_block_format(node, index: int) -> bool:
-    """Whether ``node`` can read its source ``index`` (a const) in its block format: as
-    the weight of ``x @ W^T`` / ``dy @ W`` (a 2-D b, trans_a=False, a's batch axes folded
-    into M), or as the table of get_rows."""
-    src = node.srcs[index]
-    if src.role != "const" or src.storage not in BLOCK_STORAGE or len(src.shape) != 2:
-        return False
-    if node.op == "get_rows":
-        return index == 0
-    if node.op == "matmul":
-        return index == 1 and node.srcs[0] is not src and not node.attrs["trans_a"]
-    if node.op in ("linear_cross_entropy", "linear_cross_entropy_back"):
-        # the head as the weight of logits = h W^T and dh = dlogits W; a frozen const has
-        # no dw, the one product that would read W another way
-        return index == 1 and node.srcs[0] is not src and not node.attrs.get("grad_w")
-    return False
-
-
 def matmul_geometry(node):
     """(M, N, K, sam, sak, sbk, sbn, nbatch, batch dims, a strides, b strides) of a dense
     matmul: A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn], plus the batch walk."""
@@ -67,7 +49,8 @@ def matmul_geometry(node):
     return M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb
 
 
-def _matmul(node, out, ptr, tile: int = 64, kernel: str = "tg_matmul") -> Launch:
+def _matmul(node, out, ptr, tile: int = MM_BM, kernel: str = "tg_matmul",
+            threads: int = MM_THREADS) -> Launch:
     M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
     x, y = node.srcs
     gy = (M + tile - 1) // tile
@@ -76,18 +59,13 @@ def _matmul(node, out, ptr, tile: int = 64, kernel: str = "tg_matmul") -> Launch
     grid = ((N + tile - 1) // tile, gy, max(1, min(nbatch, MAX_GRID_YZ)))
     return Launch(kernel, grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
                                  i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
-                                 strided(dims, sa, sb)])
-
-
-#: Output tile edge of the tensor-core kernels (TC_BM == TC_BN in tc_layout.cuh).
-TC_TILE = 128
+                                 strided(dims, sa, sb)], block=(threads, 1, 1))
 
 
 def _tc_matmul(node, out, ptr, raw_consts, precision: str) -> Launch:
     """The tensor-core launch for a matmul: dense operands take tg_matmul's arguments (so
     every trans/batch/grouped-query case is covered), a block-format weight the fused
     kernels' arguments."""
-    from .kernels import TC_KERNELS
     if precision not in TC_KERNELS:
         raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
                         f"{precision!r} (have {sorted(TC_KERNELS)})")
@@ -95,8 +73,8 @@ def _tc_matmul(node, out, ptr, raw_consts, precision: str) -> Launch:
     if node.srcs[1].id in raw_consts:
         q = _qmatmul(node, out, ptr, tile=TC_TILE)
         return Launch(table["nt" if node.attrs["trans_b"] else "nn"][node.srcs[1].storage],
-                      q.grid, q.args, block=(256, 1, 1))
-    return _matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"])
+                      q.grid, q.args, block=(TC_THREADS, 1, 1))
+    return _matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"], threads=TC_THREADS)
 
 
 def row_bytes(w) -> int:
@@ -105,10 +83,9 @@ def row_bytes(w) -> int:
     return quant.nbytes(w.storage, (1, w.shape[1]))
 
 
-def _qmatmul(node, out, ptr, tile: int = 64) -> Launch:
+def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
     """x @ W^T (trans_b) or dy @ W on a block-format W [rows, cols]; x's batch axes fold
     into M since the 2-D W is shared by every batch entry and all buffers are contiguous."""
-    from .kernels import QUANT_KERNELS
     (x, w), tb = node.srcs, node.attrs["trans_b"]
     K = x.shape[-1]
     M = x.size // K if K else 0
@@ -120,4 +97,22 @@ def _qmatmul(node, out, ptr, tile: int = 64) -> Launch:
         raise CudaError(f"matmul {node.name!r}: {M} rows exceed the kernel's grid limit")
     kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
-                  [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))])
+                  [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))],
+                  block=(MM_THREADS, 1, 1))
+
+
+def _weight_in_blocks(node, index: int) -> bool:
+    """A matmul reads its b in block format as the weight of ``x @ W^T`` / ``dy @ W``: a
+    2-D b, trans_a=False, a's batch axes folded into M."""
+    return index == 1 and node.srcs[0] is not node.srcs[1] and not node.attrs["trans_a"]
+
+
+@lowers("matmul", kernels=("tg_matmul",), block_format=_weight_in_blocks)
+def _lower_matmul(node, at):
+    """f32: tg_matmul, or the QUANT_KERNELS of a block-format weight; bf16/tf32: the
+    tensor-core twins (TC_KERNELS)."""
+    if at.precision != "f32":
+        return [_tc_matmul(node, at.out, at.ptr, at.raw_consts, at.precision)]
+    if node.srcs[1].id in at.raw_consts:
+        return [_qmatmul(node, at.out, at.ptr)]
+    return [_matmul(node, at.out, at.ptr)]

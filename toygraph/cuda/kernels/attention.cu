@@ -383,42 +383,42 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
         const float *lse, const float *delta, int H, int KV, int T, int hd, float scale,   \
         int causal, int window
 
-extern "C" __global__ void __launch_bounds__(128) tg_attn_fwd_32(TG_ATTN_FWD_ARGS) {
-    attn_fwd<32, 32, 4>(out, q, k, v, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_fwd_32(TG_ATTN_FWD_ARGS) {
+    attn_fwd<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(out, q, k, v, H, KV, T, hd, scale, causal, window);
 }
-extern "C" __global__ void __launch_bounds__(128) tg_attn_fwd_64(TG_ATTN_FWD_ARGS) {
-    attn_fwd<64, 32, 4>(out, q, k, v, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_fwd_64(TG_ATTN_FWD_ARGS) {
+    attn_fwd<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(out, q, k, v, H, KV, T, hd, scale, causal, window);
 }
-extern "C" __global__ void __launch_bounds__(128) tg_attn_fwd_128(TG_ATTN_FWD_ARGS) {
-    attn_fwd<128, 16, 8>(out, q, k, v, H, KV, T, hd, scale, causal, window);
-}
-
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_prep_32(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<32, 32, 4>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
-}
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_prep_64(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<64, 32, 4>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
-}
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_prep_128(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<128, 16, 8>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_fwd_128(TG_ATTN_FWD_ARGS) {
+    attn_fwd<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(out, q, k, v, H, KV, T, hd, scale, causal, window);
 }
 
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dkdv_32(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<32, 32, 4>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_prep_32(TG_ATTN_PREP_ARGS) {
+    attn_bwd_prep<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
 }
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dkdv_64(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<64, 32, 4>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_prep_64(TG_ATTN_PREP_ARGS) {
+    attn_bwd_prep<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
 }
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dkdv_128(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<128, 16, 8>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_prep_128(TG_ATTN_PREP_ARGS) {
+    attn_bwd_prep<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
 }
 
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dq_32(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<32, 32, 4>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_dkdv_32(TG_ATTN_DKDV_ARGS) {
+    attn_bwd_dkdv<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dq_64(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<64, 32, 4>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_dkdv_64(TG_ATTN_DKDV_ARGS) {
+    attn_bwd_dkdv<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }
-extern "C" __global__ void __launch_bounds__(128) tg_attn_bwd_dq_128(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<128, 16, 8>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_dkdv_128(TG_ATTN_DKDV_ARGS) {
+    attn_bwd_dkdv<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+}
+
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_dq_32(TG_ATTN_DQ_ARGS) {
+    attn_bwd_dq<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+}
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_dq_64(TG_ATTN_DQ_ARGS) {
+    attn_bwd_dq<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+}
+extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_dq_128(TG_ATTN_DQ_ARGS) {
+    attn_bwd_dq<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
 }

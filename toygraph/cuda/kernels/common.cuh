@@ -5,8 +5,8 @@
 // Reductions are tree reductions in shared memory over a power-of-two block, in a fixed
 // order, so every result is bit-identical run to run (no float atomics anywhere).
 
-#define TG_MAXD 8
-#define TG_THREADS 256
+// TG_MAXD (dims of a Strided walk) and TG_THREADS (threads per block) come from
+// toygraph/cuda/constants.py, emitted ahead of this header.
 
 // A strided walk over an index space of `nd` dims: element i (row-major over dims)
 // reads operand 0 at offset sum(idx[d] * sa[d]) and operand 1 at sum(idx[d] * sb[d]).

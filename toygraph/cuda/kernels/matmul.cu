@@ -7,9 +7,7 @@
 // that sum to what `out` holds (out += a @ b), so a sum over k split into launches (the
 // row chunks of linear_cross_entropy's dw) adds chunk by chunk, in launch order.
 
-#define MM_BM 64
-#define MM_BN 64
-#define MM_BK 16
+// Tile sizes MM_BM x MM_BN, MM_BK and MM_THREADS come from toygraph/cuda/constants.py.
 
 // One 16-deep k slice of the staged tiles into this thread's 4x4 outputs. Shared by the
 // f32 and block-format matmuls (qmatmul.cu), so both sum in exactly the same order.
@@ -51,7 +49,7 @@ __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, cons
         for (int k0 = 0; k0 < K; k0 += MM_BK) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                int idx = t + 256 * r;
+                int idx = t + MM_THREADS * r;
                 int ak = idx % MM_BK, am = idx / MM_BK;        // A tile: k fastest
                 int gm = m0 + am, gk = k0 + ak;
                 As[ak][am] = (gm < M && gk < K) ? A[gm * sam + gk * sak] : 0.0f;
@@ -83,10 +81,10 @@ __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, cons
 #define TG_MM_ARGS float* out, const float* a, const float* b, int M, int N, int K, int sam, \
                    int sak, int sbk, int sbn, int nbatch, Strided batch
 
-extern "C" __global__ void __launch_bounds__(256) tg_matmul(TG_MM_ARGS) {
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_matmul(TG_MM_ARGS) {
     tg_matmul_tiles<false>(out, a, b, M, N, K, sam, sak, sbk, sbn, nbatch, batch);
 }
 
-extern "C" __global__ void __launch_bounds__(256) tg_matmul_acc(TG_MM_ARGS) {
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_matmul_acc(TG_MM_ARGS) {
     tg_matmul_tiles<true>(out, a, b, M, N, K, sam, sak, sbk, sbn, nbatch, batch);
 }

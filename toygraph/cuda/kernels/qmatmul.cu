@@ -25,7 +25,7 @@ __device__ __forceinline__ void tg_qmm(float* out, const float* a, const unsigne
     for (int k0 = 0; k0 < K; k0 += MM_BK) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            int idx = t + 256 * r;
+            int idx = t + MM_THREADS * r;
             int ak = idx % MM_BK, am = idx / MM_BK;            // A tile: k fastest
             int gm = m0 + am, gk = k0 + ak;
             As[ak][am] = (gm < M && gk < K) ? a[(long long)gm * K + gk] : 0.0f;
@@ -70,35 +70,35 @@ __device__ __forceinline__ void tg_get_rows_q(float* out, const unsigned char* t
 #define TG_QMM_ARGS float* out, const float* a, const unsigned char* w, int M, int N, int K, int row_bytes
 #define TG_QROWS_ARGS float* out, const unsigned char* table, const int* ids, int n, int D, int row_bytes
 
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_f16(TG_QMM_ARGS) { tg_qmm<TgF16, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q8_0(TG_QMM_ARGS) { tg_qmm<TgQ8_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q4_0(TG_QMM_ARGS) { tg_qmm<TgQ4_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q4_1(TG_QMM_ARGS) { tg_qmm<TgQ4_1, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nt_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_f16(TG_QMM_ARGS) { tg_qmm<TgF16, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q8_0(TG_QMM_ARGS) { tg_qmm<TgQ8_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_0(TG_QMM_ARGS) { tg_qmm<TgQ4_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_1(TG_QMM_ARGS) { tg_qmm<TgQ4_1, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
 
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_f16(TG_QMM_ARGS) { tg_qmm<TgF16, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q8_0(TG_QMM_ARGS) { tg_qmm<TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q4_0(TG_QMM_ARGS) { tg_qmm<TgQ4_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q4_1(TG_QMM_ARGS) { tg_qmm<TgQ4_1, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(256) tg_qmm_nn_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_f16(TG_QMM_ARGS) { tg_qmm<TgF16, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q8_0(TG_QMM_ARGS) { tg_qmm<TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_0(TG_QMM_ARGS) { tg_qmm<TgQ4_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_1(TG_QMM_ARGS) { tg_qmm<TgQ4_1, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
 
 extern "C" __global__ void tg_get_rows_f16(TG_QROWS_ARGS) { tg_get_rows_q<TgF16>(out, table, ids, n, D, row_bytes); }
 extern "C" __global__ void tg_get_rows_bf16(TG_QROWS_ARGS) { tg_get_rows_q<TgBF16>(out, table, ids, n, D, row_bytes); }

@@ -17,21 +17,10 @@
 //                  B: b0 (k t, n g) b1 (k t+4, n g).
 //   C/D (f32, both shapes): c_i at row g + 8*[i >= 2], col 2t + (i&1).
 
-#define TC_BM 128
-#define TC_BN 128
-#define TC_THREADS 256
-#define TC_WM 64
-#define TC_WN 32
-#define TC_MI 4   // TC_WM / 16
-#define TC_NI 4   // TC_WN / 8
-
-// bf16: 32-deep k slices, two m16n8k16 steps; rows padded by 8 halves (16 bytes) so the
-// fragment loads of a warp (8 rows x 4 words) hit 32 distinct banks.
-#define TC_BF16_BK 32
-#define TC_BF16_LD 40
-// tf32: 16-deep k slices, two m16n8k8 steps; rows padded by 4 words, same reason.
-#define TC_TF32_BK 16
-#define TC_TF32_LD 20
+// The tile constants (TC_BM, TC_BN, TC_THREADS, TC_WM, TC_WN, TC_MI = TC_WM / 16,
+// TC_NI = TC_WN / 8, and per precision the k slice TC_*_BK and padded row stride TC_*_LD:
+// bf16 32-deep slices, rows padded by 8 halves, tf32 16-deep, padded by 4 words, so the
+// fragment loads of a warp hit 32 distinct banks) come from toygraph/cuda/constants.py.
 
 // Element idx (0 .. rows*bk-1) of a staged operand tile -> (row, k) in the tile. The 256
 // threads take idx = thread + 256*i; consecutive threads walk the operand's contiguous
