@@ -27,47 +27,9 @@ from toygraph.optim import build_training, hp_row  # noqa: E402
 from toygraph.session import Session  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-ELEMENTWISE, REDUCTION = 1e-5, 1e-4
-
-
-def rnd(rng, *shape, s=1.0):
-    return (rng.normal(size=shape) * s).astype(np.float32)
-
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-
-
-def run_phase(graph, backend, inputs, phase, fetch, dtype="f32"):
-    s = Session(graph, backend=backend, dtype=dtype)
-    s.realize()
-    s.reset()
-    for t, v in inputs.items():
-        s.upload(t, v)
-    s.run(phase)
-    return [s.download(t) for t in fetch]
-
-
-def compare_op(build, shapes, tol, inputs_fn=None, seed=0, grad_tol=REDUCTION, dtype="f32"):
-    """Forward output and the gradients of sum(y * r) for every param, on both backends
-    (the CUDA one at ``dtype``; the numpy reference is always f32)."""
-    rng = np.random.default_rng(seed)
-    g = Graph()
-    params = [g.param(f"p{i}", rnd(rng, *s)) for i, s in enumerate(shapes)]
-    extra = inputs_fn(g, rng) if inputs_fn else {}
-    y = g.output(build(*params, *extra.keys()))
-    loss = ops.sum(ops.mul(y, g.const("r", rnd(rng, *y.shape))))
-    grads = accumulate_grads(backward(loss, params))
-    fetch = [y] + list(grads.values())
-    cpu = run_phase(g, "cpu", extra, "backward", fetch)
-    gpu = run_phase(g, "cuda", extra, "backward", fetch, dtype)
-    assert rel_err(gpu[0], cpu[0]) <= tol, "forward"
-    for p, a, b in zip(params, gpu[1:], cpu[1:]):
-        assert rel_err(a, b) <= grad_tol, f"gradient of {p.name}"
-    again = run_phase(g, "cuda", extra, "backward", fetch, dtype)
-    for a, b in zip(gpu, again):
-        assert np.array_equal(a, b), "not bit-identical run to run"
+# The parity helpers (and tolerances) are shared with the host-executor tests, which run
+# these same comparisons on the CPU in CI.
+from hostparity import ELEMENTWISE, REDUCTION, compare_op, rel_err, rnd, run_phase  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("name,build,shapes,tol", [
