@@ -3,7 +3,7 @@ the CPU (TOYGRAPH_CUDA_DEVICE=host) against the numpy backend, with tests/test_c
 tolerances. Errors are normwise: max|cuda - numpy| / max|numpy| per tensor."""
 import numpy as np
 
-from toygraph import ops
+from toygraph import ops, quant
 from toygraph.autodiff import accumulate_grads, backward
 from toygraph.graph import Graph
 from toygraph.session import Session
@@ -57,3 +57,20 @@ def compare_op(build, shapes, tol, inputs_fn=None, grad_tol=REDUCTION, dtype="f3
     again = run_phase(g, "cuda", extra, "backward", fetch, dtype)
     assert all(np.array_equal(a, b) for a, b in zip(got, again)), "not bit-identical"
     return got
+
+
+def qlinear(fmt, cols, *, rows, batch, seed=0):
+    """y = x @ W^T with W [rows, cols] a block-format const; loss = sum(y * r). Returns the
+    graph, W, the fetch list [y, d loss / d x] and their f64 references."""
+    rng = np.random.default_rng(seed)
+    raw = quant.quantize(rnd(rng, rows, cols), fmt)
+    g = Graph()
+    x = g.param("x", rnd(rng, *batch, cols))
+    w = g.const("w", raw, shape=(rows, cols), storage=fmt)
+    y = g.output(ops.matmul(x, w, trans_b=True))
+    r = rnd(rng, *y.shape)
+    loss = ops.sum(ops.mul(y, g.const("r", r)))
+    grads = accumulate_grads(backward(loss, [x]))
+    wv = quant.dequantize(raw, fmt, (rows, cols)).astype(np.float64)
+    xv = np.asarray(x.data, np.float64)
+    return g, w, [y, grads[x]], [xv @ wv.T, r.astype(np.float64) @ wv]

@@ -29,7 +29,7 @@ from toygraph.session import Session  # noqa: E402
 pytestmark = pytest.mark.gpu
 # The parity helpers (and tolerances) are shared with the host-executor tests, which run
 # these same comparisons on the CPU in CI.
-from hostparity import ELEMENTWISE, REDUCTION, compare_op, rel_err, rnd, run_phase  # noqa: E402,F401
+from hostparity import ELEMENTWISE, REDUCTION, compare_op, qlinear, rel_err, rnd, run_phase  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("name,build,shapes,tol", [
@@ -291,20 +291,7 @@ def _qcols(fmt):  # f16/bf16 get a row length that leaves a partial 16-deep k ti
 
 
 def _qlinear(fmt, seed=0, batch=(70,), rows=130):
-    """y = x @ W^T with W [rows, K] a block-format const; loss = sum(y * r)."""
-    rng = np.random.default_rng(seed)
-    K = _qcols(fmt)
-    raw = quant.quantize(rnd(rng, rows, K), fmt)
-    g = Graph()
-    x = g.param("x", rnd(rng, *batch, K))
-    w = g.const("w", raw, shape=(rows, K), storage=fmt)
-    y = g.output(ops.matmul(x, w, trans_b=True))
-    r = rnd(rng, *y.shape)
-    loss = ops.sum(ops.mul(y, g.const("r", r)))
-    grads = accumulate_grads(backward(loss, [x]))
-    wv = quant.dequantize(raw, fmt, (rows, K)).astype(np.float64)
-    xv = np.asarray(x.data, np.float64)
-    return g, w, [y, grads[x]], [xv @ wv.T, r.astype(np.float64) @ wv]
+    return qlinear(fmt, _qcols(fmt), rows=rows, batch=batch, seed=seed)
 
 
 def _cuda_run(g, fetch, inputs=None):

@@ -9,7 +9,7 @@ kernels (its row length is derived from its block size).
 import numpy as np
 import pytest
 
-from hostparity import MIXED_TOL, REDUCTION, rel_err, rnd, run_phase
+from hostparity import MIXED_TOL, REDUCTION, qlinear, rel_err, rnd, run_phase
 from toygraph import ops, quant
 from toygraph.autodiff import accumulate_grads, backward
 from toygraph.graph import Graph
@@ -53,20 +53,7 @@ def test_dequantize_kernel_is_bit_exact(fmt):
 
 
 def _qlinear(fmt, rows=70, batch=(2, 33)):
-    """y = x @ W^T, W [rows, K] a block-format const; loss = sum(y * r); f64 references."""
-    rng = np.random.default_rng(0)
-    K = _cols(fmt)
-    raw = quant.quantize(rnd(rng, rows, K), fmt)
-    g = Graph()
-    x = g.param("x", rnd(rng, *batch, K))
-    w = g.const("w", raw, shape=(rows, K), storage=fmt)
-    y = g.output(ops.matmul(x, w, trans_b=True))
-    r = rnd(rng, *y.shape)
-    loss = ops.sum(ops.mul(y, g.const("r", r)))
-    grads = accumulate_grads(backward(loss, [x]))
-    wv = quant.dequantize(raw, fmt, (rows, K)).astype(np.float64)
-    return g, w, [y, grads[x]], [np.asarray(x.data, np.float64) @ wv.T,
-                                 r.astype(np.float64) @ wv]
+    return qlinear(fmt, _cols(fmt), rows=rows, batch=batch)
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
