@@ -8,7 +8,8 @@
 #   setup     install the carried wheels (.whl/*.whl, e.g. gguf) into /tmp/site on PYTHONPATH,
 #             pip install --no-deps --no-build-isolation -e .   (always runs)
 #   info      nvidia-smi name/driver, versions, toygraph.cuda.driver.available()   (always)
-#   tests     pytest tests/test_cuda.py tests/test_cuda_compile.py   -> $OUT/cuda-tests.log
+#   tests     pytest tests/test_cuda.py tests/test_cuda_compile.py tests/test_ops_*_cuda.py
+#             tests/test_ops_gemm*.py                               -> $OUT/cuda-tests.log
 #   nographs  TOYGRAPH_CUDA_GRAPHS=0 pytest tests/test_cuda.py       -> $OUT/cuda-tests-nographs.log
 #   gate      toygraph gate --backend cuda <tiny experiments>        -> $OUT/checks.log
 #   golden    each tiny experiment on CUDA twice (+ once with graph replay off): losses
@@ -329,7 +330,7 @@ $PY -c 'import pytest_timeout' 2>/dev/null && PT_OPTS="$PT_OPTS --timeout=120 --
 
 if want tests; then
     stage tests 240 "$OUT/cuda-tests.log" "$(pytest_detail "$OUT/cuda-tests.log")" \
-        "$PY -m pytest $PT_OPTS tests/test_cuda.py tests/test_cuda_compile.py"
+        "$PY -m pytest $PT_OPTS tests/test_cuda.py tests/test_cuda_compile.py tests/test_ops_*_cuda.py tests/test_ops_gemm*.py"
 fi
 if want nographs; then
     stage nographs 150 "$OUT/cuda-tests-nographs.log" "$(pytest_detail "$OUT/cuda-tests-nographs.log")" \

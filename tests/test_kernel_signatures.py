@@ -15,13 +15,13 @@ import re
 import numpy as np
 import pytest
 
-from test_cuda_compile import _lora_graph, _qweight, _smollm2_training_graph, _training_plan
+from cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
 from toygraph import ops, quant
 from toygraph.autodiff import backward
 from toygraph.cuda import devmem, lowering
 from toygraph.cuda.kernels import (ATTN_HEAD_DIMS, FAMILIES, KERNEL_NAMES, TC_FAMILIES,
                                    TC_KERNEL_NAMES, TC_PRECISIONS, module_source)
-from toygraph.cuda.lowering import MAXD, Launch, f32, f64, i32, p, strided
+from toygraph.cuda.launch import MAXD, Launch, f32, f64, i32, p, strided
 from toygraph.graph import Graph, topo_order
 
 PRECISIONS = ("f32",) + TC_PRECISIONS
@@ -99,7 +99,7 @@ def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS):
 
 
 def _model_launches(path, **lora_graph_kw):
-    order, pinned, plan, outputs = _training_plan(_lora_graph(path, **lora_graph_kw))
+    order, pinned, plan, outputs = training_plan(lora_graph(path, **lora_graph_kw))
     raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
                     .raw_consts)
     return _lower_all(order, raw)
@@ -116,7 +116,7 @@ def _full_finetune_launches(path):
     lab = g.input("labels", (4,), "i32")   # the fused head, trained: tg_matmul_acc
     loss = ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum")
     build_training(g.output(loss), net.params)
-    return _lower_all(_training_plan(g)[0])
+    return _lower_all(training_plan(g)[0])
 
 
 def _block_format_launches(rng):
@@ -125,7 +125,7 @@ def _block_format_launches(rng):
     for fmt in BLOCK_FORMATS:
         rows, cols = 8, quant.BLOCK[fmt][0]
         g = Graph()
-        w = g.const("w", _qweight(rng, fmt, rows, cols)[0], shape=(rows, cols), storage=fmt)
+        w = g.const("w", qweight(rng, fmt, rows, cols)[0], shape=(rows, cols), storage=fmt)
         nodes = [w, ops.matmul(g.const("x", np.ones((3, cols))), w, trans_b=True),
                  ops.matmul(g.const("dy", np.ones((3, rows))), w),
                  ops.get_rows(w, g.input("ids", (5,), "i32"))]
@@ -166,8 +166,8 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
     for path in (tiny_llama, tiny_qwen2, tiny_llama_kquant):
         out += _model_launches(path, targets=targets)
     for fused in (True, False):
-        g = _smollm2_training_graph(tiny_llama_kquant, fused=fused, batch=2, seq=8)
-        order, pinned, plan, outputs = _training_plan(g)
+        g = smollm2_training_graph(tiny_llama_kquant, fused=fused, batch=2, seq=8)
+        order, pinned, plan, outputs = training_plan(g)
         raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
                         .raw_consts)
         out += _lower_all(order, raw)

@@ -92,3 +92,9 @@ def _rows_grid(rows: int) -> tuple[int, int, int]:
 
 def _pad(shape, n):
     return (1,) * (n - len(shape)) + tuple(shape)
+
+
+def _last_axis_rows(node) -> tuple[int, int]:
+    """(rows, row length) of a row-wise op over the last axis."""
+    D = node.shape[-1] if node.shape else 1
+    return node.size // D, D

@@ -1,4 +1,4 @@
-// Matmuls and embedding lookups that read a frozen weight W [rows, cols] in its GGUF block
+// Matmuls that read a frozen weight W [rows, cols] in its GGUF block
 // format (row r is `row_bytes` bytes of blocks) and dequantize it tile by tile with the
 // decode functions of quant.cuh, so no f32 copy of W ever exists on the device.
 //
@@ -57,18 +57,7 @@ __device__ __forceinline__ void tg_qmm(float* out, const float* a, const unsigne
     }
 }
 
-// out[i, :] = W[ids[i], :] for a table W [rows, D] in block format; n = len(ids) * D.
-template <class F>
-__device__ __forceinline__ void tg_get_rows_q(float* out, const unsigned char* table,
-                                              const int* ids, int n, int D, int row_bytes) {
-    TG_GRID_LOOP(e, n) {
-        int i = e / D, j = e - i * D;
-        out[e] = tg_dequant_at<F>(table + (long long)ids[i] * row_bytes, j);
-    }
-}
-
 #define TG_QMM_ARGS float* out, const float* a, const unsigned char* w, int M, int N, int K, int row_bytes
-#define TG_QROWS_ARGS float* out, const unsigned char* table, const int* ids, int n, int D, int row_bytes
 
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_f16(TG_QMM_ARGS) { tg_qmm<TgF16, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, true>(out, a, w, M, N, K, row_bytes); }
@@ -99,18 +88,3 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_nl(TG_QMM
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
-
-extern "C" __global__ void tg_get_rows_f16(TG_QROWS_ARGS) { tg_get_rows_q<TgF16>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_bf16(TG_QROWS_ARGS) { tg_get_rows_q<TgBF16>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q8_0(TG_QROWS_ARGS) { tg_get_rows_q<TgQ8_0>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q4_0(TG_QROWS_ARGS) { tg_get_rows_q<TgQ4_0>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q4_1(TG_QROWS_ARGS) { tg_get_rows_q<TgQ4_1>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q4_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ4_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q5_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q6_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ6_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q5_0(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_0>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q5_1(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_1>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_iq4_nl(TG_QROWS_ARGS) { tg_get_rows_q<TgIQ4_NL>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q2_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ2_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q3_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ3_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_iq4_xs(TG_QROWS_ARGS) { tg_get_rows_q<TgIQ4_XS>(out, table, ids, n, D, row_bytes); }

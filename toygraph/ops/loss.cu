@@ -1,37 +1,5 @@
-// Embedding gather/scatter and the cross-entropy loss over integer labels (-1 = ignored).
-
-extern "C" __global__ void tg_get_rows(float* out, const float* table, const int* ids, int n,
-                                       int D) {
-    TG_GRID_LOOP(e, n) {
-        int i = e / D, j = e - i * D;
-        out[e] = table[(long long)ids[i] * D + j];
-    }
-}
-
-// out [rows, D] (zeroed beforehand) gets, for every distinct id, the sum of the gradient
-// rows of the tokens that use it. The block of an id's first token does the whole sum, in
-// token order: the same additions, in the same order, as numpy's add.at, and no atomics.
-extern "C" __global__ void tg_get_rows_back(float* out, const float* g, const int* ids, int N,
-                                            int D) {
-    __shared__ int seen_before;
-    for (int i = blockIdx.x; i < N; i += gridDim.x) {
-        int id = ids[i];
-        if (threadIdx.x == 0) seen_before = 0;
-        __syncthreads();
-        for (int k = threadIdx.x; k < i; k += blockDim.x)
-            if (ids[k] == id) seen_before = 1;  // every writer stores the same value
-        __syncthreads();
-        if (!seen_before) {
-            for (int j = threadIdx.x; j < D; j += blockDim.x) {
-                float acc = 0.0f;
-                for (int k = i; k < N; ++k)
-                    if (ids[k] == id) acc = __fadd_rn(acc, g[(long long)k * D + j]);
-                out[(long long)id * D + j] = acc;
-            }
-        }
-        __syncthreads();
-    }
-}
+// The cross-entropy loss over integer labels (-1 = ignored) (ops/loss.py), and the
+// one kernel of its fused form with the output head, linear_cross_entropy.
 
 // Per-row loss lse - logit[label] (0 for ignored rows) into `rowloss`; one block per row.
 extern "C" __global__ void tg_ce_rows(float* rowloss, const float* logits, const int* labels,
@@ -105,4 +73,23 @@ extern "C" __global__ void tg_count_valid(float* out, const int* labels, int N) 
     __shared__ int ish[TG_THREADS];
     int n = tg_count_labels(labels, N, ish);
     if (threadIdx.x == 0) out[0] = (float)n;
+}
+
+// The fused output head + cross-entropy (ops.linear_cross_entropy) has no kernel of its
+// own but the one below: its lowering (ops/loss.py) turns it into launches over chunks of
+// rows with one [rows, vocab] scratch block. Per chunk, tg_matmul (or a block-format tg_qmm_nt_*) fills the block
+// with logits; forward, tg_ce_rows writes the chunk's row losses and tg_ce_reduce sums all
+// rows at the end; backward, tg_ce_back turns the block into dlogits in place, tg_matmul
+// (tg_qmm_nn_*) writes the chunk's dh rows and tg_matmul_acc adds its dw = dlogits^T h
+// into dw, chunk after chunk. No float atomics: every result is deterministic.
+
+// The weight every non-ignored row's dlogits is scaled by: g (sum) or g / n (mean; 0 when
+// no label counts), computed as tg_ce_back does, so each chunk can run tg_ce_back with
+// mean = 0 on this weight although the chunk sees only some of the labels.
+extern "C" __global__ void tg_lce_grad_scale(float* gs, const int* labels, int N,
+                                             const float* g, int mean) {
+    __shared__ int ish[TG_THREADS];
+    int n = tg_count_labels(labels, N, ish);
+    if (threadIdx.x == 0)
+        gs[0] = !mean ? g[0] : (n ? __fdiv_rn(g[0], (float)n) : __fmul_rn(0.0f, g[0]));
 }

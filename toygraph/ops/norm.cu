@@ -1,5 +1,6 @@
-// Row-wise ops over the last axis: one block (TG_THREADS threads) per row, each row's
-// reductions a fixed-order tree, so results are bit-identical run to run.
+// The row-wise normalisations over the last axis (ops/norm.py), rms_norm and softmax: one
+// block (TG_THREADS threads) per row, each row's reductions a fixed-order tree, so results
+// are bit-identical run to run.
 
 extern "C" __global__ void tg_rms_norm(float* out, const float* x, int rows, int D, float eps) {
     __shared__ float sh[TG_THREADS];
@@ -73,30 +74,5 @@ extern "C" __global__ void tg_softmax_back(float* out, const float* y, const flo
         float s = tg_block_sum(acc, sh);
         for (int j = threadIdx.x; j < T; j += blockDim.x)
             orow[j] = __fmul_rn(__fmul_rn(scale, yr[j]), __fsub_rn(gr[j], s));
-    }
-}
-
-// Sums: out[o] = sum_r x[kept(o) + red(r)], kept/red walking x's strides (sa).
-// One block per output, for long reductions.
-extern "C" __global__ void tg_reduce_block(float* out, const float* x, int n_out, Strided kept,
-                                           Strided red, int n_red) {
-    __shared__ float sh[TG_THREADS];
-    for (int o = blockIdx.x; o < n_out; o += gridDim.x) {
-        int base = tg_offset_a(kept, o);
-        float acc = 0.0f;
-        for (int r = threadIdx.x; r < n_red; r += blockDim.x) acc = __fadd_rn(acc, x[base + tg_offset_a(red, r)]);
-        float s = tg_block_sum(acc, sh);
-        if (threadIdx.x == 0) out[o] = s;
-    }
-}
-
-// One thread per output, for many short reductions.
-extern "C" __global__ void tg_reduce_thread(float* out, const float* x, int n_out, Strided kept,
-                                            Strided red, int n_red) {
-    TG_GRID_LOOP(o, n_out) {
-        int base = tg_offset_a(kept, o);
-        float acc = 0.0f;
-        for (int r = 0; r < n_red; ++r) acc = __fadd_rn(acc, x[base + tg_offset_a(red, r)]);
-        out[o] = acc;
     }
 }

@@ -47,3 +47,8 @@ extern "C" __global__ void tg_adamw(float* w, const float* g, float* m, float* v
         w[i] = __fsub_rn(wi, step);
     }
 }
+
+// Gradient accumulation across micro-batches: acc += v in place.
+extern "C" __global__ void tg_accumulate(float* acc, const float* v, int n) {
+    TG_GRID_LOOP(i, n) acc[i] = __fadd_rn(acc[i], v[i]);
+}

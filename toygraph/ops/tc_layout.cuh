@@ -1,6 +1,7 @@
 // Index math of the tensor-core matmuls (tc_matmul.cu), kept apart as plain integer
 // functions so the tests can compile this file for the host and replay it through a numpy
-// emulator of the warp-level mma (tests/test_cuda_compile.py). Nothing here touches memory.
+// emulator of the warp-level mma (tests/mmaemu.py, tests/test_ops_gemm_tensor_cores.py).
+// Nothing here touches memory.
 //
 // A block computes a TC_BM x TC_BN output tile with TC_THREADS threads (8 warps, 2 x 4);
 // warp w owns the TC_WM x TC_WN sub-tile at tg_tc_warp_origin(w), i.e. TC_MI x TC_NI
