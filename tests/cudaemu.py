@@ -156,7 +156,7 @@ def lora_graph(path, targets=("q", "v")):
     from toygraph.optim import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_llama(g, model.config, batch=2, seq=8, model=model,
+    net = build_llama(g, model.config, batch=2, seq_len=8, model=model,
                       lora=LoraConfig(targets=targets, rank=4, alpha=8))
     lab = g.input("labels", (16,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, lab, reduction="sum"))
@@ -170,7 +170,7 @@ def smollm2_training_graph(path, fused, batch, seq, build_training_too=True):
     from toygraph.optim import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_llama(g, model.config, batch=batch, seq=seq, model=model, logits=False,
+    net = build_llama(g, model.config, batch=batch, seq_len=seq, model=model, logits=False,
                       lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
     lab = g.input("labels", (batch * seq,), "i32")
     loss = (ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum") if fused else

@@ -308,12 +308,14 @@ def test_mixed_precision_is_cuda_only_and_validated():
     from toygraph.errors import GraphError
     from toygraph.session import Session
     for dt in ("bf16", "tf32"):
-        RecipeOptions(weight_dtype=dt, backend="cuda")
-        with pytest.raises(GraphError, match="needs backend='cuda'"):
-            RecipeOptions(weight_dtype=dt)
+        RecipeOptions(precision=dt, backend="cuda")
+        with pytest.raises(GraphError, match="needs the cuda backend"):
+            RecipeOptions(precision=dt)
         with pytest.raises(GraphError, match=dt):
-            Session(Graph(), backend="cpu", dtype=dt)
-    with pytest.raises(GraphError, match="weight_dtype"):
-        RecipeOptions(weight_dtype="f16", backend="cuda")
+            Session(Graph(), backend="cpu", precision=dt)
+        with pytest.raises(GraphError, match="dtype must be f32 or f64"):
+            Session(Graph(), backend="cpu", dtype=dt)   # dtype is the buffers' type, not this
+    with pytest.raises(GraphError, match="precision"):
+        RecipeOptions(precision="f16", backend="cuda")
     with pytest.raises(CudaError, match="bf16"):   # names the choices, before any driver call
         CudaBackend("f16")

@@ -18,7 +18,7 @@ MM_BK = 16        # k slice staged in shared memory
 MM_THREADS = 256  # 16 x 16 threads, each 4 x 4 outputs of the 64 x 64 tile
 
 # --- tensor-core matmuls (ops/tc_layout.cuh, ops/tc_matmul.cu) --------------------------------
-TC_BM = 128       # output tile rows (== TC_BN: lower_matmul.TC_TILE)
+TC_BM = 128       # output tile rows (== TC_BN: ops/gemm.py TC_TILE)
 TC_BN = 128
 TC_THREADS = 256  # 8 warps, 2 x 4
 TC_WM = 64        # one warp's sub-tile
