@@ -66,3 +66,13 @@ def test_a_missing_lowering_is_a_clear_error_naming_the_op():
         lowering.lower(Node(), lambda t: 0)
     with pytest.raises(CudaError, match="'frobnicate'"):
         lowering.scratch_bytes(Node())
+
+
+def test_each_op_lives_in_one_family_module():
+    """One op, one place: every op of the op table has a numpy kernel and a CUDA lowering,
+    and both are defined in the same family module of toygraph.ops (with its rules)."""
+    assert set(ops.KERNELS) == set(ops.OPS) == set(registry.REGISTRY)
+    for op in ops.OPS:
+        module = ops.KERNELS[op].__module__
+        assert module.startswith("toygraph.ops.") and module != "toygraph.ops.table", op
+        assert registry.REGISTRY[op].build.__module__ == module, op
