@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from toygraph import ops
+from toygraph.distributed import world
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
@@ -49,7 +50,10 @@ def head_loss(net, labels, backend: str):
 class RecipeOptions:
     """Options every recipe shares. ``untied``/``qkv_bias`` default to the model's own
     values; set them to assert what the model must have. ``grad_clip`` 0 turns clipping
-    off; ``grad_accum`` micro-batches of ``t_batch`` sequences make one optimizer step."""
+    off; ``grad_accum`` micro-batches of ``t_batch`` sequences make one optimizer step.
+    ``data_parallel`` makes this process one rank of ``toygraph.distributed.world()``:
+    ``t_batch`` is then its share of the batch, gradients and token counts are summed over
+    the ranks inside the graph and the reported loss is the job's."""
 
     t_seq: int = 128
     t_batch: int = 4
@@ -61,6 +65,7 @@ class RecipeOptions:
     grad_clip: float = 1.0
     grad_accum: int = 1
     backend: str = "cpu"
+    data_parallel: bool = False
 
     def __post_init__(self):
         for name in ("t_seq", "t_batch", "grad_accum"):
@@ -110,8 +115,10 @@ class Recipe:
         # accumulation) and sum / count is the reported mean loss.
         self.loss_sum = g.output(head_loss(self.net, self.labels, opts.backend))
         self.count = g.output(ops.count_valid(self.labels))
+        self.world = world() if opts.data_parallel else None
         self.train = build_training(self.loss_sum, self.net.params, count=self.count,
-                                    max_norm=opts.grad_clip)
+                                    max_norm=opts.grad_clip,
+                                    ranks=self.world.size if self.world else None)
         self.graph = g
         self.sess = Session(g, backend=opts.backend, dtype=opts.weight_dtype)
         self.sess.realize()
@@ -153,6 +160,8 @@ class Recipe:
             s.run("step" if i == len(micro) - 1 else "backward")
             total += float(s.download(self.loss_sum))
             count += float(s.download(self.count))
+        if self.world is not None:  # the job's loss: every rank's sums added up
+            total, count = map(float, self.world.sum([total, count]))
         self.step_index += 1
         return total / count if count else 0.0
 

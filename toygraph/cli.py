@@ -103,9 +103,11 @@ EXIT_CODES = {"completed": 0, "early_stopped": 0, "diverged": 3, "interrupted": 
 
 
 def cmd_finetune(args):
+    from .distributed import world
     from .train import run_training
     summary = run_training(train_config_from_args(args))
-    print(json.dumps(summary))
+    if world().rank == 0:  # under mpirun every rank returns the same summary
+        print(json.dumps(summary))
     return EXIT_CODES.get(summary["status"], 1)
 
 

@@ -39,12 +39,14 @@ class TrainingStep:
 
 
 def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None = None,
-                   max_norm: float = 0.0) -> TrainingStep:
+                   max_norm: float = 0.0, ranks: int | None = None) -> TrainingStep:
     """Append backward, gradient accumulation, global norm and AdamW to loss's graph.
 
     ``loss`` is what gradients are taken of (a summed loss when ``count`` is given);
     ``count`` is the scalar number of items it summed over (e.g. ``count_valid(labels)``).
-    ``max_norm`` > 0 clips the averaged gradient to that global norm.
+    ``max_norm`` > 0 clips the averaged gradient to that global norm. ``ranks`` (data
+    parallelism) sums the accumulated gradients and the count over that many ranks with an
+    ``all_reduce`` node between backward and the clip/AdamW nodes (ops_collective.py).
     """
     if max_norm < 0 or not math.isfinite(max_norm):
         raise GraphError(f"max_norm must be >= 0 and finite, got {max_norm}")
@@ -53,13 +55,16 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     count_acc = graph.state("grad.count", (), kind="count")
     graph.effect(ops.accumulate(count_acc, count if count is not None else graph.scalar(1.0)),
                  "backward")
+    divisor = count_acc
+    if ranks is not None:  # clip and AdamW read its value, so they run after the reduction
+        divisor = ops.all_reduce([count_acc, *grads.values()], ranks=ranks)
     hp = graph.input("hp", (7,))
-    norm = graph.output(ops.global_norm(list(grads.values()), count_acc), "step")
+    norm = graph.output(ops.global_norm(list(grads.values()), divisor), "step")
     moments = {}
     for p in params:
         m = graph.state(f"adam_m.{p.name}", p.shape, kind="moment")
         v = graph.state(f"adam_v.{p.name}", p.shape, kind="moment")
-        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, count_acc, max_norm=max_norm), "step")
+        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, divisor, max_norm=max_norm), "step")
         moments[p] = (m, v)
     return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from .checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint, step_dir_name, write_adapter
 from .data import batches
-from .trainer import Hooks
+from .distributed import World
+from .trainer import Hooks, shard
 
 
 class Progress:
@@ -78,12 +79,18 @@ class Signals:
             self._saving = was
 
 
-def evaluate(recipe, items, batch: int, seq: int, pad: int) -> tuple[float, int]:
-    """Token-weighted mean loss over ``items``."""
+def evaluate(recipe, items, batch: int, seq: int, pad: int,
+             world: World = World()) -> tuple[float, int]:
+    """Token-weighted mean loss over ``items`` (in batches of ``batch`` rows, of which each
+    rank of ``world`` evaluates its shard)."""
     total, count = 0.0, 0
     for b in batches(items, batch, seq, pad, shuffle=False, seed=0, epoch=0):
-        s, n = recipe.evaluate(b.tokens, b.positions, b.labels)
+        rows = [shard(a, world.rank, world.size, axis=0) for a in (b.tokens, b.positions, b.labels)]
+        s, n = recipe.evaluate(*rows)
         total, count = total + s, count + n
+    if world.size > 1:
+        total, count = map(float, world.sum([total, count]))
+        count = int(count)
     return (total / count if count else float("nan")), count
 
 
@@ -91,10 +98,10 @@ class RunSupervisor(Hooks):
     """Events, evaluation, checkpoints and the divergence guard of one run."""
 
     def __init__(self, cfg, out: Path, recipe, log, progress, guard, signals, *, val, pad,
-                 eval_every: int, lora_meta: dict | None):
+                 eval_every: int, lora_meta: dict | None, world: World = World()):
         self.cfg, self.out, self.recipe, self.log, self.progress = cfg, out, recipe, log, progress
         self.guard, self.signals, self.val, self.pad = guard, signals, val, pad
-        self.eval_every, self.lora_meta = eval_every, lora_meta
+        self.eval_every, self.lora_meta, self.world = eval_every, lora_meta, world
         self.stop_status: str | None = None
         self.saved_step: int | None = None
         self.last_save = time.monotonic()
@@ -117,12 +124,15 @@ class RunSupervisor(Hooks):
         self.progress.update(t, loss, tokens / max(wall_s, 1e-9))
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
         due_time = cfg.save_minutes and time.monotonic() - self.last_save >= 60 * cfg.save_minutes
+        # Every rank must stop and check (save) at the same steps: rank 0's clock decides
+        # when a checkpoint is due, a signal to any rank stops them all.
+        signalled, due_time = self.world.any([self.signals.count, due_time and self.world.rank == 0])
         if self.saved_step != t and ((cfg.save_every and t % cfg.save_every == 0) or due_time):
             self.save(trainer, "periodic")
         if stop:
             self.stop_status = "early_stopped"
             self.progress.message(f"early stopping: no validation gain in {cfg.patience} evals")
-        elif self.signals.count:
+        elif signalled:
             self.stop_status = "interrupted"
         return self.stop_status is not None
 
@@ -133,7 +143,7 @@ class RunSupervisor(Hooks):
         if not self.val:
             return False
         st, cfg, t = trainer.state, self.cfg, trainer.state.step
-        vloss, n = evaluate(self.recipe, self.val, cfg.batch, cfg.seq_len, self.pad)
+        vloss, n = evaluate(self.recipe, self.val, cfg.batch, cfg.seq_len, self.pad, self.world)
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best
@@ -160,6 +170,10 @@ class RunSupervisor(Hooks):
         if weights is None:
             weights, moments = self.recipe.trainable(), self.recipe.optimizer_state()
             self.guard.check_state(t, weights, moments)
+        if self.world.rank != 0:  # rank 0 alone writes; the others only kept the guard's pace
+            if kind != "best":
+                self.saved_step, self.last_save = t, time.monotonic()
+            return
         dest = self.out / ("best" if kind == "best" else f"checkpoints/{step_dir_name(t)}")
         earlier = list_checkpoints(self.out)
         intact = (f"earlier checkpoints are intact (newest: {earlier[-1][1]})" if earlier

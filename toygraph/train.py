@@ -27,14 +27,15 @@ from .checkpoint import find_resumable, load_checkpoint, restore_swapped, write_
 from .config import TrainConfig, check_against_model
 from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
                    steps_per_epoch, batches)
-from .errors import DataError
+from .distributed import World, agreed_call, is_agreed, world
+from .errors import DataError, ToygraphError
 from .gguf import GGUFModel
 from .guard import DivergenceGuard, Diverged
 from .modelfile import write_modelfile
 from .optim import Schedule
 from .plot import plot_losses
 from .resume import check_resume, model_fingerprint
-from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, RunError, open_run_dir
+from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, NullLog, RunError, open_run_dir
 from .supervisor import Progress, RunSupervisor, Signals
 from .tokenizer import Tokenizer
 from .trainer import AdamW, LoopState, Trainer
@@ -77,9 +78,12 @@ class Prepared:
     allowed: list = field(default_factory=list)
 
 
-def _prepare(cfg: TrainConfig) -> Prepared:
+def _prepare(cfg: TrainConfig, ranks: int = 1) -> Prepared:
     """Validate options, model, data and the checkpoint to resume: all before any write."""
     cfg.validate()
+    if cfg.batch % ranks:
+        raise ToygraphError(f"--batch {cfg.batch} is the global batch and must divide evenly "
+                            f"over the {ranks} MPI ranks; use a multiple of {ranks}")
     model = GGUFModel(cfg.model)
     check_against_model(cfg, model.config)
     tok = Tokenizer.from_gguf(cfg.model)
@@ -103,12 +107,13 @@ def _prepare(cfg: TrainConfig) -> Prepared:
     return prep
 
 
-def _realize(cfg: TrainConfig, prep: Prepared):
+def _realize(cfg: TrainConfig, prep: Prepared, ranks: int = 1):
     from toygraph.recipes import RecipeOptions
     recipe = make_recipe(cfg)
-    opts = RecipeOptions(t_seq=cfg.seq_len, t_batch=cfg.batch, seed=cfg.seed,
+    opts = RecipeOptions(t_seq=cfg.seq_len, t_batch=cfg.batch // ranks, seed=cfg.seed,
                          init_scale=cfg.init_scale, grad_clip=cfg.clip,
-                         grad_accum=cfg.grad_accum, backend=cfg.backend)
+                         grad_accum=cfg.grad_accum, backend=cfg.backend,
+                         data_parallel=ranks > 1)
     recipe.realize(prep.model, prep.model.config, opts)
     if cfg.adapter_init:
         _load_adapter_init(cfg, recipe)
@@ -149,21 +154,39 @@ def _epoch_batches(cfg: TrainConfig, train: list, pad: int):
 
 def run_training(cfg: TrainConfig) -> dict:
     """Fine-tune per ``cfg``; returns a summary dict (also the run_end event). A run that
-    fails with an error records ``run_end: failed`` and re-raises it."""
-    prep = _prepare(cfg)
-    out, lock = open_run_dir(cfg.out, resume=bool(cfg.resume), overwrite=cfg.overwrite)
+    fails with an error records ``run_end: failed`` and re-raises it.
+
+    Under ``mpirun -n N`` every rank calls this (data parallelism, see distributed.py):
+    rank 0 alone writes into ``out``; an error every rank meets is raised on each, and a
+    rank failing on its own aborts the job rather than leave the others waiting."""
+    w = world()
     try:
-        return _run_locked(cfg, prep, out)
-    finally:
-        lock.release()
+        prep = agreed_call(w, _prepare, cfg, w.size)
+        out, lock = agreed_call(w, _open_out, cfg, w.rank)
+        try:
+            return _run_locked(cfg, prep, out, w)
+        finally:
+            if lock is not None:
+                lock.release()
+    except BaseException as e:
+        if w.size > 1 and not is_agreed(e):
+            w.fail(f"failed: {_one_line(e)}")
+        raise
 
 
-def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
-    for name in FINAL_ARTIFACTS:
-        (out / name).unlink(missing_ok=True)  # present again only if this run completes
-    restore_swapped(out / "best")
+def _open_out(cfg: TrainConfig, rank: int):
+    if rank != 0:  # rank 0 alone writes the run directory
+        return Path(cfg.out), None
+    return open_run_dir(cfg.out, resume=bool(cfg.resume), overwrite=cfg.overwrite)
+
+
+def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path, w: World) -> dict:
+    if w.rank == 0:
+        for name in FINAL_ARTIFACTS:
+            (out / name).unlink(missing_ok=True)  # present again only if this run completes
+        restore_swapped(out / "best")
     t0 = time.perf_counter()
-    recipe = _realize(cfg, prep)
+    recipe = agreed_call(w, _realize, cfg, prep, w.size)
     realize_s = time.perf_counter() - t0
     micro_batch, n_batches = _epoch_batches(cfg, prep.train, prep.pad)
     total = cfg.steps or max(1, math.ceil((cfg.epochs or 1) * n_batches / cfg.grad_accum))
@@ -171,10 +194,12 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
                         warmup=cfg.warmup if cfg.schedule == "constant" else min(cfg.warmup, total - 1))
     trainer = Trainer(recipe, micro_batch, schedule, total, state=prep.state,
                       adamw=AdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay),
-                      resumed=prep.resume_from is not None, micro_per_epoch=n_batches)
-    log = EventLog(out / EVENTS_FILE)
-    _log_start(cfg, prep, log, recipe, total, realize_s)
-    progress = Progress(total, cfg.quiet)
+                      resumed=prep.resume_from is not None, micro_per_epoch=n_batches,
+                      rank=w.rank, ranks=w.size)
+    ranks = w.gather_info() if w.size > 1 else None
+    log = EventLog(out / EVENTS_FILE) if w.rank == 0 else NullLog()
+    _log_start(cfg, prep, log, recipe, total, realize_s, ranks)
+    progress = Progress(total, cfg.quiet or w.rank != 0)
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
              f"{total} steps of {cfg.batch * cfg.grad_accum} sequences x {cfg.seq_len} "
              f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
@@ -185,7 +210,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     guard = DivergenceGuard(prep.state, cfg.diverge_factor)
     with Signals() as signals:
         sup = RunSupervisor(cfg, out, recipe, log, progress, guard, signals, val=prep.val,
-                            pad=prep.pad, lora_meta=lora_meta,
+                            pad=prep.pad, lora_meta=lora_meta, world=w,
                             eval_every=cfg.eval_every or max(1, n_batches // cfg.grad_accum))
         error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro)
         if status in (*COMPLETED, "interrupted"):
@@ -194,7 +219,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
                "best_val_loss": trainer.state.best_val,
                "last_loss": sup.losses[-1] if sup.losses else None, "out": str(out)}
     _log_end(log, summary, error)
-    if status != "failed":
+    if status != "failed" and w.rank == 0:
         plot_losses(out)
     if status in ("interrupted", "diverged"):
         progress.message(f"run {status}: {reason}", always=True)
@@ -237,6 +262,8 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
                 reason += "; a further signal during the checkpoint write waited for it"
             return None, status, reason
         sup.save(trainer, "final")
+        if sup.world.rank != 0:
+            return None, status, reason
         write_final(out, recipe, lora_meta)
         if lora_meta is not None:
             write_modelfile(out, sup.cfg.model)  # Ollama: FROM base + ADAPTER ./adapter.gguf
@@ -251,7 +278,7 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _log_start(cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
+def _log_start(cfg, prep: Prepared, log, recipe, total: int, realize_s: float, ranks=None):
     log.write("run_start", config=cfg.options(), data_hash=prep.state.data_hash,
               model_fingerprint=prep.state.model_fingerprint, versions=_versions(),
               model_config=asdict(prep.model.config), data_report=asdict(prep.enc.report),
@@ -260,7 +287,8 @@ def _log_start(cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
               resumed_checkpoint=str(prep.resume_from) if prep.resume_from else None,
               skipped_checkpoints=[{"path": str(p), "reason": r} for p, r in prep.skipped],
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
-              planned_bytes=recipe.sess.plan.arena_bytes)
+              planned_bytes=recipe.sess.plan.arena_bytes,
+              **({"ranks": ranks} if ranks else {}))
 
 
 def _log_end(log, summary: dict, error):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fused  # noqa: F401 (registers the fused kernels in KERNELS)
+from . import collective  # noqa: F401 (registers all_reduce, the MPI collective)
 from .registry import KERNELS, kernel  # noqa: F401 (KERNELS: the table, for the backend)
 
 
