@@ -125,7 +125,8 @@ def _finetune(ranks: int, model, data, out, *extra, env=None, check=True):
     if ranks > 1:
         cmd = [_mpiexec(), "-n", str(ranks), *cmd]
     base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**base, **(env or {})})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                       env={**base, **(env or {})})
     if check:
         assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -220,7 +221,8 @@ def _start_long_job(tmp_path, model, timeout_s: str):
            "--steps", "100000", "--val-split", "0"]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env["TOYGRAPH_MPI_TIMEOUT"] = timeout_s
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    job = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
     for _ in range(1200):  # until rank 0 logged a step (at most ~2 minutes on a busy machine)
         if (out / "events.jsonl").exists() and _losses(out):
             break
