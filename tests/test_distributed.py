@@ -264,3 +264,49 @@ def test_a_stalled_rank_makes_the_others_abort_after_the_timeout(tmp_path, tiny_
     err = _end(job, pids)
     assert job.returncode != 0
     assert "rank 0 of 2:" in err and "did not complete within 3 s (TOYGRAPH_MPI_TIMEOUT)" in err
+
+
+# --- the CUDA backend's collective --------------------------------------------------------
+def test_cuda_lowering_is_a_collective_then_a_copy_of_the_count():
+    from toygraph.cuda.lower_collective import Collective
+    from toygraph.cuda.lowering import Launch, lower
+    g = Graph()
+    count = g.state("count", (), kind="count")
+    grad = g.state("grad", (2, 3), kind="grad")
+    node = ops.all_reduce([count, grad], ranks=2)
+    addr = {count.id: 0x1000, grad.id: 0x2000, node.id: 0x3000}
+    collective, copy = lower(node, lambda t: addr[t.id])
+    assert collective == Collective(((0x1000, 1), (0x2000, 6)), ranks=2)
+    assert isinstance(copy, Launch) and copy.kernel == "tg_copy"
+    assert [int(a[0]) for a in copy.args] == [0x3000, 0x1000, 1]
+
+
+def test_nccl_is_imported_only_when_used_and_fails_clearly_without_a_gpu():
+    """nccl4py imports (CI installs it with [dev]); without a GPU or libnccl, making the
+    communicator is a one-line CudaError, not a crash."""
+    pytest.importorskip("nccl.core", reason="nccl4py is not installed (pip install -e '.[cuda]')")
+    from toygraph.cuda import driver, nccl
+    from toygraph.errors import CudaError
+    if driver.available():
+        pytest.skip("a GPU is present: bench/gpu_session.sh's nccl stage runs NCCL for real")
+    with pytest.raises(CudaError, match="NCCL") as e:
+        nccl.communicator(1)
+    assert "\n" not in str(e.value)
+
+
+@needs_mpi
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the host device needs g++")
+def test_two_ranks_on_the_cuda_backend_host_device(tmp_path, tiny_llama):
+    """The CUDA backend's all_reduce (a Collective step in the captured launch sequence),
+    run by the host device over MPI: 2 ranks give one process's losses (1e-6) and adapter.
+    The adapter gets 1e-5: the CUDA kernels tile their sums over the batch differently at
+    2 rows than at 4, and AdamW's first steps magnify rounding in the near-zero gradients of
+    lora_A (B starts at 0), measured 4e-6 here against 2e-7 on the numpy backend."""
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    run = ["--steps", "3", "--batch", "4", "--seq-len", "16", "--val-split", "0",
+           "--backend", "cuda"]
+    env = {"TOYGRAPH_CUDA_DEVICE": "host"}
+    _finetune(1, tiny_llama, data, tmp_path / "one", *run, env=env)
+    _finetune(2, tiny_llama, data, tmp_path / "two", *run, env=env)
+    _assert_close(_losses(tmp_path / "two"), _losses(tmp_path / "one"))
+    _assert_close(_adapter(tmp_path / "two"), _adapter(tmp_path / "one"), rtol=1e-5)

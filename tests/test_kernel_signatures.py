@@ -87,14 +87,16 @@ def mismatches(launch: Launch, signatures=SIGNATURES) -> list[str]:
 
 # --- the launches --------------------------------------------------------------------------
 def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS):
-    """(op, launch) for every non-leaf node of ``nodes`` at every precision."""
+    """(op, launch) for every non-leaf node of ``nodes`` at every precision (kernel launches
+    only: all_reduce's Collective step is no kernel; tests/test_distributed.py covers it)."""
     out = []
     for node in nodes:
         if node.op is None:
             continue
         for prec in precisions:
             out += [(node.op, l) for l in lowering.lower(node, lambda t: (t.id + 1) << 20,
-                                                         1 << 40, raw, precision=prec)]
+                                                         1 << 40, raw, precision=prec)
+                    if isinstance(l, Launch)]
     return out
 
 
@@ -154,8 +156,10 @@ def _small_op_launches():
     packed = g.const("packed", np.ones(40))
     loss = ops.sum(ops.mul(y, ops.unpack(packed, 16, (3, 8))))
     grads = backward(loss, [x, b])
-    acc = ops.accumulate(g.state("acc", (4,), kind="grad"), grads[b])
-    return _lower_all(topo_order([loss, grads[x], acc]), precisions=("f32",))
+    acc_state = g.state("acc", (4,), kind="grad")
+    acc = ops.accumulate(acc_state, grads[b])
+    summed = ops.all_reduce([g.state("count", (), kind="count"), acc_state], ranks=2)
+    return _lower_all(topo_order([loss, grads[x], acc, summed]), precisions=("f32",))
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,11 @@ LAUNCHER_VARS = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
                  ("SLURM_NTASKS", "SLURM_PROCID"))
 
 
+#: The rank's index among the ranks on its own node, by launcher.
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
+                   "SLURM_LOCALID")
+
+
 class DistributedError(ToygraphError):
     """The ranks of a data-parallel run cannot work together (mpi4py missing, a rank failed)."""
 
@@ -56,6 +61,15 @@ def launched_size() -> int:
     return 1
 
 
+def local_rank() -> int:
+    """This rank's index on its node (0 without a launcher): its default GPU."""
+    for var in LOCAL_RANK_VARS:
+        raw = os.environ.get(var, "")
+        if raw.isdigit():
+            return int(raw)
+    return 0
+
+
 class World:
     """The ranks of one job. This base class is the single process: every collective
     returns its input. :class:`MpiWorld` is the real thing."""
@@ -68,6 +82,18 @@ class World:
 
     def sum_inplace(self, buf: np.ndarray, what: str) -> None:
         """``buf`` becomes the element-wise sum of every rank's ``buf``."""
+
+    def sum_arrays(self, arrays, what: str) -> None:
+        """Each of ``arrays`` becomes its sum over ranks, in place, through one collective
+        over a packed copy (one message per step, not one per gradient)."""
+        if self.size == 1:
+            return
+        flat = np.concatenate([a.reshape(-1) for a in arrays])
+        self.sum_inplace(flat, what)
+        offset = 0
+        for a in arrays:
+            np.copyto(a, flat[offset:offset + a.size].reshape(a.shape))
+            offset += a.size
 
     def any(self, flags) -> list[bool]:
         """Element-wise OR over ranks (e.g. "a signal arrived", "a checkpoint is due")."""
@@ -197,6 +223,15 @@ class MpiWorld(World):
 
 
 _WORLD: World | None = None
+
+
+def world_of(ranks: int) -> World:
+    """This process's World, checked to have the ``ranks`` ranks a graph was built for."""
+    w = world()
+    if w.size != ranks:
+        raise DistributedError(f"this graph sums gradients over {ranks} ranks but the job "
+                               f"has {w.size}: realize it in the job that runs it")
+    return w
 
 
 def world() -> World:

@@ -108,6 +108,13 @@ def get(name: str):
     return parse(name, os.environ.get(name))
 
 
+def given(name: str) -> bool:
+    """Whether variable ``name`` (a key of ``SETTINGS``) is set to something non-empty."""
+    if name not in SETTINGS:
+        raise KeyError(f"{name} is not in toygraph.settings.SETTINGS")
+    return bool(os.environ.get(name, "").strip())
+
+
 def cache_dir(folder: str) -> Path:
     """``$TOYGRAPH_CACHE/<folder>`` for one of ``CACHE_FOLDERS`` (not created here)."""
     if folder not in CACHE_FOLDERS:
