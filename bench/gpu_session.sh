@@ -13,6 +13,10 @@
 #   gate      toygraph gate --backend cuda <tiny experiments>        -> $OUT/checks.log
 #   golden    each tiny experiment on CUDA twice (+ once with graph replay off): losses
 #             vs the CPU golden (its rtol) and bit-identical run to run  -> $OUT/checks.log
+#   nccl      bench/nccl_check.py: lora_qv_tiny_llama with the data-parallel all_reduce node
+#             on one rank, i.e. ncclAllReduce inside the captured graph, vs the CPU (1e-4)
+#             and replay on vs off (identical); needs nccl4py + cuda-core (carry their wheels
+#             in .whl) and libnccl.so.2 on the machine   -> $OUT/checks.log
 #   slice     SmolLM2 8-block slice (.gpu/smollm2-8l.gguf): forward loss and the
 #             lora_qv_smollm2 experiment, CUDA vs CPU within 1e-4 rel  -> $OUT/checks.log
 #   bench     bench/bench_lora.py per GPU config (last; skipped when time runs out)
@@ -41,7 +45,7 @@ rm -f "$WORK"/*.json
 BUDGET=${GS_BUDGET:-540}
 DEADLINE=$((SECONDS + BUDGET))
 RESERVE=20          # seconds kept for results.json and the summary at the end
-STAGES=",${GS_STAGES:-tests,nographs,gate,golden,slice,bench},"
+STAGES=",${GS_STAGES:-tests,nographs,gate,golden,nccl,slice,bench},"
 BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16}
 SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
@@ -267,7 +271,7 @@ cat > "$WORK/merge_results.py" <<'EOF'
 import json, sys
 from pathlib import Path
 work, out = Path(sys.argv[1]), sys.argv[2]
-doc = {"golden": None, "slice": None, "bench": {}}
+doc = {"golden": None, "slice": None, "nccl": None, "bench": {}}
 for p in sorted(work.glob("*.json")):
     try:
         d = json.loads(p.read_text())
@@ -275,8 +279,8 @@ for p in sorted(work.glob("*.json")):
         d = {"unreadable": str(e)}
     if p.stem == "golden":
         doc["golden"] = d
-    elif p.stem == "slice":
-        doc["slice"] = d
+    elif p.stem in ("slice", "nccl"):
+        doc[p.stem] = d
     elif p.stem.startswith("bench-"):
         doc["bench"][p.stem[len("bench-"):]] = d
 json.dump(doc, open(out, "w"), indent=1)
@@ -342,6 +346,10 @@ fi
 if want golden; then
     stage golden 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) [a-z_0-9]+: max rel vs cpu' '$CHECKS_LOG' | tail -n 4 | cut -c1-220" \
         "GS_BACKEND=$GS_BACKEND $PY $WORK/golden_check.py $WORK/golden.json $TINY"
+fi
+if want nccl; then
+    stage nccl 150 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) [a-z_0-9]+' '$CHECKS_LOG' | grep -E 'all_reduce|nccl' | tail -n 2 | cut -c1-220" \
+        "GS_BACKEND=$GS_BACKEND $PY bench/nccl_check.py $WORK/nccl.json lora_qv_tiny_llama"
 fi
 if want slice; then
     if [[ -f $SLICE ]]; then
