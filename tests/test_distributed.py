@@ -59,6 +59,16 @@ def test_launched_size_reads_each_launchers_variables(monkeypatch):
         distributed.launched_size()
 
 
+def test_local_rank_picks_a_ranks_gpu_only_in_a_job_of_several(monkeypatch):
+    for var in LAUNCHER_ENV + list(distributed.LOCAL_RANK_VARS):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")
+    assert distributed.local_rank() == 0          # one process: device 0 as always
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", "1")
+    assert distributed.local_rank() == 1
+
+
 def test_one_process_imports_no_mpi_and_trains_as_before(tmp_path, tiny_llama):
     """No launcher: nothing new is imported, even through a whole training run."""
     data = write_chat_data(tmp_path / "chat.jsonl")

@@ -5,9 +5,9 @@
 (0, 1)
 
 ``mpirun -n N toygraph finetune ...`` starts N processes; each finds its rank in the
-launcher's environment (MPICH/Hydra's ``PMI_RANK``/``PMI_SIZE``, Open MPI's
-``OMPI_COMM_WORLD_*``, Slurm's ``PMIX_*``/``SLURM_*`` under srun, MVAPICH's
-``MV2_COMM_WORLD_*``). Only when that says more than one rank is ``mpi4py`` imported: a
+launcher's environment (MPICH/Hydra's and PMI-2's ``PMI_RANK``/``PMI_SIZE``, Open MPI's
+``OMPI_COMM_WORLD_*``, MVAPICH's ``MV2_COMM_WORLD_*``). Slurm's ``SLURM_NTASKS`` is not
+read: a batch script's own single process has it too. Only when that says more than one rank is ``mpi4py`` imported: a
 single process, with or without a launcher, runs exactly as before and imports nothing new.
 
 Every collective is nonblocking underneath and polled against a deadline
@@ -31,14 +31,11 @@ from .errors import ToygraphError
 #: (size variable, rank variable) of the launchers toygraph recognises, first match wins.
 LAUNCHER_VARS = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
                  ("PMI_SIZE", "PMI_RANK"),
-                 ("PMIX_SIZE", "PMIX_RANK"),
-                 ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"),
-                 ("SLURM_NTASKS", "SLURM_PROCID"))
+                 ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK"))
 
 
 #: The rank's index among the ranks on its own node, by launcher.
-LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
-                   "SLURM_LOCALID")
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
 
 
 class DistributedError(ToygraphError):
@@ -62,7 +59,9 @@ def launched_size() -> int:
 
 
 def local_rank() -> int:
-    """This rank's index on its node (0 without a launcher): its default GPU."""
+    """This rank's index on its node (0 for a single process): its default GPU."""
+    if launched_size() == 1:
+        return 0
     for var in LOCAL_RANK_VARS:
         raw = os.environ.get(var, "")
         if raw.isdigit():
