@@ -55,8 +55,9 @@ def child(args):
     model = GGUFModel(str(smollm2_path()))
     recipe = LoRA(targets=("q", "v"), rank=8, alpha=16)
     t0 = time.perf_counter()
-    recipe.realize(model, model.config, RecipeOptions(t_seq=args.seq, t_batch=args.batch // w.size,
-                                                       seed=0, data_parallel=w.size > 1))
+    opts = RecipeOptions(seq_len=args.seq, batch=args.batch // w.size, seed=0,
+                         data_parallel=w.size > 1)
+    recipe.realize(model, model.config, opts)
     realize_s = time.perf_counter() - t0
     node = next((t for t in recipe.graph.nodes if t.op == "all_reduce"), None)
     n_bytes = sum(s.size for s in node.srcs) * 4 if node is not None else 0

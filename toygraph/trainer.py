@@ -79,12 +79,12 @@ class Trainer:
     """Steps ``recipe`` from ``state.step`` to ``total``.
 
     ``micro_batch(m)`` returns micro-batch ``m`` (counting across epochs) as an object with
-    ``tokens``, ``positions``, ``labels`` ([t_batch, t_seq] each); step t uses micro-batches
+    ``tokens``, ``positions``, ``labels`` ([batch, seq_len] each); step t uses micro-batches
     (t-1)*k .. t*k-1 for k = the recipe's ``grad_accum``. ``micro_per_epoch`` (when known)
     keeps ``state.epoch`` current. ``resumed`` says the recipe's weights and moments came
     from a checkpoint, so the first step must not reset the moments. With ``ranks`` > 1
     (data parallelism) the micro-batches are the job's and this process steps on rows
-    ``rank * t_batch .. (rank + 1) * t_batch - 1`` of each: its shard (``shard``).
+    ``rank * batch .. (rank + 1) * batch - 1`` of each: its shard (``shard``).
     """
 
     def __init__(self, recipe, micro_batch, schedule, total: int, *, adamw: AdamW = AdamW(),
@@ -99,7 +99,7 @@ class Trainer:
         self.last_lr = None
 
     def inputs(self, t: int):
-        """(micro-batches, tokens, positions, labels) of step t; arrays [k, t_batch, t_seq]
+        """(micro-batches, tokens, positions, labels) of step t; arrays [k, batch, seq_len]
         (this rank's shard of the job's micro-batches, which the hooks get whole)."""
         micro = [self.micro_batch((t - 1) * self.k + j) for j in range(self.k)]
         stack = [shard(np.stack([getattr(b, f) for b in micro]), self.rank, self.ranks)
