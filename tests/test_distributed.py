@@ -258,6 +258,21 @@ def _end(job, pids):
 
 
 @needs_mpi
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, tiny_llama):
+    """SIGTERM to rank 1 only: the ranks agree to stop after the same step, rank 0 writes
+    the interrupt checkpoint and the job exits 130 (nobody waits for a lost partner)."""
+    job, pids = _start_long_job(tmp_path, tiny_llama, "60")
+    os.kill(pids[1], signal.SIGTERM)
+    _end(job, pids)
+    assert job.returncode == 130
+    evs = [json.loads(l) for l in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    end = evs[-1]
+    assert end["event"] == "run_end" and end["status"] == "interrupted"
+    assert end["reason"] == "stopped by a signal to another MPI rank"
+    assert [e["kind"] for e in evs if e["event"] == "checkpoint"] == ["interrupt"]
+
+
+@needs_mpi
 def test_a_killed_rank_ends_the_job(tmp_path, tiny_llama):
     job, pids = _start_long_job(tmp_path, tiny_llama, "10")
     os.kill(pids[1], signal.SIGKILL)

@@ -252,7 +252,8 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[str]):
                 sup.run_eval(trainer)  # the starting point: the curve shows what training changed
         trainer.run(sup)
         status = sup.stop_status or "completed"
-        return None, status, (f"stopped by {signals.name}" if status == "interrupted" else None)
+        signal_name = signals.name or "a signal to another MPI rank"
+        return None, status, (f"stopped by {signal_name}" if status == "interrupted" else None)
     except KeyboardInterrupt:
         return (None, "interrupted",
                 f"{signals.name or 'SIGINT'} twice: aborted during step {trainer.state.step + 1}, "
