@@ -126,9 +126,9 @@ class RunSupervisor(Hooks):
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
         due_time = (train_cfg.save_minutes
                     and time.monotonic() - self.last_save >= 60 * train_cfg.save_minutes)
-        # Every rank must stop and check (save) at the same steps: rank 0's clock decides
-        # when a checkpoint is due, a signal to any rank stops them all.
-        signalled, due_time = self.world.any([self.signals.count, due_time and self.world.rank == 0])
+        # Every rank must check (save) and stop at the same steps: rank 0's clock decides
+        # when a checkpoint is due; a signal to any rank (even one during the save) stops all.
+        due_time = self.world.any([due_time and self.world.rank == 0])[0]
         due_step = train_cfg.save_every and t % train_cfg.save_every == 0
         if self.saved_step != t and (due_step or due_time):
             self.save(trainer, "periodic")
@@ -136,7 +136,7 @@ class RunSupervisor(Hooks):
             self.stop_status = "early_stopped"
             self.progress.message(f"early stopping: no validation gain in {train_cfg.patience} "
                                   "evals")
-        elif signalled:
+        elif self.world.any([self.signals.count])[0]:
             self.stop_status = "interrupted"
         return self.stop_status is not None
 
