@@ -93,13 +93,18 @@ class Recipe:
     def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
         return None
 
-    def realize(self, gguf, cfg, opts: RecipeOptions) -> None:
+    @staticmethod
+    def check_model(cfg, opts: RecipeOptions) -> None:
+        """The options that assert what the model must have (untied, qkv_bias)."""
         if opts.untied is not None and opts.untied == cfg.tied_output:
             raise GraphError(f"options say untied={opts.untied} but the model's output head is "
                              f"{'tied' if cfg.tied_output else 'untied'}")
         if opts.qkv_bias is not None and opts.qkv_bias != cfg.qkv_bias:
             raise GraphError(f"options say qkv_bias={opts.qkv_bias} but the model has "
                              f"{'a' if cfg.qkv_bias else 'no'} qkv bias")
+
+    def realize(self, gguf, cfg, opts: RecipeOptions) -> None:
+        self.check_model(cfg, opts)
         self.opts, self.cfg = opts, cfg
         g = Graph()
         B, T = opts.t_batch, opts.t_seq
@@ -118,13 +123,18 @@ class Recipe:
         self.step_index = 0
 
     # --- per step -------------------------------------------------------------------------
+    def batch_rows(self) -> tuple[int, str]:
+        """The number of sequences in a micro-batch, and its description for errors."""
+        return self.opts.t_batch, "t_batch"
+
     def _micro_batches(self, token_ids, positions, labels):
         """Check the step inputs: each is [grad_accum, t_batch, t_seq], whatever k is."""
-        shape = (self.opts.grad_accum, self.opts.t_batch, self.opts.t_seq)
+        rows, what = self.batch_rows()
+        shape = (self.opts.grad_accum, rows, self.opts.t_seq)
         arrays = [np.asarray(a) for a in (token_ids, positions, labels)]
         for name, a in zip(("token_ids", "positions", "labels"), arrays):
             if a.shape != shape:
-                raise GraphError(f"step: {name} must have shape [grad_accum, t_batch, t_seq] "
+                raise GraphError(f"step: {name} must have shape [grad_accum, {what}, t_seq] "
                                  f"= {shape}, got {a.shape}")
         return list(zip(*arrays))
 
@@ -134,6 +144,20 @@ class Recipe:
         s.upload(self.net.positions, pos)
         s.upload(self.labels, np.asarray(lab).reshape(-1))
 
+    def _begin_step(self, token_ids, positions, labels, hp, is_first: bool) -> list:
+        """Reset (first step) or reset grads, upload the hp row; the checked micro-batches."""
+        if is_first:
+            self.sess.reset()
+        else:
+            self.sess.reset_grads()
+        micro = self._micro_batches(token_ids, positions, labels)
+        self.sess.upload(self.train.hp, hp)
+        return micro
+
+    def load_adapter_init(self, values: dict[str, np.ndarray]) -> None:
+        """Start from an adapter's values (``--adapter-init``)."""
+        self.load_trainable(values)
+
     def step(self, token_ids, positions, labels, hp, is_first: bool) -> float:
         """One optimizer step; returns the mean loss of the forward pass before the update.
 
@@ -141,12 +165,7 @@ class Recipe:
         accumulation); the loss is the token-weighted mean over all k micro-batches.
         """
         s = self.sess
-        if is_first:
-            s.reset()
-        else:
-            s.reset_grads()
-        micro = self._micro_batches(token_ids, positions, labels)
-        s.upload(self.train.hp, hp)
+        micro = self._begin_step(token_ids, positions, labels, hp, is_first)
         total, count = 0.0, 0.0
         for i, (ids, pos, lab) in enumerate(micro):
             self._upload(ids, pos, lab)

@@ -27,7 +27,7 @@ from .kernels import DEQUANT_KERNELS
 # The family modules register their ops on import; their helpers the backend, devmem and
 # the tests use are re-exported from here.
 from . import (lower_elementwise, lower_fused, lower_layout, lower_loss,  # noqa: F401
-               lower_matmul, lower_optim, lower_rows)
+               lower_matmul, lower_optim, lower_pref, lower_rows)
 from .launch import (MAX_ELEMENTS, MAX_GRID, MAX_GRID_YZ, MAXD, THREADS, Launch, collapse,
                      contiguous_strides, f32, f64, i32, p, strided)
 from .lower_elementwise import broadcast_strides
