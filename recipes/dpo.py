@@ -51,9 +51,17 @@ class PreferenceRecipe(LoRA):
 
     # --- the graph ----------------------------------------------------------------------------
     def realize(self, gguf, cfg, opts: RecipeOptions) -> None:
+        g = self.build_graph(gguf, cfg, opts)
+        self.train = build_training(self.loss, self.net.params, max_norm=opts.grad_clip)
+        self.sess = Session(g, backend=opts.backend, dtype=opts.weight_dtype)
+        self.sess.realize()
+        self.step_index = 0
+
+    def build_graph(self, gguf, cfg, opts: RecipeOptions) -> Graph:
+        """The forward passes and the loss (``self.loss``), without the optimizer."""
         self.check_model(cfg, opts)
         self.opts, self.cfg = opts, cfg
-        g = Graph()
+        self.graph = g = Graph()
         B, T = opts.t_batch, opts.t_seq
         self.rows = 2 * B
         self.net = build_decoder(g, cfg, batch=2 * B, seq=T, model=gguf, weights="frozen",
@@ -64,11 +72,7 @@ class PreferenceRecipe(LoRA):
         self.sign = g.const("pair_sign", np.array([[1.0], [-1.0]], np.float32))
         self.policy = g.output(self.sequence_logprobs(self.net))
         self.loss = g.output(self.build_loss(g, opts))
-        self.train = build_training(self.loss, self.net.params, max_norm=opts.grad_clip)
-        self.graph = g
-        self.sess = Session(g, backend=opts.backend, dtype=opts.weight_dtype)
-        self.sess.realize()
-        self.step_index = 0
+        return g
 
     def sequence_logprobs(self, net):
         """[2B]: each row's summed log-probs of its labels (response tokens only)."""
