@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from toygraph import ops
+from toygraph.data import batches
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
@@ -89,6 +90,8 @@ class Recipe:
     """Shared realize/step machinery; subclasses choose which weights train."""
 
     weight_mode = "frozen"
+    #: The epoch's batches of encoded items, in the layout ``step`` takes.
+    make_batches = staticmethod(batches)
 
     def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
         return None

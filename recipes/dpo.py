@@ -33,6 +33,7 @@ from toygraph.errors import GraphError
 from toygraph.graph import Graph
 from toygraph.models.decoder import build_decoder, lm_head
 from toygraph.optim import build_training
+from toygraph.preference import pair_batches
 from toygraph.session import Session
 
 from .base import RecipeOptions
@@ -41,6 +42,8 @@ from .lora import LoRA
 
 class PreferenceRecipe(LoRA):
     """What DPO and ORPO share: pair batches, per-sequence log-probs, metrics."""
+
+    make_batches = staticmethod(pair_batches)
 
     def __init__(self, targets=("q", "v"), rank: int = 8, alpha: float = 16, beta: float = 0.1):
         super().__init__(targets, rank, alpha)

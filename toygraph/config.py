@@ -11,6 +11,12 @@ from dataclasses import asdict, dataclass, field, fields
 
 from .errors import ToygraphError
 
+RECIPES = ("lora", "full", "scratch", "dpo", "orpo")
+#: The recipes that train LoRA adapters on a frozen base (the rest train every weight).
+ADAPTER_RECIPES = ("lora", "dpo", "orpo")
+#: The preference-tuning recipes: their data are chosen/rejected pairs (toygraph.preference).
+PREFERENCE_RECIPES = ("dpo", "orpo")
+
 
 @dataclass
 class TrainConfig:
@@ -21,6 +27,8 @@ class TrainConfig:
     targets: tuple[str, ...] = ("q", "v")
     rank: int = 8
     alpha: float = 16.0
+    beta: float = 0.1              # dpo/orpo: DPO's KL strength, ORPO's odds-ratio weight
+    label_smoothing: float = 0.0   # dpo: the assumed chance that a pair's labels are flipped
     steps: int | None = None
     epochs: float | None = None
     batch: int = 4
@@ -62,7 +70,7 @@ class TrainConfig:
         """Raise ToygraphError naming the flag of the first option out of range."""
         if self.steps is not None and self.epochs is not None:
             raise ToygraphError("give --steps or --epochs, not both")
-        _choice("recipe", self.recipe, ("lora", "full", "scratch"))
+        _choice("recipe", self.recipe, RECIPES)
         _choice("schedule", self.schedule, ("constant", "cosine", "linear"))
         _choice("backend", self.backend, ("cpu", "cuda"))
         for name in ("batch", "grad_accum", "seq_len", "rank", "keep_checkpoints"):
@@ -75,20 +83,23 @@ class TrainConfig:
             _integer("max_examples", self.max_examples, lo=1)
         if self.epochs is not None:
             _real("epochs", self.epochs, lo=0, open_lo=True)
-        for name in ("alpha", "lr", "eps"):
+        for name in ("alpha", "lr", "eps", "beta"):
             _real(name, getattr(self, name), lo=0, open_lo=True)
         for name in ("min_lr", "clip", "weight_decay", "init_scale", "save_minutes", "diverge_factor"):
             _real(name, getattr(self, name), lo=0)
         for name in ("beta1", "beta2", "val_split"):
             _real(name, getattr(self, name), lo=0, hi=1)
+        _real("label_smoothing", self.label_smoothing, lo=0, hi=0.5)
+        if self.label_smoothing and self.recipe != "dpo":
+            raise ToygraphError("--label-smoothing needs --recipe dpo")
         if self.min_lr > self.lr:
             raise ToygraphError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if 0 < self.diverge_factor <= 1:
             raise ToygraphError(f"--diverge-factor must be > 1 (0 = off), got {self.diverge_factor}")
         if self.patience and not self.val_split:
             raise ToygraphError("--patience needs a validation set (--val-split > 0)")
-        if self.recipe != "lora" and self.adapter_init:
-            raise ToygraphError("--adapter-init needs --recipe lora")
+        if self.recipe not in ADAPTER_RECIPES and self.adapter_init:
+            raise ToygraphError(f"--adapter-init needs --recipe {', '.join(ADAPTER_RECIPES)}")
         if self.overwrite and self.resume:
             raise ToygraphError("give --resume or --overwrite, not both")
         if not self.out or not str(self.out).strip():
@@ -125,7 +136,7 @@ def check_against_model(cfg: TrainConfig, mcfg) -> None:
     from toygraph.models.llama import LoraConfig
     if cfg.seq_len > mcfg.n_ctx:
         raise ToygraphError(f"--seq-len {cfg.seq_len} exceeds the model's context length {mcfg.n_ctx}")
-    if cfg.recipe != "lora":
+    if cfg.recipe not in ADAPTER_RECIPES:
         return
     LoraConfig(targets=tuple(cfg.targets), rank=cfg.rank, alpha=cfg.alpha)  # names checked here
     q, kv = mcfg.n_head * mcfg.head_dim, mcfg.n_head_kv * mcfg.head_dim

@@ -24,13 +24,14 @@ from pathlib import Path
 
 from . import __version__
 from .checkpoint import find_resumable, load_checkpoint, restore_swapped, write_final
-from .config import TrainConfig, check_against_model
+from .config import ADAPTER_RECIPES, PREFERENCE_RECIPES, TrainConfig, check_against_model
 from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
                    steps_per_epoch, batches)
 from .errors import DataError
 from .gguf import GGUFModel
 from .guard import DivergenceGuard, Diverged
 from .modelfile import write_modelfile
+from .preference import encode_pairs, load_pairs
 from .optim import Schedule
 from .plot import plot_losses
 from .resume import check_resume, model_fingerprint
@@ -58,9 +59,25 @@ def _versions() -> dict:
 
 def make_recipe(cfg: TrainConfig):
     from toygraph.recipes import RECIPES
+    if cfg.recipe == "dpo":
+        return RECIPES["dpo"](targets=cfg.targets, rank=cfg.rank, alpha=cfg.alpha, beta=cfg.beta,
+                              label_smoothing=cfg.label_smoothing,
+                              reference_adapter=bool(cfg.adapter_init))
+    if cfg.recipe == "orpo":
+        return RECIPES["orpo"](targets=cfg.targets, rank=cfg.rank, alpha=cfg.alpha, beta=cfg.beta)
     if cfg.recipe == "lora":
         return RECIPES["lora"](targets=cfg.targets, rank=cfg.rank, alpha=cfg.alpha)
     return RECIPES[cfg.recipe]()
+
+
+def _encode(cfg: TrainConfig, tok):
+    """The data file parsed and encoded: examples, or preference pairs for dpo/orpo."""
+    if cfg.recipe in PREFERENCE_RECIPES:
+        load, encode = load_pairs, encode_pairs
+    else:
+        load, encode = load_examples, encode_dataset
+    rows = load(cfg.data)
+    return encode(rows[:cfg.max_examples] if cfg.max_examples else rows, tok, cfg.seq_len)
 
 
 @dataclass
@@ -83,10 +100,7 @@ def _prepare(cfg: TrainConfig) -> Prepared:
     model = GGUFModel(cfg.model)
     check_against_model(cfg, model.config)
     tok = Tokenizer.from_gguf(cfg.model)
-    examples = load_examples(cfg.data)
-    if cfg.max_examples:
-        examples = examples[:cfg.max_examples]
-    enc = encode_dataset(examples, tok, cfg.seq_len)
+    enc = _encode(cfg, tok)
     if not enc.items:
         raise DataError(f"{cfg.data}: no example has a target token within --seq-len {cfg.seq_len}")
     train, val = split_train_val(enc.items, cfg.val_split, cfg.seed)
@@ -128,11 +142,11 @@ def _load_adapter_init(cfg: TrainConfig, recipe):
     missing = set(recipe.net.lora) - set(lora)
     if missing:
         raise DataError(f"{cfg.adapter_init}: adapter lacks {sorted(missing)[:3]}")
-    recipe.load_trainable({f"{k}.lora_{s}": v for k, (a, b) in lora.items()
-                           for s, v in (("a", a), ("b", b))})
+    recipe.load_adapter_init({f"{k}.lora_{s}": v for k, (a, b) in lora.items()
+                              for s, v in (("a", a), ("b", b))})
 
 
-def _epoch_batches(cfg: TrainConfig, train: list, pad: int):
+def _epoch_batches(cfg: TrainConfig, train: list, pad: int, batches=batches):
     """micro_batch(m) over epochs; the order of epoch e is a function of (seed, e)."""
     n = steps_per_epoch(len(train), cfg.batch)
     cache: dict[int, list] = {}
@@ -165,7 +179,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     t0 = time.perf_counter()
     recipe = _realize(cfg, prep)
     realize_s = time.perf_counter() - t0
-    micro_batch, n_batches = _epoch_batches(cfg, prep.train, prep.pad)
+    micro_batch, n_batches = _epoch_batches(cfg, prep.train, prep.pad, recipe.make_batches)
     total = cfg.steps or max(1, math.ceil((cfg.epochs or 1) * n_batches / cfg.grad_accum))
     schedule = Schedule(cfg.lr, cfg.schedule, total=total, floor=cfg.min_lr,
                         warmup=cfg.warmup if cfg.schedule == "constant" else min(cfg.warmup, total - 1))
@@ -181,7 +195,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets),
                   "base": Path(cfg.model).name, "arch": prep.model.config.arch}
-                 if cfg.recipe == "lora" else None)
+                 if cfg.recipe in ADAPTER_RECIPES else None)
     guard = DivergenceGuard(prep.state, cfg.diverge_factor)
     with Signals() as signals:
         sup = RunSupervisor(cfg, out, recipe, log, progress, guard, signals, val=prep.val,
