@@ -120,7 +120,7 @@ class RunSupervisor(Hooks):
         self.signals.in_step = False
         t, cfg = trainer.state.step, self.cfg
         grad_norm = self.recipe.last_grad_norm()
-        tokens = len(micro) * cfg.batch * cfg.seq_len
+        tokens = sum(b.tokens.size for b in micro)  # preference batches hold 2 rows a pair
         metrics = {k: v for k, v in getattr(self.recipe, "last_metrics", {}).items() if k != "loss"}
         self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
                        tokens=tokens, targets=int(sum(b.n_targets for b in micro)),

@@ -190,7 +190,7 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     _log_start(cfg, prep, log, recipe, total, realize_s)
     progress = Progress(total, cfg.quiet)
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
-             f"{total} steps of {cfg.batch * cfg.grad_accum} sequences x {cfg.seq_len} "
+             f"{total} steps of {recipe.batch_rows()[0] * cfg.grad_accum} sequences x {cfg.seq_len} "
              f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets),
