@@ -147,11 +147,12 @@ class PreferenceRecipe(LoRA):
         rewards/margin (chosen - rejected), rewards/accuracy (chosen > rejected)."""
         pooled = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         chosen, rejected = pooled.pop("chosen"), pooled.pop("rejected")
-        out = {"loss": loss, "rewards/chosen": float(np.mean(chosen)),
-               "rewards/rejected": float(np.mean(rejected)),
-               "rewards/margin": float(np.mean(chosen - rejected)),
-               "rewards/accuracy": float(np.mean(chosen > rejected))}
-        out.update({k: float(np.mean(v)) for k, v in pooled.items()})
+        def mean(v):  # NaN (null in events.jsonl) when a batch holds no pair at all
+            return float(np.mean(v)) if len(v) else float("nan")
+        out = {"loss": loss, "rewards/chosen": mean(chosen), "rewards/rejected": mean(rejected),
+               "rewards/margin": mean(chosen - rejected),
+               "rewards/accuracy": mean(chosen > rejected)}
+        out.update({k: mean(v) for k, v in pooled.items()})
         return out
 
     def split(self, t, valid):
