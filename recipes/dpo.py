@@ -1,11 +1,11 @@
 """Preference tuning with LoRA: DPO and ORPO, each one realized graph replayed per step.
 
 >>> recipe = DPO(targets=("q", "v"), rank=8, alpha=16, beta=0.1)
->>> recipe.realize(model, model.config, RecipeOptions(t_seq=128, t_batch=2))   # doctest: +SKIP
+>>> recipe.realize(model, model.config, RecipeOptions(seq_len=128, batch=2))   # doctest: +SKIP
 >>> loss = recipe.step(tokens, positions, labels, hp, is_first=True)          # doctest: +SKIP
 >>> recipe.last_metrics["rewards/margin"]                                       # doctest: +SKIP
 
-A micro-batch of ``t_batch`` pairs is ``2 * t_batch`` rows: the chosen sequences first,
+A micro-batch of ``batch`` pairs is ``2 * batch`` rows: the chosen sequences first,
 then the rejected ones in the same order (toygraph.preference.pair_batches builds them).
 Labels mark the response tokens only (-1 elsewhere); a sequence's log-probability is the
 sum of its labels' log-probs.
@@ -31,7 +31,7 @@ import numpy as np
 from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
-from toygraph.models.decoder import build_decoder, lm_head
+from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
 from toygraph.optim import build_training
 from toygraph.preference import pair_batches
 from toygraph.session import Session
@@ -40,12 +40,18 @@ from .base import RecipeOptions
 from .lora import LoRA
 
 
+#: The defaults of the preference options (TrainConfig and the CLI read them from here).
+BETA = 0.1
+LABEL_SMOOTHING = 0.0
+
+
 class PreferenceRecipe(LoRA):
     """What DPO and ORPO share: pair batches, per-sequence log-probs, metrics."""
 
     make_batches = staticmethod(pair_batches)
 
-    def __init__(self, targets=("q", "v"), rank: int = 8, alpha: float = 16, beta: float = 0.1):
+    def __init__(self, targets=LoraConfig.targets, rank: int = LoraConfig.rank,
+                 alpha: float = LoraConfig.alpha, beta: float = BETA):
         super().__init__(targets, rank, alpha)
         if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
             raise GraphError(f"beta must be a finite number > 0, got {beta!r}")
@@ -53,21 +59,21 @@ class PreferenceRecipe(LoRA):
         self.last_metrics: dict[str, float] = {}
 
     # --- the graph ----------------------------------------------------------------------------
-    def realize(self, gguf, cfg, opts: RecipeOptions) -> None:
-        g = self.build_graph(gguf, cfg, opts)
-        self.train = build_training(self.loss, self.net.params, max_norm=opts.grad_clip)
-        self.sess = Session(g, backend=opts.backend, dtype=opts.weight_dtype)
+    def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:
+        g = self.build_graph(gguf, model_cfg, opts)
+        self.train = build_training(self.loss, self.net.params, max_norm=opts.clip)
+        self.sess = Session(g, backend=opts.backend, precision=opts.precision)
         self.sess.realize()
         self.step_index = 0
 
-    def build_graph(self, gguf, cfg, opts: RecipeOptions) -> Graph:
+    def build_graph(self, gguf, model_cfg, opts: RecipeOptions) -> Graph:
         """The forward passes and the loss (``self.loss``), without the optimizer."""
-        self.check_model(cfg, opts)
-        self.opts, self.cfg = opts, cfg
+        self.check_model(model_cfg, opts)
+        self.opts, self.model_cfg = opts, model_cfg
         self.graph = g = Graph()
-        B, T = opts.t_batch, opts.t_seq
+        B, T = opts.batch, opts.seq_len
         self.rows = 2 * B
-        self.net = build_decoder(g, cfg, batch=2 * B, seq=T, model=gguf, weights="frozen",
+        self.net = build_decoder(g, model_cfg, batch=2 * B, seq_len=T, model=gguf, weights="frozen",
                                  lora=self.lora_config(opts), seed=opts.seed, logits=False)
         self.labels = g.input("labels", (2 * B * T,), "i32")
         # 1 / (valid pairs of the micro-batch) on valid pairs, 0 on padding pairs.
@@ -80,7 +86,7 @@ class PreferenceRecipe(LoRA):
     def sequence_logprobs(self, net):
         """[2B]: each row's summed log-probs of its labels (response tokens only)."""
         lp = ops.token_logprobs(lm_head(net), self.labels)
-        return ops.sum(lp.reshape(self.rows, self.opts.t_seq), axis=1)
+        return ops.sum(lp.reshape(self.rows, self.opts.seq_len), axis=1)
 
     def chosen_minus_rejected(self, x):
         """[2B] -> [B]: x[chosen i] - x[rejected i]."""
@@ -91,7 +97,7 @@ class PreferenceRecipe(LoRA):
 
     # --- per step -------------------------------------------------------------------------------
     def batch_rows(self):
-        return self.rows, "2 * t_batch (chosen rows, then rejected)"
+        return self.rows, "2 * batch (chosen rows, then rejected)"
 
     def _upload(self, ids, pos, lab):
         """Upload a micro-batch and the weights derived from its labels; returns the mask
@@ -127,7 +133,7 @@ class PreferenceRecipe(LoRA):
         return self.last_metrics["loss"]
 
     def evaluate(self, token_ids, positions, labels) -> tuple[float, int]:
-        """Forward only on one batch [2 * t_batch, t_seq]: (loss x valid pairs, valid
+        """Forward only on one batch [2 * batch, seq_len]: (loss x valid pairs, valid
         pairs); the batch's metrics go to ``last_metrics``."""
         valid = self._upload(token_ids, positions, labels)
         self.sess.run("forward")
@@ -170,8 +176,9 @@ class DPO(PreferenceRecipe):
     DPO(targets=('q', 'v'), rank=8, alpha=16, beta=0.1, label_smoothing=0.0)
     """
 
-    def __init__(self, targets=("q", "v"), rank: int = 8, alpha: float = 16, beta: float = 0.1,
-                 label_smoothing: float = 0.0, reference_adapter: bool = False):
+    def __init__(self, targets=LoraConfig.targets, rank: int = LoraConfig.rank,
+                 alpha: float = LoraConfig.alpha, beta: float = BETA,
+                 label_smoothing: float = LABEL_SMOOTHING, reference_adapter: bool = False):
         super().__init__(targets, rank, alpha, beta)
         if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
             raise GraphError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
@@ -183,7 +190,8 @@ class DPO(PreferenceRecipe):
                 f"beta={self.beta}, label_smoothing={self.label_smoothing})")
 
     def build_loss(self, g, opts):
-        self.ref_net = build_decoder(g, self.cfg, batch=self.rows, seq=opts.t_seq, logits=False,
+        self.ref_net = build_decoder(g, self.model_cfg, batch=self.rows, seq_len=opts.seq_len,
+                                     logits=False,
                                      lora=self.lora_config(opts) if self.reference_adapter else None,
                                      reference_of=self.net)
         self.reference = g.output(self.sequence_logprobs(self.ref_net))

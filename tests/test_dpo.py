@@ -17,12 +17,12 @@ TARGETS = ("q", "v")
 
 def _realize(recipe, path, **opts):
     m = GGUFModel(path)
-    recipe.realize(m, m.config, RecipeOptions(t_seq=T, t_batch=opts.pop("t_batch", B), **opts))
+    recipe.realize(m, m.config, RecipeOptions(seq_len=T, batch=opts.pop("batch", B), **opts))
     return recipe
 
 
 def _weight_consts(recipe):
-    names = set(tensor_shapes(recipe.cfg))
+    names = set(tensor_shapes(recipe.model_cfg))
     return {t.name: t for t in recipe.sess.schedules["step"] if t.role == "const" and t.name in names}
 
 
@@ -30,9 +30,9 @@ def test_the_reference_pass_reads_the_same_base_weights_no_second_copy(tiny_llam
     """A DPO graph of B pairs against an SFT graph of the same shape (2B sequences): the
     same base const tensors, each bound once, and the reference pass consumes them."""
     dpo = _realize(DPO(TARGETS, reference_adapter=True), tiny_llama)
-    sft = _realize(LoRA(TARGETS), tiny_llama, t_batch=2 * B)
+    sft = _realize(LoRA(TARGETS), tiny_llama, batch=2 * B)
     mine, theirs = _weight_consts(dpo), _weight_consts(sft)
-    assert set(mine) == set(theirs) == set(tensor_shapes(dpo.cfg))
+    assert set(mine) == set(theirs) == set(tensor_shapes(dpo.model_cfg))
     assert (sum(t.size for t in mine.values()) == sum(t.size for t in theirs.values()))
     assert len({t.id for t in dpo.graph.nodes if t.role == "const" and t.name in mine}) == len(mine)
     assert set(dpo.ref_net.weights.values()) == set(dpo.net.weights.values())
@@ -90,7 +90,7 @@ def test_options_are_checked(tiny_llama):
         DPO(label_smoothing=0.5)
     recipe = _realize(ORPO(TARGETS), tiny_llama)
     bad = np.zeros((1, B, T), np.int32)
-    with pytest.raises(GraphError, match=r"2 \* t_batch \(chosen rows, then rejected\)"):
+    with pytest.raises(GraphError, match=r"2 \* batch \(chosen rows, then rejected\)"):
         recipe.step(bad, bad, bad, hp_row(1, 1e-3), is_first=True)
 
 
@@ -99,7 +99,7 @@ def test_dpo_loss_gradient_through_the_whole_graph(tiny_llama):
     through both passes (the reference with a frozen, different adapter of its own)."""
     recipe = DPO(TARGETS, beta=2.0, label_smoothing=0.2, reference_adapter=True)
     m = GGUFModel(tiny_llama)
-    g = recipe.build_graph(m, m.config, RecipeOptions(t_seq=8, t_batch=1, init_scale=0.3))
+    g = recipe.build_graph(m, m.config, RecipeOptions(seq_len=8, batch=1, init_scale=0.3))
     rng = np.random.default_rng(5)
     for p in recipe.net.params + recipe.ref_net.params:
         if p.name.endswith("lora_b"):

@@ -44,7 +44,7 @@ def pair_batch(rng, vocab, padding_pair: bool):
 
 def run_toygraph(recipe, path, lora, batches, **load):
     m = GGUFModel(path)
-    recipe.realize(m, m.config, RecipeOptions(t_seq=T, t_batch=B, grad_clip=CLIP))
+    recipe.realize(m, m.config, RecipeOptions(seq_len=T, batch=B, clip=CLIP))
     values = {f"{n}.{h}": x for n, (a, b) in lora.items() for h, x in (("lora_a", a), ("lora_b", b))}
     (recipe.load_adapter_init if load.get("adapter_init") else recipe.load_trainable)(values)
     positions = np.tile(np.arange(T, dtype=np.int32), (1, 2 * B, 1))
