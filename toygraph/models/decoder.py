@@ -130,18 +130,30 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
                   lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
-                  logits: bool = True) -> Decoder:
+                  logits: bool = True, reference_of: Decoder | None = None) -> Decoder:
     """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens;
-    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`)."""
+    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
+
+    ``reference_of`` builds a second forward pass over that decoder's own inputs and
+    weight tensors, making no new weights (DPO's reference model reads the same frozen
+    base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``."""
     if seq_len > cfg.n_ctx:
         raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq_len < 1:
         raise GraphError(f"batch and seq_len must be >= 1, got {batch} and {seq_len}")
-    if weights != "scratch" and model is None:
-        raise GraphError(f"weight mode {weights!r} needs a GGUF model")
-    W = _make_weights(g, cfg, model, weights, seed)
-    net = Decoder(cfg=cfg, tokens=g.input("tokens", (batch, seq_len), "i32"),
-                  positions=g.input("positions", (batch, seq_len), "i32"), logits=None, weights=W)
+    if reference_of is not None:
+        if reference_of.tokens.shape != (batch, seq_len):
+            raise GraphError(f"a reference pass must have its decoder's shape "
+                             f"{reference_of.tokens.shape}, got {(batch, seq_len)}")
+        W, tokens, positions = reference_of.weights, reference_of.tokens, reference_of.positions
+    else:
+        if weights != "scratch" and model is None:
+            raise GraphError(f"weight mode {weights!r} needs a GGUF model")
+        W = _make_weights(g, cfg, model, weights, seed)
+        tokens = g.input("tokens", (batch, seq_len), "i32")
+        positions = g.input("positions", (batch, seq_len), "i32")
+    net = Decoder(cfg=cfg, tokens=tokens, positions=positions, logits=None, weights=W)
+    lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
 
@@ -153,7 +165,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         if bias is not None:
             y = y + bias
         if name.split(".")[-2] in wanted:
-            a, b = _lora_pair(g, name, w.shape[1], w.shape[0], lora, lora_rng)
+            a, b = _lora_pair(g, lora_prefix + name, w.shape[1], w.shape[0], lora, lora_rng)
             net.lora[name] = (a, b)
             low = ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True)
             y = y + ops.scale(low, lora.scaling)
