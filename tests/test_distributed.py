@@ -335,3 +335,13 @@ def test_two_ranks_on_the_cuda_backend_host_device(tmp_path, tiny_llama):
     _finetune(2, tiny_llama, data, tmp_path / "two", *run, env=env)
     _assert_close(_losses(tmp_path / "two"), _losses(tmp_path / "one"))
     _assert_close(_adapter(tmp_path / "two"), _adapter(tmp_path / "one"), rtol=1e-5)
+
+
+def test_preference_recipes_refuse_data_parallel(tiny_llama):
+    """DPO/ORPO average per pair, which a sum over ranks would not reproduce: refused."""
+    from toygraph.gguf import GGUFModel
+    from toygraph.recipes import RecipeOptions
+    from toygraph.recipes.dpo import DPO
+    model = GGUFModel(str(tiny_llama))
+    with pytest.raises(GraphError, match="--recipe dpo does not run data parallel"):
+        DPO().realize(model, model.config, RecipeOptions(seq_len=8, batch=2, data_parallel=True))
