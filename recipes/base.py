@@ -61,6 +61,7 @@ class RecipeOptions:
     grad_clip: float = 1.0
     grad_accum: int = 1
     backend: str = "cpu"
+    checkpoint_activations: bool = False   # recompute each block in the backward (recompute.py)
 
     def __post_init__(self):
         for name in ("t_seq", "t_batch", "grad_accum"):
@@ -111,7 +112,8 @@ class Recipe:
         self.loss_sum = g.output(head_loss(self.net, self.labels, opts.backend))
         self.count = g.output(ops.count_valid(self.labels))
         self.train = build_training(self.loss_sum, self.net.params, count=self.count,
-                                    max_norm=opts.grad_clip)
+                                    max_norm=opts.grad_clip,
+                                    checkpoint=opts.checkpoint_activations)
         self.graph = g
         self.sess = Session(g, backend=opts.backend, dtype=opts.weight_dtype)
         self.sess.realize()
