@@ -179,3 +179,40 @@ def test_a_cycle_in_the_recompute_order_is_refused():
     loss = g.output((r.output * inner).sum())
     with pytest.raises(GraphError, match="cycle"):
         build_training(loss, [w], checkpoint=True)
+
+
+def test_cli_flag_gives_the_same_run_in_less_memory(capsys, tiny_llama, tmp_path):
+    """``finetune --checkpoint-activations``: the same step losses bit for bit, a smaller
+    planned arena, and events.jsonl saying checkpointing was on."""
+    import json
+
+    from toygraph.cli import main
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n"
+                            for i in range(8)))
+    runs = {}
+    for flag in ([], ["--checkpoint-activations"]):
+        out = tmp_path / ("ckpt" if flag else "plain")
+        code = main(["finetune", "--model", str(tiny_llama), "--data", str(data), "--out",
+                     str(out), "--steps", "3", "--batch", "2", "--seq-len", "32", "--val-split",
+                     "0", "--targets", "q,v,down", "--quiet", *flag])
+        assert code == 0, capsys.readouterr().err
+        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        runs[bool(flag)] = (events[0], [e["loss"] for e in events if e["event"] == "step"])
+    (start0, losses0), (start1, losses1) = runs[False], runs[True]
+    assert start0["checkpoint_activations"] is False and start1["checkpoint_activations"] is True
+    assert start1["config"]["checkpoint_activations"] is True
+    assert start1["planned_bytes"] < start0["planned_bytes"]
+    assert len(losses1) == 3 and losses1 == losses0
+
+
+def test_checkpointed_golden_experiment_matches_its_plain_twin():
+    """The golden experiment lora_all_tiny_qwen2_ckpt is lora_all_tiny_qwen2 (LoRA on every
+    projection, 2 micro-batches per step) with checkpointing on: fresh runs of the two give
+    the same losses bit for bit."""
+    from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
+    ckpt = EXPERIMENTS["lora_all_tiny_qwen2_ckpt"]
+    plain = EXPERIMENTS["lora_all_tiny_qwen2"]
+    assert {**ckpt.options, "checkpoint_activations": False} == {**plain.options,
+                                                                 "checkpoint_activations": False}
+    assert run_experiment(ckpt) == run_experiment(plain)

@@ -167,6 +167,9 @@ def _add_finetune_args(p):
                    help="comma-separated options that may differ from the resumed checkpoint")
     p.add_argument("--max-examples", type=int)
     p.add_argument("--backend", default=d.backend, choices=["cpu", "cuda"])
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each decoder block in the backward instead of keeping its "
+                        "activations: less memory, about one more forward per step")
     p.add_argument("--quiet", action="store_true")
 
 

@@ -108,7 +108,8 @@ def _realize(cfg: TrainConfig, prep: Prepared):
     recipe = make_recipe(cfg)
     opts = RecipeOptions(t_seq=cfg.seq_len, t_batch=cfg.batch, seed=cfg.seed,
                          init_scale=cfg.init_scale, grad_clip=cfg.clip,
-                         grad_accum=cfg.grad_accum, backend=cfg.backend)
+                         grad_accum=cfg.grad_accum, backend=cfg.backend,
+                         checkpoint_activations=cfg.checkpoint_activations)
     recipe.realize(prep.model, prep.model.config, opts)
     if cfg.adapter_init:
         _load_adapter_init(cfg, recipe)
@@ -177,7 +178,8 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     progress = Progress(total, cfg.quiet)
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
              f"{total} steps of {cfg.batch * cfg.grad_accum} sequences x {cfg.seq_len} "
-             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
+             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"
+             f"{' (activations recomputed per block)' if cfg.checkpoint_activations else ''}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets),
                   "base": Path(cfg.model).name, "arch": prep.model.config.arch}
@@ -260,7 +262,8 @@ def _log_start(cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
               resumed_checkpoint=str(prep.resume_from) if prep.resume_from else None,
               skipped_checkpoints=[{"path": str(p), "reason": r} for p, r in prep.skipped],
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
-              planned_bytes=recipe.sess.plan.arena_bytes)
+              planned_bytes=recipe.sess.plan.arena_bytes,
+              checkpoint_activations=recipe.opts.checkpoint_activations)
 
 
 def _log_end(log, summary: dict, error):
