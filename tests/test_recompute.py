@@ -216,3 +216,47 @@ def test_checkpointed_golden_experiment_matches_its_plain_twin():
     assert {**ckpt.options, "checkpoint_activations": False} == {**plain.options,
                                                                  "checkpoint_activations": False}
     assert run_experiment(ckpt) == run_experiment(plain)
+
+
+def test_regions_do_not_nest():
+    g = Graph()
+    x = g.input("x", (2, 3))
+    with pytest.raises(GraphError, match="do not nest"):
+        with g.region("outer", x) as outer:
+            with g.region("inner", x):
+                pass
+            outer.output = ops.silu(x)
+    with g.region("after", x) as r:  # a failed region leaves the graph usable
+        r.output = ops.silu(x)
+    assert [r.name for r in g.regions] == ["after"]
+
+
+def test_effects_that_read_state_keep_their_place():
+    """Only gradient accumulations are moved earlier. An effect reading a state buffer that
+    another effect writes (here: a copy of a gradient accumulator, as a gradient all-reduce
+    would be) has no edge to that writer, so it keeps its place after them."""
+    from toygraph.autodiff import accumulate_grads, gradient_map
+    from toygraph.recompute import checkpoint_regions
+    from toygraph.session import Session
+    rng = np.random.default_rng(0)
+    g = Graph()
+    h = g.input("x", (4, 3))
+    ws = []
+    for i in range(2):
+        w = g.param(f"w{i}", rng.normal(size=(3, 3)).astype(np.float32))
+        with g.region(f"r{i}", h) as r:
+            h = r.output = ops.silu(h @ w) * h
+        ws.append(w)
+    loss = g.output(h.sum())
+    first = len(g.nodes)
+    grads = gradient_map(loss, ws)
+    accs = accumulate_grads({w: grads[w.id] for w in ws})
+    copy = g.state("copy", (3, 3), kind="grad")
+    reader = g.effect(ops.accumulate(copy, accs[ws[0]]), "backward")
+    checkpoint_regions(g, first, grads)
+    sess = Session(g)
+    sess.realize()
+    order = [t.id for t in sess.schedules["backward"]]
+    writers = [t.id for t in sess.schedules["backward"] if t.op == "accumulate" and t is not reader]
+    assert all(order.index(reader.id) > order.index(w) for w in writers)
+    assert any(t.name.endswith(".recompute") for t in sess.schedules["backward"])

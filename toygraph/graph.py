@@ -148,6 +148,7 @@ class Graph:
         self.effects: dict[str, list[Tensor]] = {p: [] for p in PHASES}
         self._names: set[str] = set()
         self.regions: list[Region] = []
+        self._open_region: str | None = None
 
     # --- leaves -------------------------------------------------------------------------
     def _leaf(self, role, name, shape, dtype):
@@ -248,8 +249,14 @@ class Graph:
         """
         if input.graph is not self:
             raise GraphError(f"region {name!r}: input {input.name!r} belongs to another graph")
+        if self._open_region is not None:
+            raise GraphError(f"region {name!r}: regions do not nest (inside {self._open_region!r})")
         r = Region(name, input, start=len(self.nodes))
-        yield r
+        self._open_region = name
+        try:
+            yield r
+        finally:
+            self._open_region = None
         r.end = len(self.nodes)
         if r.output is None or not r.start <= r.output.id < r.end:
             raise GraphError(f"region {name!r}: its output must be a node built inside it")

@@ -23,8 +23,8 @@ when something needs it, which alone could recompute every block at the start of
 backward. So each region's recompute gets ordering-only predecessors (``Tensor.after``):
 its root clones (those reading no other clone) come after the gradient of the region's
 output (block i+1's backward has produced it), after every backward node that reads a
-clone of the region above, and after every backward-phase effect (gradient accumulation)
-that needs no clone of a region below that one. Block i+1's recomputed activations and
+clone of the region above, and after every gradient accumulation of the phase that needs
+no clone of a region below that one. Block i+1's recomputed activations and
 weight gradients are therefore dead before block i's are made: the arena holds the saved
 inputs of every block plus one block's activations, instead of every block's.
 """
@@ -68,7 +68,10 @@ def checkpoint_regions(graph: Graph, since: int, grads: dict[int, Tensor],
         report.cloned += len(clones)
         report.rewired += len(read)
     lowest = _lowest_region(graph, since, clone_region, len(graph.regions))
-    effects = [e for e in graph.effects[phase] if e.id >= since]
+    # Only gradient accumulations (acc += an intermediate) move earlier: an effect that
+    # reads state another effect writes has no edge saying so, and must keep its place.
+    effects = [e for e in graph.effects[phase] if e.id >= since and e.op == "accumulate"
+               and e.srcs[1].role is None]
     for index, region in enumerate(graph.regions):
         if not roots[index]:
             continue
