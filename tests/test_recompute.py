@@ -145,7 +145,9 @@ def test_only_block_intermediates_are_recomputed(model_files):
     for role in ("const", "param", "input"):
         assert len(g.by_role(role)) == len(plain.graph.by_role(role))
     clones = [t for t in g.nodes if t.name.endswith(".recompute")]
-    assert clones
+    assert recipe.train.checkpoint.regions == recipe.cfg.n_layer == len(g.regions)
+    assert recipe.train.checkpoint.cloned == len(clones) > 0
+    assert plain.train.checkpoint is None
     regions = {r.name: r for r in g.regions}
     for c in clones:
         orig = _original(g, c)

@@ -25,7 +25,7 @@ from . import ops
 from .autodiff import accumulate_grads, gradient_map
 from .errors import GraphError
 from .graph import Tensor
-from .recompute import checkpoint_regions
+from .recompute import CheckpointReport, checkpoint_regions
 
 
 @dataclass
@@ -37,6 +37,7 @@ class TrainingStep:
     grads: dict[Tensor, Tensor]   # param -> accumulated gradient state
     moments: dict[Tensor, tuple[Tensor, Tensor]]
     count: Tensor                 # state: tokens accumulated since the last reset_grads
+    checkpoint: CheckpointReport | None = None   # what activation checkpointing did, if on
 
 
 def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None = None,
@@ -58,8 +59,7 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     count_acc = graph.state("grad.count", (), kind="count")
     graph.effect(ops.accumulate(count_acc, count if count is not None else graph.scalar(1.0)),
                  "backward")
-    if checkpoint:
-        checkpoint_regions(graph, first_backward, all_grads)
+    report = checkpoint_regions(graph, first_backward, all_grads) if checkpoint else None
     hp = graph.input("hp", (7,))
     norm = graph.output(ops.global_norm(list(grads.values()), count_acc), "step")
     moments = {}
@@ -68,7 +68,8 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
         v = graph.state(f"adam_v.{p.name}", p.shape, kind="moment")
         graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, count_acc, max_norm=max_norm), "step")
         moments[p] = (m, v)
-    return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc)
+    return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc,
+                        checkpoint=report)
 
 
 def hp_row(t: int, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
