@@ -262,3 +262,32 @@ def test_effects_that_read_state_keep_their_place():
     writers = [t.id for t in sess.schedules["backward"] if t.op == "accumulate" and t is not reader]
     assert all(order.index(reader.id) > order.index(w) for w in writers)
     assert any(t.name.endswith(".recompute") for t in sess.schedules["backward"])
+
+
+def test_resume_may_switch_checkpointing_on(tiny_llama, tmp_path):
+    """4 steps straight == 2 steps, then resumed with --checkpoint-activations for 2 more:
+    checkpointing changes no number, so resume accepts it without --allow-change."""
+    import json
+
+    from toygraph.train import TrainConfig, run_training
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n"
+                            for i in range(8)))
+
+    def cfg(out, **kw):
+        return TrainConfig(model=str(tiny_llama), data=str(data), out=str(tmp_path / out),
+                           batch=2, seq_len=32, val_split=0.0, schedule="constant", quiet=True,
+                           **kw)
+
+    def losses(out):
+        lines = (tmp_path / out / "events.jsonl").read_text().splitlines()
+        return {e["step"]: e["loss"] for e in map(json.loads, lines) if e["event"] == "step"}
+
+    run_training(cfg("straight", steps=4))
+    run_training(cfg("part", steps=2))
+    run_training(cfg("part", steps=4, resume=str(tmp_path / "part"), allow_change=("steps",),
+                     checkpoint_activations=True))
+    assert losses("part") == losses("straight") and len(losses("straight")) == 4
+    starts = [e for e in map(json.loads, (tmp_path / "part" / "events.jsonl").read_text()
+                             .splitlines()) if e["event"] == "run_start"]
+    assert [s["checkpoint_activations"] for s in starts] == [False, True]
