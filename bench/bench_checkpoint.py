@@ -37,9 +37,9 @@ from bench_lora import (blas_threads, device_description, ensure_toygraph, log, 
                         model_path, peak_rss_bytes, rss_bytes, version)
 
 CONFIGS = {
-    "smollm2-512x8": dict(model="smollm2", t_seq=512, t_batch=8),
-    "llama1b-2048x4": dict(model="llama1b-random", t_seq=2048, t_batch=4),
-    "smollm2-64x8": dict(model="smollm2", t_seq=64, t_batch=8),   # a quick check
+    "smollm2-512x8": dict(model="smollm2", seq_len=512, batch=8),
+    "llama1b-2048x4": dict(model="llama1b-random", seq_len=2048, batch=4),
+    "smollm2-64x8": dict(model="smollm2", seq_len=64, batch=8),   # a quick check
 }
 MIB = 1 << 20
 
@@ -67,7 +67,7 @@ def child(spec: dict) -> dict:
         recipe_base.Session = plan_only_session()
     model = GGUFModel(spec["gguf"])
     recipe = LoRA(targets=tuple(spec["targets"]), rank=spec["rank"], alpha=spec["alpha"])
-    opts = RecipeOptions(t_seq=spec["seq"], t_batch=spec["batch"], seed=0, backend=spec["device"],
+    opts = RecipeOptions(seq_len=spec["seq"], batch=spec["batch"], seed=0, backend=spec["device"],
                          checkpoint_activations=spec["checkpoint"])
     rss0 = rss_bytes()
     t0 = time.perf_counter()
@@ -175,7 +175,7 @@ def parse_args(argv):
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)
     a.targets = tuple(a.targets.split(","))
-    a.seq, a.batch = CONFIGS[a.config]["t_seq"], CONFIGS[a.config]["t_batch"]
+    a.seq, a.batch = CONFIGS[a.config]["seq_len"], CONFIGS[a.config]["batch"]
     a.model_note = None
     return a
 

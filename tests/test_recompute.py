@@ -42,7 +42,7 @@ def _train_step(path, kind, checkpoint, backend="cpu", batch=B, seq=T):
     """One AdamW step on fixed random tokens; (recipe, loss, grads by name)."""
     model = GGUFModel(path)
     recipe = _recipe(kind)
-    recipe.realize(model, model.config, RecipeOptions(t_seq=seq, t_batch=batch, backend=backend,
+    recipe.realize(model, model.config, RecipeOptions(seq_len=seq, batch=batch, backend=backend,
                                                       checkpoint_activations=checkpoint))
     rng = np.random.default_rng(0)
     vocab = model.config.n_vocab
@@ -95,7 +95,7 @@ def test_arena_grows_by_one_saved_input_per_layer(model_files, kind):
         for ckpt in (False, True):
             recipe = _recipe(kind)
             model = GGUFModel(model_files[f"llama{layers}"])
-            recipe.realize(model, model.config, RecipeOptions(t_seq=32, t_batch=4,
+            recipe.realize(model, model.config, RecipeOptions(seq_len=32, batch=4,
                                                               checkpoint_activations=ckpt))
             arena[layers, ckpt] = recipe.sess.plan.arena_bytes
     saved_input = _aligned(4 * 32 * model.config.n_embd * 4)
@@ -145,7 +145,7 @@ def test_only_block_intermediates_are_recomputed(model_files):
     for role in ("const", "param", "input"):
         assert len(g.by_role(role)) == len(plain.graph.by_role(role))
     clones = [t for t in g.nodes if t.name.endswith(".recompute")]
-    assert recipe.train.checkpoint.regions == recipe.cfg.n_layer == len(g.regions)
+    assert recipe.train.checkpoint.regions == recipe.model_cfg.n_layer == len(g.regions)
     assert recipe.train.checkpoint.cloned == len(clones) > 0
     assert plain.train.checkpoint is None
     regions = {r.name: r for r in g.regions}
