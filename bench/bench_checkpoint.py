@@ -50,8 +50,8 @@ def plan_only_session():
     from toygraph.session import Session
 
     class PlanOnly(Session):
-        def __init__(self, graph, backend="cpu", dtype="f32"):
-            super().__init__(graph, "cpu", "f32")
+        def __init__(self, graph, backend="cpu", **precision):
+            super().__init__(graph, "cpu")
             self.backend.realize = lambda *args: None
     return PlanOnly
 
@@ -197,8 +197,10 @@ def main(argv=None) -> int:
                                   checkpoint=ck, plan_only=a.plan_only, steps=a.steps,
                                   warmup=a.warmup))
     load1 = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(render(a, rows, argv, (load0, load1), device_description(a.device, []), gguf,
-                 a.model_note))
+    device = (f"the CUDA backend's graph, planned on this machine ({device_description('cpu', [])}; "
+              "no GPU used)" if a.plan_only and a.device == "cuda"
+              else device_description(a.device, []))
+    print(render(a, rows, argv, (load0, load1), device, gguf, a.model_note))
     if a.json:  # rows as bench_lora.py writes them, so gpu_session.sh reads both alike
         out = [{"impl": f"toygraph (checkpointing {'on' if ck else 'off'})", "dtype": "f32",
                 "checkpointing": ck, **r,
