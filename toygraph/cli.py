@@ -191,7 +191,7 @@ def _add_finetune_args(p):
     p.add_argument("--checkpoint-activations", action="store_true",
                    default=d.checkpoint_activations,
                    help="recompute each decoder block in the backward instead of keeping its "
-                        "activations: less memory, about one more forward per step")
+                        "activations: less memory, at most one more forward of the blocks per step")
     p.add_argument("--quiet", action="store_true")
 
 
