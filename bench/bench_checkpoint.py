@@ -56,6 +56,16 @@ def plan_only_session():
     return PlanOnly
 
 
+def matmul_flops(schedule) -> int:
+    """2*m*n*k summed over the step's matmuls: the compute the recompute adds, counted."""
+    total = 0
+    for t in schedule:
+        if t.op == "matmul":
+            a = t.srcs[0]
+            total += 2 * int(np.prod(t.shape)) * (a.shape[-2] if t.attrs["trans_a"] else a.shape[-1])
+    return total
+
+
 def child(spec: dict) -> dict:
     ensure_toygraph()
     import toygraph.recipes.base as recipe_base
@@ -74,7 +84,8 @@ def child(spec: dict) -> dict:
     recipe.realize(model, model.config, opts)
     sess = recipe.sess
     out = {"realize_s": time.perf_counter() - t0, "arena_bytes": sess.plan.arena_bytes,
-           "pinned_bytes": sess.plan.pinned_bytes, "nodes": len(sess.schedules["step"])}
+           "pinned_bytes": sess.plan.pinned_bytes, "nodes": len(sess.schedules["step"]),
+           "matmul_flops": matmul_flops(sess.schedules["step"])}
     if spec["device"] == "cuda":
         from toygraph.cuda.devmem import plan_device_memory
         outputs = [t for ts in recipe.graph.outputs.values() for t in ts]
@@ -146,7 +157,9 @@ def render(a, rows: dict, argv, load: tuple, device: str, gguf: Path, note: str 
                      f"{'n/a' if rss is None else f'{rss / MIB:.0f}'} | {r['losses'][0]:.6f} | "
                      f"{r['losses'][-1]:.6f} |")
         lines.append(line)
-    lines += ["", f"- arena (activations and backward temporaries): "
+    lines += ["", f"- matmul FLOPs per step: {off['matmul_flops'] / 1e9:.1f} G off, "
+                  f"{on['matmul_flops'] / 1e9:.1f} G on ({100 * (on['matmul_flops'] / off['matmul_flops'] - 1):+.1f}%)",
+              f"- arena (activations and backward temporaries): "
                   f"{off['arena_bytes'] / on['arena_bytes']:.2f}x smaller with checkpointing; "
                   f"planned total {(off['arena_bytes'] + off['pinned_bytes']) / (on['arena_bytes'] + on['pinned_bytes']):.2f}x"]
     if timed:
