@@ -15,7 +15,9 @@
 #             vs the CPU golden (its rtol) and bit-identical run to run  -> $OUT/checks.log
 #   slice     SmolLM2 8-block slice (.gpu/smollm2-8l.gguf): forward loss and the
 #             lora_qv_smollm2 experiment, CUDA vs CPU within 1e-4 rel  -> $OUT/checks.log
-#   bench     bench/bench_lora.py per GPU config (last; skipped when time runs out)
+#   bench     bench/bench_lora.py per GPU config, then bench/bench_checkpoint.py (activation
+#             checkpointing off/on: planned memory, step time) for the ckpt-* entries
+#             (last; skipped when time runs out)
 #             tables -> $OUT/bench.md, progress -> $OUT/bench.log
 # Always: $OUT/summary.md (device, date, commands, PASS/FAIL/SKIP/TIMEOUT per stage, rewritten
 # after every stage), $OUT/setup.log, $OUT/results.json (golden/slice/bench numbers).
@@ -25,8 +27,9 @@
 #   GS_STAGES   comma list of the stages above to run (default: all); setup/info always run.
 #               Second call for the benchmarks only:  GS_STAGES=bench bash bench/gpu_session.sh
 #   GS_BENCH    benchmark stages in order (default below); names: smollm2-512x8,
-#               smollm2-2048x4, llama1b-random, llama1b-bf16 (toygraph and torch in bf16)
-#   GS_BENCH_ARGS  extra bench_lora.py arguments for every bench stage (e.g. "--cold no")
+#               smollm2-2048x4, llama1b-random, llama1b-bf16 (toygraph and torch in bf16),
+#               ckpt-smollm2-512x8, ckpt-llama1b-2048x4 (bench_checkpoint.py configs)
+#   GS_BENCH_ARGS  extra bench_lora.py arguments for every bench_lora stage (e.g. "--cold no")
 #   GS_BUDGET   seconds the whole script may take (default 540: ends inside a 600 s call)
 #   GS_SLICE    the SmolLM2 slice (default .gpu/smollm2-8l.gguf)
 #   GS_BACKEND  backend the golden/slice checks treat as "the GPU" (default cuda; cpu for a
@@ -42,10 +45,10 @@ BUDGET=${GS_BUDGET:-540}
 DEADLINE=$((SECONDS + BUDGET))
 RESERVE=20          # seconds kept for results.json and the summary at the end
 STAGES=",${GS_STAGES:-tests,nographs,gate,golden,slice,bench},"
-BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16}
+BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16 ckpt-smollm2-512x8 ckpt-llama1b-2048x4}
 SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
-TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama"
+TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt"
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.md
 SETUP_LOG=$OUT/setup.log
@@ -353,14 +356,17 @@ if want slice; then
 fi
 if want bench; then
     for b in $BENCH_LIST; do
+        script=bench/bench_lora.py extra=${GS_BENCH_ARGS:-}
         case $b in
+            ckpt-*) script=bench/bench_checkpoint.py extra=""
+                    args="--config ${b#ckpt-} --steps 3 --warmup 1"; cap=300 ;;
             llama1b-bf16) args="--config llama1b-random --dtype bf16 --impl toygraph,torch-eager,torch-compile"; cap=240 ;;
             smollm2-512x8) args="--config $b"; cap=300 ;;
             *) args="--config $b"; cap=300 ;;
         esac
         stage "bench $b" "$cap" "$OUT/bench.log" \
             "$PY $WORK/bench_detail.py $WORK/bench-$b.json" \
-            "set -o pipefail; $PY bench/bench_lora.py --device cuda $args ${GS_BENCH_ARGS:-} --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
+            "set -o pipefail; $PY $script --device cuda $args $extra --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
     done
 fi
 

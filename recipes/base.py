@@ -64,6 +64,7 @@ class RecipeOptions:
     clip: float = 1.0
     grad_accum: int = 1
     backend: str = "cpu"
+    checkpoint_activations: bool = False   # recompute each block in the backward (recompute.py)
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "grad_accum"):
@@ -117,7 +118,8 @@ class Recipe:
         self.loss_sum = g.output(head_loss(self.net, self.labels, opts.backend))
         self.count = g.output(ops.count_valid(self.labels))
         self.train = build_training(self.loss_sum, self.net.params, count=self.count,
-                                    max_norm=opts.clip)
+                                    max_norm=opts.clip,
+                                    checkpoint=opts.checkpoint_activations)
         self.graph = g
         self.sess = Session(g, backend=opts.backend, precision=opts.precision)
         self.sess.realize()

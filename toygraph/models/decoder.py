@@ -176,7 +176,9 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
     for i in range(cfg.n_layer):
-        h = _block(net, cfg, i, h, linear, B, T)
+        # One region per block: the unit activation checkpointing recomputes (recompute.py).
+        with g.region(f"blk.{i}", h) as block:
+            h = block.output = _block(net, cfg, i, h, linear, B, T)
     h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
     net.hidden = h
     net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
