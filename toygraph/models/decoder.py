@@ -126,18 +126,26 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
 
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: str = "frozen",
-                  lora: LoraConfig | None = None, seed: int = 42, logits: bool = True) -> Decoder:
+                  lora: LoraConfig | None = None, seed: int = 42, logits: bool = True,
+                  attend=None, shared: Decoder | None = None, prefix: str = "") -> Decoder:
     """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq`` tokens;
-    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`)."""
+    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
+
+    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v)`` replaces layer i's
+    fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms and rope;
+    returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
+    and LoRA pairs (a second graph over the same parameters), and ``prefix`` names this
+    one's ``tokens``/``positions`` inputs apart from its."""
     if seq > cfg.n_ctx:
         raise GraphError(f"sequence length {seq} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq < 1:
         raise GraphError(f"batch and seq must be >= 1, got {batch} and {seq}")
-    if weights != "scratch" and model is None:
+    if weights != "scratch" and model is None and shared is None:
         raise GraphError(f"weight mode {weights!r} needs a GGUF model")
-    W = _make_weights(g, cfg, model, weights, seed)
-    net = Decoder(cfg=cfg, tokens=g.input("tokens", (batch, seq), "i32"),
-                  positions=g.input("positions", (batch, seq), "i32"), logits=None, weights=W)
+    W = shared.weights if shared else _make_weights(g, cfg, model, weights, seed)
+    net = Decoder(cfg=cfg, tokens=g.input(prefix + "tokens", (batch, seq), "i32"),
+                  positions=g.input(prefix + "positions", (batch, seq), "i32"), logits=None,
+                  weights=W)
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
 
@@ -149,7 +157,8 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: s
         if bias is not None:
             y = y + bias
         if name.split(".")[-2] in wanted:
-            a, b = _lora_pair(g, name, w.shape[1], w.shape[0], lora, lora_rng)
+            a, b = (shared.lora[name] if shared else
+                    _lora_pair(g, name, w.shape[1], w.shape[0], lora, lora_rng))
             net.lora[name] = (a, b)
             low = ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True)
             y = y + ops.scale(low, lora.scaling)
@@ -159,8 +168,10 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: s
     h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
+    attend = attend or (lambda i, q, k, v: ops.attention(q, k, v, scale=cfg.attn_scale,
+                                                         causal=True, window=cfg.windows[i]))
     for i in range(cfg.n_layer):
-        h = _block(net, cfg, i, h, linear, B, T)
+        h = _block(net, cfg, i, h, linear, attend, B, T)
     h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
     net.hidden = h
     net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
@@ -169,7 +180,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: s
     return net
 
 
-def _block(net: Decoder, cfg, i: int, h: Tensor, linear, B: int, T: int) -> Tensor:
+def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int) -> Tensor:
     """Decoder layer ``i`` on the residual stream h [B * T, n_embd] (see models/families.py
     for the layer's shape and which parts each family has)."""
     W, fam, p = net.weights, cfg.family, f"blk.{i}."
@@ -194,8 +205,8 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, B: int, T: int) -> Tens
     q = rope(heads(linear(x, p + "attn_q.weight"), H, "attn_q_norm" if fam.qk_norm else None))
     k = rope(heads(linear(x, p + "attn_k.weight"), KV, "attn_k_norm" if fam.qk_norm else None))
     v = heads(linear(x, p + "attn_v.weight"), KV, None).permute(0, 2, 1, 3)
-    # Fused: no [B, H, T, T] scores in memory, forward or backward.
-    o = ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i])
+    # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
+    o = attend(i, q, k, v)
     a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
     if fam.post_norms:
         a = norm(a, "post_attention_norm")
