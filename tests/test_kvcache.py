@@ -157,6 +157,29 @@ def test_cached_generation_with_an_adapter(models, tmp_path):
         assert tokens != base   # the adapter changes the output
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen2",
+                                   pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_greedy_with_an_adapter_matches_transformers_peft(which, request, tmp_path):
+    """32 greedy tokens with a LoRA adapter, both paths, against transformers + PEFT
+    generating from the same GGUF and adapter directory."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from test_peft_reference import peft_model
+    path = request.getfixturevalue(which)
+    adapter = random_adapter(path, tmp_path, b_std=0.05 if which == "smollm2" else 0.2)
+    lm = LanguageModel(path, adapter_dir=adapter)
+    ids = lm.tokenizer.encode("The capital of France is" if which == "smollm2" else PROMPTS[0])
+    with torch.no_grad():
+        out = peft_model(path, adapter).generate(torch.tensor([ids]), max_new_tokens=32,
+                                                 do_sample=False)
+    want = out[0, len(ids):].tolist()
+    assert len(want) == 32   # no end-of-text token cut it short
+    for kv_cache in (True, False):
+        assert greedy_steps(lm, ids, 32, kv_cache)[0] == want, kv_cache
+    assert lm.generate(ids, max_new_tokens=32) == lm.tokenizer.decode(want, skip_special_tokens=True)
+
+
 def test_cache_length_limits_and_sessions(models):
     lm = LanguageModel(models["gemma3"], seq_len=40)
     ids = lm.tokenizer.encode(PROMPTS[1])
