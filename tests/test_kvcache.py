@@ -190,16 +190,20 @@ def test_cache_length_limits_and_sessions(models):
     assert len(lm._decoders) <= 2   # older prefill/decode sessions are let go
 
 
-def test_cached_generation_on_the_cuda_kernels(models, monkeypatch):
-    """The CUDA backend (kernels run by the host executor) against numpy, gemma3 (sliding
-    windows, q/k norms, post norms)."""
+@pytest.mark.parametrize("family, with_adapter", [("gemma3", False), ("llama", True)])
+def test_cached_generation_on_the_cuda_kernels(models, monkeypatch, tmp_path, family,
+                                               with_adapter):
+    """The CUDA backend (kernels run by the host executor) against numpy's full window:
+    gemma3 (sliding windows, q/k norms, post norms), and llama with a LoRA adapter."""
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
-    ids = LanguageModel(models["gemma3"]).tokenizer.encode(PROMPTS[0])
-    cuda, cuda_logits = greedy_steps(LanguageModel(models["gemma3"], backend="cuda"), ids, 10,
-                                     kv_cache=True)
-    cpu, cpu_logits = greedy_steps(LanguageModel(models["gemma3"]), ids, 10, kv_cache=False)
-    assert cuda == cpu
-    assert normwise(cuda_logits, cpu_logits) <= 1e-4
+    adapter = random_adapter(models[family], tmp_path) if with_adapter else None
+    cpu = LanguageModel(models[family], adapter_dir=adapter)
+    ids = cpu.tokenizer.encode(PROMPTS[0])
+    cuda = LanguageModel(models[family], adapter_dir=adapter, backend="cuda")
+    got, got_logits = greedy_steps(cuda, ids, 10, kv_cache=True)
+    want, want_logits = greedy_steps(cpu, ids, 10, kv_cache=False)
+    assert got == want
+    assert normwise(got_logits, want_logits) <= 1e-4
 
 
 def test_session_program_refuses_what_was_not_realized():
