@@ -15,7 +15,7 @@ from hostparity import run_phase
 from toygraph import ops
 from toygraph.adapters import save_peft
 from toygraph.cli import main
-from toygraph.errors import GraphError
+from toygraph.errors import DataError, GraphError
 from toygraph.fixtures.tiny_models import (write_tiny_gemma3, write_tiny_llama3,
                                            write_tiny_qwen3)
 from toygraph.gguf import GGUFModel
@@ -188,6 +188,15 @@ def test_cache_length_limits_and_sessions(models):
     for n in (3, 30, 20):
         lm.generate(ids[:n], max_new_tokens=5)
     assert len(lm._decoders) <= 2   # older prefill/decode sessions are let go
+    for kv_cache in (True, False):
+        context = list(ids[:4])
+        rows = lm.next_logits(context, 5, kv_cache=kv_cache)
+        next(rows)
+        context += [1, 1]
+        with pytest.raises(DataError, match="the context grew past end=5"):
+            next(rows)
+    with pytest.raises(DataError, match="<= the context length 40"):
+        next(lm.next_logits(list(ids[:4]), 41))
 
 
 @pytest.mark.parametrize("family, with_adapter", [("gemma3", False), ("llama", True)])

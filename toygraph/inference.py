@@ -210,11 +210,22 @@ class LanguageModel:
         ``context`` as it is then (the caller appends one token between calls), for
         sequences of up to ``end`` tokens. With ``kv_cache`` the prompt is prefilled once
         and each new token decoded over the cache; without, the whole window reruns."""
-        if kv_cache:
-            gen = self._cached_decoder(len(context), end)
-            yield gen.prefill(context)
-            while True:
-                yield gen.decode(context[-1], len(context) - 1)
+        if not 0 < len(context) <= end <= self.seq_len:
+            raise DataError(f"next_logits: need 0 < {len(context)} context tokens <= end "
+                            f"{end} <= the context length {self.seq_len}")
+        rows = self._cached_rows(context, end) if kv_cache else self._window_rows(context, end)
+        for row in rows:
+            yield row
+            if len(context) > end:
+                raise DataError(f"next_logits: the context grew past end={end}")
+
+    def _cached_rows(self, context: list[int], end: int):
+        gen = self._cached_decoder(len(context), end)
+        yield gen.prefill(context)
+        while True:
+            yield gen.decode(context[-1], len(context) - 1)
+
+    def _window_rows(self, context: list[int], end: int):
         f = self._forward(1, self._graph_len(end))
         tokens = np.zeros(f.tokens.shape, np.int32)
         no_labels = np.full(f.tokens.shape, -1, np.int32)
