@@ -30,6 +30,15 @@ import numpy as np
 PROMPT = "The history of the printing press begins"
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def run_path(lm, ids, end, n_tokens, kv_cache):
     """Greedy tokens and timings of one path; ``n_tokens`` of the ``end - len(ids)``."""
     context = list(ids)
@@ -78,8 +87,9 @@ def main(argv=None) -> int:
     speedup = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
     env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "model": str(path), "backend": args.backend, "prompt_tokens": len(ids),
-           "new_tokens": args.new_tokens, "cpus": os.cpu_count(), "machine": platform.processor()
-           or platform.machine(), "python": platform.python_version(), "numpy": np.__version__,
+           "new_tokens": args.new_tokens, "cpus": os.cpu_count(), "cpu": cpu_model(),
+           "python": platform.python_version(), "numpy": np.__version__,
+           "command": " ".join(["python"] + sys.argv),
            "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "(unset)"),
            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
            "same_greedy_tokens": same, "compared_tokens": n_common, "speedup": speedup,
@@ -87,7 +97,8 @@ def main(argv=None) -> int:
     lines = [f"Greedy generation, {path.name}, backend {args.backend}, prompt of {len(ids)} "
              f"tokens + {args.new_tokens} new ({env['date']}; load average "
              f"{load_before[0]:.1f} before, {env['loadavg_after'][0]:.1f} after, "
-             f"{env['cpus']} CPUs; OPENBLAS_NUM_THREADS={env['OPENBLAS_NUM_THREADS']})", "",
+             f"{env['cpus']} CPUs, {env['cpu']}; OPENBLAS_NUM_THREADS="
+             f"{env['OPENBLAS_NUM_THREADS']})", "", f"Command: `{env['command']}`", "",
              "| path | tokens timed | first token (s) | tokens/s after it | total (s) |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['path']} | {r['tokens']} | {r['first_token_s']:.2f} | "
