@@ -41,7 +41,7 @@ class CachedDecoder:
     """The prefill and decode programs of one model for one (prompt_len, cache_len)."""
 
     def __init__(self, model, *, prompt_len: int, cache_len: int, backend: str = "cpu",
-                 lora=None, adapter=None):
+                 precision: str = "f32", lora=None, adapter=None):
         cfg = model.config
         self.cfg, self.cache_len = cfg, cache_len
         g = Graph()
@@ -58,14 +58,14 @@ class CachedDecoder:
             return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True,
                                  window=cfg.windows[i])
 
-        self.first = build_decoder(g, cfg, batch=1, seq=prompt_len, model=model, lora=lora,
+        self.first = build_decoder(g, cfg, batch=1, seq_len=prompt_len, model=model, lora=lora,
                                    attend=prefill_attend)
         self.masks = {w: g.input(f"decode.mask{w}", (cache_len,)) for w in set(cfg.windows)}
-        self.step = build_decoder(g, cfg, batch=1, seq=1, lora=lora, shared=self.first,
+        self.step = build_decoder(g, cfg, batch=1, seq_len=1, lora=lora, shared=self.first,
                                   prefix="decode.", attend=self._decode_attend)
         for net in (self.first, self.step):
             g.output(net.logits)
-        self.sess = Session(g, backend=backend)
+        self.sess = Session(g, backend=backend, precision=precision)
         self.sess.realize()
         load_lora(self.sess, self.first.lora, adapter or {})
         self.prefill_program = self.sess.program([self.first.logits] + writes)
