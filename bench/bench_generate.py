@@ -76,6 +76,9 @@ def main(argv=None) -> int:
         lm = LanguageModel(path, backend=args.backend)
         ids = lm.tokenizer.encode(args.prompt)
         end = len(ids) + args.new_tokens
+        if end > lm.seq_len:
+            raise SystemExit(f"bench_generate: {len(ids)} prompt + {args.new_tokens} new tokens "
+                             f"exceed {path.name}'s context of {lm.seq_len}")
         n = args.new_tokens if kv_cache else (args.full_tokens or args.new_tokens)
         print(f"[bench_generate] {'kv-cache' if kv_cache else 'full-window'}: {n} tokens "
               f"(sequence of {end})", file=sys.stderr, flush=True)
