@@ -160,6 +160,15 @@ def _small_op_launches():
     return _lower_all(topo_order([loss, grads[x], acc, cached]), precisions=("f32",))
 
 
+def _preference_op_launches():
+    """The preference-loss ops (ops_pref.py), forward and backward."""
+    g = Graph()
+    x = g.param("x", np.ones((3, 5)))
+    loss = ops.sum(ops.log1mexp(ops.log_sigmoid(ops.token_logprobs(x, g.input("lab", (3,), "i32")))))
+    grads = backward(loss, [x])
+    return _lower_all(topo_order([loss, grads[x]]), precisions=("f32",))
+
+
 @pytest.fixture(scope="module")
 def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
     rng = np.random.default_rng(0)
@@ -175,6 +184,7 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
         out += _lower_all(order, raw)
     out += _full_finetune_launches(tiny_qwen2)
     out += _block_format_launches(rng) + _attention_launches() + _small_op_launches()
+    out += _preference_op_launches()
     return out
 
 

@@ -30,7 +30,7 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 HEADERS = ("common.cuh", "quant.cuh")
 # qmatmul.cu reuses matmul.cu's tile helper (tg_mm_tile_fma): keep it after matmul.cu.
 FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "lce.cu", "optim.cu",
-            "dequant.cu", "qmatmul.cu", "attention.cu", "cache.cu")
+            "dequant.cu", "qmatmul.cu", "attention.cu", "pref.cu", "cache.cu")
 #: The tensor-core matmuls of the mixed-precision modes, compiled only for a backend with
 #: dtype "bf16" or "tf32" so the default f32 module (and its cubin) stays as it is.
 TC_FAMILIES = ("tc_layout.cuh", "tc_matmul.cu")

@@ -106,6 +106,8 @@ def _scratch_init(name: str, shape, rng) -> np.ndarray:
 def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tensor]:
     if mode not in WEIGHT_MODES:
         raise GraphError(f"weight mode must be one of {WEIGHT_MODES}, got {mode!r}")
+    if mode != "scratch" and model is None:
+        raise GraphError(f"weight mode {mode!r} needs a GGUF model")
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in tensor_shapes(cfg).items():
@@ -130,10 +132,14 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
                   lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
-                  logits: bool = True, attend=None, shared: Decoder | None = None,
-                  prefix: str = "") -> Decoder:
+                  logits: bool = True, reference_of: Decoder | None = None, attend=None,
+                  shared: Decoder | None = None, prefix: str = "") -> Decoder:
     """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens;
     ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
+
+    ``reference_of`` builds a second forward pass over that decoder's own inputs and
+    weight tensors, making no new weights (DPO's reference model reads the same frozen
+    base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
 
     For generation with a KV cache (kvcache.py): ``attend(i, q, k, v)`` replaces layer i's
     fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms and rope;
@@ -144,12 +150,17 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq_len < 1:
         raise GraphError(f"batch and seq_len must be >= 1, got {batch} and {seq_len}")
-    if weights != "scratch" and model is None and shared is None:
-        raise GraphError(f"weight mode {weights!r} needs a GGUF model")
-    W = shared.weights if shared else _make_weights(g, cfg, model, weights, seed)
-    net = Decoder(cfg=cfg, tokens=g.input(prefix + "tokens", (batch, seq_len), "i32"),
-                  positions=g.input(prefix + "positions", (batch, seq_len), "i32"),
-                  logits=None, weights=W)
+    if reference_of is not None:
+        if reference_of.tokens.shape != (batch, seq_len):
+            raise GraphError(f"a reference pass must have its decoder's shape "
+                             f"{reference_of.tokens.shape}, got {(batch, seq_len)}")
+        W, tokens, positions = reference_of.weights, reference_of.tokens, reference_of.positions
+    else:
+        W = shared.weights if shared else _make_weights(g, cfg, model, weights, seed)
+        tokens = g.input(prefix + "tokens", (batch, seq_len), "i32")
+        positions = g.input(prefix + "positions", (batch, seq_len), "i32")
+    net = Decoder(cfg=cfg, tokens=tokens, positions=positions, logits=None, weights=W)
+    lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
 
@@ -162,7 +173,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
             y = y + bias
         if name.split(".")[-2] in wanted:
             a, b = (shared.lora[name] if shared else
-                    _lora_pair(g, name, w.shape[1], w.shape[0], lora, lora_rng))
+                    _lora_pair(g, lora_prefix + name, w.shape[1], w.shape[0], lora, lora_rng))
             net.lora[name] = (a, b)
             low = ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True)
             y = y + ops.scale(low, lora.scaling)
