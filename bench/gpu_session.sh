@@ -15,6 +15,8 @@
 #             vs the CPU golden (its rtol) and bit-identical run to run  -> $OUT/checks.log
 #   slice     SmolLM2 8-block slice (.gpu/smollm2-8l.gguf): forward loss and the
 #             lora_qv_smollm2 experiment, CUDA vs CPU within 1e-4 rel  -> $OUT/checks.log
+#   generate  bench/bench_generate.py on the slice (GS_BACKEND): greedy tokens/s with and
+#             without the KV cache (256 new tokens)   table -> $OUT/bench.md, JSON in results.json
 #   bench     bench/bench_lora.py per GPU config, then bench/bench_checkpoint.py (activation
 #             checkpointing off/on: planned memory, step time) for the ckpt-* entries
 #             (last; skipped when time runs out)
@@ -44,7 +46,7 @@ rm -f "$WORK"/*.json
 BUDGET=${GS_BUDGET:-540}
 DEADLINE=$((SECONDS + BUDGET))
 RESERVE=20          # seconds kept for results.json and the summary at the end
-STAGES=",${GS_STAGES:-tests,nographs,gate,golden,slice,bench},"
+STAGES=",${GS_STAGES:-tests,nographs,gate,golden,slice,generate,bench},"
 BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16 ckpt-smollm2-512x8 ckpt-llama1b-2048x4}
 SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
@@ -118,6 +120,15 @@ stage() {
     printf '===== %s: %s in %ss\n' "$name" "$res" "$dt" >> "$log"
     row "$name" "$res" "$dt" "$cmd" "$detail"
     return 0
+}
+
+# slice_stage: `stage` with the same arguments when the SmolLM2 slice is there, else a SKIP row
+slice_stage() {
+    if [[ -f $SLICE ]]; then
+        stage "$@"
+    else
+        row "$1" SKIP 0 "-" "no $SLICE: make it here with bench/slice_gguf.py and carry .gpu"
+    fi
 }
 
 # pytest's last summary line, and a warning when the GPU module was skipped as a whole
@@ -347,12 +358,12 @@ if want golden; then
         "GS_BACKEND=$GS_BACKEND $PY $WORK/golden_check.py $WORK/golden.json $TINY"
 fi
 if want slice; then
-    if [[ -f $SLICE ]]; then
-        stage slice 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) (forward|lora_qv_smollm2)' '$CHECKS_LOG' | tail -n 2 | cut -c1-200" \
-            "GS_BACKEND=$GS_BACKEND $PY $WORK/slice_check.py $SLICE $WORK/slice.json"
-    else
-        row slice SKIP 0 "-" "no $SLICE: make it here with bench/slice_gguf.py and carry .gpu"
-    fi
+    slice_stage slice 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) (forward|lora_qv_smollm2)' '$CHECKS_LOG' | tail -n 2 | cut -c1-200" \
+        "GS_BACKEND=$GS_BACKEND $PY $WORK/slice_check.py $SLICE $WORK/slice.json"
+fi
+if want generate; then
+    slice_stage generate 150 "$OUT/bench.log" "tail -n 1 $WORK/generate.md" \
+        "set -o pipefail; $PY bench/bench_generate.py --backend $GS_BACKEND --model $SLICE --full-tokens 64 --md $WORK/generate.md --json $WORK/bench-generate.json --note 'gpu_session.sh generate (SmolLM2 8-block slice)' | tee -a $OUT/bench.md >&2"
 fi
 if want bench; then
     for b in $BENCH_LIST; do

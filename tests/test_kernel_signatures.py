@@ -155,7 +155,9 @@ def _small_op_launches():
     loss = ops.sum(ops.mul(y, ops.unpack(packed, 16, (3, 8))))
     grads = backward(loss, [x, b])
     acc = ops.accumulate(g.state("acc", (4,), kind="grad"), grads[b])
-    return _lower_all(topo_order([loss, grads[x], acc]), precisions=("f32",))
+    cached = ops.cache_write(g.state("cache", (2, 6, 4), kind="cache"),
+                             g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
+    return _lower_all(topo_order([loss, grads[x], acc, cached]), precisions=("f32",))
 
 
 def _preference_op_launches():

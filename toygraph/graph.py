@@ -38,7 +38,7 @@ class Tensor:
         self.shape, self.dtype, self.name, self.role = shape, dtype, name, role
         self.data = None      # initial value (param) or backing array (const)
         self.storage = dtype  # block format of a const's data
-        self.kind = None      # for state: "grad", "count" or "moment"
+        self.kind = None      # for state: "grad", "count", "moment" or "cache"
         # Ordering-only predecessors: scheduled before this node, never read by it (set by
         # graph transformations such as recompute.checkpoint_regions).
         self.after: tuple[Tensor, ...] = ()
@@ -191,9 +191,11 @@ class Graph:
         return t
 
     def state(self, name: str, shape: Sequence[int], kind: str) -> Tensor:
-        """A zero-initialised buffer that lives across runs (grads, counts, moments)."""
-        if kind not in ("grad", "count", "moment"):
-            raise GraphError(f"state {name!r}: kind must be grad, count or moment, got {kind!r}")
+        """A zero-initialised buffer that lives across runs (grads, counts, moments, and
+        generation's KV cache)."""
+        if kind not in ("grad", "count", "moment", "cache"):
+            raise GraphError(f"state {name!r}: kind must be grad, count, moment or cache, "
+                             f"got {kind!r}")
         t = self._leaf("state", name, shape, FLOAT)
         t.kind = kind
         return t
