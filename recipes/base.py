@@ -68,6 +68,7 @@ class RecipeOptions:
     clip: float = 1.0
     grad_accum: int = 1
     backend: str = "cpu"
+    checkpoint_activations: bool = False   # recompute each block in the backward (recompute.py)
     data_parallel: bool = False
 
     def __post_init__(self):
@@ -124,6 +125,7 @@ class Recipe:
         self.world = world() if opts.data_parallel else None
         self.train = build_training(self.loss_sum, self.net.params, count=self.count,
                                     max_norm=opts.clip,
+                                    checkpoint=opts.checkpoint_activations,
                                     ranks=self.world.size if self.world else None)
         self.graph = g
         self.sess = Session(g, backend=opts.backend, precision=opts.precision)

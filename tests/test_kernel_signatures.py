@@ -159,7 +159,9 @@ def _small_op_launches():
     acc_state = g.state("acc", (4,), kind="grad")
     acc = ops.accumulate(acc_state, grads[b])
     summed = ops.all_reduce([g.state("count", (), kind="count"), acc_state], ranks=2)
-    return _lower_all(topo_order([loss, grads[x], acc, summed]), precisions=("f32",))
+    cached = ops.cache_write(g.state("cache", (2, 6, 4), kind="cache"),
+                             g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
+    return _lower_all(topo_order([loss, grads[x], acc, summed, cached]), precisions=("f32",))
 
 
 def _preference_op_launches():

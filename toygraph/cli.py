@@ -196,6 +196,10 @@ def _add_finetune_args(p):
                    help="comma-separated options that may differ from the resumed checkpoint")
     p.add_argument("--max-examples", type=int)
     add_backend_args(p)
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   default=d.checkpoint_activations,
+                   help="recompute each decoder block in the backward instead of keeping its "
+                        "activations: less memory, at most one more forward of the blocks per step")
     p.add_argument("--quiet", action="store_true")
 
 

@@ -68,6 +68,7 @@ class TrainConfig:
     allow_change: tuple[str, ...] = ()   # options that may differ from the resumed checkpoint
     backend: str = _Recipe.backend
     precision: str = _Recipe.precision   # matmul input precision (session.PRECISIONS)
+    checkpoint_activations: bool = _Recipe.checkpoint_activations   # recompute blocks in the backward
     max_examples: int | None = None
     quiet: bool = False
     extra: dict = field(default_factory=dict)

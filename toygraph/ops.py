@@ -15,6 +15,7 @@ from .optable import (F32, I32, INT32_MAX, LABELS, NONE, OPS, check,  # noqa: F4
 from .ops_fused import attention, linear_cross_entropy, unpack  # noqa: F401 (ops' API)
 from .ops_collective import all_reduce  # noqa: F401 (ops' API; the collective op)
 from .ops_pref import log1mexp, log_sigmoid, softplus, token_logprobs  # noqa: F401 (ops' API)
+from .ops_cache import cache_write  # noqa: F401 (ops' API; generation's KV cache)
 
 # --- broadcasting, including grouped-query sharing ---------------------------------------
 def _broadcast(a, b, allow_groups=False):

@@ -229,7 +229,8 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path, w: World) -> 
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
              f"{total} steps of {recipe.batch_rows()[0] * train_cfg.grad_accum} sequences x "
              f"{train_cfg.seq_len} "
-             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
+             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"
+             f"{' (activations recomputed per block)' if train_cfg.checkpoint_activations else ''}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": train_cfg.rank, "alpha": train_cfg.alpha,
                   "targets": list(train_cfg.targets),
@@ -319,6 +320,7 @@ def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: fl
               skipped_checkpoints=[{"path": str(p), "reason": r} for p, r in prep.skipped],
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
               planned_bytes=recipe.sess.plan.arena_bytes,
+              checkpoint_activations=recipe.opts.checkpoint_activations,
               **({"ranks": ranks} if ranks else {}))
 
 
