@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint, step_dir_name, write_adapter
-from .data import batches
-from .trainer import Hooks
+from .distributed import World
+from .trainer import Hooks, shard
 
 
 class Progress:
@@ -28,13 +28,14 @@ class Progress:
         self.total, self.quiet = total, quiet
         self.tty = sys.stderr.isatty()
 
-    def update(self, t: int, loss: float, tok_s: float, extra: str = ""):
+    def update(self, t: int, loss: float, tok_s: float, extra: str = "", metrics: str = ""):
+        """``extra`` is a note that always shows; ``metrics`` ride along on the line."""
         if self.quiet:
             return
         width = 24
         done = int(width * t / self.total)
         line = (f"step {t:>5}/{self.total} [{'#' * done}{'.' * (width - done)}] "
-                f"loss {loss:.4f}  {tok_s:,.0f} tok/s {extra}")
+                f"loss {loss:.4f}  {metrics + '  ' if metrics else ''}{tok_s:,.0f} tok/s {extra}")
         if self.tty:
             print("\r" + line, end="" if t < self.total else "\n", file=sys.stderr, flush=True)
         elif t == 1 or t == self.total or t % max(1, self.total // 20) == 0 or extra:
@@ -78,24 +79,42 @@ class Signals:
             self._saving = was
 
 
-def evaluate(recipe, items, batch: int, seq_len: int, pad: int) -> tuple[float, int]:
-    """Token-weighted mean loss over ``items``."""
-    total, count = 0.0, 0
-    for b in batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
-        s, n = recipe.evaluate(b.tokens, b.positions, b.labels)
+def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
+             world: World = World()) -> tuple[float, int, dict]:
+    """Mean loss over ``items``, weighted by what each batch counts (tokens; pairs for
+    the preference recipes), and the recipe's metrics (``last_metrics``) weighted alike.
+    Each rank of ``world`` evaluates its shard of every batch of ``batch`` rows."""
+    total, count, sums = 0.0, 0, {}
+    for b in recipe.make_batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
+        rows = [shard(a, world.rank, world.size, axis=0) for a in (b.tokens, b.positions, b.labels)]
+        s, n = recipe.evaluate(*rows)
         total, count = total + s, count + n
-    return (total / count if count else float("nan")), count
+        for k, v in getattr(recipe, "last_metrics", {}).items():
+            if k != "loss" and n:
+                sums[k] = sums.get(k, 0.0) + v * n
+    if world.size > 1:
+        total, count = map(float, world.sum([total, count]))
+        count = int(count)
+    metrics = {k: v / count for k, v in sums.items()}
+    return (total / count if count else float("nan")), count, metrics
+
+
+def metrics_text(metrics: dict) -> str:
+    """The preference metrics for the progress line: margin and accuracy of the rewards."""
+    if "rewards/margin" not in metrics:
+        return ""
+    return (f"margin {metrics['rewards/margin']:+.3f} acc {metrics['rewards/accuracy']:.2f}")
 
 
 class RunSupervisor(Hooks):
     """Events, evaluation, checkpoints and the divergence guard of one run."""
 
     def __init__(self, train_cfg, out: Path, recipe, log, progress, guard, signals, *, val, pad,
-                 eval_every: int, lora_meta: dict | None):
+                 eval_every: int, lora_meta: dict | None, world: World = World()):
         self.train_cfg, self.out, self.recipe = train_cfg, out, recipe
         self.log, self.progress = log, progress
         self.guard, self.signals, self.val, self.pad = guard, signals, val, pad
-        self.eval_every, self.lora_meta = eval_every, lora_meta
+        self.eval_every, self.lora_meta, self.world = eval_every, lora_meta, world
         self.stop_status: str | None = None
         self.saved_step: int | None = None
         self.last_save = time.monotonic()
@@ -109,16 +128,20 @@ class RunSupervisor(Hooks):
         self.signals.in_step = False
         t, train_cfg = trainer.state.step, self.train_cfg
         grad_norm = self.recipe.last_grad_norm()
-        tokens = len(micro) * train_cfg.batch * train_cfg.seq_len
+        tokens = sum(b.tokens.size for b in micro)  # preference batches hold 2 rows a pair
+        metrics = {k: v for k, v in getattr(self.recipe, "last_metrics", {}).items() if k != "loss"}
         self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
                        tokens=tokens, targets=int(sum(b.n_targets for b in micro)),
-                       wall_ms=round(wall_s * 1000, 2))
+                       wall_ms=round(wall_s * 1000, 2), **metrics)
         self.guard.check_step(t, loss, grad_norm)
         self.losses.append(loss)
-        self.progress.update(t, loss, tokens / max(wall_s, 1e-9))
+        self.progress.update(t, loss, tokens / max(wall_s, 1e-9), metrics=metrics_text(metrics))
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
         due_time = (train_cfg.save_minutes
                     and time.monotonic() - self.last_save >= 60 * train_cfg.save_minutes)
+        # Every rank must check (save) and stop at the same steps: rank 0's clock decides
+        # when a checkpoint is due; a signal to any rank (even one during the save) stops all.
+        due_time = self.world.any([due_time and self.world.rank == 0])[0]
         due_step = train_cfg.save_every and t % train_cfg.save_every == 0
         if self.saved_step != t and (due_step or due_time):
             self.save(trainer, "periodic")
@@ -126,7 +149,7 @@ class RunSupervisor(Hooks):
             self.stop_status = "early_stopped"
             self.progress.message(f"early stopping: no validation gain in {train_cfg.patience} "
                                   "evals")
-        elif self.signals.count:
+        elif self.world.any([self.signals.count])[0]:
             self.stop_status = "interrupted"
         return self.stop_status is not None
 
@@ -137,7 +160,8 @@ class RunSupervisor(Hooks):
         if not self.val:
             return False
         st, train_cfg, t = trainer.state, self.train_cfg, trainer.state.step
-        vloss, n = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len, self.pad)
+        vloss, n, metrics = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len,
+                                     self.pad, self.world)
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best
@@ -147,9 +171,14 @@ class RunSupervisor(Hooks):
         if improved:
             st.best_val = vloss
         ppl = math.exp(min(vloss, 700)) if math.isfinite(vloss) else vloss
-        self.log.write("eval", step=t, val_loss=vloss, perplexity=ppl, tokens=n, best=improved)
-        self.progress.message(f"step {t}: val loss {vloss:.4f} (ppl {ppl:.2f})"
-                              f"{' best' if improved else ''}")
+        if metrics:  # a preference loss: perplexity means nothing, n counts pairs
+            self.log.write("eval", step=t, val_loss=vloss, pairs=n, best=improved,
+                           **{f"val_{k}": v for k, v in metrics.items()})
+            shown = metrics_text(metrics)
+        else:
+            self.log.write("eval", step=t, val_loss=vloss, perplexity=ppl, tokens=n, best=improved)
+            shown = f"(ppl {ppl:.2f})"
+        self.progress.message(f"step {t}: val loss {vloss:.4f} {shown}{' best' if improved else ''}")
         if t > 0:
             if improved:
                 self.save(trainer, "best", weights, moments)
@@ -164,6 +193,10 @@ class RunSupervisor(Hooks):
         if weights is None:
             weights, moments = self.recipe.trainable(), self.recipe.optimizer_state()
             self.guard.check_state(t, weights, moments)
+        if self.world.rank != 0:  # rank 0 alone writes; the others only kept the guard's pace
+            if kind != "best":
+                self.saved_step, self.last_save = t, time.monotonic()
+            return
         dest = self.out / ("best" if kind == "best" else f"checkpoints/{step_dir_name(t)}")
         earlier = list_checkpoints(self.out)
         intact = (f"earlier checkpoints are intact (newest: {earlier[-1][1]})" if earlier

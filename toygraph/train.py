@@ -27,17 +27,19 @@ from pathlib import Path
 
 from . import __version__
 from .checkpoint import find_resumable, load_checkpoint, restore_swapped, write_final
-from .config import TrainConfig, check_against_model
+from .config import ADAPTER_RECIPES, PREFERENCE_RECIPES, TrainConfig, check_against_model
 from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
                    steps_per_epoch, batches)
-from .errors import DataError
+from .distributed import World, agreed_call, is_agreed, world
+from .errors import DataError, ToygraphError
 from .gguf import GGUFModel
 from .guard import DivergenceGuard, Diverged
 from .modelfile import write_modelfile
+from .preference import encode_pairs, load_pairs
 from .optim import Schedule
 from .plot import plot_losses
 from .resume import check_resume, model_fingerprint
-from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, RunError, open_run_dir
+from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, NullLog, RunError, open_run_dir
 from .supervisor import Progress, RunSupervisor, Signals
 from .tokenizer import Tokenizer
 from .trainer import AdamW, LoopState, Trainer
@@ -61,10 +63,28 @@ def _versions() -> dict:
 
 def make_recipe(train_cfg: TrainConfig):
     from toygraph.recipes import RECIPES
+    if train_cfg.recipe == "dpo":
+        return RECIPES["dpo"](targets=train_cfg.targets, rank=train_cfg.rank, alpha=train_cfg.alpha,
+                              beta=train_cfg.beta, label_smoothing=train_cfg.label_smoothing,
+                              reference_adapter=bool(train_cfg.adapter_init))
+    if train_cfg.recipe == "orpo":
+        return RECIPES["orpo"](targets=train_cfg.targets, rank=train_cfg.rank,
+                               alpha=train_cfg.alpha, beta=train_cfg.beta)
     if train_cfg.recipe == "lora":
         return RECIPES["lora"](targets=train_cfg.targets, rank=train_cfg.rank,
                                alpha=train_cfg.alpha)
     return RECIPES[train_cfg.recipe]()
+
+
+def _encode(train_cfg: TrainConfig, tok):
+    """The data file parsed and encoded: examples, or preference pairs for dpo/orpo."""
+    if train_cfg.recipe in PREFERENCE_RECIPES:
+        load, encode = load_pairs, encode_pairs
+    else:
+        load, encode = load_examples, encode_dataset
+    rows = load(train_cfg.data)
+    rows = rows[:train_cfg.max_examples] if train_cfg.max_examples else rows
+    return encode(rows, tok, train_cfg.seq_len)
 
 
 @dataclass
@@ -81,16 +101,16 @@ class Prepared:
     allowed: list = field(default_factory=list)
 
 
-def _prepare(train_cfg: TrainConfig) -> Prepared:
+def _prepare(train_cfg: TrainConfig, ranks: int = 1) -> Prepared:
     """Validate options, model, data and the checkpoint to resume: all before any write."""
     train_cfg.validate()
+    if train_cfg.batch % ranks:
+        raise ToygraphError(f"--batch {train_cfg.batch} is the global batch and must divide "
+                            f"evenly over the {ranks} MPI ranks; use a multiple of {ranks}")
     model = GGUFModel(train_cfg.model)
     check_against_model(train_cfg, model.config)
     tok = Tokenizer.from_gguf(train_cfg.model)
-    examples = load_examples(train_cfg.data)
-    if train_cfg.max_examples:
-        examples = examples[:train_cfg.max_examples]
-    enc = encode_dataset(examples, tok, train_cfg.seq_len)
+    enc = _encode(train_cfg, tok)
     if not enc.items:
         raise DataError(f"{train_cfg.data}: no example has a target token within "
                         f"--seq-len {train_cfg.seq_len}")
@@ -108,11 +128,14 @@ def _prepare(train_cfg: TrainConfig) -> Prepared:
     return prep
 
 
-def _realize(train_cfg: TrainConfig, prep: Prepared):
+def _realize(train_cfg: TrainConfig, prep: Prepared, ranks: int = 1):
     from toygraph.recipes import RecipeOptions
     recipe = make_recipe(train_cfg)
-    opts = RecipeOptions(**{name: getattr(train_cfg, name) for name in RecipeOptions.names()
-                            if hasattr(train_cfg, name)})  # the options both share, by one name
+    shared = {name: getattr(train_cfg, name) for name in RecipeOptions.names()
+              if hasattr(train_cfg, name)}  # the options both share, by one name
+    # --batch is the job's batch: with several ranks each realizes its share of it
+    opts = RecipeOptions(**{**shared, "batch": train_cfg.batch // ranks,
+                            "data_parallel": ranks > 1})
     recipe.realize(prep.model, prep.model.config, opts)
     if train_cfg.adapter_init:
         _load_adapter_init(train_cfg, recipe)
@@ -132,11 +155,11 @@ def _load_adapter_init(train_cfg: TrainConfig, recipe):
     missing = set(recipe.net.lora) - set(lora)
     if missing:
         raise DataError(f"{train_cfg.adapter_init}: adapter lacks {sorted(missing)[:3]}")
-    recipe.load_trainable({f"{k}.lora_{s}": v for k, (a, b) in lora.items()
-                           for s, v in (("a", a), ("b", b))})
+    recipe.load_adapter_init({f"{k}.lora_{s}": v for k, (a, b) in lora.items()
+                              for s, v in (("a", a), ("b", b))})
 
 
-def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int):
+def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int, batches=batches):
     """micro_batch(m) over epochs; the order of epoch e is a function of (seed, e)."""
     n = steps_per_epoch(len(train), train_cfg.batch)
     cache: dict[int, list] = {}
@@ -153,24 +176,42 @@ def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int):
 
 def run_training(train_cfg: TrainConfig) -> dict:
     """Fine-tune per ``train_cfg``; returns a summary dict (also the run_end event). A run that
-    fails with an error records ``run_end: failed`` and re-raises it."""
-    prep = _prepare(train_cfg)
-    out, lock = open_run_dir(train_cfg.out, resume=bool(train_cfg.resume),
-                             overwrite=train_cfg.overwrite)
+    fails with an error records ``run_end: failed`` and re-raises it.
+
+    Under ``mpirun -n N`` every rank calls this (data parallelism, see distributed.py):
+    rank 0 alone writes into ``out``; an error every rank meets is raised on each, and a
+    rank failing on its own aborts the job rather than leave the others waiting."""
+    w = world()
     try:
-        return _run_locked(train_cfg, prep, out)
-    finally:
-        lock.release()
+        prep = agreed_call(w, _prepare, train_cfg, w.size)
+        out, lock = agreed_call(w, _open_out, train_cfg, w.rank)
+        try:
+            return _run_locked(train_cfg, prep, out, w)
+        finally:
+            if lock is not None:
+                lock.release()
+    except BaseException as e:
+        if w.size > 1 and not is_agreed(e):
+            w.fail(f"failed: {_one_line(e)}")
+        raise
 
 
-def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
-    for name in FINAL_ARTIFACTS:
-        (out / name).unlink(missing_ok=True)  # present again only if this run completes
-    restore_swapped(out / "best")
+def _open_out(train_cfg: TrainConfig, rank: int):
+    if rank != 0:  # rank 0 alone writes the run directory
+        return Path(train_cfg.out), None
+    return open_run_dir(train_cfg.out, resume=bool(train_cfg.resume),
+                        overwrite=train_cfg.overwrite)
+
+
+def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path, w: World) -> dict:
+    if w.rank == 0:
+        for name in FINAL_ARTIFACTS:
+            (out / name).unlink(missing_ok=True)  # present again only if this run completes
+        restore_swapped(out / "best")
     t0 = time.perf_counter()
-    recipe = _realize(train_cfg, prep)
+    recipe = agreed_call(w, _realize, train_cfg, prep, w.size)
     realize_s = time.perf_counter() - t0
-    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad)
+    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad, recipe.make_batches)
     total = train_cfg.steps or max(1, math.ceil((train_cfg.epochs or 1) * n_batches
                                                 / train_cfg.grad_accum))
     warmup = (train_cfg.warmup if train_cfg.schedule == "constant"
@@ -179,23 +220,26 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
                         warmup=warmup)
     adamw = AdamW(train_cfg.beta1, train_cfg.beta2, train_cfg.eps, train_cfg.weight_decay)
     trainer = Trainer(recipe, micro_batch, schedule, total, state=prep.state, adamw=adamw,
-                      resumed=prep.resume_from is not None, micro_per_epoch=n_batches)
-    log = EventLog(out / EVENTS_FILE)
-    _log_start(train_cfg, prep, log, recipe, total, realize_s)
-    progress = Progress(total, train_cfg.quiet)
+                      resumed=prep.resume_from is not None, micro_per_epoch=n_batches,
+                      rank=w.rank, ranks=w.size)
+    ranks = w.gather_info() if w.size > 1 else None
+    log = EventLog(out / EVENTS_FILE) if w.rank == 0 else NullLog()
+    _log_start(train_cfg, prep, log, recipe, total, realize_s, ranks)
+    progress = Progress(total, train_cfg.quiet or w.rank != 0)
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
-             f"{total} steps of {train_cfg.batch * train_cfg.grad_accum} sequences x "
+             f"{total} steps of {recipe.batch_rows()[0] * train_cfg.grad_accum} sequences x "
              f"{train_cfg.seq_len} "
-             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
+             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"
+             f"{' (activations recomputed per block)' if train_cfg.checkpoint_activations else ''}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": train_cfg.rank, "alpha": train_cfg.alpha,
                   "targets": list(train_cfg.targets),
                   "base": Path(train_cfg.model).name, "arch": prep.model.config.arch}
-                 if train_cfg.recipe == "lora" else None)
+                 if train_cfg.recipe in ADAPTER_RECIPES else None)
     guard = DivergenceGuard(prep.state, train_cfg.diverge_factor)
     with Signals() as signals:
         sup = RunSupervisor(train_cfg, out, recipe, log, progress, guard, signals, val=prep.val,
-                            pad=prep.pad, lora_meta=lora_meta,
+                            pad=prep.pad, lora_meta=lora_meta, world=w,
                             eval_every=(train_cfg.eval_every
                                         or max(1, n_batches // train_cfg.grad_accum)))
         error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro)
@@ -205,7 +249,7 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
                "best_val_loss": trainer.state.best_val,
                "last_loss": sup.losses[-1] if sup.losses else None, "out": str(out)}
     _log_end(log, summary, error)
-    if status != "failed":
+    if status != "failed" and w.rank == 0:
         plot_losses(out)
     if status in ("interrupted", "diverged"):
         progress.message(f"run {status}: {reason}", always=True)
@@ -225,7 +269,8 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[str]):
                 sup.run_eval(trainer)  # the starting point: the curve shows what training changed
         trainer.run(sup)
         status = sup.stop_status or "completed"
-        return None, status, (f"stopped by {signals.name}" if status == "interrupted" else None)
+        signal_name = signals.name or "a signal to another MPI rank"
+        return None, status, (f"stopped by {signal_name}" if status == "interrupted" else None)
     except KeyboardInterrupt:
         return (None, "interrupted",
                 f"{signals.name or 'SIGINT'} twice: aborted during step {trainer.state.step + 1}, "
@@ -248,6 +293,8 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
                 reason += "; a further signal during the checkpoint write waited for it"
             return None, status, reason
         sup.save(trainer, "final")
+        if sup.world.rank != 0:
+            return None, status, reason
         write_final(out, recipe, lora_meta)
         if lora_meta is not None:
             write_modelfile(out, sup.train_cfg.model)  # Ollama: FROM base + ADAPTER ./adapter.gguf
@@ -262,7 +309,8 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
+def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: float,
+               ranks=None):
     log.write("run_start", config=train_cfg.options(), data_hash=prep.state.data_hash,
               model_fingerprint=prep.state.model_fingerprint, versions=_versions(),
               model_config=asdict(prep.model.config), data_report=asdict(prep.enc.report),
@@ -271,7 +319,9 @@ def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: fl
               resumed_checkpoint=str(prep.resume_from) if prep.resume_from else None,
               skipped_checkpoints=[{"path": str(p), "reason": r} for p, r in prep.skipped],
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
-              planned_bytes=recipe.sess.plan.arena_bytes)
+              planned_bytes=recipe.sess.plan.arena_bytes,
+              checkpoint_activations=recipe.opts.checkpoint_activations,
+              **({"ranks": ranks} if ranks else {}))
 
 
 def _log_end(log, summary: dict, error):

@@ -45,7 +45,7 @@ from ..session import PRECISIONS  # "f32" plain kernels; TC_PRECISIONS on tensor
 from . import driver
 from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
 from .kernels import TC_PRECISIONS, backend_source
-from .launch import MAX_ELEMENTS, Launch
+from .launch import MAX_ELEMENTS, Collective, Launch
 from .lowering import OP_KERNELS, lower
 
 logger = logging.getLogger(__name__)
@@ -57,10 +57,14 @@ def _sm(arch: str) -> int:
 
 
 def open_device(device=None):
-    """The context kernels run in: ``device`` (else ``$TOYGRAPH_CUDA_DEVICE``, else 0) is a
-    CUDA device ordinal, or ``"host"`` for the CPU executor."""
+    """The context kernels run in: ``device`` (else ``$TOYGRAPH_CUDA_DEVICE``, else the
+    rank's index on its node under an MPI launcher, else 0) is a CUDA device ordinal, or
+    ``"host"`` for the CPU executor."""
     if device is None:
         device = settings.get("TOYGRAPH_CUDA_DEVICE")
+        if not settings.given("TOYGRAPH_CUDA_DEVICE"):  # one GPU per rank of a node
+            from ..distributed import local_rank
+            device = local_rank()
     else:  # an explicit argument is checked like the variable
         device = settings.parse("TOYGRAPH_CUDA_DEVICE", str(device))
     if device == "host":
@@ -181,6 +185,8 @@ class CudaBackend:
         return dict(self.memory.report(), qmatmul=self.qmatmul)
 
     def _prepare(self, launch: Launch):
+        if isinstance(launch, Collective):  # not a kernel: the context enqueues it
+            return self.ctx.collective(launch)
         fn = self.module.function(launch.kernel)
         params = np.array([a.ctypes.data for a in launch.args], np.uint64)
         return fn, launch.grid, launch.block, launch.shmem, params, launch.args
@@ -258,7 +264,11 @@ class CudaBackend:
     def _launch_all(self, nodes):
         launch = self.ctx.launch
         for t in nodes:
-            for fn, grid, block, shmem, params, _args in self._launches.get(t.id, ()):
+            for item in self._launches.get(t.id, ()):
+                if callable(item):  # a collective (all_reduce), enqueued on the same stream
+                    self.ctx.enqueue(item)
+                    continue
+                fn, grid, block, shmem, params, _args = item
                 launch(fn, grid, block, shmem, params)
 
     # --- data in and out --------------------------------------------------------------------

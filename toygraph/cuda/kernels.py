@@ -33,7 +33,8 @@ HEADERS = ("common.cuh", "quant.cuh")
 #: The op families' kernel files, in toygraph/ops/. qmatmul.cu reuses matmul.cu's tile
 #: helper (tg_mm_tile_fma): keep it after matmul.cu.
 FAMILIES = ("shape.cu", "elementwise.cu", "norm.cu", "rotary.cu", "matmul.cu",
-            "qmatmul.cu", "dequant.cu", "rows.cu", "loss.cu", "optim.cu", "flash_attention.cu")
+            "qmatmul.cu", "dequant.cu", "rows.cu", "loss.cu", "optim.cu", "flash_attention.cu",
+            "preference.cu", "cache.cu")
 #: The tensor-core matmuls of the mixed-precision modes, compiled only for a backend with
 #: dtype "bf16" or "tf32" so the default f32 module (and its cubin) stays as it is.
 TC_FAMILIES = ("tc_layout.cuh", "tc_matmul.cu")

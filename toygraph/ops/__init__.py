@@ -19,6 +19,9 @@ gemm             matmul (f32, block-format weights, tensor cores) and the dequan
 rows             get_rows
 loss             cross_entropy, count_valid, linear_cross_entropy (fused head + loss)
 optim            accumulate, global_norm, adamw
+collective       all_reduce (data parallelism over MPI/NCCL)
+cache            cache_write (generation's KV cache)
+preference       token_logprobs, softplus, log_sigmoid, log1mexp (DPO/ORPO losses)
 ===============  =======================================================================
 
 The builders are re-exported here, so ``ops.<name>`` is every op:
@@ -41,6 +44,9 @@ from .gemm import matmul
 from .rows import get_rows
 from .loss import count_valid, cross_entropy, linear_cross_entropy
 from .optim import accumulate, adamw, global_norm
+from .collective import all_reduce
+from .cache import cache_write
+from .preference import log1mexp, log_sigmoid, softplus, token_logprobs
 
 #: Ops that write into their first operand(s) rather than producing a value.
 SIDE_EFFECTS = frozenset(name for name, spec in OPS.items() if spec.in_place)
@@ -51,4 +57,5 @@ __all__ = ["F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS", "OpSpe
            "geglu", "gelu", "gelu_back", "mean", "mul", "scale", "silu", "silu_back", "sub",
            "swiglu", "rms_norm", "softmax", "rope", "attention", "matmul", "get_rows",
            "count_valid", "cross_entropy", "linear_cross_entropy", "accumulate", "adamw",
-           "global_norm", "SIDE_EFFECTS"]
+           "global_norm", "log1mexp", "log_sigmoid", "softplus", "token_logprobs",
+           "cache_write", "all_reduce", "SIDE_EFFECTS"]
