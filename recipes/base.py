@@ -61,6 +61,7 @@ class RecipeOptions:
     grad_clip: float = 1.0
     grad_accum: int = 1
     backend: str = "cpu"
+    pack: bool = False      # packed rows: step/evaluate take segment ids (toygraph.packing)
 
     def __post_init__(self):
         for name in ("t_seq", "t_batch", "grad_accum"):
@@ -104,7 +105,8 @@ class Recipe:
         g = Graph()
         B, T = opts.t_batch, opts.t_seq
         self.net = build_decoder(g, cfg, batch=B, seq=T, model=gguf, weights=self.weight_mode,
-                                 lora=self.lora_config(opts), seed=opts.seed, logits=False)
+                                 lora=self.lora_config(opts), seed=opts.seed, logits=False,
+                                 packed=opts.pack)
         self.labels = g.input("labels", (B * T,), "i32")
         # One cross-entropy serves both: its sum drives the gradients (token-weighted
         # accumulation) and sum / count is the reported mean loss.
@@ -118,47 +120,60 @@ class Recipe:
         self.step_index = 0
 
     # --- per step -------------------------------------------------------------------------
-    def _micro_batches(self, token_ids, positions, labels):
-        """Check the step inputs: each is [grad_accum, t_batch, t_seq], whatever k is."""
+    def _micro_batches(self, token_ids, positions, labels, segments):
+        """Check the step inputs: each is [grad_accum, t_batch, t_seq], whatever k is;
+        segment ids are given exactly when the recipe packs."""
+        if (segments is not None) != self.opts.pack:
+            raise GraphError("step: segment ids are needed exactly when RecipeOptions.pack is "
+                             f"set (pack={self.opts.pack}, segments "
+                             f"{'given' if segments is not None else 'missing'})")
         shape = (self.opts.grad_accum, self.opts.t_batch, self.opts.t_seq)
-        arrays = [np.asarray(a) for a in (token_ids, positions, labels)]
-        for name, a in zip(("token_ids", "positions", "labels"), arrays):
+        names = ("token_ids", "positions", "labels", "segments")
+        arrays = [np.asarray(a) for a in (token_ids, positions, labels, segments)
+                  if a is not None]
+        for name, a in zip(names, arrays):
             if a.shape != shape:
                 raise GraphError(f"step: {name} must have shape [grad_accum, t_batch, t_seq] "
                                  f"= {shape}, got {a.shape}")
-        return list(zip(*arrays))
+        return [m + (None,) * (4 - len(m)) for m in zip(*arrays)]
 
-    def _upload(self, ids, pos, lab):
+    def _upload(self, ids, pos, lab, seg=None):
         s = self.sess
         s.upload(self.net.tokens, ids)
         s.upload(self.net.positions, pos)
         s.upload(self.labels, np.asarray(lab).reshape(-1))
+        if self.net.segments is not None:
+            if seg is None:
+                raise GraphError("evaluate: a packing recipe needs the batch's segment ids")
+            s.upload(self.net.segments, seg)
 
-    def step(self, token_ids, positions, labels, hp, is_first: bool) -> float:
+    def step(self, token_ids, positions, labels, hp, is_first: bool, segments=None) -> float:
         """One optimizer step; returns the mean loss of the forward pass before the update.
 
         The arrays are [grad_accum, t_batch, t_seq] (one micro-batch axis, k = 1 without
         accumulation); the loss is the token-weighted mean over all k micro-batches.
+        ``segments`` (same shape) are packed rows' segment ids, given iff ``opts.pack``.
         """
         s = self.sess
         if is_first:
             s.reset()
         else:
             s.reset_grads()
-        micro = self._micro_batches(token_ids, positions, labels)
+        micro = self._micro_batches(token_ids, positions, labels, segments)
         s.upload(self.train.hp, hp)
         total, count = 0.0, 0.0
-        for i, (ids, pos, lab) in enumerate(micro):
-            self._upload(ids, pos, lab)
+        for i, (ids, pos, lab, seg) in enumerate(micro):
+            self._upload(ids, pos, lab, seg)
             s.run("step" if i == len(micro) - 1 else "backward")
             total += float(s.download(self.loss_sum))
             count += float(s.download(self.count))
         self.step_index += 1
         return total / count if count else 0.0
 
-    def evaluate(self, token_ids, positions, labels) -> tuple[float, int]:
-        """Forward only: (summed loss, counted tokens) of one batch [t_batch, t_seq]."""
-        self._upload(token_ids, positions, labels)
+    def evaluate(self, token_ids, positions, labels, segments=None) -> tuple[float, int]:
+        """Forward only: (summed loss, counted tokens) of one batch [t_batch, t_seq]
+        (``segments`` for a packing recipe)."""
+        self._upload(token_ids, positions, labels, segments)
         self.sess.run("forward")
         return float(self.sess.download(self.loss_sum)), int(self.sess.download(self.count))
 

@@ -167,6 +167,8 @@ def _add_finetune_args(p):
                    help="comma-separated options that may differ from the resumed checkpoint")
     p.add_argument("--max-examples", type=int)
     p.add_argument("--backend", default=d.backend, choices=["cpu", "cuda"])
+    p.add_argument("--pack", action="store_true",
+                   help="pack several examples into each --seq-len row (attention stays inside each)")
     p.add_argument("--quiet", action="store_true")
 
 

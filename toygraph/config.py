@@ -49,6 +49,7 @@ class TrainConfig:
     overwrite: bool = False        # replace the run in ``out``
     allow_change: tuple[str, ...] = ()   # options that may differ from the resumed checkpoint
     backend: str = "cpu"
+    pack: bool = False             # sample packing: several examples per row (toygraph.packing)
     max_examples: int | None = None
     quiet: bool = False
     extra: dict = field(default_factory=dict)

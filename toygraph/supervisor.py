@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint, step_dir_name, write_adapter
-from .data import batches
+from .packing import epoch_batches
 from .trainer import Hooks
 
 
@@ -78,11 +78,11 @@ class Signals:
             self._saving = was
 
 
-def evaluate(recipe, items, batch: int, seq: int, pad: int) -> tuple[float, int]:
-    """Token-weighted mean loss over ``items``."""
+def evaluate(recipe, items, batch: int, seq: int, pad: int, pack: bool = False) -> tuple[float, int]:
+    """Token-weighted mean loss over ``items`` (packed as the run packs)."""
     total, count = 0.0, 0
-    for b in batches(items, batch, seq, pad, shuffle=False, seed=0, epoch=0):
-        s, n = recipe.evaluate(b.tokens, b.positions, b.labels)
+    for b in epoch_batches(items, batch, seq, pad, pack=pack, shuffle=False, seed=0, epoch=0):
+        s, n = recipe.evaluate(b.tokens, b.positions, b.labels, b.segments)
         total, count = total + s, count + n
     return (total / count if count else float("nan")), count
 
@@ -109,12 +109,14 @@ class RunSupervisor(Hooks):
         t, cfg = trainer.state.step, self.cfg
         grad_norm = self.recipe.last_grad_norm()
         tokens = len(micro) * cfg.batch * cfg.seq_len
+        real = int(sum(b.real_tokens for b in micro))   # not padding: what tok/s counts
         self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
-                       tokens=tokens, targets=int(sum(b.n_targets for b in micro)),
+                       tokens=tokens, real_tokens=real,
+                       targets=int(sum(b.n_targets for b in micro)),
                        wall_ms=round(wall_s * 1000, 2))
         self.guard.check_step(t, loss, grad_norm)
         self.losses.append(loss)
-        self.progress.update(t, loss, tokens / max(wall_s, 1e-9))
+        self.progress.update(t, loss, real / max(wall_s, 1e-9))
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
         due_time = cfg.save_minutes and time.monotonic() - self.last_save >= 60 * cfg.save_minutes
         if self.saved_step != t and ((cfg.save_every and t % cfg.save_every == 0) or due_time):
@@ -133,7 +135,7 @@ class RunSupervisor(Hooks):
         if not self.val:
             return False
         st, cfg, t = trainer.state, self.cfg, trainer.state.step
-        vloss, n = evaluate(self.recipe, self.val, cfg.batch, cfg.seq_len, self.pad)
+        vloss, n = evaluate(self.recipe, self.val, cfg.batch, cfg.seq_len, self.pad, cfg.pack)
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best

@@ -25,13 +25,13 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import find_resumable, load_checkpoint, restore_swapped, write_final
 from .config import TrainConfig, check_against_model
-from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
-                   steps_per_epoch, batches)
+from .data import data_hash, encode_dataset, load_examples, pad_id_for, split_train_val
 from .errors import DataError
 from .gguf import GGUFModel
 from .guard import DivergenceGuard, Diverged
 from .modelfile import write_modelfile
 from .optim import Schedule
+from .packing import batches_per_epoch, epoch_batches, packing_efficiency
 from .plot import plot_losses
 from .resume import check_resume, model_fingerprint
 from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, RunError, open_run_dir
@@ -108,7 +108,7 @@ def _realize(cfg: TrainConfig, prep: Prepared):
     recipe = make_recipe(cfg)
     opts = RecipeOptions(t_seq=cfg.seq_len, t_batch=cfg.batch, seed=cfg.seed,
                          init_scale=cfg.init_scale, grad_clip=cfg.clip,
-                         grad_accum=cfg.grad_accum, backend=cfg.backend)
+                         grad_accum=cfg.grad_accum, backend=cfg.backend, pack=cfg.pack)
     recipe.realize(prep.model, prep.model.config, opts)
     if cfg.adapter_init:
         _load_adapter_init(cfg, recipe)
@@ -133,16 +133,17 @@ def _load_adapter_init(cfg: TrainConfig, recipe):
 
 
 def _epoch_batches(cfg: TrainConfig, train: list, pad: int):
-    """micro_batch(m) over epochs; the order of epoch e is a function of (seed, e)."""
-    n = steps_per_epoch(len(train), cfg.batch)
+    """micro_batch(m) over epochs; the order (and packing) of epoch e is a function of
+    (seed, e), and so is the number of batches an epoch has."""
+    n = batches_per_epoch(train, cfg.batch, cfg.seq_len, cfg.pack)
     cache: dict[int, list] = {}
 
     def micro_batch(m: int):
         epoch, idx = divmod(m, n)
         if epoch not in cache:
             cache.clear()
-            cache[epoch] = batches(train, cfg.batch, cfg.seq_len, pad, shuffle=True,
-                                   seed=cfg.seed, epoch=epoch)
+            cache[epoch] = epoch_batches(train, cfg.batch, cfg.seq_len, pad, pack=cfg.pack,
+                                         shuffle=True, seed=cfg.seed, epoch=epoch)
         return cache[epoch][idx]
     return micro_batch, n
 
@@ -173,11 +174,15 @@ def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
                       adamw=AdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay),
                       resumed=prep.resume_from is not None, micro_per_epoch=n_batches)
     log = EventLog(out / EVENTS_FILE)
-    _log_start(cfg, prep, log, recipe, total, realize_s)
+    packing = packing_efficiency(prep.train, cfg.batch, cfg.seq_len)
+    _log_start(cfg, prep, log, recipe, total, realize_s, packing)
     progress = Progress(total, cfg.quiet)
+    rows = "rows" if cfg.pack else "sequences"
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
-             f"{total} steps of {cfg.batch * cfg.grad_accum} sequences x {cfg.seq_len} "
-             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
+             f"{total} steps of {cfg.batch * cfg.grad_accum} {rows} x {cfg.seq_len} "
+             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}\n"
+             f"packing efficiency (real tokens / slots): {packing['unpacked']:.1%} unpacked, "
+             f"{packing['packed']:.1%} packed{' (--pack)' if cfg.pack else ''}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets),
                   "base": Path(cfg.model).name, "arch": prep.model.config.arch}
@@ -251,7 +256,7 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _log_start(cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
+def _log_start(cfg, prep: Prepared, log, recipe, total: int, realize_s: float, packing: dict):
     log.write("run_start", config=cfg.options(), data_hash=prep.state.data_hash,
               model_fingerprint=prep.state.model_fingerprint, versions=_versions(),
               model_config=asdict(prep.model.config), data_report=asdict(prep.enc.report),
@@ -260,7 +265,10 @@ def _log_start(cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
               resumed_checkpoint=str(prep.resume_from) if prep.resume_from else None,
               skipped_checkpoints=[{"path": str(p), "reason": r} for p, r in prep.skipped],
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
-              planned_bytes=recipe.sess.plan.arena_bytes)
+              planned_bytes=recipe.sess.plan.arena_bytes,
+              arena_bytes=recipe.sess.plan.arena_bytes,
+              packing={"pack": cfg.pack, "efficiency": packing["packed" if cfg.pack else "unpacked"],
+                       **packing})
 
 
 def _log_end(log, summary: dict, error):

@@ -73,6 +73,7 @@ class Decoder:
     lora: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # GGUF weight -> (A, B)
     hidden: Tensor | None = None                     # final-normed states [batch * seq, n_embd]
     head: Tensor | None = None                       # output weight [vocab, n_embd] (maybe tied)
+    segments: Tensor | None = None                   # packed rows: segment ids [batch, seq] i32
 
     @property
     def params(self) -> list[Tensor]:
@@ -126,9 +127,12 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
 
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: str = "frozen",
-                  lora: LoraConfig | None = None, seed: int = 42, logits: bool = True) -> Decoder:
+                  lora: LoraConfig | None = None, seed: int = 42, logits: bool = True,
+                  packed: bool = False) -> Decoder:
     """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq`` tokens;
-    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`)."""
+    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
+    ``packed`` adds the input ``net.segments`` [batch, seq] (sample packing): attention
+    then stays inside each segment (toygraph.packing)."""
     if seq > cfg.n_ctx:
         raise GraphError(f"sequence length {seq} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq < 1:
@@ -138,6 +142,8 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: s
     W = _make_weights(g, cfg, model, weights, seed)
     net = Decoder(cfg=cfg, tokens=g.input("tokens", (batch, seq), "i32"),
                   positions=g.input("positions", (batch, seq), "i32"), logits=None, weights=W)
+    if packed:
+        net.segments = g.input("segments", (batch, seq), "i32")
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
 
@@ -195,7 +201,8 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, B: int, T: int) -> Tens
     k = rope(heads(linear(x, p + "attn_k.weight"), KV, "attn_k_norm" if fam.qk_norm else None))
     v = heads(linear(x, p + "attn_v.weight"), KV, None).permute(0, 2, 1, 3)
     # Fused: no [B, H, T, T] scores in memory, forward or backward.
-    o = ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i])
+    o = ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
+                      segments=net.segments)
     a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
     if fam.post_norms:
         a = norm(a, "post_attention_norm")
