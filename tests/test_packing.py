@@ -214,3 +214,46 @@ def test_a_packing_recipe_needs_segment_ids(tiny_llama):
     z = np.zeros((1, 1, 8), np.int32)
     with pytest.raises(GraphError, match="segment ids are needed exactly when"):
         r.step(z, z, z, np.zeros(7, np.float32), is_first=True)
+
+
+# --- runs: --pack through the training loop -----------------------------------------------------
+def test_packed_run_resumes_exactly_and_logs_packing(tiny_qwen2, tmp_path):
+    """6 packed steps (grad_accum 2, validation) straight == 3, Ctrl-C, resume, 3 more;
+    events carry the packing efficiency, the arena bytes and real (non-pad) tokens."""
+    from test_train import _stop_after, cfg_for, events, write_chat_data
+    from toygraph.train import run_training
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    kw = dict(steps=6, save_every=3, grad_accum=2, pack=True, seq_len=96)
+    run_training(cfg_for(tiny_qwen2, data, tmp_path / "full", **kw))
+    ev = events(tmp_path / "full")
+    straight = [e["loss"] for e in ev if e["event"] == "step"]
+    start = ev[0]
+    assert start["packing"]["pack"] is True and start["arena_bytes"] > 0
+    assert start["packing"]["efficiency"] == start["packing"]["packed"] > start["packing"]["unpacked"]
+    steps = [e for e in ev if e["event"] == "step"]
+    assert all(0 < e["real_tokens"] <= e["tokens"] for e in steps)
+    assert any(e["event"] == "eval" for e in ev)
+    part = tmp_path / "part"
+    _stop_after(cfg_for(tiny_qwen2, data, part, **kw), 3)
+    run_training(cfg_for(tiny_qwen2, data, part, resume=str(part / "checkpoints" / "step-000003"),
+                         **kw))
+    losses = {e["step"]: e["loss"] for e in events(part) if e["event"] == "step"}
+    assert [losses[s] for s in range(1, 7)] == straight
+
+
+@pytest.mark.parametrize("rows", [
+    [{"text": f"the cat number {i} sat on the mat" * (1 + i % 3)} for i in range(12)],
+    [{"messages": [{"role": "system", "content": "be brief"},
+                   {"role": "user", "content": f"say {i}"},
+                   {"role": "assistant", "content": f"the number is {i}"}]} for i in range(12)],
+], ids=["text", "messages"])
+def test_packed_runs_of_every_data_format(tiny_llama, tmp_path, rows, capsys):
+    import json
+    from test_train import cfg_for, events
+    from toygraph.train import run_training
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = cfg_for(tiny_llama, data, tmp_path / "r", pack=True, seq_len=64, steps=2, quiet=False)
+    assert run_training(cfg)["status"] == "completed"
+    assert "packing efficiency (real tokens / slots):" in capsys.readouterr().err
+    assert [e["event"] for e in events(tmp_path / "r")].count("step") == 2
