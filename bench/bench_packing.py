@@ -17,6 +17,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def run_mode(model, tok, items, args, pack: bool) -> dict:
         losses.append(recipe.step(b.tokens[None], b.positions[None], b.labels[None],
                                   hp_row(i + 1, 1e-4), is_first=i == 0, segments=seg))
         dt = time.perf_counter() - t
+        print(f"{'packed' if pack else 'unpacked'} step {i + 1}/{n}: {dt:.2f} s, "
+              f"{b.real_tokens} real tokens", file=sys.stderr, flush=True)
         if i >= args.warmup:
             times.append(dt)
             real += b.real_tokens
