@@ -33,7 +33,7 @@ def run_mode(model, tok, items, args, pack: bool) -> dict:
     from toygraph.recipes import LoRA, RecipeOptions
     recipe = LoRA(targets=tuple(args.targets.split(",")), rank=8, alpha=16)
     t0 = time.perf_counter()
-    recipe.realize(model, model.config, RecipeOptions(t_seq=args.seq_len, t_batch=args.batch,
+    recipe.realize(model, model.config, RecipeOptions(seq_len=args.seq_len, batch=args.batch,
                                                       backend=args.backend, pack=pack, seed=0))
     realize_s = time.perf_counter() - t0
     n = args.warmup + args.steps

@@ -122,10 +122,14 @@ def model(request, tmp_path_factory):
 
 
 def _recipe(model, batch, seq, pack, dtype, rng_seed=0):
-    """A LoRA recipe on every projection with B != 0, so every adapter has a gradient."""
+    """A LoRA recipe on every projection with B != 0, so every adapter has a gradient;
+    ``dtype`` f64 re-realizes its graph in the numpy backend's f64 (gradient checks)."""
     r = LoRA(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=2, alpha=4)
-    r.realize(model, model.config, RecipeOptions(t_seq=seq, t_batch=batch, weight_dtype=dtype,
-                                                 pack=pack, seed=1, init_scale=0.1))
+    r.realize(model, model.config, RecipeOptions(seq_len=seq, batch=batch, pack=pack, seed=1,
+                                                 init_scale=0.1))
+    if dtype == "f64":
+        r.sess = Session(r.graph, dtype="f64")
+        r.sess.realize()
     rng = np.random.default_rng(rng_seed)
     r.load_trainable({n: (v + rng.normal(size=v.shape) * 0.1 if n.endswith("lora_b") else v)
                       for n, v in r.trainable().items()})
@@ -185,7 +189,7 @@ def test_changing_one_example_leaves_the_others_logits_bit_identical(model):
     items = make_items(rng, 5, 12, vocab=model.config.n_vocab)
     b = packed_batches(items, 1, T, 0, shuffle=False, seed=0, epoch=0)[0]
     g = Graph()
-    net = build_decoder(g, model.config, batch=1, seq=T, model=model, packed=True)
+    net = build_decoder(g, model.config, batch=1, seq_len=T, model=model, packed=True)
     g.output(net.logits)
     s = Session(g)
     s.realize()
@@ -210,7 +214,7 @@ def test_changing_one_example_leaves_the_others_logits_bit_identical(model):
 def test_a_packing_recipe_needs_segment_ids(tiny_llama):
     m = GGUFModel(tiny_llama)
     r = LoRA(rank=2)
-    r.realize(m, m.config, RecipeOptions(t_seq=8, t_batch=1, pack=True))
+    r.realize(m, m.config, RecipeOptions(seq_len=8, batch=1, pack=True))
     z = np.zeros((1, 1, 8), np.int32)
     with pytest.raises(GraphError, match="segment ids are needed exactly when"):
         r.step(z, z, z, np.zeros(7, np.float32), is_first=True)
@@ -271,7 +275,7 @@ def test_packed_lora_steps_on_the_host_executor_match_numpy(tiny_llama, monkeypa
 
     def run(backend):
         r = LoRA(targets=("q", "k", "v", "o"), rank=2, alpha=4)
-        r.realize(model, model.config, RecipeOptions(t_seq=40, t_batch=2, backend=backend,
+        r.realize(model, model.config, RecipeOptions(seq_len=40, batch=2, backend=backend,
                                                      pack=True, seed=2, init_scale=0.1))
         return [r.step(b.tokens[None], b.positions[None], b.labels[None], hp_row(i + 1, 1e-2),
                        is_first=i == 0, segments=b.segments[None]) for i, b in enumerate(bs[:3])]

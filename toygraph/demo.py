@@ -16,7 +16,8 @@ PROMPTS = ["Tell me the capital of Japan.", "What's the capital city of Kenya?",
            "Capital of Norway?"]
 
 
-def run_demo(out: str = "runs/demo", steps: int = 60, backend: str = "cpu") -> int:
+def run_demo(out: str = "runs/demo", steps: int = 60, backend: str = "cpu",
+             precision: str = "f32") -> int:
     from toygraph.fixtures.smollm2 import smollm2_path
     from .inference import LanguageModel
     from .train import TrainConfig, run_training
@@ -27,18 +28,20 @@ def run_demo(out: str = "runs/demo", steps: int = 60, backend: str = "cpu") -> i
         from toygraph import fixtures
         data = Path(fixtures.__file__).parent / "data" / "capitals.jsonl"
     print(f"model: {Path(model).name}\ndata:  {data}\n")
-    base = LanguageModel(model, backend=backend)
+    base = LanguageModel(model, backend=backend, precision=precision)
     before = {p: base.generate(p, chat=True, max_new_tokens=24) for p in PROMPTS}
     del base
     t0 = time.perf_counter()
-    cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora",
-                      targets=("q", "k", "v", "o"), rank=8, alpha=16, steps=steps, batch=8,
-                      seq_len=66, lr=3e-3, schedule="cosine", warmup=5, clip=1.0,
-                      val_split=0.1, eval_every=max(1, steps // 3), seed=42, backend=backend,
-                      overwrite=True)  # a demo run replaces the previous demo
-    summary = run_training(cfg)
+    # LoRA rank, alpha, seed, schedule, clip and val split are TrainConfig's defaults.
+    train_cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora",
+                            targets=("q", "k", "v", "o"), steps=steps, batch=8, seq_len=66,
+                            lr=3e-3, warmup=5, eval_every=max(1, steps // 3), backend=backend,
+                            precision=precision,
+                            overwrite=True)  # a demo run replaces the previous demo
+    summary = run_training(train_cfg)
     minutes = (time.perf_counter() - t0) / 60
-    tuned = LanguageModel(model, adapter_dir=out, backend=backend)
+    tuned = LanguageModel(model, adapter_dir=out, backend=backend,
+                          precision=precision)
     evals = [json.loads(l) for l in (Path(out) / "events.jsonl").read_text().splitlines()]
     curve = [f"{e['val_loss']:.3f}@{e['step']}" for e in evals if e["event"] == "eval"]
     print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; "
