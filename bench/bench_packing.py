@@ -66,6 +66,24 @@ def run_mode(model, tok, items, args, pack: bool) -> dict:
             "arena_bytes": recipe.sess.plan.arena_bytes, "losses": losses}
 
 
+def table(doc: dict) -> str:
+    """The markdown table of one run (``--json``'s document)."""
+    a, rows = doc["args"], doc["rows"]
+    out = [f"## packing: {doc['model']}, LoRA {a['targets']}, {a['backend']}, batch {a['batch']} "
+           f"x seq_len {a['seq_len']}, {a['steps']} timed steps after {a['warmup']} warmup\n",
+           f"{doc['utc']} UTC, {doc['node']}, {doc['cores']} cores, load average "
+           f"{doc['load_avg']:.1f} at the end. {doc['report']}. {a['note']}\n",
+           "| mode | real tokens / slots (epoch) | timed steps' | step s | real tok/s | "
+           "slot tok/s | arena MiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {'packed' if r['pack'] else 'one example per row'} | "
+                   f"{r['epoch_efficiency']:.1%} ({r['batches_per_epoch']} batches) | "
+                   f"{r['timed_efficiency']:.1%} | {r['step_s']:.2f} | {r['real_tok_s']:.3g} | "
+                   f"{r['slot_tok_s']:.3g} | {r['arena_bytes'] / 2 ** 20:.0f} |")
+    out.append(f"\npacked / unpacked real tok/s: **{doc['speedup']:.2f}x**")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="GGUF path or 'smollm2' (cached)")
@@ -89,24 +107,12 @@ def main(argv=None):
     rows = [run_mode(model, tok, enc.items, args, pack) for pack in (False, True)]
     speedup = rows[1]["real_tok_s"] / rows[0]["real_tok_s"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"## packing: {Path(path).name}, LoRA {args.targets}, {args.backend}, "
-          f"batch {args.batch} x seq_len {args.seq_len}, {args.steps} timed steps after "
-          f"{args.warmup} warmup\n")
-    print(f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
-          f"{os.cpu_count()} cores, load average {load:.1f} at the end. {enc.report}. "
-          f"{args.note}\n")
-    print("| mode | real tokens / slots (epoch) | timed steps' | step s | real tok/s | "
-          "slot tok/s | arena MiB |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {'packed' if r['pack'] else 'one example per row'} | "
-              f"{r['epoch_efficiency']:.1%} ({r['batches_per_epoch']} batches) | "
-              f"{r['timed_efficiency']:.1%} | {r['step_s']:.2f} | {r['real_tok_s']:.0f} | "
-              f"{r['slot_tok_s']:.0f} | {r['arena_bytes'] / 2 ** 20:.0f} |")
-    print(f"\npacked / unpacked real tok/s: **{speedup:.2f}x**")
+    doc = {"rows": rows, "speedup": speedup, "load_avg": load, "args": vars(args),
+           "model": Path(path).name, "report": str(enc.report), "node": platform.node(),
+           "cores": os.cpu_count(), "utc": f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M}"}
+    print(table(doc))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "speedup": speedup,
-                                               "load_avg": load, "args": vars(args)}, indent=1))
+        Path(args.json).write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":
