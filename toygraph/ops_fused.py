@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from .optable import F32, I32, LABELS, check, check_floats, define_op, make_node
+from .optable import F32, I32, INT32_MAX, LABELS, check, check_floats, define_op, make_node
 
 
 # --- fused attention -------------------------------------------------------------------------
-def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0):
+def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0, segments=None):
     """softmax(scale * q k^T [causal-masked]) v without a [heads, seq, seq] tensor.
+
+    ``segments`` (optional i32 [B, T], values >= 0) is sample packing's segment id per
+    token: query i then also needs segments[b, i] == segments[b, j] to see key j, so the
+    examples packed into one row never see each other (a block-diagonal mask, applied
+    inside the kernels, never built as [T, T]). Without it every key of the row may be
+    seen, as before.
 
     ``window`` > 0 is sliding-window causal attention (Gemma 3's local layers): query i
     sees key j iff j <= i and i - j < window. That is transformers' sliding overlay
@@ -25,11 +31,27 @@ def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0):
 
     >>> o = attention(q, k, v, scale=hd ** -0.5)          # doctest: +SKIP
     """
-    return make_node("attention", [q, k, v], scale=float(scale), causal=bool(causal),
+    srcs = [q, k, v] if segments is None else [q, k, v, segments]
+    return make_node("attention", srcs, scale=float(scale), causal=bool(causal),
                      window=int(window))
 
 
+def attention_operands(node):
+    """(q, k, v, segments or None, [o, g] for attention_back) of an attention node: the
+    segment ids are an optional fourth source."""
+    n = 3 if node.op == "attention" else 5
+    segmented = len(node.srcs) > n
+    q, k, v = node.srcs[:3]
+    return q, k, v, node.srcs[3] if segmented else None, list(node.srcs[3 + segmented:])
+
+
 def _infer_attention(shapes, dtypes, attrs):
+    if len(shapes) == 4:
+        seg = shapes[3]
+        check(dtypes[3] == I32, f"segment ids must be i32, got {dtypes[3]}")
+        check(tuple(seg) == (shapes[0][0], shapes[0][2]),
+              f"segment ids must be [B, T] = [{shapes[0][0]}, {shapes[0][2]}], got {seg}")
+        shapes, dtypes = shapes[:3], dtypes[:3]
     check_floats(dtypes)
     q, k, v = shapes[:3]
     check(len(q) == 4 and len(k) == 4, f"q must be [B, H, T, hd] and k, v [B, KV, T, hd], "
@@ -44,9 +66,11 @@ def _infer_attention(shapes, dtypes, attrs):
 
 
 def _infer_attention_back(shapes, dtypes, attrs):
-    q, k, v, o, g = shapes
-    _infer_attention([q, k, v], dtypes[:3], attrs)
-    check_floats(dtypes)
+    n = len(shapes) - 2    # q, k, v[, segments], o, g
+    _infer_attention(shapes[:n], dtypes[:n], attrs)
+    check_floats(dtypes[n:])
+    q, k = shapes[:2]
+    o, g = shapes[n:]
     check(tuple(o) == tuple(q) and tuple(g) == tuple(q),
           f"output {o} and its gradient {g} must have q's shape {q}")
     return (int(np.prod(q)) + 2 * int(np.prod(k)),), F32
@@ -55,10 +79,10 @@ def _infer_attention_back(shapes, dtypes, attrs):
 def _grad_attention(n, g, need):
     back = make_node("attention_back", [*n.srcs, n, g], **n.attrs)
     grads, offset = [], 0
-    for s, nd in zip(n.srcs, need):
+    for s, nd in zip(n.srcs[:3], need):
         grads.append(unpack(back, offset, s.shape) if nd else None)
         offset += s.size
-    return grads
+    return grads + [None] * (len(n.srcs) - 3)   # segment ids: integers, no gradient
 
 
 def unpack(x, offset: int, shape):
@@ -76,8 +100,12 @@ def _infer_unpack(shapes, dtypes, attrs):
     return shape, dtypes[0]
 
 
-define_op("attention", _infer_attention, _grad_attention)
-define_op("attention_back", _infer_attention_back)
+#: Segment ids are only compared for equality; any non-negative int32 is one.
+_SEGMENT_IDS = {3: (0, INT32_MAX, "segment ids (>= 0)")}
+define_op("attention", _infer_attention, _grad_attention,
+          id_ranges=lambda n: _SEGMENT_IDS if len(n.srcs) == 4 else {})
+define_op("attention_back", _infer_attention_back,
+          id_ranges=lambda n: _SEGMENT_IDS if len(n.srcs) == 6 else {})
 define_op("unpack", _infer_unpack)
 
 

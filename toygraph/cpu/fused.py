@@ -15,12 +15,13 @@ from .registry import kernel
 ATTN_ROWS = 256
 
 
-def _attn_blocks(q, k, attrs):
+def _attn_blocks(q, k, attrs, segments=None):
     """Per query block [i0, i1): the visible keys [j0, j1) as a slice, the block's queries
     folded to [B, KV, G * rows, hd] and its probabilities softmax(scale * q k^T)
-    [B, KV, G * rows, j1 - j0]. Query i sees key j iff j <= i (causal) and i - j < window
-    (when window > 0), so keys past the block's last query and before its first query's
-    window are never multiplied."""
+    [B, KV, G * rows, j1 - j0]. Query i sees key j iff j <= i (causal), i - j < window
+    (when window > 0) and, with ``segments`` [B, T], segments[b, i] == segments[b, j], so
+    keys past the block's last query and before its first query's window are never
+    multiplied; other segments' keys are masked per block, never as a [T, T] array."""
     B, H, T, hd = q.shape
     KV = k.shape[1]
     G = H // KV
@@ -35,10 +36,15 @@ def _attn_blocks(q, k, attrs):
         qb = q5[:, :, :, i0:i1].reshape(B, KV, G * rows, hd)
         p = np.matmul(qb, np.swapaxes(k[:, :, keys], -1, -2))
         p *= p.dtype.type(attrs["scale"])
+        masked = np.zeros((1, rows, j1 - j0), bool)
         if attrs["causal"]:
             i, j = np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :]
-            masked = (j > i) | (i - j >= window) if window else j > i
-            np.copyto(p.reshape(B, KV, G, rows, j1 - j0), -np.inf, where=masked)
+            masked = masked | ((j > i) | (i - j >= window) if window else j > i)
+        if segments is not None:
+            masked = masked | (segments[:, i0:i1, None] != segments[:, None, keys])
+        if masked.any():
+            np.copyto(p.reshape(B, KV, G, rows, j1 - j0), -np.inf,
+                      where=masked[:, None, None])
         p -= p.max(axis=-1, keepdims=True)
         np.exp(p, out=p)
         p /= p.sum(axis=-1, keepdims=True)
@@ -53,11 +59,11 @@ def _fold(x5, i0, i1):
 
 @kernel("attention")
 def _attention(out, srcs, attrs):
-    q, k, v = srcs
+    q, k, v = srcs[:3]
     B, H, T, hd = q.shape
     KV = k.shape[1]
     out5 = out.reshape(B, KV, H // KV, T, hd)
-    for i0, i1, keys, _, p in _attn_blocks(q, k, attrs):
+    for i0, i1, keys, _, p in _attn_blocks(q, k, attrs, *srcs[3:]):
         out5[:, :, :, i0:i1] = np.matmul(p, v[:, :, keys]).reshape(B, KV, H // KV, i1 - i0, hd)
 
 
@@ -65,7 +71,7 @@ def _attention(out, srcs, attrs):
 def _attention_back(out, srcs, attrs):
     """[dq, dk, dv] packed flat, from the recomputed probabilities block by block:
     dv = P^T dO, dS = P * (dO V^T - rowsum(dO * O)) * scale, dq = dS K, dk = dS^T Q."""
-    q, k, v, o, g = srcs
+    q, k, v, *segments, o, g = srcs    # segments: [] or [segment ids]
     B, H, T, hd = q.shape
     KV = k.shape[1]
     G = H // KV
@@ -77,7 +83,7 @@ def _attention_back(out, srcs, attrs):
     dv.fill(0)
     g5, o5 = g.reshape(dq.shape), o.reshape(dq.shape)
     scale = out.dtype.type(attrs["scale"])
-    for i0, i1, keys, qb, p in _attn_blocks(q, k, attrs):
+    for i0, i1, keys, qb, p in _attn_blocks(q, k, attrs, *segments):
         gb = _fold(g5, i0, i1)
         delta = np.sum(gb * _fold(o5, i0, i1), axis=-1, keepdims=True)
         dv[:, :, keys] += np.matmul(np.swapaxes(p, -1, -2), gb)

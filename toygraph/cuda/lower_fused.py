@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import CudaError
+from ..ops_fused import attention_operands
 from .constants import ATTN_TILES, MM_BM, MM_THREADS, TC_THREADS
 from .kernels import QUANT_KERNELS, TC_KERNELS
 from .launch import MAX_GRID_YZ, Launch, _blocks, _rows_grid, f32, i32, p, strided
@@ -32,9 +33,12 @@ def _attention(node, at) -> list[Launch]:
     """attention: one launch, a block per (query tile, head, batch). attention_back: the
     row statistics into scratch, then dk/dv per (key tile, kv head, batch) and dq per
     (query tile, head, batch), written straight into the packed [dq, dk, dv] output. The
-    kernels are instantiated per head_dim bound HD (constants.ATTN_TILES), named ``_HD``."""
+    kernels are instantiated per head_dim bound HD (constants.ATTN_TILES), named ``_HD``.
+    Optional segment ids (sample packing) pass as a pointer after the float operands, a
+    null pointer without them."""
     out, ptr, scratch = at.out, at.ptr, at.scratch
-    q, k, v = node.srcs[:3]
+    q, k, v, seg, rest = attention_operands(node)
+    segs = p(ptr(seg) if seg is not None else 0)
     B, H, T, hd = q.shape
     KV = k.shape[1]
     HD, BT, TPR = attention_config(hd)
@@ -47,14 +51,15 @@ def _attention(node, at) -> list[Launch]:
     per_head, per_kv = (tiles, H, B), (tiles, KV, B)
     if node.op == "attention":
         return [Launch(f"tg_attn_fwd_{HD}", per_head,
-                       [p(out), p(ptr(q)), p(ptr(k)), p(ptr(v)), *common], block)]
-    o, g = node.srcs[3:]
+                       [p(out), p(ptr(q)), p(ptr(k)), p(ptr(v)), segs, *common], block)]
+    o, g = rest
     lse, delta = scratch, scratch + 4 * B * H * T
     dq, dk, dv = out, out + 4 * q.size, out + 4 * (q.size + k.size)
-    stats = [p(lse), p(delta)]
+    stats = [p(lse), p(delta), segs]
     qkvg = [p(ptr(q)), p(ptr(k)), p(ptr(v)), p(ptr(g))]
     return [Launch(f"tg_attn_bwd_prep_{HD}", per_head,
-                   [*stats, p(ptr(q)), p(ptr(k)), p(ptr(o)), p(ptr(g)), *common], block),
+                   [p(lse), p(delta), p(ptr(q)), p(ptr(k)), p(ptr(o)), p(ptr(g)), segs, *common],
+                   block),
             Launch(f"tg_attn_bwd_dkdv_{HD}", per_kv, [p(dk), p(dv), *qkvg, *stats, *common],
                    block),
             Launch(f"tg_attn_bwd_dq_{HD}", per_head, [p(dq), *qkvg, *stats, *common], block)]
