@@ -133,7 +133,7 @@ class PreferenceRecipe(LoRA):
         s = self.sess
         micro = self._begin_step(token_ids, positions, labels, hp, is_first, segments)
         losses, parts = [], []
-        for i, (ids, pos, lab) in enumerate(micro):
+        for i, (ids, pos, lab, _) in enumerate(micro):  # pairs are never packed
             valid = self._upload(ids, pos, lab)
             s.run("step" if i == len(micro) - 1 else "backward")
             losses.append(float(s.download(self.loss)))
