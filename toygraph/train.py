@@ -18,6 +18,7 @@ options, data and model are the ones it was made with.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import platform
@@ -116,7 +117,8 @@ def _prepare(train_cfg: TrainConfig, ranks: int = 1) -> Prepared:
                         f"--seq-len {train_cfg.seq_len}")
     train, val = split_train_val(enc.items, train_cfg.val_split, train_cfg.seed)
     state = LoopState(data_hash=data_hash(train_cfg.data), options=train_cfg.options(),
-                      model_fingerprint=model_fingerprint(train_cfg.model))
+                      model_fingerprint=model_fingerprint(train_cfg.model),
+                      reference_hash=_reference_hash(train_cfg))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state)
     if train_cfg.resume:
         prep.resume_from, prep.skipped = find_resumable(Path(train_cfg.resume))
@@ -126,6 +128,18 @@ def _prepare(train_cfg: TrainConfig, ranks: int = 1) -> Prepared:
         for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
             setattr(state, name, getattr(saved, name))
     return prep
+
+
+def _reference_hash(train_cfg: TrainConfig) -> str | None:
+    """DPO with --adapter-init: a hash of that adapter, its reference model (None otherwise).
+    A missing file is left for the adapter loader to report."""
+    from .adapters import CONFIG_FILE, WEIGHTS_FILE
+    if train_cfg.recipe != "dpo" or not train_cfg.adapter_init:
+        return None
+    files = [Path(train_cfg.adapter_init) / name for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    if not all(f.is_file() for f in files):
+        return None
+    return hashlib.sha256("".join(data_hash(f) for f in files).encode()).hexdigest()
 
 
 def _realize(train_cfg: TrainConfig, prep: Prepared, ranks: int = 1):

@@ -28,6 +28,7 @@ class LoopState:
     best_val: float | None = None       # lowest validation loss so far
     bad_evals: int = 0                  # evaluations since the last improvement
     data_hash: str | None = None        # sha256 of the data file
+    reference_hash: str | None = None   # DPO: sha256 of the --adapter-init reference adapter
     options: dict = field(default_factory=dict)          # every option of the run
     model_fingerprint: dict | None = None                # resume.model_fingerprint
     status: str = "running"             # running, completed, early_stopped, interrupted, ...
