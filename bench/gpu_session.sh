@@ -26,6 +26,8 @@
 #             checkpointing off/on: planned memory, step time) for the ckpt-* entries
 #             (last; skipped when time runs out)
 #             tables -> $OUT/bench.md, progress -> $OUT/bench.log
+#   pack      bench/bench_packing.py: real tok/s with and without --pack, SmolLM2 LoRA at
+#             8x512 and 4x2048 on the ragged data -> $OUT/bench.md, $OUT/bench.log
 # Always: $OUT/summary.md (device, date, commands, PASS/FAIL/SKIP/TIMEOUT per stage, rewritten
 # after every stage), $OUT/setup.log, $OUT/results.json (golden/slice/bench numbers).
 # That is 8 files, the most that comes back from $OUT.
@@ -51,11 +53,11 @@ rm -f "$WORK"/*.json
 BUDGET=${GS_BUDGET:-540}
 DEADLINE=$((SECONDS + BUDGET))
 RESERVE=20          # seconds kept for results.json and the summary at the end
-STAGES=",${GS_STAGES:-tests,nographs,gate,golden,nccl,slice,generate,bench},"
+STAGES=",${GS_STAGES:-tests,nographs,gate,golden,nccl,slice,generate,bench,pack},"
 BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16 ckpt-smollm2-512x8 ckpt-llama1b-2048x4}
 SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
-TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt"
+TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt lora_packed_tiny_llama"
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.md
 SETUP_LOG=$OUT/setup.log
@@ -282,6 +284,17 @@ for r in d.get("rows", []):
 print("; ".join(parts) or "no rows")
 EOF
 
+cat > "$WORK/pack_detail.py" <<'EOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception:
+    print("no JSON written"); sys.exit(0)
+print("; ".join(f"{'packed' if r['pack'] else 'unpacked'} {r['real_tok_s']:.0f} real tok/s "
+                f"({r['timed_efficiency']:.0%} real)" for r in d["rows"])
+      + f"; speedup {d['speedup']:.2f}x")
+EOF
+
 cat > "$WORK/merge_results.py" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -387,6 +400,15 @@ if want bench; then
         stage "bench $b" "$cap" "$OUT/bench.log" \
             "$PY $WORK/bench_detail.py $WORK/bench-$b.json" \
             "set -o pipefail; $PY $script --device cuda $args $extra --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
+    done
+fi
+
+if want pack; then
+    for shape in 8x512 4x2048; do
+        batch=${shape%x*} seq=${shape#*x}
+        stage "pack $shape" 150 "$OUT/bench.log" \
+            "$PY $WORK/pack_detail.py $WORK/bench-pack-$shape.json" \
+            "set -o pipefail; $PY bench/bench_packing.py --backend cuda --batch $batch --seq-len $seq --steps 10 --warmup 2 --json $WORK/bench-pack-$shape.json --note 'gpu_session.sh pack $shape' | tee -a $OUT/bench.md >&2"
     done
 fi
 

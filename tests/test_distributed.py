@@ -170,21 +170,23 @@ def runs(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("dp")
     data = write_chat_data(tmp / "chat.jsonl")
     out = {}
-    for accum in (1, 2):
+    for accum in (1, 2, "packed"):
+        extra = (["--grad-accum", "2", "--pack", "--seq-len", "96"] if accum == "packed"                  else ["--grad-accum", str(accum)])
         for ranks in (1, 2):
             out[ranks, accum] = tmp / f"ranks{ranks}-accum{accum}"
             r = _finetune(ranks, tiny_llama, data, out[ranks, accum], "--steps", "4",
-                          "--grad-accum", str(accum), "--val-split", "0.25", "--eval-every",
+                          *extra, "--val-split", "0.25", "--eval-every",
                           "2", "--save-every", "2", "--keep-checkpoints", "5")
             (out[ranks, accum] / "stdout.txt").write_text(r.stdout)
     return out, data
 
 
 @needs_mpi
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("accum", [1, 2, "packed"])
 def test_two_ranks_match_one_process(runs, accum):
     """Same global batch: per-step losses and final adapter within 1e-6 relative (only the
-    summation order differs); rank 0 alone wrote the run, with both ranks recorded."""
+    summation order differs); rank 0 alone wrote the run, with both ranks recorded. Packed
+    rows (with accumulation) shard their segment ids like the other inputs."""
     dirs, _ = runs
     one, two = dirs[1, accum], dirs[2, accum]
     _assert_close(_losses(two), _losses(one))

@@ -42,39 +42,47 @@ def _emulate_attention(launch, mem):
     a = [x[0] for x in launch.args]
     H, KV, T, hd, scale, causal, window = (int(a[-7]), int(a[-6]), int(a[-5]), int(a[-4]),
                                            float(a[-3]), int(a[-2]), int(a[-1]))
-    ptrs = [int(x) for x in a[:-7]]
+    *ptrs, seg_addr = [int(x) for x in a[:-7]]   # segment ids: the last pointer (or 0)
     G, nt, head = H // KV, (T + BT - 1) // BT, T * hd
     gx, gy, gz = launch.grid
     ar = np.arange(BT)
+    segs = None
+    if seg_addr:
+        arr, off = resolve(mem, seg_addr)
+        segs = np.concatenate([arr[off:off + gz * T].reshape(gz, T), np.zeros((gz, BT))], 1)
 
-    def visible(i0, j0):
+    def visible(i0, j0, b):
         i, j = i0 + ar[:, None], j0 + ar[None, :]
         vis = (i < T) & (j < T) & ((j <= i) if causal else True)
+        if segs is not None:   # attn_same_seg
+            vis = vis & (segs[b, i0:i0 + BT][:, None] == segs[b, j0:j0 + BT][None, :])
         return vis & (i - j < window) if window else vis
 
-    def key_tiles(qt):  # the kernels' tile loop bounds (attn_first_key_tile and causal last)
-        first = max(0, qt * BT - window + 1) // BT if window else 0
-        return range(first, (qt if causal else nt - 1) + 1)
+    def key_tiles(qt, b):  # the kernels' tile loop bounds (attn_first_key_tile and causal
+        first = max(0, qt * BT - window + 1) // BT if window else 0   # last; attn_tile_live)
+        return [kt for kt in range(first, (qt if causal else nt - 1) + 1)
+                if segs is None or visible(qt * BT, kt * BT, b).any()]
 
-    def query_tiles(kt):  # attn_last_query_tile
+    def query_tiles(kt, b):  # attn_last_query_tile, attn_tile_live
         last = min(nt - 1, (kt * BT + BT - 1 + window - 1) // BT) if window else nt - 1
-        return range(kt if causal else 0, last + 1)
+        return [qt for qt in range(kt if causal else 0, last + 1)
+                if segs is None or visible(qt * BT, kt * BT, b).any()]
 
-    def tile_pair(i0, j0):  # a tile pair the kernels visit: none with nothing visible
-        assert visible(i0, j0).any(), ("a visited tile is wholly masked", i0, j0)
-        return i0, j0
+    def tile_pair(i0, j0, b):  # a tile pair the kernels visit: none with nothing visible
+        assert visible(i0, j0, b).any(), ("a visited tile is wholly masked", i0, j0)
+        return i0, j0, b
 
     def write(addr, rows0, vals):  # rows [rows0, rows0 + BT) of a [T, hd] matrix
         arr, off = resolve(mem, addr)
         n = max(0, min(BT, T - rows0))
         arr[off + rows0 * hd:off + (rows0 + n) * hd] = vals[:n, :hd].ravel()
 
-    def scores(Q, i0, kaddr, qt):
+    def scores(Q, i0, kaddr, qt, b):
         """Online row max / sum over query tile qt's key tiles; yields per tile (j0, s, base)."""
         m, l = np.full(BT, -np.inf), np.zeros(BT)
-        for kt in key_tiles(qt):
+        for kt in key_tiles(qt, b):
             Ks = _attn_tile(mem, kaddr, kt * BT, T, hd, BT, HD)
-            s = np.where(visible(*tile_pair(i0, kt * BT)), (Q @ Ks.T) * scale, -np.inf)
+            s = np.where(visible(*tile_pair(i0, kt * BT, b)), (Q @ Ks.T) * scale, -np.inf)
             mn = np.maximum(m, s.max(1))
             base = np.where(mn == -np.inf, 0.0, mn)
             p = np.exp(s - base[:, None])
@@ -94,14 +102,14 @@ def _emulate_attention(launch, mem):
                         out, q, k, v = ptrs
                         Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
                         acc = np.zeros((BT, HD))
-                        for j0, p, alpha, m, l in scores(Q, i0, k + 4 * kv * head, qt):
+                        for j0, p, alpha, m, l in scores(Q, i0, k + 4 * kv * head, qt, b):
                             Vs = _attn_tile(mem, v + 4 * kv * head, j0, T, hd, BT, HD)
                             acc = acc * alpha[:, None] + p @ Vs
                         write(out + 4 * (b * H + h) * head, i0, acc / l[:, None])
                     else:
                         lse, delta, q, k, o, g = ptrs
                         Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
-                        for _, _, _, m, l in scores(Q, i0, k + 4 * kv * head, qt):
+                        for _, _, _, m, l in scores(Q, i0, k + 4 * kv * head, qt, b):
                             pass
                         O = _attn_tile(mem, o + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
                         dO = _attn_tile(mem, g + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
@@ -124,7 +132,7 @@ def _emulate_attention(launch, mem):
                     dka, dva = np.zeros((BT, HD)), np.zeros((BT, HD))
                     for h in range(kvh * G, kvh * G + G):
                         qa, ga = q + 4 * (b * H + h) * head, g + 4 * (b * H + h) * head
-                        for qt in query_tiles(kt):
+                        for qt in query_tiles(kt, b):
                             i0 = qt * BT
                             Q = _attn_tile(mem, qa, i0, T, hd, BT, HD)
                             dO = _attn_tile(mem, ga, i0, T, hd, BT, HD)
@@ -133,7 +141,7 @@ def _emulate_attention(launch, mem):
                             D, Do = resolve(mem, delta)
                             Li = np.where(i0 + ar < T, L[Lo + rows], 0.0)
                             Di = np.where(i0 + ar < T, D[Do + rows], 0.0)
-                            vis = visible(*tile_pair(i0, j0))      # [query, key]
+                            vis = visible(*tile_pair(i0, j0, b))   # [query, key]
                             p = np.where(vis, np.exp((Q @ Ks.T) * scale - Li[:, None]), 0.0)
                             ds = p * ((dO @ Vs.T) - Di[:, None]) * scale
                             dva += p.T @ dO
@@ -157,11 +165,11 @@ def _emulate_attention(launch, mem):
                     Li = np.where(i0 + ar < T, L[Lo + rows], 0.0)
                     Di = np.where(i0 + ar < T, D[Do + rows], 0.0)
                     acc = np.zeros((BT, HD))
-                    for kt in key_tiles(qt):
+                    for kt in key_tiles(qt, b):
                         j0 = kt * BT
                         Ks = _attn_tile(mem, k + 4 * kv * head, j0, T, hd, BT, HD)
                         Vs = _attn_tile(mem, v + 4 * kv * head, j0, T, hd, BT, HD)
-                        p = np.where(visible(*tile_pair(i0, j0)),
+                        p = np.where(visible(*tile_pair(i0, j0, b)),
                                      np.exp((Q @ Ks.T) * scale - Li[:, None]), 0.0)
                         acc += (p * ((dO @ Vs.T) - Di[:, None]) * scale) @ Ks
                     write(dq + 4 * (b * H + h) * head, i0, acc)
@@ -182,21 +190,26 @@ def test_attention_launches_replayed_in_numpy_match_the_cpu_kernels(B, H, KV, T,
     replay_attention_launches(B, H, KV, T, hd, causal)
 
 
-def replay_attention_launches(B, H, KV, T, hd, causal, window=0):
+def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None):
     """Lower attention and its backward, replay every launch with _emulate_attention and
-    compare with the numpy kernels (the windowed test below runs it with sliding windows)."""
+    compare with the numpy kernels (the windowed test below runs it with sliding windows,
+    test_ops_flash_attention_segments.py with segment ids)."""
     rng = np.random.default_rng(0)
     g = Graph()
     vals = [rng.normal(size=s) for s in ((B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd))]
     q, k, v = (g.const(n, x) for n, x in zip("qkv", vals))
+    seg = None if segments is None else g.input("segs", (B, T), "i32")
     # The kernels take the scale as an f32 argument: give both sides that value.
     att = ops.attention(q, k, v, scale=float(np.float32(hd ** -0.5)), causal=causal,
-                        window=window)
+                        window=window, segments=seg)
     gout = g.const("gout", rng.normal(size=att.shape))
-    back = ops.OPS["attention"].grad(att, gout, [True] * 3)[0].srcs[0]
-    addr = {t.id: (i + 1) << 24 for i, t in enumerate((q, k, v, gout, att, back))}
+    back = ops.OPS["attention"].grad(att, gout, [True] * 3 + [False] * (seg is not None))[0]
+    back = back.srcs[0]
+    leaves = (q, k, v, gout) + (() if seg is None else (seg,))
+    addr = {t.id: (i + 1) << 24 for i, t in enumerate(leaves + (att, back))}
     mem = {addr[t.id]: np.asarray(x, np.float64).ravel().copy()
-           for t, x in zip((q, k, v, gout), (*vals, gout.data))}
+           for t, x in zip(leaves, (*vals, gout.data, segments))}
+    vals = vals + ([] if seg is None else [segments])
     for t in (att, back):
         mem[addr[t.id]] = np.full(t.size, np.nan)  # every element must be written
     scratch = 200 << 24

@@ -200,6 +200,8 @@ def _add_finetune_args(p):
                    default=d.checkpoint_activations,
                    help="recompute each decoder block in the backward instead of keeping its "
                         "activations: less memory, at most one more forward of the blocks per step")
+    p.add_argument("--pack", action="store_true", default=d.pack,
+                   help="pack several examples into each --seq-len row (attention stays inside each)")
     p.add_argument("--quiet", action="store_true")
 
 

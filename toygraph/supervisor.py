@@ -83,10 +83,13 @@ def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
              world: World = World()) -> tuple[float, int, dict]:
     """Mean loss over ``items``, weighted by what each batch counts (tokens; pairs for
     the preference recipes), and the recipe's metrics (``last_metrics``) weighted alike.
-    Each rank of ``world`` evaluates its shard of every batch of ``batch`` rows."""
+    Batches are made by the recipe (packed when it packs); each rank of ``world``
+    evaluates its shard of every batch of ``batch`` rows."""
     total, count, sums = 0.0, 0, {}
     for b in recipe.make_batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
         rows = [shard(a, world.rank, world.size, axis=0) for a in (b.tokens, b.positions, b.labels)]
+        if b.segments is not None:
+            rows.append(shard(b.segments, world.rank, world.size, axis=0))
         s, n = recipe.evaluate(*rows)
         total, count = total + s, count + n
         for k, v in getattr(recipe, "last_metrics", {}).items():
@@ -129,13 +132,15 @@ class RunSupervisor(Hooks):
         t, train_cfg = trainer.state.step, self.train_cfg
         grad_norm = self.recipe.last_grad_norm()
         tokens = sum(b.tokens.size for b in micro)  # preference batches hold 2 rows a pair
+        real = int(sum(b.real_tokens for b in micro))   # not padding: what tok/s counts
         metrics = {k: v for k, v in getattr(self.recipe, "last_metrics", {}).items() if k != "loss"}
         self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
-                       tokens=tokens, targets=int(sum(b.n_targets for b in micro)),
+                       tokens=tokens, real_tokens=real,
+                       targets=int(sum(b.n_targets for b in micro)),
                        wall_ms=round(wall_s * 1000, 2), **metrics)
         self.guard.check_step(t, loss, grad_norm)
         self.losses.append(loss)
-        self.progress.update(t, loss, tokens / max(wall_s, 1e-9), metrics=metrics_text(metrics))
+        self.progress.update(t, loss, real / max(wall_s, 1e-9), metrics=metrics_text(metrics))
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
         due_time = (train_cfg.save_minutes
                     and time.monotonic() - self.last_save >= 60 * train_cfg.save_minutes)

@@ -18,6 +18,7 @@ options, data and model are the ones it was made with.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import platform
@@ -28,8 +29,7 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import find_resumable, load_checkpoint, restore_swapped, write_final
 from .config import ADAPTER_RECIPES, PREFERENCE_RECIPES, TrainConfig, check_against_model
-from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
-                   steps_per_epoch, batches)
+from .data import data_hash, encode_dataset, load_examples, pad_id_for, split_train_val
 from .distributed import World, agreed_call, is_agreed, world
 from .errors import DataError, ToygraphError
 from .gguf import GGUFModel
@@ -37,6 +37,7 @@ from .guard import DivergenceGuard, Diverged
 from .modelfile import write_modelfile
 from .preference import encode_pairs, load_pairs
 from .optim import Schedule
+from .packing import packing_efficiency
 from .plot import plot_losses
 from .resume import check_resume, model_fingerprint
 from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, NullLog, RunError, open_run_dir
@@ -116,7 +117,8 @@ def _prepare(train_cfg: TrainConfig, ranks: int = 1) -> Prepared:
                         f"--seq-len {train_cfg.seq_len}")
     train, val = split_train_val(enc.items, train_cfg.val_split, train_cfg.seed)
     state = LoopState(data_hash=data_hash(train_cfg.data), options=train_cfg.options(),
-                      model_fingerprint=model_fingerprint(train_cfg.model))
+                      model_fingerprint=model_fingerprint(train_cfg.model),
+                      reference_hash=_reference_hash(train_cfg))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state)
     if train_cfg.resume:
         prep.resume_from, prep.skipped = find_resumable(Path(train_cfg.resume))
@@ -126,6 +128,18 @@ def _prepare(train_cfg: TrainConfig, ranks: int = 1) -> Prepared:
         for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
             setattr(state, name, getattr(saved, name))
     return prep
+
+
+def _reference_hash(train_cfg: TrainConfig) -> str | None:
+    """DPO with --adapter-init: a hash of that adapter, its reference model (None otherwise).
+    A missing file is left for the adapter loader to report."""
+    from .adapters import CONFIG_FILE, WEIGHTS_FILE
+    if train_cfg.recipe != "dpo" or not train_cfg.adapter_init:
+        return None
+    files = [Path(train_cfg.adapter_init) / name for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    if not all(f.is_file() for f in files):
+        return None
+    return hashlib.sha256("".join(data_hash(f) for f in files).encode()).hexdigest()
 
 
 def _realize(train_cfg: TrainConfig, prep: Prepared, ranks: int = 1):
@@ -159,17 +173,18 @@ def _load_adapter_init(train_cfg: TrainConfig, recipe):
                               for s, v in (("a", a), ("b", b))})
 
 
-def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int, batches=batches):
-    """micro_batch(m) over epochs; the order of epoch e is a function of (seed, e)."""
-    n = steps_per_epoch(len(train), train_cfg.batch)
+def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int, recipe):
+    """micro_batch(m) over epochs; the order (and packing) of epoch e is a function of
+    (seed, e), and so is the number of batches an epoch has."""
+    n = recipe.batches_per_epoch(train, train_cfg.batch, train_cfg.seq_len)
     cache: dict[int, list] = {}
 
     def micro_batch(m: int):
         epoch, idx = divmod(m, n)
         if epoch not in cache:
             cache.clear()
-            cache[epoch] = batches(train, train_cfg.batch, train_cfg.seq_len, pad, shuffle=True,
-                                   seed=train_cfg.seed, epoch=epoch)
+            cache[epoch] = recipe.make_batches(train, train_cfg.batch, train_cfg.seq_len, pad,
+                                               shuffle=True, seed=train_cfg.seed, epoch=epoch)
         return cache[epoch][idx]
     return micro_batch, n
 
@@ -211,7 +226,7 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path, w: World) -> 
     t0 = time.perf_counter()
     recipe = agreed_call(w, _realize, train_cfg, prep, w.size)
     realize_s = time.perf_counter() - t0
-    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad, recipe.make_batches)
+    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad, recipe)
     total = train_cfg.steps or max(1, math.ceil((train_cfg.epochs or 1) * n_batches
                                                 / train_cfg.grad_accum))
     warmup = (train_cfg.warmup if train_cfg.schedule == "constant"
@@ -224,13 +239,19 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path, w: World) -> 
                       rank=w.rank, ranks=w.size)
     ranks = w.gather_info() if w.size > 1 else None
     log = EventLog(out / EVENTS_FILE) if w.rank == 0 else NullLog()
-    _log_start(train_cfg, prep, log, recipe, total, realize_s, ranks)
+    packing = (None if train_cfg.recipe in PREFERENCE_RECIPES
+               else packing_efficiency(prep.train, train_cfg.batch, train_cfg.seq_len))
+    _log_start(train_cfg, prep, log, recipe, total, realize_s, packing, ranks)
     progress = Progress(total, train_cfg.quiet or w.rank != 0)
+    rows = "rows" if train_cfg.pack else "sequences"
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
-             f"{total} steps of {recipe.batch_rows()[0] * train_cfg.grad_accum} sequences x "
+             f"{total} steps of {recipe.batch_rows()[0] * train_cfg.grad_accum} {rows} x "
              f"{train_cfg.seq_len} "
              f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"
              f"{' (activations recomputed per block)' if train_cfg.checkpoint_activations else ''}"]
+    if packing:
+        intro += [f"packing efficiency (real tokens / slots): {packing['unpacked']:.1%} unpacked, "
+                  f"{packing['packed']:.1%} packed{' (--pack)' if train_cfg.pack else ''}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": train_cfg.rank, "alpha": train_cfg.alpha,
                   "targets": list(train_cfg.targets),
@@ -310,7 +331,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: float,
-               ranks=None):
+               packing: dict | None, ranks=None):
     log.write("run_start", config=train_cfg.options(), data_hash=prep.state.data_hash,
               model_fingerprint=prep.state.model_fingerprint, versions=_versions(),
               model_config=asdict(prep.model.config), data_report=asdict(prep.enc.report),
@@ -321,6 +342,10 @@ def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: fl
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
               planned_bytes=recipe.sess.plan.arena_bytes,
               checkpoint_activations=recipe.opts.checkpoint_activations,
+              arena_bytes=recipe.sess.plan.arena_bytes,
+              **({"packing": {"pack": train_cfg.pack,
+                              "efficiency": packing["packed" if train_cfg.pack else "unpacked"],
+                              **packing}} if packing else {}),
               **({"ranks": ranks} if ranks else {}))
 
 

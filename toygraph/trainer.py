@@ -28,6 +28,7 @@ class LoopState:
     best_val: float | None = None       # lowest validation loss so far
     bad_evals: int = 0                  # evaluations since the last improvement
     data_hash: str | None = None        # sha256 of the data file
+    reference_hash: str | None = None   # DPO: sha256 of the --adapter-init reference adapter
     options: dict = field(default_factory=dict)          # every option of the run
     model_fingerprint: dict | None = None                # resume.model_fingerprint
     status: str = "running"             # running, completed, early_stopped, interrupted, ...
@@ -99,21 +100,24 @@ class Trainer:
         self.last_lr = None
 
     def inputs(self, t: int):
-        """(micro-batches, tokens, positions, labels) of step t; arrays [k, batch, seq_len]
-        (this rank's shard of the job's micro-batches, which the hooks get whole)."""
+        """(micro-batches, tokens, positions, labels, segments) of step t; arrays
+        [k, batch, seq_len] (this rank's shard of the job's micro-batches, which the hooks get
+        whole), segments None unless the batches are packed."""
         micro = [self.micro_batch((t - 1) * self.k + j) for j in range(self.k)]
+        fields = ("tokens", "positions", "labels") + (("segments",) if micro[0].segments is not None else ())
         stack = [shard(np.stack([getattr(b, f) for b in micro]), self.rank, self.ranks)
-                 for f in ("tokens", "positions", "labels")]
-        return (micro, *stack)
+                 for f in fields]
+        return (micro, *stack, None) if len(stack) == 3 else (micro, *stack)
 
     def step(self) -> tuple[float, list]:
         """One optimizer step; returns (loss before the update, its micro-batches)."""
         t = self.state.step + 1
-        micro, tokens, positions, labels = self.inputs(t)
+        micro, tokens, positions, labels, segments = self.inputs(t)
         self.last_lr = lr = self.schedule(t)
         hp = hp_row(t, lr, self.adamw.beta1, self.adamw.beta2, self.adamw.eps,
                     self.adamw.weight_decay)
-        loss = self.recipe.step(tokens, positions, labels, hp, is_first=(t == 1 and not self.resumed))
+        loss = self.recipe.step(tokens, positions, labels, hp, is_first=(t == 1 and not self.resumed),
+                                segments=segments)
         self.state.step = t
         if self.micro_per_epoch:
             self.state.epoch = t * self.k // self.micro_per_epoch

@@ -27,6 +27,13 @@
 // the window are skipped (attn_first_key_tile / attn_last_query_tile); the edge tiles are
 // masked element by element in attn_visible.
 //
+// Segment ids (sample packing; segs [B, T] i32, or a null pointer): query i also needs
+// segs[i] == segs[j] to see key j, so examples packed into one row stay apart. Each key
+// tile's (or, in dk/dv, query tile's) ids go to shared memory; a tile in which no pair of
+// the block meets is skipped whole (attn_tile_live: one shared flag, two barriers; the
+// online softmax is unchanged by a skipped all-masked tile), the others are masked
+// element by element (attn_same_seg). Without segment ids none of this runs.
+//
 // Instantiations (HD, BT, TPR), mirrored by lowering.ATTN_TILES: (32, 32, 4), (64, 32, 4),
 // (128, 16, 8); a head_dim hd <= HD runs on the smallest such HD. Static shared memory
 // stays under 48 KB in every kernel.
@@ -63,6 +70,41 @@ __device__ __forceinline__ bool attn_visible(int i, int j, int T, int causal, in
 
 __device__ __forceinline__ int attn_tiles(int T, int BT) { return (T + BT - 1) / BT; }
 
+// Segment id of row i of one batch row's ids (0 for every row without ids, or past T).
+__device__ __forceinline__ int attn_seg(const int* segs, int i, int T) {
+    return segs != nullptr && i < T ? segs[i] : 0;
+}
+
+// Whether tile column x (ids S in shared memory; null: no segment ids) is in segment own.
+__device__ __forceinline__ bool attn_same_seg(const int* S, int x, int own) {
+    return S == nullptr || S[x] == own;
+}
+
+// Segment ids only: loads the ids of tile rows [base, base + BT) into S and says whether
+// any pair this block tests meets (same segment, visible by causality and window). A
+// thread holds its own row `own` (segment own_seg) and tests columns sub, sub + TPR, ...
+// of the tile; ROWS_ARE_QUERIES says whether `own` is a query (forward, prep, dq) or a
+// key (dk/dv). Block-uniform through the shared flag: every thread must call it.
+template <int BT, int TPR, int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ bool attn_tile_live(int* S, int* live, const int* segs, int own,
+                                               int own_seg, int base, int sub, int T,
+                                               int causal, int window) {
+    for (int x = threadIdx.x; x < BT; x += blockDim.x) S[x] = attn_seg(segs, base + x, T);
+    if (threadIdx.x == 0) *live = 0;
+    __syncthreads();
+    bool meets = false;
+#pragma unroll
+    for (int c = 0; c < N; ++c) {
+        const int x = sub + TPR * c;
+        meets = meets || (S[x] == own_seg &&
+                          (ROWS_ARE_QUERIES ? attn_visible(own, base + x, T, causal, window)
+                                            : attn_visible(base + x, own, T, causal, window)));
+    }
+    if (meets) *live = 1;
+    __syncthreads();
+    return *live != 0;
+}
+
 // The first key tile query tile qt sees: its first query i0 sees keys from i0 - window + 1
 // on, and every later query of the tile starts later still.
 __device__ __forceinline__ int attn_first_key_tile(int qt, int BT, int window) {
@@ -81,9 +123,9 @@ __device__ __forceinline__ int attn_last_query_tile(int kt, int BT, int window, 
 // scores.
 template <int HD, int TPR, int NK>
 __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Qs)[HD + 1],
-                                                 const float (*Ks)[HD + 1], int r, int sub,
-                                                 int i, int j0, int T, int causal, int window,
-                                                 float scale) {
+                                                 const float (*Ks)[HD + 1], const int* Sk,
+                                                 int sq, int r, int sub, int i, int j0, int T,
+                                                 int causal, int window, float scale) {
 #pragma unroll
     for (int c = 0; c < NK; ++c) s[c] = 0.0f;
 #pragma unroll 8
@@ -95,8 +137,9 @@ __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Q
     float mt = TG_ATTN_NEG_INF;
 #pragma unroll
     for (int c = 0; c < NK; ++c) {
-        s[c] = attn_visible(i, j0 + sub + TPR * c, T, causal, window) ? __fmul_rn(s[c], scale)
-                                                                     : TG_ATTN_NEG_INF;
+        const int jj = sub + TPR * c;
+        s[c] = attn_visible(i, j0 + jj, T, causal, window) && attn_same_seg(Sk, jj, sq)
+                   ? __fmul_rn(s[c], scale) : TG_ATTN_NEG_INF;
         mt = fmaxf(mt, s[c]);
     }
     return mt;
@@ -104,12 +147,13 @@ __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Q
 
 template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float* k,
-                                         const float* v, int H, int KV, int T, int hd,
-                                         float scale, int causal, int window) {
+                                         const float* v, const int* segs, int H, int KV, int T,
+                                         int hd, float scale, int causal, int window) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float KVs[BT][HD + 1];
     __shared__ float Ps[BT][BT + 1];
+    __shared__ int Sk[BT], live;
     const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int r = threadIdx.x / TPR, sub = threadIdx.x % TPR;
     const int i0 = qt * BT, i = i0 + r;
@@ -117,6 +161,9 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
     const float* Q = q + ((long long)b * H + h) * head;
     const float* K = k + ((long long)b * KV + kvh) * head;
     const float* V = v + ((long long)b * KV + kvh) * head;
+    if (segs != nullptr) segs += (long long)b * T;
+    const int sq = attn_seg(segs, i, T);
+    const int* Skp = segs != nullptr ? Sk : nullptr;
     attn_load<HD, BT>(Qs, Q, i0, T, hd);
     float m = TG_ATTN_NEG_INF, l = 0.0f, acc[ND];
 #pragma unroll
@@ -124,12 +171,15 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
     const int last = causal ? qt : attn_tiles(T, BT) - 1;
     for (int kt = attn_first_key_tile(qt, BT, window); kt <= last; ++kt) {
         const int j0 = kt * BT;
-        __syncthreads();  // the previous tile's V and P are no longer read
+        __syncthreads();  // the previous tile's V, P and ids are no longer read
+        if (segs != nullptr && !attn_tile_live<BT, TPR, NK, true>(Sk, &live, segs, i, sq, j0,
+                                                                   sub, T, causal, window))
+            continue;
         attn_load<HD, BT>(KVs, K, j0, T, hd);
         __syncthreads();
         float s[NK];
-        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, KVs, r, sub, i, j0, T, causal,
-                                                       window, scale);
+        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, KVs, Skp, sq, r, sub, i, j0, T,
+                                                       causal, window, scale);
         const float mn = fmaxf(m, attn_group_max<TPR>(mt));
         const float base = mn == TG_ATTN_NEG_INF ? 0.0f : mn;  // a row with nothing seen yet
         const float alpha = expf(__fsub_rn(m, base));
@@ -167,28 +217,35 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
 template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const float* q,
                                               const float* k, const float* o, const float* g,
-                                              int H, int KV, int T, int hd, float scale,
-                                              int causal, int window) {
+                                              const int* segs, int H, int KV, int T, int hd,
+                                              float scale, int causal, int window) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float Ks[BT][HD + 1];
+    __shared__ int Sk[BT], live;
     const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int r = threadIdx.x / TPR, sub = threadIdx.x % TPR;
     const int i0 = qt * BT, i = i0 + r;
     const long long head = (long long)T * hd;
     const float* Q = q + ((long long)b * H + h) * head;
     const float* K = k + ((long long)b * KV + kvh) * head;
+    if (segs != nullptr) segs += (long long)b * T;
+    const int sq = attn_seg(segs, i, T);
+    const int* Skp = segs != nullptr ? Sk : nullptr;
     attn_load<HD, BT>(Qs, Q, i0, T, hd);
     float m = TG_ATTN_NEG_INF, l = 0.0f;
     const int last = causal ? qt : attn_tiles(T, BT) - 1;
     for (int kt = attn_first_key_tile(qt, BT, window); kt <= last; ++kt) {
         const int j0 = kt * BT;
         __syncthreads();
+        if (segs != nullptr && !attn_tile_live<BT, TPR, NK, true>(Sk, &live, segs, i, sq, j0,
+                                                                   sub, T, causal, window))
+            continue;
         attn_load<HD, BT>(Ks, K, j0, T, hd);
         __syncthreads();
         float s[NK];
-        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, Ks, r, sub, i, j0, T, causal,
-                                                       window, scale);
+        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, Ks, Skp, sq, r, sub, i, j0, T,
+                                                       causal, window, scale);
         const float mn = fmaxf(m, attn_group_max<TPR>(mt));
         const float base = mn == TG_ATTN_NEG_INF ? 0.0f : mn;
         float ls = 0.0f;
@@ -218,9 +275,9 @@ __device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const fl
 template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float* q,
                                               const float* k, const float* v, const float* g,
-                                              const float* lse, const float* delta, int H,
-                                              int KV, int T, int hd, float scale, int causal,
-                                              int window) {
+                                              const float* lse, const float* delta,
+                                              const int* segs, int H, int KV, int T, int hd,
+                                              float scale, int causal, int window) {
     constexpr int NQ = BT / TPR, ND = HD / TPR;
     __shared__ float Ks[BT][HD + 1];
     __shared__ float Vs[BT][HD + 1];
@@ -229,9 +286,13 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
     __shared__ float Ps[BT][BT + 1];   // [key][query]
     __shared__ float Ss[BT][BT + 1];   // dS, [key][query]
     __shared__ float Ls[BT], Ds[BT];
+    __shared__ int Sq[BT], live;
     const int kt = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, G = H / KV;
     const int c = threadIdx.x / TPR, sub = threadIdx.x % TPR;
     const int j0 = kt * BT, j = j0 + c;
+    if (segs != nullptr) segs += (long long)b * T;
+    const int sk = attn_seg(segs, j, T);
+    const int* Sqp = segs != nullptr ? Sq : nullptr;
     const long long head = (long long)T * hd;
     const long long kv_off = ((long long)b * KV + kvh) * head;
     attn_load<HD, BT>(Ks, k + kv_off, j0, T, hd);
@@ -248,6 +309,9 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
         for (int qt = causal ? kt : 0; qt <= last; ++qt) {
             const int i0 = qt * BT;
             __syncthreads();  // the previous query tile is no longer read
+            if (segs != nullptr && !attn_tile_live<BT, TPR, NQ, false>(Sq, &live, segs, j, sk, i0,
+                                                                        sub, T, causal, window))
+                continue;
             attn_load<HD, BT>(Qs, q + q_off, i0, T, hd);
             attn_load<HD, BT>(Gs, g + q_off, i0, T, hd);
             for (int x = threadIdx.x; x < BT; x += blockDim.x) {
@@ -270,7 +334,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
 #pragma unroll
             for (int m = 0; m < NQ; ++m) {
                 int ii = sub + TPR * m;
-                float p = attn_visible(i0 + ii, j, T, causal, window)
+                float p = attn_visible(i0 + ii, j, T, causal, window) && attn_same_seg(Sqp, ii, sk)
                               ? expf(__fsub_rn(__fmul_rn(s[m], scale), Ls[ii])) : 0.0f;
                 Ps[c][ii] = p;
                 Ss[c][ii] = __fmul_rn(__fmul_rn(p, __fsub_rn(dp[m], Ds[ii])), scale);
@@ -303,20 +367,24 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
 template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const float* k,
                                             const float* v, const float* g, const float* lse,
-                                            const float* delta, int H, int KV, int T, int hd,
-                                            float scale, int causal, int window) {
+                                            const float* delta, const int* segs, int H, int KV,
+                                            int T, int hd, float scale, int causal, int window) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float Gs[BT][HD + 1];
     __shared__ float Ks[BT][HD + 1];
     __shared__ float Vs[BT][HD + 1];
     __shared__ float Ss[BT][BT + 1];   // dS, [query][key]
+    __shared__ int Sk[BT], live;
     const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int r = threadIdx.x / TPR, sub = threadIdx.x % TPR;
     const int i0 = qt * BT, i = i0 + r;
     const long long head = (long long)T * hd;
     const long long q_off = ((long long)b * H + h) * head;
     const long long kv_off = ((long long)b * KV + kvh) * head;
+    if (segs != nullptr) segs += (long long)b * T;
+    const int sq = attn_seg(segs, i, T);
+    const int* Skp = segs != nullptr ? Sk : nullptr;
     attn_load<HD, BT>(Qs, q + q_off, i0, T, hd);
     attn_load<HD, BT>(Gs, g + q_off, i0, T, hd);
     const long long at = ((long long)b * H + h) * T + i;
@@ -328,6 +396,9 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
     for (int kt = attn_first_key_tile(qt, BT, window); kt <= last; ++kt) {
         const int j0 = kt * BT;
         __syncthreads();
+        if (segs != nullptr && !attn_tile_live<BT, TPR, NK, true>(Sk, &live, segs, i, sq, j0,
+                                                                   sub, T, causal, window))
+            continue;
         attn_load<HD, BT>(Ks, k + kv_off, j0, T, hd);
         attn_load<HD, BT>(Vs, v + kv_off, j0, T, hd);
         __syncthreads();
@@ -346,7 +417,7 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
 #pragma unroll
         for (int c = 0; c < NK; ++c) {
             int jj = sub + TPR * c;
-            float p = attn_visible(i, j0 + jj, T, causal, window)
+            float p = attn_visible(i, j0 + jj, T, causal, window) && attn_same_seg(Skp, jj, sq)
                           ? expf(__fsub_rn(__fmul_rn(s[c], scale), Li)) : 0.0f;
             Ss[r][jj] = __fmul_rn(__fmul_rn(p, __fsub_rn(dp[c], Di)), scale);
         }
@@ -369,56 +440,56 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
 
 // ---- instantiations: grid (query or key tiles, heads or kv heads, batch), BT * TPR threads
 #define TG_ATTN_FWD_ARGS                                                                  \
-    float *out, const float *q, const float *k, const float *v, int H, int KV, int T, int hd, \
-        float scale, int causal, int window
+    float *out, const float *q, const float *k, const float *v, const int *segs, int H,    \
+        int KV, int T, int hd, float scale, int causal, int window
 #define TG_ATTN_PREP_ARGS                                                                 \
     float *lse, float *delta, const float *q, const float *k, const float *o, const float *g, \
-        int H, int KV, int T, int hd, float scale, int causal, int window
+        const int *segs, int H, int KV, int T, int hd, float scale, int causal, int window
 #define TG_ATTN_DKDV_ARGS                                                                 \
     float *dk, float *dv, const float *q, const float *k, const float *v, const float *g,    \
-        const float *lse, const float *delta, int H, int KV, int T, int hd, float scale,   \
-        int causal, int window
+        const float *lse, const float *delta, const int *segs, int H, int KV, int T, int hd, \
+        float scale, int causal, int window
 #define TG_ATTN_DQ_ARGS                                                                   \
     float *dq, const float *q, const float *k, const float *v, const float *g,              \
-        const float *lse, const float *delta, int H, int KV, int T, int hd, float scale,   \
-        int causal, int window
+        const float *lse, const float *delta, const int *segs, int H, int KV, int T, int hd, \
+        float scale, int causal, int window
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_fwd_32(TG_ATTN_FWD_ARGS) {
-    attn_fwd<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(out, q, k, v, H, KV, T, hd, scale, causal, window);
+    attn_fwd<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(out, q, k, v, segs, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_fwd_64(TG_ATTN_FWD_ARGS) {
-    attn_fwd<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(out, q, k, v, H, KV, T, hd, scale, causal, window);
+    attn_fwd<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(out, q, k, v, segs, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_fwd_128(TG_ATTN_FWD_ARGS) {
-    attn_fwd<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(out, q, k, v, H, KV, T, hd, scale, causal, window);
+    attn_fwd<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(out, q, k, v, segs, H, KV, T, hd, scale, causal, window);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_prep_32(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(lse, delta, q, k, o, g, segs, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_prep_64(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(lse, delta, q, k, o, g, segs, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_prep_128(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(lse, delta, q, k, o, g, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(lse, delta, q, k, o, g, segs, H, KV, T, hd, scale, causal, window);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_dkdv_32(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dkdv<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dk, dv, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_dkdv_64(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dkdv<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dk, dv, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_dkdv_128(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dk, dv, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dkdv<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dk, dv, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_dq_32(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dq<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dq, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_dq_64(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dq<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dq, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_dq_128(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dq, q, k, v, g, lse, delta, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dq<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dq, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
 }
