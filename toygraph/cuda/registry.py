@@ -8,9 +8,9 @@ to their launch builders with :func:`lowers`, in the op family modules of
 ``toygraph.ops`` (beside each op's rules and numpy kernel); importing ``toygraph.ops``
 fills the registry, and lowering.py looks ops up here.
 
->>> @lowers("silu", kernels=("tg_silu",))                    # doctest: +SKIP
-... def _silu(node, at):
-...     return [Launch("tg_silu", _blocks(node.size), [p(at.out), p(at.ptr(node.srcs[0])), ...])]
+>>> @lowers("scale", kernels=("tg_scale",))                  # doctest: +SKIP
+... def _scale(node, at):
+...     return [Launch("tg_scale", _blocks(node.size), [p(at.out), p(at.ptr(node.srcs[0])), ...])]
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cuda.launch import Launch, _blocks, _pad, contiguous_strides, f32, i32, p, strided
-from ..cuda.registry import lowers
+from ..cuda.registry import REGISTRY, lowers
 from .shape import broadcast_shapes, sum_to
 from .shape import sum as _sum
 from .table import F32, check, check_floats, define_op, kernel, make_node
@@ -200,32 +200,15 @@ def _scale(node, at):
                    [p(at.out), p(at.ptr(node.srcs[0])), i32(n), f32(node.attrs["s"])])]
 
 
-def _unary(name, node, at):
-    n = node.size
-    return [Launch(name, _blocks(n), [p(at.out), p(at.ptr(node.srcs[0])), i32(n)])]
+def pointwise(node, at):
+    """One thread per element, ``out[i] = f(x[i])`` (a backward op: ``f(x[i], g[i])``),
+    launching the one kernel the op's registry entry names."""
+    (name,) = REGISTRY[node.op].kernels
+    srcs = [p(at.ptr(s)) for s in node.srcs]
+    return [Launch(name, _blocks(node.size), [p(at.out), *srcs, i32(node.size)])]
 
 
-def _unary_back(name, node, at):
-    x, g = node.srcs
-    n = node.size
-    return [Launch(name, _blocks(n), [p(at.out), p(at.ptr(x)), p(at.ptr(g)), i32(n)])]
-
-
-@lowers("silu", kernels=("tg_silu",))
-def _silu(node, at):
-    return _unary("tg_silu", node, at)
-
-
-@lowers("silu_back", kernels=("tg_silu_back",))
-def _silu_back(node, at):
-    return _unary_back("tg_silu_back", node, at)
-
-
-@lowers("gelu", kernels=("tg_gelu",))
-def _gelu(node, at):
-    return _unary("tg_gelu", node, at)
-
-
-@lowers("gelu_back", kernels=("tg_gelu_back",))
-def _gelu_back(node, at):
-    return _unary_back("tg_gelu_back", node, at)
+lowers("silu", kernels=("tg_silu",))(pointwise)
+lowers("silu_back", kernels=("tg_silu_back",))(pointwise)
+lowers("gelu", kernels=("tg_gelu",))(pointwise)
+lowers("gelu_back", kernels=("tg_gelu_back",))(pointwise)

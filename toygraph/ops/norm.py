@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cuda.launch import Launch, _last_axis_rows, _rows_grid, f32, i32, p
-from ..cuda.registry import lowers
+from ..cuda.registry import REGISTRY, lowers
 from .elementwise import infer_same2, infer_unary
 from .table import F32, check, check_floats, define_op, kernel, make_node
 
@@ -79,21 +79,17 @@ def _softmax_back_numpy(out, srcs, attrs):
 
 
 # --- CUDA lowering (norm.cu) -------------------------------------------------------------------
-def _rms(name, node, at):
+def _rms(node, at):
+    """A block per row; rms_norm_back's g is one more pointer after x."""
+    (name,) = REGISTRY[node.op].kernels
     rows, D = _last_axis_rows(node)
     srcs = [p(at.ptr(t)) for t in node.srcs]
     return [Launch(name, _rows_grid(rows),
                    [p(at.out), *srcs, i32(rows), i32(D), f32(node.attrs["eps"])])]
 
 
-@lowers("rms_norm", kernels=("tg_rms_norm",))
-def _rms_norm(node, at):
-    return _rms("tg_rms_norm", node, at)
-
-
-@lowers("rms_norm_back", kernels=("tg_rms_norm_back",))
-def _rms_norm_back(node, at):
-    return _rms("tg_rms_norm_back", node, at)
+lowers("rms_norm", kernels=("tg_rms_norm",))(_rms)
+lowers("rms_norm_back", kernels=("tg_rms_norm_back",))(_rms)
 
 
 @lowers("softmax", kernels=("tg_softmax",))

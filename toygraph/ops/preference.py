@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cuda.launch import Launch, _blocks, _rows_grid, i32, p
+from ..cuda.launch import Launch, _rows_grid, i32, p
 from ..cuda.registry import lowers
-from .elementwise import infer_same2, infer_unary
+from .elementwise import infer_same2, infer_unary, pointwise
 from .table import F32, I32, LABELS, check, define_op, kernel, make_node
 
 
@@ -154,27 +154,12 @@ def _token_logprobs_back(node, at):
                     i32(V)])]
 
 
-def _pointwise(name, node, at):
+def _pointwise(node, at):
     """out[i] = kernel(x[i]) or, for the backward ops, kernel(x[i], g[i])."""
-    srcs = [p(at.ptr(s)) for s in node.srcs]
-    return [Launch(name, _blocks(node.size), [p(at.out), *srcs, i32(node.size)])]
+    return pointwise(node, at)
 
 
-@lowers("softplus", kernels=("tg_softplus",))
-def _softplus(node, at):
-    return _pointwise("tg_softplus", node, at)
-
-
-@lowers("softplus_back", kernels=("tg_softplus_back",))
-def _softplus_back(node, at):
-    return _pointwise("tg_softplus_back", node, at)
-
-
-@lowers("log1mexp", kernels=("tg_log1mexp",))
-def _log1mexp(node, at):
-    return _pointwise("tg_log1mexp", node, at)
-
-
-@lowers("log1mexp_back", kernels=("tg_log1mexp_back",))
-def _log1mexp_back(node, at):
-    return _pointwise("tg_log1mexp_back", node, at)
+lowers("softplus", kernels=("tg_softplus",))(_pointwise)
+lowers("softplus_back", kernels=("tg_softplus_back",))(_pointwise)
+lowers("log1mexp", kernels=("tg_log1mexp",))(_pointwise)
+lowers("log1mexp_back", kernels=("tg_log1mexp_back",))(_pointwise)
