@@ -30,7 +30,7 @@ def _attn_tile(mem, addr, r0, T, hd, BT, HD):
     return out
 
 
-# One function of 135 lines on purpose: it follows flash_attention.cu's four kernels
+# One function of ~140 lines on purpose: it follows flash_attention.cu's four kernels
 # branch by branch, loop by loop, so the two read side by side.
 def _emulate_attention(launch, mem):
     """Replay one attention launch block by block with the kernel's own loop bounds, tiles,
