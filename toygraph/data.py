@@ -14,8 +14,8 @@ of seed and epoch so a resumed run regenerates the same order).
 >>> for b in batches(train, 4, 64, pad_id_for(tok), shuffle=True, seed=0, epoch=0): ...  # doctest: +SKIP
 
 The accepted JSONL shapes and the limits on hostile files are in ``toygraph.examples``
-(``load_examples`` and ``Example`` are re-exported here, as ``Encoded`` and
-``encode_example`` are from ``toygraph.encoding``).
+(``load_examples`` and ``Example`` are re-exported here, as ``Encoded``, ``encode_rows``
+and ``encode_example`` are from ``toygraph.encoding``).
 """
 from __future__ import annotations
 
@@ -24,17 +24,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from toygraph.encoding import Encoded, encode_example
+from toygraph.encoding import Encoded, encode_example, encode_rows
 from toygraph.errors import DataError
 from toygraph.examples import Example, load_examples
 
 __all__ = ["Example", "Encoded", "DataReport", "EncodedDataset", "Batch", "load_examples",
-           "encode_example", "encode_dataset", "check_special_tokens", "split_train_val",
-           "pad_id_for", "steps_per_epoch", "batches", "data_hash"]
+           "encode_rows", "encode_example", "encode_dataset", "check_special_tokens",
+           "split_train_val", "pad_id_for", "steps_per_epoch", "batches", "data_hash"]
 
 
 @dataclass
 class DataReport:
+    """What encoding did. ``kept``, ``truncated``, ``dropped`` and the token counts are per
+    row; a row is an example, except that each of the ``expanded`` conversations (whose
+    chat template is not prefix-consistent, see ``encode_rows``) became ``expanded_rows``
+    rows between them, one per assistant turn. ``dropped_lines`` has a line per dropped row."""
     examples: int = 0
     kept: int = 0
     truncated: int = 0
@@ -43,9 +47,15 @@ class DataReport:
     total_tokens: int = 0
     max_len: int = 0
     dropped_lines: list[int] = field(default_factory=list)
+    expanded: int = 0
+    expanded_rows: int = 0
 
     def __str__(self) -> str:
-        return (f"{self.examples} examples: {self.kept} kept, {self.truncated} truncated to "
+        rows = (f" -> {self.kept + self.dropped} rows ({self.expanded} multi-turn "
+                f"conversation{'s' * (self.expanded != 1)} expanded into {self.expanded_rows}, one "
+                f"per assistant turn: the chat template is not prefix-consistent)"
+                if self.expanded else "")
+        return (f"{self.examples} examples{rows}: {self.kept} kept, {self.truncated} truncated to "
                 f"{self.max_len + 1} tokens, {self.dropped} dropped (no target token left); "
                 f"{self.target_tokens} target tokens of {self.total_tokens}")
 
@@ -85,39 +95,64 @@ def check_special_tokens(tok) -> None:
 
 
 def encode_dataset(examples: list[Example], tok, max_len: int) -> EncodedDataset:
-    """Encode every example; ``report`` counts what truncation and dropping did."""
+    """Encode every example into its rows (``encode_rows``: one, or one per assistant turn
+    where the chat template is not prefix-consistent), in file order; ``report`` counts
+    what expansion, truncation and dropping did."""
     check_special_tokens(tok)
     report = DataReport(examples=len(examples), max_len=max_len)
     items = []
     for ex in examples:
-        enc = encode_example(ex, tok, max_len)
-        if enc is None:
-            report.dropped += 1
-            report.dropped_lines.append(ex.line)
-            continue
-        items.append(enc)
-        report.truncated += enc.truncated
-        report.target_tokens += sum(enc.target_mask)
-        report.total_tokens += len(enc.tokens)
+        rows = encode_rows(ex, tok, max_len)
+        if len(rows) > 1:
+            report.expanded += 1
+            report.expanded_rows += len(rows)
+        for enc in rows:
+            if enc is None:
+                report.dropped += 1
+                report.dropped_lines.append(ex.line)
+                continue
+            items.append(enc)
+            report.truncated += enc.truncated
+            report.target_tokens += sum(enc.target_mask)
+            report.total_tokens += len(enc.tokens)
     report.kept = len(items)
     return EncodedDataset(items, report)
 
 
 # ------------------------------------------------------------------------- splitting, batching
 def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """Disjoint, deterministic split; both parts keep the original order. Val has
-    round(n * val_fraction) items, at least 1 (and train at least 1) when val_fraction > 0
-    and n >= 2."""
+    """Disjoint, deterministic split by example; both parts keep the original order. Of n
+    examples val has round(n * val_fraction), at least 1 (and train at least 1) when
+    val_fraction > 0 and n >= 2. The rows of a conversation expanded into one row per turn
+    are one example and go to the same side: later rows repeat earlier replies in their
+    prompts."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    n = len(items)
+    groups = _examples_of(items)
+    n = len(groups)
     if val_fraction == 0 or n < 2:
         return list(items), []
     n_val = min(max(round(n * val_fraction), 1), n - 1)
     chosen = set(np.random.default_rng(seed).permutation(n)[:n_val].tolist())
-    train = [x for i, x in enumerate(items) if i not in chosen]
-    val = [x for i, x in enumerate(items) if i in chosen]
+    train = [items[i] for g, rows in enumerate(groups) if g not in chosen for i in rows]
+    val = [items[i] for g, rows in enumerate(groups) if g in chosen for i in rows]
     return train, val
+
+
+def _examples_of(items: list) -> list[list[int]]:
+    """Item indices grouped by example: consecutive rows of one expanded conversation (same
+    line, ``turn`` set and increasing, as ``encode_dataset`` emits them) form one group;
+    every other item (any row without ``turn``, a preference pair) is its own."""
+    groups: list[list[int]] = []
+    previous = None  # the previous item, if it is a row of an expanded conversation
+    for i, item in enumerate(items):
+        turn = getattr(item, "turn", None)
+        if turn is not None and previous and previous.line == item.line and previous.turn < turn:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+        previous = item if turn is not None else None
+    return groups
 
 
 def pad_id_for(tok) -> int:
