@@ -136,6 +136,19 @@ def test_last_turn_only_is_the_last_row(qwen3):
     assert last == encode_rows(ex, qwen3, 512)[-1] and split_row(last, qwen3) == EXPECTED[-1][1:]
 
 
+def test_preference_pairs_after_a_multi_turn_qwen3_prompt(tmp_path, qwen3):
+    """DPO/ORPO pairs whose shared conversation has earlier assistant turns: each reply is
+    trained after the prompt inference gives at that turn (earlier <think> dropped)."""
+    from toygraph.preference import encode_pairs, load_pairs
+
+    p = tmp_path / "pairs.jsonl"
+    p.write_text(json.dumps({"messages": CONVERSATION[:4], "chosen": {"role": "assistant", "content": "6."},
+                             "rejected": {"role": "assistant", "content": "7."}}) + "\n")
+    [(chosen, rejected)] = encode_pairs(load_pairs(p), qwen3, 512).items
+    assert split_row(chosen, qwen3) == EXPECTED[1][1:]
+    assert split_row(rejected, qwen3) == (EXPECTED[1][1], "<think>\n\n</think>\n\n7.<|im_end|>")
+
+
 def test_encode_example_refuses_a_conversation_of_several_rows(qwen3):
     with pytest.raises(DataError) as e:
         encode_example(Example(messages=CONVERSATION, line=9, path="chats.jsonl"), qwen3, 512)
