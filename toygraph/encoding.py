@@ -48,7 +48,7 @@ def encode_rows(ex: Example, tok, max_len: int, last_turn_only: bool = False) ->
     rows depends on whether the template is also *prefix-consistent* for the conversation:
     the rendering through each assistant turn is where the next turn's prompt starts.
 
-    - prefix-consistent (ChatML, Llama 3, Gemma 3, SmolLM2, ...): one row, the whole
+    - prefix-consistent (ChatML as SmolLM2 has it, Gemma 3, ...): one row, the whole
       conversation, every assistant turn a target (only the last with ``last_turn_only``,
       as preference pairs want);
     - not prefix-consistent (Qwen3 writes a turn's <think> block only while no user message
@@ -56,9 +56,9 @@ def encode_rows(ex: Example, tok, max_len: int, last_turn_only: bool = False) ->
       assistant turn i, the rendering of ``messages[:i]`` with the generation prompt
       followed by the reply (the rendering of ``messages[:i+1]`` past that prompt), the
       reply alone a target. Each row is exactly what inference sees at that turn, which a
-      single row cannot be (ms-swift expands such conversations the same way; TRL instead
-      swaps in a patched, prefix-preserving template, whose history differs from
-      inference's). With ``last_turn_only`` only the last turn's row.
+      single row cannot be (the expansion ms-swift's maintainers advise for Qwen3; TRL
+      instead swaps in a prefix-preserving training template, whose history then differs
+      from inference's). With ``last_turn_only`` only the last turn's row.
 
     A template whose rendering of ``messages[:i+1]`` does not even start with turn i's prompt
     cannot be split at all: a DataError names the line.
