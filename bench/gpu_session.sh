@@ -88,7 +88,7 @@ write_summary() {
         echo "- device: ${DEVICE:-?}"
         echo "- commit: ${COMMIT:-?}"
         echo "- versions: ${VERSIONS:-?}"
-        echo "- script: \`bash bench/gpu_session.sh\` (GS_STAGES=${GS_STAGES:-all}; GS_BENCH=$BENCH_LIST; GS_BENCH_ARGS=${GS_BENCH_ARGS:-}; GS_BACKEND=$GS_BACKEND)"
+        echo "- script: \`bash bench/gpu_session.sh\` (GS_STAGES=${GS_STAGES:-all}; GS_BENCH=$BENCH_LIST; GS_BENCH_ARGS=${GS_BENCH_ARGS:-}; GS_BACKEND=$GS_BACKEND${TOYGRAPH_CUDA_DEVICE:+; TOYGRAPH_CUDA_DEVICE=$TOYGRAPH_CUDA_DEVICE})"
         echo
         echo "| stage | result | s | command | detail |"
         echo "|---|---|---|---|---|"
