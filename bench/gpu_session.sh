@@ -361,7 +361,11 @@ fi
 # info (always)
 DEVICE=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 DEVICE=${DEVICE:-no nvidia-smi}
-COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "unknown (no .git)")
+# .git does not travel to the device: there the commit comes from .gpu/commit.txt, written
+# here before the call (bench/README.md, "Before a GPU session, here")
+COMMIT=$(git -C "$ROOT" describe --always --dirty 2>/dev/null \
+         || { [[ -f .gpu/commit.txt ]] && echo "$(head -c 200 .gpu/commit.txt) (.gpu/commit.txt)"; } \
+         || echo "unknown (no .git, no .gpu/commit.txt)")
 VERSIONS=$($PY - <<'EOF' 2>>"$SETUP_LOG"
 import importlib.metadata as md, platform
 def v(p):
