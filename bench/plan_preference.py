@@ -5,9 +5,10 @@ head (``linear_cross_entropy(..., reduction="none")``, what recipes/dpo.py build
 
 Nothing is allocated or run: the graph is built and planned as realize would (the
 numpy backend's f32 itemsize is the CUDA one too), and for CUDA the device allocations
-(toygraph.cuda.devmem: arena, pinned, block-format consts, per-node scratch) are planned.
-The last column is what CUDA would hold if the nodes shared one scratch buffer (they run
-one after another on one stream; today each node has its own): resident - sum + max.
+(toygraph.cuda.devmem: arena, pinned, block-format consts, one scratch buffer that every
+node needing scratch shares) are planned. The scratch column gives the shared buffer (the
+largest node's need) and, in brackets, the sum of the nodes' needs; the last column is
+what CUDA held before the nodes shared it, one buffer per node: resident - max + sum.
 
     python bench/plan_preference.py --recipe dpo --batch 2 --seq-len 512      # SmolLM2
 """
@@ -38,8 +39,10 @@ def plan(model, recipe_name: str, batch: int, seq_len: int, fused: bool) -> dict
     outputs = [t for ts in recipe.graph.outputs.values() for t in ts]
     mem = plan_device_memory(sess.schedules["step"], sess.plan, sess.pinned, outputs)
     ops = [t.op for t in sess.schedules["step"]]
-    shared = mem.resident_bytes - sum(mem.scratch.values()) + max(mem.scratch.values(), default=0)
-    return {"fused": fused, "arena_bytes": sess.plan.arena_bytes, "shared_scratch_bytes": shared,
+    per_node = mem.resident_bytes - mem.scratch_bytes + sum(mem.scratch.values())
+    return {"fused": fused, "arena_bytes": sess.plan.arena_bytes,
+            "per_node_scratch_resident_bytes": per_node,
+            "scratch_need_sum_bytes": sum(mem.scratch.values()),
             "pinned_bytes": sess.plan.pinned_bytes, "device": mem.report(),
             "head_ops": {op: ops.count(op) for op in ("token_logprobs", "linear_cross_entropy")}}
 
@@ -58,13 +61,14 @@ def main(argv=None):
     rows = [plan(model, a.recipe, a.batch, a.seq_len, fused) for fused in (False, True)]
     print(f"## {a.recipe} step, {Path(resolve_model(a.model)).name}, batch {a.batch} pairs "
           f"({2 * a.batch} rows) x seq_len {a.seq_len}, LoRA q,v r8: planned memory (nothing "
-          f"run)\n\n| log-probs head | arena MiB | CUDA scratch MiB | CUDA resident MiB | "
-          f"resident, one shared scratch |\n|---|---|---|---|---|")
+          f"run)\n\n| log-probs head | arena MiB | CUDA scratch MiB, shared (sum of needs) | "
+          f"CUDA resident MiB | before: scratch per node |\n|---|---|---|---|---|")
     for r in rows:
         d = r["device"]
         print(f"| {'fused (linear_cross_entropy none)' if r['fused'] else 'unfused (token_logprobs)'}"
-              f" | {r['arena_bytes'] / MIB:.1f} | {d['scratch_bytes'] / MIB:.1f} | "
-              f"{d['resident_bytes'] / MIB:.1f} | {r['shared_scratch_bytes'] / MIB:.1f} |")
+              f" | {r['arena_bytes'] / MIB:.1f} | {d['scratch_bytes'] / MIB:.1f} "
+              f"({r['scratch_need_sum_bytes'] / MIB:.1f}) | {d['resident_bytes'] / MIB:.1f} | "
+              f"{r['per_node_scratch_resident_bytes'] / MIB:.1f} |")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
 
