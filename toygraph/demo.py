@@ -2,8 +2,9 @@
 
 The shipped capitals set teaches the model to answer country questions as one line of
 JSON. The demo prints what the model says before and after, with phrasings that are not
-in the training data, and the validation loss as it falls; it ends with the commands that
-use the result (chat, merged GGUF export, Ollama).
+in the training data, marks each answer right or wrong against the reply the data teaches,
+shows the validation loss as it falls, and ends with the commands that use the result
+(chat, merged GGUF export, Ollama).
 """
 from __future__ import annotations
 
@@ -12,30 +13,78 @@ import shlex
 import time
 from pathlib import Path
 
-PROMPTS = ["Tell me the capital of Japan.", "What's the capital city of Kenya?",
-           "Capital of Norway?"]
+#: (question, the country it asks about). None of these phrasings is in capitals.jsonl;
+#: every country is, with its capital, so each answer can be checked against the data.
+QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
+             ("What's the capital city of Kenya?", "Kenya"),
+             ("Capital of Norway?", "Norway")]
+PROMPTS = [q for q, _ in QUESTIONS]
+
+# The fine-tune: every TrainConfig option the demo sets, in one place.
+RECIPE = dict(targets=("q", "k", "v", "o"), rank=8, alpha=16, batch=8, lr=3e-3, warmup=5,
+              schedule="cosine", clip=1.0, seq_len=66, val_split=0.1, seed=42)
+STEPS = 60
+MAX_NEW_TOKENS = 24
 
 
-def run_demo(out: str = "runs/demo", steps: int = 60, backend: str = "cpu") -> int:
-    from toygraph.fixtures.smollm2 import smollm2_path
-    from .inference import LanguageModel
-    from .train import TrainConfig, run_training
-
-    model = str(smollm2_path())
+def data_path() -> Path:
+    """The shipped capitals.jsonl (source checkout, else the installed package's copy)."""
     data = Path(__file__).resolve().parent.parent / "fixtures" / "data" / "capitals.jsonl"
     if not data.is_file():  # installed (non-editable) layout
         from toygraph import fixtures
         data = Path(fixtures.__file__).parent / "data" / "capitals.jsonl"
+    return data
+
+
+def taught_answers(data: Path) -> dict[str, str]:
+    """The reply the data teaches for each demo question: the one-line JSON of its country.
+
+    A country the data does not teach is a DataError: the demo would be asking something
+    it cannot have learned."""
+    from .errors import DataError
+    replies = {}
+    for line in Path(data).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            response = json.loads(line)["response"]
+            replies[json.loads(response)["country"]] = response
+    missing = [country for _, country in QUESTIONS if country not in replies]
+    if missing:
+        raise DataError(f"{data}: teaches no capital for {', '.join(missing)}")
+    return {question: replies[country] for question, country in QUESTIONS}
+
+
+def verdict(answer: str, taught: str) -> str:
+    """'right' when the answer is exactly the taught one-line JSON, else what is wrong."""
+    if answer.strip() == taught:
+        return "right"
+    want = json.loads(taught)
+    try:
+        got = json.loads(answer)
+    except ValueError:
+        got = None
+    if not isinstance(got, dict):
+        return "wrong: not the one-line JSON"
+    if got == want:
+        return "wrong: the right fact, not in the taught one-line form"
+    return f"wrong: the data says {want['capital']}, not {got.get('capital')}"
+
+
+def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "cpu") -> int:
+    from toygraph.fixtures.smollm2 import smollm2_path
+    from .inference import LanguageModel
+    from .train import TrainConfig, run_training
+
+    model, data = str(smollm2_path()), data_path()
+    taught = taught_answers(data)
     print(f"model: {Path(model).name}\ndata:  {data}\n")
     base = LanguageModel(model, backend=backend)
-    before = {p: base.generate(p, chat=True, max_new_tokens=24) for p in PROMPTS}
+    before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in PROMPTS}
     del base
+    steps = steps or STEPS
     t0 = time.perf_counter()
-    cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora",
-                      targets=("q", "k", "v", "o"), rank=8, alpha=16, steps=steps, batch=8,
-                      seq_len=66, lr=3e-3, schedule="cosine", warmup=5, clip=1.0,
-                      val_split=0.1, eval_every=max(1, steps // 3), seed=42, backend=backend,
-                      overwrite=True)  # a demo run replaces the previous demo
+    cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
+                      eval_every=max(1, steps // 3), backend=backend,
+                      overwrite=True, **RECIPE)  # a demo run replaces the previous demo
     summary = run_training(cfg)
     minutes = (time.perf_counter() - t0) / 60
     tuned = LanguageModel(model, adapter_dir=out, backend=backend)
@@ -44,8 +93,13 @@ def run_demo(out: str = "runs/demo", steps: int = 60, backend: str = "cpu") -> i
     print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; "
           f"validation loss {' -> '.join(curve)}")
     print(f"adapter: {out}/adapter_model.safetensors (PEFT) and {out}/adapter.gguf (llama.cpp)\n")
+    right = 0
     for p in PROMPTS:
-        print(f"Q: {p}\n  before: {before[p]!r}\n  after:  {tuned.generate(p, chat=True, max_new_tokens=24)!r}")
+        after = tuned.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS)
+        mark = verdict(after, taught[p])
+        right += mark == "right"
+        print(f"Q: {p}\n  before: {before[p]!r}\n  after:  {after!r}  ({mark})")
+    print(f"\n{right}/{len(PROMPTS)} answers after fine-tuning are the ones capitals.jsonl teaches")
     print("\nuse the result:")
     for command, why in next_steps(out):
         print(f"  {command}\n      # {why}")
