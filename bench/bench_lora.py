@@ -38,10 +38,10 @@ IMPLS = ("toygraph", "torch-eager", "torch-compile")
 
 CONFIGS = {
     # name: model, sequence length, batch
-    "smollm2-512x8": dict(model="smollm2", t_seq=512, t_batch=8),
-    "smollm2-2048x4": dict(model="smollm2", t_seq=2048, t_batch=4),
-    "llama1b-random": dict(model="llama1b-random", t_seq=512, t_batch=8),
-    "smollm2-cpu": dict(model="smollm2", t_seq=64, t_batch=8),
+    "smollm2-512x8": dict(model="smollm2", seq_len=512, batch=8),
+    "smollm2-2048x4": dict(model="smollm2", seq_len=2048, batch=4),
+    "llama1b-random": dict(model="llama1b-random", seq_len=512, batch=8),
+    "smollm2-cpu": dict(model="smollm2", seq_len=64, batch=8),
 }
 
 
@@ -145,7 +145,7 @@ def model_path(name: str, wtype: str, a) -> Path:
     raise ValueError(f"unknown model {name!r}")
 
 
-def count_flops(cfg, targets, rank, t_seq):
+def count_flops(cfg, targets, rank, seq_len):
     """(FLOPs per token for a frozen-base LoRA step, N base matmul params, N_lora)."""
     from toygraph.models.llama import TARGETS, weight_shape
     d, L = cfg.n_embd, cfg.n_layer
@@ -156,7 +156,7 @@ def count_flops(cfg, targets, rank, t_seq):
         n_out, n_in = weight_shape(cfg, f"blk.0.{TARGETS[t]}.weight")
         n_lora += L * rank * (n_in + n_out)
     attn_d = cfg.n_head * cfg.head_dim
-    return 4 * n_base + 12 * L * attn_d * t_seq + 6 * n_lora, n_base, n_lora
+    return 4 * n_base + 12 * L * attn_d * seq_len + 6 * n_lora, n_base, n_lora
 
 
 def make_inputs(work: Path, gguf_path: Path, a) -> dict:
@@ -169,7 +169,7 @@ def make_inputs(work: Path, gguf_path: Path, a) -> dict:
     model = GGUFModel(gguf_path)
     cfg = model.config
     # Build (not realize) the graph the LoRA recipe builds, for its seeded initial adapter.
-    net = build_llama(Graph(), cfg, batch=1, seq=1, model=model, weights="frozen",
+    net = build_llama(Graph(), cfg, batch=1, seq_len=1, model=model, weights="frozen",
                       lora=LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
                                       seed=a.seed, init_scale=a.init_scale), seed=a.seed)
     lora = {name: (np.asarray(A.data, np.float32), np.asarray(B.data, np.float32))
@@ -203,10 +203,10 @@ def child_toygraph(spec: dict) -> dict:
     t0 = time.perf_counter()
     model = GGUFModel(spec["gguf"])
     recipe = LoRA(targets=tuple(spec["targets"]), rank=spec["rank"], alpha=spec["alpha"])
-    opts = RecipeOptions(t_seq=spec["seq"], t_batch=spec["batch"], seed=spec["seed"],
-                         init_scale=spec["init_scale"], grad_clip=spec["clip"],
+    opts = RecipeOptions(seq_len=spec["seq"], batch=spec["batch"], seed=spec["seed"],
+                         init_scale=spec["init_scale"], clip=spec["clip"],
                          grad_accum=1, backend=spec["device"],
-                         weight_dtype=toygraph_dtype(spec["device"], spec["dtype"]))
+                         precision=toygraph_precision(spec["device"], spec["dtype"]))
     recipe.realize(model, model.config, opts)
     out["load_s"] = time.perf_counter() - t0
     out["realize_s"] = recipe.sess.realize_seconds
@@ -408,7 +408,7 @@ def device_description(device: str, results: list) -> str:
     return f"CPU {name}, {os.cpu_count()} logical CPUs (os.cpu_count())"
 
 
-def toygraph_dtype(device: str, dtype: str) -> str:
+def toygraph_precision(device: str, dtype: str) -> str:
     """bf16 on CUDA means tensor-core matmuls with f32 master weights; the numpy backend
     computes in f32 whatever the torch side uses."""
     return dtype if device == "cuda" else "f32"
@@ -420,7 +420,7 @@ def fmt(x, spec="{:.1f}", none="n/a"):
 
 def summarize(impl: str, r: dict, cold: dict | None, a, facts: dict) -> dict:
     tokens = a.seq * a.batch
-    row = {"impl": impl, "dtype": toygraph_dtype(a.device, a.dtype) if impl == "toygraph" else a.dtype}
+    row = {"impl": impl, "dtype": toygraph_precision(a.device, a.dtype) if impl == "toygraph" else a.dtype}
     if "error" in r:
         row["error"] = r["error"]
         return row
@@ -574,7 +574,7 @@ def parse_args(argv):
     a.targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
     a.alpha = a.alpha if a.alpha is not None else 2.0 * a.rank
     c = CONFIGS[a.config]
-    a.seq, a.batch = a.seq or c["t_seq"], a.batch or c["t_batch"]
+    a.seq, a.batch = a.seq or c["seq_len"], a.batch or c["batch"]
     default = IMPLS if a.device == "cuda" else ("toygraph", "torch-eager")
     a.impls = tuple(i.strip() for i in a.impl.split(",")) if a.impl else default
     bad = [i for i in a.impls if i not in IMPLS]

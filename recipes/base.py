@@ -1,10 +1,10 @@
 """The recipe object: build the training graph once (realize), then one call per step.
 
 >>> recipe = LoRA(targets=("q", "v"), rank=8, alpha=16)
->>> recipe.realize(model, model.config, RecipeOptions(t_seq=128, t_batch=4, seed=42))
+>>> recipe.realize(model, model.config, RecipeOptions(seq_len=128, batch=4, seed=42))
 >>> loss = recipe.step(token_ids, positions, labels, hp_row(t, lr), is_first=(t == 1))  # [1, 4, 128] each
 
-The caller owns the GGUF handle, the config and the per-step inputs, as in the reference
+The caller owns the GGUF handle, the model config and the per-step inputs, as in the reference
 recipe over ggml: ``realize`` builds frozen base + trainable weights + loss + backward +
 clip + AdamW and realizes the session; ``step`` resets (first step) or resets grads,
 uploads token ids, positions, labels and the hp row, replays the graph, and downloads
@@ -22,7 +22,7 @@ from toygraph.errors import GraphError
 from toygraph.graph import Graph
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
 from toygraph.optim import build_training
-from toygraph.session import Session
+from toygraph.session import BACKENDS, Session, precision_error
 
 
 #: Whether the CPU backend also uses the fused head + loss. On CUDA the fused op is always
@@ -48,37 +48,35 @@ def head_loss(net, labels, backend: str):
 @dataclass(frozen=True)
 class RecipeOptions:
     """Options every recipe shares. ``untied``/``qkv_bias`` default to the model's own
-    values; set them to assert what the model must have. ``grad_clip`` 0 turns clipping
-    off; ``grad_accum`` micro-batches of ``t_batch`` sequences make one optimizer step."""
+    values; set them to assert what the model must have. ``clip`` 0 turns clipping
+    off; ``grad_accum`` micro-batches of ``batch`` sequences make one optimizer step.
+    ``precision`` is the matmuls' input precision (toygraph.session.PRECISIONS). The seed
+    and init scale default to LoraConfig's: defaults live once, in the lowest layer."""
 
-    t_seq: int = 128
-    t_batch: int = 4
-    seed: int = 42
-    init_scale: float = 0.01
-    weight_dtype: str = "f32"
+    seq_len: int = 128
+    batch: int = 4
+    seed: int = LoraConfig.seed
+    init_scale: float = LoraConfig.init_scale
+    precision: str = "f32"
     untied: bool | None = None
     qkv_bias: bool | None = None
-    grad_clip: float = 1.0
+    clip: float = 1.0
     grad_accum: int = 1
     backend: str = "cpu"
 
     def __post_init__(self):
-        for name in ("t_seq", "t_batch", "grad_accum"):
+        for name in ("seq_len", "batch", "grad_accum"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise GraphError(f"RecipeOptions.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not (self.init_scale >= 0 and math.isfinite(self.init_scale)):
             raise GraphError(f"RecipeOptions.init_scale must be >= 0, got {self.init_scale}")
-        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
-            raise GraphError(f"RecipeOptions.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
-        if self.weight_dtype not in ("f32", "f64", "bf16", "tf32"):
-            raise GraphError(f"RecipeOptions.weight_dtype must be f32, f64, bf16 or tf32, "
-                             f"got {self.weight_dtype!r}")
-        if self.backend not in ("cpu", "cuda"):
+        if not (self.clip >= 0 and math.isfinite(self.clip)):
+            raise GraphError(f"RecipeOptions.clip must be >= 0 (0 = off), got {self.clip}")
+        if self.backend not in BACKENDS:
             raise GraphError(f"RecipeOptions.backend must be cpu or cuda, got {self.backend!r}")
-        if self.weight_dtype in ("bf16", "tf32") and self.backend != "cuda":
-            raise GraphError(f"RecipeOptions.weight_dtype={self.weight_dtype!r} (tensor-core "
-                             f"matmuls, f32 everything else) needs backend='cuda', got "
-                             f"backend={self.backend!r}")
+        why = precision_error(self.precision, self.backend)
+        if why:
+            raise GraphError(f"RecipeOptions.precision {why}")
 
     @classmethod
     def names(cls):
@@ -93,17 +91,17 @@ class Recipe:
     def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
         return None
 
-    def realize(self, gguf, cfg, opts: RecipeOptions) -> None:
-        if opts.untied is not None and opts.untied == cfg.tied_output:
+    def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:
+        if opts.untied is not None and opts.untied == model_cfg.tied_output:
             raise GraphError(f"options say untied={opts.untied} but the model's output head is "
-                             f"{'tied' if cfg.tied_output else 'untied'}")
-        if opts.qkv_bias is not None and opts.qkv_bias != cfg.qkv_bias:
+                             f"{'tied' if model_cfg.tied_output else 'untied'}")
+        if opts.qkv_bias is not None and opts.qkv_bias != model_cfg.qkv_bias:
             raise GraphError(f"options say qkv_bias={opts.qkv_bias} but the model has "
-                             f"{'a' if cfg.qkv_bias else 'no'} qkv bias")
-        self.opts, self.cfg = opts, cfg
+                             f"{'a' if model_cfg.qkv_bias else 'no'} qkv bias")
+        self.opts, self.model_cfg = opts, model_cfg
         g = Graph()
-        B, T = opts.t_batch, opts.t_seq
-        self.net = build_decoder(g, cfg, batch=B, seq=T, model=gguf, weights=self.weight_mode,
+        B, T = opts.batch, opts.seq_len
+        self.net = build_decoder(g, model_cfg, batch=B, seq_len=T, model=gguf, weights=self.weight_mode,
                                  lora=self.lora_config(opts), seed=opts.seed, logits=False)
         self.labels = g.input("labels", (B * T,), "i32")
         # One cross-entropy serves both: its sum drives the gradients (token-weighted
@@ -111,20 +109,20 @@ class Recipe:
         self.loss_sum = g.output(head_loss(self.net, self.labels, opts.backend))
         self.count = g.output(ops.count_valid(self.labels))
         self.train = build_training(self.loss_sum, self.net.params, count=self.count,
-                                    max_norm=opts.grad_clip)
+                                    max_norm=opts.clip)
         self.graph = g
-        self.sess = Session(g, backend=opts.backend, dtype=opts.weight_dtype)
+        self.sess = Session(g, backend=opts.backend, precision=opts.precision)
         self.sess.realize()
         self.step_index = 0
 
     # --- per step -------------------------------------------------------------------------
     def _micro_batches(self, token_ids, positions, labels):
-        """Check the step inputs: each is [grad_accum, t_batch, t_seq], whatever k is."""
-        shape = (self.opts.grad_accum, self.opts.t_batch, self.opts.t_seq)
+        """Check the step inputs: each is [grad_accum, batch, seq_len], whatever k is."""
+        shape = (self.opts.grad_accum, self.opts.batch, self.opts.seq_len)
         arrays = [np.asarray(a) for a in (token_ids, positions, labels)]
         for name, a in zip(("token_ids", "positions", "labels"), arrays):
             if a.shape != shape:
-                raise GraphError(f"step: {name} must have shape [grad_accum, t_batch, t_seq] "
+                raise GraphError(f"step: {name} must have shape [grad_accum, batch, seq_len] "
                                  f"= {shape}, got {a.shape}")
         return list(zip(*arrays))
 
@@ -137,7 +135,7 @@ class Recipe:
     def step(self, token_ids, positions, labels, hp, is_first: bool) -> float:
         """One optimizer step; returns the mean loss of the forward pass before the update.
 
-        The arrays are [grad_accum, t_batch, t_seq] (one micro-batch axis, k = 1 without
+        The arrays are [grad_accum, batch, seq_len] (one micro-batch axis, k = 1 without
         accumulation); the loss is the token-weighted mean over all k micro-batches.
         """
         s = self.sess
@@ -157,7 +155,7 @@ class Recipe:
         return total / count if count else 0.0
 
     def evaluate(self, token_ids, positions, labels) -> tuple[float, int]:
-        """Forward only: (summed loss, counted tokens) of one batch [t_batch, t_seq]."""
+        """Forward only: (summed loss, counted tokens) of one batch [batch, seq_len]."""
         self._upload(token_ids, positions, labels)
         self.sess.run("forward")
         return float(self.sess.download(self.loss_sum)), int(self.sess.download(self.count))

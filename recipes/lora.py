@@ -15,7 +15,8 @@ class LoRA(Recipe):
 
     weight_mode = "frozen"
 
-    def __init__(self, targets=("q", "v"), rank: int = 8, alpha: float = 16):
+    def __init__(self, targets=LoraConfig.targets, rank: int = LoraConfig.rank,
+                 alpha: float = LoraConfig.alpha):
         self.targets, self.rank, self.alpha = tuple(targets), int(rank), alpha
         LoraConfig(targets=self.targets, rank=self.rank, alpha=alpha)  # validate now
 

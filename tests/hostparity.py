@@ -21,9 +21,9 @@ def rel_err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def run_phase(graph, backend, inputs, phase, fetch, dtype="f32"):
+def run_phase(graph, backend, inputs, phase, fetch, precision="f32"):
     """Realize ``graph`` on ``backend``, upload ``inputs``, run ``phase``, download ``fetch``."""
-    s = Session(graph, backend=backend, dtype=dtype)
+    s = Session(graph, backend=backend, precision=precision)
     s.realize()
     s.reset()
     for t, v in inputs.items():
@@ -45,16 +45,16 @@ def op_case(build, shapes, inputs_fn=None, seed=0):
     return g, extra, [y] + [grads[p] for p in params]
 
 
-def compare_op(build, shapes, tol, inputs_fn=None, grad_tol=REDUCTION, dtype="f32"):
+def compare_op(build, shapes, tol, inputs_fn=None, grad_tol=REDUCTION, precision="f32"):
     """Forward and every param's gradient on the host device within ``tol``/``grad_tol``
     of numpy, and bit-identical when run again."""
     g, extra, fetch = op_case(build, shapes, inputs_fn)
     cpu = run_phase(g, "cpu", extra, "backward", fetch)
-    got = run_phase(g, "cuda", extra, "backward", fetch, dtype)
+    got = run_phase(g, "cuda", extra, "backward", fetch, precision)
     assert rel_err(got[0], cpu[0]) <= tol, ("forward", rel_err(got[0], cpu[0]))
     for i, (a, b) in enumerate(zip(got[1:], cpu[1:])):
         assert rel_err(a, b) <= grad_tol, (f"gradient {i}", rel_err(a, b))
-    again = run_phase(g, "cuda", extra, "backward", fetch, dtype)
+    again = run_phase(g, "cuda", extra, "backward", fetch, precision)
     assert all(np.array_equal(a, b) for a, b in zip(got, again)), "not bit-identical"
     return got
 

@@ -20,7 +20,7 @@ if not driver.available() and not ON_HOST:
 from toygraph import ops, quant  # noqa: E402
 from toygraph.autodiff import accumulate_grads, backward  # noqa: E402
 from toygraph.cuda.backend import CudaBackend  # noqa: E402
-from toygraph.errors import CudaError  # noqa: E402
+from toygraph.errors import CudaError, GraphError  # noqa: E402
 from toygraph.graph import Graph, topo_order  # noqa: E402
 from toygraph.memory import plan_buffers  # noqa: E402
 from toygraph.optim import build_training, hp_row  # noqa: E402
@@ -344,15 +344,15 @@ def test_quantized_get_rows_decodes_the_rows_it_needs(fmt):
     np.testing.assert_array_equal(s.download(table), wv)  # a block-format const still reads
 
 
-def _lora_losses(path, backend, steps=3, dtype="f32"):
+def _lora_losses(path, backend, steps=3, precision="f32"):
     from toygraph.gguf import GGUFModel
     from toygraph.recipes import LoRA, RecipeOptions
     model = GGUFModel(path)
     B, T = 2, 16
     recipe = LoRA(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, alpha=8)
-    recipe.realize(model, model.config, RecipeOptions(t_seq=T, t_batch=B, seed=3,
+    recipe.realize(model, model.config, RecipeOptions(seq_len=T, batch=B, seed=3,
                                                       init_scale=0.05, backend=backend,
-                                                      weight_dtype=dtype))
+                                                      precision=precision))
     rng = np.random.default_rng(0)
     pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
     losses = []
@@ -445,7 +445,7 @@ def test_tc_matmul_matches_numpy_and_is_deterministic(prec, sa, sb, ta, tb):
     """Forward and both gradients (also tensor-core matmuls) within the mixed-precision
     tolerance of numpy f32, bit-identical run to run."""
     compare_op(lambda a, b: ops.matmul(a, b, trans_a=ta, trans_b=tb), [sa, sb],
-               MIXED_TOL[prec], grad_tol=MIXED_TOL[prec], dtype=prec)
+               MIXED_TOL[prec], grad_tol=MIXED_TOL[prec], precision=prec)
 
 
 def _round(x, prec):   # cvt.rn.bf16.f32 / cvt.rna.tf32.f32 on the host
@@ -481,7 +481,7 @@ def test_tc_matmul_is_exactly_the_matmul_of_rounded_inputs(prec, sa, sb, ta, tb)
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_tc_quantized_matmul_matches_numpy(prec, fmt):
     g, w, fetch, want = _qlinear(fmt, batch=(2, 70))
-    s = Session(g, backend="cuda", dtype=prec)
+    s = Session(g, backend="cuda", precision=prec)
     s.realize()
     s.reset()
     s.run("backward")
@@ -498,14 +498,14 @@ def test_lora_training_in_mixed_precision_tracks_f32(model, prec, request):
     one on every step's loss, is deterministic, and keeps f32 master weights."""
     path = request.getfixturevalue(model)
     _, f32_losses, f32_w = _lora_losses(path, "cuda", steps=5)
-    recipe, losses, w = _lora_losses(path, "cuda", steps=5, dtype=prec)
+    recipe, losses, w = _lora_losses(path, "cuda", steps=5, precision=prec)
     assert recipe.sess.backend.precision == prec
     for a, b in zip(losses, f32_losses):
         assert abs(a - b) <= 2e-2 * abs(b), (losses, f32_losses)
     assert losses != f32_losses   # the tensor cores really ran
     for k in f32_w:
         assert w[k].dtype == np.float32
-    assert _lora_losses(path, "cuda", steps=5, dtype=prec)[1] == losses
+    assert _lora_losses(path, "cuda", steps=5, precision=prec)[1] == losses
 
 
 def test_f32_default_stays_on_the_plain_kernels():
@@ -525,9 +525,9 @@ def _launched_kernels(s):
             for l in lower(t, be._ptr, 0, be.raw_consts, be.precision)]
 
 
-def test_other_dtypes_are_refused():
-    with pytest.raises(CudaError, match="bf16"):
-        Session(Graph(), backend="cuda", dtype="f16")
+def test_other_precisions_are_refused():
+    with pytest.raises(GraphError, match="bf16"):   # names the choices
+        Session(Graph(), backend="cuda", precision="f16")
 
 
 # --- fused output head + cross-entropy (lowering._linear_cross_entropy: row chunks) -------------
@@ -624,7 +624,7 @@ def test_recipe_on_cuda_uses_the_fused_head_and_tracks_numpy(recipe, tiny_llama)
     runs = {}
     for backend in ("cpu", "cuda"):
         r = R.LoRA(targets=("q", "v"), rank=4, alpha=8) if recipe == "LoRA" else R.FullFinetune()
-        r.realize(model, model.config, R.RecipeOptions(t_seq=T, t_batch=B, seed=3,
+        r.realize(model, model.config, R.RecipeOptions(seq_len=T, batch=B, seed=3,
                                                        init_scale=0.05, backend=backend))
         ops_used = {t.op for t in r.graph.nodes}
         assert ("linear_cross_entropy" in ops_used) == (backend == "cuda")

@@ -380,7 +380,7 @@ def _lora_graph(path, targets=("q", "v")):
     from toygraph.optim import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_llama(g, model.config, batch=2, seq=8, model=model,
+    net = build_llama(g, model.config, batch=2, seq_len=8, model=model,
                       lora=LoraConfig(targets=targets, rank=4, alpha=8))
     lab = g.input("labels", (16,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, lab, reduction="sum"))
@@ -989,13 +989,15 @@ def test_mixed_precision_is_cuda_only_and_validated():
     from toygraph.errors import GraphError
     from toygraph.session import Session
     for dt in ("bf16", "tf32"):
-        RecipeOptions(weight_dtype=dt, backend="cuda")
-        with pytest.raises(GraphError, match="needs backend='cuda'"):
-            RecipeOptions(weight_dtype=dt)
+        RecipeOptions(precision=dt, backend="cuda")
+        with pytest.raises(GraphError, match="needs the cuda backend"):
+            RecipeOptions(precision=dt)
         with pytest.raises(GraphError, match=dt):
-            Session(Graph(), backend="cpu", dtype=dt)
-    with pytest.raises(GraphError, match="weight_dtype"):
-        RecipeOptions(weight_dtype="f16", backend="cuda")
+            Session(Graph(), backend="cpu", precision=dt)
+        with pytest.raises(GraphError, match="dtype must be f32 or f64"):
+            Session(Graph(), backend="cpu", dtype=dt)   # dtype is the buffers' type, not this
+    with pytest.raises(GraphError, match="precision"):
+        RecipeOptions(precision="f16", backend="cuda")
     with pytest.raises(CudaError, match="bf16"):   # names the choices, before any driver call
         CudaBackend("f16")
 
@@ -1484,7 +1486,7 @@ def _smollm2_training_graph(path, fused, batch, seq, build_training_too=True):
     from toygraph.optim import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_llama(g, model.config, batch=batch, seq=seq, model=model, logits=False,
+    net = build_llama(g, model.config, batch=batch, seq_len=seq, model=model, logits=False,
                       lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
     lab = g.input("labels", (batch * seq,), "i32")
     loss = (ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum") if fused else

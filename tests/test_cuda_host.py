@@ -242,7 +242,7 @@ def test_matmul_matches_numpy(sa, sb, ta, tb):
 @pytest.mark.parametrize("sa,sb,ta,tb", MATMUL_CASES[2:])
 def test_tensor_core_matmul_matches_numpy(prec, sa, sb, ta, tb):
     compare_op(lambda a, b: ops.matmul(a, b, trans_a=ta, trans_b=tb), [sa, sb],
-               MIXED_TOL[prec], grad_tol=MIXED_TOL[prec], dtype=prec)
+               MIXED_TOL[prec], grad_tol=MIXED_TOL[prec], precision=prec)
 
 
 @pytest.mark.parametrize("prec", ["bf16", "tf32"])

@@ -31,8 +31,8 @@ def _cols(fmt):
     return 100 if qk == 1 else qk * (2 + -(-80 // qk))
 
 
-def _session(g, dtype="f32", inputs=None, phase="backward"):
-    s = Session(g, backend="cuda", dtype=dtype)
+def _session(g, precision="f32", inputs=None, phase="backward"):
+    s = Session(g, backend="cuda", precision=precision)
     s.realize()
     s.reset()
     for t, v in (inputs or {}).items():
@@ -75,7 +75,7 @@ def test_quantized_matmul_forward_and_backward(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_tensor_core_quantized_matmul(fmt, prec):
     g, w, fetch, want = _qlinear(fmt)
-    s = _session(g, dtype=prec)
+    s = _session(g, precision=prec)
     assert s.backend.raw_consts == {w.id}
     for t, ref in zip(fetch, want):
         assert rel_err(s.download(t), ref) <= MIXED_TOL[prec]
@@ -215,7 +215,7 @@ def test_results_do_not_depend_on_the_thread_schedule(case, monkeypatch):
 
 
 # --- the whole LoRA step of a tiny model ------------------------------------------------------
-def _lora_run(path, backend, steps=3, dtype="f32"):
+def _lora_run(path, backend, steps=3, precision="f32"):
     """A LoRA recipe on ``path`` trained ``steps`` steps; the recipe's session is driven
     directly (inputs, hp, run "step", loss sum / count), which keeps this test apart from
     how Recipe.step shapes its arguments."""
@@ -224,9 +224,9 @@ def _lora_run(path, backend, steps=3, dtype="f32"):
     model = GGUFModel(path)
     B, T = 2, 16
     recipe = LoRA(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, alpha=8)
-    recipe.realize(model, model.config, RecipeOptions(t_seq=T, t_batch=B, seed=3,
+    recipe.realize(model, model.config, RecipeOptions(seq_len=T, batch=B, seed=3,
                                                       init_scale=0.05, backend=backend,
-                                                      weight_dtype=dtype))
+                                                      precision=precision))
     s, rng = recipe.sess, np.random.default_rng(0)
     losses = []
     for i in range(steps):
@@ -260,7 +260,7 @@ def test_lora_step_of_a_tiny_model_matches_numpy(model, request):
 @pytest.mark.parametrize("prec", ["bf16", "tf32"])
 def test_lora_step_in_mixed_precision_tracks_f32(prec, tiny_llama):
     _, f32_losses = _lora_run(tiny_llama, "cuda")
-    _, losses = _lora_run(tiny_llama, "cuda", dtype=prec)
+    _, losses = _lora_run(tiny_llama, "cuda", precision=prec)
     for a, b in zip(losses, f32_losses):
         assert abs(a - b) <= 2e-2 * abs(b), (losses, f32_losses)
     assert losses != f32_losses   # the emulated tensor cores really ran

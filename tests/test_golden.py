@@ -45,7 +45,7 @@ def test_saved_adapter_reloads_and_reproduces_the_last_loss(name, tmp_path):
     want = recipe.evaluate(toks, pos, labels)
     lora = {k: (recipe.sess.download(a), recipe.sess.download(b)) for k, (a, b) in recipe.net.lora.items()}
     r = exp.recipe_args
-    save_peft(tmp_path, lora, recipe.cfg, rank=r["rank"], alpha=r["alpha"],
+    save_peft(tmp_path, lora, recipe.model_cfg, rank=r["rank"], alpha=r["alpha"],
               targets=list(r["targets"]), base_model_name=name)
     model = GGUFModel(model_path(exp.model))
     fresh = make_recipe(exp)

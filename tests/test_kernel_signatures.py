@@ -111,7 +111,7 @@ def _full_finetune_launches(path):
     from toygraph.optim import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_llama(g, model.config, batch=1, seq=4, model=model, weights="finetune",
+    net = build_llama(g, model.config, batch=1, seq_len=4, model=model, weights="finetune",
                       logits=False)
     lab = g.input("labels", (4,), "i32")   # the fused head, trained: tg_matmul_acc
     loss = ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum")

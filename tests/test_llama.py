@@ -17,7 +17,7 @@ def toygraph_loss(path, tokens):
     m = GGUFModel(path)
     B, T = tokens.shape
     g = Graph()
-    net = build_llama(g, m.config, batch=B, seq=T, model=m)
+    net = build_llama(g, m.config, batch=B, seq_len=T, model=m)
     labels = g.input("labels", (B * T,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, labels))
     s = Session(g)
@@ -75,7 +75,7 @@ def test_lora_gradients_through_the_whole_model(tiny_qwen2):
     g = Graph()
     lora = LoraConfig(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=2, alpha=4,
                       init_scale=0.3)
-    net = build_llama(g, m.config, batch=2, seq=5, model=m, lora=lora)
+    net = build_llama(g, m.config, batch=2, seq_len=5, model=m, lora=lora)
     rng = np.random.default_rng(1)
     for a, b in net.lora.values():
         b.data = (rng.normal(size=b.shape) * 0.3).astype(np.float32)
@@ -97,7 +97,7 @@ def test_attention_never_materialises_seq_by_seq_scores(tiny_llama):
     m = GGUFModel(tiny_llama)
     g = Graph()
     T = 12
-    net = build_llama(g, m.config, batch=2, seq=T, model=m,
+    net = build_llama(g, m.config, batch=2, seq_len=T, model=m,
                       lora=LoraConfig(targets=("q", "k", "v", "o")))
     labels = g.input("labels", (2 * T,), "i32")
     backward(ops.cross_entropy(net.logits, labels), net.params)
@@ -109,11 +109,11 @@ def test_attention_never_materialises_seq_by_seq_scores(tiny_llama):
 def test_build_errors(tiny_llama):
     m = GGUFModel(tiny_llama)
     with pytest.raises(GraphError, match="exceeds the model's context length"):
-        build_llama(Graph(), m.config, batch=1, seq=m.config.n_ctx + 1, model=m)
+        build_llama(Graph(), m.config, batch=1, seq_len=m.config.n_ctx + 1, model=m)
     with pytest.raises(GraphError, match="LoRA targets"):
         LoraConfig(targets=("q", "qkv"))
     with pytest.raises(GraphError, match="needs a GGUF model"):
-        build_llama(Graph(), m.config, batch=1, seq=4)
+        build_llama(Graph(), m.config, batch=1, seq_len=4)
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
@@ -133,7 +133,7 @@ def test_fused_head_training_graph_equals_the_unfused_one(model, weights, reques
     results = []
     for backend in ("cuda", "cpu"):   # only picks the head: both graphs run on numpy here
         g = Graph()
-        net = build_llama(g, m.config, batch=B, seq=T, model=m, weights=weights, logits=False,
+        net = build_llama(g, m.config, batch=B, seq_len=T, model=m, weights=weights, logits=False,
                           lora=LoraConfig(targets=("q", "v"), init_scale=0.1)
                           if weights == "frozen" else None)
         assert net.logits is None and net.hidden.shape == (B * T, m.config.n_embd)
@@ -157,7 +157,7 @@ def test_logits_are_built_when_asked(tiny_llama):
     from toygraph.models.llama import lm_head
     m = GGUFModel(tiny_llama)
     g = Graph()
-    net = build_llama(g, m.config, batch=1, seq=4, model=m)
+    net = build_llama(g, m.config, batch=1, seq_len=4, model=m)
     assert net.logits is not None and net.logits.shape == (4, m.config.n_vocab)
     assert net.logits.op == "matmul" and list(net.logits.srcs) == [net.hidden, net.head]
     assert lm_head(net).shape == net.logits.shape

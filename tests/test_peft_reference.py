@@ -99,7 +99,7 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
     labels[:, :n_prompt] = -1  # prompt positions are not trained on
 
     recipe = LoRA(targets=targets, rank=rank, alpha=alpha)
-    recipe.realize(model_file, cfg, RecipeOptions(t_seq=T, t_batch=B, grad_clip=max_norm))
+    recipe.realize(model_file, cfg, RecipeOptions(seq_len=T, batch=B, clip=max_norm))
     recipe.load_trainable({f"{n}.{h}": x for n, (a, b) in lora.items()
                            for h, x in (("lora_a", a), ("lora_b", b))})
     positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))

@@ -83,7 +83,7 @@ def test_mixed_model_matches_transformers_and_trains(mixed_model):
     m = GGUFModel(mixed_model)
     tokens, positions, labels = _batch(m.config.n_vocab)
     recipe = LoRA(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=4, alpha=8)
-    recipe.realize(m, m.config, RecipeOptions(t_seq=16, t_batch=2, seed=0))
+    recipe.realize(m, m.config, RecipeOptions(seq_len=16, batch=2, seed=0))
     total, count = recipe.evaluate(tokens, positions, labels)
     mine, ref = total / count, transformers_loss(mixed_model, tokens)
     print(f"mixed block types: toygraph {mine:.7f} transformers {ref:.7f} "

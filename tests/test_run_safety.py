@@ -385,3 +385,14 @@ def test_best_survives_a_kill_between_its_two_renames(base_run, tmp_path):
     ckpt.save_checkpoint(tmp_path / "best", weights, moments, {**state, "step": 99})
     assert load_checkpoint(tmp_path / "best")[0]["step"] == 99
     assert not (tmp_path / "best.old").exists()
+
+
+def test_an_option_newer_than_the_checkpoint_counts_as_its_default():
+    from toygraph.resume import check_resume
+    fp = {"name": "m.gguf", "size": 1, "sha256_sampled": "0"}
+    saved = {"options": {"lr": 1e-3}, "model_fingerprint": fp, "data_hash": "d"}
+    same = {"options": {"lr": 1e-3, "precision": "f32"}, "model_fingerprint": fp, "data_hash": "d"}
+    assert check_resume(saved, same, "ckpt", set()) == []
+    other = {**same, "options": {"lr": 1e-3, "precision": "bf16"}}
+    with pytest.raises(ResumeMismatch, match="--precision was 'f32' in the checkpoint, now 'bf16'"):
+        check_resume(saved, other, "ckpt", set())

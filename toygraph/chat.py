@@ -72,16 +72,16 @@ def add_chat_parser(sub) -> None:
     p.add_argument("--adapter", help="run directory (PEFT adapter)")
     p.add_argument("--system", help="system message to start every conversation with")
     add_sampling_args(p)
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    from .cli import add_backend_args
+    add_backend_args(p)
     p.set_defaults(fn=_cmd_chat, max_new_tokens=256)
 
 
 def _cmd_chat(args) -> int:
-    from .cli import resolve_model
-    from .inference import LanguageModel
+    from .cli import language_model_from_args
     from .sampling import generation_kwargs
 
-    lm = LanguageModel(resolve_model(args.model), adapter_dir=args.adapter, backend=args.backend)
+    lm = language_model_from_args(args)
     try:
         return chat_loop(lm, sys.stdin, sys.stdout, system=args.system,
                          **generation_kwargs(args))

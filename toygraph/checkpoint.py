@@ -184,11 +184,11 @@ def write_adapter(dest: Path, recipe, meta: dict, gguf_too: bool = True, values:
     """The PEFT adapter files (and llama.cpp's ``adapter.gguf``) of a LoRA recipe."""
     from .adapters import save_gguf_adapter, save_peft
     lora = lora_arrays(recipe, values)
-    save_peft(dest, lora, recipe.cfg, rank=meta["rank"], alpha=meta["alpha"],
+    save_peft(dest, lora, recipe.model_cfg, rank=meta["rank"], alpha=meta["alpha"],
               targets=meta["targets"], base_model_name=meta["base"])
     if gguf_too:
-        save_gguf_adapter(dest / "adapter.gguf", lora, recipe.cfg, alpha=meta["alpha"],
-                          base_arch=recipe.cfg.arch)
+        save_gguf_adapter(dest / "adapter.gguf", lora, recipe.model_cfg, alpha=meta["alpha"],
+                          base_arch=recipe.model_cfg.arch)
 
 
 def write_final(out: Path, recipe, lora_meta: dict | None):

@@ -48,9 +48,31 @@ def cmd_tokenize(args):
     print(json.dumps(tok.encode(_utf8("--text", args.text))))
 
 
-def cmd_eval(args):
+def add_backend_args(p, precision: bool = True) -> None:
+    """``--backend`` and ``--precision`` (the matmuls' input precision), with the defaults of
+    RecipeOptions and the choices of session.py, for every command that runs a model."""
+    from toygraph.recipes import RecipeOptions
+    from .session import BACKENDS, PRECISIONS
+    p.add_argument("--backend", default=RecipeOptions.backend, choices=list(BACKENDS))
+    if precision:
+        p.add_argument("--precision", default=RecipeOptions.precision, choices=list(PRECISIONS),
+                       help="matmul input precision (bf16/tf32: CUDA tensor cores, f32 "
+                            "accumulation, f32 everything else)")
+
+
+def language_model_from_args(args):
+    """The LanguageModel of eval, generate and chat: --model, --adapter, --backend, --precision."""
     from .inference import LanguageModel
-    lm = LanguageModel(resolve_model(args.model), adapter_dir=args.adapter, backend=args.backend)
+    from .session import precision_error
+    why = precision_error(args.precision, args.backend)
+    if why:
+        raise ToygraphError(f"--precision {why}")
+    return LanguageModel(resolve_model(args.model), adapter_dir=args.adapter,
+                         backend=args.backend, precision=args.precision)
+
+
+def cmd_eval(args):
+    lm = language_model_from_args(args)
     if args.tokens is not None:
         loss, n = lm.loss(_parse_ids(args.tokens))
     elif args.text is not None:
@@ -69,7 +91,6 @@ def cmd_eval(args):
 
 
 def cmd_generate(args):
-    from .inference import LanguageModel
     if args.max_new_tokens < 0:
         raise ToygraphError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -77,7 +98,7 @@ def cmd_generate(args):
     if args.top_k < 0:
         raise ToygraphError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
     prompt = _utf8("--prompt", args.prompt)
-    lm = LanguageModel(resolve_model(args.model), adapter_dir=args.adapter, backend=args.backend)
+    lm = language_model_from_args(args)
     from .sampling import generation_kwargs  # streams the text to stdout as it is produced
     lm.generate(prompt, chat=args.chat, **generation_kwargs(args, print_to=sys.stdout))
     print()
@@ -124,7 +145,7 @@ def cmd_gate(args):
 
 def cmd_demo(args):
     from .demo import run_demo
-    return run_demo(out=args.out, steps=args.steps, backend=args.backend)
+    return run_demo(out=args.out, steps=args.steps, backend=args.backend, precision=args.precision)
 
 
 def _add_finetune_args(p):
@@ -166,7 +187,7 @@ def _add_finetune_args(p):
     p.add_argument("--allow-change", default="",
                    help="comma-separated options that may differ from the resumed checkpoint")
     p.add_argument("--max-examples", type=int)
-    p.add_argument("--backend", default=d.backend, choices=["cpu", "cuda"])
+    add_backend_args(p)
     p.add_argument("--quiet", action="store_true")
 
 
@@ -186,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--text")
     src.add_argument("--data", help="JSONL dataset (loss on target tokens)")
     p.add_argument("--adapter", help="PEFT adapter directory")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    add_backend_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
@@ -200,19 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_sampling_args(p)
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    add_backend_args(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("gate", help="check (or --record) the golden loss curves")
     p.add_argument("names", nargs="*", help="experiments (default: all)")
     p.add_argument("--record", action="store_true")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    add_backend_args(p, precision=False)  # the golden curves are f32
     p.set_defaults(fn=cmd_gate)
 
     p = sub.add_parser("demo", help="short LoRA fine-tune of SmolLM2 on the capitals set")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the demo's recipe)")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    add_backend_args(p)
     p.set_defaults(fn=cmd_demo)
     add_export_parser(sub)
     add_chat_parser(sub)

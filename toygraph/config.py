@@ -3,13 +3,22 @@
 ``TrainConfig.validate`` checks every option on its own (ranges, finiteness, types);
 ``check_against_model`` checks those that depend on the model (context length, LoRA rank
 against the widths of the targeted matrices). Errors name the CLI flag.
+
+Every default is written once, in the lowest layer that uses it: the LoRA shape, seed and
+init scale in ``LoraConfig`` (models/decoder.py), the step shape, clip, precision and
+backend in ``RecipeOptions`` (recipes/base.py); ``TrainConfig`` reads them from there and
+the CLI reads its defaults from ``TrainConfig`` (tests/test_names.py checks the chain).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from toygraph.recipes import RecipeOptions as _Recipe
+
 from .errors import ToygraphError
+from .models.decoder import LoraConfig as _Lora
+from .session import BACKENDS, precision_error
 
 
 @dataclass
@@ -18,25 +27,25 @@ class TrainConfig:
     data: str
     out: str
     recipe: str = "lora"
-    targets: tuple[str, ...] = ("q", "v")
-    rank: int = 8
-    alpha: float = 16.0
+    targets: tuple[str, ...] = _Lora.targets
+    rank: int = _Lora.rank
+    alpha: float = _Lora.alpha
     steps: int | None = None
     epochs: float | None = None
-    batch: int = 4
-    grad_accum: int = 1
-    seq_len: int = 128
+    batch: int = _Recipe.batch
+    grad_accum: int = _Recipe.grad_accum
+    seq_len: int = _Recipe.seq_len
     lr: float = 1e-3
     schedule: str = "cosine"
     warmup: int = 0
     min_lr: float = 0.0
-    clip: float = 1.0
+    clip: float = _Recipe.clip
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    seed: int = 42
-    init_scale: float = 0.01
+    seed: int = _Recipe.seed
+    init_scale: float = _Recipe.init_scale
     val_split: float = 0.1
     eval_every: int = 0            # 0: at the end of every epoch and at the last step
     patience: int = 0              # early stopping after this many evals without gain; 0 off
@@ -48,7 +57,8 @@ class TrainConfig:
     resume: str | None = None
     overwrite: bool = False        # replace the run in ``out``
     allow_change: tuple[str, ...] = ()   # options that may differ from the resumed checkpoint
-    backend: str = "cpu"
+    backend: str = _Recipe.backend
+    precision: str = _Recipe.precision   # matmul input precision (session.PRECISIONS)
     max_examples: int | None = None
     quiet: bool = False
     extra: dict = field(default_factory=dict)
@@ -64,7 +74,10 @@ class TrainConfig:
             raise ToygraphError("give --steps or --epochs, not both")
         _choice("recipe", self.recipe, ("lora", "full", "scratch"))
         _choice("schedule", self.schedule, ("constant", "cosine", "linear"))
-        _choice("backend", self.backend, ("cpu", "cuda"))
+        _choice("backend", self.backend, BACKENDS)
+        why = precision_error(self.precision, self.backend)
+        if why:
+            raise ToygraphError(f"--precision {why}")
         for name in ("batch", "grad_accum", "seq_len", "rank", "keep_checkpoints"):
             _integer(name, getattr(self, name), lo=1)
         for name in ("warmup", "seed", "eval_every", "patience", "save_every"):
@@ -120,20 +133,20 @@ def _real(name, value, lo: float, hi: float | None = None, open_lo: bool = False
         raise ToygraphError(f"{_flag(name)} must be a finite number {rng}, got {value!r}")
 
 
-def check_against_model(cfg: TrainConfig, mcfg) -> None:
+def check_against_model(train_cfg: TrainConfig, model_cfg) -> None:
     """Options that depend on the model: context length and LoRA rank vs matrix widths."""
-    from toygraph.models.llama import LoraConfig
-    if cfg.seq_len > mcfg.n_ctx:
-        raise ToygraphError(f"--seq-len {cfg.seq_len} exceeds the model's context length {mcfg.n_ctx}")
-    if cfg.recipe != "lora":
+    if train_cfg.seq_len > model_cfg.n_ctx:
+        raise ToygraphError(f"--seq-len {train_cfg.seq_len} exceeds the model's context length "
+                            f"{model_cfg.n_ctx}")
+    if train_cfg.recipe != "lora":
         return
-    LoraConfig(targets=tuple(cfg.targets), rank=cfg.rank, alpha=cfg.alpha)  # names checked here
-    q, kv = mcfg.n_head * mcfg.head_dim, mcfg.n_head_kv * mcfg.head_dim
-    widths = {"q": (mcfg.n_embd, q), "k": (mcfg.n_embd, kv), "v": (mcfg.n_embd, kv),
-              "o": (q, mcfg.n_embd), "gate": (mcfg.n_embd, mcfg.n_ff),
-              "up": (mcfg.n_embd, mcfg.n_ff), "down": (mcfg.n_ff, mcfg.n_embd)}
-    for t in (t for t in cfg.targets if t in widths):
+    _Lora(targets=tuple(train_cfg.targets), rank=train_cfg.rank, alpha=train_cfg.alpha)  # names checked
+    d, ff = model_cfg.n_embd, model_cfg.n_ff
+    q, kv = model_cfg.n_head * model_cfg.head_dim, model_cfg.n_head_kv * model_cfg.head_dim
+    widths = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d),
+              "gate": (d, ff), "up": (d, ff), "down": (ff, d)}
+    for t in (t for t in train_cfg.targets if t in widths):
         limit = min(widths[t])
-        if cfg.rank > limit:
-            raise ToygraphError(f"--rank {cfg.rank} exceeds the {t} matrix's smaller side "
+        if train_cfg.rank > limit:
+            raise ToygraphError(f"--rank {train_cfg.rank} exceeds the {t} matrix's smaller side "
                                 f"{limit} (a rank above it adds nothing); use --rank <= {limit}")

@@ -69,7 +69,8 @@ def verdict(answer: str, taught: str) -> str:
     return f"wrong: the data says {want['capital']}, not {got.get('capital')}"
 
 
-def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "cpu") -> int:
+def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "cpu",
+             precision: str = "f32") -> int:
     from toygraph.fixtures.smollm2 import smollm2_path
     from .inference import LanguageModel
     from .train import TrainConfig, run_training
@@ -77,17 +78,18 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
     model, data = str(smollm2_path()), data_path()
     taught = taught_answers(data)
     print(f"model: {Path(model).name}\ndata:  {data}\n")
-    base = LanguageModel(model, backend=backend)
+    base = LanguageModel(model, backend=backend, precision=precision)
     before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in PROMPTS}
     del base
     steps = steps or STEPS
     t0 = time.perf_counter()
-    cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
-                      eval_every=max(1, steps // 3), backend=backend,
-                      overwrite=True, **RECIPE)  # a demo run replaces the previous demo
-    summary = run_training(cfg)
+    train_cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
+                            eval_every=max(1, steps // 3), backend=backend,
+                            precision=precision,
+                            overwrite=True, **RECIPE)  # a demo run replaces the previous demo
+    summary = run_training(train_cfg)
     minutes = (time.perf_counter() - t0) / 60
-    tuned = LanguageModel(model, adapter_dir=out, backend=backend)
+    tuned = LanguageModel(model, adapter_dir=out, backend=backend, precision=precision)
     evals = [json.loads(l) for l in (Path(out) / "events.jsonl").read_text().splitlines()]
     curve = [f"{e['val_loss']:.3f}@{e['step']}" for e in evals if e["event"] == "eval"]
     print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; "

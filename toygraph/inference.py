@@ -6,7 +6,7 @@
 >>> lm.generate("What is the capital of France?", chat=True, max_new_tokens=16)       # doctest: +SKIP
 'The capital of France is Paris.'
 
-One forward graph is realized per (batch, seq) shape and cached. Shapes are rounded up
+One forward graph is realized per (batch, seq_len) shape and cached. Shapes are rounded up
 (see `_SEQ_STEP`) and sequences right-padded, so evaluating examples of many lengths
 or generating from prompts of many lengths reuses a handful of graphs. Causal attention
 means padding after a position never changes that position's logits.
@@ -45,12 +45,13 @@ class _Forward:
 class LanguageModel:
     """A GGUF model (plus optional PEFT LoRA adapter) for loss evaluation and generation."""
 
-    def __init__(self, model_path, adapter_dir=None, backend: str = "cpu", seq_len: int | None = None):
+    def __init__(self, model_path, adapter_dir=None, backend: str = "cpu", seq_len: int | None = None,
+                 precision: str = "f32"):
         self.model = GGUFModel(model_path)
         self.cfg = self.model.config
         self.tokenizer = Tokenizer.from_gguf(self.model.reader)  # reuse the parsed header
         self.tokenizer.source = str(model_path)
-        self.backend = backend
+        self.backend, self.precision = backend, precision  # precision: session.PRECISIONS
         self.seq_len = min(int(seq_len), self.cfg.n_ctx) if seq_len else self.cfg.n_ctx
         if self.seq_len < 2:
             raise DataError(f"seq_len must be >= 2, got {seq_len}")
@@ -64,14 +65,14 @@ class LanguageModel:
         self.stop_ids = self.tokenizer.end_of_turn_ids
 
     # --- graphs ---------------------------------------------------------------------------
-    def _forward(self, batch: int, seq: int) -> _Forward:
-        key = (batch, seq)
+    def _forward(self, batch: int, seq_len: int) -> _Forward:
+        key = (batch, seq_len)
         if key not in self._graphs:
             g = Graph()
-            net = build_decoder(g, self.cfg, batch=batch, seq=seq, model=self.model,
+            net = build_decoder(g, self.cfg, batch=batch, seq_len=seq_len, model=self.model,
                                 lora=self.lora_config)
-            labels = g.input("labels", (batch * seq,), "i32")
-            f = _Forward(sess=Session(g, backend=self.backend), tokens=net.tokens,
+            labels = g.input("labels", (batch * seq_len,), "i32")
+            f = _Forward(sess=Session(g, backend=self.backend, precision=self.precision), tokens=net.tokens,
                          positions=net.positions, labels=labels, logits=g.output(net.logits),
                          loss_sum=g.output(ops.cross_entropy(net.logits, labels, reduction="sum")),
                          count=g.output(ops.count_valid(labels)))

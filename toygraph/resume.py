@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from .errors import ToygraphError
@@ -57,12 +58,20 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _option_defaults() -> dict:
+    """Each TrainConfig option's default: what a checkpoint written before that option
+    existed was trained with."""
+    from .config import TrainConfig   # config imports the recipes; resume is imported early
+    return {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+
+
 def check_resume(saved: dict, now: dict, where: str, allow: set[str]) -> list[str]:
     """Raise ResumeMismatch for the first option that differs and is not allowed to;
     returns the allowed options that did change. ``saved``/``now`` hold ``options``,
-    ``data_hash`` and ``model_fingerprint``."""
+    ``data_hash`` and ``model_fingerprint``. An option missing from ``saved`` (the
+    checkpoint predates it) counts as its default."""
     changed = []
-    old_opts, new_opts = saved.get("options", {}), now["options"]
+    old_opts, new_opts = {**_option_defaults(), **saved.get("options", {})}, now["options"]
     pairs = [(k, old_opts.get(k), new_opts.get(k)) for k in new_opts if k not in OPERATIONAL]
     pairs.append(("model", saved.get("model_fingerprint"), now["model_fingerprint"]))
     pairs.append(("data", saved.get("data_hash"), now["data_hash"]))

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from .errors import GraphError
+from .errors import CudaError, GraphError
 from .graph import PHASES, Graph, Tensor, topo_order
 from .memory import BufferPlan, nbytes, plan_buffers
 from .ops import INT32_MAX as _INT32_MAX, OPS
@@ -26,23 +26,56 @@ from .ops import INT32_MAX as _INT32_MAX, OPS
 _PASS_THROUGH = {"reshape", "permute", "contiguous"}
 
 
-def _make_backend(backend: str, dtype: str):
+BACKENDS = ("cpu", "cuda")
+#: Matmul input precisions: "f32" on every backend; "bf16" / "tf32" run every matmul on
+#: CUDA tensor cores (f32 accumulation; every buffer, master weight and moment stays f32).
+PRECISIONS = ("f32", "bf16", "tf32")
+
+
+def precision_error(precision: str, backend: str) -> str | None:
+    """Why ``precision`` cannot run on ``backend``, as the end of a sentence; None if it can."""
+    if precision not in PRECISIONS:
+        return f"must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+    if precision != "f32" and backend != "cuda":
+        return (f"{precision!r} (tensor-core matmuls, f32 everything else) needs the cuda "
+                f"backend, got {backend!r}")
+    return None
+
+
+def _make_backend(backend: str, precision: str, dtype: str):
+    if backend not in BACKENDS:
+        raise GraphError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
+    why = precision_error(precision, backend)
+    if why:
+        raise GraphError(f"precision {why}")
     if backend == "cpu":
         from .cpu.backend import CpuBackend
         return CpuBackend(dtype)
-    if backend == "cuda":
-        from .cuda.backend import CudaBackend
-        return CudaBackend(dtype)
-    raise GraphError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
+    from .cuda.backend import CudaBackend
+    if dtype != "f32":
+        raise CudaError(f"the cuda backend keeps every buffer in f32, got dtype {dtype!r} "
+                        "(use backend='cpu' with dtype='f64' for gradient checks)")
+    return CudaBackend(precision)
 
 
 class Session:
-    """Runs one Graph on one backend. See the module docstring for the step sequence."""
+    """Runs one Graph on one backend. See the module docstring for the step sequence.
 
-    def __init__(self, graph: Graph, backend: str = "cpu", dtype: str = "f32"):
+    Two different settings choose the arithmetic:
+
+    - ``precision``: the input precision of every matmul, the training setting (CLI
+      ``--precision``, ``TrainConfig.precision``, ``RecipeOptions.precision``,
+      ``CudaBackend.precision``): ``"f32"``, or on the cuda backend ``"bf16"`` / ``"tf32"``
+      (tensor cores, f32 accumulation, every buffer still f32).
+    - ``dtype``: the float type of every buffer on the numpy backend: ``"f32"``, or
+      ``"f64"`` for finite-difference gradient checks (cpu only; never a training option).
+    """
+
+    def __init__(self, graph: Graph, backend: str = "cpu", precision: str = "f32",
+                 dtype: str = "f32"):
         self.graph = graph
         self.backend_name = backend
-        self.backend = _make_backend(backend, dtype)
+        self.backend = _make_backend(backend, precision, dtype)
         self.realized = False
         self.plan: BufferPlan | None = None
         self.realize_seconds = 0.0

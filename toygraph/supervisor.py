@@ -78,10 +78,10 @@ class Signals:
             self._saving = was
 
 
-def evaluate(recipe, items, batch: int, seq: int, pad: int) -> tuple[float, int]:
+def evaluate(recipe, items, batch: int, seq_len: int, pad: int) -> tuple[float, int]:
     """Token-weighted mean loss over ``items``."""
     total, count = 0.0, 0
-    for b in batches(items, batch, seq, pad, shuffle=False, seed=0, epoch=0):
+    for b in batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
         s, n = recipe.evaluate(b.tokens, b.positions, b.labels)
         total, count = total + s, count + n
     return (total / count if count else float("nan")), count
@@ -90,9 +90,10 @@ def evaluate(recipe, items, batch: int, seq: int, pad: int) -> tuple[float, int]
 class RunSupervisor(Hooks):
     """Events, evaluation, checkpoints and the divergence guard of one run."""
 
-    def __init__(self, cfg, out: Path, recipe, log, progress, guard, signals, *, val, pad,
+    def __init__(self, train_cfg, out: Path, recipe, log, progress, guard, signals, *, val, pad,
                  eval_every: int, lora_meta: dict | None):
-        self.cfg, self.out, self.recipe, self.log, self.progress = cfg, out, recipe, log, progress
+        self.train_cfg, self.out, self.recipe = train_cfg, out, recipe
+        self.log, self.progress = log, progress
         self.guard, self.signals, self.val, self.pad = guard, signals, val, pad
         self.eval_every, self.lora_meta = eval_every, lora_meta
         self.stop_status: str | None = None
@@ -106,9 +107,9 @@ class RunSupervisor(Hooks):
 
     def after_step(self, trainer, loss, micro, wall_s) -> bool:
         self.signals.in_step = False
-        t, cfg = trainer.state.step, self.cfg
+        t, train_cfg = trainer.state.step, self.train_cfg
         grad_norm = self.recipe.last_grad_norm()
-        tokens = len(micro) * cfg.batch * cfg.seq_len
+        tokens = len(micro) * train_cfg.batch * train_cfg.seq_len
         self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
                        tokens=tokens, targets=int(sum(b.n_targets for b in micro)),
                        wall_ms=round(wall_s * 1000, 2))
@@ -116,12 +117,15 @@ class RunSupervisor(Hooks):
         self.losses.append(loss)
         self.progress.update(t, loss, tokens / max(wall_s, 1e-9))
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
-        due_time = cfg.save_minutes and time.monotonic() - self.last_save >= 60 * cfg.save_minutes
-        if self.saved_step != t and ((cfg.save_every and t % cfg.save_every == 0) or due_time):
+        due_time = (train_cfg.save_minutes
+                    and time.monotonic() - self.last_save >= 60 * train_cfg.save_minutes)
+        due_step = train_cfg.save_every and t % train_cfg.save_every == 0
+        if self.saved_step != t and (due_step or due_time):
             self.save(trainer, "periodic")
         if stop:
             self.stop_status = "early_stopped"
-            self.progress.message(f"early stopping: no validation gain in {cfg.patience} evals")
+            self.progress.message(f"early stopping: no validation gain in {train_cfg.patience} "
+                                  "evals")
         elif self.signals.count:
             self.stop_status = "interrupted"
         return self.stop_status is not None
@@ -132,8 +136,8 @@ class RunSupervisor(Hooks):
         returns True when early stopping says stop."""
         if not self.val:
             return False
-        st, cfg, t = trainer.state, self.cfg, trainer.state.step
-        vloss, n = evaluate(self.recipe, self.val, cfg.batch, cfg.seq_len, self.pad)
+        st, train_cfg, t = trainer.state, self.train_cfg, trainer.state.step
+        vloss, n = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len, self.pad)
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best
@@ -150,7 +154,7 @@ class RunSupervisor(Hooks):
             if improved:
                 self.save(trainer, "best", weights, moments)
             self.save(trainer, "eval", weights, moments)
-        return bool(cfg.patience) and st.bad_evals >= cfg.patience
+        return bool(train_cfg.patience) and st.bad_evals >= train_cfg.patience
 
     def save(self, trainer, kind: str, weights=None, moments=None):
         """Checkpoint the current state (checked by the guard first) and prune old ones."""
@@ -171,5 +175,5 @@ class RunSupervisor(Hooks):
             save_checkpoint(dest, weights, moments, trainer.state.to_json(), extra, intact)
             if kind != "best":
                 self.saved_step, self.last_save = t, time.monotonic()
-                prune_checkpoints(self.out, self.cfg.keep_checkpoints)
+                prune_checkpoints(self.out, self.train_cfg.keep_checkpoints)
         self.log.write("checkpoint", step=t, kind=kind, path=str(dest))

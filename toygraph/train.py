@@ -1,7 +1,10 @@
 """Fine-tuning runs: options, checks, and setup around the one training loop.
 
->>> cfg = TrainConfig(model="model.gguf", data="train.jsonl", out="runs/x", steps=50)  # doctest: +SKIP
->>> summary = run_training(cfg)                                                         # doctest: +SKIP
+>>> train_cfg = TrainConfig(model="model.gguf", data="train.jsonl", out="runs/x", steps=50)  # doctest: +SKIP
+>>> summary = run_training(train_cfg)                                                 # doctest: +SKIP
+
+``train_cfg`` is always the run's options (TrainConfig); the model's shape (ModelConfig) is
+``model_cfg`` / ``model.config``.
 
 A run writes into ``out`` (refused when it already holds a run, unless ``resume`` or
 ``overwrite``; locked while the run lives): ``events.jsonl`` (one strict-JSON object a
@@ -56,11 +59,12 @@ def _versions() -> dict:
     return out
 
 
-def make_recipe(cfg: TrainConfig):
+def make_recipe(train_cfg: TrainConfig):
     from toygraph.recipes import RECIPES
-    if cfg.recipe == "lora":
-        return RECIPES["lora"](targets=cfg.targets, rank=cfg.rank, alpha=cfg.alpha)
-    return RECIPES[cfg.recipe]()
+    if train_cfg.recipe == "lora":
+        return RECIPES["lora"](targets=train_cfg.targets, rank=train_cfg.rank,
+                               alpha=train_cfg.alpha)
+    return RECIPES[train_cfg.recipe]()
 
 
 @dataclass
@@ -77,41 +81,41 @@ class Prepared:
     allowed: list = field(default_factory=list)
 
 
-def _prepare(cfg: TrainConfig) -> Prepared:
+def _prepare(train_cfg: TrainConfig) -> Prepared:
     """Validate options, model, data and the checkpoint to resume: all before any write."""
-    cfg.validate()
-    model = GGUFModel(cfg.model)
-    check_against_model(cfg, model.config)
-    tok = Tokenizer.from_gguf(cfg.model)
-    examples = load_examples(cfg.data)
-    if cfg.max_examples:
-        examples = examples[:cfg.max_examples]
-    enc = encode_dataset(examples, tok, cfg.seq_len)
+    train_cfg.validate()
+    model = GGUFModel(train_cfg.model)
+    check_against_model(train_cfg, model.config)
+    tok = Tokenizer.from_gguf(train_cfg.model)
+    examples = load_examples(train_cfg.data)
+    if train_cfg.max_examples:
+        examples = examples[:train_cfg.max_examples]
+    enc = encode_dataset(examples, tok, train_cfg.seq_len)
     if not enc.items:
-        raise DataError(f"{cfg.data}: no example has a target token within --seq-len {cfg.seq_len}")
-    train, val = split_train_val(enc.items, cfg.val_split, cfg.seed)
-    state = LoopState(data_hash=data_hash(cfg.data), options=cfg.options(),
-                      model_fingerprint=model_fingerprint(cfg.model))
+        raise DataError(f"{train_cfg.data}: no example has a target token within "
+                        f"--seq-len {train_cfg.seq_len}")
+    train, val = split_train_val(enc.items, train_cfg.val_split, train_cfg.seed)
+    state = LoopState(data_hash=data_hash(train_cfg.data), options=train_cfg.options(),
+                      model_fingerprint=model_fingerprint(train_cfg.model))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state)
-    if cfg.resume:
-        prep.resume_from, prep.skipped = find_resumable(Path(cfg.resume))
+    if train_cfg.resume:
+        prep.resume_from, prep.skipped = find_resumable(Path(train_cfg.resume))
         saved = LoopState.from_json(load_checkpoint(prep.resume_from)[0])
         prep.allowed = check_resume(asdict(saved), asdict(state), str(prep.resume_from),
-                                    set(cfg.allow_change))
+                                    set(train_cfg.allow_change))
         for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
             setattr(state, name, getattr(saved, name))
     return prep
 
 
-def _realize(cfg: TrainConfig, prep: Prepared):
+def _realize(train_cfg: TrainConfig, prep: Prepared):
     from toygraph.recipes import RecipeOptions
-    recipe = make_recipe(cfg)
-    opts = RecipeOptions(t_seq=cfg.seq_len, t_batch=cfg.batch, seed=cfg.seed,
-                         init_scale=cfg.init_scale, grad_clip=cfg.clip,
-                         grad_accum=cfg.grad_accum, backend=cfg.backend)
+    recipe = make_recipe(train_cfg)
+    opts = RecipeOptions(**{name: getattr(train_cfg, name) for name in RecipeOptions.names()
+                            if hasattr(train_cfg, name)})  # the options both share, by one name
     recipe.realize(prep.model, prep.model.config, opts)
-    if cfg.adapter_init:
-        _load_adapter_init(cfg, recipe)
+    if train_cfg.adapter_init:
+        _load_adapter_init(train_cfg, recipe)
     if prep.resume_from is not None:
         _, weights, moments = load_checkpoint(prep.resume_from)
         recipe.load_trainable(weights)
@@ -119,74 +123,81 @@ def _realize(cfg: TrainConfig, prep: Prepared):
     return recipe
 
 
-def _load_adapter_init(cfg: TrainConfig, recipe):
+def _load_adapter_init(train_cfg: TrainConfig, recipe):
     from .adapters import load_peft
-    lora, rank, alpha, targets = load_peft(cfg.adapter_init, recipe.cfg)
-    if rank != cfg.rank or set(targets) != set(cfg.targets):
-        raise DataError(f"{cfg.adapter_init}: adapter has rank {rank} and targets {targets}; "
-                        f"the run asks for rank {cfg.rank} and {list(cfg.targets)}")
+    lora, rank, alpha, targets = load_peft(train_cfg.adapter_init, recipe.model_cfg)
+    if rank != train_cfg.rank or set(targets) != set(train_cfg.targets):
+        raise DataError(f"{train_cfg.adapter_init}: adapter has rank {rank} and targets {targets}; "
+                        f"the run asks for rank {train_cfg.rank} and {list(train_cfg.targets)}")
     missing = set(recipe.net.lora) - set(lora)
     if missing:
-        raise DataError(f"{cfg.adapter_init}: adapter lacks {sorted(missing)[:3]}")
+        raise DataError(f"{train_cfg.adapter_init}: adapter lacks {sorted(missing)[:3]}")
     recipe.load_trainable({f"{k}.lora_{s}": v for k, (a, b) in lora.items()
                            for s, v in (("a", a), ("b", b))})
 
 
-def _epoch_batches(cfg: TrainConfig, train: list, pad: int):
+def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int):
     """micro_batch(m) over epochs; the order of epoch e is a function of (seed, e)."""
-    n = steps_per_epoch(len(train), cfg.batch)
+    n = steps_per_epoch(len(train), train_cfg.batch)
     cache: dict[int, list] = {}
 
     def micro_batch(m: int):
         epoch, idx = divmod(m, n)
         if epoch not in cache:
             cache.clear()
-            cache[epoch] = batches(train, cfg.batch, cfg.seq_len, pad, shuffle=True,
-                                   seed=cfg.seed, epoch=epoch)
+            cache[epoch] = batches(train, train_cfg.batch, train_cfg.seq_len, pad, shuffle=True,
+                                   seed=train_cfg.seed, epoch=epoch)
         return cache[epoch][idx]
     return micro_batch, n
 
 
-def run_training(cfg: TrainConfig) -> dict:
-    """Fine-tune per ``cfg``; returns a summary dict (also the run_end event). A run that
+def run_training(train_cfg: TrainConfig) -> dict:
+    """Fine-tune per ``train_cfg``; returns a summary dict (also the run_end event). A run that
     fails with an error records ``run_end: failed`` and re-raises it."""
-    prep = _prepare(cfg)
-    out, lock = open_run_dir(cfg.out, resume=bool(cfg.resume), overwrite=cfg.overwrite)
+    prep = _prepare(train_cfg)
+    out, lock = open_run_dir(train_cfg.out, resume=bool(train_cfg.resume),
+                             overwrite=train_cfg.overwrite)
     try:
-        return _run_locked(cfg, prep, out)
+        return _run_locked(train_cfg, prep, out)
     finally:
         lock.release()
 
 
-def _run_locked(cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
+def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     for name in FINAL_ARTIFACTS:
         (out / name).unlink(missing_ok=True)  # present again only if this run completes
     restore_swapped(out / "best")
     t0 = time.perf_counter()
-    recipe = _realize(cfg, prep)
+    recipe = _realize(train_cfg, prep)
     realize_s = time.perf_counter() - t0
-    micro_batch, n_batches = _epoch_batches(cfg, prep.train, prep.pad)
-    total = cfg.steps or max(1, math.ceil((cfg.epochs or 1) * n_batches / cfg.grad_accum))
-    schedule = Schedule(cfg.lr, cfg.schedule, total=total, floor=cfg.min_lr,
-                        warmup=cfg.warmup if cfg.schedule == "constant" else min(cfg.warmup, total - 1))
-    trainer = Trainer(recipe, micro_batch, schedule, total, state=prep.state,
-                      adamw=AdamW(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay),
+    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad)
+    total = train_cfg.steps or max(1, math.ceil((train_cfg.epochs or 1) * n_batches
+                                                / train_cfg.grad_accum))
+    warmup = (train_cfg.warmup if train_cfg.schedule == "constant"
+              else min(train_cfg.warmup, total - 1))
+    schedule = Schedule(train_cfg.lr, train_cfg.schedule, total=total, floor=train_cfg.min_lr,
+                        warmup=warmup)
+    adamw = AdamW(train_cfg.beta1, train_cfg.beta2, train_cfg.eps, train_cfg.weight_decay)
+    trainer = Trainer(recipe, micro_batch, schedule, total, state=prep.state, adamw=adamw,
                       resumed=prep.resume_from is not None, micro_per_epoch=n_batches)
     log = EventLog(out / EVENTS_FILE)
-    _log_start(cfg, prep, log, recipe, total, realize_s)
-    progress = Progress(total, cfg.quiet)
+    _log_start(train_cfg, prep, log, recipe, total, realize_s)
+    progress = Progress(total, train_cfg.quiet)
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
-             f"{total} steps of {cfg.batch * cfg.grad_accum} sequences x {cfg.seq_len} "
+             f"{total} steps of {train_cfg.batch * train_cfg.grad_accum} sequences x "
+             f"{train_cfg.seq_len} "
              f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
-    lora_meta = ({"rank": cfg.rank, "alpha": cfg.alpha, "targets": list(cfg.targets),
-                  "base": Path(cfg.model).name, "arch": prep.model.config.arch}
-                 if cfg.recipe == "lora" else None)
-    guard = DivergenceGuard(prep.state, cfg.diverge_factor)
+    lora_meta = ({"rank": train_cfg.rank, "alpha": train_cfg.alpha,
+                  "targets": list(train_cfg.targets),
+                  "base": Path(train_cfg.model).name, "arch": prep.model.config.arch}
+                 if train_cfg.recipe == "lora" else None)
+    guard = DivergenceGuard(prep.state, train_cfg.diverge_factor)
     with Signals() as signals:
-        sup = RunSupervisor(cfg, out, recipe, log, progress, guard, signals, val=prep.val,
+        sup = RunSupervisor(train_cfg, out, recipe, log, progress, guard, signals, val=prep.val,
                             pad=prep.pad, lora_meta=lora_meta,
-                            eval_every=cfg.eval_every or max(1, n_batches // cfg.grad_accum))
+                            eval_every=(train_cfg.eval_every
+                                        or max(1, n_batches // train_cfg.grad_accum)))
         error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro)
         if status in (*COMPLETED, "interrupted"):
             error, status, reason = _finish(trainer, sup, out, recipe, lora_meta, status, reason)
@@ -239,7 +250,7 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
         sup.save(trainer, "final")
         write_final(out, recipe, lora_meta)
         if lora_meta is not None:
-            write_modelfile(out, sup.cfg.model)  # Ollama: FROM base + ADAPTER ./adapter.gguf
+            write_modelfile(out, sup.train_cfg.model)  # Ollama: FROM base + ADAPTER ./adapter.gguf
         return None, status, reason
     except Diverged as e:
         return None, "diverged", str(e)
@@ -251,8 +262,8 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _log_start(cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
-    log.write("run_start", config=cfg.options(), data_hash=prep.state.data_hash,
+def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
+    log.write("run_start", config=train_cfg.options(), data_hash=prep.state.data_hash,
               model_fingerprint=prep.state.model_fingerprint, versions=_versions(),
               model_config=asdict(prep.model.config), data_report=asdict(prep.enc.report),
               train_items=len(prep.train), val_items=len(prep.val), total_steps=total,

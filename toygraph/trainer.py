@@ -67,7 +67,7 @@ class Trainer:
     """Steps ``recipe`` from ``state.step`` to ``total``.
 
     ``micro_batch(m)`` returns micro-batch ``m`` (counting across epochs) as an object with
-    ``tokens``, ``positions``, ``labels`` ([t_batch, t_seq] each); step t uses micro-batches
+    ``tokens``, ``positions``, ``labels`` ([batch, seq_len] each); step t uses micro-batches
     (t-1)*k .. t*k-1 for k = the recipe's ``grad_accum``. ``micro_per_epoch`` (when known)
     keeps ``state.epoch`` current. ``resumed`` says the recipe's weights and moments came
     from a checkpoint, so the first step must not reset the moments.
@@ -84,7 +84,7 @@ class Trainer:
         self.last_lr = None
 
     def inputs(self, t: int):
-        """(micro-batches, tokens, positions, labels) of step t; arrays [k, t_batch, t_seq]."""
+        """(micro-batches, tokens, positions, labels) of step t; arrays [k, batch, seq_len]."""
         micro = [self.micro_batch((t - 1) * self.k + j) for j in range(self.k)]
         stack = [np.stack([getattr(b, f) for b in micro]) for f in ("tokens", "positions", "labels")]
         return (micro, *stack)

@@ -8,13 +8,13 @@ buffers); ``read`` is the only host<->device synchronisation.
 >>> sess = Session(graph, backend="cuda")          # doctest: +SKIP
 >>> sess.realize(); sess.reset(); sess.upload(x, data); sess.run("step")   # doctest: +SKIP
 
-``dtype="bf16"`` (or ``"tf32"``) is mixed precision: every matmul runs on tensor cores
+``precision="bf16"`` (or ``"tf32"``) is mixed precision: every matmul runs on tensor cores
 (kernels/tc_matmul.cu) with its f32 operands rounded to bf16 (tf32) as they are staged in
 shared memory and block-format weights decoded straight to that type, accumulating in f32;
 all other ops, the f32 master weights and the Adam moments are unchanged. ``"f32"`` (the
 default) compiles and launches exactly the plain f32 kernels.
 
->>> sess = Session(graph, backend="cuda", dtype="bf16")   # doctest: +SKIP
+>>> sess = Session(graph, backend="cuda", precision="bf16")   # doctest: +SKIP
 
 ``TOYGRAPH_CUDA_DEVICE=host`` (or ``CudaBackend(device="host")``) runs everything on the
 CPU instead: the same kernels compiled by g++ against host_shim.h and executed with their
@@ -40,6 +40,7 @@ from .. import settings
 from ..errors import CudaError
 from ..memory import BufferPlan
 from ..ops import SIDE_EFFECTS
+from ..session import PRECISIONS  # "f32" plain kernels; TC_PRECISIONS on tensor cores
 from . import driver
 from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
 from .kernels import DEQUANT_KERNELS, TC_PRECISIONS, backend_source
@@ -47,10 +48,6 @@ from .lowering import MAX_ELEMENTS, OP_KERNELS, THREADS, Launch, i32, lower, p
 
 logger = logging.getLogger(__name__)
 _FLOAT_STORAGE = ("f32", "f64")
-#: Backend dtypes: "f32" is the plain f32 path; "bf16" / "tf32" run every matmul on tensor
-#: cores (bf16 or tf32 inputs, f32 accumulation) and keep everything else (norms, softmax,
-#: loss, params as f32 master weights, Adam moments) in f32.
-PRECISIONS = ("f32",) + TC_PRECISIONS
 
 
 def _sm(arch: str) -> int:
@@ -78,17 +75,18 @@ def _raw_bytes(data) -> np.ndarray:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, dtype: str = "f32", device: int | str | None = None):
-        if dtype not in PRECISIONS:
-            raise CudaError(f"the cuda backend computes in f32 (dtype 'f32', or 'bf16' / 'tf32' "
-                            f"for tensor-core matmuls), got dtype {dtype!r} "
-                            "(use backend='cpu' for f64 gradient checks)")
-        self.precision = dtype
+    def __init__(self, precision: str = "f32", device: int | str | None = None):
+        if precision not in PRECISIONS:
+            raise CudaError(f"the cuda backend's matmul precision must be one of "
+                            f"{', '.join(PRECISIONS)} ('bf16' / 'tf32': tensor-core matmuls), "
+                            f"got {precision!r} (buffers are always f32; use backend='cpu' "
+                            "with dtype='f64' for gradient checks)")
+        self.precision = precision
         self.itemsize = 4   # every buffer is f32 whatever the matmuls' input precision
         self.ctx = open_device(device)
-        if dtype in TC_PRECISIONS and _sm(self.ctx.arch) < 80:
-            raise CudaError(f"dtype {dtype!r} needs tensor cores with bf16/tf32 mma (sm_80 or "
-                            f"newer); this device is {self.ctx.arch}: use dtype='f32'")
+        if precision in TC_PRECISIONS and _sm(self.ctx.arch) < 80:
+            raise CudaError(f"precision {precision!r} needs tensor cores with bf16/tf32 mma "
+                            f"(sm_80 or newer); this device is {self.ctx.arch}: use precision='f32'")
         self.use_graphs = settings.get("TOYGRAPH_CUDA_GRAPHS")
         self.qmatmul = qmatmul_enabled()
         self.memory: DeviceMemoryPlan | None = None

@@ -1,7 +1,7 @@
 """The one decoder graph builder, for every family in models/families.py, with LoRA wiring.
 
 >>> g = Graph()                                                        # doctest: +SKIP
->>> net = build_decoder(g, cfg, batch=4, seq=128, model=gguf_model,
+>>> net = build_decoder(g, cfg, batch=4, seq_len=128, model=gguf_model,
 ...                     lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
 >>> net.tokens, net.positions, net.logits   # inputs [4, 128] i32 and logits [512, vocab]
 
@@ -41,7 +41,10 @@ FIXED = ("rope_freqs.weight",)
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """Adapters ``y = W x + (alpha / rank) * B (A x)``; A ~ N(0, init_scale) seeded, B = 0."""
+    """Adapters ``y = W x + (alpha / rank) * B (A x)``; A ~ N(0, init_scale) seeded, B = 0.
+
+    These defaults are the only place the default LoRA shape, seed and init scale are
+    written: RecipeOptions, the LoRA recipe, TrainConfig and the CLI read them from here."""
 
     targets: tuple[str, ...] = ("q", "v")
     rank: int = 8
@@ -68,10 +71,10 @@ class Decoder:
     cfg: object
     tokens: Tensor
     positions: Tensor
-    logits: Tensor | None                            # [batch * seq, vocab]; None if not asked
+    logits: Tensor | None                            # [batch * seq_len, vocab]; None if not asked
     weights: dict[str, Tensor] = field(default_factory=dict)   # GGUF name -> const/param
     lora: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # GGUF weight -> (A, B)
-    hidden: Tensor | None = None                     # final-normed states [batch * seq, n_embd]
+    hidden: Tensor | None = None                     # final-normed states [batch * seq_len, n_embd]
     head: Tensor | None = None                       # output weight [vocab, n_embd] (maybe tied)
 
     @property
@@ -125,19 +128,20 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
     return a, b
 
 
-def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: str = "frozen",
-                  lora: LoraConfig | None = None, seed: int = 42, logits: bool = True) -> Decoder:
-    """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq`` tokens;
+def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
+                  lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
+                  logits: bool = True) -> Decoder:
+    """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens;
     ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`)."""
-    if seq > cfg.n_ctx:
-        raise GraphError(f"sequence length {seq} exceeds the model's context length {cfg.n_ctx}")
-    if batch < 1 or seq < 1:
-        raise GraphError(f"batch and seq must be >= 1, got {batch} and {seq}")
+    if seq_len > cfg.n_ctx:
+        raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
+    if batch < 1 or seq_len < 1:
+        raise GraphError(f"batch and seq_len must be >= 1, got {batch} and {seq_len}")
     if weights != "scratch" and model is None:
         raise GraphError(f"weight mode {weights!r} needs a GGUF model")
     W = _make_weights(g, cfg, model, weights, seed)
-    net = Decoder(cfg=cfg, tokens=g.input("tokens", (batch, seq), "i32"),
-                  positions=g.input("positions", (batch, seq), "i32"), logits=None, weights=W)
+    net = Decoder(cfg=cfg, tokens=g.input("tokens", (batch, seq_len), "i32"),
+                  positions=g.input("positions", (batch, seq_len), "i32"), logits=None, weights=W)
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
 
@@ -155,7 +159,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq: int, model=None, weights: s
             y = y + ops.scale(low, lora.scaling)
         return y
 
-    B, T, D = batch, seq, cfg.n_embd
+    B, T, D = batch, seq_len, cfg.n_embd
     h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
@@ -209,6 +213,6 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, B: int, T: int) -> Tens
 
 
 def lm_head(net: Decoder) -> Tensor:
-    """The output logits [batch * seq, vocab] = hidden @ head^T (for generation and
+    """The output logits [batch * seq_len, vocab] = hidden @ head^T (for generation and
     evaluation; a training loss uses ops.linear_cross_entropy on hidden and head instead)."""
     return ops.matmul(net.hidden, net.head, trans_b=True)
