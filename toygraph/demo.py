@@ -20,10 +20,17 @@ QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
              ("Capital of Norway?", "Norway")]
 PROMPTS = [q for q, _ in QUESTIONS]
 
-# The fine-tune: every TrainConfig option the demo sets, in one place.
-RECIPE = dict(targets=("q", "k", "v", "o"), rank=8, alpha=16, batch=8, lr=3e-3, warmup=5,
-              schedule="cosine", clip=1.0, seq_len=66, val_split=0.1, seed=42)
-STEPS = 60
+# The fine-tune, every TrainConfig option the demo sets in one place (issue 15 item 6).
+# Attention-only LoRA (q,k,v,o, r8, lr 3e-3, 60 steps x 8: one pass over the 486 training
+# rows) learned the JSON format but not every fact: Kenya came out "Djiburia". Facts sit
+# in the MLP more than in attention, so the adapter covers it too (r16); with it, one pass
+# at batch 8 still gave "Kochi", and one pass at batch 4 (120 steps) was right for one seed
+# and wrong for a paraphrase and for another seed. Each capital is seen only 3 times a pass,
+# so the demo makes two passes in batches of 4 (122 steps each).
+RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
+              batch=4, lr=5e-3, warmup=10, schedule="cosine", clip=1.0, seq_len=66,
+              val_split=0.1, seed=42)
+STEPS = 244
 MAX_NEW_TOKENS = 24
 
 
@@ -84,7 +91,7 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
     steps = steps or STEPS
     t0 = time.perf_counter()
     train_cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
-                            eval_every=max(1, steps // 3), backend=backend,
+                            eval_every=max(1, steps // 2), backend=backend,
                             precision=precision,
                             overwrite=True, **RECIPE)  # a demo run replaces the previous demo
     summary = run_training(train_cfg)
