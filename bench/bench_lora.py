@@ -118,7 +118,7 @@ def _random_gguf(stem: str, dims: dict, wtype: str) -> Path:
         from random_llama import write_random_llama
         log(f"writing {path} (random weights, {wtype}; once)")
         t0 = time.perf_counter()
-        write_random_llama(path, wtype=wtype, name=stem, **dims)
+        write_random_llama(path, wtype=wtype, **dims)
         log(f"  wrote {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s")
     return path
 

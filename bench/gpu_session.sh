@@ -15,7 +15,11 @@
 #             vs the CPU golden (its rtol) and bit-identical run to run  -> $OUT/checks.log
 #   slice     SmolLM2 8-block slice (.gpu/smollm2-8l.gguf): forward loss and the
 #             lora_qv_smollm2 experiment, CUDA vs CPU within 1e-4 rel  -> $OUT/checks.log
-#   bench     bench/bench_lora.py per GPU config (last; skipped when time runs out)
+#   generate  bench/bench_generate.py on the slice (GS_BACKEND): greedy tokens/s with and
+#             without the KV cache (256 new tokens)   table -> $OUT/bench.md, JSON in results.json
+#   bench     bench/bench_lora.py per GPU config, then bench/bench_checkpoint.py (activation
+#             checkpointing off/on: planned memory, step time) for the ckpt-* entries
+#             (last; skipped when time runs out)
 #             tables -> $OUT/bench.md, progress -> $OUT/bench.log
 # Always: $OUT/summary.md (device, date, commands, PASS/FAIL/SKIP/TIMEOUT per stage, rewritten
 # after every stage), $OUT/setup.log, $OUT/results.json (golden/slice/bench numbers).
@@ -25,8 +29,9 @@
 #   GS_STAGES   comma list of the stages above to run (default: all); setup/info always run.
 #               Second call for the benchmarks only:  GS_STAGES=bench bash bench/gpu_session.sh
 #   GS_BENCH    benchmark stages in order (default below); names: smollm2-512x8,
-#               smollm2-2048x4, llama1b-random, llama1b-bf16 (toygraph and torch in bf16)
-#   GS_BENCH_ARGS  extra bench_lora.py arguments for every bench stage (e.g. "--cold no")
+#               smollm2-2048x4, llama1b-random, llama1b-bf16 (toygraph and torch in bf16),
+#               ckpt-smollm2-512x8, ckpt-llama1b-2048x4 (bench_checkpoint.py configs)
+#   GS_BENCH_ARGS  extra bench_lora.py arguments for every bench_lora stage (e.g. "--cold no")
 #   GS_BUDGET   seconds the whole script may take (default 540: ends inside a 600 s call)
 #   GS_SLICE    the SmolLM2 slice (default .gpu/smollm2-8l.gguf)
 #   GS_BACKEND  backend the golden/slice checks treat as "the GPU" (default cuda; cpu for a
@@ -41,11 +46,11 @@ rm -f "$WORK"/*.json
 BUDGET=${GS_BUDGET:-540}
 DEADLINE=$((SECONDS + BUDGET))
 RESERVE=20          # seconds kept for results.json and the summary at the end
-STAGES=",${GS_STAGES:-tests,nographs,gate,golden,slice,bench},"
-BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16}
+STAGES=",${GS_STAGES:-tests,nographs,gate,golden,slice,generate,bench},"
+BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16 ckpt-smollm2-512x8 ckpt-llama1b-2048x4}
 SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
-TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama"
+TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt"
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.md
 SETUP_LOG=$OUT/setup.log
@@ -115,6 +120,15 @@ stage() {
     printf '===== %s: %s in %ss\n' "$name" "$res" "$dt" >> "$log"
     row "$name" "$res" "$dt" "$cmd" "$detail"
     return 0
+}
+
+# slice_stage: `stage` with the same arguments when the SmolLM2 slice is there, else a SKIP row
+slice_stage() {
+    if [[ -f $SLICE ]]; then
+        stage "$@"
+    else
+        row "$1" SKIP 0 "-" "no $SLICE: make it here with bench/slice_gguf.py and carry .gpu"
+    fi
 }
 
 # pytest's last summary line, and a warning when the GPU module was skipped as a whole
@@ -344,23 +358,26 @@ if want golden; then
         "GS_BACKEND=$GS_BACKEND $PY $WORK/golden_check.py $WORK/golden.json $TINY"
 fi
 if want slice; then
-    if [[ -f $SLICE ]]; then
-        stage slice 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) (forward|lora_qv_smollm2)' '$CHECKS_LOG' | tail -n 2 | cut -c1-200" \
-            "GS_BACKEND=$GS_BACKEND $PY $WORK/slice_check.py $SLICE $WORK/slice.json"
-    else
-        row slice SKIP 0 "-" "no $SLICE: make it here with bench/slice_gguf.py and carry .gpu"
-    fi
+    slice_stage slice 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) (forward|lora_qv_smollm2)' '$CHECKS_LOG' | tail -n 2 | cut -c1-200" \
+        "GS_BACKEND=$GS_BACKEND $PY $WORK/slice_check.py $SLICE $WORK/slice.json"
+fi
+if want generate; then
+    slice_stage generate 150 "$OUT/bench.log" "tail -n 1 $WORK/generate.md" \
+        "set -o pipefail; $PY bench/bench_generate.py --backend $GS_BACKEND --model $SLICE --full-tokens 64 --md $WORK/generate.md --json $WORK/bench-generate.json --note 'gpu_session.sh generate (SmolLM2 8-block slice)' | tee -a $OUT/bench.md >&2"
 fi
 if want bench; then
     for b in $BENCH_LIST; do
+        script=bench/bench_lora.py extra=${GS_BENCH_ARGS:-}
         case $b in
+            ckpt-*) script=bench/bench_checkpoint.py extra=""
+                    args="--config ${b#ckpt-} --steps 3 --warmup 1"; cap=300 ;;
             llama1b-bf16) args="--config llama1b-random --dtype bf16 --impl toygraph,torch-eager,torch-compile"; cap=240 ;;
             smollm2-512x8) args="--config $b"; cap=300 ;;
             *) args="--config $b"; cap=300 ;;
         esac
         stage "bench $b" "$cap" "$OUT/bench.log" \
             "$PY $WORK/bench_detail.py $WORK/bench-$b.json" \
-            "set -o pipefail; $PY bench/bench_lora.py --device cuda $args ${GS_BENCH_ARGS:-} --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
+            "set -o pipefail; $PY $script --device cuda $args $extra --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
     done
 fi
 

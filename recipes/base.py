@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from toygraph import ops
+from toygraph.data import batches
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
@@ -63,6 +64,7 @@ class RecipeOptions:
     clip: float = 1.0
     grad_accum: int = 1
     backend: str = "cpu"
+    checkpoint_activations: bool = False   # recompute each block in the backward (recompute.py)
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "grad_accum"):
@@ -87,17 +89,24 @@ class Recipe:
     """Shared realize/step machinery; subclasses choose which weights train."""
 
     weight_mode = "frozen"
+    #: The epoch's batches of encoded items, in the layout ``step`` takes.
+    make_batches = staticmethod(batches)
 
     def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
         return None
 
-    def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:
+    @staticmethod
+    def check_model(model_cfg, opts: RecipeOptions) -> None:
+        """The options that assert what the model must have (untied, qkv_bias)."""
         if opts.untied is not None and opts.untied == model_cfg.tied_output:
             raise GraphError(f"options say untied={opts.untied} but the model's output head is "
                              f"{'tied' if model_cfg.tied_output else 'untied'}")
         if opts.qkv_bias is not None and opts.qkv_bias != model_cfg.qkv_bias:
             raise GraphError(f"options say qkv_bias={opts.qkv_bias} but the model has "
                              f"{'a' if model_cfg.qkv_bias else 'no'} qkv bias")
+
+    def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:
+        self.check_model(model_cfg, opts)
         self.opts, self.model_cfg = opts, model_cfg
         g = Graph()
         B, T = opts.batch, opts.seq_len
@@ -109,20 +118,26 @@ class Recipe:
         self.loss_sum = g.output(head_loss(self.net, self.labels, opts.backend))
         self.count = g.output(ops.count_valid(self.labels))
         self.train = build_training(self.loss_sum, self.net.params, count=self.count,
-                                    max_norm=opts.clip)
+                                    max_norm=opts.clip,
+                                    checkpoint=opts.checkpoint_activations)
         self.graph = g
         self.sess = Session(g, backend=opts.backend, precision=opts.precision)
         self.sess.realize()
         self.step_index = 0
 
     # --- per step -------------------------------------------------------------------------
+    def batch_rows(self) -> tuple[int, str]:
+        """The number of sequences in a micro-batch, and its description for errors."""
+        return self.opts.batch, "batch"
+
     def _micro_batches(self, token_ids, positions, labels):
         """Check the step inputs: each is [grad_accum, batch, seq_len], whatever k is."""
-        shape = (self.opts.grad_accum, self.opts.batch, self.opts.seq_len)
+        rows, what = self.batch_rows()
+        shape = (self.opts.grad_accum, rows, self.opts.seq_len)
         arrays = [np.asarray(a) for a in (token_ids, positions, labels)]
         for name, a in zip(("token_ids", "positions", "labels"), arrays):
             if a.shape != shape:
-                raise GraphError(f"step: {name} must have shape [grad_accum, batch, seq_len] "
+                raise GraphError(f"step: {name} must have shape [grad_accum, {what}, seq_len] "
                                  f"= {shape}, got {a.shape}")
         return list(zip(*arrays))
 
@@ -132,6 +147,20 @@ class Recipe:
         s.upload(self.net.positions, pos)
         s.upload(self.labels, np.asarray(lab).reshape(-1))
 
+    def _begin_step(self, token_ids, positions, labels, hp, is_first: bool) -> list:
+        """Reset (first step) or reset grads, upload the hp row; the checked micro-batches."""
+        if is_first:
+            self.sess.reset()
+        else:
+            self.sess.reset_grads()
+        micro = self._micro_batches(token_ids, positions, labels)
+        self.sess.upload(self.train.hp, hp)
+        return micro
+
+    def load_adapter_init(self, values: dict[str, np.ndarray]) -> None:
+        """Start from an adapter's values (``--adapter-init``)."""
+        self.load_trainable(values)
+
     def step(self, token_ids, positions, labels, hp, is_first: bool) -> float:
         """One optimizer step; returns the mean loss of the forward pass before the update.
 
@@ -139,12 +168,7 @@ class Recipe:
         accumulation); the loss is the token-weighted mean over all k micro-batches.
         """
         s = self.sess
-        if is_first:
-            s.reset()
-        else:
-            s.reset_grads()
-        micro = self._micro_batches(token_ids, positions, labels)
-        s.upload(self.train.hp, hp)
+        micro = self._begin_step(token_ids, positions, labels, hp, is_first)
         total, count = 0.0, 0.0
         for i, (ids, pos, lab) in enumerate(micro):
             self._upload(ids, pos, lab)

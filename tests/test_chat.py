@@ -22,7 +22,8 @@ def expected_replies(path, turns):
             messages = []
             continue
         messages.append({"role": "user", "content": turn})
-        replies.append(lm.generate(messages, chat=True, max_new_tokens=N))
+        # The full-window path: the CLI's default KV-cache path must give the same replies.
+        replies.append(lm.generate(messages, chat=True, max_new_tokens=N, kv_cache=False))
         messages.append({"role": "assistant", "content": replies[-1]})
     return replies
 

@@ -156,11 +156,18 @@ def test_generate_stops_at_the_context(tmp_path):
     from toygraph.inference import LanguageModel
     lm = LanguageModel(str(write_tiny_llama(tmp_path / "short.gguf", n_ctx=24)))
     lm.stop_ids = set()  # never stop early: the context is the only limit left
-    forwards = []
-    real_run = lm._run
-    lm._run = lambda *a: forwards.append(1) or real_run(*a)  # one forward per new token
-    lm.generate("the cat", max_new_tokens=10**9)
-    assert len(forwards) == lm.seq_len - len(lm.encode_prompt("the cat", False))
+    real_next_logits = lm.next_logits
+    for kv_cache in (True, False):
+        rows = []
+
+        def counted(*args, **kwargs):  # one logits row (forward or decode) per new token
+            for row in real_next_logits(*args, **kwargs):
+                rows.append(1)
+                yield row
+
+        lm.next_logits = counted
+        lm.generate("the cat", max_new_tokens=10**9, kv_cache=kv_cache)
+        assert len(rows) == lm.seq_len - len(lm.encode_prompt("the cat", False)), kv_cache
 
 
 def test_demo_next_steps_run_as_printed(capsys, tiny_llama, tmp_path, monkeypatch):

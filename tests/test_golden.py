@@ -32,7 +32,8 @@ def test_runs_are_bit_identical():
     assert run_experiment(exp) == run_experiment(exp)
 
 
-@pytest.mark.parametrize("name", ["lora_qv_tiny_llama", "lora_all_tiny_qwen2"])
+@pytest.mark.parametrize("name", ["lora_qv_tiny_llama", "lora_all_tiny_qwen2", "dpo_qv_tiny_llama",
+                                  "orpo_qv_tiny_llama"])
 def test_saved_adapter_reloads_and_reproduces_the_last_loss(name, tmp_path):
     from toygraph.adapters import load_peft, save_peft
     from toygraph.fixtures.experiments import make_recipe, model_path

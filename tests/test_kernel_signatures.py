@@ -155,7 +155,18 @@ def _small_op_launches():
     loss = ops.sum(ops.mul(y, ops.unpack(packed, 16, (3, 8))))
     grads = backward(loss, [x, b])
     acc = ops.accumulate(g.state("acc", (4,), kind="grad"), grads[b])
-    return _lower_all(topo_order([loss, grads[x], acc]), precisions=("f32",))
+    cached = ops.cache_write(g.state("cache", (2, 6, 4), kind="cache"),
+                             g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
+    return _lower_all(topo_order([loss, grads[x], acc, cached]), precisions=("f32",))
+
+
+def _preference_op_launches():
+    """The preference-loss ops (ops_pref.py), forward and backward."""
+    g = Graph()
+    x = g.param("x", np.ones((3, 5)))
+    loss = ops.sum(ops.log1mexp(ops.log_sigmoid(ops.token_logprobs(x, g.input("lab", (3,), "i32")))))
+    grads = backward(loss, [x])
+    return _lower_all(topo_order([loss, grads[x]]), precisions=("f32",))
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +184,7 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
         out += _lower_all(order, raw)
     out += _full_finetune_launches(tiny_qwen2)
     out += _block_format_launches(rng) + _attention_launches() + _small_op_launches()
+    out += _preference_op_launches()
     return out
 
 

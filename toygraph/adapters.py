@@ -365,3 +365,13 @@ def load_gguf_adapter(path, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
                            for t in (a, b))
     _check_lora(lora, cfg, str(path))
     return lora, rank, alpha, _targets_of(lora)
+
+
+def load_lora(sess, pairs: dict, lora: dict) -> None:
+    """Load adapter weights ``lora`` (GGUF weight name -> (A, B), as load_peft returns)
+    into a realized session's LoRA params ``pairs`` (name -> (A tensor, B tensor)). A layer
+    the adapter lacks keeps B = 0: no change to the base model."""
+    for name, (a, b) in pairs.items():
+        if name in lora:
+            sess.load_param(a, lora[name][0])
+            sess.load_param(b, lora[name][1])

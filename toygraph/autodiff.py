@@ -17,6 +17,13 @@ from . import ops
 
 def backward(loss: Tensor, params: list[Tensor]) -> dict[Tensor, Tensor]:
     """Gradient nodes of scalar ``loss`` with respect to each of ``params``."""
+    grads = gradient_map(loss, params)
+    return {p: grads[p.id] for p in params}
+
+
+def gradient_map(loss: Tensor, params: list[Tensor]) -> dict[int, Tensor]:
+    """Like :func:`backward`, but the gradient of every node on a path to a param, by
+    node id (what transformations that reorder the backward need to know)."""
     if loss.shape != ():
         raise GraphError(f"backward: loss {loss.name!r} must be a scalar, got {loss.shape}")
     for p in params:
@@ -51,7 +58,7 @@ def backward(loss: Tensor, params: list[Tensor]) -> dict[Tensor, Tensor]:
             if gs.shape != s.shape:  # a rule bug, caught at build time rather than at run
                 raise GraphError(f"backward: {t.op} gave a {gs.shape} gradient for {s.name} {s.shape}")
             grads[s.id] = gs if s.id not in grads else ops.add(grads[s.id], gs)
-    return {p: grads[p.id] for p in params}
+    return grads
 
 
 def accumulate_grads(grads: dict[Tensor, Tensor], phase: str = "backward") -> dict[Tensor, Tensor]:

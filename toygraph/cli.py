@@ -149,15 +149,21 @@ def cmd_demo(args):
 
 
 def _add_finetune_args(p):
-    from .config import TrainConfig
+    from .config import RECIPES, TrainConfig
     d = TrainConfig("", "", "")  # defaults come from the dataclass
     p.add_argument("--model", required=True, help="GGUF file, or 'smollm2'")
-    p.add_argument("--data", required=True, help="JSONL: instruction/response, alpaca, chat or text")
+    p.add_argument("--data", required=True, help="JSONL: instruction/response, alpaca, chat or "
+                   "text; preference pairs for dpo/orpo")
     p.add_argument("--out", required=True, help="run directory (adapter, checkpoints, events)")
-    p.add_argument("--recipe", default=d.recipe, choices=["lora", "full", "scratch"])
+    p.add_argument("--recipe", default=d.recipe, choices=list(RECIPES),
+                   help="dpo/orpo: preference tuning on {prompt, chosen, rejected} pairs")
     p.add_argument("--targets", default=",".join(d.targets), help="LoRA targets among q,k,v,o,gate,up,down")
     p.add_argument("--rank", type=int, default=d.rank)
     p.add_argument("--alpha", type=float, default=d.alpha)
+    p.add_argument("--beta", type=float, default=d.beta,
+                   help="dpo: strength of the pull towards the reference; orpo: odds-ratio weight")
+    p.add_argument("--label-smoothing", type=float, default=d.label_smoothing,
+                   help="dpo: assumed chance a pair's preference is flipped (conservative DPO)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int)
     g.add_argument("--epochs", type=float)
@@ -188,6 +194,10 @@ def _add_finetune_args(p):
                    help="comma-separated options that may differ from the resumed checkpoint")
     p.add_argument("--max-examples", type=int)
     add_backend_args(p)
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   default=d.checkpoint_activations,
+                   help="recompute each decoder block in the backward instead of keeping its "
+                        "activations: less memory, at most one more forward of the blocks per step")
     p.add_argument("--quiet", action="store_true")
 
 

@@ -15,10 +15,17 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 from toygraph.recipes import RecipeOptions as _Recipe
+from toygraph.recipes import dpo as _dpo
 
 from .errors import ToygraphError
 from .models.decoder import LoraConfig as _Lora
 from .session import BACKENDS, precision_error
+
+RECIPES = ("lora", "full", "scratch", "dpo", "orpo")
+#: The recipes that train LoRA adapters on a frozen base (the rest train every weight).
+ADAPTER_RECIPES = ("lora", "dpo", "orpo")
+#: The preference-tuning recipes: their data are chosen/rejected pairs (toygraph.preference).
+PREFERENCE_RECIPES = ("dpo", "orpo")
 
 
 @dataclass
@@ -30,6 +37,8 @@ class TrainConfig:
     targets: tuple[str, ...] = _Lora.targets
     rank: int = _Lora.rank
     alpha: float = _Lora.alpha
+    beta: float = _dpo.BETA        # dpo/orpo: DPO's KL strength, ORPO's odds-ratio weight
+    label_smoothing: float = _dpo.LABEL_SMOOTHING  # dpo: assumed chance a pair is flipped
     steps: int | None = None
     epochs: float | None = None
     batch: int = _Recipe.batch
@@ -59,6 +68,7 @@ class TrainConfig:
     allow_change: tuple[str, ...] = ()   # options that may differ from the resumed checkpoint
     backend: str = _Recipe.backend
     precision: str = _Recipe.precision   # matmul input precision (session.PRECISIONS)
+    checkpoint_activations: bool = _Recipe.checkpoint_activations   # recompute blocks in the backward
     max_examples: int | None = None
     quiet: bool = False
     extra: dict = field(default_factory=dict)
@@ -72,7 +82,7 @@ class TrainConfig:
         """Raise ToygraphError naming the flag of the first option out of range."""
         if self.steps is not None and self.epochs is not None:
             raise ToygraphError("give --steps or --epochs, not both")
-        _choice("recipe", self.recipe, ("lora", "full", "scratch"))
+        _choice("recipe", self.recipe, RECIPES)
         _choice("schedule", self.schedule, ("constant", "cosine", "linear"))
         _choice("backend", self.backend, BACKENDS)
         why = precision_error(self.precision, self.backend)
@@ -88,20 +98,23 @@ class TrainConfig:
             _integer("max_examples", self.max_examples, lo=1)
         if self.epochs is not None:
             _real("epochs", self.epochs, lo=0, open_lo=True)
-        for name in ("alpha", "lr", "eps"):
+        for name in ("alpha", "lr", "eps", "beta"):
             _real(name, getattr(self, name), lo=0, open_lo=True)
         for name in ("min_lr", "clip", "weight_decay", "init_scale", "save_minutes", "diverge_factor"):
             _real(name, getattr(self, name), lo=0)
         for name in ("beta1", "beta2", "val_split"):
             _real(name, getattr(self, name), lo=0, hi=1)
+        _real("label_smoothing", self.label_smoothing, lo=0, hi=0.5)
+        if self.label_smoothing and self.recipe != "dpo":
+            raise ToygraphError("--label-smoothing needs --recipe dpo")
         if self.min_lr > self.lr:
             raise ToygraphError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if 0 < self.diverge_factor <= 1:
             raise ToygraphError(f"--diverge-factor must be > 1 (0 = off), got {self.diverge_factor}")
         if self.patience and not self.val_split:
             raise ToygraphError("--patience needs a validation set (--val-split > 0)")
-        if self.recipe != "lora" and self.adapter_init:
-            raise ToygraphError("--adapter-init needs --recipe lora")
+        if self.recipe not in ADAPTER_RECIPES and self.adapter_init:
+            raise ToygraphError(f"--adapter-init needs --recipe {', '.join(ADAPTER_RECIPES)}")
         if self.overwrite and self.resume:
             raise ToygraphError("give --resume or --overwrite, not both")
         if not self.out or not str(self.out).strip():
@@ -138,7 +151,7 @@ def check_against_model(train_cfg: TrainConfig, model_cfg) -> None:
     if train_cfg.seq_len > model_cfg.n_ctx:
         raise ToygraphError(f"--seq-len {train_cfg.seq_len} exceeds the model's context length "
                             f"{model_cfg.n_ctx}")
-    if train_cfg.recipe != "lora":
+    if train_cfg.recipe not in ADAPTER_RECIPES:
         return
     _Lora(targets=tuple(train_cfg.targets), rank=train_cfg.rank, alpha=train_cfg.alpha)  # names checked
     d, ff = model_cfg.n_embd, model_cfg.n_ff

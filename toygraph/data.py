@@ -78,13 +78,14 @@ class Batch:
 
 
 # ------------------------------------------------------------------------- encoding
-def encode_example(ex: Example, tok, max_len: int) -> Encoded | None:
+def encode_example(ex: Example, tok, max_len: int, last_turn_only: bool = False) -> Encoded | None:
     """Tokenize one example with its target mask; None when no target token survives
     truncation to ``max_len + 1`` tokens (inputs are ``tokens[:-1]``, targets ``tokens[1:]``).
 
     Chats are rendered with ``tok.apply_chat_template`` (or the ``### Instruction`` /
     ``### Response`` fallback when the GGUF has none); every assistant turn's content and
-    its end-of-turn token are targets. Plain text: every token is a target, and EOS follows.
+    its end-of-turn token are targets (only the last turn's with ``last_turn_only``, as
+    preference pairs want). Plain text: every token is a target, and EOS follows.
     """
     if max_len < 1:
         raise DataError(f"max_len must be >= 1, got {max_len}")
@@ -95,6 +96,8 @@ def encode_example(ex: Example, tok, max_len: int) -> Encoded | None:
         mask = [True] * len(tokens)
     else:
         tokens, mask = _encode_chat(ex, tok)
+        if last_turn_only:
+            mask = _last_run(mask)
     # Under causal attention nothing after the last target can change the loss: drop it
     # (e.g. the "\n" a template puts after <|im_end|>) rather than spend sequence on it.
     while mask and not mask[-1]:
@@ -152,6 +155,16 @@ def _encode_chat(ex: Example, tok) -> tuple[list[int], list[bool]]:
         mask += [True] * len(reply) + [False] * len(rest)
         done = full
     return tokens, mask
+
+
+def _last_run(mask: list[bool]) -> list[bool]:
+    """Only the last run of targets: the last assistant turn (a user turn's header, never a
+    target, separates two assistant turns)."""
+    end = len(mask) - mask[::-1].index(True) if True in mask else 0
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return [start <= i < end for i in range(len(mask))]
 
 
 def _render(tok, messages: list[dict], add_generation_prompt: bool, ex: Example, fallback: bool) -> str:

@@ -43,8 +43,10 @@ MAX_LINE_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64
 
 
-def load_examples(path) -> list[Example]:
-    """Parse a JSONL data file; raises DataError naming ``file:line`` on any bad row."""
+def load_examples(path, parse_row=None) -> list:
+    """Parse a JSONL data file; raises DataError naming ``file:line`` on any bad row.
+    ``parse_row(obj, where, line, path)`` turns one JSON value into a row (default: an
+    ``Example``; toygraph.preference parses preference pairs through the same reader)."""
     p = Path(path)
     examples = []
     try:
@@ -53,7 +55,7 @@ def load_examples(path) -> list[Example]:
                 if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
                     raise DataError(f"{p}:{n}: line longer than {MAX_LINE_BYTES >> 20} MiB; "
                                     f"split the example (training uses --seq-len tokens of it)")
-                ex = _parse_line(line, p, n)
+                ex = _parse_line(line, p, n, parse_row or _parse_row)
                 if ex is not None:
                     examples.append(ex)
     except FileNotFoundError:
@@ -67,7 +69,7 @@ def load_examples(path) -> list[Example]:
     return examples
 
 
-def _parse_line(line: bytes, p: Path, n: int) -> Example | None:
+def _parse_line(line: bytes, p: Path, n: int, parse_row) -> Example | None:
     where = f"{p}:{n}"
     try:
         s = line.decode("utf-8")
@@ -84,7 +86,7 @@ def _parse_line(line: bytes, p: Path, n: int) -> Example | None:
         obj = json.loads(s)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
-    return _parse_row(obj, where, n, str(p))
+    return parse_row(obj, where, n, str(p))
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -156,7 +158,7 @@ def _type_name(value) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _parse_messages(messages, where: str) -> list[dict]:
+def _parse_messages(messages, where: str, need_assistant: bool = True) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list, found {_type_name(messages)}")
     out = []
@@ -173,6 +175,6 @@ def _parse_messages(messages, where: str) -> list[dict]:
             raise DataError(f"{where}: messages[{i}].content must be a string, "
                             f"found {_type_name(content)}")
         out.append({"role": role, "content": _checked_text(content, where, f"messages[{i}].content")})  # drop extra keys: templates see only these
-    if not any(m["role"] == "assistant" for m in out):
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: chat has no assistant turn, so nothing to train on")
     return out

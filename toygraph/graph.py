@@ -14,6 +14,8 @@ const's ``storage`` names the block format its data is kept in (``f32``, ``f16``
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -29,14 +31,17 @@ class Tensor:
     """One node of a Graph. Use Graph methods or operators to make them."""
 
     __slots__ = ("graph", "id", "op", "srcs", "attrs", "shape", "dtype", "name", "role",
-                 "data", "storage", "kind")
+                 "data", "storage", "kind", "after")
 
     def __init__(self, graph, id, op, srcs, attrs, shape, dtype, name, role):
         self.graph, self.id, self.op, self.srcs, self.attrs = graph, id, op, srcs, attrs
         self.shape, self.dtype, self.name, self.role = shape, dtype, name, role
         self.data = None      # initial value (param) or backing array (const)
         self.storage = dtype  # block format of a const's data
-        self.kind = None      # for state: "grad", "count" or "moment"
+        self.kind = None      # for state: "grad", "count", "moment" or "cache"
+        # Ordering-only predecessors: scheduled before this node, never read by it (set by
+        # graph transformations such as recompute.checkpoint_regions).
+        self.after: tuple[Tensor, ...] = ()
 
     def __repr__(self):
         what = self.role or self.op
@@ -116,6 +121,19 @@ class Tensor:
         return ops.mean(self, axis)
 
 
+@dataclass
+class Region:
+    """A named stretch of the forward graph (one decoder block) that reads ``input``
+    and yields ``output``: node ids ``start <= id < end``. Transformations use regions as
+    units, e.g. activation checkpointing recomputes one from its input during backward."""
+
+    name: str
+    input: Tensor
+    start: int
+    end: int = -1
+    output: Tensor | None = None
+
+
 class Graph:
     """Owns the nodes of one computation, its outputs and its side effects per phase.
 
@@ -129,6 +147,8 @@ class Graph:
         self.outputs: dict[str, list[Tensor]] = {p: [] for p in PHASES}
         self.effects: dict[str, list[Tensor]] = {p: [] for p in PHASES}
         self._names: set[str] = set()
+        self.regions: list[Region] = []
+        self._open_region: str | None = None
 
     # --- leaves -------------------------------------------------------------------------
     def _leaf(self, role, name, shape, dtype):
@@ -171,9 +191,11 @@ class Graph:
         return t
 
     def state(self, name: str, shape: Sequence[int], kind: str) -> Tensor:
-        """A zero-initialised buffer that lives across runs (grads, counts, moments)."""
-        if kind not in ("grad", "count", "moment"):
-            raise GraphError(f"state {name!r}: kind must be grad, count or moment, got {kind!r}")
+        """A zero-initialised buffer that lives across runs (grads, counts, moments, and
+        generation's KV cache)."""
+        if kind not in ("grad", "count", "moment", "cache"):
+            raise GraphError(f"state {name!r}: kind must be grad, count, moment or cache, "
+                             f"got {kind!r}")
         t = self._leaf("state", name, shape, FLOAT)
         t.kind = kind
         return t
@@ -219,6 +241,29 @@ class Graph:
         self.effects[phase].append(t)
         return t
 
+    @contextmanager
+    def region(self, name: str, input: Tensor):
+        """Record the nodes built inside the ``with`` as one Region reading ``input``;
+        set ``region.output`` before leaving it.
+
+        >>> with g.region("blk.0", h) as r:                 # doctest: +SKIP
+        ...     r.output = block(h)
+        """
+        if input.graph is not self:
+            raise GraphError(f"region {name!r}: input {input.name!r} belongs to another graph")
+        if self._open_region is not None:
+            raise GraphError(f"region {name!r}: regions do not nest (inside {self._open_region!r})")
+        r = Region(name, input, start=len(self.nodes))
+        self._open_region = name
+        try:
+            yield r
+        finally:
+            self._open_region = None
+        r.end = len(self.nodes)
+        if r.output is None or not r.start <= r.output.id < r.end:
+            raise GraphError(f"region {name!r}: its output must be a node built inside it")
+        self.regions.append(r)
+
     @staticmethod
     def _check_phase(phase):
         if phase not in PHASES:
@@ -238,7 +283,8 @@ def topo_order(targets: Iterable[Tensor], done: set[int] | None = None) -> list[
     """Nodes needed for ``targets`` in dependency order, skipping ids in ``done``.
 
     Iterative so that deep graphs (30-layer models, their backward) never hit the
-    recursion limit.
+    recursion limit. A node's ordering-only predecessors (``after``) are placed before it
+    like its sources, and visited first.
     """
     done = set() if done is None else done
     order, seen = [], set(done)
@@ -253,7 +299,7 @@ def topo_order(targets: Iterable[Tensor], done: set[int] | None = None) -> list[
                 continue
             seen.add(t.id)
             stack.append((t, True))
-            for s in reversed(t.srcs):
+            for s in reversed(t.after + t.srcs):
                 if s.id not in seen:
                     stack.append((s, False))
     return order

@@ -10,6 +10,11 @@ One forward graph is realized per (batch, seq_len) shape and cached. Shapes are 
 (see `_SEQ_STEP`) and sequences right-padded, so evaluating examples of many lengths
 or generating from prompts of many lengths reuses a handful of graphs. Causal attention
 means padding after a position never changes that position's logits.
+
+Generation uses a KV cache by default (kvcache.py): the prompt runs once through a
+prefill graph, then each new token through a one-token decode graph over the cache.
+``generate(..., kv_cache=False)`` reruns the whole window per token instead (the
+reference the cached path is tested against).
 """
 from __future__ import annotations
 
@@ -18,10 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ops
-from .adapters import load_peft
+from .adapters import load_lora, load_peft
 from .errors import DataError
 from .gguf import GGUFModel
 from .graph import Graph, Tensor
+from .kvcache import CachedDecoder
 from .models.decoder import LoraConfig, build_decoder
 from .sampling import SamplingOptions, TextStream, pick_token
 from .session import Session
@@ -29,6 +35,8 @@ from .tokenizer import Tokenizer
 
 _SEQ_STEP = 16          # graph lengths are multiples of this (capped at the context)
 _TOKENS_PER_BATCH = 4096  # loss(): sequences per graph so that batch * seq stays near this
+_CACHE_STEP = 64        # KV cache lengths are multiples of this (capped at the context)
+_CACHED_DECODERS = 2    # prefill/decode sessions kept (each holds its own weight copies)
 
 
 @dataclass
@@ -61,6 +69,7 @@ class LanguageModel:
             self.lora_config = LoraConfig(targets=targets, rank=rank, alpha=alpha)
             self.adapter = lora
         self._graphs: dict[tuple[int, int], _Forward] = {}
+        self._decoders: dict[tuple[int, int], CachedDecoder] = {}
         # The tokens training teaches to end a reply with (data.py) are the ones we stop on.
         self.stop_ids = self.tokenizer.end_of_turn_ids
 
@@ -77,11 +86,7 @@ class LanguageModel:
                          loss_sum=g.output(ops.cross_entropy(net.logits, labels, reduction="sum")),
                          count=g.output(ops.count_valid(labels)))
             f.sess.realize()
-            for name, (a, b) in net.lora.items():
-                # A layer the adapter file lacks keeps B = 0: no change to the base model.
-                if name in self.adapter:
-                    f.sess.load_param(a, self.adapter[name][0])
-                    f.sess.load_param(b, self.adapter[name][1])
+            load_lora(f.sess, net.lora, self.adapter)
             self._graphs[key] = f
         return self._graphs[key]
 
@@ -165,7 +170,7 @@ class LanguageModel:
         return tok.encode(text, add_bos=False if double else None)
 
     def generate(self, prompt, *, chat: bool = False, max_new_tokens: int = 64,
-                 stop=(), on_text=None, **sampling) -> str:
+                 stop=(), on_text=None, kv_cache: bool = True, **sampling) -> str:
         """Continue ``prompt`` (text; token ids; with ``chat``, text or a list of messages
         rendered with the chat template): greedy by default, else as
         ``sampling`` says (SamplingOptions fields: temperature, top_k, top_p, min_p,
@@ -173,7 +178,9 @@ class LanguageModel:
 
         Stops at an end-of-generation token, after ``max_new_tokens``, at the context
         length, or when the text contains one of the ``stop`` strings (cut off before
-        it). ``on_text(piece)`` receives the text as it is produced. Returns the new text.
+        it). ``on_text(piece)`` receives the text as it is produced. ``kv_cache=False``
+        reruns the whole window per token instead of decoding over a KV cache (same
+        tokens, much slower). Returns the new text.
         """
         opts = SamplingOptions(**sampling)
         if max_new_tokens < 0:
@@ -184,24 +191,61 @@ class LanguageModel:
         if len(ids) >= self.seq_len:
             raise DataError(f"generate: the prompt has {len(ids)} tokens, leaving no room in "
                             f"the context of {self.seq_len}")
+        self._check_ids(ids, "generate: the prompt")
         end = min(len(ids) + max_new_tokens, self.seq_len)
-        # Fixed graph over the whole window: rerun it as the sequence grows (no KV cache).
-        T = self._graph_len(end)
-        f = self._forward(1, T)
-        tokens = np.zeros((1, T), np.int32)
-        tokens[0, :len(ids)] = ids
-        no_labels = np.full((1, T), -1, np.int32)
+        context = [int(i) for i in ids]
+        logits = self.next_logits(context, end, kv_cache=kv_cache)
         rng, stream = opts.rng(), TextStream(self.tokenizer, stop)
         emit = on_text or (lambda piece: None)
-        n = len(ids)
-        while n < end and not stream.stopped:
-            self._run(f, tokens, no_labels)
-            row = f.sess.download(f.logits)[n - 1].astype(np.float64)
-            nxt = pick_token(row, tokens[0, :n], opts, rng)
+        while len(context) < end and not stream.stopped:
+            nxt = pick_token(next(logits).astype(np.float64), context, opts, rng)
             if nxt in self.stop_ids:
                 break
-            tokens[0, n] = nxt
-            n += 1
+            context.append(nxt)
             emit(stream.push(nxt))
         emit(stream.finish())
         return stream.text
+
+    def next_logits(self, context: list[int], end: int, kv_cache: bool = True):
+        """An iterator over next-token logits [vocab]: each ``next()`` gives those after
+        ``context`` as it is then (the caller appends one token between calls), for
+        sequences of up to ``end`` tokens. With ``kv_cache`` the prompt is prefilled once
+        and each new token decoded over the cache; without, the whole window reruns."""
+        if not 0 < len(context) <= end <= self.seq_len:
+            raise DataError(f"next_logits: need 0 < {len(context)} context tokens <= end "
+                            f"{end} <= the context length {self.seq_len}")
+        rows = self._cached_rows(context, end) if kv_cache else self._window_rows(context, end)
+        for row in rows:
+            yield row
+            if len(context) > end:
+                raise DataError(f"next_logits: the context grew past end={end}")
+
+    def _cached_rows(self, context: list[int], end: int):
+        gen = self._cached_decoder(len(context), end)
+        yield gen.prefill(context)
+        while True:
+            yield gen.decode(context[-1], len(context) - 1)
+
+    def _window_rows(self, context: list[int], end: int):
+        f = self._forward(1, self._graph_len(end))
+        tokens = np.zeros(f.tokens.shape, np.int32)
+        no_labels = np.full(f.tokens.shape, -1, np.int32)
+        while True:
+            n = len(context)
+            tokens[0, :n] = context
+            self._run(f, tokens, no_labels)
+            yield f.sess.download(f.logits)[n - 1]
+
+    def _cached_decoder(self, prompt_len: int, end: int) -> CachedDecoder:
+        """The prefill/decode session for a prompt of ``prompt_len`` tokens growing to at
+        most ``end``; shapes are rounded up so nearby lengths share one."""
+        P = self._graph_len(prompt_len)
+        L = min(-(-max(end, P) // _CACHE_STEP) * _CACHE_STEP, self.seq_len)
+        key = (P, L)
+        if key not in self._decoders:
+            if len(self._decoders) >= _CACHED_DECODERS:  # free the oldest session's memory
+                del self._decoders[next(iter(self._decoders))]
+            self._decoders[key] = CachedDecoder(self.model, prompt_len=P, cache_len=L,
+                                                backend=self.backend, precision=self.precision,
+                                                lora=self.lora_config, adapter=self.adapter)
+        return self._decoders[key]

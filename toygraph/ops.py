@@ -13,6 +13,8 @@ from .errors import GraphError
 from .optable import (F32, I32, INT32_MAX, LABELS, NONE, OPS, check,  # noqa: F401 (OPS)
                       check_floats, define_op, make_node)
 from .ops_fused import attention, linear_cross_entropy, unpack  # noqa: F401 (ops' API)
+from .ops_pref import log1mexp, log_sigmoid, softplus, token_logprobs  # noqa: F401 (ops' API)
+from .ops_cache import cache_write  # noqa: F401 (ops' API; generation's KV cache)
 
 # --- broadcasting, including grouped-query sharing ---------------------------------------
 def _broadcast(a, b, allow_groups=False):

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import ops
-from .autodiff import accumulate_grads, backward
+from .autodiff import accumulate_grads, gradient_map
 from .errors import GraphError
 from .graph import Tensor
+from .recompute import CheckpointReport, checkpoint_regions
 
 
 @dataclass
@@ -36,23 +37,29 @@ class TrainingStep:
     grads: dict[Tensor, Tensor]   # param -> accumulated gradient state
     moments: dict[Tensor, tuple[Tensor, Tensor]]
     count: Tensor                 # state: tokens accumulated since the last reset_grads
+    checkpoint: CheckpointReport | None = None   # what activation checkpointing did, if on
 
 
 def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None = None,
-                   max_norm: float = 0.0) -> TrainingStep:
+                   max_norm: float = 0.0, checkpoint: bool = False) -> TrainingStep:
     """Append backward, gradient accumulation, global norm and AdamW to loss's graph.
 
     ``loss`` is what gradients are taken of (a summed loss when ``count`` is given);
     ``count`` is the scalar number of items it summed over (e.g. ``count_valid(labels)``).
-    ``max_norm`` > 0 clips the averaged gradient to that global norm.
+    ``max_norm`` > 0 clips the averaged gradient to that global norm. ``checkpoint``
+    recomputes each region of the graph (decoder block) in the backward from its saved
+    input instead of keeping its activations (recompute.py).
     """
     if max_norm < 0 or not math.isfinite(max_norm):
         raise GraphError(f"max_norm must be >= 0 and finite, got {max_norm}")
     graph = loss.graph
-    grads = accumulate_grads(backward(loss, params))
+    first_backward = len(graph.nodes)
+    all_grads = gradient_map(loss, params)
+    grads = accumulate_grads({p: all_grads[p.id] for p in params})
     count_acc = graph.state("grad.count", (), kind="count")
     graph.effect(ops.accumulate(count_acc, count if count is not None else graph.scalar(1.0)),
                  "backward")
+    report = checkpoint_regions(graph, first_backward, all_grads) if checkpoint else None
     hp = graph.input("hp", (7,))
     norm = graph.output(ops.global_norm(list(grads.values()), count_acc), "step")
     moments = {}
@@ -61,7 +68,8 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
         v = graph.state(f"adam_v.{p.name}", p.shape, kind="moment")
         graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, count_acc, max_norm=max_norm), "step")
         moments[p] = (m, v)
-    return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc)
+    return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc,
+                        checkpoint=report)
 
 
 def hp_row(t: int, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,

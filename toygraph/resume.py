@@ -18,9 +18,10 @@ from .errors import ToygraphError
 #: Options that only steer how the run is carried out, never what it computes.
 #: ``adapter_init`` only sets the starting weights, which the checkpoint replaces; ``data``
 #: and ``model`` are compared by content (hash, fingerprint), not by path.
+#: ``checkpoint_activations`` gives bit-identical gradients (recompute.py).
 OPERATIONAL = frozenset({"out", "resume", "quiet", "overwrite", "allow_change", "keep_checkpoints",
                          "save_every", "save_minutes", "backend", "data", "model", "adapter_init",
-                         "extra"})
+                         "checkpoint_activations", "extra"})
 #: Options that shape the trainable tensors: a checkpoint cannot be loaded across them.
 SHAPE = frozenset({"recipe", "targets", "rank"})
 

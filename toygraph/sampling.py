@@ -153,13 +153,16 @@ def add_sampling_args(p) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when the output contains TEXT (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="rerun the whole window per token instead of decoding over a KV "
+                        "cache (same output, much slower; for testing)")
 
 
 def generation_kwargs(args, print_to=None) -> dict:
     """``LanguageModel.generate`` keyword arguments from the flags of add_sampling_args;
     with ``print_to`` (a text stream), the text is written there as it is produced."""
     kwargs = {f: getattr(args, f) for f in SamplingOptions.__dataclass_fields__}
-    kwargs.update(max_new_tokens=args.max_new_tokens, stop=args.stop)
+    kwargs.update(max_new_tokens=args.max_new_tokens, stop=args.stop, kv_cache=args.kv_cache)
     if print_to is not None:
         kwargs["on_text"] = lambda piece: (print_to.write(piece), print_to.flush())
     return kwargs

@@ -190,9 +190,33 @@ class Session:
         if phase not in PHASES:
             raise GraphError(f"run: phase must be one of {PHASES}, got {phase!r}")
         nodes = self.schedules[phase]
+        self._check_uploaded(nodes, f"run({phase!r})")
+        self.backend.run(nodes)
+
+    def _check_uploaded(self, nodes, what: str) -> None:
         missing = [t.name for t in nodes if t.role == "input" and t.id not in self._uploaded]
         if missing:
-            raise GraphError(f"run({phase!r}): inputs never uploaded: {missing}")
+            raise GraphError(f"{what}: inputs never uploaded: {missing}")
+
+    def program(self, targets) -> list[Tensor]:
+        """The realized nodes that compute ``targets`` (outputs or effects), in schedule
+        order: a part of the graph to run on its own with :meth:`run_program`. Generation
+        keeps its prefill and its one-token decode in one graph this way, sharing the
+        weights and the KV cache (kvcache.py). Keeping the schedule's order keeps the
+        buffer plan valid for the part."""
+        self._require_realized()
+        wanted = {t.id for t in topo_order(targets)}
+        scheduled = {t.id for t in self.schedules["step"]}
+        if not wanted <= scheduled:
+            raise GraphError("program: its targets are not part of the realized graph "
+                             "(mark them with graph.output() or graph.effect() before realize)")
+        return [t for t in self.schedules["step"] if t.id in wanted]
+
+    def run_program(self, nodes: list[Tensor]) -> None:
+        """Run the nodes of one :meth:`program` (pass the same list each time: the CUDA
+        backend captures a list once and replays it)."""
+        self._require_realized()
+        self._check_uploaded(nodes, "run_program")
         self.backend.run(nodes)
 
     def download(self, tensor: Tensor | str) -> np.ndarray:

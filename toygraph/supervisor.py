@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint, step_dir_name, write_adapter
-from .data import batches
 from .trainer import Hooks
 
 
@@ -28,13 +27,14 @@ class Progress:
         self.total, self.quiet = total, quiet
         self.tty = sys.stderr.isatty()
 
-    def update(self, t: int, loss: float, tok_s: float, extra: str = ""):
+    def update(self, t: int, loss: float, tok_s: float, extra: str = "", metrics: str = ""):
+        """``extra`` is a note that always shows; ``metrics`` ride along on the line."""
         if self.quiet:
             return
         width = 24
         done = int(width * t / self.total)
         line = (f"step {t:>5}/{self.total} [{'#' * done}{'.' * (width - done)}] "
-                f"loss {loss:.4f}  {tok_s:,.0f} tok/s {extra}")
+                f"loss {loss:.4f}  {metrics + '  ' if metrics else ''}{tok_s:,.0f} tok/s {extra}")
         if self.tty:
             print("\r" + line, end="" if t < self.total else "\n", file=sys.stderr, flush=True)
         elif t == 1 or t == self.total or t % max(1, self.total // 20) == 0 or extra:
@@ -78,13 +78,25 @@ class Signals:
             self._saving = was
 
 
-def evaluate(recipe, items, batch: int, seq_len: int, pad: int) -> tuple[float, int]:
-    """Token-weighted mean loss over ``items``."""
-    total, count = 0.0, 0
-    for b in batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
+def evaluate(recipe, items, batch: int, seq_len: int, pad: int) -> tuple[float, int, dict]:
+    """Mean loss over ``items``, weighted by what each batch counts (tokens; pairs for
+    the preference recipes), and the recipe's metrics (``last_metrics``) weighted alike."""
+    total, count, sums = 0.0, 0, {}
+    for b in recipe.make_batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
         s, n = recipe.evaluate(b.tokens, b.positions, b.labels)
         total, count = total + s, count + n
-    return (total / count if count else float("nan")), count
+        for k, v in getattr(recipe, "last_metrics", {}).items():
+            if k != "loss" and n:
+                sums[k] = sums.get(k, 0.0) + v * n
+    metrics = {k: v / count for k, v in sums.items()}
+    return (total / count if count else float("nan")), count, metrics
+
+
+def metrics_text(metrics: dict) -> str:
+    """The preference metrics for the progress line: margin and accuracy of the rewards."""
+    if "rewards/margin" not in metrics:
+        return ""
+    return (f"margin {metrics['rewards/margin']:+.3f} acc {metrics['rewards/accuracy']:.2f}")
 
 
 class RunSupervisor(Hooks):
@@ -109,13 +121,14 @@ class RunSupervisor(Hooks):
         self.signals.in_step = False
         t, train_cfg = trainer.state.step, self.train_cfg
         grad_norm = self.recipe.last_grad_norm()
-        tokens = len(micro) * train_cfg.batch * train_cfg.seq_len
+        tokens = sum(b.tokens.size for b in micro)  # preference batches hold 2 rows a pair
+        metrics = {k: v for k, v in getattr(self.recipe, "last_metrics", {}).items() if k != "loss"}
         self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
                        tokens=tokens, targets=int(sum(b.n_targets for b in micro)),
-                       wall_ms=round(wall_s * 1000, 2))
+                       wall_ms=round(wall_s * 1000, 2), **metrics)
         self.guard.check_step(t, loss, grad_norm)
         self.losses.append(loss)
-        self.progress.update(t, loss, tokens / max(wall_s, 1e-9))
+        self.progress.update(t, loss, tokens / max(wall_s, 1e-9), metrics=metrics_text(metrics))
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
         due_time = (train_cfg.save_minutes
                     and time.monotonic() - self.last_save >= 60 * train_cfg.save_minutes)
@@ -137,7 +150,7 @@ class RunSupervisor(Hooks):
         if not self.val:
             return False
         st, train_cfg, t = trainer.state, self.train_cfg, trainer.state.step
-        vloss, n = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len, self.pad)
+        vloss, n, metrics = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len, self.pad)
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best
@@ -147,9 +160,14 @@ class RunSupervisor(Hooks):
         if improved:
             st.best_val = vloss
         ppl = math.exp(min(vloss, 700)) if math.isfinite(vloss) else vloss
-        self.log.write("eval", step=t, val_loss=vloss, perplexity=ppl, tokens=n, best=improved)
-        self.progress.message(f"step {t}: val loss {vloss:.4f} (ppl {ppl:.2f})"
-                              f"{' best' if improved else ''}")
+        if metrics:  # a preference loss: perplexity means nothing, n counts pairs
+            self.log.write("eval", step=t, val_loss=vloss, pairs=n, best=improved,
+                           **{f"val_{k}": v for k, v in metrics.items()})
+            shown = metrics_text(metrics)
+        else:
+            self.log.write("eval", step=t, val_loss=vloss, perplexity=ppl, tokens=n, best=improved)
+            shown = f"(ppl {ppl:.2f})"
+        self.progress.message(f"step {t}: val loss {vloss:.4f} {shown}{' best' if improved else ''}")
         if t > 0:
             if improved:
                 self.save(trainer, "best", weights, moments)

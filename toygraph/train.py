@@ -27,13 +27,14 @@ from pathlib import Path
 
 from . import __version__
 from .checkpoint import find_resumable, load_checkpoint, restore_swapped, write_final
-from .config import TrainConfig, check_against_model
+from .config import ADAPTER_RECIPES, PREFERENCE_RECIPES, TrainConfig, check_against_model
 from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
                    steps_per_epoch, batches)
 from .errors import DataError
 from .gguf import GGUFModel
 from .guard import DivergenceGuard, Diverged
 from .modelfile import write_modelfile
+from .preference import encode_pairs, load_pairs
 from .optim import Schedule
 from .plot import plot_losses
 from .resume import check_resume, model_fingerprint
@@ -61,10 +62,28 @@ def _versions() -> dict:
 
 def make_recipe(train_cfg: TrainConfig):
     from toygraph.recipes import RECIPES
+    if train_cfg.recipe == "dpo":
+        return RECIPES["dpo"](targets=train_cfg.targets, rank=train_cfg.rank, alpha=train_cfg.alpha,
+                              beta=train_cfg.beta, label_smoothing=train_cfg.label_smoothing,
+                              reference_adapter=bool(train_cfg.adapter_init))
+    if train_cfg.recipe == "orpo":
+        return RECIPES["orpo"](targets=train_cfg.targets, rank=train_cfg.rank,
+                               alpha=train_cfg.alpha, beta=train_cfg.beta)
     if train_cfg.recipe == "lora":
         return RECIPES["lora"](targets=train_cfg.targets, rank=train_cfg.rank,
                                alpha=train_cfg.alpha)
     return RECIPES[train_cfg.recipe]()
+
+
+def _encode(train_cfg: TrainConfig, tok):
+    """The data file parsed and encoded: examples, or preference pairs for dpo/orpo."""
+    if train_cfg.recipe in PREFERENCE_RECIPES:
+        load, encode = load_pairs, encode_pairs
+    else:
+        load, encode = load_examples, encode_dataset
+    rows = load(train_cfg.data)
+    rows = rows[:train_cfg.max_examples] if train_cfg.max_examples else rows
+    return encode(rows, tok, train_cfg.seq_len)
 
 
 @dataclass
@@ -87,10 +106,7 @@ def _prepare(train_cfg: TrainConfig) -> Prepared:
     model = GGUFModel(train_cfg.model)
     check_against_model(train_cfg, model.config)
     tok = Tokenizer.from_gguf(train_cfg.model)
-    examples = load_examples(train_cfg.data)
-    if train_cfg.max_examples:
-        examples = examples[:train_cfg.max_examples]
-    enc = encode_dataset(examples, tok, train_cfg.seq_len)
+    enc = _encode(train_cfg, tok)
     if not enc.items:
         raise DataError(f"{train_cfg.data}: no example has a target token within "
                         f"--seq-len {train_cfg.seq_len}")
@@ -132,11 +148,11 @@ def _load_adapter_init(train_cfg: TrainConfig, recipe):
     missing = set(recipe.net.lora) - set(lora)
     if missing:
         raise DataError(f"{train_cfg.adapter_init}: adapter lacks {sorted(missing)[:3]}")
-    recipe.load_trainable({f"{k}.lora_{s}": v for k, (a, b) in lora.items()
-                           for s, v in (("a", a), ("b", b))})
+    recipe.load_adapter_init({f"{k}.lora_{s}": v for k, (a, b) in lora.items()
+                              for s, v in (("a", a), ("b", b))})
 
 
-def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int):
+def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int, batches=batches):
     """micro_batch(m) over epochs; the order of epoch e is a function of (seed, e)."""
     n = steps_per_epoch(len(train), train_cfg.batch)
     cache: dict[int, list] = {}
@@ -170,7 +186,7 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     t0 = time.perf_counter()
     recipe = _realize(train_cfg, prep)
     realize_s = time.perf_counter() - t0
-    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad)
+    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad, recipe.make_batches)
     total = train_cfg.steps or max(1, math.ceil((train_cfg.epochs or 1) * n_batches
                                                 / train_cfg.grad_accum))
     warmup = (train_cfg.warmup if train_cfg.schedule == "constant"
@@ -184,14 +200,15 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     _log_start(train_cfg, prep, log, recipe, total, realize_s)
     progress = Progress(total, train_cfg.quiet)
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
-             f"{total} steps of {train_cfg.batch * train_cfg.grad_accum} sequences x "
+             f"{total} steps of {recipe.batch_rows()[0] * train_cfg.grad_accum} sequences x "
              f"{train_cfg.seq_len} "
-             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"]
+             f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"
+             f"{' (activations recomputed per block)' if train_cfg.checkpoint_activations else ''}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": train_cfg.rank, "alpha": train_cfg.alpha,
                   "targets": list(train_cfg.targets),
                   "base": Path(train_cfg.model).name, "arch": prep.model.config.arch}
-                 if train_cfg.recipe == "lora" else None)
+                 if train_cfg.recipe in ADAPTER_RECIPES else None)
     guard = DivergenceGuard(prep.state, train_cfg.diverge_factor)
     with Signals() as signals:
         sup = RunSupervisor(train_cfg, out, recipe, log, progress, guard, signals, val=prep.val,
@@ -271,7 +288,8 @@ def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: fl
               resumed_checkpoint=str(prep.resume_from) if prep.resume_from else None,
               skipped_checkpoints=[{"path": str(p), "reason": r} for p, r in prep.skipped],
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
-              planned_bytes=recipe.sess.plan.arena_bytes)
+              planned_bytes=recipe.sess.plan.arena_bytes,
+              checkpoint_activations=recipe.opts.checkpoint_activations)
 
 
 def _log_end(log, summary: dict, error):

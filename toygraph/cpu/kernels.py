@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import fused  # noqa: F401 (registers the fused kernels in KERNELS)
+from . import cache, fused  # noqa: F401 (register the cache and fused kernels in KERNELS)
+from . import pref  # noqa: F401 (registers the preference-loss kernels, ops_pref.py)
 from .registry import KERNELS, kernel  # noqa: F401 (KERNELS: the table, for the backend)
 
 

@@ -1,8 +1,9 @@
 """The CUDA C++ sources of every toygraph kernel, assembled into one module.
 
 The kernels live in ``kernels/*.cu`` by family (elementwise, row-wise, matmul, loss, fused
-head + loss, optimizer, dequantization, quantized matmul, fused attention) with shared
-helpers in ``kernels/common.cuh`` and the block-format decoders in ``kernels/quant.cuh``.
+head + loss, optimizer, dequantization, quantized matmul, fused attention, KV cache) with
+shared helpers in ``kernels/common.cuh`` and the block-format decoders in
+``kernels/quant.cuh``.
 Numbers the host and the kernels share are emitted ahead of them as ``#define``s: the tile
 sizes and thread counts of constants.py (:func:`constants.constant_defines`) and the block
 layouts of quant.LAYOUT (:func:`layout_defines`). Which op launches which kernels is each
@@ -29,7 +30,7 @@ KERNEL_DIR = Path(__file__).with_name("kernels")
 HEADERS = ("common.cuh", "quant.cuh")
 # qmatmul.cu reuses matmul.cu's tile helper (tg_mm_tile_fma): keep it after matmul.cu.
 FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "lce.cu", "optim.cu",
-            "dequant.cu", "qmatmul.cu", "attention.cu")
+            "dequant.cu", "qmatmul.cu", "attention.cu", "pref.cu", "cache.cu")
 #: The tensor-core matmuls of the mixed-precision modes, compiled only for a backend with
 #: dtype "bf16" or "tf32" so the default f32 module (and its cubin) stays as it is.
 TC_FAMILIES = ("tc_layout.cuh", "tc_matmul.cu")

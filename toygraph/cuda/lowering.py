@@ -12,7 +12,9 @@ broadcasting, permutes, grouped-query sharing and reductions are packed into the
 What each op does on CUDA is its entry in the registry (registry.py), declared beside its
 launch builder in the family module that imports below: lower_elementwise (pointwise),
 lower_layout (copies, gathers, reductions), lower_rows (norms, rope, softmax, row
-gathers), lower_matmul, lower_loss, lower_fused (attention, head + loss) and lower_optim.
+gathers), lower_matmul, lower_loss, lower_fused (attention, head + loss), lower_pref
+(the preference-loss ops of ops_pref.py), lower_optim and lower_cache (generation's KV
+cache).
 :data:`OP_KERNELS`, :func:`scratch_bytes` and :func:`reads_block_format` are read off it.
 
 Consts whose ids are in ``raw_consts`` live on the device in their GGUF block format; their
@@ -26,8 +28,8 @@ from .constants import ATTN_TILES
 from .kernels import DEQUANT_KERNELS
 # The family modules register their ops on import; their helpers the backend, devmem and
 # the tests use are re-exported from here.
-from . import (lower_elementwise, lower_fused, lower_layout, lower_loss,  # noqa: F401
-               lower_matmul, lower_optim, lower_rows)
+from . import (lower_cache, lower_elementwise, lower_fused, lower_layout,  # noqa: F401
+               lower_loss, lower_matmul, lower_optim, lower_pref, lower_rows)
 from .launch import (MAX_ELEMENTS, MAX_GRID, MAX_GRID_YZ, MAXD, THREADS, Launch, collapse,
                      contiguous_strides, f32, f64, i32, p, strided)
 from .lower_elementwise import broadcast_strides

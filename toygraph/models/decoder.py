@@ -106,6 +106,8 @@ def _scratch_init(name: str, shape, rng) -> np.ndarray:
 def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tensor]:
     if mode not in WEIGHT_MODES:
         raise GraphError(f"weight mode must be one of {WEIGHT_MODES}, got {mode!r}")
+    if mode != "scratch" and model is None:
+        raise GraphError(f"weight mode {mode!r} needs a GGUF model")
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in tensor_shapes(cfg).items():
@@ -130,18 +132,35 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
                   lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
-                  logits: bool = True) -> Decoder:
+                  logits: bool = True, reference_of: Decoder | None = None, attend=None,
+                  shared: Decoder | None = None, prefix: str = "") -> Decoder:
     """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens;
-    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`)."""
+    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
+
+    ``reference_of`` builds a second forward pass over that decoder's own inputs and
+    weight tensors, making no new weights (DPO's reference model reads the same frozen
+    base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
+
+    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v)`` replaces layer i's
+    fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms and rope;
+    returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
+    and LoRA pairs (a second graph over the same parameters), and ``prefix`` names this
+    one's ``tokens``/``positions`` inputs apart from its."""
     if seq_len > cfg.n_ctx:
         raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq_len < 1:
         raise GraphError(f"batch and seq_len must be >= 1, got {batch} and {seq_len}")
-    if weights != "scratch" and model is None:
-        raise GraphError(f"weight mode {weights!r} needs a GGUF model")
-    W = _make_weights(g, cfg, model, weights, seed)
-    net = Decoder(cfg=cfg, tokens=g.input("tokens", (batch, seq_len), "i32"),
-                  positions=g.input("positions", (batch, seq_len), "i32"), logits=None, weights=W)
+    if reference_of is not None:
+        if reference_of.tokens.shape != (batch, seq_len):
+            raise GraphError(f"a reference pass must have its decoder's shape "
+                             f"{reference_of.tokens.shape}, got {(batch, seq_len)}")
+        W, tokens, positions = reference_of.weights, reference_of.tokens, reference_of.positions
+    else:
+        W = shared.weights if shared else _make_weights(g, cfg, model, weights, seed)
+        tokens = g.input(prefix + "tokens", (batch, seq_len), "i32")
+        positions = g.input(prefix + "positions", (batch, seq_len), "i32")
+    net = Decoder(cfg=cfg, tokens=tokens, positions=positions, logits=None, weights=W)
+    lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
 
@@ -153,7 +172,8 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         if bias is not None:
             y = y + bias
         if name.split(".")[-2] in wanted:
-            a, b = _lora_pair(g, name, w.shape[1], w.shape[0], lora, lora_rng)
+            a, b = (shared.lora[name] if shared else
+                    _lora_pair(g, lora_prefix + name, w.shape[1], w.shape[0], lora, lora_rng))
             net.lora[name] = (a, b)
             low = ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True)
             y = y + ops.scale(low, lora.scaling)
@@ -163,8 +183,12 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
+    attend = attend or (lambda i, q, k, v: ops.attention(q, k, v, scale=cfg.attn_scale,
+                                                         causal=True, window=cfg.windows[i]))
     for i in range(cfg.n_layer):
-        h = _block(net, cfg, i, h, linear, B, T)
+        # One region per block: the unit activation checkpointing recomputes (recompute.py).
+        with g.region(f"blk.{i}", h) as block:
+            h = block.output = _block(net, cfg, i, h, linear, attend, B, T)
     h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
     net.hidden = h
     net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
@@ -173,7 +197,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     return net
 
 
-def _block(net: Decoder, cfg, i: int, h: Tensor, linear, B: int, T: int) -> Tensor:
+def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int) -> Tensor:
     """Decoder layer ``i`` on the residual stream h [B * T, n_embd] (see models/families.py
     for the layer's shape and which parts each family has)."""
     W, fam, p = net.weights, cfg.family, f"blk.{i}."
@@ -198,8 +222,8 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, B: int, T: int) -> Tens
     q = rope(heads(linear(x, p + "attn_q.weight"), H, "attn_q_norm" if fam.qk_norm else None))
     k = rope(heads(linear(x, p + "attn_k.weight"), KV, "attn_k_norm" if fam.qk_norm else None))
     v = heads(linear(x, p + "attn_v.weight"), KV, None).permute(0, 2, 1, 3)
-    # Fused: no [B, H, T, T] scores in memory, forward or backward.
-    o = ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i])
+    # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
+    o = attend(i, q, k, v)
     a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
     if fam.post_norms:
         a = norm(a, "post_attention_norm")

@@ -68,6 +68,25 @@ __device__ __forceinline__ float tg_block_max(float v, float* sh) {
     return r;
 }
 
+// One logit row l[0..V) per block: its max, then sum_j exp(l[j] - max) (each exp also
+// stored to o[j] when o is not null). The loss kernels' softmax denominators.
+__device__ __forceinline__ float tg_row_max(const float* l, int V, float* sh) {
+    float mx = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, l[j]);
+    return tg_block_max(mx, sh);
+}
+
+__device__ __forceinline__ float tg_row_exp_sum(const float* l, float mx, int V, float* sh,
+                                                float* o) {
+    float acc = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float e = expf(__fsub_rn(l[j], mx));
+        if (o) o[j] = e;
+        acc = __fadd_rn(acc, e);
+    }
+    return tg_block_sum(acc, sh);
+}
+
 // IEEE half -> float without cuda_fp16.h: the PTX conversion is exact.
 // TG_HOST: the CPU executor's C++ versions of the inline PTX (toygraph/cuda/host_shim.h).
 __device__ __forceinline__ float tg_half_to_float(unsigned short h) {

@@ -39,12 +39,8 @@ extern "C" __global__ void tg_ce_rows(float* rowloss, const float* logits, const
     __shared__ float sh[TG_THREADS];
     for (int row = blockIdx.x; row < N; row += gridDim.x) {
         const float* l = logits + (long long)row * V;
-        float mx = __int_as_float(0xff800000);
-        for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, l[j]);
-        mx = tg_block_max(mx, sh);
-        float acc = 0.0f;
-        for (int j = threadIdx.x; j < V; j += blockDim.x) acc = __fadd_rn(acc, expf(__fsub_rn(l[j], mx)));
-        float total = tg_block_sum(acc, sh);
+        float mx = tg_row_max(l, V, sh);
+        float total = tg_row_exp_sum(l, mx, V, sh, nullptr);
         if (threadIdx.x == 0) {
             int lab = labels[row];
             rowloss[row] = lab >= 0 ? __fsub_rn(__fadd_rn(logf(total), mx), l[lab]) : 0.0f;
@@ -83,16 +79,7 @@ extern "C" __global__ void tg_ce_back(float* out, const float* logits, const int
         float* o = out + (long long)row * V;
         int lab = labels[row];
         float wv = lab >= 0 ? w : 0.0f;
-        float mx = __int_as_float(0xff800000);
-        for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, l[j]);
-        mx = tg_block_max(mx, sh);
-        float acc = 0.0f;
-        for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            float e = expf(__fsub_rn(l[j], mx));
-            o[j] = e;
-            acc = __fadd_rn(acc, e);
-        }
-        float total = tg_block_sum(acc, sh);
+        float total = tg_row_exp_sum(l, tg_row_max(l, V, sh), V, sh, o);
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
             float p = __fdiv_rn(o[j], total);
             if (j == lab) p = __fsub_rn(p, 1.0f);
