@@ -267,9 +267,9 @@ def _cuda_device_name() -> str:
 
 def _op_profile(recipe, ids, positions, labels, hp) -> list:
     """Seconds per op name over one extra (unmeasured) CPU step, biggest first."""
-    from toygraph.cpu import kernels
+    from toygraph.ops import KERNELS
     spent: dict[str, list] = {}
-    plain = dict(kernels.KERNELS)
+    plain = dict(KERNELS)
 
     def timed(name, fn):
         def run(*args):
@@ -281,13 +281,13 @@ def _op_profile(recipe, ids, positions, labels, hp) -> list:
         return run
 
     for name, fn in plain.items():
-        kernels.KERNELS[name] = timed(name, fn)
+        KERNELS[name] = timed(name, fn)
     try:
         t0 = time.perf_counter()
         recipe.step(ids[None], positions[None], labels[None], hp, is_first=False)
         total = time.perf_counter() - t0
     finally:
-        kernels.KERNELS.update(plain)
+        KERNELS.update(plain)
     rows = sorted(((n, s, c) for n, (s, c) in spent.items()), key=lambda r: -r[1])
     return [("(step total)", total, 0)] + rows
 

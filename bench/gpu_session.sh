@@ -8,11 +8,16 @@
 #   setup     install the carried wheels (.whl/*.whl, e.g. gguf) into /tmp/site on PYTHONPATH,
 #             pip install --no-deps --no-build-isolation -e .   (always runs)
 #   info      nvidia-smi name/driver, versions, toygraph.cuda.driver.available()   (always)
-#   tests     pytest tests/test_cuda.py tests/test_cuda_compile.py   -> $OUT/cuda-tests.log
+#   tests     pytest tests/test_cuda.py tests/test_cuda_compile.py tests/test_ops_*_cuda.py
+#             tests/test_ops_gemm*.py                               -> $OUT/cuda-tests.log
 #   nographs  TOYGRAPH_CUDA_GRAPHS=0 pytest tests/test_cuda.py       -> $OUT/cuda-tests-nographs.log
 #   gate      toygraph gate --backend cuda <tiny experiments>        -> $OUT/checks.log
 #   golden    each tiny experiment on CUDA twice (+ once with graph replay off): losses
 #             vs the CPU golden (its rtol) and bit-identical run to run  -> $OUT/checks.log
+#   nccl      bench/nccl_check.py: lora_qv_tiny_llama with the data-parallel all_reduce node
+#             on one rank, i.e. ncclAllReduce inside the captured graph, vs the CPU (1e-4)
+#             and replay on vs off (identical); needs nccl4py + cuda-core (carry their wheels
+#             in .whl) and libnccl.so.2 on the machine   -> $OUT/checks.log
 #   slice     SmolLM2 8-block slice (.gpu/smollm2-8l.gguf): forward loss and the
 #             lora_qv_smollm2 experiment, CUDA vs CPU within 1e-4 rel  -> $OUT/checks.log
 #   generate  bench/bench_generate.py on the slice (GS_BACKEND): greedy tokens/s with and
@@ -21,6 +26,8 @@
 #             checkpointing off/on: planned memory, step time) for the ckpt-* entries
 #             (last; skipped when time runs out)
 #             tables -> $OUT/bench.md, progress -> $OUT/bench.log
+#   pack      bench/bench_packing.py: real tok/s with and without --pack, SmolLM2 LoRA at
+#             8x512 and 4x2048 on the ragged data -> $OUT/bench.md, $OUT/bench.log
 # Always: $OUT/summary.md (device, date, commands, PASS/FAIL/SKIP/TIMEOUT per stage, rewritten
 # after every stage), $OUT/setup.log, $OUT/results.json (golden/slice/bench numbers).
 # That is 8 files, the most that comes back from $OUT.
@@ -46,11 +53,11 @@ rm -f "$WORK"/*.json
 BUDGET=${GS_BUDGET:-540}
 DEADLINE=$((SECONDS + BUDGET))
 RESERVE=20          # seconds kept for results.json and the summary at the end
-STAGES=",${GS_STAGES:-tests,nographs,gate,golden,slice,generate,bench},"
+STAGES=",${GS_STAGES:-tests,nographs,gate,golden,nccl,slice,generate,bench,pack},"
 BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16 ckpt-smollm2-512x8 ckpt-llama1b-2048x4}
 SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
-TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt"
+TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt lora_packed_tiny_llama"
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.md
 SETUP_LOG=$OUT/setup.log
@@ -277,11 +284,22 @@ for r in d.get("rows", []):
 print("; ".join(parts) or "no rows")
 EOF
 
+cat > "$WORK/pack_detail.py" <<'EOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception:
+    print("no JSON written"); sys.exit(0)
+print("; ".join(f"{'packed' if r['pack'] else 'unpacked'} {r['real_tok_s']:.0f} real tok/s "
+                f"({r['timed_efficiency']:.0%} real)" for r in d["rows"])
+      + f"; speedup {d['speedup']:.2f}x")
+EOF
+
 cat > "$WORK/merge_results.py" <<'EOF'
 import json, sys
 from pathlib import Path
 work, out = Path(sys.argv[1]), sys.argv[2]
-doc = {"golden": None, "slice": None, "bench": {}}
+doc = {"golden": None, "slice": None, "nccl": None, "bench": {}}
 for p in sorted(work.glob("*.json")):
     try:
         d = json.loads(p.read_text())
@@ -289,8 +307,8 @@ for p in sorted(work.glob("*.json")):
         d = {"unreadable": str(e)}
     if p.stem == "golden":
         doc["golden"] = d
-    elif p.stem == "slice":
-        doc["slice"] = d
+    elif p.stem in ("slice", "nccl"):
+        doc[p.stem] = d
     elif p.stem.startswith("bench-"):
         doc["bench"][p.stem[len("bench-"):]] = d
 json.dump(doc, open(out, "w"), indent=1)
@@ -343,7 +361,7 @@ $PY -c 'import pytest_timeout' 2>/dev/null && PT_OPTS="$PT_OPTS --timeout=120 --
 
 if want tests; then
     stage tests 240 "$OUT/cuda-tests.log" "$(pytest_detail "$OUT/cuda-tests.log")" \
-        "$PY -m pytest $PT_OPTS tests/test_cuda.py tests/test_cuda_compile.py"
+        "$PY -m pytest $PT_OPTS tests/test_cuda.py tests/test_cuda_compile.py tests/test_ops_*_cuda.py tests/test_ops_gemm*.py"
 fi
 if want nographs; then
     stage nographs 150 "$OUT/cuda-tests-nographs.log" "$(pytest_detail "$OUT/cuda-tests-nographs.log")" \
@@ -356,6 +374,10 @@ fi
 if want golden; then
     stage golden 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) [a-z_0-9]+: max rel vs cpu' '$CHECKS_LOG' | tail -n 4 | cut -c1-220" \
         "GS_BACKEND=$GS_BACKEND $PY $WORK/golden_check.py $WORK/golden.json $TINY"
+fi
+if want nccl; then
+    stage nccl 150 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) [a-z_0-9]+' '$CHECKS_LOG' | grep -E 'all_reduce|nccl' | tail -n 2 | cut -c1-220" \
+        "GS_BACKEND=$GS_BACKEND $PY bench/nccl_check.py $WORK/nccl.json lora_qv_tiny_llama"
 fi
 if want slice; then
     slice_stage slice 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) (forward|lora_qv_smollm2)' '$CHECKS_LOG' | tail -n 2 | cut -c1-200" \
@@ -378,6 +400,15 @@ if want bench; then
         stage "bench $b" "$cap" "$OUT/bench.log" \
             "$PY $WORK/bench_detail.py $WORK/bench-$b.json" \
             "set -o pipefail; $PY $script --device cuda $args $extra --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
+    done
+fi
+
+if want pack; then
+    for shape in 8x512 4x2048; do
+        batch=${shape%x*} seq=${shape#*x}
+        stage "pack $shape" 150 "$OUT/bench.log" \
+            "$PY $WORK/pack_detail.py $WORK/bench-pack-$shape.json" \
+            "set -o pipefail; $PY bench/bench_packing.py --backend cuda --batch $batch --seq-len $seq --steps 10 --warmup 2 --json $WORK/bench-pack-$shape.json --note 'gpu_session.sh pack $shape' | tee -a $OUT/bench.md >&2"
     done
 fi
 

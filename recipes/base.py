@@ -18,7 +18,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from toygraph import ops
-from toygraph.data import batches
+from toygraph.packing import batches_per_epoch, epoch_batches
+from toygraph.distributed import world
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
@@ -52,7 +53,10 @@ class RecipeOptions:
     values; set them to assert what the model must have. ``clip`` 0 turns clipping
     off; ``grad_accum`` micro-batches of ``batch`` sequences make one optimizer step.
     ``precision`` is the matmuls' input precision (toygraph.session.PRECISIONS). The seed
-    and init scale default to LoraConfig's: defaults live once, in the lowest layer."""
+    and init scale default to LoraConfig's: defaults live once, in the lowest layer.
+    ``data_parallel`` makes this process one rank of ``toygraph.distributed.world()``:
+    ``batch`` is then its share of the batch, gradients and token counts are summed over
+    the ranks inside the graph and the reported loss is the job's."""
 
     seq_len: int = 128
     batch: int = 4
@@ -65,6 +69,8 @@ class RecipeOptions:
     grad_accum: int = 1
     backend: str = "cpu"
     checkpoint_activations: bool = False   # recompute each block in the backward (recompute.py)
+    data_parallel: bool = False
+    pack: bool = False      # packed rows: step/evaluate take segment ids (toygraph.packing)
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "grad_accum"):
@@ -89,8 +95,16 @@ class Recipe:
     """Shared realize/step machinery; subclasses choose which weights train."""
 
     weight_mode = "frozen"
-    #: The epoch's batches of encoded items, in the layout ``step`` takes.
-    make_batches = staticmethod(batches)
+    def make_batches(self, items, batch: int, seq_len: int, pad: int, *, shuffle: bool,
+                     seed: int, epoch: int) -> list:
+        """The epoch's batches of encoded items, in the layout ``step`` takes (packed rows
+        when ``opts.pack``)."""
+        return epoch_batches(items, batch, seq_len, pad, pack=self.opts.pack, shuffle=shuffle,
+                             seed=seed, epoch=epoch)
+
+    def batches_per_epoch(self, items, batch: int, seq_len: int) -> int:
+        """How many batches :meth:`make_batches` gives per epoch (the same every epoch)."""
+        return batches_per_epoch(items, batch, seq_len, self.opts.pack)
 
     def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
         return None
@@ -111,15 +125,18 @@ class Recipe:
         g = Graph()
         B, T = opts.batch, opts.seq_len
         self.net = build_decoder(g, model_cfg, batch=B, seq_len=T, model=gguf, weights=self.weight_mode,
-                                 lora=self.lora_config(opts), seed=opts.seed, logits=False)
+                                 lora=self.lora_config(opts), seed=opts.seed, logits=False,
+                                 packed=opts.pack)
         self.labels = g.input("labels", (B * T,), "i32")
         # One cross-entropy serves both: its sum drives the gradients (token-weighted
         # accumulation) and sum / count is the reported mean loss.
         self.loss_sum = g.output(head_loss(self.net, self.labels, opts.backend))
         self.count = g.output(ops.count_valid(self.labels))
+        self.world = world() if opts.data_parallel else None
         self.train = build_training(self.loss_sum, self.net.params, count=self.count,
                                     max_norm=opts.clip,
-                                    checkpoint=opts.checkpoint_activations)
+                                    checkpoint=opts.checkpoint_activations,
+                                    ranks=self.world.size if self.world else None)
         self.graph = g
         self.sess = Session(g, backend=opts.backend, precision=opts.precision)
         self.sess.realize()
@@ -130,30 +147,42 @@ class Recipe:
         """The number of sequences in a micro-batch, and its description for errors."""
         return self.opts.batch, "batch"
 
-    def _micro_batches(self, token_ids, positions, labels):
-        """Check the step inputs: each is [grad_accum, batch, seq_len], whatever k is."""
+    def _micro_batches(self, token_ids, positions, labels, segments):
+        """Check the step inputs: each is [grad_accum, batch, seq_len], whatever k is;
+        segment ids are given exactly when the recipe packs."""
+        if (segments is not None) != self.opts.pack:
+            raise GraphError("step: segment ids are needed exactly when RecipeOptions.pack is "
+                             f"set (pack={self.opts.pack}, segments "
+                             f"{'given' if segments is not None else 'missing'})")
         rows, what = self.batch_rows()
         shape = (self.opts.grad_accum, rows, self.opts.seq_len)
-        arrays = [np.asarray(a) for a in (token_ids, positions, labels)]
-        for name, a in zip(("token_ids", "positions", "labels"), arrays):
+        names = ("token_ids", "positions", "labels", "segments")
+        arrays = [np.asarray(a) for a in (token_ids, positions, labels, segments)
+                  if a is not None]
+        for name, a in zip(names, arrays):
             if a.shape != shape:
                 raise GraphError(f"step: {name} must have shape [grad_accum, {what}, seq_len] "
                                  f"= {shape}, got {a.shape}")
-        return list(zip(*arrays))
+        return [m + (None,) * (4 - len(m)) for m in zip(*arrays)]
 
-    def _upload(self, ids, pos, lab):
+    def _upload(self, ids, pos, lab, seg=None):
         s = self.sess
         s.upload(self.net.tokens, ids)
         s.upload(self.net.positions, pos)
         s.upload(self.labels, np.asarray(lab).reshape(-1))
+        if self.net.segments is not None:
+            if seg is None:
+                raise GraphError("evaluate: a packing recipe needs the batch's segment ids")
+            s.upload(self.net.segments, seg)
 
-    def _begin_step(self, token_ids, positions, labels, hp, is_first: bool) -> list:
+    def _begin_step(self, token_ids, positions, labels, hp, is_first: bool,
+                    segments=None) -> list:
         """Reset (first step) or reset grads, upload the hp row; the checked micro-batches."""
         if is_first:
             self.sess.reset()
         else:
             self.sess.reset_grads()
-        micro = self._micro_batches(token_ids, positions, labels)
+        micro = self._micro_batches(token_ids, positions, labels, segments)
         self.sess.upload(self.train.hp, hp)
         return micro
 
@@ -161,26 +190,30 @@ class Recipe:
         """Start from an adapter's values (``--adapter-init``)."""
         self.load_trainable(values)
 
-    def step(self, token_ids, positions, labels, hp, is_first: bool) -> float:
+    def step(self, token_ids, positions, labels, hp, is_first: bool, segments=None) -> float:
         """One optimizer step; returns the mean loss of the forward pass before the update.
 
         The arrays are [grad_accum, batch, seq_len] (one micro-batch axis, k = 1 without
         accumulation); the loss is the token-weighted mean over all k micro-batches.
+        ``segments`` (same shape) are packed rows' segment ids, given iff ``opts.pack``.
         """
         s = self.sess
-        micro = self._begin_step(token_ids, positions, labels, hp, is_first)
+        micro = self._begin_step(token_ids, positions, labels, hp, is_first, segments)
         total, count = 0.0, 0.0
-        for i, (ids, pos, lab) in enumerate(micro):
-            self._upload(ids, pos, lab)
+        for i, (ids, pos, lab, seg) in enumerate(micro):
+            self._upload(ids, pos, lab, seg)
             s.run("step" if i == len(micro) - 1 else "backward")
             total += float(s.download(self.loss_sum))
             count += float(s.download(self.count))
+        if self.world is not None:  # the job's loss: every rank's sums added up
+            total, count = map(float, self.world.sum([total, count]))
         self.step_index += 1
         return total / count if count else 0.0
 
-    def evaluate(self, token_ids, positions, labels) -> tuple[float, int]:
-        """Forward only: (summed loss, counted tokens) of one batch [batch, seq_len]."""
-        self._upload(token_ids, positions, labels)
+    def evaluate(self, token_ids, positions, labels, segments=None) -> tuple[float, int]:
+        """Forward only: (summed loss, counted tokens) of one batch [batch, seq_len]
+        (``segments`` for a packing recipe)."""
+        self._upload(token_ids, positions, labels, segments)
         self.sess.run("forward")
         return float(self.sess.download(self.loss_sum)), int(self.sess.download(self.count))
 

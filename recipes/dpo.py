@@ -29,6 +29,7 @@ import math
 import numpy as np
 
 from toygraph import ops
+from toygraph.data import steps_per_epoch
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
@@ -50,6 +51,10 @@ class PreferenceRecipe(LoRA):
 
     make_batches = staticmethod(pair_batches)
 
+    @staticmethod
+    def batches_per_epoch(items, batch: int, seq_len: int) -> int:
+        return steps_per_epoch(len(items), batch)
+
     def __init__(self, targets=LoraConfig.targets, rank: int = LoraConfig.rank,
                  alpha: float = LoraConfig.alpha, beta: float = BETA):
         super().__init__(targets, rank, alpha)
@@ -60,6 +65,11 @@ class PreferenceRecipe(LoRA):
 
     # --- the graph ----------------------------------------------------------------------------
     def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:
+        if opts.data_parallel:  # its loss is a per-pair mean, not a token sum the ranks can add
+            raise GraphError(f"--recipe {type(self).__name__.lower()} does not run data parallel "
+                             f"(under mpirun) yet: run it as one process")
+        if opts.pack:  # a pair is two rows of one batch: its rows are not packed
+            raise GraphError(f"--recipe {type(self).__name__.lower()} does not pack: drop --pack")
         g = self.build_graph(gguf, model_cfg, opts)
         self.train = build_training(self.loss, self.net.params, max_norm=opts.clip)
         self.sess = Session(g, backend=opts.backend, precision=opts.precision)
@@ -117,13 +127,13 @@ class PreferenceRecipe(LoRA):
     def upload_row_weights(self, n_row):
         """Inputs a recipe derives from the rows' target counts (ORPO's averages)."""
 
-    def step(self, token_ids, positions, labels, hp, is_first: bool) -> float:
+    def step(self, token_ids, positions, labels, hp, is_first: bool, segments=None) -> float:
         """One optimizer step; returns the loss before the update (the mean over the k
         micro-batches) and keeps the metrics in ``last_metrics``."""
         s = self.sess
-        micro = self._begin_step(token_ids, positions, labels, hp, is_first)
+        micro = self._begin_step(token_ids, positions, labels, hp, is_first, segments)
         losses, parts = [], []
-        for i, (ids, pos, lab) in enumerate(micro):
+        for i, (ids, pos, lab, _) in enumerate(micro):  # pairs are never packed
             valid = self._upload(ids, pos, lab)
             s.run("step" if i == len(micro) - 1 else "backward")
             losses.append(float(s.download(self.loss)))

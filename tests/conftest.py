@@ -39,3 +39,10 @@ def smollm2():
         return smollm2_path(download=not settings.get("TOYGRAPH_OFFLINE"))
     except Exception as e:  # no network: the tests that need the real model skip
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh ``$TOYGRAPH_CACHE`` for the NVRTC tests; returns nvrtc.py's cubin folder."""
+    monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path))
+    return tmp_path / "kernels"   # nvrtc.py's cubins: $TOYGRAPH_CACHE/kernels

@@ -50,3 +50,33 @@ def check_gradients(graph: Graph, loss, params, inputs: dict, eps=1e-6, max_elem
         scale = max(np.abs(numeric).max(), 1e-12)
         worst = max(worst, float(np.abs(a - numeric).max() / scale))
     return worst
+
+
+#: The largest relative error a gradient check of an op may show.
+TOL = 1e-6
+
+
+def rnd(rng, *shape, s=1.0):
+    return (rng.normal(size=shape) * s).astype(np.float32)
+
+
+def gradcheck_unary(build, shape, seed=0, positive=False):
+    """check_gradients of weighted_sum(build(x)) for one random param x of ``shape``."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    init = rnd(rng, *shape)
+    if positive:
+        init = np.abs(init) + 0.5
+    x = g.param("x", init)
+    loss = weighted_sum(build(x), rng)
+    return check_gradients(g, loss, [x], {})
+
+
+def forward_f64(g, inputs=None):
+    """A realized f64 numpy session of ``g`` with ``inputs`` uploaded, forward run."""
+    s = Session(g, dtype="f64")
+    s.realize()
+    for t, v in (inputs or {}).items():
+        s.upload(t, v)
+    s.run("forward")
+    return s

@@ -145,7 +145,7 @@ def test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, causal, win
 def test_sliding_window_attention_matches_numpy(B, H, KV, T, hd, window):
     """Gemma 3's local layers: the window masked in the forward and both backward kernels.
     (Window 1, where dq = dk = 0 exactly and both sides return rounding noise, is checked by
-    the launch replay in test_cuda_new_ops.py.)"""
+    the launch replay in test_ops_flash_attention_cuda.py.)"""
     test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, True, window)
 
 
@@ -470,7 +470,7 @@ def test_tc_matmul_is_exactly_the_matmul_of_rounded_inputs(prec, sa, sb, ta, tb)
     av, bv = rnd(rng, *sa), rnd(rng, *sb)
     got = run_phase(g, "cuda", {a: av, b: bv}, "forward", [y], prec)[0]
     want = np.zeros(y.shape)
-    from toygraph.cpu.kernels import KERNELS
+    from toygraph.ops import KERNELS
     KERNELS["matmul"](want, [_round(av, prec), _round(bv, prec)], y.attrs)
     assert rel_err(got, want) <= 1e-5
     f32 = run_phase(g, "cuda", {a: av, b: bv}, "forward", [y])[0]
@@ -530,7 +530,7 @@ def test_other_precisions_are_refused():
         Session(Graph(), backend="cuda", precision="f16")
 
 
-# --- fused output head + cross-entropy (lowering._linear_cross_entropy: row chunks) -------------
+# --- fused output head + cross-entropy (ops/loss.py _linear_cross_entropy: row chunks) -------------
 def _lce_graph(seed, N, D, V, labels, reduction, head="param", fmt=None):
     """loss = linear_cross_entropy(h, w, labels) with h a param and w a param, an f32 const
     or a block-format const; returns (graph, fetch list, inputs, w)."""
@@ -560,9 +560,9 @@ def test_linear_cross_entropy_matches_numpy_and_is_deterministic(head, chunk_row
                                                                  labels, monkeypatch):
     """Loss, dh and (trainable head) dw within 1e-4 of numpy, bit-identical run to run, in
     one chunk and in 48-row chunks (a ragged last one); all-ignored gives zeros."""
-    from toygraph.cuda import lower_fused
+    from toygraph.ops import loss as loss_ops
     if chunk_rows:
-        monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 1000 * chunk_rows)
+        monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 1000 * chunk_rows)
     g, fetch, inputs, _ = _lce_graph(0, 200, 96, 1000, labels, reduction, head)
     cpu = run_phase(g, "cpu", inputs, "backward", fetch)
     gpu = run_phase(g, "cuda", inputs, "backward", fetch)
@@ -576,8 +576,8 @@ def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
     """Per chunk the same kernels run on the same values as the unfused head (tg_matmul's
     sums do not depend on the row tiling), so loss and dh are bit-identical to matmul +
     cross_entropy on the GPU; dw adds chunk sums, so it is only close."""
-    from toygraph.cuda import lower_fused
-    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 1000 * 64)
+    from toygraph.ops import loss as loss_ops
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 1000 * 64)
     rng = np.random.default_rng(4)
     hv, wv = rnd(rng, 200, 96), rnd(rng, 1000, 96, s=0.5)
     labv = np.where(rng.random(200) < 0.3, -1, rng.integers(0, 1000, 200)).astype(np.int32)
@@ -600,8 +600,8 @@ def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
 def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
     """A frozen quantized head (SmolLM2's tied Q8_0 token_embd) stays in its block format;
     loss and dh match numpy on the dequantized weight, deterministically."""
-    from toygraph.cuda import lower_fused
-    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 300 * 64)
+    from toygraph.ops import loss as loss_ops
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 64)
     g, fetch, inputs, w = _lce_graph(1, 150, 256, 300, "some", "mean", fmt=fmt)
     cpu = run_phase(g, "cpu", inputs, "backward", fetch)
     s, gpu = _cuda_run(g, fetch, inputs)

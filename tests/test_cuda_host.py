@@ -109,7 +109,7 @@ def test_a_race_on_shared_memory_shows_under_the_reverse_schedule(monkeypatch):
 def test_a_write_past_an_allocation_is_caught_at_the_next_sync():
     from toygraph.cuda.hostdev import HostContext
     ctx = HostContext()
-    module = ctx.load_module(kernels.module_source(("elementwise.cu",)))
+    module = ctx.load_module(kernels.module_source(("shape.cu",)))
     buf = ctx.alloc(4 * 100)
     params = [np.array([buf], np.uint64), np.array([101], np.int32), np.array([1.0], np.float32)]
     ctx.launch(module.function("tg_fill"), (1, 1, 1), (256, 1, 1), 0,
@@ -307,10 +307,10 @@ def test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, causal):
 @pytest.mark.parametrize("head", ["param", "const"])
 def test_linear_cross_entropy_in_ragged_chunks(head, reduction, labels, monkeypatch):
     """Loss, dh and (trainable head) dw over 24-row chunks of 70 rows (ragged last one)."""
-    from toygraph.cuda import lower_fused
+    from toygraph.ops import loss as loss_ops
     from toygraph.graph import Graph
     from toygraph.autodiff import accumulate_grads, backward
-    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 300 * 24)
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
     rng = np.random.default_rng(0)
     g = Graph()
     N, D, V = 70, 40, 300
@@ -333,10 +333,11 @@ def test_linear_cross_entropy_in_ragged_chunks(head, reduction, labels, monkeypa
 def capped_grids(monkeypatch):
     """Grids capped far below the work (as MAX_GRID / MAX_GRID_YZ / SUMSQ_BLOCKS cap them
     for huge tensors on a GPU), so every grid-stride, row and batch loop takes more turns."""
-    from toygraph.cuda import launch, lower_matmul, lower_optim
+    from toygraph.cuda import launch
+    from toygraph.ops import gemm as matmul_ops, optim as optim_ops
     monkeypatch.setattr(launch, "MAX_GRID", 3)
-    monkeypatch.setattr(lower_matmul, "MAX_GRID_YZ", 2)
-    monkeypatch.setattr(lower_optim, "SUMSQ_BLOCKS", 2)
+    monkeypatch.setattr(matmul_ops, "MAX_GRID_YZ", 2)
+    monkeypatch.setattr(optim_ops, "SUMSQ_BLOCKS", 2)
 
 
 @pytest.mark.parametrize("name,build,shapes,tol", [
@@ -360,7 +361,7 @@ def test_embedding_gradient_with_capped_grids(capped_grids):
 MUTATIONS = {   # one index expression each, as a careless edit would change it
     "matmul drops the last k of a ragged tile": (
         "matmul.cu", "(gm < M && gk < K) ? A[gm * sam", "(gm < M && gk < K - 1) ? A[gm * sam"),
-    "attention lets a query see the next key": ("attention.cu", "(!causal || j <= i)",
+    "attention lets a query see the next key": ("flash_attention.cu", "(!causal || j <= i)",
                                                 "(!causal || j <= i + 1)"),
 }
 

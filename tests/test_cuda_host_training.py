@@ -103,8 +103,8 @@ def test_quantized_get_rows_and_tied_head(fmt):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
 def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
-    from toygraph.cuda import lower_fused
-    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 300 * 32)
+    from toygraph.ops import loss as loss_ops
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 32)
     rng = np.random.default_rng(1)
     N, D, V = 50, 256, 300
     g = Graph()
@@ -168,9 +168,10 @@ def test_adamw_step_with_clip_matches_numpy_and_replays_identically(max_norm, mo
 def test_adamw_step_with_capped_grids_matches_numpy(monkeypatch):
     """The step with every grid capped at 3 blocks (2 partial sums per gradient norm), so
     AdamW, the norm, cross-entropy and the row kernels loop over what the grid misses."""
-    from toygraph.cuda import launch, lower_optim
+    from toygraph.cuda import launch
+    from toygraph.ops import optim as optim_ops
     monkeypatch.setattr(launch, "MAX_GRID", 3)
-    monkeypatch.setattr(lower_optim, "SUMSQ_BLOCKS", 2)
+    monkeypatch.setattr(optim_ops, "SUMSQ_BLOCKS", 2)
     cpu, got = _mlp_train("cpu", 0.05, n=70, h=300), _mlp_train("cuda", 0.05, n=70, h=300)
     for a, b in zip(got[0], cpu[0]):
         assert abs(a - b) <= 1e-4 * abs(b)
@@ -185,8 +186,8 @@ def test_results_do_not_depend_on_the_thread_schedule(case, monkeypatch):
     (TOYGRAPH_HOST_SCHEDULE=reverse): a read of shared memory another thread writes without
     a barrier in between sees a different value, so race-free kernels are bit-identical."""
     from hostparity import op_case
-    from toygraph.cuda import lower_fused
-    monkeypatch.setattr(lower_fused, "LCE_CHUNK_BYTES", 4 * 300 * 24)
+    from toygraph.ops import loss as loss_ops
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
 
     def run():
         if case == "mlp_step":

@@ -8,8 +8,9 @@ import pytest
 from toygraph import ops
 from toygraph.cuda import constants, lowering, registry
 from toygraph.cuda.constants import DEFINES
-from toygraph.cuda.kernels import KERNEL_DIR, backend_source, module_source
+from toygraph.cuda.kernels import backend_source, module_source, source_files
 from toygraph.errors import CudaError
+from toygraph.ops import gemm as matmul_ops
 
 
 # --- constants defined once ------------------------------------------------------------------
@@ -22,7 +23,7 @@ def test_every_shared_constant_is_emitted_once_into_the_kernel_source(source):
 
 
 def test_no_kernel_source_restates_a_shared_constant():
-    files = sorted(KERNEL_DIR.glob("*.cu")) + sorted(KERNEL_DIR.glob("*.cuh"))
+    files = source_files()
     assert len(files) >= 10
     for f in files:
         text = f.read_text()
@@ -34,11 +35,11 @@ def test_the_tile_shapes_the_kernels_assume():
     """matmul.cu/qmatmul.cu: 16 x 16 threads of 4 x 4 outputs, each staging 4 elements of
     each operand tile per k slice; the launches use square tiles."""
     c = constants
-    assert c.MM_BM == c.MM_BN and c.TC_BM == c.TC_BN == lowering.TC_TILE
+    assert c.MM_BM == c.MM_BN and c.TC_BM == c.TC_BN == matmul_ops.TC_TILE
     assert c.MM_THREADS == (c.MM_BM // 4) * (c.MM_BN // 4) == 256
     assert 4 * c.MM_THREADS == c.MM_BK * c.MM_BM == c.MM_BK * c.MM_BN
     assert c.TC_MI * 16 == c.TC_WM and c.TC_NI * 8 == c.TC_WN
-    assert c.ATTN_HEAD_DIMS == tuple(sorted(lowering.ATTN_TILES))
+    assert c.ATTN_HEAD_DIMS == tuple(sorted(constants.ATTN_TILES))
 
 
 # --- the registry ------------------------------------------------------------------------------
@@ -65,3 +66,13 @@ def test_a_missing_lowering_is_a_clear_error_naming_the_op():
         lowering.lower(Node(), lambda t: 0)
     with pytest.raises(CudaError, match="'frobnicate'"):
         lowering.scratch_bytes(Node())
+
+
+def test_each_op_lives_in_one_family_module():
+    """One op, one place: every op of the op table has a numpy kernel and a CUDA lowering,
+    and both are defined in the same family module of toygraph.ops (with its rules)."""
+    assert set(ops.KERNELS) == set(ops.OPS) == set(registry.REGISTRY)
+    for op in ops.OPS:
+        module = ops.KERNELS[op].__module__
+        assert module.startswith("toygraph.ops.") and module != "toygraph.ops.table", op
+        assert registry.REGISTRY[op].build.__module__ == module, op

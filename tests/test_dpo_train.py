@@ -3,6 +3,7 @@ metrics in events and on the progress line, validation on held-out pairs, the ad
 exported and loaded for generation, resume bit-exact, --adapter-init as the reference,
 and the CLI flags."""
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,28 @@ def test_adapter_init_is_the_frozen_reference(tiny_llama, tmp_path):
     first, *rest = steps_of(out)
     assert all(first[k] == 0 for k in METRICS[:3]) and first["loss"] == pytest.approx(np.log(2))
     assert rest[-1]["rewards/margin"] != 0
+
+
+def test_resume_keeps_the_reference_adapter(tiny_llama, tmp_path):
+    """The reference model is base + the --adapter-init adapter, so a resumed DPO run must
+    get the same adapter back (by content; the path may move) or be refused."""
+    from toygraph.resume import ResumeMismatch
+    sfts = []
+    for seed in (1, 2):
+        sfts.append(tmp_path / f"sft{seed}")
+        run_training(cfg_for(tiny_llama, sfts[-1], recipe="lora", data=str(CAPITALS), steps=2,
+                             val_split=0.0, seed=seed))
+    out = tmp_path / "dpo"
+    kw = dict(steps=2, save_every=1, val_split=0.0)
+    run_training(cfg_for(tiny_llama, out, adapter_init=str(sfts[0]), **kw))
+    ckpt = out / "checkpoints" / "step-000001"
+    for other in (str(sfts[1]), None):
+        with pytest.raises(ResumeMismatch, match="--adapter-init was an adapter with sha256"):
+            run_training(cfg_for(tiny_llama, tmp_path / "r", adapter_init=other, resume=str(ckpt), **kw))
+    moved = tmp_path / "moved"
+    shutil.copytree(sfts[0], moved)
+    run_training(cfg_for(tiny_llama, tmp_path / "r2", adapter_init=str(moved), resume=str(ckpt), **kw))
+    assert [e["loss"] for e in steps_of(tmp_path / "r2")] == [e["loss"] for e in steps_of(out)][1:]
 
 
 def test_cli_flags_and_errors(tiny_llama, tmp_path, capsys):

@@ -15,13 +15,13 @@ import re
 import numpy as np
 import pytest
 
-from test_cuda_compile import _lora_graph, _qweight, _smollm2_training_graph, _training_plan
+from cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
 from toygraph import ops, quant
 from toygraph.autodiff import backward
 from toygraph.cuda import devmem, lowering
 from toygraph.cuda.kernels import (ATTN_HEAD_DIMS, FAMILIES, KERNEL_NAMES, TC_FAMILIES,
                                    TC_KERNEL_NAMES, TC_PRECISIONS, module_source)
-from toygraph.cuda.lowering import MAXD, Launch, f32, f64, i32, p, strided
+from toygraph.cuda.launch import MAXD, Launch, f32, f64, i32, p, strided
 from toygraph.graph import Graph, topo_order
 
 PRECISIONS = ("f32",) + TC_PRECISIONS
@@ -87,19 +87,21 @@ def mismatches(launch: Launch, signatures=SIGNATURES) -> list[str]:
 
 # --- the launches --------------------------------------------------------------------------
 def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS):
-    """(op, launch) for every non-leaf node of ``nodes`` at every precision."""
+    """(op, launch) for every non-leaf node of ``nodes`` at every precision (kernel launches
+    only: all_reduce's Collective step is no kernel; tests/test_distributed.py covers it)."""
     out = []
     for node in nodes:
         if node.op is None:
             continue
         for prec in precisions:
             out += [(node.op, l) for l in lowering.lower(node, lambda t: (t.id + 1) << 20,
-                                                         1 << 40, raw, precision=prec)]
+                                                         1 << 40, raw, precision=prec)
+                    if isinstance(l, Launch)]
     return out
 
 
 def _model_launches(path, **lora_graph_kw):
-    order, pinned, plan, outputs = _training_plan(_lora_graph(path, **lora_graph_kw))
+    order, pinned, plan, outputs = training_plan(lora_graph(path, **lora_graph_kw))
     raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
                     .raw_consts)
     return _lower_all(order, raw)
@@ -116,7 +118,7 @@ def _full_finetune_launches(path):
     lab = g.input("labels", (4,), "i32")   # the fused head, trained: tg_matmul_acc
     loss = ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum")
     build_training(g.output(loss), net.params)
-    return _lower_all(_training_plan(g)[0])
+    return _lower_all(training_plan(g)[0])
 
 
 def _block_format_launches(rng):
@@ -125,7 +127,7 @@ def _block_format_launches(rng):
     for fmt in BLOCK_FORMATS:
         rows, cols = 8, quant.BLOCK[fmt][0]
         g = Graph()
-        w = g.const("w", _qweight(rng, fmt, rows, cols)[0], shape=(rows, cols), storage=fmt)
+        w = g.const("w", qweight(rng, fmt, rows, cols)[0], shape=(rows, cols), storage=fmt)
         nodes = [w, ops.matmul(g.const("x", np.ones((3, cols))), w, trans_b=True),
                  ops.matmul(g.const("dy", np.ones((3, rows))), w),
                  ops.get_rows(w, g.input("ids", (5,), "i32"))]
@@ -154,14 +156,16 @@ def _small_op_launches():
     packed = g.const("packed", np.ones(40))
     loss = ops.sum(ops.mul(y, ops.unpack(packed, 16, (3, 8))))
     grads = backward(loss, [x, b])
-    acc = ops.accumulate(g.state("acc", (4,), kind="grad"), grads[b])
+    acc_state = g.state("acc", (4,), kind="grad")
+    acc = ops.accumulate(acc_state, grads[b])
+    summed = ops.all_reduce([g.state("count", (), kind="count"), acc_state], ranks=2)
     cached = ops.cache_write(g.state("cache", (2, 6, 4), kind="cache"),
                              g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
-    return _lower_all(topo_order([loss, grads[x], acc, cached]), precisions=("f32",))
+    return _lower_all(topo_order([loss, grads[x], acc, summed, cached]), precisions=("f32",))
 
 
 def _preference_op_launches():
-    """The preference-loss ops (ops_pref.py), forward and backward."""
+    """The preference-loss ops (ops/preference.py), forward and backward."""
     g = Graph()
     x = g.param("x", np.ones((3, 5)))
     loss = ops.sum(ops.log1mexp(ops.log_sigmoid(ops.token_logprobs(x, g.input("lab", (3,), "i32")))))
@@ -177,8 +181,8 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
     for path in (tiny_llama, tiny_qwen2, tiny_llama_kquant):
         out += _model_launches(path, targets=targets)
     for fused in (True, False):
-        g = _smollm2_training_graph(tiny_llama_kquant, fused=fused, batch=2, seq=8)
-        order, pinned, plan, outputs = _training_plan(g)
+        g = smollm2_training_graph(tiny_llama_kquant, fused=fused, batch=2, seq=8)
+        order, pinned, plan, outputs = training_plan(g)
         raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
                         .raw_consts)
         out += _lower_all(order, raw)

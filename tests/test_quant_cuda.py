@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import gguf.quants as gq
-from test_cuda_compile import _lora_graph, _training_plan, host_decoder  # noqa: F401
+from cudaemu import BLOCK_FORMATS, host_library, lora_graph, training_plan
 from test_llama import transformers_loss
 from test_quant import random_blocks
 from toygraph import quant
 from toygraph.cuda import devmem, lowering
-from toygraph.cuda.kernels import QUANT_KERNELS, layout_defines, read_source
+from toygraph.cuda.kernels import KERNEL_NAMES, QUANT_KERNELS, layout_defines, read_source
 from toygraph.fixtures.tiny_models import write_tiny_llama
 from toygraph.gguf import GGUFModel
 from toygraph.optim import hp_row
@@ -22,7 +22,7 @@ NEW_TYPES = ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "iq4_xs")
 
 
 @pytest.mark.parametrize("fmt", BLOCK_TYPES)
-def test_cuda_decoders_match_gguf_py_on_random_blocks(fmt, host_decoder):  # noqa: F811
+def test_cuda_decoders_match_gguf_py_on_random_blocks(fmt, host_decoder):
     """Every bit pattern of the quantized fields (finite f16 scales), decoded by quant.cuh
     through rows as the fused kernels read them, equals gguf-py bit for bit."""
     rng = np.random.default_rng(12)
@@ -100,8 +100,8 @@ def test_mixed_model_matches_transformers_and_trains(mixed_model):
 def test_mixed_model_stays_in_block_format_on_the_gpu_plan(mixed_model):
     """The CUDA plan keeps every frozen weight of every type in its blocks, and each node
     reading one lowers to the fused kernel of that type."""
-    g = _lora_graph(mixed_model, targets=("q", "v", "down"))
-    order, pinned, plan, outputs = _training_plan(g)
+    g = lora_graph(mixed_model, targets=("q", "v", "down"))
+    order, pinned, plan, outputs = training_plan(g)
     consts = [t for t in order if t.role == "const" and t.storage != "f32"]
     assert {t.storage for t in consts} == set(MIXED_TYPES.values())
     mem = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
@@ -116,3 +116,93 @@ def test_mixed_model_stays_in_block_format_on_the_gpu_plan(mixed_model):
             assert set(kernels) <= set(QUANT_KERNELS[raw[0].storage].values()), (node.op, kernels)
             seen.add(raw[0].storage)
     assert seen == set(MIXED_TYPES.values())
+
+
+def test_quant_kernel_table_covers_every_block_format():
+    assert set(QUANT_KERNELS) == set(BLOCK_FORMATS) == set(lowering.BLOCK_STORAGE)
+    for fmt, names in QUANT_KERNELS.items():
+        assert set(names) == {"nt", "nn", "rows"}
+        for n in names.values():
+            assert n in KERNEL_NAMES, f"{fmt}: kernel {n} missing from the sources"
+
+
+def test_kernels_take_block_layouts_from_quant_py():
+    defines = layout_defines()
+    for fmt in BLOCK_FORMATS:
+        elems, size = quant.BLOCK[fmt]
+        assert f"#define TG_{fmt.upper()}_QK {elems}\n" in defines
+        assert f"#define TG_{fmt.upper()}_BYTES {size}\n" in defines
+        for field, off in quant.LAYOUT.get(fmt, {}).items():
+            assert f"#define TG_{fmt.upper()}_{field.upper()} {off}\n" in defines
+
+
+# --- quant.cuh's decoders, compiled for the host and checked bit for bit against quant.py ----
+_HOST_SHIM = r"""
+#include <math.h>
+#include <string.h>
+#define __device__
+#define __forceinline__ inline
+static float tg_keep(float v) { volatile float r = v; return r; }
+static float __fmul_rn(float a, float b) { return tg_keep(a * b); }
+static float __fadd_rn(float a, float b) { return tg_keep(a + b); }
+static float __fsub_rn(float a, float b) { return tg_keep(a - b); }
+static float tg_load_half(const unsigned char* p) {   // exact IEEE half -> float
+    unsigned h = p[0] | (p[1] << 8), e = (h >> 10) & 31, m = h & 1023;
+    float f = e == 0 ? ldexpf((float)m, -24)
+            : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m | 1024), (int)e - 25);
+    return (h >> 15) ? -f : f;
+}
+static float tg_bf16_to_float(unsigned short h) {
+    unsigned u = ((unsigned)h) << 16; float f; memcpy(&f, &u, 4); return f;
+}
+"""
+
+
+_HOST_DRIVER = r"""
+template <class F> static void run(const unsigned char* raw, long long n, int rows,
+                                   int row_bytes, float* out) {
+    long long cols = n / rows;   // decode through rows, as the fused kernels do
+    for (long long e = 0; e < n; ++e)
+        out[e] = tg_dequant_at<F>(raw + (e / cols) * row_bytes, e % cols);
+}
+extern "C" int decode(const char* fmt, const unsigned char* raw, long long n, int rows,
+                      int row_bytes, float* out) {
+#define TG_CASE(name, F) if (!strcmp(fmt, name)) { run<F>(raw, n, rows, row_bytes, out); return 0; }
+    TG_CASE("f16", TgF16) TG_CASE("bf16", TgBF16) TG_CASE("q8_0", TgQ8_0)
+    TG_CASE("q4_0", TgQ4_0) TG_CASE("q4_1", TgQ4_1) TG_CASE("q4_k", TgQ4_K)
+    TG_CASE("q5_k", TgQ5_K) TG_CASE("q6_k", TgQ6_K) TG_CASE("q5_0", TgQ5_0)
+    TG_CASE("q5_1", TgQ5_1) TG_CASE("iq4_nl", TgIQ4_NL) TG_CASE("q2_k", TgQ2_K)
+    TG_CASE("q3_k", TgQ3_K) TG_CASE("iq4_xs", TgIQ4_XS)
+    return 1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_decoder(tmp_path_factory):
+    import ctypes
+    fn = host_library(tmp_path_factory, "hostdecode",
+                      _HOST_SHIM + layout_defines() + read_source("quant.cuh") + _HOST_DRIVER,
+                      flags=("-ffp-contract=off",)).decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_void_p]
+    return fn
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_shared_decoders_match_quant_py_bit_for_bit(fmt, host_decoder):
+    rng = np.random.default_rng(11)
+    elems = quant.BLOCK[fmt][0]
+    rows, cols = 5, 2 * max(elems, 32)
+    x = (rng.normal(size=(rows, cols)) * rng.uniform(0.01, 3, size=(rows, 1))).astype(np.float32)
+    raw = np.ascontiguousarray(quant.quantize(x, fmt)).reshape(-1).view(np.uint8)
+    if fmt in ("f16", "bf16"):  # every finite bit pattern, subnormals and -0 included
+        bits = np.arange(1 << 16, dtype=np.uint16)
+        bits = bits[np.isfinite(quant.dequantize(bits, fmt, bits.shape))]
+        raw, rows, cols = bits.view(np.uint8), 1, bits.size
+    want = quant.dequantize(raw, fmt, (rows, cols))
+    got = np.empty(rows * cols, np.float32)
+    assert host_decoder(fmt.encode(), raw.ctypes.data, rows * cols, rows,
+                        quant.nbytes(fmt, (1, cols)), got.ctypes.data) == 0
+    np.testing.assert_array_equal(got.view(np.uint32), want.ravel().view(np.uint32))

@@ -124,9 +124,11 @@ EXIT_CODES = {"completed": 0, "early_stopped": 0, "diverged": 3, "interrupted": 
 
 
 def cmd_finetune(args):
+    from .distributed import world
     from .train import run_training
     summary = run_training(train_config_from_args(args))
-    print(json.dumps(summary))
+    if world().rank == 0:  # under mpirun every rank returns the same summary
+        print(json.dumps(summary))
     return EXIT_CODES.get(summary["status"], 1)
 
 
@@ -198,6 +200,8 @@ def _add_finetune_args(p):
                    default=d.checkpoint_activations,
                    help="recompute each decoder block in the backward instead of keeping its "
                         "activations: less memory, at most one more forward of the blocks per step")
+    p.add_argument("--pack", action="store_true", default=d.pack,
+                   help="pack several examples into each --seq-len row (attention stays inside each)")
     p.add_argument("--quiet", action="store_true")
 
 

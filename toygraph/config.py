@@ -69,6 +69,7 @@ class TrainConfig:
     backend: str = _Recipe.backend
     precision: str = _Recipe.precision   # matmul input precision (session.PRECISIONS)
     checkpoint_activations: bool = _Recipe.checkpoint_activations   # recompute blocks in the backward
+    pack: bool = _Recipe.pack            # sample packing: several examples per row (packing.py)
     max_examples: int | None = None
     quiet: bool = False
     extra: dict = field(default_factory=dict)

@@ -70,11 +70,15 @@ class EncodedDataset:
 @dataclass
 class Batch:
     """int32 arrays of shape [batch, seq_len]; ``labels[b, i]`` is the token to predict at
-    position i, or -1 where ignored (prompt, padding)."""
+    position i, or -1 where ignored (prompt, padding). ``real_tokens`` counts the slots
+    that hold an example's token (not padding); ``segments`` is set for packed batches
+    (toygraph.packing): each slot's example within its row, 0 for padding."""
     tokens: np.ndarray
     positions: np.ndarray
     labels: np.ndarray
     n_targets: int
+    real_tokens: int = 0
+    segments: np.ndarray | None = None
 
 
 # ------------------------------------------------------------------------- encoding
@@ -283,13 +287,14 @@ def batches(items: list[Encoded], batch_size: int, seq_len: int, pad_id: int, *,
     rows = steps_per_epoch(n, batch_size) * batch_size
     tokens = np.full((rows, seq_len), pad_id, dtype=np.int32)
     labels = np.full((rows, seq_len), -1, dtype=np.int32)
+    real = np.zeros(rows, dtype=np.int64)
     for r, k in enumerate(order):
         item = items[k]
         ids = np.asarray(item.tokens, dtype=np.int64)
         if len(ids) - 1 > seq_len:
             raise DataError(f"line {item.line}: {len(ids)} tokens do not fit seq_len {seq_len} "
                             f"(at most seq_len + 1); encode with max_len <= seq_len")
-        m = len(ids) - 1
+        m = real[r] = len(ids) - 1
         tokens[r, :m] = ids[:-1]
         labels[r, :m] = np.where(np.asarray(item.target_mask[1:], dtype=bool), ids[1:], -1)
     positions = np.tile(np.arange(seq_len, dtype=np.int32), (batch_size, 1))
@@ -297,7 +302,7 @@ def batches(items: list[Encoded], batch_size: int, seq_len: int, pad_id: int, *,
     for s in range(0, rows, batch_size):
         lab = labels[s:s + batch_size]
         out.append(Batch(tokens[s:s + batch_size].copy(), positions.copy(), lab.copy(),
-                         int((lab != -1).sum())))
+                         int((lab != -1).sum()), int(real[s:s + batch_size].sum())))
     return out
 
 

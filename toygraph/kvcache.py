@@ -6,7 +6,7 @@
 
 Both graphs live in one Graph and one Session, so they share the weights (bound once) and
 the cache: per layer a K and a V ``state`` tensor [1, n_head_kv, cache_len, head_dim] in
-the session's memory plan, written in place by the ``cache_write`` op (ops_cache.py).
+the session's memory plan, written in place by the ``cache_write`` op (ops/cache.py).
 Each is realized once per (prompt_len, cache_len) and replayed as a session program.
 
 - **Prefill** is the decoder over the prompt right-padded to ``prompt_len`` tokens,

@@ -41,7 +41,8 @@ class TrainingStep:
 
 
 def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None = None,
-                   max_norm: float = 0.0, checkpoint: bool = False) -> TrainingStep:
+                   max_norm: float = 0.0, checkpoint: bool = False,
+                   ranks: int | None = None) -> TrainingStep:
     """Append backward, gradient accumulation, global norm and AdamW to loss's graph.
 
     ``loss`` is what gradients are taken of (a summed loss when ``count`` is given);
@@ -49,6 +50,9 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     ``max_norm`` > 0 clips the averaged gradient to that global norm. ``checkpoint``
     recomputes each region of the graph (decoder block) in the backward from its saved
     input instead of keeping its activations (recompute.py).
+    ``max_norm`` > 0 clips the averaged gradient to that global norm. ``ranks`` (data
+    parallelism) sums the accumulated gradients and the count over that many ranks with an
+    ``all_reduce`` node between backward and the clip/AdamW nodes (ops/collective.py).
     """
     if max_norm < 0 or not math.isfinite(max_norm):
         raise GraphError(f"max_norm must be >= 0 and finite, got {max_norm}")
@@ -60,13 +64,16 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     graph.effect(ops.accumulate(count_acc, count if count is not None else graph.scalar(1.0)),
                  "backward")
     report = checkpoint_regions(graph, first_backward, all_grads) if checkpoint else None
+    divisor = count_acc
+    if ranks is not None:  # clip and AdamW read its value, so they run after the reduction
+        divisor = ops.all_reduce([count_acc, *grads.values()], ranks=ranks)
     hp = graph.input("hp", (7,))
-    norm = graph.output(ops.global_norm(list(grads.values()), count_acc), "step")
+    norm = graph.output(ops.global_norm(list(grads.values()), divisor), "step")
     moments = {}
     for p in params:
         m = graph.state(f"adam_m.{p.name}", p.shape, kind="moment")
         v = graph.state(f"adam_v.{p.name}", p.shape, kind="moment")
-        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, count_acc, max_norm=max_norm), "step")
+        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, divisor, max_norm=max_norm), "step")
         moments[p] = (m, v)
     return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc,
                         checkpoint=report)

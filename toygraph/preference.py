@@ -118,5 +118,6 @@ def pair_batches(items: list[tuple], batch_size: int, seq_len: int, pad_id: int,
     halves = [batches([items[k][side] for k in order], batch_size, seq_len, pad_id,
                       shuffle=False, seed=seed, epoch=epoch) for side in (0, 1)]
     return [Batch(*(np.concatenate([getattr(c, f), getattr(r, f)])
-                    for f in ("tokens", "positions", "labels")), c.n_targets + r.n_targets)
+                    for f in ("tokens", "positions", "labels")), c.n_targets + r.n_targets,
+                  c.real_tokens + r.real_tokens)
             for c, r in zip(*halves)]

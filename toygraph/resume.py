@@ -16,7 +16,8 @@ from pathlib import Path
 from .errors import ToygraphError
 
 #: Options that only steer how the run is carried out, never what it computes.
-#: ``adapter_init`` only sets the starting weights, which the checkpoint replaces; ``data``
+#: ``adapter_init`` only sets the starting weights, which the checkpoint replaces (DPO's
+#: reference adapter is compared by content, ``reference_hash``); ``data``
 #: and ``model`` are compared by content (hash, fingerprint), not by path.
 #: ``checkpoint_activations`` gives bit-identical gradients (recompute.py).
 OPERATIONAL = frozenset({"out", "resume", "quiet", "overwrite", "allow_change", "keep_checkpoints",
@@ -76,6 +77,9 @@ def check_resume(saved: dict, now: dict, where: str, allow: set[str]) -> list[st
     pairs = [(k, old_opts.get(k), new_opts.get(k)) for k in new_opts if k not in OPERATIONAL]
     pairs.append(("model", saved.get("model_fingerprint"), now["model_fingerprint"]))
     pairs.append(("data", saved.get("data_hash"), now["data_hash"]))
+    # DPO's reference model is base + the --adapter-init adapter: the path may change,
+    # the adapter may not (its content is compared, like the data's).
+    pairs.append(("adapter_init", saved.get("reference_hash"), now.get("reference_hash")))
     for name, old, new in pairs:
         if _same(old, new):
             continue
@@ -93,4 +97,6 @@ def _show(name: str, value) -> str:
         return f"{value.get('name')} ({value.get('size')} bytes, {str(value.get('sha256_sampled'))[:12]})"
     if name == "data" and isinstance(value, str):
         return f"data with sha256 {value[:12]}"
+    if name == "adapter_init":
+        return "no adapter" if value is None else f"an adapter with sha256 {value[:12]}"
     return repr(value)

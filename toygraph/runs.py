@@ -183,6 +183,16 @@ class EventLog:
             self.fd = None
 
 
+class NullLog:
+    """The event log of a data-parallel rank other than 0: rank 0 alone writes events."""
+
+    def write(self, event: str, **fields):
+        pass
+
+    def close(self):
+        pass
+
+
 def _drop_torn_tail(path: Path):
     """Cut a last line that has no newline (written by a process that lost power)."""
     if not path.is_file() or path.stat().st_size == 0:

@@ -24,8 +24,8 @@ from .errors import SettingError
 @dataclass(frozen=True)
 class Setting:
     """One environment variable: ``kind`` is "flag" (0/1), "path", "choice" (one of
-    ``choices``) or "device" (a CUDA ordinal or "host"); ``default`` is written as it would
-    be in the environment ("" means unset)."""
+    ``choices``), "device" (a CUDA ordinal or "host") or "seconds" (a number > 0);
+    ``default`` is written as it would be in the environment ("" means unset)."""
     name: str
     kind: str
     default: str
@@ -59,6 +59,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TOYGRAPH_HOST_SCHEDULE", "choice", "forward",
             "order the host executor runs a block's threads in between barriers",
             ("forward", "reverse")),
+    Setting("TOYGRAPH_MPI_TIMEOUT", "seconds", "600",
+            "how long an MPI rank waits in a collective before it aborts the job"),
     Setting("TOYGRAPH_BENCH_CACHE", "path", "",
             "bench/bench_lora.py's cache (unset: `$TOYGRAPH_CACHE/bench`)"),
 )}
@@ -69,7 +71,8 @@ _FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True,
 
 def parse(name: str, raw: str | None):
     """``raw`` (a value of variable ``name``; None or "" for its default) as its type:
-    bool, Path (None when unset without default), str, or int/"host" for a device."""
+    bool, Path (None when unset without default), str, int/"host" for a device, or float
+    seconds."""
     s = SETTINGS[name]
     text = s.default if raw is None or raw == "" else raw.strip()
     if s.kind == "flag":
@@ -83,6 +86,14 @@ def parse(name: str, raw: str | None):
         if text not in s.choices:
             raise SettingError(f"{name} must be one of {', '.join(s.choices)}, got {raw!r}")
         return text
+    if s.kind == "seconds":
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value > 0 and value != float("inf")):
+            raise SettingError(f"{name} must be a number of seconds > 0, got {raw!r}")
+        return value
     if text == "host":  # kind "device"
         return text
     if not text.isdigit():
@@ -95,6 +106,13 @@ def get(name: str):
     if name not in SETTINGS:
         raise KeyError(f"{name} is not in toygraph.settings.SETTINGS")
     return parse(name, os.environ.get(name))
+
+
+def given(name: str) -> bool:
+    """Whether variable ``name`` (a key of ``SETTINGS``) is set to something non-empty."""
+    if name not in SETTINGS:
+        raise KeyError(f"{name} is not in toygraph.settings.SETTINGS")
+    return bool(os.environ.get(name, "").strip())
 
 
 def cache_dir(folder: str) -> Path:

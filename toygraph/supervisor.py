@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint, step_dir_name, write_adapter
-from .trainer import Hooks
+from .distributed import World
+from .trainer import Hooks, shard
 
 
 class Progress:
@@ -78,16 +79,25 @@ class Signals:
             self._saving = was
 
 
-def evaluate(recipe, items, batch: int, seq_len: int, pad: int) -> tuple[float, int, dict]:
+def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
+             world: World = World()) -> tuple[float, int, dict]:
     """Mean loss over ``items``, weighted by what each batch counts (tokens; pairs for
-    the preference recipes), and the recipe's metrics (``last_metrics``) weighted alike."""
+    the preference recipes), and the recipe's metrics (``last_metrics``) weighted alike.
+    Batches are made by the recipe (packed when it packs); each rank of ``world``
+    evaluates its shard of every batch of ``batch`` rows."""
     total, count, sums = 0.0, 0, {}
     for b in recipe.make_batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
-        s, n = recipe.evaluate(b.tokens, b.positions, b.labels)
+        rows = [shard(a, world.rank, world.size, axis=0) for a in (b.tokens, b.positions, b.labels)]
+        if b.segments is not None:
+            rows.append(shard(b.segments, world.rank, world.size, axis=0))
+        s, n = recipe.evaluate(*rows)
         total, count = total + s, count + n
         for k, v in getattr(recipe, "last_metrics", {}).items():
             if k != "loss" and n:
                 sums[k] = sums.get(k, 0.0) + v * n
+    if world.size > 1:
+        total, count = map(float, world.sum([total, count]))
+        count = int(count)
     metrics = {k: v / count for k, v in sums.items()}
     return (total / count if count else float("nan")), count, metrics
 
@@ -103,11 +113,11 @@ class RunSupervisor(Hooks):
     """Events, evaluation, checkpoints and the divergence guard of one run."""
 
     def __init__(self, train_cfg, out: Path, recipe, log, progress, guard, signals, *, val, pad,
-                 eval_every: int, lora_meta: dict | None):
+                 eval_every: int, lora_meta: dict | None, world: World = World()):
         self.train_cfg, self.out, self.recipe = train_cfg, out, recipe
         self.log, self.progress = log, progress
         self.guard, self.signals, self.val, self.pad = guard, signals, val, pad
-        self.eval_every, self.lora_meta = eval_every, lora_meta
+        self.eval_every, self.lora_meta, self.world = eval_every, lora_meta, world
         self.stop_status: str | None = None
         self.saved_step: int | None = None
         self.last_save = time.monotonic()
@@ -122,16 +132,21 @@ class RunSupervisor(Hooks):
         t, train_cfg = trainer.state.step, self.train_cfg
         grad_norm = self.recipe.last_grad_norm()
         tokens = sum(b.tokens.size for b in micro)  # preference batches hold 2 rows a pair
+        real = int(sum(b.real_tokens for b in micro))   # not padding: what tok/s counts
         metrics = {k: v for k, v in getattr(self.recipe, "last_metrics", {}).items() if k != "loss"}
         self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
-                       tokens=tokens, targets=int(sum(b.n_targets for b in micro)),
+                       tokens=tokens, real_tokens=real,
+                       targets=int(sum(b.n_targets for b in micro)),
                        wall_ms=round(wall_s * 1000, 2), **metrics)
         self.guard.check_step(t, loss, grad_norm)
         self.losses.append(loss)
-        self.progress.update(t, loss, tokens / max(wall_s, 1e-9), metrics=metrics_text(metrics))
+        self.progress.update(t, loss, real / max(wall_s, 1e-9), metrics=metrics_text(metrics))
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
         due_time = (train_cfg.save_minutes
                     and time.monotonic() - self.last_save >= 60 * train_cfg.save_minutes)
+        # Every rank must check (save) and stop at the same steps: rank 0's clock decides
+        # when a checkpoint is due; a signal to any rank (even one during the save) stops all.
+        due_time = self.world.any([due_time and self.world.rank == 0])[0]
         due_step = train_cfg.save_every and t % train_cfg.save_every == 0
         if self.saved_step != t and (due_step or due_time):
             self.save(trainer, "periodic")
@@ -139,7 +154,7 @@ class RunSupervisor(Hooks):
             self.stop_status = "early_stopped"
             self.progress.message(f"early stopping: no validation gain in {train_cfg.patience} "
                                   "evals")
-        elif self.signals.count:
+        elif self.world.any([self.signals.count])[0]:
             self.stop_status = "interrupted"
         return self.stop_status is not None
 
@@ -150,7 +165,8 @@ class RunSupervisor(Hooks):
         if not self.val:
             return False
         st, train_cfg, t = trainer.state, self.train_cfg, trainer.state.step
-        vloss, n, metrics = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len, self.pad)
+        vloss, n, metrics = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len,
+                                     self.pad, self.world)
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best
@@ -182,6 +198,10 @@ class RunSupervisor(Hooks):
         if weights is None:
             weights, moments = self.recipe.trainable(), self.recipe.optimizer_state()
             self.guard.check_state(t, weights, moments)
+        if self.world.rank != 0:  # rank 0 alone writes; the others only kept the guard's pace
+            if kind != "best":
+                self.saved_step, self.last_save = t, time.monotonic()
+            return
         dest = self.out / ("best" if kind == "best" else f"checkpoints/{step_dir_name(t)}")
         earlier = list_checkpoints(self.out)
         intact = (f"earlier checkpoints are intact (newest: {earlier[-1][1]})" if earlier

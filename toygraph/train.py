@@ -18,6 +18,7 @@ options, data and model are the ones it was made with.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import platform
@@ -28,17 +29,18 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import find_resumable, load_checkpoint, restore_swapped, write_final
 from .config import ADAPTER_RECIPES, PREFERENCE_RECIPES, TrainConfig, check_against_model
-from .data import (data_hash, encode_dataset, load_examples, pad_id_for, split_train_val,
-                   steps_per_epoch, batches)
-from .errors import DataError
+from .data import data_hash, encode_dataset, load_examples, pad_id_for, split_train_val
+from .distributed import World, agreed_call, is_agreed, world
+from .errors import DataError, ToygraphError
 from .gguf import GGUFModel
 from .guard import DivergenceGuard, Diverged
 from .modelfile import write_modelfile
 from .preference import encode_pairs, load_pairs
 from .optim import Schedule
+from .packing import packing_efficiency
 from .plot import plot_losses
 from .resume import check_resume, model_fingerprint
-from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, RunError, open_run_dir
+from .runs import EVENTS_FILE, FINAL_ARTIFACTS, EventLog, NullLog, RunError, open_run_dir
 from .supervisor import Progress, RunSupervisor, Signals
 from .tokenizer import Tokenizer
 from .trainer import AdamW, LoopState, Trainer
@@ -100,9 +102,12 @@ class Prepared:
     allowed: list = field(default_factory=list)
 
 
-def _prepare(train_cfg: TrainConfig) -> Prepared:
+def _prepare(train_cfg: TrainConfig, ranks: int = 1) -> Prepared:
     """Validate options, model, data and the checkpoint to resume: all before any write."""
     train_cfg.validate()
+    if train_cfg.batch % ranks:
+        raise ToygraphError(f"--batch {train_cfg.batch} is the global batch and must divide "
+                            f"evenly over the {ranks} MPI ranks; use a multiple of {ranks}")
     model = GGUFModel(train_cfg.model)
     check_against_model(train_cfg, model.config)
     tok = Tokenizer.from_gguf(train_cfg.model)
@@ -112,7 +117,8 @@ def _prepare(train_cfg: TrainConfig) -> Prepared:
                         f"--seq-len {train_cfg.seq_len}")
     train, val = split_train_val(enc.items, train_cfg.val_split, train_cfg.seed)
     state = LoopState(data_hash=data_hash(train_cfg.data), options=train_cfg.options(),
-                      model_fingerprint=model_fingerprint(train_cfg.model))
+                      model_fingerprint=model_fingerprint(train_cfg.model),
+                      reference_hash=_reference_hash(train_cfg))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state)
     if train_cfg.resume:
         prep.resume_from, prep.skipped = find_resumable(Path(train_cfg.resume))
@@ -124,11 +130,26 @@ def _prepare(train_cfg: TrainConfig) -> Prepared:
     return prep
 
 
-def _realize(train_cfg: TrainConfig, prep: Prepared):
+def _reference_hash(train_cfg: TrainConfig) -> str | None:
+    """DPO with --adapter-init: a hash of that adapter, its reference model (None otherwise).
+    A missing file is left for the adapter loader to report."""
+    from .adapters import CONFIG_FILE, WEIGHTS_FILE
+    if train_cfg.recipe != "dpo" or not train_cfg.adapter_init:
+        return None
+    files = [Path(train_cfg.adapter_init) / name for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    if not all(f.is_file() for f in files):
+        return None
+    return hashlib.sha256("".join(data_hash(f) for f in files).encode()).hexdigest()
+
+
+def _realize(train_cfg: TrainConfig, prep: Prepared, ranks: int = 1):
     from toygraph.recipes import RecipeOptions
     recipe = make_recipe(train_cfg)
-    opts = RecipeOptions(**{name: getattr(train_cfg, name) for name in RecipeOptions.names()
-                            if hasattr(train_cfg, name)})  # the options both share, by one name
+    shared = {name: getattr(train_cfg, name) for name in RecipeOptions.names()
+              if hasattr(train_cfg, name)}  # the options both share, by one name
+    # --batch is the job's batch: with several ranks each realizes its share of it
+    opts = RecipeOptions(**{**shared, "batch": train_cfg.batch // ranks,
+                            "data_parallel": ranks > 1})
     recipe.realize(prep.model, prep.model.config, opts)
     if train_cfg.adapter_init:
         _load_adapter_init(train_cfg, recipe)
@@ -152,41 +173,60 @@ def _load_adapter_init(train_cfg: TrainConfig, recipe):
                               for s, v in (("a", a), ("b", b))})
 
 
-def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int, batches=batches):
-    """micro_batch(m) over epochs; the order of epoch e is a function of (seed, e)."""
-    n = steps_per_epoch(len(train), train_cfg.batch)
+def _epoch_batches(train_cfg: TrainConfig, train: list, pad: int, recipe):
+    """micro_batch(m) over epochs; the order (and packing) of epoch e is a function of
+    (seed, e), and so is the number of batches an epoch has."""
+    n = recipe.batches_per_epoch(train, train_cfg.batch, train_cfg.seq_len)
     cache: dict[int, list] = {}
 
     def micro_batch(m: int):
         epoch, idx = divmod(m, n)
         if epoch not in cache:
             cache.clear()
-            cache[epoch] = batches(train, train_cfg.batch, train_cfg.seq_len, pad, shuffle=True,
-                                   seed=train_cfg.seed, epoch=epoch)
+            cache[epoch] = recipe.make_batches(train, train_cfg.batch, train_cfg.seq_len, pad,
+                                               shuffle=True, seed=train_cfg.seed, epoch=epoch)
         return cache[epoch][idx]
     return micro_batch, n
 
 
 def run_training(train_cfg: TrainConfig) -> dict:
     """Fine-tune per ``train_cfg``; returns a summary dict (also the run_end event). A run that
-    fails with an error records ``run_end: failed`` and re-raises it."""
-    prep = _prepare(train_cfg)
-    out, lock = open_run_dir(train_cfg.out, resume=bool(train_cfg.resume),
-                             overwrite=train_cfg.overwrite)
+    fails with an error records ``run_end: failed`` and re-raises it.
+
+    Under ``mpirun -n N`` every rank calls this (data parallelism, see distributed.py):
+    rank 0 alone writes into ``out``; an error every rank meets is raised on each, and a
+    rank failing on its own aborts the job rather than leave the others waiting."""
+    w = world()
     try:
-        return _run_locked(train_cfg, prep, out)
-    finally:
-        lock.release()
+        prep = agreed_call(w, _prepare, train_cfg, w.size)
+        out, lock = agreed_call(w, _open_out, train_cfg, w.rank)
+        try:
+            return _run_locked(train_cfg, prep, out, w)
+        finally:
+            if lock is not None:
+                lock.release()
+    except BaseException as e:
+        if w.size > 1 and not is_agreed(e):
+            w.fail(f"failed: {_one_line(e)}")
+        raise
 
 
-def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
-    for name in FINAL_ARTIFACTS:
-        (out / name).unlink(missing_ok=True)  # present again only if this run completes
-    restore_swapped(out / "best")
+def _open_out(train_cfg: TrainConfig, rank: int):
+    if rank != 0:  # rank 0 alone writes the run directory
+        return Path(train_cfg.out), None
+    return open_run_dir(train_cfg.out, resume=bool(train_cfg.resume),
+                        overwrite=train_cfg.overwrite)
+
+
+def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path, w: World) -> dict:
+    if w.rank == 0:
+        for name in FINAL_ARTIFACTS:
+            (out / name).unlink(missing_ok=True)  # present again only if this run completes
+        restore_swapped(out / "best")
     t0 = time.perf_counter()
-    recipe = _realize(train_cfg, prep)
+    recipe = agreed_call(w, _realize, train_cfg, prep, w.size)
     realize_s = time.perf_counter() - t0
-    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad, recipe.make_batches)
+    micro_batch, n_batches = _epoch_batches(train_cfg, prep.train, prep.pad, recipe)
     total = train_cfg.steps or max(1, math.ceil((train_cfg.epochs or 1) * n_batches
                                                 / train_cfg.grad_accum))
     warmup = (train_cfg.warmup if train_cfg.schedule == "constant"
@@ -195,15 +235,23 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
                         warmup=warmup)
     adamw = AdamW(train_cfg.beta1, train_cfg.beta2, train_cfg.eps, train_cfg.weight_decay)
     trainer = Trainer(recipe, micro_batch, schedule, total, state=prep.state, adamw=adamw,
-                      resumed=prep.resume_from is not None, micro_per_epoch=n_batches)
-    log = EventLog(out / EVENTS_FILE)
-    _log_start(train_cfg, prep, log, recipe, total, realize_s)
-    progress = Progress(total, train_cfg.quiet)
+                      resumed=prep.resume_from is not None, micro_per_epoch=n_batches,
+                      rank=w.rank, ranks=w.size)
+    ranks = w.gather_info() if w.size > 1 else None
+    log = EventLog(out / EVENTS_FILE) if w.rank == 0 else NullLog()
+    packing = (None if train_cfg.recipe in PREFERENCE_RECIPES
+               else packing_efficiency(prep.train, train_cfg.batch, train_cfg.seq_len))
+    _log_start(train_cfg, prep, log, recipe, total, realize_s, packing, ranks)
+    progress = Progress(total, train_cfg.quiet or w.rank != 0)
+    rows = "rows" if train_cfg.pack else "sequences"
     intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
-             f"{total} steps of {recipe.batch_rows()[0] * train_cfg.grad_accum} sequences x "
+             f"{total} steps of {recipe.batch_rows()[0] * train_cfg.grad_accum} {rows} x "
              f"{train_cfg.seq_len} "
              f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"
              f"{' (activations recomputed per block)' if train_cfg.checkpoint_activations else ''}"]
+    if packing:
+        intro += [f"packing efficiency (real tokens / slots): {packing['unpacked']:.1%} unpacked, "
+                  f"{packing['packed']:.1%} packed{' (--pack)' if train_cfg.pack else ''}"]
     intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
     lora_meta = ({"rank": train_cfg.rank, "alpha": train_cfg.alpha,
                   "targets": list(train_cfg.targets),
@@ -212,7 +260,7 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
     guard = DivergenceGuard(prep.state, train_cfg.diverge_factor)
     with Signals() as signals:
         sup = RunSupervisor(train_cfg, out, recipe, log, progress, guard, signals, val=prep.val,
-                            pad=prep.pad, lora_meta=lora_meta,
+                            pad=prep.pad, lora_meta=lora_meta, world=w,
                             eval_every=(train_cfg.eval_every
                                         or max(1, n_batches // train_cfg.grad_accum)))
         error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro)
@@ -222,7 +270,7 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path) -> dict:
                "best_val_loss": trainer.state.best_val,
                "last_loss": sup.losses[-1] if sup.losses else None, "out": str(out)}
     _log_end(log, summary, error)
-    if status != "failed":
+    if status != "failed" and w.rank == 0:
         plot_losses(out)
     if status in ("interrupted", "diverged"):
         progress.message(f"run {status}: {reason}", always=True)
@@ -242,7 +290,8 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[str]):
                 sup.run_eval(trainer)  # the starting point: the curve shows what training changed
         trainer.run(sup)
         status = sup.stop_status or "completed"
-        return None, status, (f"stopped by {signals.name}" if status == "interrupted" else None)
+        signal_name = signals.name or "a signal to another MPI rank"
+        return None, status, (f"stopped by {signal_name}" if status == "interrupted" else None)
     except KeyboardInterrupt:
         return (None, "interrupted",
                 f"{signals.name or 'SIGINT'} twice: aborted during step {trainer.state.step + 1}, "
@@ -265,6 +314,8 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
                 reason += "; a further signal during the checkpoint write waited for it"
             return None, status, reason
         sup.save(trainer, "final")
+        if sup.world.rank != 0:
+            return None, status, reason
         write_final(out, recipe, lora_meta)
         if lora_meta is not None:
             write_modelfile(out, sup.train_cfg.model)  # Ollama: FROM base + ADAPTER ./adapter.gguf
@@ -279,7 +330,8 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: float):
+def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: float,
+               packing: dict | None, ranks=None):
     log.write("run_start", config=train_cfg.options(), data_hash=prep.state.data_hash,
               model_fingerprint=prep.state.model_fingerprint, versions=_versions(),
               model_config=asdict(prep.model.config), data_report=asdict(prep.enc.report),
@@ -289,7 +341,12 @@ def _log_start(train_cfg, prep: Prepared, log, recipe, total: int, realize_s: fl
               skipped_checkpoints=[{"path": str(p), "reason": r} for p, r in prep.skipped],
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
               planned_bytes=recipe.sess.plan.arena_bytes,
-              checkpoint_activations=recipe.opts.checkpoint_activations)
+              checkpoint_activations=recipe.opts.checkpoint_activations,
+              arena_bytes=recipe.sess.plan.arena_bytes,
+              **({"packing": {"pack": train_cfg.pack,
+                              "efficiency": packing["packed" if train_cfg.pack else "unpacked"],
+                              **packing}} if packing else {}),
+              **({"ranks": ranks} if ranks else {}))
 
 
 def _log_end(log, summary: dict, error):

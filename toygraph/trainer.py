@@ -28,6 +28,7 @@ class LoopState:
     best_val: float | None = None       # lowest validation loss so far
     bad_evals: int = 0                  # evaluations since the last improvement
     data_hash: str | None = None        # sha256 of the data file
+    reference_hash: str | None = None   # DPO: sha256 of the --adapter-init reference adapter
     options: dict = field(default_factory=dict)          # every option of the run
     model_fingerprint: dict | None = None                # resume.model_fingerprint
     status: str = "running"             # running, completed, early_stopped, interrupted, ...
@@ -63,6 +64,18 @@ class AdamW:
     weight_decay: float = 0.0
 
 
+def shard(rows: np.ndarray, rank: int, ranks: int, axis: int = 1) -> np.ndarray:
+    """Rank ``rank``'s contiguous share of ``rows`` along ``axis`` (the batch rows), which
+    must divide evenly; the whole array with one rank."""
+    if ranks == 1:
+        return rows
+    n = rows.shape[axis]
+    if n % ranks:
+        raise ValueError(f"{n} rows do not divide over {ranks} ranks")
+    per = n // ranks
+    return np.take(rows, range(rank * per, (rank + 1) * per), axis=axis)
+
+
 class Trainer:
     """Steps ``recipe`` from ``state.step`` to ``total``.
 
@@ -70,33 +83,41 @@ class Trainer:
     ``tokens``, ``positions``, ``labels`` ([batch, seq_len] each); step t uses micro-batches
     (t-1)*k .. t*k-1 for k = the recipe's ``grad_accum``. ``micro_per_epoch`` (when known)
     keeps ``state.epoch`` current. ``resumed`` says the recipe's weights and moments came
-    from a checkpoint, so the first step must not reset the moments.
+    from a checkpoint, so the first step must not reset the moments. With ``ranks`` > 1
+    (data parallelism) the micro-batches are the job's and this process steps on rows
+    ``rank * batch .. (rank + 1) * batch - 1`` of each: its shard (``shard``).
     """
 
     def __init__(self, recipe, micro_batch, schedule, total: int, *, adamw: AdamW = AdamW(),
                  state: LoopState | None = None, resumed: bool = False,
-                 micro_per_epoch: int | None = None):
+                 micro_per_epoch: int | None = None, rank: int = 0, ranks: int = 1):
         self.recipe, self.micro_batch, self.schedule = recipe, micro_batch, schedule
         self.total, self.adamw = total, adamw
         self.state = state or LoopState()
         self.resumed, self.micro_per_epoch = resumed, micro_per_epoch
         self.k = recipe.opts.grad_accum
+        self.rank, self.ranks = rank, ranks
         self.last_lr = None
 
     def inputs(self, t: int):
-        """(micro-batches, tokens, positions, labels) of step t; arrays [k, batch, seq_len]."""
+        """(micro-batches, tokens, positions, labels, segments) of step t; arrays
+        [k, batch, seq_len] (this rank's shard of the job's micro-batches, which the hooks get
+        whole), segments None unless the batches are packed."""
         micro = [self.micro_batch((t - 1) * self.k + j) for j in range(self.k)]
-        stack = [np.stack([getattr(b, f) for b in micro]) for f in ("tokens", "positions", "labels")]
-        return (micro, *stack)
+        fields = ("tokens", "positions", "labels") + (("segments",) if micro[0].segments is not None else ())
+        stack = [shard(np.stack([getattr(b, f) for b in micro]), self.rank, self.ranks)
+                 for f in fields]
+        return (micro, *stack, None) if len(stack) == 3 else (micro, *stack)
 
     def step(self) -> tuple[float, list]:
         """One optimizer step; returns (loss before the update, its micro-batches)."""
         t = self.state.step + 1
-        micro, tokens, positions, labels = self.inputs(t)
+        micro, tokens, positions, labels, segments = self.inputs(t)
         self.last_lr = lr = self.schedule(t)
         hp = hp_row(t, lr, self.adamw.beta1, self.adamw.beta2, self.adamw.eps,
                     self.adamw.weight_decay)
-        loss = self.recipe.step(tokens, positions, labels, hp, is_first=(t == 1 and not self.resumed))
+        loss = self.recipe.step(tokens, positions, labels, hp, is_first=(t == 1 and not self.resumed),
+                                segments=segments)
         self.state.step = t
         if self.micro_per_epoch:
             self.state.epoch = t * self.k // self.micro_per_epoch

@@ -1,11 +1,12 @@
-"""The numpy backend: buffers from the shared plan, one kernel call per scheduled node."""
+"""The numpy backend: buffers from the shared plan, one kernel call per scheduled node. The
+kernels are the ops' own (``ops.KERNELS``, each in its family module of toygraph/ops/)."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..errors import GraphError
 from ..memory import BufferPlan
-from .kernels import KERNELS
+from ..ops import KERNELS
 
 DTYPES = {"f32": np.float32, "f64": np.float64}
 

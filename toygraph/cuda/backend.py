@@ -9,7 +9,7 @@ buffers); ``read`` is the only host<->device synchronisation.
 >>> sess.realize(); sess.reset(); sess.upload(x, data); sess.run("step")   # doctest: +SKIP
 
 ``precision="bf16"`` (or ``"tf32"``) is mixed precision: every matmul runs on tensor cores
-(kernels/tc_matmul.cu) with its f32 operands rounded to bf16 (tf32) as they are staged in
+(ops/tc_matmul.cu) with its f32 operands rounded to bf16 (tf32) as they are staged in
 shared memory and block-format weights decoded straight to that type, accumulating in f32;
 all other ops, the f32 master weights and the Adam moments are unchanged. ``"f32"`` (the
 default) compiles and launches exactly the plain f32 kernels.
@@ -40,11 +40,13 @@ from .. import settings
 from ..errors import CudaError
 from ..memory import BufferPlan
 from ..ops import SIDE_EFFECTS
+from ..ops.gemm import dequant_launch
 from ..session import PRECISIONS  # "f32" plain kernels; TC_PRECISIONS on tensor cores
 from . import driver
 from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
-from .kernels import DEQUANT_KERNELS, TC_PRECISIONS, backend_source
-from .lowering import MAX_ELEMENTS, OP_KERNELS, THREADS, Launch, i32, lower, p
+from .kernels import TC_PRECISIONS, backend_source
+from .launch import MAX_ELEMENTS, Collective, Launch
+from .lowering import OP_KERNELS, lower
 
 logger = logging.getLogger(__name__)
 _FLOAT_STORAGE = ("f32", "f64")
@@ -55,10 +57,14 @@ def _sm(arch: str) -> int:
 
 
 def open_device(device=None):
-    """The context kernels run in: ``device`` (else ``$TOYGRAPH_CUDA_DEVICE``, else 0) is a
-    CUDA device ordinal, or ``"host"`` for the CPU executor."""
+    """The context kernels run in: ``device`` (else ``$TOYGRAPH_CUDA_DEVICE``, else the
+    rank's index on its node under an MPI launcher, else 0) is a CUDA device ordinal, or
+    ``"host"`` for the CPU executor."""
     if device is None:
         device = settings.get("TOYGRAPH_CUDA_DEVICE")
+        if not settings.given("TOYGRAPH_CUDA_DEVICE"):  # one GPU per rank of a node
+            from ..distributed import local_rank
+            device = local_rank()
     else:  # an explicit argument is checked like the variable
         device = settings.parse("TOYGRAPH_CUDA_DEVICE", str(device))
     if device == "host":
@@ -179,6 +185,8 @@ class CudaBackend:
         return dict(self.memory.report(), qmatmul=self.qmatmul)
 
     def _prepare(self, launch: Launch):
+        if isinstance(launch, Collective):  # not a kernel: the context enqueues it
+            return self.ctx.collective(launch)
         fn = self.module.function(launch.kernel)
         params = np.array([a.ctypes.data for a in launch.args], np.uint64)
         return fn, launch.grid, launch.block, launch.shmem, params, launch.args
@@ -204,16 +212,12 @@ class CudaBackend:
 
     def _dequantize(self, t, dptr: int):
         """Upload a const in its stored block format and decode it on the GPU into f32."""
-        kernel = DEQUANT_KERNELS.get(t.storage)
-        if kernel is None:
-            raise CudaError(f"const {t.name!r}: no CUDA dequantizer for storage {t.storage!r} "
-                            f"(supported: f32, {', '.join(DEQUANT_KERNELS)})")
+        dequant_launch(t.name, t.storage, dptr, 0, t.size)  # an unknown format fails first
         raw = self._block_bytes(t)
         tmp = self.ctx.alloc(raw.size)
         try:
             self.ctx.htod(tmp, raw)
-            launch = Launch(kernel, (max(1, min((t.size + THREADS - 1) // THREADS, 1 << 20)), 1, 1),
-                            [p(dptr), p(tmp), i32(t.size)])
+            launch = dequant_launch(t.name, t.storage, dptr, tmp, t.size)
             fn, grid, block, shmem, params, _keep = self._prepare(launch)
             self.ctx.launch(fn, grid, block, shmem, params)
             self.ctx.sync()  # the raw bytes may go: one quantized tensor on the GPU at a time
@@ -260,7 +264,11 @@ class CudaBackend:
     def _launch_all(self, nodes):
         launch = self.ctx.launch
         for t in nodes:
-            for fn, grid, block, shmem, params, _args in self._launches.get(t.id, ()):
+            for item in self._launches.get(t.id, ()):
+                if callable(item):  # a collective (all_reduce), enqueued on the same stream
+                    self.ctx.enqueue(item)
+                    continue
+                fn, grid, block, shmem, params, _args = item
                 launch(fn, grid, block, shmem, params)
 
     # --- data in and out --------------------------------------------------------------------

@@ -7,18 +7,18 @@ A test checks that every macro is emitted and that no kernel source defines one 
 """
 from __future__ import annotations
 
-# --- every kernel (kernels/common.cuh) --------------------------------------------------------
+# --- every kernel (include/common.cuh) --------------------------------------------------------
 MAXD = 8          # dims of a Strided walk (struct Strided in common.cuh)
 THREADS = 256     # threads per block of the elementwise, row-wise and reduction kernels
 
-# --- f32 and block-format matmuls (matmul.cu, qmatmul.cu) --------------------------------------
+# --- f32 and block-format matmuls (ops/matmul.cu, ops/qmatmul.cu) -----------------------------
 MM_BM = 64        # output tile rows
 MM_BN = 64        # output tile columns
 MM_BK = 16        # k slice staged in shared memory
 MM_THREADS = 256  # 16 x 16 threads, each 4 x 4 outputs of the 64 x 64 tile
 
-# --- tensor-core matmuls (tc_layout.cuh, tc_matmul.cu) ------------------------------------------
-TC_BM = 128       # output tile rows (== TC_BN: lower_matmul.TC_TILE)
+# --- tensor-core matmuls (ops/tc_layout.cuh, ops/tc_matmul.cu) --------------------------------
+TC_BM = 128       # output tile rows (== TC_BN: ops/gemm.py TC_TILE)
 TC_BN = 128
 TC_THREADS = 256  # 8 warps, 2 x 4
 TC_WM = 64        # one warp's sub-tile
@@ -30,7 +30,7 @@ TC_BF16_LD = 40
 TC_TF32_BK = 16   # tf32: 16-deep k slices, rows padded by 4 words
 TC_TF32_LD = 20
 
-# --- fused attention (attention.cu) -------------------------------------------------------------
+# --- fused attention (ops/flash_attention.cu) -------------------------------------------
 #: head_dim bound -> (BT, TPR): BT x BT query/key tiles, TPR threads per tile row. A head_dim
 #: runs on the smallest bound >= it; attention.cu instantiates each bound's kernels with
 #: ``TG_ATTN_BT_<HD>``, ``TG_ATTN_TPR_<HD>`` and ``__launch_bounds__(TG_ATTN_THREADS_<HD>)``.

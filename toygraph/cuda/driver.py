@@ -194,6 +194,17 @@ class Context:
              int(block[0]), int(block[1]), int(block[2]), int(shmem), self.stream,
              params.ctypes.data, 0)
 
+    def collective(self, c):
+        """The enqueue function of collective ``c`` (launch.Collective) through NCCL; the
+        communicator is made now, at realize, never during a capture."""
+        from .nccl import all_reduce, communicator
+        comm = communicator(c.ranks)
+        return lambda stream: all_reduce(comm, c.buffers, stream)
+
+    def enqueue(self, fn) -> None:
+        """Run ``fn(stream)``, which puts work (an NCCL call) on the stream."""
+        fn(ptr(self.stream))
+
     def capture(self, record_launches) -> "Graph":
         """Capture what ``record_launches()`` puts on the stream into an executable graph."""
         cu = bindings()

@@ -83,7 +83,10 @@ class HostGraph:
 
     def launch(self) -> None:
         for args in self.launches:
-            self.ctx.launch(*args)
+            if callable(args):  # a collective (HostContext.enqueue)
+                args(None)
+            else:
+                self.ctx.launch(*args)
 
     def destroy(self) -> None:
         self.launches = []
@@ -171,6 +174,20 @@ class HostContext:
             self._capture.append((fn, grid, block, shmem, params))
             return
         self._module.launch(fn, grid, block, shmem, params)
+
+    def collective(self, c):
+        """Collective ``c`` (launch.Collective) over host memory, through MPI."""
+        from ..distributed import world_of
+        w = world_of(c.ranks)
+        views = [np.ctypeslib.as_array((ctypes.c_float * n).from_address(addr))
+                 for addr, n in c.buffers]
+        return lambda stream: w.sum_arrays(views, c.what)
+
+    def enqueue(self, fn) -> None:
+        if self._capture is not None:
+            self._capture.append(fn)
+            return
+        fn(None)
 
     def capture(self, record_launches) -> HostGraph:
         """The launches ``record_launches()`` makes, recorded instead of run."""

@@ -1,17 +1,17 @@
 """The CUDA C++ sources of every toygraph kernel, assembled into one module.
 
-The kernels live in ``kernels/*.cu`` by family (elementwise, row-wise, matmul, loss, fused
-head + loss, optimizer, dequantization, quantized matmul, fused attention, KV cache) with
-shared helpers in ``kernels/common.cuh`` and the block-format decoders in
-``kernels/quant.cuh``.
-Numbers the host and the kernels share are emitted ahead of them as ``#define``s: the tile
-sizes and thread counts of constants.py (:func:`constants.constant_defines`) and the block
-layouts of quant.LAYOUT (:func:`layout_defines`). Which op launches which kernels is each
-op's entry in the lowering registry (registry.py). The kernels need no CUDA toolkit header,
-so NVRTC compiles them with nothing but its own wheel. The backend compiles
-:func:`module_source` once (cached on disk by nvrtc.py) and looks kernels up by name; a
-backend with dtype "bf16"/"tf32" compiles :func:`backend_source`, which adds the
-tensor-core matmuls of ``kernels/tc_layout.cuh`` + ``kernels/tc_matmul.cu`` (TC_KERNELS).
+Each op family's kernels sit beside its Python module in ``toygraph/ops/<family>.cu``
+(the matmul family has several: matmul.cu, qmatmul.cu, dequant.cu and the tensor-core
+tc_layout.cuh + tc_matmul.cu); the helpers every kernel shares are the headers of
+``toygraph/cuda/include/`` (common.cuh; quant.cuh, the block-format decoders). Numbers the
+host and the kernels share are emitted ahead of them as ``#define``s: the tile sizes and
+thread counts of constants.py (:func:`constants.constant_defines`) and the block layouts of
+quant.LAYOUT (:func:`layout_defines`). Which op launches which kernels is each op's entry
+in the lowering registry (registry.py), declared in its family module. The kernels need no
+CUDA toolkit header, so NVRTC compiles them with nothing but its own wheel. The backend
+compiles :func:`module_source` once (cached on disk by nvrtc.py) and looks kernels up by
+name; a backend with dtype "bf16"/"tf32" compiles :func:`backend_source`, which adds the
+tensor-core matmuls (TC_FAMILIES, TC_KERNELS).
 
 >>> from toygraph.cuda.kernels import KERNEL_NAMES, module_source
 >>> "tg_matmul" in KERNEL_NAMES and "tg_deq_q6_k" in KERNEL_NAMES
@@ -26,11 +26,15 @@ from pathlib import Path
 # ATTN_HEAD_DIMS: the attention kernels' head_dim bounds, importable from here as before.
 from .constants import ATTN_HEAD_DIMS, constant_defines  # noqa: F401
 
-KERNEL_DIR = Path(__file__).with_name("kernels")
+#: The shared headers, and the folder of the op families' sources (toygraph/ops/).
+INCLUDE_DIR = Path(__file__).with_name("include")
+OPS_DIR = Path(__file__).parent.parent / "ops"
 HEADERS = ("common.cuh", "quant.cuh")
-# qmatmul.cu reuses matmul.cu's tile helper (tg_mm_tile_fma): keep it after matmul.cu.
-FAMILIES = ("elementwise.cu", "rows.cu", "matmul.cu", "loss.cu", "lce.cu", "optim.cu",
-            "dequant.cu", "qmatmul.cu", "attention.cu", "pref.cu", "cache.cu")
+#: The op families' kernel files, in toygraph/ops/. qmatmul.cu reuses matmul.cu's tile
+#: helper (tg_mm_tile_fma): keep it after matmul.cu.
+FAMILIES = ("shape.cu", "elementwise.cu", "norm.cu", "rotary.cu", "matmul.cu",
+            "qmatmul.cu", "dequant.cu", "rows.cu", "loss.cu", "optim.cu", "flash_attention.cu",
+            "preference.cu", "cache.cu")
 #: The tensor-core matmuls of the mixed-precision modes, compiled only for a backend with
 #: dtype "bf16" or "tf32" so the default f32 module (and its cubin) stays as it is.
 TC_FAMILIES = ("tc_layout.cuh", "tc_matmul.cu")
@@ -61,8 +65,18 @@ TC_KERNELS: dict[str, dict] = {
 }
 
 
+def source_path(name: str) -> Path:
+    """Where kernel source ``name`` lives: a shared header in include/, else toygraph/ops/."""
+    return (INCLUDE_DIR if name in HEADERS else OPS_DIR) / name
+
+
+def source_files() -> list[Path]:
+    """Every kernel source file: the headers, the families and the tensor-core files."""
+    return [source_path(name) for name in HEADERS + FAMILIES + TC_FAMILIES]
+
+
 def read_source(name: str) -> str:
-    return (KERNEL_DIR / name).read_text()
+    return source_path(name).read_text()
 
 
 def layout_defines() -> str:

@@ -24,6 +24,16 @@ class Launch:
     shmem: int = 0
 
 
+@dataclass(frozen=True)
+class Collective:
+    """A step of a node's launch sequence that is no kernel: an in-place sum over ``ranks``
+    ranks of f32 device buffers ``(address, count)``, which the context enqueues on the
+    stream (NCCL on a GPU, MPI on the host device; ops/collective.py's all_reduce)."""
+    buffers: tuple[tuple[int, int], ...]
+    ranks: int
+    what: str = "the all-reduce of the step's gradients"
+
+
 # --- argument packing ----------------------------------------------------------------------
 def p(addr: int) -> np.ndarray:
     return np.array([addr], np.uint64)
@@ -92,3 +102,9 @@ def _rows_grid(rows: int) -> tuple[int, int, int]:
 
 def _pad(shape, n):
     return (1,) * (n - len(shape)) + tuple(shape)
+
+
+def _last_axis_rows(node) -> tuple[int, int]:
+    """(rows, row length) of a row-wise op over the last axis."""
+    D = node.shape[-1] if node.shape else 1
+    return node.size // D, D

@@ -1,48 +1,27 @@
-"""Lowering: one graph node -> the kernel launches that compute it.
+"""Lowering: one graph node -> the kernel launches that compute it, looked up in the
+lowering registry (registry.py) that the op family modules of ``toygraph.ops`` fill with
+``@lowers`` entries. This module knows no op: it checks and dispatches.
 
-Everything shape-dependent is worked out here on the host, once, at realize: strides for
+Everything shape-dependent is worked out on the host, once, at realize: strides for
 broadcasting, permutes, grouped-query sharing and reductions are packed into the
-``Strided`` struct of kernels/common.cuh, and every scalar is a fixed-width numpy value
+``Strided`` struct of include/common.cuh, and every scalar is a fixed-width numpy value
 (np.int32 / np.float32 / np.float64, pointers np.uint64), never a Python int or float.
 
 >>> launches = lower(node, ptr_of, scratch_ptr)     # doctest: +SKIP
 >>> [l.kernel for l in launches]                    # doctest: +SKIP
 ['tg_ce_rows', 'tg_ce_reduce']
 
-What each op does on CUDA is its entry in the registry (registry.py), declared beside its
-launch builder in the family module that imports below: lower_elementwise (pointwise),
-lower_layout (copies, gathers, reductions), lower_rows (norms, rope, softmax, row
-gathers), lower_matmul, lower_loss, lower_fused (attention, head + loss), lower_pref
-(the preference-loss ops of ops_pref.py), lower_optim and lower_cache (generation's KV
-cache).
-:data:`OP_KERNELS`, :func:`scratch_bytes` and :func:`reads_block_format` are read off it.
-
 Consts whose ids are in ``raw_consts`` live on the device in their GGUF block format; their
-consumers must be ones :func:`reads_block_format` accepts (a 2-D weight as a matmul's b
-with trans_a=False, or a get_rows table), which lower to the fused kernels of qmatmul.cu.
+consumers must be ones :func:`reads_block_format` accepts (each op's ``block_format`` rule:
+a 2-D weight as a matmul's b with trans_a=False, the fused head's weight, a get_rows table).
 """
 from __future__ import annotations
 
+from .. import ops  # noqa: F401 (importing the op families fills the registry)
 from ..errors import CudaError
-from .constants import ATTN_TILES
 from .kernels import DEQUANT_KERNELS
-# The family modules register their ops on import; their helpers the backend, devmem and
-# the tests use are re-exported from here.
-from . import (lower_cache, lower_elementwise, lower_fused, lower_layout,  # noqa: F401
-               lower_loss, lower_matmul, lower_optim, lower_pref, lower_rows)
-from .launch import (MAX_ELEMENTS, MAX_GRID, MAX_GRID_YZ, MAXD, THREADS, Launch, collapse,
-                     contiguous_strides, f32, f64, i32, p, strided)
-from .lower_elementwise import broadcast_strides
-from .lower_fused import attention_config, lce_chunk_rows
-from .lower_layout import expand_walk, sum_to_walk
-from .lower_matmul import TC_TILE, matmul_batch, row_bytes
+from .launch import Launch
 from .registry import REGISTRY, At, cuda_op
-
-__all__ = ["lower", "scratch_bytes", "reads_block_format", "OP_KERNELS", "BLOCK_STORAGE",
-           "broadcast_strides", "expand_walk", "sum_to_walk", "MAX_ELEMENTS", "MAX_GRID",
-           "MAX_GRID_YZ", "MAXD", "THREADS", "Launch", "collapse", "contiguous_strides",
-           "strided", "p", "i32", "f32", "f64", "ATTN_TILES", "attention_config",
-           "lce_chunk_rows", "TC_TILE", "matmul_batch", "row_bytes"]
 
 #: The kernels each op launches (f32, dense operands; a block-format weight reads through
 #: QUANT_KERNELS, bf16/tf32 matmuls through TC_KERNELS). Tests check it covers ops.OPS and

@@ -4,12 +4,13 @@ An entry holds everything the CUDA backend knows about an op: the function that 
 node into kernel launches, the kernels it launches (written out literally, so searching
 for a kernel's name finds its lowering), the device scratch it needs besides its output,
 and which of its operands may stay in their GGUF block format. Entries are declared next
-to their launch builders with :func:`lowers`, grouped by op family in the ``lower_*.py``
-modules; lowering.py imports them all and looks ops up here.
+to their launch builders with :func:`lowers`, in the op family modules of
+``toygraph.ops`` (beside each op's rules and numpy kernel); importing ``toygraph.ops``
+fills the registry, and lowering.py looks ops up here.
 
->>> @lowers("silu", kernels=("tg_silu",))                    # doctest: +SKIP
-... def _silu(node, at):
-...     return [Launch("tg_silu", _blocks(node.size), [p(at.out), p(at.ptr(node.srcs[0])), ...])]
+>>> @lowers("scale", kernels=("tg_scale",))                  # doctest: +SKIP
+... def _scale(node, at):
+...     return [Launch("tg_scale", _blocks(node.size), [p(at.out), p(at.ptr(node.srcs[0])), ...])]
 """
 from __future__ import annotations
 

@@ -76,6 +76,7 @@ class Decoder:
     lora: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # GGUF weight -> (A, B)
     hidden: Tensor | None = None                     # final-normed states [batch * seq_len, n_embd]
     head: Tensor | None = None                       # output weight [vocab, n_embd] (maybe tied)
+    segments: Tensor | None = None                   # packed rows: segment ids [batch, seq] i32
 
     @property
     def params(self) -> list[Tensor]:
@@ -132,7 +133,7 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
                   lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
-                  logits: bool = True, reference_of: Decoder | None = None, attend=None,
+                  logits: bool = True, packed: bool = False, reference_of: Decoder | None = None, attend=None,
                   shared: Decoder | None = None, prefix: str = "") -> Decoder:
     """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens;
     ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
@@ -145,7 +146,10 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms and rope;
     returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
     and LoRA pairs (a second graph over the same parameters), and ``prefix`` names this
-    one's ``tokens``/``positions`` inputs apart from its."""
+    one's ``tokens``/``positions`` inputs apart from its.
+
+    ``packed`` adds the input ``net.segments`` [batch, seq_len] (sample packing): attention
+    then stays inside each segment (toygraph.packing)."""
     if seq_len > cfg.n_ctx:
         raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq_len < 1:
@@ -156,10 +160,16 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
                              f"{reference_of.tokens.shape}, got {(batch, seq_len)}")
         W, tokens, positions = reference_of.weights, reference_of.tokens, reference_of.positions
     else:
+        if weights != "scratch" and model is None and shared is None:
+            raise GraphError(f"weight mode {weights!r} needs a GGUF model")
         W = shared.weights if shared else _make_weights(g, cfg, model, weights, seed)
         tokens = g.input(prefix + "tokens", (batch, seq_len), "i32")
         positions = g.input(prefix + "positions", (batch, seq_len), "i32")
     net = Decoder(cfg=cfg, tokens=tokens, positions=positions, logits=None, weights=W)
+    if reference_of is not None:
+        net.segments = reference_of.segments
+    elif packed:
+        net.segments = g.input(prefix + "segments", (batch, seq_len), "i32")
     lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
@@ -184,7 +194,8 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
     attend = attend or (lambda i, q, k, v: ops.attention(q, k, v, scale=cfg.attn_scale,
-                                                         causal=True, window=cfg.windows[i]))
+                                                         causal=True, window=cfg.windows[i],
+                                                         segments=net.segments))
     for i in range(cfg.n_layer):
         # One region per block: the unit activation checkpointing recomputes (recompute.py).
         with g.region(f"blk.{i}", h) as block:

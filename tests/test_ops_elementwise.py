@@ -1,0 +1,91 @@
+"""The elementwise ops (ops/elementwise.py: add, sub, mul, scale, silu, gelu, and the
+swiglu/geglu/mean composites): f64 finite-difference gradients, GELU against torch's tanh
+approximation, and their CUDA launches replayed in numpy against the numpy kernels."""
+import numpy as np
+import pytest
+
+from cudaemu import check_lowering, const_node
+from gradcheck import TOL, check_gradients, forward_f64, gradcheck_unary, rnd, weighted_sum
+from toygraph import ops
+from toygraph.cuda import lowering
+from toygraph.cuda.kernels import KERNEL_NAMES
+from toygraph.cuda.lowering import OP_KERNELS
+from toygraph.graph import Graph
+
+
+@pytest.mark.parametrize("name,build,shape", [
+    ("scale", lambda x: ops.scale(x, -1.7), (3, 4)),
+    ("silu", ops.silu, (3, 5)),
+    ("mean_axis", lambda x: ops.mean(x, -1), (3, 4)),
+])
+def test_unary_gradients(name, build, shape):
+    assert gradcheck_unary(build, shape) <= TOL
+
+
+@pytest.mark.parametrize("op,sa,sb", [
+    (ops.add, (3, 4), (3, 4)), (ops.add, (2, 3, 4), (4,)),
+    (ops.sub, (3, 4), (1, 4)), (ops.mul, (3, 4), (3, 4)), (ops.mul, (2, 3, 4), (3, 1)),
+])
+def test_binary_gradients(op, sa, sb):
+    rng = np.random.default_rng(1)
+    g = Graph()
+    a, b = g.param("a", rnd(rng, *sa)), g.param("b", rnd(rng, *sb))
+    assert check_gradients(g, weighted_sum(op(a, b), rng), [a, b], {}) <= TOL
+
+
+def test_swiglu_gradient():
+    rng = np.random.default_rng(2)
+    g = Graph()
+    a, b = g.param("gate", rnd(rng, 4, 6)), g.param("up", rnd(rng, 4, 6))
+    assert check_gradients(g, weighted_sum(ops.swiglu(a, b), rng), [a, b], {}) <= TOL
+
+
+# --- GELU (tanh approximation) --------------------------------------------------------------
+def test_gelu_gradient():
+    rng = np.random.default_rng(20)
+    g = Graph()
+    x = g.param("x", rnd(rng, 3, 7, s=2.0))
+    assert check_gradients(g, weighted_sum(x.gelu(), rng), [x], {}) <= TOL
+
+
+def test_geglu_gradient():
+    rng = np.random.default_rng(21)
+    g = Graph()
+    a, b = g.param("gate", rnd(rng, 4, 6, s=2.0)), g.param("up", rnd(rng, 4, 6))
+    assert check_gradients(g, weighted_sum(ops.geglu(a, b), rng), [a, b], {}) <= TOL
+
+
+def test_gelu_matches_torch_tanh_approximation():
+    torch = pytest.importorskip("torch")
+    xv = np.concatenate([np.linspace(-12, 12, 241), [-100.0, 100.0, 0.0]])
+    g = Graph()
+    y = g.output(ops.gelu(g.const("x", xv)))
+    want = torch.nn.functional.gelu(torch.tensor(xv), approximate="tanh").numpy()
+    np.testing.assert_allclose(forward_f64(g).download(y), want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("build,shapes", [
+    (ops.add, [(2, 3, 4), (4,)]), (ops.sub, [(3, 4), (1, 4)]), (ops.mul, [(2, 3, 4), (3, 1)]),
+    (ops.add, [(2, 1, 4), (3, 1)]), (ops.mul, [(5, 7), (5, 7)]),
+])
+def test_lowering_walks_match_numpy(build, shapes):
+    node, vals = const_node(build, *shapes)
+    check_lowering(node, vals)
+
+
+# --- GELU and the per-head q/k norm ---------------------------------------------------------------
+def test_gelu_launches():
+    g = Graph()
+    x, dy = g.const("x", np.zeros((3, 70))), g.const("dy", np.zeros((3, 70)))
+    for node, kernel, n_ptr in ((ops.gelu(x), "tg_gelu", 2), (ops.gelu_back(x, dy),
+                                                               "tg_gelu_back", 3)):
+        (launch,) = lowering.lower(node, lambda t: (t.id + 1) << 20)
+        assert launch.kernel == kernel and kernel in KERNEL_NAMES
+        assert kernel in OP_KERNELS[node.op]
+        assert [v.dtype for v in launch.args] == [np.uint64] * n_ptr + [np.int32]
+        assert int(launch.args[-1][0]) == 210 and launch.grid[0] * launch.block[0] >= 210
+
+
+@pytest.mark.parametrize("shapes", [[(2, 3, 4, 5), (5,)], [(2, 3, 4, 5), (1, 1, 4, 1)]])
+def test_four_d_broadcast_mul_lowering_matches_numpy(shapes):
+    check_lowering(*const_node(ops.mul, *shapes))

@@ -1,0 +1,152 @@
+"""The fused attention op (ops/flash_attention.py), numpy side: f64 finite-difference
+gradients (grouped-query, causal, sliding window; the numpy kernels in one query block
+and in blocks of 2 rows), equality with the unfused softmax composition and with an
+explicitly masked softmax, the packed backward read through unpack, and shape errors."""
+import numpy as np
+import pytest
+
+from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
+from toygraph import ops
+from toygraph.errors import GraphError
+from toygraph.graph import Graph
+from toygraph.session import Session
+
+
+# --- fused attention -------------------------------------------------------------------------
+ATTN_CASES = [  # (B, H, KV, T, hd, causal)
+    (2, 4, 4, 5, 3, True), (2, 4, 4, 5, 3, False),       # one K/V head per query head
+    (2, 6, 2, 5, 4, True), (1, 6, 2, 6, 4, False),       # grouped-query: 3 query heads per kv
+    (1, 3, 1, 7, 2, True),                               # multi-query
+]
+
+
+@pytest.fixture(params=[256, 2], ids=["one_block", "query_blocks_of_2"])
+def attn_rows(request, monkeypatch):
+    """The numpy kernels' query-block size: the default, and 2 rows so that T splits into
+    several blocks (and a ragged last one) even in these small tests."""
+    from toygraph.ops import flash_attention
+    monkeypatch.setattr(flash_attention, "ATTN_ROWS", request.param)
+    return request.param
+
+
+def _attn_inputs(rng, B, H, KV, T, hd):
+    return rnd(rng, B, H, T, hd), rnd(rng, B, KV, T, hd), rnd(rng, B, KV, T, hd)
+
+
+# Sliding-window causal attention (Gemma 3): query i sees key j iff j <= i and i - j < window.
+WINDOW_CASES = [  # (B, H, KV, T, hd, window)
+    (2, 4, 4, 5, 3, 2), (2, 6, 2, 7, 4, 3),              # grouped-query, ragged blocks
+    (1, 3, 1, 7, 2, 1),                                  # window 1: each query sees itself
+    (1, 4, 2, 6, 3, 6), (1, 4, 2, 5, 3, 9),              # window >= T: plain causal
+]
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal,window",
+                         [c + (0,) for c in ATTN_CASES] +
+                         [c[:5] + (True, c[5]) for c in WINDOW_CASES])
+def test_attention_gradients(B, H, KV, T, hd, causal, window, attn_rows):
+    rng = np.random.default_rng(11)
+    g = Graph()
+    q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, B, H, KV, T, hd)))
+    y = ops.attention(q, k, v, scale=hd ** -0.5, causal=causal, window=window)
+    # With window 1 the output is v itself: q and k get exactly no gradient, and a relative
+    # error against an all-zero finite difference means nothing (the comparison with the
+    # explicitly masked softmax below checks dq = dk = 0 there).
+    params = [v] if window == 1 else [q, k, v]
+    assert check_gradients(g, weighted_sum(y, rng), params, {}) <= TOL
+
+
+def assert_attention_matches(vals, fused, unfused, seed=12):
+    """Forward value and all three gradients of ``fused(q, k, v)`` against
+    ``unfused(q, k, v)`` in f64, to 1e-12 of the largest reference value (or of 1, where
+    a gradient is exactly zero)."""
+    from toygraph.autodiff import accumulate_grads, backward
+    r = np.random.default_rng(seed).normal(size=vals[0].shape)
+    results = []
+    for build in (fused, unfused):
+        g = Graph()
+        q, k, v = (g.param(n, x) for n, x in zip("qkv", vals))
+        y = g.output(build(q, k, v))
+        loss = g.output(ops.sum(ops.mul(y, g.const("r", r))))
+        accumulate_grads(backward(loss, [q, k, v]))
+        s = Session(g, dtype="f64"); s.realize(); s.reset(); s.run("backward")
+        results.append([s.download(y)] + [s.download(g.find(f"grad.{n}")) for n in "qkv"])
+    for what, a, b in zip(["output", "dq", "dk", "dv"], *results):
+        assert np.abs(a - b).max() <= 1e-12 * max(np.abs(b).max(), 1.0), what
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal", ATTN_CASES + [(2, 6, 3, 40, 8, True)])
+def test_attention_equals_the_unfused_composition(B, H, KV, T, hd, causal, attn_rows):
+    """Forward value and all three gradients against matmul -> softmax -> matmul (f64)."""
+    def unfused(q, k, v):
+        return ops.matmul(ops.matmul(q, k, trans_b=True).softmax(scale=0.3, causal=causal), v)
+    assert_attention_matches(_attn_inputs(np.random.default_rng(12), B, H, KV, T, hd),
+                             lambda q, k, v: ops.attention(q, k, v, scale=0.3, causal=causal),
+                             unfused)
+
+
+def test_attention_backward_is_one_node_read_through_three_unpacks():
+    from toygraph.autodiff import backward
+    rng = np.random.default_rng(13)
+    g = Graph()
+    q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, 2, 6, 2, 5, 4)))
+    y = ops.attention(q, k, v, scale=0.5)
+    grads = backward(ops.sum(y), [q, k, v])
+    assert [t.op for t in grads.values()] == ["unpack"] * 3
+    back = {t.srcs[0] for t in grads.values()}
+    assert len(back) == 1 and next(iter(back)).op == "attention_back"
+    assert [t.attrs["offset"] for t in grads.values()] == [0, q.size, q.size + k.size]
+    assert next(iter(back)).shape == (q.size + k.size + v.size,)
+
+
+def test_attention_shape_errors():
+    g = Graph()
+    q, k = g.input("q", (2, 6, 5, 4)), g.input("k", (2, 4, 5, 4))
+    with pytest.raises(GraphError, match="attention.*multiple of kv heads"):
+        ops.attention(q, k, k, scale=1.0)
+    k2 = g.input("k2", (2, 2, 5, 4))
+    with pytest.raises(GraphError, match="must share a shape"):
+        ops.attention(q, k2, g.input("v3", (2, 2, 5, 3)), scale=1.0)
+    with pytest.raises(GraphError, match="batch, sequence and head_dim"):
+        ops.attention(q, g.input("k4", (2, 2, 6, 4)), g.input("v4", (2, 2, 6, 4)), scale=1.0)
+    with pytest.raises(GraphError, match="attention"):
+        ops.attention(g.input("q3", (6, 5, 4)), k2, k2, scale=1.0)
+
+
+# --- sliding-window attention -----------------------------------------------------------------
+def _window_mask(T, window):
+    """The additive mask: 0 where query i sees key j (j <= i, i - j < window), else -inf."""
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    return np.where((j <= i) & (i - j < window), 0.0, -np.inf)
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,window", WINDOW_CASES + [(2, 6, 3, 40, 8, 7)])
+def test_windowed_attention_equals_an_explicitly_masked_softmax(B, H, KV, T, hd, window,
+                                                                attn_rows):
+    """Forward value and all three gradients against matmul -> + mask -> softmax -> matmul
+    (f64); at window 1, dq = dk = 0."""
+    def unfused(q, k, v):
+        scores = ops.matmul(q, k, trans_b=True) + q.graph.const("mask", _window_mask(T, window))
+        return ops.matmul(scores.softmax(scale=0.3), v)
+    assert_attention_matches(_attn_inputs(np.random.default_rng(26), B, H, KV, T, hd),
+                             lambda q, k, v: ops.attention(q, k, v, scale=0.3, window=window),
+                             unfused, seed=26)
+
+
+def test_window_at_least_t_is_plain_causal_bit_for_bit(attn_rows):
+    rng = np.random.default_rng(27)
+    g = Graph()
+    q, k, v = (g.const(n, x) for n, x in zip("qkv", _attn_inputs(rng, 2, 6, 2, 9, 4)))
+    outs = [g.output(ops.attention(q, k, v, scale=0.4, window=w)) for w in (0, 9, 50)]
+    s = forward_f64(g)
+    np.testing.assert_array_equal(s.download(outs[0]), s.download(outs[1]))
+    np.testing.assert_array_equal(s.download(outs[0]), s.download(outs[2]))
+
+
+def test_window_errors():
+    g = Graph()
+    q = g.input("q", (1, 2, 5, 4))
+    with pytest.raises(GraphError, match="attention.*sliding window needs causal=True"):
+        ops.attention(q, q, q, scale=1.0, causal=False, window=3)
+    with pytest.raises(GraphError, match="attention.*window must be >= 0"):
+        ops.attention(q, q, q, scale=1.0, window=-1)

@@ -1,0 +1,252 @@
+"""The fused output head + cross-entropy on CUDA (ops/loss.py, loss.cu and the matmul
+kernels it runs per chunk): the launch sequence over row chunks replayed in numpy against
+the numpy kernels (every reduction, ignored labels, chunk sizes, which gradients), a
+block-format head read through the fused kernels, tensor-core matmuls in mixed precision,
+the chunk size rule, and the compiled kernels' register use."""
+import numpy as np
+import pytest
+
+from cudaemu import needs_nvrtc, qmm_format, resolve
+from toygraph import ops, quant
+from toygraph.cuda import lowering
+from toygraph.cuda.kernels import (KERNEL_NAMES, QUANT_KERNELS, TC_KERNELS, TC_PRECISIONS,
+                                   module_source)
+from toygraph.cuda.lowering import OP_KERNELS
+from toygraph.errors import CudaError
+from toygraph.graph import Graph
+from toygraph.ops import KERNELS as CPU_KERNELS
+from toygraph.ops import loss as loss_ops
+
+
+# --- fused output head + cross-entropy: launch sequence over row chunks, replayed in numpy ------
+# One function (61 lines): one branch per kernel the lowering launches, as loss.cu has them.
+def _lce_emulate(launch, mem):
+    """Replay one launch of the linear_cross_entropy lowering with the kernel's semantics
+    (f64), on buffers found by address (pointers into the middle of a buffer included)."""
+    k, a = launch.kernel, launch.args
+    sc = [x[0] if x.size == 1 else x for x in a]
+
+    def view(addr, n, dtype=np.float64):
+        arr, off = resolve(mem, int(addr))
+        assert off + n <= arr.size, f"{k}: reads past the buffer"
+        return arr[off:off + n]
+
+    if k in ("tg_matmul", "tg_matmul_acc"):
+        M, N, K, sam, sak, sbk, sbn, nbatch = (int(v) for v in sc[3:11])
+        assert nbatch == 1 and int(a[11][0]) == 0 and launch.grid == (-(-N // 64), -(-M // 64), 1)
+        A, _ = resolve(mem, int(sc[1]))
+        B, _ = resolve(mem, int(sc[2]))
+        oa, ob = resolve(mem, int(sc[1]))[1], resolve(mem, int(sc[2]))[1]
+        m, kk, n = np.arange(M)[:, None], np.arange(K)[None, :], np.arange(N)[None, :]
+        prod_ = A[oa + m * sam + kk * sak] @ B[ob + kk.T * sbk + n * sbn]
+        out = view(sc[0], M * N)
+        out[:] = (out if k == "tg_matmul_acc" else 0) + prod_.ravel()
+    elif k in {n for names in QUANT_KERNELS.values() for n in (names["nt"], names["nn"])}:
+        fmt, kind = qmm_format(k)
+        out, x, w, M, N, K, rb = (int(v) for v in sc)
+        raw, off = resolve(mem, w)
+        assert off == 0
+        elems, size = quant.BLOCK[fmt]
+        cols = rb // size * elems
+        W = quant.dequantize(raw, fmt, (raw.size // rb, cols)).astype(np.float64)
+        B = W.T if kind == "nt" else W
+        assert B.shape == (K, N)
+        view(out, M * N)[:] = (view(x, M * K).reshape(M, K) @ B).ravel()
+    elif k == "tg_ce_rows":
+        rowloss, logits, labels, N, V = (int(v) for v in sc)
+        z = view(logits, N * V).reshape(N, V)
+        lab = view(labels, N).astype(np.int64)
+        lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+        view(rowloss, N)[:] = np.where(lab >= 0, lse - z[np.arange(N), np.maximum(lab, 0)], 0.0)
+    elif k == "tg_ce_reduce":
+        out, rowloss, labels, N, mean = (int(v) for v in sc)
+        total, n = view(rowloss, N).sum(), int((view(labels, N) >= 0).sum())
+        view(out, 1)[:] = total if not mean else (total / n if n else 0.0)
+    elif k == "tg_lce_grad_scale":
+        gs, labels, N, g, mean = (int(v) for v in sc)
+        n, gv = int((view(labels, N) >= 0).sum()), view(g, 1)[0]
+        view(gs, 1)[:] = gv if not mean else (gv / n if n else 0.0)
+    elif k == "tg_ce_back":   # the kernel counts only the labels it is given
+        out, logits, labels, g, N, V, mean = (int(v) for v in sc)
+        lab = view(labels, N).astype(np.int64)
+        n = int((lab >= 0).sum())
+        w = view(g, 1)[0] if not mean else (view(g, 1)[0] / n if n else 0.0)
+        z = view(logits, N * V).reshape(N, V)
+        e = np.exp(z - z.max(1, keepdims=True))
+        pr = e / e.sum(1, keepdims=True)
+        valid = lab >= 0
+        pr[np.arange(N)[valid], lab[valid]] -= 1.0
+        view(out, N * V)[:] = (pr * np.where(valid, w, 0.0)[:, None]).ravel()
+    elif k == "tg_fill":
+        view(sc[0], int(sc[1]))[:] = float(sc[2])
+    else:
+        raise AssertionError(f"no emulation for {k}")
+
+
+def _lce_case(rng, N, D, V, labels, fmt=None):
+    g = Graph()
+    hv = rng.normal(size=(N, D))
+    if fmt is None:
+        wv = rng.normal(size=(V, D))
+        w = g.const("w", wv)
+        raw = None
+    else:
+        raw = quant.quantize(rng.normal(size=(V, D)).astype(np.float32), fmt)
+        w = g.const("w", raw, shape=(V, D), storage=fmt)
+        wv = quant.dequantize(raw, fmt, (V, D)).astype(np.float64)
+    h = g.const("h", hv)
+    lab = g.input("lab", (N,), "i32")
+    labv = np.asarray(labels, np.int64)
+    return g, h, w, lab, hv, wv, labv, raw
+
+
+def _lce_replay(node, vals, raw, scratch_nan=True):
+    """Lower ``node`` (raw_consts = its head when ``raw`` is given), replay every launch and
+    return (launches, the output as computed, scratch)."""
+    addr = {s.id: (i + 1) << 26 for i, s in enumerate(node.srcs)}
+    addr[node.id] = 60 << 26
+    mem = {}
+    for s, v in zip(node.srcs, vals):
+        mem[addr[s.id]] = (quant._as_bytes(raw).copy() if (raw is not None and s is node.srcs[1])
+                           else np.asarray(v, np.float64).ravel().copy())
+    mem[addr[node.id]] = np.full(max(node.size, 1), np.nan)
+    scratch = 70 << 26
+    n_scr = lowering.scratch_bytes(node)
+    assert n_scr % 256 == 0 and n_scr > 0
+    mem[scratch] = np.full(n_scr // 4, np.nan if scratch_nan else 0.0)
+    raw_consts = frozenset({node.srcs[1].id}) if raw is not None else frozenset()
+    launches = lowering.lower(node, lambda t: addr[t.id], scratch, raw_consts)
+    for launch in launches:
+        assert all(isinstance(x, np.ndarray) and x.dtype in (np.int32, np.uint64, np.float32)
+                   for x in launch.args), launch.kernel
+        assert launch.kernel in KERNEL_NAMES, launch.kernel
+        _lce_emulate(launch, mem)
+    return launches, mem[addr[node.id]], mem[scratch]
+
+
+LCE_LOWERING_LABELS = {
+    "some_ignored": lambda rng, N, V: np.where(rng.random(N) < 0.3, -1, rng.integers(0, V, N)),
+    "all_ignored": lambda rng, N, V: np.full(N, -1),
+}
+
+
+@pytest.mark.parametrize("labels", list(LCE_LOWERING_LABELS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_rows,N", [(7, 30), (64, 150), (None, 40)])
+@pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
+def test_linear_cross_entropy_launches_replayed_in_numpy_match_the_cpu_kernels(
+        chunk_rows, N, reduction, labels, grads, monkeypatch):
+    """Forward and backward launch sequences over row chunks (ragged last chunk, one chunk,
+    dh and/or dw) give the numpy kernels' values; only the [rows, V] scratch block is used."""
+    rng = np.random.default_rng(5)
+    D, V = 12, 70
+    if chunk_rows is not None:
+        monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * V * chunk_rows)
+    rows = loss_ops.lce_chunk_rows(N, V)
+    assert rows == (chunk_rows or N)
+    g, h, w, lab, hv, wv, labv, _ = _lce_case(rng, N, D, V,
+                                              LCE_LOWERING_LABELS[labels](rng, N, V))
+    loss = ops.linear_cross_entropy(h, w, lab, reduction=reduction)
+    gout = g.const("gout", np.array(1.7))
+    back = g.node("linear_cross_entropy_back", [h, w, lab, gout],
+                  dict(reduction=reduction, grad_h=grads[0], grad_w=grads[1]))
+    # the scratch is one chunk of logits (not N x V) plus the row losses / one weight
+    assert lowering.scratch_bytes(loss) == -(-4 * rows * V // 256) * 256 + -(-4 * N // 256) * 256
+    assert lowering.scratch_bytes(back) == -(-4 * rows * V // 256) * 256 + 256
+    launches, got, _ = _lce_replay(loss, [hv, wv, labv], None)
+    chunks = -(-N // rows)
+    assert [l.kernel for l in launches] == ["tg_matmul", "tg_ce_rows"] * chunks + ["tg_ce_reduce"]
+    assert set(l.kernel for l in launches) <= set(OP_KERNELS["linear_cross_entropy"])
+    want = np.zeros(())
+    CPU_KERNELS["linear_cross_entropy"](want, [hv, wv, labv], loss.attrs)
+    np.testing.assert_allclose(got[0], want, rtol=1e-12, atol=1e-12)
+    launches, got, _ = _lce_replay(back, [hv, wv, labv, 1.7], None)
+    per_chunk = ["tg_matmul", "tg_ce_back"] + ["tg_matmul"] * grads[0] + ["tg_matmul_acc"] * grads[1]
+    assert [l.kernel for l in launches] == (["tg_lce_grad_scale"] + ["tg_fill"] * grads[1]
+                                            + per_chunk * chunks)
+    assert set(l.kernel for l in launches) <= set(OP_KERNELS["linear_cross_entropy_back"])
+    want = np.zeros(back.shape)
+    CPU_KERNELS["linear_cross_entropy_back"](want, [hv, wv, labv, np.array(1.7)], back.attrs)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "f16"])
+def test_linear_cross_entropy_reads_a_block_format_head_through_the_fused_kernels(fmt,
+                                                                                   monkeypatch):
+    """A frozen quantized head (SmolLM2's tied Q8_0 token_embd): logits through the "nt"
+    and dh through the "nn" qmatmul kernels, never an f32 copy; no dw is possible."""
+    rng = np.random.default_rng(6)
+    N, V = 37, 70
+    D = 256 if quant.BLOCK[fmt][0] == 256 else 64
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * V * 16)
+    g, h, w, lab, hv, wv, labv, raw = _lce_case(
+        rng, N, D, V, np.where(rng.random(N) < 0.3, -1, rng.integers(0, V, N)), fmt)
+    loss = ops.linear_cross_entropy(h, w, lab, reduction="mean")
+    back = ops.OPS["linear_cross_entropy"].grad(loss, g.const("gout", np.array(0.9)),
+                                                [True, False, False])[0].srcs[0]
+    assert back.shape == (N * D,)
+    assert lowering.reads_block_format(loss, 1) and lowering.reads_block_format(back, 1)
+    assert not lowering.reads_block_format(loss, 0)
+    for node, vals in ((loss, [hv, wv, labv]), (back, [hv, wv, labv, 0.9])):
+        launches, got, _ = _lce_replay(node, vals, raw)
+        mm = [l.kernel for l in launches if "mm" in l.kernel or l.kernel == "tg_matmul"]
+        assert mm and set(mm) <= {QUANT_KERNELS[fmt]["nt"], QUANT_KERNELS[fmt]["nn"]}
+        want = np.zeros(node.shape)
+        CPU_KERNELS[node.op](want, [hv, wv, labv] + ([np.array(0.9)] if node is back else []),
+                             node.attrs)
+        np.testing.assert_allclose(got[:max(node.size, 1)].reshape(node.shape), want,
+                                   rtol=1e-10, atol=1e-12)
+    gw = g.node("linear_cross_entropy_back", [h, w, lab, g.const("g2", np.array(1.0))],
+                dict(reduction="sum", grad_h=True, grad_w=True))
+    assert not lowering.reads_block_format(gw, 1)
+    with pytest.raises(CudaError, match="block format"):
+        lowering.lower(gw, lambda t: 1 << 20, 1 << 30, frozenset({w.id}))
+
+
+@pytest.mark.parametrize("prec", TC_PRECISIONS)
+def test_linear_cross_entropy_in_mixed_precision_uses_tensor_core_matmuls(prec):
+    """bf16/tf32: logits and dh on the tensor-core kernels (same arguments, 128-row tiles),
+    dw accumulation stays tg_matmul_acc (f32; it has no tensor-core twin)."""
+    rng = np.random.default_rng(7)
+    g, h, w, lab, *_ = _lce_case(rng, 300, 64, 100, np.zeros(300))
+    back = g.node("linear_cross_entropy_back", [h, w, lab, g.const("g", np.array(1.0))],
+                  dict(reduction="sum", grad_h=True, grad_w=True))
+    base = lowering.lower(back, lambda t: (t.id + 1) << 24, 1 << 30)
+    tc = lowering.lower(back, lambda t: (t.id + 1) << 24, 1 << 30, precision=prec)
+    assert [l.kernel for l in base] == ["tg_lce_grad_scale", "tg_fill", "tg_matmul", "tg_ce_back",
+                                        "tg_matmul", "tg_matmul_acc"]
+    assert [l.kernel for l in tc] == [TC_KERNELS[prec]["matmul"] if k == "tg_matmul" else k
+                                      for k in (l.kernel for l in base)]
+    for b, t in zip(base, tc):
+        assert [x.tolist() for x in b.args] == [x.tolist() for x in t.args]
+        if t.kernel != b.kernel:
+            M, N = int(b.args[3][0]), int(b.args[4][0])
+            assert t.grid == (-(-N // 128), -(-M // 128), 1) and t.block == (256, 1, 1)
+
+
+def test_linear_cross_entropy_chunk_rows():
+    assert loss_ops.lce_chunk_rows(8192, 49152) == 1344        # 256 MiB of SmolLM2 logits
+    assert loss_ops.lce_chunk_rows(512, 49152) == 512
+    assert loss_ops.lce_chunk_rows(10 ** 6, 10 ** 6) == 64     # 67 fit: whole tiles
+    assert loss_ops.lce_chunk_rows(10 ** 6, 2 * 10 ** 6) == 33  # under a tile: as many fit
+    assert loss_ops.lce_chunk_rows(5, 10 ** 9) == 1
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_linear_cross_entropy_kernels_compile_without_spills(arch, cache):
+    """tg_matmul_acc (tg_matmul's tiles adding into out) and tg_lce_grad_scale compile for
+    sm_80 and sm_90; the accumulating matmul costs no more registers than tg_matmul."""
+    from toygraph.cuda.nvrtc import compile_cubin, resource_usage
+    src = module_source(("shape.cu", "matmul.cu", "loss.cu"))
+    cubin = compile_cubin(src, arch=arch, name="loss.cu")
+    names = {n for op in ("linear_cross_entropy", "linear_cross_entropy_back")
+             for n in OP_KERNELS[op]}
+    for name in names:
+        assert name.encode() in cubin, name
+    usage = resource_usage(src, arch, name="loss.cu")
+    for name in names:
+        u = usage[name]
+        assert u["stack"] == u["spill_stores"] == u["spill_loads"] == 0, (name, u)
+    assert usage["tg_matmul_acc"]["registers"] <= usage["tg_matmul"]["registers"] + 8

@@ -1,0 +1,61 @@
+// Elementwise ops (ops/elementwise.py): add/sub/mul with broadcasting, scale, and the
+// activations silu and gelu with their backward kernels.
+// __f*_rn intrinsics keep numpy's rounding order (no FMA contraction).
+
+// op: 0 add, 1 sub, 2 mul. `s` walks the output shape with a's and b's strides.
+extern "C" __global__ void tg_binary(float* out, const float* a, const float* b, int n,
+                                     Strided s, int op) {
+    TG_GRID_LOOP(i, n) {
+        int oa, ob;
+        tg_offsets(s, i, oa, ob);
+        float x = a[oa], y = b[ob];
+        out[i] = op == 0 ? __fadd_rn(x, y) : (op == 1 ? __fsub_rn(x, y) : __fmul_rn(x, y));
+    }
+}
+
+extern "C" __global__ void tg_scale(float* out, const float* x, int n, float s) {
+    TG_GRID_LOOP(i, n) out[i] = __fmul_rn(x[i], s);
+}
+
+extern "C" __global__ void tg_silu(float* out, const float* x, int n) {
+    TG_GRID_LOOP(i, n) out[i] = __fmul_rn(x[i], tg_sigmoid(x[i]));
+}
+
+// g * s * (1 + x * (1 - s)), left to right as numpy evaluates it.
+extern "C" __global__ void tg_silu_back(float* out, const float* x, const float* g, int n) {
+    TG_GRID_LOOP(i, n) {
+        float s = tg_sigmoid(x[i]);
+        float t = __fadd_rn(1.0f, __fmul_rn(x[i], __fsub_rn(1.0f, s)));
+        out[i] = __fmul_rn(__fmul_rn(g[i], s), t);
+    }
+}
+
+// GELU, tanh approximation: t = tanh(c (x + a x^3)), c = sqrt(2/pi), a = 0.044715, with
+// the products in the numpy kernel's order ((a x) x) x.
+#define TG_GELU_C 0.7978845608028654f
+#define TG_GELU_A 0.044715f
+
+__device__ __forceinline__ float tg_gelu_tanh(float x) {
+    float cube = __fmul_rn(__fmul_rn(__fmul_rn(TG_GELU_A, x), x), x);
+    return tanhf(__fmul_rn(TG_GELU_C, __fadd_rn(x, cube)));
+}
+
+// x * 0.5 (1 + t).
+extern "C" __global__ void tg_gelu(float* out, const float* x, int n) {
+    TG_GRID_LOOP(i, n) {
+        float t = tg_gelu_tanh(x[i]);
+        out[i] = __fmul_rn(x[i], __fmul_rn(0.5f, __fadd_rn(1.0f, t)));
+    }
+}
+
+// g * (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3a x^2)), left to right as numpy evaluates it.
+extern "C" __global__ void tg_gelu_back(float* out, const float* x, const float* g, int n) {
+    TG_GRID_LOOP(i, n) {
+        float xi = x[i], t = tg_gelu_tanh(xi);
+        float outer = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
+        float inner = __fmul_rn(__fmul_rn(0.5f, xi), __fsub_rn(1.0f, __fmul_rn(t, t)));
+        inner = __fmul_rn(inner, TG_GELU_C);
+        float poly = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(3.0f * TG_GELU_A, xi), xi));
+        out[i] = __fmul_rn(g[i], __fadd_rn(outer, __fmul_rn(inner, poly)));
+    }
+}
