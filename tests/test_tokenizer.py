@@ -470,7 +470,7 @@ def test_end_of_turn_ids_from_vocabulary_and_metadata(tmp_path, vocab):
 
 
 def test_training_and_generation_stop_on_the_same_tokens(tmp_path, vocab):
-    from toygraph.data import _end_of_turn_index, encode_example, Example
+    from toygraph.encoding import _end_of_turn_index, encode_example, Example
     from toygraph.fixtures.tiny_models import write_tiny_llama
     from toygraph.inference import LanguageModel
 

@@ -244,7 +244,7 @@ def _run_locked(train_cfg: TrainConfig, prep: Prepared, out: Path, w: World) -> 
     _log_start(train_cfg, prep, log, recipe, total, realize_s, packing, ranks)
     progress = Progress(total, train_cfg.quiet or w.rank != 0)
     rows = "rows" if train_cfg.pack else "sequences"
-    intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} examples; "
+    intro = [f"{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} sequences; "
              f"{total} steps of {recipe.batch_rows()[0] * train_cfg.grad_accum} {rows} x "
              f"{train_cfg.seq_len} "
              f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"

