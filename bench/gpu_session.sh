@@ -8,10 +8,12 @@
 #   setup     install the carried wheels (.whl/*.whl, e.g. gguf) into /tmp/site on PYTHONPATH,
 #             pip install --no-deps --no-build-isolation -e .   (always runs)
 #   info      nvidia-smi name/driver, versions, toygraph.cuda.driver.available()   (always)
-#   tests     pytest tests/test_cuda.py tests/test_cuda_compile.py tests/test_ops_*_cuda.py
-#             tests/test_ops_gemm*.py                               -> $OUT/cuda-tests.log
+#   tests     pytest tests/test_cuda.py (the GPU suite) tests/test_cuda_compile.py, and the
+#             families' NVRTC/ptxas tests (-k compile in tests/test_ops_*_cuda.py and
+#             tests/test_ops_gemm*.py; their numpy replays need no GPU: CI runs them)
+#                                                                   -> $OUT/cuda-tests.log
 #   nographs  TOYGRAPH_CUDA_GRAPHS=0 pytest tests/test_cuda.py       -> $OUT/cuda-tests-nographs.log
-#   gate      toygraph gate --backend cuda <tiny experiments>        -> $OUT/checks.log
+#   gate      toygraph gate --backend $GS_BACKEND <tiny experiments>  -> $OUT/checks.log
 #   golden    each tiny experiment on CUDA twice (+ once with graph replay off): losses
 #             vs the CPU golden (its rtol) and bit-identical run to run  -> $OUT/checks.log
 #   nccl      bench/nccl_check.py: lora_qv_tiny_llama with the data-parallel all_reduce node
@@ -21,13 +23,15 @@
 #   slice     SmolLM2 8-block slice (.gpu/smollm2-8l.gguf): forward loss and the
 #             lora_qv_smollm2 experiment, CUDA vs CPU within 1e-4 rel  -> $OUT/checks.log
 #   generate  bench/bench_generate.py on the slice (GS_BACKEND): greedy tokens/s with and
-#             without the KV cache (256 new tokens)   table -> $OUT/bench.md, JSON in results.json
+#             without the KV cache (256 new tokens, GS_GENERATE_ARGS)
+#             table -> $OUT/bench.md, JSON in results.json
 #   bench     bench/bench_lora.py per GPU config, then bench/bench_checkpoint.py (activation
 #             checkpointing off/on: planned memory, step time) for the ckpt-* entries
 #             (last; skipped when time runs out)
 #             tables -> $OUT/bench.md, progress -> $OUT/bench.log
-#   pack      bench/bench_packing.py: real tok/s with and without --pack, SmolLM2 LoRA at
-#             8x512 and 4x2048 on the ragged data -> $OUT/bench.md, $OUT/bench.log
+#   pack      bench/bench_packing.py on the slice (the device has no full SmolLM2; its tokenizer
+#             is the slice's): real tok/s with and without --pack, LoRA at each GS_PACK shape
+#             on the ragged data -> $OUT/bench.md, $OUT/bench.log
 # Always: $OUT/summary.md (device, date, commands, PASS/FAIL/SKIP/TIMEOUT per stage, rewritten
 # after every stage), $OUT/setup.log, $OUT/results.json (golden/slice/bench numbers).
 # That is 8 files, the most that comes back from $OUT.
@@ -39,10 +43,14 @@
 #               smollm2-2048x4, llama1b-random, llama1b-bf16 (toygraph and torch in bf16),
 #               ckpt-smollm2-512x8, ckpt-llama1b-2048x4 (bench_checkpoint.py configs)
 #   GS_BENCH_ARGS  extra bench_lora.py arguments for every bench_lora stage (e.g. "--cold no")
+#   GS_GENERATE_ARGS  bench_generate.py arguments (default "--full-tokens 64")
+#   GS_PACK     batch x seq shapes of the pack stage (default "8x512 4x2048")
+#   GS_PACK_ARGS  bench_packing.py step counts (default "--steps 10 --warmup 2")
 #   GS_BUDGET   seconds the whole script may take (default 540: ends inside a 600 s call)
 #   GS_SLICE    the SmolLM2 slice (default .gpu/smollm2-8l.gguf)
-#   GS_BACKEND  backend the golden/slice checks treat as "the GPU" (default cuda; cpu for a
-#               dry run of the plumbing on a machine without one, with GS_SKIP_SETUP=1)
+#   GS_BACKEND  backend every stage treats as "the GPU" (default cuda; cpu for a dry run of
+#               the plumbing on a machine without one, with GS_SKIP_SETUP=1; or cuda with
+#               TOYGRAPH_CUDA_DEVICE=host: the real CUDA lowering on the host executor)
 set -u
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -57,7 +65,7 @@ STAGES=",${GS_STAGES:-tests,nographs,gate,golden,nccl,slice,generate,bench,pack}
 BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16 ckpt-smollm2-512x8 ckpt-llama1b-2048x4}
 SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
-TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt lora_packed_tiny_llama"
+TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt lora_packed_tiny_llama dpo_qv_tiny_llama orpo_qv_tiny_llama"
 PY=${PYTHON:-python3}
 SUMMARY=$OUT/summary.md
 SETUP_LOG=$OUT/setup.log
@@ -80,7 +88,7 @@ write_summary() {
         echo "- device: ${DEVICE:-?}"
         echo "- commit: ${COMMIT:-?}"
         echo "- versions: ${VERSIONS:-?}"
-        echo "- script: \`bash bench/gpu_session.sh\` (GS_STAGES=${GS_STAGES:-all}; GS_BENCH=$BENCH_LIST; GS_BENCH_ARGS=${GS_BENCH_ARGS:-}; GS_BACKEND=$GS_BACKEND)"
+        echo "- script: \`bash bench/gpu_session.sh\` (GS_STAGES=${GS_STAGES:-all}; GS_BENCH=$BENCH_LIST; GS_BENCH_ARGS=${GS_BENCH_ARGS:-}; GS_BACKEND=$GS_BACKEND${TOYGRAPH_CUDA_DEVICE:+; TOYGRAPH_CUDA_DEVICE=$TOYGRAPH_CUDA_DEVICE})"
         echo
         echo "| stage | result | s | command | detail |"
         echo "|---|---|---|---|---|"
@@ -242,7 +250,8 @@ try:
     ok_all &= ok
 except Exception:
     res["forward_error"] = traceback.format_exc()
-    print("FAIL forward:", res["forward_error"], flush=True)
+    print(res["forward_error"], file=sys.stderr)
+    print(f"FAIL forward: {res['forward_error'].strip().splitlines()[-1]}", flush=True)
     ok_all = False
 try:
     from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
@@ -263,11 +272,25 @@ try:
     ok_all &= ok
 except Exception:
     res["lora_error"] = traceback.format_exc()
-    print("FAIL lora_qv_smollm2:", res["lora_error"], flush=True)
+    print(res["lora_error"], file=sys.stderr)
+    print(f"FAIL lora_qv_smollm2: {res['lora_error'].strip().splitlines()[-1]}", flush=True)
     ok_all = False
 res["ok"] = ok_all
 json.dump(res, open(out, "w"), indent=1)
 sys.exit(0 if ok_all else 1)
+EOF
+
+cat > "$WORK/check_detail.py" <<'EOF'
+"""The PASS/FAIL lines one check stage wrote to LOG (after its last header): the counts,
+then every FAIL line, or the last PASS lines when none failed."""
+import sys
+log, name = sys.argv[1], sys.argv[2]
+lines = open(log, errors="replace").read().splitlines()
+start = max((i for i, l in enumerate(lines) if l.startswith(f"===== {name} (timeout")), default=0)
+res = [l for l in lines[start:] if l.startswith(("PASS ", "FAIL "))]
+fails = [l for l in res if l.startswith("FAIL ")]
+print(f"{len(res) - len(fails)} PASS, {len(fails)} FAIL: "
+      + "; ".join(l[:220] for l in (fails or res[-2:])))
 EOF
 
 cat > "$WORK/bench_detail.py" <<'EOF'
@@ -338,7 +361,11 @@ fi
 # info (always)
 DEVICE=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 DEVICE=${DEVICE:-no nvidia-smi}
-COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo "unknown (no .git)")
+# .git does not travel to the device: there the commit comes from .gpu/commit.txt, written
+# here before the call (bench/README.md, "Before a GPU session, here")
+COMMIT=$(git -C "$ROOT" describe --always --dirty 2>/dev/null \
+         || { [[ -f .gpu/commit.txt ]] && echo "$(head -c 200 .gpu/commit.txt) (.gpu/commit.txt)"; } \
+         || echo "unknown (no .git, no .gpu/commit.txt)")
 VERSIONS=$($PY - <<'EOF' 2>>"$SETUP_LOG"
 import importlib.metadata as md, platform
 def v(p):
@@ -361,31 +388,31 @@ $PY -c 'import pytest_timeout' 2>/dev/null && PT_OPTS="$PT_OPTS --timeout=120 --
 
 if want tests; then
     stage tests 240 "$OUT/cuda-tests.log" "$(pytest_detail "$OUT/cuda-tests.log")" \
-        "$PY -m pytest $PT_OPTS tests/test_cuda.py tests/test_cuda_compile.py tests/test_ops_*_cuda.py tests/test_ops_gemm*.py"
+        "$PY -m pytest $PT_OPTS -k 'test_cuda.py or compile' tests/test_cuda.py tests/test_cuda_compile.py tests/test_ops_*_cuda.py tests/test_ops_gemm*.py"
 fi
 if want nographs; then
     stage nographs 150 "$OUT/cuda-tests-nographs.log" "$(pytest_detail "$OUT/cuda-tests-nographs.log")" \
         "TOYGRAPH_CUDA_GRAPHS=0 $PY -m pytest $PT_OPTS tests/test_cuda.py"
 fi
 if want gate; then
-    stage gate 120 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) ' '$CHECKS_LOG' | tail -n 4 | cut -c1-120" \
-        "$PY -m toygraph.cli gate --backend cuda $TINY"
+    stage gate 120 "$CHECKS_LOG" "$PY $WORK/check_detail.py '$CHECKS_LOG' gate" \
+        "$PY -m toygraph.cli gate --backend $GS_BACKEND $TINY"
 fi
 if want golden; then
-    stage golden 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) [a-z_0-9]+: max rel vs cpu' '$CHECKS_LOG' | tail -n 4 | cut -c1-220" \
+    stage golden 180 "$CHECKS_LOG" "$PY $WORK/check_detail.py '$CHECKS_LOG' golden" \
         "GS_BACKEND=$GS_BACKEND $PY $WORK/golden_check.py $WORK/golden.json $TINY"
 fi
 if want nccl; then
-    stage nccl 150 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) [a-z_0-9]+' '$CHECKS_LOG' | grep -E 'all_reduce|nccl' | tail -n 2 | cut -c1-220" \
+    stage nccl 150 "$CHECKS_LOG" "$PY $WORK/check_detail.py '$CHECKS_LOG' nccl" \
         "GS_BACKEND=$GS_BACKEND $PY bench/nccl_check.py $WORK/nccl.json lora_qv_tiny_llama"
 fi
 if want slice; then
-    slice_stage slice 180 "$CHECKS_LOG" "grep -E '^(PASS|FAIL) (forward|lora_qv_smollm2)' '$CHECKS_LOG' | tail -n 2 | cut -c1-200" \
+    slice_stage slice 180 "$CHECKS_LOG" "$PY $WORK/check_detail.py '$CHECKS_LOG' slice" \
         "GS_BACKEND=$GS_BACKEND $PY $WORK/slice_check.py $SLICE $WORK/slice.json"
 fi
 if want generate; then
     slice_stage generate 150 "$OUT/bench.log" "tail -n 1 $WORK/generate.md" \
-        "set -o pipefail; $PY bench/bench_generate.py --backend $GS_BACKEND --model $SLICE --full-tokens 64 --md $WORK/generate.md --json $WORK/bench-generate.json --note 'gpu_session.sh generate (SmolLM2 8-block slice)' | tee -a $OUT/bench.md >&2"
+        "set -o pipefail; $PY bench/bench_generate.py --backend $GS_BACKEND --model $SLICE ${GS_GENERATE_ARGS:---full-tokens 64} --md $WORK/generate.md --json $WORK/bench-generate.json --note 'gpu_session.sh generate (SmolLM2 8-block slice)' | tee -a $OUT/bench.md >&2"
 fi
 if want bench; then
     for b in $BENCH_LIST; do
@@ -399,16 +426,16 @@ if want bench; then
         esac
         stage "bench $b" "$cap" "$OUT/bench.log" \
             "$PY $WORK/bench_detail.py $WORK/bench-$b.json" \
-            "set -o pipefail; $PY $script --device cuda $args $extra --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
+            "set -o pipefail; $PY $script --device $GS_BACKEND $args $extra --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
     done
 fi
 
 if want pack; then
-    for shape in 8x512 4x2048; do
+    for shape in ${GS_PACK:-8x512 4x2048}; do
         batch=${shape%x*} seq=${shape#*x}
-        stage "pack $shape" 150 "$OUT/bench.log" \
+        slice_stage "pack $shape" 150 "$OUT/bench.log" \
             "$PY $WORK/pack_detail.py $WORK/bench-pack-$shape.json" \
-            "set -o pipefail; $PY bench/bench_packing.py --backend cuda --batch $batch --seq-len $seq --steps 10 --warmup 2 --json $WORK/bench-pack-$shape.json --note 'gpu_session.sh pack $shape' | tee -a $OUT/bench.md >&2"
+            "set -o pipefail; $PY bench/bench_packing.py --backend $GS_BACKEND --model $SLICE --batch $batch --seq-len $seq ${GS_PACK_ARGS:---steps 10 --warmup 2} --json $WORK/bench-pack-$shape.json --note 'gpu_session.sh pack $shape' | tee -a $OUT/bench.md >&2"
     done
 fi
 

@@ -57,7 +57,8 @@ for name in names:
               f"{captured}", flush=True)
     except Exception:
         results[name] = {"error": traceback.format_exc()}
-        print(f"FAIL {name}:", results[name]["error"], flush=True)
+        print(results[name]["error"], file=sys.stderr)
+        print(f"FAIL {name}: {results[name]['error'].strip().splitlines()[-1]}", flush=True)
         ok = False
     ok_all &= ok
 json.dump(results, open(out, "w"), indent=1)

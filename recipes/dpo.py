@@ -37,7 +37,7 @@ from toygraph.optim import build_training
 from toygraph.preference import pair_batches
 from toygraph.session import Session
 
-from .base import RecipeOptions
+from .base import RecipeOptions, fused_head
 from .lora import LoRA
 
 
@@ -94,9 +94,16 @@ class PreferenceRecipe(LoRA):
         return g
 
     def sequence_logprobs(self, net):
-        """[2B]: each row's summed log-probs of its labels (response tokens only)."""
+        """[2B]: each row's summed log-probs of its labels (response tokens only). Where the
+        SFT recipes fuse the head with their loss (base.fused_head: always on CUDA), the
+        per-token log-probs come from the fused head too, minus its per-row losses, so no
+        [2B * seq_len, vocab] logits exist."""
+        T = self.opts.seq_len
+        if fused_head(self.opts.backend):
+            nll = ops.linear_cross_entropy(net.hidden, net.head, self.labels, reduction="none")
+            return ops.scale(ops.sum(nll.reshape(self.rows, T), axis=1), -1.0)
         lp = ops.token_logprobs(lm_head(net), self.labels)
-        return ops.sum(lp.reshape(self.rows, self.opts.seq_len), axis=1)
+        return ops.sum(lp.reshape(self.rows, T), axis=1)
 
     def chosen_minus_rejected(self, x):
         """[2B] -> [B]: x[chosen i] - x[rejected i]."""

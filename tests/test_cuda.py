@@ -533,7 +533,8 @@ def test_other_precisions_are_refused():
 # --- fused output head + cross-entropy (ops/loss.py _linear_cross_entropy: row chunks) -------------
 def _lce_graph(seed, N, D, V, labels, reduction, head="param", fmt=None):
     """loss = linear_cross_entropy(h, w, labels) with h a param and w a param, an f32 const
-    or a block-format const; returns (graph, fetch list, inputs, w)."""
+    or a block-format const (reduction "none": the rows' weighted sum, so every row's own
+    gradient weight matters); returns (graph, fetch list, inputs, w)."""
     rng = np.random.default_rng(seed)
     g = Graph()
     h = g.param("h", rnd(rng, N, D))
@@ -544,7 +545,10 @@ def _lce_graph(seed, N, D, V, labels, reduction, head="param", fmt=None):
     else:
         w = g.const("w", rnd(rng, V, D, s=0.5))
     lab = g.input("lab", (N,), "i32")
-    loss = g.output(ops.linear_cross_entropy(h, w, lab, reduction=reduction))
+    loss = ops.linear_cross_entropy(h, w, lab, reduction=reduction)
+    if reduction == "none":
+        loss = ops.sum(ops.mul(g.output(loss), g.const("r", rnd(rng, N))))
+    loss = g.output(loss)
     params = [t for t in (h, w) if t.role == "param"]
     grads = accumulate_grads(backward(loss, params))
     labv = {"some": np.where(rng.random(N) < 0.3, -1, rng.integers(0, V, N)),
@@ -553,7 +557,7 @@ def _lce_graph(seed, N, D, V, labels, reduction, head="param", fmt=None):
 
 
 @pytest.mark.parametrize("labels", ["some", "all"])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("chunk_rows", [None, 48])
 @pytest.mark.parametrize("head", ["param", "const"])
 def test_linear_cross_entropy_matches_numpy_and_is_deterministic(head, chunk_rows, reduction,

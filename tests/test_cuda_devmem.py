@@ -104,7 +104,7 @@ def test_smollm2_fused_head_plans_gibibytes_less_and_keeps_the_q8_0_head_in_bloc
         order, pinned, plan, outputs = training_plan(g)
         mem = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
         heads = [t for t in order if t.op and t.op.startswith("linear_cross_entropy")]
-        sizes[fused] = (plan.arena_bytes, sum(mem.scratch.values()), mem,
+        sizes[fused] = (plan.arena_bytes, mem.scratch_bytes, mem,
                         sum(lowering.scratch_bytes(t) for t in heads))
         if fused:
             embd = next(t for t in order if t.name == "token_embd.weight")

@@ -225,21 +225,39 @@ def test_a_batch_that_does_not_divide_is_a_clear_error(tmp_path, tiny_llama):
     assert not (tmp_path / "run").exists()
 
 
-def _start_long_job(tmp_path, model, timeout_s: str):
+def _rank_stderr(tmp_path, rank: int) -> str:
+    p = tmp_path / f"rank{rank}.err"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def _start_long_job(tmp_path, model, timeouts: tuple[str, str]):
+    """A 2-rank finetune of many steps, rank r with TOYGRAPH_MPI_TIMEOUT ``timeouts[r]``
+    (Hydra's MPMD form, one ``-env`` per rank), returned once rank 0 logged a step.
+
+    Each rank writes its stderr straight to ``rank<r>.err`` (_rank_stderr): what mpiexec
+    forwards can lose a rank's last lines when MPI_Abort tears the job down (seen: a
+    stalled-rank job that ended with rank 0's abort message nowhere in mpiexec's stderr)."""
     data = write_chat_data(tmp_path / "chat.jsonl")
     out = tmp_path / "run"
-    cmd = [_mpiexec(), "-n", "2", sys.executable, "-m", "toygraph.cli", "finetune",
-           "--model", str(model), "--data", str(data), "--out", str(out), *ARGS,
-           "--steps", "100000", "--val-split", "0"]
+    prog = [sys.executable, "-m", "toygraph.cli", "finetune",
+            "--model", str(model), "--data", str(data), "--out", str(out), *ARGS,
+            "--steps", "100000", "--val-split", "0"]
+    cmd = [_mpiexec()]
+    for rank, timeout_s in enumerate(timeouts):
+        cmd += [":"] * (rank > 0) + ["-n", "1", "-env", "TOYGRAPH_MPI_TIMEOUT", timeout_s,
+                                     "/bin/sh", "-c", 'exec "$@" 2>"$0"',
+                                     str(tmp_path / f"rank{rank}.err"), *prog]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env["TOYGRAPH_MPI_TIMEOUT"] = timeout_s
+    env.pop("TOYGRAPH_MPI_TIMEOUT", None)
     job = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env)
     for _ in range(1200):  # until rank 0 logged a step (at most ~2 minutes on a busy machine)
         if (out / "events.jsonl").exists() and _losses(out):
             break
         if job.poll() is not None:
-            pytest.fail(f"the job ended early: {job.communicate()[1][-2000:]}")
+            pytest.fail(f"the job ended early: {job.communicate()[1][-1000:]}\n"
+                        f"rank 0: {_rank_stderr(tmp_path, 0)[-1000:]}\n"
+                        f"rank 1: {_rank_stderr(tmp_path, 1)[-1000:]}")
         time.sleep(0.1)
     start = json.loads((out / "events.jsonl").read_text().splitlines()[0])
     return job, {r["rank"]: r["pid"] for r in start["ranks"]}
@@ -263,7 +281,7 @@ def _end(job, pids):
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, tiny_llama):
     """SIGTERM to rank 1 only: the ranks agree to stop after the same step, rank 0 writes
     the interrupt checkpoint and the job exits 130 (nobody waits for a lost partner)."""
-    job, pids = _start_long_job(tmp_path, tiny_llama, "60")
+    job, pids = _start_long_job(tmp_path, tiny_llama, ("60", "60"))
     os.kill(pids[1], signal.SIGTERM)
     _end(job, pids)
     assert job.returncode == 130
@@ -276,7 +294,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, tiny_l
 
 @needs_mpi
 def test_a_killed_rank_ends_the_job(tmp_path, tiny_llama):
-    job, pids = _start_long_job(tmp_path, tiny_llama, "10")
+    job, pids = _start_long_job(tmp_path, tiny_llama, ("10", "10"))
     os.kill(pids[1], signal.SIGKILL)
     _end(job, pids)
     assert job.returncode != 0
@@ -285,12 +303,23 @@ def test_a_killed_rank_ends_the_job(tmp_path, tiny_llama):
 @needs_mpi
 def test_a_stalled_rank_makes_the_others_abort_after_the_timeout(tmp_path, tiny_llama):
     """Rank 1 stopped (not dead, so the launcher sees nothing): rank 0's collective passes
-    its deadline and it aborts the job, saying why."""
-    job, pids = _start_long_job(tmp_path, tiny_llama, "3")
+    its deadline and it aborts the job, saying why.
+
+    Only rank 0's deadline is under test, so only rank 0 gets a short one: with the same
+    short timeout on both, a loaded machine could delay one rank's step past it before the
+    SIGSTOP, and then either rank could abort first. Rank 1's 600 s never fires (it is
+    stopped, then killed); rank 0's 10 s is still far below the 120 s that _end waits, and
+    far above a tiny step's normal skew between the ranks. The message is read from rank
+    0's own stderr file, which mpiexec's forwarding cannot cut short (_start_long_job)."""
+    job, pids = _start_long_job(tmp_path, tiny_llama, ("10", "600"))
+    assert job.poll() is None, "the job ended before rank 1 was stopped"
     os.kill(pids[1], signal.SIGSTOP)
-    err = _end(job, pids)
+    _end(job, pids)
     assert job.returncode != 0
-    assert "rank 0 of 2:" in err and "did not complete within 3 s (TOYGRAPH_MPI_TIMEOUT)" in err
+    err = _rank_stderr(tmp_path, 0)
+    assert ("toygraph: rank 0 of 2:" in err
+            and "did not complete within 10 s (TOYGRAPH_MPI_TIMEOUT)" in err), err[-2000:]
+    assert "toygraph: rank 1 of 2:" not in _rank_stderr(tmp_path, 1)
 
 
 # --- the CUDA backend's collective --------------------------------------------------------

@@ -47,20 +47,22 @@ def test_the_reference_pass_reads_the_same_base_weights_no_second_copy(tiny_llam
     assert extra < base / 4
 
 
+def _two_steps(recipe, path) -> list[dict]:
+    """The metrics of two steps on the first two pair batches of the fixture."""
+    pos = np.tile(np.arange(T, dtype=np.int32), (1, 2 * B, 1))
+    out = []
+    for t, (tokens, labels) in enumerate(batches_for(path)[:2], start=1):
+        recipe.step(tokens[None], pos, labels[None], hp_row(t, 1e-2), is_first=t == 1)
+        out.append(dict(recipe.last_metrics))
+    return out
+
+
 @pytest.mark.parametrize("make", [lambda: DPO(TARGETS, beta=0.5, label_smoothing=0.1),
                                   lambda: ORPO(TARGETS, beta=0.5)])
 def test_one_graph_runs_on_the_cuda_host_device_as_on_numpy(tiny_llama, monkeypatch, make):
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
-    batches = batches_for(tiny_llama)[:2]
-    results = []
-    for backend in ("cpu", "cuda"):
-        recipe = _realize(make(), tiny_llama, init_scale=0.3, backend=backend)
-        pos = np.tile(np.arange(T, dtype=np.int32), (1, 2 * B, 1))
-        out = []
-        for t, (tokens, labels) in enumerate(batches, start=1):
-            recipe.step(tokens[None], pos, labels[None], hp_row(t, 1e-2), is_first=t == 1)
-            out.append(dict(recipe.last_metrics))
-        results.append(out)
+    results = [_two_steps(_realize(make(), tiny_llama, init_scale=0.3, backend=backend),
+                          tiny_llama) for backend in ("cpu", "cuda")]
     # 1e-4 relative, absolute below 1: rewards are small differences of log-prob sums
     # (~50 here) that f32 rounding moves by ~1e-6 whatever the rewards' own size.
     for a, b in zip(*results):
@@ -94,7 +96,16 @@ def test_options_are_checked(tiny_llama):
         recipe.step(bad, bad, bad, hp_row(1, 1e-3), is_first=True)
 
 
-def test_dpo_loss_gradient_through_the_whole_graph(tiny_llama):
+@pytest.fixture(params=[False, True], ids=["unfused_head", "fused_head"])
+def fused_on_cpu(request, monkeypatch):
+    """The preference log-probs through the unfused head (the CPU default) and through the
+    fused one (linear_cross_entropy "none", as on CUDA), both on the numpy backend."""
+    import toygraph.recipes.base as recipe_base
+    monkeypatch.setattr(recipe_base, "FUSED_HEAD_ON_CPU", request.param)
+    return request.param
+
+
+def test_dpo_loss_gradient_through_the_whole_graph(tiny_llama, fused_on_cpu):
     """f64 finite differences of the DPO loss with label smoothing w.r.t. the adapters,
     through both passes (the reference with a frozen, different adapter of its own)."""
     recipe = DPO(TARGETS, beta=2.0, label_smoothing=0.2, reference_adapter=True)
@@ -112,3 +123,42 @@ def test_dpo_loss_gradient_through_the_whole_graph(tiny_llama):
     inputs = {recipe.net.tokens: tokens, recipe.net.positions: np.tile(np.arange(8), (2, 1)),
               recipe.labels: labels.reshape(-1), recipe.pair_weight: np.ones(1)}
     assert check_gradients(g, recipe.loss, params, inputs, max_elems=8) <= 1e-6
+    assert any(t.op == "linear_cross_entropy" for t in g.nodes) == fused_on_cpu
+
+
+@pytest.mark.parametrize("make", [lambda: DPO(TARGETS, beta=0.5, label_smoothing=0.1),
+                                  lambda: ORPO(TARGETS, beta=0.5)])
+def test_on_cuda_no_vocabulary_sized_logits_exist(tiny_llama, make):
+    """The CUDA graph (built, not run) takes both passes' log-probs from the fused head:
+    no [2B * T, vocab] tensor forward or backward, one per-row linear_cross_entropy per
+    pass (DPO: policy and reference; ORPO: the policy)."""
+    from toygraph.optim import build_training
+    recipe = make()
+    m = GGUFModel(tiny_llama)
+    g = recipe.build_graph(m, m.config, RecipeOptions(seq_len=T, batch=B, backend="cuda"))
+    build_training(recipe.loss, recipe.net.params)
+    rows, vocab = 2 * B * T, m.config.n_vocab
+    assert not [t for t in g.nodes if t.shape[-1:] == (vocab,) and t.size >= rows * vocab]
+    heads = [t for t in g.nodes if t.op == "linear_cross_entropy"]
+    assert [t.attrs["reduction"] for t in heads] == ["none"] * (2 if isinstance(recipe, DPO) else 1)
+    assert not [t for t in g.nodes if t.op in ("token_logprobs", "token_logprobs_back")]
+    assert [t.op for t in g.nodes if t.op == "linear_cross_entropy_back"] == \
+        ["linear_cross_entropy_back"]   # the policy's; the reference gets no gradient
+
+
+@pytest.mark.parametrize("make", [lambda: DPO(TARGETS, beta=0.5, label_smoothing=0.1),
+                                  lambda: ORPO(TARGETS, beta=0.5)])
+def test_the_fused_head_trains_as_the_unfused_one(tiny_llama, monkeypatch, make):
+    """Two steps on the numpy backend with the fused head and with the unfused one: every
+    metric within f32 rounding (the log-probs sum the vocabulary in another order)."""
+    import toygraph.recipes.base as recipe_base
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(recipe_base, "FUSED_HEAD_ON_CPU", fused)
+        recipe = _realize(make(), tiny_llama, init_scale=0.3)
+        assert any(t.op == "linear_cross_entropy" for t in recipe.graph.nodes) == fused
+        results.append(_two_steps(recipe, tiny_llama))
+    for a, b in zip(*results):
+        assert a.keys() == b.keys()
+        for k in b:
+            assert abs(a[k] - b[k]) <= 1e-5 * max(abs(b[k]), 1), (k, a[k], b[k])

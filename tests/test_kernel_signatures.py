@@ -165,12 +165,17 @@ def _small_op_launches():
 
 
 def _preference_op_launches():
-    """The preference-loss ops (ops/preference.py), forward and backward."""
+    """The preference-loss ops (ops/preference.py), and the fused head's per-row log-probs
+    (linear_cross_entropy "none") the recipes use instead on CUDA, forward and backward."""
     g = Graph()
     x = g.param("x", np.ones((3, 5)))
-    loss = ops.sum(ops.log1mexp(ops.log_sigmoid(ops.token_logprobs(x, g.input("lab", (3,), "i32")))))
-    grads = backward(loss, [x])
-    return _lower_all(topo_order([loss, grads[x]]), precisions=("f32",))
+    lab = g.input("lab", (3,), "i32")
+    loss = ops.sum(ops.log1mexp(ops.log_sigmoid(ops.token_logprobs(x, lab))))
+    h = g.param("h", np.ones((3, 4)))
+    rows = ops.linear_cross_entropy(h, g.const("w", np.ones((5, 4))), lab, reduction="none")
+    loss = ops.add(loss, ops.sum(rows))
+    grads = backward(loss, [x, h])
+    return _lower_all(topo_order([loss, grads[x], grads[h]]), precisions=("f32",))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ rows, shape errors and label checks at upload."""
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, rnd
+from gradcheck import TOL, check_gradients, rnd, weighted_sum
 from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.graph import Graph
@@ -111,6 +111,51 @@ def test_linear_cross_entropy_equals_the_unfused_head(reduction, labels, lce_row
         assert float(fused[0]) == 0.0 and not fused[1].any() and not fused[2].any()
 
 
+@pytest.mark.parametrize("labels", list(LCE_LABELS))
+def test_linear_cross_entropy_per_row_gradients(labels, lce_rows):
+    """reduction="none": [N] row losses under a weighted sum, so every row's own gradient
+    weight matters; f64 finite differences for h and w."""
+    rng = np.random.default_rng(25)
+    g = Graph()
+    h, w = g.param("h", rnd(rng, 7, 5)), g.param("w", rnd(rng, 9, 5))
+    lab = g.input("lab", (7,), "i32")
+    loss = weighted_sum(ops.linear_cross_entropy(h, w, lab, reduction="none"), rng)
+    err = check_gradients(g, loss, [h, w], {lab: np.array(LCE_LABELS[labels], np.int32)})
+    assert err == 0.0 if labels == "all_ignored" else err <= TOL
+
+
+@pytest.mark.parametrize("labels", ["some_ignored", "all_ignored", "long"])
+def test_linear_cross_entropy_per_row_is_minus_token_logprobs(labels, lce_rows):
+    """-linear_cross_entropy(h, w, labels, "none") against token_logprobs of the unfused
+    head in f64: the per-row values (0 on ignored rows), dh and dw under a weighted sum,
+    within 1e-12."""
+    from toygraph.autodiff import accumulate_grads, backward
+    rng = np.random.default_rng(26)
+    N = 150 if labels == "long" else 7
+    hv, wv = rng.normal(size=(N, 6)), rng.normal(size=(11, 6)) * 2
+    labv = (rng.integers(-1, 11, size=N) if labels == "long"
+            else np.minimum(LCE_LABELS[labels], 10)).astype(np.int32)
+    r = rng.normal(size=N)
+    runs = []
+    for fused in (True, False):
+        g = Graph()
+        h, w = g.param("h", hv), g.param("w", wv)
+        lab = g.input("lab", (N,), "i32")
+        lp = (ops.scale(ops.linear_cross_entropy(h, w, lab, reduction="none"), -1.0) if fused
+              else ops.token_logprobs(ops.matmul(h, w, trans_b=True), lab))
+        g.output(lp)
+        loss = g.output(ops.sum(ops.mul(lp, g.const("r", r))))
+        accumulate_grads(backward(loss, [h, w]))
+        s = Session(g, dtype="f64"); s.realize(); s.reset()
+        s.upload(lab, labv); s.run("backward")
+        runs.append([s.download(lp), s.download(g.find("grad.h")), s.download(g.find("grad.w"))])
+    for what, a, b in zip(["logprobs", "dh", "dw"], *runs):
+        assert np.abs(a - b).max() <= 1e-12 * max(np.abs(b).max(), 1.0), what
+    assert not runs[0][0][labv < 0].any()
+    if labels == "all_ignored":
+        assert not any(x.any() for x in runs[0])
+
+
 def test_linear_cross_entropy_backward_packs_dw_only_when_w_trains():
     """A frozen head (LoRA) gets no dw: the backward node holds dh alone."""
     from toygraph.autodiff import backward
@@ -166,7 +211,12 @@ def test_linear_cross_entropy_shape_errors():
     with pytest.raises(GraphError, match="i32 labels"):
         ops.linear_cross_entropy(h, w, g.input("lab3", (4,)))
     with pytest.raises(GraphError, match="reduction"):
-        ops.linear_cross_entropy(h, w, lab, reduction="none")
+        ops.linear_cross_entropy(h, w, lab, reduction="max")
+    per_row = ops.linear_cross_entropy(h, w, lab, reduction="none")
+    assert per_row.shape == (4,)
+    with pytest.raises(GraphError, match=r"loss gradient must be f32 \[4\]"):
+        g.node("linear_cross_entropy_back", [h, w, lab, g.input("g", ())],
+               dict(reduction="none", grad_h=True, grad_w=False))
 
 
 def test_linear_cross_entropy_labels_are_checked_at_upload():

@@ -19,7 +19,7 @@ from toygraph.ops import loss as loss_ops
 
 
 # --- fused output head + cross-entropy: launch sequence over row chunks, replayed in numpy ------
-# One function (61 lines): one branch per kernel the lowering launches, as loss.cu has them.
+# One function (69 lines): one branch per kernel the lowering launches, as loss.cu has them.
 def _lce_emulate(launch, mem):
     """Replay one launch of the linear_cross_entropy lowering with the kernel's semantics
     (f64), on buffers found by address (pointers into the middle of a buffer included)."""
@@ -77,6 +77,15 @@ def _lce_emulate(launch, mem):
         valid = lab >= 0
         pr[np.arange(N)[valid], lab[valid]] -= 1.0
         view(out, N * V)[:] = (pr * np.where(valid, w, 0.0)[:, None]).ravel()
+    elif k == "tg_ce_back_rows":   # row i weighted by its own g[i]
+        out, logits, labels, g, N, V = (int(v) for v in sc)
+        lab = view(labels, N).astype(np.int64)
+        z = view(logits, N * V).reshape(N, V)
+        e = np.exp(z - z.max(1, keepdims=True))
+        pr = e / e.sum(1, keepdims=True)
+        valid = lab >= 0
+        pr[np.arange(N)[valid], lab[valid]] -= 1.0
+        view(out, N * V)[:] = (pr * np.where(valid, view(g, N), 0.0)[:, None]).ravel()
     elif k == "tg_fill":
         view(sc[0], int(sc[1]))[:] = float(sc[2])
     else:
@@ -171,6 +180,63 @@ def test_linear_cross_entropy_launches_replayed_in_numpy_match_the_cpu_kernels(
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("labels", list(LCE_LOWERING_LABELS))
+@pytest.mark.parametrize("chunk_rows,N", [(7, 30), (None, 40)])
+@pytest.mark.parametrize("grads", [(True, True), (True, False), (False, True)])
+def test_per_row_linear_cross_entropy_launches_replayed_in_numpy_match_the_cpu_kernels(
+        chunk_rows, N, labels, grads, monkeypatch):
+    """reduction="none": forward writes each chunk's row losses straight into the output (no
+    reduce, no row-loss scratch); backward weighs each chunk's rows by their own slice of g
+    (tg_ce_back_rows, no grad scale). Values as the numpy kernels'."""
+    rng = np.random.default_rng(8)
+    D, V = 12, 70
+    if chunk_rows is not None:
+        monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * V * chunk_rows)
+    rows = loss_ops.lce_chunk_rows(N, V)
+    g, h, w, lab, hv, wv, labv, _ = _lce_case(rng, N, D, V,
+                                              LCE_LOWERING_LABELS[labels](rng, N, V))
+    loss = ops.linear_cross_entropy(h, w, lab, reduction="none")
+    gv = rng.normal(size=N)
+    back = g.node("linear_cross_entropy_back", [h, w, lab, g.const("gout", gv)],
+                  dict(reduction="none", grad_h=grads[0], grad_w=grads[1]))
+    assert lowering.scratch_bytes(loss) == lowering.scratch_bytes(back) == \
+        -(-4 * rows * V // 256) * 256
+    chunks = -(-N // rows)
+    launches, got, _ = _lce_replay(loss, [hv, wv, labv], None)
+    assert [l.kernel for l in launches] == ["tg_matmul", "tg_ce_rows"] * chunks
+    want = np.zeros(N)
+    CPU_KERNELS["linear_cross_entropy"](want, [hv, wv, labv], loss.attrs)
+    assert not want[labv < 0].any()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    launches, got, _ = _lce_replay(back, [hv, wv, labv, gv], None)
+    per_chunk = (["tg_matmul", "tg_ce_back_rows"] + ["tg_matmul"] * grads[0]
+                 + ["tg_matmul_acc"] * grads[1])
+    assert [l.kernel for l in launches] == ["tg_fill"] * grads[1] + per_chunk * chunks
+    assert set(l.kernel for l in launches) <= set(OP_KERNELS["linear_cross_entropy_back"])
+    want = np.zeros(back.shape)
+    CPU_KERNELS["linear_cross_entropy_back"](want, [hv, wv, labv, gv], back.attrs)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("labels", ["some", "all"])
+def test_per_row_linear_cross_entropy_on_the_host_device_matches_numpy(labels, monkeypatch):
+    """The compiled kernels (TOYGRAPH_CUDA_DEVICE=host): row losses, dh and dw under a
+    weighted sum, over 24-row chunks of 70 rows, against numpy; bit-identical twice."""
+    from hostparity import REDUCTION, compare_op
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
+    N, D, V = 70, 40, 300
+
+    def lab(g, rng):
+        v = (np.where(rng.random(N) < 0.3, -1, rng.integers(0, V, N)) if labels == "some"
+             else np.full(N, -1))
+        return {g.input("lab", (N,), "i32"): v.astype(np.int32)}
+    got = compare_op(lambda h, w, lb: ops.linear_cross_entropy(h, w, lb, reduction="none"),
+                     [(N, D), (V, D)], REDUCTION, inputs_fn=lab)
+    assert got[0].shape == (N,) and (labels == "some") == bool(got[0].any())
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "f16"])
 def test_linear_cross_entropy_reads_a_block_format_head_through_the_fused_kernels(fmt,
                                                                                    monkeypatch):
@@ -236,8 +302,9 @@ def test_linear_cross_entropy_chunk_rows():
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_linear_cross_entropy_kernels_compile_without_spills(arch, cache):
-    """tg_matmul_acc (tg_matmul's tiles adding into out) and tg_lce_grad_scale compile for
-    sm_80 and sm_90; the accumulating matmul costs no more registers than tg_matmul."""
+    """tg_matmul_acc (tg_matmul's tiles adding into out), tg_lce_grad_scale and
+    tg_ce_back_rows compile for sm_80 and sm_90; the accumulating matmul costs no more
+    registers than tg_matmul."""
     from toygraph.cuda.nvrtc import compile_cubin, resource_usage
     src = module_source(("shape.cu", "matmul.cu", "loss.cu"))
     cubin = compile_cubin(src, arch=arch, name="loss.cu")

@@ -309,6 +309,22 @@ def test_the_loss_median_guard(tiny_llama, chat_data, tmp_path, monkeypatch):
     assert s["status"] == "completed"
 
 
+def test_the_loss_median_guard_tolerates_a_hard_batch_near_zero():
+    """A run that memorized its data (median loss 0.033) meets a batch it has not learned
+    (0.357, 11x the median): not a divergence. Seen in the demo's second pass. A rise of
+    nats from there, or 10x a median far from zero, still is."""
+    from types import SimpleNamespace
+    from toygraph.guard import DivergenceGuard, Diverged
+    guard = DivergenceGuard(SimpleNamespace(recent_losses=[0.033] * 20))
+    guard.check_step(21, 0.357, 1.6)
+    with pytest.raises(Diverged, match="above 10 x the running median"):
+        guard.check_step(22, 1.2, 1.0)
+    high = DivergenceGuard(SimpleNamespace(recent_losses=[2.0] * 20))
+    high.check_step(21, 19.0, 1.0)
+    with pytest.raises(Diverged):
+        high.check_step(22, 21.0, 1.0)
+
+
 # --- signals and torn logs ---------------------------------------------------------------------
 def _signal_after(monkeypatch, step, signals):
     import toygraph.runs as runs

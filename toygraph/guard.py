@@ -3,7 +3,9 @@
 Two checks, both on values the loop already has on the host (no extra device sync):
 - every step, the loss and the gradient norm (downloaded for the step event) must be
   finite, and the loss must stay below ``loss_factor`` x the running median of the recent
-  losses;
+  losses or within ``MIN_RISE`` nats of it (a ratio alone misfires near zero: once a run
+  has memorized most of its data the median is ~0.03 and one batch holding a fact not yet
+  learned costs 0.3, ten times more, while a real blow-up climbs by nats toward ln(vocab));
 - before any checkpoint is written, the weights and AdamW moments being saved (downloaded
   for the file anyway) must be finite, and the weights' norm must not jump beyond
   ``norm_factor`` x that of the last state that passed (a runaway update can leave a
@@ -33,6 +35,7 @@ class DivergenceGuard:
     WINDOW = 50          # losses in the running median
     WARMUP = 5           # steps before the median check starts
     NORM_FACTOR = 100.0  # a weights' norm jump beyond this factor is a runaway update
+    MIN_RISE = 1.0       # nats above the median a loss must also be to count as diverged
 
     def __init__(self, state, loss_factor: float = 10.0):
         self.state, self.loss_factor = state, loss_factor
@@ -44,10 +47,10 @@ class DivergenceGuard:
         recent = self.state.recent_losses
         if self.loss_factor and len(recent) >= self.WARMUP:
             median = float(np.median(recent))
-            if median > 0 and loss > self.loss_factor * median:
+            if median > 0 and loss > max(self.loss_factor * median, median + self.MIN_RISE):
                 raise Diverged(f"step {step}: loss {loss:.4g} is above {self.loss_factor:g} x the "
-                               f"running median {median:.4g}; lower --lr (or raise "
-                               f"--diverge-factor)")
+                               f"running median {median:.4g} (and {self.MIN_RISE:g} above it); "
+                               f"lower --lr (or raise --diverge-factor)")
         recent.append(loss)
         del recent[:-self.WINDOW]
 

@@ -28,6 +28,7 @@ launched that way too, with a warning on the ``toygraph.cuda.backend`` logger.
 Frozen consts in a GGUF block format stay in it on the device when every consumer is a
 matmul or get_rows that dequantizes tiles on the fly (see devmem.py); the rest get an f32
 copy decoded at realize. ``TOYGRAPH_CUDA_QMATMUL=0`` gives every const its f32 copy.
+The nodes that need kernel scratch share one buffer, the size of the largest need.
 :meth:`CudaBackend.memory_report` says what was allocated and saved.
 """
 from __future__ import annotations
@@ -99,6 +100,7 @@ class CudaBackend:
         self.raw_consts: frozenset[int] = frozenset()  # consts kept in block format
         self.ptrs: dict[int, int] = {}          # tensor id -> device address
         self._owned: list[int] = []             # device allocations to free
+        self.scratch_ptr = 0                    # the scratch every node shares (devmem.py)
         self._staging: dict[int, tuple] = {}    # input id -> (host ptr, view, event)
         self._keep: list[np.ndarray] = []       # host arrays an async copy still reads
         self._launches: dict[int, list] = {}    # node id -> prepared launches
@@ -143,7 +145,9 @@ class CudaBackend:
             for t in own:
                 nbytes = mem.f32_buffers.get(t.id) or mem.raw_consts[t.id]
                 self.ptrs[t.id] = self._alloc(max(1, nbytes))
-            scratch_ptr = {tid: self._alloc(n) for tid, n in mem.scratch.items() if n}
+            # One scratch buffer for every node that needs some (devmem.py says why that
+            # is safe); a node that declares none gets a null pointer, not this buffer.
+            self.scratch_ptr = self._alloc(mem.scratch_bytes) if mem.scratch_bytes else 0
         except CudaError as e:
             if "OUT_OF_MEMORY" not in str(e):
                 raise
@@ -155,8 +159,8 @@ class CudaBackend:
             self._bind(t)
         for t in schedule:
             if t.op is not None:
-                launches = lower(t, self._ptr, scratch_ptr.get(t.id, 0), self.raw_consts,
-                                 self.precision)
+                scratch = self.scratch_ptr if t.id in mem.scratch else 0
+                launches = lower(t, self._ptr, scratch, self.raw_consts, self.precision)
                 self._launches[t.id] = [self._prepare(l) for l in launches]
         self.ctx.sync()
         self._keep.clear()
@@ -324,6 +328,7 @@ class CudaBackend:
             self.ctx.free(d)
         self._owned.clear()
         self.ptrs.clear()
+        self.scratch_ptr = 0
 
     def __del__(self):
         try:

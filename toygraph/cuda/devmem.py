@@ -9,6 +9,12 @@ Any other consumer (or the const being a graph output) falls back to the f32 cop
 realize decodes with ops/dequant.cu. ``TOYGRAPH_CUDA_QMATMUL=0`` forces the fallback
 for every const.
 
+Scratch is one buffer shared by every node that needs some (``scratch_bytes``, the
+largest need; ``scratch`` keeps each node's): a node's scratch lives only while its own
+launches run, each launch sequence writes it before reading it, and every launch of a
+session runs in schedule order on one stream (CUDA-graph replay and the all-reduce's
+Collective included), so no two nodes ever use it at once.
+
 >>> mem = plan_device_memory(schedule, plan, pinned)       # doctest: +SKIP
 >>> mem.report()["saved_bytes"]                            # doctest: +SKIP
 441483264
@@ -51,15 +57,20 @@ class DeviceMemoryPlan:
     arena_bytes: int = 0
     f32_buffers: dict[int, int] = field(default_factory=dict)   # pinned tensor id -> bytes
     raw_consts: dict[int, int] = field(default_factory=dict)    # block-format const -> bytes
-    scratch: dict[int, int] = field(default_factory=dict)       # node id -> bytes
+    scratch: dict[int, int] = field(default_factory=dict)       # node id -> bytes it needs
     dequant_temp_bytes: int = 0   # transient at realize: the largest const decoded to f32
     f32_avoided_bytes: int = 0    # the f32 copies the raw consts would have needed
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The one scratch buffer every node shares: the largest node's need."""
+        return max(self.scratch.values(), default=0)
 
     @property
     def resident_bytes(self) -> int:
         """Bytes held from realize until close."""
         return (self.arena_bytes + sum(self.f32_buffers.values()) + sum(self.raw_consts.values())
-                + sum(self.scratch.values()))
+                + self.scratch_bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -75,7 +86,8 @@ class DeviceMemoryPlan:
                 "f32_pinned_bytes": sum(self.f32_buffers.values()),
                 "block_format_consts": len(self.raw_consts),
                 "block_format_bytes": sum(self.raw_consts.values()),
-                "scratch_bytes": sum(self.scratch.values()),
+                "scratch_bytes": self.scratch_bytes, "scratch_nodes": len(self.scratch),
+                "scratch_shared_saved_bytes": sum(self.scratch.values()) - self.scratch_bytes,
                 "dequant_temp_bytes": self.dequant_temp_bytes,
                 "resident_bytes": self.resident_bytes, "peak_bytes": self.peak_bytes,
                 "f32_avoided_bytes": self.f32_avoided_bytes, "saved_bytes": self.saved_bytes}
@@ -85,7 +97,8 @@ def plan_device_memory(schedule, plan, pinned, outputs=(), qmatmul: bool | None 
                        ) -> DeviceMemoryPlan:
     """The allocations of CudaBackend.realize for ``schedule`` with the shared buffer
     ``plan``: the arena, one f32 (or i32) buffer per pinned tensor except the consts kept in
-    block format, which get their block bytes instead, and per-node scratch."""
+    block format, which get their block bytes instead, and one scratch buffer for all the
+    nodes that need scratch (each node's need in ``scratch``)."""
     if qmatmul is None:
         qmatmul = qmatmul_enabled()
     raw = block_format_consts(schedule, outputs) if qmatmul else set()

@@ -24,7 +24,10 @@ class At(NamedTuple):
     """Where a node's launches read and write: ``out`` its output address (0 for an op
     with no output), ``ptr(t)`` any tensor's address (a const in ``raw_consts``: its block
     bytes), ``scratch`` the address of its scratch (:attr:`CudaOp.scratch` bytes), and the
-    backend's matmul ``precision`` ("f32", "bf16" or "tf32")."""
+    backend's matmul ``precision`` ("f32", "bf16" or "tf32"). Every node's scratch is the
+    same buffer (cuda/devmem.py): the launches must write what they read there, and nothing
+    in it outlives the node (what a later node reads, such as saved row statistics, is an
+    output)."""
     out: int
     ptr: Callable
     scratch: int

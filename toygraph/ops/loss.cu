@@ -34,6 +34,17 @@ extern "C" __global__ void tg_ce_reduce(float* out, const float* rowloss, const 
     if (threadIdx.x == 0) out[0] = !mean ? total : (n ? __fdiv_rn(total, (float)n) : 0.0f);
 }
 
+// One row of d loss / d logits: (softmax(l) - onehot(lab)) * wv into o (o may be l).
+__device__ __forceinline__ void tg_ce_back_row(float* o, const float* l, int lab, float wv,
+                                               int V, float* sh) {
+    float total = tg_row_exp_sum(l, tg_row_max(l, V, sh), V, sh, o);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float p = __fdiv_rn(o[j], total);
+        if (j == lab) p = __fsub_rn(p, 1.0f);
+        o[j] = __fmul_rn(p, wv);
+    }
+}
+
 // d loss / d logits = (softmax - onehot(label)) * w, w = g (sum) or g / n (mean), 0 on
 // ignored rows. One block per row.
 extern "C" __global__ void tg_ce_back(float* out, const float* logits, const int* labels,
@@ -43,16 +54,21 @@ extern "C" __global__ void tg_ce_back(float* out, const float* logits, const int
     int n = tg_count_labels(labels, N, ish);
     float w = !mean ? g[0] : (n ? __fdiv_rn(g[0], (float)n) : __fmul_rn(0.0f, g[0]));
     for (int row = blockIdx.x; row < N; row += gridDim.x) {
-        const float* l = logits + (long long)row * V;
-        float* o = out + (long long)row * V;
         int lab = labels[row];
-        float wv = lab >= 0 ? w : 0.0f;
-        float total = tg_row_exp_sum(l, tg_row_max(l, V, sh), V, sh, o);
-        for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            float p = __fdiv_rn(o[j], total);
-            if (j == lab) p = __fsub_rn(p, 1.0f);
-            o[j] = __fmul_rn(p, wv);
-        }
+        tg_ce_back_row(out + (long long)row * V, logits + (long long)row * V, lab,
+                       lab >= 0 ? w : 0.0f, V, sh);
+    }
+}
+
+// The same for per-row losses (linear_cross_entropy's reduction "none"): row i's weight is
+// its own g[i], 0 on ignored rows. One block per row.
+extern "C" __global__ void tg_ce_back_rows(float* out, const float* logits, const int* labels,
+                                           const float* g, int N, int V) {
+    __shared__ float sh[TG_THREADS];
+    for (int row = blockIdx.x; row < N; row += gridDim.x) {
+        int lab = labels[row];
+        tg_ce_back_row(out + (long long)row * V, logits + (long long)row * V, lab,
+                       lab >= 0 ? g[row] : 0.0f, V, sh);
     }
 }
 
@@ -66,7 +82,8 @@ extern "C" __global__ void tg_count_valid(float* out, const int* labels, int N) 
 // own but the one below: its lowering (ops/loss.py) turns it into launches over chunks of
 // rows with one [rows, vocab] scratch block. Per chunk, tg_matmul (or a block-format tg_qmm_nt_*) fills the block
 // with logits; forward, tg_ce_rows writes the chunk's row losses and tg_ce_reduce sums all
-// rows at the end; backward, tg_ce_back turns the block into dlogits in place, tg_matmul
+// rows at the end (reduction "none": tg_ce_rows writes the output, no reduce); backward,
+// tg_ce_back (tg_ce_back_rows for "none") turns the block into dlogits in place, tg_matmul
 // (tg_qmm_nn_*) writes the chunk's dh rows and tg_matmul_acc adds its dw = dlogits^T h
 // into dw, chunk after chunk. No float atomics: every result is deterministic.
 

@@ -55,6 +55,10 @@ define_op("count_valid",
 def linear_cross_entropy(h, w, labels, reduction="mean"):
     """cross_entropy(matmul(h, w, trans_b=True), labels, reduction) without [N, vocab] logits.
 
+    ``reduction="none"`` gives the [N] per-row losses instead (0 on ignored rows): their
+    negation is token_logprobs(matmul(h, w, trans_b=True), labels), the preference recipes'
+    per-token log-probs.
+
     h [N, D] hidden states, w [V, D] the output head (a frozen, possibly quantized const or
     a trainable param), labels [N] i32 with -1 ignored. The kernels walk the rows in chunks,
     so only a [chunk, V] block of logits exists at a time, forward and backward (which
@@ -73,14 +77,14 @@ def _infer_lce(shapes, dtypes, attrs):
     check(len(hs) == 2 and len(ws) == 2 and hs[1] == ws[1],
           f"h must be [N, D] and w [V, D], got {hs} and {ws}")
     check(tuple(ls) == tuple(hs[:1]), f"labels must be [{hs[0]}], got {ls}")
-    check(attrs["reduction"] in ("mean", "sum"), "reduction must be mean or sum")
-    return (), F32
+    check(attrs["reduction"] in ("mean", "sum", "none"), "reduction must be mean, sum or none")
+    return ((hs[0],) if attrs["reduction"] == "none" else ()), F32
 
 
 def _infer_lce_back(shapes, dtypes, attrs):
-    _infer_lce(shapes[:3], dtypes[:3], attrs)
-    check(tuple(shapes[3]) == () and dtypes[3] == F32, f"the loss gradient must be an f32 "
-                                                        f"scalar, got {shapes[3]}")
+    loss_shape, _ = _infer_lce(shapes[:3], dtypes[:3], attrs)
+    check(tuple(shapes[3]) == loss_shape and dtypes[3] == F32,
+          f"the loss gradient must be f32 {list(loss_shape)}, got {dtypes[3]} {list(shapes[3])}")
     check(attrs["grad_h"] or attrs["grad_w"], "linear_cross_entropy_back computes nothing")
     (n, d), v = shapes[0], shapes[1][0]
     return (n * d * attrs["grad_h"] + v * d * attrs["grad_w"],), F32
@@ -176,30 +180,37 @@ def _lce_chunks(h, w, labels):
 def _linear_cross_entropy_numpy(out, srcs, attrs):
     h, w, labels = srcs
     total, n = 0.0, 0
+    if attrs["reduction"] == "none":
+        out.fill(0)
     for r, _, _, s, m, picked in _lce_chunks(h, w, labels):
-        total += float(np.sum(np.log(s) + m - picked, dtype=np.float64))
+        row_loss = np.log(s) + m - picked
+        if attrs["reduction"] == "none":
+            out[r] = row_loss
+        total += float(np.sum(row_loss, dtype=np.float64))
         n += len(r)
-    out[...] = total if attrs["reduction"] == "sum" else (total / n if n else 0.0)
+    if attrs["reduction"] != "none":
+        out[...] = total if attrs["reduction"] == "sum" else (total / n if n else 0.0)
 
 
 @kernel("linear_cross_entropy_back")
 def _linear_cross_entropy_back_numpy(out, srcs, attrs):
     """[dh, dw] packed flat (each only when asked), chunk by chunk from the recomputed
     softmax: dz = (softmax(z) - onehot) * g (/ n for mean), dh = dz @ w, dw += dz^T h, the
-    chunks added into dw in row order."""
+    chunks added into dw in row order. For ``none`` the weight is g's entry of each row."""
     h, w, labels, g = srcs
     (N, D), V = h.shape, w.shape[0]
     dh = out[:N * D].reshape(N, D) if attrs["grad_h"] else None
     dw = out[N * D * attrs["grad_h"]:].reshape(V, D) if attrs["grad_w"] else None
     out.fill(0)
     n = int(np.count_nonzero(labels >= 0))
-    scale = g if attrs["reduction"] == "sum" else (g / n if n else 0.0 * g)
-    scale = out.dtype.type(scale)
+    per_row = attrs["reduction"] == "none"
+    scale = g if attrs["reduction"] != "mean" else (g / n if n else 0.0 * g)
+    scale = scale.astype(out.dtype) if per_row else out.dtype.type(scale)
     tmp = None
     for r, hc, z, s, _, _ in _lce_chunks(h, w, labels):
         z /= s[:, None]
         z[np.arange(len(r)), labels[r]] -= 1.0
-        z *= scale
+        z *= scale[r, None] if per_row else scale
         if dh is not None:
             dh[r] = z @ w
         if dw is not None:
@@ -259,11 +270,13 @@ def lce_chunk_rows(n_rows: int, vocab: int) -> int:
 
 def _lce_scratch(node) -> dict[str, int]:
     """Scratch parts, in order, in bytes (each 256-byte aligned): the chunk's logits block,
-    then forward the per-row losses [N], backward the dlogits weight (one f32)."""
+    then forward the per-row losses [N], backward the dlogits weight (one f32); reduction
+    "none" needs neither (its rows go straight to the output, its weights are g's rows)."""
     (N, _), V = node.srcs[0].shape, node.srcs[1].shape[0]
     parts = {"logits": 4 * lce_chunk_rows(N, V) * V}
-    parts["rowloss" if node.op == "linear_cross_entropy" else "gscale"] = (
-        4 * N if node.op == "linear_cross_entropy" else 4)
+    if node.attrs["reduction"] != "none":
+        parts["rowloss" if node.op == "linear_cross_entropy" else "gscale"] = (
+            4 * N if node.op == "linear_cross_entropy" else 4)
     return {k: (v + 255) // 256 * 256 for k, v in parts.items()}
 
 
@@ -277,12 +290,13 @@ def _lce_scratch_bytes(node) -> int:
     return sum(_lce_scratch(node).values())
 
 
-# One function for both ops (70 lines): forward and backward share the chunk walk and the
+# One function for both ops (77 lines): forward and backward share the chunk walk and the
 # logits matmul of every chunk; split, each half would restate them.
 @lowers("linear_cross_entropy", kernels=("tg_matmul", "tg_ce_rows", "tg_ce_reduce"),
         scratch=_lce_scratch_bytes, block_format=_head_in_blocks)
 @lowers("linear_cross_entropy_back", scratch=_lce_scratch_bytes, block_format=_head_in_blocks,
-        kernels=("tg_lce_grad_scale", "tg_fill", "tg_matmul", "tg_ce_back", "tg_matmul_acc"))
+        kernels=("tg_lce_grad_scale", "tg_fill", "tg_matmul", "tg_ce_back", "tg_ce_back_rows",
+                 "tg_matmul_acc"))
 def _linear_cross_entropy(node, at) -> list[Launch]:
     """Launches over chunks of ``rows`` rows sharing one [rows, V] logits block in scratch.
 
@@ -292,6 +306,8 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
               per chunk  logits = h_c W^T;  tg_ce_back in place -> dlogits_c (weight gs)
                          dh_c = dlogits_c W          (into dh's rows of the chunk)
                          dw += dlogits_c^T h_c       (tg_matmul_acc; chunk order fixed)
+    Reduction "none": forward tg_ce_rows writes the output's rows and nothing reduces;
+    backward has no tg_lce_grad_scale and tg_ce_back_rows weighs each row by its g.
     A block-format head reads through the QUANT_KERNELS "nt"/"nn" kernels instead of
     tg_matmul, and bf16/tf32 through their tensor-core twins.
     """
@@ -306,18 +322,19 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
     hp, lp = ptr(h), ptr(labels)
     quant = w.id in raw_consts
     fwd = node.op == "linear_cross_entropy"
+    per_row = node.attrs["reduction"] == "none"
     grad_h = not fwd and node.attrs["grad_h"]
     grad_w = not fwd and node.attrs["grad_w"]
     if grad_w and quant:
         raise CudaError(f"{node.op} {node.name!r}: no dw for the block-format const {w.name!r}")
     dh, dw = out, out + 4 * N * D * grad_h
     launches = []
-    if not fwd:
+    if not fwd and not per_row:
         launches.append(Launch("tg_lce_grad_scale", (1, 1, 1),
                                [p(extra), p(lp), i32(N), p(ptr(node.srcs[3])),
                                 i32(node.attrs["reduction"] == "mean")]))
-        if grad_w:
-            launches.append(Launch("tg_fill", _blocks(V * D), [p(dw), i32(V * D), f32(0.0)]))
+    if grad_w:
+        launches.append(Launch("tg_fill", _blocks(V * D), [p(dw), i32(V * D), f32(0.0)]))
     for r0 in range(0, N, rows):
         c = min(rows, N - r0)
         hc, lc = hp + 4 * r0 * D, lp + 4 * r0
@@ -326,11 +343,16 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
         else:
             launches.append(dense_mm(zbuf, hc, ptr(w), c, V, D, D, 1, 1, D, precision))
         if fwd:
-            launches.append(Launch("tg_ce_rows", _rows_grid(c),
-                                   [p(extra + 4 * r0), p(zbuf), p(lc), i32(c), i32(V)]))
+            launches.append(Launch("tg_ce_rows", _rows_grid(c), [p((out if per_row else extra)
+                                   + 4 * r0), p(zbuf), p(lc), i32(c), i32(V)]))
             continue
-        launches.append(Launch("tg_ce_back", _rows_grid(c),
-                               [p(zbuf), p(zbuf), p(lc), p(extra), i32(c), i32(V), i32(0)]))
+        if per_row:
+            launches.append(Launch("tg_ce_back_rows", _rows_grid(c),
+                                   [p(zbuf), p(zbuf), p(lc), p(ptr(node.srcs[3]) + 4 * r0), i32(c),
+                                    i32(V)]))
+        else:
+            launches.append(Launch("tg_ce_back", _rows_grid(c),
+                                   [p(zbuf), p(zbuf), p(lc), p(extra), i32(c), i32(V), i32(0)]))
         if grad_h:   # dh_c = dlogits_c [c, V] @ W [V, D]
             if quant:
                 launches.append(block_mm(dh + 4 * r0 * D, zbuf, w, ptr(w), c, D, V, "nn",
@@ -341,7 +363,7 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
         if grad_w:   # dw [V, D] += dlogits_c^T [V, c] @ h_c [c, D]
             launches.append(dense_mm(dw, zbuf, hc, V, D, c, 1, V, D, 1, precision,
                                      kernel="tg_matmul_acc"))
-    if fwd:
+    if fwd and not per_row:
         launches.append(Launch("tg_ce_reduce", (1, 1, 1),
                                [p(out), p(extra), p(lp), i32(N),
                                 i32(node.attrs["reduction"] == "mean")]))
