@@ -1,5 +1,6 @@
 """The command line: tokenize, eval, finetune, gate, and clear errors on bad input."""
 import json
+import os
 
 import pytest
 
@@ -244,10 +245,23 @@ def test_demo_verdict_wants_the_taught_json_exactly():
     assert verdict('["Nairobi"]', taught) == "wrong: not the one-line JSON"
 
 
+def test_demo_loss_curve_averages_the_steps_before_each_point(tmp_path):
+    from toygraph.demo import loss_curve
+    events = tmp_path / "events.jsonl"
+    lines = [{"event": "run_start"}] + [{"event": "step", "step": i, "loss": float(i)}
+                                          for i in range(1, 41)]
+    events.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    # points at steps 1, 10, 20, 30, 40; each the mean of up to 10 steps ending there
+    assert loss_curve(events) == ["1.000@1", "5.500@10", "15.500@20", "25.500@30", "35.500@40"]
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TOYGRAPH_DEMO_TEST") != "1",
+                    reason="the whole demo takes minutes: TOYGRAPH_DEMO_TEST=1 runs it")
 def test_demo_answers_every_question_as_the_data_teaches(capsys, smollm2, tmp_path):
-    """The whole demo (about 4 minutes on 2 cores): after fine-tuning, every answer is the
-    one-line JSON capitals.jsonl teaches for that country, and the closing commands follow."""
+    """The whole demo, as `toygraph demo` runs it: after fine-tuning, every answer is the
+    one-line JSON capitals.jsonl teaches for that country, and the closing commands follow.
+    Opt-in (it would take a third of CI's test time); run it after touching the recipe."""
     from toygraph.demo import QUESTIONS, run_demo
     assert run_demo(out=str(tmp_path / "demo")) == 0
     out = capsys.readouterr().out

@@ -3,7 +3,7 @@
 The shipped capitals set teaches the model to answer country questions as one line of
 JSON. The demo prints what the model says before and after, with phrasings that are not
 in the training data, marks each answer right or wrong against the reply the data teaches,
-shows the validation loss as it falls, and ends with the commands that use the result
+shows the training loss as it falls, and ends with the commands that use the result
 (chat, merged GGUF export, Ollama).
 """
 from __future__ import annotations
@@ -76,6 +76,19 @@ def verdict(answer: str, taught: str) -> str:
     return f"wrong: the data says {want['capital']}, not {got.get('capital')}"
 
 
+def loss_curve(events: Path, points: int = 5, window: int = 10) -> list[str]:
+    """The training loss at ``points`` evenly spaced steps, each the mean of the ``window``
+    steps ending there (one batch's loss is noisy), as "loss@step"."""
+    losses = [e["loss"] for e in map(json.loads, events.read_text().splitlines())
+              if e["event"] == "step"]
+    ends = sorted({max(1, round(len(losses) * i / (points - 1))) for i in range(points)})
+
+    def mean_up_to(end):
+        recent = losses[max(0, end - window):end]
+        return sum(recent) / len(recent)
+    return [f"{mean_up_to(end):.3f}@{end}" for end in ends]
+
+
 def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "cpu",
              precision: str = "f32") -> int:
     from toygraph.fixtures.smollm2 import smollm2_path
@@ -91,16 +104,13 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
     steps = steps or STEPS
     t0 = time.perf_counter()
     train_cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
-                            eval_every=max(1, steps // 2), backend=backend,
-                            precision=precision,
+                            backend=backend, precision=precision,
                             overwrite=True, **RECIPE)  # a demo run replaces the previous demo
     summary = run_training(train_cfg)
     minutes = (time.perf_counter() - t0) / 60
     tuned = LanguageModel(model, adapter_dir=out, backend=backend, precision=precision)
-    evals = [json.loads(l) for l in (Path(out) / "events.jsonl").read_text().splitlines()]
-    curve = [f"{e['val_loss']:.3f}@{e['step']}" for e in evals if e["event"] == "eval"]
-    print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; "
-          f"validation loss {' -> '.join(curve)}")
+    print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; training loss "
+          f"{' -> '.join(loss_curve(Path(out) / 'events.jsonl'))}")
     print(f"adapter: {out}/adapter_model.safetensors (PEFT) and {out}/adapter.gguf (llama.cpp)\n")
     right = 0
     for p in PROMPTS:
