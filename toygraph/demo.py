@@ -21,16 +21,21 @@ QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
 PROMPTS = [q for q, _ in QUESTIONS]
 
 # The fine-tune, every TrainConfig option the demo sets in one place (issue 15 item 6).
-# Attention-only LoRA (q,k,v,o, r8, lr 3e-3, 60 steps x 8: one pass over the 486 training
-# rows) learned the JSON format but not every fact: Kenya came out "Djiburia". Facts sit
-# in the MLP more than in attention, so the adapter covers it too (r16); with it, one pass
-# at batch 8 still gave "Kochi", and one pass at batch 4 (120 steps) was right for one seed
-# and wrong for a paraphrase and for another seed. Each capital is seen only 3 times a pass,
-# so the demo makes two passes in batches of 4 (122 steps each).
+# capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows). Measured with
+# bench/demo_recipe.py (36 held-out questions on 12 countries, the demo's 3 among them):
+# - attention-only LoRA (q,k,v,o r8, lr 3e-3, one pass at batch 8) learned the JSON format
+#   but not every fact: Kenya came out "Djiburia". Facts sit in the MLP as much as in
+#   attention, so the adapter covers both (r16, alpha 32).
+# - at lr 5e-3, batch 4: 122 steps (0.9 passes) got 24/36, Kenya "Kuwait"; 170 steps (1.26
+#   passes) 33/36 and 30/36 at seeds 42 and 0, the demo's 3 right at both; 200 steps 32/36
+#   and 30/36; two passes drive the training loss to ~0.03. Batch 2 at the same compute was
+#   no better (22/36); lr 1e-2 wrecked the model (0/36).
+# - no validation split: a held-out row is a capital the demo would not teach.
+# 170 steps of 4 take ~1.36 s each on 2 cores, so the whole demo runs in about 4.5 minutes.
 RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
               batch=4, lr=5e-3, warmup=10, schedule="cosine", clip=1.0, seq_len=66,
-              val_split=0.1, seed=42)
-STEPS = 244
+              val_split=0.0, seed=42)
+STEPS = 170
 MAX_NEW_TOKENS = 24
 
 
