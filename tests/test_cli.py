@@ -1,5 +1,6 @@
 """The command line: tokenize, eval, finetune, gate, and clear errors on bad input."""
 import json
+import os
 
 import pytest
 
@@ -197,3 +198,73 @@ def test_demo_next_steps_run_as_printed(capsys, tiny_llama, tmp_path, monkeypatc
     assert "my run (merged)" in bytes(name.parts[name.data[0]]).decode()
     assert ollama[:3] == ["ollama", "create", "capitals"] and (out_dir / "Modelfile").is_file()
     assert ollama[4] == str(out_dir / "Modelfile")
+
+
+def test_demo_questions_are_taught_by_the_shipped_data():
+    """Every demo question asks about a country capitals.jsonl teaches, in a phrasing the
+    data does not hold: the demo tests a learned fact, not a memorized line."""
+    from toygraph.demo import QUESTIONS, data_path, taught_answers
+    rows = [json.loads(line) for line in data_path().read_text(encoding="utf-8").splitlines()]
+    taught = taught_answers(data_path())
+    for question, country in QUESTIONS:
+        assert country in question and json.loads(taught[question])["country"] == country
+        assert question not in {r["instruction"] for r in rows}
+        assert {"instruction": question, "response": taught[question]} not in rows
+
+
+def test_demo_refuses_data_that_does_not_teach_its_countries(tmp_path):
+    from toygraph.demo import taught_answers
+    from toygraph.errors import DataError
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"instruction": "Capital of Peru?",
+                                "response": '{"country": "Peru", "capital": "Lima"}'}) + "\n")
+    with pytest.raises(DataError, match=r"c.jsonl: teaches no capital for Japan, Kenya, Norway"):
+        taught_answers(data)
+
+
+def test_demo_countries_are_in_the_training_part():
+    """The demo's validation split (its seed and fraction) leaves every demo country at
+    least one training row: a fact seen only in validation would not be taught."""
+    from toygraph.data import split_train_val
+    from toygraph.demo import QUESTIONS, RECIPE, data_path
+    rows = [json.loads(line) for line in data_path().read_text(encoding="utf-8").splitlines()]
+    train, _ = split_train_val(rows, RECIPE["val_split"], RECIPE["seed"])
+    trained = {json.loads(r["response"])["country"] for r in train}
+    assert {country for _, country in QUESTIONS} <= trained
+
+
+def test_demo_verdict_wants_the_taught_json_exactly():
+    from toygraph.demo import verdict
+    taught = '{"country": "Kenya", "capital": "Nairobi"}'
+    assert verdict(taught, taught) == "right"
+    assert verdict('{"country": "Kenya", "capital": "Djiburia"}', taught) == \
+        "wrong: the data says Nairobi, not Djiburia"
+    assert verdict("The capital of Kenya is Nairobi.", taught) == "wrong: not the one-line JSON"
+    assert verdict('{"country": "Kenya",\n "capital": "Nairobi"}', taught) == \
+        "wrong: the right fact, not in the taught one-line form"
+    assert verdict('["Nairobi"]', taught) == "wrong: not the one-line JSON"
+
+
+def test_demo_loss_curve_averages_the_steps_before_each_point(tmp_path):
+    from toygraph.demo import loss_curve
+    events = tmp_path / "events.jsonl"
+    lines = [{"event": "run_start"}] + [{"event": "step", "step": i, "loss": float(i)}
+                                          for i in range(1, 41)]
+    events.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    # points at steps 1, 10, 20, 30, 40; each the mean of up to 10 steps ending there
+    assert loss_curve(events) == ["1.000@1", "5.500@10", "15.500@20", "25.500@30", "35.500@40"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TOYGRAPH_DEMO_TEST") != "1",
+                    reason="the whole demo takes minutes: TOYGRAPH_DEMO_TEST=1 runs it")
+def test_demo_answers_every_question_as_the_data_teaches(capsys, smollm2, tmp_path):
+    """The whole demo, as `toygraph demo` runs it: after fine-tuning, every answer is the
+    one-line JSON capitals.jsonl teaches for that country, and the closing commands follow.
+    Opt-in (it would take a third of CI's test time); run it after touching the recipe."""
+    from toygraph.demo import QUESTIONS, run_demo
+    assert run_demo(out=str(tmp_path / "demo")) == 0
+    out = capsys.readouterr().out
+    afters = [line for line in out.splitlines() if line.startswith("  after:")]
+    assert len(afters) == len(QUESTIONS) and all(line.endswith("(right)") for line in afters), out
+    assert f"{len(QUESTIONS)}/{len(QUESTIONS)} answers" in out and "toygraph export" in out

@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="short LoRA fine-tune of SmolLM2 on the capitals set")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the demo's recipe)")
     add_backend_args(p)
     p.set_defaults(fn=cmd_demo)
     add_export_parser(sub)
