@@ -274,9 +274,10 @@ def _lce_scratch(node) -> dict[str, int]:
     "none" needs neither (its rows go straight to the output, its weights are g's rows)."""
     (N, _), V = node.srcs[0].shape, node.srcs[1].shape[0]
     parts = {"logits": 4 * lce_chunk_rows(N, V) * V}
-    if node.attrs["reduction"] != "none":
-        parts["rowloss" if node.op == "linear_cross_entropy" else "gscale"] = (
-            4 * N if node.op == "linear_cross_entropy" else 4)
+    if node.attrs["reduction"] != "none" and node.op == "linear_cross_entropy":
+        parts["rowloss"] = 4 * N
+    elif node.attrs["reduction"] != "none":
+        parts["gscale"] = 4
     return {k: (v + 255) // 256 * 256 for k, v in parts.items()}
 
 

@@ -2,15 +2,20 @@
 // block (TG_THREADS threads) per row, each row's reductions a fixed-order tree, so results
 // are bit-identical run to run.
 
+// 1 / sqrt(mean(x^2) + eps) of one row, the same rounding in the forward and the backward.
+__device__ __forceinline__ float tg_rms_inv(const float* xr, int D, float eps, float* sh) {
+    float acc = 0.0f;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) acc = __fadd_rn(acc, __fmul_rn(xr[j], xr[j]));
+    float ms = __fdiv_rn(tg_block_sum(acc, sh), (float)D);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+}
+
 extern "C" __global__ void tg_rms_norm(float* out, const float* x, int rows, int D, float eps) {
     __shared__ float sh[TG_THREADS];
     for (int row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* xr = x + (long long)row * D;
         float* orow = out + (long long)row * D;
-        float acc = 0.0f;
-        for (int j = threadIdx.x; j < D; j += blockDim.x) acc = __fadd_rn(acc, __fmul_rn(xr[j], xr[j]));
-        float ms = __fdiv_rn(tg_block_sum(acc, sh), (float)D);
-        float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+        float r = tg_rms_inv(xr, D, eps, sh);
         for (int j = threadIdx.x; j < D; j += blockDim.x) orow[j] = __fmul_rn(xr[j], r);
     }
 }
@@ -23,10 +28,7 @@ extern "C" __global__ void tg_rms_norm_back(float* out, const float* x, const fl
         const float* xr = x + (long long)row * D;
         const float* gr = g + (long long)row * D;
         float* orow = out + (long long)row * D;
-        float acc = 0.0f;
-        for (int j = threadIdx.x; j < D; j += blockDim.x) acc = __fadd_rn(acc, __fmul_rn(xr[j], xr[j]));
-        float ms = __fdiv_rn(tg_block_sum(acc, sh), (float)D);
-        float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+        float r = tg_rms_inv(xr, D, eps, sh);
         float gy = 0.0f;
         for (int j = threadIdx.x; j < D; j += blockDim.x)
             gy = __fadd_rn(gy, __fmul_rn(gr[j], __fmul_rn(xr[j], r)));
