@@ -16,7 +16,8 @@ import ast
 import json
 import time
 
-from toygraph.demo import QUESTIONS, RECIPE, STEPS, data_path, taught_answers, verdict
+from toygraph.demo import (QUESTIONS, RECIPE, STEPS, data_path, replies_by_country,
+                           taught_answers, verdict)
 from toygraph.fixtures.smollm2 import smollm2_path
 from toygraph.inference import LanguageModel
 from toygraph.train import TrainConfig, run_training
@@ -24,11 +25,6 @@ from toygraph.train import TrainConfig, run_training
 PHRASINGS = ("Tell me the capital of {}.", "What's the capital city of {}?", "Capital of {}?")
 COUNTRIES = ("Japan", "Kenya", "Norway", "Peru", "Vietnam", "Morocco", "Canada", "Chile",
              "Finland", "Nigeria", "Mongolia", "Portugal")
-
-
-def replies_by_country(data) -> dict[str, str]:
-    rows = (json.loads(line)["response"] for line in data.read_text().splitlines() if line.strip())
-    return {json.loads(r)["country"]: r for r in rows}
 
 
 def main():
@@ -52,8 +48,10 @@ def main():
     train_s = time.perf_counter() - t0
     tuned = LanguageModel(model, adapter_dir=args.out)
     asked = [(p.format(c), c) for c in COUNTRIES for p in PHRASINGS]
-    marks = [(q, a, verdict(a, replies[c])) for q, c in asked
-             for a in [tuned.generate(q, chat=True, max_new_tokens=24)]]
+    marks = []
+    for question, country in asked:
+        answer = tuned.generate(question, chat=True, max_new_tokens=24)
+        marks.append((question, answer, verdict(answer, replies[country])))
     demo = {q for q, _ in QUESTIONS}
     print(json.dumps(dict(
         steps=args.steps, recipe=recipe, train_s=round(train_s, 1),

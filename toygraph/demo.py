@@ -48,17 +48,20 @@ def data_path() -> Path:
     return data
 
 
+def replies_by_country(data: Path) -> dict[str, str]:
+    """Each country's reply in a capitals-style JSONL: the one-line JSON it teaches."""
+    rows = (json.loads(line)["response"] for line in
+            Path(data).read_text(encoding="utf-8").splitlines() if line.strip())
+    return {json.loads(response)["country"]: response for response in rows}
+
+
 def taught_answers(data: Path) -> dict[str, str]:
     """The reply the data teaches for each demo question: the one-line JSON of its country.
 
     A country the data does not teach is a DataError: the demo would be asking something
     it cannot have learned."""
     from .errors import DataError
-    replies = {}
-    for line in Path(data).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            response = json.loads(line)["response"]
-            replies[json.loads(response)["country"]] = response
+    replies = replies_by_country(data)
     missing = [country for _, country in QUESTIONS if country not in replies]
     if missing:
         raise DataError(f"{data}: teaches no capital for {', '.join(missing)}")
