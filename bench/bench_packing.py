@@ -3,7 +3,7 @@
 The same LoRA training steps on the same ragged instruct data (the shipped
 fixtures/data/ragged_alpaca.jsonl, 300 alpaca-style rows of ~40-360 SmolLM2 tokens, made by
 fixtures/make_ragged.py), once one example per row (padded to --seq-len) and once packed
-(toygraph.packing: first-fit decreasing, attention kept inside each example). Each mode
+(toygraph.data.packing: first-fit decreasing, attention kept inside each example). Each mode
 runs --warmup untimed steps, then --steps timed ones; "real tok/s" counts only the slots
 that hold an example's token. Prints one markdown table (stdout); ``--json`` writes the rows.
 
@@ -27,9 +27,9 @@ DATA = HERE.parent / "fixtures" / "data" / "ragged_alpaca.jsonl"
 
 def run_mode(model, tok, items, args, pack: bool) -> dict:
     """Realize the LoRA recipe for one mode and time its steps."""
-    from toygraph.data import pad_id_for
-    from toygraph.optim import hp_row
-    from toygraph.packing import batches_per_epoch, epoch_batches, packing_efficiency
+    from toygraph.data.batches import pad_id_for
+    from toygraph.core.optimizer import hp_row
+    from toygraph.data.packing import batches_per_epoch, epoch_batches, packing_efficiency
     from toygraph.recipes import LoRA, RecipeOptions
     recipe = LoRA(targets=tuple(args.targets.split(",")), rank=8, alpha=16)
     t0 = time.perf_counter()
@@ -97,10 +97,10 @@ def main(argv=None):
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--note", default="", help="a line for the table (e.g. machine load)")
     args = ap.parse_args(argv)
-    from toygraph.cli import resolve_model
-    from toygraph.data import encode_dataset, load_examples
-    from toygraph.gguf import GGUFModel
-    from toygraph.tokenizer import Tokenizer
+    from toygraph.models.catalog import resolve_model
+    from toygraph.data.batches import encode_dataset, load_examples
+    from toygraph.models.model import GGUFModel
+    from toygraph.gguf.tokenizer import Tokenizer
     path = resolve_model(args.model)
     model, tok = GGUFModel(path), Tokenizer.from_gguf(path)
     enc = encode_dataset(load_examples(args.data), tok, args.seq_len)

@@ -2,12 +2,12 @@
 
     python bench/demo_recipe.py --steps 200 --seed 0 [--set lr=3e-3 --set batch=2 ...]
 
-Trains `toygraph demo`'s LoRA recipe (toygraph.demo.RECIPE, overridden by --set) on the
+Trains `toygraph demo`'s LoRA recipe (toygraph.demo.capitals.RECIPE, overridden by --set) on the
 shipped capitals.jsonl, then asks 12 countries the data teaches in 3 phrasings each, none
 of them in the data (the demo's own three questions among them), and prints one JSON line:
 the training seconds, seconds per step, how many answers are exactly the one-line JSON the
 data teaches, whether the demo's three are, and every wrong answer. This is how the demo's
-step count was chosen (toygraph/demo.py, RECIPE's comment).
+step count was chosen (toygraph/demo/capitals.py, RECIPE's comment).
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import ast
 import json
 import time
 
-from toygraph.demo import (QUESTIONS, RECIPE, STEPS, data_path, replies_by_country,
+from toygraph.demo.capitals import (QUESTIONS, RECIPE, STEPS, data_path, replies_by_country,
                            taught_answers, verdict)
-from toygraph.fixtures.smollm2 import smollm2_path
-from toygraph.inference import LanguageModel
-from toygraph.train import TrainConfig, run_training
+from toygraph.models.catalog import smollm2_path
+from toygraph.inference.language_model import LanguageModel
+from toygraph.training.run import TrainConfig, run_training
 
 PHRASINGS = ("Tell me the capital of {}.", "What's the capital city of {}?", "Capital of {}?")
 COUNTRIES = ("Japan", "Kenya", "Norway", "Peru", "Vietnam", "Morocco", "Canada", "Chile",

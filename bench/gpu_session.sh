@@ -214,9 +214,9 @@ import numpy as np
 path, out = Path(sys.argv[1]).resolve(), sys.argv[2]
 os.environ["TOYGRAPH_SMOLLM2"] = str(path)
 backend, RTOL = os.environ.get("GS_BACKEND", "cuda"), 1e-4
-from toygraph.gguf import GGUFModel
-from toygraph.inference import LanguageModel
-from toygraph.tokenizer import Tokenizer
+from toygraph.models.model import GGUFModel
+from toygraph.inference.language_model import LanguageModel
+from toygraph.gguf.tokenizer import Tokenizer
 
 
 def fwd_loss(tokens, be):

@@ -55,8 +55,8 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)
-    from toygraph.cli import resolve_model
-    from toygraph.gguf import GGUFModel
+    from toygraph.models.catalog import resolve_model
+    from toygraph.models.model import GGUFModel
     model = GGUFModel(resolve_model(a.model))
     rows = [plan(model, a.recipe, a.batch, a.seq_len, fused) for fused in (False, True)]
     print(f"## {a.recipe} step, {Path(resolve_model(a.model)).name}, batch {a.batch} pairs "

@@ -17,17 +17,16 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from toygraph import ops
-from toygraph.packing import batches_per_epoch, epoch_batches
-from toygraph.distributed import world
+from toygraph.core import ops
+from toygraph.core.distributed import world
+from toygraph.core.graph import Graph
+from toygraph.core.optimizer import build_training
+from toygraph.core.precision import BACKENDS, precision_error
+from toygraph.core.session import Session
+from toygraph.data.packing import batches_per_epoch, epoch_batches
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
-from toygraph.optim import build_training
-from toygraph.session import BACKENDS, Session, precision_error
 
-
-#: Whether the CPU backend also uses the fused head + loss. On CUDA the fused op is always
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
 #: the CPU memory is rarely the limit and the fused backward recomputes the head matmul,
 #: which made a SmolLM2 LoRA step (batch 8 x seq 64, 2 cores) slower: 2.91 s against
@@ -52,9 +51,9 @@ class RecipeOptions:
     """Options every recipe shares. ``untied``/``qkv_bias`` default to the model's own
     values; set them to assert what the model must have. ``clip`` 0 turns clipping
     off; ``grad_accum`` micro-batches of ``batch`` sequences make one optimizer step.
-    ``precision`` is the matmuls' input precision (toygraph.session.PRECISIONS). The seed
+    ``precision`` is the matmuls' input precision (toygraph.core.precision.PRECISIONS). The seed
     and init scale default to LoraConfig's: defaults live once, in the lowest layer.
-    ``data_parallel`` makes this process one rank of ``toygraph.distributed.world()``:
+    ``data_parallel`` makes this process one rank of ``toygraph.core.distributed.world()``:
     ``batch`` is then its share of the batch, gradients and token counts are summed over
     the ranks inside the graph and the reported loss is the job's."""
 
@@ -70,7 +69,7 @@ class RecipeOptions:
     backend: str = "cpu"
     checkpoint_activations: bool = False   # recompute each block in the backward (recompute.py)
     data_parallel: bool = False
-    pack: bool = False      # packed rows: step/evaluate take segment ids (toygraph.packing)
+    pack: bool = False      # packed rows: step/evaluate take segment ids (toygraph.data.packing)
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "grad_accum"):

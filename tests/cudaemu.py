@@ -11,12 +11,13 @@ import subprocess
 import numpy as np
 import pytest
 
-from toygraph import ops, quant
-from toygraph.cuda import lowering
-from toygraph.cuda.kernels import QUANT_KERNELS
-from toygraph.graph import PHASES, Graph, topo_order
-from toygraph.memory import plan_buffers
-from toygraph.ops import KERNELS as CPU_KERNELS
+from toygraph.core import ops
+from toygraph.gguf import block_encode, blocks
+from toygraph.cuda.lowering import dispatch
+from toygraph.core.ops.gemm import QUANT_KERNELS
+from toygraph.core.graph import PHASES, Graph, topo_order
+from toygraph.core.memory import plan_buffers
+from toygraph.core.ops import KERNELS as CPU_KERNELS
 
 
 def has_nvrtc() -> bool:
@@ -81,7 +82,7 @@ def check_lowering(node, srcs_values):
         mem[addr[t.id]] = np.asarray(v, np.float64).ravel()
     addr[node.id] = (node.id + 1) << 20
     mem[addr[node.id]] = np.zeros(node.size)
-    for launch in lowering.lower(node, lambda t: addr[t.id]):
+    for launch in dispatch.lower(node, lambda t: addr[t.id]):
         for x in launch.args:
             assert isinstance(x, np.ndarray) and x.dtype in (np.int32, np.uint64, np.float32,
                                                              np.float64)
@@ -100,7 +101,7 @@ def const_node(build, *shapes, seed=0):
     return build(*leaves), vals
 
 
-BLOCK_FORMATS = sorted(set(quant.BLOCK) - {"f32"})
+BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
 
 
 def qmm_format(kernel: str) -> tuple[str, str]:
@@ -116,26 +117,26 @@ def emulate_quant(launch, mem, raw_rows):
     decoded from its bytes with the row length ``row_bytes`` implies."""
     fmt, kind = qmm_format(launch.kernel)
     a = [int(x[0]) for x in launch.args]
-    elems, size = quant.BLOCK[fmt]
+    elems, size = blocks.BLOCK[fmt]
     if kind == "rows":
         out, table, ids, n, D, rb = a
         assert rb % size == 0 and rb // size * elems == D
-        W = quant.dequantize(mem[table][:raw_rows * rb], fmt, (raw_rows, D))
+        W = blocks.dequantize(mem[table][:raw_rows * rb], fmt, (raw_rows, D))
         i = np.arange(n)
         mem[out][:n] = W[mem[ids].astype(np.int64)[i // D], i % D]
         return
     out, x, w, M, N, K, rb = a
     assert rb % size == 0
     cols = rb // size * elems
-    W = quant.dequantize(mem[w][:raw_rows * rb], fmt, (raw_rows, cols)).astype(np.float64)
+    W = blocks.dequantize(mem[w][:raw_rows * rb], fmt, (raw_rows, cols)).astype(np.float64)
     B = W.T if kind == "nt" else W
     assert B.shape == (K, N)
     mem[out][:M * N] = (mem[x][:M * K].reshape(M, K) @ B).ravel()
 
 
 def qweight(rng, fmt, rows, cols):
-    raw = quant.quantize(rng.normal(size=(rows, cols)).astype(np.float32), fmt)
-    return raw, quant.dequantize(raw, fmt, (rows, cols))
+    raw = block_encode.quantize(rng.normal(size=(rows, cols)).astype(np.float32), fmt)
+    return raw, blocks.dequantize(raw, fmt, (rows, cols))
 
 
 def training_plan(graph):
@@ -151,12 +152,12 @@ def training_plan(graph):
 
 
 def lora_graph(path, targets=("q", "v")):
-    from toygraph.gguf import GGUFModel
-    from toygraph.models.llama import LoraConfig, build_llama
-    from toygraph.optim import build_training
+    from toygraph.models.model import GGUFModel
+    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_llama(g, model.config, batch=2, seq_len=8, model=model,
+    net = build_decoder(g, model.config, batch=2, seq_len=8, model=model,
                       lora=LoraConfig(targets=targets, rank=4, alpha=8))
     lab = g.input("labels", (16,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, lab, reduction="sum"))
@@ -165,12 +166,12 @@ def lora_graph(path, targets=("q", "v")):
 
 
 def smollm2_training_graph(path, fused, batch, seq, build_training_too=True):
-    from toygraph.gguf import GGUFModel
-    from toygraph.models.llama import LoraConfig, build_llama, lm_head
-    from toygraph.optim import build_training
+    from toygraph.models.model import GGUFModel
+    from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
+    from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_llama(g, model.config, batch=batch, seq_len=seq, model=model, logits=False,
+    net = build_decoder(g, model.config, batch=batch, seq_len=seq, model=model, logits=False,
                       lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
     lab = g.input("labels", (batch * seq,), "i32")
     loss = (ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum") if fused else
@@ -191,7 +192,7 @@ def block_weight_const(rng, fmt, rows, cols_k):
     """A random [rows, cols] const in block format ``fmt`` in a new graph, with cols a
     multiple of the format's block (``cols_k`` for the 256-element k-quants): (graph, the
     const, its block bytes, its values)."""
-    elems = quant.BLOCK[fmt][0]
+    elems = blocks.BLOCK[fmt][0]
     cols = max(2 * elems, 96) if elems < 256 else cols_k
     raw, wv = qweight(rng, fmt, rows, cols)
     g = Graph()

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph import ops
-from toygraph.autodiff import accumulate_grads, backward
-from toygraph.graph import Graph
-from toygraph.session import Session
+from toygraph.core import ops
+from toygraph.core.autodiff import accumulate_grads, backward
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
 
 
 def weighted_sum(y, rng):

@@ -3,10 +3,11 @@ the CPU (TOYGRAPH_CUDA_DEVICE=host) against the numpy backend, with tests/test_c
 tolerances. Errors are normwise: max|cuda - numpy| / max|numpy| per tensor."""
 import numpy as np
 
-from toygraph import ops, quant
-from toygraph.autodiff import accumulate_grads, backward
-from toygraph.graph import Graph
-from toygraph.session import Session
+from toygraph.core import ops
+from toygraph.gguf import block_encode, blocks
+from toygraph.core.autodiff import accumulate_grads, backward
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
 
 ELEMENTWISE, REDUCTION = 1e-5, 1e-4
 MIXED_TOL = {"bf16": 2e-2, "tf32": 5e-3}
@@ -63,7 +64,7 @@ def qlinear(fmt, cols, *, rows, batch, seed=0):
     """y = x @ W^T with W [rows, cols] a block-format const; loss = sum(y * r). Returns the
     graph, W, the fetch list [y, d loss / d x] and their f64 references."""
     rng = np.random.default_rng(seed)
-    raw = quant.quantize(rnd(rng, rows, cols), fmt)
+    raw = block_encode.quantize(rnd(rng, rows, cols), fmt)
     g = Graph()
     x = g.param("x", rnd(rng, *batch, cols))
     w = g.const("w", raw, shape=(rows, cols), storage=fmt)
@@ -71,6 +72,6 @@ def qlinear(fmt, cols, *, rows, batch, seed=0):
     r = rnd(rng, *y.shape)
     loss = ops.sum(ops.mul(y, g.const("r", r)))
     grads = accumulate_grads(backward(loss, [x]))
-    wv = quant.dequantize(raw, fmt, (rows, cols)).astype(np.float64)
+    wv = blocks.dequantize(raw, fmt, (rows, cols)).astype(np.float64)
     xv = np.asarray(x.data, np.float64)
     return g, w, [y, grads[x]], [xv @ wv.T, r.astype(np.float64) @ wv]

@@ -6,7 +6,7 @@ replay of a whole tc_matmul.cu launch through it, driven by the kernels' own ind
 import numpy as np
 
 from cudaemu import walk
-from toygraph.cuda.launch import MAX_GRID_YZ
+from toygraph.cuda.lowering.launch import MAX_GRID_YZ
 
 
 # The PTX ISA's fragment layouts, written from the documentation independently of the

@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from toygraph.adapters import WEIGHTS_FILE, load_peft, save_peft
+from toygraph.adapters.files import WEIGHTS_FILE, load_peft, save_peft
 from toygraph.errors import DataError
-from toygraph.gguf import GGUFModel
-from toygraph.models.llama import weight_shape
+from toygraph.models.model import GGUFModel
+from toygraph.models.decoder import weight_shape
 
 NAME = "blk.0.attn_q.weight"
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from toygraph.adapters import (CONFIG_FILE, WEIGHTS_FILE, check_gguf_adapter, hf_row_order,
+from toygraph.adapters.files import (CONFIG_FILE, WEIGHTS_FILE, check_gguf_adapter, hf_row_order,
                                load_gguf_adapter, load_peft, save_gguf_adapter, save_peft)
 from toygraph.errors import DataError
-from toygraph.gguf import GGUFModel
-from toygraph.models.llama import TARGETS, weight_shape
+from toygraph.models.model import GGUFModel
+from toygraph.models.decoder import TARGETS, weight_shape
 
 ALL = tuple(TARGETS)
 

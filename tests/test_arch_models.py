@@ -21,11 +21,11 @@ import pytest
 
 from test_llama import toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
-from toygraph.adapters import check_gguf_adapter, save_gguf_adapter, save_peft
+from toygraph.adapters.files import check_gguf_adapter, save_gguf_adapter, save_peft
 from toygraph.fixtures.tiny_models import (LLAMA3_ROPE_SCALING, write_tiny_gemma3,
                                            write_tiny_llama, write_tiny_llama3, write_tiny_qwen3)
-from toygraph.gguf import GGUFModel
-from toygraph.inference import LanguageModel
+from toygraph.models.model import GGUFModel
+from toygraph.inference.language_model import LanguageModel
 from toygraph.models.decoder import TARGETS
 
 torch = pytest.importorskip("torch")

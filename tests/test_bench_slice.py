@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from test_llama import toygraph_loss, transformers_loss
-from toygraph.gguf import GGUFModel
+from toygraph.models.model import GGUFModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from slice_gguf import main, slice_gguf  # noqa: E402

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from toygraph.chat import chat_loop
+from toygraph.cli.chat import chat_loop
 from toygraph.errors import DataError
-from toygraph.inference import LanguageModel
+from toygraph.inference.language_model import LanguageModel
 
 N = 6  # new tokens per reply
 

@@ -154,7 +154,7 @@ def test_generate_arguments_are_checked(capsys, tiny_llama, flags, needle):
 def test_generate_stops_at_the_context(tmp_path):
     """--max-new-tokens far beyond a 24-token context ends at the context, not a hang."""
     from toygraph.fixtures.tiny_models import write_tiny_llama
-    from toygraph.inference import LanguageModel
+    from toygraph.inference.language_model import LanguageModel
     lm = LanguageModel(str(write_tiny_llama(tmp_path / "short.gguf", n_ctx=24)))
     lm.stop_ids = set()  # never stop early: the context is the only limit left
     real_next_logits = lm.next_logits
@@ -179,7 +179,7 @@ def test_demo_next_steps_run_as_printed(capsys, tiny_llama, tmp_path, monkeypatc
 
     import gguf
 
-    from toygraph.demo import next_steps
+    from toygraph.demo.capitals import next_steps
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n"
                             for i in range(8)))
@@ -203,7 +203,7 @@ def test_demo_next_steps_run_as_printed(capsys, tiny_llama, tmp_path, monkeypatc
 def test_demo_questions_are_taught_by_the_shipped_data():
     """Every demo question asks about a country capitals.jsonl teaches, in a phrasing the
     data does not hold: the demo tests a learned fact, not a memorized line."""
-    from toygraph.demo import QUESTIONS, data_path, taught_answers
+    from toygraph.demo.capitals import QUESTIONS, data_path, taught_answers
     rows = [json.loads(line) for line in data_path().read_text(encoding="utf-8").splitlines()]
     taught = taught_answers(data_path())
     for question, country in QUESTIONS:
@@ -213,7 +213,7 @@ def test_demo_questions_are_taught_by_the_shipped_data():
 
 
 def test_demo_refuses_data_that_does_not_teach_its_countries(tmp_path):
-    from toygraph.demo import taught_answers
+    from toygraph.demo.capitals import taught_answers
     from toygraph.errors import DataError
     data = tmp_path / "c.jsonl"
     data.write_text(json.dumps({"instruction": "Capital of Peru?",
@@ -225,8 +225,8 @@ def test_demo_refuses_data_that_does_not_teach_its_countries(tmp_path):
 def test_demo_countries_are_in_the_training_part():
     """The demo's validation split (its seed and fraction) leaves every demo country at
     least one training row: a fact seen only in validation would not be taught."""
-    from toygraph.data import split_train_val
-    from toygraph.demo import QUESTIONS, RECIPE, data_path
+    from toygraph.data.batches import split_train_val
+    from toygraph.demo.capitals import QUESTIONS, RECIPE, data_path
     rows = [json.loads(line) for line in data_path().read_text(encoding="utf-8").splitlines()]
     train, _ = split_train_val(rows, RECIPE["val_split"], RECIPE["seed"])
     trained = {json.loads(r["response"])["country"] for r in train}
@@ -234,7 +234,7 @@ def test_demo_countries_are_in_the_training_part():
 
 
 def test_demo_verdict_wants_the_taught_json_exactly():
-    from toygraph.demo import verdict
+    from toygraph.demo.capitals import verdict
     taught = '{"country": "Kenya", "capital": "Nairobi"}'
     assert verdict(taught, taught) == "right"
     assert verdict('{"country": "Kenya", "capital": "Djiburia"}', taught) == \
@@ -246,7 +246,7 @@ def test_demo_verdict_wants_the_taught_json_exactly():
 
 
 def test_demo_loss_curve_averages_the_steps_before_each_point(tmp_path):
-    from toygraph.demo import loss_curve
+    from toygraph.demo.capitals import loss_curve
     events = tmp_path / "events.jsonl"
     lines = [{"event": "run_start"}] + [{"event": "step", "step": i, "loss": float(i)}
                                           for i in range(1, 41)]
@@ -262,7 +262,7 @@ def test_demo_answers_every_question_as_the_data_teaches(capsys, smollm2, tmp_pa
     """The whole demo, as `toygraph demo` runs it: after fine-tuning, every answer is the
     one-line JSON capitals.jsonl teaches for that country, and the closing commands follow.
     Opt-in (it would take a third of CI's test time); run it after touching the recipe."""
-    from toygraph.demo import QUESTIONS, run_demo
+    from toygraph.demo.capitals import QUESTIONS, run_demo
     assert run_demo(out=str(tmp_path / "demo")) == 0
     out = capsys.readouterr().out
     afters = [line for line in out.splitlines() if line.startswith("  after:")]

@@ -17,14 +17,15 @@ ON_HOST = os.environ.get("TOYGRAPH_CUDA_DEVICE") == "host"   # the CPU executor 
 if not driver.available() and not ON_HOST:
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from toygraph import ops, quant  # noqa: E402
-from toygraph.autodiff import accumulate_grads, backward  # noqa: E402
+from toygraph.core import ops
+from toygraph.gguf import block_encode, blocks  # noqa: E402
+from toygraph.core.autodiff import accumulate_grads, backward  # noqa: E402
 from toygraph.cuda.backend import CudaBackend  # noqa: E402
 from toygraph.errors import CudaError, GraphError  # noqa: E402
-from toygraph.graph import Graph, topo_order  # noqa: E402
-from toygraph.memory import plan_buffers  # noqa: E402
-from toygraph.optim import build_training, hp_row  # noqa: E402
-from toygraph.session import Session  # noqa: E402
+from toygraph.core.graph import Graph, topo_order  # noqa: E402
+from toygraph.core.memory import plan_buffers  # noqa: E402
+from toygraph.core.optimizer import build_training, hp_row  # noqa: E402
+from toygraph.core.session import Session  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 # The parity helpers (and tolerances) are shared with the host-executor tests, which run
@@ -219,23 +220,23 @@ def test_graph_replay_equals_eager_launches(monkeypatch):
     assert all(np.array_equal(a, b) for a, b in zip(eager[1], replayed[1]))
 
 
-@pytest.mark.parametrize("qtype", sorted(set(quant.BLOCK) - {"f32"}))
+@pytest.mark.parametrize("qtype", sorted(set(blocks.BLOCK) - {"f32"}))
 def test_quantized_const_dequantizes_like_numpy(qtype):
     rng = np.random.default_rng(4)
     shape = (3, 512)
-    raw = quant.quantize(rnd(rng, *shape), qtype)
+    raw = block_encode.quantize(rnd(rng, *shape), qtype)
     g = Graph()
     w = g.const("w", raw, shape=shape, storage=qtype)
     y = g.output(ops.contiguous(w))
     s = Session(g, backend="cuda")
     s.realize()
     s.run("forward")
-    np.testing.assert_array_equal(s.download(y), quant.dequantize(raw, qtype, shape))
+    np.testing.assert_array_equal(s.download(y), blocks.dequantize(raw, qtype, shape))
 
 
 def test_quantized_weight_in_a_matmul():
     rng = np.random.default_rng(5)
-    raw = quant.quantize(rnd(rng, 64, 256), "q4_k")
+    raw = block_encode.quantize(rnd(rng, 64, 256), "q4_k")
     g = Graph()
     x = g.input("x", (5, 256))
     y = g.output(ops.matmul(x, g.const("w", raw, shape=(64, 256), storage="q4_k"), trans_b=True))
@@ -283,11 +284,11 @@ def test_bad_quantized_size_is_a_cuda_error():
 
 
 # --- frozen consts kept in block format (kernels/qmatmul.cu) -----------------------------------
-BLOCK_FORMATS = sorted(set(quant.BLOCK) - {"f32"})
+BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
 
 
 def _qcols(fmt):  # f16/bf16 get a row length that leaves a partial 16-deep k tile
-    return {1: 100, 32: 160, 256: 512}[quant.BLOCK[fmt][0]]
+    return {1: 100, 32: 160, 256: 512}[blocks.BLOCK[fmt][0]]
 
 
 def _qlinear(fmt, seed=0, batch=(70,), rows=130):
@@ -325,7 +326,7 @@ def test_quantized_matmul_forward_and_backward_match_numpy(fmt, batch, monkeypat
 def test_quantized_get_rows_decodes_the_rows_it_needs(fmt):
     rng = np.random.default_rng(2)
     rows, D = 37, _qcols(fmt)
-    raw = quant.quantize(rnd(rng, rows, D), fmt)
+    raw = block_encode.quantize(rnd(rng, rows, D), fmt)
     g = Graph()
     table = g.const("table", raw, shape=(rows, D), storage=fmt)
     ids = g.input("ids", (3, 40), "i32")
@@ -337,7 +338,7 @@ def test_quantized_get_rows_decodes_the_rows_it_needs(fmt):
     xv = rnd(rng, 3, 40, 24)
     s, (got, lg) = _cuda_run(g, [emb, logits], {ids: idv, x: xv})
     assert s.backend.raw_consts == {table.id}
-    wv = quant.dequantize(raw, fmt, (rows, D))
+    wv = blocks.dequantize(raw, fmt, (rows, D))
     np.testing.assert_array_equal(got, wv[idv])
     want = (xv.astype(np.float64) @ pv.astype(np.float64)) @ wv.T.astype(np.float64)
     assert rel_err(lg, want) <= REDUCTION
@@ -345,7 +346,7 @@ def test_quantized_get_rows_decodes_the_rows_it_needs(fmt):
 
 
 def _lora_losses(path, backend, steps=3, precision="f32"):
-    from toygraph.gguf import GGUFModel
+    from toygraph.models.model import GGUFModel
     from toygraph.recipes import LoRA, RecipeOptions
     model = GGUFModel(path)
     B, T = 2, 16
@@ -403,7 +404,7 @@ def _device_bytes_used(build):
 
 def test_block_format_weights_use_less_device_memory(monkeypatch):
     rng = np.random.default_rng(9)
-    raw = quant.quantize(rnd(rng, 4096, 4096), "q4_0")   # 64 MiB as f32, 9 MiB as blocks
+    raw = block_encode.quantize(rnd(rng, 4096, 4096), "q4_0")   # 64 MiB as f32, 9 MiB as blocks
 
     def build():
         g = Graph()
@@ -419,7 +420,7 @@ def test_block_format_weights_use_less_device_memory(monkeypatch):
     monkeypatch.setenv("TOYGRAPH_CUDA_QMATMUL", "0")
     used_f, rep_f = _device_bytes_used(build)
     assert rep_q["qmatmul"] and not rep_f["qmatmul"]
-    assert rep_q["saved_bytes"] == 4 * 4096 * 4096 - quant.nbytes("q4_0", (4096, 4096))
+    assert rep_q["saved_bytes"] == 4 * 4096 * 4096 - blocks.nbytes("q4_0", (4096, 4096))
     assert rep_f["saved_bytes"] == 0
     assert used_q < used_f
     assert used_f - used_q >= 0.9 * rep_q["saved_bytes"]
@@ -470,7 +471,7 @@ def test_tc_matmul_is_exactly_the_matmul_of_rounded_inputs(prec, sa, sb, ta, tb)
     av, bv = rnd(rng, *sa), rnd(rng, *sb)
     got = run_phase(g, "cuda", {a: av, b: bv}, "forward", [y], prec)[0]
     want = np.zeros(y.shape)
-    from toygraph.ops import KERNELS
+    from toygraph.core.ops import KERNELS
     KERNELS["matmul"](want, [_round(av, prec), _round(bv, prec)], y.attrs)
     assert rel_err(got, want) <= 1e-5
     f32 = run_phase(g, "cuda", {a: av, b: bv}, "forward", [y])[0]
@@ -519,7 +520,7 @@ def test_f32_default_stays_on_the_plain_kernels():
 
 
 def _launched_kernels(s):
-    from toygraph.cuda.lowering import lower
+    from toygraph.cuda.lowering.dispatch import lower
     be = s.backend
     return [l.kernel for t in be.schedule if t.op is not None
             for l in lower(t, be._ptr, 0, be.raw_consts, be.precision)]
@@ -539,7 +540,7 @@ def _lce_graph(seed, N, D, V, labels, reduction, head="param", fmt=None):
     g = Graph()
     h = g.param("h", rnd(rng, N, D))
     if fmt is not None:
-        w = g.const("w", quant.quantize(rnd(rng, V, D), fmt), shape=(V, D), storage=fmt)
+        w = g.const("w", block_encode.quantize(rnd(rng, V, D), fmt), shape=(V, D), storage=fmt)
     elif head == "param":
         w = g.param("w", rnd(rng, V, D, s=0.5))
     else:
@@ -564,7 +565,7 @@ def test_linear_cross_entropy_matches_numpy_and_is_deterministic(head, chunk_row
                                                                  labels, monkeypatch):
     """Loss, dh and (trainable head) dw within 1e-4 of numpy, bit-identical run to run, in
     one chunk and in 48-row chunks (a ragged last one); all-ignored gives zeros."""
-    from toygraph.ops import loss as loss_ops
+    from toygraph.core.ops import loss as loss_ops
     if chunk_rows:
         monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 1000 * chunk_rows)
     g, fetch, inputs, _ = _lce_graph(0, 200, 96, 1000, labels, reduction, head)
@@ -580,7 +581,7 @@ def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
     """Per chunk the same kernels run on the same values as the unfused head (tg_matmul's
     sums do not depend on the row tiling), so loss and dh are bit-identical to matmul +
     cross_entropy on the GPU; dw adds chunk sums, so it is only close."""
-    from toygraph.ops import loss as loss_ops
+    from toygraph.core.ops import loss as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 1000 * 64)
     rng = np.random.default_rng(4)
     hv, wv = rnd(rng, 200, 96), rnd(rng, 1000, 96, s=0.5)
@@ -604,7 +605,7 @@ def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
 def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
     """A frozen quantized head (SmolLM2's tied Q8_0 token_embd) stays in its block format;
     loss and dh match numpy on the dequantized weight, deterministically."""
-    from toygraph.ops import loss as loss_ops
+    from toygraph.core.ops import loss as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 64)
     g, fetch, inputs, w = _lce_graph(1, 150, 256, 300, "some", "mean", fmt=fmt)
     cpu = run_phase(g, "cpu", inputs, "backward", fetch)
@@ -621,7 +622,7 @@ def test_recipe_on_cuda_uses_the_fused_head_and_tracks_numpy(recipe, tiny_llama)
     """The CUDA recipe's loss is linear_cross_entropy (the CPU keeps matmul + cross_entropy);
     losses agree within 1e-4 (FullFinetune: tied trainable embedding, so dw flows into
     token_embd through both get_rows and the head; LoRA: the adapters within 1e-3)."""
-    from toygraph.gguf import GGUFModel
+    from toygraph.models.model import GGUFModel
     from toygraph import recipes as R
     model = GGUFModel(tiny_llama)
     B, T = 2, 16

@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 
 from cudaemu import needs_nvrtc
-from toygraph import ops, quant
-from toygraph.cuda import lowering
-from toygraph.cuda.kernels import DEQUANT_KERNELS, KERNEL_NAMES, module_source
-from toygraph.cuda.launch import collapse
-from toygraph.cuda.lowering import OP_KERNELS
+from toygraph.core import ops
+from toygraph.gguf import blocks
+from toygraph.cuda.lowering import dispatch
+from toygraph.core.ops.gemm import DEQUANT_KERNELS
+from kernelsrc import KERNEL_NAMES
+from toygraph.cuda.lowering.sources import backend_source
+from toygraph.cuda.lowering.launch import collapse
+from kernelsrc import OP_KERNELS
 from toygraph.errors import CudaError
-from toygraph.graph import Graph
+from toygraph.core.graph import Graph
 
 
 # --- the kernel table ------------------------------------------------------------------------
@@ -24,7 +27,7 @@ def test_every_op_and_storage_has_a_kernel():
     for op, names in OP_KERNELS.items():
         for n in names:
             assert n in KERNEL_NAMES, f"{op}: kernel {n} missing from the sources"
-    assert set(DEQUANT_KERNELS) == set(quant.BLOCK) - {"f32"}
+    assert set(DEQUANT_KERNELS) == set(blocks.BLOCK) - {"f32"}
     assert set(DEQUANT_KERNELS.values()) <= set(KERNEL_NAMES)
 
 
@@ -33,7 +36,7 @@ def test_every_op_and_storage_has_a_kernel():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_whole_module_compiles(arch, cache):
     from toygraph.cuda.nvrtc import compile_cubin
-    cubin = compile_cubin(module_source(), arch=arch)
+    cubin = compile_cubin(backend_source("f32"), arch=arch)
     assert cubin[:4] == b"\x7fELF"
     for name in KERNEL_NAMES:  # every extern "C" kernel is a symbol of the cubin
         assert name.encode() in cubin, name
@@ -97,7 +100,7 @@ def test_scalar_arguments_are_fixed_width():
     g = Graph()
     x = g.const("x", np.ones((4, 8)))
     for node in (ops.scale(x, 0.5), ops.rms_norm(x, 1e-5), ops.softmax(x, scale=2.0)):
-        for launch in lowering.lower(node, lambda t: 1 << 20):
+        for launch in dispatch.lower(node, lambda t: 1 << 20):
             assert all(isinstance(v, np.ndarray) and v.dtype.itemsize in (4, 8) for v in launch.args)
 
 

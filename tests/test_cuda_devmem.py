@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 
 from cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
-from toygraph import ops, quant
-from toygraph.cuda import devmem, lowering
-from toygraph.cuda.kernels import QUANT_KERNELS
+from toygraph.core import ops
+from toygraph.gguf import blocks
+from toygraph.cuda import devmem
+from toygraph.cuda.lowering import dispatch
+from toygraph.core.ops.gemm import QUANT_KERNELS
 from toygraph.errors import CudaError
-from toygraph.graph import Graph
+from toygraph.core.graph import Graph
 
 
 def test_lowering_refuses_a_block_format_const_where_no_fused_kernel_reads_it():
@@ -21,11 +23,11 @@ def test_lowering_refuses_a_block_format_const_where_no_fused_kernel_reads_it():
     x = g.const("x", np.ones((64, 64)))
     for node, i in [(ops.matmul(w, x), 0), (ops.matmul(x, w, trans_a=True), 1),
                     (ops.contiguous(w), 0), (ops.matmul(w, w, trans_b=True), 1)]:
-        assert not lowering.reads_block_format(node, i)
+        assert not dispatch.reads_block_format(node, i)
         with pytest.raises(CudaError, match="block format"):
-            lowering.lower(node, lambda t: 1 << 20, raw_consts={w.id})
-    assert lowering.reads_block_format(ops.matmul(x, w), 1)
-    assert not lowering.reads_block_format(ops.matmul(x, x), 1)  # f32 storage
+            dispatch.lower(node, lambda t: 1 << 20, raw_consts={w.id})
+    assert dispatch.reads_block_format(ops.matmul(x, w), 1)
+    assert not dispatch.reads_block_format(ops.matmul(x, x), 1)  # f32 storage
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_llama_kquant"])
@@ -38,11 +40,11 @@ def test_realize_plan_keeps_frozen_weights_in_block_format(model, request):
     old = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=False)
     for t in consts:  # every quantized const is only read by matmul / get_rows
         assert t.id not in mem.f32_buffers, t.name
-        assert mem.raw_consts[t.id] == quant.nbytes(t.storage, t.shape)
+        assert mem.raw_consts[t.id] == blocks.nbytes(t.storage, t.shape)
         assert old.f32_buffers[t.id] == 4 * t.size and t.id not in old.raw_consts
     assert set(mem.f32_buffers) | set(mem.raw_consts) == set(old.f32_buffers)
     assert mem.dequant_temp_bytes == 0 < old.dequant_temp_bytes
-    saved = sum(4 * t.size - quant.nbytes(t.storage, t.shape) for t in consts)
+    saved = sum(4 * t.size - blocks.nbytes(t.storage, t.shape) for t in consts)
     assert mem.saved_bytes == saved == old.resident_bytes - mem.resident_bytes > 0
     assert mem.report()["saved_bytes"] == saved and old.report()["saved_bytes"] == 0
     # every node lowers, and the ones reading a block-format const use a fused kernel
@@ -51,7 +53,7 @@ def test_realize_plan_keeps_frozen_weights_in_block_format(model, request):
     for node in order:
         if node.op is None:
             continue
-        kernels = [l.kernel for l in lowering.lower(node, lambda t: addr[t.id], 1 << 40,
+        kernels = [l.kernel for l in dispatch.lower(node, lambda t: addr[t.id], 1 << 40,
                                                     frozenset(mem.raw_consts))]
         if any(s.id in mem.raw_consts for s in node.srcs):
             assert kernels and set(kernels) <= fused, (node.op, kernels)
@@ -105,7 +107,7 @@ def test_smollm2_fused_head_plans_gibibytes_less_and_keeps_the_q8_0_head_in_bloc
         mem = devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
         heads = [t for t in order if t.op and t.op.startswith("linear_cross_entropy")]
         sizes[fused] = (plan.arena_bytes, mem.scratch_bytes, mem,
-                        sum(lowering.scratch_bytes(t) for t in heads))
+                        sum(dispatch.scratch_bytes(t) for t in heads))
         if fused:
             embd = next(t for t in order if t.name == "token_embd.weight")
             assert embd.storage == "q8_0" and embd.id in mem.raw_consts
@@ -113,7 +115,7 @@ def test_smollm2_fused_head_plans_gibibytes_less_and_keeps_the_q8_0_head_in_bloc
             assert [t.op for t in heads] == ["linear_cross_entropy", "linear_cross_entropy_back"]
             assert heads[1].shape == (8192 * 576,)       # dh only: the head is frozen
             for t in heads:
-                kernels = {l.kernel for l in lowering.lower(t, lambda x: 1 << 20, 1 << 40,
+                kernels = {l.kernel for l in dispatch.lower(t, lambda x: 1 << 20, 1 << 40,
                                                             frozenset(mem.raw_consts))}
                 assert {"tg_qmm_nt_q8_0"} <= kernels and "tg_matmul" not in kernels
     (arena_u, scr_u, *_), (arena_f, scr_f, *_) = sizes[False], sizes[True]

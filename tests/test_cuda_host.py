@@ -1,4 +1,4 @@
-"""The CUDA kernels executed on the CPU (toygraph/cuda/hostdev.py): the executor itself
+"""The CUDA kernels executed on the CPU (toygraph/cuda/host/device.py): the executor itself
 (barriers, shuffles, errors, cvt roundings), then every op's forward and backward through
 the unchanged CUDA backend on the host device against numpy, at small shapes with ragged
 tile edges, with tests/test_cuda.py's tolerances. A deliberately broken kernel must fail.
@@ -10,10 +10,11 @@ import pytest
 
 from hostparity import (ELEMENTWISE, MIXED_TOL, REDUCTION, compare_op, op_case, rel_err, rnd,
                         run_phase)
-from toygraph import ops
-from toygraph.cuda import backend as cuda_backend, kernels
-from toygraph.cuda.hostdev import by_value, run_kernel
-from toygraph.cuda.launch import strided
+from toygraph.core import ops
+from toygraph.cuda import backend as cuda_backend
+from toygraph.cuda.lowering import sources
+from toygraph.cuda.host.device import by_value, run_kernel
+from toygraph.cuda.lowering.launch import strided
 from toygraph.errors import CudaError, SettingError
 
 
@@ -66,7 +67,7 @@ extern "C" __global__ void probe_cvt(unsigned* out, const float* x, int n) {
 
 
 def _probe_source():
-    return kernels.module_source(("tc_layout.cuh", "tc_matmul.cu")) + _PROBE
+    return sources.module_source(("tc_layout.cuh", "tc_matmul.cu")) + _PROBE
 
 
 def test_barriers_give_each_block_its_own_shared_memory():
@@ -107,9 +108,9 @@ def test_a_race_on_shared_memory_shows_under_the_reverse_schedule(monkeypatch):
 
 
 def test_a_write_past_an_allocation_is_caught_at_the_next_sync():
-    from toygraph.cuda.hostdev import HostContext
+    from toygraph.cuda.host.device import HostContext
     ctx = HostContext()
-    module = ctx.load_module(kernels.module_source(("shape.cu",)))
+    module = ctx.load_module(sources.module_source(("shape.cu",)))
     buf = ctx.alloc(4 * 100)
     params = [np.array([buf], np.uint64), np.array([101], np.int32), np.array([1.0], np.float32)]
     ctx.launch(module.function("tg_fill"), (1, 1, 1), (256, 1, 1), 0,
@@ -140,16 +141,16 @@ def test_bad_launches_are_errors():
 
 def test_build_is_cached_on_disk_and_a_missing_compiler_is_a_clear_error(tmp_path,
                                                                          monkeypatch):
-    from toygraph.cuda import hostcc
+    from toygraph.cuda.host import compiler
     monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path))
-    src = kernels.module_source(("dequant.cu",))
-    before = hostcc.build_count
-    first = hostcc.build_library(src)
-    assert hostcc.build_library(src) == first and hostcc.build_count == before + 1
+    src = sources.module_source(("dequant.cu",))
+    before = compiler.build_count
+    first = compiler.build_library(src)
+    assert compiler.build_library(src) == first and compiler.build_count == before + 1
     assert first.parent == tmp_path / "kernels" / "host"
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(CudaError, match=r"host compiler .*no-such-g\+\+. does not run"):
-        hostcc.build_library(src + "// changed")
+        compiler.build_library(src + "// changed")
 
 
 def test_device_switch():
@@ -192,7 +193,7 @@ def test_run_kernel_passes_structs_by_value():
     out = np.zeros((4, 3), np.float32)
     run_kernel("tg_gather", (1, 1, 1), (256, 1, 1),
                [out, x, np.int32(12), by_value(strided([4, 3], [1, 4]))],
-               source=kernels.module_source())
+               source=sources.backend_source("f32"))
     np.testing.assert_array_equal(out, x.T)
 
 
@@ -249,7 +250,7 @@ def test_tensor_core_matmul_matches_numpy(prec, sa, sb, ta, tb):
 def test_tensor_core_matmul_is_the_matmul_of_rounded_inputs(prec):
     """The sharp check of the emulated mma.sync fragments: against f64 numpy on inputs
     rounded the way the kernels round them only f32 accumulation error remains."""
-    from toygraph.graph import Graph
+    from toygraph.core.graph import Graph
     rng = np.random.default_rng(8)
     g = Graph()
     a, b = g.input("a", (150, 257)), g.input("b", (190, 257))
@@ -307,9 +308,9 @@ def test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, causal):
 @pytest.mark.parametrize("head", ["param", "const"])
 def test_linear_cross_entropy_in_ragged_chunks(head, reduction, labels, monkeypatch):
     """Loss, dh and (trainable head) dw over 24-row chunks of 70 rows (ragged last one)."""
-    from toygraph.ops import loss as loss_ops
-    from toygraph.graph import Graph
-    from toygraph.autodiff import accumulate_grads, backward
+    from toygraph.core.ops import loss as loss_ops
+    from toygraph.core.graph import Graph
+    from toygraph.core.autodiff import accumulate_grads, backward
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
     rng = np.random.default_rng(0)
     g = Graph()
@@ -333,8 +334,8 @@ def test_linear_cross_entropy_in_ragged_chunks(head, reduction, labels, monkeypa
 def capped_grids(monkeypatch):
     """Grids capped far below the work (as MAX_GRID / MAX_GRID_YZ / SUMSQ_BLOCKS cap them
     for huge tensors on a GPU), so every grid-stride, row and batch loop takes more turns."""
-    from toygraph.cuda import launch
-    from toygraph.ops import gemm as matmul_ops, optim as optim_ops
+    from toygraph.cuda.lowering import launch
+    from toygraph.core.ops import gemm as matmul_ops, update as optim_ops
     monkeypatch.setattr(launch, "MAX_GRID", 3)
     monkeypatch.setattr(matmul_ops, "MAX_GRID_YZ", 2)
     monkeypatch.setattr(optim_ops, "SUMSQ_BLOCKS", 2)
@@ -371,7 +372,7 @@ def test_a_broken_kernel_fails_its_parity_check(mutation, monkeypatch):
     """The module the backend compiles, with one index expression changed: the parity
     check that passes on the real source must fail, so the kernel bodies really run."""
     family, old, new = MUTATIONS[mutation]
-    real = kernels.module_source()
+    real = sources.backend_source("f32")
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
     broken = real.replace(old, new)
     monkeypatch.setattr(cuda_backend, "backend_source", lambda precision="f32": broken)

@@ -1,22 +1,23 @@
-"""The CUDA backend on the host device (toygraph/cuda/hostdev.py) for what a training step
+"""The CUDA backend on the host device (toygraph/cuda/host/device.py) for what a training step
 adds to the ops: block-format weights (dequantize, fused quantized matmul and get_rows,
 per format and per matmul precision), AdamW with the global-norm clip, graph replay, and
 the whole tiny-model LoRA step, against numpy with tests/test_cuda.py's tolerances.
 
-Block formats come from quant.BLOCK, so a new format is exercised here once it has
+Block formats come from blocks.BLOCK, so a new format is exercised here once it has
 kernels (its row length is derived from its block size).
 """
 import numpy as np
 import pytest
 
 from hostparity import MIXED_TOL, REDUCTION, qlinear, rel_err, rnd, run_phase
-from toygraph import ops, quant
-from toygraph.autodiff import accumulate_grads, backward
-from toygraph.graph import Graph
-from toygraph.optim import build_training, hp_row
-from toygraph.session import Session
+from toygraph.core import ops
+from toygraph.gguf import block_encode, blocks
+from toygraph.core.autodiff import accumulate_grads, backward
+from toygraph.core.graph import Graph
+from toygraph.core.optimizer import build_training, hp_row
+from toygraph.core.session import Session
 
-BLOCK_FORMATS = sorted(set(quant.BLOCK) - {"f32"})
+BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +28,7 @@ def host_device(monkeypatch):
 def _cols(fmt):
     """A row length that leaves a partial 16-deep k tile (and, for f16/bf16, a partial
     64-wide n tile): two blocks plus what rounds 80 up to the block size."""
-    qk = quant.BLOCK[fmt][0]
+    qk = blocks.BLOCK[fmt][0]
     return 100 if qk == 1 else qk * (2 + -(-80 // qk))
 
 
@@ -45,11 +46,11 @@ def _session(g, precision="f32", inputs=None, phase="backward"):
 def test_dequantize_kernel_is_bit_exact(fmt):
     rng = np.random.default_rng(4)
     shape = (3, _cols(fmt))
-    raw = quant.quantize(rnd(rng, *shape), fmt)
+    raw = block_encode.quantize(rnd(rng, *shape), fmt)
     g = Graph()
     y = g.output(ops.contiguous(g.const("w", raw, shape=shape, storage=fmt)))
     s = _session(g, phase="forward")
-    np.testing.assert_array_equal(s.download(y), quant.dequantize(raw, fmt, shape))
+    np.testing.assert_array_equal(s.download(y), blocks.dequantize(raw, fmt, shape))
 
 
 def _qlinear(fmt, rows=70, batch=(2, 33)):
@@ -85,7 +86,7 @@ def test_tensor_core_quantized_matmul(fmt, prec):
 def test_quantized_get_rows_and_tied_head(fmt):
     rng = np.random.default_rng(2)
     rows, D = 37, _cols(fmt)
-    raw = quant.quantize(rnd(rng, rows, D), fmt)
+    raw = block_encode.quantize(rnd(rng, rows, D), fmt)
     g = Graph()
     table = g.const("table", raw, shape=(rows, D), storage=fmt)
     ids, x = g.input("ids", (3, 10), "i32"), g.input("x", (3, 10, 24))
@@ -95,7 +96,7 @@ def test_quantized_get_rows_and_tied_head(fmt):
     idv, xv = rng.integers(0, rows, size=(3, 10)).astype(np.int32), rnd(rng, 3, 10, 24)
     s = _session(g, inputs={ids: idv, x: xv})
     assert s.backend.raw_consts == {table.id}
-    wv = quant.dequantize(raw, fmt, (rows, D))
+    wv = blocks.dequantize(raw, fmt, (rows, D))
     np.testing.assert_array_equal(s.download(emb), wv[idv])
     want = (xv.astype(np.float64) @ pv.astype(np.float64)) @ wv.T.astype(np.float64)
     assert rel_err(s.download(logits), want) <= REDUCTION
@@ -103,13 +104,13 @@ def test_quantized_get_rows_and_tied_head(fmt):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
 def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
-    from toygraph.ops import loss as loss_ops
+    from toygraph.core.ops import loss as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 32)
     rng = np.random.default_rng(1)
     N, D, V = 50, 256, 300
     g = Graph()
     h = g.param("h", rnd(rng, N, D))
-    w = g.const("w", quant.quantize(rnd(rng, V, D), fmt), shape=(V, D), storage=fmt)
+    w = g.const("w", block_encode.quantize(rnd(rng, V, D), fmt), shape=(V, D), storage=fmt)
     lab = g.input("lab", (N,), "i32")
     loss = g.output(ops.linear_cross_entropy(h, w, lab))
     dh = accumulate_grads(backward(loss, [h]))[h]
@@ -168,8 +169,8 @@ def test_adamw_step_with_clip_matches_numpy_and_replays_identically(max_norm, mo
 def test_adamw_step_with_capped_grids_matches_numpy(monkeypatch):
     """The step with every grid capped at 3 blocks (2 partial sums per gradient norm), so
     AdamW, the norm, cross-entropy and the row kernels loop over what the grid misses."""
-    from toygraph.cuda import launch
-    from toygraph.ops import optim as optim_ops
+    from toygraph.cuda.lowering import launch
+    from toygraph.core.ops import update as optim_ops
     monkeypatch.setattr(launch, "MAX_GRID", 3)
     monkeypatch.setattr(optim_ops, "SUMSQ_BLOCKS", 2)
     cpu, got = _mlp_train("cpu", 0.05, n=70, h=300), _mlp_train("cuda", 0.05, n=70, h=300)
@@ -186,7 +187,7 @@ def test_results_do_not_depend_on_the_thread_schedule(case, monkeypatch):
     (TOYGRAPH_HOST_SCHEDULE=reverse): a read of shared memory another thread writes without
     a barrier in between sees a different value, so race-free kernels are bit-identical."""
     from hostparity import op_case
-    from toygraph.ops import loss as loss_ops
+    from toygraph.core.ops import loss as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
 
     def run():
@@ -220,7 +221,7 @@ def _lora_run(path, backend, steps=3, precision="f32"):
     """A LoRA recipe on ``path`` trained ``steps`` steps; the recipe's session is driven
     directly (inputs, hp, run "step", loss sum / count), which keeps this test apart from
     how Recipe.step shapes its arguments."""
-    from toygraph.gguf import GGUFModel
+    from toygraph.models.model import GGUFModel
     from toygraph.recipes import LoRA, RecipeOptions
     model = GGUFModel(path)
     B, T = 2, 16

@@ -1,20 +1,25 @@
-"""The CUDA lowering registry and the constants the host shares with the kernels."""
+"""The CUDA lowering registry, the kernel files the op families declare, and the constants
+the host shares with the kernels."""
+import ast
 import inspect
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
-from toygraph import ops
-from toygraph.cuda import constants, lowering, registry
-from toygraph.cuda.constants import DEFINES
-from toygraph.cuda.kernels import backend_source, module_source, source_files
+from toygraph.core import ops
+from toygraph.core.ops import gemm as matmul_ops
+from toygraph.cuda.lowering import constants, dispatch, registry, sources
+from toygraph.cuda.lowering.constants import DEFINES
+from toygraph.cuda.lowering.sources import backend_source, source_files
 from toygraph.errors import CudaError
-from toygraph.ops import gemm as matmul_ops
+
+OPS_DIR = Path(ops.__file__).parent
 
 
 # --- constants defined once ------------------------------------------------------------------
-@pytest.mark.parametrize("source", [module_source(), backend_source("bf16")],
+@pytest.mark.parametrize("source", [backend_source("f32"), backend_source("bf16")],
                          ids=["f32", "bf16"])
 def test_every_shared_constant_is_emitted_once_into_the_kernel_source(source):
     for name, value in DEFINES.items():
@@ -45,7 +50,7 @@ def test_the_tile_shapes_the_kernels_assume():
 # --- the registry ------------------------------------------------------------------------------
 def test_every_op_has_one_registry_entry():
     assert set(registry.REGISTRY) == set(ops.OPS)
-    assert lowering.OP_KERNELS == {op: e.kernels for op, e in registry.REGISTRY.items()}
+    assert registry.op_kernels() == {op: e.kernels for op, e in registry.REGISTRY.items()}
     with pytest.raises(CudaError, match="op 'add' has two CUDA lowerings"):
         registry.lowers("add", kernels=("tg_binary",))(lambda node, at: [])
 
@@ -63,16 +68,75 @@ def test_a_missing_lowering_is_a_clear_error_naming_the_op():
     class Node:
         op, name, srcs = "frobnicate", "x7", ()
     with pytest.raises(CudaError, match="no lowering for op 'frobnicate' \\(node 'x7'\\)"):
-        lowering.lower(Node(), lambda t: 0)
+        dispatch.lower(Node(), lambda t: 0)
     with pytest.raises(CudaError, match="'frobnicate'"):
-        lowering.scratch_bytes(Node())
+        dispatch.scratch_bytes(Node())
 
 
 def test_each_op_lives_in_one_family_module():
     """One op, one place: every op of the op table has a numpy kernel and a CUDA lowering,
-    and both are defined in the same family module of toygraph.ops (with its rules)."""
+    and both are defined in the same family module of toygraph.core.ops (with its rules)."""
     assert set(ops.KERNELS) == set(ops.OPS) == set(registry.REGISTRY)
     for op in ops.OPS:
         module = ops.KERNELS[op].__module__
-        assert module.startswith("toygraph.ops.") and module != "toygraph.ops.table", op
+        assert module.startswith("toygraph.core.ops.") and module != "toygraph.core.ops.table", op
         assert registry.REGISTRY[op].build.__module__ == module, op
+
+
+# --- the kernel files: declared by the families, never listed by hand -------------------------
+def test_every_kernel_file_beside_the_ops_is_declared_by_the_family_beside_it():
+    """The .cu files of toygraph/core/ops/ are exactly the declared ones, each declared by
+    a family module in that folder (so a new family's file cannot be forgotten)."""
+    on_disk = {p.name for p in OPS_DIR.glob("*.cu*")}
+    assert on_disk == set(sources.FILES)
+    for f in sources.FILES.values():
+        assert f.path.parent == OPS_DIR
+    declaring = {}
+    for module in OPS_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "declare_kernels":
+                for arg in node.args[1:]:
+                    declaring[arg.value] = module.name
+    assert set(declaring) == on_disk, declaring
+
+
+def test_the_modules_order_files_by_what_they_need():
+    f32, bf16 = sources.files_of("f32"), sources.files_of("bf16")
+    assert f32.index("matmul.cu") < f32.index("qmatmul.cu")
+    assert bf16.index("tc_layout.cuh") < bf16.index("tc_matmul.cu")
+    assert "tc_matmul.cu" not in f32 and set(f32) < set(bf16)
+    assert sources.only_in("bf16") == sources.only_in("tf32") == ("tc_layout.cuh", "tc_matmul.cu")
+    src = backend_source("f32")
+    assert src.index("// ---- matmul.cu") < src.index("// ---- qmatmul.cu")
+
+
+def test_a_kernel_file_declared_twice_or_missing_is_refused(tmp_path):
+    with pytest.raises(CudaError, match="declared twice"):
+        sources.declare_kernels(ops.gemm.__file__, "matmul.cu")
+    with pytest.raises(CudaError, match="does not exist"):
+        sources.declare_kernels(str(tmp_path / "fam.py"), "nothing.cu")
+    with pytest.raises(CudaError, match="not declared"):
+        sources.module_source(("nothing.cu",))
+
+
+def test_the_lowering_api_is_all_the_families_import_from_cuda():
+    """Op families use the public toygraph.cuda.lowering API (and its constants), never the
+    runtime or a private helper; the lowering package imports no op family."""
+    for module in OPS_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("toygraph.cuda"):
+                assert node.module in ("toygraph.cuda.lowering", "toygraph.cuda.lowering.constants"), \
+                    (module.name, node.module)
+                assert not any(a.name.startswith("_") for a in node.names), (module.name, node.module)
+    lowering = Path(registry.__file__).parent
+    for module in lowering.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("toygraph.core") for n in names), (module.name, names)
+
+
+def test_every_block_format_with_a_decoder_can_stay_on_the_device():
+    assert set(registry.block_storage()) == set(matmul_ops.DEQUANT_KERNELS)
+    with pytest.raises(CudaError, match="no CUDA dequantizer for storage 'q9_9'"):
+        registry.decode_launch("w", "q9_9", 0, 0, 1)

@@ -11,13 +11,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from toygraph import ops
-from toygraph.cuda import lowering
+from toygraph.core import ops
+from toygraph.cuda.lowering import dispatch
 from toygraph.cuda.backend import CudaBackend
-from toygraph.cuda.registry import REGISTRY
+from toygraph.cuda.lowering.registry import REGISTRY
 from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
-from toygraph.graph import Graph
-from toygraph.session import Session
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
 
 #: Two fillings: f32/f64 NaN (propagates through sums) and finite garbage (1.3e7 as f32,
 #: which fmaxf and friends do not drop the way they drop a NaN).
@@ -53,14 +53,14 @@ def test_every_scratch_node_gets_the_one_buffer_of_the_largest_need(monkeypatch)
     """The DPO step on the fused head: the policy and reference forwards and the backward
     of linear_cross_entropy, attention_back per layer and global_norm all use scratch."""
     seen = {}
-    lower = lowering.lower
+    lower = dispatch.lower
 
     def recording(node, ptr, scratch=0, *args):
         seen[node.id] = (node, scratch)
         return lower(node, ptr, scratch, *args)
     monkeypatch.setattr("toygraph.cuda.backend.lower", recording)
     backend = _trained("dpo_qv_tiny_llama")[2]
-    needs = {tid: lowering.scratch_bytes(node) for tid, (node, _) in seen.items()}
+    needs = {tid: dispatch.scratch_bytes(node) for tid, (node, _) in seen.items()}
     users = {tid for tid, n in needs.items() if n}
     ops_using = sorted(seen[tid][0].op for tid in users)
     assert ops_using.count("linear_cross_entropy") == 2      # policy and reference
@@ -144,7 +144,7 @@ def test_smollm2_dpo_step_plans_one_256_mib_scratch(smollm2, monkeypatch):
     LCE_CHUNK_BYTES); sharing holds one of them instead of three."""
     import toygraph.recipes.dpo as dpo
     from toygraph.cuda.devmem import plan_device_memory
-    from toygraph.gguf import GGUFModel
+    from toygraph.models.model import GGUFModel
     from toygraph.recipes import RecipeOptions
 
     class PlanOnly(Session):   # order and plan the graph, hand nothing to a backend

@@ -1,19 +1,19 @@
-"""Tests for toygraph/data.py: parsing, masks, truncation, batching, splitting."""
+"""Tests for toygraph/data/batches.py: parsing, masks, truncation, batching, splitting."""
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jinja2
 import numpy as np
 import pytest
 
-from toygraph.data import (Batch, Example, batches, data_hash, encode_dataset, encode_example,
+from toygraph.demo.capitals import data_path as capitals_data
+from toygraph.data.batches import (Batch, Example, batches, data_hash, encode_dataset, encode_example,
                            load_examples, pad_id_for, split_train_val, steps_per_epoch)
 from toygraph.errors import DataError
 
-CAPITALS = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "capitals.jsonl"
+CAPITALS = capitals_data()
 CHATML = ("{% for m in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}"
           "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -292,7 +292,7 @@ def test_capitals_fixture_loads():
 # ------------------------------------------------------------------------- real SmolLM2 tokenizer
 @pytest.fixture(scope="module")
 def smollm2_tok(smollm2):
-    from toygraph.tokenizer import Tokenizer
+    from toygraph.gguf.tokenizer import Tokenizer
     return Tokenizer.from_gguf(smollm2)
 
 
@@ -341,8 +341,8 @@ def test_deep_nesting_is_refused_before_parsing(tmp_path):
 
 
 def test_an_overlong_line_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
-    import toygraph.examples
-    monkeypatch.setattr(toygraph.examples, "MAX_LINE_BYTES", 1000)
+    import toygraph.data.examples
+    monkeypatch.setattr(toygraph.data.examples, "MAX_LINE_BYTES", 1000)
     p = write(tmp_path, ['{"text": "short"}', json.dumps({"text": "a" * 5000}), '{"text": "after"}'])
     with pytest.raises(DataError, match=r"d.jsonl:2: line longer than"):
         load_examples(p)

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from test_data import FakeTokenizer, chat, targets
-from toygraph.data import (Example, encode_dataset, encode_example, encode_rows, load_examples,
+from toygraph.data.batches import (Example, encode_dataset, encode_example, encode_rows, load_examples,
                            split_train_val)
 from toygraph.errors import DataError
-from toygraph.tokenizer import Tokenizer
+from toygraph.gguf.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER_1 = {"role": "user", "content": "What is 2+2?"}
@@ -139,7 +139,7 @@ def test_last_turn_only_is_the_last_row(qwen3):
 def test_preference_pairs_after_a_multi_turn_qwen3_prompt(tmp_path, qwen3):
     """DPO/ORPO pairs whose shared conversation has earlier assistant turns: each reply is
     trained after the prompt inference gives at that turn (earlier <think> dropped)."""
-    from toygraph.preference import encode_pairs, load_pairs
+    from toygraph.data.preference import encode_pairs, load_pairs
 
     p = tmp_path / "pairs.jsonl"
     p.write_text(json.dumps({"messages": CONVERSATION[:4], "chosen": {"role": "assistant", "content": "6."},
@@ -214,7 +214,7 @@ def test_finetune_tiny_qwen3_on_multi_turn_chats(tmp_path):
     """End to end: LoRA on a tiny qwen3 GGUF carrying Qwen3's template, multi-turn data."""
     from toygraph.fixtures.tiny_models import write_tiny_qwen3
     from toygraph.fixtures.tiny_vocab import QWEN3_TEMPLATE
-    from toygraph.train import TrainConfig, run_training
+    from toygraph.training.run import TrainConfig, run_training
 
     model = write_tiny_qwen3(tmp_path / "q3.gguf", chat_template=QWEN3_TEMPLATE)
     data = tmp_path / "chats.jsonl"

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from toygraph.data import encode_dataset, load_examples
+from toygraph.data.batches import encode_dataset, load_examples
 from toygraph.errors import DataError
-from toygraph.tokenizer import Tokenizer
+from toygraph.gguf.tokenizer import Tokenizer
 
 ROWS = [{"instruction": "Capital of France?", "response": "Paris"},
         {"instruction": "Sum", "input": "2 + 2", "output": "4", "system": "be terse"},

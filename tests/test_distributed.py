@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toygraph import distributed, ops
+from toygraph.core import distributed, ops
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
-from toygraph.session import Session
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
 from test_train import write_chat_data
 
 LAUNCHER_ENV = [v for pair in distributed.LAUNCHER_VARS for v in pair]
@@ -72,8 +72,8 @@ def test_local_rank_picks_a_ranks_gpu_only_in_a_job_of_several(monkeypatch):
 def test_one_process_imports_no_mpi_and_trains_as_before(tmp_path, tiny_llama):
     """No launcher: nothing new is imported, even through a whole training run."""
     data = write_chat_data(tmp_path / "chat.jsonl")
-    code = (f"import sys, toygraph.train, toygraph.cli, toygraph.recipes, toygraph.supervisor\n"
-            f"from toygraph.train import TrainConfig, run_training\n"
+    code = (f"import sys, toygraph.training.run, toygraph.cli, toygraph.recipes, toygraph.training.supervisor\n"
+            f"from toygraph.training.run import TrainConfig, run_training\n"
             f"run_training(TrainConfig(model={str(tiny_llama)!r}, data={str(data)!r}, "
             f"out={str(tmp_path / 'run')!r}, steps=1, batch=2, seq_len=16, quiet=True))\n"
             f"bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mpi4py', 'nccl'))\n"
@@ -116,8 +116,8 @@ def test_all_reduce_checks_its_operands_and_the_job_size():
 def test_the_update_waits_for_the_reduction():
     """build_training(ranks=...) puts all_reduce between the accumulated gradients and the
     clip/AdamW nodes, which read its value as their divisor."""
-    from toygraph.graph import topo_order
-    from toygraph.optim import build_training
+    from toygraph.core.graph import topo_order
+    from toygraph.core.optimizer import build_training
     g = Graph()
     w = g.param("w", np.ones((3,), np.float32))
     x = g.input("x", (3,))
@@ -324,8 +324,8 @@ def test_a_stalled_rank_makes_the_others_abort_after_the_timeout(tmp_path, tiny_
 
 # --- the CUDA backend's collective --------------------------------------------------------
 def test_cuda_lowering_is_a_collective_then_a_copy_of_the_count():
-    from toygraph.cuda.launch import Collective
-    from toygraph.cuda.lowering import Launch, lower
+    from toygraph.cuda.lowering.launch import Collective
+    from toygraph.cuda.lowering.dispatch import Launch, lower
     g = Graph()
     count = g.state("count", (), kind="count")
     grad = g.state("grad", (2, 3), kind="grad")
@@ -370,7 +370,7 @@ def test_two_ranks_on_the_cuda_backend_host_device(tmp_path, tiny_llama):
 
 def test_preference_recipes_refuse_data_parallel(tiny_llama):
     """DPO/ORPO average per pair, which a sum over ranks would not reproduce: refused."""
-    from toygraph.gguf import GGUFModel
+    from toygraph.models.model import GGUFModel
     from toygraph.recipes import RecipeOptions
     from toygraph.recipes.dpo import DPO
     model = GGUFModel(str(tiny_llama))

@@ -7,9 +7,9 @@ import pytest
 from gradcheck import check_gradients
 from test_dpo_reference import B, T, batches_for
 from toygraph.errors import GraphError
-from toygraph.gguf import GGUFModel
+from toygraph.models.model import GGUFModel
 from toygraph.models.config import tensor_shapes
-from toygraph.optim import hp_row
+from toygraph.core.optimizer import hp_row
 from toygraph.recipes import DPO, ORPO, LoRA, RecipeOptions
 
 TARGETS = ("q", "v")
@@ -132,7 +132,7 @@ def test_on_cuda_no_vocabulary_sized_logits_exist(tiny_llama, make):
     """The CUDA graph (built, not run) takes both passes' log-probs from the fused head:
     no [2B * T, vocab] tensor forward or backward, one per-row linear_cross_entropy per
     pass (DPO: policy and reference; ORPO: the policy)."""
-    from toygraph.optim import build_training
+    from toygraph.core.optimizer import build_training
     recipe = make()
     m = GGUFModel(tiny_llama)
     g = recipe.build_graph(m, m.config, RecipeOptions(seq_len=T, batch=B, backend="cuda"))

@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 from test_peft_reference import peft_model, random_lora  # noqa: E402
-from toygraph.adapters import save_peft  # noqa: E402
-from toygraph.gguf import GGUFModel  # noqa: E402
-from toygraph.optim import hp_row  # noqa: E402
+from toygraph.adapters.files import save_peft  # noqa: E402
+from toygraph.models.model import GGUFModel  # noqa: E402
+from toygraph.core.optimizer import hp_row  # noqa: E402
 from toygraph.recipes import DPO, ORPO, RecipeOptions  # noqa: E402
 
 F = torch.nn.functional

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from test_train import _stop_after, events
+from toygraph.demo.capitals import data_path as capitals_data
 from toygraph import cli
 from toygraph.errors import ToygraphError
-from toygraph.inference import LanguageModel
-from toygraph.train import TrainConfig, run_training
+from toygraph.inference.language_model import LanguageModel
+from toygraph.training.run import TrainConfig, run_training
 
 PREFERENCES = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "preferences.jsonl"
-CAPITALS = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "capitals.jsonl"
+CAPITALS = capitals_data()
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
 
 
@@ -90,7 +91,7 @@ def test_adapter_init_is_the_frozen_reference(tiny_llama, tmp_path):
 def test_resume_keeps_the_reference_adapter(tiny_llama, tmp_path):
     """The reference model is base + the --adapter-init adapter, so a resumed DPO run must
     get the same adapter back (by content; the path may move) or be refused."""
-    from toygraph.resume import ResumeMismatch
+    from toygraph.training.resume import ResumeMismatch
     sfts = []
     for seed in (1, 2):
         sfts.append(tmp_path / f"sft{seed}")

@@ -12,13 +12,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from test_peft_reference import ALL, peft_model, random_lora, rel, token_batch  # noqa: E402
-from toygraph.adapters import save_gguf_adapter, save_peft  # noqa: E402
+from toygraph.adapters.files import save_gguf_adapter, save_peft  # noqa: E402
 from toygraph.cli import main  # noqa: E402
 from toygraph.errors import DataError  # noqa: E402
-from toygraph.export import PROVENANCE, export_merged  # noqa: E402
-from toygraph.gguf import GGUFModel  # noqa: E402
-from toygraph.inference import LanguageModel  # noqa: E402
-from toygraph.modelfile import OLLAMA_CHATML, modelfile_text, ollama_template  # noqa: E402
+from toygraph.adapters.merge import PROVENANCE, export_merged  # noqa: E402
+from toygraph.models.model import GGUFModel  # noqa: E402
+from toygraph.inference.language_model import LanguageModel  # noqa: E402
+from toygraph.adapters.modelfile import OLLAMA_CHATML, modelfile_text, ollama_template  # noqa: E402
 
 # Relative loss bounds per output type (issue 15). bf16 keeps 8 mantissa bits, about as
 # coarse as q8_0's int8 blocks, so it gets the quantized bound.
@@ -147,8 +147,8 @@ def test_training_run_writes_an_ollama_modelfile(tiny_llama, tmp_path):
     for that base, and the end-of-turn tokens as stop parameters."""
     import json
 
-    from toygraph.adapters import check_gguf_adapter
-    from toygraph.train import TrainConfig, run_training
+    from toygraph.adapters.files import check_gguf_adapter
+    from toygraph.training.run import TrainConfig, run_training
 
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": f"it is {i}"}) + "\n"
@@ -175,7 +175,7 @@ def test_training_run_writes_an_ollama_modelfile(tiny_llama, tmp_path):
 
 def test_ollama_template_only_when_faithful(tiny_llama):
     from toygraph.fixtures.tiny_models import CHATML
-    from toygraph.tokenizer import Tokenizer
+    from toygraph.gguf.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(tiny_llama)
     assert ollama_template(tok) == (OLLAMA_CHATML, None)

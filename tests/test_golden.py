@@ -35,9 +35,9 @@ def test_runs_are_bit_identical():
 @pytest.mark.parametrize("name", ["lora_qv_tiny_llama", "lora_all_tiny_qwen2", "dpo_qv_tiny_llama",
                                   "orpo_qv_tiny_llama"])
 def test_saved_adapter_reloads_and_reproduces_the_last_loss(name, tmp_path):
-    from toygraph.adapters import load_peft, save_peft
+    from toygraph.adapters.files import load_peft, save_peft
     from toygraph.fixtures.experiments import make_recipe, model_path
-    from toygraph.gguf import GGUFModel
+    from toygraph.models.model import GGUFModel
     from toygraph.recipes import RecipeOptions
     exp = EXPERIMENTS[name]
     losses, recipe, data = run_experiment(exp, return_recipe=True)

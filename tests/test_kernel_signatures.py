@@ -16,16 +16,20 @@ import numpy as np
 import pytest
 
 from cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
-from toygraph import ops, quant
-from toygraph.autodiff import backward
-from toygraph.cuda import devmem, lowering
-from toygraph.cuda.kernels import (ATTN_HEAD_DIMS, FAMILIES, KERNEL_NAMES, TC_FAMILIES,
-                                   TC_KERNEL_NAMES, TC_PRECISIONS, module_source)
-from toygraph.cuda.launch import MAXD, Launch, f32, f64, i32, p, strided
-from toygraph.graph import Graph, topo_order
+from toygraph.core import ops
+from toygraph.gguf import blocks
+from toygraph.core.autodiff import backward
+from toygraph.cuda import devmem
+from toygraph.cuda.lowering import dispatch
+from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS
+from kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
+from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
+from toygraph.cuda.lowering.sources import module_source
+from toygraph.cuda.lowering.launch import MAXD, Launch, f32, f64, i32, p, strided
+from toygraph.core.graph import Graph, topo_order
 
 PRECISIONS = ("f32",) + TC_PRECISIONS
-BLOCK_FORMATS = sorted(set(quant.BLOCK) - {"f32"})
+BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
 
 #: C parameter type -> (numpy dtype, number of elements) of its packed launch argument.
 SCALAR_TYPES = {"int": (np.int32, 1), "float": (np.float32, 1), "double": (np.float64, 1),
@@ -94,7 +98,7 @@ def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS):
         if node.op is None:
             continue
         for prec in precisions:
-            out += [(node.op, l) for l in lowering.lower(node, lambda t: (t.id + 1) << 20,
+            out += [(node.op, l) for l in dispatch.lower(node, lambda t: (t.id + 1) << 20,
                                                          1 << 40, raw, precision=prec)
                     if isinstance(l, Launch)]
     return out
@@ -108,12 +112,12 @@ def _model_launches(path, **lora_graph_kw):
 
 
 def _full_finetune_launches(path):
-    from toygraph.gguf import GGUFModel
-    from toygraph.models.llama import build_llama
-    from toygraph.optim import build_training
+    from toygraph.models.model import GGUFModel
+    from toygraph.models.decoder import build_decoder
+    from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_llama(g, model.config, batch=1, seq_len=4, model=model, weights="finetune",
+    net = build_decoder(g, model.config, batch=1, seq_len=4, model=model, weights="finetune",
                       logits=False)
     lab = g.input("labels", (4,), "i32")   # the fused head, trained: tg_matmul_acc
     loss = ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum")
@@ -125,7 +129,7 @@ def _block_format_launches(rng):
     """The fused kernels of every block format: y = x @ W^T, dx = dy @ W, get_rows."""
     out = []
     for fmt in BLOCK_FORMATS:
-        rows, cols = 8, quant.BLOCK[fmt][0]
+        rows, cols = 8, blocks.BLOCK[fmt][0]
         g = Graph()
         w = g.const("w", qweight(rng, fmt, rows, cols)[0], shape=(rows, cols), storage=fmt)
         nodes = [w, ops.matmul(g.const("x", np.ones((3, cols))), w, trans_b=True),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from test_train import events, write_chat_data
-from toygraph.checkpoint import find_resumable
+from toygraph.training.checkpoints import find_resumable
 from toygraph.cli import main
 from toygraph.errors import DataError
 
@@ -94,7 +94,7 @@ def test_kill_9_then_resume_is_bit_identical(setup, tmp_path, case):
 # before the manifest (the moment a torn checkpoint would be most likely).
 KILL_IN_WRITE = """
 import os, signal, sys
-import toygraph.checkpoint as c
+import toygraph.training.checkpoints as c
 real, calls = c._write_manifest, []
 def write_manifest(folder):
     calls.append(folder)

@@ -1,4 +1,4 @@
-"""Generation with a KV cache (toygraph/kvcache.py) against the full-window path it
+"""Generation with a KV cache (toygraph/inference/kvcache.py) against the full-window path it
 replaces: the same greedy tokens and the same logits at every step, for every family, with
 and without an adapter, on numpy and on the CUDA kernels (host executor); the cache_write
 op on its own; and the CLI's default and ``--no-kv-cache`` paths.
@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 
 from hostparity import run_phase
-from toygraph import ops
-from toygraph.adapters import save_peft
+from toygraph.core import ops
+from toygraph.adapters.files import save_peft
 from toygraph.cli import main
 from toygraph.errors import DataError, GraphError
 from toygraph.fixtures.tiny_models import (write_tiny_gemma3, write_tiny_llama3,
                                            write_tiny_qwen3)
-from toygraph.gguf import GGUFModel
-from toygraph.graph import Graph
-from toygraph.inference import LanguageModel
+from toygraph.models.model import GGUFModel
+from toygraph.core.graph import Graph
+from toygraph.inference.language_model import LanguageModel
 from toygraph.models.decoder import TARGETS, weight_shape
-from toygraph.session import Session
+from toygraph.core.session import Session
 
 LOGIT_TOL = 1e-5
 PROMPTS = ["the cat sat on", "a dog and a cat and a bird and a dog went to the river and",

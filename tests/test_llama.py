@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 from gradcheck import check_gradients
-from toygraph import ops
+from toygraph.core import ops
 from toygraph.errors import GraphError
-from toygraph.gguf import GGUFModel
-from toygraph.graph import Graph
-from toygraph.models.llama import LoraConfig, build_llama
-from toygraph.session import Session
+from toygraph.models.model import GGUFModel
+from toygraph.core.graph import Graph
+from toygraph.models.decoder import LoraConfig, build_decoder
+from toygraph.core.session import Session
 
 
 def toygraph_loss(path, tokens):
@@ -17,7 +17,7 @@ def toygraph_loss(path, tokens):
     m = GGUFModel(path)
     B, T = tokens.shape
     g = Graph()
-    net = build_llama(g, m.config, batch=B, seq_len=T, model=m)
+    net = build_decoder(g, m.config, batch=B, seq_len=T, model=m)
     labels = g.input("labels", (B * T,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, labels))
     s = Session(g)
@@ -54,7 +54,7 @@ def test_tiny_models_match_transformers(which, request):
 @pytest.mark.reference
 @pytest.mark.slow
 def test_smollm2_matches_transformers(smollm2):
-    from toygraph.tokenizer import Tokenizer
+    from toygraph.gguf.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(smollm2)
     texts = ["The capital of France is Paris. It is known for the Eiffel Tower and",
              "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5, of course"]
@@ -75,7 +75,7 @@ def test_lora_gradients_through_the_whole_model(tiny_qwen2):
     g = Graph()
     lora = LoraConfig(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=2, alpha=4,
                       init_scale=0.3)
-    net = build_llama(g, m.config, batch=2, seq_len=5, model=m, lora=lora)
+    net = build_decoder(g, m.config, batch=2, seq_len=5, model=m, lora=lora)
     rng = np.random.default_rng(1)
     for a, b in net.lora.values():
         b.data = (rng.normal(size=b.shape) * 0.3).astype(np.float32)
@@ -93,11 +93,11 @@ def test_lora_gradients_through_the_whole_model(tiny_qwen2):
 def test_attention_never_materialises_seq_by_seq_scores(tiny_llama):
     """Forward and backward of a LoRA step: no node is [.., T, T] (fused attention), and
     each layer has one attention and one attention_back node."""
-    from toygraph.autodiff import backward
+    from toygraph.core.autodiff import backward
     m = GGUFModel(tiny_llama)
     g = Graph()
     T = 12
-    net = build_llama(g, m.config, batch=2, seq_len=T, model=m,
+    net = build_decoder(g, m.config, batch=2, seq_len=T, model=m,
                       lora=LoraConfig(targets=("q", "k", "v", "o")))
     labels = g.input("labels", (2 * T,), "i32")
     backward(ops.cross_entropy(net.logits, labels), net.params)
@@ -109,20 +109,20 @@ def test_attention_never_materialises_seq_by_seq_scores(tiny_llama):
 def test_build_errors(tiny_llama):
     m = GGUFModel(tiny_llama)
     with pytest.raises(GraphError, match="exceeds the model's context length"):
-        build_llama(Graph(), m.config, batch=1, seq_len=m.config.n_ctx + 1, model=m)
+        build_decoder(Graph(), m.config, batch=1, seq_len=m.config.n_ctx + 1, model=m)
     with pytest.raises(GraphError, match="LoRA targets"):
         LoraConfig(targets=("q", "qkv"))
     with pytest.raises(GraphError, match="needs a GGUF model"):
-        build_llama(Graph(), m.config, batch=1, seq_len=4)
+        build_decoder(Graph(), m.config, batch=1, seq_len=4)
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
 @pytest.mark.parametrize("weights", ["frozen", "finetune"])
 def test_fused_head_training_graph_equals_the_unfused_one(model, weights, request):
-    """build_llama(logits=False) stops at hidden/head; the recipe's fused loss
+    """build_decoder(logits=False) stops at hidden/head; the recipe's fused loss
     (linear_cross_entropy, used on CUDA) gives the unfused head's loss and gradients (f64),
     tied (tiny_llama) and untied (tiny_qwen2) heads, frozen (LoRA) or trainable."""
-    from toygraph.autodiff import accumulate_grads, backward
+    from toygraph.core.autodiff import accumulate_grads, backward
     from toygraph.recipes.base import head_loss
     m = GGUFModel(request.getfixturevalue(model))
     B, T = 2, 6
@@ -133,7 +133,7 @@ def test_fused_head_training_graph_equals_the_unfused_one(model, weights, reques
     results = []
     for backend in ("cuda", "cpu"):   # only picks the head: both graphs run on numpy here
         g = Graph()
-        net = build_llama(g, m.config, batch=B, seq_len=T, model=m, weights=weights, logits=False,
+        net = build_decoder(g, m.config, batch=B, seq_len=T, model=m, weights=weights, logits=False,
                           lora=LoraConfig(targets=("q", "v"), init_scale=0.1)
                           if weights == "frozen" else None)
         assert net.logits is None and net.hidden.shape == (B * T, m.config.n_embd)
@@ -154,10 +154,10 @@ def test_fused_head_training_graph_equals_the_unfused_one(model, weights, reques
 
 
 def test_logits_are_built_when_asked(tiny_llama):
-    from toygraph.models.llama import lm_head
+    from toygraph.models.decoder import lm_head
     m = GGUFModel(tiny_llama)
     g = Graph()
-    net = build_llama(g, m.config, batch=1, seq_len=4, model=m)
+    net = build_decoder(g, m.config, batch=1, seq_len=4, model=m)
     assert net.logits is not None and net.logits.shape == (4, m.config.n_vocab)
     assert net.logits.op == "matmul" and list(net.logits.srcs) == [net.hidden, net.head]
     assert lm_head(net).shape == net.logits.shape

@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 
 from toygraph.cli import build_parser, main
-from toygraph.config import TrainConfig
+from toygraph.training.run_config import TrainConfig
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
+from toygraph.core.graph import Graph
 from toygraph.models.decoder import LoraConfig
 from toygraph.recipes import LoRA, RecipeOptions
-from toygraph.session import PRECISIONS, Session
-
+from toygraph.core.session import Session
+from toygraph.core.precision import PRECISIONS
 REQUIRED = ["--model", "m.gguf", "--data", "d.jsonl", "--out", "o"]
 
 

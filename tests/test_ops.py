@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from gradcheck import TOL, check_gradients, rnd, weighted_sum
-from toygraph import ops
+from toygraph.core import ops
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
+from toygraph.core.graph import Graph
 
 
 def test_composite_attention_block_gradient():

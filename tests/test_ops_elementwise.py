@@ -6,11 +6,11 @@ import pytest
 
 from cudaemu import check_lowering, const_node
 from gradcheck import TOL, check_gradients, forward_f64, gradcheck_unary, rnd, weighted_sum
-from toygraph import ops
-from toygraph.cuda import lowering
-from toygraph.cuda.kernels import KERNEL_NAMES
-from toygraph.cuda.lowering import OP_KERNELS
-from toygraph.graph import Graph
+from toygraph.core import ops
+from toygraph.cuda.lowering import dispatch
+from kernelsrc import KERNEL_NAMES
+from kernelsrc import OP_KERNELS
+from toygraph.core.graph import Graph
 
 
 @pytest.mark.parametrize("name,build,shape", [
@@ -79,7 +79,7 @@ def test_gelu_launches():
     x, dy = g.const("x", np.zeros((3, 70))), g.const("dy", np.zeros((3, 70)))
     for node, kernel, n_ptr in ((ops.gelu(x), "tg_gelu", 2), (ops.gelu_back(x, dy),
                                                                "tg_gelu_back", 3)):
-        (launch,) = lowering.lower(node, lambda t: (t.id + 1) << 20)
+        (launch,) = dispatch.lower(node, lambda t: (t.id + 1) << 20)
         assert launch.kernel == kernel and kernel in KERNEL_NAMES
         assert kernel in OP_KERNELS[node.op]
         assert [v.dtype for v in launch.args] == [np.uint64] * n_ptr + [np.int32]

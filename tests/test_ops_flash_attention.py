@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
-from toygraph import ops
+from toygraph.core import ops
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
-from toygraph.session import Session
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
 
 
 # --- fused attention -------------------------------------------------------------------------
@@ -24,7 +24,7 @@ ATTN_CASES = [  # (B, H, KV, T, hd, causal)
 def attn_rows(request, monkeypatch):
     """The numpy kernels' query-block size: the default, and 2 rows so that T splits into
     several blocks (and a ragged last one) even in these small tests."""
-    from toygraph.ops import flash_attention
+    from toygraph.core.ops import flash_attention
     monkeypatch.setattr(flash_attention, "ATTN_ROWS", request.param)
     return request.param
 
@@ -60,7 +60,7 @@ def assert_attention_matches(vals, fused, unfused, seed=12):
     """Forward value and all three gradients of ``fused(q, k, v)`` against
     ``unfused(q, k, v)`` in f64, to 1e-12 of the largest reference value (or of 1, where
     a gradient is exactly zero)."""
-    from toygraph.autodiff import accumulate_grads, backward
+    from toygraph.core.autodiff import accumulate_grads, backward
     r = np.random.default_rng(seed).normal(size=vals[0].shape)
     results = []
     for build in (fused, unfused):
@@ -86,7 +86,7 @@ def test_attention_equals_the_unfused_composition(B, H, KV, T, hd, causal, attn_
 
 
 def test_attention_backward_is_one_node_read_through_three_unpacks():
-    from toygraph.autodiff import backward
+    from toygraph.core.autodiff import backward
     rng = np.random.default_rng(13)
     g = Graph()
     q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, 2, 6, 2, 5, 4)))

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from cudaemu import needs_nvrtc, resolve
-from toygraph import ops
-from toygraph.cuda import constants, lowering
-from toygraph.cuda.kernels import KERNEL_NAMES
-from toygraph.cuda.lowering import OP_KERNELS
-from toygraph.cuda.constants import ATTN_HEAD_DIMS
-from toygraph.cuda.kernels import module_source, read_source
+from toygraph.core import ops
+from toygraph.cuda.lowering import constants, dispatch
+from kernelsrc import KERNEL_NAMES
+from kernelsrc import OP_KERNELS
+from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS
+from toygraph.cuda.lowering.sources import module_source, read_source
 from toygraph.errors import CudaError
-from toygraph.graph import Graph
-from toygraph.ops import KERNELS as CPU_KERNELS
-from toygraph.ops import flash_attention as attention_ops
+from toygraph.core.graph import Graph
+from toygraph.core.ops import KERNELS as CPU_KERNELS
+from toygraph.core.ops import flash_attention as attention_ops
 
 
 def _attn_tile(mem, addr, r0, T, hd, BT, HD):
@@ -213,10 +213,10 @@ def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None):
     for t in (att, back):
         mem[addr[t.id]] = np.full(t.size, np.nan)  # every element must be written
     scratch = 200 << 24
-    assert lowering.scratch_bytes(att) == 0
-    mem[scratch] = np.full(lowering.scratch_bytes(back) // 4, np.nan)
+    assert dispatch.scratch_bytes(att) == 0
+    mem[scratch] = np.full(dispatch.scratch_bytes(back) // 4, np.nan)
     for node in (att, back):
-        launches = lowering.lower(node, lambda t: addr[t.id], scratch)
+        launches = dispatch.lower(node, lambda t: addr[t.id], scratch)
         assert [l.kernel.rsplit("_", 1)[0] for l in launches] == (
             ["tg_attn_fwd"] if node is att else
             ["tg_attn_bwd_prep", "tg_attn_bwd_dkdv", "tg_attn_bwd_dq"])
@@ -241,14 +241,14 @@ def test_attention_head_dim_selection_and_limit():
     g = Graph()
     q = g.const("q", np.zeros((1, 2, 4, 160)))
     with pytest.raises(CudaError, match="head_dim 160"):
-        lowering.lower(ops.attention(q, q, q, scale=1.0), lambda t: 1 << 20)
+        dispatch.lower(ops.attention(q, q, q, scale=1.0), lambda t: 1 << 20)
 
 
 def test_attention_instantiations_match_the_lowering_tiles():
     """attention.cu's wrapper for head_dim bound HD passes (HD, TG_ATTN_BT_<HD>,
     TG_ATTN_TPR_<HD>), with __launch_bounds__(TG_ATTN_THREADS_<HD>), and those macros are
     the (BT, TPR, BT * TPR) that constants.ATTN_TILES launches with."""
-    from toygraph.cuda.constants import DEFINES
+    from toygraph.cuda.lowering.constants import DEFINES
     src = read_source("flash_attention.cu")
     instantiated = {int(hd) for hd in re.findall(r"\btg_attn_fwd_(\d+)\(", src)}
     assert instantiated == set(ATTN_HEAD_DIMS) == set(constants.ATTN_TILES)
@@ -297,6 +297,6 @@ def test_attention_launches_carry_the_window_as_an_int32():
     g = Graph()
     q = g.const("q", np.zeros((1, 2, 40, 8)))
     node = ops.attention(q, q, q, scale=0.5, window=7)
-    (launch,) = lowering.lower(node, lambda t: 1 << 20)
+    (launch,) = dispatch.lower(node, lambda t: 1 << 20)
     assert launch.args[-1].dtype == np.int32 and int(launch.args[-1][0]) == 7
     assert int(launch.args[-2][0]) == 1  # causal

@@ -8,10 +8,10 @@ import pytest
 
 from gradcheck import check_gradients, weighted_sum
 from hostparity import REDUCTION, compare_op
-from toygraph import ops
+from toygraph.core import ops
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
-from toygraph.session import Session
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
 
 
 def ragged_segments(rng, B, T, pad=True):
@@ -60,7 +60,7 @@ def _run(vals, segs, scale, causal, window):
 
 @pytest.fixture(params=[256, 3], ids=["one_block", "query_blocks_of_3"])
 def attn_rows(request, monkeypatch):
-    from toygraph.ops import flash_attention
+    from toygraph.core.ops import flash_attention
     monkeypatch.setattr(flash_attention, "ATTN_ROWS", request.param)
 
 

@@ -8,12 +8,14 @@ import pytest
 from cudaemu import (BLOCK_FORMATS, block_weight_const, check_lowering, const_node,
                      emulate_quant, needs_nvrtc)
 from gradcheck import TOL, check_gradients, rnd, weighted_sum
-from toygraph import ops, quant
-from toygraph.cuda import lowering
-from toygraph.cuda.kernels import DEQUANT_KERNELS, QUANT_KERNELS, module_source
-from toygraph.graph import Graph
-from toygraph.session import Session
-from toygraph.ops import KERNELS as CPU_KERNELS
+from toygraph.core import ops
+from toygraph.gguf import blocks
+from toygraph.cuda.lowering import dispatch
+from toygraph.core.ops.gemm import DEQUANT_KERNELS, QUANT_KERNELS
+from toygraph.cuda.lowering.sources import module_source
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
+from toygraph.core.ops import KERNELS as CPU_KERNELS
 
 
 @pytest.mark.parametrize("sa,sb,ta,tb", [
@@ -91,9 +93,9 @@ def test_quantized_lowering_matches_numpy_on_the_dequantized_weight(fmt, build):
         node = ops.get_rows(w, g.input("ids", (3, 11), "i32"))
     x = node.srcs[1] if build == "get_rows" else node.srcs[0]
     addr = {w.id: 1 << 24, x.id: 2 << 24, node.id: 3 << 24}
-    mem = {addr[w.id]: quant._as_bytes(raw), addr[x.id]: np.asarray(xv).ravel(),
+    mem = {addr[w.id]: blocks._as_bytes(raw), addr[x.id]: np.asarray(xv).ravel(),
            addr[node.id]: np.zeros(node.size)}
-    launches = lowering.lower(node, lambda t: addr[t.id], raw_consts={w.id})
+    launches = dispatch.lower(node, lambda t: addr[t.id], raw_consts={w.id})
     assert [l.kernel for l in launches] == [QUANT_KERNELS[fmt][
         {"forward": "nt", "forward3d": "nt", "backward": "nn", "get_rows": "rows"}[build]]]
     for launch in launches:

@@ -3,7 +3,7 @@ index math compiled for the host and replayed per lane and register through the 
 emulator of tests/mmaemu.py, so a wrong (lane, register) -> (row, col) mapping shows up
 as a wrong matmul; the tiling's coverage and bank conflicts; whole launches (dense and
 block-format) against numpy on rounded inputs; the kernel table, the compiled module's
-register use, and that bf16/tf32 change only the matmuls' lowering."""
+register use, and that bf16/tf32 change only the matmuls' dispatch."""
 import numpy as np
 import pytest
 
@@ -11,14 +11,17 @@ from cudaemu import (BLOCK_FORMATS, block_weight_const, host_library, lora_graph
                      training_plan)
 from mmaemu import (MMA_K, ROUND, emulate_tc_launch, kernel_frags, mma_emulate, round_bf16,
                     round_tf32)
-from toygraph import ops
-from toygraph.cuda import devmem, lowering
-from toygraph.cuda.kernels import (KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES, TC_KERNELS,
-                                   TC_PRECISIONS, backend_source, module_source)
+from toygraph.core import ops
+from toygraph.cuda import devmem
+from toygraph.cuda.lowering import dispatch
+from kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
+from toygraph.core.ops.gemm import TC_KERNELS
+from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
+from toygraph.cuda.lowering.sources import backend_source, module_source
 from toygraph.errors import CudaError
-from toygraph.graph import Graph
-from toygraph.ops import KERNELS as CPU_KERNELS
-from toygraph.ops import gemm as matmul_ops
+from toygraph.core.graph import Graph
+from toygraph.core.ops import KERNELS as CPU_KERNELS
+from toygraph.core.ops import gemm as matmul_ops
 
 
 _TC_HOST_DRIVER = r"""
@@ -47,8 +50,8 @@ extern "C" void tc_consts(int* c) {
 def tc_layout(tmp_path_factory):
     """tc_layout.cuh compiled for the host: the kernels' own index functions as tables."""
     import ctypes
-    from toygraph.cuda.constants import constant_defines
-    from toygraph.cuda.kernels import read_source
+    from toygraph.cuda.lowering.constants import constant_defines
+    from toygraph.cuda.lowering.sources import read_source
     so = host_library(tmp_path_factory, "tc_layout",
                       "#define __device__\n#define __forceinline__ inline\n"
                       + constant_defines() + read_source("tc_layout.cuh") + _TC_HOST_DRIVER)
@@ -176,7 +179,7 @@ def test_tc_matmul_replayed_through_the_mma_emulator_matches_numpy(prec, sa, sb,
     mem = {addr[node.srcs[0].id]: xv.astype(np.float64).ravel(),
            addr[node.srcs[1].id]: yv.astype(np.float64).ravel(),
            addr[node.id]: np.full(node.size, np.nan)}
-    launches = lowering.lower(node, lambda t: addr[t.id], precision=prec)
+    launches = dispatch.lower(node, lambda t: addr[t.id], precision=prec)
     assert [l.kernel for l in launches] == [TC_KERNELS[prec]["matmul"]]
     emulate_tc_launch(tc_layout, launches[0], mem)
     got = mem[addr[node.id]].reshape(node.shape)
@@ -208,10 +211,10 @@ def test_tc_quantized_matmul_replayed_through_the_mma_emulator(prec, fmt, build,
     addr = {w.id: 1 << 24, node.srcs[0].id: 2 << 24, node.id: 3 << 24}
     mem = {addr[node.srcs[0].id]: xv.astype(np.float64).ravel(),
            addr[node.id]: np.full(node.size, np.nan)}
-    launches = lowering.lower(node, lambda t: addr[t.id], raw_consts={w.id}, precision=prec)
+    launches = dispatch.lower(node, lambda t: addr[t.id], raw_consts={w.id}, precision=prec)
     kind = "nn" if build == "backward" else "nt"
     assert [l.kernel for l in launches] == [TC_KERNELS[prec][kind][fmt]]
-    q = lowering.lower(node, lambda t: addr[t.id], raw_consts={w.id})[0]  # the f32 kernel's
+    q = dispatch.lower(node, lambda t: addr[t.id], raw_consts={w.id})[0]  # the f32 kernel's
     assert [a.tolist() for a in launches[0].args] == [a.tolist() for a in q.args]
     emulate_tc_launch(tc_layout, launches[0], mem, raw=wv.astype(np.float64))
     got = mem[addr[node.id]].reshape(node.shape)
@@ -233,7 +236,7 @@ def test_rounding_emulators_match_numpy_and_known_values():
 
 # --- the tc kernel table, the module it is compiled into, and the f32 path left alone ----------
 def test_tc_kernel_table_and_the_f32_module_is_unchanged():
-    assert backend_source("f32") == module_source()
+    assert backend_source("f32") == module_source(FAMILIES)
     assert set(TC_PRECISIONS) == set(TC_KERNELS) == {"bf16", "tf32"}
     names = set()
     for prec, table in TC_KERNELS.items():
@@ -246,7 +249,7 @@ def test_tc_kernel_table_and_the_f32_module_is_unchanged():
 
 
 def kernel_names_of(src):
-    from toygraph.cuda.kernels import kernel_names
+    from toygraph.cuda.lowering.sources import kernel_names
     return kernel_names(src)
 
 
@@ -284,9 +287,9 @@ def test_mixed_precision_lowering_changes_only_the_matmuls(model, prec, request)
         if node.op is None:
             continue
         args = (node, lambda t: addr[t.id], 1 << 40, raw)
-        base = lowering.lower(*args)
-        same = lowering.lower(*args, precision="f32")
-        tc = lowering.lower(*args, precision=prec)
+        base = dispatch.lower(*args)
+        same = dispatch.lower(*args, precision="f32")
+        tc = dispatch.lower(*args, precision=prec)
         assert [(l.kernel, l.grid, l.block, [a.tolist() for a in l.args]) for l in base] == \
                [(l.kernel, l.grid, l.block, [a.tolist() for a in l.args]) for l in same]
         if node.op != "matmul":
@@ -306,7 +309,7 @@ def test_mixed_precision_is_cuda_only_and_validated():
     from toygraph.recipes import RecipeOptions
     from toygraph.cuda.backend import CudaBackend
     from toygraph.errors import GraphError
-    from toygraph.session import Session
+    from toygraph.core.session import Session
     for dt in ("bf16", "tf32"):
         RecipeOptions(precision=dt, backend="cuda")
         with pytest.raises(GraphError, match="needs the cuda backend"):

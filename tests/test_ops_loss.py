@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from gradcheck import TOL, check_gradients, rnd, weighted_sum
-from toygraph import ops
+from toygraph.core import ops
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
-from toygraph.session import Session
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -31,7 +31,7 @@ def test_cross_entropy_values_and_all_ignored():
     logits = g.param("logits", lv)
     lab = g.input("lab", (4,), "i32")
     loss = g.output(ops.cross_entropy(logits, lab))
-    from toygraph.autodiff import accumulate_grads, backward
+    from toygraph.core.autodiff import accumulate_grads, backward
     accumulate_grads(backward(loss, [logits]))
     s = Session(g, dtype="f64"); s.realize(); s.reset()
     s.upload(lab, labv); s.run("backward")
@@ -55,7 +55,7 @@ LCE_LABELS = {  # N = 7 rows over a vocabulary of 9
 def lce_rows(request, monkeypatch):
     """The numpy kernels' chunk size: the default, and 2 rows, so the rows split into
     several chunks (and a ragged last one) even here."""
-    from toygraph.ops import loss
+    from toygraph.core.ops import loss
     monkeypatch.setattr(loss, "LCE_ROWS", request.param)
     return request.param
 
@@ -77,7 +77,7 @@ def test_linear_cross_entropy_gradients(reduction, labels, lce_rows):
 
 
 def _lce_run(fused, hv, wv, labv, reduction, params=("h", "w")):
-    from toygraph.autodiff import accumulate_grads, backward
+    from toygraph.core.autodiff import accumulate_grads, backward
     g = Graph()
     h = g.param("h", hv) if "h" in params else g.const("h", hv)
     w = g.param("w", wv) if "w" in params else g.const("w", wv)
@@ -129,7 +129,7 @@ def test_linear_cross_entropy_per_row_is_minus_token_logprobs(labels, lce_rows):
     """-linear_cross_entropy(h, w, labels, "none") against token_logprobs of the unfused
     head in f64: the per-row values (0 on ignored rows), dh and dw under a weighted sum,
     within 1e-12."""
-    from toygraph.autodiff import accumulate_grads, backward
+    from toygraph.core.autodiff import accumulate_grads, backward
     rng = np.random.default_rng(26)
     N = 150 if labels == "long" else 7
     hv, wv = rng.normal(size=(N, 6)), rng.normal(size=(11, 6)) * 2
@@ -158,7 +158,7 @@ def test_linear_cross_entropy_per_row_is_minus_token_logprobs(labels, lce_rows):
 
 def test_linear_cross_entropy_backward_packs_dw_only_when_w_trains():
     """A frozen head (LoRA) gets no dw: the backward node holds dh alone."""
-    from toygraph.autodiff import backward
+    from toygraph.core.autodiff import backward
     rng = np.random.default_rng(23)
     for trainable in (("h", "w"), ("h",), ("w",)):
         g = Graph()
@@ -185,7 +185,7 @@ def test_linear_cross_entropy_backward_packs_dw_only_when_w_trains():
 
 def test_linear_cross_entropy_never_builds_vocabulary_sized_rows(lce_rows, monkeypatch):
     """No array with N * V elements (or [N, V]) is made, forward or backward."""
-    from toygraph.ops import loss as loss_ops
+    from toygraph.core.ops import loss as loss_ops
     N, D, V = 150, 4, 13
     seen = []
     real_matmul = np.matmul

@@ -7,15 +7,18 @@ import numpy as np
 import pytest
 
 from cudaemu import needs_nvrtc, qmm_format, resolve
-from toygraph import ops, quant
-from toygraph.cuda import lowering
-from toygraph.cuda.kernels import (KERNEL_NAMES, QUANT_KERNELS, TC_KERNELS, TC_PRECISIONS,
-                                   module_source)
-from toygraph.cuda.lowering import OP_KERNELS
+from toygraph.core import ops
+from toygraph.gguf import block_encode, blocks
+from toygraph.cuda.lowering import dispatch
+from kernelsrc import KERNEL_NAMES
+from toygraph.core.ops.gemm import QUANT_KERNELS, TC_KERNELS
+from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
+from toygraph.cuda.lowering.sources import module_source
+from kernelsrc import OP_KERNELS
 from toygraph.errors import CudaError
-from toygraph.graph import Graph
-from toygraph.ops import KERNELS as CPU_KERNELS
-from toygraph.ops import loss as loss_ops
+from toygraph.core.graph import Graph
+from toygraph.core.ops import KERNELS as CPU_KERNELS
+from toygraph.core.ops import loss as loss_ops
 
 
 # --- fused output head + cross-entropy: launch sequence over row chunks, replayed in numpy ------
@@ -46,9 +49,9 @@ def _lce_emulate(launch, mem):
         out, x, w, M, N, K, rb = (int(v) for v in sc)
         raw, off = resolve(mem, w)
         assert off == 0
-        elems, size = quant.BLOCK[fmt]
+        elems, size = blocks.BLOCK[fmt]
         cols = rb // size * elems
-        W = quant.dequantize(raw, fmt, (raw.size // rb, cols)).astype(np.float64)
+        W = blocks.dequantize(raw, fmt, (raw.size // rb, cols)).astype(np.float64)
         B = W.T if kind == "nt" else W
         assert B.shape == (K, N)
         view(out, M * N)[:] = (view(x, M * K).reshape(M, K) @ B).ravel()
@@ -100,9 +103,9 @@ def _lce_case(rng, N, D, V, labels, fmt=None):
         w = g.const("w", wv)
         raw = None
     else:
-        raw = quant.quantize(rng.normal(size=(V, D)).astype(np.float32), fmt)
+        raw = block_encode.quantize(rng.normal(size=(V, D)).astype(np.float32), fmt)
         w = g.const("w", raw, shape=(V, D), storage=fmt)
-        wv = quant.dequantize(raw, fmt, (V, D)).astype(np.float64)
+        wv = blocks.dequantize(raw, fmt, (V, D)).astype(np.float64)
     h = g.const("h", hv)
     lab = g.input("lab", (N,), "i32")
     labv = np.asarray(labels, np.int64)
@@ -116,15 +119,15 @@ def _lce_replay(node, vals, raw, scratch_nan=True):
     addr[node.id] = 60 << 26
     mem = {}
     for s, v in zip(node.srcs, vals):
-        mem[addr[s.id]] = (quant._as_bytes(raw).copy() if (raw is not None and s is node.srcs[1])
+        mem[addr[s.id]] = (blocks._as_bytes(raw).copy() if (raw is not None and s is node.srcs[1])
                            else np.asarray(v, np.float64).ravel().copy())
     mem[addr[node.id]] = np.full(max(node.size, 1), np.nan)
     scratch = 70 << 26
-    n_scr = lowering.scratch_bytes(node)
+    n_scr = dispatch.scratch_bytes(node)
     assert n_scr % 256 == 0 and n_scr > 0
     mem[scratch] = np.full(n_scr // 4, np.nan if scratch_nan else 0.0)
     raw_consts = frozenset({node.srcs[1].id}) if raw is not None else frozenset()
-    launches = lowering.lower(node, lambda t: addr[t.id], scratch, raw_consts)
+    launches = dispatch.lower(node, lambda t: addr[t.id], scratch, raw_consts)
     for launch in launches:
         assert all(isinstance(x, np.ndarray) and x.dtype in (np.int32, np.uint64, np.float32)
                    for x in launch.args), launch.kernel
@@ -160,8 +163,8 @@ def test_linear_cross_entropy_launches_replayed_in_numpy_match_the_cpu_kernels(
     back = g.node("linear_cross_entropy_back", [h, w, lab, gout],
                   dict(reduction=reduction, grad_h=grads[0], grad_w=grads[1]))
     # the scratch is one chunk of logits (not N x V) plus the row losses / one weight
-    assert lowering.scratch_bytes(loss) == -(-4 * rows * V // 256) * 256 + -(-4 * N // 256) * 256
-    assert lowering.scratch_bytes(back) == -(-4 * rows * V // 256) * 256 + 256
+    assert dispatch.scratch_bytes(loss) == -(-4 * rows * V // 256) * 256 + -(-4 * N // 256) * 256
+    assert dispatch.scratch_bytes(back) == -(-4 * rows * V // 256) * 256 + 256
     launches, got, _ = _lce_replay(loss, [hv, wv, labv], None)
     chunks = -(-N // rows)
     assert [l.kernel for l in launches] == ["tg_matmul", "tg_ce_rows"] * chunks + ["tg_ce_reduce"]
@@ -199,7 +202,7 @@ def test_per_row_linear_cross_entropy_launches_replayed_in_numpy_match_the_cpu_k
     gv = rng.normal(size=N)
     back = g.node("linear_cross_entropy_back", [h, w, lab, g.const("gout", gv)],
                   dict(reduction="none", grad_h=grads[0], grad_w=grads[1]))
-    assert lowering.scratch_bytes(loss) == lowering.scratch_bytes(back) == \
+    assert dispatch.scratch_bytes(loss) == dispatch.scratch_bytes(back) == \
         -(-4 * rows * V // 256) * 256
     chunks = -(-N // rows)
     launches, got, _ = _lce_replay(loss, [hv, wv, labv], None)
@@ -244,7 +247,7 @@ def test_linear_cross_entropy_reads_a_block_format_head_through_the_fused_kernel
     and dh through the "nn" qmatmul kernels, never an f32 copy; no dw is possible."""
     rng = np.random.default_rng(6)
     N, V = 37, 70
-    D = 256 if quant.BLOCK[fmt][0] == 256 else 64
+    D = 256 if blocks.BLOCK[fmt][0] == 256 else 64
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * V * 16)
     g, h, w, lab, hv, wv, labv, raw = _lce_case(
         rng, N, D, V, np.where(rng.random(N) < 0.3, -1, rng.integers(0, V, N)), fmt)
@@ -252,8 +255,8 @@ def test_linear_cross_entropy_reads_a_block_format_head_through_the_fused_kernel
     back = ops.OPS["linear_cross_entropy"].grad(loss, g.const("gout", np.array(0.9)),
                                                 [True, False, False])[0].srcs[0]
     assert back.shape == (N * D,)
-    assert lowering.reads_block_format(loss, 1) and lowering.reads_block_format(back, 1)
-    assert not lowering.reads_block_format(loss, 0)
+    assert dispatch.reads_block_format(loss, 1) and dispatch.reads_block_format(back, 1)
+    assert not dispatch.reads_block_format(loss, 0)
     for node, vals in ((loss, [hv, wv, labv]), (back, [hv, wv, labv, 0.9])):
         launches, got, _ = _lce_replay(node, vals, raw)
         mm = [l.kernel for l in launches if "mm" in l.kernel or l.kernel == "tg_matmul"]
@@ -265,9 +268,9 @@ def test_linear_cross_entropy_reads_a_block_format_head_through_the_fused_kernel
                                    rtol=1e-10, atol=1e-12)
     gw = g.node("linear_cross_entropy_back", [h, w, lab, g.const("g2", np.array(1.0))],
                 dict(reduction="sum", grad_h=True, grad_w=True))
-    assert not lowering.reads_block_format(gw, 1)
+    assert not dispatch.reads_block_format(gw, 1)
     with pytest.raises(CudaError, match="block format"):
-        lowering.lower(gw, lambda t: 1 << 20, 1 << 30, frozenset({w.id}))
+        dispatch.lower(gw, lambda t: 1 << 20, 1 << 30, frozenset({w.id}))
 
 
 @pytest.mark.parametrize("prec", TC_PRECISIONS)
@@ -278,8 +281,8 @@ def test_linear_cross_entropy_in_mixed_precision_uses_tensor_core_matmuls(prec):
     g, h, w, lab, *_ = _lce_case(rng, 300, 64, 100, np.zeros(300))
     back = g.node("linear_cross_entropy_back", [h, w, lab, g.const("g", np.array(1.0))],
                   dict(reduction="sum", grad_h=True, grad_w=True))
-    base = lowering.lower(back, lambda t: (t.id + 1) << 24, 1 << 30)
-    tc = lowering.lower(back, lambda t: (t.id + 1) << 24, 1 << 30, precision=prec)
+    base = dispatch.lower(back, lambda t: (t.id + 1) << 24, 1 << 30)
+    tc = dispatch.lower(back, lambda t: (t.id + 1) << 24, 1 << 30, precision=prec)
     assert [l.kernel for l in base] == ["tg_lce_grad_scale", "tg_fill", "tg_matmul", "tg_ce_back",
                                         "tg_matmul", "tg_matmul_acc"]
     assert [l.kernel for l in tc] == [TC_KERNELS[prec]["matmul"] if k == "tg_matmul" else k

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from gradcheck import TOL, check_gradients, gradcheck_unary, rnd, weighted_sum
-from toygraph import ops
-from toygraph.cuda import lowering
-from toygraph.graph import Graph
+from toygraph.core import ops
+from toygraph.cuda.lowering import dispatch
+from toygraph.core.graph import Graph
 
 
 @pytest.mark.parametrize("name,build,shape", [
@@ -33,6 +33,6 @@ def test_per_head_rms_norm_lowers_to_rows_over_head_dim():
     x = g.const("x", np.zeros((2, 3, 4, 40)))
     for node in (ops.rms_norm(x, 1e-6), ops.OPS["rms_norm"].grad(ops.rms_norm(x, 1e-6), x,
                                                                   [True])[0]):
-        (launch,) = lowering.lower(node, lambda t: (t.id + 1) << 20)
+        (launch,) = dispatch.lower(node, lambda t: (t.id + 1) << 20)
         rows, D = (int(v[0]) for v in launch.args[-3:-1])
         assert (launch.kernel, rows, D) == ("tg_" + node.op, 24, 40)

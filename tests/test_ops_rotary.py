@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
-from toygraph import ops
-from toygraph.cuda import lowering
-from toygraph.cuda.lowering import OP_KERNELS
+from toygraph.core import ops
+from toygraph.cuda.lowering import dispatch
+from kernelsrc import OP_KERNELS
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
-from toygraph.session import Session
-from toygraph.ops import KERNELS as CPU_KERNELS
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
+from toygraph.core.ops import KERNELS as CPU_KERNELS
 
 
 @pytest.mark.parametrize("mode", ["normal", "neox"])
@@ -180,7 +180,7 @@ def test_rope_launch_replayed_in_numpy_matches_the_cpu_kernel(mode, dims, factor
     addr = {t.id: (i + 1) << 20 for i, t in enumerate([*node.srcs, node])}
     mem = {addr[t.id]: np.asarray(v, np.float64).ravel() for t, v in zip(node.srcs, srcs)}
     mem[addr[node.id]] = np.full(node.size, np.nan)
-    (launch,) = lowering.lower(node, lambda t: addr[t.id])
+    (launch,) = dispatch.lower(node, lambda t: addr[t.id])
     assert launch.kernel == "tg_rope" and launch.kernel in OP_KERNELS["rope"]
     assert [v.dtype for v in launch.args] == [np.uint64] * 4 + [np.int32] * 4 + \
         [np.float64] * 2 + [np.int32] * 2

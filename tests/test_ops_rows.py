@@ -4,8 +4,8 @@ test and run on the host device in test_cuda_host.py."""
 import numpy as np
 
 from gradcheck import TOL, check_gradients, rnd, weighted_sum
-from toygraph import ops
-from toygraph.graph import Graph
+from toygraph.core import ops
+from toygraph.core.graph import Graph
 
 
 def test_get_rows_gradient_with_repeats():

@@ -6,12 +6,12 @@ import pytest
 
 from cudaemu import check_lowering, const_node
 from gradcheck import TOL, gradcheck_unary
-from toygraph import ops
-from toygraph.cuda import lowering
-from toygraph.cuda.lowering import OP_KERNELS
+from toygraph.core import ops
+from toygraph.cuda.lowering import dispatch
+from kernelsrc import OP_KERNELS
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
-from toygraph.session import Session
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
 
 
 @pytest.mark.parametrize("name,build,shape", [
@@ -59,6 +59,6 @@ def test_unpack_lowers_to_a_copy_from_the_offset():
     g = Graph()
     x = g.const("x", np.arange(20.0))
     node = ops.unpack(x, 7, (3, 4))
-    (launch,) = lowering.lower(node, lambda t: (t.id + 1) << 20)
+    (launch,) = dispatch.lower(node, lambda t: (t.id + 1) << 20)
     assert launch.kernel == "tg_copy" and launch.kernel in OP_KERNELS["unpack"]
     assert int(launch.args[1][0]) == ((x.id + 1) << 20) + 4 * 7 and int(launch.args[2][0]) == 12

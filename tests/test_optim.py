@@ -4,11 +4,11 @@ import math
 import numpy as np
 import pytest
 
-from toygraph import ops
+from toygraph.core import ops
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
-from toygraph.optim import Schedule, build_training, hp_row
-from toygraph.session import Session
+from toygraph.core.graph import Graph
+from toygraph.core.optimizer import Schedule, build_training, hp_row
+from toygraph.core.session import Session
 
 
 def tiny_problem(seed=0, n=8):

@@ -1,20 +1,20 @@
-"""Sample packing (toygraph/packing.py): the first-fit-decreasing packer, packed batches,
+"""Sample packing (toygraph/data/packing.py): the first-fit-decreasing packer, packed batches,
 and the model-level promise: a packed batch gives every example the loss it has alone and
 the same total gradient as the unpacked batch, and no example sees another's tokens, for
 every architecture the decoder builder has."""
 import numpy as np
 import pytest
 
-from toygraph.data import Encoded, batches
+from toygraph.data.batches import Encoded, batches
 from toygraph.errors import DataError, GraphError
 from toygraph.fixtures import tiny_models
-from toygraph.gguf import GGUFModel
-from toygraph.graph import Graph
+from toygraph.models.model import GGUFModel
+from toygraph.core.graph import Graph
 from toygraph.models.decoder import build_decoder
-from toygraph.packing import (batches_per_epoch, first_fit_decreasing, packed_batches,
+from toygraph.data.packing import (batches_per_epoch, first_fit_decreasing, packed_batches,
                               packing_efficiency)
 from toygraph.recipes import LoRA, RecipeOptions
-from toygraph.session import Session
+from toygraph.core.session import Session
 
 
 def naive_ffd(sizes, capacity):
@@ -225,7 +225,7 @@ def test_packed_run_resumes_exactly_and_logs_packing(tiny_qwen2, tmp_path):
     """6 packed steps (grad_accum 2, validation) straight == 3, Ctrl-C, resume, 3 more;
     events carry the packing efficiency, the arena bytes and real (non-pad) tokens."""
     from test_train import _stop_after, cfg_for, events, write_chat_data
-    from toygraph.train import run_training
+    from toygraph.training.run import run_training
     data = write_chat_data(tmp_path / "chat.jsonl")
     kw = dict(steps=6, save_every=3, grad_accum=2, pack=True, seq_len=96)
     run_training(cfg_for(tiny_qwen2, data, tmp_path / "full", **kw))
@@ -254,7 +254,7 @@ def test_packed_run_resumes_exactly_and_logs_packing(tiny_qwen2, tmp_path):
 def test_packed_runs_of_every_data_format(tiny_llama, tmp_path, rows, capsys):
     import json
     from test_train import cfg_for, events
-    from toygraph.train import run_training
+    from toygraph.training.run import run_training
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = cfg_for(tiny_llama, data, tmp_path / "r", pack=True, seq_len=64, steps=2, quiet=False)
@@ -268,7 +268,7 @@ def test_packed_lora_steps_on_the_host_executor_match_numpy(tiny_llama, monkeypa
     ids uploaded per step, the segmented attention kernels, the fused head): every loss
     within 1e-4 of numpy, and the same losses again."""
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
-    from toygraph.optim import hp_row
+    from toygraph.core.optimizer import hp_row
     model = GGUFModel(tiny_llama)
     items = make_items(np.random.default_rng(6), 12, 30, vocab=model.config.n_vocab)
     bs = packed_batches(items, 2, 40, 0, shuffle=True, seed=1, epoch=0)

@@ -11,11 +11,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from toygraph.adapters import save_peft  # noqa: E402
-from toygraph.gguf import GGUFModel  # noqa: E402
-from toygraph.inference import LanguageModel  # noqa: E402
-from toygraph.models.llama import TARGETS, weight_shape  # noqa: E402
-from toygraph.optim import hp_row  # noqa: E402
+from toygraph.adapters.files import save_peft  # noqa: E402
+from toygraph.models.model import GGUFModel  # noqa: E402
+from toygraph.inference.language_model import LanguageModel  # noqa: E402
+from toygraph.models.decoder import TARGETS, weight_shape  # noqa: E402
+from toygraph.core.optimizer import hp_row  # noqa: E402
 from toygraph.recipes import LoRA, RecipeOptions  # noqa: E402
 
 pytestmark = pytest.mark.reference
@@ -52,7 +52,7 @@ def token_batch(path, tiny: bool, seq: int):
     if tiny:
         vocab = GGUFModel(path).config.n_vocab
         return np.random.default_rng(0).integers(0, vocab, size=(2, seq)).astype(np.int32)
-    from toygraph.tokenizer import Tokenizer
+    from toygraph.gguf.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(path)
     return np.array([tok.encode(t)[:seq] for t in TEXTS], np.int32)
 

@@ -1,4 +1,4 @@
-"""Tests for toygraph/preference.py: parsing preference pairs (errors name file:line and
+"""Tests for toygraph/data/preference.py: parsing preference pairs (errors name file:line and
 the key), encoding only the final reply as targets, and the pair batches' layout."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from test_data import FakeTokenizer, targets, write
 from toygraph.errors import DataError
-from toygraph.preference import encode_pairs, load_pairs, pair_batches
+from toygraph.data.preference import encode_pairs, load_pairs, pair_batches
 
 U, A = "user", "assistant"
 

@@ -4,10 +4,10 @@ import pytest
 import gguf
 import gguf.quants as gq
 
-from toygraph import quant
+from toygraph.gguf import block_encode, blocks
 from toygraph.errors import GGUFError
 
-TYPES = list(quant.BLOCK)
+TYPES = list(blocks.BLOCK)
 # Types gguf-py 0.19 can encode; the K-quants and IQ4 formats it can only decode.
 GGUF_CAN_QUANTIZE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
@@ -19,15 +19,15 @@ def reference(raw: np.ndarray, qtype: str, shape) -> np.ndarray:
     elif qtype == "f16":
         data = data.view(np.float16)
     else:
-        data = data.reshape(-1, quant.BLOCK[qtype][1])  # gguf-py wants whole-block rows
-    return np.asarray(gq.dequantize(data, quant.GGML_TYPE[qtype]), np.float32).reshape(shape)
+        data = data.reshape(-1, blocks.BLOCK[qtype][1])  # gguf-py wants whole-block rows
+    return np.asarray(gq.dequantize(data, blocks.GGML_TYPE[qtype]), np.float32).reshape(shape)
 
 
 def random_blocks(qtype: str, n_blocks: int, rng) -> np.ndarray:
     """Random but valid block bytes: every bit pattern, finite f16 scale fields."""
-    elems, size = quant.BLOCK[qtype]
+    elems, size = blocks.BLOCK[qtype]
     b = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    lay = quant.LAYOUT.get(qtype, {})
+    lay = blocks.LAYOUT.get(qtype, {})
     for field in ("d", "dmin", "m"):
         if field in lay:
             off = lay[field]
@@ -41,8 +41,8 @@ def random_blocks(qtype: str, n_blocks: int, rng) -> np.ndarray:
 def test_gguf_quantize_then_our_dequantize(qtype, shape):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-    raw = np.ascontiguousarray(gq.quantize(x, quant.GGML_TYPE[qtype])).view(np.uint8)
-    ours = quant.dequantize(raw, qtype, shape)
+    raw = np.ascontiguousarray(gq.quantize(x, blocks.GGML_TYPE[qtype])).view(np.uint8)
+    ours = blocks.dequantize(raw, qtype, shape)
     assert ours.dtype == np.float32 and ours.shape == shape
     np.testing.assert_array_equal(ours, reference(raw, qtype, shape))
 
@@ -50,19 +50,19 @@ def test_gguf_quantize_then_our_dequantize(qtype, shape):
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t not in ("f32", "f16", "bf16")])
 def test_random_blocks_match_gguf(qtype):
     rng = np.random.default_rng(2)
-    elems, _ = quant.BLOCK[qtype]
-    shape = (6, 2 * quant.QK_K)
-    raw = random_blocks(qtype, 6 * 2 * quant.QK_K // elems, rng)
-    np.testing.assert_array_equal(quant.dequantize(raw, qtype, shape), reference(raw, qtype, shape))
+    elems, _ = blocks.BLOCK[qtype]
+    shape = (6, 2 * blocks.QK_K)
+    raw = random_blocks(qtype, 6 * 2 * blocks.QK_K // elems, rng)
+    np.testing.assert_array_equal(blocks.dequantize(raw, qtype, shape), reference(raw, qtype, shape))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_our_quantize_roundtrip(qtype):
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((5, 512)) * 0.05).astype(np.float32)
-    raw = quant.quantize(x, qtype)
-    assert raw.dtype == np.uint8 and raw.nbytes == quant.nbytes(qtype, x.shape)
-    ours = quant.dequantize(raw, qtype, x.shape)
+    raw = block_encode.quantize(x, qtype)
+    assert raw.dtype == np.uint8 and raw.nbytes == blocks.nbytes(qtype, x.shape)
+    ours = blocks.dequantize(raw, qtype, x.shape)
     np.testing.assert_array_equal(ours, reference(raw, qtype, x.shape))
     # Quantization error stays a small fraction of the data's scale.
     bits = {"q2_k": 2, "q3_k": 3, "q4_0": 4, "q4_1": 4, "q4_k": 4, "iq4_nl": 4, "iq4_xs": 4,
@@ -72,29 +72,29 @@ def test_our_quantize_roundtrip(qtype):
 
 def test_typed_float_inputs():
     x = np.arange(64, dtype=np.float32).reshape(2, 32) / 7
-    np.testing.assert_array_equal(quant.dequantize(x, "f32", (2, 32)), x)
-    np.testing.assert_array_equal(quant.dequantize(x.astype(np.float16), "f16", (2, 32)),
+    np.testing.assert_array_equal(blocks.dequantize(x, "f32", (2, 32)), x)
+    np.testing.assert_array_equal(blocks.dequantize(x.astype(np.float16), "f16", (2, 32)),
                                   x.astype(np.float16).astype(np.float32))
 
 
 def test_nbytes_and_layout_constants():
-    assert quant.nbytes("q4_k", (3, 512)) == 3 * 2 * 144
-    assert quant.nbytes("f16", (7, 3)) == 42
-    for name, (elems, size) in quant.BLOCK.items():
-        assert gguf.GGML_QUANT_SIZES[quant.GGML_TYPE[name]] == (elems, size)
-        assert quant.qtype_name(quant.GGML_TYPE[name]) == name
+    assert blocks.nbytes("q4_k", (3, 512)) == 3 * 2 * 144
+    assert blocks.nbytes("f16", (7, 3)) == 42
+    for name, (elems, size) in blocks.BLOCK.items():
+        assert gguf.GGML_QUANT_SIZES[blocks.GGML_TYPE[name]] == (elems, size)
+        assert blocks.qtype_name(blocks.GGML_TYPE[name]) == name
 
 
 def test_bad_sizes_and_types_raise():
     with pytest.raises(GGUFError, match="multiple of 32"):
-        quant.dequantize(np.zeros(34, np.uint8), "q8_0", (2, 16))
+        blocks.dequantize(np.zeros(34, np.uint8), "q8_0", (2, 16))
     with pytest.raises(GGUFError, match="needs 68 bytes"):
-        quant.dequantize(np.zeros(34, np.uint8), "q8_0", (2, 32))
+        blocks.dequantize(np.zeros(34, np.uint8), "q8_0", (2, 32))
     with pytest.raises(GGUFError, match="multiple of 256"):
-        quant.nbytes("q6_k", (4, 128))
+        blocks.nbytes("q6_k", (4, 128))
     with pytest.raises(GGUFError, match="unknown quantization type"):
-        quant.dequantize(np.zeros(4, np.uint8), "iq2_xxs", (1, 256))
+        blocks.dequantize(np.zeros(4, np.uint8), "iq2_xxs", (1, 256))
     with pytest.raises(GGUFError, match="IQ2_XXS"):
-        quant.qtype_name(gguf.GGMLQuantizationType.IQ2_XXS)
+        blocks.qtype_name(gguf.GGMLQuantizationType.IQ2_XXS)
     with pytest.raises(GGUFError):
-        quant.quantize(np.zeros((2, 100), np.float32), "q4_0")
+        block_encode.quantize(np.zeros((2, 100), np.float32), "q4_0")

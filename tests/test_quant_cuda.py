@@ -1,4 +1,4 @@
-"""Block formats end to end: the CUDA decoders (quant.cuh, compiled for the host) on random
+"""Block formats end to end: the CUDA decoders (blocks.cuh, compiled for the host) on random
 blocks against gguf-py, and a tiny model whose tensors mix block types the way K_M/K_S
 downloads do — loaded, compared with transformers, planned for the GPU in block format,
 and trained a few LoRA steps."""
@@ -9,40 +9,43 @@ import gguf.quants as gq
 from cudaemu import BLOCK_FORMATS, host_library, lora_graph, training_plan
 from test_llama import transformers_loss
 from test_quant import random_blocks
-from toygraph import quant
-from toygraph.cuda import devmem, lowering
-from toygraph.cuda.kernels import KERNEL_NAMES, QUANT_KERNELS, layout_defines, read_source
+from toygraph.gguf import block_encode, blocks
+from toygraph.cuda import devmem
+from toygraph.cuda.lowering import dispatch, registry
+from kernelsrc import KERNEL_NAMES
+from toygraph.core.ops.gemm import QUANT_KERNELS
+from toygraph.cuda.lowering.sources import layout_defines, read_source
 from toygraph.fixtures.tiny_models import write_tiny_llama
-from toygraph.gguf import GGUFModel
-from toygraph.optim import hp_row
+from toygraph.models.model import GGUFModel
+from toygraph.core.optimizer import hp_row
 from toygraph.recipes import LoRA, RecipeOptions
 
-BLOCK_TYPES = sorted(set(quant.BLOCK) - {"f32", "f16", "bf16"})
+BLOCK_TYPES = sorted(set(blocks.BLOCK) - {"f32", "f16", "bf16"})
 NEW_TYPES = ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "iq4_xs")
 
 
 @pytest.mark.parametrize("fmt", BLOCK_TYPES)
 def test_cuda_decoders_match_gguf_py_on_random_blocks(fmt, host_decoder):
-    """Every bit pattern of the quantized fields (finite f16 scales), decoded by quant.cuh
+    """Every bit pattern of the quantized fields (finite f16 scales), decoded by blocks.cuh
     through rows as the fused kernels read them, equals gguf-py bit for bit."""
     rng = np.random.default_rng(12)
-    elems, size = quant.BLOCK[fmt]
-    rows, cols = 24, 2 * quant.QK_K
-    blocks = random_blocks(fmt, rows * cols // elems, rng)
-    want = np.asarray(gq.dequantize(blocks, quant.GGML_TYPE[fmt]), np.float32).ravel()
+    elems, size = blocks.BLOCK[fmt]
+    rows, cols = 24, 2 * blocks.QK_K
+    data = random_blocks(fmt, rows * cols // elems, rng)
+    want = np.asarray(gq.dequantize(data, blocks.GGML_TYPE[fmt]), np.float32).ravel()
     got = np.empty(rows * cols, np.float32)
-    raw = np.ascontiguousarray(blocks).ravel()
+    raw = np.ascontiguousarray(data).ravel()
     assert host_decoder(fmt.encode(), raw.ctypes.data, rows * cols, rows,
-                        quant.nbytes(fmt, (1, cols)), got.ctypes.data) == 0
+                        blocks.nbytes(fmt, (1, cols)), got.ctypes.data) == 0
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_iq4nl_levels_are_ggmls_and_reach_the_kernels_only_through_layout_defines():
-    assert quant.IQ4NL_VALUES == tuple(gq.IQ4_NL.kvalues)
-    levels = ", ".join(map(str, quant.IQ4NL_VALUES))
+    assert blocks.IQ4NL_VALUES == tuple(gq.IQ4_NL.kvalues)
+    levels = ", ".join(map(str, blocks.IQ4NL_VALUES))
     assert f"#define TG_IQ4NL_VALUES {levels}\n" in layout_defines()
-    assert "{TG_IQ4NL_VALUES}" in read_source("quant.cuh")
-    assert "-127, -104" not in read_source("quant.cuh")    # no hand-written copy
+    assert "{TG_IQ4NL_VALUES}" in read_source("blocks.cuh")
+    assert "-127, -104" not in read_source("blocks.cuh")    # no hand-written copy
 
 
 # One tensor role per type, as a Q4_K_M/Q3_K_M file mixes them: ffn_down's rows (n_ff = 288,
@@ -111,7 +114,7 @@ def test_mixed_model_stays_in_block_format_on_the_gpu_plan(mixed_model):
     for node in order:
         raw = [s for s in node.srcs if s.id in mem.raw_consts] if node.op else []
         if raw:
-            kernels = [launch.kernel for launch in lowering.lower(
+            kernels = [launch.kernel for launch in dispatch.lower(
                 node, lambda t: addr[t.id], 1 << 40, frozenset(mem.raw_consts))]
             assert set(kernels) <= set(QUANT_KERNELS[raw[0].storage].values()), (node.op, kernels)
             seen.add(raw[0].storage)
@@ -119,7 +122,7 @@ def test_mixed_model_stays_in_block_format_on_the_gpu_plan(mixed_model):
 
 
 def test_quant_kernel_table_covers_every_block_format():
-    assert set(QUANT_KERNELS) == set(BLOCK_FORMATS) == set(lowering.BLOCK_STORAGE)
+    assert set(QUANT_KERNELS) == set(BLOCK_FORMATS) == set(registry.block_storage())
     for fmt, names in QUANT_KERNELS.items():
         assert set(names) == {"nt", "nn", "rows"}
         for n in names.values():
@@ -129,14 +132,14 @@ def test_quant_kernel_table_covers_every_block_format():
 def test_kernels_take_block_layouts_from_quant_py():
     defines = layout_defines()
     for fmt in BLOCK_FORMATS:
-        elems, size = quant.BLOCK[fmt]
+        elems, size = blocks.BLOCK[fmt]
         assert f"#define TG_{fmt.upper()}_QK {elems}\n" in defines
         assert f"#define TG_{fmt.upper()}_BYTES {size}\n" in defines
-        for field, off in quant.LAYOUT.get(fmt, {}).items():
+        for field, off in blocks.LAYOUT.get(fmt, {}).items():
             assert f"#define TG_{fmt.upper()}_{field.upper()} {off}\n" in defines
 
 
-# --- quant.cuh's decoders, compiled for the host and checked bit for bit against quant.py ----
+# --- blocks.cuh's decoders, compiled for the host and checked bit for bit against blocks.py ----
 _HOST_SHIM = r"""
 #include <math.h>
 #include <string.h>
@@ -182,7 +185,7 @@ extern "C" int decode(const char* fmt, const unsigned char* raw, long long n, in
 def host_decoder(tmp_path_factory):
     import ctypes
     fn = host_library(tmp_path_factory, "hostdecode",
-                      _HOST_SHIM + layout_defines() + read_source("quant.cuh") + _HOST_DRIVER,
+                      _HOST_SHIM + layout_defines() + read_source("blocks.cuh") + _HOST_DRIVER,
                       flags=("-ffp-contract=off",)).decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
@@ -193,16 +196,16 @@ def host_decoder(tmp_path_factory):
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_shared_decoders_match_quant_py_bit_for_bit(fmt, host_decoder):
     rng = np.random.default_rng(11)
-    elems = quant.BLOCK[fmt][0]
+    elems = blocks.BLOCK[fmt][0]
     rows, cols = 5, 2 * max(elems, 32)
     x = (rng.normal(size=(rows, cols)) * rng.uniform(0.01, 3, size=(rows, 1))).astype(np.float32)
-    raw = np.ascontiguousarray(quant.quantize(x, fmt)).reshape(-1).view(np.uint8)
+    raw = np.ascontiguousarray(block_encode.quantize(x, fmt)).reshape(-1).view(np.uint8)
     if fmt in ("f16", "bf16"):  # every finite bit pattern, subnormals and -0 included
         bits = np.arange(1 << 16, dtype=np.uint16)
-        bits = bits[np.isfinite(quant.dequantize(bits, fmt, bits.shape))]
+        bits = bits[np.isfinite(blocks.dequantize(bits, fmt, bits.shape))]
         raw, rows, cols = bits.view(np.uint8), 1, bits.size
-    want = quant.dequantize(raw, fmt, (rows, cols))
+    want = blocks.dequantize(raw, fmt, (rows, cols))
     got = np.empty(rows * cols, np.float32)
     assert host_decoder(fmt.encode(), raw.ctypes.data, rows * cols, rows,
-                        quant.nbytes(fmt, (1, cols)), got.ctypes.data) == 0
+                        blocks.nbytes(fmt, (1, cols)), got.ctypes.data) == 0
     np.testing.assert_array_equal(got.view(np.uint32), want.ravel().view(np.uint32))

@@ -1,17 +1,17 @@
-"""Activation checkpointing (toygraph/recompute.py): the same gradients bit for bit, a
+"""Activation checkpointing (toygraph/core/recompute.py): the same gradients bit for bit, a
 smaller arena, each block recomputed just before its own backward, nothing outside a
 block recomputed, on every family, LoRA and full fine-tuning, CPU and the CUDA host device.
 """
 import numpy as np
 import pytest
 
-from toygraph import ops
+from toygraph.core import ops
 from toygraph.errors import GraphError
 from toygraph.fixtures import tiny_models
-from toygraph.gguf import GGUFModel
-from toygraph.graph import Graph
-from toygraph.memory import _aligned
-from toygraph.optim import build_training, hp_row
+from toygraph.models.model import GGUFModel
+from toygraph.core.graph import Graph
+from toygraph.core.memory import _aligned
+from toygraph.core.optimizer import build_training, hp_row
 from toygraph.recipes import RECIPES, RecipeOptions
 
 B, T = 2, 16
@@ -252,9 +252,9 @@ def test_effects_that_read_state_keep_their_place():
     """Only gradient accumulations are moved earlier. An effect reading a state buffer that
     another effect writes (here: a copy of a gradient accumulator, as a gradient all-reduce
     would be) has no edge to that writer, so it keeps its place after them."""
-    from toygraph.autodiff import accumulate_grads, gradient_map
-    from toygraph.recompute import checkpoint_regions
-    from toygraph.session import Session
+    from toygraph.core.autodiff import accumulate_grads, gradient_map
+    from toygraph.core.recompute import checkpoint_regions
+    from toygraph.core.session import Session
     rng = np.random.default_rng(0)
     g = Graph()
     h = g.input("x", (4, 3))
@@ -284,7 +284,7 @@ def test_resume_may_switch_checkpointing_on(tiny_llama, tmp_path):
     checkpointing changes no number, so resume accepts it without --allow-change."""
     import json
 
-    from toygraph.train import TrainConfig, run_training
+    from toygraph.training.run import TrainConfig, run_training
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n"
                             for i in range(8)))

@@ -12,13 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-import toygraph.checkpoint as ckpt
+import toygraph.training.checkpoints as ckpt
 from test_train import cfg_for, events, write_chat_data
-from toygraph.checkpoint import find_resumable, list_checkpoints, load_checkpoint, verify_checkpoint
+from toygraph.training.checkpoints import find_resumable, list_checkpoints, load_checkpoint, verify_checkpoint
 from toygraph.errors import DataError, ToygraphError
-from toygraph.resume import ResumeMismatch
-from toygraph.runs import RunError, read_events
-from toygraph.train import run_training
+from toygraph.training.resume import ResumeMismatch
+from toygraph.training.run_dir import RunError, read_events
+from toygraph.training.run import run_training
 
 @pytest.fixture
 def chat_data(tmp_path):
@@ -80,7 +80,7 @@ def test_overwrite_replaces_the_run(tiny_llama, chat_data, tmp_path):
 
 
 def test_a_live_lock_refuses_and_a_dead_one_is_taken_over(tiny_llama, chat_data, tmp_path):
-    from toygraph.runs import LOCK_FILE, RunLock
+    from toygraph.training.run_dir import LOCK_FILE, RunLock
     out = tmp_path / "r"
     out.mkdir()
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -129,7 +129,7 @@ def test_a_broken_pipe_mid_run_is_recorded_as_failed(tiny_llama, chat_data, tmp_
 
 def test_an_exception_mid_loop_is_failed_with_no_final_artifacts(tiny_llama, chat_data, tmp_path,
                                                                 monkeypatch):
-    import toygraph.supervisor as sup
+    import toygraph.training.supervisor as sup
     real = sup.Progress.update
 
     def update(self, t, *a, **k):
@@ -314,7 +314,7 @@ def test_the_loss_median_guard_tolerates_a_hard_batch_near_zero():
     (0.357, 11x the median): not a divergence. Seen in the demo's second pass. A rise of
     nats from there, or 10x a median far from zero, still is."""
     from types import SimpleNamespace
-    from toygraph.guard import DivergenceGuard, Diverged
+    from toygraph.training.guard import DivergenceGuard, Diverged
     guard = DivergenceGuard(SimpleNamespace(recent_losses=[0.033] * 20))
     guard.check_step(21, 0.357, 1.6)
     with pytest.raises(Diverged, match="above 10 x the running median"):
@@ -327,7 +327,7 @@ def test_the_loss_median_guard_tolerates_a_hard_batch_near_zero():
 
 # --- signals and torn logs ---------------------------------------------------------------------
 def _signal_after(monkeypatch, step, signals):
-    import toygraph.runs as runs
+    import toygraph.training.run_dir as runs
     real = runs.EventLog.write
 
     def write(self, event, **fields):
@@ -404,7 +404,7 @@ def test_best_survives_a_kill_between_its_two_renames(base_run, tmp_path):
 
 
 def test_an_option_newer_than_the_checkpoint_counts_as_its_default():
-    from toygraph.resume import check_resume
+    from toygraph.training.resume import check_resume
     fp = {"name": "m.gguf", "size": 1, "sha256_sampled": "0"}
     saved = {"options": {"lr": 1e-3}, "model_fingerprint": fp, "data_hash": "d"}
     same = {"options": {"lr": 1e-3, "precision": "f32"}, "model_fingerprint": fp, "data_hash": "d"}

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from toygraph.errors import DataError
-from toygraph.inference import LanguageModel
-from toygraph.sampling import (SamplingOptions, TextStream, apply_repetition_penalty,
+from toygraph.inference.language_model import LanguageModel
+from toygraph.inference.sampling import (SamplingOptions, TextStream, apply_repetition_penalty,
                                min_p_filter, pick_token, softmax, top_k_filter, top_p_filter)
-from toygraph.tokenizer import Tokenizer
+from toygraph.gguf.tokenizer import Tokenizer
 
 PROBS = np.array([0.1, 0.5, 0.05, 0.2, 0.15])   # sorted: 0.5, 0.2, 0.15, 0.1, 0.05
 

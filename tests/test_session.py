@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from toygraph import ops
+from toygraph.core import ops
 from toygraph.errors import GraphError
-from toygraph.graph import Graph
-from toygraph.optim import Schedule, build_training, hp_row
-from toygraph.session import Session
+from toygraph.core.graph import Graph
+from toygraph.core.optimizer import Schedule, build_training, hp_row
+from toygraph.core.session import Session
 
 
 def deep_graph(layers=24, width=64):
@@ -43,7 +43,7 @@ def test_plan_never_overlaps_live_buffers():
     for reuse in (True, False):
         s = Session(g)
         if not reuse:
-            import toygraph.session as sm
+            import toygraph.core.session as sm
             orig = sm.plan_buffers
             sm.plan_buffers = lambda sched, pinned, isz, pb: _no_reuse(sched, pinned, isz, pb)
         try:
@@ -58,7 +58,7 @@ def test_plan_never_overlaps_live_buffers():
 
 
 def _no_reuse(schedule, pinned, itemsize, pinned_bytes):
-    from toygraph.memory import BufferPlan, _aligned, is_planned
+    from toygraph.core.memory import BufferPlan, _aligned, is_planned
     plan = BufferPlan(pinned_bytes=pinned_bytes)
     for t in schedule:
         if is_planned(t, pinned):

@@ -1,4 +1,4 @@
-"""toygraph/settings.py: the environment table, its typed accessors and errors, the cache
+"""toygraph/environment.py: the environment table, its typed accessors and errors, the cache
 layout, the README's copy of the table, and the warning when graph capture falls back."""
 import logging
 import re
@@ -8,34 +8,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toygraph import ops, settings
+from toygraph.core import ops
+from toygraph import environment
 from toygraph.errors import CudaError, SettingError
-from toygraph.fixtures import smollm2
+from toygraph.models import catalog
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_defaults_and_typed_values(monkeypatch):
-    for name in settings.SETTINGS:
+    for name in environment.SETTINGS:
         monkeypatch.delenv(name, raising=False)
-    assert settings.get("TOYGRAPH_CUDA_GRAPHS") is True
-    assert settings.get("TOYGRAPH_OFFLINE") is False
-    assert settings.get("TOYGRAPH_CUDA_DEVICE") == 0
-    assert settings.get("TOYGRAPH_SMOLLM2") is None
-    assert settings.get("TOYGRAPH_CACHE") == Path.home() / ".cache" / "toygraph"
-    assert settings.get("TOYGRAPH_HOST_SCHEDULE") == "forward"
+    assert environment.get("TOYGRAPH_CUDA_GRAPHS") is True
+    assert environment.get("TOYGRAPH_OFFLINE") is False
+    assert environment.get("TOYGRAPH_CUDA_DEVICE") == 0
+    assert environment.get("TOYGRAPH_SMOLLM2") is None
+    assert environment.get("TOYGRAPH_CACHE") == Path.home() / ".cache" / "toygraph"
+    assert environment.get("TOYGRAPH_HOST_SCHEDULE") == "forward"
     monkeypatch.setenv("TOYGRAPH_CUDA_GRAPHS", "0")       # read at call time, not import
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     monkeypatch.setenv("TOYGRAPH_HOST_OPT", "-O2")
     monkeypatch.setenv("TOYGRAPH_OFFLINE", "yes")
     monkeypatch.setenv("TOYGRAPH_SMOLLM2", "~/m.gguf")
-    assert settings.get("TOYGRAPH_CUDA_GRAPHS") is False
-    assert settings.get("TOYGRAPH_CUDA_DEVICE") == "host"
-    assert settings.get("TOYGRAPH_HOST_OPT") == "-O2"
-    assert settings.get("TOYGRAPH_OFFLINE") is True
-    assert settings.get("TOYGRAPH_SMOLLM2") == Path.home() / "m.gguf"
+    assert environment.get("TOYGRAPH_CUDA_GRAPHS") is False
+    assert environment.get("TOYGRAPH_CUDA_DEVICE") == "host"
+    assert environment.get("TOYGRAPH_HOST_OPT") == "-O2"
+    assert environment.get("TOYGRAPH_OFFLINE") is True
+    assert environment.get("TOYGRAPH_SMOLLM2") == Path.home() / "m.gguf"
     monkeypatch.setenv("TOYGRAPH_CUDA_GRAPHS", "")          # empty means the default
-    assert settings.get("TOYGRAPH_CUDA_GRAPHS") is True
+    assert environment.get("TOYGRAPH_CUDA_GRAPHS") is True
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -50,50 +51,51 @@ def test_defaults_and_typed_values(monkeypatch):
 def test_malformed_value_is_a_one_line_error(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingError, match=message) as e:
-        settings.get(name)
+        environment.get(name)
     assert "\n" not in str(e.value)
 
 
 def test_readers_go_through_the_table(monkeypatch):
     """The package's readers raise the table's error for a malformed value."""
-    from toygraph.cuda import backend, devmem, hostdev
+    from toygraph.cuda import backend, devmem
+    from toygraph.cuda.host import device
     monkeypatch.setenv("TOYGRAPH_CUDA_QMATMUL", "maybe")
     with pytest.raises(SettingError, match="TOYGRAPH_CUDA_QMATMUL"):
         devmem.qmatmul_enabled()
     monkeypatch.setenv("TOYGRAPH_HOST_SCHEDULE", "sideways")
     with pytest.raises(SettingError, match="TOYGRAPH_HOST_SCHEDULE"):
-        hostdev.schedule()
+        device.schedule()
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "cuda:0")
     with pytest.raises(SettingError, match="TOYGRAPH_CUDA_DEVICE"):
         backend.open_device()
     with pytest.raises(KeyError):
-        settings.get("TOYGRAPH_NOT_A_SETTING")
+        environment.get("TOYGRAPH_NOT_A_SETTING")
 
 
 def test_one_cache_root_with_named_folders(monkeypatch, tmp_path):
     from toygraph.cuda import nvrtc
     monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path))
     assert nvrtc.cache_dir() == tmp_path / "kernels"
-    assert smollm2.cache_dir() == tmp_path / "models"
-    assert settings.cache_dir("bench") == tmp_path / "bench"
+    assert catalog.cache_dir() == tmp_path / "models"
+    assert environment.cache_dir("bench") == tmp_path / "bench"
     with pytest.raises(KeyError):
-        settings.cache_dir("cubin")
+        environment.cache_dir("cubin")
 
 
 def test_smollm2_found_in_models_folder_and_where_earlier_versions_cached_it(monkeypatch,
                                                                             tmp_path):
     monkeypatch.delenv("TOYGRAPH_SMOLLM2", raising=False)
-    monkeypatch.setattr(smollm2, "_installed_copy", lambda: None)
+    monkeypatch.setattr(catalog, "_installed_copy", lambda: None)
     monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path))
-    assert smollm2.find_smollm2() is None
-    legacy = tmp_path / smollm2.GGUF_NAME          # the cache root, as before models/
+    assert catalog.find_smollm2() is None
+    legacy = tmp_path / catalog.GGUF_NAME          # the cache root, as before models/
     legacy.write_bytes(b"GGUF")
-    assert smollm2.find_smollm2() == legacy
+    assert catalog.find_smollm2() == legacy
     (tmp_path / "models").mkdir()
-    moved = shutil.copy(legacy, tmp_path / "models" / smollm2.GGUF_NAME)
-    assert smollm2.find_smollm2() == Path(moved)
+    moved = shutil.copy(legacy, tmp_path / "models" / catalog.GGUF_NAME)
+    assert catalog.find_smollm2() == Path(moved)
     monkeypatch.setenv("TOYGRAPH_SMOLLM2", str(tmp_path / "elsewhere.gguf"))
-    assert smollm2.find_smollm2() is None           # an explicit path that is missing
+    assert catalog.find_smollm2() is None           # an explicit path that is missing
 
 
 def test_readme_settings_table_is_the_rendered_table():
@@ -101,16 +103,16 @@ def test_readme_settings_table_is_the_rendered_table():
     assert "\n## Settings\n" in text
     section = text.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
     table = "".join(line + "\n" for line in section.splitlines() if line.startswith("|"))
-    assert table == settings.markdown_table()
-    assert table.count("\n") == len(settings.SETTINGS) + 2
+    assert table == environment.markdown_table()
+    assert table.count("\n") == len(environment.SETTINGS) + 2
 
 
 def test_failed_graph_capture_warns_and_falls_back_to_eager(monkeypatch, caplog):
     """On the host executor (which captures launch lists like a CUDA graph): a capture that
     fails logs a warning on the "toygraph" logger and the phase still runs, eagerly."""
-    from toygraph.cuda.hostdev import HostContext
-    from toygraph.graph import Graph
-    from toygraph.session import Session
+    from toygraph.cuda.host.device import HostContext
+    from toygraph.core.graph import Graph
+    from toygraph.core.session import Session
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     monkeypatch.setenv("TOYGRAPH_CUDA_GRAPHS", "1")
 

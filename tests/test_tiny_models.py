@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from toygraph.fixtures.tiny_models import K_QUANT_TYPES, write_tiny_llama, write_tiny_qwen2
-from toygraph.gguf import open_gguf
+from toygraph.models.model import open_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

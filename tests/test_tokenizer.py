@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from toygraph.errors import DataError, GGUFError
-from toygraph.tokenizer import Tokenizer
+from toygraph.gguf.tokenizer import Tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It's 5 o'clock; they'll've gone!",
@@ -34,7 +34,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from toygraph.fixtures.smollm2 import smollm2_path
+    from toygraph.models.catalog import smollm2_path
 
     path = smollm2_path()
     return path, Tokenizer.from_gguf(path)
@@ -470,9 +470,9 @@ def test_end_of_turn_ids_from_vocabulary_and_metadata(tmp_path, vocab):
 
 
 def test_training_and_generation_stop_on_the_same_tokens(tmp_path, vocab):
-    from toygraph.encoding import _end_of_turn_index, encode_example, Example
+    from toygraph.data.encoding import _end_of_turn_index, encode_example, Example
     from toygraph.fixtures.tiny_models import write_tiny_llama
-    from toygraph.inference import LanguageModel
+    from toygraph.inference.language_model import LanguageModel
 
     # Generation stops on exactly the tokenizer's list...
     lm = LanguageModel(write_tiny_llama(tmp_path / "tiny.gguf"))

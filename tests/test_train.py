@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from toygraph.errors import DataError, ToygraphError
-from toygraph.train import TrainConfig, run_training
+from toygraph.training.run import TrainConfig, run_training
 
 TEXTS = ["the cat sat on the mat and the dog sat on the log",
          "an owl is a bird that hunts at night in the woods",
@@ -94,7 +94,7 @@ def test_resume_continues_exactly(tiny_qwen2, chat_data, tmp_path):
 
 def _stop_after(cfg, n):
     """Run ``cfg`` but raise KeyboardInterrupt (Ctrl-C) right after step ``n``."""
-    import toygraph.train as tr
+    import toygraph.training.run as tr
     real = tr.EventLog.write
 
     def write(self, event, **fields):
@@ -167,7 +167,7 @@ def test_early_stopping_and_loss_plot(tiny_llama, chat_data, tmp_path):
 
 
 def test_adapter_init_starts_from_a_saved_adapter(tiny_llama, chat_data, tmp_path):
-    from toygraph.inference import LanguageModel
+    from toygraph.inference.language_model import LanguageModel
     first = tmp_path / "first"
     run_training(cfg_for(tiny_llama, chat_data, first, steps=4, val_split=0.0, lr=2e-2))
     # Evaluate the saved adapter on the first training batch of a new run ...

@@ -3,7 +3,7 @@
 A small tensor-graph DSL builds the whole training step once; a Session realizes it on a
 backend (numpy on the CPU, NVRTC-compiled kernels on CUDA) and replays it every step.
 """
-from .errors import ToygraphError, GraphError, GGUFError, DataError, CudaError
+from toygraph.errors import CudaError, DataError, GGUFError, GraphError, ToygraphError
 
 __version__ = "0.1.0"
 __all__ = ["ToygraphError", "GraphError", "GGUFError", "DataError", "CudaError", "__version__"]

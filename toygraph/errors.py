@@ -22,4 +22,4 @@ class CudaError(ToygraphError):
 
 
 class SettingError(ToygraphError):
-    """An environment variable of toygraph/settings.py has a malformed value."""
+    """An environment variable of toygraph/environment.py has a malformed value."""

@@ -17,7 +17,7 @@ default) compiles and launches exactly the plain f32 kernels.
 >>> sess = Session(graph, backend="cuda", precision="bf16")   # doctest: +SKIP
 
 ``TOYGRAPH_CUDA_DEVICE=host`` (or ``CudaBackend(device="host")``) runs everything on the
-CPU instead: the same kernels compiled by g++ against host_shim.h and executed with their
+CPU instead: the same kernels compiled by g++ against host/shim.h and executed with their
 grids and blocks (hostdev.py), slowly but exactly as written; CI uses it to check every
 kernel without a GPU. Otherwise the variable (default 0) is the CUDA device ordinal.
 
@@ -37,17 +37,17 @@ import logging
 
 import numpy as np
 
-from .. import settings
-from ..errors import CudaError
-from ..memory import BufferPlan
-from ..ops import SIDE_EFFECTS
-from ..ops.gemm import dequant_launch
-from ..session import PRECISIONS  # "f32" plain kernels; TC_PRECISIONS on tensor cores
-from . import driver
-from .devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
-from .kernels import TC_PRECISIONS, backend_source
-from .launch import MAX_ELEMENTS, Collective, Launch
-from .lowering import OP_KERNELS, lower
+from toygraph import environment
+from toygraph.core.memory import BufferPlan
+from toygraph.core.ops.table import in_place
+from toygraph.core.precision import PRECISIONS, TENSOR_CORE_PRECISIONS
+from toygraph.cuda import driver
+from toygraph.cuda.devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
+from toygraph.cuda.lowering.dispatch import lower
+from toygraph.cuda.lowering.launch import MAX_ELEMENTS, Collective, Launch
+from toygraph.cuda.lowering.registry import REGISTRY, decode_launch
+from toygraph.cuda.lowering.sources import backend_source
+from toygraph.errors import CudaError
 
 logger = logging.getLogger(__name__)
 _FLOAT_STORAGE = ("f32", "f64")
@@ -62,14 +62,14 @@ def open_device(device=None):
     rank's index on its node under an MPI launcher, else 0) is a CUDA device ordinal, or
     ``"host"`` for the CPU executor."""
     if device is None:
-        device = settings.get("TOYGRAPH_CUDA_DEVICE")
-        if not settings.given("TOYGRAPH_CUDA_DEVICE"):  # one GPU per rank of a node
-            from ..distributed import local_rank
+        device = environment.get("TOYGRAPH_CUDA_DEVICE")
+        if not environment.given("TOYGRAPH_CUDA_DEVICE"):  # one GPU per rank of a node
+            from toygraph.core.distributed import local_rank
             device = local_rank()
     else:  # an explicit argument is checked like the variable
-        device = settings.parse("TOYGRAPH_CUDA_DEVICE", str(device))
+        device = environment.parse("TOYGRAPH_CUDA_DEVICE", str(device))
     if device == "host":
-        from .hostdev import HostContext
+        from toygraph.cuda.host.device import HostContext
         return HostContext()
     return driver.Context(device)
 
@@ -91,10 +91,10 @@ class CudaBackend:
         self.precision = precision
         self.itemsize = 4   # every buffer is f32 whatever the matmuls' input precision
         self.ctx = open_device(device)
-        if precision in TC_PRECISIONS and _sm(self.ctx.arch) < 80:
+        if precision in TENSOR_CORE_PRECISIONS and _sm(self.ctx.arch) < 80:
             raise CudaError(f"precision {precision!r} needs tensor cores with bf16/tf32 mma "
                             f"(sm_80 or newer); this device is {self.ctx.arch}: use precision='f32'")
-        self.use_graphs = settings.get("TOYGRAPH_CUDA_GRAPHS")
+        self.use_graphs = environment.get("TOYGRAPH_CUDA_GRAPHS")
         self.qmatmul = qmatmul_enabled()
         self.memory: DeviceMemoryPlan | None = None
         self.raw_consts: frozenset[int] = frozenset()  # consts kept in block format
@@ -112,7 +112,7 @@ class CudaBackend:
     def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):
         """Compile, allocate the arena and pinned buffers, upload consts and params."""
         self.ctx.make_current()
-        missing = sorted({t.op for t in schedule if t.op is not None and t.op not in OP_KERNELS})
+        missing = sorted({t.op for t in schedule if t.op is not None and t.op not in REGISTRY})
         if missing:
             raise CudaError(f"the cuda backend has no kernel for ops {missing}")
         for t in schedule:
@@ -131,7 +131,7 @@ class CudaBackend:
                     raise CudaError(f"buffer plan places {t.name!r} at bytes "
                                     f"[{plan.offsets[t.id]}, {end}) outside the arena of "
                                     f"{plan.arena_bytes} bytes")
-            elif t.op is not None and t.op not in SIDE_EFFECTS and t.id not in pinned:
+            elif t.op is not None and not in_place(t.op) and t.id not in pinned:
                 raise CudaError(f"buffer plan has no place for {t.name!r}")
         needed = mem.peak_bytes
         free, total = self.ctx.mem_info()
@@ -202,7 +202,7 @@ class CudaBackend:
             if t.id in self.raw_consts:
                 self._upload(dptr, self._block_bytes(t))
             elif t.storage in _FLOAT_STORAGE:
-                from ..cpu.backend import const_array
+                from toygraph.core.numpy_backend import const_array
                 self._upload(dptr, const_array(t, np.float32))
             else:
                 self._dequantize(t, dptr)
@@ -216,12 +216,12 @@ class CudaBackend:
 
     def _dequantize(self, t, dptr: int):
         """Upload a const in its stored block format and decode it on the GPU into f32."""
-        dequant_launch(t.name, t.storage, dptr, 0, t.size)  # an unknown format fails first
+        decode_launch(t.name, t.storage, dptr, 0, t.size)  # an unknown format fails first
         raw = self._block_bytes(t)
         tmp = self.ctx.alloc(raw.size)
         try:
             self.ctx.htod(tmp, raw)
-            launch = dequant_launch(t.name, t.storage, dptr, tmp, t.size)
+            launch = decode_launch(t.name, t.storage, dptr, tmp, t.size)
             fn, grid, block, shmem, params, _keep = self._prepare(launch)
             self.ctx.launch(fn, grid, block, shmem, params)
             self.ctx.sync()  # the raw bytes may go: one quantized tensor on the GPU at a time
@@ -230,9 +230,9 @@ class CudaBackend:
 
     @staticmethod
     def _block_bytes(t) -> np.ndarray:
-        from .. import quant
+        from toygraph.gguf import blocks
         raw = _raw_bytes(t.data)
-        want = quant.nbytes(t.storage, t.shape)
+        want = blocks.nbytes(t.storage, t.shape)
         if raw.size != want:
             raise CudaError(f"const {t.name!r}: {t.storage} data of shape {t.shape} needs "
                             f"{want} bytes, got {raw.size}")
@@ -299,7 +299,7 @@ class CudaBackend:
         """A copy of ``t``'s buffer; waits for everything queued before it."""
         self.ctx.make_current()
         if t.id in self.raw_consts:  # frozen, so its host data is its value
-            from ..cpu.backend import const_array
+            from toygraph.core.numpy_backend import const_array
             return np.array(const_array(t, np.float32))
         out = np.empty(t.shape, np.int32 if t.dtype == "i32" else np.float32)
         self.ctx.dtoh(out, self._ptr(t), out.nbytes)

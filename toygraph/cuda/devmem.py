@@ -25,21 +25,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import quant, settings
-from ..ops import SIDE_EFFECTS
-from .lowering import BLOCK_STORAGE, reads_block_format, scratch_bytes
+from toygraph import environment
+from toygraph.core.ops.table import in_place
+from toygraph.cuda.lowering.dispatch import reads_block_format, scratch_bytes
+from toygraph.cuda.lowering.registry import block_storage
+from toygraph.gguf import blocks
 
 
 def qmatmul_enabled() -> bool:
     """False when ``TOYGRAPH_CUDA_QMATMUL=0`` asks for f32 copies of every const."""
-    return settings.get("TOYGRAPH_CUDA_QMATMUL")
+    return environment.get("TOYGRAPH_CUDA_QMATMUL")
 
 
 def block_format_consts(schedule, outputs=()) -> set[int]:
     """Ids of the consts of ``schedule`` that every consumer reads in their block format
     (and that are not among ``outputs``, which are downloaded as f32)."""
     out_ids = {t.id for t in outputs}
-    candidates = {t.id for t in schedule if t.role == "const" and t.storage in BLOCK_STORAGE
+    candidates = {t.id for t in schedule if t.role == "const" and t.storage in block_storage()
                   and len(t.shape) == 2 and t.id not in out_ids}
     used: set[int] = set()
     for node in schedule:
@@ -104,11 +106,11 @@ def plan_device_memory(schedule, plan, pinned, outputs=(), qmatmul: bool | None 
     raw = block_format_consts(schedule, outputs) if qmatmul else set()
     mem = DeviceMemoryPlan(arena_bytes=plan.arena_bytes)
     for t in schedule:
-        if t.id not in pinned or t.op in SIDE_EFFECTS:
+        if t.id not in pinned or in_place(t.op):
             continue
         f32 = 4 * max(t.size, 1)
         if t.id in raw:
-            mem.raw_consts[t.id] = quant.nbytes(t.storage, t.shape)
+            mem.raw_consts[t.id] = blocks.nbytes(t.storage, t.shape)
             mem.f32_avoided_bytes += f32
         else:
             mem.f32_buffers[t.id] = f32

@@ -16,7 +16,7 @@ import ctypes
 
 import numpy as np
 
-from ..errors import CudaError
+from toygraph.errors import CudaError
 
 _cu = None
 _initialised = False
@@ -134,7 +134,7 @@ class Context:
 
     def load_module(self, source: str) -> Module:
         """``source`` compiled by NVRTC for this device (disk-cached) and loaded."""
-        from .nvrtc import compile_cubin
+        from toygraph.cuda.nvrtc import compile_cubin
         return Module(compile_cubin(source, arch=self.arch))
 
     # --- memory ---------------------------------------------------------------------------
@@ -197,7 +197,7 @@ class Context:
     def collective(self, c):
         """The enqueue function of collective ``c`` (launch.Collective) through NCCL; the
         communicator is made now, at realize, never during a capture."""
-        from .nccl import all_reduce, communicator
+        from toygraph.cuda.nccl import all_reduce, communicator
         comm = communicator(c.ranks)
         return lambda stream: all_reduce(comm, c.buffers, stream)
 

@@ -12,8 +12,8 @@ graph, which NCCL supports.
 """
 from __future__ import annotations
 
-from ..distributed import world_of
-from ..errors import CudaError
+from toygraph.core.distributed import world_of
+from toygraph.errors import CudaError
 
 _COMMS: dict[int, object] = {}
 

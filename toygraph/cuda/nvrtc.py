@@ -19,8 +19,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from .. import settings
-from ..errors import CudaError
+from toygraph import environment
+from toygraph.errors import CudaError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def version() -> tuple[int, int]:
 
 def cache_dir() -> Path:
     """Where compiled kernels are cached: ``$TOYGRAPH_CACHE/kernels``."""
-    return settings.cache_dir("kernels")
+    return environment.cache_dir("kernels")
 
 
 def options(arch: str, include_dirs=()) -> list[str]:
@@ -90,13 +90,11 @@ def cache_key(source: str, opts: list[str]) -> str:
     return h.hexdigest()
 
 
-def compile_cubin(source: str, arch: str | None = None, name: str = "toygraph.cu",
+def compile_cubin(source: str, arch: str, name: str = "toygraph.cu",
                   include_dirs=(), use_cache: bool = True) -> bytes:
-    """Compile ``source`` for ``arch`` ("sm_80", "sm_90"; the current device's when None)
-    and return the cubin bytes. A compile error raises CudaError with NVRTC's log."""
-    if arch is None:
-        from .driver import device_arch
-        arch = device_arch()
+    """Compile ``source`` for ``arch`` ("sm_80", "sm_90": a device context's ``arch``) and
+    return the cubin bytes. A compile error raises CudaError with NVRTC's log. Compiling
+    needs no GPU, so this module does not use the driver."""
     opts = options(arch, include_dirs)
     key = cache_key(source, opts)
     path = cache_dir() / f"{key}.cubin"
@@ -141,7 +139,7 @@ def resource_usage(source: str, arch: str, name: str = "toygraph.cu") -> dict[st
     memory). A kernel whose register
     arrays are indexed at run time or that runs out of registers shows stack / spills.
 
-    >>> resource_usage(module_source(), "sm_90")["tg_matmul"]["spill_stores"]  # doctest: +SKIP
+    >>> resource_usage(backend_source("f32"), "sm_90")["tg_matmul"]["spill_stores"]  # doctest: +SKIP
     0
     """
     nv = bindings()

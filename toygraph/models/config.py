@@ -12,8 +12,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import GGUFError
-from .families import FAMILIES, ZERO_ONLY_KEYS, Family
+from toygraph.errors import GGUFError
+from toygraph.models.families import FAMILIES, ZERO_ONLY_KEYS, Family
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 

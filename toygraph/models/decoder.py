@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import ops
-from ..errors import GraphError
-from ..graph import Graph, Tensor
-from .config import global_shapes, layer_shapes, tensor_shapes
+from toygraph.core import ops
+from toygraph.core.graph import Graph, Tensor
+from toygraph.errors import GraphError
+from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
 
 # LoRA target short names -> GGUF projection names.
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -149,7 +149,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     one's ``tokens``/``positions`` inputs apart from its.
 
     ``packed`` adds the input ``net.segments`` [batch, seq_len] (sample packing): attention
-    then stays inside each segment (toygraph.packing)."""
+    then stays inside each segment (toygraph.data.packing)."""
     if seq_len > cfg.n_ctx:
         raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq_len < 1:

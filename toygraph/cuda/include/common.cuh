@@ -88,7 +88,7 @@ __device__ __forceinline__ float tg_row_exp_sum(const float* l, float mx, int V,
 }
 
 // IEEE half -> float without cuda_fp16.h: the PTX conversion is exact.
-// TG_HOST: the CPU executor's C++ versions of the inline PTX (toygraph/cuda/host_shim.h).
+// TG_HOST: the CPU executor's C++ versions of the inline PTX (toygraph/cuda/host/shim.h).
 __device__ __forceinline__ float tg_half_to_float(unsigned short h) {
 #ifdef TG_HOST
     return tg_host::half_to_float(h);

@@ -1,0 +1,15 @@
+"""The kernel files and kernel names the tests check against, derived as the backends
+derive them: from the files the op families declare (toygraph/cuda/lowering/sources.py)."""
+from toygraph.core import ops  # noqa: F401 (importing the families declares their files)
+from toygraph.cuda.lowering.registry import op_kernels
+from toygraph.cuda.lowering.sources import (backend_source, files_of, kernel_names, module_source,
+                                            only_in)
+
+#: The f32 module's files, and the tensor-core files the bf16/tf32 modules add.
+FAMILIES = files_of("f32")
+TC_FAMILIES = only_in("bf16")
+#: Every kernel of the f32 module, and of the tensor-core files.
+KERNEL_NAMES = tuple(kernel_names(backend_source("f32")))
+TC_KERNEL_NAMES = tuple(kernel_names(module_source(TC_FAMILIES)))
+#: The kernels each op's lowering declares.
+OP_KERNELS = op_kernels()

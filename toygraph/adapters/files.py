@@ -1,0 +1,377 @@
+"""LoRA adapter files: PEFT directories (Hugging Face) and llama.cpp GGUF adapters.
+
+Adapters live in memory as ``{gguf weight name: (A, B)}`` with A [rank, n_in] and
+B [n_out, rank] float32 in the GGUF row order the graph computes in (models/decoder.py).
+
+>>> save_peft("out/adapter", lora, cfg, rank=8, alpha=16, targets=("q", "v"),
+...           base_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")      # doctest: +SKIP
+>>> lora, rank, alpha, targets = load_peft("out/adapter", cfg)           # doctest: +SKIP
+>>> save_gguf_adapter("out/adapter.gguf", lora, cfg, alpha=16, base_arch="llama")  # doctest: +SKIP
+>>> check_gguf_adapter("out/adapter.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf")      # doctest: +SKIP
+
+The one layout difference between the formats: llama-arch GGUFs store Q/K rows permuted
+for llama.cpp's "normal" rope, Hugging Face checkpoints in rotate-half order (which
+families do is data: Family.qk_permuted in models/families.py).
+`hf_row_order` is the single place that converts (lora_B rows only: A multiplies the
+hidden input, whose order both sides share). GGUF adapters keep GGUF order, since
+llama.cpp adds them to the GGUF base as stored.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from toygraph.errors import DataError
+from toygraph.models.decoder import TARGETS, weight_shape
+from toygraph.models.families import HF_LAYER_MODULES
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+#: safetensors metadata key recording the architecture an adapter was trained for.
+ARCH_METADATA = "toygraph.arch"
+# GGUF projection name -> Hugging Face module path inside a decoder layer (the families'
+# own tables, cfg.family.hf_modules, are what export and import use; this is the default).
+HF_MODULES = HF_LAYER_MODULES
+_SHORT_BY_GGUF = {g: s for s, g in TARGETS.items()}
+_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
+
+
+# --- the one layout conversion ------------------------------------------------------------
+def hf_row_order(rows: np.ndarray, cfg, name: str, to_hf: bool) -> np.ndarray:
+    """Rows of a q/k output (a weight, or a lora_B) between GGUF and Hugging Face order.
+
+    transformers un-permutes llama Q/K at GGUF load with
+    ``w.reshape(n_head, head_dim // 2, 2, n).swapaxes(1, 2)``; ``to_hf`` applies exactly
+    that, ``to_hf=False`` its inverse. Everything else (v, o, mlp, and every family whose
+    GGUFs store Q/K unpermuted: Family.qk_permuted False) passes through unchanged.
+    """
+    proj = name.split(".")[-2]
+    if not cfg.family.qk_permuted or proj not in ("attn_q", "attn_k"):
+        return rows
+    n_head = cfg.n_head if proj == "attn_q" else cfg.n_head_kv
+    half = rows.shape[0] // n_head // 2
+    split = (n_head, half, 2) if to_hf else (n_head, 2, half)
+    return np.ascontiguousarray(rows.reshape(*split, *rows.shape[1:]).swapaxes(1, 2)
+                                .reshape(rows.shape))
+
+
+# --- shared checks -------------------------------------------------------------------------
+def _targets_of(names) -> tuple[str, ...]:
+    """Short target names (q, v, ...) of GGUF weight names, in TARGETS order."""
+    present = {n.split(".")[-2] for n in names}
+    return tuple(s for s, g in TARGETS.items() if g in present)
+
+
+def _check_lora(lora: dict, cfg, where: str) -> int:
+    """Validate names and shapes against ``cfg``; return the common rank."""
+    if not lora:
+        raise DataError(f"{where}: no adapter tensors")
+    ranks = set()
+    for name, (a, b) in lora.items():
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+        if not m or m.group(2) not in _SHORT_BY_GGUF or int(m.group(1)) >= cfg.n_layer:
+            raise DataError(f"{where}: {name!r} is not a LoRA-targetable weight of this "
+                            f"{cfg.n_layer}-layer model")
+        n_out, n_in = weight_shape(cfg, name)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape[0] != n_out:
+            raise DataError(f"{where}: {name!r} adapter shapes A {a.shape}, B {b.shape} do not "
+                            f"fit the weight [{n_out}, {n_in}] (want A [r, {n_in}], B [{n_out}, r])")
+        if a.shape[0] != b.shape[1]:
+            raise DataError(f"{where}: {name!r} rank mismatch: A has {a.shape[0]} rows, "
+                            f"B has {b.shape[1]} columns")
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            raise DataError(f"{where}: {name!r} holds NaN or inf")
+        ranks.add(a.shape[0])
+    if len(ranks) != 1:
+        raise DataError(f"{where}: adapters have different ranks {sorted(ranks)}")
+    return ranks.pop()
+
+
+def _atomic_write(path: Path, write) -> None:
+    """``write(tmp_path)`` then rename over ``path``: a crash never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".partial")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# --- PEFT ----------------------------------------------------------------------------------
+def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "") -> Path:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
+    the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order)."""
+    dir = Path(dir)
+    found = _check_lora(lora, cfg, str(dir))
+    if found != rank:
+        raise DataError(f"{dir}: adapters have rank {found}, but rank={rank} was given")
+    targets = tuple(targets)
+    stray = sorted(set(_targets_of(lora)) - set(targets))
+    if stray or any(t not in TARGETS for t in targets):
+        raise DataError(f"{dir}: targets {list(targets)} must be known names covering every "
+                        f"adapter (uncovered: {stray})")
+    tensors = {}
+    for name, (a, b) in lora.items():
+        layer, proj = int(name.split(".")[1]), name.split(".")[2]
+        key = f"base_model.model.model.layers.{layer}.{cfg.family.hf_modules[proj]}"
+        tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(
+            hf_row_order(np.asarray(b, np.float32), cfg, name, to_hf=True))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name or None, "revision": None,
+        "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": 0.0,
+        "target_modules": sorted(cfg.family.hf_modules[TARGETS[t]].split(".")[1] for t in targets),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    dir.mkdir(parents=True, exist_ok=True)
+    # Each file is replaced whole; the config goes last, so a crash in between leaves the
+    # old config with complete (new) weights, never a truncated file.
+    # The architecture goes into the safetensors metadata (PEFT ignores it there, while an
+    # unknown adapter_config key makes PEFT warn): q/k rows are stored in HF order, which
+    # differs between architectures, so an adapter must not load onto another one.
+    _atomic_write(dir / WEIGHTS_FILE, lambda p: _save_sorted_metadata(
+        tensors, p, {"format": "pt", ARCH_METADATA: cfg.arch}))
+    _atomic_write(dir / CONFIG_FILE,
+                  lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    return dir
+
+
+def _save_sorted_metadata(tensors: dict, path: str, metadata: dict):
+    """safetensors' save_file, with the metadata in sorted order: it keeps metadata in a
+    Rust HashMap, whose order changes from process to process, so two runs would write
+    different bytes. The header is rewritten in place (same keys, same length)."""
+    from safetensors.numpy import save_file
+    save_file(tensors, path, metadata=metadata)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":")).encode()
+        f.seek(8)
+        f.write(text.ljust(n))
+
+
+def _read_peft_config(path: Path) -> dict:
+    if not path.is_file():
+        raise DataError(f"{path}: missing PEFT adapter config")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: expected a JSON object, found {type(config).__name__}")
+    if config.get("peft_type") != "LORA":
+        raise DataError(f"{path}: peft_type is {config.get('peft_type')!r}; only 'LORA' is supported")
+    for key, what in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA scaling (alpha/sqrt(r))"),
+                      ("fan_in_fan_out", "fan_in_fan_out")):
+        if config.get(key):
+            raise DataError(f"{path}: {key}=true: {what} is not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise DataError(f"{path}: {key} (per-module ranks/alphas) is not supported")
+    if config.get("bias", "none") != "none":
+        raise DataError(f"{path}: bias={config['bias']!r} is not supported (only 'none')")
+    for key in ("r", "lora_alpha"):
+        v = config.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise DataError(f"{path}: {key} must be a positive number, found {v!r}")
+    return config
+
+
+def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
+    """Read a PEFT LoRA directory for the model ``cfg``: (lora in GGUF layout, rank, alpha,
+    short target names). Raises DataError naming the file for anything it cannot use."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.numpy import load_file
+
+    dir = Path(dir)
+    config = _read_peft_config(dir / CONFIG_FILE)
+    wpath = dir / WEIGHTS_FILE
+    if not wpath.is_file():
+        raise DataError(f"{wpath}: missing adapter weights (only safetensors is supported)")
+    try:
+        raw = load_file(str(wpath))
+        with safe_open(str(wpath), "np") as f:
+            arch = (f.metadata() or {}).get(ARCH_METADATA)
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise DataError(f"{wpath}: cannot read safetensors ({e})") from None
+    if arch is not None and arch != cfg.arch:
+        raise DataError(f"{wpath}: adapter was trained on a {arch} model; the base model is "
+                        f"{cfg.arch} (q/k row order and semantics differ)")
+    for key, value in raw.items():
+        if value.dtype.kind != "f":
+            raise DataError(f"{wpath}: tensor {key!r} is {value.dtype}; adapter tensors must be "
+                            f"floating point")
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    gguf_by_hf = {hf: g for g, hf in cfg.family.hf_modules.items()}
+    for key, value in raw.items():
+        m = _PEFT_KEY.fullmatch(key)
+        proj = gguf_by_hf.get(m.group(2)) if m else None
+        if proj is None or int(m.group(1)) >= cfg.n_layer:
+            raise DataError(f"{wpath}: key {key!r} does not map to a LoRA module of this "
+                            f"{cfg.n_layer}-layer {cfg.arch} model")
+        halves.setdefault(f"blk.{int(m.group(1))}.{proj}.weight", {})[m.group(3)] = value
+    lora = {}
+    for name, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise DataError(f"{wpath}: {name!r} has lora_{'A' if 'A' in pair else 'B'} "
+                            "but not its partner")
+        a, b = pair["A"].astype(np.float32), pair["B"].astype(np.float32)
+        lora[name] = (a, b)
+    rank = _check_lora(lora, cfg, str(wpath))  # shapes checked before any reshape below
+    if rank != config["r"]:
+        raise DataError(f"{wpath}: tensors have rank {rank} but {CONFIG_FILE} says r={config['r']}")
+    lora = {n: (a, hf_row_order(b, cfg, n, to_hf=False)) for n, (a, b) in lora.items()}
+    return lora, rank, float(config["lora_alpha"]), _targets_of(lora)
+
+
+# --- llama.cpp GGUF adapters ---------------------------------------------------------------
+def save_gguf_adapter(path, lora: dict, cfg, alpha: float, base_arch: str) -> Path:
+    """Write a llama.cpp LoRA adapter GGUF (f32, rows in GGUF order).
+
+    numpy shapes A [r, n_in] and B [n_out, r] are ggml shapes [n_in, r] and [r, n_out],
+    which is what llama.cpp's loader checks against the base tensor.
+    """
+    import gguf
+
+    path = Path(path)
+    _check_lora(lora, cfg, str(path))
+
+    def write(tmp):
+        w = gguf.GGUFWriter(tmp, base_arch)
+        w.add_string("general.type", "adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", float(alpha))
+        for name, (a, b) in lora.items():
+            w.add_tensor(f"{name}.lora_a", np.ascontiguousarray(a, np.float32))
+            w.add_tensor(f"{name}.lora_b", np.ascontiguousarray(b, np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, write)
+    return path
+
+
+def _open_reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise DataError(f"{path}: no such GGUF adapter file")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # the reader raises ValueError, KeyError, ... on a bad file
+        raise DataError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key):
+    f = reader.get_field(key)
+    if f is None:
+        return None
+    v = f.contents()
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _validate_gguf_adapter(reader, path: Path, arch: str, base_ne: dict) -> tuple[dict, int, float]:
+    """llama.cpp's llama_adapter_lora_init rules. ``base_ne`` maps base tensor names to
+    ggml shapes (ne[0] = row length). Returns ({name: (a tensor, b tensor)}, rank, alpha)."""
+    got = _field(reader, "general.architecture")
+    if got != arch:
+        raise DataError(f"{path}: adapter architecture {got!r} does not match the base model's {arch!r}")
+    if _field(reader, "general.type") != "adapter":
+        raise DataError(f"{path}: general.type is {_field(reader, 'general.type')!r}, expected 'adapter'")
+    if _field(reader, "adapter.type") != "lora":
+        raise DataError(f"{path}: adapter.type is {_field(reader, 'adapter.type')!r}, expected 'lora'")
+    alpha = _field(reader, "adapter.lora.alpha")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise DataError(f"{path}: adapter.lora.alpha is missing (or not a number)")
+    pairs: dict[str, dict] = {}
+    for t in reader.tensors:
+        base, dot, half = t.name.rpartition(".")
+        if not dot or half not in ("lora_a", "lora_b"):
+            raise DataError(f"{path}: tensor {t.name!r} is not a .lora_a/.lora_b tensor")
+        pairs.setdefault(base, {})[half] = t
+    if not pairs:
+        raise DataError(f"{path}: the adapter holds no tensors")
+    ranks = set()
+    for base, pair in pairs.items():
+        if set(pair) != {"lora_a", "lora_b"}:
+            raise DataError(f"{path}: LoRA tensor pair for {base!r} is missing one component")
+        if base not in base_ne:
+            raise DataError(f"{path}: LoRA tensor {base!r} does not exist in the base model")
+        ne = base_ne[base]
+        a, b = (tuple(int(d) for d in pair[h].shape) for h in ("lora_a", "lora_b"))
+        if len(a) != 2 or len(b) != 2 or a[0] != ne[0] or b[1] != ne[1]:
+            raise DataError(f"{path}: {base!r} has lora_a ne={a}, lora_b ne={b}; the base tensor "
+                            f"is ne={tuple(ne)}, so want a=[{ne[0]}, r], b=[r, {ne[1]}] "
+                            "(wrong base model, or a/b transposed?)")
+        if a[1] != b[0]:
+            raise DataError(f"{path}: {base!r} rank mismatch: lora_a has r={a[1]}, lora_b r={b[0]}")
+        ranks.add(a[1])
+    if len(ranks) != 1:
+        raise DataError(f"{path}: adapters have different ranks {sorted(ranks)}")
+    return {k: (p["lora_a"], p["lora_b"]) for k, p in pairs.items()}, ranks.pop(), float(alpha)
+
+
+def check_gguf_adapter(adapter_path, base_gguf_path) -> dict:
+    """Check an adapter against its base GGUF as llama.cpp's loader does; DataError with
+    the reason if llama.cpp would refuse it. Returns {"rank", "alpha", "tensors"}."""
+    import gguf
+
+    adapter_path, base_path = Path(adapter_path), Path(base_gguf_path)
+    try:
+        base = gguf.GGUFReader(str(base_path), "r")
+    except Exception as e:
+        raise DataError(f"{base_path}: cannot read the base GGUF ({type(e).__name__}: {e})") from None
+    base_ne = {t.name: tuple(int(d) for d in t.shape) for t in base.tensors}
+    pairs, rank, alpha = _validate_gguf_adapter(
+        _open_reader(adapter_path), adapter_path, _field(base, "general.architecture"), base_ne)
+    return {"rank": rank, "alpha": alpha, "tensors": sorted(pairs)}
+
+
+def load_gguf_adapter(path, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
+    """Read a GGUF LoRA adapter for ``cfg``: (lora in GGUF layout, rank, alpha, targets)."""
+    import gguf
+
+    path = Path(path)
+    reader = _open_reader(path)
+    base_ne = {}
+    for i in range(cfg.n_layer):
+        for proj in cfg.family.hf_modules:
+            name = f"blk.{i}.{proj}.weight"
+            base_ne[name] = tuple(reversed(weight_shape(cfg, name)))
+    pairs, rank, alpha = _validate_gguf_adapter(reader, path, cfg.arch, base_ne)
+    lora = {}
+    for name, (a, b) in pairs.items():
+        for t in (a, b):
+            if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                raise DataError(f"{path}: {t.name!r} is {t.tensor_type.name}; only F32/F16 "
+                                "adapter tensors are supported")
+        # t.data is numpy-order (ggml shape reversed); copy out of the memmap.
+        lora[name] = tuple(np.array(t.data, np.float32).reshape(tuple(reversed(t.shape.tolist())))
+                           for t in (a, b))
+    _check_lora(lora, cfg, str(path))
+    return lora, rank, alpha, _targets_of(lora)
+
+
+def load_lora(sess, pairs: dict, lora: dict) -> None:
+    """Load adapter weights ``lora`` (GGUF weight name -> (A, B), as load_peft returns)
+    into a realized session's LoRA params ``pairs`` (name -> (A tensor, B tensor)). A layer
+    the adapter lacks keeps B = 0: no change to the base model."""
+    for name, (a, b) in pairs.items():
+        if name in lora:
+            sess.load_param(a, lora[name][0])
+            sess.load_param(b, lora[name][1])

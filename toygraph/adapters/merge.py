@@ -1,0 +1,137 @@
+"""Merge a LoRA adapter into its base GGUF and write one self-contained GGUF.
+
+>>> export_merged("SmolLM2-135M-Instruct.Q4_1.gguf", "runs/demo", "merged.gguf",
+...               out_type="q8_0")                                      # doctest: +SKIP
+
+Each weight the adapter targets becomes ``W + (alpha / rank) * B @ A``, computed in f32
+from the dequantized base and written in ``out_type``. The adapter is loaded in the GGUF
+row order (``adapters.load_peft`` converts q/k rows with ``hf_row_order``), so the sum is
+taken in the layout the file stores. Every other tensor is copied byte for byte in its
+own block type, and every metadata key (tokenizer, chat template, ...) is carried over;
+``general.name`` gets a ``+ merged`` suffix and ``toygraph.merged_adapter.*`` records
+which adapter went in. Which tensors are merged comes from the adapter's own names, so
+nothing here knows one architecture's tensor names.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from toygraph.adapters.files import WEIGHTS_FILE, _atomic_write, load_gguf_adapter, load_peft
+from toygraph.errors import DataError
+from toygraph.models.model import GGUFModel
+
+OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
+PROVENANCE = "toygraph.merged_adapter"
+
+
+def load_adapter(adapter, cfg) -> tuple[dict, int, float, Path]:
+    """An adapter given as a run/PEFT directory or a llama.cpp ``.gguf`` adapter file:
+    (lora in GGUF row order, rank, alpha, the file whose bytes identify it)."""
+    adapter = Path(adapter)
+    if adapter.is_file() and adapter.suffix == ".gguf":
+        lora, rank, alpha, _ = load_gguf_adapter(adapter, cfg)
+        return lora, rank, alpha, adapter
+    if not adapter.is_dir():
+        raise DataError(f"--adapter {adapter}: no such run directory or .gguf adapter file")
+    lora, rank, alpha, _ = load_peft(adapter, cfg)
+    return lora, rank, alpha, adapter / WEIGHTS_FILE
+
+
+def merged_weight(base: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float) -> np.ndarray:
+    """``base + scaling * b @ a`` in f32 (numpy shapes: base [n_out, n_in], a [r, n_in],
+    b [n_out, r])."""
+    delta = b.astype(np.float32) @ a.astype(np.float32)
+    return (base.astype(np.float32) + np.float32(scaling) * delta).astype(np.float32)
+
+
+def encode_weight(w: np.ndarray, out_type: str, name: str):
+    """(array to write, ggml type) for a float32 weight in ``out_type``; q8_0 and bf16
+    through gguf-py's own quantizer, so the bytes are what llama.cpp's tools produce."""
+    import gguf
+    import gguf.quants
+
+    t = gguf.GGMLQuantizationType[out_type.upper()]
+    if out_type == "f32":
+        return np.ascontiguousarray(w, np.float32), t
+    if out_type == "f16":
+        return w.astype(np.float16), t
+    block = gguf.GGML_QUANT_SIZES[t][0]
+    if w.shape[-1] % block:
+        raise DataError(f"{name}: row length {w.shape[-1]} is not a multiple of the {out_type} "
+                        f"block ({block}); choose --type f16 or f32")
+    return gguf.quants.quantize(w, t), t
+
+
+def _merged_tensors(model: GGUFModel, lora: dict, scaling: float, out_type: str) -> dict:
+    merged = {}
+    for name, (a, b) in lora.items():
+        if not model.has(name):
+            raise DataError(f"{model.path}: the adapter targets {name!r}, which the model lacks")
+        w = merged_weight(model.tensor(name).dequantize(), a, b, scaling)
+        merged[name] = encode_weight(w, out_type, name)
+    return merged
+
+
+def _copy_metadata(reader, writer, skip: set[str]) -> None:
+    """Every key-value pair except those GGUFWriter writes itself (as gguf-py's
+    gguf_new_metadata script does), in the original value types."""
+    import gguf
+
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in skip \
+                or field.name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+
+
+def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16") -> Path:
+    """Write ``out_path``: the GGUF at ``model_path`` with the LoRA adapter ``adapter_dir``
+    (run, checkpoint or PEFT directory, or a llama.cpp adapter ``.gguf`` file) merged into
+    its target weights, stored as ``out_type`` (f32, f16, bf16 or q8_0). Returns the path;
+    the file appears atomically (temp file + rename)."""
+    import gguf
+
+    if out_type not in OUT_TYPES:
+        raise DataError(f"--type {out_type!r}: choose one of {', '.join(OUT_TYPES)}")
+    if Path(out_path).resolve() == Path(model_path).resolve():
+        raise DataError(f"--out {out_path}: would overwrite the base model; choose another path")
+    model = GGUFModel(model_path)
+    lora, rank, alpha, source = load_adapter(adapter_dir, model.config)
+    merged = _merged_tensors(model, lora, alpha / rank, out_type)
+    reader, out_path = model.reader, Path(out_path)
+    name = model.metadata("general.name") or Path(model_path).stem
+    source_dir = str(Path(adapter_dir).resolve())
+
+    def write(tmp):
+        w = gguf.GGUFWriter(tmp, model.config.arch, endianess=reader.endianess)
+        w.data_alignment = int(model.metadata("general.alignment", w.data_alignment))
+        _copy_metadata(reader, w, skip={"general.name"})
+        w.add_string("general.name", f"{name} + {Path(source_dir).name} (merged)")
+        w.add_string(f"{PROVENANCE}.source", source_dir)
+        w.add_string(f"{PROVENANCE}.sha256", hashlib.sha256(source.read_bytes()).hexdigest())
+        w.add_uint32(f"{PROVENANCE}.rank", rank)
+        w.add_float32(f"{PROVENANCE}.alpha", alpha)
+        w.add_string(f"{PROVENANCE}.type", out_type)
+        w.add_array(f"{PROVENANCE}.tensors", sorted(merged))
+        for t in reader.tensors:
+            data, qt = merged.get(t.name, (t.data, t.tensor_type))
+            w.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, qt)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in reader.tensors:  # merged arrays are native-endian, copies as the file is
+            if t.name in merged:
+                w.write_tensor_data(merged[t.name][0])
+            else:
+                w.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        w.close()
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out_path, write)
+    return out_path
+

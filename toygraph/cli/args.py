@@ -1,0 +1,68 @@
+"""Flags and checks several commands share: the backend and precision, the sampling flags,
+the model and adapter a command runs, and command-line text checked as UTF-8."""
+from __future__ import annotations
+
+from toygraph.errors import ToygraphError
+from toygraph.inference.sampling import SamplingOptions
+from toygraph.models.catalog import resolve_model
+
+
+def utf8(flag: str, text: str) -> str:
+    """Command-line text as valid Unicode: undecodable bytes in argv arrive as lone
+    surrogates (Python's surrogateescape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate \\u{c:04x}"
+        raise ToygraphError(f"{flag} is not valid UTF-8 text ({what} at character {e.start})") from None
+    return text
+
+
+def add_backend_args(p, precision: bool = True) -> None:
+    """``--backend`` and ``--precision`` (the matmuls' input precision), with the defaults of
+    RecipeOptions and the choices of session.py, for every command that runs a model."""
+    from toygraph.core.precision import BACKENDS, PRECISIONS
+    from toygraph.recipes import RecipeOptions
+    p.add_argument("--backend", default=RecipeOptions.backend, choices=list(BACKENDS))
+    if precision:
+        p.add_argument("--precision", default=RecipeOptions.precision, choices=list(PRECISIONS),
+                       help="matmul input precision (bf16/tf32: CUDA tensor cores, f32 "
+                            "accumulation, f32 everything else)")
+
+
+def language_model_from_args(args):
+    """The LanguageModel of eval, generate and chat: --model, --adapter, --backend, --precision."""
+    from toygraph.core.precision import precision_error
+    from toygraph.inference.language_model import LanguageModel
+    why = precision_error(args.precision, args.backend)
+    if why:
+        raise ToygraphError(f"--precision {why}")
+    return LanguageModel(resolve_model(args.model), adapter_dir=args.adapter,
+                         backend=args.backend, precision=args.precision)
+
+
+def add_sampling_args(p) -> None:
+    """The sampling flags of ``toygraph generate`` and ``toygraph chat``."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="rerun the whole window per token instead of decoding over a KV "
+                        "cache (same output, much slower; for testing)")
+
+
+def generation_kwargs(args, print_to=None) -> dict:
+    """``LanguageModel.generate`` keyword arguments from the flags of add_sampling_args;
+    with ``print_to`` (a text stream), the text is written there as it is produced."""
+    kwargs = {f: getattr(args, f) for f in SamplingOptions.__dataclass_fields__}
+    kwargs.update(max_new_tokens=args.max_new_tokens, stop=args.stop, kv_cache=args.kv_cache)
+    if print_to is not None:
+        kwargs["on_text"] = lambda piece: (print_to.write(piece), print_to.flush())
+    return kwargs

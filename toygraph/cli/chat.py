@@ -1,0 +1,28 @@
+"""``toygraph chat``: an interactive multi-turn chat over stdin (toygraph.inference.chat)."""
+from __future__ import annotations
+
+import sys
+
+from toygraph.cli.args import (add_backend_args, add_sampling_args, generation_kwargs,
+                               language_model_from_args)
+from toygraph.inference.chat import chat_loop
+
+
+def add_chat_parser(sub) -> None:
+    p = sub.add_parser("chat", help="interactive multi-turn chat (reads stdin)")
+    p.add_argument("--model", required=True, help="GGUF file, or 'smollm2'")
+    p.add_argument("--adapter", help="run directory (PEFT adapter)")
+    p.add_argument("--system", help="system message to start every conversation with")
+    add_sampling_args(p)
+    add_backend_args(p)
+    p.set_defaults(fn=_cmd_chat, max_new_tokens=256)
+
+
+def _cmd_chat(args) -> int:
+    lm = language_model_from_args(args)
+    try:
+        return chat_loop(lm, sys.stdin, sys.stdout, system=args.system,
+                         **generation_kwargs(args))
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        return 0

@@ -1,0 +1,141 @@
+"""The ``toygraph`` command line: tokenize, eval, finetune, generate, chat, export, demo.
+
+Further commands come from other installed packages through the ``toygraph.commands``
+entry points (each a function that adds its sub-parser): ``toygraph gate`` is one, from
+``toygraph.fixtures``, so the command line never imports the test fixtures itself.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from importlib.metadata import entry_points
+
+from toygraph.cli.args import (add_backend_args, add_sampling_args, generation_kwargs,
+                               language_model_from_args, utf8)
+from toygraph.cli.chat import add_chat_parser
+from toygraph.cli.export import add_export_parser
+from toygraph.cli.finetune import add_finetune_parser
+from toygraph.errors import ToygraphError
+from toygraph.models.catalog import resolve_model
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ToygraphError(f"--tokens must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_tokenize(args):
+    from toygraph.gguf.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(resolve_model(args.model))
+    print(json.dumps(tok.encode(utf8("--text", args.text))))
+
+
+def cmd_eval(args):
+    lm = language_model_from_args(args)
+    if args.tokens is not None:
+        loss, n = lm.loss(_parse_ids(args.tokens))
+    elif args.text is not None:
+        loss, n = lm.loss(lm.tokenizer.encode(utf8("--text", args.text), add_bos=None))
+    else:
+        from toygraph.data.batches import encode_dataset
+        from toygraph.data.examples import load_examples
+        enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
+        if not enc.items:
+            raise ToygraphError(f"{args.data}: no example has a target token")
+        loss, n = lm.loss([e.tokens for e in enc.items], [e.target_mask for e in enc.items])
+    result = {"loss": loss, "tokens": n, "perplexity": math.exp(min(loss, 700))}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"loss {loss:.6f}  tokens {n}  perplexity {result['perplexity']:.4f}")
+
+
+def cmd_generate(args):
+    if args.max_new_tokens < 0:
+        raise ToygraphError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ToygraphError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise ToygraphError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    prompt = utf8("--prompt", args.prompt)
+    lm = language_model_from_args(args)
+    lm.generate(prompt, chat=args.chat, **generation_kwargs(args, print_to=sys.stdout))
+    print()
+
+
+def cmd_demo(args):
+    from toygraph.demo.capitals import run_demo
+    return run_demo(out=args.out, steps=args.steps, backend=args.backend, precision=args.precision)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="toygraph", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("tokenize", help="print token ids of a text as JSON")
+    p.add_argument("--model", required=True)
+    p.add_argument("--text", required=True)
+    p.set_defaults(fn=cmd_tokenize)
+
+    p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity")
+    p.add_argument("--model", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="comma-separated token ids")
+    src.add_argument("--text")
+    src.add_argument("--data", help="JSONL dataset (loss on target tokens)")
+    p.add_argument("--adapter", help="PEFT adapter directory")
+    add_backend_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_eval)
+
+    add_finetune_parser(sub)
+
+    p = sub.add_parser("generate", help="greedy or sampled text")
+    p.add_argument("--model", required=True)
+    p.add_argument("--adapter")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_sampling_args(p)
+    add_backend_args(p)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("demo", help="short LoRA fine-tune of SmolLM2 on the capitals set")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the demo's recipe)")
+    add_backend_args(p)
+    p.set_defaults(fn=cmd_demo)
+    add_export_parser(sub)
+    add_chat_parser(sub)
+    for plugin in entry_points(group="toygraph.commands"):
+        plugin.load()(sub)
+    return ap
+
+
+def _report(command: str, e: BaseException):
+    try:
+        print(f"toygraph {command}: error: {e}", file=sys.stderr, flush=True)
+    except OSError:  # stderr itself is gone (a closed pipe): the exit code still says it
+        pass
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except (ToygraphError, ValueError) as e:  # ValueError: values the library rejected up front
+        _report(args.command, e)
+        return 2
+    except OSError as e:  # e.g. a broken pipe on the output; the run (if any) recorded it
+        _report(args.command, e)
+        return 1
+    except KeyboardInterrupt:  # before or after a run's own handling (loading, realizing)
+        _report(args.command, "interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Reverse-mode differentiation over the graph, by the backward rules in ops.py.
+
+>>> grads = backward(loss_sum, params)             # doctest: +SKIP
+>>> accs = accumulate_grads(grads)                  # doctest: +SKIP
+
+``backward`` appends gradient nodes only along paths that reach a trainable ``param``;
+frozen consts, inputs and anything that does not depend on a param get no gradient node
+and no buffer. ``accumulate_grads`` adds each gradient into a ``state`` buffer during the
+"backward" phase, so several micro-batches add up until the session resets them.
+"""
+from __future__ import annotations
+
+from toygraph.core import ops
+from toygraph.core.graph import Tensor, topo_order
+from toygraph.errors import GraphError
+
+
+def backward(loss: Tensor, params: list[Tensor]) -> dict[Tensor, Tensor]:
+    """Gradient nodes of scalar ``loss`` with respect to each of ``params``."""
+    grads = gradient_map(loss, params)
+    return {p: grads[p.id] for p in params}
+
+
+def gradient_map(loss: Tensor, params: list[Tensor]) -> dict[int, Tensor]:
+    """Like :func:`backward`, but the gradient of every node on a path to a param, by
+    node id (what transformations that reorder the backward need to know)."""
+    if loss.shape != ():
+        raise GraphError(f"backward: loss {loss.name!r} must be a scalar, got {loss.shape}")
+    for p in params:
+        if p.role != "param":
+            raise GraphError(f"backward: {p.name!r} is a {p.role or 'intermediate'}, not a param")
+    graph = loss.graph
+    order = topo_order([loss])
+    # A node needs a gradient when some param lies upstream of it.
+    wanted = {p.id for p in params}
+    reaches = set()
+    for t in order:
+        if t.id in wanted or any(s.id in reaches for s in t.srcs):
+            reaches.add(t.id)
+    missing = [p.name for p in params if p.id not in reaches]
+    if missing:
+        raise GraphError(f"backward: loss {loss.name!r} does not depend on params {missing}")
+
+    grads: dict[int, Tensor] = {loss.id: graph.scalar(1.0, name=f"d_{loss.name}")}
+    for t in reversed(order):
+        g = grads.get(t.id)
+        if g is None or t.op is None:
+            continue
+        spec = ops.OPS[t.op]
+        need = [s.id in reaches for s in t.srcs]
+        if not any(need):
+            continue
+        if spec.grad is None:
+            raise GraphError(f"backward: op {t.op!r} has no gradient rule")
+        for s, gs, nd in zip(t.srcs, spec.grad(t, g, need), need):
+            if not nd or gs is None:
+                continue
+            if gs.shape != s.shape:  # a rule bug, caught at build time rather than at run
+                raise GraphError(f"backward: {t.op} gave a {gs.shape} gradient for {s.name} {s.shape}")
+            grads[s.id] = gs if s.id not in grads else ops.add(grads[s.id], gs)
+    return grads
+
+
+def accumulate_grads(grads: dict[Tensor, Tensor], phase: str = "backward") -> dict[Tensor, Tensor]:
+    """Add each gradient into a persistent ``grad`` state buffer; returns param -> buffer."""
+    accs = {}
+    for p, g in grads.items():
+        graph = p.graph
+        acc = graph.state(f"grad.{p.name}", p.shape, kind="grad")
+        graph.effect(ops.accumulate(acc, g), phase)
+        accs[p] = acc
+    return accs

@@ -1,0 +1,64 @@
+"""The ops, one module per family. Each family module holds, for each of its ops, the
+builder function, the shape/dtype rule and backward rule (entered in ``OPS``), the numpy
+kernel (``KERNELS``) and the CUDA lowering (``toygraph.cuda.lowering.registry.REGISTRY``), and its
+CUDA kernels sit beside it in ``<family>.cu``. Adding an op means one family module (and
+its ``.cu``) and its tests.
+
+No family module is named like an op: ``ops.matmul`` is the op's builder, so the module
+that defines it is ``ops.gemm`` (likewise ``ops.rotary`` for rope, ``ops.flash_attention``
+for attention).
+
+===============  =======================================================================
+table            OpSpec, OPS, KERNELS and the helpers the families fill them with
+shape            reshape, permute, contiguous, expand, sum_to, sum, unpack
+elementwise      add, sub, mul, scale, silu, gelu (+ swiglu, geglu, mean)
+norm             rms_norm, softmax (row-wise normalisations)
+rotary           rope
+flash_attention  attention (fused, flash-style)
+gemm             matmul (f32, block-format weights, tensor cores) and the dequantizers
+rows             get_rows
+loss             cross_entropy, count_valid, linear_cross_entropy (fused head + loss)
+update           accumulate, global_norm, adamw
+collective       all_reduce (data parallelism over MPI/NCCL)
+cache            cache_write (generation's KV cache)
+preference       token_logprobs, softplus, log_sigmoid, log1mexp (DPO/ORPO losses)
+===============  =======================================================================
+
+The builders are re-exported here, so ``ops.<name>`` is every op:
+
+>>> from toygraph import ops
+>>> y = ops.rms_norm(x, 1e-5)                     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+# The families in the order of the table above (isort would sort them).
+# isort: off
+from toygraph.core.ops.table import (F32, I32, INT32_MAX, KERNELS, LABELS, NONE, OPS, OpSpec,
+                                     check, check_floats, define_op, kernel, make_node)
+from toygraph.core.ops.shape import (broadcast_shapes, contiguous, expand, permute, reshape,
+                                     sum, sum_to, unpack)
+from toygraph.core.ops.elementwise import (add, geglu, gelu, gelu_back, mean, mul, scale, silu,
+                                           silu_back, sub, swiglu)
+from toygraph.core.ops.norm import rms_norm, softmax
+from toygraph.core.ops.rotary import rope
+from toygraph.core.ops.flash_attention import attention
+from toygraph.core.ops.gemm import matmul
+from toygraph.core.ops.rows import get_rows
+from toygraph.core.ops.loss import count_valid, cross_entropy, linear_cross_entropy
+from toygraph.core.ops.update import accumulate, adamw, global_norm
+from toygraph.core.ops.collective import all_reduce
+from toygraph.core.ops.cache import cache_write
+from toygraph.core.ops.preference import log1mexp, log_sigmoid, softplus, token_logprobs
+# isort: on
+
+#: Ops that write into their first operand(s) rather than producing a value.
+SIDE_EFFECTS = frozenset(name for name, spec in OPS.items() if spec.in_place)
+
+__all__ = ["F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS", "OpSpec", "check",
+           "check_floats", "define_op", "kernel", "make_node", "broadcast_shapes",
+           "contiguous", "expand", "permute", "reshape", "sum", "sum_to", "unpack", "add",
+           "geglu", "gelu", "gelu_back", "mean", "mul", "scale", "silu", "silu_back", "sub",
+           "swiglu", "rms_norm", "softmax", "rope", "attention", "matmul", "get_rows",
+           "count_valid", "cross_entropy", "linear_cross_entropy", "accumulate", "adamw",
+           "global_norm", "log1mexp", "log_sigmoid", "softplus", "token_logprobs",
+           "cache_write", "all_reduce", "SIDE_EFFECTS"]

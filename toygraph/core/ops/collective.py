@@ -1,0 +1,54 @@
+"""The collective op: ``all_reduce``, the data-parallel sum of gradients over ranks.
+
+>>> divisor = all_reduce([count_acc, *grad_accs], ranks=2)    # doctest: +SKIP
+>>> adamw(w, grad_acc, m, v, hp, norm, divisor, max_norm=1.0)  # doctest: +SKIP
+
+The node sums each of its sources over the ranks of the job **in place** (they are the
+accumulated gradient and token-count state buffers) and its value is the summed first
+source, the global token count. The clip and AdamW nodes read that value as their
+divisor, so they are ordered after the reduction by an ordinary data dependency and the
+whole step, reduction included, stays one replayed graph. It has no gradient: it lives
+in the optimizer tail, after backward. Builder, shape rule, numpy kernel (MPI Allreduce
+through mpi4py, toygraph/core/distributed.py) and CUDA lowering (a :class:`Collective` step:
+ncclAllReduce on the session's stream, cuda/nccl.py; MPI on the host device).
+"""
+from __future__ import annotations
+
+from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
+from toygraph.cuda.lowering import Collective, Launch, i32, lowers, p
+
+
+def all_reduce(tensors, *, ranks: int):
+    """Sum every tensor of ``tensors`` over ``ranks`` ranks, in place; the value is the
+    summed ``tensors[0]``, which must be a scalar (the token count the update divides by)."""
+    return make_node("all_reduce", list(tensors), ranks=int(ranks))
+
+
+def _infer_all_reduce(shapes, dtypes, attrs):
+    check_floats(dtypes)
+    check(len(shapes) >= 1 and shapes[0] == (), "the first operand must be a scalar count")
+    check(isinstance(attrs["ranks"], int) and attrs["ranks"] >= 1, "ranks must be >= 1")
+    return (), F32
+
+
+define_op("all_reduce", _infer_all_reduce)
+
+
+@kernel("all_reduce")
+def _all_reduce_numpy(out, srcs, attrs):
+    """One MPI Allreduce per step (``World.sum_arrays``); mpi4py is imported only in a job
+    of several ranks, by ``distributed.world()``."""
+    from toygraph.core.distributed import world_of
+    world_of(attrs["ranks"]).sum_arrays(srcs, "the all-reduce of the step's gradients")
+    out[...] = srcs[0]
+
+
+@lowers("all_reduce", kernels=("tg_copy",))
+def _all_reduce(node, at):
+    """A Collective (no kernel: the context enqueues it on the session's stream, a real GPU
+    as one ncclAllReduce per buffer in an NCCL group, the host device through MPI), then a
+    tg_copy of the summed count into the node's output. Both go on the one stream, so graph
+    capture records them like any launch and the replayed step includes the reduction."""
+    buffers = tuple((at.ptr(s), s.size) for s in node.srcs)
+    return [Collective(buffers, node.attrs["ranks"]),
+            Launch("tg_copy", (1, 1, 1), [p(at.out), p(at.ptr(node.srcs[0])), i32(1)])]

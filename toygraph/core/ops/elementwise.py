@@ -1,0 +1,218 @@
+"""Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu and gelu (tanh) with
+their backward ops, and the composites built from them (swiglu, geglu, mean). Each op's
+builder, shape rule, backward rule, numpy kernel and CUDA lowering (elementwise.cu).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from toygraph.core.ops.shape import broadcast_shapes
+from toygraph.core.ops.shape import sum as _sum
+from toygraph.core.ops.shape import sum_to
+from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
+from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, f32, grid_1d, i32,
+                                    lowers, p, pad_shape, strided)
+
+# The family's CUDA kernels, beside this module.
+declare_kernels(__file__, "elementwise.cu")
+
+
+# --- builders and rules ------------------------------------------------------------------------
+def _infer_binary(shapes, dtypes, attrs):
+    check_floats(dtypes)
+    return broadcast_shapes(shapes[0], shapes[1]), F32
+
+
+def add(a, b):
+    return make_node("add", [a, b])
+
+
+def sub(a, b):
+    return make_node("sub", [a, b])
+
+
+def mul(a, b):
+    return make_node("mul", [a, b])
+
+
+def scale(x, s: float):
+    return make_node("scale", [x], s=float(s))
+
+
+def mean(x, axis=None):
+    """sum(x, axis) / the number of elements summed."""
+    n = x.size if axis is None else x.shape[axis]
+    return scale(_sum(x, axis), 1.0 / n)
+
+
+define_op("add", _infer_binary, lambda n, g, need: [sum_to(g, s.shape) for s in n.srcs])
+define_op("sub", _infer_binary,
+    lambda n, g, need: [sum_to(g, n.srcs[0].shape), sum_to(scale(g, -1.0), n.srcs[1].shape)])
+define_op("mul", _infer_binary, lambda n, g, need: [
+    sum_to(mul(g, n.srcs[1]), n.srcs[0].shape) if need[0] else None,
+    sum_to(mul(g, n.srcs[0]), n.srcs[1].shape) if need[1] else None])
+
+
+def infer_unary(shapes, dtypes, attrs):
+    """The rule of an op whose f32 output has its one operand's shape."""
+    check_floats(dtypes)
+    return shapes[0], F32
+
+
+define_op("scale", infer_unary, lambda n, g, need: [scale(g, n.attrs["s"])])
+
+
+def silu(x):
+    return make_node("silu", [x])
+
+
+def silu_back(x, g):
+    return make_node("silu_back", [x, g])
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, the Llama FFN activation."""
+    return mul(silu(gate), up)
+
+
+def infer_same2(shapes, dtypes, attrs):
+    """The rule of a backward op of two f32 operands of one shape (x and its gradient)."""
+    check_floats(dtypes)
+    check(shapes[0] == shapes[1], f"shapes must match, got {shapes[0]} and {shapes[1]}")
+    return shapes[0], F32
+
+
+define_op("silu", infer_unary, lambda n, g, need: [silu_back(n.srcs[0], g)])
+define_op("silu_back", infer_same2)
+
+
+def gelu(x):
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), exactly
+    torch's ``gelu(approximate="tanh")`` (Hugging Face's ``gelu_pytorch_tanh``, Gemma)."""
+    return make_node("gelu", [x])
+
+
+def gelu_back(x, g):
+    return make_node("gelu_back", [x, g])
+
+
+def geglu(gate, up):
+    """gelu(gate) * up, the Gemma FFN activation."""
+    return mul(gelu(gate), up)
+
+
+define_op("gelu", infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
+define_op("gelu_back", infer_same2)
+
+
+# --- numpy kernels -----------------------------------------------------------------------------
+@kernel("add")
+def _add_numpy(out, srcs, attrs):
+    np.add(srcs[0], srcs[1], out=out)
+
+
+@kernel("sub")
+def _sub_numpy(out, srcs, attrs):
+    np.subtract(srcs[0], srcs[1], out=out)
+
+
+@kernel("mul")
+def _mul_numpy(out, srcs, attrs):
+    np.multiply(srcs[0], srcs[1], out=out)
+
+
+@kernel("scale")
+def _scale_numpy(out, srcs, attrs):
+    np.multiply(srcs[0], out.dtype.type(attrs["s"]), out=out)
+
+
+@kernel("silu")
+def _silu_numpy(out, srcs, attrs):
+    x = srcs[0]
+    # x / (1 + exp(-x)): exp overflows to inf for x < -88 and the quotient is then the
+    # correct limit -0, so the overflow warning is silenced rather than branched around.
+    with np.errstate(over="ignore"):
+        np.exp(-x, out=out)
+    out += 1
+    np.divide(x, out, out=out)
+
+
+@kernel("silu_back")
+def _silu_back_numpy(out, srcs, attrs):
+    x, g = srcs
+    with np.errstate(over="ignore"):
+        s = np.exp(-x)
+    s += 1
+    np.reciprocal(s, out=s)                 # sigmoid(x)
+    np.subtract(1, s, out=out)
+    out *= x
+    out += 1                                # 1 + x (1 - s)
+    out *= s
+    out *= g
+
+
+# GELU, tanh approximation (torch's approximate="tanh"): 0.5 x (1 + tanh(c (x + a x^3))).
+_GELU_C, _GELU_A = np.sqrt(2.0 / np.pi), 0.044715
+
+
+def _gelu_tanh(x):
+    return np.tanh(x.dtype.type(_GELU_C) * (x + x.dtype.type(_GELU_A) * x * x * x))
+
+
+@kernel("gelu")
+def _gelu_numpy(out, srcs, attrs):
+    x = srcs[0]
+    np.multiply(x, 0.5 * (1 + _gelu_tanh(x)), out=out)
+
+
+@kernel("gelu_back")
+def _gelu_back_numpy(out, srcs, attrs):
+    """d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2), t = tanh(c (x + a x^3))."""
+    x, g = srcs
+    t = _gelu_tanh(x)
+    c, a = x.dtype.type(_GELU_C), x.dtype.type(3 * _GELU_A)
+    out[...] = g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + a * x * x))
+
+
+# --- CUDA lowering (elementwise.cu) ------------------------------------------------------------
+#: tg_binary's op code per op.
+BINARY_CODES = {"add": 0, "sub": 1, "mul": 2}
+
+
+def broadcast_strides(src_shape, out_shape) -> list[int]:
+    """Strides walking ``src_shape`` broadcast to ``out_shape`` (0 on broadcast axes)."""
+    src = pad_shape(src_shape, len(out_shape))
+    cs = contiguous_strides(src)
+    return [0 if s == 1 and o != 1 else c for s, o, c in zip(src, out_shape, cs)]
+
+
+@lowers("add", "sub", "mul", kernels=("tg_binary",))
+def _binary(node, at):
+    a, b = node.srcs
+    n = node.size
+    sa = broadcast_strides(a.shape, node.shape)
+    sb = broadcast_strides(b.shape, node.shape)
+    return [Launch("tg_binary", grid_1d(n), [p(at.out), p(at.ptr(a)), p(at.ptr(b)), i32(n),
+                                               strided(node.shape, sa, sb),
+                                               i32(BINARY_CODES[node.op])])]
+
+
+@lowers("scale", kernels=("tg_scale",))
+def _scale(node, at):
+    n = node.size
+    return [Launch("tg_scale", grid_1d(n),
+                   [p(at.out), p(at.ptr(node.srcs[0])), i32(n), f32(node.attrs["s"])])]
+
+
+def pointwise(node, at):
+    """One thread per element, ``out[i] = f(x[i])`` (a backward op: ``f(x[i], g[i])``),
+    launching the one kernel the op's registry entry names."""
+    (name,) = at.kernels
+    srcs = [p(at.ptr(s)) for s in node.srcs]
+    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(node.size)])]
+
+
+lowers("silu", kernels=("tg_silu",))(pointwise)
+lowers("silu_back", kernels=("tg_silu_back",))(pointwise)
+lowers("gelu", kernels=("tg_gelu",))(pointwise)
+lowers("gelu_back", kernels=("tg_gelu_back",))(pointwise)

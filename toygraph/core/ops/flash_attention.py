@@ -1,0 +1,245 @@
+"""The fused attention op: softmax(scale * q k^T [causal, optional sliding window]) v
+without a [T, T] score tensor, grouped-query K/V sharing, and its backward op
+attention_back (dq, dk and dv packed in one node, read through shape.unpack views).
+Builder, shape rules, backward rule, numpy kernels (query blocks) and CUDA lowering
+(flash_attention.cu, flash-style).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from toygraph.core.ops.shape import unpack
+from toygraph.core.ops.table import (F32, I32, INT32_MAX, check, check_floats, define_op, kernel,
+                                     make_node)
+from toygraph.cuda.lowering import MAX_GRID_YZ, Launch, declare_kernels, f32, i32, lowers, p
+from toygraph.cuda.lowering.constants import ATTN_TILES
+from toygraph.errors import CudaError
+
+# The family's CUDA kernels, beside this module.
+declare_kernels(__file__, "flash_attention.cu")
+
+
+def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0, segments=None):
+    """softmax(scale * q k^T [causal-masked]) v without a [heads, seq, seq] tensor.
+
+    ``segments`` (optional i32 [B, T], values >= 0) is sample packing's segment id per
+    token: query i then also needs segments[b, i] == segments[b, j] to see key j, so the
+    examples packed into one row never see each other (a block-diagonal mask, applied
+    inside the kernels, never built as [T, T]). Without it every key of the row may be
+    seen, as before.
+
+    ``window`` > 0 is sliding-window causal attention (Gemma 3's local layers): query i
+    sees key j iff j <= i and i - j < window. That is transformers' sliding overlay
+    (masking_utils.sliding_window_overlay: ``kv_idx > q_idx - sliding_window``) and
+    llama.cpp's LLAMA_SWA_TYPE_STANDARD (is_masked_swa masks ``p1 - p0 >= n_swa``).
+    0 means no window.
+
+    q [B, H, T, hd], k and v [B, KV, T, hd] with H % KV == 0: query head h reads K/V head
+    h // (H / KV) (grouped-query). Returns [B, H, T, hd]. The gradient is one
+    ``attention_back`` node (dq, dk and dv together, the way a flash-style kernel makes
+    them) read through three ``unpack`` views.
+
+    >>> o = attention(q, k, v, scale=hd ** -0.5)          # doctest: +SKIP
+    """
+    srcs = [q, k, v] if segments is None else [q, k, v, segments]
+    return make_node("attention", srcs, scale=float(scale), causal=bool(causal),
+                     window=int(window))
+
+
+def attention_operands(node):
+    """(q, k, v, segments or None, [o, g] for attention_back) of an attention node: the
+    segment ids are an optional fourth source."""
+    n = 3 if node.op == "attention" else 5
+    segmented = len(node.srcs) > n
+    q, k, v = node.srcs[:3]
+    return q, k, v, node.srcs[3] if segmented else None, list(node.srcs[3 + segmented:])
+
+
+def _infer_attention(shapes, dtypes, attrs):
+    if len(shapes) == 4:
+        seg = shapes[3]
+        check(dtypes[3] == I32, f"segment ids must be i32, got {dtypes[3]}")
+        check(tuple(seg) == (shapes[0][0], shapes[0][2]),
+              f"segment ids must be [B, T] = [{shapes[0][0]}, {shapes[0][2]}], got {seg}")
+        shapes, dtypes = shapes[:3], dtypes[:3]
+    check_floats(dtypes)
+    q, k, v = shapes[:3]
+    check(len(q) == 4 and len(k) == 4, f"q must be [B, H, T, hd] and k, v [B, KV, T, hd], "
+                                       f"got {q} and {k}")
+    check(tuple(k) == tuple(v), f"k and v must share a shape, got {k} and {v}")
+    check(q[0] == k[0] and q[2] == k[2] and q[3] == k[3],
+          f"q {q} and k {k} must agree on batch, sequence and head_dim")
+    check(q[1] % k[1] == 0, f"query heads {q[1]} must be a multiple of kv heads {k[1]}")
+    check(attrs["window"] >= 0, f"window must be >= 0 (0: none), got {attrs['window']}")
+    check(attrs["causal"] or not attrs["window"], "a sliding window needs causal=True")
+    return tuple(q), F32
+
+
+def _infer_attention_back(shapes, dtypes, attrs):
+    n = len(shapes) - 2    # q, k, v[, segments], o, g
+    _infer_attention(shapes[:n], dtypes[:n], attrs)
+    check_floats(dtypes[n:])
+    q, k = shapes[:2]
+    o, g = shapes[n:]
+    check(tuple(o) == tuple(q) and tuple(g) == tuple(q),
+          f"output {o} and its gradient {g} must have q's shape {q}")
+    return (int(np.prod(q)) + 2 * int(np.prod(k)),), F32
+
+
+def _grad_attention(n, g, need):
+    back = make_node("attention_back", [*n.srcs, n, g], **n.attrs)
+    grads, offset = [], 0
+    for s, nd in zip(n.srcs[:3], need):
+        grads.append(unpack(back, offset, s.shape) if nd else None)
+        offset += s.size
+    return grads + [None] * (len(n.srcs) - 3)   # segment ids: integers, no gradient
+
+
+#: Segment ids are only compared for equality; any non-negative int32 is one.
+_SEGMENT_IDS = {3: (0, INT32_MAX, "segment ids (>= 0)")}
+define_op("attention", _infer_attention, _grad_attention,
+          id_ranges=lambda n: _SEGMENT_IDS if len(n.srcs) == 4 else {})
+define_op("attention_back", _infer_attention_back,
+          id_ranges=lambda n: _SEGMENT_IDS if len(n.srcs) == 6 else {})
+
+
+# --- numpy kernels -----------------------------------------------------------------------------
+# Query rows per block: the scores of one block are [B, KV, group * rows, keys], never the
+# whole [B, H, T, T]. The grouped query heads that share a K/V head are folded into the
+# rows, so each block is one BLAS matmul per (batch, kv head).
+ATTN_ROWS = 256
+
+
+def _attn_blocks(q, k, attrs, segments=None):
+    """Per query block [i0, i1): the visible keys [j0, j1) as a slice, the block's queries
+    folded to [B, KV, G * rows, hd] and its probabilities softmax(scale * q k^T)
+    [B, KV, G * rows, j1 - j0]. Query i sees key j iff j <= i (causal), i - j < window
+    (when window > 0) and, with ``segments`` [B, T], segments[b, i] == segments[b, j], so
+    keys past the block's last query and before its first query's window are never
+    multiplied; other segments' keys are masked per block, never as a [T, T] array."""
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    window = attrs["window"]
+    q5 = q.reshape(B, KV, G, T, hd)
+    for i0 in range(0, T, ATTN_ROWS):
+        i1 = min(i0 + ATTN_ROWS, T)
+        rows = i1 - i0
+        j1 = i1 if attrs["causal"] else T
+        j0 = max(0, i0 - window + 1) if window else 0
+        keys = slice(j0, j1)
+        qb = q5[:, :, :, i0:i1].reshape(B, KV, G * rows, hd)
+        probs = np.matmul(qb, np.swapaxes(k[:, :, keys], -1, -2))
+        probs *= probs.dtype.type(attrs["scale"])
+        masked = np.zeros((1, rows, j1 - j0), bool)
+        if attrs["causal"]:
+            i, j = np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :]
+            masked = masked | ((j > i) | (i - j >= window) if window else j > i)
+        if segments is not None:
+            masked = masked | (segments[:, i0:i1, None] != segments[:, None, keys])
+        if masked.any():
+            np.copyto(probs.reshape(B, KV, G, rows, j1 - j0), -np.inf,
+                      where=masked[:, None, None])
+        probs -= probs.max(axis=-1, keepdims=True)
+        np.exp(probs, out=probs)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        yield i0, i1, keys, qb, probs
+
+
+def _fold(x5, i0, i1):
+    """Rows [i0, i1) of a [B, KV, G, T, d] array as [B, KV, G * rows, d]."""
+    B, KV, G, _, d = x5.shape
+    return x5[:, :, :, i0:i1].reshape(B, KV, G * (i1 - i0), d)
+
+
+@kernel("attention")
+def _attention_numpy(out, srcs, attrs):
+    q, k, v = srcs[:3]
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    out5 = out.reshape(B, KV, H // KV, T, hd)
+    for i0, i1, keys, _, pr in _attn_blocks(q, k, attrs, *srcs[3:]):
+        out5[:, :, :, i0:i1] = np.matmul(pr, v[:, :, keys]).reshape(B, KV, H // KV, i1 - i0, hd)
+
+
+@kernel("attention_back")
+def _attention_back_numpy(out, srcs, attrs):
+    """[dq, dk, dv] packed flat, from the recomputed probabilities block by block:
+    dv = P^T dO, dS = P * (dO V^T - rowsum(dO * O)) * scale, dq = dS K, dk = dS^T Q."""
+    q, k, v, *segments, o, g = srcs    # segments: [] or [segment ids]
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    nq, nk = q.size, k.size
+    dq = out[:nq].reshape(B, KV, G, T, hd)
+    dk = out[nq:nq + nk].reshape(k.shape)
+    dv = out[nq + nk:].reshape(v.shape)
+    dk.fill(0)
+    dv.fill(0)
+    g5, o5 = g.reshape(dq.shape), o.reshape(dq.shape)
+    scale = out.dtype.type(attrs["scale"])
+    for i0, i1, keys, qb, pr in _attn_blocks(q, k, attrs, *segments):
+        gb = _fold(g5, i0, i1)
+        delta = np.sum(gb * _fold(o5, i0, i1), axis=-1, keepdims=True)
+        dv[:, :, keys] += np.matmul(np.swapaxes(pr, -1, -2), gb)
+        ds = np.matmul(gb, np.swapaxes(v[:, :, keys], -1, -2))
+        ds -= delta
+        ds *= pr
+        ds *= scale
+        dq[:, :, :, i0:i1] = np.matmul(ds, k[:, :, keys]).reshape(B, KV, G, i1 - i0, hd)
+        dk[:, :, keys] += np.matmul(np.swapaxes(ds, -1, -2), qb)
+
+
+# --- CUDA lowering (flash_attention.cu) -------------------------------------------------------
+def attention_config(hd: int) -> tuple[int, int, int]:
+    """(HD, BT, TPR) of the kernels that run head_dim ``hd``: the smallest HD >= hd."""
+    for HD in sorted(ATTN_TILES):
+        if hd <= HD:
+            return (HD, *ATTN_TILES[HD])
+    raise CudaError(f"attention: head_dim {hd} exceeds the kernels' maximum {max(ATTN_TILES)}")
+
+
+def _attention_scratch(node) -> int:
+    """attention_back: row log-sum-exp and rowsum(dO * O), [B, H, T] each."""
+    return 2 * 4 * node.srcs[0].size // node.srcs[0].shape[-1]
+
+
+@lowers("attention", kernels=("tg_attn_fwd_32", "tg_attn_fwd_64", "tg_attn_fwd_128"))
+@lowers("attention_back", scratch=_attention_scratch,
+        kernels=("tg_attn_bwd_prep_32", "tg_attn_bwd_prep_64", "tg_attn_bwd_prep_128",
+                 "tg_attn_bwd_dkdv_32", "tg_attn_bwd_dkdv_64", "tg_attn_bwd_dkdv_128",
+                 "tg_attn_bwd_dq_32", "tg_attn_bwd_dq_64", "tg_attn_bwd_dq_128"))
+def _attention(node, at) -> list[Launch]:
+    """attention: one launch, a block per (query tile, head, batch). attention_back: the
+    row statistics into scratch, then dk/dv per (key tile, kv head, batch) and dq per
+    (query tile, head, batch), written straight into the packed [dq, dk, dv] output. The
+    kernels are instantiated per head_dim bound HD (constants.ATTN_TILES), named ``_HD``.
+    Optional segment ids (sample packing) pass as a pointer after the float operands, a
+    null pointer without them."""
+    out, ptr, scratch = at.out, at.ptr, at.scratch
+    q, k, v, seg, rest = attention_operands(node)
+    segs = p(ptr(seg) if seg is not None else 0)
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    HD, BT, TPR = attention_config(hd)
+    if max(H, B) > MAX_GRID_YZ:
+        raise CudaError(f"attention {node.name!r}: {B} x {H} exceeds the grid limit")
+    tiles = (T + BT - 1) // BT
+    common = [i32(H), i32(KV), i32(T), i32(hd), f32(node.attrs["scale"]),
+              i32(node.attrs["causal"]), i32(node.attrs["window"])]
+    block = (BT * TPR, 1, 1)
+    per_head, per_kv = (tiles, H, B), (tiles, KV, B)
+    if node.op == "attention":
+        return [Launch(f"tg_attn_fwd_{HD}", per_head,
+                       [p(out), p(ptr(q)), p(ptr(k)), p(ptr(v)), segs, *common], block)]
+    o, g = rest
+    lse, delta = scratch, scratch + 4 * B * H * T
+    dq, dk, dv = out, out + 4 * q.size, out + 4 * (q.size + k.size)
+    stats = [p(lse), p(delta), segs]
+    qkvg = [p(ptr(q)), p(ptr(k)), p(ptr(v)), p(ptr(g))]
+    return [Launch(f"tg_attn_bwd_prep_{HD}", per_head,
+                   [p(lse), p(delta), p(ptr(q)), p(ptr(k)), p(ptr(o)), p(ptr(g)), segs,
+                    *common], block),
+            Launch(f"tg_attn_bwd_dkdv_{HD}", per_kv, [p(dk), p(dv), *qkvg, *stats, *common],
+                   block),
+            Launch(f"tg_attn_bwd_dq_{HD}", per_head, [p(dq), *qkvg, *stats, *common], block)]

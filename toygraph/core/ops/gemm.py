@@ -1,0 +1,273 @@
+"""matmul: batched, broadcast and grouped-query products, with a frozen weight that may
+stay in its GGUF block format on CUDA. Builder, shape rule, backward rule, numpy kernel
+and CUDA lowering: f32 tiles (matmul.cu), weights read in block format (qmatmul.cu),
+tensor-core tiles for bf16/tf32 (tc_matmul.cu + tc_layout.cuh), and the dequantizers the
+CUDA backend decodes the other block-format consts with at realize (dequant.cu).
+"""
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from toygraph.core.ops.shape import broadcast_shapes, sum_to
+from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
+from toygraph.core.precision import TENSOR_CORE_PRECISIONS
+from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, contiguous_strides, declare_kernels,
+                                    decodes, grid_1d, i32, lowers, p, pad_shape, strided)
+from toygraph.cuda.lowering.constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
+from toygraph.errors import CudaError
+
+# The family's CUDA kernels, beside this module: f32 tiles, block-format weights read in
+# the matmul (qmatmul.cu uses matmul.cu's tile helper), the dequantizers, and the
+# tensor-core tiles, compiled only into the bf16/tf32 modules.
+declare_kernels(__file__, "matmul.cu", "dequant.cu")
+declare_kernels(__file__, "qmatmul.cu", needs=("matmul.cu",))
+declare_kernels(__file__, "tc_layout.cuh", precisions=TENSOR_CORE_PRECISIONS)
+declare_kernels(__file__, "tc_matmul.cu", needs=("tc_layout.cuh",),
+                precisions=TENSOR_CORE_PRECISIONS)
+
+#: Dequantization kernel per const storage format (f32 consts are used as they are).
+DEQUANT_KERNELS: dict[str, str] = {
+    fmt: f"tg_deq_{fmt}" for fmt in ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+                                     "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+}
+#: Kernels that read a const in its block format (qmatmul.cu, rows.cu), per storage format:
+#: "nt" y = x @ W^T, "nn" dx = dy @ W, "rows" get_rows from a block-format table.
+QUANT_KERNELS: dict[str, dict[str, str]] = {
+    fmt: {"nt": f"tg_qmm_nt_{fmt}", "nn": f"tg_qmm_nn_{fmt}", "rows": f"tg_get_rows_{fmt}"}
+    for fmt in DEQUANT_KERNELS
+}
+#: Tensor-core kernels per precision: "matmul" takes tg_matmul's arguments, "nt"/"nn" per
+#: block format take the fused kernels' (QUANT_KERNELS) arguments.
+TC_KERNELS: dict[str, dict] = {
+    prec: {"matmul": f"tg_tc_matmul_{prec}",
+           "nt": {fmt: f"tg_tc_qmm_nt_{fmt}_{prec}" for fmt in DEQUANT_KERNELS},
+           "nn": {fmt: f"tg_tc_qmm_nn_{fmt}_{prec}" for fmt in DEQUANT_KERNELS}}
+    for prec in TENSOR_CORE_PRECISIONS
+}
+
+
+def matmul(a, b, *, trans_a=False, trans_b=False):
+    """a @ b over the last two axes, batch axes broadcast. ``b`` may have fewer heads
+    than ``a`` (grouped-query attention); a 2-D ``b`` is a weight shared by every batch."""
+    return make_node("matmul", [a, b], trans_a=bool(trans_a), trans_b=bool(trans_b))
+
+
+def _mat_dims(shape, trans):
+    m, k = shape[-2], shape[-1]
+    return (k, m) if trans else (m, k)
+
+
+def _infer_matmul(shapes, dtypes, attrs):
+    check_floats(dtypes)
+    a, b = shapes
+    check(len(a) >= 2 and len(b) >= 2, f"matmul needs >= 2-D operands, got {a} and {b}")
+    m, k = _mat_dims(a, attrs["trans_a"])
+    k2, n = _mat_dims(b, attrs["trans_b"])
+    check(k == k2, f"inner dimensions differ: {k} vs {k2}")
+    batch = broadcast_shapes(a[:-2], b[:-2], allow_groups=True)
+    check(len(b) == 2 or len(a) >= len(b), "b may not have more batch axes than a")
+    return batch + (m, n), F32
+
+
+def _grad_matmul(n, g, need):
+    (a, b), ta, tb = n.srcs, n.attrs["trans_a"], n.attrs["trans_b"]
+    ga = gb = None
+    if need[0]:  # dA = dC B^T (or its transpose when A was transposed)
+        ga = matmul(b, g, trans_a=tb, trans_b=True) if ta else matmul(g, b, trans_b=not tb)
+        ga = sum_to(ga, a.shape)
+    if need[1]:
+        if b.ndim == 2 and a.ndim > 2 and not ta:
+            # A weight shared by every batch row: fold the batch axes into M so dB is one
+            # 2-D matmul instead of a per-batch product summed afterwards.
+            af, gf = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+            gb = matmul(gf, af, trans_a=True) if tb else matmul(af, gf, trans_a=True)
+        else:  # dB = A^T dC (or its transpose)
+            gb = matmul(g, a, trans_a=True, trans_b=ta) if tb else matmul(a, g, trans_a=not ta)
+            gb = sum_to(gb, b.shape)
+    return [ga, gb]
+
+
+define_op("matmul", _infer_matmul, _grad_matmul)
+
+
+# --- numpy kernel ------------------------------------------------------------------------------
+@kernel("matmul")
+def _matmul_numpy(out, srcs, attrs):
+    a, b = srcs
+    if attrs["trans_a"]:
+        a = np.swapaxes(a, -1, -2)
+    if attrs["trans_b"]:
+        b = np.swapaxes(b, -1, -2)
+    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous and out.flags.c_contiguous:
+        # [..., M, K] @ [K, N] as one [rows, K] @ [K, N] GEMM: numpy would run the stack as
+        # one BLAS call per matrix, 25-40% slower at a training step's row counts.
+        np.matmul(a.reshape(-1, a.shape[-1]), b, out=out.reshape(-1, out.shape[-1]))
+        return
+    if b.ndim > 2:
+        ab, bb = a.shape[:-2], (1,) * (a.ndim - b.ndim) + b.shape[:-2]
+        if any(x != y and y != 1 and x != 1 for x, y in zip(ab, bb)):
+            # Grouped-query: split each grouped axis of a into (kv_heads, group) and give b
+            # a size-1 group axis, so plain broadcasting shares each K/V head.
+            a_split, b_split = [], []
+            for x, y in zip(ab, bb):
+                if x != y and y != 1 and x != 1:
+                    a_split += [y, x // y]
+                    b_split += [y, 1]
+                else:
+                    a_split.append(x)
+                    b_split.append(y)
+            a = a.reshape(tuple(a_split) + a.shape[-2:])
+            b = b.reshape(tuple(b_split) + b.shape[-2:])
+            np.matmul(a, b, out=out.reshape(tuple(a_split) + out.shape[-2:]))
+            return
+    np.matmul(a, b, out=out)
+
+
+# --- CUDA lowering -----------------------------------------------------------------------------
+#: Output tile edge of the tensor-core kernels (square: TC_BM == TC_BN, checked by a test;
+#: so are the f32 tiles, MM_BM == MM_BN).
+TC_TILE = TC_BM
+
+
+def matmul_batch(a_shape, b_shape, out_batch):
+    """(dims, a strides, b strides) over the output batch axes; grouped axes are split into
+    (kv heads, group) with b's group stride 0, like the numpy kernel's reshape."""
+    n = len(out_batch)
+    ab, bb = pad_shape(a_shape[:-2], n), pad_shape(b_shape[:-2], n)
+    a_cs = contiguous_strides(pad_shape(a_shape, n + 2))[:n]
+    b_cs = contiguous_strides(pad_shape(b_shape, n + 2))[:n]
+    dims, sa, sb = [], [], []
+    for o, x, y, ca, cb in zip(out_batch, ab, bb, a_cs, b_cs):
+        xa = ca if x == o else 0
+        if y == o or y == 1:
+            dims.append(o), sa.append(xa), sb.append(cb if y == o else 0)
+        else:
+            g = o // y
+            dims += [y, g]
+            sa += [xa * g, xa]
+            sb += [cb, 0]
+    return dims, sa, sb
+
+
+def matmul_geometry(node):
+    """(M, N, K, sam, sak, sbk, sbn, nbatch, batch dims, a strides, b strides) of a dense
+    matmul: A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn], plus the batch walk."""
+    (x, y), ta, tb = node.srcs, node.attrs["trans_a"], node.attrs["trans_b"]
+    M, N = node.shape[-2], node.shape[-1]
+    K = x.shape[-2] if ta else x.shape[-1]
+    sam, sak = (1, M) if ta else (K, 1)
+    sbk, sbn = (1, K) if tb else (N, 1)
+    out_batch = node.shape[:-2]
+    nbatch = prod(out_batch)
+    dims, sa, sb = matmul_batch(x.shape, y.shape, out_batch)
+    return M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb
+
+
+def _row_tiles(what: str, M: int, tile: int) -> int:
+    """Tiles over M rows (grid y), or CudaError when they exceed the grid limit."""
+    gy = (M + tile - 1) // tile
+    if gy > MAX_GRID_YZ:
+        raise CudaError(f"{what}: {M} rows exceed the kernel's grid limit")
+    return gy
+
+
+def _matmul(node, out, ptr, tile: int = MM_BM, kernel: str = "tg_matmul",
+            threads: int = MM_THREADS) -> Launch:
+    M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
+    x, y = node.srcs
+    gy = _row_tiles(f"matmul {node.name!r}", M, tile)
+    grid = ((N + tile - 1) // tile, gy, max(1, min(nbatch, MAX_GRID_YZ)))
+    return Launch(kernel, grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
+                                 i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
+                                 strided(dims, sa, sb)], block=(threads, 1, 1))
+
+
+def _tc_matmul(node, out, ptr, raw_consts, precision: str) -> Launch:
+    """The tensor-core launch for a matmul: dense operands take tg_matmul's arguments (so
+    every trans/batch/grouped-query case is covered), a block-format weight the fused
+    kernels' arguments."""
+    if precision not in TC_KERNELS:
+        raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
+                        f"{precision!r} (have {sorted(TC_KERNELS)})")
+    table = TC_KERNELS[precision]
+    if node.srcs[1].id in raw_consts:
+        q = _qmatmul(node, out, ptr, tile=TC_TILE)
+        return Launch(table["nt" if node.attrs["trans_b"] else "nn"][node.srcs[1].storage],
+                      q.grid, q.args, block=(TC_THREADS, 1, 1))
+    return _matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"], threads=TC_THREADS)
+
+
+def row_bytes(w) -> int:
+    """Bytes of one row of the 2-D block-format const ``w``."""
+    from toygraph.gguf import blocks
+    return blocks.nbytes(w.storage, (1, w.shape[1]))
+
+
+def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
+    """x @ W^T (trans_b) or dy @ W on a block-format W [rows, cols]; x's batch axes fold
+    into M since the 2-D W is shared by every batch entry and all buffers are contiguous."""
+    (x, w), tb = node.srcs, node.attrs["trans_b"]
+    K = x.shape[-1]
+    M = x.size // K if K else 0
+    N = w.shape[0] if tb else w.shape[1]
+    if K != (w.shape[1] if tb else w.shape[0]):
+        raise CudaError(f"matmul {node.name!r}: inner dimensions {x.shape} and {w.shape} differ")
+    gy = _row_tiles(f"matmul {node.name!r}", M, tile)
+    kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
+    return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
+                  [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))],
+                  block=(MM_THREADS, 1, 1))
+
+
+def _weight_in_blocks(node, index: int) -> bool:
+    """A matmul reads its b in block format as the weight of ``x @ W^T`` / ``dy @ W``: a
+    2-D b, trans_a=False, a's batch axes folded into M."""
+    return index == 1 and node.srcs[0] is not node.srcs[1] and not node.attrs["trans_a"]
+
+
+@lowers("matmul", kernels=("tg_matmul",), block_format=_weight_in_blocks)
+def _lower_matmul(node, at):
+    """f32: tg_matmul, or the QUANT_KERNELS of a block-format weight; bf16/tf32: the
+    tensor-core twins (TC_KERNELS)."""
+    if at.precision != "f32":
+        return [_tc_matmul(node, at.out, at.ptr, at.raw_consts, at.precision)]
+    if node.srcs[1].id in at.raw_consts:
+        return [_qmatmul(node, at.out, at.ptr)]
+    return [_matmul(node, at.out, at.ptr)]
+
+
+# --- unbatched launches for fused ops that run matmuls over raw addresses (loss.py's head) ---
+def dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matmul") -> Launch:
+    """One unbatched matmul launch, A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn];
+    tensor-core kernels (same arguments) for ``precision`` bf16/tf32 unless ``kernel`` is
+    tg_matmul_acc, which has no tensor-core twin."""
+    tile, block = MM_BM, (MM_THREADS, 1, 1)
+    if precision != "f32" and kernel == "tg_matmul":
+        kernel, tile, block = TC_KERNELS[precision]["matmul"], TC_TILE, (TC_THREADS, 1, 1)
+    gy = _row_tiles(kernel, M, tile)
+    return Launch(kernel, ((N + tile - 1) // tile, gy, 1),
+                  [p(out), p(a), p(b), i32(M), i32(N), i32(K), i32(sam), i32(sak), i32(sbk),
+                   i32(sbn), i32(1), strided([], [])], block)
+
+
+def block_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
+    """x @ W^T ("nt") or dy @ W ("nn") with the block-format const ``w`` at ``w_ptr``, with
+    _qmatmul's arguments (tensor-core twins for bf16/tf32, as _tc_matmul picks them)."""
+    kernel, tile, threads = QUANT_KERNELS[w.storage][kind], MM_BM, MM_THREADS
+    if precision != "f32":
+        kernel, tile, threads = TC_KERNELS[precision][kind][w.storage], TC_TILE, TC_THREADS
+    gy = _row_tiles(kernel, M, tile)
+    return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
+                  [p(out), p(a), p(w_ptr), i32(M), i32(N), i32(K), i32(row_bytes(w))],
+                  block=(threads, 1, 1))
+
+
+# --- the dequantizers (dequant.cu) -------------------------------------------------------------
+@decodes(*DEQUANT_KERNELS)
+def dequant_launch(name: str, storage: str, out: int, raw: int, n: int) -> Launch:
+    """The launch decoding ``n`` elements of const ``name`` stored as ``storage`` from its
+    block bytes at ``raw`` into f32 at ``out`` (the CUDA backend's realize runs it for a
+    const whose consumers cannot read its block format)."""
+    return Launch(DEQUANT_KERNELS[storage], grid_1d(n), [p(out), p(raw), i32(n)])

@@ -1,0 +1,90 @@
+// Matmuls that read a frozen weight W [rows, cols] in its GGUF block
+// format (row r is `row_bytes` bytes of blocks) and dequantize it tile by tile with the
+// decode functions of blocks.cuh, so no f32 copy of W ever exists on the device.
+//
+//   tg_qmm_nt_<fmt>: out[M, N] = a[M, K] @ W^T, W [N, K]   (a linear layer's forward)
+//   tg_qmm_nn_<fmt>: out[M, N] = a[M, K] @ W,   W [K, N]   (its input gradient dX = dY @ W)
+//
+// `a` is contiguous (batch axes folded into M by the host). The tiling is tg_matmul's:
+// 64x64 output tiles, 16-deep k slices in shared memory, 256 threads of 4x4 outputs, each
+// output one thread's fmaf chain over k in increasing order, so the result is
+// deterministic and bit-identical to tg_matmul on the dequantized weight.
+
+template <class F, bool NT>
+__device__ __forceinline__ void tg_qmm(float* out, const float* a, const unsigned char* w,
+                                       int M, int N, int K, int row_bytes) {
+    __shared__ float As[MM_BK][MM_BM + 1];
+    __shared__ float Bs[MM_BK][MM_BN + 1];
+    int t = threadIdx.x, tx = t % 16, ty = t / 16;
+    int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += MM_BK) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            int idx = t + MM_THREADS * r;
+            int ak = idx % MM_BK, am = idx / MM_BK;            // A tile: k fastest
+            int gm = m0 + am, gk = k0 + ak;
+            As[ak][am] = (gm < M && gk < K) ? a[(long long)gm * K + gk] : 0.0f;
+            if (NT) {  // B(k, n) = W[n][k]: walk along W's rows, k fastest
+                int bk = idx % MM_BK, bn = idx / MM_BK;
+                int gn = n0 + bn, gk2 = k0 + bk;
+                Bs[bk][bn] = (gn < N && gk2 < K)
+                                 ? tg_dequant_at<F>(w + (long long)gn * row_bytes, gk2) : 0.0f;
+            } else {   // B(k, n) = W[k][n]: walk across W's rows, n fastest
+                int bn = idx % MM_BN, bk = idx / MM_BN;
+                int gn = n0 + bn, gk2 = k0 + bk;
+                Bs[bk][bn] = (gn < N && gk2 < K)
+                                 ? tg_dequant_at<F>(w + (long long)gk2 * row_bytes, gn) : 0.0f;
+            }
+        }
+        __syncthreads();
+        tg_mm_tile_fma(As, Bs, acc, tx, ty);
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int gm = m0 + ty + 16 * i;
+        if (gm >= M) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int gn = n0 + tx + 16 * j;
+            if (gn < N) out[(long long)gm * N + gn] = acc[i][j];
+        }
+    }
+}
+
+#define TG_QMM_ARGS float* out, const float* a, const unsigned char* w, int M, int N, int K, int row_bytes
+
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_f16(TG_QMM_ARGS) { tg_qmm<TgF16, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q8_0(TG_QMM_ARGS) { tg_qmm<TgQ8_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_0(TG_QMM_ARGS) { tg_qmm<TgQ4_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_1(TG_QMM_ARGS) { tg_qmm<TgQ4_1, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
+
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_f16(TG_QMM_ARGS) { tg_qmm<TgF16, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q8_0(TG_QMM_ARGS) { tg_qmm<TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_0(TG_QMM_ARGS) { tg_qmm<TgQ4_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_1(TG_QMM_ARGS) { tg_qmm<TgQ4_1, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }

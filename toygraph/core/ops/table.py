@@ -1,0 +1,78 @@
+"""The op tables every family module of toygraph.core.ops fills, and the helpers it fills them
+with: ``OPS`` (one :class:`OpSpec` per op: shape/dtype rule, backward rule, id ranges) via
+:func:`define_op`, and ``KERNELS`` (the numpy kernel per op) via :func:`kernel`. The CUDA
+lowering of each op is entered in the third table, ``toygraph.cuda.lowering.registry.REGISTRY``,
+with ``@lowers`` in the same family module.
+
+A backward rule gets the node, the gradient of its output and a list saying which sources
+need a gradient; it returns one gradient Tensor (or None) per source, built from more ops.
+A numpy kernel is ``kernel(out, srcs, attrs)`` and writes into ``out`` (``None`` for an op
+that updates its sources in place).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from toygraph.errors import GraphError
+
+F32, I32, NONE = "f32", "i32", "none"
+INT32_MAX = 2 ** 31 - 1
+#: What a label must index (the id range check's wording for cross-entropy labels).
+LABELS = "the vocabulary (or -1 to ignore)"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    infer: Callable       # (shapes, dtypes, attrs) -> (shape, dtype); raises GraphError
+    grad: Callable | None  # (node, gout, need) -> [grad or None per src]
+    # For ops that index with integer operands: {src index: (low, high, what)}, the range
+    # [low, high) those values must lie in. Sessions check uploads against it, so a bad
+    # id is a clear error on the host, never an out-of-bounds read in a kernel.
+    id_ranges: Callable | None = None  # (node) -> dict[int, tuple[int, int, str]]
+    # True for an op that writes into its first operand(s) instead of producing a value
+    # (accumulate, adamw): it gets no output buffer and is never dropped as dead.
+    in_place: bool = False
+
+
+OPS: dict[str, OpSpec] = {}
+KERNELS: dict[str, Callable] = {}
+
+
+def define_op(name, infer, grad=None, id_ranges=None, in_place=False):
+    """Enter op ``name`` in the op table (each name once)."""
+    if name in OPS:
+        raise GraphError(f"op {name!r} is defined twice")
+    OPS[name] = OpSpec(name, infer, grad, id_ranges, in_place)
+
+
+def in_place(op: str | None) -> bool:
+    """Whether ``op`` writes into its sources instead of producing a value (accumulate,
+    adamw, all_reduce, cache_write): such a node has no buffer of its own."""
+    spec = OPS.get(op)
+    return bool(spec and spec.in_place)
+
+
+def kernel(name):
+    """Register the decorated ``fn(out, srcs, attrs)`` as op ``name``'s numpy kernel."""
+    def register(fn):
+        KERNELS[name] = fn
+        return fn
+    return register
+
+
+def check(cond, msg):
+    """A shape/dtype rule's condition: GraphError(msg) when it fails (the graph prefixes
+    the op and its operands)."""
+    if not cond:
+        raise GraphError(msg)
+
+
+def check_floats(dtypes, n=None):
+    for i, d in enumerate(dtypes if n is None else dtypes[:n]):
+        check(d == F32, f"operand {i} must be f32, got {d}")
+
+
+def make_node(op, srcs, **attrs):
+    return srcs[0].graph.node(op, srcs, attrs)

@@ -1,0 +1,118 @@
+"""Compile the CUDA kernel sources as host C++ (g++) into a shared library, with a disk cache.
+
+The library is the same translation unit NVRTC compiles (sources.backend_source), with
+``TG_HOST`` defined and shim.h in front, which supplies threadIdx & co, barriers,
+warp shuffles, mma.sync and the cvt roundings; one ``tg_host_launch_<kernel>`` entry is
+appended per kernel. hostdev.py loads it and launches kernels over host memory.
+
+The cache key is the sha256 of the full host source, the flags and ``g++ --version``; the
+library lives in ``$TOYGRAPH_CACHE/kernels/host`` (the folder nvrtc.py caches cubins in, plus
+``host``) and is written atomically (temp file + os.replace).
+
+>>> from toygraph.cuda.host.compiler import build_library
+>>> path = build_library(backend_source("f32"))          # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from toygraph import environment
+from toygraph.cuda.lowering.sources import kernel_names
+from toygraph.cuda.nvrtc import cache_dir
+from toygraph.errors import CudaError
+
+logger = logging.getLogger(__name__)
+
+SHIM = Path(__file__).with_name("shim.h")
+#: -O1 builds the whole kernel module about twice as fast as -O2; the kernels then run a
+#: little slower, which small test shapes do not notice (see bench/README.md); hence the
+#: default of ``$TOYGRAPH_HOST_OPT`` (toygraph/environment.py), read at each build.
+#: No FMA contraction (the kernels' __f*_rn must stay single operations, as on the GPU);
+#: no strict aliasing (the tensor-core kernels read bf16 pairs through unsigned*).
+FLAGS = ("-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math",
+         "-fno-strict-aliasing", "-fvisibility=hidden", "-w")
+
+#: How many real g++ builds this process ran (tests use it to see cache hits).
+build_count = 0
+
+
+def compiler() -> str:
+    """The host C++ compiler (``$CXX``, else g++), or CudaError saying how to get one."""
+    cxx = os.environ.get("CXX") or shutil.which("g++")
+    if not cxx:
+        raise CudaError("the host executor compiles the CUDA kernels with g++, which is not "
+                        "installed (apt-get install g++, or set CXX)")
+    return cxx
+
+
+@lru_cache(maxsize=None)
+def _cpu_flags() -> tuple[str, ...]:
+    """-mfma where the CPU has it: the kernels' fmaf becomes one instruction instead of a
+    libm call (which dominates the matmuls' time); the result is the same fused op."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            has_fma = any(line.startswith("flags") and " fma" in line for line in f)
+    except OSError:
+        has_fma = False
+    return ("-mfma",) if has_fma and platform.machine() == "x86_64" else ()
+
+
+@lru_cache(maxsize=None)
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise CudaError(f"host compiler {cxx!r} does not run: {e}") from None
+
+
+def host_source(source: str) -> str:
+    """``source`` (CUDA C++ as NVRTC gets it) as one host translation unit."""
+    exports = "".join(f"TG_HOST_EXPORT({k})\n" for k in kernel_names(source))
+    return ("#define TG_HOST 1\n" + SHIM.read_text() + "\n#line 1 \"toygraph.cu\"\n" + source
+            + "\n// ---- host entry points\n" + exports)
+
+
+def build_library(source: str, opt: str | None = None, use_cache: bool = True) -> Path:
+    """The path of the shared library of ``source``, compiling it on a cache miss. A compile
+    error raises CudaError with the compiler's log."""
+    global build_count
+    cxx = compiler()
+    flags = [opt or environment.get("TOYGRAPH_HOST_OPT"), *FLAGS, *_cpu_flags()]
+    text = host_source(source)
+    h = hashlib.sha256(text.encode())
+    h.update(("\0" + " ".join(flags) + "\0" + _compiler_version(cxx)).encode())
+    folder = cache_dir() / "host"
+    path = folder / f"{h.hexdigest()}.so"
+    if use_cache and path.is_file():
+        return path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=folder, prefix=".build-"))
+    except OSError:  # a read-only cache only costs a rebuild next time
+        work = Path(tempfile.mkdtemp(prefix="toygraph-host-"))
+        path = work / path.name
+    try:
+        src, lib = work / "toygraph_host.cpp", work / "lib.so"
+        src.write_text(text)
+        logger.debug("building the host kernel library with %s %s", cxx, " ".join(flags))
+        res = subprocess.run([cxx, *flags, "-o", str(lib), str(src)], capture_output=True,
+                             text=True)
+        if res.returncode != 0:
+            log = (res.stderr or res.stdout).strip()
+            raise CudaError(f"host compile of the CUDA kernels failed ({cxx} "
+                            f"{' '.join(flags)}):\n{log[-8000:]}")
+        build_count += 1
+        os.replace(lib, path)
+    finally:
+        if path.parent != work:
+            shutil.rmtree(work, ignore_errors=True)
+    return path

@@ -1,0 +1,57 @@
+"""The numbers the lowerings and the kernels must agree on, defined here once.
+
+The launches (grids, tiles, block sizes) are computed from these in Python, and
+:func:`constant_defines` emits them as ``#define``s at the top of every kernel module
+(kernels.module_source), so the ``.cu`` files use the macros and never restate a number.
+A test checks that every macro is emitted and that no kernel source defines one itself.
+"""
+from __future__ import annotations
+
+# --- every kernel (include/common.cuh) --------------------------------------------------------
+MAXD = 8          # dims of a Strided walk (struct Strided in common.cuh)
+THREADS = 256     # threads per block of the elementwise, row-wise and reduction kernels
+
+# --- f32 and block-format matmuls (ops/matmul.cu, ops/qmatmul.cu) -----------------------------
+MM_BM = 64        # output tile rows
+MM_BN = 64        # output tile columns
+MM_BK = 16        # k slice staged in shared memory
+MM_THREADS = 256  # 16 x 16 threads, each 4 x 4 outputs of the 64 x 64 tile
+
+# --- tensor-core matmuls (ops/tc_layout.cuh, ops/tc_matmul.cu) --------------------------------
+TC_BM = 128       # output tile rows (== TC_BN: ops/gemm.py TC_TILE)
+TC_BN = 128
+TC_THREADS = 256  # 8 warps, 2 x 4
+TC_WM = 64        # one warp's sub-tile
+TC_WN = 32
+TC_MI = TC_WM // 16   # mma tiles of 16 x 8 per warp sub-tile
+TC_NI = TC_WN // 8
+TC_BF16_BK = 32   # bf16: 32-deep k slices, rows padded by 8 halves (bank-conflict free)
+TC_BF16_LD = 40
+TC_TF32_BK = 16   # tf32: 16-deep k slices, rows padded by 4 words
+TC_TF32_LD = 20
+
+# --- fused attention (ops/flash_attention.cu) -------------------------------------------
+#: head_dim bound -> (BT, TPR): BT x BT query/key tiles, TPR threads per tile row. A head_dim
+#: runs on the smallest bound >= it; attention.cu instantiates each bound's kernels with
+#: ``TG_ATTN_BT_<HD>``, ``TG_ATTN_TPR_<HD>`` and ``__launch_bounds__(TG_ATTN_THREADS_<HD>)``.
+ATTN_TILES = {32: (32, 4), 64: (32, 4), 128: (16, 8)}
+ATTN_HEAD_DIMS = tuple(sorted(ATTN_TILES))
+
+#: The macros emitted into the kernel source, name -> value, in the order they are emitted.
+DEFINES: dict[str, int] = {
+    "TG_MAXD": MAXD, "TG_THREADS": THREADS,
+    "MM_BM": MM_BM, "MM_BN": MM_BN, "MM_BK": MM_BK, "MM_THREADS": MM_THREADS,
+    "TC_BM": TC_BM, "TC_BN": TC_BN, "TC_THREADS": TC_THREADS, "TC_WM": TC_WM, "TC_WN": TC_WN,
+    "TC_MI": TC_MI, "TC_NI": TC_NI, "TC_BF16_BK": TC_BF16_BK, "TC_BF16_LD": TC_BF16_LD,
+    "TC_TF32_BK": TC_TF32_BK, "TC_TF32_LD": TC_TF32_LD,
+}
+for _hd, (_bt, _tpr) in ATTN_TILES.items():
+    DEFINES.update({f"TG_ATTN_BT_{_hd}": _bt, f"TG_ATTN_TPR_{_hd}": _tpr,
+                    f"TG_ATTN_THREADS_{_hd}": _bt * _tpr})
+
+
+def constant_defines() -> str:
+    """:data:`DEFINES` as C macros, one per line."""
+    lines = ["// generated from toygraph.cuda.lowering.constants"]
+    lines += [f"#define {name} {value}" for name, value in DEFINES.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,144 @@
+"""``toygraph demo``: a short LoRA fine-tune of SmolLM2-135M-Instruct on the CPU.
+
+The shipped capitals set teaches the model to answer country questions as one line of
+JSON. The demo prints what the model says before and after, with phrasings that are not
+in the training data, marks each answer right or wrong against the reply the data teaches,
+shows the training loss as it falls, and ends with the commands that use the result
+(chat, merged GGUF export, Ollama).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+#: (question, the country it asks about). None of these phrasings is in capitals.jsonl;
+#: every country is, with its capital, so each answer can be checked against the data.
+QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
+             ("What's the capital city of Kenya?", "Kenya"),
+             ("Capital of Norway?", "Norway")]
+PROMPTS = [q for q, _ in QUESTIONS]
+
+# The fine-tune, every TrainConfig option the demo sets in one place (issue 15 item 6).
+# capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows). Measured with
+# bench/demo_recipe.py (36 held-out questions on 12 countries, the demo's 3 among them):
+# - attention-only LoRA (q,k,v,o r8, lr 3e-3, one pass at batch 8) learned the JSON format
+#   but not every fact: Kenya came out "Djiburia". Facts sit in the MLP as much as in
+#   attention, so the adapter covers both (r16, alpha 32).
+# - at lr 5e-3, batch 4: 122 steps (0.9 passes) got 24/36, Kenya "Kuwait"; 170 steps (1.26
+#   passes) 33/36 and 30/36 at seeds 42 and 0, the demo's 3 right at both; 200 steps 32/36
+#   and 30/36; two passes drive the training loss to ~0.03. Batch 2 at the same compute was
+#   no better (22/36); lr 1e-2 wrecked the model (0/36).
+# - no validation split: a held-out row is a capital the demo would not teach.
+# 170 steps of 4 take ~1.36 s each on 2 cores, so the whole demo runs in about 4.5 minutes.
+RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
+              batch=4, lr=5e-3, warmup=10, schedule="cosine", clip=1.0, seq_len=66,
+              val_split=0.0, seed=42)
+STEPS = 170
+MAX_NEW_TOKENS = 24
+
+
+def data_path() -> Path:
+    """The capitals.jsonl the demo ships beside this module."""
+    return Path(__file__).resolve().with_name("capitals.jsonl")
+
+
+def replies_by_country(data: Path) -> dict[str, str]:
+    """Each country's reply in a capitals-style JSONL: the one-line JSON it teaches."""
+    rows = (json.loads(line)["response"] for line in
+            Path(data).read_text(encoding="utf-8").splitlines() if line.strip())
+    return {json.loads(response)["country"]: response for response in rows}
+
+
+def taught_answers(data: Path) -> dict[str, str]:
+    """The reply the data teaches for each demo question: the one-line JSON of its country.
+
+    A country the data does not teach is a DataError: the demo would be asking something
+    it cannot have learned."""
+    from toygraph.errors import DataError
+    replies = replies_by_country(data)
+    missing = [country for _, country in QUESTIONS if country not in replies]
+    if missing:
+        raise DataError(f"{data}: teaches no capital for {', '.join(missing)}")
+    return {question: replies[country] for question, country in QUESTIONS}
+
+
+def verdict(answer: str, taught: str) -> str:
+    """'right' when the answer is exactly the taught one-line JSON, else what is wrong."""
+    if answer.strip() == taught:
+        return "right"
+    want = json.loads(taught)
+    try:
+        got = json.loads(answer)
+    except ValueError:
+        got = None
+    if not isinstance(got, dict):
+        return "wrong: not the one-line JSON"
+    if got == want:
+        return "wrong: the right fact, not in the taught one-line form"
+    return f"wrong: the data says {want['capital']}, not {got.get('capital')}"
+
+
+def loss_curve(events: Path, points: int = 5, window: int = 10) -> list[str]:
+    """The training loss at ``points`` evenly spaced steps, each the mean of the ``window``
+    steps ending there (one batch's loss is noisy), as "loss@step"."""
+    losses = [e["loss"] for e in map(json.loads, events.read_text().splitlines())
+              if e["event"] == "step"]
+    ends = sorted({max(1, round(len(losses) * i / (points - 1))) for i in range(points)})
+
+    def mean_up_to(end):
+        recent = losses[max(0, end - window):end]
+        return sum(recent) / len(recent)
+    return [f"{mean_up_to(end):.3f}@{end}" for end in ends]
+
+
+def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "cpu",
+             precision: str = "f32") -> int:
+    from toygraph.inference.language_model import LanguageModel
+    from toygraph.models.catalog import smollm2_path
+    from toygraph.training.run import TrainConfig, run_training
+
+    model, data = str(smollm2_path()), data_path()
+    taught = taught_answers(data)
+    print(f"model: {Path(model).name}\ndata:  {data}\n")
+    base = LanguageModel(model, backend=backend, precision=precision)
+    before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in PROMPTS}
+    del base
+    steps = steps or STEPS
+    t0 = time.perf_counter()
+    train_cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
+                            backend=backend, precision=precision,
+                            overwrite=True, **RECIPE)  # a demo run replaces the previous demo
+    summary = run_training(train_cfg)
+    minutes = (time.perf_counter() - t0) / 60
+    tuned = LanguageModel(model, adapter_dir=out, backend=backend, precision=precision)
+    print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; training loss "
+          f"{' -> '.join(loss_curve(Path(out) / 'events.jsonl'))}")
+    print(f"adapter: {out}/adapter_model.safetensors (PEFT) and {out}/adapter.gguf (llama.cpp)\n")
+    right = 0
+    for p in PROMPTS:
+        after = tuned.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS)
+        mark = verdict(after, taught[p])
+        right += mark == "right"
+        print(f"Q: {p}\n  before: {before[p]!r}\n  after:  {after!r}  ({mark})")
+    print(f"\n{right}/{len(PROMPTS)} answers after fine-tuning are the ones capitals.jsonl teaches")
+    print("\nuse the result:")
+    for command, why in next_steps(out):
+        print(f"  {command}\n      # {why}")
+    return 0
+
+
+def next_steps(out: str, model: str = "smollm2") -> list[tuple[str, str]]:
+    """The commands that use a finished run directory ``out``, each with what it is for."""
+    # quoted so that a run directory with spaces stays one argument when pasted
+    run_dir, merged, modelfile = (shlex.quote(str(p)) for p in
+                                  (out, Path(out) / "merged.gguf", Path(out) / "Modelfile"))
+    return [
+        (f"toygraph chat --model {model} --adapter {run_dir}",
+         "talk to the fine-tuned model here (/reset, /exit)"),
+        (f"toygraph export --model {model} --adapter {run_dir} --out {merged}",
+         "one self-contained GGUF with the adapter merged in (llama.cpp, LM Studio, Ollama)"),
+        (f"ollama create capitals -f {modelfile} && ollama run capitals",
+         "Ollama: the base GGUF plus adapter.gguf, as the Modelfile beside it says"),
+    ]

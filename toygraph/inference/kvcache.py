@@ -1,0 +1,110 @@
+"""Generation with a KV cache: a prefill graph and a one-token decode graph in one session.
+
+>>> gen = CachedDecoder(model, prompt_len=16, cache_len=320)     # doctest: +SKIP
+>>> row = gen.prefill(ids)               # logits after the prompt (len(ids) <= 16)
+>>> row = gen.decode(token, len(ids))    # logits after `token`, placed at that position
+
+Both graphs live in one Graph and one Session, so they share the weights (bound once) and
+the cache: per layer a K and a V ``state`` tensor [1, n_head_kv, cache_len, head_dim] in
+the session's memory plan, written in place by the ``cache_write`` op (ops/cache.py).
+Each is realized once per (prompt_len, cache_len) and replayed as a session program.
+
+- **Prefill** is the decoder over the prompt right-padded to ``prompt_len`` tokens,
+  exactly the full-window forward (fused causal attention), plus per layer the write of
+  its keys and values (after q/k norms and rope) into cache rows [0, prompt_len). The
+  padding's rows land in the cache too; decode masks them until it overwrites them.
+- **Decode** is the decoder over one token at an uploaded position p. Per layer,
+  cache_write puts the token's key and value in row p and hands on the cache; attention
+  is ``softmax(scale * (q K^T + mask)) V`` over all ``cache_len`` rows with existing ops,
+  the additive mask 0 on the rows the token may see and MASKED elsewhere (causal, and the
+  sliding window on the layers that have one: one mask per distinct window).
+
+Per decode step the host uploads the token id, its position (for rope and for the cache
+row) and the masks, runs the decode program and downloads the one row of logits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from toygraph.adapters.files import load_lora
+from toygraph.core import ops
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
+from toygraph.models.decoder import build_decoder
+
+#: The additive mask of rows a query may not see. Finite, because uploads refuse NaN and
+#: inf; softmax subtracts the row maximum first, so these rows' weights are exactly 0.
+MASKED = -1e30
+
+
+class CachedDecoder:
+    """The prefill and decode programs of one model for one (prompt_len, cache_len)."""
+
+    def __init__(self, model, *, prompt_len: int, cache_len: int, backend: str = "cpu",
+                 precision: str = "f32", lora=None, adapter=None):
+        cfg = model.config
+        self.cfg, self.cache_len = cfg, cache_len
+        g = Graph()
+        shape = (1, cfg.n_head_kv, cache_len, cfg.head_dim)
+        self.caches = [tuple(g.state(f"blk.{i}.cache_{kv}", shape, kind="cache") for kv in "kv")
+                       for i in range(cfg.n_layer)]
+        self.start = g.input("prefill.start", (1,), "i32")  # 0: the prompt fills rows [0, P)
+        self.pos = g.input("decode.pos", (1,), "i32")       # the decode position again, [1]
+        writes = []
+
+        def prefill_attend(i, q, k, v):
+            writes.extend(g.effect(ops.cache_write(c, x, self.start), "forward")
+                          for c, x in zip(self.caches[i], (k, v)))
+            return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True,
+                                 window=cfg.windows[i])
+
+        self.first = build_decoder(g, cfg, batch=1, seq_len=prompt_len, model=model, lora=lora,
+                                   attend=prefill_attend)
+        self.masks = {w: g.input(f"decode.mask{w}", (cache_len,)) for w in set(cfg.windows)}
+        self.step = build_decoder(g, cfg, batch=1, seq_len=1, lora=lora, shared=self.first,
+                                  prefix="decode.", attend=self._decode_attend)
+        for net in (self.first, self.step):
+            g.output(net.logits)
+        self.sess = Session(g, backend=backend, precision=precision)
+        self.sess.realize()
+        load_lora(self.sess, self.first.lora, adapter or {})
+        self.prefill_program = self.sess.program([self.first.logits] + writes)
+        self.decode_program = self.sess.program([self.step.logits])
+
+    def _decode_attend(self, i, q, k, v):
+        """Layer i's attention of the one new token over the cache (q [1, H, 1, hd])."""
+        cfg = self.cfg
+        kc, vc = (ops.cache_write(c, x, self.pos) for c, x in zip(self.caches[i], (k, v)))
+        kv, group = cfg.n_head_kv, cfg.n_head // cfg.n_head_kv
+        # Query head h reads K/V head h // group: fold the group into the rows of a
+        # batched matmul per K/V head, [1, KV, group, hd] x [1, KV, L, hd]^T.
+        scores = ops.matmul(q.reshape(1, kv, group, cfg.head_dim), kc, trans_b=True)
+        probs = ops.softmax(scores + self.masks[cfg.windows[i]], scale=cfg.attn_scale)
+        return ops.matmul(probs, vc).reshape(1, cfg.n_head, 1, cfg.head_dim)
+
+    def prefill(self, ids) -> np.ndarray:
+        """Run the prompt ``ids`` (at most prompt_len tokens) through the model, filling
+        the cache; returns the logits [vocab] of the next token."""
+        n, P = len(ids), self.first.tokens.shape[1]
+        tokens = np.zeros((1, P), np.int32)
+        tokens[0, :n] = ids
+        sess = self.sess
+        sess.upload(self.first.tokens, tokens)
+        sess.upload(self.first.positions, np.arange(P, dtype=np.int32)[None])
+        sess.upload(self.start, np.zeros(1, np.int32))
+        sess.run_program(self.prefill_program)
+        return sess.download(self.first.logits)[n - 1]
+
+    def decode(self, token: int, pos: int) -> np.ndarray:
+        """Run ``token`` at position ``pos`` (every earlier position already in the cache);
+        returns the logits [vocab] of the token after it."""
+        sess = self.sess
+        sess.upload(self.step.tokens, np.array([[token]], np.int32))
+        sess.upload(self.step.positions, np.array([[pos]], np.int32))
+        sess.upload(self.pos, np.array([pos], np.int32))
+        rows = np.arange(self.cache_len)
+        for window, mask in self.masks.items():
+            seen = (rows <= pos) & ((pos - rows < window) if window else True)
+            sess.upload(mask, np.where(seen, 0.0, MASKED).astype(np.float32))
+        sess.run_program(self.decode_program)
+        return sess.download(self.step.logits)[0]

@@ -1,0 +1,42 @@
+"""A decoder GGUF (llama, qwen2, qwen3, gemma3) read as a model: its config from the
+metadata, checked against the family, and every tensor the graph needs present.
+
+>>> m = GGUFModel("SmolLM2-135M-Instruct.Q4_1.gguf")      # doctest: +SKIP
+>>> m.config.n_layer, m.tensor("blk.0.attn_q.weight").shape  # doctest: +SKIP
+(30, (576, 576))
+"""
+from __future__ import annotations
+
+import os
+
+from toygraph.gguf.file import GGUFFile, WeightTensor  # noqa: F401 (WeightTensor: its tensors)
+from toygraph.models.config import ModelConfig, check_tensors, read_config, tensor_shapes
+
+
+class GGUFModel(GGUFFile):
+    """A decoder GGUF, validated at open: config, required tensors, types, bounds.
+
+    >>> m = GGUFModel("tiny.gguf")                   # doctest: +SKIP
+    >>> w = m.tensor("blk.0.ffn_up.weight")          # doctest: +SKIP
+    >>> w.qtype, w.shape, w.dequantize().dtype       # doctest: +SKIP
+    ('q8_0', (96, 64), dtype('float32'))
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        self.config: ModelConfig = read_config(self.metadata, list(self.reader.fields),
+                                               self._shapes, self.path)
+        # Every tensor the graph needs, with its shape, and no tensor it would ignore.
+        check_tensors(self.config, self._shapes, self.path)
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the config requires, with its numpy-order shape."""
+        return tensor_shapes(self.config)
+
+    def __repr__(self) -> str:
+        return f"GGUFModel({str(self.path)!r}, {self.config})"
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFModel:
+    """Open and validate a decoder GGUF file (see GGUFModel)."""
+    return GGUFModel(path)

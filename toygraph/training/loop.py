@@ -1,0 +1,137 @@
+"""The one training loop: a ``Trainer`` over a recipe, with an explicit loop state.
+
+>>> trainer = Trainer(recipe, micro_batch, Schedule(1e-3, "cosine", total=100), total=100)  # doctest: +SKIP
+>>> losses = trainer.run()                                                                   # doctest: +SKIP
+
+The CLI (``toygraph finetune``), the Python API (``run_training``) and the golden
+experiments all step through ``Trainer.run``. Everything a run needs to continue lives
+in ``LoopState`` (serialised into each checkpoint's ``state.json``); the data order is a
+function of (seed, epoch), so the step number is enough to regenerate the batches that
+follow. What happens around the steps (evaluation, checkpoints, events, signals) is a
+``Hooks`` object's business, so the loop itself stays a dozen lines.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+from toygraph.core.optimizer import hp_row
+
+
+@dataclass
+class LoopState:
+    """The serialisable state of a run between two steps."""
+    step: int = 0                       # optimizer steps done
+    epoch: int = 0                      # epoch of the next micro-batch
+    best_val: float | None = None       # lowest validation loss so far
+    bad_evals: int = 0                  # evaluations since the last improvement
+    data_hash: str | None = None        # sha256 of the data file
+    reference_hash: str | None = None   # DPO: sha256 of the --adapter-init reference adapter
+    options: dict = field(default_factory=dict)          # every option of the run
+    model_fingerprint: dict | None = None                # resume.model_fingerprint
+    status: str = "running"             # running, completed, early_stopped, interrupted, ...
+    reason: str | None = None           # why a run that did not complete ended
+    recent_losses: list = field(default_factory=list)    # divergence guard's window
+    good_norm: float | None = None      # weights' norm at the last state that passed the guard
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "LoopState":
+        return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
+
+
+class Hooks:
+    """What happens around the steps; the base does nothing (the golden experiments)."""
+
+    def before_step(self, trainer: "Trainer"):
+        pass
+
+    def after_step(self, trainer: "Trainer", loss: float, micro: list, wall_s: float) -> bool:
+        """Called after every step; returning True ends the loop."""
+        return False
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """The optimizer's per-run constants (the learning rate comes from the schedule)."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+def shard(rows: np.ndarray, rank: int, ranks: int, axis: int = 1) -> np.ndarray:
+    """Rank ``rank``'s contiguous share of ``rows`` along ``axis`` (the batch rows), which
+    must divide evenly; the whole array with one rank."""
+    if ranks == 1:
+        return rows
+    n = rows.shape[axis]
+    if n % ranks:
+        raise ValueError(f"{n} rows do not divide over {ranks} ranks")
+    per = n // ranks
+    return np.take(rows, range(rank * per, (rank + 1) * per), axis=axis)
+
+
+class Trainer:
+    """Steps ``recipe`` from ``state.step`` to ``total``.
+
+    ``micro_batch(m)`` returns micro-batch ``m`` (counting across epochs) as an object with
+    ``tokens``, ``positions``, ``labels`` ([batch, seq_len] each); step t uses micro-batches
+    (t-1)*k .. t*k-1 for k = the recipe's ``grad_accum``. ``micro_per_epoch`` (when known)
+    keeps ``state.epoch`` current. ``resumed`` says the recipe's weights and moments came
+    from a checkpoint, so the first step must not reset the moments. With ``ranks`` > 1
+    (data parallelism) the micro-batches are the job's and this process steps on rows
+    ``rank * batch .. (rank + 1) * batch - 1`` of each: its shard (``shard``).
+    """
+
+    def __init__(self, recipe, micro_batch, schedule, total: int, *, adamw: AdamW = AdamW(),
+                 state: LoopState | None = None, resumed: bool = False,
+                 micro_per_epoch: int | None = None, rank: int = 0, ranks: int = 1):
+        self.recipe, self.micro_batch, self.schedule = recipe, micro_batch, schedule
+        self.total, self.adamw = total, adamw
+        self.state = state or LoopState()
+        self.resumed, self.micro_per_epoch = resumed, micro_per_epoch
+        self.k = recipe.opts.grad_accum
+        self.rank, self.ranks = rank, ranks
+        self.last_lr = None
+
+    def inputs(self, t: int):
+        """(micro-batches, tokens, positions, labels, segments) of step t; arrays
+        [k, batch, seq_len] (this rank's shard of the job's micro-batches, which the hooks get
+        whole), segments None unless the batches are packed."""
+        micro = [self.micro_batch((t - 1) * self.k + j) for j in range(self.k)]
+        fields = ("tokens", "positions", "labels") + (("segments",) if micro[0].segments is not None else ())
+        stack = [shard(np.stack([getattr(b, f) for b in micro]), self.rank, self.ranks)
+                 for f in fields]
+        return (micro, *stack, None) if len(stack) == 3 else (micro, *stack)
+
+    def step(self) -> tuple[float, list]:
+        """One optimizer step; returns (loss before the update, its micro-batches)."""
+        t = self.state.step + 1
+        micro, tokens, positions, labels, segments = self.inputs(t)
+        self.last_lr = lr = self.schedule(t)
+        hp = hp_row(t, lr, self.adamw.beta1, self.adamw.beta2, self.adamw.eps,
+                    self.adamw.weight_decay)
+        loss = self.recipe.step(tokens, positions, labels, hp, is_first=(t == 1 and not self.resumed),
+                                segments=segments)
+        self.state.step = t
+        if self.micro_per_epoch:
+            self.state.epoch = t * self.k // self.micro_per_epoch
+        return loss, micro
+
+    def run(self, hooks: Hooks | None = None) -> list[float]:
+        """Step until ``total`` or until a hook says stop; returns this call's losses."""
+        hooks = hooks or Hooks()
+        losses = []
+        while self.state.step < self.total:
+            hooks.before_step(self)
+            t0 = time.perf_counter()
+            loss, micro = self.step()
+            losses.append(loss)
+            if hooks.after_step(self, loss, micro, time.perf_counter() - t0):
+                break
+        return losses

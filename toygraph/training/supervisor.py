@@ -1,0 +1,218 @@
+"""What a training run does around its steps: events, evaluation, checkpoints, the
+divergence guard, Ctrl-C / SIGTERM, progress on the terminal.
+
+``RunSupervisor`` is the ``Hooks`` of a CLI/API run (see ``trainer.py`` for the loop).
+Checkpoints are written at every evaluation, every ``save_every`` steps, every
+``save_minutes`` minutes, when the run is interrupted and at its end; each is checked by
+the divergence guard first and the ``keep_checkpoints`` newest are kept.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from toygraph.core.distributed import World
+from toygraph.training.checkpoints import (list_checkpoints, prune_checkpoints, save_checkpoint,
+                                           step_dir_name, write_adapter)
+from toygraph.training.loop import Hooks, shard
+
+
+class Progress:
+    """A one-line progress bar on a terminal; a plain line every few steps otherwise."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.quiet = total, quiet
+        self.tty = sys.stderr.isatty()
+
+    def update(self, t: int, loss: float, tok_s: float, extra: str = "", metrics: str = ""):
+        """``extra`` is a note that always shows; ``metrics`` ride along on the line."""
+        if self.quiet:
+            return
+        width = 24
+        done = int(width * t / self.total)
+        line = (f"step {t:>5}/{self.total} [{'#' * done}{'.' * (width - done)}] "
+                f"loss {loss:.4f}  {metrics + '  ' if metrics else ''}{tok_s:,.0f} tok/s {extra}")
+        if self.tty:
+            print("\r" + line, end="" if t < self.total else "\n", file=sys.stderr, flush=True)
+        elif t == 1 or t == self.total or t % max(1, self.total // 20) == 0 or extra:
+            print(line, file=sys.stderr, flush=True)
+
+    def message(self, text: str, always: bool = False):
+        if always or not self.quiet:
+            print(("\n" if self.tty else "") + text, file=sys.stderr, flush=True)
+
+
+class Signals:
+    """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop between steps, so an update is
+    never cut in half. A second one aborts a step at once, but never a checkpoint write:
+    during ``saving()`` signals are only counted, and the write completes."""
+
+    def __init__(self):
+        self.count, self.name, self.in_step, self._saving, self._old = 0, None, False, False, {}
+
+    def _handler(self, signum, frame):
+        self.count += 1
+        self.name = signal.Signals(signum).name
+        if self.count > 1 and self.in_step and not self._saving:
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    @contextmanager
+    def saving(self):
+        was, self._saving = self._saving, True
+        try:
+            yield
+        finally:
+            self._saving = was
+
+
+def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
+             world: World = World()) -> tuple[float, int, dict]:
+    """Mean loss over ``items``, weighted by what each batch counts (tokens; pairs for
+    the preference recipes), and the recipe's metrics (``last_metrics``) weighted alike.
+    Batches are made by the recipe (packed when it packs); each rank of ``world``
+    evaluates its shard of every batch of ``batch`` rows."""
+    total, count, sums = 0.0, 0, {}
+    for b in recipe.make_batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
+        rows = [shard(a, world.rank, world.size, axis=0) for a in (b.tokens, b.positions, b.labels)]
+        if b.segments is not None:
+            rows.append(shard(b.segments, world.rank, world.size, axis=0))
+        s, n = recipe.evaluate(*rows)
+        total, count = total + s, count + n
+        for k, v in getattr(recipe, "last_metrics", {}).items():
+            if k != "loss" and n:
+                sums[k] = sums.get(k, 0.0) + v * n
+    if world.size > 1:
+        total, count = map(float, world.sum([total, count]))
+        count = int(count)
+    metrics = {k: v / count for k, v in sums.items()}
+    return (total / count if count else float("nan")), count, metrics
+
+
+def metrics_text(metrics: dict) -> str:
+    """The preference metrics for the progress line: margin and accuracy of the rewards."""
+    if "rewards/margin" not in metrics:
+        return ""
+    return (f"margin {metrics['rewards/margin']:+.3f} acc {metrics['rewards/accuracy']:.2f}")
+
+
+class RunSupervisor(Hooks):
+    """Events, evaluation, checkpoints and the divergence guard of one run."""
+
+    def __init__(self, train_cfg, out: Path, recipe, log, progress, guard, signals, *, val, pad,
+                 eval_every: int, lora_meta: dict | None, world: World = World()):
+        self.train_cfg, self.out, self.recipe = train_cfg, out, recipe
+        self.log, self.progress = log, progress
+        self.guard, self.signals, self.val, self.pad = guard, signals, val, pad
+        self.eval_every, self.lora_meta, self.world = eval_every, lora_meta, world
+        self.stop_status: str | None = None
+        self.saved_step: int | None = None
+        self.last_save = time.monotonic()
+        self.losses: list[float] = []
+
+    # --- hooks ------------------------------------------------------------------------------
+    def before_step(self, trainer):
+        self.signals.in_step = True
+
+    def after_step(self, trainer, loss, micro, wall_s) -> bool:
+        self.signals.in_step = False
+        t, train_cfg = trainer.state.step, self.train_cfg
+        grad_norm = self.recipe.last_grad_norm()
+        tokens = sum(b.tokens.size for b in micro)  # preference batches hold 2 rows a pair
+        real = int(sum(b.real_tokens for b in micro))   # not padding: what tok/s counts
+        metrics = {k: v for k, v in getattr(self.recipe, "last_metrics", {}).items() if k != "loss"}
+        self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
+                       tokens=tokens, real_tokens=real,
+                       targets=int(sum(b.n_targets for b in micro)),
+                       wall_ms=round(wall_s * 1000, 2), **metrics)
+        self.guard.check_step(t, loss, grad_norm)
+        self.losses.append(loss)
+        self.progress.update(t, loss, real / max(wall_s, 1e-9), metrics=metrics_text(metrics))
+        stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
+        due_time = (train_cfg.save_minutes
+                    and time.monotonic() - self.last_save >= 60 * train_cfg.save_minutes)
+        # Every rank must check (save) and stop at the same steps: rank 0's clock decides
+        # when a checkpoint is due; a signal to any rank (even one during the save) stops all.
+        due_time = self.world.any([due_time and self.world.rank == 0])[0]
+        due_step = train_cfg.save_every and t % train_cfg.save_every == 0
+        if self.saved_step != t and (due_step or due_time):
+            self.save(trainer, "periodic")
+        if stop:
+            self.stop_status = "early_stopped"
+            self.progress.message(f"early stopping: no validation gain in {train_cfg.patience} "
+                                  "evals")
+        elif self.world.any([self.signals.count])[0]:
+            self.stop_status = "interrupted"
+        return self.stop_status is not None
+
+    # --- evaluation and checkpoints -----------------------------------------------------------
+    def run_eval(self, trainer) -> bool:
+        """Evaluate, checkpoint (and mark best when it improved and passes the guard);
+        returns True when early stopping says stop."""
+        if not self.val:
+            return False
+        st, train_cfg, t = trainer.state, self.train_cfg, trainer.state.step
+        vloss, n, metrics = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len,
+                                     self.pad, self.world)
+        improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
+        weights = moments = None
+        if t > 0:  # the state after an update is checked before it may become best
+            weights, moments = self.recipe.trainable(), self.recipe.optimizer_state()
+            self.guard.check_state(t, weights, moments)
+        st.bad_evals = 0 if improved else st.bad_evals + 1
+        if improved:
+            st.best_val = vloss
+        ppl = math.exp(min(vloss, 700)) if math.isfinite(vloss) else vloss
+        if metrics:  # a preference loss: perplexity means nothing, n counts pairs
+            self.log.write("eval", step=t, val_loss=vloss, pairs=n, best=improved,
+                           **{f"val_{k}": v for k, v in metrics.items()})
+            shown = metrics_text(metrics)
+        else:
+            self.log.write("eval", step=t, val_loss=vloss, perplexity=ppl, tokens=n, best=improved)
+            shown = f"(ppl {ppl:.2f})"
+        self.progress.message(f"step {t}: val loss {vloss:.4f} {shown}{' best' if improved else ''}")
+        if t > 0:
+            if improved:
+                self.save(trainer, "best", weights, moments)
+            self.save(trainer, "eval", weights, moments)
+        return bool(train_cfg.patience) and st.bad_evals >= train_cfg.patience
+
+    def save(self, trainer, kind: str, weights=None, moments=None):
+        """Checkpoint the current state (checked by the guard first) and prune old ones."""
+        t = trainer.state.step
+        if kind != "best" and self.saved_step == t:
+            return
+        if weights is None:
+            weights, moments = self.recipe.trainable(), self.recipe.optimizer_state()
+            self.guard.check_state(t, weights, moments)
+        if self.world.rank != 0:  # rank 0 alone writes; the others only kept the guard's pace
+            if kind != "best":
+                self.saved_step, self.last_save = t, time.monotonic()
+            return
+        dest = self.out / ("best" if kind == "best" else f"checkpoints/{step_dir_name(t)}")
+        earlier = list_checkpoints(self.out)
+        intact = (f"earlier checkpoints are intact (newest: {earlier[-1][1]})" if earlier
+                  else "no earlier checkpoint exists")
+        def adapter_files(tmp):
+            write_adapter(tmp, self.recipe, self.lora_meta, gguf_too=False, values=weights)
+        extra = adapter_files if self.lora_meta is not None else None
+        with self.signals.saving():
+            save_checkpoint(dest, weights, moments, trainer.state.to_json(), extra, intact)
+            if kind != "best":
+                self.saved_step, self.last_save = t, time.monotonic()
+                prune_checkpoints(self.out, self.train_cfg.keep_checkpoints)
+        self.log.write("checkpoint", step=t, kind=kind, path=str(dest))
