@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from toygraph.cli.chat import chat_loop
-from toygraph.errors import DataError
+from toygraph.inference.chat import chat_loop
+from toygraph.gguf.templates import DEFAULT
 from toygraph.inference.language_model import LanguageModel
 
 N = 6  # new tokens per reply
@@ -69,11 +69,20 @@ def test_chat_in_a_pseudo_terminal(tiny_llama):
     assert reply.strip() and reply.replace("\n", "\r\n").encode() + b"\r\n>>> " in out
 
 
-def test_chat_without_template_or_room(tiny_llama):
+def test_a_model_without_a_template_chats_in_the_default_one(tiny_llama):
+    """A base model (no tokenizer.chat_template) is rendered with templates.DEFAULT, the
+    format its instruction data trains in, instead of being refused."""
     lm = LanguageModel(tiny_llama)
-    lm.tokenizer.chat_template = None
-    with pytest.raises(DataError, match="no chat template"):
-        chat_loop(lm, io.StringIO("hi\n"), io.StringIO())
+    lm.tokenizer.file_chat_template = None
+    assert lm.tokenizer.use_template(None) == DEFAULT
+    prompt = lm.tokenizer.decode(lm.encode_prompt("hi", chat=True))
+    assert prompt.endswith("### Instruction:\nhi\n\n### Response:\n")
+    out = io.StringIO()
+    assert chat_loop(lm, io.StringIO("hi\n"), out, max_new_tokens=N) == 0
+    assert out.getvalue() == lm.generate("hi", chat=True, max_new_tokens=N) + "\n"
+
+
+def test_chat_without_room(tiny_llama):
     # A message longer than the context is refused with a notice; the session goes on.
     lm = LanguageModel(tiny_llama)
     out, notes = io.StringIO(), io.StringIO()

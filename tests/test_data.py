@@ -12,6 +12,7 @@ from toygraph.demo.capitals import data_path as capitals_data
 from toygraph.data.batches import (Batch, Example, batches, data_hash, encode_dataset, encode_example,
                            load_examples, pad_id_for, split_train_val, steps_per_epoch)
 from toygraph.errors import DataError
+from toygraph.gguf.templates import DEFAULT, TEMPLATES
 
 CAPITALS = capitals_data()
 CHATML = ("{% for m in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -29,7 +30,9 @@ class FakeTokenizer:
     SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "<|start|>", "<|eot_id|>"]
 
     def __init__(self, template=CHATML, bos_id=None, eos_id=2, pad_id=None, add_bos=False):
-        self.chat_template, self.bos_id, self.eos_id, self.pad_id = template, bos_id, eos_id, pad_id
+        # As Tokenizer: a GGUF without a template is rendered with templates.DEFAULT.
+        self.chat_template = template if template is not None else TEMPLATES[DEFAULT]
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.add_bos = add_bos
         self.vocab_size = 16 + 256
         self._split = re.compile("(" + "|".join(re.escape(s) for s in self.SPECIALS) + ")")
@@ -67,8 +70,10 @@ class FakeTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt=False):
         bos = self.SPECIALS[self.bos_id] if self.bos_id is not None else ""
+        eos = self.SPECIALS[self.eos_id] if self.eos_id is not None else ""
         return jinja2.Template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos)
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+            eos_token=eos)
 
 
 def write(tmp_path, lines, name="d.jsonl"):
@@ -174,7 +179,9 @@ def test_eos_added_when_template_does_not_close_the_turn():
     assert targets(enc, tok) == "yo\n<|im_end|>"
 
 
-def test_fallback_format_without_template():
+def test_the_default_template_of_a_model_without_one():
+    """templates.DEFAULT (Alpaca's headers, EOS after each reply) renders what the
+    hand-written fallback of 0.1 produced, token for token."""
     tok = FakeTokenizer(template=None)
     enc = encode_example(chat(("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")), tok, 256)
     assert tok.decode(enc.tokens) == ("### Instruction:\na\n\n### Response:\nb<|im_end|>"

@@ -178,11 +178,11 @@ def test_ollama_template_only_when_faithful(tiny_llama):
     from toygraph.gguf.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(tiny_llama)
-    assert ollama_template(tok) == (OLLAMA_CHATML, None)
+    assert ollama_template(tok) == (OLLAMA_CHATML, None, "ChatML")
     # ChatML with a default system message (SmolLM2's shape): Ollama's SYSTEM carries it.
     tok.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n"
                          "You are a helpful bot<|im_end|>\\n' }}{% endif %}" + CHATML)
-    assert ollama_template(tok) == (OLLAMA_CHATML, "You are a helpful bot")
+    assert ollama_template(tok) == (OLLAMA_CHATML, "You are a helpful bot", "ChatML")
     for other in (
         CHATML.replace("'\\n' + message['content']", "message['content']"),  # no newline
         "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}",  # llama-2 style

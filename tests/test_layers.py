@@ -22,7 +22,8 @@ SOURCES = {"toygraph": ROOT / "toygraph", "toygraph.recipes": ROOT / "recipes",
 #: families declare their CUDA side with) sits below the core; the CUDA runtime (driver,
 #: NVRTC, the backend, the host device) beside the core, as its second backend.
 LAYERS = [
-    ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment")),
+    ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment", "toygraph.atomic",
+                    "toygraph.moved")),
     ("the GGUF file", ("toygraph.gguf",)),
     ("CUDA lowering API", ("toygraph.cuda.lowering",)),
     ("graph core and backends", ("toygraph.core", "toygraph.cuda")),

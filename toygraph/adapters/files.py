@@ -19,13 +19,12 @@ llama.cpp adds them to the GGUF base as stored.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from toygraph.atomic import atomic_write
 from toygraph.errors import DataError
 from toygraph.models.decoder import TARGETS, weight_shape
 from toygraph.models.families import HF_LAYER_MODULES
@@ -33,6 +32,9 @@ from toygraph.models.families import HF_LAYER_MODULES
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 #: safetensors metadata key recording the architecture an adapter was trained for.
 ARCH_METADATA = "toygraph.arch"
+#: safetensors metadata keys recording the chat template the adapter was trained with (its
+#: name, and its Jinja source: toygraph/gguf/templates.py), so using it renders as training did.
+TEMPLATE_NAME, TEMPLATE_SOURCE = "toygraph.template", "toygraph.chat_template"
 # GGUF projection name -> Hugging Face module path inside a decoder layer (the families'
 # own tables, cfg.family.hf_modules, are what export and import use; this is the default).
 HF_MODULES = HF_LAYER_MODULES
@@ -91,23 +93,13 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
     return ranks.pop()
 
 
-def _atomic_write(path: Path, write) -> None:
-    """``write(tmp_path)`` then rename over ``path``: a crash never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".partial")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 # --- PEFT ----------------------------------------------------------------------------------
-def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "") -> Path:
+def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "",
+              template: tuple[str, str] | None = None) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
-    the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order)."""
+    the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order).
+    ``template``: (name, Jinja source) of the chat template the adapter was trained with,
+    kept in the weights' metadata (:func:`adapter_template` reads it back)."""
     dir = Path(dir)
     found = _check_lora(lora, cfg, str(dir))
     if found != rank:
@@ -140,9 +132,11 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     # The architecture goes into the safetensors metadata (PEFT ignores it there, while an
     # unknown adapter_config key makes PEFT warn): q/k rows are stored in HF order, which
     # differs between architectures, so an adapter must not load onto another one.
-    _atomic_write(dir / WEIGHTS_FILE, lambda p: _save_sorted_metadata(
-        tensors, p, {"format": "pt", ARCH_METADATA: cfg.arch}))
-    _atomic_write(dir / CONFIG_FILE,
+    metadata = {"format": "pt", ARCH_METADATA: cfg.arch}
+    if template is not None:
+        metadata.update({TEMPLATE_NAME: template[0], TEMPLATE_SOURCE: template[1]})
+    atomic_write(dir / WEIGHTS_FILE, lambda p: _save_sorted_metadata(tensors, p, metadata))
+    atomic_write(dir / CONFIG_FILE,
                   lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     return dir
 
@@ -189,6 +183,21 @@ def _read_peft_config(path: Path) -> dict:
     return config
 
 
+def adapter_template(dir) -> tuple[str, str] | None:
+    """(name, Jinja source) of the chat template a PEFT adapter directory was trained with,
+    None when it records none (an adapter of another tool, or of toygraph 0.1)."""
+    from safetensors import SafetensorError, safe_open
+    path = Path(dir) / WEIGHTS_FILE
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+    except (OSError, SafetensorError):
+        return None   # load_peft reports what is wrong with the file
+    if TEMPLATE_NAME in meta and TEMPLATE_SOURCE in meta:
+        return meta[TEMPLATE_NAME], meta[TEMPLATE_SOURCE]
+    return None
+
+
 def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     """Read a PEFT LoRA directory for the model ``cfg``: (lora in GGUF layout, rank, alpha,
     short target names). Raises DataError naming the file for anything it cannot use."""
@@ -196,6 +205,8 @@ def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     from safetensors.numpy import load_file
 
     dir = Path(dir)
+    if not dir.is_dir():   # e.g. a checkpoint pruned since: say so, not "missing config"
+        raise DataError(f"{dir}: no such adapter directory")
     config = _read_peft_config(dir / CONFIG_FILE)
     wpath = dir / WEIGHTS_FILE
     if not wpath.is_file():
@@ -262,7 +273,7 @@ def save_gguf_adapter(path, lora: dict, cfg, alpha: float, base_arch: str) -> Pa
         w.close()
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, write)
+    atomic_write(path, write)
     return path
 
 

@@ -7,9 +7,12 @@ Each weight the adapter targets becomes ``W + (alpha / rank) * B @ A``, computed
 from the dequantized base and written in ``out_type``. The adapter is loaded in the GGUF
 row order (``adapters.load_peft`` converts q/k rows with ``hf_row_order``), so the sum is
 taken in the layout the file stores. Every other tensor is copied byte for byte in its
-own block type, and every metadata key (tokenizer, chat template, ...) is carried over;
-``general.name`` gets a ``+ merged`` suffix and ``toygraph.merged_adapter.*`` records
-which adapter went in. Which tensors are merged comes from the adapter's own names, so
+own block type, and every metadata key (tokenizer, chat template, ...) is carried over,
+except that the chat template becomes the one the adapter was trained with (recorded in a
+run's adapter, or ``--template``) where that differs from the base's — a base model
+trained with the Alpaca default gets it written in, so the merged file prompts as
+training did; ``general.name`` gets a ``+ merged`` suffix and ``toygraph.merged_adapter.*``
+records which adapter went in. Which tensors are merged comes from the adapter's own names, so
 nothing here knows one architecture's tensor names.
 """
 from __future__ import annotations
@@ -19,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from toygraph.adapters.files import WEIGHTS_FILE, _atomic_write, load_gguf_adapter, load_peft
+from toygraph.adapters.files import (WEIGHTS_FILE, adapter_template, load_gguf_adapter,
+                                     load_peft)
+from toygraph.atomic import atomic_write
 from toygraph.errors import DataError
 from toygraph.models.model import GGUFModel
 
@@ -89,12 +94,16 @@ def _copy_metadata(reader, writer, skip: set[str]) -> None:
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
 
 
-def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16") -> Path:
+def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
+                  template: str | None = None) -> Path:
     """Write ``out_path``: the GGUF at ``model_path`` with the LoRA adapter ``adapter_dir``
     (run, checkpoint or PEFT directory, or a llama.cpp adapter ``.gguf`` file) merged into
-    its target weights, stored as ``out_type`` (f32, f16, bf16 or q8_0). Returns the path;
-    the file appears atomically (temp file + rename)."""
+    its target weights, stored as ``out_type`` (f32, f16, bf16 or q8_0), with the chat
+    template ``template`` (a name or Jinja file; None: the one the adapter recorded, else
+    the base's). Returns the path; the file appears atomically (temp file + rename)."""
     import gguf
+
+    from toygraph.gguf.tokenizer import Tokenizer
 
     if out_type not in OUT_TYPES:
         raise DataError(f"--type {out_type!r}: choose one of {', '.join(OUT_TYPES)}")
@@ -102,6 +111,13 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16") -> P
         raise DataError(f"--out {out_path}: would overwrite the base model; choose another path")
     model = GGUFModel(model_path)
     lora, rank, alpha, source = load_adapter(adapter_dir, model.config)
+    tok = Tokenizer.from_gguf(model.reader)
+    trained = adapter_template(adapter_dir) if Path(adapter_dir).is_dir() else None
+    if template is not None:
+        tok.use_template(template)
+    elif trained is not None:
+        tok.use_template(*trained)
+    chat_template = tok.chat_template if tok.chat_template != tok.file_chat_template else None
     merged = _merged_tensors(model, lora, alpha / rank, out_type)
     reader, out_path = model.reader, Path(out_path)
     name = model.metadata("general.name") or Path(model_path).stem
@@ -110,8 +126,12 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16") -> P
     def write(tmp):
         w = gguf.GGUFWriter(tmp, model.config.arch, endianess=reader.endianess)
         w.data_alignment = int(model.metadata("general.alignment", w.data_alignment))
-        _copy_metadata(reader, w, skip={"general.name"})
+        _copy_metadata(reader, w, skip={"general.name"} | ({"tokenizer.chat_template"}
+                                                           if chat_template else set()))
         w.add_string("general.name", f"{name} + {Path(source_dir).name} (merged)")
+        if chat_template:   # the template the adapter was trained with, not the base's
+            w.add_chat_template(chat_template)
+        w.add_string(f"{PROVENANCE}.template", tok.template_name)
         w.add_string(f"{PROVENANCE}.source", source_dir)
         w.add_string(f"{PROVENANCE}.sha256", hashlib.sha256(source.read_bytes()).hexdigest())
         w.add_uint32(f"{PROVENANCE}.rank", rank)
@@ -132,6 +152,6 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16") -> P
         w.close()
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_path, write)
+    atomic_write(out_path, write)
     return out_path
 

@@ -31,15 +31,24 @@ def add_backend_args(p, precision: bool = True) -> None:
                             "accumulation, f32 everything else)")
 
 
+def add_template_arg(p) -> None:
+    """``--template``: the chat template conversations are rendered with."""
+    p.add_argument("--template", metavar="NAME|FILE",
+                   help="chat template: gguf (the model's own), alpaca, chatml, or a Jinja file "
+                        "(default: the adapter's, else the model's own, else alpaca)")
+
+
 def language_model_from_args(args):
-    """The LanguageModel of eval, generate and chat: --model, --adapter, --backend, --precision."""
+    """The LanguageModel of eval, generate and chat: --model, --adapter, --backend,
+    --precision, --template."""
     from toygraph.core.precision import precision_error
     from toygraph.inference.language_model import LanguageModel
     why = precision_error(args.precision, args.backend)
     if why:
         raise ToygraphError(f"--precision {why}")
     return LanguageModel(resolve_model(args.model), adapter_dir=args.adapter,
-                         backend=args.backend, precision=args.precision)
+                         backend=args.backend, precision=args.precision,
+                         template=getattr(args, "template", None))
 
 
 def add_sampling_args(p) -> None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from toygraph.cli.args import (add_backend_args, add_sampling_args, generation_kwargs,
-                               language_model_from_args)
+from toygraph.cli.args import (add_backend_args, add_sampling_args, add_template_arg,
+                               generation_kwargs, language_model_from_args)
 from toygraph.inference.chat import chat_loop
 
 
@@ -15,6 +15,7 @@ def add_chat_parser(sub) -> None:
     p.add_argument("--system", help="system message to start every conversation with")
     add_sampling_args(p)
     add_backend_args(p)
+    add_template_arg(p)
     p.set_defaults(fn=_cmd_chat, max_new_tokens=256)
 
 

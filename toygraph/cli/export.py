@@ -1,8 +1,12 @@
 """``toygraph export``: merge a LoRA adapter into the base GGUF (toygraph.adapters.merge)."""
 from __future__ import annotations
 
-from toygraph.adapters.merge import OUT_TYPES, export_merged
+from pathlib import Path
+
+from toygraph.adapters.merge import OUT_TYPES, PROVENANCE, export_merged
+from toygraph.cli.args import add_template_arg
 from toygraph.models.catalog import resolve_model
+from toygraph.models.model import GGUFModel
 
 
 def add_export_parser(sub) -> None:
@@ -12,11 +16,18 @@ def add_export_parser(sub) -> None:
                    help="run directory (PEFT files), or a llama.cpp adapter .gguf")
     p.add_argument("--out", required=True, help="merged GGUF to write")
     p.add_argument("--type", default="f16", choices=OUT_TYPES,
-                   help="type of the merged weights; other tensors keep theirs")
+                   help="type of the merged weights; other tensors keep theirs (default: f16)")
+    add_template_arg(p)
     p.set_defaults(fn=_cmd_export)
 
 
 def _cmd_export(args) -> int:
-    out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type)
-    print(f"wrote {out}")
+    out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
+                        template=args.template)
+    merged = GGUFModel(out)
+    meta = {k: merged.metadata(f"{PROVENANCE}.{k}") for k in ("rank", "alpha", "tensors", "template")}
+    print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): {Path(args.model).name} with "
+          f"the adapter {args.adapter} (rank {meta['rank']}, alpha {meta['alpha']:g}) merged "
+          f"into {len(meta['tensors'])} tensors stored as {args.type}; chat template "
+          f"{meta['template']}")
     return 0

@@ -13,7 +13,6 @@ from dataclasses import MISSING
 
 from toygraph.core.distributed import world
 from toygraph.models.catalog import resolve_model
-from toygraph.training.run import run_training
 from toygraph.training.run_config import GROUPS, RunConfig, coerce, flag
 from toygraph.training.run_file import load_run_file
 
@@ -82,6 +81,7 @@ def run_config_from_args(args) -> RunConfig:
 
 
 def cmd_finetune(args):
+    from toygraph.training.run import run_training   # the whole stack: only when running
     summary = run_training(run_config_from_args(args))
     if world().rank == 0:  # under mpirun every rank returns the same summary
         print(json.dumps(summary))

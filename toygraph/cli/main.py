@@ -12,13 +12,15 @@ import math
 import sys
 from importlib.metadata import entry_points
 
-from toygraph.cli.args import (add_backend_args, add_sampling_args, generation_kwargs,
-                               language_model_from_args, utf8)
+from toygraph import __version__
+from toygraph.cli.args import (add_backend_args, add_sampling_args, add_template_arg,
+                               generation_kwargs, language_model_from_args, utf8)
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
 from toygraph.cli.finetune import add_finetune_parser
 from toygraph.errors import ToygraphError
 from toygraph.models.catalog import resolve_model
+from toygraph.training.supervisor import rate_text
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -65,6 +67,10 @@ def cmd_generate(args):
     lm = language_model_from_args(args)
     lm.generate(prompt, chat=args.chat, **generation_kwargs(args, print_to=sys.stdout))
     print()
+    g = lm.last_generation   # on stderr, so stdout stays the text alone
+    print(f"{g['new_tokens']} tokens in {g['seconds']:.2f}s "
+          f"({rate_text(g['new_tokens'] / max(g['seconds'], 1e-9))} tokens/s) after a "
+          f"{g['prompt_tokens']}-token prompt", file=sys.stderr)
 
 
 def cmd_demo(args):
@@ -75,6 +81,7 @@ def cmd_demo(args):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="toygraph", description="Fine-tune language models "
                                  "straight from GGUF files, and use the result.")
+    ap.add_argument("--version", action="version", version=f"toygraph {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tokenize", help="print token ids of a text as JSON")
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data", help="JSONL dataset (loss on target tokens)")
     p.add_argument("--adapter", help="PEFT adapter directory")
     add_backend_args(p)
+    add_template_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
@@ -102,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_sampling_args(p)
     add_backend_args(p)
+    add_template_arg(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("demo", help="short LoRA fine-tune of SmolLM2 on the capitals set")

@@ -55,8 +55,9 @@ class DataReport:
                 f"conversation{'s' * (self.expanded != 1)} expanded into {self.expanded_rows}, one "
                 f"per assistant turn: the chat template is not prefix-consistent)"
                 if self.expanded else "")
+        # a row holds max_len inputs (and the one more token its last target is)
         return (f"{self.examples} examples{rows}: {self.kept} kept, {self.truncated} truncated to "
-                f"{self.max_len + 1} tokens, {self.dropped} dropped (no target token left); "
+                f"--seq-len {self.max_len}, {self.dropped} dropped (no target token left); "
                 f"{self.target_tokens} target tokens of {self.total_tokens}")
 
 

@@ -1,8 +1,8 @@
 """One example -> the token ids of its training rows, each with a target mask.
 
-``encode_rows`` renders a chat with the model's chat template (or a plain
-``### Instruction`` / ``### Response`` layout when the GGUF has none), tokenizes it exactly
-as inference would, marks the assistant replies as targets and truncates to ``max_len + 1``
+``encode_rows`` renders a chat with the model's chat template (the GGUF's, or the one the
+run chose: toygraph/gguf/templates.py, whose default for a GGUF without one is the Alpaca
+layout), tokenizes it exactly as inference would, marks the assistant replies as targets and truncates to ``max_len + 1``
 tokens; plain text trains on every token. An example is one row, except a multi-turn chat
 whose template is not prefix-consistent (Qwen3): one row per assistant turn (see
 ``encode_rows``). ``toygraph.data.batches`` encodes whole datasets with it.
@@ -14,11 +14,7 @@ from dataclasses import dataclass
 from toygraph.data.examples import Example
 from toygraph.errors import DataError
 
-__all__ = ["Encoded", "encode_rows", "encode_example", "FALLBACK_HEADERS"]
-
-# Used when the GGUF has no chat template (base models). Each assistant turn is followed by
-# EOS, so the model learns to stop; the prompt for generation ends with "### Response:\n".
-FALLBACK_HEADERS = {"system": "### System:", "user": "### Instruction:", "assistant": "### Response:"}
+__all__ = ["Encoded", "encode_rows", "encode_example"]
 
 
 @dataclass
@@ -40,8 +36,7 @@ def encode_rows(ex: Example, tok, max_len: int, last_turn_only: bool = False) ->
     ``tokens[1:]``).
 
     Plain text is one row, every token a target, EOS appended. Chats are rendered with
-    ``tok.apply_chat_template`` (or the ``### Instruction`` / ``### Response`` fallback when
-    the GGUF has none); each assistant turn's reply, up to and including its end-of-turn
+    ``tok.apply_chat_template`` (the template in use, templates.py); each assistant turn's reply, up to and including its end-of-turn
     token, is a target, and nothing else is. For each assistant turn i, the rendering of
     ``messages[:i]`` with the generation prompt (what the model is given at inference before
     turn i) must be where the rendering of ``messages[:i+1]`` starts. How the turns become
@@ -72,7 +67,7 @@ def encode_rows(ex: Example, tok, max_len: int, last_turn_only: bool = False) ->
         return [_finish(tokens, [True] * len(tokens), tok, max_len, ex.line)]
     turns = _chat_turns(ex, tok)
     if all(later.prompt.startswith(earlier.full) for earlier, later in zip(turns, turns[1:])):
-        tokens, mask = _one_row(turns, tok, fallback=not tok.chat_template)
+        tokens, mask = _one_row(turns, tok)
         if last_turn_only:
             mask = _last_run(mask)
         return [_finish(tokens, mask, tok, max_len, ex.line)]
@@ -104,13 +99,12 @@ class _Turn:
 def _chat_turns(ex: Example, tok) -> list[_Turn]:
     """Render the conversation before and through each assistant turn (the turns after the
     last assistant message train nothing and are not rendered)."""
-    fallback = not tok.chat_template
     turns = []
     for i, message in enumerate(ex.messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tok, ex.messages[:i], True, ex, fallback)
-        full = _render(tok, ex.messages[:i + 1], False, ex, fallback)
+        prompt = _render(tok, ex.messages[:i], True, ex)
+        full = _render(tok, ex.messages[:i + 1], False, ex)
         if not full.startswith(prompt):
             raise DataError(f"{ex.where}: the chat template renders the conversation before "
                             f"messages[{i}] (with the generation prompt) as text the rendering "
@@ -120,7 +114,7 @@ def _chat_turns(ex: Example, tok) -> list[_Turn]:
     return turns
 
 
-def _one_row(turns: list[_Turn], tok, fallback: bool) -> tuple[list[int], list[bool]]:
+def _one_row(turns: list[_Turn], tok) -> tuple[list[int], list[bool]]:
     """A prefix-consistent conversation as one row: the text before each reply is what the
     rendering through that turn adds to the one before, tokenized on its own as at
     inference (where the prompt is tokenized and the model continues it), so the mask
@@ -133,7 +127,7 @@ def _one_row(turns: list[_Turn], tok, fallback: bool) -> tuple[list[int], list[b
         # An open-ended template (no end-of-turn token) gets EOS after the last reply only:
         # elsewhere the next turn's header follows.
         reply, rest = _reply_ids(turn.full[len(turn.prompt):], tok,
-                                 close_with_eos=turn is turns[-1] or fallback)
+                                 close_with_eos=turn is turns[-1])
         tokens += ids + reply + rest
         mask += [False] * len(ids) + [True] * len(reply) + [False] * len(rest)
         done = turn.full
@@ -198,12 +192,7 @@ def _last_run(mask: list[bool]) -> list[bool]:
     return [start <= i < end for i in range(len(mask))]
 
 
-def _render(tok, messages: list[dict], add_generation_prompt: bool, ex: Example, fallback: bool) -> str:
-    if fallback:
-        text = "\n\n".join(f"{FALLBACK_HEADERS[m['role']]}\n{m['content']}" for m in messages)
-        if add_generation_prompt:
-            text += ("\n\n" if text else "") + FALLBACK_HEADERS["assistant"] + "\n"
-        return text
+def _render(tok, messages: list[dict], add_generation_prompt: bool, ex: Example) -> str:
     try:
         return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except DataError:

@@ -29,7 +29,8 @@ from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from toygraph.errors import DataError, GGUFError
+from toygraph.errors import GGUFError
+from toygraph.gguf.templates import choose_template
 
 # llama.cpp token types (llama_token_type / gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -108,9 +109,22 @@ class Tokenizer:
                                                               for k in ("bos", "eos", "pad", "unk"))
         self.eot_id, self.eom_id = ids.get("eot"), ids.get("eom")
         self.add_bos_token, self.add_eos_token = add_bos, add_eos
-        self.chat_template = chat_template
         self.model = model
         self.source = source
+        # The GGUF's own template, and the one conversations are rendered with: the file's,
+        # or templates.DEFAULT for a file without one, until use_template chooses another.
+        self.file_chat_template = chat_template or None
+        self.template_name, self.chat_template = choose_template(self, None)
+
+    def use_template(self, choice: str | None, source: str | None = None) -> str:
+        """Render conversations with template ``choice`` (a name, a Jinja file, or None for
+        the model's own; see templates.py), or with ``source`` under the name ``choice``
+        (the template an adapter recorded); returns the chosen template's name."""
+        if source is not None:
+            self.template_name, self.chat_template = choice, source
+        else:
+            self.template_name, self.chat_template = choose_template(self, choice)
+        return self.template_name
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -211,13 +225,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, *,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
                             **kwargs: Any) -> str:
-        """Render the GGUF's Jinja chat template as transformers' ``apply_chat_template(...,
+        """Render the chat template in use (the GGUF's, or the one ``use_template`` chose) as
+        transformers' ``apply_chat_template(...,
         tokenize=False)`` does: the same sandboxed environment and globals, keys whose value
         is None dropped from messages, a message's reasoning under all the names templates
         read, and the tokenizer's special tokens (those it has) as variables. Extra keyword
         arguments (``enable_thinking=False``) reach the template as variables."""
-        if not self.chat_template:
-            raise DataError(f"{self.source}: the GGUF has no tokenizer.chat_template")
         specials = {name: tok for name, tok in (
             ("bos_token", self.bos_token), ("eos_token", self.eos_token),
             ("unk_token", self._token(self.unk_id)), ("pad_token", self._token(self.pad_id)))

@@ -20,9 +20,6 @@ COMMANDS = {"/reset": "forget the conversation", "/exit": "leave"}
 def chat_loop(lm, stdin, stdout, *, system: str | None = None, notices=None,
               **generate_kwargs) -> int:
     """Read user lines from ``stdin`` and answer each with ``lm`` until /exit or EOF."""
-    if not lm.tokenizer.chat_template:
-        raise DataError(f"{lm.model.path}: the GGUF has no chat template; use "
-                        "`toygraph generate` for plain continuation")
     notices = notices or sys.stderr
 
     def write(piece: str) -> None:  # the reply streams out as it is generated

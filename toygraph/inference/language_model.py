@@ -18,11 +18,12 @@ reference the cached path is tested against).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from toygraph.adapters.files import load_lora, load_peft
+from toygraph.adapters.files import adapter_template, load_lora, load_peft
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.session import Session
@@ -54,7 +55,7 @@ class LanguageModel:
     """A GGUF model (plus optional PEFT LoRA adapter) for loss evaluation and generation."""
 
     def __init__(self, model_path, adapter_dir=None, backend: str = "cpu", seq_len: int | None = None,
-                 precision: str = "f32"):
+                 precision: str = "f32", template: str | None = None):
         self.model = GGUFModel(model_path)
         self.cfg = self.model.config
         self.tokenizer = Tokenizer.from_gguf(self.model.reader)  # reuse the parsed header
@@ -68,6 +69,13 @@ class LanguageModel:
             lora, rank, alpha, targets = load_peft(adapter_dir, self.cfg)
             self.lora_config = LoraConfig(targets=targets, rank=rank, alpha=alpha)
             self.adapter = lora
+        # The chat template: the one asked for, else the one the adapter was trained with,
+        # else the model's own (templates.py): prompts render as training rendered them.
+        trained = adapter_template(adapter_dir) if adapter_dir is not None else None
+        if template is not None:
+            self.tokenizer.use_template(template)
+        elif trained is not None:
+            self.tokenizer.use_template(*trained)
         self._graphs: dict[tuple[int, int], _Forward] = {}
         self._decoders: dict[tuple[int, int], CachedDecoder] = {}
         # The tokens training teaches to end a reply with (data.py) are the ones we stop on.
@@ -158,7 +166,7 @@ class LanguageModel:
 
     # --- generation -----------------------------------------------------------------------
     def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
-        """Token ids of a prompt, rendered with the GGUF chat template when ``chat``
+        """Token ids of a prompt, rendered with the chat template in use when ``chat``
         (``prompt`` may then be a list of {"role", "content"} messages)."""
         tok = self.tokenizer
         if not chat:
@@ -194,6 +202,7 @@ class LanguageModel:
         self._check_ids(ids, "generate: the prompt")
         end = min(len(ids) + max_new_tokens, self.seq_len)
         context = [int(i) for i in ids]
+        t0 = time.perf_counter()
         logits = self.next_logits(context, end, kv_cache=kv_cache)
         rng, stream = opts.rng(), TextStream(self.tokenizer, stop)
         emit = on_text or (lambda piece: None)
@@ -204,6 +213,9 @@ class LanguageModel:
             context.append(nxt)
             emit(stream.push(nxt))
         emit(stream.finish())
+        #: what the last call did: prompt and new tokens, and the seconds it took
+        self.last_generation = {"prompt_tokens": len(ids), "new_tokens": len(context) - len(ids),
+                                "seconds": time.perf_counter() - t0}
         return stream.text
 
     def next_logits(self, context: list[int], end: int, kv_cache: bool = True):

@@ -5,5 +5,15 @@ together around a recipe (toygraph.recipes).
 >>> from toygraph.training import RunConfig, run_training                      # doctest: +SKIP
 >>> run_training(RunConfig(model="m.gguf", data="d.jsonl", out="runs/x", steps=50))  # doctest: +SKIP
 """
-from toygraph.training.run import run_training  # noqa: F401
-from toygraph.training.run_config import RunConfig, TrainConfig  # noqa: F401
+
+
+def __getattr__(name):
+    # on first use: importing one light module of this package (run_config, for the
+    # command line's flags) must not import the whole training stack
+    if name == "run_training":
+        from toygraph.training.run import run_training
+        return run_training
+    if name in ("RunConfig", "TrainConfig"):
+        from toygraph.training import run_config
+        return getattr(run_config, name)
+    raise AttributeError(f"module 'toygraph.training' has no attribute {name!r}")

@@ -15,11 +15,11 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from toygraph.atomic import temp_dir
 from toygraph.errors import DataError
 from toygraph.training.run_dir import io_error
 
@@ -60,7 +60,7 @@ def save_checkpoint(dest: Path, weights: dict, moments: dict, state: dict,
     tmp = None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        tmp = temp_dir(dest.parent, prefix=f".{dest.name}.")
         save_file({k: np.ascontiguousarray(v, np.float32) for k, v in weights.items()},
                   str(tmp / "trainable.safetensors"))
         save_file({k: np.ascontiguousarray(v, np.float32) for k, v in moments.items()},
@@ -185,24 +185,27 @@ def write_adapter(dest: Path, recipe, meta: dict, gguf_too: bool = True, values:
     from toygraph.adapters.files import save_gguf_adapter, save_peft
     lora = lora_arrays(recipe, values)
     save_peft(dest, lora, recipe.model_cfg, rank=meta["rank"], alpha=meta["alpha"],
-              targets=meta["targets"], base_model_name=meta["base"])
+              targets=meta["targets"], base_model_name=meta["base"],
+              template=meta.get("template"))
     if gguf_too:
         save_gguf_adapter(dest / "adapter.gguf", lora, recipe.model_cfg, alpha=meta["alpha"],
                           base_arch=recipe.model_cfg.arch)
 
 
-def write_final(out: Path, recipe, lora_meta: dict | None):
-    """The run's result at the top of ``out``: the adapter (LoRA) or ``weights.safetensors``.
+def write_final(out: Path, recipe, lora_meta: dict | None, values: dict | None = None):
+    """The run's result at the top of ``out``: the adapter (LoRA) or ``weights.safetensors``,
+    of ``values`` (a checkpoint's weights: best/'s) or else the recipe's current weights.
     Files are written into a temp dir and moved into place one by one."""
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
     tmp = None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=".final.", dir=out))
+        tmp = temp_dir(out, prefix=".final.")
         if lora_meta is not None:
-            write_adapter(tmp, recipe, lora_meta)
+            write_adapter(tmp, recipe, lora_meta, values=values)
         else:
-            save_file(recipe.trainable(), str(tmp / "weights.safetensors"))
+            save_file(values if values is not None else recipe.trainable(),
+                      str(tmp / "weights.safetensors"))
         for f in sorted(tmp.iterdir()):
             os.replace(f, out / f.name)
     except (OSError, SafetensorError) as e:

@@ -21,33 +21,31 @@ options, data and model are the ones it was made with.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import platform
+import shlex
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from toygraph import __version__
 from toygraph.adapters.modelfile import write_modelfile
 from toygraph.core.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
-from toygraph.data.batches import data_hash, pad_id_for, split_train_val
-from toygraph.errors import DataError, ToygraphError
-from toygraph.gguf.tokenizer import Tokenizer
-from toygraph.models.model import GGUFModel
+from toygraph.errors import DataError
 from toygraph.recipes import recipe_class
-from toygraph.training.checkpoints import (find_resumable, load_checkpoint, restore_swapped,
+from toygraph.training.checkpoints import (load_checkpoint, restore_swapped, step_dir_name,
                                            write_final)
 from toygraph.training.guard import Diverged, DivergenceGuard
-from toygraph.training.loop import LoopState, Trainer
+from toygraph.training.loop import Trainer
 from toygraph.training.plot import plot_losses
-from toygraph.training.resume import check_resume, model_fingerprint
-from toygraph.training.run_config import RunConfig, check_against_model, recipe_options
-from toygraph.training.run_file import settings_block, write_run_file
+from toygraph.training.prepare import Prepared, prepare
+from toygraph.training.run_config import RunConfig, recipe_options
 from toygraph.training.run_dir import (EVENTS_FILE, FINAL_ARTIFACTS, EventLog, NullLog, RunError,
                                        io_error, open_run_dir)
+from toygraph.training.run_file import RUN_FILE, write_run_file
 from toygraph.training.supervisor import Progress, RunSupervisor, Signals
 
 __all__ = ["RunConfig", "run_training", "make_recipe"]
@@ -70,70 +68,6 @@ def _versions() -> dict:
 def make_recipe(run_cfg: RunConfig):
     """The recipe the run configuration names, made from its options."""
     return recipe_class(run_cfg.recipe).from_options(run_cfg)
-
-
-def _encode(run_cfg: RunConfig, tok):
-    """The data file read and encoded the way the recipe takes it (examples, or pairs)."""
-    cls = recipe_class(run_cfg.recipe)
-    rows = cls.load_data(run_cfg.data)
-    rows = rows[:run_cfg.max_examples] if run_cfg.max_examples else rows
-    return cls.encode_data(rows, tok, run_cfg.seq_len)
-
-
-@dataclass
-class Prepared:
-    """Everything checked and loaded before the run directory is touched."""
-    model: GGUFModel
-    enc: object
-    train: list
-    val: list
-    pad: int
-    state: LoopState
-    resume_from: Path | None = None
-    skipped: list = field(default_factory=list)
-    allowed: list = field(default_factory=list)
-
-
-def _prepare(run_cfg: RunConfig, ranks: int = 1) -> Prepared:
-    """Validate options, model, data and the checkpoint to resume: all before any write."""
-    run_cfg.validate()
-    if run_cfg.batch % ranks:
-        raise ToygraphError(f"--batch {run_cfg.batch} is the global batch and must divide "
-                            f"evenly over the {ranks} MPI ranks; use a multiple of {ranks}")
-    model = GGUFModel(run_cfg.model)
-    check_against_model(run_cfg, model.config)
-    tok = Tokenizer.from_gguf(run_cfg.model)
-    enc = _encode(run_cfg, tok)
-    if not enc.items:
-        raise DataError(f"{run_cfg.data}: no example has a target token within "
-                        f"--seq-len {run_cfg.seq_len}")
-    train, val = split_train_val(enc.items, run_cfg.val_split, run_cfg.seed)
-    state = LoopState(data_hash=data_hash(run_cfg.data), options=run_cfg.options(),
-                      model_fingerprint=model_fingerprint(run_cfg.model),
-                      reference_hash=_reference_hash(run_cfg))
-    prep = Prepared(model, enc, train, val, pad_id_for(tok), state)
-    if run_cfg.resume:
-        prep.resume_from, prep.skipped = find_resumable(Path(run_cfg.resume))
-        saved = LoopState.from_json(load_checkpoint(prep.resume_from)[0])
-        prep.allowed = check_resume(asdict(saved), asdict(state), str(prep.resume_from),
-                                    set(run_cfg.allow_change))
-        for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
-            setattr(state, name, getattr(saved, name))
-    return prep
-
-
-def _reference_hash(run_cfg: RunConfig) -> str | None:
-    """A hash of the adapter the recipe's frozen reference model includes (DPO with
-    --adapter-init), None when it has none. A missing file is left for the adapter loader
-    to report."""
-    from toygraph.adapters.files import CONFIG_FILE, WEIGHTS_FILE
-    adapter = recipe_class(run_cfg.recipe).reference_adapter_dir(run_cfg)
-    if not adapter:
-        return None
-    files = [Path(adapter) / name for name in (CONFIG_FILE, WEIGHTS_FILE)]
-    if not all(f.is_file() for f in files):
-        return None
-    return hashlib.sha256("".join(data_hash(f) for f in files).encode()).hexdigest()
 
 
 def _realize(run_cfg: RunConfig, prep: Prepared, ranks: int = 1):
@@ -186,10 +120,11 @@ def run_training(run_cfg: RunConfig) -> dict:
     rank failing on its own aborts the job rather than leave the others waiting."""
     w = world()
     try:
-        prep = agreed_call(w, _prepare, run_cfg, w.size)
+        say = _say if w.rank == 0 and not run_cfg.quiet else (lambda text: None)
+        prep = agreed_call(w, prepare, run_cfg, w.size, say)
         out, lock = agreed_call(w, _open_out, run_cfg, w.rank)
         try:
-            return _run_locked(run_cfg, prep, out, w)
+            return _run_locked(run_cfg, prep, out, w, say)
         finally:
             if lock is not None:
                 lock.release()
@@ -199,6 +134,16 @@ def run_training(run_cfg: RunConfig) -> dict:
         raise
 
 
+def _say(text: str) -> None:
+    """A line for the user watching the run (rank 0, not --quiet). Before the run has a
+    directory there is nothing to record a lost terminal in: the progress line of the run
+    itself meets it again and the run records the failure."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def _open_out(run_cfg: RunConfig, rank: int):
     if rank != 0:  # rank 0 alone writes the run directory
         return Path(run_cfg.out), None
@@ -206,7 +151,7 @@ def _open_out(run_cfg: RunConfig, rank: int):
                         overwrite=run_cfg.overwrite)
 
 
-def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World) -> dict:
+def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) -> dict:
     if w.rank == 0:
         for name in FINAL_ARTIFACTS:
             (out / name).unlink(missing_ok=True)  # present again only if this run completes
@@ -216,6 +161,7 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World) -> dict
         except OSError as e:
             raise io_error(f"the run file into {out}", e) from None
     t0 = time.perf_counter()
+    say(f"building the training step ({run_cfg.recipe} on {run_cfg.backend}) ...")
     recipe = agreed_call(w, _realize, run_cfg, prep, w.size)
     realize_s = time.perf_counter() - t0
     micro_batch, n_batches = _epoch_batches(run_cfg, prep.train, prep.pad, recipe)
@@ -233,9 +179,9 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World) -> dict
     log = EventLog(out / EVENTS_FILE) if w.rank == 0 else NullLog()
     packing = recipe.packing_report(prep.train, run_cfg.batch, run_cfg.seq_len)
     _log_start(run_cfg, prep, log, recipe, total, realize_s, packing, ranks)
-    progress = Progress(total, run_cfg.quiet or w.rank != 0)
+    progress = Progress(total, run_cfg.quiet or w.rank != 0, first_step=prep.state.step)
     rows = "rows" if run_cfg.pack else "sequences"
-    intro = [f"{settings_block(run_cfg)}\n{prep.enc.report}\ntrain {len(prep.train)} / val {len(prep.val)} sequences; "
+    intro = [f"train {len(prep.train)} / val {len(prep.val)} sequences; "
              f"{total} steps of {recipe.batch_rows()[0] * run_cfg.grad_accum} {rows} x "
              f"{run_cfg.seq_len} "
              f"tokens; realize {realize_s:.1f}s, {recipe.sess.plan.summary()}"
@@ -243,10 +189,13 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World) -> dict
     if packing:
         intro += [f"packing efficiency (real tokens / slots): {packing['unpacked']:.1%} unpacked, "
                   f"{packing['packed']:.1%} packed{' (--pack)' if run_cfg.pack else ''}"]
-    intro += [f"resume: skipped {path} ({why})" for path, why in prep.skipped]
+    # (line, shown even with --quiet): skipped checkpoints always show
+    intro = [(line, False) for line in intro]
+    intro += [(f"resume: skipped {path} ({why})", True) for path, why in prep.skipped]
     lora_meta = ({"rank": run_cfg.rank, "alpha": run_cfg.alpha,
                   "targets": list(run_cfg.targets),
-                  "base": Path(run_cfg.model).name, "arch": prep.model.config.arch}
+                  "base": Path(run_cfg.model).name, "arch": prep.model.config.arch,
+                  "template": prep.template}
                  if recipe.trains_adapter else None)
     guard = DivergenceGuard(prep.state, run_cfg.diverge_factor)
     with Signals() as signals:
@@ -254,27 +203,76 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World) -> dict
                             pad=prep.pad, lora_meta=lora_meta, world=w,
                             eval_every=(run_cfg.eval_every
                                         or max(1, n_batches // run_cfg.grad_accum)))
+        signals.acknowledge = (lambda name: sup.acknowledge(trainer, name)) if w.rank == 0 else None
         error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro)
+        final = None
         if status in (*COMPLETED, "interrupted"):
-            error, status, reason = _finish(trainer, sup, out, recipe, lora_meta, status, reason)
+            error, status, reason, final = _finish(trainer, sup, out, recipe, lora_meta, status,
+                                                   reason)
+    progress.close()
     summary = {"status": status, "reason": reason, "steps": trainer.state.step,
                "best_val_loss": trainer.state.best_val,
-               "last_loss": sup.losses[-1] if sup.losses else None, "out": str(out)}
+               "last_loss": sup.losses[-1] if sup.losses else None, "out": str(out),
+               **({"final": final} if final else {})}
     _log_end(log, summary, error)
     if status != "failed" and w.rank == 0:
         plot_losses(out)
     if status in ("interrupted", "diverged"):
         progress.message(f"run {status}: {reason}", always=True)
+    if status == "interrupted" and w.rank == 0 and trainer.state.step:
+        progress.message(f"continue it with:\n  toygraph finetune --config "
+                         f"{shlex.quote(str(out / RUN_FILE))} --resume {shlex.quote(str(out))}",
+                         always=True)
+    if final and w.rank == 0:
+        progress.message(final_text(run_cfg, out, final, lora_meta is not None))
     if error is not None:
         raise error
     return summary
 
 
-def _loop(trainer, sup, guard, recipe, signals, intro: list[str]):
+def _final_source(run_cfg: RunConfig, out: Path, trainer) -> tuple[dict | None, dict]:
+    """(the weights the top level gets, or None for the last step's; what they are):
+    best/'s when --final best, or by default when there was a validation split, and a
+    best/ exists; else the last step's."""
+    choice = run_cfg.final or ("best" if run_cfg.val_split else "last")
+    last = {"from": "last", "step": trainer.state.step}
+    if choice == "last" or not (out / "best").is_dir():
+        return None, last
+    state, weights, _ = load_checkpoint(out / "best")
+    return weights, {"from": "best", "step": state.get("step"), "val_loss": state.get("best_val"),
+                     "last_step": trainer.state.step}
+
+
+def final_text(run_cfg: RunConfig, out: Path, final: dict, adapter: bool) -> str:
+    """Which result the run directory's top level holds, where the other one is, and the
+    commands that use it."""
+    model, run = shlex.quote(str(run_cfg.model)), shlex.quote(str(out))
+    what = "adapter" if adapter else "weights (weights.safetensors)"
+    if final["from"] == "best" and final["step"] == final["last_step"]:
+        lines = [f"final {what}: {out} (the last step, {final['step']}, which also has the "
+                 f"lowest validation loss, {final['val_loss']:.4f})"]
+    elif final["from"] == "best":
+        lines = [f"final {what}: {out} = best/ (step {final['step']}, the lowest validation "
+                 f"loss {final['val_loss']:.4f}); the last step's ({final['last_step']}) is "
+                 f"{out / 'checkpoints' / step_dir_name(final['last_step'])}"]
+    else:
+        lines = [f"final {what}: {out} (the last step, {final['step']})"
+                 + (f"; the lowest validation loss is in {out / 'best'}" if (out / "best").is_dir()
+                    else "")]
+    if adapter:
+        lines += ["use it:",
+                  f"  toygraph chat --model {model} --adapter {run}",
+                  f"  toygraph export --model {model} --adapter {run} --out merged.gguf",
+                  f"  ollama create NAME -f {shlex.quote(str(out / 'Modelfile'))}",
+                  "(any checkpoint directory works as --adapter too)"]
+    return "\n".join(lines)
+
+
+def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]]):
     """Run the loop; returns (error to re-raise or None, status, reason)."""
     try:
-        for i, line in enumerate(intro):
-            sup.progress.message(line, always=i > 0)  # skipped checkpoints always show
+        for line, always in intro:
+            sup.progress.message(line, always=always)
         if trainer.state.step == 0:
             guard.reference(recipe.trainable())
             if sup.val:
@@ -294,27 +292,30 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[str]):
 
 
 def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
-    """The final (or interrupt) checkpoint and, for a completed run, the top-level result."""
+    """The final (or interrupt) checkpoint and, for a completed run, the top-level result:
+    (error to re-raise or None, status, reason, what the top level holds or None)."""
     if trainer.state.step == 0:
-        return None, status, reason
+        return None, status, reason, None
     trainer.state.status, trainer.state.reason = status, reason  # recorded in the checkpoint
     try:
         if status == "interrupted":
             sup.save(trainer, "interrupt")
             if sup.signals.count > 1:
                 reason += "; a further signal during the checkpoint write waited for it"
-            return None, status, reason
+            return None, status, reason, None
         sup.save(trainer, "final")
         if sup.world.rank != 0:
-            return None, status, reason
-        write_final(out, recipe, lora_meta)
+            return None, status, reason, None
+        values, final = _final_source(sup.run_cfg, out, trainer)
+        write_final(out, recipe, lora_meta, values)
         if lora_meta is not None:
-            write_modelfile(out, sup.run_cfg.model)  # Ollama: FROM base + ADAPTER ./adapter.gguf
-        return None, status, reason
+            # Ollama: FROM base + ADAPTER ./adapter.gguf, prompts in the run's template
+            write_modelfile(out, sup.run_cfg.model, template=lora_meta["template"])
+        return None, status, reason, final
     except Diverged as e:
-        return None, "diverged", str(e)
+        return None, "diverged", str(e), None
     except Exception as e:  # recorded as the run's failure, then re-raised to the caller
-        return e, "failed", _one_line(e)
+        return e, "failed", _one_line(e), None
 
 
 def _one_line(e: BaseException) -> str:

@@ -86,6 +86,10 @@ class RunConfig:
                          group="run", resume="never", choices=lambda: tuple(RECIPES))
     max_examples: int | None = option(None, help="use only the first N rows of the data",
                                       group="run", low=1)
+    template: str | None = option(None, help="chat template conversations are rendered with: "
+                                             "gguf (the model's own), alpaca, chatml, or a Jinja "
+                                             "file; none: the model's own, alpaca without one",
+                                  group="run")
     # --- LoRA adapters ---------------------------------------------------------------------
     targets: tuple[str, ...] = option(LoraConfig.targets,
                                       help="LoRA targets among q,k,v,o,gate,up,down",
@@ -152,6 +156,10 @@ class RunConfig:
                              group="safety", resume="free", low=0)
     save_minutes: float = option(5.0, help="checkpoint every N minutes; 0 = off",
                                  group="safety", resume="free", low=0)
+    final: str | None = option(None, help="what the run directory's top level holds at the end: "
+                                          "best (the lowest validation loss) or last (the last "
+                                          "step); none: best when there is a validation split",
+                               group="safety", resume="free", choices=("best", "last"))
     keep_checkpoints: int = option(3, help="step checkpoints kept (best/ is kept apart)",
                                    group="safety", resume="free", low=1)
     diverge_factor: float = option(10.0, help="stop as diverged when a loss exceeds this x the "

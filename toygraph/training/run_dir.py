@@ -55,14 +55,22 @@ def check_out_path(out: str) -> Path:
     return path
 
 
-def open_run_dir(out: str, *, resume: bool, overwrite: bool) -> tuple[Path, "RunLock"]:
-    """Create or reopen the run directory and lock it; returns (path, lock)."""
+def check_run_dir(out: str, *, resume: bool, overwrite: bool) -> Path:
+    """What opening ``out`` as a run directory would refuse, found without writing: a path
+    that is no usable directory, or one that holds a run (or anything) without --resume
+    or --overwrite."""
     path = check_out_path(out)
     is_run = (path / EVENTS_FILE).exists() or (path / "checkpoints").exists()
     if path.is_dir() and any(path.iterdir()) and not (resume or overwrite):
         what = "holds a run" if is_run else "is not empty"
         raise RunError(f"--out {out} {what}; pass --resume {out} to continue it, --overwrite "
                        f"to replace it, or choose another --out")
+    return path
+
+
+def open_run_dir(out: str, *, resume: bool, overwrite: bool) -> tuple[Path, "RunLock"]:
+    """Create or reopen the run directory and lock it; returns (path, lock)."""
+    path = check_run_dir(out, resume=resume, overwrite=overwrite)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -13,6 +13,7 @@ import os
 from dataclasses import MISSING
 from pathlib import Path
 
+from toygraph.atomic import atomic_write
 from toygraph.errors import ToygraphError
 from toygraph.training.run_config import GROUPS, RunConfig, check_value, differs, coerce
 
@@ -69,10 +70,9 @@ def write_run_file(run_cfg: RunConfig, run_dir) -> Path:
             value = os.path.abspath(value)
         doc[name] = list(value) if isinstance(value, tuple) else value
     path = Path(run_dir) / RUN_FILE
-    tmp = path.with_name(f".{RUN_FILE}.tmp")
     header = "# The options of this run (toygraph finetune --config this-file --out OTHER repeats it)\n"
-    tmp.write_text(header + yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    text = header + yaml.safe_dump(doc, sort_keys=False)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return path
 
 

@@ -9,6 +9,7 @@ the divergence guard first and the ``keep_checkpoints`` newest are kept.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -22,42 +23,121 @@ from toygraph.training.checkpoints import (list_checkpoints, prune_checkpoints, 
 from toygraph.training.loop import Hooks, shard
 
 
-class Progress:
-    """A one-line progress bar on a terminal; a plain line every few steps otherwise."""
+def rate_text(per_s: float) -> str:
+    """A rate with the precision its size wants: 1,234 / 56.7 / 0.42."""
+    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.1f}" if per_s >= 10 else f"{per_s:.2f}"
 
-    def __init__(self, total: int, quiet: bool):
-        self.total, self.quiet = total, quiet
-        self.tty = sys.stderr.isatty()
+
+def duration_text(s: float) -> str:
+    s = int(max(s, 0))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+class Progress:
+    """Training progress on stderr: steps, loss, tokens/s, elapsed and ETA.
+
+    On a terminal it is one line redrawn in place at every step, and every ``every_s``
+    seconds while a long step runs (a heartbeat thread) so the line never sits still; to a
+    file or pipe it is a plain line at the first and last step, every 5% of the steps, at
+    least every ``every_s`` seconds, and whenever there is a note. ``quiet``: nothing.
+    """
+
+    def __init__(self, total: int, quiet: bool, *, first_step: int = 0, every_s: float = 10.0,
+                 stream=None, clock=time.monotonic, tty: bool | None = None):
+        self.total, self.quiet, self.first_step, self.every_s = total, quiet, first_step, every_s
+        self.stream, self.clock = stream, clock
+        self.tty = (self._out().isatty() if tty is None else tty)
+        self.start = self.last_print = clock()
+        self.line, self.step_started = "", None
+        self._lock = threading.Lock()
+        self._beat: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    def _out(self):
+        return self.stream or sys.stderr
+
+    def _write(self, text: str, end: str = "\n"):
+        out = self._out()
+        out.write(text + end)
+        out.flush()
 
     def update(self, t: int, loss: float, tok_s: float, extra: str = "", metrics: str = ""):
         """``extra`` is a note that always shows; ``metrics`` ride along on the line."""
         if self.quiet:
             return
+        now = self.clock()
+        elapsed = now - self.start
+        eta = elapsed / max(t - self.first_step, 1) * (self.total - t)
         width = 24
         done = int(width * t / self.total)
         line = (f"step {t:>5}/{self.total} [{'#' * done}{'.' * (width - done)}] "
-                f"loss {loss:.4f}  {metrics + '  ' if metrics else ''}{tok_s:,.0f} tok/s {extra}")
-        if self.tty:
-            print("\r" + line, end="" if t < self.total else "\n", file=sys.stderr, flush=True)
-        elif t == 1 or t == self.total or t % max(1, self.total // 20) == 0 or extra:
-            print(line, file=sys.stderr, flush=True)
+                f"loss {loss:.4f}  {metrics + '  ' if metrics else ''}{rate_text(tok_s)} tok/s  "
+                f"{duration_text(elapsed)} elapsed, {duration_text(eta)} left"
+                f"{'  ' + extra if extra else ''}")
+        with self._lock:
+            self.line, self.step_started = line, None
+            if self.tty:
+                self._write("\r" + line, end="" if t < self.total else "\n")
+            elif (t in (self.first_step + 1, self.total) or extra
+                  or t % max(1, self.total // 20) == 0 or now - self.last_print >= self.every_s):
+                self._write(line)
+                self.last_print = now
+
+    def step_begins(self):
+        """A step starts: on a terminal, the heartbeat shows it running if it takes long."""
+        if self.quiet or not self.tty:
+            return
+        with self._lock:
+            self.step_started = self.clock()
+        if self._beat is None:
+            self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+            self._beat.start()
+
+    def _heartbeat(self):
+        while not self._stopped.wait(self.every_s):
+            with self._lock:
+                if self.step_started is None or not self.line:
+                    continue
+                running = self.clock() - self.step_started
+                if running >= self.every_s:
+                    try:
+                        self._write(f"\r{self.line}  (step running {duration_text(running)})",
+                                    end="")
+                    except OSError:   # the terminal went away: the loop will meet it too
+                        return
+
+    def close(self):
+        self._stopped.set()
 
     def message(self, text: str, always: bool = False):
         if always or not self.quiet:
-            print(("\n" if self.tty else "") + text, file=sys.stderr, flush=True)
+            with self._lock:
+                self._write(("\n" if self.tty else "") + text)
 
 
 class Signals:
     """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop between steps, so an update is
-    never cut in half. A second one aborts a step at once, but never a checkpoint write:
-    during ``saving()`` signals are only counted, and the write completes."""
+    never cut in half; the first is acknowledged at once (``acknowledge(signal name)``
+    gives the line to print). A second one aborts a step at once, but never a checkpoint
+    write: during ``saving()`` signals are only counted, and the write completes."""
 
-    def __init__(self):
+    def __init__(self, acknowledge=None):
         self.count, self.name, self.in_step, self._saving, self._old = 0, None, False, False, {}
+        self.acknowledge = acknowledge
 
     def _handler(self, signum, frame):
         self.count += 1
         self.name = signal.Signals(signum).name
+        if self.count == 1 and self.acknowledge is not None:
+            text = self.acknowledge(self.name)
+            if text:
+                # os.write, not print: the handler may interrupt a print in progress, and
+                # a buffered stream refuses a reentrant write.
+                try:
+                    os.write(2, ("\n" + text + "\n").encode())
+                except OSError:
+                    pass
         if self.count > 1 and self.in_step and not self._saving:
             raise KeyboardInterrupt
 
@@ -120,6 +200,15 @@ class RunSupervisor(Hooks):
     # --- hooks ------------------------------------------------------------------------------
     def before_step(self, trainer):
         self.signals.in_step = True
+        self.progress.step_begins()
+
+    def acknowledge(self, trainer, signal_name: str) -> str:
+        """The line a first Ctrl-C / SIGTERM gets at once: what happens next, and where."""
+        t = trainer.state.step + (1 if self.signals.in_step else 0)
+        where = (f"; its checkpoint goes to {self.out / 'checkpoints' / step_dir_name(t)}"
+                 if t > 0 else "")
+        return (f"{signal_name}: stopping after step {t}{where} (again to stop at once, "
+                f"without it)")
 
     def after_step(self, trainer, loss, micro, wall_s) -> bool:
         self.signals.in_step = False
@@ -136,6 +225,9 @@ class RunSupervisor(Hooks):
         self.losses.append(loss)
         self.progress.update(t, loss, real / max(wall_s, 1e-9),
                              metrics=self.recipe.metrics_text(metrics))
+        if self.world.any([self.signals.count])[0]:   # asked to stop: no evaluation first
+            self.stop_status = "interrupted"
+            return True
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
         due_time = (run_cfg.save_minutes
                     and time.monotonic() - self.last_save >= 60 * run_cfg.save_minutes)

@@ -1,0 +1,111 @@
+"""Everything a run checks and loads before its run directory is touched.
+
+The order is the user's: what needs no model first (the options, ``--out``, the checkpoint
+to resume, ``--adapter-init``, the data file's rows), so a typo fails in a second; then
+the model ("loading ..."), the settings block, the tokenized data, and the checks that
+need them (the checkpoint's options, data and model against this run's).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from toygraph.data.batches import data_hash, pad_id_for, split_train_val
+from toygraph.errors import DataError, GGUFError, ToygraphError
+from toygraph.gguf.tokenizer import Tokenizer
+from toygraph.models.model import GGUFModel
+from toygraph.recipes import recipe_class
+from toygraph.training.checkpoints import find_resumable, load_checkpoint
+from toygraph.training.loop import LoopState
+from toygraph.training.resume import check_resume, model_fingerprint
+from toygraph.training.run_config import RunConfig, check_against_model
+from toygraph.training.run_dir import check_run_dir
+from toygraph.training.run_file import settings_block
+
+
+def size_text(n: int) -> str:
+    """Bytes as a person reads them: 512 B, 98.4 MiB, 4.9 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass
+class Prepared:
+    """Everything checked and loaded before the run directory is touched."""
+    model: GGUFModel
+    enc: object
+    train: list
+    val: list
+    pad: int
+    state: LoopState
+    template: tuple[str, str] = ("", "")   # (name, Jinja source) conversations render with
+    resume_from: Path | None = None
+    skipped: list = field(default_factory=list)
+    allowed: list = field(default_factory=list)
+
+
+def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepared:
+    """Validate options, model, data and the checkpoint to resume: all before any write.
+    ``say`` gets the lines a user watches (loading, the settings, tokenizing)."""
+    run_cfg.validate()
+    if run_cfg.batch % ranks:
+        raise ToygraphError(f"--batch {run_cfg.batch} is the global batch and must divide "
+                            f"evenly over the {ranks} MPI ranks; use a multiple of {ranks}")
+    if not Path(run_cfg.model).is_file():
+        raise GGUFError(f"{run_cfg.model}: no such GGUF file")
+    check_run_dir(run_cfg.out, resume=bool(run_cfg.resume), overwrite=run_cfg.overwrite)
+    resume_from, skipped = (find_resumable(Path(run_cfg.resume)) if run_cfg.resume
+                            else (None, []))
+    if run_cfg.adapter_init and not Path(run_cfg.adapter_init).is_dir():
+        raise DataError(f"--adapter-init {run_cfg.adapter_init}: no such adapter directory")
+    cls = recipe_class(run_cfg.recipe)
+    rows = cls.load_data(run_cfg.data)   # the data's shape is checked before the model loads
+    rows = rows[:run_cfg.max_examples] if run_cfg.max_examples else rows
+
+    say(f"loading {Path(run_cfg.model).name} ({size_text(Path(run_cfg.model).stat().st_size)}) ...")
+    model = GGUFModel(run_cfg.model)
+    check_against_model(run_cfg, model.config)
+    tok = Tokenizer.from_gguf(model.reader)
+    tok.source = str(run_cfg.model)
+    tok.use_template(run_cfg.template)   # the model's own, its default, or --template
+    say(settings_block(run_cfg))
+    t0 = time.perf_counter()
+    say(f"tokenizing {len(rows):,} rows of {Path(run_cfg.data).name} "
+        f"(template: {tok.template_name}) ...")
+    enc = cls.encode_data(rows, tok, run_cfg.seq_len)
+    if not enc.items:
+        raise DataError(f"{run_cfg.data}: no example has a target token within "
+                        f"--seq-len {run_cfg.seq_len}")
+    say(f"tokenized in {time.perf_counter() - t0:.1f}s: {enc.report}")
+    train, val = split_train_val(enc.items, run_cfg.val_split, run_cfg.seed)
+    state = LoopState(data_hash=data_hash(run_cfg.data), options=run_cfg.options(),
+                      model_fingerprint=model_fingerprint(run_cfg.model),
+                      reference_hash=_reference_hash(run_cfg))
+    prep = Prepared(model, enc, train, val, pad_id_for(tok), state,
+                    template=(tok.template_name, tok.chat_template),
+                    resume_from=resume_from, skipped=skipped)
+    if resume_from is not None:
+        saved = LoopState.from_json(load_checkpoint(resume_from)[0])
+        prep.allowed = check_resume(asdict(saved), asdict(state), str(resume_from),
+                                    set(run_cfg.allow_change))
+        for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
+            setattr(state, name, getattr(saved, name))
+    return prep
+
+
+def _reference_hash(run_cfg: RunConfig) -> str | None:
+    """A hash of the adapter the recipe's frozen reference model includes (DPO with
+    --adapter-init), None when it has none. A missing file is left for the adapter loader
+    to report."""
+    from toygraph.adapters.files import CONFIG_FILE, WEIGHTS_FILE
+    adapter = recipe_class(run_cfg.recipe).reference_adapter_dir(run_cfg)
+    if not adapter:
+        return None
+    files = [Path(adapter) / name for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    if not all(f.is_file() for f in files):
+        return None
+    return hashlib.sha256("".join(data_hash(f) for f in files).encode()).hexdigest()
