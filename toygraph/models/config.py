@@ -50,10 +50,22 @@ class ModelConfig:
     windows: tuple[int, ...] = ()
     rope_bases: tuple[float, ...] = ()
     rope_scales: tuple[float, ...] = ()
+    # Mixture of experts (Family.moe; models/moe.py): layers from n_dense_lead on route
+    # each token to n_expert_used of n_expert experts of FFN width n_ff_exp.
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_dense_lead: int = 0             # leading_dense_block_count: plain FFNs of width n_ff
+    expert_weights_norm: bool = False  # renormalise the chosen experts' weights to sum 1
+    expert_weights_scale: float = 1.0  # the chosen experts' weights are multiplied by this
 
     @property
     def family(self) -> Family:
         return FAMILIES[self.arch]
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer ``i``'s FFN is a mixture of experts."""
+        return self.n_expert > 0 and i >= self.n_dense_lead
 
 
 def _number(meta, path, key: str, kind, default=None, *, positive=True):
@@ -134,6 +146,37 @@ def _heads(num, k, n_embd: int, path) -> tuple[int, int, int, int]:
     return n_head, n_head_kv, head_dim, rope_dims
 
 
+def _experts(num, meta, fam: Family, k, n_layer: int, path) -> dict:
+    """The ModelConfig fields of a mixture of experts (none for a dense family); every
+    MoE key (families.MOE_KEYS) is used here or refused."""
+    if not fam.moe:
+        return {}
+    n_expert = num(k("expert_count"), int)
+    used = num(k("expert_used_count"), int)
+    if used > n_expert:
+        raise GGUFError(f"{path}: {k('expert_used_count')} = {used} exceeds "
+                        f"{k('expert_count')} = {n_expert}")
+    for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
+        if num(k(key), int, 0, positive=False):
+            raise GGUFError(f"{path}: {k(key)} > 0: shared experts are not implemented "
+                            f"for {fam.arch}")
+    gating = num(k("expert_gating_func"), int, 1)
+    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise GGUFError(f"{path}: {k('expert_gating_func')} = {gating} is not supported "
+                        "(only 1, softmax)")
+    norm = meta(k("expert_weights_norm"))
+    if norm is not None and not isinstance(norm, bool):
+        raise GGUFError(f"{path}: metadata {k('expert_weights_norm')!r} must be a bool, found {norm!r}")
+    lead = num(k("leading_dense_block_count"), int, 0, positive=False)
+    if not 0 <= lead < n_layer:
+        raise GGUFError(f"{path}: {k('leading_dense_block_count')} = {lead} must be in "
+                        f"[0, block_count = {n_layer})")
+    return dict(n_expert=n_expert, n_expert_used=used, n_dense_lead=lead,
+                n_ff_exp=num(k("expert_feed_forward_length"), int),
+                expert_weights_norm=fam.expert_weights_norm if norm is None else norm,
+                expert_weights_scale=num(k("expert_weights_scale"), float, 1.0))
+
+
 def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     """Config of a GGUF from ``meta(key) -> value or None``, its key names, and its tensor
     index ``{name: numpy-order shape}``; every value bounded before use."""
@@ -165,9 +208,12 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     swa_base = num(k("rope.freq_base_swa"), float, fam.swa_rope_base)
     is_global = _global_layers(num, fam, k, n_layer, path)
     attn_scale = (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5
+    experts = _experts(num, meta, fam, k, n_layer, path)
+    # An all-MoE file's dense width is never used (Qwen3-MoE writes one anyway).
+    dense_ff = not experts or experts["n_dense_lead"] > 0
     return ModelConfig(
         arch=arch, n_layer=n_layer, n_embd=n_embd,
-        n_ff=num(k("feed_forward_length"), int),
+        n_ff=num(k("feed_forward_length"), int, None if dense_ff else 0, positive=dense_ff),
         n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
         rope_base=rope_base, rope_dims=rope_dims, rope_mode=fam.rope_mode,
         # Required, as llama.cpp requires it (the two references' defaults differ).
@@ -183,6 +229,7 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
         windows=tuple(0 if g else window for g in is_global),
         rope_bases=tuple(rope_base if g else swa_base for g in is_global),
         rope_scales=tuple(scale if g else 1.0 for g in is_global),
+        **experts,
     )
 
 
@@ -191,9 +238,14 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     d, hd, fam = cfg.n_embd, cfg.head_dim, cfg.family
     q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
     shapes = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
-              "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,),
-              "ffn_gate.weight": (cfg.n_ff, d), "ffn_up.weight": (cfg.n_ff, d),
-              "ffn_down.weight": (d, cfg.n_ff)}
+              "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,)}
+    if cfg.moe_layer(i):  # the router and the experts stacked [experts, out, in]
+        E, f = cfg.n_expert, cfg.n_ff_exp
+        shapes.update({"ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, f, d),
+                       "ffn_up_exps.weight": (E, f, d), "ffn_down_exps.weight": (E, d, f)})
+    else:
+        shapes.update({"ffn_gate.weight": (cfg.n_ff, d), "ffn_up.weight": (cfg.n_ff, d),
+                       "ffn_down.weight": (d, cfg.n_ff)})
     if cfg.qkv_bias:
         shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
     if fam.qk_norm:

@@ -28,6 +28,7 @@ from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.errors import GraphError
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
+from toygraph.models.moe import moe_ffn
 
 # LoRA target short names -> GGUF projection names.
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -131,6 +132,17 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
     return a, b
 
 
+def _check_targets(cfg, wanted: set[str]) -> None:
+    """Every LoRA target names a weight of this model: 'gate'/'up'/'down' are the dense
+    FFN's, which a mixture-of-experts layer does not have."""
+    present = {name.split(".")[-2] for name in tensor_shapes(cfg)}
+    missing = sorted(wanted - present)
+    if missing:
+        short = [t for t, proj in TARGETS.items() if proj in missing]
+        raise GraphError(f"LoRA targets {short} name no weight of this {cfg.arch} model "
+                         "(its FFNs are mixtures of experts: target q, k, v, o)")
+
+
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
                   lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
                   logits: bool = True, packed: bool = False, reference_of: Decoder | None = None, attend=None,
@@ -173,6 +185,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
+    _check_targets(cfg, wanted)
 
     def linear(x, name: str):
         """x [N, n_in] -> [N, n_out] through weight ``name`` (+ bias, + LoRA)."""
@@ -240,8 +253,12 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
         a = norm(a, "post_attention_norm")
     h = h + a
     x = norm(h, "ffn_norm")
-    f = ACTIVATIONS[fam.ffn](linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight"))
-    f = linear(f, p + "ffn_down.weight")
+    act = ACTIVATIONS[fam.ffn]
+    if cfg.moe_layer(i):
+        f = moe_ffn(cfg, W, p, x, linear, act)
+    else:
+        f = linear(act(linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight")),
+                   p + "ffn_down.weight")
     if fam.post_norms:
         f = norm(f, "post_ffw_norm")
     return h + f

@@ -34,6 +34,16 @@ COMMON_KEYS = frozenset({
 # llama-arch converters write them). Any other value (a mixture of experts) is refused.
 ZERO_ONLY_KEYS = frozenset({"expert_count", "expert_used_count"})
 
+# The mixture-of-experts keys a family with ``moe`` understands (models/config.py reads
+# each: implemented, or refused in one line when its value asks for what is not built:
+# shared experts, a gating function other than softmax). Expert groups and the other
+# MoE keys of llama.cpp are not listed, so a file carrying them is refused as not understood.
+MOE_KEYS = frozenset({
+    "expert_count", "expert_used_count", "expert_feed_forward_length",
+    "expert_weights_norm", "expert_weights_scale", "expert_gating_func",
+    "leading_dense_block_count", "expert_shared_count", "expert_shared_feed_forward_length",
+})
+
 # Hugging Face module paths inside a decoder layer, by GGUF projection name. The four
 # families share them (LlamaDecoderLayer, Qwen2/3DecoderLayer, Gemma3DecoderLayer).
 HF_LAYER_MODULES = {
@@ -68,6 +78,13 @@ class Family:
     ``default_rope_base``: used when ``rope.freq_base`` is absent; None where llama.cpp
     (10000) and transformers (Gemma 3: 1e6) disagree, so the key is required.
     ``extra_keys``: metadata keys understood beyond COMMON_KEYS.
+    ``moe``: the FFN of every layer from ``leading_dense_block_count`` on is a mixture of
+    experts (models/moe.py): a router ``ffn_gate_inp`` and stacked experts
+    ``ffn_{gate,up,down}_exps``. ``router``: how the k experts and their weights come from
+    the router logits: "softmax_topk" (softmax over all experts, the k most probable, their
+    probabilities renormalised to sum 1 when ``expert_weights_norm``) or "topk_softmax"
+    (the k largest logits, softmax over those k). ``expert_weights_norm``: its default
+    when the file has no ``expert_weights_norm`` key (llama.cpp's per-family choice).
     """
 
     arch: str
@@ -84,11 +101,14 @@ class Family:
     rope_freqs: bool = False
     default_rope_base: float | None = 10000.0
     extra_keys: frozenset = frozenset()
+    moe: bool = False
+    router: str = "softmax_topk"
+    expert_weights_norm: bool = False
     hf_modules: dict = field(default_factory=lambda: dict(HF_LAYER_MODULES))
 
     @property
     def keys(self) -> frozenset:
-        return COMMON_KEYS | self.extra_keys
+        return COMMON_KEYS | self.extra_keys | (MOE_KEYS if self.moe else frozenset())
 
 
 FAMILIES = {f.arch: f for f in (
@@ -104,4 +124,9 @@ FAMILIES = {f.arch: f for f in (
            attn_scale_embd_layers=(62,), default_rope_base=None,
            extra_keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
                                  "rope.freq_base_swa"})),
+    # Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3 attention, every FFN a mixture of
+    # experts. llama.cpp's build_moe_ffn for it: softmax gating, weights renormalised
+    # (norm_w = true; transformers: norm_topk_prob, true in the released configs).
+    Family(arch="qwen3moe", rope_mode="neox", qk_permuted=False, qk_norm=True, moe=True,
+           router="softmax_topk", expert_weights_norm=True),
 )}

@@ -1,0 +1,150 @@
+"""Tiny random mixture-of-experts models as the independent references of the MoE tests:
+built by transformers from a config, saved as a Hugging Face directory, and converted to
+GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (not by toygraph or its fixtures).
+
+The outputs are committed under tests/data/moe/<name>/ (config.json, model.safetensors,
+tokenizer files, model.gguf), so the tests need neither network nor llama.cpp. Regenerate
+them with::
+
+    python tests/moe_references.py [--llama-cpp DIR]
+
+DIR is a llama.cpp checkout; without it the script fetches llama-cpp-python's source
+distribution with ``pip download`` (it vendors llama.cpp) into a temporary folder.
+
+One change is made to the converter at run time, and only to its vocabulary step: a tiny
+byte-level tokenizer has no entry in ``get_vocab_base_pre``'s table of known pre-tokenizer
+hashes (it refuses unknown ones), so that method is made to answer the family's real
+pre-tokenizer name. Tensors and model metadata are written by the converter unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent / "data" / "moe"
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"   # the sdist the committed files came from
+VOCAB = 288          # 256 byte tokens, 3 specials, the rest padding the converter names
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+#: name -> (transformers config class name, its arguments, converter's pre-tokenizer name)
+MODELS = {
+    # 6 experts, top-2, renormalised top-k weights, GQA 4:2, head_dim * heads != hidden.
+    "qwen3moe": ("Qwen3MoeConfig", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+        max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "qwen2"),
+}
+
+
+def _tokenizer(out: Path) -> None:
+    """A byte-level BPE: the 256 byte symbols, a few merges, then the specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    vocab = {s: i for i, s in enumerate(sorted(ByteLevel.alphabet(), key=ord))}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": SPECIALS[0],
+        "bos_token": None, "model_max_length": 256}))
+
+
+def _randomize(model, seed: int) -> None:
+    """Weights large enough that attention, routing and every expert matter: N(0, 0.2)
+    matrices (router logits of std ~1.6: every chosen expert weighs), norm weights near 1."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "norm" in name:
+                prm.copy_(1 + 0.1 * torch.randn(prm.shape, generator=gen))
+            else:
+                prm.copy_(0.2 * torch.randn(prm.shape, generator=gen))
+
+
+def build_hf(name: str, out: Path, seed: int = 0) -> None:
+    import torch
+    import transformers
+    cls, kwargs, _ = MODELS[name]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kwargs))
+    _randomize(model.float(), seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    _tokenizer(out)
+
+
+def _llama_cpp(tmp: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "-q", "-d", str(tmp), LLAMA_CPP_PYTHON]
+    subprocess.run(cmd, check=True)
+    sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tf:
+        tf.extractall(tmp, filter="data")
+    return next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+
+_RUN_CONVERTER = """
+import runpy, sys
+sys.path.insert(0, {root!r})
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {dst!r}, "--outtype", "f32"]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def convert(name: str, hf_dir: Path, llama_cpp: Path) -> Path:
+    """llama.cpp's converter, f32 output (the parity tests compare f32 math)."""
+    dst = hf_dir / "model.gguf"
+    code = _RUN_CONVERTER.format(root=str(llama_cpp), pre=MODELS[name][2], src=str(hf_dir),
+                                 dst=str(dst), script=str(llama_cpp / "convert_hf_to_gguf.py"))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=llama_cpp)
+    return dst
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--llama-cpp", type=Path, help="a llama.cpp checkout (default: fetch)")
+    ap.add_argument("names", nargs="*", default=list(MODELS))
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.llama_cpp or _llama_cpp(Path(tmp))
+        for name in args.names:
+            out = HERE / name
+            build_hf(name, out)
+            print(name, "->", convert(name, out, root))
+
+
+def reference_model(name: str):
+    """The committed Hugging Face model ``name`` (float32, eval mode)."""
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(HERE / name), dtype=torch.float32).eval()
+
+
+def gguf_path(name: str) -> Path:
+    return HERE / name / "model.gguf"
+
+
+def random_tokens(n_vocab: int, batch: int = 2, seq: int = 16, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n_vocab, size=(batch, seq)).astype(np.int32)
+
+
+if __name__ == "__main__":
+    main()
