@@ -130,6 +130,34 @@ def main(argv=None) -> None:
             print(name, "->", convert(name, out, root))
 
 
+def requantize(name: str, dst: Path, types: dict[str, str]) -> Path:
+    """The committed GGUF ``name`` rewritten with gguf-py, tensors whose name contains a key
+    of ``types`` quantized by ``gguf.quants.quantize`` to that type ("q8_0", ...),
+    everything else (metadata included) copied as it is."""
+    import gguf
+    reader = gguf.GGUFReader(gguf_path(name), "r")
+    writer = gguf.GGUFWriter(dst, reader.get_field("general.architecture").contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        fmt = next((f for key, f in types.items() if key in t.name), None)
+        if fmt is None:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        else:
+            qtype = gguf.GGMLQuantizationType[fmt.upper()]
+            writer.add_tensor(t.name, gguf.quants.quantize(np.asarray(t.data, np.float32), qtype),
+                              raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 def reference_model(name: str):
     """The committed Hugging Face model ``name`` (float32, eval mode)."""
     import torch

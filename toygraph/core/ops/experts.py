@@ -24,8 +24,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from toygraph.core.ops.gemm import DEQUANT_KERNELS
 from toygraph.core.ops.shape import sum as _sum
 from toygraph.core.ops.table import F32, I32, check, check_floats, define_op, kernel, make_node
+from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, grid_1d, i32, lowers,
+                                    p)
+from toygraph.cuda.lowering.constants import MM_BM, MM_THREADS
+from toygraph.errors import CudaError
+
+# The family's CUDA kernels, beside this module; the grouped GEMMs use matmul.cu's tile.
+declare_kernels(__file__, "experts.cu", needs=("matmul.cu",))
+
+#: Grouped-GEMM kernels reading the expert weights in their block format, per format:
+#: "nt" y = x @ W[e]^T, "nn" dx = dy @ W[e] (experts.cu).
+EXPERT_KERNELS: dict[str, dict[str, str]] = {
+    fmt: {"nt": f"tg_expert_mm_nt_{fmt}", "nn": f"tg_expert_mm_nn_{fmt}"}
+    for fmt in DEQUANT_KERNELS
+}
 
 # --- builders and rules ------------------------------------------------------------------------
 
@@ -197,3 +212,83 @@ def _expert_matmul_dw_numpy(out, srcs, attrs):
         src = slots // k if x.ndim == 2 else slots
         # y = x W^T: dW = dy^T x;  y = x W: dW = x^T dy
         out[e] = gr[slots].T @ xr[src] if attrs["trans_b"] else xr[src].T @ gr[slots]
+
+
+# --- CUDA lowering (experts.cu) ----------------------------------------------------------------
+@lowers("topk", kernels=("tg_topk",))
+def _topk(node, at):
+    x = node.srcs[0]
+    rows = node.size // node.attrs["k"]
+    return [Launch("tg_topk", grid_1d(rows), [p(at.out), p(at.ptr(x)), i32(rows),
+                                               i32(x.shape[-1]), i32(node.attrs["k"])])]
+
+
+@lowers("take_along", kernels=("tg_take_along",))
+def _take_along(node, at):
+    x, ids = node.srcs
+    return [Launch("tg_take_along", grid_1d(node.size),
+                   [p(at.out), p(at.ptr(x)), p(at.ptr(ids)), i32(node.size), i32(x.shape[-1]),
+                    i32(ids.shape[-1])])]
+
+
+@lowers("put_along", kernels=("tg_put_along",))
+def _put_along(node, at):
+    g, ids = node.srcs
+    return [Launch("tg_put_along", grid_1d(node.size),
+                   [p(at.out), p(at.ptr(g)), p(at.ptr(ids)), i32(node.size), i32(node.shape[-1]),
+                    i32(ids.shape[-1])])]
+
+
+@lowers("group_by_expert", kernels=("tg_group_by_expert",))
+def _group(node, at):
+    ids = node.srcs[0]
+    E = node.attrs["n_expert"]
+    return [Launch("tg_group_by_expert", (min(E, MAX_GRID_YZ), 1, 1),
+                   [p(at.out), p(at.ptr(ids)), i32(ids.size), i32(E)])]
+
+
+def _grid(what: str, n_cols: int, n_rows: int, n_expert: int) -> tuple[int, int, int]:
+    """64x64 tiles over (columns, rows) per expert (grid z)."""
+    gy = max(1, (n_rows + MM_BM - 1) // MM_BM)
+    if gy > MAX_GRID_YZ or n_expert > MAX_GRID_YZ:
+        raise CudaError(f"{what}: {n_rows} rows of {n_expert} experts exceed the kernel's grid")
+    return (max(1, (n_cols + MM_BM - 1) // MM_BM), gy, n_expert)
+
+
+def _weight_in_blocks(node, index: int) -> bool:
+    """expert_matmul reads its expert weights (source 1) in their block format."""
+    return index == 1
+
+
+@lowers("expert_matmul", kernels=("tg_expert_mm_nt", "tg_expert_mm_nn"),
+        block_format=_weight_in_blocks)
+def _expert_matmul(node, at):
+    """f32 weights: tg_expert_mm_nt/nn; block-format weights: EXPERT_KERNELS[fmt]."""
+    x, w, routes = node.srcs
+    E, rows, cols = w.shape
+    N, k, n_out = node.shape
+    kind = "nt" if node.attrs["trans_b"] else "nn"
+    if w.id in at.raw_consts:
+        from toygraph.gguf import blocks
+        row = blocks.nbytes(w.storage, (1, cols))
+        kernel = EXPERT_KERNELS[w.storage][kind]
+    else:
+        row, kernel = cols, f"tg_expert_mm_{kind}"
+    grid = _grid(f"expert_matmul {node.name!r}", n_out, N * k, E)
+    return [Launch(kernel, grid, [p(at.out), p(at.ptr(x)), p(at.ptr(w)), p(at.ptr(routes)),
+                                  i32(n_out), i32(x.shape[-1]), i32(E), i32(k),
+                                  i32(x.ndim == 2), i32(rows * row), i32(row)],
+                   block=(MM_THREADS, 1, 1))]
+
+
+@lowers("expert_matmul_dw", kernels=("tg_expert_mm_dw",))
+def _expert_matmul_dw(node, at):
+    """dW[e] = dy^T x (trans_b) or x^T dy, over expert e's slots."""
+    g, x, routes = node.srcs
+    E, M, N = node.shape
+    k = g.shape[1]
+    a, b = (g, x) if node.attrs["trans_b"] else (x, g)
+    return [Launch("tg_expert_mm_dw", _grid(f"expert_matmul_dw {node.name!r}", N, M, E),
+                   [p(at.out), p(at.ptr(a)), i32(a.ndim == 2), p(at.ptr(b)), i32(b.ndim == 2),
+                    p(at.ptr(routes)), i32(M), i32(N), i32(E), i32(k)],
+                   block=(MM_THREADS, 1, 1))]

@@ -224,7 +224,8 @@ def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
 def _weight_in_blocks(node, index: int) -> bool:
     """A matmul reads its b in block format as the weight of ``x @ W^T`` / ``dy @ W``: a
     2-D b, trans_a=False, a's batch axes folded into M."""
-    return index == 1 and node.srcs[0] is not node.srcs[1] and not node.attrs["trans_a"]
+    return (index == 1 and node.srcs[1].ndim == 2 and node.srcs[0] is not node.srcs[1]
+            and not node.attrs["trans_a"])
 
 
 @lowers("matmul", kernels=("tg_matmul",), block_format=_weight_in_blocks)
