@@ -68,7 +68,7 @@ def test_take_along_gradient_matches_numpy():
                inputs_fn=ids_input(9, 2, 6))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "bf16", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "bf16", "q6_k", "mxfp4"])
 def test_block_format_experts_stay_in_blocks_and_match_numpy(fmt):
     """Expert weights [E, out, in] kept in their block format on the device (no f32 copy),
     decoded inside the grouped GEMM: y = x W[e]^T and dx = dy W[e] against numpy on the

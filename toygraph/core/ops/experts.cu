@@ -192,6 +192,7 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q4_k(TG
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q5_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ5_K, true>(TG_EMM_PASS); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q6_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ6_K, true>(TG_EMM_PASS); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_iq4_xs(TG_EMM_ARGS) { tg_expert_qmm<TgIQ4_XS, true>(TG_EMM_PASS); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_mxfp4(TG_EMM_ARGS) { tg_expert_qmm<TgMXFP4, true>(TG_EMM_PASS); }
 
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_f16(TG_EMM_ARGS) { tg_expert_qmm<TgF16, false>(TG_EMM_PASS); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_bf16(TG_EMM_ARGS) { tg_expert_qmm<TgBF16, false>(TG_EMM_PASS); }
@@ -207,6 +208,7 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q4_k(TG
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q5_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ5_K, false>(TG_EMM_PASS); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q6_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ6_K, false>(TG_EMM_PASS); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_iq4_xs(TG_EMM_ARGS) { tg_expert_qmm<TgIQ4_XS, false>(TG_EMM_PASS); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_mxfp4(TG_EMM_ARGS) { tg_expert_qmm<TgMXFP4, false>(TG_EMM_PASS); }
 
 
 // dW[e] [M, N] = sum over expert e's slots s, in slot order, of a[row_a(s), m] * b[row_b(s), n]

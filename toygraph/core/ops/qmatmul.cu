@@ -73,6 +73,7 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_nl(TG_QMM
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_mxfp4(TG_QMM_ARGS) { tg_qmm<TgMXFP4, true>(out, a, w, M, N, K, row_bytes); }
 
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_f16(TG_QMM_ARGS) { tg_qmm<TgF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, false>(out, a, w, M, N, K, row_bytes); }
@@ -88,3 +89,4 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_nl(TG_QMM
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_mxfp4(TG_QMM_ARGS) { tg_qmm<TgMXFP4, false>(out, a, w, M, N, K, row_bytes); }
