@@ -42,6 +42,19 @@ MODELS = {
         num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
         max_position_embeddings=256, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "qwen2"),
+    # 6 experts, top-2 then softmax, clamped SwiGLU, biases everywhere, attention sinks,
+    # sliding window 6 (< the tests' 16 tokens) on layer 0, full attention on layer 1, and
+    # YaRN whose frequency ramp lands inside the 8 rotary pairs (a small base and original
+    # context). "truncate": true is llama.cpp's YaRN (ggml_rope_yarn_corr_dims floors and
+    # ceils the correction range; the GGUF has no key for it); see test_moe_models.py.
+    "gpt-oss": ("GptOssConfig", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=6,
+        num_experts_per_tok=2, sliding_window=6, rms_norm_eps=1e-5, attention_bias=True,
+        max_position_embeddings=256, tie_word_embeddings=False, swiglu_limit=7.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                         "original_max_position_embeddings": 512}), "gpt-4o"),
 }
 
 
@@ -72,6 +85,8 @@ def _randomize(model, seed: int) -> None:
         for name, prm in model.named_parameters():
             if "norm" in name:
                 prm.copy_(1 + 0.1 * torch.randn(prm.shape, generator=gen))
+            elif name.endswith("sinks"):   # per-head logits of the same order as the scores
+                prm.copy_(torch.randn(prm.shape, generator=gen))
             else:
                 prm.copy_(0.2 * torch.randn(prm.shape, generator=gen))
 

@@ -169,6 +169,10 @@ def _attention_launches():
         att = ops.attention(q, k, v, scale=hd ** -0.5, causal=True)
         back = ops.OPS["attention"].grad(att, g.const("g", np.ones(att.shape)), [True] * 3)
         out += _lower_all([att, back[0].srcs[0]], precisions=("f32",))
+        sinks = g.const("sinks", np.ones(2))      # gpt-oss: their pointer and gradient kernel
+        att = ops.attention(q, k, v, scale=hd ** -0.5, sinks=sinks)
+        back = ops.OPS["attention"].grad(att, g.const("gs", np.ones(att.shape)), [True] * 4)
+        out += _lower_all([att, back[0].srcs[0]], precisions=("f32",))
     return out
 
 

@@ -139,3 +139,4 @@ def test_a_broken_kernel_fails_its_parity_check(mutation, monkeypatch):
     want = run_phase(g, "cpu", extra, "backward", fetch)
     got = run_phase(g, "cuda", extra, "backward", fetch)
     assert not all(rel_err(a, b) <= 1e-2 for a, b in zip(got, want))   # NaN counts as wrong
+
