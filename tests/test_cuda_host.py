@@ -358,6 +358,12 @@ def test_embedding_gradient_with_capped_grids(capped_grids):
     compare_op(lambda t, i: ops.get_rows(t, i), [(5, 30)], ELEMENTWISE, inputs_fn=ids)
 
 
+def test_swiglu_oai_forward_and_backward_match_numpy():
+    """gpt-oss's clamped SwiGLU, inputs of scale 6 so both clamps are active."""
+    compare_op(lambda a, b: ops.swiglu_oai(a * 6.0, b * 6.0, limit=2.5), [(37, 29), (37, 29)],
+               ELEMENTWISE)
+
+
 @pytest.mark.parametrize("window", [0, 5])
 def test_attention_with_sinks_matches_numpy(window):
     """flash_attention.cu with sinks (gpt-oss): forward, dq/dk/dv and d sinks

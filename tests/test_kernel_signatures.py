@@ -140,13 +140,15 @@ def _block_format_launches(rng):
 
 
 def _expert_launches(rng):
-    """The mixture-of-experts ops (ops/experts.py) forward and backward with f32 expert
-    weights trained (their dW), and every block format's grouped GEMMs (nt and nn)."""
+    """The mixture-of-experts ops (ops/experts.py, and gpt-oss's swiglu_oai) forward and
+    backward with f32 expert weights trained (their dW), and every block format's grouped
+    GEMMs (nt and nn)."""
     g = Graph()
     x, w = g.param("x", np.ones((3, 32))), g.param("w", np.ones((4, 5, 32)))
     logits = g.param("logits", np.ones((3, 4)))
     ids = ops.topk(logits, 2)
     y = ops.expert_matmul(x, w, ops.group_by_expert(ids, 4))
+    y = ops.swiglu_oai(y, y)                                 # gpt-oss's expert activation
     loss = ops.sum(ops.mul(y, ops.take_along(logits, ids).reshape(3, 2, 1)))
     grads = backward(loss, [x, w, logits])
     out = _lower_all(topo_order([loss, *grads.values()]), precisions=("f32",))
