@@ -51,7 +51,7 @@ MODELS = {
         vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=6,
         num_experts_per_tok=2, sliding_window=6, rms_norm_eps=1e-5, attention_bias=True,
-        max_position_embeddings=256, tie_word_embeddings=False, swiglu_limit=7.0,
+        max_position_embeddings=2048, tie_word_embeddings=False, swiglu_limit=7.0,
         rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                          "original_max_position_embeddings": 512}), "gpt-4o"),
@@ -78,7 +78,9 @@ def _tokenizer(out: Path) -> None:
 
 def _randomize(model, seed: int) -> None:
     """Weights large enough that attention, routing and every expert matter: N(0, 0.2)
-    matrices (router logits of std ~1.6: every chosen expert weighs), norm weights near 1."""
+    matrices (router logits of std ~1.6: every chosen expert weighs), norm weights near 1;
+    gpt-oss's sinks and gate/up experts (and their biases) N(0, 1), so sinks take a share
+    of every row and the SwiGLU clamp at 7 is active."""
     import torch
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -87,6 +89,8 @@ def _randomize(model, seed: int) -> None:
                 prm.copy_(1 + 0.1 * torch.randn(prm.shape, generator=gen))
             elif name.endswith("sinks"):   # per-head logits of the same order as the scores
                 prm.copy_(torch.randn(prm.shape, generator=gen))
+            elif name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+                prm.copy_(torch.randn(prm.shape, generator=gen))  # gpt-oss: past the clamp
             else:
                 prm.copy_(0.2 * torch.randn(prm.shape, generator=gen))
 

@@ -2,7 +2,15 @@
 by transformers from a config and converted to GGUF by llama.cpp's convert_hf_to_gguf.py
 (tests/moe_references.py; committed under tests/data/moe/). toygraph's loss on the GGUF
 equals transformers' on the Hugging Face weights, 3 LoRA steps on the attention equal
-torch + PEFT AdamW, and the exported PEFT adapter reproduces toygraph's adapted loss."""
+torch + PEFT AdamW, and the exported PEFT adapter reproduces toygraph's adapted loss.
+Each family feature the fixtures claim to exercise is shown to matter: the reference
+with it changed is far (> 1e-3) from toygraph.
+
+gpt-oss's YaRN: llama.cpp floors and ceils the correction range (ggml_rope_yarn_corr_dims;
+transformers' rope parameter "truncate": true), and the GGUF has no key saying otherwise,
+so toygraph does too and the reference config says truncate: true. transformers'
+GptOssConfig default (and OpenAI's reference) is truncate: false; on this fixture that
+reference differs by ~1e-3 (test_yarn_truncation_follows_llama_cpp)."""
 import numpy as np
 import pytest
 
@@ -30,7 +38,7 @@ def _reference(name):
     return lambda path: reference_model(name)
 
 
-def test_the_fixtures_exercise_what_they_claim():
+def test_the_qwen3moe_fixture_exercises_what_it_claims():
     cfg = GGUFModel(gguf_path("qwen3moe")).config
     assert 4 <= cfg.n_expert <= 8 and cfg.n_expert_used == 2 and cfg.expert_weights_norm
     assert cfg.n_head_kv < cfg.n_head and cfg.head_dim * cfg.n_head != cfg.n_embd
@@ -65,15 +73,74 @@ def test_loss_matches_transformers(name):
     assert rel(mine, ref) <= 1e-4
 
 
-def test_routing_weights_matter():
-    """The reference without renormalised top-k weights is far from toygraph: the fixture
-    exercises the family's weight normalisation well beyond the tolerance."""
-    path = gguf_path("qwen3moe")
+def test_the_gpt_oss_fixture_exercises_what_it_claims():
+    cfg = GGUFModel(gguf_path("gpt-oss")).config
+    assert 4 <= cfg.n_expert <= 8 and cfg.n_expert_used == 2 and cfg.n_head_kv < cfg.n_head
+    assert cfg.windows == (cfg.sliding_window, 0) and cfg.sliding_window < 16
+    assert len(set(cfg.rope_yarn)) > 3     # extrapolated, blended and scaled pairs
+    assert cfg.qkv_bias and cfg.family.sinks and cfg.family.o_bias
+
+
+def _set(attr, value):
+    def change(model):
+        for layer in model.model.layers:
+            obj = layer
+            for part in attr.split(".")[:-1]:
+                obj = getattr(obj, part)
+            setattr(obj, attr.split(".")[-1], value)
+    return change
+
+
+def _fill(param, value):
+    def change(model):
+        with torch.no_grad():
+            for layer in model.model.layers:
+                eval(f"layer.{param}").fill_(value)
+    return change
+
+
+def _config(**kw):
+    return lambda name: transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path(name).parent), dtype=torch.float32, **kw).eval()
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "original_max_position_embeddings": 512}
+CHANGES = {   # (family, what): the reference with it changed (a model, or a change to one)
+    ("qwen3moe", "top-k weights not renormalised"): _set("mlp.gate.norm_topk_prob", False),
+    ("gpt-oss", "no attention sinks"): _fill("self_attn.sinks", -1e9),
+    ("gpt-oss", "no router bias"): _fill("mlp.router.bias", 0.0),
+    ("gpt-oss", "no gate/up expert biases"): _fill("mlp.experts.gate_up_proj_bias", 0.0),
+    ("gpt-oss", "no down expert biases"): _fill("mlp.experts.down_proj_bias", 0.0),
+    ("gpt-oss", "no sliding window"): _config(sliding_window=1000),
+    ("gpt-oss", "no SwiGLU clamp"): _config(swiglu_limit=1000.0),
+    ("gpt-oss", "no YaRN"): _config(rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+}
+
+
+@pytest.mark.parametrize("name,what", sorted(CHANGES))
+def test_each_family_feature_matters(name, what):
+    """Without ``what`` the reference is far from toygraph: the fixture exercises it."""
+    path = gguf_path(name)
     tokens = random_tokens(GGUFModel(path).config.n_vocab)
-    model = reference_model("qwen3moe")
-    for layer in model.model.layers:
-        layer.mlp.gate.norm_topk_prob = False
+    change = CHANGES[name, what]
+    if change.__name__ == "<lambda>":      # a reference built from a changed config
+        model = change(name)
+    else:
+        model = reference_model(name)
+        change(model)
     assert rel(toygraph_loss(path, tokens), reference_loss(model, tokens)) > 1e-3
+
+
+def test_yarn_truncation_follows_llama_cpp():
+    """transformers' untruncated YaRN correction range (GptOssConfig's default) is
+    ~1e-3 away on this fixture; the truncated one (llama.cpp's) is the parity reference."""
+    path = gguf_path("gpt-oss")
+    tokens = random_tokens(GGUFModel(path).config.n_vocab)
+    untruncated = _config(rope_parameters={**YARN, "truncate": False})("gpt-oss")
+    mine = toygraph_loss(path, tokens)
+    print(f"untruncated YaRN reference: rel {rel(mine, reference_loss(untruncated, tokens)):.2e}")
+    assert rel(mine, reference_loss(untruncated, tokens)) > 3e-4
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -34,10 +34,16 @@ from toygraph.models.moe import moe_ffn
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
            "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 WEIGHT_MODES = ("frozen", "finetune", "scratch")
-# Gated FFN activations by Family.ffn: act(gate) * up.
-ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu}
+# Gated FFN activations by Family.ffn: act(gate) * up; gpt-oss's alpha and limit are the
+# constants llama.cpp's build_moe_ffn uses for LLM_FFN_SWIGLU_OAI_MOE (and transformers'
+# GptOssConfig defaults; the GGUF has no key for them).
+ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu,
+               "swiglu_oai": lambda gate, up: ops.swiglu_oai(gate, up, alpha=1.702, limit=7.0)}
 # Tensors that describe the model rather than weigh it: frozen in every weight mode.
 FIXED = ("rope_freqs.weight",)
+#: The const holding ModelConfig.rope_yarn (YaRN's per-pair frequency divisors), made by
+#: the builder beside the GGUF's weights (the file stores no such tensor).
+YARN_FACTORS = "rope_yarn.factors"
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,8 @@ def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tenso
             out[name] = g.param(name, w.dequantize())
         else:
             out[name] = g.const(name, w.raw, shape=w.shape, storage=w.qtype)
+    if cfg.rope_yarn:
+        out[YARN_FACTORS] = g.const(YARN_FACTORS, np.array(cfg.rope_yarn, np.float32))
     return out
 
 
@@ -154,9 +162,9 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     weight tensors, making no new weights (DPO's reference model reads the same frozen
     base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
 
-    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v)`` replaces layer i's
-    fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms and rope;
-    returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
+    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v, sinks)`` replaces
+    layer i's fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms
+    and rope, sinks the layer's attention sinks [H] or None; returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
     and LoRA pairs (a second graph over the same parameters), and ``prefix`` names this
     one's ``tokens``/``positions`` inputs apart from its.
 
@@ -206,9 +214,9 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
-    attend = attend or (lambda i, q, k, v: ops.attention(q, k, v, scale=cfg.attn_scale,
-                                                         causal=True, window=cfg.windows[i],
-                                                         segments=net.segments))
+    attend = attend or (lambda i, q, k, v, sinks: ops.attention(
+        q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
+        segments=net.segments, sinks=sinks))
     for i in range(cfg.n_layer):
         # One region per block: the unit activation checkpointing recomputes (recompute.py).
         with g.region(f"blk.{i}", h) as block:
@@ -238,8 +246,8 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
 
     def rope(y):
         y = ops.rope(y, net.positions, dims=cfg.rope_dims, base=cfg.rope_bases[i],
-                     mode=cfg.rope_mode, freq_factors=W.get("rope_freqs.weight"),
-                     freq_scale=cfg.rope_scales[i])
+                     mode=cfg.rope_mode, freq_scale=cfg.rope_scales[i],
+                     freq_factors=W.get("rope_freqs.weight", W.get(YARN_FACTORS)))
         return y.permute(0, 2, 1, 3)  # [B, heads, T, hd]
 
     x = norm(h, "attn_norm")
@@ -247,12 +255,12 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
     k = rope(heads(linear(x, p + "attn_k.weight"), KV, "attn_k_norm" if fam.qk_norm else None))
     v = heads(linear(x, p + "attn_v.weight"), KV, None).permute(0, 2, 1, 3)
     # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
-    o = attend(i, q, k, v)
+    o = attend(i, q, k, v, W.get(p + "attn_sinks.weight"))
     a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
     if fam.post_norms:
         a = norm(a, "post_attention_norm")
     h = h + a
-    x = norm(h, "ffn_norm")
+    x = norm(h, fam.ffn_norm)
     act = ACTIVATIONS[fam.ffn]
     if cfg.moe_layer(i):
         f = moe_ffn(cfg, W, p, x, linear, act)
