@@ -260,16 +260,18 @@ def test_lora_step_of_a_tiny_model_matches_numpy(model, request):
     assert _lora_run(path, "cuda")[1] == losses
 
 
-def test_lora_step_of_a_mixture_of_experts_matches_numpy(tmp_path):
-    """Qwen3-MoE (tests/data/moe) with its experts in q8_0: the grouped GEMMs read them in
-    their block format on the device; 3 attention-LoRA steps within 1e-4 of numpy."""
+@pytest.mark.parametrize("name,fmt", [("qwen3moe", "q8_0"), ("gpt-oss", "mxfp4")])
+def test_lora_step_of_a_mixture_of_experts_matches_numpy(name, fmt, tmp_path):
+    """The MoE fixtures (tests/data/moe) with their experts in a block format: the grouped
+    GEMMs read them in it on the device; 3 attention-LoRA steps within 1e-4 of numpy
+    (gpt-oss: sinks, biases, clamped SwiGLU and YaRN on the host device too)."""
     from moe_references import requantize
-    path = requantize("qwen3moe", tmp_path / "q8.gguf", {"_exps.": "q8_0"})
+    path = requantize(name, tmp_path / f"{fmt}.gguf", {"_exps.weight": fmt})
     attention = ("q", "k", "v", "o")
     _, cpu_losses = _lora_run(path, "cpu", targets=attention)
     recipe, losses = _lora_run(path, "cuda", targets=attention)
-    experts = [t for t in recipe.graph.by_role("const") if "_exps." in t.name]
-    assert experts and all(t.storage == "q8_0" for t in experts)
+    experts = [t for t in recipe.graph.by_role("const") if "_exps.weight" in t.name]
+    assert experts and all(t.storage == fmt for t in experts if t.name.endswith(".weight"))
     assert {t.id for t in experts} <= recipe.sess.backend.raw_consts
     for a, b in zip(losses, cpu_losses):
         assert abs(a - b) <= 1e-4 * abs(b), (losses, cpu_losses)

@@ -14,7 +14,7 @@ reference differs by ~1e-3 (test_yarn_truncation_follows_llama_cpp)."""
 import numpy as np
 import pytest
 
-from moe_references import MODELS, gguf_path, random_tokens, reference_model
+from moe_references import MODELS, gguf_path, random_tokens, reference_model, requantize
 from test_arch_models import reference_loss
 from test_llama import toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
@@ -173,3 +173,107 @@ def test_dense_ffn_targets_are_refused_on_an_all_experts_model():
     with pytest.raises(GraphError, match=r"LoRA targets \['gate', 'down'\] name no weight"):
         build_decoder(Graph(), cfg, batch=1, seq_len=4, weights="scratch",
                       lora=LoraConfig(targets=("q", "gate", "down")))
+
+
+def _mxfp4_reference(path):
+    """The gpt-oss reference with its experts set to the MXFP4 file's values, decoded by
+    gguf.quants.dequantize and put back in transformers' layout (the converter's inverse:
+    gate_up_proj [E, D, 2F] interleaves gate and up columns; down_proj is [E, F, D])."""
+    import gguf
+    import gguf.quants
+    reader = gguf.GGUFReader(path)
+    model = reference_model("gpt-oss")
+
+    def weights(name):
+        t = next(t for t in reader.tensors if t.name == name)
+        assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4
+        deq = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        return torch.tensor(deq.reshape([int(x) for x in reversed(t.shape)]).transpose(0, 2, 1))
+
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            ex.gate_up_proj[:, :, ::2] = weights(f"blk.{i}.ffn_gate_exps.weight")
+            ex.gate_up_proj[:, :, 1::2] = weights(f"blk.{i}.ffn_up_exps.weight")
+            ex.down_proj[:] = weights(f"blk.{i}.ffn_down_exps.weight")
+    return model
+
+
+def test_gpt_oss_with_mxfp4_experts_matches_transformers(tmp_path):
+    """Experts in MXFP4, as gpt-oss GGUFs ship them (quantized here by gguf-py): toygraph
+    reads the blocks, transformers gets gguf-py's decoding of them."""
+    path = requantize("gpt-oss", tmp_path / "mxfp4.gguf", {"_exps.weight": "mxfp4"})
+    tokens = random_tokens(GGUFModel(path).config.n_vocab)
+    mine, ref = toygraph_loss(path, tokens), reference_loss(_mxfp4_reference(path), tokens)
+    f32 = toygraph_loss(gguf_path("gpt-oss"), tokens)
+    print(f"gpt-oss mxfp4: toygraph {mine:.7f} transformers {ref:.7f} (f32 experts {f32:.7f})")
+    assert rel(mine, ref) <= 1e-4 and rel(mine, f32) > 1e-3
+
+
+# --- generation and the KV cache ---------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_cached_generation_matches_the_full_window_and_transformers(name):
+    """24 greedy tokens (past gpt-oss's window of 6): the KV cache's decode (sinks as the
+    cache's extra row) and the full-window path give transformers' own greedy tokens."""
+    from test_kvcache import check_paths_agree
+    path = gguf_path(name)
+    lm = LanguageModel(path)
+    ids = lm.tokenizer.encode("the cat sat on the mat")
+    tokens = check_paths_agree(lm, ids, 24)
+    with torch.no_grad():
+        out = reference_model(name).generate(torch.tensor([ids]), max_new_tokens=24,
+                                             do_sample=False, eos_token_id=None)
+    assert tokens == out[0, len(ids):].tolist()
+    assert len(set(tokens)) > 3
+
+
+def test_cached_gpt_oss_on_the_cuda_kernels(monkeypatch):
+    """The CUDA backend (host executor) with the cache against numpy's full window."""
+    from test_kvcache import greedy_steps, normwise
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    path = gguf_path("gpt-oss")
+    cpu, cuda = LanguageModel(path), LanguageModel(path, backend="cuda")
+    ids = cpu.tokenizer.encode("the cat sat on the mat")
+    got, got_logits = greedy_steps(cuda, ids, 10, kv_cache=True)
+    want, want_logits = greedy_steps(cpu, ids, 10, kv_cache=False)
+    assert got == want and normwise(got_logits, want_logits) <= 1e-4
+
+
+# --- export: an attention adapter merged into a MoE GGUF ----------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_export_merges_an_attention_adapter_into_a_moe_gguf(name, tmp_path):
+    """``toygraph export`` on a MoE file (gpt-oss with its experts in MXFP4): q/k/v/o
+    merged, router, experts (their MXFP4 blocks), sinks and metadata carried over byte
+    for byte; the merged file alone computes base + adapter, and transformers + PEFT on
+    the same weights agrees."""
+    from test_export import check_carried_over
+    from toygraph.adapters.merge import export_merged
+    path = gguf_path(name)
+    if name == "gpt-oss":
+        path = requantize(name, tmp_path / "mxfp4.gguf", {"_exps.weight": "mxfp4"})
+    cfg = GGUFModel(path).config
+    lora = random_lora(cfg, ATTENTION, 4, b_std=0.5)
+    save_peft(tmp_path / "run", lora, cfg, rank=4, alpha=8, targets=ATTENTION)
+    merged = export_merged(path, tmp_path / "run", tmp_path / "merged.gguf", "f32")
+    check_carried_over(path, merged, set(lora), "f32")
+    tokens = random_tokens(cfg.n_vocab)
+    mine, _ = LanguageModel(merged).loss(tokens.tolist())
+    adapted, _ = LanguageModel(path, adapter_dir=tmp_path / "run").loss(tokens.tolist())
+    base = _mxfp4_reference(path) if name == "gpt-oss" else reference_model(name)
+    ref = reference_loss(peft.PeftModel.from_pretrained(base, str(tmp_path / "run")), tokens)
+    print(f"{name}: merged {mine:.7f} base+adapter {adapted:.7f} transformers+PEFT {ref:.7f}")
+    assert rel(mine, adapted) <= 1e-5 and rel(mine, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gguf_adapter_uses_llama_cpp_names(name, tmp_path):
+    """A llama.cpp GGUF-LoRA of the attention targets, checked by llama.cpp's rules
+    against the MoE base file."""
+    from toygraph.adapters.files import check_gguf_adapter, save_gguf_adapter
+    path = gguf_path(name)
+    cfg = GGUFModel(path).config
+    out = save_gguf_adapter(tmp_path / "a.gguf", random_lora(cfg, ATTENTION, 2), cfg, alpha=4,
+                            base_arch=cfg.arch)
+    info = check_gguf_adapter(out, path)
+    assert set(info["tensors"]) == {f"blk.{i}.{p}.weight" for i in range(cfg.n_layer)
+                                    for p in ("attn_q", "attn_k", "attn_v", "attn_output")}
