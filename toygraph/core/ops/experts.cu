@@ -113,10 +113,7 @@ __device__ __forceinline__ void tg_expert_mm(float* out, const float* x, L w, co
     const int* perm = routes + E + 1 + lo;
     int t = threadIdx.x, tx = t % 16, ty = t / 16;
     float acc[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    tg_mm_zero(acc);
     for (int k0 = 0; k0 < K; k0 += MM_BK) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -225,10 +222,7 @@ tg_expert_mm_dw(float* out, const float* a, int a_by_token, const float* b, int 
     int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
     int t = threadIdx.x, tx = t % 16, ty = t / 16;
     float acc[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    tg_mm_zero(acc);
     for (int k0 = 0; k0 < K; k0 += MM_BK) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -254,15 +248,5 @@ tg_expert_mm_dw(float* out, const float* a, int a_by_token, const float* b, int 
         tg_mm_tile_fma(As, Bs, acc, tx, ty);
         __syncthreads();
     }
-    float* C = out + (long long)e * M * N;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        int gm = m0 + ty + 16 * i;
-        if (gm >= M) continue;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            int gn = n0 + tx + 16 * j;
-            if (gn < N) C[(long long)gm * N + gn] = acc[i][j];
-        }
-    }
+    tg_mm_store(out + (long long)e * M * N, acc, m0, n0, M, N, tx, ty);
 }

@@ -223,20 +223,18 @@ def _topk(node, at):
                                                i32(x.shape[-1]), i32(node.attrs["k"])])]
 
 
-@lowers("take_along", kernels=("tg_take_along",))
-def _take_along(node, at):
-    x, ids = node.srcs
-    return [Launch("tg_take_along", grid_1d(node.size),
-                   [p(at.out), p(at.ptr(x)), p(at.ptr(ids)), i32(node.size), i32(x.shape[-1]),
-                    i32(ids.shape[-1])])]
+def _along(node, at):
+    """take_along (x [.., E] -> [.., k]) and its scatter put_along ([.., k] -> [.., E]):
+    one thread per output element, E the wide side's last axis."""
+    (name,) = at.kernels
+    vals, ids = node.srcs
+    E = node.shape[-1] if node.op == "put_along" else vals.shape[-1]
+    return [Launch(name, grid_1d(node.size), [p(at.out), p(at.ptr(vals)), p(at.ptr(ids)),
+                                              i32(node.size), i32(E), i32(ids.shape[-1])])]
 
 
-@lowers("put_along", kernels=("tg_put_along",))
-def _put_along(node, at):
-    g, ids = node.srcs
-    return [Launch("tg_put_along", grid_1d(node.size),
-                   [p(at.out), p(at.ptr(g)), p(at.ptr(ids)), i32(node.size), i32(node.shape[-1]),
-                    i32(ids.shape[-1])])]
+lowers("take_along", kernels=("tg_take_along",))(_along)
+lowers("put_along", kernels=("tg_put_along",))(_along)
 
 
 @lowers("group_by_expert", kernels=("tg_group_by_expert",))
