@@ -1,6 +1,7 @@
 """Merged GGUF export: the merged file computes what base + PEFT adapter computes, in
 transformers (the independent reference) and in toygraph; untouched tensors and metadata
 are carried over byte for byte."""
+import json
 import re
 
 import gguf
@@ -200,3 +201,36 @@ def test_smollm2_modelfile_keeps_its_default_system_message(smollm2):
     assert f'TEMPLATE """{OLLAMA_CHATML}"""' in text
     assert 'SYSTEM """You are a helpful AI assistant named SmolLM, trained by Hugging Face"""' in text
     assert 'PARAMETER stop "<|im_end|>"' in text and f"FROM {smollm2.resolve()}" in text
+
+
+def test_an_adapter_already_merged_in_is_not_applied_twice(tiny_llama, tmp_path):
+    """export and generate refuse an adapter whose bytes the model records as merged in
+    (toygraph.merged_adapter.sha256); --allow-merged lets it through."""
+    from toygraph.cli import main
+    from toygraph.training import RunConfig, run_training
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Q{i}?", "response": "A."}) + "\n"
+                            for i in range(4)))
+    run = tmp_path / "run"
+    run_training(RunConfig(model=str(tiny_llama), data=str(data), out=str(run), steps=1,
+                           batch=2, seq_len=32, val_split=0, rank=2, quiet=True))
+    merged = export_merged(tiny_llama, run, tmp_path / "m.gguf", "f32")
+    with pytest.raises(DataError, match=r"already has the adapter .* merged in .* --allow-merged"):
+        export_merged(merged, run, tmp_path / "m2.gguf", "f32")
+    with pytest.raises(DataError, match="--allow-merged"):
+        LanguageModel(merged, adapter_dir=run)
+    assert main(["generate", "--model", str(merged), "--adapter", str(run), "--prompt", "Q1?",
+                 "--max-new-tokens", "1"]) == 2
+    export_merged(merged, run, tmp_path / "m3.gguf", "f32", allow_merged=True)   # meant: fine
+    LanguageModel(merged, adapter_dir=run, allow_merged=True)
+
+
+@pytest.mark.parametrize("system", ['Say "hi"', "Ends with a backslash\\", 'Has """ inside'])
+def test_a_system_message_the_modelfile_cannot_quote_is_not_written(tiny_llama, system):
+    from toygraph.fixtures.tiny_models import CHATML
+    from toygraph.gguf.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(tiny_llama)
+    tok.use_template("probe", "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n"
+                     + system.replace("\\", "\\\\").replace("'", "\\'") + "<|im_end|>\\n' }}{% endif %}"
+                     + CHATML)
+    assert ollama_template(tok) is None

@@ -285,3 +285,45 @@ def test_harmless_keys_load(tmp_path):
     cfg = open_gguf(write_tiny_gemma3(tmp_path / "g.gguf", extra_kv={
         "gemma3.attention.sliding_window_pattern": 3})).config
     assert [i for i, w in enumerate(cfg.windows) if w == 0] == [2, 5]
+
+
+# --- what llama.cpp's loader refuses too (issue 31) ----------------------------------------------
+def _tensor_offset_position(path, name: str) -> tuple[int, int]:
+    """(byte position of tensor ``name``'s data offset in the header, that offset)."""
+    reader = gguf.GGUFReader(path)
+    base = reader.data.ctypes.data
+    for t in reader.tensors:
+        if t.name == name:
+            part = t.field.parts[-1]
+            return part.ctypes.data - base, int(part[0])
+    raise KeyError(name)
+
+
+def test_tensors_whose_data_overlap_are_refused(tiny, tmp_path):
+    """One tensor's offset pointing into another's bytes would make the first one's reads
+    garbage; the loader refuses it, naming both."""
+    src = tiny["llama"]
+    pos, _ = _tensor_offset_position(src, "blk.1.attn_q.weight")
+    _, other = _tensor_offset_position(src, "blk.0.attn_q.weight")
+    data = bytearray(src.read_bytes())
+    data[pos:pos + 8] = np.uint64(other).tobytes()
+    bad = tmp_path / "overlap.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"overlap\.gguf: .*'blk\.[01]\.attn_q\.weight' and "
+                                        r"'blk\.[01]\.attn_q\.weight' overlap in the file"):
+        open_gguf(bad)
+
+
+def test_the_vocabulary_sizes_must_agree(tiny, tmp_path):
+    model = open_gguf(tiny["llama"])
+    rows = model.config.n_vocab
+    bad = patched(tiny["llama"], tmp_path / "vocab.gguf", kv_u32("llama.vocab_size", rows),
+                  kv_u32("llama.vocab_size", rows + 7))
+    with pytest.raises(GGUFError, match=rf"llama.vocab_size is {rows + 7}, but token_embd.weight "
+                                        rf"has {rows} rows"):
+        open_gguf(bad)
+    import dataclasses
+    model.config = dataclasses.replace(model.config, n_vocab=10)   # fewer rows than tokens
+    model.metadata = lambda key, default=None: None                # and no vocab_size key
+    with pytest.raises(GGUFError, match=r"lists \d+ tokens, but token_embd.weight has only 10 rows"):
+        model._check_vocabulary()

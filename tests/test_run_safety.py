@@ -412,3 +412,43 @@ def test_an_option_newer_than_the_checkpoint_counts_as_its_default():
     other = {**same, "options": {"lr": 1e-3, "precision": "bf16"}}
     with pytest.raises(ResumeMismatch, match="--precision was 'f32' in the checkpoint, now 'bf16'"):
         check_resume(saved, other, "ckpt", set())
+
+
+# --- round 3 (issue 31) -------------------------------------------------------------------------
+def _tree(root):
+    """Every file under ``root`` with its bytes: a run directory's whole state."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "run.lock"}
+
+
+def test_a_resume_onto_another_architecture_is_refused_and_changes_nothing(tiny_llama,
+                                                                           tiny_qwen2,
+                                                                           chat_data, tmp_path):
+    """Even with --allow-change model: the checkpoint's adapters were shaped for a llama."""
+    out = tmp_path / "r"
+    run_training(cfg_for(tiny_llama, chat_data, out, steps=2, val_split=0))
+    before = _tree(out)
+    with pytest.raises(ResumeMismatch, match="trained on a llama model; tiny-qwen2.gguf is "
+                                             "qwen2 \\(another architecture\\)"):
+        run_training(cfg_for(tiny_qwen2, chat_data, out, steps=2, val_split=0, resume=str(out),
+                             allow_change=("model",)))
+    assert _tree(out) == before
+
+
+def test_a_resume_with_nothing_left_to_do_touches_nothing(tiny_llama, chat_data, tmp_path):
+    out = tmp_path / "r"
+    run_training(cfg_for(tiny_llama, chat_data, out, steps=2, val_split=0))
+    before = _tree(out)
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=2, val_split=0, resume=str(out)))
+    assert s["status"] == "completed" and s["reason"].startswith("nothing to do")
+    assert _tree(out) == before   # no second run_end, no rewritten adapter or Modelfile
+
+
+def test_a_step_over_many_passes_of_the_data_is_refused(tiny_llama, chat_data, tmp_path, capsys):
+    with pytest.raises(ToygraphError, match=r"one step of --batch 2 x --grad-accum 100000 is "
+                                            r"[\d,.]+ passes over the \d+ training examples"):
+        run_training(cfg_for(tiny_llama, chat_data, tmp_path / "a", grad_accum=100000))
+    assert not (tmp_path / "a").exists()
+    run_training(cfg_for(tiny_llama, chat_data, tmp_path / "b", steps=1, grad_accum=40,
+                         val_split=0, max_passes_per_step=0, quiet=False))
+    assert "warning: one step of --batch 2 x --grad-accum 40 is" in capsys.readouterr().err

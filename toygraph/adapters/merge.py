@@ -45,6 +45,19 @@ def load_adapter(adapter, cfg) -> tuple[dict, int, float, Path]:
     return lora, rank, alpha, adapter / WEIGHTS_FILE
 
 
+def refuse_merged_twice(model, adapter_file: Path, allow: bool = False) -> None:
+    """A DataError when ``model`` (a GGUF this module wrote) already has the adapter whose
+    weights are ``adapter_file`` merged in, by its ``toygraph.merged_adapter.sha256``:
+    applying it again would add its update twice. ``allow`` (--allow-merged) lets it be."""
+    merged = model.metadata(f"{PROVENANCE}.sha256")
+    if allow or merged is None or not Path(adapter_file).is_file():
+        return
+    if hashlib.sha256(Path(adapter_file).read_bytes()).hexdigest() == merged:
+        raise DataError(f"{model.path} already has the adapter {adapter_file} merged in "
+                        f"({PROVENANCE}.sha256); applying it again would add its update twice "
+                        f"(pass --allow-merged if that is meant)")
+
+
 def merged_weight(base: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float) -> np.ndarray:
     """``base + scaling * b @ a`` in f32 (numpy shapes: base [n_out, n_in], a [r, n_in],
     b [n_out, r])."""
@@ -95,7 +108,7 @@ def _copy_metadata(reader, writer, skip: set[str]) -> None:
 
 
 def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
-                  template: str | None = None) -> Path:
+                  template: str | None = None, allow_merged: bool = False) -> Path:
     """Write ``out_path``: the GGUF at ``model_path`` with the LoRA adapter ``adapter_dir``
     (run, checkpoint or PEFT directory, or a llama.cpp adapter ``.gguf`` file) merged into
     its target weights, stored as ``out_type`` (f32, f16, bf16 or q8_0), with the chat
@@ -111,6 +124,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
         raise DataError(f"--out {out_path}: would overwrite the base model; choose another path")
     model = GGUFModel(model_path)
     lora, rank, alpha, source = load_adapter(adapter_dir, model.config)
+    refuse_merged_twice(model, source, allow_merged)
     tok = Tokenizer.from_gguf(model.reader)
     trained = adapter_template(adapter_dir) if Path(adapter_dir).is_dir() else None
     if template is not None:

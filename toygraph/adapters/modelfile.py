@@ -97,7 +97,10 @@ def ollama_template(tokenizer) -> tuple[str, str | None, str] | None:
             probe = [{"role": "system", "content": system}] + probe  # Ollama's SYSTEM rule
         if rendered != _chatml(probe):
             return None
-    if system is not None and ('"""' in system or not system.strip()):
+    # A SYSTEM """...""" block cannot hold three quotes, and one ending in a quote or a
+    # backslash runs into the closing quotes: no faithful Modelfile then, so none is written.
+    if system is not None and ('"""' in system or not system.strip()
+                               or system.endswith(('"', "\\"))):
         return None
     return OLLAMA_CHATML, system, "ChatML"
 

@@ -31,6 +31,13 @@ def add_backend_args(p, precision: bool = True) -> None:
                             "accumulation, f32 everything else)")
 
 
+def add_allow_merged_arg(p) -> None:
+    """``--allow-merged``: apply an adapter the model already has merged in."""
+    p.add_argument("--allow-merged", action="store_true",
+                   help="apply the adapter even though the model already has it merged in "
+                        "(its update then counts twice)")
+
+
 def add_template_arg(p) -> None:
     """``--template``: the chat template conversations are rendered with."""
     p.add_argument("--template", metavar="NAME|FILE",
@@ -48,7 +55,8 @@ def language_model_from_args(args):
         raise ToygraphError(f"--precision {why}")
     return LanguageModel(resolve_model(args.model), adapter_dir=args.adapter,
                          backend=args.backend, precision=args.precision,
-                         template=getattr(args, "template", None))
+                         template=getattr(args, "template", None),
+                         allow_merged=getattr(args, "allow_merged", False))
 
 
 def add_sampling_args(p) -> None:

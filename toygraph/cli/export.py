@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from toygraph.adapters.merge import OUT_TYPES, PROVENANCE, export_merged
-from toygraph.cli.args import add_template_arg
+from toygraph.cli.args import add_allow_merged_arg, add_template_arg
 from toygraph.models.catalog import resolve_model
 from toygraph.models.model import GGUFModel
 
@@ -18,12 +18,13 @@ def add_export_parser(sub) -> None:
     p.add_argument("--type", default="f16", choices=OUT_TYPES,
                    help="type of the merged weights; other tensors keep theirs (default: f16)")
     add_template_arg(p)
+    add_allow_merged_arg(p)
     p.set_defaults(fn=_cmd_export)
 
 
 def _cmd_export(args) -> int:
     out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
-                        template=args.template)
+                        template=args.template, allow_merged=args.allow_merged)
     merged = GGUFModel(out)
     meta = {k: merged.metadata(f"{PROVENANCE}.{k}") for k in ("rank", "alpha", "tensors", "template")}
     print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): {Path(args.model).name} with "

@@ -13,7 +13,7 @@ import sys
 from importlib.metadata import entry_points
 
 from toygraph import __version__
-from toygraph.cli.args import (add_backend_args, add_sampling_args, add_template_arg,
+from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampling_args, add_template_arg,
                                generation_kwargs, language_model_from_args, utf8)
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", help="PEFT adapter directory")
     add_backend_args(p)
     add_template_arg(p)
+    add_allow_merged_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
@@ -111,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     add_backend_args(p)
     add_template_arg(p)
+    add_allow_merged_arg(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("demo", help="short LoRA fine-tune of SmolLM2 on the capitals set")

@@ -217,6 +217,7 @@ class BoundedReader(GGUFReader):
         """Type, row length, alignment and extent of each tensor's data, in Python ints
         (numpy's uint64 product of the dims would wrap), before the stock reader maps it."""
         seen = set()
+        extents = []   # (first byte, end, name): two tensors must never share bytes
         for field in fields:
             _, _, _, dims, raw_type, offset = field.parts
             name = field.name
@@ -242,4 +243,11 @@ class BoundedReader(GGUFReader):
             if end > self._size:
                 raise PastEnd(f"tensor {name!r} data ends at byte {end}, past the end of the "
                               f"file ({self._size} bytes)")
+            if end > int(start_offs) + int(offset[0]):
+                extents.append((int(start_offs) + int(offset[0]), end, name))
+        extents.sort()
+        for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
+            if start < end:   # llama.cpp's loader refuses this too: one tensor's writes
+                raise GGUFError(f"tensors {a!r} and {b!r} overlap in the file (the data of "
+                                f"{b!r} starts at byte {start}, before {a!r} ends at {end})")
         super()._build_tensors(start_offs, fields)

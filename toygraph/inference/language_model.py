@@ -19,11 +19,13 @@ reference the cached path is tested against).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
 
-from toygraph.adapters.files import adapter_template, load_lora, load_peft
+from toygraph.adapters.files import WEIGHTS_FILE, adapter_template, load_lora, load_peft
+from toygraph.adapters.merge import refuse_merged_twice
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.session import Session
@@ -55,7 +57,8 @@ class LanguageModel:
     """A GGUF model (plus optional PEFT LoRA adapter) for loss evaluation and generation."""
 
     def __init__(self, model_path, adapter_dir=None, backend: str = "cpu", seq_len: int | None = None,
-                 precision: str = "f32", template: str | None = None):
+                 precision: str = "f32", template: str | None = None,
+                 allow_merged: bool = False):
         self.model = GGUFModel(model_path)
         self.cfg = self.model.config
         self.tokenizer = Tokenizer.from_gguf(self.model.reader)  # reuse the parsed header
@@ -67,6 +70,7 @@ class LanguageModel:
         self.lora_config, self.adapter = None, {}
         if adapter_dir is not None:
             lora, rank, alpha, targets = load_peft(adapter_dir, self.cfg)
+            refuse_merged_twice(self.model, Path(adapter_dir) / WEIGHTS_FILE, allow_merged)
             self.lora_config = LoraConfig(targets=targets, rank=rank, alpha=alpha)
             self.adapter = lora
         # The chat template: the one asked for, else the one the adapter was trained with,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from toygraph.gguf.file import GGUFFile, WeightTensor  # noqa: F401 (WeightTensor: its tensors)
+from toygraph.errors import GGUFError
+from toygraph.gguf.file import GGUFFile, WeightTensor  # noqa: F401 (WeightTensor: re-exported)
 from toygraph.models.config import ModelConfig, check_tensors, read_config, tensor_shapes
 
 
@@ -28,6 +29,23 @@ class GGUFModel(GGUFFile):
                                                self._shapes, self.path)
         # Every tensor the graph needs, with its shape, and no tensor it would ignore.
         check_tensors(self.config, self._shapes, self.path)
+        self._check_vocabulary()
+
+    def _check_vocabulary(self) -> None:
+        """The vocabulary's sizes agree: ``<arch>.vocab_size`` (when present) with the
+        embedding rows, and no more tokens than rows (a token id past the embedding would
+        read another tensor's bytes). Fewer tokens than rows is padding, as Qwen's files
+        have."""
+        rows = self.config.n_vocab
+        said = self.metadata(f"{self.config.arch}.vocab_size")
+        if said is not None and said != rows:
+            raise GGUFError(f"{self.path}: {self.config.arch}.vocab_size is {said}, but "
+                            f"token_embd.weight has {rows} rows")
+        field = self.reader.get_field("tokenizer.ggml.tokens")
+        n_tokens = len(field.data) if field is not None else 0
+        if n_tokens > rows:
+            raise GGUFError(f"{self.path}: tokenizer.ggml.tokens lists {n_tokens} tokens, but "
+                            f"token_embd.weight has only {rows} rows")
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the config requires, with its numpy-order shape."""

@@ -31,6 +31,7 @@ class LoopState:
     reference_hash: str | None = None   # DPO: sha256 of the --adapter-init reference adapter
     options: dict = field(default_factory=dict)          # every option of the run
     model_fingerprint: dict | None = None                # resume.model_fingerprint
+    model_identity: dict | None = None                   # resume.model_identity
     status: str = "running"             # running, completed, early_stopped, interrupted, ...
     reason: str | None = None           # why a run that did not complete ended
     recent_losses: list = field(default_factory=list)    # divergence guard's window

@@ -19,7 +19,7 @@ from toygraph.models.model import GGUFModel
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
 from toygraph.training.loop import LoopState
-from toygraph.training.resume import check_resume, model_fingerprint
+from toygraph.training.resume import check_resume, model_fingerprint, model_identity
 from toygraph.training.run_config import RunConfig, check_against_model
 from toygraph.training.run_dir import check_run_dir
 from toygraph.training.run_file import settings_block
@@ -82,8 +82,10 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
                         f"--seq-len {run_cfg.seq_len}")
     say(f"tokenized in {time.perf_counter() - t0:.1f}s: {enc.report}")
     train, val = split_train_val(enc.items, run_cfg.val_split, run_cfg.seed)
+    check_passes_per_step(run_cfg, len(train), say)
     state = LoopState(data_hash=data_hash(run_cfg.data), options=run_cfg.options(),
                       model_fingerprint=model_fingerprint(run_cfg.model),
+                      model_identity=model_identity(model),
                       reference_hash=_reference_hash(run_cfg))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state,
                     template=(tok.template_name, tok.chat_template),
@@ -95,6 +97,20 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
         for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
             setattr(state, name, getattr(saved, name))
     return prep
+
+
+def check_passes_per_step(run_cfg: RunConfig, n_train: int, say) -> None:
+    """One optimizer step over more than the training data is said, and over more than
+    --max-passes-per-step of it refused: --grad-accum 100000 is a typo, not a plan."""
+    passes = run_cfg.batch * run_cfg.grad_accum / max(n_train, 1)
+    if run_cfg.max_passes_per_step and passes > run_cfg.max_passes_per_step:
+        raise ToygraphError(f"one step of --batch {run_cfg.batch} x --grad-accum "
+                            f"{run_cfg.grad_accum} is {passes:,.1f} passes over the "
+                            f"{n_train} training examples; lower them, or raise "
+                            f"--max-passes-per-step ({run_cfg.max_passes_per_step:g})")
+    if passes > 1:
+        say(f"warning: one step of --batch {run_cfg.batch} x --grad-accum {run_cfg.grad_accum} "
+            f"is {passes:.1f} passes over the {n_train} training examples")
 
 
 def _reference_hash(run_cfg: RunConfig) -> str | None:

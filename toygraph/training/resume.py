@@ -47,6 +47,15 @@ def model_fingerprint(path: str) -> dict:
     return {"name": Path(path).name, "size": size, "sha256_sampled": h.hexdigest()}
 
 
+def model_identity(model) -> dict:
+    """What a checkpoint's weights fit: the architecture and every tensor's shape (hashed).
+    Another file of the same model (requantized, moved) has the same identity; another
+    model does not, and its checkpoint's adapters would be misread on it."""
+    shapes = sorted((name, tuple(model.tensor(name).shape)) for name in model.tensor_names())
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()
+    return {"arch": model.config.arch, "shapes_sha256": digest}
+
+
 class ResumeMismatch(ToygraphError):
     """A checkpoint was made under different options than the resumed run asks for."""
 
@@ -69,6 +78,13 @@ def check_resume(saved: dict, now: dict, where: str, allow: set[str]) -> list[st
     returns the allowed options that did change. ``saved``/``now`` hold ``options``,
     ``data_hash`` and ``model_fingerprint``. An option missing from ``saved`` (the
     checkpoint predates it) counts as its default."""
+    old_id, new_id = saved.get("model_identity"), now.get("model_identity")
+    if old_id and new_id and old_id != new_id:   # no --allow-change reaches across models
+        what = ("another architecture" if old_id["arch"] != new_id["arch"]
+                else "the same architecture with other tensor shapes")
+        raise ResumeMismatch(f"{where}: the checkpoint was trained on a {old_id['arch']} model; "
+                             f"{now['model_fingerprint']['name']} is {new_id['arch']} ({what}), "
+                             f"so its weights cannot continue there; start a new run")
     changed = []
     old_opts, new_opts = {**_option_defaults(), **saved.get("options", {})}, now["options"]
     pairs = [(k, old_opts.get(k), new_opts.get(k)) for k in new_opts if k not in OPERATIONAL]

@@ -152,6 +152,19 @@ def _open_out(run_cfg: RunConfig, rank: int):
 
 
 def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) -> dict:
+    t0 = time.perf_counter()
+    say(f"building the training step ({run_cfg.recipe} on {run_cfg.backend}) ...")
+    recipe = agreed_call(w, _realize, run_cfg, prep, w.size)
+    realize_s = time.perf_counter() - t0
+    micro_batch, n_batches = _epoch_batches(run_cfg, prep.train, prep.pad, recipe)
+    total = run_cfg.steps or max(1, math.ceil((run_cfg.epochs or 1) * n_batches
+                                                / run_cfg.grad_accum))
+    if prep.resume_from is not None and prep.state.step >= total:
+        # Nothing to train: the run's artifacts, events and run file stay as they are.
+        reason = f"nothing to do: the checkpoint is at step {prep.state.step} of {total}"
+        say(reason)
+        return {"status": "completed", "reason": reason, "steps": prep.state.step,
+                "best_val_loss": prep.state.best_val, "last_loss": None, "out": str(out)}
     if w.rank == 0:
         for name in FINAL_ARTIFACTS:
             (out / name).unlink(missing_ok=True)  # present again only if this run completes
@@ -160,13 +173,6 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
             write_run_file(run_cfg, out)  # the options as they are now: --config repeats them
         except OSError as e:
             raise io_error(f"the run file into {out}", e) from None
-    t0 = time.perf_counter()
-    say(f"building the training step ({run_cfg.recipe} on {run_cfg.backend}) ...")
-    recipe = agreed_call(w, _realize, run_cfg, prep, w.size)
-    realize_s = time.perf_counter() - t0
-    micro_batch, n_batches = _epoch_batches(run_cfg, prep.train, prep.pad, recipe)
-    total = run_cfg.steps or max(1, math.ceil((run_cfg.epochs or 1) * n_batches
-                                                / run_cfg.grad_accum))
     warmup = (run_cfg.warmup if run_cfg.schedule == "constant"
               else min(run_cfg.warmup, total - 1))
     schedule = Schedule(run_cfg.lr, run_cfg.schedule, total=total, floor=run_cfg.min_lr,

@@ -120,6 +120,10 @@ class RunConfig:
     grad_accum: int = option(RecipeOptions.grad_accum, help="micro-batches of --batch per "
                                                             "optimizer step",
                              group="steps", low=1)
+    max_passes_per_step: float = option(4.0, help="refuse a step (--batch x --grad-accum) "
+                                                  "longer than this many passes over the "
+                                                  "training data; 0 = no limit",
+                                        group="steps", low=0)
     seq_len: int = option(RecipeOptions.seq_len, help="tokens per sequence (longer examples "
                                                       "are cut)",
                           group="steps", low=1)
