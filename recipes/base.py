@@ -122,9 +122,10 @@ class Recipe:
         return load_examples(path)
 
     @staticmethod
-    def encode_data(rows: list, tok, seq_len: int):
-        """The rows tokenized into training items (an EncodedDataset with its report)."""
-        return encode_dataset(rows, tok, seq_len)
+    def encode_data(rows: list, tok, seq_len: int, progress=None):
+        """The rows tokenized into training items (an EncodedDataset with its report);
+        ``progress(done, total)`` is told as it goes."""
+        return encode_dataset(rows, tok, seq_len, progress)
 
     def make_batches(self, items, batch: int, seq_len: int, pad: int, *, shuffle: bool,
                      seed: int, epoch: int) -> list:

@@ -198,3 +198,20 @@ def test_version_export_report_and_generation_speed(tiny_llama, tmp_path, capsys
         from toygraph.adapters.files import load_peft
         from toygraph.models.model import GGUFModel
         load_peft(tmp_path / "r" / "checkpoints" / step_dir_name(99), GGUFModel(tiny_llama).config)
+
+
+def test_long_work_reports_its_progress_and_short_work_stays_quiet(tiny_llama, tmp_path):
+    from toygraph.data import encode_dataset, load_examples
+    from toygraph.gguf.tokenizer import Tokenizer
+    from toygraph.training.supervisor import Ticker
+    clock, said = Clock(), []
+    tick = Ticker("tokenizing, row", said.append, every_s=5, clock=clock)
+    for done in range(0, 100, 10):
+        clock.now += 1            # 1 s a tenth: a line every 5 s of work
+        tick(done, 100)
+    assert said == ["tokenizing, row: 40 of 100 (40%), 0:05 elapsed, 0:07 left",
+                    "tokenizing, row: 90 of 100 (90%), 0:10 elapsed, 0:01 left"]
+    calls = []
+    encode_dataset(load_examples(_data(tmp_path)), Tokenizer.from_gguf(tiny_llama), 32,
+                   progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, 8) for i in range(8)]

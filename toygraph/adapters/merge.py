@@ -83,9 +83,12 @@ def encode_weight(w: np.ndarray, out_type: str, name: str):
     return gguf.quants.quantize(w, t), t
 
 
-def _merged_tensors(model: GGUFModel, lora: dict, scaling: float, out_type: str) -> dict:
+def _merged_tensors(model: GGUFModel, lora: dict, scaling: float, out_type: str,
+                    progress=None) -> dict:
     merged = {}
-    for name, (a, b) in lora.items():
+    for i, (name, (a, b)) in enumerate(lora.items()):
+        if progress is not None:
+            progress(i, len(lora))
         if not model.has(name):
             raise DataError(f"{model.path}: the adapter targets {name!r}, which the model lacks")
         w = merged_weight(model.tensor(name).dequantize(), a, b, scaling)
@@ -108,7 +111,8 @@ def _copy_metadata(reader, writer, skip: set[str]) -> None:
 
 
 def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
-                  template: str | None = None, allow_merged: bool = False) -> Path:
+                  template: str | None = None, allow_merged: bool = False,
+                  progress=None) -> Path:
     """Write ``out_path``: the GGUF at ``model_path`` with the LoRA adapter ``adapter_dir``
     (run, checkpoint or PEFT directory, or a llama.cpp adapter ``.gguf`` file) merged into
     its target weights, stored as ``out_type`` (f32, f16, bf16 or q8_0), with the chat
@@ -132,7 +136,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
     elif trained is not None:
         tok.use_template(*trained)
     chat_template = tok.chat_template if tok.chat_template != tok.file_chat_template else None
-    merged = _merged_tensors(model, lora, alpha / rank, out_type)
+    merged = _merged_tensors(model, lora, alpha / rank, out_type, progress)
     reader, out_path = model.reader, Path(out_path)
     name = model.metadata("general.name") or Path(model_path).stem
     source_dir = str(Path(adapter_dir).resolve())

@@ -1,12 +1,14 @@
 """``toygraph export``: merge a LoRA adapter into the base GGUF (toygraph.adapters.merge)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from toygraph.adapters.merge import OUT_TYPES, PROVENANCE, export_merged
 from toygraph.cli.args import add_allow_merged_arg, add_template_arg
 from toygraph.models.catalog import resolve_model
 from toygraph.models.model import GGUFModel
+from toygraph.training.supervisor import Ticker
 
 
 def add_export_parser(sub) -> None:
@@ -24,7 +26,8 @@ def add_export_parser(sub) -> None:
 
 def _cmd_export(args) -> int:
     out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
-                        template=args.template, allow_merged=args.allow_merged)
+                        template=args.template, allow_merged=args.allow_merged,
+                        progress=Ticker("merging, tensor", lambda text: print(text, file=sys.stderr)))
     merged = GGUFModel(out)
     meta = {k: merged.metadata(f"{PROVENANCE}.{k}") for k in ("rank", "alpha", "tensors", "template")}
     print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): {Path(args.model).name} with "

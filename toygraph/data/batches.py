@@ -95,14 +95,17 @@ def check_special_tokens(tok) -> None:
                             f"{tok.encode(text, add_bos=False, add_eos=False)}, expected [{tid}]")
 
 
-def encode_dataset(examples: list[Example], tok, max_len: int) -> EncodedDataset:
+def encode_dataset(examples: list[Example], tok, max_len: int, progress=None) -> EncodedDataset:
     """Encode every example into its rows (``encode_rows``: one, or one per assistant turn
     where the chat template is not prefix-consistent), in file order; ``report`` counts
-    what expansion, truncation and dropping did."""
+    what expansion, truncation and dropping did. ``progress(done, total)`` is told as it
+    goes."""
     check_special_tokens(tok)
     report = DataReport(examples=len(examples), max_len=max_len)
     items = []
-    for ex in examples:
+    for i, ex in enumerate(examples):
+        if progress is not None:
+            progress(i, len(examples))
         rows = encode_rows(ex, tok, max_len)
         if len(rows) > 1:
             report.expanded += 1

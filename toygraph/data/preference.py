@@ -88,13 +88,16 @@ def _reply(value, key: str, where: str) -> str:
     return _checked_text(content, where, f"'{key}.content'")
 
 
-def encode_pairs(pairs: list[PreferencePair], tok, max_len: int) -> EncodedDataset:
+def encode_pairs(pairs: list[PreferencePair], tok, max_len: int, progress=None) -> EncodedDataset:
     """Encode both replies of every pair; items are (chosen, rejected) ``Encoded``. A pair
-    is dropped when either reply has no target token left within ``max_len + 1`` tokens."""
+    is dropped when either reply has no target token left within ``max_len + 1`` tokens.
+    ``progress(done, total)`` is told as it goes."""
     check_special_tokens(tok)
     report = DataReport(examples=len(pairs), max_len=max_len)
     items = []
-    for pair in pairs:
+    for i, pair in enumerate(pairs):
+        if progress is not None:
+            progress(i, len(pairs))
         enc = [encode_example(pair.example(r), tok, max_len, last_turn_only=True)
                for r in (pair.chosen, pair.rejected)]
         if None in enc:

@@ -23,6 +23,7 @@ from toygraph.training.resume import check_resume, model_fingerprint, model_iden
 from toygraph.training.run_config import RunConfig, check_against_model
 from toygraph.training.run_dir import check_run_dir
 from toygraph.training.run_file import settings_block
+from toygraph.training.supervisor import Ticker
 
 
 def size_text(n: int) -> str:
@@ -76,7 +77,7 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     t0 = time.perf_counter()
     say(f"tokenizing {len(rows):,} rows of {Path(run_cfg.data).name} "
         f"(template: {tok.template_name}) ...")
-    enc = cls.encode_data(rows, tok, run_cfg.seq_len)
+    enc = cls.encode_data(rows, tok, run_cfg.seq_len, progress=Ticker("tokenizing, row", say))
     if not enc.items:
         raise DataError(f"{run_cfg.data}: no example has a target token within "
                         f"--seq-len {run_cfg.seq_len}")

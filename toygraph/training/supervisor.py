@@ -34,6 +34,25 @@ def duration_text(s: float) -> str:
     return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
 
 
+class Ticker:
+    """``progress(done, total)`` of a long piece of work (tokenizing, evaluating, an
+    export) as a line through ``say`` every ``every_s`` seconds: nothing for work that ends
+    sooner, the count, elapsed and time left otherwise."""
+
+    def __init__(self, label: str, say, every_s: float = 5.0, clock=time.monotonic):
+        self.label, self.say, self.every_s, self.clock = label, say, every_s, clock
+        self.start = self.last = clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if now - self.last < self.every_s or done == 0:
+            return
+        self.last = now
+        elapsed = now - self.start
+        self.say(f"{self.label}: {done:,} of {total:,} ({done / max(total, 1):.0%}), "
+                 f"{duration_text(elapsed)} elapsed, {duration_text(elapsed / done * (total - done))} left")
+
+
 class Progress:
     """Training progress on stderr: steps, loss, tokens/s, elapsed and ETA.
 
@@ -161,13 +180,16 @@ class Signals:
 
 
 def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
-             world: World = World()) -> tuple[float, int, dict]:
+             world: World = World(), progress=None) -> tuple[float, int, dict]:
     """Mean loss over ``items``, weighted by what each batch counts (the recipe's
     ``eval_unit``: tokens, or pairs), and the recipe's metrics (``last_metrics``) weighted alike.
     Batches are made by the recipe (packed when it packs); each rank of ``world``
     evaluates its shard of every batch of ``batch`` rows."""
     total, count, sums = 0.0, 0, {}
-    for b in recipe.make_batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0):
+    batches = recipe.make_batches(items, batch, seq_len, pad, shuffle=False, seed=0, epoch=0)
+    for i, b in enumerate(batches):
+        if progress is not None:
+            progress(i, len(batches))
         rows = [shard(a, world.rank, world.size, axis=0) for a in (b.tokens, b.positions, b.labels)]
         if b.segments is not None:
             rows.append(shard(b.segments, world.rank, world.size, axis=0))
@@ -253,7 +275,8 @@ class RunSupervisor(Hooks):
             return False
         st, run_cfg, t = trainer.state, self.run_cfg, trainer.state.step
         vloss, n, metrics = evaluate(self.recipe, self.val, run_cfg.batch, run_cfg.seq_len,
-                                     self.pad, self.world)
+                                     self.pad, self.world,
+                                     Ticker(f"step {t}: evaluating, batch", self.progress.message))
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best
