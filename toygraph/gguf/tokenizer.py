@@ -144,7 +144,7 @@ class Tokenizer:
             # transformers' GPT2Tokenizer adds no BOS unless the file asks for it.
             add_bos = bool(add_bos) if add_bos is not None else False
         elif model == "llama":
-            hf = _sentencepiece_from_gguf(reader, tokens, types, ids, source)
+            hf, spelled = _sentencepiece_from_gguf(reader, tokens, types, ids, source)
             # llama.cpp (and transformers) add BOS to a sentencepiece vocabulary by default.
             add_bos = bool(add_bos) if add_bos is not None else True
         else:
@@ -155,8 +155,13 @@ class Tokenizer:
         # "special" for decode skipping.
         hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)])
+        # A user-defined token is added under the spelling the model's vocabulary knows it by
+        # (Gemma's "  " is "▁▁" there): one absent from it would get a new id past the
+        # vocabulary (transformers' add_gguf_special_tokens keeps only those in it, too).
+        spelled = spelled if model == "llama" else tokens
+        known = hf.get_vocab()
         hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                       for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+                       for t, ty in zip(spelled, types) if ty == USER_DEFINED and t in known])
         return cls(hf, list(tokens), ids=ids, add_bos=add_bos, add_eos=add_eos,
                    chat_template=_field(reader, "tokenizer.chat_template"), model=model, source=source)
 
@@ -240,7 +245,8 @@ def _special_ids(reader: gguf.GGUFReader, n_vocab: int, source: str) -> dict[str
 
 
 def _sentencepiece_from_gguf(reader: gguf.GGUFReader, tokens: list[str], types: list[int],
-                             ids: dict[str, int | None], source: str) -> _HFTokenizer:
+                             ids: dict[str, int | None], source: str) -> tuple[_HFTokenizer, list[str]]:
+    """The tokenizer, and the tokens as its vocabulary spells them."""
     merges = _field(reader, "tokenizer.ggml.merges")
     scores = _field(reader, "tokenizer.ggml.scores")
     if not merges and not scores:
@@ -254,7 +260,7 @@ def _sentencepiece_from_gguf(reader: gguf.GGUFReader, tokens: list[str], types: 
     unk = tokens[ids["unk"]] if ids["unk"] is not None else None
     pairs = ([tuple(m.split(" ", 1)) for m in merges] if merges
              else _llama_merges(tokens, scores, types))
-    return _sentencepiece(tokens, pairs, unk, prefix if prefix is not None else True)
+    return _sentencepiece(tokens, pairs, unk, prefix if prefix is not None else True), tokens
 
 
 def _template_message(message: dict) -> dict:
