@@ -156,6 +156,7 @@ def _small_op_launches():
     x = g.param("x", np.ones((2, 3, 4)))
     b = g.param("b", np.ones((4,)))
     y = ops.softmax(ops.gelu(ops.sub(ops.scale(x, 0.5), b)), scale=2.0, causal=False)
+    y = ops.softcap(y, 30.0)
     y = ops.contiguous(ops.permute(y, (1, 0, 2))).reshape(3, 8)
     packed = g.const("packed", np.ones(40))
     loss = ops.sum(ops.mul(y, ops.unpack(packed, 16, (3, 8))))

@@ -11,7 +11,7 @@ for attention).
 ===============  =======================================================================
 table            OpSpec, OPS, KERNELS and the helpers the families fill them with
 shape            reshape, permute, contiguous, expand, sum_to, sum, unpack
-elementwise      add, sub, mul, scale, silu, gelu (+ swiglu, geglu, mean)
+elementwise      add, sub, mul, scale, silu, gelu, softcap (+ swiglu, geglu, mean)
 norm             rms_norm, softmax (row-wise normalisations)
 rotary           rope
 flash_attention  attention (fused, flash-style)
@@ -38,7 +38,7 @@ from toygraph.core.ops.table import (F32, I32, INT32_MAX, KERNELS, LABELS, NONE,
 from toygraph.core.ops.shape import (broadcast_shapes, contiguous, expand, permute, reshape,
                                      sum, sum_to, unpack)
 from toygraph.core.ops.elementwise import (add, geglu, gelu, gelu_back, mean, mul, scale, silu,
-                                           silu_back, sub, swiglu)
+                                           silu_back, softcap, sub, swiglu)
 from toygraph.core.ops.norm import rms_norm, softmax
 from toygraph.core.ops.rotary import rope
 from toygraph.core.ops.flash_attention import attention
@@ -58,7 +58,7 @@ __all__ = ["F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS", "OpSpe
            "check_floats", "define_op", "kernel", "make_node", "broadcast_shapes",
            "contiguous", "expand", "permute", "reshape", "sum", "sum_to", "unpack", "add",
            "geglu", "gelu", "gelu_back", "mean", "mul", "scale", "silu", "silu_back", "sub",
-           "swiglu", "rms_norm", "softmax", "rope", "attention", "matmul", "get_rows",
+           "swiglu", "softcap", "rms_norm", "softmax", "rope", "attention", "matmul", "get_rows",
            "count_valid", "cross_entropy", "linear_cross_entropy", "accumulate", "adamw",
            "global_norm", "log1mexp", "log_sigmoid", "softplus", "token_logprobs",
            "cache_write", "all_reduce", "SIDE_EFFECTS"]

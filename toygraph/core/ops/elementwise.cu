@@ -59,3 +59,16 @@ extern "C" __global__ void tg_gelu_back(float* out, const float* x, const float*
         out[i] = __fmul_rn(g[i], __fadd_rn(outer, __fmul_rn(inner, poly)));
     }
 }
+
+// Soft capping: cap * tanh(x / cap), and its backward g * (1 - t^2), t = tanh(x / cap).
+extern "C" __global__ void tg_softcap(float* out, const float* x, int n, float cap) {
+    TG_GRID_LOOP(i, n) out[i] = __fmul_rn(tanhf(__fdiv_rn(x[i], cap)), cap);
+}
+
+extern "C" __global__ void tg_softcap_back(float* out, const float* x, const float* g, int n,
+                                           float cap) {
+    TG_GRID_LOOP(i, n) {
+        float t = tanhf(__fdiv_rn(x[i], cap));
+        out[i] = __fmul_rn(g[i], __fsub_rn(1.0f, __fmul_rn(t, t)));
+    }
+}

@@ -1,5 +1,5 @@
-"""Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu and gelu (tanh) with
-their backward ops, and the composites built from them (swiglu, geglu, mean). Each op's
+"""Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu, gelu (tanh) and softcap
+with their backward ops, and the composites built from them (swiglu, geglu, mean). Each op's
 builder, shape rule, backward rule, numpy kernel and CUDA lowering (elementwise.cu).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from toygraph.core.ops.shape import sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
 from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, f32, grid_1d, i32,
                                     lowers, p, pad_shape, strided)
+from toygraph.errors import GraphError
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "elementwise.cu")
@@ -105,6 +106,22 @@ define_op("gelu", infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
 define_op("gelu_back", infer_same2)
 
 
+def softcap(x, cap: float):
+    """cap * tanh(x / cap): Gemma's final-logit soft capping (logits stay in (-cap, cap))."""
+    if not cap > 0:
+        raise GraphError(f"softcap needs a positive cap, got {cap}")
+    return make_node("softcap", [x], cap=float(cap))
+
+
+def softcap_back(x, g, cap: float):
+    return make_node("softcap_back", [x, g], cap=cap)
+
+
+define_op("softcap", infer_unary,
+          lambda n, g, need: [softcap_back(n.srcs[0], g, n.attrs["cap"])])
+define_op("softcap_back", infer_same2)
+
+
 # --- numpy kernels -----------------------------------------------------------------------------
 @kernel("add")
 def _add_numpy(out, srcs, attrs):
@@ -174,6 +191,20 @@ def _gelu_back_numpy(out, srcs, attrs):
     out[...] = g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + a * x * x))
 
 
+@kernel("softcap")
+def _softcap_numpy(out, srcs, attrs):
+    c = srcs[0].dtype.type(attrs["cap"])
+    out[...] = np.tanh(srcs[0] / c) * c
+
+
+@kernel("softcap_back")
+def _softcap_back_numpy(out, srcs, attrs):
+    """d/dx = 1 - t^2, t = tanh(x / cap)."""
+    x, g = srcs
+    t = np.tanh(x / x.dtype.type(attrs["cap"]))
+    out[...] = g * (1 - t * t)
+
+
 # --- CUDA lowering (elementwise.cu) ------------------------------------------------------------
 #: tg_binary's op code per op.
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2}
@@ -216,3 +247,11 @@ lowers("silu", kernels=("tg_silu",))(pointwise)
 lowers("silu_back", kernels=("tg_silu_back",))(pointwise)
 lowers("gelu", kernels=("tg_gelu",))(pointwise)
 lowers("gelu_back", kernels=("tg_gelu_back",))(pointwise)
+
+
+@lowers("softcap", "softcap_back", kernels=("tg_softcap", "tg_softcap_back"))
+def _softcap(node, at):
+    name = "tg_softcap" if node.op == "softcap" else "tg_softcap_back"
+    srcs = [p(at.ptr(s)) for s in node.srcs]
+    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(node.size),
+                                               f32(node.attrs["cap"])])]
