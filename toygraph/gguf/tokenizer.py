@@ -6,7 +6,8 @@ rebuild the equivalent Hugging Face `tokenizers` pipeline from that:
 
 * ``tokenizer.ggml.model == "gpt2"``: byte-level BPE. The merges are in the file; the
   text is split by the regex chain llama.cpp names in ``tokenizer.ggml.pre``.
-* ``tokenizer.ggml.model == "llama"``: a sentencepiece vocabulary. llama.cpp merges the
+* ``tokenizer.ggml.model == "llama"`` (and Gemma 4's ``"gemma4"``, whose merges are in
+  the file): a sentencepiece vocabulary. llama.cpp merges the
   adjacent pair whose concatenation has the highest score; a BPE whose merges are ranked
   by that score does the same, with ``<0xNN>`` byte fallback and "▁" for spaces. Gemma
   files rank by file order instead and spell space runs with real spaces (as transformers
@@ -147,8 +148,15 @@ class Tokenizer:
             hf, spelled = _sentencepiece_from_gguf(reader, tokens, types, ids, source)
             # llama.cpp (and transformers) add BOS to a sentencepiece vocabulary by default.
             add_bos = bool(add_bos) if add_bos is not None else True
+        elif model == "gemma4":
+            # Gemma 4: a sentencepiece-style BPE with its merges in the file. The file says
+            # add_bos_token, but the chat template writes <bos> itself: transformers adds none
+            # (llama.cpp does, ggml-org/llama.cpp#21500); we follow transformers.
+            hf, spelled = _sentencepiece_from_gguf(reader, tokens, types, ids, source)
+            add_bos = False
         else:
-            raise GGUFError(f"{source}: unsupported tokenizer.ggml.model {model!r} (supported: gpt2, llama)")
+            raise GGUFError(f"{source}: unsupported tokenizer.ggml.model {model!r} "
+                            "(supported: gpt2, llama, gemma4)")
 
         # Control tokens (<|im_start|>, <s>), the unknown token and user-defined ones (<think>)
         # are matched whole in the text, as llama.cpp does; only the first two count as
@@ -158,7 +166,7 @@ class Tokenizer:
         # A user-defined token is added under the spelling the model's vocabulary knows it by
         # (Gemma's "  " is "▁▁" there): one absent from it would get a new id past the
         # vocabulary (transformers' add_gguf_special_tokens keeps only those in it, too).
-        spelled = spelled if model == "llama" else tokens
+        spelled = tokens if model == "gpt2" else spelled
         known = hf.get_vocab()
         hf.add_tokens([AddedToken(t, special=False, normalized=False)
                        for t, ty in zip(spelled, types) if ty == USER_DEFINED and t in known])

@@ -45,9 +45,11 @@ class CachedDecoder:
         cfg = model.config
         self.cfg, self.cache_len = cfg, cache_len
         g = Graph()
-        shape = (1, cfg.n_head_kv, cache_len, cfg.head_dim)
-        self.caches = [tuple(g.state(f"blk.{i}.cache_{kv}", shape, kind="cache") for kv in "kv")
-                       for i in range(cfg.n_layer)]
+        # Per layer [1, n_head_kv, cache_len, head_dim] (Gemma 4 varies them by layer; its
+        # KV-sharing layers cache their source layer's keys and values again).
+        self.caches = [tuple(g.state(f"blk.{i}.cache_{kv}", (1, cfg.layer_kv_heads(i), cache_len,
+                                                            cfg.layer_head_dim(i)), kind="cache")
+                             for kv in "kv") for i in range(cfg.n_layer)]
         self.start = g.input("prefill.start", (1,), "i32")  # 0: the prompt fills rows [0, P)
         self.pos = g.input("decode.pos", (1,), "i32")       # the decode position again, [1]
         writes = []
@@ -75,12 +77,13 @@ class CachedDecoder:
         """Layer i's attention of the one new token over the cache (q [1, H, 1, hd])."""
         cfg = self.cfg
         kc, vc = (ops.cache_write(c, x, self.pos) for c, x in zip(self.caches[i], (k, v)))
-        kv, group = cfg.n_head_kv, cfg.n_head // cfg.n_head_kv
+        kv, hd = cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+        group = cfg.n_head // kv
         # Query head h reads K/V head h // group: fold the group into the rows of a
         # batched matmul per K/V head, [1, KV, group, hd] x [1, KV, L, hd]^T.
-        scores = ops.matmul(q.reshape(1, kv, group, cfg.head_dim), kc, trans_b=True)
+        scores = ops.matmul(q.reshape(1, kv, group, hd), kc, trans_b=True)
         probs = ops.softmax(scores + self.masks[cfg.windows[i]], scale=cfg.attn_scale)
-        return ops.matmul(probs, vc).reshape(1, cfg.n_head, 1, cfg.head_dim)
+        return ops.matmul(probs, vc).reshape(1, cfg.n_head, 1, hd)
 
     def prefill(self, ids) -> np.ndarray:
         """Run the prompt ``ids`` (at most prompt_len tokens) through the model, filling

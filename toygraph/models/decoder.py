@@ -73,6 +73,9 @@ class Decoder:
     positions: Tensor
     logits: Tensor | None                            # [batch * seq_len, vocab]; None if not asked
     weights: dict[str, Tensor] = field(default_factory=dict)   # GGUF name -> const/param
+    kv: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layer -> its (k, v)
+    per_layer_inputs: Tensor | None = None           # Gemma 4: [n_layer, B * T * ple_dim]
+    layer_rows: list[Tensor] = field(default_factory=list)  # Gemma 4: one-hot [1, n_layer] each
     lora: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # GGUF weight -> (A, B)
     hidden: Tensor | None = None                     # final-normed states [batch * seq_len, n_embd]
     head: Tensor | None = None                       # output weight [vocab, n_embd] (maybe tied)
@@ -111,7 +114,8 @@ def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tenso
         raise GraphError(f"weight mode {mode!r} needs a GGUF model")
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in tensor_shapes(cfg).items():
+    present = model.tensor_names() if model is not None else None
+    for name, shape in tensor_shapes(cfg, present).items():
         if mode == "scratch" and name not in FIXED:
             out[name] = g.param(name, _scratch_init(name, shape, rng))
             continue
@@ -193,13 +197,27 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
+    if cfg.ple_dim:
+        net.per_layer_inputs = _per_layer_inputs(net, cfg, h, B, T)
+        earlier = shared or reference_of
+        net.layer_rows = earlier.layer_rows if earlier else [
+            g.const(f"per_layer_input.{i}", np.eye(cfg.n_layer, dtype=np.float32)[i:i + 1])
+            for i in range(cfg.n_layer)]
     attend = attend or (lambda i, q, k, v: ops.attention(q, k, v, scale=cfg.attn_scale,
                                                          causal=True, window=cfg.windows[i],
                                                          segments=net.segments))
-    for i in range(cfg.n_layer):
-        # One region per block: the unit activation checkpointing recomputes (recompute.py).
-        with g.region(f"blk.{i}", h) as block:
-            h = block.output = _block(net, cfg, i, h, linear, attend, B, T)
+    # One region per block: the unit activation checkpointing recomputes (recompute.py). A
+    # region recomputes from its own input alone, so the blocks from the first whose keys
+    # and values a later block reuses (Gemma 4) to the last form one region.
+    sharing = [cfg.layer_kv_source(i) for i in range(cfg.n_layer) if cfg.layer_kv_source(i) != i]
+    joined = min(sharing, default=cfg.n_layer)
+    for start in list(range(joined)) + ([joined] if joined < cfg.n_layer else []):
+        stop = start + 1 if start < joined else cfg.n_layer
+        name = f"blk.{start}" if stop == start + 1 else f"blk.{start}-{stop - 1}"
+        with g.region(name, h) as block:
+            for i in range(start, stop):
+                h = _block(net, cfg, i, h, linear, attend, B, T)
+            block.output = h
     h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
     net.hidden = h
     net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
@@ -208,11 +226,23 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     return net
 
 
+def _per_layer_inputs(net: Decoder, cfg, h: Tensor, B: int, T: int) -> Tensor:
+    """Gemma 4's per-layer inputs, all layers at once, as rows [n_layer, B * T * ple_dim]:
+    (rms_norm(h W_proj^T / sqrt(n_embd)) * w + E_ple[tokens] * sqrt(ple_dim)) / sqrt(2),
+    h the scaled token embeddings (transformers' project_per_layer_inputs)."""
+    W, L, P, N = net.weights, cfg.n_layer, cfg.ple_dim, B * T
+    tok = ops.get_rows(W["per_layer_token_embd.weight"], net.tokens).reshape(N, L, P)
+    proj = ops.matmul(h, W["per_layer_model_proj.weight"], trans_b=True).reshape(N, L, P)
+    proj = ops.rms_norm(ops.scale(proj, cfg.n_embd ** -0.5), cfg.rms_eps) * W["per_layer_proj_norm.weight"]
+    both = ops.scale(proj + ops.scale(tok, P ** 0.5), 0.5 ** 0.5)
+    return ops.contiguous(both.permute(1, 0, 2)).reshape(L, N * P)
+
+
 def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int) -> Tensor:
     """Decoder layer ``i`` on the residual stream h [B * T, n_embd] (see models/families.py
     for the layer's shape and which parts each family has)."""
     W, fam, p = net.weights, cfg.family, f"blk.{i}."
-    H, KV, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    H, KV, hd = cfg.n_head, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
 
     def norm(x, name):
         return ops.rms_norm(x, cfg.rms_eps) * W[p + name + ".weight"]
@@ -224,15 +254,26 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
         return y
 
     def rope(y):
-        y = ops.rope(y, net.positions, dims=cfg.rope_dims, base=cfg.rope_bases[i],
-                     mode=cfg.rope_mode, freq_factors=W.get("rope_freqs.weight"),
+        dims, factors = cfg.layer_rope(i)
+        y = ops.rope(y, net.positions, dims=dims, base=cfg.rope_bases[i],
+                     mode=cfg.rope_mode, freq_factors=W["rope_freqs.weight"] if factors else None,
                      freq_scale=cfg.rope_scales[i])
         return y.permute(0, 2, 1, 3)  # [B, heads, T, hd]
 
     x = norm(h, "attn_norm")
     q = rope(heads(linear(x, p + "attn_q.weight"), H, "attn_q_norm" if fam.qk_norm else None))
-    k = rope(heads(linear(x, p + "attn_k.weight"), KV, "attn_k_norm" if fam.qk_norm else None))
-    v = heads(linear(x, p + "attn_v.weight"), KV, None).permute(0, 2, 1, 3)
+    source = cfg.layer_kv_source(i)
+    if source == i:
+        kx = linear(x, p + "attn_k.weight")
+        k = rope(heads(kx, KV, "attn_k_norm" if fam.qk_norm else None))
+        # Gemma 4's global layers may have no attn_v: the key projection is the values.
+        vx = linear(x, p + "attn_v.weight") if p + "attn_v.weight" in W else kx
+        v = heads(vx, KV, None)
+        if fam.v_norm:  # Gemma 4: RMSNorm of each value head, without a weight
+            v = ops.rms_norm(v, cfg.rms_eps)
+        net.kv[i] = k, v = k, v.permute(0, 2, 1, 3)
+    else:  # Gemma 4's last layers attend with an earlier layer's keys and values
+        k, v = net.kv[source]
     # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
     o = attend(i, q, k, v)
     a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
@@ -244,10 +285,21 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
     f = linear(f, p + "ffn_down.weight")
     if fam.post_norms:
         f = norm(f, "post_ffw_norm")
-    return h + f
+    h = h + f
+    if cfg.ple_dim:  # Gemma 4: this layer's per-layer input, gated by the stream
+        # Row i of [n_layer, ...] by a one-hot matmul: exact, and its gradient too.
+        ple = ops.matmul(net.layer_rows[i], net.per_layer_inputs).reshape(B * T, cfg.ple_dim)
+        gate = ops.gelu if fam.ffn == "geglu" else ops.silu
+        r = linear(gate(linear(h, p + "inp_gate.weight")) * ple, p + "proj.weight")
+        h = h + norm(r, "post_norm")
+    if fam.layer_output_scale:
+        h = h * W[p + "layer_output_scale.weight"]
+    return h
 
 
 def lm_head(net: Decoder) -> Tensor:
-    """The output logits [batch * seq_len, vocab] = hidden @ head^T (for generation and
-    evaluation; a training loss uses ops.linear_cross_entropy on hidden and head instead)."""
-    return ops.matmul(net.hidden, net.head, trans_b=True)
+    """The output logits [batch * seq_len, vocab] = hidden @ head^T, soft-capped where the
+    model says so (Gemma 4: cap * tanh(logits / cap)). For generation and evaluation, and
+    training on the CPU; ops.linear_cross_entropy (the fused head) has no soft cap."""
+    logits = ops.matmul(net.hidden, net.head, trans_b=True)
+    return ops.softcap(logits, net.cfg.logit_softcap) if net.cfg.logit_softcap else logits

@@ -68,6 +68,18 @@ class Family:
     ``default_rope_base``: used when ``rope.freq_base`` is absent; None where llama.cpp
     (10000) and transformers (Gemma 3: 1e6) disagree, so the key is required.
     ``extra_keys``: metadata keys understood beyond COMMON_KEYS.
+
+    Gemma 4's parts (all off elsewhere; models/gemma4 in README terms): ``v_norm``, an
+    RMSNorm without weight of v per head; ``attn_scale_one``, softmax scale 1 (the q/k norms
+    set it); ``k_eq_v``, a layer without ``attn_v`` uses its key projection as values;
+    ``kv_sharing``, the last ``attention.shared_kv_layers`` layers attend with the K/V of
+    the last earlier layer of their kind (sliding or global); ``per_layer_inputs``, the
+    per-layer input embeddings (``per_layer_token_embd``, ``per_layer_model_proj``, and
+    per block ``inp_gate``/``proj``/``post_norm``); ``layer_output_scale``, each block's
+    output times its ``layer_output_scale`` scalar; ``global_rope_freqs``,
+    ``rope_freqs.weight`` applies to the global layers only (llama.cpp's encoding of
+    "proportional" partial rope). Per-layer head sizes, KV-head counts and FFN widths come
+    from the file (``*_swa`` keys, arrays) for any family that lists those keys.
     """
 
     arch: str
@@ -85,6 +97,13 @@ class Family:
     default_rope_base: float | None = 10000.0
     extra_keys: frozenset = frozenset()
     hf_modules: dict = field(default_factory=lambda: dict(HF_LAYER_MODULES))
+    v_norm: bool = False
+    attn_scale_one: bool = False
+    k_eq_v: bool = False
+    kv_sharing: bool = False
+    per_layer_inputs: bool = False
+    layer_output_scale: bool = False
+    global_rope_freqs: bool = False
 
     @property
     def keys(self) -> frozenset:
@@ -104,4 +123,17 @@ FAMILIES = {f.arch: f for f in (
            attn_scale_embd_layers=(62,), default_rope_base=None,
            extra_keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
                                  "rope.freq_base_swa"})),
+    # Gemma 4 text (E2B/E4B/31B; the MoE variant's expert keys are refused). llama.cpp's
+    # converter: norm weights stored as used (no 1 + w), head sizes and rope dims per layer
+    # kind (*_swa), per-layer KV-head counts and FFN widths as arrays, the sliding pattern
+    # as a bool array, rope_freqs (1 on rotated pairs, 1e30 elsewhere) for the global layers.
+    Family(arch="gemma4", rope_mode="neox", qk_permuted=False, ffn="geglu", qk_norm=True,
+           post_norms=True, embed_scale_sqrt=True, swa_period=6, default_rope_base=None,
+           rope_freqs=True, v_norm=True, attn_scale_one=True, k_eq_v=True, kv_sharing=True,
+           per_layer_inputs=True, layer_output_scale=True, global_rope_freqs=True,
+           extra_keys=frozenset({
+               "attention.sliding_window", "attention.sliding_window_pattern",
+               "rope.freq_base_swa", "attention.key_length_swa", "attention.value_length_swa",
+               "rope.dimension_count_swa", "attention.shared_kv_layers",
+               "embedding_length_per_layer_input", "final_logit_softcapping"})),
 )}

@@ -1,0 +1,78 @@
+"""Tiny random models built by transformers and written to GGUF by an independent writer:
+llama.cpp's own convert_hf_to_gguf.py, from the llama-cpp-python sdist on PyPI (its
+vendored llama.cpp, with the gguf-py it ships), run in a child process.
+
+    path, hf_dir = convert(tmp_path, "gemma4", build_gemma4())
+
+The sdist is fetched once with ``pip download`` into ``$TOYGRAPH_CACHE/models`` and only
+the converter, its ``conversion/`` package and ``gguf-py`` are unpacked; TOYGRAPH_OFFLINE=1
+skips the tests that need it when it is not there yet.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from toygraph import environment
+from toygraph.models.catalog import cache_dir
+
+SDIST = "llama-cpp-python==0.3.36"
+UNPACKED = "llama-cpp-python-0.3.36-convert"
+KEEP = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/",
+        "vendor/llama.cpp/gguf-py/")
+
+
+def converter() -> Path:
+    """The folder holding llama.cpp's convert_hf_to_gguf.py (fetched once)."""
+    root = cache_dir() / UNPACKED
+    script = root / "convert_hf_to_gguf.py"
+    if script.is_file():
+        return root
+    if environment.get("TOYGRAPH_OFFLINE"):
+        pytest.skip("llama.cpp's converter is not cached and TOYGRAPH_OFFLINE is set")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                               ":all:", "-q", "-d", tmp, SDIST], capture_output=True, text=True)
+        archives = list(Path(tmp).glob("*.tar.gz"))
+        if proc.returncode != 0 or not archives:
+            pytest.skip(f"cannot fetch {SDIST}: {proc.stderr.strip()[-300:]}")
+        partial = root.with_name(f"{root.name}.{os.getpid()}.partial")
+        with tarfile.open(archives[0]) as tf:
+            for member in tf.getmembers():
+                rel = member.name.split("/", 1)[1] if "/" in member.name else ""
+                if member.isfile() and rel.startswith(KEEP):
+                    member.name = rel[len("vendor/llama.cpp/"):]
+                    tf.extract(member, partial, filter="data")
+        os.replace(partial, root)
+    return root
+
+
+def convert(folder: Path, name: str, model, tokenizer) -> tuple[Path, Path]:
+    """Save ``model`` (a transformers model) and ``tokenizer`` under ``folder/name`` and
+    convert them to ``folder/name.gguf`` in f32; returns (gguf path, HF folder)."""
+    root = converter()
+    hf = folder / name
+    model.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    out = folder / f"{name}.gguf"
+    env = dict(os.environ, PYTHONPATH=f"{root / 'gguf-py'}{os.pathsep}{root}")
+    proc = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(hf),
+                           "--outtype", "f32", "--outfile", str(out)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, hf
+
+
+def tiny_sentencepiece_tokenizer(tokenizer_class):
+    """A Gemma-style byte-fallback vocabulary of 316 tokens: specials, 256 bytes, letters."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = specials + [f"<0x{i:02X}>" for i in range(256)] + letters + ["▁"] + ["▁" + c for c in letters]
+    return tokenizer_class(vocab={t: i for i, t in enumerate(tokens)},
+                           merges=[("▁", c) for c in letters])
