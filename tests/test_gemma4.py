@@ -170,3 +170,20 @@ def test_activation_checkpointing_gives_the_same_steps(gemma4):
         losses[checkpoint] = [recipe.step(tokens, positions, labels, hp_row(t, 1e-2, 0.9, 0.999, 1e-8, 0.0),
                                           is_first=t == 1) for t in (1, 2, 3)]
     assert losses[True] == losses[False] and losses[True][0] != losses[True][2]
+
+
+def test_the_fused_head_refuses_a_soft_capped_model(gemma4):
+    """ops.linear_cross_entropy (the CUDA recipes' head) has no soft cap: it must refuse
+    Gemma 4's head rather than compute another model's loss; lm_head caps."""
+    from toygraph.core import ops
+    from toygraph.core.graph import Graph
+    from toygraph.errors import GraphError
+    from toygraph.models.decoder import build_decoder, lm_head
+    path, _ = gemma4
+    m = GGUFModel(path)
+    g = Graph()
+    net = build_decoder(g, m.config, batch=1, seq_len=4, model=m, logits=False)
+    labels = g.input("labels", (4,), "i32")
+    with pytest.raises(GraphError, match="soft-capped at 3.0"):
+        ops.linear_cross_entropy(net.hidden, net.head, labels)
+    assert lm_head(net).op == "softcap"

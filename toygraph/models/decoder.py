@@ -221,6 +221,8 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
     net.hidden = h
     net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
+    if cfg.logit_softcap:  # so the fused head (no soft cap) refuses it: see lm_head
+        net.head.attrs["logit_softcap"] = cfg.logit_softcap
     if logits:
         net.logits = lm_head(net)
     return net
