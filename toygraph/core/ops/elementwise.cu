@@ -72,3 +72,15 @@ extern "C" __global__ void tg_softcap_back(float* out, const float* x, const flo
         out[i] = __fmul_rn(g[i], __fsub_rn(1.0f, __fmul_rn(t, t)));
     }
 }
+
+// The logistic function (tg_sigmoid of common.cuh) and its backward g * s * (1 - s).
+extern "C" __global__ void tg_sigmoid_op(float* out, const float* x, int n) {
+    TG_GRID_LOOP(i, n) out[i] = tg_sigmoid(x[i]);
+}
+
+extern "C" __global__ void tg_sigmoid_back(float* out, const float* x, const float* g, int n) {
+    TG_GRID_LOOP(i, n) {
+        float s = tg_sigmoid(x[i]);
+        out[i] = __fmul_rn(__fmul_rn(g[i], s), __fsub_rn(1.0f, s));
+    }
+}

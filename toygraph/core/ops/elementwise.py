@@ -1,4 +1,4 @@
-"""Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu, gelu (tanh) and softcap
+"""Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu, gelu (tanh), sigmoid and softcap
 with their backward ops, and the composites built from them (swiglu, geglu, mean). Each op's
 builder, shape rule, backward rule, numpy kernel and CUDA lowering (elementwise.cu).
 """
@@ -106,6 +106,19 @@ define_op("gelu", infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
 define_op("gelu_back", infer_same2)
 
 
+def sigmoid(x):
+    """1 / (1 + exp(-x)): Qwen3.5's gates (the attention output gate, DeltaNet's beta)."""
+    return make_node("sigmoid", [x])
+
+
+def sigmoid_back(x, g):
+    return make_node("sigmoid_back", [x, g])
+
+
+define_op("sigmoid", infer_unary, lambda n, g, need: [sigmoid_back(n.srcs[0], g)])
+define_op("sigmoid_back", infer_same2)
+
+
 def softcap(x, cap: float):
     """cap * tanh(x / cap): Gemma's final-logit soft capping (logits stay in (-cap, cap))."""
     if not cap > 0:
@@ -191,6 +204,25 @@ def _gelu_back_numpy(out, srcs, attrs):
     out[...] = g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + a * x * x))
 
 
+def _sigmoid(x):
+    """As tg_sigmoid computes it: exp of -|x| only, so neither side overflows."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype)
+
+
+@kernel("sigmoid")
+def _sigmoid_numpy(out, srcs, attrs):
+    out[...] = _sigmoid(srcs[0])
+
+
+@kernel("sigmoid_back")
+def _sigmoid_back_numpy(out, srcs, attrs):
+    """d/dx = s (1 - s)."""
+    x, g = srcs
+    s = _sigmoid(x)
+    out[...] = g * s * (1 - s)
+
+
 @kernel("softcap")
 def _softcap_numpy(out, srcs, attrs):
     c = srcs[0].dtype.type(attrs["cap"])
@@ -247,6 +279,10 @@ lowers("silu", kernels=("tg_silu",))(pointwise)
 lowers("silu_back", kernels=("tg_silu_back",))(pointwise)
 lowers("gelu", kernels=("tg_gelu",))(pointwise)
 lowers("gelu_back", kernels=("tg_gelu_back",))(pointwise)
+
+
+lowers("sigmoid", kernels=("tg_sigmoid_op",))(pointwise)
+lowers("sigmoid_back", kernels=("tg_sigmoid_back",))(pointwise)
 
 
 @lowers("softcap", "softcap_back", kernels=("tg_softcap", "tg_softcap_back"))
