@@ -1,4 +1,4 @@
-"""The Gated DeltaNet ops (ops/deltanet.py) and sigmoid: f64 finite-difference gradients of
+"""The Gated DeltaNet ops (ops/deltanet.py), narrow (ops/slicing.py) and sigmoid: f64 finite-difference gradients of
 every input; the chunked (WY) forward against the step-wise recurrence written out here and
 against transformers' own torch functions; the state hand-over of generation; and the CUDA
 kernels on the host executor against numpy (forward and backward, ragged chunk edges)."""
@@ -115,6 +115,17 @@ def test_conv_gradients(T):
     assert check_gradients(g, weighted_sum(ops.causal_conv1d(x, w), rng), [x, w], {}) <= TOL
 
 
+def test_narrow_gradient_and_bounds():
+    rng = np.random.default_rng(4)
+    g = Graph()
+    x = g.param("x", rnd(rng, 2, 3, 6))
+    y = ops.narrow(x, 2, 3)
+    assert y.shape == (2, 3, 3)
+    assert check_gradients(g, weighted_sum(y, rng), [x], {}) <= TOL
+    with pytest.raises(GraphError, match="inside the last axis"):
+        ops.narrow(x, 4, 3)
+
+
 def test_sigmoid_gradient_and_values():
     rng = np.random.default_rng(3)
     g = Graph()
@@ -135,6 +146,7 @@ def host_device(monkeypatch):
     ("sigmoid", lambda x: ops.sigmoid(ops.scale(x, 5.0)), [(7, 300)], ELEMENTWISE),
     ("conv", ops.causal_conv1d, [(2, 37, 5), (5, 4)], REDUCTION),
     ("conv_short", ops.causal_conv1d, [(1, 2, 3), (3, 4)], REDUCTION),
+    ("narrow", lambda x: ops.narrow(x, 3, 7), [(2, 5, 12)], ELEMENTWISE),
 ])
 def test_kernels_match_numpy(host_device, name, build, shapes, tol):
     compare_op(build, shapes, tol)

@@ -22,6 +22,7 @@ update           accumulate, global_norm, adamw
 collective       all_reduce (data parallelism over MPI/NCCL)
 cache            cache_write (generation's KV cache)
 deltanet         causal_conv1d, delta_rule (Qwen3.5's Gated DeltaNet)
+slicing          narrow (a slice of the last axis)
 preference       token_logprobs, softplus, log_sigmoid, log1mexp (DPO/ORPO losses)
 ===============  =======================================================================
 
@@ -50,6 +51,7 @@ from toygraph.core.ops.update import accumulate, adamw, global_norm
 from toygraph.core.ops.collective import all_reduce
 from toygraph.core.ops.cache import cache_write
 from toygraph.core.ops.deltanet import causal_conv1d, delta_rule
+from toygraph.core.ops.slicing import narrow
 from toygraph.core.ops.preference import log1mexp, log_sigmoid, softplus, token_logprobs
 # isort: on
 
@@ -63,4 +65,4 @@ __all__ = ["F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS", "OpSpe
            "swiglu", "sigmoid", "softcap", "rms_norm", "softmax", "rope", "attention", "matmul", "get_rows",
            "count_valid", "cross_entropy", "linear_cross_entropy", "accumulate", "adamw",
            "global_norm", "log1mexp", "log_sigmoid", "softplus", "token_logprobs",
-           "cache_write", "causal_conv1d", "delta_rule", "all_reduce", "SIDE_EFFECTS"]
+           "cache_write", "causal_conv1d", "delta_rule", "narrow", "all_reduce", "SIDE_EFFECTS"]
