@@ -53,17 +53,32 @@ def converter() -> Path:
     return root
 
 
-def convert(folder: Path, name: str, model, tokenizer) -> tuple[Path, Path]:
+# Runs the converter with its BPE pre-tokenizer detection answered by name: it recognises a
+# vocabulary by hashing how the tokenizer splits a test text, and a tiny test vocabulary is in
+# no table. Only the name written to tokenizer.ggml.pre depends on it, no tensor.
+_WITH_PRE = """import runpy, sys
+import conversion.base as base
+script, pre = sys.argv[1:3]
+sys.argv = [script] + sys.argv[3:]
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(folder: Path, name: str, model, tokenizer, *, pre: str | None = None,
+            args: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """Save ``model`` (a transformers model) and ``tokenizer`` under ``folder/name`` and
-    convert them to ``folder/name.gguf`` in f32; returns (gguf path, HF folder)."""
+    convert them to ``folder/name.gguf`` in f32; returns (gguf path, HF folder). ``pre``
+    names the BPE pre-tokenizer of a byte-level vocabulary (see _WITH_PRE)."""
     root = converter()
     hf = folder / name
     model.save_pretrained(hf)
     tokenizer.save_pretrained(hf)
     out = folder / f"{name}.gguf"
     env = dict(os.environ, PYTHONPATH=f"{root / 'gguf-py'}{os.pathsep}{root}")
-    proc = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(hf),
-                           "--outtype", "f32", "--outfile", str(out)],
+    head = [sys.executable, "-c", _WITH_PRE, str(root / "convert_hf_to_gguf.py"), pre] if pre \
+        else [sys.executable, str(root / "convert_hf_to_gguf.py")]
+    proc = subprocess.run([*head, str(hf), "--outtype", "f32", "--outfile", str(out), *args],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, hf

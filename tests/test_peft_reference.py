@@ -14,7 +14,7 @@ peft = pytest.importorskip("peft")
 from toygraph.adapters.files import save_peft  # noqa: E402
 from toygraph.models.model import GGUFModel  # noqa: E402
 from toygraph.inference.language_model import LanguageModel  # noqa: E402
-from toygraph.models.decoder import TARGETS, weight_shape  # noqa: E402
+from toygraph.models.decoder import ALL_TARGETS, TARGETS, weight_shape  # noqa: E402
 from toygraph.core.optimizer import hp_row  # noqa: E402
 from toygraph.recipes import LoRA, RecipeOptions  # noqa: E402
 
@@ -31,7 +31,7 @@ def random_lora(cfg, targets, rank, seed=0, b_std=0.02, present=None):
     lora = {}
     for i in range(cfg.n_layer):
         for t in targets:
-            name = f"blk.{i}.{TARGETS[t]}.weight"
+            name = f"blk.{i}.{ALL_TARGETS[t]}.weight"
             if present is not None and name not in present:
                 continue
             n_out, n_in = weight_shape(cfg, name)

@@ -57,6 +57,9 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "llama-bpe": [_LLAMA3], "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "smaug-bpe": [_LLAMA3],
     "dbrx": [_LLAMA3], "falcon3": [_LLAMA3],
     "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2], "megrez": [_QWEN2],
+    # Qwen3.5: letters take their combining marks (\p{M}) along.
+    "qwen35": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
 }
 
 

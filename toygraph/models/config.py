@@ -19,6 +19,22 @@ _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
+class SSMShape:
+    """A Gated DeltaNet layer's sizes: conv kernel width, key heads and their size (the
+    state rows), value heads and their size (the state columns)."""
+
+    conv: int
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+
+    @property
+    def channels(self) -> int:  # the conv's q | k | v channels
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The numbers a decoder graph needs, read from (and checked against) a GGUF.
 
@@ -60,6 +76,9 @@ class ModelConfig:
     kv_sources: tuple[int, ...] = ()          # layer i attends with layer kv_sources[i]'s K/V
     ple_dim: int = 0                          # per-layer input embedding width (0: none)
     logit_softcap: float = 0.0                # final logits: cap * tanh(logits / cap) (0: none)
+    # Qwen3.5: which layers are Gated DeltaNet layers, and their sizes (models/deltanet.py).
+    recurrent: tuple[bool, ...] = ()
+    ssm: SSMShape | None = None
 
     @property
     def family(self) -> Family:
@@ -81,6 +100,9 @@ class ModelConfig:
 
     def layer_kv_source(self, i: int) -> int:
         return self.kv_sources[i] if self.kv_sources else i
+
+    def layer_recurrent(self, i: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[i]
 
 
 def _number(meta, path, key: str, kind, default=None, *, positive=True):
@@ -265,7 +287,26 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
         ple_dim=(num(k("embedding_length_per_layer_input"), int, 0, positive=False)
                  if fam.per_layer_inputs else 0),
         logit_softcap=num(k("final_logit_softcapping"), float, 0.0, positive=False),
+        **(_deltanet(meta, num, k, n_layer, path) if fam.deltanet else {}),
     )
+
+
+def _deltanet(meta, num, k, n_layer: int, path) -> dict:
+    """Qwen3.5's recurrent layers (``attention.recurrent_layers``) and their sizes."""
+    flags = meta(k("attention.recurrent_layers"))
+    if not isinstance(flags, (list, tuple)) or len(flags) != n_layer \
+            or not all(isinstance(f, bool) for f in flags):
+        raise GGUFError(f"{path}: metadata {k('attention.recurrent_layers')!r} must be "
+                        f"{n_layer} booleans, found {flags!r}")
+    ssm = SSMShape(conv=num(k("ssm.conv_kernel"), int), k_heads=num(k("ssm.group_count"), int),
+                   k_dim=num(k("ssm.state_size"), int), v_heads=num(k("ssm.time_step_rank"), int),
+                   v_dim=1)
+    inner = num(k("ssm.inner_size"), int)
+    if inner % ssm.v_heads or ssm.v_heads % ssm.k_heads:
+        raise GGUFError(f"{path}: ssm.inner_size {inner} and ssm.time_step_rank {ssm.v_heads} "
+                        f"must be a multiple of the value heads and of ssm.group_count {ssm.k_heads}")
+    return dict(recurrent=tuple(flags), ssm=SSMShape(ssm.conv, ssm.k_heads, ssm.k_dim,
+                                                      ssm.v_heads, inner // ssm.v_heads))
 
 
 def layer_shapes(cfg: ModelConfig, i: int, present=None) -> dict[str, tuple[int, ...]]:
@@ -274,10 +315,21 @@ def layer_shapes(cfg: ModelConfig, i: int, present=None) -> dict[str, tuple[int,
     have no ``attn_v`` (values are the key projection)."""
     d, hd, fam, ff = cfg.n_embd, cfg.layer_head_dim(i), cfg.family, cfg.layer_ff(i)
     q, kv = cfg.n_head * hd, cfg.layer_kv_heads(i) * hd
-    shapes = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
-              "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,),
-              "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d),
-              "ffn_down.weight": (d, ff)}
+    shapes = {"attn_norm.weight": (d,), "attn_q.weight": (q * (1 + fam.attn_output_gate), d),
+              "attn_k.weight": (kv, d), "attn_v.weight": (kv, d), "attn_output.weight": (d, q),
+              f"{fam.ffn_norm}.weight": (d,), "ffn_gate.weight": (ff, d),
+              "ffn_up.weight": (ff, d), "ffn_down.weight": (d, ff)}
+    if cfg.layer_recurrent(i):  # a Gated DeltaNet layer in place of attention
+        s = cfg.ssm
+        inner = s.v_heads * s.v_dim
+        return {f"blk.{i}.{n}": shape for n, shape in {
+            "attn_norm.weight": (d,), "attn_qkv.weight": (s.channels, d),
+            "attn_gate.weight": (inner, d), "ssm_alpha.weight": (s.v_heads, d),
+            "ssm_beta.weight": (s.v_heads, d), "ssm_a": (s.v_heads,),
+            "ssm_dt.bias": (s.v_heads,), "ssm_conv1d.weight": (s.channels, s.conv),
+            "ssm_norm.weight": (s.v_dim,), "ssm_out.weight": (d, inner),
+            f"{fam.ffn_norm}.weight": (d,), "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d),
+            "ffn_down.weight": (d, ff)}.items()}
     if cfg.qkv_bias:
         shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
     if fam.qk_norm:

@@ -28,10 +28,15 @@ from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.errors import GraphError
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
+from toygraph.models.deltanet import Recurrence, deltanet
 
 # LoRA target short names -> GGUF projection names.
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
            "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+# Qwen3.5's Gated DeltaNet projections (models/deltanet.py), targetable beside TARGETS.
+DELTANET_TARGETS = {"qkv": "attn_qkv", "z": "attn_gate", "alpha": "ssm_alpha",
+                    "beta": "ssm_beta", "ssm_out": "ssm_out"}
+ALL_TARGETS = {**TARGETS, **DELTANET_TARGETS}
 WEIGHT_MODES = ("frozen", "finetune", "scratch")
 # Gated FFN activations by Family.ffn: act(gate) * up.
 ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu}
@@ -53,9 +58,9 @@ class LoraConfig:
     init_scale: float = 0.01
 
     def __post_init__(self):
-        bad = [t for t in self.targets if t not in TARGETS]
+        bad = [t for t in self.targets if t not in ALL_TARGETS]
         if bad or not self.targets:
-            raise GraphError(f"LoRA targets must be a non-empty subset of {list(TARGETS)}, got {list(self.targets)}")
+            raise GraphError(f"LoRA targets must be a non-empty subset of {list(ALL_TARGETS)}, got {list(self.targets)}")
         if self.rank < 1:
             raise GraphError(f"LoRA rank must be >= 1, got {self.rank}")
 
@@ -138,7 +143,8 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
                   lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
                   logits: bool = True, packed: bool = False, reference_of: Decoder | None = None, attend=None,
-                  shared: Decoder | None = None, prefix: str = "") -> Decoder:
+                  shared: Decoder | None = None, prefix: str = "",
+                  recurrence: Recurrence | None = None) -> Decoder:
     """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens;
     ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
 
@@ -153,7 +159,14 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     one's ``tokens``/``positions`` inputs apart from its.
 
     ``packed`` adds the input ``net.segments`` [batch, seq_len] (sample packing): attention
-    then stays inside each segment (toygraph.data.packing)."""
+    then stays inside each segment (toygraph.data.packing).
+
+    ``recurrence`` runs the Gated DeltaNet layers' sequence ops (models/deltanet.py; the
+    KV cache passes its state-carrying one)."""
+    if packed and cfg.recurrent:
+        raise GraphError(f"sample packing is not supported for {cfg.arch}: its recurrent "
+                         "layers would carry state across the packed sequences")
+    recurrence = recurrence or Recurrence()
     if seq_len > cfg.n_ctx:
         raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq_len < 1:
@@ -176,7 +189,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         net.segments = g.input(prefix + "segments", (batch, seq_len), "i32")
     lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
-    wanted = {TARGETS[t] for t in lora.targets} if lora else set()
+    wanted = {ALL_TARGETS[t] for t in lora.targets} if lora else set()
 
     def linear(x, name: str):
         """x [N, n_in] -> [N, n_out] through weight ``name`` (+ bias, + LoRA)."""
@@ -216,7 +229,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         name = f"blk.{start}" if stop == start + 1 else f"blk.{start}-{stop - 1}"
         with g.region(name, h) as block:
             for i in range(start, stop):
-                h = _block(net, cfg, i, h, linear, attend, B, T)
+                h = _block(net, cfg, i, h, linear, attend, B, T, recurrence)
             block.output = h
     h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
     net.hidden = h
@@ -240,7 +253,8 @@ def _per_layer_inputs(net: Decoder, cfg, h: Tensor, B: int, T: int) -> Tensor:
     return ops.contiguous(both.permute(1, 0, 2)).reshape(L, N * P)
 
 
-def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int) -> Tensor:
+def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
+           recurrence: Recurrence) -> Tensor:
     """Decoder layer ``i`` on the residual stream h [B * T, n_embd] (see models/families.py
     for the layer's shape and which parts each family has)."""
     W, fam, p = net.weights, cfg.family, f"blk.{i}."
@@ -263,7 +277,15 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
         return y.permute(0, 2, 1, 3)  # [B, heads, T, hd]
 
     x = norm(h, "attn_norm")
-    q = rope(heads(linear(x, p + "attn_q.weight"), H, "attn_q_norm" if fam.qk_norm else None))
+    if cfg.layer_recurrent(i):  # Qwen3.5: a Gated DeltaNet layer instead of attention
+        h = h + deltanet(cfg, i, x, W, linear, B, T, recurrence)
+        return _ffn(h, fam, norm, linear, p)
+    q = linear(x, p + "attn_q.weight")
+    if fam.attn_output_gate:  # Qwen3.5: each head's projection is [q | gate]
+        q = q.reshape(B, T, H, 2 * hd)
+        gate = ops.narrow(q, hd, hd).reshape(B * T, H * hd)
+        q = ops.narrow(q, 0, hd)
+    q = rope(heads(q, H, "attn_q_norm" if fam.qk_norm else None))
     source = cfg.layer_kv_source(i)
     if source == i:
         kx = linear(x, p + "attn_k.weight")
@@ -277,17 +299,13 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
     else:  # Gemma 4's last layers attend with an earlier layer's keys and values
         k, v = net.kv[source]
     # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
-    o = attend(i, q, k, v)
-    a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
+    o = attend(i, q, k, v).permute(0, 2, 1, 3).reshape(B * T, H * hd)
+    if fam.attn_output_gate:
+        o = o * ops.sigmoid(gate)
+    a = linear(o, p + "attn_output.weight")
     if fam.post_norms:
         a = norm(a, "post_attention_norm")
-    h = h + a
-    x = norm(h, "ffn_norm")
-    f = ACTIVATIONS[fam.ffn](linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight"))
-    f = linear(f, p + "ffn_down.weight")
-    if fam.post_norms:
-        f = norm(f, "post_ffw_norm")
-    h = h + f
+    h = _ffn(h + a, fam, norm, linear, p)
     if cfg.ple_dim:  # Gemma 4: this layer's per-layer input, gated by the stream
         # Row i of [n_layer, ...] by a one-hot matmul: exact, and its gradient too.
         ple = ops.matmul(net.layer_rows[i], net.per_layer_inputs).reshape(B * T, cfg.ple_dim)
@@ -297,6 +315,16 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
     if fam.layer_output_scale:
         h = h * W[p + "layer_output_scale.weight"]
     return h
+
+
+def _ffn(h: Tensor, fam, norm, linear, p: str) -> Tensor:
+    """The residual FFN half of a layer: h + [post_ffw_norm](down(act(gate(x)) * up(x)))."""
+    x = norm(h, fam.ffn_norm)
+    f = ACTIVATIONS[fam.ffn](linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight"))
+    f = linear(f, p + "ffn_down.weight")
+    if fam.post_norms:
+        f = norm(f, "post_ffw_norm")
+    return h + f
 
 
 def lm_head(net: Decoder) -> Tensor:

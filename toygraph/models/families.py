@@ -80,6 +80,11 @@ class Family:
     ``rope_freqs.weight`` applies to the global layers only (llama.cpp's encoding of
     "proportional" partial rope). Per-layer head sizes, KV-head counts and FFN widths come
     from the file (``*_swa`` keys, arrays) for any family that lists those keys.
+
+    Qwen3.5's parts: ``deltanet``, the layers ``attention.recurrent_layers`` marks are Gated
+    DeltaNet layers (models/deltanet.py) instead of attention; ``attn_output_gate``, the
+    attention's q projection holds [q | gate] per head and the output is o * sigmoid(gate);
+    ``ffn_norm`` names the pre-FFN norm (Qwen3.5's GGUFs call it post_attention_norm).
     """
 
     arch: str
@@ -104,6 +109,9 @@ class Family:
     per_layer_inputs: bool = False
     layer_output_scale: bool = False
     global_rope_freqs: bool = False
+    deltanet: bool = False
+    attn_output_gate: bool = False
+    ffn_norm: str = "ffn_norm"
 
     @property
     def keys(self) -> frozenset:
@@ -136,4 +144,18 @@ FAMILIES = {f.arch: f for f in (
                "rope.freq_base_swa", "attention.key_length_swa", "attention.value_length_swa",
                "rope.dimension_count_swa", "attention.shared_kv_layers",
                "embedding_length_per_layer_input", "final_logit_softcapping"})),
+    # Qwen3.5 (dense): three Gated DeltaNet layers to one gated full-attention layer, as
+    # ``attention.recurrent_layers`` says. Norm weights stored as 1 + w (llama.cpp's
+    # converter), the DeltaNet's gated norm as is. ``rope.dimension_sections`` (M-RoPE)
+    # splits the rotary pairs among position streams that are all the same for text, so
+    # it is plain partial neox rope here.
+    Family(arch="qwen35", rope_mode="neox", qk_permuted=False, qk_norm=True, deltanet=True,
+           attn_output_gate=True, ffn_norm="post_attention_norm",
+           extra_keys=frozenset({
+               "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
+               "ssm.inner_size", "attention.recurrent_layers", "full_attention_interval",
+               "rope.dimension_sections"}),
+           hf_modules={**HF_LAYER_MODULES, "attn_qkv": "linear_attn.in_proj_qkv",
+                       "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a",
+                       "ssm_beta": "linear_attn.in_proj_b", "ssm_out": "linear_attn.out_proj"}),
 )}

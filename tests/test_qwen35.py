@@ -1,0 +1,127 @@
+"""Qwen3.5 against transformers: a tiny random Qwen3_5ForCausalLM built by transformers (three
+Gated DeltaNet layers, then gated full attention, twice), written to GGUF by llama.cpp's
+convert_hf_to_gguf.py (tests/converted.py), with fewer key heads than value heads (the
+file's tiled value-head order), partial rotary dims and q/k norms, on sequences longer than
+the delta rule's chunk (64). The loss is compared with transformers' model on the same
+weights, LoRA steps on every projection (the DeltaNet's too) with torch + PEFT, the exported
+PEFT adapter reloaded in PEFT, and generation with the recurrent state against the full
+window."""
+import numpy as np
+import pytest
+
+from converted import convert
+from test_arch_models import reference_loss
+from test_llama import toygraph_loss
+from test_peft_reference import _report_and_check, random_lora, rel, train_both
+from toygraph.adapters.files import load_peft, save_gguf_adapter, save_peft
+from toygraph.inference.language_model import LanguageModel
+from toygraph.models.decoder import ALL_TARGETS
+from toygraph.models.model import GGUFModel
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.reference
+ALL = tuple(ALL_TARGETS)
+
+
+def build(k_heads=2, v_heads=4):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    symbols = list(bytes_to_unicode().values())
+    vocab = {s: i for i, s in enumerate(symbols)}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("a", "t"), ("Ġ", "a")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges)
+    tok.add_special_tokens({"eos_token": "<|endoftext|>",
+                            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=len(tok), hidden_size=48, intermediate_size=80, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]})
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():  # far from the init, so every part shows in the loss
+        for name, w in model.named_parameters():
+            if name.endswith("A_log"):
+                w.copy_(torch.log(torch.rand_like(w) * 2 + 0.2))
+            elif "linear_attn.norm" in name:
+                w.normal_(1.0, 0.2)
+            else:
+                w.normal_(0.0, 0.2 if "norm" in name or "dt_bias" in name else 0.3)
+    return model.float().eval(), tok
+
+
+@pytest.fixture(scope="module", params=[(2, 4), (2, 2)], ids=["tiled", "equal"])
+def qwen35(request, tmp_path_factory):
+    model, tok = build(*request.param)
+    return convert(tmp_path_factory.mktemp("qwen35"), "qwen35", model, tok, pre="qwen35",
+                   args=("--no-mtp",))
+
+
+def hf_model(hf_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+
+
+def tokens_for(n_vocab, seq=16, batch=2, seed=0):
+    return np.random.default_rng(seed).integers(0, n_vocab, size=(batch, seq)).astype(np.int32)
+
+
+def test_the_file_is_read_as_written(qwen35):
+    path, _ = qwen35
+    cfg = GGUFModel(path).config
+    assert cfg.recurrent == (True, True, True, False) * 2 and cfg.rope_dims == 4
+    assert (cfg.ssm.conv, cfg.ssm.k_heads, cfg.ssm.k_dim, cfg.ssm.v_dim) == (4, 2, 8, 12)
+
+
+@pytest.mark.parametrize("seq", [16, 150])
+def test_loss_matches_transformers(qwen35, seq):
+    path, hf_dir = qwen35
+    tokens = tokens_for(GGUFModel(path).config.n_vocab, seq=seq, batch=2 if seq < 100 else 1)
+    mine, ref = toygraph_loss(path, tokens), reference_loss(hf_model(hf_dir), tokens)
+    print(f"qwen35 seq {seq}: toygraph {mine:.7f} transformers {ref:.7f} rel {rel(mine, ref):.2e}")
+    assert rel(mine, ref) <= 1e-4
+
+
+def test_lora_steps_on_every_projection_match_peft(qwen35, tmp_path):
+    path, hf_dir = qwen35
+    tokens = tokens_for(GGUFModel(path).config.n_vocab, seq=12)
+    mine, ref, norms = train_both(path, tmp_path, targets=ALL, rank=4, alpha=8, tokens=tokens,
+                                  n_prompt=3, steps=3, reference=lambda _: hf_model(hf_dir))
+    _report_and_check("qwen35", mine, ref, norms, 0.5)
+
+
+def test_exported_adapters_reproduce_the_loss(qwen35, tmp_path):
+    """PEFT (value heads back in Hugging Face's grouped order) and llama.cpp's GGUF adapter
+    (file order), each with every DeltaNet projection."""
+    path, hf_dir = qwen35
+    m = GGUFModel(path)
+    lora = random_lora(m.config, ALL, 4, b_std=0.5, present=m.tensor_names())
+    assert {n.split(".")[2] for n in lora} >= {"attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"}
+    save_peft(tmp_path, lora, m.config, rank=4, alpha=8, targets=ALL)
+    back, *_ = load_peft(tmp_path, m.config)
+    assert all(np.array_equal(back[n][0], a) and np.array_equal(back[n][1], b) for n, (a, b) in lora.items())
+    tokens = tokens_for(m.config.n_vocab)
+    mine, _ = LanguageModel(path, adapter_dir=tmp_path).loss(tokens.tolist())
+    base, _ = LanguageModel(path).loss(tokens.tolist())
+    ref = reference_loss(peft.PeftModel.from_pretrained(hf_model(hf_dir), str(tmp_path)), tokens)
+    print(f"qwen35: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f}")
+    assert rel(mine, ref) <= 1e-4 and abs(mine - base) > 100 * 1e-4 * ref
+    out = save_gguf_adapter(tmp_path / "a.gguf", lora, m.config, alpha=8, base_arch="qwen35")
+    import gguf
+    names = {t.name for t in gguf.GGUFReader(out).tensors}
+    assert "blk.0.ssm_out.weight.lora_a" in names and "blk.3.attn_q.weight.lora_b" in names
+
+
+def test_tokenizer_matches_transformers(qwen35):
+    from test_tokenizer_real_files import CORPUS
+    from toygraph.gguf.tokenizer import Tokenizer
+    path, hf_dir = qwen35
+    tok = Tokenizer.from_gguf(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in CORPUS + ["naïve e\u0301 \u0915\u093f"]:   # combining marks stay with letters
+        assert tok.encode(text) == ref.encode(text), text
