@@ -13,7 +13,7 @@ from converted import convert
 from test_arch_models import reference_loss
 from test_llama import toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
-from toygraph.adapters.files import load_peft, save_gguf_adapter, save_peft
+from toygraph.adapters.files import check_gguf_adapter, load_peft, save_gguf_adapter, save_peft
 from toygraph.inference.language_model import LanguageModel
 from toygraph.models.decoder import ALL_TARGETS
 from toygraph.models.model import GGUFModel
@@ -112,9 +112,8 @@ def test_exported_adapters_reproduce_the_loss(qwen35, tmp_path):
     print(f"qwen35: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f}")
     assert rel(mine, ref) <= 1e-4 and abs(mine - base) > 100 * 1e-4 * ref
     out = save_gguf_adapter(tmp_path / "a.gguf", lora, m.config, alpha=8, base_arch="qwen35")
-    import gguf
-    names = {t.name for t in gguf.GGUFReader(out).tensors}
-    assert "blk.0.ssm_out.weight.lora_a" in names and "blk.3.attn_q.weight.lora_b" in names
+    info = check_gguf_adapter(out, path)   # llama.cpp's rules against the base file
+    assert set(info["tensors"]) == set(lora) and "blk.0.ssm_out.weight" in info["tensors"]
 
 
 def test_tokenizer_matches_transformers(qwen35):
@@ -125,3 +124,60 @@ def test_tokenizer_matches_transformers(qwen35):
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for text in CORPUS + ["naïve e\u0301 \u0915\u093f"]:   # combining marks stay with letters
         assert tok.encode(text) == ref.encode(text), text
+
+
+def test_cached_generation_carries_the_recurrent_state(qwen35):
+    """Prefill (prompt padded to its bucket: the padding must not move the state) then
+    decode with the conv rows and the delta rule's state, against the full window."""
+    from test_kvcache import check_paths_agree
+    path, _ = qwen35
+    lm = LanguageModel(path)
+    for prompt, n in (("the cat at the hat", 12), ("a", 6)):
+        tokens = check_paths_agree(lm, lm.tokenizer.encode(prompt), n)
+        assert len(set(tokens)) > 1
+
+
+def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
+    """Every op of a Qwen3.5 LoRA backward (all projections, 70 tokens: past the delta rule's
+    64-step chunk) and of cached generation through the CUDA backend, its kernels run by
+    the host executor, against numpy. This random model amplifies f32 rounding (numpy's f32
+    gradients are ~2e-3 from its f64 ones), so both f32 backends are held to f64."""
+    from hostparity import rel_err, run_phase
+    from test_kvcache import greedy_steps, normwise
+    from toygraph.core import ops
+    from toygraph.core.autodiff import accumulate_grads, backward
+    from toygraph.core.graph import Graph
+    from toygraph.core.session import Session
+    from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    path, _ = qwen35
+    m, T = GGUFModel(path), 70
+    g = Graph()
+    net = build_decoder(g, m.config, batch=1, seq_len=T, model=m, logits=False,
+                        lora=LoraConfig(targets=ALL, rank=4, alpha=8, init_scale=0.3))
+    for _, b in net.lora.values():   # B = 0 would leave A without a gradient
+        b.data = np.random.default_rng(1).normal(size=b.shape).astype(np.float32) * 0.1
+    labels = g.input("labels", (T,), "i32")
+    loss = g.output(ops.cross_entropy(lm_head(net), labels, reduction="sum"))
+    grads = accumulate_grads(backward(loss, net.params))
+    tokens = tokens_for(m.config.n_vocab, seq=T, batch=1)
+    inputs = {net.tokens: tokens, net.positions: np.arange(T, dtype=np.int32)[None],
+              labels: np.append(tokens[0, 1:], 0).astype(np.int32)}
+    fetch = [loss] + [grads[p] for p in net.params]
+    cpu, cuda = (run_phase(g, backend, inputs, "backward", fetch) for backend in ("cpu", "cuda"))
+    s = Session(g, backend="cpu", dtype="f64")
+    s.realize()
+    s.reset()
+    for t, v in inputs.items():
+        s.upload(t, v)
+    s.run("backward")
+    exact = [s.download(t) for t in fetch]
+    err = {name: max(rel_err(a, b) for a, b in zip(got, exact))
+           for name, got in (("numpy", cpu), ("cuda", cuda))}
+    print("qwen35 gradients vs f64:", err)
+    assert rel_err(cuda[0], cpu[0]) <= 1e-5 and err["cuda"] <= 5e-3 and err["numpy"] <= 5e-3
+    lm_cpu, lm_cuda = LanguageModel(path), LanguageModel(path, backend="cuda")
+    ids = lm_cpu.tokenizer.encode("the cat at the hat")
+    got, got_logits = greedy_steps(lm_cuda, ids, 6, kv_cache=True)
+    want, want_logits = greedy_steps(lm_cpu, ids, 6, kv_cache=False)
+    assert got == want and normwise(got_logits, want_logits) <= 1e-4
