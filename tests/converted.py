@@ -91,3 +91,23 @@ def tiny_sentencepiece_tokenizer(tokenizer_class):
     tokens = specials + [f"<0x{i:02X}>" for i in range(256)] + letters + ["▁"] + ["▁" + c for c in letters]
     return tokenizer_class(vocab={t: i for i, t in enumerate(tokens)},
                            merges=[("▁", c) for c in letters])
+
+
+def hf_model(hf_dir):
+    """transformers' float32 model from its own folder (the weights the GGUF was made from)."""
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+
+
+def check_adapter_loss(path, hf_dir, adapter_dir, tokens, what: str) -> None:
+    """The loss with the PEFT adapter in ``adapter_dir``: toygraph's equals PEFT's on the
+    Hugging Face model within 1e-4, and the adapter moves it far beyond that."""
+    import peft
+    from test_arch_models import reference_loss
+    from toygraph.inference.language_model import LanguageModel
+    mine, _ = LanguageModel(path, adapter_dir=adapter_dir).loss(tokens.tolist())
+    base, _ = LanguageModel(path).loss(tokens.tolist())
+    ref = reference_loss(peft.PeftModel.from_pretrained(hf_model(hf_dir), str(adapter_dir)), tokens)
+    print(f"{what}: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f}")
+    assert abs(mine - ref) <= 1e-4 * abs(ref) and abs(mine - base) > 100 * 1e-4 * ref

@@ -10,7 +10,7 @@ the exported adapter is reloaded in PEFT."""
 import numpy as np
 import pytest
 
-from converted import convert, tiny_sentencepiece_tokenizer
+from converted import check_adapter_loss, convert, hf_model, tiny_sentencepiece_tokenizer
 from test_arch_models import reference_loss
 from test_llama import toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
@@ -56,10 +56,6 @@ def build(**overrides):
 def gemma4(tmp_path_factory):
     model, tok = build()
     return convert(tmp_path_factory.mktemp("gemma4"), "gemma4", model, tok)
-
-
-def hf_model(hf_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
 
 
 def tokens_for(n_vocab, seq=16, batch=2):
@@ -120,11 +116,7 @@ def test_exported_peft_adapter_reproduces_the_loss(gemma4, tmp_path):
     lora = random_lora(m.config, tuple(TARGETS), 4, b_std=4.0, present=m.tensor_names())
     save_peft(tmp_path, lora, m.config, rank=4, alpha=8, targets=tuple(TARGETS))
     tokens = tokens_for(m.config.n_vocab)
-    mine, _ = LanguageModel(path, adapter_dir=tmp_path).loss(tokens.tolist())
-    base, _ = LanguageModel(path).loss(tokens.tolist())
-    ref = reference_loss(peft.PeftModel.from_pretrained(hf_model(hf_dir), str(tmp_path)), tokens)
-    print(f"gemma4: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f}")
-    assert rel(mine, ref) <= 1e-4 and abs(mine - base) > 100 * 1e-4 * ref
+    check_adapter_loss(path, hf_dir, tmp_path, tokens, "gemma4")
 
 
 def test_tokenizer_matches_transformers(gemma4):

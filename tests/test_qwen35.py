@@ -9,7 +9,7 @@ window."""
 import numpy as np
 import pytest
 
-from converted import convert
+from converted import check_adapter_loss, convert, hf_model
 from test_arch_models import reference_loss
 from test_llama import toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
@@ -63,10 +63,6 @@ def qwen35(request, tmp_path_factory):
                    args=("--no-mtp",))
 
 
-def hf_model(hf_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-
-
 def tokens_for(n_vocab, seq=16, batch=2, seed=0):
     return np.random.default_rng(seed).integers(0, n_vocab, size=(batch, seq)).astype(np.int32)
 
@@ -106,11 +102,7 @@ def test_exported_adapters_reproduce_the_loss(qwen35, tmp_path):
     back, *_ = load_peft(tmp_path, m.config)
     assert all(np.array_equal(back[n][0], a) and np.array_equal(back[n][1], b) for n, (a, b) in lora.items())
     tokens = tokens_for(m.config.n_vocab)
-    mine, _ = LanguageModel(path, adapter_dir=tmp_path).loss(tokens.tolist())
-    base, _ = LanguageModel(path).loss(tokens.tolist())
-    ref = reference_loss(peft.PeftModel.from_pretrained(hf_model(hf_dir), str(tmp_path)), tokens)
-    print(f"qwen35: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f}")
-    assert rel(mine, ref) <= 1e-4 and abs(mine - base) > 100 * 1e-4 * ref
+    check_adapter_loss(path, hf_dir, tmp_path, tokens, "qwen35")
     out = save_gguf_adapter(tmp_path / "a.gguf", lora, m.config, alpha=8, base_arch="qwen35")
     info = check_gguf_adapter(out, path)   # llama.cpp's rules against the base file
     assert set(info["tensors"]) == set(lora) and "blk.0.ssm_out.weight" in info["tensors"]
@@ -147,7 +139,6 @@ def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
     from toygraph.core import ops
     from toygraph.core.autodiff import accumulate_grads, backward
     from toygraph.core.graph import Graph
-    from toygraph.core.session import Session
     from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     path, _ = qwen35
@@ -165,13 +156,7 @@ def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
               labels: np.append(tokens[0, 1:], 0).astype(np.int32)}
     fetch = [loss] + [grads[p] for p in net.params]
     cpu, cuda = (run_phase(g, backend, inputs, "backward", fetch) for backend in ("cpu", "cuda"))
-    s = Session(g, backend="cpu", dtype="f64")
-    s.realize()
-    s.reset()
-    for t, v in inputs.items():
-        s.upload(t, v)
-    s.run("backward")
-    exact = [s.download(t) for t in fetch]
+    exact = run_phase(g, "cpu", inputs, "backward", fetch, dtype="f64")
     err = {name: max(rel_err(a, b) for a, b in zip(got, exact))
            for name, got in (("numpy", cpu), ("cuda", cuda))}
     print("qwen35 gradients vs f64:", err)
