@@ -111,3 +111,24 @@ def check_adapter_loss(path, hf_dir, adapter_dir, tokens, what: str) -> None:
     ref = reference_loss(peft.PeftModel.from_pretrained(hf_model(hf_dir), str(adapter_dir)), tokens)
     print(f"{what}: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f}")
     assert abs(mine - ref) <= 1e-4 * abs(ref) and abs(mine - base) > 100 * 1e-4 * ref
+
+
+def check_checkpointing(path, targets, seq=12) -> None:
+    """Three LoRA steps with activation checkpointing give the very losses they give without."""
+    import numpy as np
+    from toygraph.core.optimizer import hp_row
+    from toygraph.models.model import GGUFModel
+    from toygraph.recipes import LoRA, RecipeOptions
+    m = GGUFModel(path)
+    tokens = np.random.default_rng(0).integers(0, m.config.n_vocab, size=(1, 2, seq)).astype(np.int32)
+    labels = np.concatenate([tokens[..., 1:], np.full((1, 2, 1), -1)], -1).astype(np.int32)
+    positions = np.tile(np.arange(seq, dtype=np.int32), (1, 2, 1))
+    losses = {}
+    for checkpoint in (False, True):
+        recipe = LoRA(targets=targets, rank=4, alpha=8)
+        recipe.realize(m, m.config, RecipeOptions(seq_len=seq, batch=2,
+                                                  checkpoint_activations=checkpoint))
+        losses[checkpoint] = [recipe.step(tokens, positions, labels,
+                                          hp_row(t, 1e-2, 0.9, 0.999, 1e-8, 0.0), is_first=t == 1)
+                              for t in (1, 2, 3)]
+    assert losses[True] == losses[False] and losses[True][0] != losses[True][2]

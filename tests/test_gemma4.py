@@ -10,7 +10,7 @@ the exported adapter is reloaded in PEFT."""
 import numpy as np
 import pytest
 
-from converted import check_adapter_loss, convert, hf_model, tiny_sentencepiece_tokenizer
+from converted import check_adapter_loss, check_checkpointing, convert, hf_model, tiny_sentencepiece_tokenizer
 from test_arch_models import reference_loss
 from test_llama import toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
@@ -147,21 +147,8 @@ def test_cached_generation_matches_the_full_window(gemma4):
 def test_activation_checkpointing_gives_the_same_steps(gemma4):
     """Recomputing each block in the backward: the shared layers read keys and values made
     in an earlier block, and every block reads the per-layer inputs made before the first."""
-    from toygraph.core.optimizer import hp_row
-    from toygraph.recipes import LoRA, RecipeOptions
     path, _ = gemma4
-    m = GGUFModel(path)
-    tokens = tokens_for(m.config.n_vocab, seq=12)[None]
-    labels = np.concatenate([tokens[..., 1:], np.full((1, 2, 1), -1)], -1).astype(np.int32)
-    positions = np.tile(np.arange(12, dtype=np.int32), (1, 2, 1))
-    losses = {}
-    for checkpoint in (False, True):
-        recipe = LoRA(targets=tuple(TARGETS), rank=4, alpha=8)
-        recipe.realize(m, m.config, RecipeOptions(seq_len=12, batch=2,
-                                                  checkpoint_activations=checkpoint))
-        losses[checkpoint] = [recipe.step(tokens, positions, labels, hp_row(t, 1e-2, 0.9, 0.999, 1e-8, 0.0),
-                                          is_first=t == 1) for t in (1, 2, 3)]
-    assert losses[True] == losses[False] and losses[True][0] != losses[True][2]
+    check_checkpointing(path, tuple(TARGETS))
 
 
 def test_the_fused_head_refuses_a_soft_capped_model(gemma4):

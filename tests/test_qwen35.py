@@ -9,7 +9,7 @@ window."""
 import numpy as np
 import pytest
 
-from converted import check_adapter_loss, convert, hf_model
+from converted import check_adapter_loss, check_checkpointing, convert, hf_model
 from test_arch_models import reference_loss
 from test_llama import toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
@@ -166,3 +166,7 @@ def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
     got, got_logits = greedy_steps(lm_cuda, ids, 6, kv_cache=True)
     want, want_logits = greedy_steps(lm_cpu, ids, 6, kv_cache=False)
     assert got == want and normwise(got_logits, want_logits) <= 1e-4
+
+
+def test_activation_checkpointing_gives_the_same_steps(qwen35):
+    check_checkpointing(qwen35[0], ALL)
