@@ -170,3 +170,12 @@ def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
 
 def test_activation_checkpointing_gives_the_same_steps(qwen35):
     check_checkpointing(qwen35[0], ALL)
+
+
+def test_sample_packing_is_refused(qwen35):
+    from toygraph.core.graph import Graph
+    from toygraph.errors import GraphError
+    from toygraph.models.decoder import build_decoder
+    m = GGUFModel(qwen35[0])
+    with pytest.raises(GraphError, match="packing is not supported for qwen35"):
+        build_decoder(Graph(), m.config, batch=1, seq_len=8, model=m, packed=True)

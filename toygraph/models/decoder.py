@@ -295,7 +295,8 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
         v = heads(vx, KV, None)
         if fam.v_norm:  # Gemma 4: RMSNorm of each value head, without a weight
             v = ops.rms_norm(v, cfg.rms_eps)
-        net.kv[i] = k, v = k, v.permute(0, 2, 1, 3)
+        v = v.permute(0, 2, 1, 3)
+        net.kv[i] = k, v
     else:  # Gemma 4's last layers attend with an earlier layer's keys and values
         k, v = net.kv[source]
     # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
