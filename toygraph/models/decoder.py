@@ -29,6 +29,7 @@ from toygraph.core.graph import Graph, Tensor
 from toygraph.errors import GraphError
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
 from toygraph.models.deltanet import Recurrence, deltanet
+from toygraph.models.moe import moe_ffn
 
 # LoRA target short names -> GGUF projection names.
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -38,10 +39,16 @@ DELTANET_TARGETS = {"qkv": "attn_qkv", "z": "attn_gate", "alpha": "ssm_alpha",
                     "beta": "ssm_beta", "ssm_out": "ssm_out"}
 ALL_TARGETS = {**TARGETS, **DELTANET_TARGETS}
 WEIGHT_MODES = ("frozen", "finetune", "scratch")
-# Gated FFN activations by Family.ffn: act(gate) * up.
-ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu}
+# Gated FFN activations by Family.ffn: act(gate) * up; gpt-oss's alpha and limit are the
+# constants llama.cpp's build_moe_ffn uses for LLM_FFN_SWIGLU_OAI_MOE (and transformers'
+# GptOssConfig defaults; the GGUF has no key for them).
+ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu,
+               "swiglu_oai": lambda gate, up: ops.swiglu_oai(gate, up, alpha=1.702, limit=7.0)}
 # Tensors that describe the model rather than weigh it: frozen in every weight mode.
 FIXED = ("rope_freqs.weight",)
+#: The const holding ModelConfig.rope_yarn (YaRN's per-pair frequency divisors), made by
+#: the builder beside the GGUF's weights (the file stores no such tensor).
+YARN_FACTORS = "rope_yarn.factors"
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,8 @@ def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tenso
             out[name] = g.param(name, w.dequantize())
         else:
             out[name] = g.const(name, w.raw, shape=w.shape, storage=w.qtype)
+    if cfg.rope_yarn:
+        out[YARN_FACTORS] = g.const(YARN_FACTORS, np.array(cfg.rope_yarn, np.float32))
     return out
 
 
@@ -138,6 +147,17 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
     a = g.param(f"{name}.lora_a", (rng.normal(size=(lora.rank, n_in)) * lora.init_scale).astype(np.float32))
     b = g.param(f"{name}.lora_b", np.zeros((n_out, lora.rank), np.float32))
     return a, b
+
+
+def _check_targets(cfg, wanted: set[str]) -> None:
+    """Every LoRA target names a weight of this model: 'gate'/'up'/'down' are the dense
+    FFN's, which a mixture-of-experts layer does not have."""
+    present = {name.split(".")[-2] for name in tensor_shapes(cfg)}
+    missing = sorted(wanted - present)
+    if missing:
+        short = [t for t, proj in ALL_TARGETS.items() if proj in missing]
+        hint = " (its FFNs are mixtures of experts: target q, k, v, o)" if cfg.n_expert else ""
+        raise GraphError(f"LoRA targets {short} name no weight of this {cfg.arch} model{hint}")
 
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
@@ -152,9 +172,9 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     weight tensors, making no new weights (DPO's reference model reads the same frozen
     base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
 
-    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v)`` replaces layer i's
-    fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms and rope;
-    returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
+    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v, sinks)`` replaces
+    layer i's fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms
+    and rope, sinks the layer's attention sinks [H] or None; returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
     and LoRA pairs (a second graph over the same parameters), and ``prefix`` names this
     one's ``tokens``/``positions`` inputs apart from its.
 
@@ -190,6 +210,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {ALL_TARGETS[t] for t in lora.targets} if lora else set()
+    _check_targets(cfg, wanted)
 
     def linear(x, name: str):
         """x [N, n_in] -> [N, n_out] through weight ``name`` (+ bias, + LoRA)."""
@@ -216,9 +237,9 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         net.layer_rows = earlier.layer_rows if earlier else [
             g.const(f"per_layer_input.{i}", np.eye(cfg.n_layer, dtype=np.float32)[i:i + 1])
             for i in range(cfg.n_layer)]
-    attend = attend or (lambda i, q, k, v: ops.attention(q, k, v, scale=cfg.attn_scale,
-                                                         causal=True, window=cfg.windows[i],
-                                                         segments=net.segments))
+    attend = attend or (lambda i, q, k, v, sinks: ops.attention(
+        q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
+        segments=net.segments, sinks=sinks))
     # One region per block: the unit activation checkpointing recomputes (recompute.py). A
     # region recomputes from its own input alone, so the blocks from the first whose keys
     # and values a later block reuses (Gemma 4) to the last form one region.
@@ -272,14 +293,14 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
     def rope(y):
         dims, factors = cfg.layer_rope(i)
         y = ops.rope(y, net.positions, dims=dims, base=cfg.rope_bases[i],
-                     mode=cfg.rope_mode, freq_factors=W["rope_freqs.weight"] if factors else None,
-                     freq_scale=cfg.rope_scales[i])
+                     mode=cfg.rope_mode, freq_scale=cfg.rope_scales[i],
+                     freq_factors=W["rope_freqs.weight"] if factors else W.get(YARN_FACTORS))
         return y.permute(0, 2, 1, 3)  # [B, heads, T, hd]
 
     x = norm(h, "attn_norm")
     if cfg.layer_recurrent(i):  # Qwen3.5: a Gated DeltaNet layer instead of attention
         h = h + deltanet(cfg, i, x, W, linear, B, T, recurrence)
-        return _ffn(h, fam, norm, linear, p)
+        return _ffn(h, cfg, i, W, norm, linear, p)
     q = linear(x, p + "attn_q.weight")
     if fam.attn_output_gate:  # Qwen3.5: each head's projection is [q | gate]
         q = q.reshape(B, T, H, 2 * hd)
@@ -300,13 +321,13 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
     else:  # Gemma 4's last layers attend with an earlier layer's keys and values
         k, v = net.kv[source]
     # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
-    o = attend(i, q, k, v).permute(0, 2, 1, 3).reshape(B * T, H * hd)
+    o = attend(i, q, k, v, W.get(p + "attn_sinks.weight")).permute(0, 2, 1, 3).reshape(B * T, H * hd)
     if fam.attn_output_gate:
         o = o * ops.sigmoid(gate)
     a = linear(o, p + "attn_output.weight")
     if fam.post_norms:
         a = norm(a, "post_attention_norm")
-    h = _ffn(h + a, fam, norm, linear, p)
+    h = _ffn(h + a, cfg, i, W, norm, linear, p)
     if cfg.ple_dim:  # Gemma 4: this layer's per-layer input, gated by the stream
         # Row i of [n_layer, ...] by a one-hot matmul: exact, and its gradient too.
         ple = ops.matmul(net.layer_rows[i], net.per_layer_inputs).reshape(B * T, cfg.ple_dim)
@@ -318,11 +339,17 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
     return h
 
 
-def _ffn(h: Tensor, fam, norm, linear, p: str) -> Tensor:
-    """The residual FFN half of a layer: h + [post_ffw_norm](down(act(gate(x)) * up(x)))."""
+def _ffn(h: Tensor, cfg, i: int, W: dict, norm, linear, p: str) -> Tensor:
+    """The residual FFN half of layer i: h + [post_ffw_norm](ffn(ffn_norm(h))), the FFN
+    dense (down(act(gate(x)) * up(x))) or a mixture of experts (models/moe.py)."""
+    fam = cfg.family
     x = norm(h, fam.ffn_norm)
-    f = ACTIVATIONS[fam.ffn](linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight"))
-    f = linear(f, p + "ffn_down.weight")
+    act = ACTIVATIONS[fam.ffn]
+    if cfg.moe_layer(i):
+        f = moe_ffn(cfg, W, p, x, linear, act)
+    else:
+        f = linear(act(linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight")),
+                   p + "ffn_down.weight")
     if fam.post_norms:
         f = norm(f, "post_ffw_norm")
     return h + f

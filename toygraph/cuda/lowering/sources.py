@@ -121,11 +121,13 @@ def read_source(name: str) -> str:
 
 def layout_defines() -> str:
     """blocks.BLOCK and blocks.LAYOUT as C macros (``TG_Q4_K_QK``, ``TG_Q4_K_BYTES``,
-    ``TG_Q4_K_SCALES``...) for every stored format but f32, and blocks.IQ4NL_VALUES as
-    ``TG_IQ4NL_VALUES``, so the kernels use the one description of each block."""
+    ``TG_Q4_K_SCALES``...) for every stored format but f32, and blocks.IQ4NL_VALUES and
+    MXFP4_VALUES as ``TG_IQ4NL_VALUES`` / ``TG_MXFP4_VALUES``, so the kernels use the one
+    description of each block."""
     from toygraph.gguf import blocks
-    lines = ["// generated from toygraph.gguf.blocks BLOCK, LAYOUT and IQ4NL_VALUES",
-             f"#define TG_IQ4NL_VALUES {', '.join(map(str, blocks.IQ4NL_VALUES))}"]
+    lines = ["// generated from toygraph.gguf.blocks BLOCK, LAYOUT, IQ4NL_VALUES, MXFP4_VALUES",
+             f"#define TG_IQ4NL_VALUES {', '.join(map(str, blocks.IQ4NL_VALUES))}",
+             f"#define TG_MXFP4_VALUES {', '.join(map(str, blocks.MXFP4_VALUES))}"]
     for fmt in (f for f in blocks.BLOCK if f != "f32"):
         elems, size = blocks.BLOCK[fmt]
         name = fmt.upper()
