@@ -89,7 +89,7 @@ class Family:
     router and the experts have biases.
     ``extra_keys``: metadata keys understood beyond COMMON_KEYS.
 
-    Gemma 4's parts (all off elsewhere; models/gemma4 in README terms): ``v_norm``, an
+    Gemma 4's parts (all off elsewhere): ``v_norm``, an
     RMSNorm without weight of v per head; ``attn_scale_one``, softmax scale 1 (the q/k norms
     set it); ``k_eq_v``, a layer without ``attn_v`` uses its key projection as values;
     ``kv_sharing``, the last ``attention.shared_kv_layers`` layers attend with the K/V of
