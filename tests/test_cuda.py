@@ -65,6 +65,7 @@ from hostparity import ELEMENTWISE, REDUCTION, compare_op, qlinear, rel_err, rnd
     ("gelu", ops.gelu, [(3, 5)], ELEMENTWISE),
     ("gelu_big", lambda x: ops.gelu(ops.scale(x, 4.0)), [(70, 300)], ELEMENTWISE),
     ("geglu", ops.geglu, [(4, 6), (4, 6)], ELEMENTWISE),
+    ("softcap", lambda x: ops.softcap(ops.scale(x, 40.0), 30.0), [(7, 300)], ELEMENTWISE),
     # Per-head q/k norm (Qwen3, Gemma 3): rms_norm over head_dim of [B, T, H, hd] * w[hd].
     ("qk_norm", lambda x, w: ops.rms_norm(x, 1e-6) * w, [(2, 3, 4, 40), (40,)], REDUCTION),
 ])

@@ -202,6 +202,7 @@ def test_run_kernel_passes_structs_by_value():
     ("scale", lambda x: ops.scale(x, -1.7), [(3, 4)], ELEMENTWISE),
     ("silu", ops.silu, [(7, 300)], ELEMENTWISE),
     ("swiglu", ops.swiglu, [(4, 6), (4, 6)], ELEMENTWISE),
+    ("softcap", lambda x: ops.softcap(ops.scale(x, 40.0), 30.0), [(7, 300)], ELEMENTWISE),
     ("rms_norm", lambda x: ops.rms_norm(x, 1e-5), [(2, 3, 8)], REDUCTION),
     ("rms_norm_wide", lambda x: ops.rms_norm(x, 1e-6), [(5, 600)], REDUCTION),
     ("softmax_wide", lambda x: ops.softmax(x, scale=0.7), [(3, 700)], REDUCTION),

@@ -184,6 +184,7 @@ def _small_op_launches():
     x = g.param("x", np.ones((2, 3, 4)))
     b = g.param("b", np.ones((4,)))
     y = ops.softmax(ops.gelu(ops.sub(ops.scale(x, 0.5), b)), scale=2.0, causal=False)
+    y = ops.sigmoid(ops.softcap(y, 30.0))
     y = ops.contiguous(ops.permute(y, (1, 0, 2))).reshape(3, 8)
     packed = g.const("packed", np.ones(40))
     loss = ops.sum(ops.mul(y, ops.unpack(packed, 16, (3, 8))))
@@ -191,9 +192,18 @@ def _small_op_launches():
     acc_state = g.state("acc", (4,), kind="grad")
     acc = ops.accumulate(acc_state, grads[b])
     summed = ops.all_reduce([g.state("count", (), kind="count"), acc_state], ranks=2)
+    conv = ops.narrow(ops.causal_conv1d(g.param("cx", np.ones((1, 3, 2))), g.param("cw", np.ones((2, 4)))), 1, 1)
+    dq, dk_, dv_ = (g.param(f"d{n}", np.ones((1, 2, 1, 3))) for n in "qkv")
+    gb = [g.param(f"d{n}", np.ones((1, 2, 1))) for n in "gb"]
+    delta = ops.delta_rule(dq, dk_, dv_, *gb)
+    _, state = ops.delta_rule(dq, dk_, dv_, *gb, state=g.const("s0", np.zeros((1, 1, 3, 3))))
+    loss = ops.add(loss, ops.add(ops.sum(conv), ops.sum(delta)))
+    grads = backward(loss, [x, b] + [n for n in g.nodes if n.role == "param" and n.name in
+                                      ("cx", "cw", "dq", "dk", "dv", "dg", "db")])
     cached = ops.cache_write(g.state("cache", (2, 6, 4), kind="cache"),
                              g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
-    return _lower_all(topo_order([loss, grads[x], acc, summed, cached]), precisions=("f32",))
+    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state]),
+                      precisions=("f32",))
 
 
 def _preference_op_launches():

@@ -111,7 +111,7 @@ def test_build_errors(tiny_llama):
     with pytest.raises(GraphError, match="exceeds the model's context length"):
         build_decoder(Graph(), m.config, batch=1, seq_len=m.config.n_ctx + 1, model=m)
     with pytest.raises(GraphError, match="LoRA targets"):
-        LoraConfig(targets=("q", "qkv"))
+        LoraConfig(targets=("q", "query"))
     with pytest.raises(GraphError, match="needs a GGUF model"):
         build_decoder(Graph(), m.config, batch=1, seq_len=4)
 

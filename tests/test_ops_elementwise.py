@@ -16,6 +16,7 @@ from toygraph.core.graph import Graph
 @pytest.mark.parametrize("name,build,shape", [
     ("scale", lambda x: ops.scale(x, -1.7), (3, 4)),
     ("silu", ops.silu, (3, 5)),
+    ("softcap", lambda x: ops.softcap(ops.scale(x, 20.0), 15.0), (3, 5)),
     ("mean_axis", lambda x: ops.mean(x, -1), (3, 4)),
 ])
 def test_unary_gradients(name, build, shape):
@@ -119,3 +120,17 @@ def test_gelu_launches():
 @pytest.mark.parametrize("shapes", [[(2, 3, 4, 5), (5,)], [(2, 3, 4, 5), (1, 1, 4, 1)]])
 def test_four_d_broadcast_mul_lowering_matches_numpy(shapes):
     check_lowering(*const_node(ops.mul, *shapes))
+
+
+def test_softcap_is_cap_times_tanh_and_refuses_a_bad_cap():
+    g = Graph()
+    xv = np.array([-1e4, -30.0, -1.0, 0.0, 0.5, 30.0, 1e4], np.float32)
+    y = g.output(ops.softcap(g.const("x", xv), 30.0))
+    from toygraph.core.session import Session
+    s = Session(g)
+    s.realize()
+    s.run("forward")
+    np.testing.assert_allclose(s.download(y), 30.0 * np.tanh(xv / 30.0), rtol=1e-6)
+    from toygraph.errors import GraphError
+    with pytest.raises(GraphError, match="positive cap"):
+        ops.softcap(g.const("z", xv), 0.0)

@@ -14,7 +14,7 @@ peft = pytest.importorskip("peft")
 from toygraph.adapters.files import save_peft  # noqa: E402
 from toygraph.models.model import GGUFModel  # noqa: E402
 from toygraph.inference.language_model import LanguageModel  # noqa: E402
-from toygraph.models.decoder import TARGETS, weight_shape  # noqa: E402
+from toygraph.models.decoder import ALL_TARGETS, TARGETS, weight_shape  # noqa: E402
 from toygraph.core.optimizer import hp_row  # noqa: E402
 from toygraph.recipes import LoRA, RecipeOptions  # noqa: E402
 
@@ -24,13 +24,16 @@ TEXTS = ["The capital of France is Paris. It is known for the Eiffel Tower and t
          "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5, of course it does"]
 
 
-def random_lora(cfg, targets, rank, seed=0, b_std=0.02):
-    """Non-zero A and B: A ~ N(0, 1/n_in) keeps x A^T at unit scale, B sets the effect."""
+def random_lora(cfg, targets, rank, seed=0, b_std=0.02, present=None):
+    """Non-zero A and B: A ~ N(0, 1/n_in) keeps x A^T at unit scale, B sets the effect.
+    ``present`` (the file's tensor names) skips projections a layer lacks (Gemma 4)."""
     rng = np.random.default_rng(seed)
     lora = {}
     for i in range(cfg.n_layer):
         for t in targets:
-            name = f"blk.{i}.{TARGETS[t]}.weight"
+            name = f"blk.{i}.{ALL_TARGETS[t]}.weight"
+            if present is not None and name not in present:
+                continue
             n_out, n_in = weight_shape(cfg, name)
             lora[name] = ((rng.normal(size=(rank, n_in)) / np.sqrt(n_in)).astype(np.float32),
                           (rng.normal(size=(n_out, rank)) * b_std).astype(np.float32))
@@ -93,7 +96,7 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
     ``reference(path)``) from the same init."""
     model_file = GGUFModel(path)
     cfg = model_file.config
-    lora = random_lora(cfg, targets, rank)
+    lora = random_lora(cfg, targets, rank, present=model_file.tensor_names())
     B, T = tokens.shape
     labels = np.concatenate([tokens[:, 1:], np.full((B, 1), -1)], 1).astype(np.int32)
     labels[:, :n_prompt] = -1  # prompt positions are not trained on

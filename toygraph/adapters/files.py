@@ -26,7 +26,7 @@ import numpy as np
 
 from toygraph.atomic import atomic_write
 from toygraph.errors import DataError
-from toygraph.models.decoder import TARGETS, weight_shape
+from toygraph.models.decoder import ALL_TARGETS, weight_shape
 from toygraph.models.families import HF_LAYER_MODULES
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -38,7 +38,7 @@ TEMPLATE_NAME, TEMPLATE_SOURCE = "toygraph.template", "toygraph.chat_template"
 # GGUF projection name -> Hugging Face module path inside a decoder layer (the families'
 # own tables, cfg.family.hf_modules, are what export and import use; this is the default).
 HF_MODULES = HF_LAYER_MODULES
-_SHORT_BY_GGUF = {g: s for s, g in TARGETS.items()}
+_SHORT_BY_GGUF = {g: s for s, g in ALL_TARGETS.items()}
 _PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
 
 
@@ -52,6 +52,9 @@ def hf_row_order(rows: np.ndarray, cfg, name: str, to_hf: bool) -> np.ndarray:
     GGUFs store Q/K unpermuted: Family.qk_permuted False) passes through unchanged.
     """
     proj = name.split(".")[-2]
+    order = value_head_order(cfg, proj, rows.shape[0]) if proj != "ssm_out" else None
+    if order is not None:  # Qwen3.5's DeltaNet value heads (A's columns: hf_column_order)
+        return np.ascontiguousarray(rows[order] if to_hf else rows[np.argsort(order)])
     if not cfg.family.qk_permuted or proj not in ("attn_q", "attn_k"):
         return rows
     n_head = cfg.n_head if proj == "attn_q" else cfg.n_head_kv
@@ -61,11 +64,37 @@ def hf_row_order(rows: np.ndarray, cfg, name: str, to_hf: bool) -> np.ndarray:
                                 .reshape(rows.shape))
 
 
+def value_head_order(cfg, proj: str, n: int) -> np.ndarray | None:
+    """Where each Hugging Face row (or ssm_out column) of a Qwen3.5 DeltaNet projection is
+    in the GGUF: llama.cpp's converter stores the value heads "tiled" (head j * nk + g is
+    Hugging Face's g * r + j, r = nv / nk). None when nothing moves (nk == nv, other
+    projections)."""
+    s = cfg.ssm
+    if s is None or s.v_heads == s.k_heads or proj not in (
+            "attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"):
+        return None
+    unit = 1 if proj in ("ssm_alpha", "ssm_beta") else s.v_dim
+    r, nk = s.v_heads // s.k_heads, s.k_heads
+    heads = np.array([j * nk + g for g in range(nk) for j in range(r)])   # gguf head of hf head
+    order = (heads[:, None] * unit + np.arange(unit)).reshape(-1)
+    skip = n - len(order)                      # attn_qkv: q and k rows stay where they are
+    return np.concatenate([np.arange(skip), skip + order])
+
+
+def hf_column_order(cols: np.ndarray, cfg, name: str, to_hf: bool) -> np.ndarray:
+    """Columns of an ssm_out input side (a lora_A) between GGUF and Hugging Face order."""
+    proj = name.split(".")[-2]
+    order = value_head_order(cfg, proj, cols.shape[1]) if proj == "ssm_out" else None
+    if order is None:
+        return cols
+    return np.ascontiguousarray(cols[:, order] if to_hf else cols[:, np.argsort(order)])
+
+
 # --- shared checks -------------------------------------------------------------------------
 def _targets_of(names) -> tuple[str, ...]:
-    """Short target names (q, v, ...) of GGUF weight names, in TARGETS order."""
+    """Short target names (q, v, ...) of GGUF weight names, in ALL_TARGETS order."""
     present = {n.split(".")[-2] for n in names}
-    return tuple(s for s, g in TARGETS.items() if g in present)
+    return tuple(s for s, g in ALL_TARGETS.items() if g in present)
 
 
 def _check_lora(lora: dict, cfg, where: str) -> int:
@@ -106,21 +135,22 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
         raise DataError(f"{dir}: adapters have rank {found}, but rank={rank} was given")
     targets = tuple(targets)
     stray = sorted(set(_targets_of(lora)) - set(targets))
-    if stray or any(t not in TARGETS for t in targets):
+    if stray or any(t not in ALL_TARGETS for t in targets):
         raise DataError(f"{dir}: targets {list(targets)} must be known names covering every "
                         f"adapter (uncovered: {stray})")
     tensors = {}
     for name, (a, b) in lora.items():
         layer, proj = int(name.split(".")[1]), name.split(".")[2]
         key = f"base_model.model.model.layers.{layer}.{cfg.family.hf_modules[proj]}"
-        tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(
+            hf_column_order(np.asarray(a, np.float32), cfg, name, to_hf=True))
         tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(
             hf_row_order(np.asarray(b, np.float32), cfg, name, to_hf=True))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name or None, "revision": None,
         "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": 0.0,
-        "target_modules": sorted(cfg.family.hf_modules[TARGETS[t]].split(".")[1] for t in targets),
+        "target_modules": sorted(cfg.family.hf_modules[ALL_TARGETS[t]].split(".")[1] for t in targets),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
@@ -243,7 +273,8 @@ def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     rank = _check_lora(lora, cfg, str(wpath))  # shapes checked before any reshape below
     if rank != config["r"]:
         raise DataError(f"{wpath}: tensors have rank {rank} but {CONFIG_FILE} says r={config['r']}")
-    lora = {n: (a, hf_row_order(b, cfg, n, to_hf=False)) for n, (a, b) in lora.items()}
+    lora = {n: (hf_column_order(a, cfg, n, to_hf=False), hf_row_order(b, cfg, n, to_hf=False))
+            for n, (a, b) in lora.items()}
     return lora, rank, float(config["lora_alpha"]), _targets_of(lora)
 
 

@@ -6,7 +6,8 @@ rebuild the equivalent Hugging Face `tokenizers` pipeline from that:
 
 * ``tokenizer.ggml.model == "gpt2"``: byte-level BPE. The merges are in the file; the
   text is split by the regex chain llama.cpp names in ``tokenizer.ggml.pre``.
-* ``tokenizer.ggml.model == "llama"``: a sentencepiece vocabulary. llama.cpp merges the
+* ``tokenizer.ggml.model == "llama"`` (and Gemma 4's ``"gemma4"``, whose merges are in
+  the file): a sentencepiece vocabulary. llama.cpp merges the
   adjacent pair whose concatenation has the highest score; a BPE whose merges are ranked
   by that score does the same, with ``<0xNN>`` byte fallback and "▁" for spaces. Gemma
   files rank by file order instead and spell space runs with real spaces (as transformers
@@ -63,6 +64,9 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "llama-bpe": [_LLAMA3], "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "smaug-bpe": [_LLAMA3],
     "dbrx": [_LLAMA3], "falcon3": [_LLAMA3],
     "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2], "megrez": [_QWEN2],
+    # Qwen3.5: letters take their combining marks (\p{M}) along.
+    "qwen35": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
     "gpt-4o": [_GPT4O], "llama4": [_GPT4O],
 }
 
@@ -165,19 +169,31 @@ class Tokenizer:
             # transformers' GPT2Tokenizer adds no BOS unless the file asks for it.
             add_bos = bool(add_bos) if add_bos is not None else False
         elif model == "llama":
-            hf = _sentencepiece_from_gguf(reader, tokens, types, ids, source)
+            hf, spelled = _sentencepiece_from_gguf(reader, tokens, types, ids, source)
             # llama.cpp (and transformers) add BOS to a sentencepiece vocabulary by default.
             add_bos = bool(add_bos) if add_bos is not None else True
+        elif model == "gemma4":
+            # Gemma 4: a sentencepiece-style BPE with its merges in the file. The file says
+            # add_bos_token, but the chat template writes <bos> itself: transformers adds none
+            # (llama.cpp does, ggml-org/llama.cpp#21500); we follow transformers.
+            hf, spelled = _sentencepiece_from_gguf(reader, tokens, types, ids, source)
+            add_bos = False
         else:
-            raise GGUFError(f"{source}: unsupported tokenizer.ggml.model {model!r} (supported: gpt2, llama)")
+            raise GGUFError(f"{source}: unsupported tokenizer.ggml.model {model!r} "
+                            "(supported: gpt2, llama, gemma4)")
 
         # Control tokens (<|im_start|>, <s>), the unknown token and user-defined ones (<think>)
         # are matched whole in the text, as llama.cpp does; only the first two count as
         # "special" for decode skipping.
         hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)])
+        # A user-defined token is added under the spelling the model's vocabulary knows it by
+        # (Gemma's "  " is "▁▁" there): one absent from it would get a new id past the
+        # vocabulary (transformers' add_gguf_special_tokens keeps only those in it, too).
+        spelled = tokens if model == "gpt2" else spelled
+        known = hf.get_vocab()
         hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                       for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+                       for t, ty in zip(spelled, types) if ty == USER_DEFINED and t in known])
         return cls(hf, list(tokens), ids=ids, add_bos=add_bos, add_eos=add_eos,
                    chat_template=_field(reader, "tokenizer.chat_template"), model=model, source=source)
 
@@ -260,7 +276,8 @@ def _special_ids(reader: gguf.GGUFReader, n_vocab: int, source: str) -> dict[str
 
 
 def _sentencepiece_from_gguf(reader: gguf.GGUFReader, tokens: list[str], types: list[int],
-                             ids: dict[str, int | None], source: str) -> _HFTokenizer:
+                             ids: dict[str, int | None], source: str) -> tuple[_HFTokenizer, list[str]]:
+    """The tokenizer, and the tokens as its vocabulary spells them."""
     merges = _field(reader, "tokenizer.ggml.merges")
     scores = _field(reader, "tokenizer.ggml.scores")
     if not merges and not scores:
@@ -274,7 +291,7 @@ def _sentencepiece_from_gguf(reader: gguf.GGUFReader, tokens: list[str], types: 
     unk = tokens[ids["unk"]] if ids["unk"] is not None else None
     pairs = ([tuple(m.split(" ", 1)) for m in merges] if merges
              else _llama_merges(tokens, scores, types))
-    return _sentencepiece(tokens, pairs, unk, prefix if prefix is not None else True)
+    return _sentencepiece(tokens, pairs, unk, prefix if prefix is not None else True), tokens
 
 
 def _template_message(message: dict) -> dict:

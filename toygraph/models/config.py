@@ -19,6 +19,22 @@ _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
+class SSMShape:
+    """A Gated DeltaNet layer's sizes: conv kernel width, key heads and their size (the
+    state rows), value heads and their size (the state columns)."""
+
+    conv: int
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+
+    @property
+    def channels(self) -> int:  # the conv's q | k | v channels
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The numbers a decoder graph needs, read from (and checked against) a GGUF.
 
@@ -50,6 +66,19 @@ class ModelConfig:
     windows: tuple[int, ...] = ()
     rope_bases: tuple[float, ...] = ()
     rope_scales: tuple[float, ...] = ()
+    # Per-layer shapes where the file varies them (Gemma 4); empty: every layer has the
+    # scalar above. Read through the layer_* methods.
+    head_dims: tuple[int, ...] = ()
+    kv_heads: tuple[int, ...] = ()
+    ffs: tuple[int, ...] = ()
+    layer_rope_dims: tuple[int, ...] = ()
+    rope_freq_layers: tuple[bool, ...] = ()  # layers rope_freqs.weight applies to (empty: all)
+    kv_sources: tuple[int, ...] = ()          # layer i attends with layer kv_sources[i]'s K/V
+    ple_dim: int = 0                          # per-layer input embedding width (0: none)
+    logit_softcap: float = 0.0                # final logits: cap * tanh(logits / cap) (0: none)
+    # Qwen3.5: which layers are Gated DeltaNet layers, and their sizes (models/deltanet.py).
+    recurrent: tuple[bool, ...] = ()
+    ssm: SSMShape | None = None
     # Mixture of experts (Family.moe; models/moe.py): layers from n_dense_lead on route
     # each token to n_expert_used of n_expert experts of FFN width n_ff_exp.
     n_expert: int = 0
@@ -65,6 +94,26 @@ class ModelConfig:
     @property
     def family(self) -> Family:
         return FAMILIES[self.arch]
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.head_dims[i] if self.head_dims else self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        return self.kv_heads[i] if self.kv_heads else self.n_head_kv
+
+    def layer_ff(self, i: int) -> int:
+        return self.ffs[i] if self.ffs else self.n_ff
+
+    def layer_rope(self, i: int) -> tuple[int, bool]:
+        """(rope dims, whether rope_freqs.weight applies) of layer i."""
+        dims = self.layer_rope_dims[i] if self.layer_rope_dims else self.rope_dims
+        return dims, self.rope_freqs and (not self.rope_freq_layers or self.rope_freq_layers[i])
+
+    def layer_kv_source(self, i: int) -> int:
+        return self.kv_sources[i] if self.kv_sources else i
+
+    def layer_recurrent(self, i: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[i]
 
     def moe_layer(self, i: int) -> bool:
         """Whether layer ``i``'s FFN is a mixture of experts."""
@@ -154,11 +203,18 @@ def _yarn(num, path, k, freq_scale: float, base: float, rope_dims: int, head_dim
     return tuple(factors), mscale
 
 
-def _global_layers(num, fam: Family, k, n_layer: int, path) -> list[bool]:
+def _global_layers(meta, num, fam: Family, k, n_layer: int, path) -> list[bool]:
     """Which layers attend to the whole causal past (the rest use the sliding window):
-    llama.cpp's set_swa_pattern(period), layer i sliding iff i % period < period - 1."""
+    llama.cpp's set_swa_pattern(period), layer i sliding iff i % period < period - 1, or
+    the file's per-layer array of "is sliding" flags (Gemma 4)."""
     if not fam.swa_period:
         return [True] * n_layer
+    flags = meta(k("attention.sliding_window_pattern"))
+    if isinstance(flags, (list, tuple)):
+        if len(flags) != n_layer or not all(isinstance(f, bool) for f in flags):
+            raise GGUFError(f"{path}: metadata {k('attention.sliding_window_pattern')!r} must be "
+                            f"an integer or {n_layer} booleans, found {flags!r}")
+        return [not f for f in flags]
     period = num(k("attention.sliding_window_pattern"), int, fam.swa_period, positive=False)
     if period < 0:
         raise GGUFError(f"{path}: metadata {k('attention.sliding_window_pattern')!r} must be >= 0, "
@@ -166,22 +222,59 @@ def _global_layers(num, fam: Family, k, n_layer: int, path) -> list[bool]:
     return [period > 0 and i % period == period - 1 for i in range(n_layer)]
 
 
-def _heads(num, k, n_embd: int, path) -> tuple[int, int, int, int]:
-    """(n_head, n_head_kv, head_dim, rope_dims), each positive and mutually consistent."""
+def _per_layer(meta, path, key: str, n_layer: int, default: int | None, *,
+               positive=True) -> tuple[int, ...]:
+    """An integer per layer: one value for all, or llama.cpp's array of n_layer values."""
+    value = meta(key)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n_layer:
+            raise GGUFError(f"{path}: metadata {key!r} has {len(value)} values for {n_layer} layers")
+        return tuple(_number(lambda _key, v=v: v, path, key, int, positive=positive) for v in value)
+    return (_number(meta, path, key, int, default, positive=positive),) * n_layer
+
+
+def _heads(meta, num, k, n_embd: int, n_layer: int, is_global: list[bool], path) -> dict:
+    """Per layer: KV-head count, head size and rope dims (the sliding layers' from the
+    ``*_swa`` keys where the file has them), each positive and consistent with n_head."""
     n_head = num(k("attention.head_count"), int)
-    n_head_kv = num(k("attention.head_count_kv"), int, n_head)
-    if n_head % n_head_kv:
-        raise GGUFError(f"{path}: attention.head_count_kv = {n_head_kv} does not divide "
-                        f"attention.head_count = {n_head}")
-    head_dim = num(k("attention.key_length"), int, max(n_embd // n_head, 1))
-    if num(k("attention.value_length"), int, head_dim) != head_dim:
-        raise GGUFError(f"{path}: attention.value_length differs from attention.key_length "
-                        "(not supported)")
-    rope_dims = num(k("rope.dimension_count"), int, head_dim)
-    if rope_dims > head_dim or rope_dims % 2:
-        raise GGUFError(f"{path}: rope.dimension_count = {rope_dims} must be even and at most "
-                        f"the head size {head_dim}")
-    return n_head, n_head_kv, head_dim, rope_dims
+    kv = _per_layer(meta, path, k("attention.head_count_kv"), n_layer, n_head)
+    for n in kv:
+        if n_head % n:
+            raise GGUFError(f"{path}: attention.head_count_kv = {n} does not divide "
+                            f"attention.head_count = {n_head}")
+    full = num(k("attention.key_length"), int, max(n_embd // n_head, 1))
+    swa = num(k("attention.key_length_swa"), int, full)
+    for kind, size in (("", full), ("_swa", swa)):
+        if num(k(f"attention.value_length{kind}"), int, size) != size:
+            raise GGUFError(f"{path}: attention.value_length{kind} differs from "
+                            f"attention.key_length{kind} (not supported)")
+    rope_full = num(k("rope.dimension_count"), int, full)
+    rope_swa = num(k("rope.dimension_count_swa"), int, swa if meta(k("attention.key_length_swa"))
+                   else min(rope_full, swa))
+    for kind, dims, size in (("", rope_full, full), ("_swa", rope_swa, swa)):
+        if dims > size or dims % 2:
+            raise GGUFError(f"{path}: rope.dimension_count{kind} = {dims} must be even and at "
+                            f"most the head size {size}")
+    return dict(n_head=n_head, kv=kv, head=tuple(full if g else swa for g in is_global),
+                rope=tuple(rope_full if g else rope_swa for g in is_global))
+
+
+def _kv_sources(num, fam: Family, k, n_layer: int, is_global: list[bool], path) -> tuple[int, ...]:
+    """The layer whose keys and values each layer attends with: itself, or (the last
+    ``attention.shared_kv_layers`` layers) the last earlier unshared layer of its kind."""
+    shared = num(k("attention.shared_kv_layers"), int, 0, positive=False) if fam.kv_sharing else 0
+    if not 0 <= shared < n_layer:
+        raise GGUFError(f"{path}: metadata {k('attention.shared_kv_layers')!r} = {shared} must be "
+                        f"in [0, {n_layer})")
+    first = n_layer - shared
+    sources = []
+    for i in range(n_layer):
+        own = [j for j in range(first) if is_global[j] == is_global[i]]
+        if i >= first and not own:
+            raise GGUFError(f"{path}: layer {i} shares the K/V of an earlier "
+                            f"{'global' if is_global[i] else 'sliding'} layer, and there is none")
+        sources.append(i if i < first else own[-1])
+    return tuple(sources)
 
 
 def _experts(num, meta, fam: Family, k, n_layer: int, path) -> dict:
@@ -237,7 +330,9 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
         raise GGUFError(f"{path}: metadata {k('block_count')!r} is {n_layer}, but the file holds "
                         f"tensors for {present} blocks")
     n_embd = num(k("embedding_length"), int)
-    n_head, n_head_kv, head_dim, rope_dims = _heads(num, k, n_embd, path)
+    is_global = _global_layers(meta, num, fam, k, n_layer, path)
+    heads = _heads(meta, num, k, n_embd, n_layer, is_global, path)
+    n_head, head_dim, rope_dims = heads["n_head"], heads["head"][0], heads["rope"][0]
     rope_base = num(k("rope.freq_base"), float, fam.default_rope_base)
     n_ctx = num(k("context_length"), int, 2048)
     kind, scale = _rope_scale(num, meta, path, k, fam)
@@ -249,17 +344,21 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     if fam.swa_period and window <= 0:
         raise GGUFError(f"{path}: {arch} needs a positive {k('attention.sliding_window')}")
     swa_base = num(k("rope.freq_base_swa"), float, fam.swa_rope_base or rope_base)
-    is_global = _global_layers(num, fam, k, n_layer, path)
-    attn_scale = (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5
+    attn_scale = (1.0 if fam.attn_scale_one else
+                  (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5)
     # YaRN scales cos and sin by mscale, so every score q.k by mscale^2 (all dims rotate).
     attn_scale *= mscale * mscale
     experts = _experts(num, meta, fam, k, n_layer, path)
     # An all-MoE file's dense width is never used (Qwen3-MoE writes one anyway).
     dense_ff = not experts or experts["n_dense_lead"] > 0
+    ffs = _per_layer(meta, path, k("feed_forward_length"), n_layer, None if dense_ff else 0,
+                     positive=dense_ff)
+    varies = lambda xs: xs if len(set(xs)) > 1 else ()  # noqa: E731
+    sources = _kv_sources(num, fam, k, n_layer, is_global, path)
     return ModelConfig(
         arch=arch, n_layer=n_layer, n_embd=n_embd,
-        n_ff=num(k("feed_forward_length"), int, None if dense_ff else 0, positive=dense_ff),
-        n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        n_ff=ffs[0],
+        n_head=n_head, n_head_kv=heads["kv"][0], head_dim=head_dim,
         rope_base=rope_base, rope_dims=rope_dims, rope_mode=fam.rope_mode,
         # Required, as llama.cpp requires it (the two references' defaults differ).
         rms_eps=num(k("attention.layer_norm_rms_epsilon"), float),
@@ -275,16 +374,56 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
         rope_bases=tuple(rope_base if g else swa_base for g in is_global),
         rope_scales=tuple(scale if g or fam.swa_rope_scaled else 1.0 for g in is_global),
         rope_yarn=yarn,
+        head_dims=varies(heads["head"]), kv_heads=varies(heads["kv"]), ffs=varies(ffs),
+        layer_rope_dims=varies(heads["rope"]),
+        rope_freq_layers=tuple(is_global) if fam.global_rope_freqs else (),
+        kv_sources=tuple(s for s in sources if sources != tuple(range(n_layer))),
+        ple_dim=(num(k("embedding_length_per_layer_input"), int, 0, positive=False)
+                 if fam.per_layer_inputs else 0),
+        logit_softcap=num(k("final_logit_softcapping"), float, 0.0, positive=False),
+        **(_deltanet(meta, num, k, n_layer, path) if fam.deltanet else {}),
         **experts,
     )
 
 
-def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
-    """Every tensor block ``i`` has, with its numpy-order shape."""
-    d, hd, fam = cfg.n_embd, cfg.head_dim, cfg.family
-    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
-    shapes = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
-              "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,)}
+def _deltanet(meta, num, k, n_layer: int, path) -> dict:
+    """Qwen3.5's recurrent layers (``attention.recurrent_layers``) and their sizes."""
+    flags = meta(k("attention.recurrent_layers"))
+    if not isinstance(flags, (list, tuple)) or len(flags) != n_layer \
+            or not all(isinstance(f, bool) for f in flags):
+        raise GGUFError(f"{path}: metadata {k('attention.recurrent_layers')!r} must be "
+                        f"{n_layer} booleans, found {flags!r}")
+    ssm = SSMShape(conv=num(k("ssm.conv_kernel"), int), k_heads=num(k("ssm.group_count"), int),
+                   k_dim=num(k("ssm.state_size"), int), v_heads=num(k("ssm.time_step_rank"), int),
+                   v_dim=1)
+    inner = num(k("ssm.inner_size"), int)
+    if inner % ssm.v_heads or ssm.v_heads % ssm.k_heads:
+        raise GGUFError(f"{path}: ssm.inner_size {inner} and ssm.time_step_rank {ssm.v_heads} "
+                        f"must be a multiple of the value heads and of ssm.group_count {ssm.k_heads}")
+    return dict(recurrent=tuple(flags), ssm=SSMShape(ssm.conv, ssm.k_heads, ssm.k_dim,
+                                                      ssm.v_heads, inner // ssm.v_heads))
+
+
+def layer_shapes(cfg: ModelConfig, i: int, present=None) -> dict[str, tuple[int, ...]]:
+    """Every tensor block ``i`` has, with its numpy-order shape. ``present`` (the file's
+    tensor names) decides between the forms a family allows: Gemma 4's global layers may
+    have no ``attn_v`` (values are the key projection)."""
+    d, hd, fam, ff = cfg.n_embd, cfg.layer_head_dim(i), cfg.family, cfg.layer_ff(i)
+    q, kv = cfg.n_head * hd, cfg.layer_kv_heads(i) * hd
+    if cfg.layer_recurrent(i):  # a Gated DeltaNet layer in place of attention
+        s = cfg.ssm
+        inner = s.v_heads * s.v_dim
+        return {f"blk.{i}.{n}": shape for n, shape in {
+            "attn_norm.weight": (d,), "attn_qkv.weight": (s.channels, d),
+            "attn_gate.weight": (inner, d), "ssm_alpha.weight": (s.v_heads, d),
+            "ssm_beta.weight": (s.v_heads, d), "ssm_a": (s.v_heads,),
+            "ssm_dt.bias": (s.v_heads,), "ssm_conv1d.weight": (s.channels, s.conv),
+            "ssm_norm.weight": (s.v_dim,), "ssm_out.weight": (d, inner),
+            f"{fam.ffn_norm}.weight": (d,), "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d),
+            "ffn_down.weight": (d, ff)}.items()}
+    shapes = {"attn_norm.weight": (d,), "attn_q.weight": (q * (1 + fam.attn_output_gate), d),
+              "attn_k.weight": (kv, d), "attn_v.weight": (kv, d), "attn_output.weight": (d, q),
+              "ffn_norm.weight": (d,)}
     if cfg.moe_layer(i):  # the router and the experts stacked [experts, out, in]
         E, f = cfg.n_expert, cfg.n_ff_exp
         shapes.update({"ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, f, d),
@@ -293,8 +432,8 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
             shapes.update({"ffn_gate_inp.bias": (E,), "ffn_gate_exps.bias": (E, f),
                            "ffn_up_exps.bias": (E, f), "ffn_down_exps.bias": (E, d)})
     else:
-        shapes.update({"ffn_gate.weight": (cfg.n_ff, d), "ffn_up.weight": (cfg.n_ff, d),
-                       "ffn_down.weight": (d, cfg.n_ff)})
+        shapes.update({"ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d),
+                       "ffn_down.weight": (d, ff)})
     if cfg.qkv_bias:
         shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
     if fam.o_bias:
@@ -307,6 +446,17 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
     if fam.post_norms:
         shapes.update({"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)})
+    if cfg.layer_kv_source(i) != i:  # attends with an earlier layer's keys and values
+        for name in ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight", "attn_k.bias",
+                     "attn_v.bias"):
+            shapes.pop(name, None)
+    elif fam.k_eq_v and present is not None and f"blk.{i}.attn_v.weight" not in present:
+        shapes.pop("attn_v.weight")
+    if cfg.ple_dim:
+        shapes.update({"inp_gate.weight": (cfg.ple_dim, d), "proj.weight": (d, cfg.ple_dim),
+                       "post_norm.weight": (d,)})
+    if fam.layer_output_scale:
+        shapes["layer_output_scale.weight"] = (1,)
     return {f"blk.{i}.{n}": s for n, s in shapes.items()}
 
 
@@ -316,21 +466,28 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tied_output:
         want["output.weight"] = (cfg.n_vocab, cfg.n_embd)
     if cfg.rope_freqs:
-        want["rope_freqs.weight"] = (cfg.rope_dims // 2,)
+        dims = max(cfg.layer_rope(i)[0] for i in range(cfg.n_layer) if cfg.layer_rope(i)[1])
+        want["rope_freqs.weight"] = (dims // 2,)
+    if cfg.ple_dim:
+        width = cfg.n_layer * cfg.ple_dim
+        want.update({"per_layer_token_embd.weight": (cfg.n_vocab, width),
+                     "per_layer_model_proj.weight": (width, cfg.n_embd),
+                     "per_layer_proj_norm.weight": (cfg.ple_dim,)})
     return want
 
 
-def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the graph of ``cfg`` consumes, with its numpy-order shape."""
+def tensor_shapes(cfg: ModelConfig, present=None) -> dict[str, tuple[int, ...]]:
+    """Every tensor the graph of ``cfg`` consumes, with its numpy-order shape (``present``:
+    the file's tensor names, see layer_shapes)."""
     want = global_shapes(cfg)
     for i in range(cfg.n_layer):
-        want.update(layer_shapes(cfg, i))
+        want.update(layer_shapes(cfg, i, present))
     return want
 
 
 def check_tensors(cfg: ModelConfig, tensors: dict, path) -> dict[str, tuple[int, ...]]:
     """Every required tensor present with its shape, and nothing else in the file."""
-    want = tensor_shapes(cfg)
+    want = tensor_shapes(cfg, tensors)
     for name, shape in want.items():
         got = tensors.get(name)
         if got is None:

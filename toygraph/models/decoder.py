@@ -28,11 +28,16 @@ from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.errors import GraphError
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
+from toygraph.models.deltanet import Recurrence, deltanet
 from toygraph.models.moe import moe_ffn
 
 # LoRA target short names -> GGUF projection names.
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
            "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+# Qwen3.5's Gated DeltaNet projections (models/deltanet.py), targetable beside TARGETS.
+DELTANET_TARGETS = {"qkv": "attn_qkv", "z": "attn_gate", "alpha": "ssm_alpha",
+                    "beta": "ssm_beta", "ssm_out": "ssm_out"}
+ALL_TARGETS = {**TARGETS, **DELTANET_TARGETS}
 WEIGHT_MODES = ("frozen", "finetune", "scratch")
 # Gated FFN activations by Family.ffn: act(gate) * up; gpt-oss's alpha and limit are the
 # constants llama.cpp's build_moe_ffn uses for LLM_FFN_SWIGLU_OAI_MOE (and transformers'
@@ -60,9 +65,9 @@ class LoraConfig:
     init_scale: float = 0.01
 
     def __post_init__(self):
-        bad = [t for t in self.targets if t not in TARGETS]
+        bad = [t for t in self.targets if t not in ALL_TARGETS]
         if bad or not self.targets:
-            raise GraphError(f"LoRA targets must be a non-empty subset of {list(TARGETS)}, got {list(self.targets)}")
+            raise GraphError(f"LoRA targets must be a non-empty subset of {list(ALL_TARGETS)}, got {list(self.targets)}")
         if self.rank < 1:
             raise GraphError(f"LoRA rank must be >= 1, got {self.rank}")
 
@@ -80,6 +85,9 @@ class Decoder:
     positions: Tensor
     logits: Tensor | None                            # [batch * seq_len, vocab]; None if not asked
     weights: dict[str, Tensor] = field(default_factory=dict)   # GGUF name -> const/param
+    kv: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layer -> its (k, v)
+    per_layer_inputs: Tensor | None = None           # Gemma 4: [n_layer, B * T * ple_dim]
+    layer_rows: list[Tensor] = field(default_factory=list)  # Gemma 4: one-hot [1, n_layer] each
     lora: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # GGUF weight -> (A, B)
     hidden: Tensor | None = None                     # final-normed states [batch * seq_len, n_embd]
     head: Tensor | None = None                       # output weight [vocab, n_embd] (maybe tied)
@@ -118,7 +126,8 @@ def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tenso
         raise GraphError(f"weight mode {mode!r} needs a GGUF model")
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in tensor_shapes(cfg).items():
+    present = model.tensor_names() if model is not None else None
+    for name, shape in tensor_shapes(cfg, present).items():
         if mode == "scratch" and name not in FIXED:
             out[name] = g.param(name, _scratch_init(name, shape, rng))
             continue
@@ -146,15 +155,16 @@ def _check_targets(cfg, wanted: set[str]) -> None:
     present = {name.split(".")[-2] for name in tensor_shapes(cfg)}
     missing = sorted(wanted - present)
     if missing:
-        short = [t for t, proj in TARGETS.items() if proj in missing]
-        raise GraphError(f"LoRA targets {short} name no weight of this {cfg.arch} model "
-                         "(its FFNs are mixtures of experts: target q, k, v, o)")
+        short = [t for t, proj in ALL_TARGETS.items() if proj in missing]
+        hint = " (its FFNs are mixtures of experts: target q, k, v, o)" if cfg.n_expert else ""
+        raise GraphError(f"LoRA targets {short} name no weight of this {cfg.arch} model{hint}")
 
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
                   lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
                   logits: bool = True, packed: bool = False, reference_of: Decoder | None = None, attend=None,
-                  shared: Decoder | None = None, prefix: str = "") -> Decoder:
+                  shared: Decoder | None = None, prefix: str = "",
+                  recurrence: Recurrence | None = None) -> Decoder:
     """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens;
     ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
 
@@ -169,7 +179,14 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     one's ``tokens``/``positions`` inputs apart from its.
 
     ``packed`` adds the input ``net.segments`` [batch, seq_len] (sample packing): attention
-    then stays inside each segment (toygraph.data.packing)."""
+    then stays inside each segment (toygraph.data.packing).
+
+    ``recurrence`` runs the Gated DeltaNet layers' sequence ops (models/deltanet.py; the
+    KV cache passes its state-carrying one)."""
+    if packed and cfg.recurrent:
+        raise GraphError(f"sample packing is not supported for {cfg.arch}: its recurrent "
+                         "layers would carry state across the packed sequences")
+    recurrence = recurrence or Recurrence()
     if seq_len > cfg.n_ctx:
         raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
     if batch < 1 or seq_len < 1:
@@ -192,7 +209,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         net.segments = g.input(prefix + "segments", (batch, seq_len), "i32")
     lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
-    wanted = {TARGETS[t] for t in lora.targets} if lora else set()
+    wanted = {ALL_TARGETS[t] for t in lora.targets} if lora else set()
     _check_targets(cfg, wanted)
 
     def linear(x, name: str):
@@ -214,26 +231,55 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
+    if cfg.ple_dim:
+        net.per_layer_inputs = _per_layer_inputs(net, cfg, h, B, T)
+        earlier = shared or reference_of
+        net.layer_rows = earlier.layer_rows if earlier else [
+            g.const(f"per_layer_input.{i}", np.eye(cfg.n_layer, dtype=np.float32)[i:i + 1])
+            for i in range(cfg.n_layer)]
     attend = attend or (lambda i, q, k, v, sinks: ops.attention(
         q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
         segments=net.segments, sinks=sinks))
-    for i in range(cfg.n_layer):
-        # One region per block: the unit activation checkpointing recomputes (recompute.py).
-        with g.region(f"blk.{i}", h) as block:
-            h = block.output = _block(net, cfg, i, h, linear, attend, B, T)
+    # One region per block: the unit activation checkpointing recomputes (recompute.py). A
+    # region recomputes from its own input alone, so the blocks from the first whose keys
+    # and values a later block reuses (Gemma 4) to the last form one region.
+    sharing = [cfg.layer_kv_source(i) for i in range(cfg.n_layer) if cfg.layer_kv_source(i) != i]
+    joined = min(sharing, default=cfg.n_layer)
+    for start in list(range(joined)) + ([joined] if joined < cfg.n_layer else []):
+        stop = start + 1 if start < joined else cfg.n_layer
+        name = f"blk.{start}" if stop == start + 1 else f"blk.{start}-{stop - 1}"
+        with g.region(name, h) as block:
+            for i in range(start, stop):
+                h = _block(net, cfg, i, h, linear, attend, B, T, recurrence)
+            block.output = h
     h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
     net.hidden = h
     net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
+    if cfg.logit_softcap:  # so the fused head (no soft cap) refuses it: see lm_head
+        net.head.attrs["logit_softcap"] = cfg.logit_softcap
     if logits:
         net.logits = lm_head(net)
     return net
 
 
-def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int) -> Tensor:
+def _per_layer_inputs(net: Decoder, cfg, h: Tensor, B: int, T: int) -> Tensor:
+    """Gemma 4's per-layer inputs, all layers at once, as rows [n_layer, B * T * ple_dim]:
+    (rms_norm(h W_proj^T / sqrt(n_embd)) * w + E_ple[tokens] * sqrt(ple_dim)) / sqrt(2),
+    h the scaled token embeddings (transformers' project_per_layer_inputs)."""
+    W, L, P, N = net.weights, cfg.n_layer, cfg.ple_dim, B * T
+    tok = ops.get_rows(W["per_layer_token_embd.weight"], net.tokens).reshape(N, L, P)
+    proj = ops.matmul(h, W["per_layer_model_proj.weight"], trans_b=True).reshape(N, L, P)
+    proj = ops.rms_norm(ops.scale(proj, cfg.n_embd ** -0.5), cfg.rms_eps) * W["per_layer_proj_norm.weight"]
+    both = ops.scale(proj + ops.scale(tok, P ** 0.5), 0.5 ** 0.5)
+    return ops.contiguous(both.permute(1, 0, 2)).reshape(L, N * P)
+
+
+def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
+           recurrence: Recurrence) -> Tensor:
     """Decoder layer ``i`` on the residual stream h [B * T, n_embd] (see models/families.py
     for the layer's shape and which parts each family has)."""
     W, fam, p = net.weights, cfg.family, f"blk.{i}."
-    H, KV, hd = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    H, KV, hd = cfg.n_head, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
 
     def norm(x, name):
         return ops.rms_norm(x, cfg.rms_eps) * W[p + name + ".weight"]
@@ -245,21 +291,58 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
         return y
 
     def rope(y):
-        y = ops.rope(y, net.positions, dims=cfg.rope_dims, base=cfg.rope_bases[i],
+        dims, factors = cfg.layer_rope(i)
+        y = ops.rope(y, net.positions, dims=dims, base=cfg.rope_bases[i],
                      mode=cfg.rope_mode, freq_scale=cfg.rope_scales[i],
-                     freq_factors=W.get("rope_freqs.weight", W.get(YARN_FACTORS)))
+                     freq_factors=W["rope_freqs.weight"] if factors else W.get(YARN_FACTORS))
         return y.permute(0, 2, 1, 3)  # [B, heads, T, hd]
 
     x = norm(h, "attn_norm")
-    q = rope(heads(linear(x, p + "attn_q.weight"), H, "attn_q_norm" if fam.qk_norm else None))
-    k = rope(heads(linear(x, p + "attn_k.weight"), KV, "attn_k_norm" if fam.qk_norm else None))
-    v = heads(linear(x, p + "attn_v.weight"), KV, None).permute(0, 2, 1, 3)
+    if cfg.layer_recurrent(i):  # Qwen3.5: a Gated DeltaNet layer instead of attention
+        h = h + deltanet(cfg, i, x, W, linear, B, T, recurrence)
+        return _ffn(h, cfg, i, W, norm, linear, p)
+    q = linear(x, p + "attn_q.weight")
+    if fam.attn_output_gate:  # Qwen3.5: each head's projection is [q | gate]
+        q = q.reshape(B, T, H, 2 * hd)
+        gate = ops.narrow(q, hd, hd).reshape(B * T, H * hd)
+        q = ops.narrow(q, 0, hd)
+    q = rope(heads(q, H, "attn_q_norm" if fam.qk_norm else None))
+    source = cfg.layer_kv_source(i)
+    if source == i:
+        kx = linear(x, p + "attn_k.weight")
+        k = rope(heads(kx, KV, "attn_k_norm" if fam.qk_norm else None))
+        # Gemma 4's global layers may have no attn_v: the key projection is the values.
+        vx = linear(x, p + "attn_v.weight") if p + "attn_v.weight" in W else kx
+        v = heads(vx, KV, None)
+        if fam.v_norm:  # Gemma 4: RMSNorm of each value head, without a weight
+            v = ops.rms_norm(v, cfg.rms_eps)
+        v = v.permute(0, 2, 1, 3)
+        net.kv[i] = k, v
+    else:  # Gemma 4's last layers attend with an earlier layer's keys and values
+        k, v = net.kv[source]
     # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
-    o = attend(i, q, k, v, W.get(p + "attn_sinks.weight"))
-    a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
+    o = attend(i, q, k, v, W.get(p + "attn_sinks.weight")).permute(0, 2, 1, 3).reshape(B * T, H * hd)
+    if fam.attn_output_gate:
+        o = o * ops.sigmoid(gate)
+    a = linear(o, p + "attn_output.weight")
     if fam.post_norms:
         a = norm(a, "post_attention_norm")
-    h = h + a
+    h = _ffn(h + a, cfg, i, W, norm, linear, p)
+    if cfg.ple_dim:  # Gemma 4: this layer's per-layer input, gated by the stream
+        # Row i of [n_layer, ...] by a one-hot matmul: exact, and its gradient too.
+        ple = ops.matmul(net.layer_rows[i], net.per_layer_inputs).reshape(B * T, cfg.ple_dim)
+        gate = ops.gelu if fam.ffn == "geglu" else ops.silu
+        r = linear(gate(linear(h, p + "inp_gate.weight")) * ple, p + "proj.weight")
+        h = h + norm(r, "post_norm")
+    if fam.layer_output_scale:
+        h = h * W[p + "layer_output_scale.weight"]
+    return h
+
+
+def _ffn(h: Tensor, cfg, i: int, W: dict, norm, linear, p: str) -> Tensor:
+    """The residual FFN half of layer i: h + [post_ffw_norm](ffn(ffn_norm(h))), the FFN
+    dense (down(act(gate(x)) * up(x))) or a mixture of experts (models/moe.py)."""
+    fam = cfg.family
     x = norm(h, fam.ffn_norm)
     act = ACTIVATIONS[fam.ffn]
     if cfg.moe_layer(i):
@@ -273,6 +356,8 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
 
 
 def lm_head(net: Decoder) -> Tensor:
-    """The output logits [batch * seq_len, vocab] = hidden @ head^T (for generation and
-    evaluation; a training loss uses ops.linear_cross_entropy on hidden and head instead)."""
-    return ops.matmul(net.hidden, net.head, trans_b=True)
+    """The output logits [batch * seq_len, vocab] = hidden @ head^T, soft-capped where the
+    model says so (Gemma 4: cap * tanh(logits / cap)). For generation and evaluation, and
+    training on the CPU; ops.linear_cross_entropy (the fused head) has no soft cap."""
+    logits = ops.matmul(net.hidden, net.head, trans_b=True)
+    return ops.softcap(logits, net.cfg.logit_softcap) if net.cfg.logit_softcap else logits

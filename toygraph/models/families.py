@@ -88,6 +88,23 @@ class Family:
     attention has per-head sinks (attn_sinks.weight; ops.attention). ``expert_bias``: the
     router and the experts have biases.
     ``extra_keys``: metadata keys understood beyond COMMON_KEYS.
+
+    Gemma 4's parts (all off elsewhere): ``v_norm``, an
+    RMSNorm without weight of v per head; ``attn_scale_one``, softmax scale 1 (the q/k norms
+    set it); ``k_eq_v``, a layer without ``attn_v`` uses its key projection as values;
+    ``kv_sharing``, the last ``attention.shared_kv_layers`` layers attend with the K/V of
+    the last earlier layer of their kind (sliding or global); ``per_layer_inputs``, the
+    per-layer input embeddings (``per_layer_token_embd``, ``per_layer_model_proj``, and
+    per block ``inp_gate``/``proj``/``post_norm``); ``layer_output_scale``, each block's
+    output times its ``layer_output_scale`` scalar; ``global_rope_freqs``,
+    ``rope_freqs.weight`` applies to the global layers only (llama.cpp's encoding of
+    "proportional" partial rope). Per-layer head sizes, KV-head counts and FFN widths come
+    from the file (``*_swa`` keys, arrays) for any family that lists those keys.
+
+    Qwen3.5's parts: ``deltanet``, the layers ``attention.recurrent_layers`` marks are Gated
+    DeltaNet layers (models/deltanet.py) instead of attention; ``attn_output_gate``, the
+    attention's q projection holds [q | gate] per head and the output is o * sigmoid(gate)
+    (its GGUFs, like gpt-oss's, call the pre-FFN norm post_attention_norm: ``ffn_norm``).
     ``moe``: the FFN of every layer from ``leading_dense_block_count`` on is a mixture of
     experts (models/moe.py): a router ``ffn_gate_inp`` and stacked experts
     ``ffn_{gate,up,down}_exps``. ``router``: how the k experts and their weights come from
@@ -121,6 +138,15 @@ class Family:
     router: str = "softmax_topk"
     expert_weights_norm: bool = False
     hf_modules: dict = field(default_factory=lambda: dict(HF_LAYER_MODULES))
+    v_norm: bool = False
+    attn_scale_one: bool = False
+    k_eq_v: bool = False
+    kv_sharing: bool = False
+    per_layer_inputs: bool = False
+    layer_output_scale: bool = False
+    global_rope_freqs: bool = False
+    deltanet: bool = False
+    attn_output_gate: bool = False
 
     @property
     def keys(self) -> frozenset:
@@ -140,6 +166,33 @@ FAMILIES = {f.arch: f for f in (
            attn_scale_embd_layers=(62,), default_rope_base=None,
            extra_keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
                                  "rope.freq_base_swa"})),
+    # Gemma 4 text (E2B/E4B/31B; the MoE variant's expert keys are refused). llama.cpp's
+    # converter: norm weights stored as used (no 1 + w), head sizes and rope dims per layer
+    # kind (*_swa), per-layer KV-head counts and FFN widths as arrays, the sliding pattern
+    # as a bool array, rope_freqs (1 on rotated pairs, 1e30 elsewhere) for the global layers.
+    Family(arch="gemma4", rope_mode="neox", qk_permuted=False, ffn="geglu", qk_norm=True,
+           post_norms=True, embed_scale_sqrt=True, swa_period=6, default_rope_base=None,
+           rope_freqs=True, v_norm=True, attn_scale_one=True, k_eq_v=True, kv_sharing=True,
+           per_layer_inputs=True, layer_output_scale=True, global_rope_freqs=True,
+           extra_keys=frozenset({
+               "attention.sliding_window", "attention.sliding_window_pattern",
+               "rope.freq_base_swa", "attention.key_length_swa", "attention.value_length_swa",
+               "rope.dimension_count_swa", "attention.shared_kv_layers",
+               "embedding_length_per_layer_input", "final_logit_softcapping"})),
+    # Qwen3.5 (dense): three Gated DeltaNet layers to one gated full-attention layer, as
+    # ``attention.recurrent_layers`` says. Norm weights stored as 1 + w (llama.cpp's
+    # converter), the DeltaNet's gated norm as is. ``rope.dimension_sections`` (M-RoPE)
+    # splits the rotary pairs among position streams that are all the same for text, so
+    # it is plain partial neox rope here.
+    Family(arch="qwen35", rope_mode="neox", qk_permuted=False, qk_norm=True, deltanet=True,
+           attn_output_gate=True, ffn_norm="post_attention_norm",
+           extra_keys=frozenset({
+               "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
+               "ssm.inner_size", "attention.recurrent_layers", "full_attention_interval",
+               "rope.dimension_sections"}),
+           hf_modules={**HF_LAYER_MODULES, "attn_qkv": "linear_attn.in_proj_qkv",
+                       "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a",
+                       "ssm_beta": "linear_attn.in_proj_b", "ssm_out": "linear_attn.out_proj"}),
     # Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3 attention, every FFN a mixture of
     # experts. llama.cpp's build_moe_ffn for it: softmax gating, weights renormalised
     # (norm_w = true; transformers: norm_topk_prob, true in the released configs).

@@ -1,4 +1,4 @@
-"""A decoder GGUF (llama, qwen2, qwen3, gemma3) read as a model: its config from the
+"""A decoder GGUF (llama, qwen2, qwen3, gemma3, gemma4) read as a model: its config from the
 metadata, checked against the family, and every tensor the graph needs present.
 
 >>> m = GGUFModel("SmolLM2-135M-Instruct.Q4_1.gguf")      # doctest: +SKIP
@@ -49,7 +49,7 @@ class GGUFModel(GGUFFile):
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the config requires, with its numpy-order shape."""
-        return tensor_shapes(self.config)
+        return tensor_shapes(self.config, self._shapes)
 
     def __repr__(self) -> str:
         return f"GGUFModel({str(self.path)!r}, {self.config})"

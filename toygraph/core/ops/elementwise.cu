@@ -60,6 +60,31 @@ extern "C" __global__ void tg_gelu_back(float* out, const float* x, const float*
     }
 }
 
+// Soft capping: cap * tanh(x / cap), and its backward g * (1 - t^2), t = tanh(x / cap).
+extern "C" __global__ void tg_softcap(float* out, const float* x, int n, float cap) {
+    TG_GRID_LOOP(i, n) out[i] = __fmul_rn(tanhf(__fdiv_rn(x[i], cap)), cap);
+}
+
+extern "C" __global__ void tg_softcap_back(float* out, const float* x, const float* g, int n,
+                                           float cap) {
+    TG_GRID_LOOP(i, n) {
+        float t = tanhf(__fdiv_rn(x[i], cap));
+        out[i] = __fmul_rn(g[i], __fsub_rn(1.0f, __fmul_rn(t, t)));
+    }
+}
+
+// The logistic function (tg_sigmoid of common.cuh) and its backward g * s * (1 - s).
+extern "C" __global__ void tg_sigmoid_op(float* out, const float* x, int n) {
+    TG_GRID_LOOP(i, n) out[i] = tg_sigmoid(x[i]);
+}
+
+extern "C" __global__ void tg_sigmoid_back(float* out, const float* x, const float* g, int n) {
+    TG_GRID_LOOP(i, n) {
+        float s = tg_sigmoid(x[i]);
+        out[i] = __fmul_rn(__fmul_rn(g[i], s), __fsub_rn(1.0f, s));
+    }
+}
+
 // gpt-oss's clamped SwiGLU: gc = min(gate, limit), uc = clamp(up, -limit, limit),
 // out = gc * sigmoid(alpha gc) * (uc + 1).
 __device__ __forceinline__ void tg_swiglu_oai_parts(float gate, float up, float alpha,

@@ -1,6 +1,6 @@
-"""Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu and gelu (tanh) with
-their backward ops, the composites built from them (swiglu, geglu, mean), and gpt-oss's
-clamped SwiGLU (swiglu_oai). Each op's
+"""Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu, gelu (tanh), sigmoid and
+softcap with their backward ops, the composites built from them (swiglu, geglu, mean), and
+gpt-oss's clamped SwiGLU (swiglu_oai). Each op's
 builder, shape rule, backward rule, numpy kernel and CUDA lowering (elementwise.cu).
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from toygraph.core.ops.shape import sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
 from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, f32, grid_1d, i32,
                                     lowers, p, pad_shape, strided)
+from toygraph.errors import GraphError
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "elementwise.cu")
@@ -106,6 +107,33 @@ define_op("gelu", infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
 define_op("gelu_back", infer_same2)
 
 
+def sigmoid(x):
+    """1 / (1 + exp(-x)): Qwen3.5's gates (the attention output gate, DeltaNet's beta)."""
+    return make_node("sigmoid", [x])
+
+
+def sigmoid_back(x, g):
+    return make_node("sigmoid_back", [x, g])
+
+
+define_op("sigmoid", infer_unary, lambda n, g, need: [sigmoid_back(n.srcs[0], g)])
+define_op("sigmoid_back", infer_same2)
+
+
+def softcap(x, cap: float):
+    """cap * tanh(x / cap): Gemma's final-logit soft capping (logits stay in (-cap, cap))."""
+    if not cap > 0:
+        raise GraphError(f"softcap needs a positive cap, got {cap}")
+    return make_node("softcap", [x], cap=float(cap))
+
+
+def softcap_back(x, g, cap: float):
+    return make_node("softcap_back", [x, g], cap=cap)
+
+
+define_op("softcap", infer_unary,
+          lambda n, g, need: [softcap_back(n.srcs[0], g, n.attrs["cap"])])
+define_op("softcap_back", infer_same2)
 def swiglu_oai(gate, up, *, alpha: float = 1.702, limit: float = 7.0):
     """gpt-oss's clamped SwiGLU: g * sigmoid(alpha * g) * (u + 1) with g = min(gate, limit)
     and u = clamp(up, -limit, limit) (transformers' GptOssExperts._apply_gate, llama.cpp's
@@ -191,6 +219,37 @@ def _gelu_back_numpy(out, srcs, attrs):
     out[...] = g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + a * x * x))
 
 
+def _sigmoid(x):
+    """As tg_sigmoid computes it: exp of -|x| only, so neither side overflows."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype)
+
+
+@kernel("sigmoid")
+def _sigmoid_numpy(out, srcs, attrs):
+    out[...] = _sigmoid(srcs[0])
+
+
+@kernel("sigmoid_back")
+def _sigmoid_back_numpy(out, srcs, attrs):
+    """d/dx = s (1 - s)."""
+    x, g = srcs
+    s = _sigmoid(x)
+    out[...] = g * s * (1 - s)
+
+
+@kernel("softcap")
+def _softcap_numpy(out, srcs, attrs):
+    c = srcs[0].dtype.type(attrs["cap"])
+    out[...] = np.tanh(srcs[0] / c) * c
+
+
+@kernel("softcap_back")
+def _softcap_back_numpy(out, srcs, attrs):
+    """d/dx = 1 - t^2, t = tanh(x / cap)."""
+    x, g = srcs
+    t = np.tanh(x / x.dtype.type(attrs["cap"]))
+    out[...] = g * (1 - t * t)
 def _swiglu_oai_parts(gate, up, attrs):
     """(clamped gate, clamped up, sigmoid(alpha * clamped gate))."""
     gc = np.minimum(gate, gate.dtype.type(attrs["limit"]))
@@ -261,6 +320,18 @@ lowers("silu", kernels=("tg_silu",))(pointwise)
 lowers("silu_back", kernels=("tg_silu_back",))(pointwise)
 lowers("gelu", kernels=("tg_gelu",))(pointwise)
 lowers("gelu_back", kernels=("tg_gelu_back",))(pointwise)
+
+
+lowers("sigmoid", kernels=("tg_sigmoid_op",))(pointwise)
+lowers("sigmoid_back", kernels=("tg_sigmoid_back",))(pointwise)
+
+
+@lowers("softcap", "softcap_back", kernels=("tg_softcap", "tg_softcap_back"))
+def _softcap(node, at):
+    name = "tg_softcap" if node.op == "softcap" else "tg_softcap_back"
+    srcs = [p(at.ptr(s)) for s in node.srcs]
+    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(node.size),
+                                               f32(node.attrs["cap"])])]
 
 
 @lowers("swiglu_oai", "swiglu_oai_back", kernels=("tg_swiglu_oai", "tg_swiglu_oai_back"))

@@ -13,7 +13,7 @@ from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, kernel, make_node
 from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p, rows_grid
 from toygraph.cuda.lowering.constants import MM_BM
-from toygraph.errors import CudaError
+from toygraph.errors import CudaError, GraphError
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "loss.cu")
@@ -68,7 +68,14 @@ def linear_cross_entropy(h, w, labels, reduction="mean"):
     only when w needs one, dw, read through ``unpack``.
 
     >>> loss = linear_cross_entropy(h, head, labels, reduction="sum")   # doctest: +SKIP
+
+    A head whose model soft-caps its logits (models/decoder.py marks it, Gemma 4) is refused:
+    the fused kernels have no soft cap, so the loss would be another model's.
     """
+    cap = w.attrs.get("logit_softcap") if w.op is None else None
+    if cap:
+        raise GraphError(f"linear_cross_entropy: the head {w.name!r} belongs to a model whose logits are "
+                         f"soft-capped at {cap}; the fused head has no soft cap (use lm_head + cross_entropy)")
     return make_node("linear_cross_entropy", [h, w, labels], reduction=reduction)
 
 

@@ -37,13 +37,17 @@ TC_TF32_LD = 20
 ATTN_TILES = {32: (32, 4), 64: (32, 4), 128: (16, 8)}
 ATTN_HEAD_DIMS = tuple(sorted(ATTN_TILES))
 
+# --- the gated delta rule (ops/deltanet.cu) ----------------------------------------------------
+DELTA_MAX_DK = 256   # key head size bound: one thread holds a state column of dk floats
+DELTA_SPAN = 32      # backward: steps between saved states (scratch: T/SPAN + SPAN states)
+
 #: The macros emitted into the kernel source, name -> value, in the order they are emitted.
 DEFINES: dict[str, int] = {
     "TG_MAXD": MAXD, "TG_THREADS": THREADS,
     "MM_BM": MM_BM, "MM_BN": MM_BN, "MM_BK": MM_BK, "MM_THREADS": MM_THREADS,
     "TC_BM": TC_BM, "TC_BN": TC_BN, "TC_THREADS": TC_THREADS, "TC_WM": TC_WM, "TC_WN": TC_WN,
     "TC_MI": TC_MI, "TC_NI": TC_NI, "TC_BF16_BK": TC_BF16_BK, "TC_BF16_LD": TC_BF16_LD,
-    "TC_TF32_BK": TC_TF32_BK, "TC_TF32_LD": TC_TF32_LD,
+    "TC_TF32_BK": TC_TF32_BK, "TC_TF32_LD": TC_TF32_LD, "TG_DELTA_MAX_DK": DELTA_MAX_DK,
 }
 for _hd, (_bt, _tpr) in ATTN_TILES.items():
     DEFINES.update({f"TG_ATTN_BT_{_hd}": _bt, f"TG_ATTN_TPR_{_hd}": _tpr,

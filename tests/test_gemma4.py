@@ -1,0 +1,168 @@
+"""Gemma 4 text against transformers: a tiny random Gemma4ForCausalLM built by transformers,
+written to GGUF by llama.cpp's convert_hf_to_gguf.py (tests/converted.py), with every part
+the architecture carries switched on: sliding and global layers with their own head sizes,
+KV-head counts and rope (the global layers' "proportional" partial rope through
+rope_freqs), keys reused as values on the global layers (attention_k_eq_v), KV sharing
+across the last layers, double-wide MLPs on those layers, per-layer input embeddings, q/k/v
+norms, layer scalars and final-logit soft capping. The loss is compared with transformers'
+model on the same weights (its own safetensors folder), LoRA steps with torch + PEFT, and
+the exported adapter is reloaded in PEFT."""
+import numpy as np
+import pytest
+
+from converted import check_adapter_loss, check_checkpointing, convert, hf_model, tiny_sentencepiece_tokenizer
+from test_arch_models import reference_loss
+from test_llama import toygraph_loss
+from test_peft_reference import _report_and_check, random_lora, rel, train_both
+from toygraph.adapters.files import save_peft
+from toygraph.inference.language_model import LanguageModel
+from toygraph.models.decoder import TARGETS
+from toygraph.models.model import GGUFModel
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.reference
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+               "sliding_attention", "full_attention"]
+
+
+def build(**overrides):
+    """The tiny model: 6 layers (2 global), the last 2 reusing layers 3 and 2's K/V."""
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+    tok = tiny_sentencepiece_tokenizer(GemmaTokenizer)
+    kw = dict(vocab_size=len(tok), hidden_size=48, intermediate_size=80, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+              num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5,
+              layer_types=LAYER_TYPES, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=len(tok), final_logit_softcapping=3.0,
+              max_position_embeddings=256, use_double_wide_mlp=True,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional",
+                                                  "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}})
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{**kw, **overrides}))
+    with torch.no_grad():  # weights far from their init, so every part shows in the loss
+        for name, w in model.named_parameters():
+            w.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.3)
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.6 + 0.15 * i)
+    return model.float().eval(), tok
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    model, tok = build()
+    return convert(tmp_path_factory.mktemp("gemma4"), "gemma4", model, tok)
+
+
+def tokens_for(n_vocab, seq=16, batch=2):
+    return np.random.default_rng(0).integers(0, n_vocab, size=(batch, seq)).astype(np.int32)
+
+
+def test_the_file_carries_every_part(gemma4):
+    path, _ = gemma4
+    m = GGUFModel(path)
+    cfg = m.config
+    assert cfg.head_dims == (16, 16, 32, 16, 16, 32) and cfg.kv_heads == (2, 2, 1, 2, 2, 1)
+    assert cfg.ffs == (80, 80, 80, 80, 160, 160) and cfg.windows == (5, 5, 0, 5, 5, 0)
+    assert cfg.kv_sources == (0, 1, 2, 3, 3, 2) and cfg.ple_dim == 8 and cfg.logit_softcap == 3.0
+    assert cfg.layer_rope(2) == (32, True) and cfg.layer_rope(0) == (16, False)
+    assert cfg.attn_scale == 1.0 and cfg.rope_bases[:3] == (10000.0, 10000.0, 1e6)
+    names = set(m.tensor_names())
+    assert "blk.2.attn_v.weight" not in names and "blk.0.attn_v.weight" in names
+    assert "blk.4.attn_k.weight" not in names and "blk.4.attn_q.weight" in names
+    factors = m.tensor("rope_freqs.weight").dequantize()
+    assert factors.tolist() == [1.0] * 4 + [np.float32(1e30)] * 12  # 0.25 of the 32 dims turn
+
+
+@pytest.mark.parametrize("seq", [16, 40])
+def test_loss_matches_transformers(gemma4, seq):
+    path, hf_dir = gemma4
+    tokens = tokens_for(GGUFModel(path).config.n_vocab, seq=seq)
+    mine, ref = toygraph_loss(path, tokens), reference_loss(hf_model(hf_dir), tokens)
+    print(f"gemma4 seq {seq}: toygraph {mine:.7f} transformers {ref:.7f} rel {rel(mine, ref):.2e}")
+    assert rel(mine, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("change", [
+    {"final_logit_softcapping": None}, {"sliding_window": 1000},
+    {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}])
+def test_each_part_matters(gemma4, change):
+    """The reference without soft capping, without the sliding window, or with full rather
+    than proportional rope on the global layers is far from toygraph on this fixture."""
+    path, hf_dir = gemma4
+    tokens = tokens_for(GGUFModel(path).config.n_vocab)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                              **change)
+    assert rel(toygraph_loss(path, tokens), reference_loss(model, tokens)) > 1e-3
+
+
+def test_lora_steps_match_peft(gemma4, tmp_path):
+    path, hf_dir = gemma4
+    tokens = tokens_for(GGUFModel(path).config.n_vocab, seq=12)
+    mine, ref, norms = train_both(path, tmp_path, targets=tuple(TARGETS), rank=4, alpha=8,
+                                  tokens=tokens, n_prompt=3, steps=3,
+                                  reference=lambda _: hf_model(hf_dir))
+    _report_and_check("gemma4", mine, ref, norms, 0.5)
+
+
+def test_exported_peft_adapter_reproduces_the_loss(gemma4, tmp_path):
+    path, hf_dir = gemma4
+    m = GGUFModel(path)
+    lora = random_lora(m.config, tuple(TARGETS), 4, b_std=4.0, present=m.tensor_names())
+    save_peft(tmp_path, lora, m.config, rank=4, alpha=8, targets=tuple(TARGETS))
+    tokens = tokens_for(m.config.n_vocab)
+    check_adapter_loss(path, hf_dir, tmp_path, tokens, "gemma4")
+
+
+def test_tokenizer_matches_transformers(gemma4):
+    from test_tokenizer_real_files import CORPUS
+    from toygraph.gguf.tokenizer import Tokenizer
+    # The reference is the model's own tokenizer (transformers' GGUF loader cannot build a
+    # config from this file: it reads the per-layer feed_forward_length array as one int).
+    path, hf_dir = gemma4
+    tok = Tokenizer.from_gguf(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    assert tok.encode("ab") == tok.encode("ab", add_bos=False)   # no BOS by default
+    for text in CORPUS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == ref.decode(ids), text
+
+
+def test_cached_generation_matches_the_full_window(gemma4):
+    """The KV cache with per-layer head sizes and KV-head counts, and the shared layers
+    attending with their source layers' keys and values (prompt past the window of 5)."""
+    from test_kvcache import check_paths_agree
+    path, _ = gemma4
+    lm = LanguageModel(path)
+    tokens = check_paths_agree(lm, lm.tokenizer.encode("the cat sat on the mat and the dog"), 12)
+    assert len(set(tokens)) > 1
+
+
+def test_activation_checkpointing_gives_the_same_steps(gemma4):
+    """Recomputing each block in the backward: the shared layers read keys and values made
+    in an earlier block, and every block reads the per-layer inputs made before the first."""
+    path, _ = gemma4
+    check_checkpointing(path, tuple(TARGETS))
+
+
+def test_the_fused_head_refuses_a_soft_capped_model(gemma4):
+    """ops.linear_cross_entropy (the CUDA recipes' head) has no soft cap: it must refuse
+    Gemma 4's head rather than compute another model's loss; lm_head caps."""
+    from toygraph.core import ops
+    from toygraph.core.graph import Graph
+    from toygraph.errors import GraphError
+    from toygraph.models.decoder import build_decoder, lm_head
+    path, _ = gemma4
+    m = GGUFModel(path)
+    g = Graph()
+    net = build_decoder(g, m.config, batch=1, seq_len=4, model=m, logits=False)
+    labels = g.input("labels", (4,), "i32")
+    with pytest.raises(GraphError, match="soft-capped at 3.0"):
+        ops.linear_cross_entropy(net.hidden, net.head, labels)
+    assert lm_head(net).op == "softcap"

@@ -1,0 +1,299 @@
+"""The Gated DeltaNet ops (Qwen3.5's linear-attention layers): the causal depthwise conv1d
+over the q/k/v projections, and the gated delta rule. Builders, shape rules, backward rules,
+numpy kernels and CUDA lowering (deltanet.cu).
+
+The gated delta rule, per head, with a state S [dk, dv] starting at 0 (or a given state):
+
+    S_t = a_t S_{t-1} + k_t d_t^T,   d_t = beta_t (v_t - a_t S_{t-1}^T k_t),   a_t = exp(g_t)
+    o_t = S_t^T q_t
+
+(transformers' torch_recurrent_gated_delta_rule; q and k arrive L2-normalised, q scaled).
+The numpy forward computes it chunk by chunk in the WY form (transformers'
+torch_chunk_gated_delta_rule: a unit lower-triangular system per chunk turns the chunk's
+delta updates into matmuls, then one state update per chunk); the backward keeps the state
+at each chunk start and walks each chunk backwards step by step, recomputing the chunk's
+states from its start. Every column of S evolves on its own, which the CUDA kernels use:
+one thread per (batch, head, column), sequential in time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from toygraph.core.ops.shape import unpack
+from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
+from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering.constants import DELTA_MAX_DK, DELTA_SPAN, THREADS
+from toygraph.errors import CudaError, GraphError
+
+declare_kernels(__file__, "deltanet.cu")
+
+#: Time steps per chunk of the WY forward (transformers' and FLA's default).
+CHUNK = 64
+
+
+# --- causal depthwise conv1d -------------------------------------------------------------------
+def causal_conv1d(x, w):
+    """y[b, t, c] = sum_j w[c, j] x[b, t - K + 1 + j, c] (zeros before t = 0): a depthwise
+    convolution over time of x [B, T, C] with the kernel w [C, K], seeing no future step."""
+    return make_node("causal_conv1d", [x, w])
+
+
+def _infer_conv(shapes, dtypes, attrs):
+    check_floats(dtypes)
+    (xs, ws) = shapes
+    check(len(xs) == 3 and len(ws) == 2 and ws[0] == xs[2],
+          f"x must be [B, T, C] and w [C, K], got {xs} and {ws}")
+    return tuple(xs), F32
+
+
+def _infer_conv_back(shapes, dtypes, attrs):
+    (xs, ws, gs) = shapes
+    check(tuple(gs) == tuple(xs), f"the gradient must be {xs}, got {gs}")
+    return (int(np.prod(xs)) + int(np.prod(ws)),), F32
+
+
+def _grad_conv(n, g, need):
+    x, w = n.srcs
+    back = make_node("causal_conv1d_back", [x, w, g])
+    return [unpack(back, 0, x.shape) if need[0] else None,
+            unpack(back, x.size, w.shape) if need[1] else None]
+
+
+define_op("causal_conv1d", _infer_conv, _grad_conv)
+define_op("causal_conv1d_back", _infer_conv_back)
+
+
+@kernel("causal_conv1d")
+def _conv_numpy(out, srcs, attrs):
+    x, w = srcs
+    T, K = x.shape[1], w.shape[1]
+    out.fill(0)
+    for j in range(K):
+        s = K - 1 - j  # tap j reads s steps back
+        if s < T:
+            out[:, s:] += x[:, :T - s] * w[:, j]
+
+
+@kernel("causal_conv1d_back")
+def _conv_back_numpy(out, srcs, attrs):
+    x, w, g = srcs
+    T, K = x.shape[1], w.shape[1]
+    dx = out[:x.size].reshape(x.shape)
+    dw = out[x.size:].reshape(w.shape)
+    dx.fill(0)
+    dw.fill(0)
+    for j in range(K):
+        s = K - 1 - j
+        if s < T:
+            dx[:, :T - s] += g[:, s:] * w[:, j]
+            dw[:, j] = np.sum(g[:, s:] * x[:, :T - s], axis=(0, 1))
+
+
+# --- the gated delta rule ----------------------------------------------------------------------
+def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK):
+    """The gated delta rule over q, k [B, T, H, dk], v [B, T, H, dv], the log decays g and
+    the write strengths beta [B, T, H]: o [B, T, H, dv].
+
+    With ``state`` [B, H, dk, dv] (generation: the state after the tokens before these),
+    returns (o, the state after the last token); no gradient flows then.
+    """
+    srcs = [q, k, v, g, beta] + ([] if state is None else [state])
+    node = make_node("delta_rule", srcs, chunk=int(chunk))
+    if state is None:
+        return node
+    B, T, H, dv = v.shape
+    return unpack(node, 0, (B, T, H, dv)), unpack(node, B * T * H * dv, state.shape)
+
+
+def _infer_delta(shapes, dtypes, attrs):
+    check_floats(dtypes)
+    qs, ks, vs, gs, bs = (tuple(s) for s in shapes[:5])
+    check(len(qs) == 4 and qs == ks and len(vs) == 4 and vs[:3] == qs[:3],
+          f"q, k must be [B, T, H, dk] and v [B, T, H, dv], got {qs}, {ks}, {vs}")
+    check(gs == qs[:3] and bs == qs[:3], f"g and beta must be {list(qs[:3])}, got {gs} and {bs}")
+    check(attrs["chunk"] >= 1, f"chunk must be >= 1, got {attrs['chunk']}")
+    B, T, H, dk = qs
+    if len(shapes) == 6:
+        check(tuple(shapes[5]) == (B, H, dk, vs[3]),
+              f"state must be {[B, H, dk, vs[3]]}, got {list(shapes[5])}")
+        return (B * T * H * vs[3] + B * H * dk * vs[3],), F32
+    return vs, F32
+
+
+def _infer_delta_back(shapes, dtypes, attrs):
+    _infer_delta(shapes[:5], dtypes[:5], attrs)
+    check(tuple(shapes[5]) == tuple(shapes[2]), f"the gradient must be {shapes[2]}, got {shapes[5]}")
+    return (sum(int(np.prod(s)) for s in shapes[:5]),), F32
+
+
+def _grad_delta(n, gout, need):
+    if len(n.srcs) == 6:
+        raise GraphError("delta_rule with a given state (generation) has no gradient")
+    back = make_node("delta_rule_back", [*n.srcs, gout], chunk=n.attrs["chunk"])
+    grads, offset = [], 0
+    for src, wanted in zip(n.srcs, need):
+        grads.append(unpack(back, offset, src.shape) if wanted else None)
+        offset += src.size
+    return grads
+
+
+define_op("delta_rule", _infer_delta, _grad_delta)
+define_op("delta_rule_back", _infer_delta_back)
+
+
+def _heads_first(*arrays):
+    """[B, T, H, ...] -> [B, H, T, ...] copies (g and beta [B, H, T])."""
+    return (np.ascontiguousarray(np.moveaxis(x, 1, 2)) for x in arrays)
+
+
+def _solve_unit_lower(L, b):
+    """x with (I + strictly_lower(L)) x = b, by forward substitution over the chunk rows."""
+    x = np.array(b)
+    for i in range(1, L.shape[-1]):
+        x[..., i, :] -= np.einsum("...j,...jd->...d", L[..., i, :i], x[..., :i, :])
+    return x
+
+
+def delta_rule_chunked(q, k, v, g, beta, S, chunk):
+    """The WY (chunked) forward on [B, H, T, ...] arrays from state S [B, H, dk, dv]:
+    returns (o [B, H, T, dv], the final state)."""
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    pad = (-T) % chunk
+    if pad:  # padded steps have g = 0 and beta = 0: they leave the state as it is
+        q, k, v = (np.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
+        g, beta = (np.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (g, beta))
+    n = (T + pad) // chunk
+    q, k, v = (x.reshape(B, H, n, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
+    cg = np.cumsum(g, axis=-1)                              # log decay from the chunk start
+    lower = np.tril(np.ones((chunk, chunk), bool))
+    decay = np.where(lower, np.exp(np.where(lower, cg[..., :, None] - cg[..., None, :], 0)), 0)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    system = (kb @ np.swapaxes(k, -1, -2)) * decay          # its strictly lower part
+    u = _solve_unit_lower(system, vb)                        # the chunk's new values
+    w = _solve_unit_lower(system, kb * np.exp(cg)[..., None])
+    intra = (q @ np.swapaxes(k, -1, -2)) * decay
+    qd = q * np.exp(cg)[..., None]
+    kd = k * np.exp(cg[..., -1:] - cg)[..., None]
+    out = np.empty((B, H, n, chunk, dv), q.dtype)
+    S = np.array(S, q.dtype)
+    for i in range(n):
+        vn = u[:, :, i] - w[:, :, i] @ S
+        out[:, :, i] = qd[:, :, i] @ S + intra[:, :, i] @ vn
+        S = S * np.exp(cg[:, :, i, -1])[..., None, None] + np.swapaxes(kd[:, :, i], -1, -2) @ vn
+    return out.reshape(B, H, n * chunk, dv)[:, :, :T], S
+
+
+@kernel("delta_rule")
+def _delta_numpy(out, srcs, attrs):
+    q, k, v, g, beta = _heads_first(*srcs[:5])
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    S0 = srcs[5] if len(srcs) == 6 else np.zeros((B, H, dk, dv), q.dtype)
+    o, S = delta_rule_chunked(q, k, v, g, beta, S0, attrs["chunk"])
+    flat, n_o = out.reshape(-1), B * T * H * dv
+    flat[:n_o] = np.moveaxis(o, 1, 2).reshape(-1)
+    if len(srcs) == 6:
+        flat[n_o:] = S.reshape(-1)
+
+
+def _step(S, q, k, v, a, beta):
+    """One step on [B, H, ...] slices: (P = a S, the error v - P^T k, d, the new S, o)."""
+    P = S * a[..., None, None]
+    err = v - np.einsum("bhkv,bhk->bhv", P, k)
+    d = beta[..., None] * err
+    S_new = P + k[..., :, None] * d[..., None, :]
+    return P, err, d, S_new, np.einsum("bhkv,bhk->bhv", S_new, q)
+
+
+@kernel("delta_rule_back")
+def _delta_back_numpy(out, srcs, attrs):
+    q, k, v, g, beta, do = _heads_first(*srcs)
+    B, H, T, dk = q.shape
+    dv, C = v.shape[-1], attrs["chunk"]
+    a = np.exp(g)
+    starts = [np.zeros((B, H, dk, dv), q.dtype)]  # the state at each chunk start
+    for c0 in range(0, T - C, C):
+        _, S = delta_rule_chunked(q[:, :, c0:c0 + C], k[:, :, c0:c0 + C], v[:, :, c0:c0 + C],
+                                  g[:, :, c0:c0 + C], beta[:, :, c0:c0 + C], starts[-1], C)
+        starts.append(S)
+    grads = [np.zeros_like(x) for x in (q, k, v, g, beta)]
+    dq, dk_, dv_, dg, db = grads
+    dS = np.zeros((B, H, dk, dv), q.dtype)
+    for c, S0 in reversed(list(enumerate(starts))):
+        steps = range(c * C, min(T, (c + 1) * C))
+        states = [S0]                                   # S_{t-1} for each step of the chunk
+        for t in steps:
+            states.append(_step(states[-1], q[:, :, t], k[:, :, t], v[:, :, t], a[:, :, t],
+                                beta[:, :, t])[3])
+        for t, S_prev in zip(reversed(steps), reversed(states[:-1])):
+            kt, bt = k[:, :, t], beta[:, :, t]
+            P, err, d, S, _ = _step(S_prev, q[:, :, t], kt, v[:, :, t], a[:, :, t], bt)
+            dot = do[:, :, t]
+            dS = dS + q[:, :, t][..., :, None] * dot[..., None, :]     # o = S^T q
+            dq[:, :, t] = np.einsum("bhkv,bhv->bhk", S, dot)
+            dd = np.einsum("bhkv,bhk->bhv", dS, kt)                    # S = P + k d^T
+            dk_[:, :, t] = np.einsum("bhkv,bhv->bhk", dS, d)
+            db[:, :, t] = np.sum(dd * err, axis=-1)                    # d = beta err
+            derr = bt[..., None] * dd
+            dv_[:, :, t] = derr
+            dP = dS - kt[..., :, None] * derr[..., None, :]             # err = v - P^T k
+            dk_[:, :, t] -= np.einsum("bhkv,bhv->bhk", P, derr)
+            dg[:, :, t] = np.sum(dP * S_prev, axis=(-2, -1)) * a[:, :, t]  # P = a S_prev
+            dS = dP * a[:, :, t][..., None, None]
+    offset = 0
+    for grad in grads:
+        flat = np.moveaxis(grad, 2, 1).reshape(-1)  # back to [B, T, H, ...]
+        out[offset:offset + flat.size] = flat
+        offset += flat.size
+
+
+# --- CUDA lowering (deltanet.cu) ---------------------------------------------------------------
+@lowers("causal_conv1d", "causal_conv1d_back", kernels=("tg_causal_conv1d", "tg_causal_conv1d_back"))
+def _conv(node, at):
+    x, w = node.srcs[:2]
+    (B, T, C), K = x.shape, w.shape[1]
+    srcs = [p(at.ptr(s)) for s in node.srcs]
+    name = "tg_causal_conv1d" if node.op == "causal_conv1d" else "tg_causal_conv1d_back"
+    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(B), i32(T), i32(C), i32(K)])]
+
+
+def _delta_dims(node):
+    q, _, v = node.srcs[:3]
+    B, T, H, dk = q.shape
+    if dk > DELTA_MAX_DK:
+        raise CudaError(f"{node.op} {node.name!r}: key head size {dk} exceeds the kernels' "
+                        f"bound {DELTA_MAX_DK}")
+    return B, T, H, dk, v.shape[3]
+
+
+def _back_scratch_bytes(node) -> int:
+    B, T, H, dk, dv = _delta_dims(node)
+    return 4 * B * H * (-(-T // DELTA_SPAN) + DELTA_SPAN + 2) * dk * dv
+
+
+@lowers("delta_rule", kernels=("tg_delta_rule",))
+def _delta(node, at):
+    B, T, H, dk, dv = _delta_dims(node)
+    with_state = len(node.srcs) == 6
+    srcs = [p(at.ptr(s)) for s in node.srcs[:5]]
+    state = p(at.ptr(node.srcs[5])) if with_state else p(at.ptr(node.srcs[0]))  # unread if 0
+    return [Launch("tg_delta_rule", grid_1d(B * H * dv),
+                   [p(at.out), *srcs, state, i32(B), i32(T), i32(H), i32(dk), i32(dv),
+                    i32(with_state)])]
+
+
+@lowers("delta_rule_back", kernels=("tg_delta_rule_back",), scratch=_back_scratch_bytes)
+def _delta_back(node, at):
+    """One block per (batch, head) of the smallest power of two >= max(dk, dv) threads."""
+    B, T, H, dk, dv = _delta_dims(node)
+    threads = 32
+    while threads < max(dk, dv):
+        threads *= 2
+    if threads > THREADS:
+        raise CudaError(f"{node.op} {node.name!r}: head sizes {dk}, {dv} exceed {THREADS} threads")
+    srcs = [p(at.ptr(s)) for s in node.srcs]
+    return [Launch("tg_delta_rule_back", (B * H, 1, 1),
+                   [p(at.out), *srcs, p(at.scratch), i32(B), i32(T), i32(H), i32(dk), i32(dv),
+                    i32(DELTA_SPAN)], block=(threads, 1, 1))]
