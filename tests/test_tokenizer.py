@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from toygraph.errors import DataError, GGUFError
+from toygraph.errors import GGUFError
 from toygraph.gguf.tokenizer import Tokenizer
 
 TEXTS = [
@@ -202,10 +202,14 @@ def test_spm_matches_transformers(spm, text):
 
 
 # ------------------------------------------------------------------ errors and templates
-def test_no_chat_template_is_data_error(spm):
+def test_no_chat_template_renders_the_default_one(spm):
+    """A GGUF without tokenizer.chat_template renders conversations in templates.DEFAULT
+    (the Alpaca layout) instead of refusing them."""
     _, tok = spm
-    with pytest.raises(DataError):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.file_chat_template is None and tok.template_name == "alpaca"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                   add_generation_prompt=True) == \
+        "### Instruction:\nhi\n\n### Response:\n"
 
 
 def test_chat_template_environment(tmp_path):

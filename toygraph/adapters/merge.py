@@ -135,7 +135,13 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
         tok.use_template(template)
     elif trained is not None:
         tok.use_template(*trained)
-    chat_template = tok.chat_template if tok.chat_template != tok.file_chat_template else None
+    # Written in only when known: --template, or the template the adapter recorded. An
+    # adapter of another tool says nothing, and the base's metadata is then kept as it is.
+    known = template is not None or trained is not None
+    chat_template = (tok.chat_template if known and tok.chat_template != tok.file_chat_template
+                     else None)
+    template_name = (tok.template_name if chat_template
+                     else "gguf" if tok.file_chat_template else "none")
     merged = _merged_tensors(model, lora, alpha / rank, out_type, progress)
     reader, out_path = model.reader, Path(out_path)
     name = model.metadata("general.name") or Path(model_path).stem
@@ -149,7 +155,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
         w.add_string("general.name", f"{name} + {Path(source_dir).name} (merged)")
         if chat_template:   # the template the adapter was trained with, not the base's
             w.add_chat_template(chat_template)
-        w.add_string(f"{PROVENANCE}.template", tok.template_name)
+        w.add_string(f"{PROVENANCE}.template", template_name)
         w.add_string(f"{PROVENANCE}.source", source_dir)
         w.add_string(f"{PROVENANCE}.sha256", hashlib.sha256(source.read_bytes()).hexdigest())
         w.add_uint32(f"{PROVENANCE}.rank", rank)
