@@ -31,7 +31,7 @@ def plan(model, recipe_name: str, batch: int, seq_len: int, fused: bool) -> dict
     from toygraph.cuda.devmem import plan_device_memory
     from toygraph.recipes import RecipeOptions, recipe_class
     recipe_base.Session = plan_only_session()
-    preference.fused_head = lambda backend: fused
+    preference.fused_head = lambda backend, model_cfg=None: fused
     recipe = recipe_class(recipe_name)(targets=("q", "v"), rank=8, alpha=16)
     recipe.realize(model, model.config, RecipeOptions(seq_len=seq_len, batch=batch,
                                                       backend="cuda"))

@@ -45,13 +45,17 @@ from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
 FUSED_HEAD_ON_CPU = False
 
 
-def fused_head(backend: str) -> bool:
+def fused_head(backend: str, model_cfg=None) -> bool:
+    """Whether the head and the loss run as one fused op: on CUDA (or FUSED_HEAD_ON_CPU),
+    unless the model soft-caps its logits (Gemma 4), which the fused op does not do."""
+    if model_cfg is not None and getattr(model_cfg, "logit_softcap", 0.0):
+        return False
     return backend == "cuda" or FUSED_HEAD_ON_CPU
 
 
 def head_loss(net, labels, backend: str):
     """The summed cross-entropy of the model's next-token logits against ``labels``."""
-    if fused_head(backend):
+    if fused_head(backend, net.cfg):
         return ops.linear_cross_entropy(net.hidden, net.head, labels, reduction="sum")
     return ops.cross_entropy(lm_head(net), labels, reduction="sum")
 

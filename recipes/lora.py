@@ -1,7 +1,7 @@
 """LoRA: the GGUF base stays frozen (and quantized where it is); only adapters train."""
 from __future__ import annotations
 
-from toygraph.models.decoder import TARGETS, LoraConfig
+from toygraph.models.decoder import ALL_TARGETS, LoraConfig
 from toygraph.recipes.base import Recipe, RecipeOptions
 from toygraph.recipes.registry import register
 
@@ -35,4 +35,4 @@ class LoRA(Recipe):
 
     @property
     def all_targets(self):
-        return tuple(TARGETS)
+        return tuple(ALL_TARGETS)

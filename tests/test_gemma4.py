@@ -166,3 +166,16 @@ def test_the_fused_head_refuses_a_soft_capped_model(gemma4):
     with pytest.raises(GraphError, match="soft-capped at 3.0"):
         ops.linear_cross_entropy(net.hidden, net.head, labels)
     assert lm_head(net).op == "softcap"
+
+
+@pytest.mark.parametrize("recipe", ["lora", "dpo"])
+def test_the_recipes_take_the_soft_capped_head_on_cuda_too(gemma4, recipe):
+    """recipes.base.fused_head says no for a soft-capped model, so a CUDA graph of an SFT
+    or a preference recipe (built, not run) uses lm_head (softcap) + the unfused loss."""
+    from toygraph.recipes import RecipeOptions, recipe_class
+    path, _ = gemma4
+    m = GGUFModel(path)
+    r = recipe_class(recipe)(targets=("q", "v"))
+    g = r.build_graph(m, m.config, RecipeOptions(seq_len=8, batch=1, backend="cuda"))
+    ops_used = {t.op for t in g.nodes}
+    assert "softcap" in ops_used and "linear_cross_entropy" not in ops_used

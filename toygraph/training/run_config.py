@@ -92,7 +92,8 @@ class RunConfig:
                                   group="run")
     # --- LoRA adapters ---------------------------------------------------------------------
     targets: tuple[str, ...] = option(LoraConfig.targets,
-                                      help="LoRA targets among q,k,v,o,gate,up,down",
+                                      help="LoRA targets among q,k,v,o,gate,up,down (Qwen3.5's DeltaNet "
+                                           "layers: qkv,z,alpha,beta,ssm_out)",
                                       group="adapter", used_by=_adapter_recipes, resume="never")
     rank: int = option(LoraConfig.rank, help="LoRA rank", group="adapter", used_by=_adapter_recipes,
                        resume="never", low=1)
