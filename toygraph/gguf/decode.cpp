@@ -70,7 +70,9 @@ static inline void nibbles32(const u8* qs, int* q) {
 }
 
 static inline void add_qh_bits(const u8* qh, int* q) {  // bit i of a little-endian u32
-    for (int i = 0; i < 32; i++) q[i] |= ((qh[i / 8] >> (i % 8)) & 1) << 4;
+    uint32_t bits;
+    std::memcpy(&bits, qh, 4);
+    for (int i = 0; i < 32; i++) q[i] |= (int)((bits >> i) & 1) << 4;
 }
 
 static void q4_0(const u8* b, float* y) {
@@ -110,35 +112,40 @@ static void iq4_nl(const u8* b, float* y) {
     for (int i = 0; i < 32; i++) y[i] = d * kIq4nl[q[i]];
 }
 
-// Q2_K/Q3_K's two-bit value of element e: (qs[32h + l] >> 2s) & 3, e = 128h + 32s + l.
-static inline int crumb(const u8* qs, int e) {
-    int r = e % 128;
-    return (qs[32 * (e / 128) + r % 32] >> (2 * (r / 32))) & 3;
-}
-
+// Q2_K/Q3_K: element e = 128h + 32s + l is (qs[32h + l] >> 2s) & 3, in sub-block e / 16.
 static void q2_k(const u8* b, float* y) {
     const float d = half(b + TG_Q2_K_D), dmin = half(b + TG_Q2_K_DMIN);
-    const u8* qs = b + TG_Q2_K_QS;
-    for (int j = 0; j < 16; j++) {  // sub-blocks of 16
-        const int sc = b[TG_Q2_K_SCALES + j];
-        const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
-        for (int i = 0; i < 16; i++) y[16 * j + i] = dl * (float)crumb(qs, 16 * j + i) - ml;
+    for (int h = 0; h < 2; h++) {
+        for (int s = 0; s < 4; s++) {
+            for (int half16 = 0; half16 < 2; half16++) {
+                const int e0 = 128 * h + 32 * s + 16 * half16;
+                const int sc = b[TG_Q2_K_SCALES + e0 / 16];
+                const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
+                const u8* qs = b + TG_Q2_K_QS + 32 * h + 16 * half16;
+                for (int i = 0; i < 16; i++) y[e0 + i] = dl * (float)((qs[i] >> (2 * s)) & 3) - ml;
+            }
+        }
     }
 }
 
+// As Q2_K's crumbs, 4 lower where bit 4h + s of hmask[l] is clear; 6-bit scales.
 static void q3_k(const u8* b, float* y) {
     const float d = half(b + TG_Q3_K_D);
     const u8* sc = b + TG_Q3_K_SCALES;
-    const u8* qs = b + TG_Q3_K_QS;
-    const u8* hmask = b + TG_Q3_K_HMASK;
-    for (int j = 0; j < 16; j++) {
-        const int low = j < 8 ? (sc[j] & 15) : (sc[j - 8] >> 4);
-        const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
-        const float dl = d * (float)((low | (high << 4)) - 32);
-        for (int i = 0; i < 16; i++) {
-            const int e = 16 * j + i;
-            const int hbit = (hmask[e % 32] >> (e / 32)) & 1;  // clear: the value is 4 lower
-            y[e] = dl * (float)(crumb(qs, e) - (hbit ? 0 : 4));
+    for (int h = 0; h < 2; h++) {
+        for (int s = 0; s < 4; s++) {
+            for (int half16 = 0; half16 < 2; half16++) {
+                const int e0 = 128 * h + 32 * s + 16 * half16, j = e0 / 16;
+                const int low = j < 8 ? (sc[j] & 15) : (sc[j - 8] >> 4);
+                const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+                const float dl = d * (float)((low | (high << 4)) - 32);
+                const u8* qs = b + TG_Q3_K_QS + 32 * h + 16 * half16;
+                const u8* hmask = b + TG_Q3_K_HMASK + 16 * half16;
+                for (int i = 0; i < 16; i++) {
+                    const int q = ((qs[i] >> (2 * s)) & 3) - (((hmask[i] >> (4 * h + s)) & 1) ? 0 : 4);
+                    y[e0 + i] = dl * (float)q;
+                }
+            }
         }
     }
 }
