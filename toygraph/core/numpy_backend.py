@@ -25,13 +25,13 @@ DTYPES = {"f32": np.float32, "f64": np.float64}
 
 def const_array(t, dtype) -> np.ndarray:
     """A const's value as a float array: f32 mmap'd data is used in place, anything stored
-    in another format (f16, bf16, quantized blocks) is dequantized once."""
+    in another format (f16, bf16, quantized blocks) is decoded once (the base's "decode"
+    mode)."""
     data = np.asarray(t.data)
-    if t.storage == "f32":  # raw GGUF bytes or an array: either way no copy is made here
-        arr = (data.view(np.float32) if data.dtype == np.uint8 else data).reshape(t.shape)
-    else:
-        from toygraph.gguf import blocks  # only models with quantized consts need it
-        arr = blocks.dequantize(data, t.storage, t.shape)
+    if t.storage != "f32":
+        return BlockTensor(data, t.storage, t.shape).decode_into(np.empty(t.shape, dtype))
+    # raw GGUF bytes or an array: either way no copy is made here
+    arr = (data.view(np.float32) if data.dtype == np.uint8 else data).reshape(t.shape)
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
