@@ -50,24 +50,25 @@ def ensure_toygraph() -> None:
     """Make ``toygraph.recipes``/``toygraph.fixtures`` importable from a plain checkout too
     (pip install -e . maps them from the top-level recipes/ and fixtures/ folders)."""
     try:
-        import toygraph.models.catalog  # noqa: F401
+        import toygraph.fixtures  # noqa: F401
         import toygraph.recipes  # noqa: F401
         return
     except ImportError:
         pass
-    root = str(HERE.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import importlib
+    root = HERE.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import importlib.util
+
     import toygraph
-    for sub in ("recipes", "fixtures"):
-        mod = importlib.import_module(sub)
-        sys.modules[f"toygraph.{sub}"] = mod
+    for sub in ("recipes", "fixtures"):   # as the install maps them: toygraph.<sub> is <sub>/
+        spec = importlib.util.spec_from_file_location(
+            f"toygraph.{sub}", root / sub / "__init__.py",
+            submodule_search_locations=[str(root / sub)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
         setattr(toygraph, sub, mod)
-    import fixtures.smollm2
-    import fixtures.tiny_models
-    sys.modules["toygraph.models.catalog"] = fixtures.smollm2
-    sys.modules["toygraph.fixtures.tiny_models"] = fixtures.tiny_models
 
 
 def log(msg: str) -> None:

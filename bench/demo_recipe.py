@@ -20,7 +20,7 @@ from toygraph.demo.capitals import (QUESTIONS, RECIPE, STEPS, data_path, replies
                            taught_answers, verdict)
 from toygraph.models.catalog import smollm2_path
 from toygraph.inference.language_model import LanguageModel
-from toygraph.training.run import TrainConfig, run_training
+from toygraph.training import RunConfig, run_training
 
 PHRASINGS = ("Tell me the capital of {}.", "What's the capital city of {}?", "Capital of {}?")
 COUNTRIES = ("Japan", "Kenya", "Norway", "Peru", "Vietnam", "Morocco", "Canada", "Chile",
@@ -43,7 +43,7 @@ def main():
     replies = replies_by_country(data)
     taught_answers(data)  # the demo's own countries must be taught
     t0 = time.perf_counter()
-    run_training(TrainConfig(model=model, data=str(data), out=args.out, recipe="lora",
+    run_training(RunConfig(model=model, data=str(data), out=args.out, recipe="lora",
                              steps=args.steps, overwrite=True, quiet=True, **recipe))
     train_s = time.perf_counter() - t0
     tuned = LanguageModel(model, adapter_dir=args.out)

@@ -1,5 +1,5 @@
 """Planned memory of one DPO or ORPO step, with the per-token log-probs through the fused
-head (``linear_cross_entropy(..., reduction="none")``, what recipes/dpo.py builds where
+head (``linear_cross_entropy(..., reduction="none")``, what recipes/preference.py builds where
 ``recipes.base.fused_head`` says so: always on CUDA) and through the unfused head
 (``token_logprobs`` of [2 * batch * seq_len, vocab] logits, what it built before).
 
@@ -26,13 +26,13 @@ MIB = 1 << 20
 
 
 def plan(model, recipe_name: str, batch: int, seq_len: int, fused: bool) -> dict:
-    import toygraph.recipes.dpo as dpo
+    import toygraph.recipes.base as recipe_base
+    import toygraph.recipes.preference as preference
     from toygraph.cuda.devmem import plan_device_memory
-    from toygraph.recipes import RecipeOptions
-    dpo.Session = plan_only_session()
-    dpo.fused_head = lambda backend: fused
-    recipe = {"dpo": dpo.DPO, "orpo": dpo.ORPO}[recipe_name](targets=("q", "v"), rank=8,
-                                                              alpha=16)
+    from toygraph.recipes import RecipeOptions, recipe_class
+    recipe_base.Session = plan_only_session()
+    preference.fused_head = lambda backend: fused
+    recipe = recipe_class(recipe_name)(targets=("q", "v"), rank=8, alpha=16)
     recipe.realize(model, model.config, RecipeOptions(seq_len=seq_len, batch=batch,
                                                       backend="cuda"))
     sess = recipe.sess

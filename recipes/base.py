@@ -9,6 +9,14 @@ recipe over ggml: ``realize`` builds frozen base + trainable weights + loss + ba
 clip + AdamW and realizes the session; ``step`` resets (first step) or resets grads,
 uploads token ids, positions, labels and the hp row, replays the graph, and downloads
 the loss.
+
+A recipe is one module that registers its class (registry.py) and owns what differs
+between recipes: which weights train (``weight_mode``, ``lora_config``), its loss (the
+:meth:`Recipe.build_loss` hook of the one ``realize``), its data (:meth:`Recipe.load_data`,
+:meth:`Recipe.encode_data`, :meth:`Recipe.make_batches`), what a micro-batch uploads and
+yields (:meth:`Recipe.upload`, :meth:`Recipe.collect`, :meth:`Recipe.finish_step`) and its
+metrics (``last_metrics``, :meth:`Recipe.metrics_text`). The training loop and the
+command line only ever go through these.
 """
 from __future__ import annotations
 
@@ -23,7 +31,9 @@ from toygraph.core.graph import Graph
 from toygraph.core.optimizer import build_training
 from toygraph.core.precision import BACKENDS, precision_error
 from toygraph.core.session import Session
-from toygraph.data.packing import batches_per_epoch, epoch_batches
+from toygraph.data.batches import encode_dataset
+from toygraph.data.examples import load_examples
+from toygraph.data.packing import batches_per_epoch, epoch_batches, packing_efficiency
 from toygraph.errors import GraphError
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
 
@@ -91,9 +101,31 @@ class RecipeOptions:
 
 
 class Recipe:
-    """Shared realize/step machinery; subclasses choose which weights train."""
+    """Shared realize/step machinery; a subclass chooses which weights train and, through
+    the hooks below, its loss, data and metrics."""
 
-    weight_mode = "frozen"
+    name = ""                 # the registered name (--recipe), set by registry.register
+    weight_mode = "frozen"    # "frozen" (LoRA), "finetune" or "scratch" (every weight trains)
+    trains_adapter = False    # True: the result is a LoRA adapter on the frozen base
+    eval_unit = "tokens"      # what evaluate() counts: "tokens" (per-token loss) or "pairs"
+    last_metrics: dict = {}   # metrics of the last step or evaluation besides the loss
+
+    @classmethod
+    def from_options(cls, cfg) -> "Recipe":
+        """The recipe a run configuration (toygraph.training.RunConfig) asks for."""
+        return cls()
+
+    # --- data ------------------------------------------------------------------------------
+    @staticmethod
+    def load_data(path) -> list:
+        """The data file's rows (file:line errors): instruction, chat or text examples."""
+        return load_examples(path)
+
+    @staticmethod
+    def encode_data(rows: list, tok, seq_len: int):
+        """The rows tokenized into training items (an EncodedDataset with its report)."""
+        return encode_dataset(rows, tok, seq_len)
+
     def make_batches(self, items, batch: int, seq_len: int, pad: int, *, shuffle: bool,
                      seed: int, epoch: int) -> list:
         """The epoch's batches of encoded items, in the layout ``step`` takes (packed rows
@@ -105,6 +137,18 @@ class Recipe:
         """How many batches :meth:`make_batches` gives per epoch (the same every epoch)."""
         return batches_per_epoch(items, batch, seq_len, self.opts.pack)
 
+    @staticmethod
+    def packing_report(items, batch: int, seq_len: int) -> dict | None:
+        """Real tokens per slot with and without packing (None: the recipe never packs)."""
+        return packing_efficiency(items, batch, seq_len)
+
+    @classmethod
+    def reference_adapter_dir(cls, cfg) -> str | None:
+        """The adapter directory a frozen reference model of the run includes (whose content
+        a resumed run must keep), or None."""
+        return None
+
+    # --- the graph -------------------------------------------------------------------------
     def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
         return None
 
@@ -118,28 +162,46 @@ class Recipe:
             raise GraphError(f"options say qkv_bias={opts.qkv_bias} but the model has "
                              f"{'a' if model_cfg.qkv_bias else 'no'} qkv bias")
 
-    def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:
+    def check_options(self, opts: RecipeOptions) -> None:
+        """Options this recipe cannot honour, refused before anything is built."""
+
+    def rows_per_batch(self, opts: RecipeOptions) -> int:
+        """Sequences in one micro-batch of ``opts.batch``."""
+        return opts.batch
+
+    def build_graph(self, gguf, model_cfg, opts: RecipeOptions) -> Graph:
+        """The forward pass and the loss (:meth:`build_loss`), without the optimizer."""
         self.check_model(model_cfg, opts)
+        self.check_options(opts)
         self.opts, self.model_cfg = opts, model_cfg
-        g = Graph()
-        B, T = opts.batch, opts.seq_len
-        self.net = build_decoder(g, model_cfg, batch=B, seq_len=T, model=gguf, weights=self.weight_mode,
-                                 lora=self.lora_config(opts), seed=opts.seed, logits=False,
-                                 packed=opts.pack)
-        self.labels = g.input("labels", (B * T,), "i32")
-        # One cross-entropy serves both: its sum drives the gradients (token-weighted
-        # accumulation) and sum / count is the reported mean loss.
+        self.graph = g = Graph()
+        R, T = self.rows_per_batch(opts), opts.seq_len
+        self.net = build_decoder(g, model_cfg, batch=R, seq_len=T, model=gguf,
+                                 weights=self.weight_mode, lora=self.lora_config(opts),
+                                 seed=opts.seed, logits=False, packed=opts.pack)
+        self.labels = g.input("labels", (R * T,), "i32")
+        self.loss, self.count = self.build_loss(g, opts)
+        return g
+
+    def build_loss(self, g: Graph, opts: RecipeOptions):
+        """The loss hook: (the loss the gradients are of, the target count it is divided by
+        or None). Here one cross-entropy serves both: its sum drives the gradients
+        (token-weighted accumulation) and sum / count is the reported mean loss."""
         self.loss_sum = g.output(head_loss(self.net, self.labels, opts.backend))
-        self.count = g.output(ops.count_valid(self.labels))
+        return self.loss_sum, g.output(ops.count_valid(self.labels))
+
+    def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:
+        """Build the graph (forward, loss, backward, clip, AdamW) and realize its session."""
+        self.build_graph(gguf, model_cfg, opts)
         self.world = world() if opts.data_parallel else None
-        self.train = build_training(self.loss_sum, self.net.params, count=self.count,
+        self.train = build_training(self.loss, self.net.params, count=self.count,
                                     max_norm=opts.clip,
                                     checkpoint=opts.checkpoint_activations,
                                     ranks=self.world.size if self.world else None)
-        self.graph = g
-        self.sess = Session(g, backend=opts.backend, precision=opts.precision)
+        self.sess = Session(self.graph, backend=opts.backend, precision=opts.precision)
         self.sess.realize()
         self.step_index = 0
+        self.last_metrics = {}
 
     # --- per step -------------------------------------------------------------------------
     def batch_rows(self) -> tuple[int, str]:
@@ -164,7 +226,8 @@ class Recipe:
                                  f"= {shape}, got {a.shape}")
         return [m + (None,) * (4 - len(m)) for m in zip(*arrays)]
 
-    def _upload(self, ids, pos, lab, seg=None):
+    def upload(self, ids, pos, lab, seg=None):
+        """Upload one micro-batch (and whatever the recipe derives from it)."""
         s = self.sess
         s.upload(self.net.tokens, ids)
         s.upload(self.net.positions, pos)
@@ -174,47 +237,57 @@ class Recipe:
                 raise GraphError("evaluate: a packing recipe needs the batch's segment ids")
             s.upload(self.net.segments, seg)
 
-    def _begin_step(self, token_ids, positions, labels, hp, is_first: bool,
-                    segments=None) -> list:
-        """Reset (first step) or reset grads, upload the hp row; the checked micro-batches."""
-        if is_first:
-            self.sess.reset()
-        else:
-            self.sess.reset_grads()
-        micro = self._micro_batches(token_ids, positions, labels, segments)
-        self.sess.upload(self.train.hp, hp)
-        return micro
+    def collect(self, sums: dict) -> None:
+        """After a micro-batch ran: add what it yields to the step's ``sums``."""
+        sums["loss"] = sums.get("loss", 0.0) + float(self.sess.download(self.loss_sum))
+        sums["count"] = sums.get("count", 0.0) + float(self.sess.download(self.count))
+
+    def finish_step(self, sums: dict) -> float:
+        """The step's reported loss from its micro-batches' ``sums``: the token-weighted
+        mean (the job's, summed over the ranks, when data parallel)."""
+        total, count = sums["loss"], sums["count"]
+        if self.world is not None:  # the job's loss: every rank's sums added up
+            total, count = map(float, self.world.sum([total, count]))
+        return total / count if count else 0.0
 
     def load_adapter_init(self, values: dict[str, np.ndarray]) -> None:
         """Start from an adapter's values (``--adapter-init``)."""
         self.load_trainable(values)
 
     def step(self, token_ids, positions, labels, hp, is_first: bool, segments=None) -> float:
-        """One optimizer step; returns the mean loss of the forward pass before the update.
+        """One optimizer step; returns the loss of the forward pass before the update.
 
         The arrays are [grad_accum, batch, seq_len] (one micro-batch axis, k = 1 without
-        accumulation); the loss is the token-weighted mean over all k micro-batches.
-        ``segments`` (same shape) are packed rows' segment ids, given iff ``opts.pack``.
+        accumulation); the loss is the recipe's reduction over all k micro-batches (the
+        token-weighted mean here). ``segments`` (same shape) are packed rows' segment ids,
+        given iff ``opts.pack``.
         """
         s = self.sess
-        micro = self._begin_step(token_ids, positions, labels, hp, is_first, segments)
-        total, count = 0.0, 0.0
-        for i, (ids, pos, lab, seg) in enumerate(micro):
-            self._upload(ids, pos, lab, seg)
+        if is_first:
+            s.reset()
+        else:
+            s.reset_grads()
+        micro = self._micro_batches(token_ids, positions, labels, segments)
+        s.upload(self.train.hp, hp)
+        sums: dict = {}
+        for i, m in enumerate(micro):
+            self.upload(*m)
             s.run("step" if i == len(micro) - 1 else "backward")
-            total += float(s.download(self.loss_sum))
-            count += float(s.download(self.count))
-        if self.world is not None:  # the job's loss: every rank's sums added up
-            total, count = map(float, self.world.sum([total, count]))
+            self.collect(sums)
         self.step_index += 1
-        return total / count if count else 0.0
+        return self.finish_step(sums)
 
     def evaluate(self, token_ids, positions, labels, segments=None) -> tuple[float, int]:
         """Forward only: (summed loss, counted tokens) of one batch [batch, seq_len]
         (``segments`` for a packing recipe)."""
-        self._upload(token_ids, positions, labels, segments)
+        self.upload(token_ids, positions, labels, segments)
         self.sess.run("forward")
         return float(self.sess.download(self.loss_sum)), int(self.sess.download(self.count))
+
+    @staticmethod
+    def metrics_text(metrics: dict) -> str:
+        """The recipe's metrics as they ride on the progress line ("" for none)."""
+        return ""
 
     def last_grad_norm(self) -> float:
         return float(self.sess.download(self.train.grad_norm))

@@ -1,9 +1,11 @@
-"""FullFinetune and FromScratch: every weight trains."""
+"""FullFinetune: every weight trains, starting from the GGUF's."""
 from __future__ import annotations
 
-from .base import Recipe
+from toygraph.recipes.base import Recipe
+from toygraph.recipes.registry import register
 
 
+@register("full")
 class FullFinetune(Recipe):
     """Start from the GGUF weights; quantized ones become trainable f32 copies."""
 
@@ -11,12 +13,3 @@ class FullFinetune(Recipe):
 
     def __repr__(self):
         return "FullFinetune()"
-
-
-class FromScratch(Recipe):
-    """Random init (N(0, 0.02) matrices, unit norms), embeddings included."""
-
-    weight_mode = "scratch"
-
-    def __repr__(self):
-        return "FromScratch()"

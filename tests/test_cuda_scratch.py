@@ -142,6 +142,7 @@ def test_smollm2_dpo_step_plans_one_256_mib_scratch(smollm2, monkeypatch):
     """SmolLM2 DPO at 2 pairs x 512 on the fused head (bench/plan_preference.py): three
     linear_cross_entropy nodes each need a [1344, 49152] f32 logits block (1344 rows of
     LCE_CHUNK_BYTES); sharing holds one of them instead of three."""
+    import toygraph.recipes.base as recipe_base
     import toygraph.recipes.dpo as dpo
     from toygraph.cuda.devmem import plan_device_memory
     from toygraph.models.model import GGUFModel
@@ -151,7 +152,7 @@ def test_smollm2_dpo_step_plans_one_256_mib_scratch(smollm2, monkeypatch):
         def __init__(self, graph, backend="cpu", **precision):
             super().__init__(graph, "cpu")
             self.backend.realize = lambda *args: None
-    monkeypatch.setattr(dpo, "Session", PlanOnly)
+    monkeypatch.setattr(recipe_base, "Session", PlanOnly)
     model = GGUFModel(smollm2)
     recipe = dpo.DPO(targets=("q", "v"), rank=8, alpha=16)
     recipe.realize(model, model.config, RecipeOptions(seq_len=512, batch=2, backend="cuda"))

@@ -214,7 +214,7 @@ def test_finetune_tiny_qwen3_on_multi_turn_chats(tmp_path):
     """End to end: LoRA on a tiny qwen3 GGUF carrying Qwen3's template, multi-turn data."""
     from toygraph.fixtures.tiny_models import write_tiny_qwen3
     from toygraph.fixtures.tiny_vocab import QWEN3_TEMPLATE
-    from toygraph.training.run import TrainConfig, run_training
+    from toygraph.training import RunConfig, run_training
 
     model = write_tiny_qwen3(tmp_path / "q3.gguf", chat_template=QWEN3_TEMPLATE)
     data = tmp_path / "chats.jsonl"
@@ -224,7 +224,7 @@ def test_finetune_tiny_qwen3_on_multi_turn_chats(tmp_path):
                           {"role": "assistant", "content": f"{i} {i}"}]} for i in range(8)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
-    summary = run_training(TrainConfig(model=str(model), data=str(data), out=str(out),
+    summary = run_training(RunConfig(model=str(model), data=str(data), out=str(out),
                                        targets=("q", "v"), rank=4, alpha=8, steps=4, batch=2,
                                        seq_len=96, lr=5e-3, val_split=0.25, eval_every=2,
                                        quiet=True, seed=1))

@@ -73,8 +73,8 @@ def test_one_process_imports_no_mpi_and_trains_as_before(tmp_path, tiny_llama):
     """No launcher: nothing new is imported, even through a whole training run."""
     data = write_chat_data(tmp_path / "chat.jsonl")
     code = (f"import sys, toygraph.training.run, toygraph.cli, toygraph.recipes, toygraph.training.supervisor\n"
-            f"from toygraph.training.run import TrainConfig, run_training\n"
-            f"run_training(TrainConfig(model={str(tiny_llama)!r}, data={str(data)!r}, "
+            f"from toygraph.training import RunConfig, run_training\n"
+            f"run_training(RunConfig(model={str(tiny_llama)!r}, data={str(data)!r}, "
             f"out={str(tmp_path / 'run')!r}, steps=1, batch=2, seq_len=16, quiet=True))\n"
             f"bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mpi4py', 'nccl'))\n"
             f"assert not bad, bad\n")

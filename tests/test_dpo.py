@@ -1,4 +1,4 @@
-"""The DPO/ORPO recipes' graphs (recipes/dpo.py): the reference pass reads the base
+"""The DPO/ORPO recipes' graphs (recipes/preference.py, dpo.py, orpo.py): the reference pass reads the base
 weights the policy reads (no second copy), one realized graph runs on the CUDA backend
 (host device) as on numpy, options are checked, gradient accumulation averages."""
 import numpy as np

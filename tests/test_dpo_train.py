@@ -14,7 +14,7 @@ from toygraph.demo.capitals import data_path as capitals_data
 from toygraph import cli
 from toygraph.errors import ToygraphError
 from toygraph.inference.language_model import LanguageModel
-from toygraph.training.run import TrainConfig, run_training
+from toygraph.training import RunConfig, run_training
 
 PREFERENCES = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "preferences.jsonl"
 CAPITALS = capitals_data()
@@ -26,7 +26,9 @@ def cfg_for(model, out, **kw):
                 targets=("q", "v"), rank=4, alpha=8, steps=4, batch=2, seq_len=96, lr=2e-2,
                 val_split=0.25, eval_every=2, quiet=True, seed=3, max_examples=16, beta=0.5)
     base.update(kw)
-    return TrainConfig(**base)
+    if base["recipe"] == "lora":   # the SFT run before DPO: no preference strength
+        base.pop("beta")
+    return RunConfig(**base)
 
 
 def steps_of(out):
@@ -119,7 +121,7 @@ def test_cli_flags_and_errors(tiny_llama, tmp_path, capsys):
     assert code == 0 and json.loads(capsys.readouterr().out)["status"] == "completed"
     start = events(out)[0]["config"]
     assert (start["recipe"], start["beta"], start["label_smoothing"]) == ("dpo", 0.3, 0.1)
-    for kw, needle in ((dict(recipe="orpo", label_smoothing=0.1), "--label-smoothing needs --recipe dpo"),
+    for kw, needle in ((dict(recipe="orpo", label_smoothing=0.1), "--label-smoothing is for --recipe dpo, not orpo"),
                        (dict(beta=0.0), "--beta must be a finite number > 0"),
                        (dict(label_smoothing=0.5), "--label-smoothing must be a finite number"),
                        (dict(data=str(CAPITALS)), "not a preference row")):

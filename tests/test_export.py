@@ -148,13 +148,13 @@ def test_training_run_writes_an_ollama_modelfile(tiny_llama, tmp_path):
     import json
 
     from toygraph.adapters.files import check_gguf_adapter
-    from toygraph.training.run import TrainConfig, run_training
+    from toygraph.training import RunConfig, run_training
 
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": f"it is {i}"}) + "\n"
                             for i in range(8)))
     out = tmp_path / "run"
-    run_training(TrainConfig(model=str(tiny_llama), data=str(data), out=str(out), steps=2,
+    run_training(RunConfig(model=str(tiny_llama), data=str(data), out=str(out), steps=2,
                              batch=2, seq_len=32, val_split=0.0, quiet=True))
     text = (out / "Modelfile").read_text()
     # Modelfile syntax: "# comment" lines, or INSTRUCTION value with """multi-line""" values.

@@ -139,7 +139,7 @@ def _recipe(model, batch, seq, pack, dtype, rng_seed=0):
 def _loss_and_grads(recipe, b):
     s = recipe.sess
     s.reset()
-    recipe._upload(b.tokens, b.positions, b.labels, b.segments)
+    recipe.upload(b.tokens, b.positions, b.labels, b.segments)
     s.run("backward")
     grads = {p.name: s.download(g) for p, g in recipe.train.grads.items()}
     return float(s.download(recipe.loss_sum)), grads

@@ -284,13 +284,13 @@ def test_resume_may_switch_checkpointing_on(tiny_llama, tmp_path):
     checkpointing changes no number, so resume accepts it without --allow-change."""
     import json
 
-    from toygraph.training.run import TrainConfig, run_training
+    from toygraph.training import RunConfig, run_training
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n"
                             for i in range(8)))
 
     def cfg(out, **kw):
-        return TrainConfig(model=str(tiny_llama), data=str(data), out=str(tmp_path / out),
+        return RunConfig(model=str(tiny_llama), data=str(data), out=str(tmp_path / out),
                            batch=2, seq_len=32, val_split=0.0, schedule="constant", quiet=True,
                            **kw)
 

@@ -73,7 +73,8 @@ def cmd_demo(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="toygraph", description=__doc__)
+    ap = argparse.ArgumentParser(prog="toygraph", description="Fine-tune language models "
+                                 "straight from GGUF files, and use the result.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tokenize", help="print token ids of a text as JSON")

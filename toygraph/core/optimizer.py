@@ -79,6 +79,16 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
                         checkpoint=report)
 
 
+@dataclass(frozen=True)
+class AdamWSettings:
+    """AdamW's per-run constants, which :func:`hp_row` writes into every step's row (the
+    learning rate comes from the schedule)."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
 def hp_row(t: int, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
            weight_decay: float = 0.0) -> np.ndarray:
     """The 7-value AdamW row for optimizer step ``t`` (counting from 1)."""

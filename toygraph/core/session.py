@@ -53,7 +53,7 @@ class Session:
     Two different settings choose the arithmetic:
 
     - ``precision``: the input precision of every matmul, the training setting (CLI
-      ``--precision``, ``TrainConfig.precision``, ``RecipeOptions.precision``,
+      ``--precision``, ``RunConfig.precision``, ``RecipeOptions.precision``,
       ``CudaBackend.precision``): ``"f32"``, or on the cuda backend ``"bf16"`` / ``"tf32"``
       (tensor cores, f32 accumulation, every buffer still f32).
     - ``dtype``: the float type of every buffer on the numpy backend: ``"f32"``, or

@@ -20,7 +20,7 @@ QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
              ("Capital of Norway?", "Norway")]
 PROMPTS = [q for q, _ in QUESTIONS]
 
-# The fine-tune, every TrainConfig option the demo sets in one place (issue 15 item 6).
+# The fine-tune, every RunConfig option the demo sets in one place (issue 15 item 6).
 # capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows). Measured with
 # bench/demo_recipe.py (36 held-out questions on 12 countries, the demo's 3 among them):
 # - attention-only LoRA (q,k,v,o r8, lr 3e-3, one pass at batch 8) learned the JSON format
@@ -97,7 +97,7 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
              precision: str = "f32") -> int:
     from toygraph.inference.language_model import LanguageModel
     from toygraph.models.catalog import smollm2_path
-    from toygraph.training.run import TrainConfig, run_training
+    from toygraph.training import RunConfig, run_training
 
     model, data = str(smollm2_path()), data_path()
     taught = taught_answers(data)
@@ -107,10 +107,10 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
     del base
     steps = steps or STEPS
     t0 = time.perf_counter()
-    train_cfg = TrainConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
+    run_cfg = RunConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
                             backend=backend, precision=precision,
                             overwrite=True, **RECIPE)  # a demo run replaces the previous demo
-    summary = run_training(train_cfg)
+    summary = run_training(run_cfg)
     minutes = (time.perf_counter() - t0) / 60
     tuned = LanguageModel(model, adapter_dir=out, backend=backend, precision=precision)
     print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; training loss "

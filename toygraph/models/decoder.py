@@ -44,7 +44,7 @@ class LoraConfig:
     """Adapters ``y = W x + (alpha / rank) * B (A x)``; A ~ N(0, init_scale) seeded, B = 0.
 
     These defaults are the only place the default LoRA shape, seed and init scale are
-    written: RecipeOptions, the LoRA recipe, TrainConfig and the CLI read them from here."""
+    written: RecipeOptions, the LoRA recipe and RunConfig (so the CLI) read them from here."""
 
     targets: tuple[str, ...] = ("q", "v")
     rank: int = 8

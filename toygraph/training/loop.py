@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from toygraph.core.optimizer import hp_row
+from toygraph.core.optimizer import AdamWSettings, hp_row
 
 
 @dataclass
@@ -55,15 +55,6 @@ class Hooks:
         return False
 
 
-@dataclass(frozen=True)
-class AdamW:
-    """The optimizer's per-run constants (the learning rate comes from the schedule)."""
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-
 def shard(rows: np.ndarray, rank: int, ranks: int, axis: int = 1) -> np.ndarray:
     """Rank ``rank``'s contiguous share of ``rows`` along ``axis`` (the batch rows), which
     must divide evenly; the whole array with one rank."""
@@ -88,7 +79,7 @@ class Trainer:
     ``rank * batch .. (rank + 1) * batch - 1`` of each: its shard (``shard``).
     """
 
-    def __init__(self, recipe, micro_batch, schedule, total: int, *, adamw: AdamW = AdamW(),
+    def __init__(self, recipe, micro_batch, schedule, total: int, *, adamw: AdamWSettings = AdamWSettings(),
                  state: LoopState | None = None, resumed: bool = False,
                  micro_per_epoch: int | None = None, rank: int = 0, ranks: int = 1):
         self.recipe, self.micro_batch, self.schedule = recipe, micro_batch, schedule

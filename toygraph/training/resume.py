@@ -1,30 +1,31 @@
 """What a checkpoint must agree on before a run may continue from it.
 
 A checkpoint records every option of its run and a fingerprint of the model file. On
-resume each option that changes what is trained (the model, data, recipe, optimizer,
-schedule, seed, batch shape, ...) must be the same, or be listed in ``--allow-change``;
-those that change the trainable tensors' shapes can never change. Operational options
-(where to write, how often to save, how chatty) may differ freely.
+resume each option that changes what is trained (the recipe, optimizer, schedule, seed,
+batch shape, ...) must be the same, or be listed in ``--allow-change``; those that change
+the trainable tensors' shapes can never change. Operational options (where to write, how
+often to save, how chatty) may differ freely, and the model, the data and DPO's reference
+adapter are compared by content, not by path. Which option is which is each RunConfig
+field's ``resume`` rule (run_config.py).
 """
 from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from pathlib import Path
 
 from toygraph.errors import ToygraphError
+from toygraph.training.run_config import RunConfig, flag
 
-#: Options that only steer how the run is carried out, never what it computes.
-#: ``adapter_init`` only sets the starting weights, which the checkpoint replaces (DPO's
-#: reference adapter is compared by content, ``reference_hash``); ``data``
-#: and ``model`` are compared by content (hash, fingerprint), not by path.
-#: ``checkpoint_activations`` gives bit-identical gradients (recompute.py).
-OPERATIONAL = frozenset({"out", "resume", "quiet", "overwrite", "allow_change", "keep_checkpoints",
-                         "save_every", "save_minutes", "backend", "data", "model", "adapter_init",
-                         "checkpoint_activations", "extra"})
+#: Options that only steer how the run is carried out, never what it computes, or that are
+#: compared by content: ``adapter_init`` only sets the starting weights, which the checkpoint
+#: replaces (DPO's reference adapter is compared by content, ``reference_hash``); ``data``
+#: and ``model`` by hash and fingerprint; ``checkpoint_activations`` gives bit-identical
+#: gradients (recompute.py).
+OPERATIONAL = frozenset(n for n in RunConfig.names() if RunConfig.meta(n)["resume"] == "free")
 #: Options that shape the trainable tensors: a checkpoint cannot be loaded across them.
-SHAPE = frozenset({"recipe", "targets", "rank"})
+SHAPE = frozenset(n for n in RunConfig.names() if RunConfig.meta(n)["resume"] == "never")
 
 _HEAD_BYTES = 1 << 20      # the GGUF header and metadata live at the start
 _SAMPLES, _SAMPLE_BYTES = 32, 4096
@@ -50,10 +51,6 @@ class ResumeMismatch(ToygraphError):
     """A checkpoint was made under different options than the resumed run asks for."""
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return list(a) == list(b)
@@ -61,11 +58,10 @@ def _same(a, b) -> bool:
 
 
 def _option_defaults() -> dict:
-    """Each TrainConfig option's default: what a checkpoint written before that option
-    existed was trained with."""
-    from toygraph.training.run_config import \
-        TrainConfig  # config imports the recipes; resume is imported early
-    return {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
+    """Each option's default: what a checkpoint written before that option existed was
+    trained with."""
+    return {n: RunConfig.default(n) for n in RunConfig.names()
+            if RunConfig.default(n) is not MISSING}
 
 
 def check_resume(saved: dict, now: dict, where: str, allow: set[str]) -> list[str]:
@@ -87,7 +83,7 @@ def check_resume(saved: dict, now: dict, where: str, allow: set[str]) -> list[st
         if name in SHAPE or name not in allow:
             hint = ("it shapes the trainable tensors" if name in SHAPE
                     else f"pass --allow-change {name} if that is meant")
-            raise ResumeMismatch(f"{where}: {_flag(name)} was {_show(name, old)} in the checkpoint, "
+            raise ResumeMismatch(f"{where}: {flag(name)} was {_show(name, old)} in the checkpoint, "
                                  f"now {_show(name, new)}; {hint}")
         changed.append(name)
     return changed

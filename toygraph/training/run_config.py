@@ -1,165 +1,367 @@
-"""The options of a fine-tuning run, each checked up front with a one-line error.
+"""The options of a fine-tuning run, declared once: ``RunConfig``.
 
-``TrainConfig.validate`` checks every option on its own (ranges, finiteness, types);
-``check_against_model`` checks those that depend on the model (context length, LoRA rank
-against the widths of the targeted matrices). Errors name the CLI flag.
+Every field carries its type, its default, a help text, the recipes that use it (None:
+every recipe), how a resumed run treats it and its bounds. Everything else comes from
+here: the ``toygraph finetune`` flags (toygraph/cli/finetune.py), the YAML run file
+(``--config run.yaml``; the keys are the field names), the ``run.yaml`` kept in the run
+directory, which repeats the run, and the settings block printed when a run starts (all
+three run_file.py), the resume-compatibility check (resume.py) and ``run_start`` in
+``events.jsonl``:
 
-Every default is written once, in the lowest layer that uses it: the LoRA shape, seed and
+>>> cfg = RunConfig(model="m.gguf", data="d.jsonl", out="runs/x", steps=50)   # doctest: +SKIP
+>>> run_training(cfg)                                                         # doctest: +SKIP
+
+Defaults are written once, in the lowest layer that uses them: the LoRA shape, seed and
 init scale in ``LoraConfig`` (models/decoder.py), the step shape, clip, precision and
-backend in ``RecipeOptions`` (recipes/base.py); ``TrainConfig`` reads them from there and
-the CLI reads its defaults from ``TrainConfig`` (tests/test_names.py checks the chain).
+backend in ``RecipeOptions`` (recipes/base.py), the preference strengths in their recipe
+modules; the fields here read them from there. ``validate`` checks each option on its
+own and against the others; ``check_against_model`` what depends on the model. Errors
+name the flag.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from toygraph.core.precision import BACKENDS, precision_error
+from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
-from toygraph.models.decoder import LoraConfig as _Lora
-from toygraph.recipes import RecipeOptions as _Recipe
-from toygraph.recipes import dpo as _dpo
+from toygraph.models.decoder import LoraConfig
+from toygraph.recipes import RECIPES, RecipeOptions, recipe_class
+from toygraph.recipes.dpo import DPO, LABEL_SMOOTHING
+from toygraph.recipes.preference import BETA, PreferenceRecipe
 
-RECIPES = ("lora", "full", "scratch", "dpo", "orpo")
-#: The recipes that train LoRA adapters on a frozen base (the rest train every weight).
-ADAPTER_RECIPES = ("lora", "dpo", "orpo")
-#: The preference-tuning recipes: their data are chosen/rejected pairs (toygraph.data.preference).
-PREFERENCE_RECIPES = ("dpo", "orpo")
+#: How a resumed run treats an option: "same" must match the checkpoint unless
+#: ``--allow-change`` lists it; "free" may change (it steers how the run is carried out, or
+#: is compared by content: model, data, the reference adapter); "never" shapes the
+#: trainable tensors, so a checkpoint cannot load across it.
+RESUME_RULES = ("same", "free", "never")
+#: The groups of the help text and of the settings block, in order.
+GROUPS = {"run": "what to train", "adapter": "LoRA adapters", "steps": "steps and batches",
+          "optimizer": "optimizer and schedule", "evaluation": "evaluation",
+          "safety": "checkpoints, resume and safety", "compute": "where and how to compute"}
+
+
+def option(default=MISSING, *, help: str, group: str, used_by=None, resume: str = "same",
+           choices=None, low=None, high=None, open_low: bool = False, file: bool = True):
+    """A RunConfig field. ``used_by``: a test on the recipe class saying which recipes use
+    the option (None: every recipe), so a new recipe gets the options of what it is (an
+    adapter recipe, a preference recipe) without being listed; ``low``/``high``: bounds
+    (``high`` exclusive, ``low`` exclusive when ``open_low``); ``choices``: the allowed
+    values (a callable gives them late: the registered recipes); ``file``: whether the run
+    file the run directory keeps holds it (False for the options that only steer one
+    invocation: resume, overwrite, allow_change)."""
+    assert group in GROUPS and resume in RESUME_RULES
+    meta = {"help": help, "group": group, "used_by": used_by, "resume": resume,
+            "choices": choices, "low": low, "high": high, "open_low": open_low, "file": file}
+    return field(default=default, metadata=meta)
+
+
+def _adapter_recipes(recipe) -> bool:
+    return recipe.trains_adapter
+
+
+def _preference_recipes(recipe) -> bool:
+    return issubclass(recipe, PreferenceRecipe)
+
+
+def _packing_recipes(recipe) -> bool:
+    return not issubclass(recipe, PreferenceRecipe)   # a pair is two rows of one batch
 
 
 @dataclass
-class TrainConfig:
-    model: str
-    data: str
-    out: str
-    recipe: str = "lora"
-    targets: tuple[str, ...] = _Lora.targets
-    rank: int = _Lora.rank
-    alpha: float = _Lora.alpha
-    beta: float = _dpo.BETA        # dpo/orpo: DPO's KL strength, ORPO's odds-ratio weight
-    label_smoothing: float = _dpo.LABEL_SMOOTHING  # dpo: assumed chance a pair is flipped
-    steps: int | None = None
-    epochs: float | None = None
-    batch: int = _Recipe.batch
-    grad_accum: int = _Recipe.grad_accum
-    seq_len: int = _Recipe.seq_len
-    lr: float = 1e-3
-    schedule: str = "cosine"
-    warmup: int = 0
-    min_lr: float = 0.0
-    clip: float = _Recipe.clip
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    seed: int = _Recipe.seed
-    init_scale: float = _Recipe.init_scale
-    val_split: float = 0.1
-    eval_every: int = 0            # 0: at the end of every epoch and at the last step
-    patience: int = 0              # early stopping after this many evals without gain; 0 off
-    save_every: int = 0            # checkpoints every N steps; 0 off (time and evals still save)
-    save_minutes: float = 5.0      # checkpoints every N minutes of training; 0 off
-    keep_checkpoints: int = 3      # step checkpoints kept (best/ is kept apart)
-    diverge_factor: float = 10.0   # stop when a loss exceeds this x the running median; 0 off
-    adapter_init: str | None = None
-    resume: str | None = None
-    overwrite: bool = False        # replace the run in ``out``
-    allow_change: tuple[str, ...] = ()   # options that may differ from the resumed checkpoint
-    backend: str = _Recipe.backend
-    precision: str = _Recipe.precision   # matmul input precision (toygraph.core.precision.PRECISIONS)
-    checkpoint_activations: bool = _Recipe.checkpoint_activations   # recompute blocks in the backward
-    pack: bool = _Recipe.pack            # sample packing: several examples per row (packing.py)
-    max_examples: int | None = None
-    quiet: bool = False
-    extra: dict = field(default_factory=dict)
+class RunConfig:
+    """Every option of a fine-tuning run (see the module docstring)."""
+
+    # --- what to train ---------------------------------------------------------------------
+    model: str = option(help="GGUF file, or a model name (smollm2)", group="run", resume="free")
+    data: str = option(help="JSONL: instruction/response, alpaca, chat or text rows; "
+                            "{prompt, chosen, rejected} pairs for dpo/orpo",
+                       group="run", resume="free")
+    out: str = option(help="run directory: adapter, checkpoints, events.jsonl, run.yaml",
+                      group="run", resume="free")
+    recipe: str = option("lora", help="what trains: lora (adapters), full (every weight, from "
+                                      "the GGUF), scratch (every weight, random), dpo/orpo "
+                                      "(preference tuning with LoRA)",
+                         group="run", resume="never", choices=lambda: tuple(RECIPES))
+    max_examples: int | None = option(None, help="use only the first N rows of the data",
+                                      group="run", low=1)
+    # --- LoRA adapters ---------------------------------------------------------------------
+    targets: tuple[str, ...] = option(LoraConfig.targets,
+                                      help="LoRA targets among q,k,v,o,gate,up,down",
+                                      group="adapter", used_by=_adapter_recipes, resume="never")
+    rank: int = option(LoraConfig.rank, help="LoRA rank", group="adapter", used_by=_adapter_recipes,
+                       resume="never", low=1)
+    alpha: float = option(LoraConfig.alpha, help="LoRA alpha (the update is scaled by "
+                                                 "alpha / rank)",
+                          group="adapter", used_by=_adapter_recipes, low=0, open_low=True)
+    adapter_init: str | None = option(None, help="start from this PEFT adapter directory (dpo: "
+                                                 "also the frozen reference)",
+                                      group="adapter", used_by=_adapter_recipes, resume="free")
+    beta: float = option(BETA, help="dpo: strength of the pull towards the "
+                                                "reference; orpo: odds-ratio weight",
+                         group="adapter", used_by=_preference_recipes, low=0, open_low=True)
+    label_smoothing: float = option(LABEL_SMOOTHING,
+                                    help="dpo: assumed chance a pair's preference is flipped "
+                                         "(conservative DPO)",
+                                    group="adapter", used_by=lambda recipe: issubclass(recipe, DPO), low=0, high=0.5)
+    # --- steps and batches -----------------------------------------------------------------
+    steps: int | None = option(None, help="optimizer steps; none: one epoch, or what --epochs says",
+                               group="steps", low=1)
+    epochs: float | None = option(None, help="passes over the data instead of --steps",
+                                  group="steps", low=0, open_low=True)
+    batch: int = option(RecipeOptions.batch, help="sequences per step (pairs for dpo/orpo); "
+                                                  "the job's batch under mpirun",
+                        group="steps", low=1)
+    grad_accum: int = option(RecipeOptions.grad_accum, help="micro-batches of --batch per "
+                                                            "optimizer step",
+                             group="steps", low=1)
+    seq_len: int = option(RecipeOptions.seq_len, help="tokens per sequence (longer examples "
+                                                      "are cut)",
+                          group="steps", low=1)
+    pack: bool = option(RecipeOptions.pack, help="pack several examples into each --seq-len "
+                                                 "row (attention stays inside each)",
+                        group="steps", used_by=_packing_recipes)
+    seed: int = option(RecipeOptions.seed, help="seed of the data order and the adapters' init",
+                       group="steps", low=0)
+    init_scale: float = option(RecipeOptions.init_scale, help="std of the LoRA A init",
+                               group="steps", low=0)
+    # --- optimizer and schedule ------------------------------------------------------------
+    lr: float = option(1e-3, help="peak learning rate", group="optimizer", low=0, open_low=True)
+    schedule: str = option("cosine", help="learning-rate schedule after the warmup",
+                           group="optimizer", choices=("constant", "cosine", "linear"))
+    warmup: int = option(0, help="linear warmup steps", group="optimizer", low=0)
+    min_lr: float = option(0.0, help="the schedule's floor", group="optimizer", low=0)
+    clip: float = option(RecipeOptions.clip, help="global gradient-norm clip; 0 = off",
+                         group="optimizer", low=0)
+    weight_decay: float = option(0.0, help="AdamW's decoupled weight decay", group="optimizer",
+                                 low=0)
+    beta1: float = option(0.9, help="AdamW beta1", group="optimizer", low=0, high=1)
+    beta2: float = option(0.999, help="AdamW beta2", group="optimizer", low=0, high=1)
+    eps: float = option(1e-8, help="AdamW epsilon", group="optimizer", low=0, open_low=True)
+    # --- evaluation ------------------------------------------------------------------------
+    val_split: float = option(0.1, help="fraction held out for validation; 0 = none",
+                              group="evaluation", low=0, high=1)
+    eval_every: int = option(0, help="evaluate every N steps; 0 = every epoch and at the end",
+                             group="evaluation", low=0)
+    patience: int = option(0, help="stop after N evaluations without a gain; 0 = off",
+                           group="evaluation", low=0)
+    # --- checkpoints, resume and safety ----------------------------------------------------
+    save_every: int = option(0, help="also checkpoint every N steps (evaluations always "
+                                     "checkpoint); 0 = off",
+                             group="safety", resume="free", low=0)
+    save_minutes: float = option(5.0, help="checkpoint every N minutes; 0 = off",
+                                 group="safety", resume="free", low=0)
+    keep_checkpoints: int = option(3, help="step checkpoints kept (best/ is kept apart)",
+                                   group="safety", resume="free", low=1)
+    diverge_factor: float = option(10.0, help="stop as diverged when a loss exceeds this x the "
+                                              "running median; 0 = off",
+                                   group="safety", low=0)
+    resume: str | None = option(None, help="run directory (its newest good checkpoint) or "
+                                           "checkpoint to continue",
+                                group="safety", resume="free", file=False)
+    overwrite: bool = option(False, help="replace the run already in --out", group="safety",
+                             resume="free", file=False)
+    allow_change: tuple[str, ...] = option((), help="options that may differ from the resumed "
+                                                    "checkpoint (comma-separated)",
+                                           group="safety", resume="free", file=False)
+    # --- where and how to compute ----------------------------------------------------------
+    backend: str = option(RecipeOptions.backend, help="cpu (numpy) or cuda",
+                          group="compute", resume="free", choices=BACKENDS)
+    precision: str = option(RecipeOptions.precision,
+                            help="matmul input precision (bf16/tf32: CUDA tensor cores, f32 "
+                                 "accumulation, f32 everything else)",
+                            group="compute", choices=PRECISIONS)
+    checkpoint_activations: bool = option(RecipeOptions.checkpoint_activations,
+                                          help="recompute each decoder block in the backward: "
+                                               "less memory, at most one more forward of the "
+                                               "blocks per step",
+                                          group="compute", resume="free")
+    quiet: bool = option(False, help="no progress line", group="compute", resume="free")
+
+    # --- what the fields say of themselves ---------------------------------------------------
+    @classmethod
+    def meta(cls, name: str) -> dict:
+        return _FIELDS[name].metadata
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return list(_FIELDS)
+
+    @classmethod
+    def default(cls, name: str):
+        f = _FIELDS[name]
+        return MISSING if f.default is MISSING else f.default
+
+    @classmethod
+    def choices(cls, name: str):
+        c = _FIELDS[name].metadata["choices"]
+        return c() if callable(c) else c
+
+    @classmethod
+    def kind(cls, name: str) -> type:
+        """The field's value type: bool, int, float, str or tuple (of str)."""
+        return _KINDS[name]
 
     def options(self) -> dict:
-        """Every option as plain JSON (what a checkpoint records)."""
-        return {k: (list(v) if isinstance(v, tuple) else v)
-                for k, v in asdict(self).items() if k != "extra"}
+        """Every option as plain JSON (what a checkpoint and ``run_start`` record)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
+    @classmethod
+    def recipes_using(cls, name: str) -> tuple[str, ...]:
+        """The registered recipes that use option ``name``."""
+        test = cls.meta(name)["used_by"]
+        return tuple(r for r, c in RECIPES.items() if test is None or test(c))
+
+    def used(self, name: str) -> bool:
+        """Whether this run's recipe uses option ``name``."""
+        return self.recipe in self.recipes_using(name)
+
+    @classmethod
+    def from_options(cls, given: dict) -> "RunConfig":
+        """A RunConfig from a mapping of option names (the run file and the flags merged);
+        a one-line error naming a required option that is missing."""
+        for name in cls.names():
+            if name not in given and cls.default(name) is MISSING:
+                raise ToygraphError(f"{flag(name)} is required (on the command line or as "
+                                    f"`{name}:` in a --config run file)")
+        return cls(**given)
+
+    # --- checks ------------------------------------------------------------------------------
     def validate(self):
-        """Raise ToygraphError naming the flag of the first option out of range."""
+        """Raise ToygraphError naming the flag of the first option that is out of range,
+        of the wrong type, or set for a recipe that does not use it."""
+        check_value("recipe", self.recipe)
+        for name in self.names():
+            value = getattr(self, name)
+            check_value(name, value)
+            if not self.used(name) and differs(value, self.default(name)):
+                raise ToygraphError(f"{flag(name)} is for --recipe "
+                                    f"{', '.join(self.recipes_using(name))}, not {self.recipe}")
         if self.steps is not None and self.epochs is not None:
             raise ToygraphError("give --steps or --epochs, not both")
-        _choice("recipe", self.recipe, RECIPES)
-        _choice("schedule", self.schedule, ("constant", "cosine", "linear"))
-        _choice("backend", self.backend, BACKENDS)
         why = precision_error(self.precision, self.backend)
         if why:
             raise ToygraphError(f"--precision {why}")
-        for name in ("batch", "grad_accum", "seq_len", "rank", "keep_checkpoints"):
-            _integer(name, getattr(self, name), lo=1)
-        for name in ("warmup", "seed", "eval_every", "patience", "save_every"):
-            _integer(name, getattr(self, name), lo=0)
-        if self.steps is not None:
-            _integer("steps", self.steps, lo=1)
-        if self.max_examples is not None:
-            _integer("max_examples", self.max_examples, lo=1)
-        if self.epochs is not None:
-            _real("epochs", self.epochs, lo=0, open_lo=True)
-        for name in ("alpha", "lr", "eps", "beta"):
-            _real(name, getattr(self, name), lo=0, open_lo=True)
-        for name in ("min_lr", "clip", "weight_decay", "init_scale", "save_minutes", "diverge_factor"):
-            _real(name, getattr(self, name), lo=0)
-        for name in ("beta1", "beta2", "val_split"):
-            _real(name, getattr(self, name), lo=0, hi=1)
-        _real("label_smoothing", self.label_smoothing, lo=0, hi=0.5)
-        if self.label_smoothing and self.recipe != "dpo":
-            raise ToygraphError("--label-smoothing needs --recipe dpo")
         if self.min_lr > self.lr:
             raise ToygraphError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if 0 < self.diverge_factor <= 1:
             raise ToygraphError(f"--diverge-factor must be > 1 (0 = off), got {self.diverge_factor}")
         if self.patience and not self.val_split:
             raise ToygraphError("--patience needs a validation set (--val-split > 0)")
-        if self.recipe not in ADAPTER_RECIPES and self.adapter_init:
-            raise ToygraphError(f"--adapter-init needs --recipe {', '.join(ADAPTER_RECIPES)}")
         if self.overwrite and self.resume:
             raise ToygraphError("give --resume or --overwrite, not both")
-        if not self.out or not str(self.out).strip():
+        if not str(self.out).strip():
             raise ToygraphError("--out must name a directory, got an empty string")
-        unknown = sorted(set(self.allow_change) - {f.name for f in fields(self)})
+        unknown = sorted(set(self.allow_change) - set(self.names()))
         if unknown:
             raise ToygraphError(f"--allow-change: no options named {unknown}")
 
 
-def _flag(name: str) -> str:
+_FIELDS = {f.name: f for f in fields(RunConfig)}
+_HINTS = typing.get_type_hints(RunConfig)
+
+
+def _kind(hint) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return tuple
+    return _kind(args[0]) if args else hint
+
+
+_KINDS = {name: _kind(_HINTS[name]) for name in _FIELDS}
+#: Earlier name of RunConfig, kept for one release (Python callers of run_training).
+TrainConfig = RunConfig
+
+
+def flag(name: str) -> str:
+    """The command-line flag of option ``name``."""
     return "--" + name.replace("_", "-")
 
 
-def _choice(name, value, allowed):
-    if value not in allowed:
-        raise ToygraphError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {value!r}")
+def differs(value, default) -> bool:
+    if isinstance(value, (list, tuple)) and isinstance(default, (list, tuple)):
+        return list(value) != list(default)
+    return value != default
 
 
-def _integer(name, value, lo: int):
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ToygraphError(f"{_flag(name)} must be an integer >= {lo}, got {value!r}")
-
-
-def _real(name, value, lo: float, hi: float | None = None, open_lo: bool = False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if open_lo else value >= lo) and (hi is None or value < hi)
-    if not ok:
-        rng = f"{'>' if open_lo else '>='} {lo}" + (f" and < {hi}" if hi is not None else "")
-        raise ToygraphError(f"{_flag(name)} must be a finite number {rng}, got {value!r}")
-
-
-def check_against_model(train_cfg: TrainConfig, model_cfg) -> None:
-    """Options that depend on the model: context length and LoRA rank vs matrix widths."""
-    if train_cfg.seq_len > model_cfg.n_ctx:
-        raise ToygraphError(f"--seq-len {train_cfg.seq_len} exceeds the model's context length "
-                            f"{model_cfg.n_ctx}")
-    if train_cfg.recipe not in ADAPTER_RECIPES:
+def check_value(name: str, value) -> None:
+    """The field's type, choices and bounds (None is fine for an optional field)."""
+    kind, meta = RunConfig.kind(name), RunConfig.meta(name)
+    if value is None and RunConfig.default(name) is None:
         return
-    _Lora(targets=tuple(train_cfg.targets), rank=train_cfg.rank, alpha=train_cfg.alpha)  # names checked
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ToygraphError(f"{flag(name)} must be true or false, got {value!r}")
+        return
+    if kind is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ToygraphError(f"{flag(name)} must be a list of names, got {value!r}")
+        return
+    if kind is str:
+        if not isinstance(value, str):
+            raise ToygraphError(f"{flag(name)} must be text, got {value!r}")
+        choices = RunConfig.choices(name)
+        if choices and value not in choices:
+            raise ToygraphError(f"{flag(name)} must be one of {', '.join(choices)}, got {value!r}")
+        return
+    low, high, open_low = meta["low"], meta["high"], meta["open_low"]
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+            raise ToygraphError(f"{flag(name)} must be an integer >= {low}, got {value!r}")
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low is None or (value > low if open_low else value >= low))
+    ok = ok and (high is None or value < high)
+    if not ok:
+        rng = (f"{'>' if open_low else '>='} {low}" if low is not None else "") \
+            + (f" and < {high}" if high is not None else "")
+        raise ToygraphError(f"{flag(name)} must be a finite number {rng}, got {value!r}")
+
+
+def coerce(name: str, value):
+    """A value from a run file or the command line in the field's type where the meaning
+    is plain: "q,v" for a list, a number written as text ("1e-3": YAML reads it as a
+    string) for a number. Anything else is left for ``validate`` to refuse."""
+    kind = RunConfig.kind(name)
+    if kind is tuple and isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    if kind is tuple and isinstance(value, list):
+        return tuple(value)
+    if kind is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and name in ("model", "data", "out", "resume", "adapter_init"):
+        return str(value)
+    return value
+
+
+def check_against_model(run_cfg: RunConfig, model_cfg) -> None:
+    """Options that depend on the model: context length and LoRA rank vs matrix widths."""
+    if run_cfg.seq_len > model_cfg.n_ctx:
+        raise ToygraphError(f"--seq-len {run_cfg.seq_len} exceeds the model's context length "
+                            f"{model_cfg.n_ctx}")
+    if not recipe_class(run_cfg.recipe).trains_adapter:
+        return
+    LoraConfig(targets=tuple(run_cfg.targets), rank=run_cfg.rank, alpha=run_cfg.alpha)  # names checked
     d, ff = model_cfg.n_embd, model_cfg.n_ff
     q, kv = model_cfg.n_head * model_cfg.head_dim, model_cfg.n_head_kv * model_cfg.head_dim
     widths = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d),
               "gate": (d, ff), "up": (d, ff), "down": (ff, d)}
-    for t in (t for t in train_cfg.targets if t in widths):
+    for t in (t for t in run_cfg.targets if t in widths):
         limit = min(widths[t])
-        if train_cfg.rank > limit:
-            raise ToygraphError(f"--rank {train_cfg.rank} exceeds the {t} matrix's smaller side "
+        if run_cfg.rank > limit:
+            raise ToygraphError(f"--rank {run_cfg.rank} exceeds the {t} matrix's smaller side "
                                 f"{limit} (a rank above it adds nothing); use --rank <= {limit}")
+
+
+def recipe_options(run_cfg: RunConfig, ranks: int = 1) -> RecipeOptions:
+    """The RecipeOptions of a run: the options both declare, by one name; ``--batch`` is the
+    job's batch, so with several ranks each realizes its share of it."""
+    shared = {name: getattr(run_cfg, name) for name in RecipeOptions.names()
+              if name in _FIELDS}
+    return RecipeOptions(**{**shared, "batch": run_cfg.batch // ranks,
+                            "data_parallel": ranks > 1})

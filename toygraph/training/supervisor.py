@@ -82,8 +82,8 @@ class Signals:
 
 def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
              world: World = World()) -> tuple[float, int, dict]:
-    """Mean loss over ``items``, weighted by what each batch counts (tokens; pairs for
-    the preference recipes), and the recipe's metrics (``last_metrics``) weighted alike.
+    """Mean loss over ``items``, weighted by what each batch counts (the recipe's
+    ``eval_unit``: tokens, or pairs), and the recipe's metrics (``last_metrics``) weighted alike.
     Batches are made by the recipe (packed when it packs); each rank of ``world``
     evaluates its shard of every batch of ``batch`` rows."""
     total, count, sums = 0.0, 0, {}
@@ -93,7 +93,7 @@ def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
             rows.append(shard(b.segments, world.rank, world.size, axis=0))
         s, n = recipe.evaluate(*rows)
         total, count = total + s, count + n
-        for k, v in getattr(recipe, "last_metrics", {}).items():
+        for k, v in recipe.last_metrics.items():
             if k != "loss" and n:
                 sums[k] = sums.get(k, 0.0) + v * n
     if world.size > 1:
@@ -103,19 +103,12 @@ def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
     return (total / count if count else float("nan")), count, metrics
 
 
-def metrics_text(metrics: dict) -> str:
-    """The preference metrics for the progress line: margin and accuracy of the rewards."""
-    if "rewards/margin" not in metrics:
-        return ""
-    return (f"margin {metrics['rewards/margin']:+.3f} acc {metrics['rewards/accuracy']:.2f}")
-
-
 class RunSupervisor(Hooks):
     """Events, evaluation, checkpoints and the divergence guard of one run."""
 
-    def __init__(self, train_cfg, out: Path, recipe, log, progress, guard, signals, *, val, pad,
+    def __init__(self, run_cfg, out: Path, recipe, log, progress, guard, signals, *, val, pad,
                  eval_every: int, lora_meta: dict | None, world: World = World()):
-        self.train_cfg, self.out, self.recipe = train_cfg, out, recipe
+        self.run_cfg, self.out, self.recipe = run_cfg, out, recipe
         self.log, self.progress = log, progress
         self.guard, self.signals, self.val, self.pad = guard, signals, val, pad
         self.eval_every, self.lora_meta, self.world = eval_every, lora_meta, world
@@ -130,30 +123,31 @@ class RunSupervisor(Hooks):
 
     def after_step(self, trainer, loss, micro, wall_s) -> bool:
         self.signals.in_step = False
-        t, train_cfg = trainer.state.step, self.train_cfg
+        t, run_cfg = trainer.state.step, self.run_cfg
         grad_norm = self.recipe.last_grad_norm()
         tokens = sum(b.tokens.size for b in micro)  # preference batches hold 2 rows a pair
         real = int(sum(b.real_tokens for b in micro))   # not padding: what tok/s counts
-        metrics = {k: v for k, v in getattr(self.recipe, "last_metrics", {}).items() if k != "loss"}
+        metrics = {k: v for k, v in self.recipe.last_metrics.items() if k != "loss"}
         self.log.write("step", step=t, loss=loss, lr=trainer.last_lr, grad_norm=grad_norm,
                        tokens=tokens, real_tokens=real,
                        targets=int(sum(b.n_targets for b in micro)),
                        wall_ms=round(wall_s * 1000, 2), **metrics)
         self.guard.check_step(t, loss, grad_norm)
         self.losses.append(loss)
-        self.progress.update(t, loss, real / max(wall_s, 1e-9), metrics=metrics_text(metrics))
+        self.progress.update(t, loss, real / max(wall_s, 1e-9),
+                             metrics=self.recipe.metrics_text(metrics))
         stop = (t % self.eval_every == 0 or t == trainer.total) and self.run_eval(trainer)
-        due_time = (train_cfg.save_minutes
-                    and time.monotonic() - self.last_save >= 60 * train_cfg.save_minutes)
+        due_time = (run_cfg.save_minutes
+                    and time.monotonic() - self.last_save >= 60 * run_cfg.save_minutes)
         # Every rank must check (save) and stop at the same steps: rank 0's clock decides
         # when a checkpoint is due; a signal to any rank (even one during the save) stops all.
         due_time = self.world.any([due_time and self.world.rank == 0])[0]
-        due_step = train_cfg.save_every and t % train_cfg.save_every == 0
+        due_step = run_cfg.save_every and t % run_cfg.save_every == 0
         if self.saved_step != t and (due_step or due_time):
             self.save(trainer, "periodic")
         if stop:
             self.stop_status = "early_stopped"
-            self.progress.message(f"early stopping: no validation gain in {train_cfg.patience} "
+            self.progress.message(f"early stopping: no validation gain in {run_cfg.patience} "
                                   "evals")
         elif self.world.any([self.signals.count])[0]:
             self.stop_status = "interrupted"
@@ -165,8 +159,8 @@ class RunSupervisor(Hooks):
         returns True when early stopping says stop."""
         if not self.val:
             return False
-        st, train_cfg, t = trainer.state, self.train_cfg, trainer.state.step
-        vloss, n, metrics = evaluate(self.recipe, self.val, train_cfg.batch, train_cfg.seq_len,
+        st, run_cfg, t = trainer.state, self.run_cfg, trainer.state.step
+        vloss, n, metrics = evaluate(self.recipe, self.val, run_cfg.batch, run_cfg.seq_len,
                                      self.pad, self.world)
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
@@ -176,20 +170,22 @@ class RunSupervisor(Hooks):
         st.bad_evals = 0 if improved else st.bad_evals + 1
         if improved:
             st.best_val = vloss
-        ppl = math.exp(min(vloss, 700)) if math.isfinite(vloss) else vloss
-        if metrics:  # a preference loss: perplexity means nothing, n counts pairs
-            self.log.write("eval", step=t, val_loss=vloss, pairs=n, best=improved,
+        if self.recipe.eval_unit == "tokens":   # a mean per-token loss: perplexity says it too
+            ppl = math.exp(min(vloss, 700)) if math.isfinite(vloss) else vloss
+            self.log.write("eval", step=t, val_loss=vloss, perplexity=ppl, tokens=n, best=improved,
                            **{f"val_{k}": v for k, v in metrics.items()})
-            shown = metrics_text(metrics)
-        else:
-            self.log.write("eval", step=t, val_loss=vloss, perplexity=ppl, tokens=n, best=improved)
-            shown = f"(ppl {ppl:.2f})"
+            shown = f"(ppl {ppl:.2f}) {self.recipe.metrics_text(metrics)}".rstrip()
+        else:                                    # e.g. a loss per preference pair
+            self.log.write("eval", step=t, val_loss=vloss, best=improved,
+                           **{self.recipe.eval_unit: n},
+                           **{f"val_{k}": v for k, v in metrics.items()})
+            shown = self.recipe.metrics_text(metrics)
         self.progress.message(f"step {t}: val loss {vloss:.4f} {shown}{' best' if improved else ''}")
         if t > 0:
             if improved:
                 self.save(trainer, "best", weights, moments)
             self.save(trainer, "eval", weights, moments)
-        return bool(train_cfg.patience) and st.bad_evals >= train_cfg.patience
+        return bool(run_cfg.patience) and st.bad_evals >= run_cfg.patience
 
     def save(self, trainer, kind: str, weights=None, moments=None):
         """Checkpoint the current state (checked by the guard first) and prune old ones."""
@@ -214,5 +210,5 @@ class RunSupervisor(Hooks):
             save_checkpoint(dest, weights, moments, trainer.state.to_json(), extra, intact)
             if kind != "best":
                 self.saved_step, self.last_save = t, time.monotonic()
-                prune_checkpoints(self.out, self.train_cfg.keep_checkpoints)
+                prune_checkpoints(self.out, self.run_cfg.keep_checkpoints)
         self.log.write("checkpoint", step=t, kind=kind, path=str(dest))

@@ -1,0 +1,44 @@
+"""Every golden experiment's per-step losses as exact float hex, on the numpy backend and
+on the CUDA kernels run by the host executor, as JSON: two runs of this on two commits
+say whether a change moved any loss by even one bit.
+
+    python bench/golden_hex.py before.json            # all experiments
+    python bench/golden_hex.py after.json lora_qv_tiny_llama dpo_qv_tiny_llama
+    python bench/golden_hex.py --compare before.json after.json
+
+SmolLM2 (lora_qv_smollm2) runs on numpy only: 135M parameters through the host executor's
+fibers would take hours.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def record(path: str, names: list[str]) -> None:
+    os.environ.setdefault("TOYGRAPH_CUDA_DEVICE", "host")
+    from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
+    out = {}
+    for name in names or sorted(EXPERIMENTS):
+        for backend in ("cpu", "cuda"):
+            if backend == "cuda" and name == "lora_qv_smollm2":
+                continue
+            losses = run_experiment(EXPERIMENTS[name], backend)
+            out[f"{name}.{backend}"] = [float(x).hex() for x in losses]
+            print(name, backend, out[f"{name}.{backend}"][-1], flush=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def compare(a_path: str, b_path: str) -> int:
+    a, b = (json.load(open(p)) for p in (a_path, b_path))
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    print(f"{len(a)} vs {len(b)} runs; {len(differ)} differ{': ' + ', '.join(differ) if differ else ''}")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--compare"]:
+        sys.exit(compare(sys.argv[2], sys.argv[3]))
+    record(sys.argv[1], sys.argv[2:])
