@@ -45,8 +45,12 @@ def build_shared(source: str, flags, folder: Path, what: str, *, cxx: str | None
         raise error(f"building {what} needs a C++ compiler: g++ is not installed "
                     "(apt-get install g++, or set CXX)")
     flags = list(flags)
+    try:
+        version = compiler_version(cxx)
+    except ToygraphError as e:
+        raise error(str(e)) from None
     h = hashlib.sha256(source.encode())
-    h.update(("\0" + " ".join(flags) + "\0" + compiler_version(cxx)).encode())
+    h.update(("\0" + " ".join(flags) + "\0" + version).encode())
     path = folder / f"{h.hexdigest()}.so"
     if use_cache and path.is_file():
         return path, False
