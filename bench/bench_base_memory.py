@@ -49,6 +49,19 @@ def model_file(shape: str, wtype: str) -> Path:
     return path
 
 
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def finish(text: str, a, doc: dict) -> None:
+    """Print the table; write it to ``--md`` and ``doc`` to ``--json`` when asked."""
+    print(text)
+    if a.md:
+        Path(a.md).write_text(text + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+
+
 # --- the child: one realize and a few steps ---------------------------------------------------
 def child(spec: dict) -> dict:
     ensure_toygraph()
@@ -179,7 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     ensure_toygraph()
-    uptime_start = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    uptime_start = uptime()
     if a.ab:
         return ab_main(a, argv, uptime_start)
     rows, lines, docs = [], [], []
@@ -199,7 +212,7 @@ def main(argv=None) -> int:
                                          a.batch * a.seq))
                     docs.append({"wtype": wtype, "mode": mode, "round": round_ + 1,
                                  "file_bytes": path.stat().st_size, **r})
-    uptime_end = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    uptime_end = uptime()
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     threads = next((d["threads"] for d in docs if "threads" in d), "?")
     lines = [
@@ -231,13 +244,8 @@ def main(argv=None) -> int:
         "- decode s/step: time in just-in-time decodes (CpuBackend.decode_seconds); losses: "
         "every step's loss as float hex against the `decode` row of the same round",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if a.md:
-        Path(a.md).write_text(text + "\n")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"argv": argv, "date": date, "uptime_start": uptime_start,
-                                            "uptime_end": uptime_end, "rows": docs}, indent=1) + "\n")
+    finish("\n".join(lines), a, {"argv": argv, "date": date, "uptime_start": uptime_start,
+                                  "uptime_end": uptime_end, "rows": docs})
     return 0 if all("error" not in d or d["mode"] == "decode" for d in docs) else 1
 
 
@@ -270,14 +278,8 @@ def ab_main(a, argv, uptime_start: str) -> int:
                     same = "yes" if m["losses"] == ref["losses"] else "NO"
                 lines.append(f"| {wtype} | {mode} | {tokens / step:.1f} | {step:.2f} | {cpu:.2f} "
                              f"| {vs} | {same} |")
-    up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    lines += ["", f"- uptime at end: `{up}`"]
-    text = "\n".join(lines)
-    print(text)
-    if a.md:
-        Path(a.md).write_text(text + "\n")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"argv": argv, "rows": docs}, indent=1) + "\n")
+    lines += ["", f"- uptime at end: `{uptime()}`"]
+    finish("\n".join(lines), a, {"argv": argv, "rows": docs})
     return 0
 
 
