@@ -358,12 +358,29 @@ def test_embedding_gradient_with_capped_grids(capped_grids):
     compare_op(lambda t, i: ops.get_rows(t, i), [(5, 30)], ELEMENTWISE, inputs_fn=ids)
 
 
+def test_swiglu_oai_forward_and_backward_match_numpy():
+    """gpt-oss's clamped SwiGLU, inputs of scale 6 so both clamps are active."""
+    compare_op(lambda a, b: ops.swiglu_oai(a * 6.0, b * 6.0, limit=2.5), [(37, 29), (37, 29)],
+               ELEMENTWISE)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_with_sinks_matches_numpy(window):
+    """flash_attention.cu with sinks (gpt-oss): forward, dq/dk/dv and d sinks
+    (tg_attn_bwd_sinks) against numpy, grouped-query, T off the tile."""
+    compare_op(lambda q, k, v, s: ops.attention(q, k, v, scale=0.3, window=window, sinks=s),
+               [(2, 4, 37, 16), (2, 2, 37, 16), (2, 2, 37, 16), (4,)], REDUCTION)
+
+
 # --- a broken kernel must fail -----------------------------------------------------------------
 MUTATIONS = {   # one index expression each, as a careless edit would change it
     "matmul drops the last k of a ragged tile": (
         "matmul.cu", "(gm < M && gk < K) ? A[gm * sam", "(gm < M && gk < K - 1) ? A[gm * sam"),
     "attention lets a query see the next key": ("flash_attention.cu", "(!causal || j <= i)",
                                                 "(!causal || j <= i + 1)"),
+    "the sinks' gradient reads the next head's row statistics": (
+        "sinks", "const long long at = ((long long)(x / T) * H + h) * T + x % T;",
+        "const long long at = ((long long)(x / T) * H + (h + 1) % H) * T + x % T;"),
 }
 
 
@@ -378,6 +395,9 @@ def test_a_broken_kernel_fails_its_parity_check(mutation, monkeypatch):
     monkeypatch.setattr(cuda_backend, "backend_source", lambda precision="f32": broken)
     if family == "matmul.cu":
         build, shapes = (lambda a, b: ops.matmul(a, b)), [(20, 37), (37, 9)]
+    elif family == "sinks":
+        build = lambda q, k, v, s: ops.attention(q, k, v, scale=0.3, sinks=s)  # noqa: E731
+        shapes = [(1, 4, 20, 16), (1, 2, 20, 16), (1, 2, 20, 16), (4,)]
     else:
         build = lambda q, k, v: ops.attention(q, k, v, scale=0.25, causal=True)  # noqa: E731
         shapes = [(1, 2, 9, 16)] * 3

@@ -139,6 +139,30 @@ def _block_format_launches(rng):
     return out
 
 
+def _expert_launches(rng):
+    """The mixture-of-experts ops (ops/experts.py, and gpt-oss's swiglu_oai) forward and
+    backward with f32 expert weights trained (their dW), and every block format's grouped
+    GEMMs (nt and nn)."""
+    g = Graph()
+    x, w = g.param("x", np.ones((3, 32))), g.param("w", np.ones((4, 5, 32)))
+    logits = g.param("logits", np.ones((3, 4)))
+    ids = ops.topk(logits, 2)
+    y = ops.expert_matmul(x, w, ops.group_by_expert(ids, 4))
+    y = ops.swiglu_oai(y, y)                                 # gpt-oss's expert activation
+    loss = ops.sum(ops.mul(y, ops.take_along(logits, ids).reshape(3, 2, 1)))
+    grads = backward(loss, [x, w, logits])
+    out = _lower_all(topo_order([loss, *grads.values()]), precisions=("f32",))
+    for fmt in BLOCK_FORMATS:
+        cols = blocks.BLOCK[fmt][0]
+        g = Graph()
+        w = g.const("w", qweight(rng, fmt, 4 * 5, cols)[0], shape=(4, 5, cols), storage=fmt)
+        routes = ops.group_by_expert(g.input("ids", (3, 2), "i32"), 4)
+        nodes = [ops.expert_matmul(g.const("x", np.ones((3, cols))), w, routes),
+                 ops.expert_matmul(g.const("dy", np.ones((3, 2, 5))), w, routes, trans_b=False)]
+        out += _lower_all(nodes, frozenset({w.id}), precisions=("f32",))
+    return out
+
+
 def _attention_launches():
     out = []
     for hd in ATTN_HEAD_DIMS:
@@ -146,6 +170,10 @@ def _attention_launches():
         q, k, v = (g.const(n, np.ones((1, 2, 5, hd))) for n in "qkv")
         att = ops.attention(q, k, v, scale=hd ** -0.5, causal=True)
         back = ops.OPS["attention"].grad(att, g.const("g", np.ones(att.shape)), [True] * 3)
+        out += _lower_all([att, back[0].srcs[0]], precisions=("f32",))
+        sinks = g.const("sinks", np.ones(2))      # gpt-oss: their pointer and gradient kernel
+        att = ops.attention(q, k, v, scale=hd ** -0.5, sinks=sinks)
+        back = ops.OPS["attention"].grad(att, g.const("gs", np.ones(att.shape)), [True] * 4)
         out += _lower_all([att, back[0].srcs[0]], precisions=("f32",))
     return out
 
@@ -197,7 +225,7 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
         out += _lower_all(order, raw)
     out += _full_finetune_launches(tiny_qwen2)
     out += _block_format_launches(rng) + _attention_launches() + _small_op_launches()
-    out += _preference_op_launches()
+    out += _preference_op_launches() + _expert_launches(rng)
     return out
 
 

@@ -33,6 +33,36 @@ def test_binary_gradients(op, sa, sb):
     assert check_gradients(g, weighted_sum(op(a, b), rng), [a, b], {}) <= TOL
 
 
+def _oai_inputs(rng):
+    """Gates and ups of scale 6: many beyond the clamp limit 2.5 on either side."""
+    return rnd(rng, 5, 8, s=6.0), rnd(rng, 5, 8, s=6.0)
+
+
+def test_swiglu_oai_gradient_is_zero_where_clamped():
+    rng = np.random.default_rng(7)
+    gv, uv = _oai_inputs(rng)
+    assert (gv > 2.5).any() and (np.abs(uv) > 2.5).any() and (np.abs(uv) < 2.5).any()
+    g = Graph()
+    a, b = g.param("gate", gv), g.param("up", uv)
+    y = ops.swiglu_oai(a, b, alpha=1.702, limit=2.5)
+    assert check_gradients(g, weighted_sum(y, rng), [a, b], {}, max_elems=40) <= TOL
+
+
+def test_swiglu_oai_is_transformers_gpt_oss_gate():
+    """GptOssExperts._apply_gate: gate.clamp(max=limit), up.clamp(-limit, limit),
+    gate * sigmoid(alpha * gate) * (up + 1) (torch, f64)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    gv, uv = _oai_inputs(rng)
+    g = Graph()
+    y = g.output(ops.swiglu_oai(g.const("g", gv), g.const("u", uv), alpha=1.702, limit=2.5))
+    got = forward_f64(g).download(y)
+    gt, ut = torch.tensor(gv, dtype=torch.float64), torch.tensor(uv, dtype=torch.float64)
+    gt, ut = gt.clamp(max=2.5), ut.clamp(min=-2.5, max=2.5)
+    np.testing.assert_allclose(got, (gt * torch.sigmoid(gt * 1.702) * (ut + 1)).numpy(),
+                               rtol=1e-12)
+
+
 def test_swiglu_gradient():
     rng = np.random.default_rng(2)
     g = Graph()

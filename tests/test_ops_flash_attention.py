@@ -150,3 +150,45 @@ def test_window_errors():
         ops.attention(q, q, q, scale=1.0, causal=False, window=3)
     with pytest.raises(GraphError, match="attention.*window must be >= 0"):
         ops.attention(q, q, q, scale=1.0, window=-1)
+
+
+# --- attention sinks (gpt-oss) ---------------------------------------------------------------
+@pytest.mark.parametrize("B,H,KV,T,hd,window", [(2, 4, 2, 5, 3, 0), (1, 6, 2, 7, 4, 3),
+                                                (1, 3, 1, 6, 2, 0)])
+def test_attention_sinks_gradients(B, H, KV, T, hd, window, attn_rows):
+    """q, k, v and the sinks themselves against f64 central differences."""
+    rng = np.random.default_rng(13)
+    g = Graph()
+    q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, B, H, KV, T, hd)))
+    sinks = g.param("sinks", rnd(rng, H))
+    y = ops.attention(q, k, v, scale=hd ** -0.5, window=window, sinks=sinks)
+    assert check_gradients(g, weighted_sum(y, rng), [q, k, v, sinks], {}) <= TOL
+
+
+def test_attention_sinks_are_a_zero_value_key_in_the_softmax(attn_rows):
+    """The fused op equals transformers' GptOssAttention composition: the sink logit
+    concatenated to the masked scores, softmax, the sink column dropped, times v."""
+    rng = np.random.default_rng(14)
+    B, H, KV, T, hd, window = 2, 4, 2, 6, 3, 4
+    qv, kv, vv = (x.astype(np.float64) for x in _attn_inputs(rng, B, H, KV, T, hd))
+    sv = rnd(rng, H, s=2.0).astype(np.float64)
+    g = Graph()
+    y = g.output(ops.attention(g.const("q", qv), g.const("k", kv), g.const("v", vv),
+                               scale=0.5, window=window, sinks=g.const("s", sv)))
+    got = forward_f64(g).download(y)
+    kr, vr = (np.repeat(x, H // KV, axis=1) for x in (kv, vv))
+    s = qv @ np.swapaxes(kr, -1, -2) * 0.5
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    s = np.where((j <= i) & (i - j < window), s, -np.inf)
+    s = np.concatenate([s, np.broadcast_to(sv[None, :, None, None], (B, H, T, 1))], -1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got, p[..., :-1] @ vr, rtol=1e-12)
+    assert p[..., -1].min() > 1e-3   # the sinks take a visible share of every row
+
+
+def test_sinks_must_be_one_per_query_head():
+    g = Graph()
+    q, k = g.const("q", np.zeros((1, 4, 3, 2))), g.const("k", np.zeros((1, 2, 3, 2)))
+    with pytest.raises(GraphError, match=r"sinks must be f32 \[heads\] = \[4\]"):
+        ops.attention(q, k, k, scale=1.0, sinks=g.const("s", np.zeros(2)))

@@ -36,13 +36,23 @@ def _emulate_attention(launch, mem):
     """Replay one attention launch block by block with the kernel's own loop bounds, tiles,
     online softmax, scratch layout and output addresses (numpy, f64)."""
     name = launch.kernel
+    if name == "tg_attn_bwd_sinks":
+        _emulate_sinks_gradient(launch, mem)
+        return
     HD = int(name.rsplit("_", 1)[1])
     BT, TPR = constants.ATTN_TILES[HD]
     assert launch.block == (BT * TPR, 1, 1)
     a = [x[0] for x in launch.args]
     H, KV, T, hd, scale, causal, window = (int(a[-7]), int(a[-6]), int(a[-5]), int(a[-4]),
                                            float(a[-3]), int(a[-2]), int(a[-1]))
-    *ptrs, seg_addr = [int(x) for x in a[:-7]]   # segment ids: the last pointer (or 0)
+    # Pointers end with the segment ids (or 0), then, in fwd and prep, the sinks (or 0).
+    *ptrs, seg_addr = [int(x) for x in a[:-7]]
+    sinks = None
+    if name.startswith(("tg_attn_fwd_", "tg_attn_bwd_prep_")):
+        *ptrs, seg_addr, sink_addr = ptrs + [seg_addr]
+        if sink_addr:
+            arr, off = resolve(mem, sink_addr)
+            sinks = arr[off:off + H]
     G, nt, head = H // KV, (T + BT - 1) // BT, T * hd
     gx, gy, gz = launch.grid
     ar = np.arange(BT)
@@ -77,9 +87,12 @@ def _emulate_attention(launch, mem):
         n = max(0, min(BT, T - rows0))
         arr[off + rows0 * hd:off + (rows0 + n) * hd] = vals[:n, :hd].ravel()
 
-    def scores(Q, i0, kaddr, qt, b):
-        """Online row max / sum over query tile qt's key tiles; yields per tile (j0, s, base)."""
+    def scores(Q, i0, kaddr, qt, b, h):
+        """Online row max / sum over query tile qt's key tiles, from the sink when there is
+        one (m = sinks[h], l = 1); yields per tile (j0, s, base)."""
         m, l = np.full(BT, -np.inf), np.zeros(BT)
+        if sinks is not None:
+            m, l = np.full(BT, sinks[h]), np.ones(BT)
         for kt in key_tiles(qt, b):
             Ks = _attn_tile(mem, kaddr, kt * BT, T, hd, BT, HD)
             s = np.where(visible(*tile_pair(i0, kt * BT, b)), (Q @ Ks.T) * scale, -np.inf)
@@ -102,14 +115,16 @@ def _emulate_attention(launch, mem):
                         out, q, k, v = ptrs
                         Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
                         acc = np.zeros((BT, HD))
-                        for j0, p, alpha, m, l in scores(Q, i0, k + 4 * kv * head, qt, b):
+                        for j0, p, alpha, m, l in scores(Q, i0, k + 4 * kv * head, qt, b, h):
                             Vs = _attn_tile(mem, v + 4 * kv * head, j0, T, hd, BT, HD)
                             acc = acc * alpha[:, None] + p @ Vs
                         write(out + 4 * (b * H + h) * head, i0, acc / l[:, None])
                     else:
                         lse, delta, q, k, o, g = ptrs
                         Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
-                        for _, _, _, m, l in scores(Q, i0, k + 4 * kv * head, qt, b):
+                        m, l = (np.full(BT, -np.inf), np.zeros(BT)) if sinks is None else (
+                            np.full(BT, sinks[h]), np.ones(BT))
+                        for _, _, _, m, l in scores(Q, i0, k + 4 * kv * head, qt, b, h):
                             pass
                         O = _attn_tile(mem, o + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
                         dO = _attn_tile(mem, g + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
@@ -177,6 +192,19 @@ def _emulate_attention(launch, mem):
     raise AssertionError(f"no emulation for {name}")
 
 
+def _emulate_sinks_gradient(launch, mem):
+    """tg_attn_bwd_sinks: d sinks[h] = -sum over (b, i) of exp(sinks[h] - L) * D."""
+    dsinks, sinks, lse, delta, B, H, T = [int(x[0]) for x in launch.args]
+    assert launch.grid[0] == H
+    S, so = resolve(mem, sinks)
+    L, Lo = resolve(mem, lse)
+    D, Do = resolve(mem, delta)
+    out, oo = resolve(mem, dsinks)
+    Lv = L[Lo:Lo + B * H * T].reshape(B, H, T)
+    Dv = D[Do:Do + B * H * T].reshape(B, H, T)
+    out[oo:oo + H] = -(np.exp(S[so:so + H][None, :, None] - Lv) * Dv).sum(axis=(0, 2))
+
+
 ATTN_LOWERING_CASES = [  # (B, H, KV, T, hd, causal): T off the tile, GQA, every HD bound
     (2, 4, 2, 37, 8, True), (2, 4, 2, 37, 8, False), (1, 6, 2, 70, 64, True),
     (1, 2, 1, 35, 100, True), (2, 3, 3, 16, 128, False), (1, 9, 3, 64, 64, True),
@@ -190,26 +218,30 @@ def test_attention_launches_replayed_in_numpy_match_the_cpu_kernels(B, H, KV, T,
     replay_attention_launches(B, H, KV, T, hd, causal)
 
 
-def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None):
+def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None, sinks=False):
     """Lower attention and its backward, replay every launch with _emulate_attention and
     compare with the numpy kernels (the windowed test below runs it with sliding windows,
-    test_ops_flash_attention_segments.py with segment ids)."""
+    test_ops_flash_attention_segments.py with segment ids, the sinks test with sinks)."""
     rng = np.random.default_rng(0)
     g = Graph()
     vals = [rng.normal(size=s) for s in ((B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd))]
     q, k, v = (g.const(n, x) for n, x in zip("qkv", vals))
     seg = None if segments is None else g.input("segs", (B, T), "i32")
+    sink_vals = rng.normal(size=H) * 2 if sinks else None
+    sink = g.const("sinks", sink_vals) if sinks else None
     # The kernels take the scale as an f32 argument: give both sides that value.
     att = ops.attention(q, k, v, scale=float(np.float32(hd ** -0.5)), causal=causal,
-                        window=window, segments=seg)
+                        window=window, segments=seg, sinks=sink)
     gout = g.const("gout", rng.normal(size=att.shape))
-    back = ops.OPS["attention"].grad(att, gout, [True] * 3 + [False] * (seg is not None))[0]
+    need = [True] * 3 + [False] * (seg is not None) + [True] * sinks
+    back = ops.OPS["attention"].grad(att, gout, need)[0]
     back = back.srcs[0]
-    leaves = (q, k, v, gout) + (() if seg is None else (seg,))
+    leaves = (q, k, v, gout) + (() if seg is None else (seg,)) + ((sink,) if sinks else ())
     addr = {t.id: (i + 1) << 24 for i, t in enumerate(leaves + (att, back))}
     mem = {addr[t.id]: np.asarray(x, np.float64).ravel().copy()
-           for t, x in zip(leaves, (*vals, gout.data, segments))}
-    vals = vals + ([] if seg is None else [segments])
+           for t, x in zip(leaves, (*vals, gout.data, *([] if seg is None else [segments]),
+                                    *([sink_vals] if sinks else [])))}
+    vals = vals + ([] if seg is None else [segments]) + ([sink_vals] if sinks else [])
     for t in (att, back):
         mem[addr[t.id]] = np.full(t.size, np.nan)  # every element must be written
     scratch = 200 << 24
@@ -219,7 +251,7 @@ def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None):
         launches = dispatch.lower(node, lambda t: addr[t.id], scratch)
         assert [l.kernel.rsplit("_", 1)[0] for l in launches] == (
             ["tg_attn_fwd"] if node is att else
-            ["tg_attn_bwd_prep", "tg_attn_bwd_dkdv", "tg_attn_bwd_dq"])
+            ["tg_attn_bwd_prep", "tg_attn_bwd_dkdv", "tg_attn_bwd_dq"] + ["tg_attn_bwd"] * sinks)
         for launch in launches:
             assert all(isinstance(x, np.ndarray) and x.dtype in (np.int32, np.uint64, np.float32)
                        for x in launch.args)
@@ -300,3 +332,16 @@ def test_attention_launches_carry_the_window_as_an_int32():
     (launch,) = dispatch.lower(node, lambda t: 1 << 20)
     assert launch.args[-1].dtype == np.int32 and int(launch.args[-1][0]) == 7
     assert int(launch.args[-2][0]) == 1  # causal
+
+
+# --- attention sinks (gpt-oss) -------------------------------------------------------------------
+@pytest.mark.parametrize("B,H,KV,T,hd,window", [
+    (2, 4, 2, 37, 8, 0),        # T off the tile, grouped-query
+    (1, 6, 2, 70, 64, 40),      # a sliding window across a tile edge
+    (1, 2, 1, 35, 100, 0),      # the HD=128 kernels
+])
+def test_attention_with_sinks_launches_replayed_in_numpy_match_the_cpu_kernels(B, H, KV, T, hd,
+                                                                               window):
+    """The sinks seed the online softmax of the forward and of the row statistics, and
+    tg_attn_bwd_sinks turns those statistics into their gradient (packed after dv)."""
+    replay_attention_launches(B, H, KV, T, hd, True, window, sinks=True)

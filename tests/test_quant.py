@@ -9,7 +9,7 @@ from toygraph.errors import GGUFError
 
 TYPES = list(blocks.BLOCK)
 # Types gguf-py 0.19 can encode; the K-quants and IQ4 formats it can only decode.
-GGUF_CAN_QUANTIZE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+GGUF_CAN_QUANTIZE = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4")
 
 
 def reference(raw: np.ndarray, qtype: str, shape) -> np.ndarray:
@@ -66,7 +66,7 @@ def test_our_quantize_roundtrip(qtype):
     np.testing.assert_array_equal(ours, reference(raw, qtype, x.shape))
     # Quantization error stays a small fraction of the data's scale.
     bits = {"q2_k": 2, "q3_k": 3, "q4_0": 4, "q4_1": 4, "q4_k": 4, "iq4_nl": 4, "iq4_xs": 4,
-            "q5_0": 5, "q5_1": 5, "q5_k": 5, "q6_k": 6, "q8_0": 8}.get(qtype, 10)
+            "q5_0": 5, "q5_1": 5, "q5_k": 5, "q6_k": 6, "q8_0": 8, "mxfp4": 4}.get(qtype, 10)
     assert np.abs(ours - x).max() < 0.05 * 2.0 ** (4 - bits) * 4
 
 
@@ -98,3 +98,18 @@ def test_bad_sizes_and_types_raise():
         blocks.qtype_name(gguf.GGMLQuantizationType.IQ2_XXS)
     with pytest.raises(GGUFError):
         block_encode.quantize(np.zeros((2, 100), np.float32), "q4_0")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")   # e = 255: inf, in gguf-py too
+def test_mxfp4_every_exponent_and_level_matches_gguf():
+    """MXFP4 (gpt-oss experts): all 256 shared exponents, the denormal ones (e < 2) and
+    the largest included, each with all 16 levels in both nibbles, bit for bit."""
+    e = np.arange(256, dtype=np.uint8)
+    qs = np.tile(np.arange(16, dtype=np.uint8) | (np.arange(16, dtype=np.uint8)[::-1] << 4), (256, 1))
+    raw = np.concatenate([e[:, None], qs], axis=1)
+    shape = (256, 32)
+    ours = blocks.dequantize(raw, "mxfp4", shape)
+    np.testing.assert_array_equal(ours.view(np.uint32), reference(raw, "mxfp4", shape).view(np.uint32))
+    assert ours[0, 1] > 0 and ours[0, 1] < np.finfo(np.float32).tiny    # a denormal scale
+    assert ours[252, 7] == np.float32(12 * 2.0 ** 124)          # the largest finite value
+    assert np.isinf(ours[255, 7])                                # 12 * 2^127 overflows f32

@@ -41,6 +41,7 @@ def test_cuda_decoders_match_gguf_py_on_random_blocks(fmt, host_decoder):
 
 
 def test_iq4nl_levels_are_ggmls_and_reach_the_kernels_only_through_layout_defines():
+    assert blocks.MXFP4_VALUES == tuple(gq.MXFP4.kvalues)
     assert blocks.IQ4NL_VALUES == tuple(gq.IQ4_NL.kvalues)
     levels = ", ".join(map(str, blocks.IQ4NL_VALUES))
     assert f"#define TG_IQ4NL_VALUES {levels}\n" in layout_defines()
@@ -155,6 +156,7 @@ static float tg_load_half(const unsigned char* p) {   // exact IEEE half -> floa
             : e == 31 ? (m ? NAN : INFINITY) : ldexpf((float)(m | 1024), (int)e - 25);
     return (h >> 15) ? -f : f;
 }
+static float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static float tg_bf16_to_float(unsigned short h) {
     unsigned u = ((unsigned)h) << 16; float f; memcpy(&f, &u, 4); return f;
 }
@@ -175,7 +177,7 @@ extern "C" int decode(const char* fmt, const unsigned char* raw, long long n, in
     TG_CASE("q4_0", TgQ4_0) TG_CASE("q4_1", TgQ4_1) TG_CASE("q4_k", TgQ4_K)
     TG_CASE("q5_k", TgQ5_K) TG_CASE("q6_k", TgQ6_K) TG_CASE("q5_0", TgQ5_0)
     TG_CASE("q5_1", TgQ5_1) TG_CASE("iq4_nl", TgIQ4_NL) TG_CASE("q2_k", TgQ2_K)
-    TG_CASE("q3_k", TgQ3_K) TG_CASE("iq4_xs", TgIQ4_XS)
+    TG_CASE("q3_k", TgQ3_K) TG_CASE("iq4_xs", TgIQ4_XS) TG_CASE("mxfp4", TgMXFP4)
     return 1;
 }
 """

@@ -502,3 +502,24 @@ def test_special_id_outside_vocabulary_is_one_line_error(tmp_path, name, key):
     msg = str(e.value)
     assert "\n" not in msg and "bad.gguf" in msg
     assert f"tokenizer.ggml.{key}_token_id = 100000" in msg and f"vocabulary of {n} tokens" in msg
+
+
+def test_gpt4o_pre_tokenizer_is_o200ks_regex():
+    """gpt-oss files say tokenizer.ggml.pre = "gpt-4o": the split toygraph uses equals the
+    o200k tokenizer.json regex (as llama.cpp's llama-vocab.cpp quotes it) run by the
+    ``regex`` package, on text with case changes, contractions, digits, marks, newlines."""
+    regex = pytest.importorskip("regex")
+    from tokenizers import Regex, pre_tokenizers
+
+    from toygraph.gguf.tokenizer import PRE_TOKENIZER_REGEXES
+    o200k = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+             r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    text = ("HelloWorld it's JSONParser's 1234567 e\u0301t\u00e9  ...\n\n/usr/bin\tx  \r\n"
+            "WE'LL   don't CamelCaseXML 3.14159")
+    (chain,) = PRE_TOKENIZER_REGEXES["gpt-4o"]
+    ours = [p for p, _ in pre_tokenizers.Split(Regex(chain), behavior="isolated")
+            .pre_tokenize_str(text)]
+    assert ours == regex.findall(o200k, text)
+    assert "World" in ours and "456" in ours   # split at the case change, digits in threes

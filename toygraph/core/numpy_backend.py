@@ -61,9 +61,10 @@ class CpuBackend:
             elif t.role in ("input", "state") or t.id in pinned:
                 dt = np.int32 if t.dtype == "i32" else self.dtype
                 self.arrays[t.id] = np.zeros(t.shape, dt)
-            elif t.id in plan.offsets:
+            elif t.id in plan.offsets:  # an i32 result (topk's ids) fits in its f32/f64 slot
                 off = plan.offsets[t.id]
-                view = self.arena[off:off + t.size * self.itemsize].view(self.dtype)
+                dt = np.dtype(np.int32 if t.dtype == "i32" else self.dtype)
+                view = self.arena[off:off + t.size * dt.itemsize].view(dt)
                 self.arrays[t.id] = view.reshape(t.shape)
         self.schedule = schedule
         self._plan_decodes(schedule, plan)

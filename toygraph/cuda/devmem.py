@@ -42,7 +42,7 @@ def block_format_consts(schedule, outputs=()) -> set[int]:
     (and that are not among ``outputs``, which are downloaded as f32)."""
     out_ids = {t.id for t in outputs}
     candidates = {t.id for t in schedule if t.role == "const" and t.storage in block_storage()
-                  and len(t.shape) == 2 and t.id not in out_ids}
+                  and len(t.shape) >= 2 and t.id not in out_ids}
     used: set[int] = set()
     for node in schedule:
         for i, src in enumerate(node.srcs):

@@ -16,7 +16,7 @@ import numpy as np
 
 from toygraph.gguf.blocks import GGML_TYPE, IQ4NL_VALUES, QK_K, block_shape
 
-GGUF_ENCODES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+GGUF_ENCODES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4")
 _LEVELS = np.array(IQ4NL_VALUES, np.float32)
 _CRUMB_SHIFTS = np.array([0, 2, 4, 6], np.uint8)
 

@@ -44,6 +44,7 @@ BLOCK: dict[str, tuple[int, int]] = {
     "q5_k": (QK_K, 176),
     "q6_k": (QK_K, 210),
     "iq4_xs": (QK_K, 136),
+    "mxfp4": (32, 17),
 }
 
 GGML_TYPE: dict[str, _T] = {
@@ -51,7 +52,7 @@ GGML_TYPE: dict[str, _T] = {
     "q8_0": _T.Q8_0, "q4_0": _T.Q4_0, "q4_1": _T.Q4_1,
     "q5_0": _T.Q5_0, "q5_1": _T.Q5_1, "iq4_nl": _T.IQ4_NL,
     "q2_k": _T.Q2_K, "q3_k": _T.Q3_K, "q4_k": _T.Q4_K, "q5_k": _T.Q5_K, "q6_k": _T.Q6_K,
-    "iq4_xs": _T.IQ4_XS,
+    "iq4_xs": _T.IQ4_XS, "mxfp4": _T.MXFP4,
 }
 _NAME_OF = {v: k for k, v in GGML_TYPE.items()}
 
@@ -84,6 +85,9 @@ _NAME_OF = {v: k for k, v in GGML_TYPE.items()}
 #                     el l+64 = ql[64h+l] high | ((qh[32h+l] >> 4) & 3) << 4
 #                     el l+96 = ql[64h+l+32] high | ((qh[32h+l] >> 6) & 3) << 4
 #         x = (d*scales[e//16]) * (q - 32)
+#   mxfp4: e | qs[16]                          x[i] = E8M0_HALF(e) * MXFP4_VALUES[nib(i)]
+#         (OCP microscaling: e an 8-bit power-of-two exponent, E8M0_HALF(e) = 2^(e-128)
+#         as ggml_e8m0_to_fp32_half builds it; the 16 e2m1 levels doubled)
 LAYOUT: dict[str, dict[str, int]] = {
     "q8_0": {"d": 0, "qs": 2},
     "q4_0": {"d": 0, "qs": 2},
@@ -97,6 +101,7 @@ LAYOUT: dict[str, dict[str, int]] = {
     "q5_k": {"d": 0, "dmin": 2, "scales": 4, "qh": 16, "qs": 48},
     "q6_k": {"ql": 0, "qh": 128, "scales": 192, "d": 208},
     "iq4_xs": {"d": 0, "scales_h": 2, "scales_l": 4, "qs": 8},
+    "mxfp4": {"e": 0, "qs": 1},
 }
 
 #: The 16 non-linear levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl). The CUDA
@@ -104,13 +109,19 @@ LAYOUT: dict[str, dict[str, int]] = {
 IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _IQ4NL = np.array(IQ4NL_VALUES, np.float32)
 
+#: MXFP4's 16 e2m1 levels, doubled (ggml's kvalues_mxfp4; the CUDA decoder's table too).
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+_MXFP4 = np.array(MXFP4_VALUES, np.float32)
+
 
 def c_defines() -> str:
-    """BLOCK, LAYOUT and IQ4NL_VALUES as C macros (``TG_Q4_K_QK``, ``TG_Q4_K_BYTES``,
-    ``TG_Q4_K_SCALES``..., ``TG_IQ4NL_VALUES``) for every stored format but f32: the one
-    description of each block that the C and CUDA decoders compile against."""
-    lines = ["// generated from toygraph.gguf.blocks BLOCK, LAYOUT and IQ4NL_VALUES",
-             f"#define TG_IQ4NL_VALUES {', '.join(map(str, IQ4NL_VALUES))}"]
+    """BLOCK, LAYOUT, IQ4NL_VALUES and MXFP4_VALUES as C macros (``TG_Q4_K_QK``,
+    ``TG_Q4_K_BYTES``, ``TG_Q4_K_SCALES``..., ``TG_IQ4NL_VALUES``, ``TG_MXFP4_VALUES``) for
+    every stored format but f32: the one description of each block that the C and CUDA
+    decoders compile against."""
+    lines = ["// generated from toygraph.gguf.blocks BLOCK, LAYOUT, IQ4NL_VALUES, MXFP4_VALUES",
+             f"#define TG_IQ4NL_VALUES {', '.join(map(str, IQ4NL_VALUES))}",
+             f"#define TG_MXFP4_VALUES {', '.join(map(str, MXFP4_VALUES))}"]
     for fmt in (f for f in BLOCK if f != "f32"):
         elems, size = BLOCK[fmt]
         name = fmt.upper()
@@ -287,11 +298,24 @@ def _deq_q6_k(b):
     return (d * (q - 32.0)).reshape(n, QK_K)
 
 
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """2^(e - 128) as f32 bits, ggml_e8m0_to_fp32_half's way (denormals for e < 2)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _deq_mxfp4(b):
+    lay = LAYOUT["mxfp4"]
+    d = e8m0_half(b[:, lay["e"]]).reshape(-1, 1)
+    return d * _MXFP4[_q4_values(b[:, lay["qs"]:lay["qs"] + 16])]
+
+
 _DEQUANT = {
     "q8_0": _deq_q8_0, "q4_0": _deq_q4_0, "q4_1": _deq_q4_1,
     "q5_0": _deq_q5_0, "q5_1": _deq_q5_1, "iq4_nl": _deq_iq4_nl,
     "q2_k": _deq_q2_k, "q3_k": _deq_q3_k, "q4_k": _deq_q4_k, "q5_k": _deq_q5_k,
-    "q6_k": _deq_q6_k, "iq4_xs": _deq_iq4_xs,
+    "q6_k": _deq_q6_k, "iq4_xs": _deq_iq4_xs, "mxfp4": _deq_mxfp4,
 }
 
 

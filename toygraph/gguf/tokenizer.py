@@ -46,6 +46,12 @@ _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# gpt-oss (o200k): letters split at case changes (with marks), contractions glued on, digits
+# in threes, punctuation runs keep a trailing newline or slash (llama.cpp's GPT4O chain).
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          + _CONTRACTIONS + r"?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+          r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS + r"?|\p{N}{1,3}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     # "default" is llama.cpp's chain for files whose converter did not recognise the model.
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
@@ -56,6 +62,7 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "llama-bpe": [_LLAMA3], "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "smaug-bpe": [_LLAMA3],
     "dbrx": [_LLAMA3], "falcon3": [_LLAMA3],
     "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2], "megrez": [_QWEN2],
+    "gpt-4o": [_GPT4O], "llama4": [_GPT4O],
 }
 
 

@@ -18,6 +18,9 @@ Each is realized once per (prompt_len, cache_len) and replayed as a session prog
   is ``softmax(scale * (q K^T + mask)) V`` over all ``cache_len`` rows with existing ops,
   the additive mask 0 on the rows the token may see and MASKED elsewhere (causal, and the
   sliding window on the layers that have one: one mask per distinct window).
+- **Sinks** (gpt-oss): prefill passes them to the fused attention; decode gives each cache
+  one more row, never written (zero key, zero value), whose score q.0 = 0 gets sinks[h] /
+  scale added per head: that row is exactly the sink's zero-value logit in the softmax.
 
 Per decode step the host uploads the token id, its position (for rope and for the cache
 row) and the masks, runs the decode program and downloads the one row of logits.
@@ -45,22 +48,26 @@ class CachedDecoder:
         cfg = model.config
         self.cfg, self.cache_len = cfg, cache_len
         g = Graph()
-        shape = (1, cfg.n_head_kv, cache_len, cfg.head_dim)
+        self.sink_row = cfg.family.sinks  # one extra, never-written row: the sink
+        shape = (1, cfg.n_head_kv, cache_len + self.sink_row, cfg.head_dim)
         self.caches = [tuple(g.state(f"blk.{i}.cache_{kv}", shape, kind="cache") for kv in "kv")
                        for i in range(cfg.n_layer)]
         self.start = g.input("prefill.start", (1,), "i32")  # 0: the prompt fills rows [0, P)
         self.pos = g.input("decode.pos", (1,), "i32")       # the decode position again, [1]
         writes = []
 
-        def prefill_attend(i, q, k, v):
+        def prefill_attend(i, q, k, v, sinks):
             writes.extend(g.effect(ops.cache_write(c, x, self.start), "forward")
                           for c, x in zip(self.caches[i], (k, v)))
             return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True,
-                                 window=cfg.windows[i])
+                                 window=cfg.windows[i], sinks=sinks)
 
         self.first = build_decoder(g, cfg, batch=1, seq_len=prompt_len, model=model, lora=lora,
                                    attend=prefill_attend)
-        self.masks = {w: g.input(f"decode.mask{w}", (cache_len,)) for w in set(cfg.windows)}
+        self.masks = {w: g.input(f"decode.mask{w}", (cache_len + self.sink_row,))
+                      for w in set(cfg.windows)}
+        if self.sink_row:   # 1 on the sink's row: times sinks[h] / scale, added to the scores
+            self.sink_col = g.const("decode.sink_col", np.eye(cache_len + 1, dtype=np.float32)[-1])
         self.step = build_decoder(g, cfg, batch=1, seq_len=1, lora=lora, shared=self.first,
                                   prefix="decode.", attend=self._decode_attend)
         for net in (self.first, self.step):
@@ -71,7 +78,7 @@ class CachedDecoder:
         self.prefill_program = self.sess.program([self.first.logits] + writes)
         self.decode_program = self.sess.program([self.step.logits])
 
-    def _decode_attend(self, i, q, k, v):
+    def _decode_attend(self, i, q, k, v, sinks):
         """Layer i's attention of the one new token over the cache (q [1, H, 1, hd])."""
         cfg = self.cfg
         kc, vc = (ops.cache_write(c, x, self.pos) for c, x in zip(self.caches[i], (k, v)))
@@ -79,7 +86,11 @@ class CachedDecoder:
         # Query head h reads K/V head h // group: fold the group into the rows of a
         # batched matmul per K/V head, [1, KV, group, hd] x [1, KV, L, hd]^T.
         scores = ops.matmul(q.reshape(1, kv, group, cfg.head_dim), kc, trans_b=True)
-        probs = ops.softmax(scores + self.masks[cfg.windows[i]], scale=cfg.attn_scale)
+        scores = scores + self.masks[cfg.windows[i]]
+        if sinks is not None:
+            sinks = ops.scale(sinks.reshape(kv, group, 1), 1.0 / cfg.attn_scale)
+            scores = scores + ops.mul(sinks, self.sink_col)
+        probs = ops.softmax(scores, scale=cfg.attn_scale)
         return ops.matmul(probs, vc).reshape(1, cfg.n_head, 1, cfg.head_dim)
 
     def prefill(self, ids) -> np.ndarray:
@@ -105,6 +116,7 @@ class CachedDecoder:
         rows = np.arange(self.cache_len)
         for window, mask in self.masks.items():
             seen = (rows <= pos) & ((pos - rows < window) if window else True)
+            seen = np.concatenate([seen, [True] * self.sink_row])   # the sink is always seen
             sess.upload(mask, np.where(seen, 0.0, MASKED).astype(np.float32))
         sess.run_program(self.decode_program)
         return sess.download(self.step.logits)[0]

@@ -50,10 +50,25 @@ class ModelConfig:
     windows: tuple[int, ...] = ()
     rope_bases: tuple[float, ...] = ()
     rope_scales: tuple[float, ...] = ()
+    # Mixture of experts (Family.moe; models/moe.py): layers from n_dense_lead on route
+    # each token to n_expert_used of n_expert experts of FFN width n_ff_exp.
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_dense_lead: int = 0             # leading_dense_block_count: plain FFNs of width n_ff
+    expert_weights_norm: bool = False  # renormalise the chosen experts' weights to sum 1
+    expert_weights_scale: float = 1.0  # the chosen experts' weights are multiplied by this
+    # YaRN (rope.scaling.type yarn): per rotary pair, the divisor of its frequency; every
+    # layer uses them, and attn_scale holds YaRN's magnitude scale squared.
+    rope_yarn: tuple[float, ...] = ()
 
     @property
     def family(self) -> Family:
         return FAMILIES[self.arch]
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether layer ``i``'s FFN is a mixture of experts."""
+        return self.n_expert > 0 and i >= self.n_dense_lead
 
 
 def _number(meta, path, key: str, kind, default=None, *, positive=True):
@@ -89,19 +104,54 @@ def _check_keys(meta, meta_keys, fam: Family, path) -> None:
                         f"{fam.arch}: it may change the model's math, so toygraph refuses the file")
 
 
-def _rope_scale(num, meta, path, k) -> float:
-    """llama.cpp's rope_freq_scale: 1/factor when ``rope.scaling.factor`` (or the older
-    ``rope.scale_linear``) is present; only linear scaling (or none) is implemented."""
+def _rope_scale(num, meta, path, k, fam: Family) -> tuple[str, float]:
+    """(scaling type, llama.cpp's rope_freq_scale): 1/factor when ``rope.scaling.factor``
+    (or the older ``rope.scale_linear``) is present; linear scaling is implemented, and
+    YaRN for the families whose parity tests cover it (Family.yarn)."""
     kind = meta(k("rope.scaling.type"))
-    if kind not in (None, "none", "linear"):
+    known = (None, "none", "linear") + (("yarn",) if fam.yarn else ())
+    if kind not in known:
         raise GGUFError(f"{path}: {k('rope.scaling.type')} = {kind!r} is not supported "
-                        "(only 'linear' rope scaling)")
+                        f"(only {' and '.join(repr(x) for x in known[2:])} rope scaling)")
     factor = num(k("rope.scaling.factor"), float, 0.0, positive=False)
     if factor == 0.0:
         factor = num(k("rope.scale_linear"), float, 0.0, positive=False)
     if factor < 0:
         raise GGUFError(f"{path}: metadata {k('rope.scaling.factor')!r} must be >= 0, found {factor}")
-    return 1.0 if factor == 0.0 else 1.0 / factor
+    return kind or "none", 1.0 if factor == 0.0 else 1.0 / factor
+
+
+def _yarn(num, path, k, freq_scale: float, base: float, rope_dims: int, head_dim: int,
+          n_ctx: int) -> tuple[tuple[float, ...], float]:
+    """YaRN as llama.cpp computes it (ggml_rope_yarn_corr_dims, rope_yarn): the per-pair
+    frequency divisors 1 / (freq_scale (1 - ramp) + ramp), ramp falling from 1 to 0 over
+    the correction range [floor(dim(beta_fast)), ceil(dim(beta_slow))], and the magnitude
+    scale attn_factor * (1 + 0.1 ln(1 / freq_scale)) of cos and sin. The range is floored
+    and ceiled as llama.cpp does (transformers' "truncate": true; the GGUF has no key)."""
+    for key, default in (("yarn_ext_factor", 1.0), ("yarn_attn_factor", 1.0),
+                         ("yarn_log_multiplier", 0.0)):
+        value = num(k(f"rope.scaling.{key}"), float, default, positive=False)
+        if value != default:
+            raise GGUFError(f"{path}: {k('rope.scaling.' + key)} = {value} is not supported "
+                            f"(only {default})")
+    if rope_dims != head_dim:
+        raise GGUFError(f"{path}: YaRN with partial rotary dims ({rope_dims} of {head_dim}) "
+                        "is not supported")
+    orig = num(k("rope.scaling.original_context_length"), int, n_ctx)
+    fast = num(k("rope.scaling.yarn_beta_fast"), float, 32.0)
+    slow = num(k("rope.scaling.yarn_beta_slow"), float, 1.0)
+
+    def corr_dim(rotations):
+        return rope_dims * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(0.0, math.floor(corr_dim(fast)))
+    high = min(rope_dims - 1.0, math.ceil(corr_dim(slow)))
+    factors = []
+    for i in range(rope_dims // 2):
+        ramp = 1.0 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))
+        factors.append(1.0 / (freq_scale * (1.0 - ramp) + ramp))
+    mscale = num(k("rope.scaling.attn_factor"), float, 1.0) * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+    return tuple(factors), mscale
 
 
 def _global_layers(num, fam: Family, k, n_layer: int, path) -> list[bool]:
@@ -134,6 +184,37 @@ def _heads(num, k, n_embd: int, path) -> tuple[int, int, int, int]:
     return n_head, n_head_kv, head_dim, rope_dims
 
 
+def _experts(num, meta, fam: Family, k, n_layer: int, path) -> dict:
+    """The ModelConfig fields of a mixture of experts (none for a dense family); every
+    MoE key (families.MOE_KEYS) is used here or refused."""
+    if not fam.moe:
+        return {}
+    n_expert = num(k("expert_count"), int)
+    used = num(k("expert_used_count"), int)
+    if used > n_expert:
+        raise GGUFError(f"{path}: {k('expert_used_count')} = {used} exceeds "
+                        f"{k('expert_count')} = {n_expert}")
+    for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
+        if num(k(key), int, 0, positive=False):
+            raise GGUFError(f"{path}: {k(key)} > 0: shared experts are not implemented "
+                            f"for {fam.arch}")
+    gating = num(k("expert_gating_func"), int, 1)
+    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise GGUFError(f"{path}: {k('expert_gating_func')} = {gating} is not supported "
+                        "(only 1, softmax)")
+    norm = meta(k("expert_weights_norm"))
+    if norm is not None and not isinstance(norm, bool):
+        raise GGUFError(f"{path}: metadata {k('expert_weights_norm')!r} must be a bool, found {norm!r}")
+    lead = num(k("leading_dense_block_count"), int, 0, positive=False)
+    if not 0 <= lead < n_layer:
+        raise GGUFError(f"{path}: {k('leading_dense_block_count')} = {lead} must be in "
+                        f"[0, block_count = {n_layer})")
+    return dict(n_expert=n_expert, n_expert_used=used, n_dense_lead=lead,
+                n_ff_exp=num(k("expert_feed_forward_length"), int),
+                expert_weights_norm=fam.expert_weights_norm if norm is None else norm,
+                expert_weights_scale=num(k("expert_weights_scale"), float, 1.0))
+
+
 def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     """Config of a GGUF from ``meta(key) -> value or None``, its key names, and its tensor
     index ``{name: numpy-order shape}``; every value bounded before use."""
@@ -158,23 +239,33 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     n_embd = num(k("embedding_length"), int)
     n_head, n_head_kv, head_dim, rope_dims = _heads(num, k, n_embd, path)
     rope_base = num(k("rope.freq_base"), float, fam.default_rope_base)
-    scale = _rope_scale(num, meta, path, k)
+    n_ctx = num(k("context_length"), int, 2048)
+    kind, scale = _rope_scale(num, meta, path, k, fam)
+    yarn, mscale = (), 1.0
+    if kind == "yarn":
+        yarn, mscale = _yarn(num, path, k, scale, rope_base, rope_dims, head_dim, n_ctx)
+        scale = 1.0   # the interpolation is in the per-pair factors
     window = num(k("attention.sliding_window"), int, 0, positive=False) if fam.swa_period else 0
     if fam.swa_period and window <= 0:
         raise GGUFError(f"{path}: {arch} needs a positive {k('attention.sliding_window')}")
-    swa_base = num(k("rope.freq_base_swa"), float, fam.swa_rope_base)
+    swa_base = num(k("rope.freq_base_swa"), float, fam.swa_rope_base or rope_base)
     is_global = _global_layers(num, fam, k, n_layer, path)
     attn_scale = (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5
+    # YaRN scales cos and sin by mscale, so every score q.k by mscale^2 (all dims rotate).
+    attn_scale *= mscale * mscale
+    experts = _experts(num, meta, fam, k, n_layer, path)
+    # An all-MoE file's dense width is never used (Qwen3-MoE writes one anyway).
+    dense_ff = not experts or experts["n_dense_lead"] > 0
     return ModelConfig(
         arch=arch, n_layer=n_layer, n_embd=n_embd,
-        n_ff=num(k("feed_forward_length"), int),
+        n_ff=num(k("feed_forward_length"), int, None if dense_ff else 0, positive=dense_ff),
         n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
         rope_base=rope_base, rope_dims=rope_dims, rope_mode=fam.rope_mode,
         # Required, as llama.cpp requires it (the two references' defaults differ).
         rms_eps=num(k("attention.layer_norm_rms_epsilon"), float),
         # The embedding's row count is what the weights actually hold.
         n_vocab=int(tensors["token_embd.weight"][0]),
-        n_ctx=num(k("context_length"), int, 2048),
+        n_ctx=n_ctx,
         tied_output="output.weight" not in tensors,
         qkv_bias=fam.qkv_bias and "blk.0.attn_q.bias" in tensors,
         rope_freqs=fam.rope_freqs and "rope_freqs.weight" in tensors,
@@ -182,7 +273,9 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
         embed_scale=math.sqrt(n_embd) if fam.embed_scale_sqrt else 1.0,
         windows=tuple(0 if g else window for g in is_global),
         rope_bases=tuple(rope_base if g else swa_base for g in is_global),
-        rope_scales=tuple(scale if g else 1.0 for g in is_global),
+        rope_scales=tuple(scale if g or fam.swa_rope_scaled else 1.0 for g in is_global),
+        rope_yarn=yarn,
+        **experts,
     )
 
 
@@ -191,11 +284,25 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     d, hd, fam = cfg.n_embd, cfg.head_dim, cfg.family
     q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
     shapes = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
-              "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,),
-              "ffn_gate.weight": (cfg.n_ff, d), "ffn_up.weight": (cfg.n_ff, d),
-              "ffn_down.weight": (d, cfg.n_ff)}
+              "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,)}
+    if cfg.moe_layer(i):  # the router and the experts stacked [experts, out, in]
+        E, f = cfg.n_expert, cfg.n_ff_exp
+        shapes.update({"ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, f, d),
+                       "ffn_up_exps.weight": (E, f, d), "ffn_down_exps.weight": (E, d, f)})
+        if fam.expert_bias:
+            shapes.update({"ffn_gate_inp.bias": (E,), "ffn_gate_exps.bias": (E, f),
+                           "ffn_up_exps.bias": (E, f), "ffn_down_exps.bias": (E, d)})
+    else:
+        shapes.update({"ffn_gate.weight": (cfg.n_ff, d), "ffn_up.weight": (cfg.n_ff, d),
+                       "ffn_down.weight": (d, cfg.n_ff)})
     if cfg.qkv_bias:
         shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+    if fam.o_bias:
+        shapes["attn_output.bias"] = (d,)
+    if fam.sinks:
+        shapes["attn_sinks.weight"] = (cfg.n_head,)
+    if fam.ffn_norm != "ffn_norm":
+        shapes[fam.ffn_norm + ".weight"] = shapes.pop("ffn_norm.weight")
     if fam.qk_norm:
         shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
     if fam.post_norms:

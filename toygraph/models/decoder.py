@@ -28,15 +28,22 @@ from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.errors import GraphError
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
+from toygraph.models.moe import moe_ffn
 
 # LoRA target short names -> GGUF projection names.
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
            "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 WEIGHT_MODES = ("frozen", "finetune", "scratch")
-# Gated FFN activations by Family.ffn: act(gate) * up.
-ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu}
+# Gated FFN activations by Family.ffn: act(gate) * up; gpt-oss's alpha and limit are the
+# constants llama.cpp's build_moe_ffn uses for LLM_FFN_SWIGLU_OAI_MOE (and transformers'
+# GptOssConfig defaults; the GGUF has no key for them).
+ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu,
+               "swiglu_oai": lambda gate, up: ops.swiglu_oai(gate, up, alpha=1.702, limit=7.0)}
 # Tensors that describe the model rather than weigh it: frozen in every weight mode.
 FIXED = ("rope_freqs.weight",)
+#: The const holding ModelConfig.rope_yarn (YaRN's per-pair frequency divisors), made by
+#: the builder beside the GGUF's weights (the file stores no such tensor).
+YARN_FACTORS = "rope_yarn.factors"
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,8 @@ def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tenso
             out[name] = g.param(name, w.dequantize())
         else:
             out[name] = g.const(name, w.raw, shape=w.shape, storage=w.qtype)
+    if cfg.rope_yarn:
+        out[YARN_FACTORS] = g.const(YARN_FACTORS, np.array(cfg.rope_yarn, np.float32))
     return out
 
 
@@ -129,6 +138,17 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
     a = g.param(f"{name}.lora_a", (rng.normal(size=(lora.rank, n_in)) * lora.init_scale).astype(np.float32))
     b = g.param(f"{name}.lora_b", np.zeros((n_out, lora.rank), np.float32))
     return a, b
+
+
+def _check_targets(cfg, wanted: set[str]) -> None:
+    """Every LoRA target names a weight of this model: 'gate'/'up'/'down' are the dense
+    FFN's, which a mixture-of-experts layer does not have."""
+    present = {name.split(".")[-2] for name in tensor_shapes(cfg)}
+    missing = sorted(wanted - present)
+    if missing:
+        short = [t for t, proj in TARGETS.items() if proj in missing]
+        raise GraphError(f"LoRA targets {short} name no weight of this {cfg.arch} model "
+                         "(its FFNs are mixtures of experts: target q, k, v, o)")
 
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
@@ -142,9 +162,9 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     weight tensors, making no new weights (DPO's reference model reads the same frozen
     base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
 
-    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v)`` replaces layer i's
-    fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms and rope;
-    returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
+    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v, sinks)`` replaces
+    layer i's fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms
+    and rope, sinks the layer's attention sinks [H] or None; returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
     and LoRA pairs (a second graph over the same parameters), and ``prefix`` names this
     one's ``tokens``/``positions`` inputs apart from its.
 
@@ -173,6 +193,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     lora_prefix = "" if reference_of is None else "reference."
     lora_rng = np.random.default_rng(lora.seed) if lora else None
     wanted = {TARGETS[t] for t in lora.targets} if lora else set()
+    _check_targets(cfg, wanted)
 
     def linear(x, name: str):
         """x [N, n_in] -> [N, n_out] through weight ``name`` (+ bias, + LoRA)."""
@@ -193,9 +214,9 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
     if cfg.embed_scale != 1.0:
         h = ops.scale(h, cfg.embed_scale)
-    attend = attend or (lambda i, q, k, v: ops.attention(q, k, v, scale=cfg.attn_scale,
-                                                         causal=True, window=cfg.windows[i],
-                                                         segments=net.segments))
+    attend = attend or (lambda i, q, k, v, sinks: ops.attention(
+        q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
+        segments=net.segments, sinks=sinks))
     for i in range(cfg.n_layer):
         # One region per block: the unit activation checkpointing recomputes (recompute.py).
         with g.region(f"blk.{i}", h) as block:
@@ -225,8 +246,8 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
 
     def rope(y):
         y = ops.rope(y, net.positions, dims=cfg.rope_dims, base=cfg.rope_bases[i],
-                     mode=cfg.rope_mode, freq_factors=W.get("rope_freqs.weight"),
-                     freq_scale=cfg.rope_scales[i])
+                     mode=cfg.rope_mode, freq_scale=cfg.rope_scales[i],
+                     freq_factors=W.get("rope_freqs.weight", W.get(YARN_FACTORS)))
         return y.permute(0, 2, 1, 3)  # [B, heads, T, hd]
 
     x = norm(h, "attn_norm")
@@ -234,14 +255,18 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int)
     k = rope(heads(linear(x, p + "attn_k.weight"), KV, "attn_k_norm" if fam.qk_norm else None))
     v = heads(linear(x, p + "attn_v.weight"), KV, None).permute(0, 2, 1, 3)
     # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
-    o = attend(i, q, k, v)
+    o = attend(i, q, k, v, W.get(p + "attn_sinks.weight"))
     a = linear(o.permute(0, 2, 1, 3).reshape(B * T, H * hd), p + "attn_output.weight")
     if fam.post_norms:
         a = norm(a, "post_attention_norm")
     h = h + a
-    x = norm(h, "ffn_norm")
-    f = ACTIVATIONS[fam.ffn](linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight"))
-    f = linear(f, p + "ffn_down.weight")
+    x = norm(h, fam.ffn_norm)
+    act = ACTIVATIONS[fam.ffn]
+    if cfg.moe_layer(i):
+        f = moe_ffn(cfg, W, p, x, linear, act)
+    else:
+        f = linear(act(linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight")),
+                   p + "ffn_down.weight")
     if fam.post_norms:
         f = norm(f, "post_ffw_norm")
     return h + f

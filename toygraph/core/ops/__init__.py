@@ -11,7 +11,7 @@ for attention).
 ===============  =======================================================================
 table            OpSpec, OPS, KERNELS and the helpers the families fill them with
 shape            reshape, permute, contiguous, expand, sum_to, sum, unpack
-elementwise      add, sub, mul, scale, silu, gelu (+ swiglu, geglu, mean)
+elementwise      add, sub, mul, scale, silu, gelu, swiglu_oai (+ swiglu, geglu, mean)
 norm             rms_norm, softmax (row-wise normalisations)
 rotary           rope
 flash_attention  attention (fused, flash-style)
@@ -22,6 +22,7 @@ update           accumulate, global_norm, adamw
 collective       all_reduce (data parallelism over MPI/NCCL)
 cache            cache_write (generation's KV cache)
 preference       token_logprobs, softplus, log_sigmoid, log1mexp (DPO/ORPO losses)
+experts          topk, take_along, group_by_expert, expert_matmul (mixtures of experts)
 ===============  =======================================================================
 
 The builders are re-exported here, so ``ops.<name>`` is every op:
@@ -39,7 +40,7 @@ from toygraph.core.ops.table import (BLOCK_KERNELS, F32, I32, INT32_MAX, KERNELS
 from toygraph.core.ops.shape import (broadcast_shapes, contiguous, expand, permute, reshape,
                                      sum, sum_to, unpack)
 from toygraph.core.ops.elementwise import (add, geglu, gelu, gelu_back, mean, mul, scale, silu,
-                                           silu_back, sub, swiglu)
+                                           silu_back, sub, swiglu, swiglu_oai)
 from toygraph.core.ops.norm import rms_norm, softmax
 from toygraph.core.ops.rotary import rope
 from toygraph.core.ops.flash_attention import attention
@@ -50,6 +51,7 @@ from toygraph.core.ops.update import accumulate, adamw, global_norm
 from toygraph.core.ops.collective import all_reduce
 from toygraph.core.ops.cache import cache_write
 from toygraph.core.ops.preference import log1mexp, log_sigmoid, softplus, token_logprobs
+from toygraph.core.ops.experts import expert_matmul, group_by_expert, take_along, topk
 # isort: on
 
 #: Ops that write into their first operand(s) rather than producing a value.
@@ -59,7 +61,8 @@ __all__ = ["BLOCK_KERNELS", "F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NON
            "OpSpec", "block_kernel", "check", "check_floats", "define_op", "kernel", "make_node", "broadcast_shapes",
            "contiguous", "expand", "permute", "reshape", "sum", "sum_to", "unpack", "add",
            "geglu", "gelu", "gelu_back", "mean", "mul", "scale", "silu", "silu_back", "sub",
-           "swiglu", "rms_norm", "softmax", "rope", "attention", "matmul", "get_rows",
+           "swiglu", "swiglu_oai", "rms_norm", "softmax", "rope", "attention", "matmul", "get_rows",
            "count_valid", "cross_entropy", "linear_cross_entropy", "accumulate", "adamw",
            "global_norm", "log1mexp", "log_sigmoid", "softplus", "token_logprobs",
-           "cache_write", "all_reduce", "SIDE_EFFECTS"]
+           "cache_write", "all_reduce", "expert_matmul", "group_by_expert", "take_along",
+           "topk", "SIDE_EFFECTS"]

@@ -21,3 +21,4 @@ extern "C" __global__ void tg_deq_iq4_nl(float* out, const unsigned char* raw, i
 extern "C" __global__ void tg_deq_q2_k(float* out, const unsigned char* raw, int n) { tg_deq<TgQ2_K>(out, raw, n); }
 extern "C" __global__ void tg_deq_q3_k(float* out, const unsigned char* raw, int n) { tg_deq<TgQ3_K>(out, raw, n); }
 extern "C" __global__ void tg_deq_iq4_xs(float* out, const unsigned char* raw, int n) { tg_deq<TgIQ4_XS>(out, raw, n); }
+extern "C" __global__ void tg_deq_mxfp4(float* out, const unsigned char* raw, int n) { tg_deq<TgMXFP4>(out, raw, n); }

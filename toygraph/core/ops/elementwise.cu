@@ -1,5 +1,5 @@
 // Elementwise ops (ops/elementwise.py): add/sub/mul with broadcasting, scale, and the
-// activations silu and gelu with their backward kernels.
+// activations silu, gelu and gpt-oss's clamped SwiGLU with their backward kernels.
 // __f*_rn intrinsics keep numpy's rounding order (no FMA contraction).
 
 // op: 0 add, 1 sub, 2 mul. `s` walks the output shape with a's and b's strides.
@@ -57,5 +57,42 @@ extern "C" __global__ void tg_gelu_back(float* out, const float* x, const float*
         inner = __fmul_rn(inner, TG_GELU_C);
         float poly = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(3.0f * TG_GELU_A, xi), xi));
         out[i] = __fmul_rn(g[i], __fadd_rn(outer, __fmul_rn(inner, poly)));
+    }
+}
+
+// gpt-oss's clamped SwiGLU: gc = min(gate, limit), uc = clamp(up, -limit, limit),
+// out = gc * sigmoid(alpha gc) * (uc + 1).
+__device__ __forceinline__ void tg_swiglu_oai_parts(float gate, float up, float alpha,
+                                                    float limit, float& gc, float& uc,
+                                                    float& s) {
+    gc = fminf(gate, limit);
+    uc = fminf(fmaxf(up, -limit), limit);
+    s = tg_sigmoid(__fmul_rn(alpha, gc));
+}
+
+extern "C" __global__ void tg_swiglu_oai(float* out, const float* gate, const float* up, int n,
+                                         float alpha, float limit) {
+    TG_GRID_LOOP(i, n) {
+        float gc, uc, s;
+        tg_swiglu_oai_parts(gate[i], up[i], alpha, limit, gc, uc, s);
+        out[i] = __fmul_rn(__fmul_rn(gc, s), __fadd_rn(uc, 1.0f));
+    }
+}
+
+// wrt 0: d gate = g (uc + 1) (s + alpha gc s (1 - s)) where gate <= limit;
+// wrt 1: d up = g gc s where |up| <= limit.
+extern "C" __global__ void tg_swiglu_oai_back(float* out, const float* gate, const float* up,
+                                              const float* g, int n, float alpha, float limit,
+                                              int wrt) {
+    TG_GRID_LOOP(i, n) {
+        float gc, uc, s;
+        tg_swiglu_oai_parts(gate[i], up[i], alpha, limit, gc, uc, s);
+        if (wrt == 0) {
+            float ds = __fmul_rn(__fmul_rn(__fmul_rn(alpha, gc), s), __fsub_rn(1.0f, s));
+            out[i] = gate[i] <= limit
+                ? __fmul_rn(__fmul_rn(g[i], __fadd_rn(uc, 1.0f)), __fadd_rn(s, ds)) : 0.0f;
+        } else {
+            out[i] = fabsf(up[i]) <= limit ? __fmul_rn(g[i], __fmul_rn(gc, s)) : 0.0f;
+        }
     }
 }

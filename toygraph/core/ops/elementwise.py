@@ -1,5 +1,6 @@
 """Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu and gelu (tanh) with
-their backward ops, and the composites built from them (swiglu, geglu, mean). Each op's
+their backward ops, the composites built from them (swiglu, geglu, mean), and gpt-oss's
+clamped SwiGLU (swiglu_oai). Each op's
 builder, shape rule, backward rule, numpy kernel and CUDA lowering (elementwise.cu).
 """
 from __future__ import annotations
@@ -105,6 +106,22 @@ define_op("gelu", infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
 define_op("gelu_back", infer_same2)
 
 
+def swiglu_oai(gate, up, *, alpha: float = 1.702, limit: float = 7.0):
+    """gpt-oss's clamped SwiGLU: g * sigmoid(alpha * g) * (u + 1) with g = min(gate, limit)
+    and u = clamp(up, -limit, limit) (transformers' GptOssExperts._apply_gate, llama.cpp's
+    ggml_swiglu_oai). Clamped inputs get no gradient, as torch.clamp gives none."""
+    return make_node("swiglu_oai", [gate, up], alpha=float(alpha), limit=float(limit))
+
+
+def _grad_swiglu_oai(n, g, need):
+    return [make_node("swiglu_oai_back", [*n.srcs, g], wrt=i, **n.attrs) if need[i] else None
+            for i in (0, 1)]
+
+
+define_op("swiglu_oai", infer_same2, _grad_swiglu_oai)
+define_op("swiglu_oai_back", lambda s, d, a: infer_same2(s[:2], d[:2], a))
+
+
 # --- numpy kernels -----------------------------------------------------------------------------
 @kernel("add")
 def _add_numpy(out, srcs, attrs):
@@ -174,6 +191,34 @@ def _gelu_back_numpy(out, srcs, attrs):
     out[...] = g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + a * x * x))
 
 
+def _swiglu_oai_parts(gate, up, attrs):
+    """(clamped gate, clamped up, sigmoid(alpha * clamped gate))."""
+    gc = np.minimum(gate, gate.dtype.type(attrs["limit"]))
+    uc = np.clip(up, -attrs["limit"], attrs["limit"]).astype(up.dtype)
+    with np.errstate(over="ignore"):
+        s = 1 / (1 + np.exp(-gate.dtype.type(attrs["alpha"]) * gc))
+    return gc, uc, s
+
+
+@kernel("swiglu_oai")
+def _swiglu_oai_numpy(out, srcs, attrs):
+    gc, uc, s = _swiglu_oai_parts(*srcs, attrs)
+    out[...] = gc * s * (uc + 1)
+
+
+@kernel("swiglu_oai_back")
+def _swiglu_oai_back_numpy(out, srcs, attrs):
+    """d gate = g (u + 1) (s + alpha g s (1 - s)) where gate <= limit; d up = g * glu where
+    |up| <= limit."""
+    gate, up, g = srcs
+    gc, uc, s = _swiglu_oai_parts(gate, up, attrs)
+    limit = attrs["limit"]
+    if attrs["wrt"] == 0:
+        out[...] = np.where(gate <= limit, g * (uc + 1) * (s + attrs["alpha"] * gc * s * (1 - s)), 0)
+    else:
+        out[...] = np.where(np.abs(up) <= limit, g * (gc * s), 0)
+
+
 # --- CUDA lowering (elementwise.cu) ------------------------------------------------------------
 #: tg_binary's op code per op.
 BINARY_CODES = {"add": 0, "sub": 1, "mul": 2}
@@ -216,3 +261,15 @@ lowers("silu", kernels=("tg_silu",))(pointwise)
 lowers("silu_back", kernels=("tg_silu_back",))(pointwise)
 lowers("gelu", kernels=("tg_gelu",))(pointwise)
 lowers("gelu_back", kernels=("tg_gelu_back",))(pointwise)
+
+
+@lowers("swiglu_oai", "swiglu_oai_back", kernels=("tg_swiglu_oai", "tg_swiglu_oai_back"))
+def _swiglu_oai(node, at):
+    """Forward: tg_swiglu_oai; backward: tg_swiglu_oai_back for d gate (wrt 0) or d up."""
+    srcs = [p(at.ptr(s)) for s in node.srcs]
+    a = node.attrs
+    tail = [i32(node.size), f32(a["alpha"]), f32(a["limit"])]
+    if node.op == "swiglu_oai":
+        return [Launch("tg_swiglu_oai", grid_1d(node.size), [p(at.out), *srcs, *tail])]
+    return [Launch("tg_swiglu_oai_back", grid_1d(node.size),
+                   [p(at.out), *srcs, *tail, i32(a["wrt"])])]

@@ -34,6 +34,13 @@
 // online softmax is unchanged by a skipped all-masked tile), the others are masked
 // element by element (attn_same_seg). Without segment ids none of this runs.
 //
+// Attention sinks (sinks [H] f32, or a null pointer; gpt-oss): one more logit per query
+// head in every row's softmax, with value 0. The online softmax starts from it (m = sink,
+// l = 1) instead of from nothing (m = -inf, l = 0), in the forward and in the row
+// statistics, so L includes it and the dq/dkdv kernels need no change; tg_attn_bwd_sinks
+// then sums d sinks[h] = -sum_rows exp(sink - L) * D over (batch, query), one block per
+// head in a fixed order.
+//
 // Instantiations (HD, BT, TPR), mirrored by lowering.ATTN_TILES: (32, 32, 4), (64, 32, 4),
 // (128, 16, 8); a head_dim hd <= HD runs on the smallest such HD. Static shared memory
 // stays under 48 KB in every kernel.
@@ -147,8 +154,9 @@ __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Q
 
 template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float* k,
-                                         const float* v, const int* segs, int H, int KV, int T,
-                                         int hd, float scale, int causal, int window) {
+                                         const float* v, const int* segs, const float* sinks,
+                                         int H, int KV, int T, int hd, float scale, int causal,
+                                         int window) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float KVs[BT][HD + 1];
@@ -165,7 +173,8 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
     const int sq = attn_seg(segs, i, T);
     const int* Skp = segs != nullptr ? Sk : nullptr;
     attn_load<HD, BT>(Qs, Q, i0, T, hd);
-    float m = TG_ATTN_NEG_INF, l = 0.0f, acc[ND];
+    float m = sinks != nullptr ? sinks[h] : TG_ATTN_NEG_INF;
+    float l = sinks != nullptr ? 1.0f : 0.0f, acc[ND];
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) acc[dd] = 0.0f;
     const int last = causal ? qt : attn_tiles(T, BT) - 1;
@@ -217,8 +226,9 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
 template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const float* q,
                                               const float* k, const float* o, const float* g,
-                                              const int* segs, int H, int KV, int T, int hd,
-                                              float scale, int causal, int window) {
+                                              const int* segs, const float* sinks, int H,
+                                              int KV, int T, int hd, float scale, int causal,
+                                              int window) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float Ks[BT][HD + 1];
@@ -233,7 +243,8 @@ __device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const fl
     const int sq = attn_seg(segs, i, T);
     const int* Skp = segs != nullptr ? Sk : nullptr;
     attn_load<HD, BT>(Qs, Q, i0, T, hd);
-    float m = TG_ATTN_NEG_INF, l = 0.0f;
+    float m = sinks != nullptr ? sinks[h] : TG_ATTN_NEG_INF;
+    float l = sinks != nullptr ? 1.0f : 0.0f;
     const int last = causal ? qt : attn_tiles(T, BT) - 1;
     for (int kt = attn_first_key_tile(qt, BT, window); kt <= last; ++kt) {
         const int j0 = kt * BT;
@@ -438,13 +449,31 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
     }
 }
 
+// d sinks[h] = -sum over (b, i) of exp(sinks[h] - L[b, h, i]) * D[b, h, i]: one block per
+// head (grid-stride), each thread summing its strided rows in order, then a tree.
+extern "C" __global__ void tg_attn_bwd_sinks(float* dsinks, const float* sinks,
+                                             const float* lse, const float* delta, int B,
+                                             int H, int T) {
+    __shared__ float sh[TG_THREADS];
+    for (int h = blockIdx.x; h < H; h += gridDim.x) {
+        float acc = 0.0f;
+        for (int x = threadIdx.x; x < B * T; x += blockDim.x) {
+            const long long at = ((long long)(x / T) * H + h) * T + x % T;
+            acc = fmaf(expf(__fsub_rn(sinks[h], lse[at])), delta[at], acc);
+        }
+        acc = tg_block_sum(acc, sh);
+        if (threadIdx.x == 0) dsinks[h] = -acc;
+    }
+}
+
 // ---- instantiations: grid (query or key tiles, heads or kv heads, batch), BT * TPR threads
 #define TG_ATTN_FWD_ARGS                                                                  \
-    float *out, const float *q, const float *k, const float *v, const int *segs, int H,    \
-        int KV, int T, int hd, float scale, int causal, int window
+    float *out, const float *q, const float *k, const float *v, const int *segs,           \
+        const float *sinks, int H, int KV, int T, int hd, float scale, int causal, int window
 #define TG_ATTN_PREP_ARGS                                                                 \
     float *lse, float *delta, const float *q, const float *k, const float *o, const float *g, \
-        const int *segs, int H, int KV, int T, int hd, float scale, int causal, int window
+        const int *segs, const float *sinks, int H, int KV, int T, int hd, float scale,      \
+        int causal, int window
 #define TG_ATTN_DKDV_ARGS                                                                 \
     float *dk, float *dv, const float *q, const float *k, const float *v, const float *g,    \
         const float *lse, const float *delta, const int *segs, int H, int KV, int T, int hd, \
@@ -455,23 +484,23 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
         float scale, int causal, int window
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_fwd_32(TG_ATTN_FWD_ARGS) {
-    attn_fwd<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(out, q, k, v, segs, H, KV, T, hd, scale, causal, window);
+    attn_fwd<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(out, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_fwd_64(TG_ATTN_FWD_ARGS) {
-    attn_fwd<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(out, q, k, v, segs, H, KV, T, hd, scale, causal, window);
+    attn_fwd<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(out, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_fwd_128(TG_ATTN_FWD_ARGS) {
-    attn_fwd<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(out, q, k, v, segs, H, KV, T, hd, scale, causal, window);
+    attn_fwd<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(out, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_prep_32(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(lse, delta, q, k, o, g, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(lse, delta, q, k, o, g, segs, sinks, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_prep_64(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(lse, delta, q, k, o, g, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(lse, delta, q, k, o, g, segs, sinks, H, KV, T, hd, scale, causal, window);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_prep_128(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(lse, delta, q, k, o, g, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(lse, delta, q, k, o, g, segs, sinks, H, KV, T, hd, scale, causal, window);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_dkdv_32(TG_ATTN_DKDV_ARGS) {

@@ -1,6 +1,7 @@
 """The fused attention op: softmax(scale * q k^T [causal, optional sliding window]) v
-without a [T, T] score tensor, grouped-query K/V sharing, and its backward op
-attention_back (dq, dk and dv packed in one node, read through shape.unpack views).
+without a [T, T] score tensor, grouped-query K/V sharing, optional attention sinks, and
+its backward op attention_back (dq, dk, dv [and d sinks] packed in one node, read through
+shape.unpack views).
 Builder, shape rules, backward rule, numpy kernels (query blocks) and CUDA lowering
 (flash_attention.cu, flash-style).
 """
@@ -11,7 +12,8 @@ import numpy as np
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import (F32, I32, INT32_MAX, check, check_floats, define_op, kernel,
                                      make_node)
-from toygraph.cuda.lowering import MAX_GRID_YZ, Launch, declare_kernels, f32, i32, lowers, p
+from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, f32, i32, lowers, p,
+                                    rows_grid)
 from toygraph.cuda.lowering.constants import ATTN_TILES
 from toygraph.errors import CudaError
 
@@ -19,8 +21,15 @@ from toygraph.errors import CudaError
 declare_kernels(__file__, "flash_attention.cu")
 
 
-def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0, segments=None):
+def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0, segments=None,
+              sinks=None):
     """softmax(scale * q k^T [causal-masked]) v without a [heads, seq, seq] tensor.
+
+    ``sinks`` (optional f32 [H], gpt-oss's ``attn_sinks``): a learned logit per query head
+    in every row's softmax denominator, as if each query also saw a key of score
+    sinks[h] and value 0 (transformers' GptOssAttention concatenates it to the scores,
+    llama.cpp's ggml_soft_max_add_sinks adds it). It takes probability from the keys and
+    gets a gradient: d sinks[h] = -sum over rows of P_sink * rowsum(dO * O).
 
     ``segments`` (optional i32 [B, T], values >= 0) is sample packing's segment id per
     token: query i then also needs segments[b, i] == segments[b, j] to see key j, so the
@@ -41,21 +50,34 @@ def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0, se
 
     >>> o = attention(q, k, v, scale=hd ** -0.5)          # doctest: +SKIP
     """
-    srcs = [q, k, v] if segments is None else [q, k, v, segments]
+    srcs = [q, k, v] + ([] if segments is None else [segments]) + ([] if sinks is None else [sinks])
     return make_node("attention", srcs, scale=float(scale), causal=bool(causal),
-                     window=int(window))
+                     window=int(window), sinks=sinks is not None)
+
+
+def split_operands(srcs, op: str, attrs):
+    """(q, k, v, segments or None, sinks or None, [o, g] for attention_back) of the
+    sources of an ``op`` node (tensors, or a numpy kernel's arrays): segment ids and sinks
+    are optional sources after v (attrs["sinks"] says whether the sinks are there)."""
+    n = 3 if op == "attention" else 5
+    has_sinks = attrs.get("sinks", False)
+    segmented = len(srcs) - has_sinks > n
+    q, k, v = srcs[:3]
+    seg = srcs[3] if segmented else None
+    sinks = srcs[3 + segmented] if has_sinks else None
+    return q, k, v, seg, sinks, list(srcs[3 + segmented + has_sinks:])
 
 
 def attention_operands(node):
-    """(q, k, v, segments or None, [o, g] for attention_back) of an attention node: the
-    segment ids are an optional fourth source."""
-    n = 3 if node.op == "attention" else 5
-    segmented = len(node.srcs) > n
-    q, k, v = node.srcs[:3]
-    return q, k, v, node.srcs[3] if segmented else None, list(node.srcs[3 + segmented:])
+    """split_operands of an attention or attention_back node."""
+    return split_operands(node.srcs, node.op, node.attrs)
 
 
 def _infer_attention(shapes, dtypes, attrs):
+    if attrs.get("sinks"):
+        check(dtypes[-1] == F32 and tuple(shapes[-1]) == (shapes[0][1],),
+              f"sinks must be f32 [heads] = [{shapes[0][1]}], got {dtypes[-1]} {shapes[-1]}")
+        shapes, dtypes = shapes[:-1], dtypes[:-1]
     if len(shapes) == 4:
         seg = shapes[3]
         check(dtypes[3] == I32, f"segment ids must be i32, got {dtypes[3]}")
@@ -76,47 +98,56 @@ def _infer_attention(shapes, dtypes, attrs):
 
 
 def _infer_attention_back(shapes, dtypes, attrs):
-    n = len(shapes) - 2    # q, k, v[, segments], o, g
+    n = len(shapes) - 2    # q, k, v[, segments][, sinks], o, g
     _infer_attention(shapes[:n], dtypes[:n], attrs)
     check_floats(dtypes[n:])
     q, k = shapes[:2]
     o, g = shapes[n:]
     check(tuple(o) == tuple(q) and tuple(g) == tuple(q),
           f"output {o} and its gradient {g} must have q's shape {q}")
-    return (int(np.prod(q)) + 2 * int(np.prod(k)),), F32
+    return (int(np.prod(q)) + 2 * int(np.prod(k)) + (q[1] if attrs.get("sinks") else 0),), F32
 
 
 def _grad_attention(n, g, need):
+    """dq, dk, dv (and d sinks) are views into one attention_back node, packed in that
+    order; segment ids are integers and get no gradient."""
     back = make_node("attention_back", [*n.srcs, n, g], **n.attrs)
+    segmented = attention_operands(n)[3] is not None
     grads, offset = [], 0
-    for s, nd in zip(n.srcs[:3], need):
+    for i, (s, nd) in enumerate(zip(n.srcs, need)):
+        if i == 3 and segmented:
+            grads.append(None)
+            continue
         grads.append(unpack(back, offset, s.shape) if nd else None)
         offset += s.size
-    return grads + [None] * (len(n.srcs) - 3)   # segment ids: integers, no gradient
+    return grads
 
 
 #: Segment ids are only compared for equality; any non-negative int32 is one.
 _SEGMENT_IDS = {3: (0, INT32_MAX, "segment ids (>= 0)")}
 define_op("attention", _infer_attention, _grad_attention,
-          id_ranges=lambda n: _SEGMENT_IDS if len(n.srcs) == 4 else {})
+          id_ranges=lambda n: _SEGMENT_IDS if attention_operands(n)[3] is not None else {})
 define_op("attention_back", _infer_attention_back,
-          id_ranges=lambda n: _SEGMENT_IDS if len(n.srcs) == 6 else {})
+          id_ranges=lambda n: _SEGMENT_IDS if attention_operands(n)[3] is not None else {})
 
 
 # --- numpy kernels -----------------------------------------------------------------------------
+
 # Query rows per block: the scores of one block are [B, KV, group * rows, keys], never the
 # whole [B, H, T, T]. The grouped query heads that share a K/V head are folded into the
 # rows, so each block is one BLAS matmul per (batch, kv head).
 ATTN_ROWS = 256
 
 
-def _attn_blocks(q, k, attrs, segments=None):
+def _attn_blocks(q, k, attrs, segments=None, sinks=None):
     """Per query block [i0, i1): the visible keys [j0, j1) as a slice, the block's queries
-    folded to [B, KV, G * rows, hd] and its probabilities softmax(scale * q k^T)
-    [B, KV, G * rows, j1 - j0]. Query i sees key j iff j <= i (causal), i - j < window
-    (when window > 0) and, with ``segments`` [B, T], segments[b, i] == segments[b, j], so
-    keys past the block's last query and before its first query's window are never
-    multiplied; other segments' keys are masked per block, never as a [T, T] array."""
+    folded to [B, KV, G * rows, hd], its probabilities softmax(scale * q k^T)
+    [B, KV, G * rows, j1 - j0] and, with ``sinks`` [H], each row's sink probability
+    [1 or B, KV, G * rows, 1] (else None). Query i sees key j iff j <= i (causal),
+    i - j < window (when window > 0) and, with ``segments`` [B, T], segments[b, i] ==
+    segments[b, j], so keys past the block's last query and before its first query's
+    window are never multiplied; other segments' keys are masked per block, never as a
+    [T, T] array."""
     B, H, T, hd = q.shape
     KV = k.shape[1]
     G = H // KV
@@ -140,10 +171,21 @@ def _attn_blocks(q, k, attrs, segments=None):
         if masked.any():
             np.copyto(probs.reshape(B, KV, G, rows, j1 - j0), -np.inf,
                       where=masked[:, None, None])
-        probs -= probs.max(axis=-1, keepdims=True)
-        np.exp(probs, out=probs)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        yield i0, i1, keys, qb, probs
+        psink = None
+        if sinks is None:
+            probs -= probs.max(axis=-1, keepdims=True)
+            np.exp(probs, out=probs)
+            probs /= probs.sum(axis=-1, keepdims=True)
+        else:  # one more logit per row, sinks[h], with value 0
+            sink = np.repeat(sinks.reshape(1, KV, G, 1), rows, axis=3).reshape(1, KV, G * rows, 1)
+            top = np.maximum(probs.max(axis=-1, keepdims=True), sink)
+            probs -= top
+            np.exp(probs, out=probs)
+            psink = np.exp(sink - top)
+            den = probs.sum(axis=-1, keepdims=True) + psink
+            probs /= den
+            psink = psink / den
+        yield i0, i1, keys, qb, probs, psink
 
 
 def _fold(x5, i0, i1):
@@ -158,29 +200,33 @@ def _attention_numpy(out, srcs, attrs):
     B, H, T, hd = q.shape
     KV = k.shape[1]
     out5 = out.reshape(B, KV, H // KV, T, hd)
-    for i0, i1, keys, _, pr in _attn_blocks(q, k, attrs, *srcs[3:]):
+    _, _, _, seg, sinks, _ = split_operands(srcs, "attention", attrs)
+    for i0, i1, keys, _, pr, _ in _attn_blocks(q, k, attrs, seg, sinks):
         out5[:, :, :, i0:i1] = np.matmul(pr, v[:, :, keys]).reshape(B, KV, H // KV, i1 - i0, hd)
 
 
 @kernel("attention_back")
 def _attention_back_numpy(out, srcs, attrs):
-    """[dq, dk, dv] packed flat, from the recomputed probabilities block by block:
-    dv = P^T dO, dS = P * (dO V^T - rowsum(dO * O)) * scale, dq = dS K, dk = dS^T Q."""
-    q, k, v, *segments, o, g = srcs    # segments: [] or [segment ids]
+    """[dq, dk, dv (, d sinks)] packed flat, from the recomputed probabilities block by
+    block: dv = P^T dO, dS = P * (dO V^T - rowsum(dO * O)) * scale, dq = dS K, dk = dS^T Q,
+    d sinks[h] = -sum of P_sink * rowsum(dO * O) over h's rows."""
+    q, k, v, seg, sinks, (o, g) = split_operands(srcs, "attention_back", attrs)
     B, H, T, hd = q.shape
     KV = k.shape[1]
     G = H // KV
     nq, nk = q.size, k.size
     dq = out[:nq].reshape(B, KV, G, T, hd)
     dk = out[nq:nq + nk].reshape(k.shape)
-    dv = out[nq + nk:].reshape(v.shape)
-    dk.fill(0)
-    dv.fill(0)
+    dv = out[nq + nk:nq + 2 * nk].reshape(v.shape)
+    dsinks = out[nq + 2 * nk:]   # [H] = [KV, G] with sinks, else empty
+    out[nq:].fill(0)
     g5, o5 = g.reshape(dq.shape), o.reshape(dq.shape)
     scale = out.dtype.type(attrs["scale"])
-    for i0, i1, keys, qb, pr in _attn_blocks(q, k, attrs, *segments):
+    for i0, i1, keys, qb, pr, psink in _attn_blocks(q, k, attrs, seg, sinks):
         gb = _fold(g5, i0, i1)
         delta = np.sum(gb * _fold(o5, i0, i1), axis=-1, keepdims=True)
+        if psink is not None:
+            dsinks -= (psink * delta).sum(axis=(0, 3)).reshape(KV, G, i1 - i0).sum(axis=2).ravel()
         dv[:, :, keys] += np.matmul(np.swapaxes(pr, -1, -2), gb)
         ds = np.matmul(gb, np.swapaxes(v[:, :, keys], -1, -2))
         ds -= delta
@@ -208,17 +254,20 @@ def _attention_scratch(node) -> int:
 @lowers("attention_back", scratch=_attention_scratch,
         kernels=("tg_attn_bwd_prep_32", "tg_attn_bwd_prep_64", "tg_attn_bwd_prep_128",
                  "tg_attn_bwd_dkdv_32", "tg_attn_bwd_dkdv_64", "tg_attn_bwd_dkdv_128",
-                 "tg_attn_bwd_dq_32", "tg_attn_bwd_dq_64", "tg_attn_bwd_dq_128"))
+                 "tg_attn_bwd_dq_32", "tg_attn_bwd_dq_64", "tg_attn_bwd_dq_128",
+                 "tg_attn_bwd_sinks"))
 def _attention(node, at) -> list[Launch]:
     """attention: one launch, a block per (query tile, head, batch). attention_back: the
     row statistics into scratch, then dk/dv per (key tile, kv head, batch) and dq per
     (query tile, head, batch), written straight into the packed [dq, dk, dv] output. The
     kernels are instantiated per head_dim bound HD (constants.ATTN_TILES), named ``_HD``.
-    Optional segment ids (sample packing) pass as a pointer after the float operands, a
-    null pointer without them."""
+    Optional segment ids (sample packing) and sinks pass as pointers after the float
+    operands, null pointers without them; with sinks, attention_back ends with their
+    gradient (tg_attn_bwd_sinks, one block per head, from the row statistics)."""
     out, ptr, scratch = at.out, at.ptr, at.scratch
-    q, k, v, seg, rest = attention_operands(node)
+    q, k, v, seg, sinks, rest = attention_operands(node)
     segs = p(ptr(seg) if seg is not None else 0)
+    sink = p(ptr(sinks) if sinks is not None else 0)
     B, H, T, hd = q.shape
     KV = k.shape[1]
     HD, BT, TPR = attention_config(hd)
@@ -231,15 +280,20 @@ def _attention(node, at) -> list[Launch]:
     per_head, per_kv = (tiles, H, B), (tiles, KV, B)
     if node.op == "attention":
         return [Launch(f"tg_attn_fwd_{HD}", per_head,
-                       [p(out), p(ptr(q)), p(ptr(k)), p(ptr(v)), segs, *common], block)]
+                       [p(out), p(ptr(q)), p(ptr(k)), p(ptr(v)), segs, sink, *common], block)]
     o, g = rest
     lse, delta = scratch, scratch + 4 * B * H * T
     dq, dk, dv = out, out + 4 * q.size, out + 4 * (q.size + k.size)
     stats = [p(lse), p(delta), segs]
     qkvg = [p(ptr(q)), p(ptr(k)), p(ptr(v)), p(ptr(g))]
-    return [Launch(f"tg_attn_bwd_prep_{HD}", per_head,
-                   [p(lse), p(delta), p(ptr(q)), p(ptr(k)), p(ptr(o)), p(ptr(g)), segs,
-                    *common], block),
-            Launch(f"tg_attn_bwd_dkdv_{HD}", per_kv, [p(dk), p(dv), *qkvg, *stats, *common],
-                   block),
-            Launch(f"tg_attn_bwd_dq_{HD}", per_head, [p(dq), *qkvg, *stats, *common], block)]
+    launches = [Launch(f"tg_attn_bwd_prep_{HD}", per_head,
+                       [p(lse), p(delta), p(ptr(q)), p(ptr(k)), p(ptr(o)), p(ptr(g)), segs,
+                        sink, *common], block),
+                Launch(f"tg_attn_bwd_dkdv_{HD}", per_kv,
+                       [p(dk), p(dv), *qkvg, *stats, *common], block),
+                Launch(f"tg_attn_bwd_dq_{HD}", per_head, [p(dq), *qkvg, *stats, *common], block)]
+    if sinks is not None:
+        dsinks = out + 4 * (q.size + 2 * k.size)
+        launches.append(Launch("tg_attn_bwd_sinks", rows_grid(H),
+                               [p(dsinks), sink, p(lse), p(delta), i32(B), i32(H), i32(T)]))
+    return launches

@@ -30,7 +30,8 @@ declare_kernels(__file__, "tc_matmul.cu", needs=("tc_layout.cuh",),
 #: Dequantization kernel per const storage format (f32 consts are used as they are).
 DEQUANT_KERNELS: dict[str, str] = {
     fmt: f"tg_deq_{fmt}" for fmt in ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
-                                     "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")
+                                     "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs",
+                                     "mxfp4")
 }
 #: Kernels that read a const in its block format (qmatmul.cu, rows.cu), per storage format:
 #: "nt" y = x @ W^T, "nn" dx = dy @ W, "rows" get_rows from a block-format table.
@@ -224,7 +225,8 @@ def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
 def _weight_in_blocks(node, index: int) -> bool:
     """A matmul reads its b in block format as the weight of ``x @ W^T`` / ``dy @ W``: a
     2-D b, trans_a=False, a's batch axes folded into M."""
-    return index == 1 and node.srcs[0] is not node.srcs[1] and not node.attrs["trans_a"]
+    return (index == 1 and node.srcs[1].ndim == 2 and node.srcs[0] is not node.srcs[1]
+            and not node.attrs["trans_a"])
 
 
 @lowers("matmul", kernels=("tg_matmul",), block_format=_weight_in_blocks)

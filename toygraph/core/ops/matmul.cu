@@ -28,6 +28,34 @@ __device__ __forceinline__ void tg_mm_tile_fma(const float (*As)[MM_BM + 1],
     }
 }
 
+// This thread's 4x4 outputs, zeroed; and stored into C [M, N] (row-major) inside the
+// bounds, for the tile at (m0, n0), or added to what C holds (ACC). Shared by the tiled
+// kernels (here, qmatmul.cu, experts.cu).
+__device__ __forceinline__ void tg_mm_zero(float (&acc)[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+}
+
+template <bool ACC = false>
+__device__ __forceinline__ void tg_mm_store(float* C, const float (&acc)[4][4], int m0, int n0,
+                                            int M, int N, int tx, int ty) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int gm = m0 + ty + 16 * i;
+        if (gm >= M) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int gn = n0 + tx + 16 * j;
+            if (gn < N) {
+                float* c = C + (long long)gm * N + gn;
+                *c = ACC ? __fadd_rn(*c, acc[i][j]) : acc[i][j];
+            }
+        }
+    }
+}
+
 template <bool ACC>
 __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, const float* b,
                                                 int M, int N, int K, int sam, int sak, int sbk,
@@ -42,10 +70,7 @@ __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, cons
         const float* A = a + oa;
         const float* B = b + ob;
         float acc[4][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+        tg_mm_zero(acc);
         for (int k0 = 0; k0 < K; k0 += MM_BK) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
@@ -61,20 +86,7 @@ __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, cons
             tg_mm_tile_fma(As, Bs, acc, tx, ty);
             __syncthreads();
         }
-        float* C = out + (long long)z * M * N;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            int gm = m0 + ty + 16 * i;
-            if (gm >= M) continue;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                int gn = n0 + tx + 16 * j;
-                if (gn < N) {
-                    float* c = C + (long long)gm * N + gn;
-                    *c = ACC ? __fadd_rn(*c, acc[i][j]) : acc[i][j];
-                }
-            }
-        }
+        tg_mm_store<ACC>(out + (long long)z * M * N, acc, m0, n0, M, N, tx, ty);
     }
 }
 

@@ -18,10 +18,7 @@ __device__ __forceinline__ void tg_qmm(float* out, const float* a, const unsigne
     int t = threadIdx.x, tx = t % 16, ty = t / 16;
     int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
     float acc[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    tg_mm_zero(acc);
     for (int k0 = 0; k0 < K; k0 += MM_BK) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -45,16 +42,7 @@ __device__ __forceinline__ void tg_qmm(float* out, const float* a, const unsigne
         tg_mm_tile_fma(As, Bs, acc, tx, ty);
         __syncthreads();
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        int gm = m0 + ty + 16 * i;
-        if (gm >= M) continue;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            int gn = n0 + tx + 16 * j;
-            if (gn < N) out[(long long)gm * N + gn] = acc[i][j];
-        }
-    }
+    tg_mm_store(out, acc, m0, n0, M, N, tx, ty);
 }
 
 #define TG_QMM_ARGS float* out, const float* a, const unsigned char* w, int M, int N, int K, int row_bytes
@@ -73,6 +61,7 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_nl(TG_QMM
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_mxfp4(TG_QMM_ARGS) { tg_qmm<TgMXFP4, true>(out, a, w, M, N, K, row_bytes); }
 
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_f16(TG_QMM_ARGS) { tg_qmm<TgF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, false>(out, a, w, M, N, K, row_bytes); }
@@ -88,3 +77,4 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_nl(TG_QMM
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_mxfp4(TG_QMM_ARGS) { tg_qmm<TgMXFP4, false>(out, a, w, M, N, K, row_bytes); }

@@ -61,3 +61,4 @@ extern "C" __global__ void tg_get_rows_iq4_nl(TG_QROWS_ARGS) { tg_get_rows_q<TgI
 extern "C" __global__ void tg_get_rows_q2_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ2_K>(out, table, ids, n, D, row_bytes); }
 extern "C" __global__ void tg_get_rows_q3_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ3_K>(out, table, ids, n, D, row_bytes); }
 extern "C" __global__ void tg_get_rows_iq4_xs(TG_QROWS_ARGS) { tg_get_rows_q<TgIQ4_XS>(out, table, ids, n, D, row_bytes); }
+extern "C" __global__ void tg_get_rows_mxfp4(TG_QROWS_ARGS) { tg_get_rows_q<TgMXFP4>(out, table, ids, n, D, row_bytes); }

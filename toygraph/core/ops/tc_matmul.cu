@@ -291,6 +291,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_nl_bf1
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q2_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q3_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_xs_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_mxfp4_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgMXFP4, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_f16_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_bf16_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgBF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q8_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
@@ -305,6 +306,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_nl_bf1
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q2_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q3_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_xs_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_mxfp4_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgMXFP4, false>(out, a, w, M, N, K, row_bytes); }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_f16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgF16, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_bf16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgBF16, true>(out, a, w, M, N, K, row_bytes); }
@@ -320,6 +322,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_nl_tf3
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q2_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q3_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_xs_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_mxfp4_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgMXFP4, true>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_f16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_bf16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgBF16, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q8_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
@@ -334,3 +337,4 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_nl_tf3
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q2_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q3_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_xs_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_mxfp4_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgMXFP4, false>(out, a, w, M, N, K, row_bytes); }

@@ -114,6 +114,18 @@ struct TgIQ4_NL {  // d | qs[16], values from the non-linear table
     }
 };
 
+// MXFP4's e2m1 levels, doubled (blocks.MXFP4_VALUES).
+__device__ const signed char tg_mxfp4_values[16] = {TG_MXFP4_VALUES};
+
+struct TgMXFP4 {  // e | qs[16]: 2^(e - 128) * level (ggml_e8m0_to_fp32_half's bits)
+    static constexpr int QK = TG_MXFP4_QK, BYTES = TG_MXFP4_BYTES;
+    static __device__ __forceinline__ float at(const unsigned char* blk, int i) {
+        unsigned e = blk[TG_MXFP4_E];
+        float d = __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1u) << 23));
+        return __fmul_rn(d, (float)tg_mxfp4_values[tg_nib32(blk + TG_MXFP4_QS, i)]);
+    }
+};
+
 struct TgQ2_K {  // scales[16] | qs[64] | d | dmin: (d*(sc & 15))*q - dmin*(sc >> 4)
     static constexpr int QK = TG_Q2_K_QK, BYTES = TG_Q2_K_BYTES;
     static __device__ __forceinline__ float at(const unsigned char* blk, int i) {

@@ -30,10 +30,11 @@ def scratch_bytes(node) -> int:
 
 
 def reads_block_format(node, index: int) -> bool:
-    """Whether ``node`` can read its source ``index`` (a 2-D const in a block_storage()
-    format) in its block format; which operands may is each op's registry rule."""
+    """Whether ``node`` can read its source ``index`` (a const of 2 or more dims in a
+    block_storage() format: a weight, or stacked experts) in its block format; which
+    operands may is each op's registry rule."""
     src = node.srcs[index]
-    if src.role != "const" or src.storage not in block_storage() or len(src.shape) != 2:
+    if src.role != "const" or src.storage not in block_storage() or len(src.shape) < 2:
         return False
     entry = REGISTRY.get(node.op)
     return bool(entry and entry.block_format and entry.block_format(node, index))

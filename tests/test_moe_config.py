@@ -1,0 +1,75 @@
+"""Every mixture-of-experts key of a GGUF is implemented or refused in one line
+(models/config.py's _experts), on the metadata of the committed llama.cpp conversion."""
+import numpy as np
+import pytest
+
+from moe_references import gguf_path
+from toygraph.core import ops
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
+from toygraph.errors import GGUFError
+from toygraph.gguf.file import GGUFFile
+from toygraph.models.config import check_tensors, layer_shapes, read_config
+from toygraph.models.decoder import build_decoder
+
+
+def config_with(changes: dict, name="qwen3moe"):
+    """read_config of the file's metadata with ``changes`` ("<arch>." keys; None removes)."""
+    f = GGUFFile(gguf_path(name))
+    arch = f.metadata("general.architecture")
+    meta = {k: f.metadata(k) for k in f.reader.fields}
+    for key, value in changes.items():
+        meta.pop(f"{arch}.{key}", None)
+        if value is not None:
+            meta[f"{arch}.{key}"] = value
+    return read_config(meta.get, list(meta), f._shapes, "m.gguf"), f._shapes
+
+
+def test_the_file_reads_as_a_mixture():
+    cfg, shapes = config_with({})
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp) == (6, 2, 32)
+    assert cfg.expert_weights_norm and cfg.expert_weights_scale == 1.0 and cfg.n_dense_lead == 0
+    check_tensors(cfg, shapes, "m.gguf")   # every tensor consumed, none missing
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"expert_shared_count": 1}, "shared experts are not implemented"),
+    ({"expert_shared_feed_forward_length": 64}, "shared experts are not implemented"),
+    ({"expert_gating_func": 2}, r"expert_gating_func = 2 is not supported \(only 1, softmax\)"),
+    ({"expert_used_count": 7}, "expert_used_count = 7 exceeds qwen3moe.expert_count = 6"),
+    ({"expert_count": None}, "missing metadata key 'qwen3moe.expert_count'"),
+    ({"expert_feed_forward_length": None}, "missing metadata key 'qwen3moe.expert_feed_forward"),
+    ({"expert_weights_norm": 1}, "must be a bool"),
+    ({"leading_dense_block_count": 2}, r"must be in \[0, block_count = 2\)"),
+    ({"expert_group_count": 2}, "'qwen3moe.expert_group_count' is not understood"),
+])
+def test_keys_that_would_change_the_math_are_refused_in_one_line(changes, message):
+    with pytest.raises(GGUFError, match=message) as e:
+        config_with(changes)
+    assert "\n" not in str(e.value)
+
+
+def test_weights_norm_and_scale_are_read():
+    cfg, _ = config_with({"expert_weights_norm": False, "expert_weights_scale": 2.5})
+    assert not cfg.expert_weights_norm and cfg.expert_weights_scale == 2.5
+
+
+def test_leading_dense_layers_have_a_plain_ffn():
+    cfg, shapes = config_with({"leading_dense_block_count": 1})
+    assert "blk.0.ffn_gate.weight" in layer_shapes(cfg, 0)
+    assert "blk.1.ffn_gate_exps.weight" in layer_shapes(cfg, 1)
+    with pytest.raises(GGUFError, match="missing required tensor 'blk.0.ffn_gate.weight'"):
+        check_tensors(cfg, shapes, "m.gguf")
+    # The builder follows the config: a dense layer 0, an expert layer 1, finite loss.
+    g = Graph()
+    net = build_decoder(g, cfg, batch=1, seq_len=5, weights="scratch")
+    labels = g.input("labels", (5,), "i32")
+    loss = g.output(ops.cross_entropy(net.logits, labels))
+    assert "ffn_gate_exps" not in " ".join(n for n in net.weights if n.startswith("blk.0."))
+    s = Session(g)
+    s.realize()
+    s.upload(net.tokens, np.arange(5, dtype=np.int32)[None])
+    s.upload(net.positions, np.arange(5, dtype=np.int32)[None])
+    s.upload(labels, np.arange(1, 6, dtype=np.int32))
+    s.run("forward")
+    assert np.isfinite(s.download(loss))
