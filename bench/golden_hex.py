@@ -5,7 +5,9 @@ say whether a change moved any loss by even one bit.
     python bench/golden_hex.py before.json            # all experiments
     python bench/golden_hex.py after.json lora_qv_tiny_llama dpo_qv_tiny_llama
     python bench/golden_hex.py --compare before.json after.json
+    TOYGRAPH_BASE_MEMORY=quantized python bench/golden_hex.py --cpu q.json   # numpy only
 
+``--compare`` compares the runs both files hold and lists the ones only one holds.
 SmolLM2 (lora_qv_smollm2) runs on numpy only: 135M parameters through the host executor's
 fibers would take hours.
 """
@@ -16,12 +18,12 @@ import os
 import sys
 
 
-def record(path: str, names: list[str]) -> None:
+def record(path: str, names: list[str], backends=("cpu", "cuda")) -> None:
     os.environ.setdefault("TOYGRAPH_CUDA_DEVICE", "host")
     from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
     out = {}
     for name in names or sorted(EXPERIMENTS):
-        for backend in ("cpu", "cuda"):
+        for backend in backends:
             if backend == "cuda" and name == "lora_qv_smollm2":
                 continue
             losses = run_experiment(EXPERIMENTS[name], backend)
@@ -33,12 +35,18 @@ def record(path: str, names: list[str]) -> None:
 
 def compare(a_path: str, b_path: str) -> int:
     a, b = (json.load(open(p)) for p in (a_path, b_path))
-    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-    print(f"{len(a)} vs {len(b)} runs; {len(differ)} differ{': ' + ', '.join(differ) if differ else ''}")
+    differ = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+    alone = sorted(a.keys() ^ b.keys())
+    print(f"{len(a)} vs {len(b)} runs; {len(a.keys() & b.keys())} in both, {len(differ)} differ"
+          f"{': ' + ', '.join(differ) if differ else ''}"
+          f"{'; only in one: ' + ', '.join(alone) if alone else ''}")
     return 1 if differ else 0
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--compare"]:
         sys.exit(compare(sys.argv[2], sys.argv[3]))
-    record(sys.argv[1], sys.argv[2:])
+    if sys.argv[1:2] == ["--cpu"]:
+        record(sys.argv[2], sys.argv[3:], backends=("cpu",))
+    else:
+        record(sys.argv[1], sys.argv[2:])

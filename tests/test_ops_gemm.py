@@ -93,7 +93,7 @@ def test_quantized_lowering_matches_numpy_on_the_dequantized_weight(fmt, build):
         node = ops.get_rows(w, g.input("ids", (3, 11), "i32"))
     x = node.srcs[1] if build == "get_rows" else node.srcs[0]
     addr = {w.id: 1 << 24, x.id: 2 << 24, node.id: 3 << 24}
-    mem = {addr[w.id]: blocks._as_bytes(raw), addr[x.id]: np.asarray(xv).ravel(),
+    mem = {addr[w.id]: blocks.as_bytes(raw), addr[x.id]: np.asarray(xv).ravel(),
            addr[node.id]: np.zeros(node.size)}
     launches = dispatch.lower(node, lambda t: addr[t.id], raw_consts={w.id})
     assert [l.kernel for l in launches] == [QUANT_KERNELS[fmt][

@@ -119,7 +119,7 @@ def _lce_replay(node, vals, raw, scratch_nan=True):
     addr[node.id] = 60 << 26
     mem = {}
     for s, v in zip(node.srcs, vals):
-        mem[addr[s.id]] = (blocks._as_bytes(raw).copy() if (raw is not None and s is node.srcs[1])
+        mem[addr[s.id]] = (blocks.as_bytes(raw).copy() if (raw is not None and s is node.srcs[1])
                            else np.asarray(v, np.float64).ravel().copy())
     mem[addr[node.id]] = np.full(max(node.size, 1), np.nan)
     scratch = 70 << 26

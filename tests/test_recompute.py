@@ -10,7 +10,7 @@ from toygraph.errors import GraphError
 from toygraph.fixtures import tiny_models
 from toygraph.models.model import GGUFModel
 from toygraph.core.graph import Graph
-from toygraph.core.memory import _aligned
+from toygraph.core.memory import aligned
 from toygraph.core.optimizer import build_training, hp_row
 from toygraph.recipes import RECIPES, RecipeOptions
 
@@ -113,7 +113,7 @@ def test_arena_grows_by_one_saved_input_per_layer(model_files, kind):
             recipe.realize(model, model.config, RecipeOptions(seq_len=32, batch=4,
                                                               checkpoint_activations=ckpt))
             arena[layers, ckpt] = recipe.sess.plan.arena_bytes
-    saved_input = _aligned(4 * 32 * model.config.n_embd * 4)
+    saved_input = aligned(4 * 32 * model.config.n_embd * 4)
     per_layer = {c: (arena[6, c] - arena[2, c]) / 4 for c in (False, True)}
     assert per_layer[True] <= saved_input, (per_layer, saved_input)
     assert per_layer[False] > 3 * saved_input, (per_layer, saved_input)

@@ -58,12 +58,12 @@ def test_plan_never_overlaps_live_buffers():
 
 
 def _no_reuse(schedule, pinned, itemsize, pinned_bytes):
-    from toygraph.core.memory import BufferPlan, _aligned, is_planned
+    from toygraph.core.memory import BufferPlan, aligned, is_planned
     plan = BufferPlan(pinned_bytes=pinned_bytes)
     for t in schedule:
         if is_planned(t, pinned):
             plan.offsets[t.id] = plan.arena_bytes
-            plan.arena_bytes += _aligned(max(1, t.size) * itemsize)
+            plan.arena_bytes += aligned(max(1, t.size) * itemsize)
     plan.naive_bytes = plan.arena_bytes
     return plan
 

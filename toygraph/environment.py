@@ -55,6 +55,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "replay each phase as a captured CUDA graph (0: launch kernels one by one)"),
     Setting("TOYGRAPH_CUDA_QMATMUL", "flag", "1",
             "keep block-format weights quantized on the device (0: f32 copies of all)"),
+    Setting("TOYGRAPH_BASE_MEMORY", "choice", "auto",
+            "how the numpy backend holds a frozen base stored as f16/bf16/quantized blocks: "
+            "`decode` to f32 once at realize (fastest; 4 bytes a weight), `quantized` in its "
+            "file's format, decoded just in time by each op reading it, `auto` decode when "
+            "that fits the machine's memory", ("auto", "decode", "quantized")),
     Setting("TOYGRAPH_HOST_OPT", "choice", "-O1",
             "g++ optimisation level of the host executor's kernel library",
             ("-O0", "-O1", "-O2", "-O3")),

@@ -22,14 +22,41 @@ class BufferPlan:
     arena_bytes: int = 0     # bytes the arena needs with reuse
     naive_bytes: int = 0     # bytes the same intermediates need with no reuse
     pinned_bytes: int = 0    # inputs, consts, params, state and outputs
+    # The numpy backend's frozen base in block formats (core/base_memory.py): "decode"
+    # (f32 copies, counted in pinned_bytes) or "quantized" (its block bytes, base_bytes,
+    # read through the decode scratch); "" when the graph has no such const.
+    base_memory: str = ""
+    base_bytes: int = 0      # the block-format consts: f32 copies, or their block bytes
+    scratch_bytes: int = 0   # the one buffer just-in-time decodes write into
+    quantized: frozenset = frozenset()   # ids of the consts kept in their block format
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the plan holds from realize on (quantized base bytes included)."""
+        extra = self.base_bytes + self.scratch_bytes if self.base_memory == "quantized" else 0
+        return self.arena_bytes + self.pinned_bytes + extra
 
     def summary(self) -> str:
         mib = 1 / (1 << 20)
-        return (f"arena {self.arena_bytes * mib:.1f} MiB (no reuse: {self.naive_bytes * mib:.1f} MiB), "
+        text = (f"arena {self.arena_bytes * mib:.1f} MiB (no reuse: {self.naive_bytes * mib:.1f} MiB), "
                 f"pinned {self.pinned_bytes * mib:.1f} MiB")
+        if self.base_memory == "decode":
+            text += f" (of which the base decoded to f32: {self.base_bytes * mib:.1f} MiB)"
+        elif self.base_memory == "quantized":
+            text += (f", base kept quantized {self.base_bytes * mib:.1f} MiB + decode scratch "
+                     f"{self.scratch_bytes * mib:.1f} MiB")
+        return text
+
+    def report(self) -> dict:
+        """The plan's bytes by kind (for events.jsonl and benchmarks)."""
+        return {"arena_bytes": self.arena_bytes, "naive_bytes": self.naive_bytes,
+                "pinned_bytes": self.pinned_bytes, "base_memory": self.base_memory,
+                "base_bytes": self.base_bytes, "scratch_bytes": self.scratch_bytes,
+                "total_bytes": self.total_bytes}
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` bytes rounded up to the ALIGN boundary every buffer starts on."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -48,7 +75,7 @@ def plan_buffers(schedule, pinned: set[int], itemsize: int, pinned_bytes: int = 
     live: list[tuple[int, int, int]] = []  # (offset, size, tensor id), sorted by offset
     for i, t in enumerate(schedule):
         if is_planned(t, pinned):
-            size = _aligned(max(1, t.size) * itemsize)
+            size = aligned(max(1, t.size) * itemsize)
             offset = _first_fit(live, size)
             live.append((offset, size, t.id))
             live.sort()

@@ -1,25 +1,37 @@
 """The numpy backend: buffers from the shared plan, one kernel call per scheduled node. The
-kernels are the ops' own (``ops.KERNELS``, each in its family module of toygraph/core/ops/)."""
+kernels are the ops' own (``ops.KERNELS``, each in its family module of toygraph/core/ops/).
+
+A frozen base the plan keeps quantized (``plan.quantized``, core/base_memory.py) is held as
+``gguf.decode.BlockTensor``s; before a node that reads one runs, it is decoded into the
+decode scratch and the node's kernel reads that (or the op's block kernel reads the bytes
+itself, ``ops.BLOCK_KERNELS``). The scratch remembers what it holds, so a node reading the
+const the previous decode left there (the tied head's backward right after its forward)
+decodes nothing. ``decode_seconds`` adds up the time spent decoding.
+"""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
+from toygraph.core.base_memory import check_fits, scratch_layout
 from toygraph.core.memory import BufferPlan
-from toygraph.core.ops import KERNELS
+from toygraph.core.ops import BLOCK_KERNELS, KERNELS
 from toygraph.errors import GraphError
+from toygraph.gguf.decode import BlockTensor
 
 DTYPES = {"f32": np.float32, "f64": np.float64}
 
 
 def const_array(t, dtype) -> np.ndarray:
     """A const's value as a float array: f32 mmap'd data is used in place, anything stored
-    in another format (f16, bf16, quantized blocks) is dequantized once."""
+    in another format (f16, bf16, quantized blocks) is decoded once (the base's "decode"
+    mode)."""
     data = np.asarray(t.data)
-    if t.storage == "f32":  # raw GGUF bytes or an array: either way no copy is made here
-        arr = (data.view(np.float32) if data.dtype == np.uint8 else data).reshape(t.shape)
-    else:
-        from toygraph.gguf import blocks  # only models with quantized consts need it
-        arr = blocks.dequantize(data, t.storage, t.shape)
+    if t.storage != "f32":
+        return BlockTensor(data, t.storage, t.shape).decode_into(np.empty(t.shape, dtype))
+    # raw GGUF bytes or an array: either way no copy is made here
+    arr = (data.view(np.float32) if data.dtype == np.uint8 else data).reshape(t.shape)
     return arr if arr.dtype == dtype else arr.astype(dtype)
 
 
@@ -37,9 +49,12 @@ class CpuBackend:
         missing = [n.op for n in schedule if n.op is not None and n.op not in KERNELS]
         if missing:
             raise GraphError(f"cpu backend has no kernel for ops {sorted(set(missing))}")
+        check_fits(plan)  # before allocating anything
         self.arena = np.zeros(max(plan.arena_bytes, 1), np.uint8)
         for t in schedule:
-            if t.role == "const":
+            if t.id in plan.quantized:
+                self.arrays[t.id] = BlockTensor(t.data, t.storage, t.shape)
+            elif t.role == "const":
                 self.arrays[t.id] = const_array(t, self.dtype)
             elif t.role == "param":
                 self.arrays[t.id] = np.array(t.data, self.dtype).reshape(t.shape)
@@ -52,20 +67,62 @@ class CpuBackend:
                 view = self.arena[off:off + t.size * dt.itemsize].view(dt)
                 self.arrays[t.id] = view.reshape(t.shape)
         self.schedule = schedule
+        self._plan_decodes(schedule, plan)
+
+    def _plan_decodes(self, schedule, plan: BufferPlan):
+        """Per node reading a quantized const: its scratch layout and the views of it (one
+        to decode into, one read-only for the kernel); an empty layout means the op's block
+        kernel reads the bytes itself."""
+        scratch = np.zeros(plan.scratch_bytes // self.itemsize, self.dtype)
+        self.decodes: dict[int, tuple[dict, dict]] = {}
+        for t in schedule:
+            if t.op is None or not any(s.id in plan.quantized for s in t.srcs):
+                continue
+            layout, _ = scratch_layout(t, plan.quantized, self.itemsize)
+            views = {}
+            for s in t.srcs:
+                if s.id in layout:
+                    start = layout[s.id] // self.itemsize
+                    fill = scratch[start:start + s.size].reshape(s.shape)
+                    read = fill.view()
+                    read.flags.writeable = False
+                    views[s.id] = (fill, read)
+            self.decodes[t.id] = (layout, views)
+        self._held: dict | None = None  # the layout whose values the scratch holds
+        self.decode_seconds = 0.0
 
     def run(self, nodes):
-        arrays = self.arrays
+        arrays, decodes = self.arrays, self.decodes
         for t in nodes:
             if t.op is None:
                 continue
             srcs = [arrays[s.id] for s in t.srcs]
+            if t.id in decodes:
+                layout, views = decodes[t.id]
+                if not layout:
+                    BLOCK_KERNELS[t.op][0](arrays.get(t.id), srcs, t.attrs)
+                    continue
+                self._decode(layout, views)
+                srcs = [views[s.id][1] if s.id in views else a for s, a in zip(t.srcs, srcs)]
             KERNELS[t.op](arrays.get(t.id), srcs, t.attrs)
+
+    def _decode(self, layout: dict, views: dict):
+        """Decode the quantized consts of one node into its scratch views, unless the
+        scratch holds exactly them already."""
+        if layout == self._held:
+            return
+        t0 = time.perf_counter()
+        for cid, (fill, _) in views.items():
+            self.arrays[cid].decode_into(fill)
+        self._held = layout
+        self.decode_seconds += time.perf_counter() - t0
 
     def write(self, t, value: np.ndarray):
         np.copyto(self.arrays[t.id], value, casting="unsafe")
 
     def read(self, t) -> np.ndarray:
-        return np.array(self.arrays[t.id])
+        a = self.arrays[t.id]
+        return np.array(a, self.dtype) if isinstance(a, BlockTensor) else np.array(a)
 
     def zero(self, t):
         self.arrays[t.id].fill(0)

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from toygraph.core.base_memory import plan_base, resolve_mode
 from toygraph.core.graph import PHASES, Graph, Tensor, topo_order
 from toygraph.core.memory import BufferPlan, nbytes, plan_buffers
 from toygraph.core.ops.table import INT32_MAX as _INT32_MAX
@@ -57,12 +58,18 @@ class Session:
       (tensor cores, f32 accumulation, every buffer still f32).
     - ``dtype``: the float type of every buffer on the numpy backend: ``"f32"``, or
       ``"f64"`` for finite-difference gradient checks (cpu only; never a training option).
+
+    ``base_memory`` says how the numpy backend holds frozen consts stored in a block format
+    (core/base_memory.py): ``"decode"`` (f32 copies), ``"quantized"`` (block bytes decoded
+    just in time, bit-identical results) or ``"auto"``; None reads
+    ``$TOYGRAPH_BASE_MEMORY``. The CUDA backend keeps its own rule (cuda/devmem.py).
     """
 
     def __init__(self, graph: Graph, backend: str = "cpu", precision: str = "f32",
-                 dtype: str = "f32"):
+                 dtype: str = "f32", base_memory: str | None = None):
         self.graph = graph
         self.backend_name = backend
+        self.base_memory = resolve_mode(base_memory)
         self.backend = _make_backend(backend, precision, dtype)
         self.realized = False
         self.plan: BufferPlan | None = None
@@ -91,6 +98,9 @@ class Session:
         pinned_bytes = sum(nbytes(t, 4 if t.dtype == "i32" else itemsize)
                            for t in full if t.id in pinned and t.op not in ("accumulate", "adamw"))
         self.plan = plan_buffers(full, pinned, itemsize, pinned_bytes)
+        if self.backend_name == "cpu":
+            outputs = [t for p in PHASES for t in g.outputs[p]]
+            plan_base(full, self.plan, pinned, outputs, self.base_memory, itemsize)
         self._ranges = self._id_ranges(full)
         self.backend.realize(g, full, self.plan, pinned)
         self._uploaded: set[int] = set()

@@ -105,13 +105,31 @@ LAYOUT: dict[str, dict[str, int]] = {
 }
 
 #: The 16 non-linear levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl). The CUDA
-#: decoders get them from here too (kernels.layout_defines).
+#: decoders get them from here too (:func:`c_defines`).
 IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _IQ4NL = np.array(IQ4NL_VALUES, np.float32)
 
 #: MXFP4's 16 e2m1 levels, doubled (ggml's kvalues_mxfp4; the CUDA decoder's table too).
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 _MXFP4 = np.array(MXFP4_VALUES, np.float32)
+
+
+def c_defines() -> str:
+    """BLOCK, LAYOUT, IQ4NL_VALUES and MXFP4_VALUES as C macros (``TG_Q4_K_QK``,
+    ``TG_Q4_K_BYTES``, ``TG_Q4_K_SCALES``..., ``TG_IQ4NL_VALUES``, ``TG_MXFP4_VALUES``) for
+    every stored format but f32: the one description of each block that the C and CUDA
+    decoders compile against."""
+    lines = ["// generated from toygraph.gguf.blocks BLOCK, LAYOUT, IQ4NL_VALUES, MXFP4_VALUES",
+             f"#define TG_IQ4NL_VALUES {', '.join(map(str, IQ4NL_VALUES))}",
+             f"#define TG_MXFP4_VALUES {', '.join(map(str, MXFP4_VALUES))}"]
+    for fmt in (f for f in BLOCK if f != "f32"):
+        elems, size = BLOCK[fmt]
+        name = fmt.upper()
+        lines += [f"#define TG_{name}_QK {elems}", f"#define TG_{name}_BYTES {size}"]
+        lines += [f"#define TG_{name}_{field.upper()} {off}"
+                  for field, off in LAYOUT.get(fmt, {}).items()]
+    return "\n".join(lines) + "\n"
+
 
 # Dequantize at most this many blocks at a time, so temporaries stay small even for
 # a 49152 x 576 embedding.
@@ -301,7 +319,7 @@ _DEQUANT = {
 }
 
 
-def _as_bytes(raw: np.ndarray) -> np.ndarray:
+def as_bytes(raw: np.ndarray) -> np.ndarray:
     raw = np.asarray(raw)
     if not raw.flags.c_contiguous:
         raw = np.ascontiguousarray(raw)
@@ -320,7 +338,7 @@ def dequantize(raw: np.ndarray, qtype: str, shape) -> np.ndarray:
     """
     elems, size = block_shape(qtype, shape)
     shape = tuple(int(s) for s in shape)
-    data = _as_bytes(raw)
+    data = as_bytes(raw)
     want = nbytes(qtype, shape)
     if data.size != want:
         raise GGUFError(f"{qtype} tensor of shape {shape} needs {want} bytes, got {data.size}")

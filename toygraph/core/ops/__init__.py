@@ -36,8 +36,9 @@ from __future__ import annotations
 
 # The families in the order of the table above (isort would sort them).
 # isort: off
-from toygraph.core.ops.table import (F32, I32, INT32_MAX, KERNELS, LABELS, NONE, OPS, OpSpec,
-                                     check, check_floats, define_op, kernel, make_node)
+from toygraph.core.ops.table import (BLOCK_KERNELS, F32, I32, INT32_MAX, KERNELS, LABELS, NONE,
+                                     OPS, OpSpec, block_kernel, check, check_floats, define_op,
+                                     kernel, make_node)
 from toygraph.core.ops.shape import (broadcast_shapes, contiguous, expand, permute, reshape,
                                      sum, sum_to, unpack)
 from toygraph.core.ops.elementwise import (add, geglu, gelu, gelu_back, mean, mul, scale, silu,
@@ -60,8 +61,8 @@ from toygraph.core.ops.experts import expert_matmul, group_by_expert, take_along
 #: Ops that write into their first operand(s) rather than producing a value.
 SIDE_EFFECTS = frozenset(name for name, spec in OPS.items() if spec.in_place)
 
-__all__ = ["F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS", "OpSpec", "check",
-           "check_floats", "define_op", "kernel", "make_node", "broadcast_shapes",
+__all__ = ["BLOCK_KERNELS", "F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS",
+           "OpSpec", "block_kernel", "check", "check_floats", "define_op", "kernel", "make_node", "broadcast_shapes",
            "contiguous", "expand", "permute", "reshape", "sum", "sum_to", "unpack", "add",
            "geglu", "gelu", "gelu_back", "mean", "mul", "scale", "silu", "silu_back", "sub",
            "swiglu", "swiglu_oai", "sigmoid", "softcap", "rms_norm", "softmax", "rope", "attention",

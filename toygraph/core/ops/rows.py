@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.core.ops.gemm import QUANT_KERNELS, row_bytes
-from toygraph.core.ops.table import F32, I32, check, define_op, kernel, make_node
+from toygraph.core.ops.table import F32, I32, block_kernel, check, define_op, kernel, make_node
 from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p, rows_grid
 
 # The family's CUDA kernels, beside this module.
@@ -39,6 +39,14 @@ define_op("get_rows_back", _infer_get_rows_back)
 def _get_rows_numpy(out, srcs, attrs):
     table, ids = srcs
     np.take(table, ids, axis=0, out=out)
+
+
+@block_kernel("get_rows", reads=(0,))
+def _get_rows_blocks(out, srcs, attrs):
+    """A table kept in its block format (a gguf.decode.BlockTensor): only the gathered
+    rows are decoded, straight into the output."""
+    table, ids = srcs
+    table.decode_rows(ids, out)
 
 
 @kernel("get_rows_back")

@@ -7,7 +7,8 @@ with ``@lowers`` in the same family module.
 A backward rule gets the node, the gradient of its output and a list saying which sources
 need a gradient; it returns one gradient Tensor (or None) per source, built from more ops.
 A numpy kernel is ``kernel(out, srcs, attrs)`` and writes into ``out`` (``None`` for an op
-that updates its sources in place).
+that updates its sources in place); ``block_kernel`` registers a variant that reads a
+frozen const in its block format (``BLOCK_KERNELS``).
 """
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ class OpSpec:
 
 OPS: dict[str, OpSpec] = {}
 KERNELS: dict[str, Callable] = {}
+#: Numpy kernels that read some sources in their block format themselves, per op:
+#: (kernel, the source indices it takes as ``toygraph.gguf.decode.BlockTensor``s). The numpy
+#: backend calls one for a node whose every quantized source is at such an index (e.g.
+#: get_rows decodes only the rows it gathers); any other node gets its quantized sources
+#: decoded into the scratch first (core/base_memory.py).
+BLOCK_KERNELS: dict[str, tuple[Callable, tuple[int, ...]]] = {}
 
 
 def define_op(name, infer, grad=None, id_ranges=None, in_place=False):
@@ -58,6 +65,15 @@ def kernel(name):
     """Register the decorated ``fn(out, srcs, attrs)`` as op ``name``'s numpy kernel."""
     def register(fn):
         KERNELS[name] = fn
+        return fn
+    return register
+
+
+def block_kernel(name, reads: tuple[int, ...]):
+    """Register the decorated ``fn(out, srcs, attrs)`` as op ``name``'s numpy kernel for
+    sources ``reads`` kept in their block format (see BLOCK_KERNELS)."""
+    def register(fn):
+        BLOCK_KERNELS[name] = (fn, tuple(reads))
         return fn
     return register
 

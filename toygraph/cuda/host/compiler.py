@@ -14,17 +14,12 @@ library lives in ``$TOYGRAPH_CACHE/kernels/host`` (the folder nvrtc.py caches cu
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from toygraph import environment
+from toygraph import environment, native
 from toygraph.cuda.lowering.sources import kernel_names
 from toygraph.cuda.nvrtc import cache_dir
 from toygraph.errors import CudaError
@@ -46,7 +41,7 @@ build_count = 0
 
 def compiler() -> str:
     """The host C++ compiler (``$CXX``, else g++), or CudaError saying how to get one."""
-    cxx = os.environ.get("CXX") or shutil.which("g++")
+    cxx = native.compiler()
     if not cxx:
         raise CudaError("the host executor compiles the CUDA kernels with g++, which is not "
                         "installed (apt-get install g++, or set CXX)")
@@ -65,15 +60,6 @@ def _cpu_flags() -> tuple[str, ...]:
     return ("-mfma",) if has_fma and platform.machine() == "x86_64" else ()
 
 
-@lru_cache(maxsize=None)
-def _compiler_version(cxx: str) -> str:
-    try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                              check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise CudaError(f"host compiler {cxx!r} does not run: {e}") from None
-
-
 def host_source(source: str) -> str:
     """``source`` (CUDA C++ as NVRTC gets it) as one host translation unit."""
     exports = "".join(f"TG_HOST_EXPORT({k})\n" for k in kernel_names(source))
@@ -87,32 +73,9 @@ def build_library(source: str, opt: str | None = None, use_cache: bool = True) -
     global build_count
     cxx = compiler()
     flags = [opt or environment.get("TOYGRAPH_HOST_OPT"), *FLAGS, *_cpu_flags()]
-    text = host_source(source)
-    h = hashlib.sha256(text.encode())
-    h.update(("\0" + " ".join(flags) + "\0" + _compiler_version(cxx)).encode())
-    folder = cache_dir() / "host"
-    path = folder / f"{h.hexdigest()}.so"
-    if use_cache and path.is_file():
-        return path
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(dir=folder, prefix=".build-"))
-    except OSError:  # a read-only cache only costs a rebuild next time
-        work = Path(tempfile.mkdtemp(prefix="toygraph-host-"))
-        path = work / path.name
-    try:
-        src, lib = work / "toygraph_host.cpp", work / "lib.so"
-        src.write_text(text)
-        logger.debug("building the host kernel library with %s %s", cxx, " ".join(flags))
-        res = subprocess.run([cxx, *flags, "-o", str(lib), str(src)], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            log = (res.stderr or res.stdout).strip()
-            raise CudaError(f"host compile of the CUDA kernels failed ({cxx} "
-                            f"{' '.join(flags)}):\n{log[-8000:]}")
-        build_count += 1
-        os.replace(lib, path)
-    finally:
-        if path.parent != work:
-            shutil.rmtree(work, ignore_errors=True)
+    logger.debug("building the host kernel library with %s %s", cxx, " ".join(flags))
+    path, built = native.build_shared(host_source(source), flags, cache_dir() / "host",
+                                      "the CUDA kernels", cxx=cxx, use_cache=use_cache,
+                                      error=CudaError)
+    build_count += built
     return path

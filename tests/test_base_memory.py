@@ -1,0 +1,214 @@
+"""core/base_memory.py and the numpy backend's just-in-time decoding: a frozen base kept in
+its block format gives the f32-decoded base's results bit for bit (every block type,
+forward, dx through the weight, get_rows, recomputed blocks), the plan reports what it
+holds, ``auto`` chooses by memory, and a plan that cannot fit is refused in one line."""
+import numpy as np
+import pytest
+
+from toygraph.core import base_memory, ops
+from toygraph.core.graph import Graph, topo_order
+from toygraph.core.memory import aligned, plan_buffers
+from toygraph.core.optimizer import hp_row
+from toygraph.core.session import Session
+from toygraph.errors import GraphError, SettingError
+from toygraph.fixtures import tiny_models
+from toygraph.gguf import block_encode, blocks, decode
+from toygraph.models.model import GGUFModel
+from toygraph.recipes import RECIPES, RecipeOptions
+
+ROWS, COLS, N = 48, 256, 5
+
+
+def _weight_graph(qtype: str):
+    """x @ W^T, dy @ W (the backward's dx) and W's rows, for a const W stored as qtype."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((ROWS, COLS)) * 0.05).astype(np.float32)
+    g = Graph()
+    wt = g.const("w", block_encode.quantize(w, qtype), shape=(ROWS, COLS), storage=qtype)
+    x, dy = g.input("x", (N, COLS)), g.input("dy", (N, ROWS))
+    ids = g.input("ids", (2, 3), "i32")
+    outs = [g.output(ops.matmul(x, wt, trans_b=True)), g.output(ops.matmul(dy, wt)),
+            g.output(ops.get_rows(wt, ids))]
+    feed = {x: rng.standard_normal((N, COLS)), dy: rng.standard_normal((N, ROWS)),
+            ids: np.array([[0, 47, 3], [3, 3, 12]], np.int32)}
+    return g, wt, outs, feed
+
+
+def _run(g, outs, feed, mode, dtype="f32"):
+    sess = Session(g, base_memory=mode, dtype=dtype)
+    sess.realize()
+    for t, v in feed.items():
+        sess.upload(t, v)
+    sess.run("forward")
+    return sess, [sess.download(t) for t in outs]
+
+
+@pytest.mark.parametrize("qtype", decode.FORMATS)
+def test_every_block_type_gives_the_decoded_results_bit_for_bit(qtype):
+    g, w, outs, feed = _weight_graph(qtype)
+    ref_sess, ref = _run(g, outs, feed, "decode")
+    sess, got = _run(g, outs, feed, "quantized")
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert ref_sess.plan.base_memory == "decode" and not ref_sess.plan.quantized
+    plan = sess.plan
+    assert plan.base_memory == "quantized" and plan.quantized == {w.id}
+    assert plan.base_bytes == blocks.nbytes(qtype, (ROWS, COLS))
+    assert plan.scratch_bytes == aligned(4 * ROWS * COLS)   # get_rows needs none
+    assert plan.pinned_bytes == ref_sess.plan.pinned_bytes - 4 * ROWS * COLS
+    np.testing.assert_array_equal(sess.download(w), blocks.dequantize(w.data, qtype, w.shape))
+
+
+def test_f64_buffers_decode_too():
+    g, _, outs, feed = _weight_graph("q4_k")
+    ref = _run(g, outs, feed, "decode", dtype="f64")[1]
+    got = _run(g, outs, feed, "quantized", dtype="f64")[1]
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_kernels_read_the_scratch_read_only(monkeypatch):
+    from toygraph.core.ops import KERNELS
+    seen = []
+    plain = KERNELS["matmul"]
+
+    def spy(out, srcs, attrs):
+        seen.append(srcs[1].flags.writeable)
+        plain(out, srcs, attrs)
+
+    monkeypatch.setitem(KERNELS, "matmul", spy)
+    g, _, outs, feed = _weight_graph("q8_0")
+    _run(g, outs, feed, "quantized")
+    assert seen == [False, False]
+
+
+# --- whole training steps ------------------------------------------------------------------
+MODELS = {
+    "mixed": lambda p: tiny_models.write_tiny_llama(p, n_layer=2),   # q8_0 q4_0 q4_1 f16 bf16
+    "k_quants": lambda p: tiny_models.write_tiny_llama(p, n_layer=2, n_embd=256, n_ff=512,
+                                                       weight_types=tiny_models.K_QUANT_TYPES),
+    "iq4_q5": lambda p: tiny_models.write_tiny_llama(
+        p, n_layer=1, n_embd=256, n_ff=512, tied=False,
+        weight_types={"token_embd": "iq4_nl", "output": "iq4_xs", "attn_q": "q5_0",
+                      "attn_k": "q5_1", "attn_v": "q2_k", "attn_output": "q3_k",
+                      "ffn_gate": "iq4_nl", "ffn_up": "iq4_xs", "ffn_down": "q5_0"}),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base_memory")
+    return {name: write(d / f"{name}.gguf") for name, write in MODELS.items()}
+
+
+def _steps(path, mode, monkeypatch, checkpoint=False, steps=2):
+    monkeypatch.setenv("TOYGRAPH_BASE_MEMORY", mode)
+    model = GGUFModel(path)
+    recipe = RECIPES["lora"](targets=("q", "k", "v", "o", "gate", "up", "down"))
+    recipe.realize(model, model.config, RecipeOptions(seq_len=16, batch=2, seed=3,
+                                                      checkpoint_activations=checkpoint))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model.config.n_vocab, (steps, 1, 2, 16)).astype(np.int32)
+    labels = rng.integers(-1, model.config.n_vocab, (steps, 1, 2, 16)).astype(np.int32)
+    pos = np.tile(np.arange(16, dtype=np.int32), (1, 2, 1))
+    losses = [recipe.step(tokens[i], pos, labels[i], hp_row(i + 1, 1e-2), is_first=i == 0)
+              for i in range(steps)]
+    return recipe, losses
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_lora_steps_are_bit_identical_with_the_base_quantized(models, name, checkpoint,
+                                                             monkeypatch):
+    ref, ref_losses = _steps(models[name], "decode", monkeypatch, checkpoint)
+    got, losses = _steps(models[name], "quantized", monkeypatch, checkpoint)
+    assert [x.hex() for x in losses] == [x.hex() for x in ref_losses]
+    after, want = got.trainable(), ref.trainable()
+    for key in want:
+        np.testing.assert_array_equal(after[key], want[key], err_msg=key)
+    plan = got.sess.plan
+    assert plan.base_memory == "quantized" and "base kept quantized" in plan.summary()
+    assert got.sess.backend.decode_seconds > 0
+    assert ref.sess.plan.total_bytes > plan.total_bytes
+
+
+def test_the_tied_head_is_decoded_once_per_step(models, monkeypatch):
+    """Forward logits and backward dh read the head back to back: the scratch still holds
+    it, so the tied embedding is decoded once (get_rows reads only its rows). Every other
+    matrix is decoded twice (forward and dx), but layer 0's q/k/v: nothing below them
+    trains, so no dx flows through them."""
+    counts: dict[str, int] = {}
+    plain = decode.BlockTensor.decode_into
+    names = {}
+
+    def counting(self, out):
+        counts[names[id(self)]] = counts.get(names[id(self)], 0) + 1
+        return plain(self, out)
+
+    recipe, _ = _steps(models["mixed"], "quantized", monkeypatch, steps=1)
+    backend = recipe.sess.backend
+    for t in recipe.graph.nodes:
+        if t.id in recipe.sess.plan.quantized:
+            names[id(backend.arrays[t.id])] = t.name
+    monkeypatch.setattr(decode.BlockTensor, "decode_into", counting)
+    recipe.step(*_one_batch(recipe), hp_row(2, 1e-2), is_first=False)
+    assert counts.pop("token_embd.weight") == 1
+    once = {f"blk.0.attn_{x}.weight" for x in "qkv"}
+    assert {k for k, n in counts.items() if n == 1} == once
+    assert {n for k, n in counts.items() if k not in once} == {2} and len(counts) == 2 * 7
+
+
+def _one_batch(recipe):
+    rng = np.random.default_rng(1)
+    vocab = recipe.model_cfg.n_vocab
+    tokens = rng.integers(0, vocab, (1, 2, 16)).astype(np.int32)
+    return tokens, np.tile(np.arange(16, dtype=np.int32), (1, 2, 1)), tokens
+
+
+# --- the choice and the fit check ------------------------------------------------------------
+def _planned(mode, available):
+    """The weight graph's plan, as if its other pinned tensors took 9 times the weight's
+    f32 bytes (so keeping the weight quantized makes the plan smaller)."""
+    g, _, outs, _ = _weight_graph("q8_0")
+    order = topo_order(outs)
+    pinned = {t.id for t in order if t.role is not None} | {t.id for t in outs}
+    plan = plan_buffers(order, pinned, 4, pinned_bytes=10 * 4 * ROWS * COLS)
+    return base_memory.plan_base(order, plan, pinned, (), mode, 4, available=available)
+
+
+def test_auto_decodes_when_the_decoded_plan_fits_and_keeps_blocks_when_not():
+    roomy = _planned("auto", available=1 << 40)
+    assert roomy.base_memory == "decode" and roomy.scratch_bytes == 0
+    tight = _planned("auto", available=10 * 4 * ROWS * COLS)
+    assert tight.base_memory == "quantized" and tight.scratch_bytes > 0
+    assert _planned("decode", available=1).base_memory == "decode"   # forced
+
+
+def test_a_plan_that_cannot_fit_is_refused_in_one_line_before_allocating(monkeypatch):
+    g, _, outs, feed = _weight_graph("q8_0")
+    monkeypatch.setattr(base_memory, "available_bytes", lambda: 1000)
+    sess = Session(g, base_memory="decode")
+    with pytest.raises(GraphError) as err:
+        sess.realize()
+    msg = str(err.value)
+    assert "\n" not in msg and "GiB available" in msg and "TOYGRAPH_BASE_MEMORY=quantized" in msg
+    assert not sess.backend.arrays   # nothing was allocated
+
+
+def test_bad_modes_are_named(monkeypatch):
+    g = _weight_graph("q8_0")[0]
+    with pytest.raises(GraphError, match="base_memory must be one of auto, decode, quantized"):
+        Session(g, base_memory="f32")
+    monkeypatch.setenv("TOYGRAPH_BASE_MEMORY", "lazy")
+    with pytest.raises(SettingError, match="TOYGRAPH_BASE_MEMORY"):
+        Session(g)
+
+
+def test_f32_files_and_graphs_without_block_consts_report_no_base():
+    g = Graph()
+    w = g.const("w", np.ones((4, 4), np.float32))
+    x = g.input("x", (2, 4))
+    g.output(ops.matmul(x, w, trans_b=True))
+    sess = Session(g, base_memory="quantized")
+    plan = sess.realize()
+    assert plan.base_memory == "" and "base" not in plan.summary()
