@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from toygraph.core import ops
+from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
 from toygraph.core.distributed import world
 from toygraph.core.graph import Graph
 from toygraph.core.optimizer import build_training
@@ -84,6 +85,8 @@ class RecipeOptions:
     checkpoint_activations: bool = False   # recompute each block in the backward (recompute.py)
     data_parallel: bool = False
     pack: bool = False      # packed rows: step/evaluate take segment ids (toygraph.data.packing)
+    base_memory: str | None = None   # numpy backend: a block-format base decoded or kept
+    #                                  quantized (core/base_memory.py); None: $TOYGRAPH_BASE_MEMORY
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "grad_accum"):
@@ -98,6 +101,9 @@ class RecipeOptions:
         why = precision_error(self.precision, self.backend)
         if why:
             raise GraphError(f"RecipeOptions.precision {why}")
+        if self.base_memory is not None and self.base_memory not in BASE_MEMORY_MODES:
+            raise GraphError(f"RecipeOptions.base_memory must be one of "
+                             f"{', '.join(BASE_MEMORY_MODES)}, got {self.base_memory!r}")
 
     @classmethod
     def names(cls):
@@ -203,7 +209,8 @@ class Recipe:
                                     max_norm=opts.clip,
                                     checkpoint=opts.checkpoint_activations,
                                     ranks=self.world.size if self.world else None)
-        self.sess = Session(self.graph, backend=opts.backend, precision=opts.precision)
+        self.sess = Session(self.graph, backend=opts.backend, precision=opts.precision,
+                            base_memory=opts.base_memory)
         self.sess.realize()
         self.step_index = 0
         self.last_metrics = {}

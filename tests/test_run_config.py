@@ -239,3 +239,17 @@ def test_f64_buffers_are_a_separate_cpu_setting():
     assert s.backend.dtype == np.float64
     with pytest.raises(GraphError, match="dtype must be f32 or f64"):
         Session(Graph(), backend="cpu", dtype="bf16")
+
+
+def test_base_memory_reaches_the_session_and_run_start(tiny_llama, tmp_path):
+    """--base-memory quantized keeps the block-format base as block bytes (core/base_memory.py),
+    and run_start says what the plan holds."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"word {i} " * 8}) + "\n" for i in range(4)))
+    out = tmp_path / "r"
+    assert main(["finetune", "--model", str(tiny_llama), "--data", str(data), "--out", str(out),
+                 "--steps", "1", "--batch", "2", "--seq-len", "16", "--val-split", "0",
+                 "--base-memory", "quantized", "--quiet"]) == 0
+    start = json.loads((out / "events.jsonl").read_text().splitlines()[0])
+    assert start["config"]["base_memory"] == "quantized"
+    assert start["plan"]["base_memory"] == "quantized" and start["plan"]["base_bytes"] > 0

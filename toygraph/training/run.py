@@ -338,7 +338,7 @@ def _log_start(run_cfg, prep: Prepared, log, recipe, total: int, realize_s: floa
               resumed_checkpoint=str(prep.resume_from) if prep.resume_from else None,
               skipped_checkpoints=[{"path": str(p), "reason": r} for p, r in prep.skipped],
               allowed_changes=prep.allowed, realize_s=round(realize_s, 3),
-              planned_bytes=recipe.sess.plan.arena_bytes,
+              planned_bytes=recipe.sess.plan.arena_bytes, plan=recipe.sess.plan.report(),
               checkpoint_activations=recipe.opts.checkpoint_activations,
               arena_bytes=recipe.sess.plan.arena_bytes,
               **({"packing": {"pack": run_cfg.pack,

@@ -24,6 +24,7 @@ import math
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
 from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
 from toygraph.models.decoder import LoraConfig
@@ -190,6 +191,11 @@ class RunConfig:
                                                "less memory, at most one more forward of the "
                                                "blocks per step",
                                           group="compute", resume="free")
+    base_memory: str | None = option(RecipeOptions.base_memory,
+                                     help="cpu: keep a block-format base quantized and decode "
+                                          "it just in time, or decode it to f32 once; none: "
+                                          "$TOYGRAPH_BASE_MEMORY (auto: decode when it fits)",
+                                     group="compute", resume="free", choices=BASE_MEMORY_MODES)
     quiet: bool = option(False, help="no progress line", group="compute", resume="free")
 
     # --- what the fields say of themselves ---------------------------------------------------
