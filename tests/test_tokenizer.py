@@ -7,11 +7,14 @@ the round-trip and error tests need only toygraph.
 """
 from __future__ import annotations
 
+import re
+
 import gguf
 import numpy as np
+
 import pytest
 
-from toygraph.errors import GGUFError
+from toygraph.errors import DataError, GGUFError
 from toygraph.gguf.tokenizer import Tokenizer
 
 TEXTS = [
@@ -225,9 +228,7 @@ def test_chat_template_environment(tmp_path):
     # trim_blocks eats the newline after a block tag, lstrip_blocks the indent before one;
     # tojson does not HTML-escape or ASCII-escape.
     assert out == '<s>  [user] "<hé>"\n[assistant]'
-    from jinja2.exceptions import TemplateError
-
-    with pytest.raises(TemplateError, match="no tools"):
+    with pytest.raises(DataError, match="TemplateError: no tools"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
@@ -357,7 +358,7 @@ def test_chat_templates_match_transformers(vocab, vocab_ref):
                     ref = vocab_ref.apply_chat_template(messages, tokenize=False,
                                                         add_generation_prompt=add_generation_prompt, **extra)
                 except TemplateError as e:  # Gemma: roles must alternate after the system turn
-                    with pytest.raises(TemplateError, match=str(e)):
+                    with pytest.raises(DataError, match=re.escape(str(e))):
                         tok.apply_chat_template(messages, add_generation_prompt, **extra)
                     continue
                 ours = tok.apply_chat_template(messages, add_generation_prompt, **extra)
@@ -411,8 +412,6 @@ def test_qwen3_template_thinking_blocks(qwen3):
 
 
 def test_gemma3_vocabulary_and_template(gemma3):
-    from jinja2.exceptions import TemplateError
-
     tok = gemma3
     t = tok.token_to_id
     assert tok.add_bos_token is True and (tok.bos_id, tok.eos_id, tok.pad_id) == (2, 1, 0)
@@ -423,13 +422,11 @@ def test_gemma3_vocabulary_and_template(gemma3):
     out = tok.apply_chat_template([SYSTEM, USER_1, REPLY_1], add_generation_prompt=False)
     assert out == ("<bos><start_of_turn>user\nYou are terse.\n\nWhat is 2+2?<end_of_turn>\n"
                    "<start_of_turn>model\n4.<end_of_turn>\n")
-    with pytest.raises(TemplateError, match="alternate"):
+    with pytest.raises(DataError, match="TemplateError: .*alternate"):
         tok.apply_chat_template([USER_1, USER_2])
 
 
 def test_template_environment_extras(qwen3):
-    from jinja2.exceptions import SecurityError
-
     tok = Tokenizer(qwen3._hf, qwen3._tokens, ids={"eos": qwen3.eos_id}, add_bos=False, add_eos=False,
                     chat_template="{% generation %}[{{ messages[0].content }}]{% endgeneration %}"
                                   "{{ bos_token is defined }}{{ messages[0].name is defined }}"
@@ -439,7 +436,7 @@ def test_template_environment_extras(qwen3):
     out = tok.apply_chat_template([{"role": "user", "content": "<b>", "name": None}])
     assert out == '[<b>]FalseFalse{"a": 1}'
     tok.chat_template = "{% set ns = namespace(_x=1) %}"
-    with pytest.raises(SecurityError):
+    with pytest.raises(DataError, match="SecurityError: chat templates cannot set underscore"):
         tok.apply_chat_template([])
 
 

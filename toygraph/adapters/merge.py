@@ -129,7 +129,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
     model = GGUFModel(model_path)
     lora, rank, alpha, source = load_adapter(adapter_dir, model.config)
     refuse_merged_twice(model, source, allow_merged)
-    tok = Tokenizer.from_gguf(model.reader)
+    tok = Tokenizer.from_gguf(model.reader, source=str(model_path))
     trained = adapter_template(adapter_dir) if Path(adapter_dir).is_dir() else None
     if template is not None:
         tok.use_template(template)

@@ -195,10 +195,8 @@ def _last_run(mask: list[bool]) -> list[bool]:
 def _render(tok, messages: list[dict], add_generation_prompt: bool, ex: Example) -> str:
     try:
         return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except DataError:
-        raise
-    except Exception as e:  # jinja raise_exception etc.: add the data line to the message
-        raise DataError(f"{ex.where}: the chat template failed on this example: {e}") from e
+    except Exception as e:  # the template's own error (raise_exception, ...): add the data line
+        raise DataError(f"{ex.where}: the chat template failed on this example: {e}") from None
 
 
 def _end_of_turn_index(reply: list[int], tok) -> int | None:

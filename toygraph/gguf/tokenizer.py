@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import warnings
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -30,7 +33,7 @@ from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from toygraph.errors import GGUFError
+from toygraph.errors import DataError, GGUFError
 from toygraph.gguf.templates import choose_template
 
 # llama.cpp token types (llama_token_type / gguf.TokenType).
@@ -73,7 +76,11 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    try:
+        return default if f is None else f.contents()
+    except UnicodeDecodeError as e:   # the file's text is not UTF-8: name the key, not a byte
+        raise GGUFError(f"metadata {key!r} is not valid UTF-8 text ({e.reason} at byte "
+                        f"{e.start} of one entry)") from None
 
 
 def _llama_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
@@ -139,10 +146,14 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_gguf(cls, path_or_reader: str | os.PathLike | gguf.GGUFReader) -> "Tokenizer":
+    def from_gguf(cls, path_or_reader: str | os.PathLike | gguf.GGUFReader,
+                  source: str | None = None) -> "Tokenizer":
+        """The tokenizer of a GGUF file (a path, or an open reader; ``source`` names the
+        file in errors)."""
         if isinstance(path_or_reader, gguf.GGUFReader):
             reader = path_or_reader
-            source = str(getattr(getattr(reader, "data", None), "filename", None) or "<GGUFReader>")
+            source = source or str(getattr(getattr(reader, "data", None), "filename", None)
+                                   or "<GGUFReader>")
         else:
             source = str(path_or_reader)
             try:
@@ -150,6 +161,15 @@ class Tokenizer:
             except (OSError, ValueError) as e:
                 raise GGUFError(f"{source}: cannot read GGUF file: {e}") from e
 
+        try:
+            return cls._from_reader(reader, source)
+        except GGUFError as e:   # errors of the metadata helpers name the key; add the file
+            if str(e).startswith(f"{source}: "):
+                raise
+            raise GGUFError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_reader(cls, reader, source: str) -> "Tokenizer":
         model = _field(reader, "tokenizer.ggml.model")
         tokens = _field(reader, "tokenizer.ggml.tokens")
         if model is None or not tokens:
@@ -165,7 +185,13 @@ class Tokenizer:
             merges = _field(reader, "tokenizer.ggml.merges")
             if not merges:
                 raise GGUFError(f"{source}: gpt2 (BPE) vocabulary without tokenizer.ggml.merges")
-            hf = _byte_level(tokens, merges, _field(reader, "tokenizer.ggml.pre", "default"))
+            try:
+                hf = _byte_level(tokens, merges, _field(reader, "tokenizer.ggml.pre", "default"))
+            except GGUFError as e:
+                raise GGUFError(f"{source}: {e}") from None
+            except Exception as e:   # the tokenizers library's own words on a bad merges list
+                raise GGUFError(f"{source}: tokenizer.ggml.merges cannot build a BPE "
+                                f"tokenizer: {' '.join(str(e).split())}") from None
             # transformers' GPT2Tokenizer adds no BOS unless the file asks for it.
             add_bos = bool(add_bos) if add_bos is not None else False
         elif model == "llama":
@@ -258,9 +284,11 @@ class Tokenizer:
             ("bos_token", self.bos_token), ("eos_token", self.eos_token),
             ("unk_token", self._token(self.unk_id)), ("pad_token", self._token(self.pad_id)))
             if tok is not None}
-        return _compile(self.chat_template).render(
-            messages=[_template_message(m) for m in messages], tools=tools, documents=documents,
-            add_generation_prompt=add_generation_prompt, **{**specials, **kwargs})
+        where = f"{self.source}: the chat template ({self.template_name})"
+        return render_bounded(self.chat_template, where,
+                              messages=[_template_message(m) for m in messages], tools=tools,
+                              documents=documents, add_generation_prompt=add_generation_prompt,
+                              **{**specials, **kwargs})
 
 
 def _special_ids(reader: gguf.GGUFReader, n_vocab: int, source: str) -> dict[str, int | None]:
@@ -346,6 +374,75 @@ def _sentencepiece(tokens: list[str], merges: list[tuple[str, str]], unk: str | 
 
 _TEMPLATES: dict[str, Any] = {}
 
+# A chat template is code from the internet: bounded in size, in time and in what it writes.
+MAX_TEMPLATE_CHARS = 1 << 20          # real ones are under 20 KB
+RENDER_SECONDS = 10.0                 # one rendering; a conversation takes milliseconds
+MAX_RENDER_CHARS = 16 << 20           # what one rendering may write (and one * may make)
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past RENDER_SECONDS."""
+
+
+def _template_line(tb) -> int | None:
+    """The template's line an exception was raised at (jinja runs templates as code whose
+    frames say <template>), or None."""
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Raise TemplateTimeout in the main thread after ``seconds`` (SIGALRM); elsewhere a
+    no-op, since only the main thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TemplateTimeout()
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def render_bounded(source: str, where: str, **context) -> str:
+    """Render chat template ``source`` within MAX_TEMPLATE_CHARS, RENDER_SECONDS and
+    MAX_RENDER_CHARS; any failure (syntax, undefined, security, recursion, overflow, a
+    loop that does not end, a string that does not stop growing) is one DataError naming
+    ``where`` and the template's line."""
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise DataError(f"{where} is {len(source):,} characters; templates over "
+                        f"{MAX_TEMPLATE_CHARS:,} are refused")
+    out, size = [], 0
+    try:
+        with _deadline(RENDER_SECONDS):
+            for chunk in _compile(source).generate(**context):
+                size += len(chunk)
+                if size > MAX_RENDER_CHARS:
+                    raise DataError(f"{where} wrote more than {MAX_RENDER_CHARS:,} characters "
+                                    f"for one conversation")
+                out.append(chunk)
+    except DataError:
+        raise
+    except TemplateTimeout:
+        raise DataError(f"{where} ran for more than {RENDER_SECONDS:g}s on one conversation "
+                        f"(a loop that does not end?)") from None
+    except (Exception, RecursionError) as e:   # jinja's errors and the template's own
+        line = getattr(e, "lineno", None) or _template_line(e.__traceback__)
+        at = f" line {line}" if line else ""
+        message = " ".join(str(e).split())[:300] or type(e).__name__
+        raise DataError(f"{where}{at}: {type(e).__name__}: {message}") from None
+    return "".join(out)
+
 
 def _compile(source: str):
     """Compile a chat template once, in the environment transformers uses for them
@@ -403,8 +500,24 @@ def _compile(source: str):
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
                               separators=separators, sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[Generation, loopcontrols])
+        class BoundedEnvironment(ImmutableSandboxedEnvironment):
+            # the sandbox's hook for operators: "x" * 10**9 and 10 ** 10**9 are refused
+            # before they are computed, not after the machine's memory is gone
+            intercepted_binops = frozenset(["*", "**"])
+
+            def call_binop(self, context, operator, left, right):
+                if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+                    raise SecurityError(f"the exponent {right} is too large")
+                if operator == "*":
+                    for seq, n in ((left, right), (right, left)):
+                        if isinstance(seq, (str, list, tuple)) and isinstance(n, int) \
+                                and len(seq) * n > MAX_RENDER_CHARS:
+                            raise SecurityError(f"a {type(seq).__name__} repeated {n} times is "
+                                                f"too large")
+                return super().call_binop(context, operator, left, right)
+
+        env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                 extensions=[Generation, loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -18,9 +18,10 @@ reference the cached path is tested against).
 """
 from __future__ import annotations
 
+import logging
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -35,6 +36,8 @@ from toygraph.inference.kvcache import CachedDecoder
 from toygraph.inference.sampling import SamplingOptions, TextStream, pick_token
 from toygraph.models.decoder import LoraConfig, build_decoder
 from toygraph.models.model import GGUFModel
+
+logger = logging.getLogger(__name__)
 
 _SEQ_STEP = 16          # graph lengths are multiples of this (capped at the context)
 _TOKENS_PER_BATCH = 4096  # loss(): sequences per graph so that batch * seq stays near this
@@ -61,8 +64,8 @@ class LanguageModel:
                  allow_merged: bool = False):
         self.model = GGUFModel(model_path)
         self.cfg = self.model.config
-        self.tokenizer = Tokenizer.from_gguf(self.model.reader)  # reuse the parsed header
-        self.tokenizer.source = str(model_path)
+        # the header the model parsed, read once
+        self.tokenizer = Tokenizer.from_gguf(self.model.reader, source=str(model_path))
         self.backend, self.precision = backend, precision  # precision: toygraph.core.precision.PRECISIONS
         self.seq_len = min(int(seq_len), self.cfg.n_ctx) if seq_len else self.cfg.n_ctx
         if self.seq_len < 2:
@@ -84,6 +87,9 @@ class LanguageModel:
         self._decoders: dict[tuple[int, int], CachedDecoder] = {}
         # The tokens training teaches to end a reply with (data.py) are the ones we stop on.
         self.stop_ids = self.tokenizer.end_of_turn_ids
+        if not self.stop_ids:
+            logger.warning("%s names no end-of-sequence or end-of-turn token: generation stops "
+                           "only at the token limit or a stop string", model_path)
 
     # --- graphs ---------------------------------------------------------------------------
     def _forward(self, batch: int, seq_len: int) -> _Forward:

@@ -70,8 +70,7 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     say(f"loading {Path(run_cfg.model).name} ({size_text(Path(run_cfg.model).stat().st_size)}) ...")
     model = GGUFModel(run_cfg.model)
     check_against_model(run_cfg, model.config)
-    tok = Tokenizer.from_gguf(model.reader)
-    tok.source = str(run_cfg.model)
+    tok = Tokenizer.from_gguf(model.reader, source=str(run_cfg.model))
     tok.use_template(run_cfg.template)   # the model's own, its default, or --template
     say(settings_block(run_cfg))
     t0 = time.perf_counter()
