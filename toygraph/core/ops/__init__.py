@@ -22,6 +22,7 @@ update           accumulate, global_norm, adamw
 collective       all_reduce (data parallelism over MPI/NCCL)
 cache            cache_write (generation's KV cache)
 preference       token_logprobs, softplus, log_sigmoid, log1mexp (DPO/ORPO losses)
+policy           clipped_surrogate, kl_penalty (GRPO's policy-gradient loss)
 ===============  =======================================================================
 
 The builders are re-exported here, so ``ops.<name>`` is every op:
@@ -49,6 +50,7 @@ from toygraph.core.ops.update import accumulate, adamw, global_norm
 from toygraph.core.ops.collective import all_reduce
 from toygraph.core.ops.cache import cache_write
 from toygraph.core.ops.preference import log1mexp, log_sigmoid, softplus, token_logprobs
+from toygraph.core.ops.policy import clipped_surrogate, kl_penalty
 # isort: on
 
 #: Ops that write into their first operand(s) rather than producing a value.
@@ -61,4 +63,4 @@ __all__ = ["F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS", "OpSpe
            "swiglu", "rms_norm", "softmax", "rope", "attention", "matmul", "get_rows",
            "count_valid", "cross_entropy", "linear_cross_entropy", "accumulate", "adamw",
            "global_norm", "log1mexp", "log_sigmoid", "softplus", "token_logprobs",
-           "cache_write", "all_reduce", "SIDE_EFFECTS"]
+           "cache_write", "all_reduce", "clipped_surrogate", "kl_penalty", "SIDE_EFFECTS"]
