@@ -201,3 +201,22 @@ def test_the_mean_reward_rises(tiny_llama, prompts, tmp_path):
                      schedule="constant"))
     rewards = [e["reward"] for e in steps(tmp_path / "r")]
     assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.25, rewards
+
+
+def test_the_cuda_graphs_and_activation_checkpointing_take_the_same_steps(
+        tiny_llama, prompts, tmp_path, monkeypatch):
+    """The same run on the CUDA kernels (host executor: the fused head, the captured
+    programs) and with each training block recomputed in the backward."""
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    runs = {}
+    for name, kw in (("cpu", {}), ("cuda", dict(backend="cuda")),
+                     ("ckpt", dict(checkpoint_activations=True))):
+        run_training(cfg(tiny_llama, prompts, tmp_path / name, steps=3, kl_beta=0.02, **kw))
+        runs[name] = steps(tmp_path / name)
+    keys = ("loss", "kl", "grad_norm")
+    assert [[e[k] for k in keys] for e in runs["ckpt"]] == [[e[k] for k in keys] for e in runs["cpu"]]
+    for a, b in zip(runs["cuda"], runs["cpu"]):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7)
+    assert runs["cpu"][-1]["kl"] > 0
