@@ -109,7 +109,12 @@ class GRPO(LoRA):
     # --- data ------------------------------------------------------------------------------------
     def make_batches(self, items, batch: int, seq_len: int, pad: int, *, shuffle: bool,
                      seed: int, epoch: int) -> list:
+        """Training (``shuffle``): each batch of ``batch`` prompts ``num_iterations`` times.
+        Evaluation: batches of ``batch x num_generations`` prompts, one greedy completion
+        each, so every row of the sampler holds a prompt."""
         self.prompts.update({item.index: item for item in items})
+        if not shuffle:
+            batch *= self.num_generations
         return prompt_batches(items, batch, seq_len, pad, shuffle=shuffle, seed=seed,
                               epoch=epoch, repeat=self.num_iterations if shuffle else 1)
 
@@ -334,12 +339,14 @@ class GRPO(LoRA):
 
     # --- evaluation ------------------------------------------------------------------------------
     def evaluate(self, token_ids, positions, labels, segments=None) -> tuple[float, int]:
-        """Greedy completions of one prompt batch [batch, seq_len], scored: returns (minus
+        """Greedy completions of one evaluation batch [rows, seq_len], scored: returns (minus
         the summed total reward, prompts), so the validation "loss" is minus the mean
         reward and the best checkpoint has the highest; the per-function means go to
         ``last_metrics``. Rows that only fill the last batch are left out."""
         labels = np.asarray(labels)
         real = labels[:, 1] == 0
+        if len(labels) > self.rows:
+            raise GraphError(f"evaluate: {len(labels)} prompts for {self.rows} sampler rows")
         ids = list(labels[real, 0]) + [labels[0, 0]] * (self.rows - int(real.sum()))
         items = [self.prompts[int(i)] for i in ids]
         completions = generate_rows(self.sess, self.gen, [it.tokens for it in items],
