@@ -40,12 +40,12 @@ from toygraph.errors import GraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.batched import build_batched_generation, generate_rows
 from toygraph.inference.sampling import SamplingOptions
-from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
+from toygraph.models.decoder import LoraConfig, build_decoder
 from toygraph.recipes.base import RecipeOptions, fused_head
 from toygraph.recipes.grpo_loss import Objective, build_objective, clipped, group_advantages
 from toygraph.recipes.lora import LoRA
 from toygraph.recipes.registry import register
-from toygraph.recipes.rewards import parse_rewards, score
+from toygraph.recipes.rewards import nan_mean, nan_std, parse_rewards, score, weighted_total
 
 #: Defaults the run configuration reads from here (TRL's, but a CPU-sized completion).
 NUM_GENERATIONS, TEMPERATURE, TOP_P, MAX_COMPLETION_LENGTH, NUM_ITERATIONS = 8, 1.0, 1.0, 128, 1
@@ -241,7 +241,7 @@ class GRPO(LoRA):
         completions = generate_rows(self.sess, self.gen, prompts, C, opts or self.sampling, rng,
                                     self.stop_ids, self.pad)
         rewards = self.score(group, completions)
-        total = _weighted_total(rewards, [r.weight for r in self.rewards])
+        total = weighted_total(rewards, [r.weight for r in self.rewards])
         adv, degenerate = group_advantages(total, G, self.objective.scale_rewards)
         R, T = len(group), P + C
         tokens = np.full((R, T), self.pad, np.int32)
@@ -291,16 +291,16 @@ class GRPO(LoRA):
         """TRL's step metrics: rewards (total and per function), degenerate groups,
         completion lengths, clip ratios and, with beta > 0, the KL to the reference."""
         rewards = rollout["rewards"]
-        total = _weighted_total(rewards, [r.weight for r in self.rewards])
+        total = weighted_total(rewards, [r.weight for r in self.rewards])
         mask = rollout["labels"].reshape(self.rows, -1) >= 0
         lengths = mask.sum(axis=1)
-        out = {"loss": loss, "reward": _nan(np.nanmean, total), "reward_std": _std(total),
+        out = {"loss": loss, "reward": nan_mean(total), "reward_std": nan_std(total),
                "frac_reward_zero_std": float(np.mean(rollout["degenerate"])),
                "completions/mean_length": float(lengths.mean()),
                "completions/max_length": int(lengths.max())}
         for j, r in enumerate(self.rewards):
-            out[f"rewards/{r.name}/mean"] = _nan(np.nanmean, rewards[:, j])
-            out[f"rewards/{r.name}/std"] = _std(rewards[:, j])
+            out[f"rewards/{r.name}/mean"] = nan_mean(rewards[:, j])
+            out[f"rewards/{r.name}/std"] = nan_std(rewards[:, j])
         logp = self.sess.download(self.logp).astype(np.float64)
         old = rollout.get("old_logp", logp).astype(np.float64)
         adv = rollout["advantages"][:, None]
@@ -354,9 +354,9 @@ class GRPO(LoRA):
                                     self.stop_ids, self.pad)
         n = int(real.sum())
         rewards = self.score(items[:n], completions[:n])
-        total = _weighted_total(rewards, [r.weight for r in self.rewards])
-        self.last_metrics = {"reward": _nan(np.nanmean, total)}
-        self.last_metrics.update({f"rewards/{r.name}/mean": _nan(np.nanmean, rewards[:, j])
+        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        self.last_metrics = {"reward": nan_mean(total)}
+        self.last_metrics.update({f"rewards/{r.name}/mean": nan_mean(rewards[:, j])
                                   for j, r in enumerate(self.rewards)})
         return -float(np.nansum(total)), n
 
@@ -390,22 +390,3 @@ class GRPO(LoRA):
             self.rollout = r
         super().load_optimizer_state(state)
 
-
-def _weighted_total(rewards: np.ndarray, weights) -> np.ndarray:
-    """Each completion's sum of weighted rewards over the functions that applied (TRL's
-    nansum), NaN where none did."""
-    w = np.asarray(weights, np.float64)[None]
-    total = np.nansum(rewards * w, axis=1)
-    return np.where(np.isnan(rewards).all(axis=1), np.nan, total)
-
-
-def _nan(fn, x) -> float:
-    x = np.asarray(x, np.float64)
-    return float(fn(x)) if np.any(~np.isnan(x)) else float("nan")
-
-
-def _std(x) -> float:
-    """The unbiased standard deviation of the values that are not NaN (TRL's nanstd)."""
-    x = np.asarray(x, np.float64)
-    x = x[~np.isnan(x)]
-    return float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")

@@ -126,6 +126,29 @@ def score(rewards: list[Reward], prompts: list, completions: list, fields: dict)
     return out
 
 
+# --- totals and statistics ------------------------------------------------------------------------
+def weighted_total(rewards: np.ndarray, weights) -> np.ndarray:
+    """Each completion's sum of weighted rewards over the functions that applied (TRL's
+    nansum), NaN where none did."""
+    w = np.asarray(weights, np.float64)[None]
+    total = np.nansum(rewards * w, axis=1)
+    return np.where(np.isnan(rewards).all(axis=1), np.nan, total)
+
+
+def nan_mean(x) -> float:
+    """The mean of the values that are not NaN; NaN when there are none."""
+    x = np.asarray(x, np.float64)
+    x = x[~np.isnan(x)]
+    return float(x.mean()) if len(x) else float("nan")
+
+
+def nan_std(x) -> float:
+    """The unbiased standard deviation of the values that are not NaN (TRL's nanstd)."""
+    x = np.asarray(x, np.float64)
+    x = x[~np.isnan(x)]
+    return float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
+
+
 # --- the built-in rewards ------------------------------------------------------------------------
 def completion_text(c) -> str:
     """A completion's text, plain or conversational."""

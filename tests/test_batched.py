@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 
 from test_kvcache import LOGIT_TOL, WRITERS, greedy_steps, normwise, random_adapter
-from toygraph.adapters.files import load_peft
 from toygraph.errors import DataError
 from toygraph.inference.batched import BatchedGenerator
 from toygraph.inference.language_model import LanguageModel
 from toygraph.inference.sampling import SamplingOptions
-from toygraph.models.decoder import LoraConfig
 
 PROMPTS = ["the cat sat on", "a dog and a cat and a bird and a dog went to the river and",
            "a bird", "a bird and a dog and a cat and a dog went to the sea and then the"]

@@ -117,7 +117,7 @@ def test_loss_and_gradient_equal_trls(o, with_old):
                          ids=["grpo-token-kl", "grpo-sequence-kl", "dapo-sequence-kl"])
 def test_finite_differences_through_the_whole_objective(o):
     case = _case(seed=1)
-    g, x, labels, old, ref, loss, inputs = graph = _graph(o, with_old=True)
+    g, x, labels, old, ref, loss, inputs = _graph(o, with_old=True)
     logits, ids, mask, old_v, ref_v, adv = case
     from toygraph.recipes.grpo_loss import token_weights
     w = token_weights(mask, o.loss_type, o.max_completion_length)

@@ -3,7 +3,6 @@ chat template's generation prompt, left truncation), and prompt batches (ids in 
 labels, fillers marked, repeats, order a function of seed and epoch)."""
 import json
 
-import numpy as np
 import pytest
 
 from toygraph.data.prompts import encode_prompts, load_prompts, prompt_batches
