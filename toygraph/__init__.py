@@ -5,7 +5,7 @@ backend (numpy on the CPU, NVRTC-compiled kernels on CUDA) and replays it every 
 """
 from toygraph.errors import CudaError, DataError, GGUFError, GraphError, ToygraphError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["ToygraphError", "GraphError", "GGUFError", "DataError", "CudaError", "__version__"]
 
 # The 0.1 import paths, for one release (toygraph/moved.py).
