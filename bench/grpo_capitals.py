@@ -3,10 +3,12 @@
     python bench/grpo_capitals.py --steps 30 --batch 4 --num-generations 4 [--set lr=2e-3 ...]
 
 The prompts are capitals.jsonl's questions (toygraph/demo/capitals.jsonl) with a system
-line saying the reply's shape; the data holds no reply text, only the fields the rewards
-check (``country``, ``capital``). Three rewards: the reply is a JSON object with exactly
-the string keys ``country`` and ``capital`` (``json-schema:``), its capital is the right
-one (``exact:capital``) and it is one line (``regex:``). A held-out 5% of the questions
+line asking for JSON (with an example about France); the data holds no reply text, only
+the fields the rewards check (``country``, ``capital``). Four rewards: the reply names the
+right capital anywhere (grpo_capitals_rewards.py: partial credit the base model earns at
+first), it is exactly the capital or a JSON object whose ``capital`` is (``exact:``), it
+is a JSON object with exactly the string keys ``country`` and ``capital``
+(``json-schema:``), and it is at most 60 characters (``length:``). A held-out 3% of the questions
 is answered greedily before and after training (the run's eval events: the validation
 "loss" is minus the mean total reward). Prints one JSON line: the settings, the wall time,
 the reward per step and the held-out rewards, and writes it to ``--json`` when given.
@@ -26,15 +28,15 @@ from toygraph.demo.capitals import data_path
 from toygraph.models.catalog import smollm2_path
 from toygraph.training import RunConfig, run_training
 
-SYSTEM = ('Reply with one line of JSON and nothing else, for example: '
-          '{"country": "France", "capital": "Paris"}')
+SYSTEM = 'You answer in JSON. Example: {"country": "France", "capital": "Paris"}'
 SCHEMA = {"type": "object", "required": ["country", "capital"], "additionalProperties": False,
           "properties": {"country": {"type": "string"}, "capital": {"type": "string"}}}
-REWARDS = ("json-schema:{schema}", "exact:capital", "regex:^[^\\n]*$")
-SETTINGS = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32, lr=2e-3,
+REWARDS = ("{here}/grpo_capitals_rewards.py:names_capital", "exact:capital",
+           "json-schema:{schema}", "length:1:60")
+SETTINGS = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32, lr=3e-3,
                 schedule="constant", warmup=0, seq_len=64, max_completion_length=24,
-                temperature=1.0, loss_type="dapo", val_split=0.03, seed=0, log_completions=4,
-                reward_weights=("1", "1", "0.5"))
+                temperature=0.7, loss_type="dapo", val_split=0.03, seed=0, log_completions=3,
+                reward_weights=("1", "1", "1", "0.5"))
 
 
 def write_prompts(folder: Path) -> tuple[Path, Path]:
@@ -69,7 +71,8 @@ def main():
         settings[key] = ast.literal_eval(value)
     out = Path(args.out)
     prompts, schema = write_prompts(out.with_name(out.name + "-data"))
-    rewards = tuple(r.format(schema=schema) for r in REWARDS)
+    here = Path(__file__).resolve().parent
+    rewards = tuple(r.format(schema=schema, here=here) for r in REWARDS)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     run_training(RunConfig(model=str(smollm2_path()), data=str(prompts), out=str(out),
