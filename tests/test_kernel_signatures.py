@@ -220,6 +220,16 @@ def _preference_op_launches():
     return _lower_all(topo_order([loss, grads[x], grads[h]]), precisions=("f32",))
 
 
+def _policy_op_launches():
+    """The policy-gradient loss ops (ops/policy.py, GRPO), forward and backward."""
+    g = Graph()
+    x = g.param("x", np.ones((3, 5)))
+    c = g.input("c", (3, 5))
+    loss = ops.sum(ops.add(ops.clipped_surrogate(x, c, c, 0.2, 0.28), ops.kl_penalty(x, c)))
+    grads = backward(loss, [x])
+    return _lower_all(topo_order([loss, grads[x]]), precisions=("f32",))
+
+
 @pytest.fixture(scope="module")
 def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
     rng = np.random.default_rng(0)
@@ -235,7 +245,7 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
         out += _lower_all(order, raw)
     out += _full_finetune_launches(tiny_qwen2)
     out += _block_format_launches(rng) + _attention_launches() + _small_op_launches()
-    out += _preference_op_launches() + _expert_launches(rng)
+    out += _preference_op_launches() + _expert_launches(rng) + _policy_op_launches()
     return out
 
 

@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_recipe_is_registered_under_its_name():
-    assert list(RECIPES) == ["lora", "full", "scratch", "dpo", "orpo"]
+    assert list(RECIPES) == ["lora", "full", "scratch", "dpo", "orpo", "grpo"]
     for name, cls in RECIPES.items():
         assert cls.name == name and recipe_class(name) is cls
     with pytest.raises(ToygraphError, match="--recipe must be one of lora, full, scratch, dpo, "
-                                            "orpo, got 'grpo'"):
-        recipe_class("grpo")
+                                            "orpo, grpo, got 'ppo'"):
+        recipe_class("ppo")
     with pytest.raises(ToygraphError, match="two recipes are named 'lora'"):
         register("lora")(type("Again", (LoRA,), {}))
 

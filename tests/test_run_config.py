@@ -86,7 +86,7 @@ def test_recipe_choices_are_the_registered_recipes(required):
 
 def test_an_option_a_recipe_does_not_use_is_refused():
     base = dict(model="m", data="d", out="o")
-    for kw, needle in ((dict(recipe="full", rank=4), "--rank is for --recipe lora, dpo, orpo, not full"),
+    for kw, needle in ((dict(recipe="full", rank=4), "--rank is for --recipe lora, dpo, orpo, grpo, not full"),
                        (dict(beta=0.3), "--beta is for --recipe dpo, orpo, not lora"),
                        (dict(recipe="dpo", pack=True), "--pack is for --recipe lora, full, scratch, not dpo")):
         with pytest.raises(ToygraphError, match=re.escape(needle)):

@@ -51,6 +51,8 @@ def _add_option(g, name: str) -> None:
     choices = RunConfig.choices(name)
     if kind is tuple:
         kwargs["metavar"] = "A,B,..."
+    elif kind is list:   # repeatable: each flag adds one item (which may hold commas)
+        kwargs.update(action="append", metavar="SPEC")
     elif kind in (int, float):
         kwargs["type"] = kind
     if choices:

@@ -30,6 +30,9 @@ from toygraph.errors import ToygraphError
 from toygraph.models.decoder import LoraConfig
 from toygraph.recipes import RECIPES, RecipeOptions, recipe_class
 from toygraph.recipes.dpo import DPO, LABEL_SMOOTHING
+from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, NUM_GENERATIONS, NUM_ITERATIONS,
+                                   TEMPERATURE, TOP_P)
+from toygraph.recipes.grpo_loss import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS, Objective
 from toygraph.recipes.preference import BETA, PreferenceRecipe
 
 #: How a resumed run treats an option: "same" must match the checkpoint unless
@@ -66,8 +69,13 @@ def _preference_recipes(recipe) -> bool:
     return issubclass(recipe, PreferenceRecipe)
 
 
+def _grpo_recipes(recipe) -> bool:
+    return issubclass(recipe, GRPO)
+
+
 def _packing_recipes(recipe) -> bool:
-    return not issubclass(recipe, PreferenceRecipe)   # a pair is two rows of one batch
+    # a pair is two rows of one batch; a GRPO row is a prompt and its sampled completion
+    return not issubclass(recipe, (PreferenceRecipe, GRPO))
 
 
 @dataclass
@@ -91,6 +99,13 @@ class RunConfig:
                                              "gguf (the model's own), alpaca, chatml, or a Jinja "
                                              "file; none: the model's own, alpaca without one",
                                   group="run")
+    reward: list[str] = option((), help="grpo: a reward function (repeat the flag for more): "
+                                        "regex:PATTERN, exact:FIELD, json, json-schema:FILE, "
+                                        "length:MIN:MAX, or module:function (TRL's signature)",
+                               group="run", used_by=_grpo_recipes)
+    reward_weights: tuple[str, ...] | None = option(None, help="grpo: the --reward functions' weights, "
+                                                      "comma-separated; none: 1 each",
+                                             group="run", used_by=_grpo_recipes)
     # --- LoRA adapters ---------------------------------------------------------------------
     targets: tuple[str, ...] = option(LoraConfig.targets,
                                       help="LoRA targets among q,k,v,o,gate,up,down (Qwen3.5's DeltaNet "
@@ -132,6 +147,18 @@ class RunConfig:
     pack: bool = option(RecipeOptions.pack, help="pack several examples into each --seq-len "
                                                  "row (attention stays inside each)",
                         group="steps", used_by=_packing_recipes)
+    num_generations: int = option(NUM_GENERATIONS, help="grpo: completions sampled per prompt "
+                                                        "(a group)",
+                                  group="steps", used_by=_grpo_recipes, low=2)
+    max_completion_length: int = option(MAX_COMPLETION_LENGTH,
+                                        help="grpo: tokens a completion has at most (--seq-len "
+                                             "bounds the prompt)",
+                                        group="steps", used_by=_grpo_recipes, low=1)
+    temperature: float = option(TEMPERATURE, help="grpo: sampling temperature (the log-probs "
+                                                  "are taken at it too, as TRL does)",
+                                group="steps", used_by=_grpo_recipes, low=0, open_low=True)
+    top_p: float = option(TOP_P, help="grpo: nucleus sampling mass, in (0, 1]; 1 = off",
+                          group="steps", used_by=_grpo_recipes, low=0, open_low=True)
     seed: int = option(RecipeOptions.seed, help="seed of the data order and the adapters' init",
                        group="steps", low=0)
     init_scale: float = option(RecipeOptions.init_scale, help="std of the LoRA A init",
@@ -149,6 +176,30 @@ class RunConfig:
     beta1: float = option(0.9, help="AdamW beta1", group="optimizer", low=0, high=1)
     beta2: float = option(0.999, help="AdamW beta2", group="optimizer", low=0, high=1)
     eps: float = option(1e-8, help="AdamW epsilon", group="optimizer", low=0, open_low=True)
+    num_iterations: int = option(NUM_ITERATIONS, help="grpo: optimizer steps per sampled batch "
+                                                      "(the old log-probs are kept)",
+                                 group="optimizer", used_by=_grpo_recipes, low=1)
+    loss_type: str = option(Objective.loss_type, help="grpo: how per-token losses are averaged "
+                                                      "(TRL's loss_type)",
+                            group="optimizer", used_by=_grpo_recipes, choices=LOSS_TYPES)
+    scale_rewards: str = option(Objective.scale_rewards,
+                                help="grpo: divide advantages by the group's or the batch's "
+                                     "reward std, or not",
+                                group="optimizer", used_by=_grpo_recipes, choices=SCALE_REWARDS)
+    importance_sampling: str = option(Objective.importance_sampling,
+                                      help="grpo: importance ratio per token, or per sequence "
+                                           "(GSPO)",
+                                      group="optimizer", used_by=_grpo_recipes,
+                                      choices=IMPORTANCE_SAMPLING)
+    epsilon: float = option(Objective.epsilon, help="grpo: clip the ratio below 1 - epsilon",
+                            group="optimizer", used_by=_grpo_recipes, low=0, high=1)
+    epsilon_high: float | None = option(Objective.epsilon_high,
+                                        help="grpo: clip the ratio above 1 + epsilon-high; none: "
+                                             "epsilon (DAPO: 0.28)",
+                                        group="optimizer", used_by=_grpo_recipes, low=0)
+    kl_beta: float = option(Objective.beta, help="grpo: weight of the KL to the reference (the "
+                                                 "adapter off); 0 = no reference pass",
+                            group="optimizer", used_by=_grpo_recipes, low=0)
     # --- evaluation ------------------------------------------------------------------------
     val_split: float = option(0.1, help="fraction held out for validation; 0 = none",
                               group="evaluation", low=0, high=1)
@@ -156,6 +207,9 @@ class RunConfig:
                              group="evaluation", low=0)
     patience: int = option(0, help="stop after N evaluations without a gain; 0 = off",
                            group="evaluation", low=0)
+    log_completions: int = option(0, help="grpo: put a sampled completion in the step event "
+                                          "every N steps; 0 = never",
+                                  group="evaluation", used_by=_grpo_recipes, resume="free", low=0)
     # --- checkpoints, resume and safety ----------------------------------------------------
     save_every: int = option(0, help="also checkpoint every N steps (evaluations always "
                                      "checkpoint); 0 = off",
@@ -219,7 +273,8 @@ class RunConfig:
 
     @classmethod
     def kind(cls, name: str) -> type:
-        """The field's value type: bool, int, float, str or tuple (of str)."""
+        """The field's value type: bool, int, float, str, tuple (of str, comma-separated on
+        the command line) or list (of str, one per repeated flag)."""
         return _KINDS[name]
 
     def options(self) -> dict:
@@ -283,8 +338,8 @@ _HINTS = typing.get_type_hints(RunConfig)
 
 def _kind(hint) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is tuple:
-        return tuple
+    if typing.get_origin(hint) in (tuple, list):
+        return typing.get_origin(hint)
     return _kind(args[0]) if args else hint
 
 
@@ -313,7 +368,7 @@ def check_value(name: str, value) -> None:
         if not isinstance(value, bool):
             raise ToygraphError(f"{flag(name)} must be true or false, got {value!r}")
         return
-    if kind is tuple:
+    if kind in (tuple, list):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ToygraphError(f"{flag(name)} must be a list of names, got {value!r}")
         return
@@ -345,8 +400,11 @@ def coerce(name: str, value):
     kind = RunConfig.kind(name)
     if kind is tuple and isinstance(value, str):
         return tuple(v.strip() for v in value.split(",") if v.strip())
-    if kind is tuple and isinstance(value, list):
-        return tuple(value)
+    if kind is list and isinstance(value, str):   # one item: a list is never split
+        return (value,)
+    if kind in (tuple, list) and isinstance(value, list):
+        return tuple(str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                     for v in value)
     if kind is float and isinstance(value, str):
         try:
             return float(value)

@@ -25,6 +25,7 @@ deltanet         causal_conv1d, delta_rule (Qwen3.5's Gated DeltaNet)
 slicing          narrow (a slice of the last axis)
 preference       token_logprobs, softplus, log_sigmoid, log1mexp (DPO/ORPO losses)
 experts          topk, take_along, group_by_expert, expert_matmul (mixtures of experts)
+policy           clipped_surrogate, kl_penalty (GRPO's policy-gradient loss)
 ===============  =======================================================================
 
 The builders are re-exported here, so ``ops.<name>`` is every op:
@@ -56,6 +57,7 @@ from toygraph.core.ops.deltanet import causal_conv1d, delta_rule
 from toygraph.core.ops.slicing import narrow
 from toygraph.core.ops.preference import log1mexp, log_sigmoid, softplus, token_logprobs
 from toygraph.core.ops.experts import expert_matmul, group_by_expert, take_along, topk
+from toygraph.core.ops.policy import clipped_surrogate, kl_penalty
 # isort: on
 
 #: Ops that write into their first operand(s) rather than producing a value.
@@ -69,4 +71,5 @@ __all__ = ["BLOCK_KERNELS", "F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NON
            "matmul", "get_rows", "count_valid", "cross_entropy", "linear_cross_entropy",
            "accumulate", "adamw", "global_norm", "log1mexp", "log_sigmoid", "softplus",
            "token_logprobs", "cache_write", "causal_conv1d", "delta_rule", "narrow", "all_reduce",
-           "expert_matmul", "group_by_expert", "take_along", "topk", "SIDE_EFFECTS"]
+           "expert_matmul", "group_by_expert", "take_along", "topk", "clipped_surrogate",
+           "kl_penalty", "SIDE_EFFECTS"]

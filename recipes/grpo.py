@@ -1,0 +1,398 @@
+"""GRPO: reinforcement learning from reward functions, with LoRA on the GGUF and our own
+batched sampling, in one realized graph.
+
+>>> recipe = GRPO(rewards=["json", "exact:capital"], num_generations=8)        # doctest: +SKIP
+>>> recipe.realize(model, model.config, RecipeOptions(seq_len=64, batch=4))     # doctest: +SKIP
+
+Each step takes ``batch`` prompts (a prompt batch, toygraph/data/prompts.py), samples
+``num_generations`` completions of each (temperature, top-p, at most
+``max_completion_length`` tokens, stopping at an end-of-turn token), scores them with the
+reward functions (recipes/rewards.py), turns the rewards into group-relative advantages
+and takes one optimizer step on the objective (recipes/grpo_loss.py, TRL's semantics).
+
+One graph holds it all: the training decoder over rows of ``seq_len + max_completion_length``
+tokens (the prompt, its completion, padding), the reference pass (adapter off, as DPO's)
+when ``beta`` > 0, and the batched prefill + decode graphs of the sampler
+(toygraph/inference/batched.py) built over the training decoder's own weight and adapter
+tensors, so the completions come from the adapter as it is being trained, without a copy.
+The session runs each as a program: sampling, the forward for the old log-probs
+(``num_iterations`` > 1) and the training step.
+
+With ``num_iterations`` = mu, a rollout (completions, advantages, old log-probs) serves mu
+optimizer steps: the prompt batches come mu times each (the data order of TRL's repeat
+sampler). Sampling at step t draws from ``default_rng([seed, t])``, so the completions are
+a function of the seed, the step and the weights; the rollout being reused and the step
+count ride in the checkpoint (:meth:`GRPO.optimizer_state`), so a resumed run continues
+bit for bit.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from toygraph.core import ops
+from toygraph.core.graph import PHASES, Graph
+from toygraph.data.batches import pad_id_for, steps_per_epoch
+from toygraph.data.prompts import encode_prompts, load_prompts, prompt_batches, prompt_text
+from toygraph.errors import GraphError
+from toygraph.gguf.tokenizer import Tokenizer
+from toygraph.inference.batched import build_batched_generation, generate_rows
+from toygraph.inference.sampling import SamplingOptions
+from toygraph.models.decoder import LoraConfig, build_decoder
+from toygraph.recipes.base import RecipeOptions, fused_head
+from toygraph.recipes.grpo_loss import Objective, build_objective, clipped, group_advantages
+from toygraph.recipes.lora import LoRA
+from toygraph.recipes.registry import register
+from toygraph.recipes.rewards import nan_mean, nan_std, parse_rewards, score, weighted_total
+
+#: Defaults the run configuration reads from here (TRL's, but a CPU-sized completion).
+NUM_GENERATIONS, TEMPERATURE, TOP_P, MAX_COMPLETION_LENGTH, NUM_ITERATIONS = 8, 1.0, 1.0, 128, 1
+
+
+@register("grpo")
+class GRPO(LoRA):
+    """Group Relative Policy Optimization (and DAPO, Dr. GRPO, BNPO, GSPO through the
+    objective's options) with LoRA, from reward functions on sampled completions."""
+
+    eval_unit = "prompts"
+    load_data = staticmethod(load_prompts)
+    encode_data = staticmethod(encode_prompts)
+
+    def __init__(self, targets=LoraConfig.targets, rank: int = LoraConfig.rank,
+                 alpha: float = LoraConfig.alpha, rewards=(), reward_weights=None,
+                 num_generations: int = NUM_GENERATIONS, temperature: float = TEMPERATURE,
+                 top_p: float = TOP_P, max_completion_length: int = MAX_COMPLETION_LENGTH,
+                 num_iterations: int = NUM_ITERATIONS, objective: Objective | None = None,
+                 log_completions: int = 0):
+        super().__init__(targets, rank, alpha)
+        self.rewards = parse_rewards(rewards, reward_weights)
+        if num_generations < 2:
+            raise GraphError(f"num_generations must be >= 2 (a group to compare), got {num_generations}")
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise GraphError(f"temperature must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise GraphError(f"top_p must be in (0, 1], got {top_p}")
+        if num_iterations < 1 or max_completion_length < 1 or log_completions < 0:
+            raise GraphError("num_iterations and max_completion_length must be >= 1, "
+                             "log_completions >= 0")
+        self.num_generations, self.num_iterations = int(num_generations), int(num_iterations)
+        self.sampling = SamplingOptions(temperature=float(temperature), top_p=float(top_p))
+        self.max_completion_length = int(max_completion_length)
+        self.objective = objective or Objective(max_completion_length=self.max_completion_length)
+        if self.objective.max_completion_length != self.max_completion_length:
+            raise GraphError("the objective's max_completion_length must be the recipe's")
+        self.log_completions = int(log_completions)
+        self.prompts: dict[int, object] = {}   # prompt id -> EncodedPrompt (make_batches)
+        self.rollout: dict | None = None
+        self.last_metrics: dict = {}
+
+    @classmethod
+    def from_options(cls, cfg) -> "GRPO":
+        objective = Objective(loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+                              importance_sampling=cfg.importance_sampling, epsilon=cfg.epsilon,
+                              epsilon_high=cfg.epsilon_high, beta=cfg.kl_beta,
+                              max_completion_length=cfg.max_completion_length)
+        return cls(targets=cfg.targets, rank=cfg.rank, alpha=cfg.alpha, rewards=cfg.reward,
+                   reward_weights=cfg.reward_weights, num_generations=cfg.num_generations,
+                   temperature=cfg.temperature, top_p=cfg.top_p,
+                   max_completion_length=cfg.max_completion_length,
+                   num_iterations=cfg.num_iterations, objective=objective,
+                   log_completions=cfg.log_completions)
+
+    def __repr__(self):
+        return (f"GRPO(targets={self.targets}, rank={self.rank}, alpha={self.alpha}, "
+                f"rewards={[r.name for r in self.rewards]}, "
+                f"num_generations={self.num_generations}, {self.objective})")
+
+    # --- data ------------------------------------------------------------------------------------
+    def make_batches(self, items, batch: int, seq_len: int, pad: int, *, shuffle: bool,
+                     seed: int, epoch: int) -> list:
+        """Training (``shuffle``): each batch of ``batch`` prompts ``num_iterations`` times.
+        Evaluation: batches of ``batch x num_generations`` prompts, one greedy completion
+        each, so every row of the sampler holds a prompt."""
+        self.prompts.update({item.index: item for item in items})
+        if not shuffle:
+            batch *= self.num_generations
+        return prompt_batches(items, batch, seq_len, pad, shuffle=shuffle, seed=seed,
+                              epoch=epoch, repeat=self.num_iterations if shuffle else 1)
+
+    def batches_per_epoch(self, items, batch: int, seq_len: int) -> int:
+        return steps_per_epoch(len(items), batch) * self.num_iterations
+
+    @staticmethod
+    def packing_report(items, batch: int, seq_len: int) -> None:
+        return None
+
+    # --- the graph -------------------------------------------------------------------------------
+    def check_options(self, opts: RecipeOptions) -> None:
+        for bad, why in ((opts.data_parallel, "does not run data parallel (under mpirun) yet"),
+                         (opts.pack, "does not pack: drop --pack"),
+                         (opts.grad_accum > 1, "takes one micro-batch per step: raise --batch "
+                                               "instead of --grad-accum")):
+            if bad:
+                raise GraphError(f"--recipe {self.name} {why}")
+
+    def rows_per_batch(self, opts: RecipeOptions) -> int:
+        return opts.batch * self.num_generations
+
+    def batch_rows(self):
+        return self.rows, "batch x num_generations completions"
+
+    def build_graph(self, gguf, model_cfg, opts: RecipeOptions) -> Graph:
+        """The training decoder over rows of prompt + completion, the per-token log-probs
+        of the completions, the reference's (beta > 0), the objective and the sampler."""
+        self.check_model(model_cfg, opts)
+        self.check_options(opts)
+        self.opts, self.model_cfg = opts, model_cfg
+        P, C = opts.seq_len, self.max_completion_length
+        R = self.rows = self.rows_per_batch(opts)
+        T = P + C
+        if T > model_cfg.n_ctx:
+            raise GraphError(f"--seq-len {P} + --max-completion-length {C} exceed the model's "
+                             f"context length {model_cfg.n_ctx}")
+        self.tok = Tokenizer.from_gguf(gguf.reader)
+        self.stop_ids, self.pad = self.tok.end_of_turn_ids, pad_id_for(self.tok)
+        self.graph = g = Graph()
+        lora = self.lora_config(opts)
+        self.net = build_decoder(g, model_cfg, batch=R, seq_len=T, model=gguf,
+                                 weights=self.weight_mode, lora=lora, seed=opts.seed, logits=False)
+        # The hidden row predicting each completion token, and the token (-1 past its end).
+        self.keep = g.input("grpo.keep", (R * C,), "i32")
+        self.labels = g.input("grpo.labels", (R * C,), "i32")
+        self.logp = g.output(self.completion_logprobs(self.net))
+        old = g.input("grpo.old_logp", (R, C)) if self.num_iterations > 1 else self.logp
+        self.ref_logp = None
+        if self.objective.beta:
+            self.ref_net = build_decoder(g, model_cfg, batch=R, seq_len=T, logits=False,
+                                         reference_of=self.net)
+            self.ref_logp = g.output(self.completion_logprobs(self.ref_net))
+        loss, self.objective_inputs, _ = build_objective(g, self.logp, old, self.ref_logp,
+                                                         self.objective)
+        self.loss, self.count = g.output(loss), None
+        self.old_logp = old if old is not self.logp else None
+        self.gen = build_batched_generation(g, model_cfg, rows=R, prompt_len=P, cache_len=T,
+                                            lora=lora, shared=self.net)
+        return g
+
+    def completion_logprobs(self, net):
+        """[R, C]: each completion token's log-prob under ``net`` at the sampling
+        temperature (TRL divides the logits by it), 0 past the completion's end. Only the
+        completion positions reach the head (get_rows), fused with it on CUDA as the
+        preference recipes do."""
+        R, C = self.rows, self.max_completion_length
+        rows = ops.get_rows(net.hidden, self.keep)
+        cap = self.model_cfg.logit_softcap
+        if cap:   # Gemma 4: the temperature divides the capped logits, as in transformers
+            logits = ops.softcap(ops.matmul(rows, net.head, trans_b=True), cap)
+            logits = ops.scale(logits, 1.0 / self.sampling.temperature)
+            return ops.token_logprobs(logits, self.labels).reshape(R, C)
+        h = ops.scale(rows, 1.0 / self.sampling.temperature)
+        if fused_head(self.opts.backend, self.model_cfg):
+            nll = ops.linear_cross_entropy(h, net.head, self.labels, reduction="none")
+            return ops.scale(nll, -1.0).reshape(R, C)
+        logits = ops.matmul(h, net.head, trans_b=True)
+        return ops.token_logprobs(logits, self.labels).reshape(R, C)
+
+    def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:
+        super().realize(gguf, model_cfg, opts)
+        skip = {t.id for t in self.gen.targets}
+        g = self.graph
+        targets = [t for p in PHASES for t in g.outputs[p] + g.effects[p] if t.id not in skip]
+        self.train_program = self.sess.program(targets)
+        self.old_program = self.sess.program([self.logp]) if self.old_logp is not None else None
+        self.rollout = None
+
+    # --- per step --------------------------------------------------------------------------------
+    def step(self, token_ids, positions, labels, hp, is_first: bool, segments=None) -> float:
+        """Sample, score and update (module docstring); the arrays are the prompt batch,
+        [1, batch, seq_len]."""
+        labels = np.asarray(labels)
+        if labels.shape != (1, self.opts.batch, self.opts.seq_len):
+            raise GraphError(f"step: a prompt batch must be [1, batch, seq_len] = "
+                             f"{(1, self.opts.batch, self.opts.seq_len)}, got {labels.shape}")
+        t = self.step_index + 1
+        gen_s = 0.0
+        if self.rollout is None or (t - 1) % self.num_iterations == 0:
+            t0 = time.perf_counter()
+            self.rollout = self.make_rollout(labels[0, :, 0], np.random.default_rng([self.opts.seed, t]))
+            gen_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        s = self.sess
+        if is_first:
+            s.reset()
+        else:
+            s.reset_grads()
+        self.upload_rollout(self.rollout)
+        s.upload(self.train.hp, hp)
+        s.run_program(self.train_program)
+        loss = float(s.download(self.loss))
+        self.step_index += 1
+        self.last_metrics = self.metrics(self.rollout, loss)
+        self.last_metrics.update({"time/generation_s": gen_s,
+                                  "time/update_s": time.perf_counter() - t0})
+        if self.log_completions and t % self.log_completions == 0:
+            self.last_metrics["sample"] = self.sample(self.rollout)
+        return loss
+
+    def make_rollout(self, prompt_ids, rng, opts: SamplingOptions | None = None) -> dict:
+        """Sample ``num_generations`` completions of each prompt, score them and build the
+        training rows: tokens [R, T], keep and labels [R * C], advantages [R], the rewards
+        [R, F] (NaN: not applied), and the old log-probs [R, C] when num_iterations > 1."""
+        items = [self.prompts[int(i)] for i in prompt_ids]
+        G, P, C = self.num_generations, self.opts.seq_len, self.max_completion_length
+        group = [it for it in items for _ in range(G)]
+        prompts = [it.tokens for it in group]
+        completions = generate_rows(self.sess, self.gen, prompts, C, opts or self.sampling, rng,
+                                    self.stop_ids, self.pad)
+        rewards = self.score(group, completions)
+        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        adv, degenerate = group_advantages(total, G, self.objective.scale_rewards)
+        R, T = len(group), P + C
+        tokens = np.full((R, T), self.pad, np.int32)
+        keep = np.zeros((R, C), np.int32)
+        labels = np.full((R, C), -1, np.int32)
+        for r, (p, c) in enumerate(zip(prompts, completions)):
+            tokens[r, :len(p) + len(c)] = p + c
+            keep[r] = r * T + len(p) - 1 + np.arange(C)
+            labels[r, :len(c)] = c
+        out = {"prompts": np.asarray(prompt_ids, np.int64), "tokens": tokens,
+               "keep": keep.reshape(-1), "labels": labels.reshape(-1), "advantages": adv,
+               "rewards": rewards, "degenerate": degenerate}
+        if self.old_logp is not None:
+            self.upload_rows(out)
+            self.sess.run_program(self.old_program)
+            out["old_logp"] = self.sess.download(self.logp)
+        return out
+
+    def score(self, group: list, completions: list[list[int]]) -> np.ndarray:
+        """The rewards [R, F] of the completions (TRL's arguments: the prompts as given,
+        the completions as text, or as an assistant message for a chat prompt)."""
+        texts = [self.tok.decode(c, skip_special_tokens=True) for c in completions]
+        chat = [it.row.conversational for it in group]
+        keys = sorted({k for it in group for k in it.row.fields})
+        fields = {k: [it.row.fields.get(k) for it in group] for k in keys}
+        fields["completion_ids"] = [list(c) for c in completions]
+        return score(self.rewards, [it.row.prompt for it in group],
+                     [[{"role": "assistant", "content": x}] if c else x
+                      for x, c in zip(texts, chat)], fields)
+
+    def upload_rows(self, rollout: dict) -> None:
+        s, R, T = self.sess, self.rows, self.opts.seq_len + self.max_completion_length
+        s.upload(self.net.tokens, rollout["tokens"])
+        s.upload(self.net.positions, np.tile(np.arange(T, dtype=np.int32), (R, 1)))
+        s.upload(self.keep, rollout["keep"])
+        s.upload(self.labels, rollout["labels"])
+
+    def upload_rollout(self, rollout: dict) -> None:
+        self.upload_rows(rollout)
+        mask = rollout["labels"].reshape(self.rows, -1) >= 0
+        self.objective_inputs.upload(self.sess, mask, rollout["advantages"])
+        if self.old_logp is not None:
+            self.sess.upload(self.old_logp, rollout["old_logp"])
+
+    # --- metrics ---------------------------------------------------------------------------------
+    def metrics(self, rollout: dict, loss: float) -> dict:
+        """TRL's step metrics: rewards (total and per function), degenerate groups,
+        completion lengths, clip ratios and, with beta > 0, the KL to the reference."""
+        rewards = rollout["rewards"]
+        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        mask = rollout["labels"].reshape(self.rows, -1) >= 0
+        lengths = mask.sum(axis=1)
+        out = {"loss": loss, "reward": nan_mean(total), "reward_std": nan_std(total),
+               "frac_reward_zero_std": float(np.mean(rollout["degenerate"])),
+               "completions/mean_length": float(lengths.mean()),
+               "completions/max_length": int(lengths.max())}
+        for j, r in enumerate(self.rewards):
+            out[f"rewards/{r.name}/mean"] = nan_mean(rewards[:, j])
+            out[f"rewards/{r.name}/std"] = nan_std(rewards[:, j])
+        logp = self.sess.download(self.logp).astype(np.float64)
+        old = rollout.get("old_logp", logp).astype(np.float64)
+        adv = rollout["advantages"][:, None]
+        if self.objective.importance_sampling == "token":
+            hit = clipped(np.exp(logp - old), adv, self.objective)
+            out["clip_ratio"] = float(hit[mask].mean()) if mask.any() else 0.0
+        else:
+            seq = ((logp - old) * mask).sum(1) / np.maximum(lengths, 1)
+            out["clip_ratio"] = float(clipped(np.exp(seq), adv[:, 0], self.objective).mean())
+        if self.ref_logp is not None:
+            d = self.sess.download(self.ref_logp).astype(np.float64) - logp
+            out["kl"] = float(((np.expm1(d) - d) * mask).sum() / max(mask.sum(), 1))
+        return out
+
+    def sample(self, rollout: dict) -> dict:
+        """The first completion of the rollout with its prompt and rewards (--log-completions)."""
+        item = self.prompts[int(rollout["prompts"][0])]
+        c = rollout["labels"].reshape(self.rows, -1)[0]
+        return {"prompt": prompt_text(item.row, self.tok),
+                "completion": self.tok.decode([int(x) for x in c[c >= 0]], skip_special_tokens=True),
+                "rewards": {r.name: (None if math.isnan(v) else float(v))
+                            for r, v in zip(self.rewards, rollout["rewards"][0])}}
+
+    @staticmethod
+    def metrics_text(metrics: dict) -> str:
+        if "reward" not in metrics:
+            return ""
+        text = f"reward {metrics['reward']:.3f}"
+        if "completions/mean_length" in metrics:   # a step (an evaluation has only rewards)
+            text += (f" ±{metrics['reward_std']:.2f} flat {metrics['frac_reward_zero_std']:.2f} "
+                     f"len {metrics['completions/mean_length']:.0f}"
+                     + (f" kl {metrics['kl']:.4f}" if "kl" in metrics else "")
+                     + f" gen {metrics['time/generation_s']:.1f}s upd "
+                     f"{metrics['time/update_s']:.1f}s")
+        return text
+
+    # --- evaluation ------------------------------------------------------------------------------
+    def evaluate(self, token_ids, positions, labels, segments=None) -> tuple[float, int]:
+        """Greedy completions of one evaluation batch [rows, seq_len], scored: returns (minus
+        the summed total reward, prompts), so the validation "loss" is minus the mean
+        reward and the best checkpoint has the highest; the per-function means go to
+        ``last_metrics``. Rows that only fill the last batch are left out."""
+        labels = np.asarray(labels)
+        real = labels[:, 1] == 0
+        if len(labels) > self.rows:
+            raise GraphError(f"evaluate: {len(labels)} prompts for {self.rows} sampler rows")
+        ids = list(labels[real, 0]) + [labels[0, 0]] * (self.rows - int(real.sum()))
+        items = [self.prompts[int(i)] for i in ids]
+        completions = generate_rows(self.sess, self.gen, [it.tokens for it in items],
+                                    self.max_completion_length, SamplingOptions(), None,
+                                    self.stop_ids, self.pad)
+        n = int(real.sum())
+        rewards = self.score(items[:n], completions[:n])
+        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        self.last_metrics = {"reward": nan_mean(total)}
+        self.last_metrics.update({f"rewards/{r.name}/mean": nan_mean(rewards[:, j])
+                                  for j, r in enumerate(self.rewards)})
+        return -float(np.nansum(total)), n
+
+    # --- state a checkpoint keeps ----------------------------------------------------------------
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """AdamW's moments, and what else the next step needs to continue exactly: the
+        step count and the rollout being reused (its arrays, finite: a NaN reward is
+        stored as 0 with ``scored`` 0)."""
+        out = super().optimizer_state()
+        out["grpo.step"] = np.array([self.step_index], np.float32)
+        if self.rollout is not None:
+            r = dict(self.rollout)
+            rewards = r.pop("rewards")
+            r["rewards"], r["scored"] = np.nan_to_num(rewards, nan=0.0), ~np.isnan(rewards)
+            out.update({f"grpo.rollout.{k}": np.asarray(v, np.float32) for k, v in r.items()})
+        return out
+
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        state = dict(state)
+        if "grpo.step" in state:
+            self.step_index = int(state.pop("grpo.step")[0])
+        saved = {k.split(".", 2)[2]: state.pop(k) for k in list(state)
+                 if k.startswith("grpo.rollout.")}
+        if saved:
+            ints = ("prompts", "tokens", "keep", "labels")
+            r = {k: (v.astype(np.int64 if k == "prompts" else np.int32) if k in ints else v)
+                 for k, v in saved.items()}
+            r["rewards"] = np.where(r.pop("scored") > 0, r["rewards"].astype(np.float64), np.nan)
+            r["degenerate"] = r["degenerate"] > 0
+            r["advantages"] = r["advantages"].astype(np.float64)
+            self.rollout = r
+        super().load_optimizer_state(state)
+

@@ -1,0 +1,103 @@
+"""GRPO's reward functions (recipes/rewards.py): each built-in one, weights, Python
+functions with TRL's signature from a module or a file, the JSON Schema subset, and the
+one-line errors of a reward that breaks its contract."""
+import json
+
+import numpy as np
+import pytest
+
+from toygraph.recipes.rewards import (RewardError, check_schema, normalise, parse_rewards,
+                                      score, valid)
+
+COMPLETIONS = ['{"capital": "Paris"}', "paris.", "The capital is 42", '{"capital": "Rome"}',
+               "  PARIS  "]
+FIELDS = {"capital": ["Paris", "Paris", "Paris", "Paris", "París"]}
+PROMPTS = ["q"] * 5
+
+
+def _score(*specs, completions=COMPLETIONS, fields=FIELDS, weights=None):
+    return score(parse_rewards(specs, weights), PROMPTS[:len(completions)], completions, fields)
+
+
+def test_the_built_in_rewards():
+    got = _score("regex:[0-9]", "regex:^\\{.*\\}$", "json", "exact:capital", "length:5:8")
+    assert got[:, 0].tolist() == [0, 0, 1, 0, 0]
+    assert got[:, 1].tolist() == [1, 0, 0, 1, 0]
+    assert got[:, 2].tolist() == [1, 0, 0, 1, 0]
+    assert got[:, 3].tolist() == [1, 1, 0, 0, 0]   # París is not Paris: accents are kept
+    assert got[:, 4].tolist() == [0, 1, 0, 0, 0]
+
+
+def test_exact_normalisation():
+    assert normalise("  The   Capital.  ") == "the capital"
+    assert normalise('"Paris"') == "paris" and normalise("ＰＡＲＩＳ") == "paris"   # NFKC
+    assert normalise(12) == "12"
+
+
+def test_json_schema(tmp_path):
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "minLength": 2}},
+              "required": ["capital"], "additionalProperties": False, "title": "answer"}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(schema))
+    got = _score(f"json-schema:{f}", completions=['{"capital": "Paris"}', '{"capital": "P"}',
+                                                  '{"capital": "Paris", "x": 1}', "Paris",
+                                                  '{"city": "Paris"}'])
+    assert got[:, 0].tolist() == [1, 0, 0, 0, 0]
+    assert valid([1, 2], {"type": "array", "items": {"type": "integer"}, "maxItems": 2})
+    assert not valid(True, {"type": "integer"}) and valid(3, {"type": "number", "minimum": 3})
+    assert check_schema({"oneOf": []}).startswith("#: keyword 'oneOf' is not supported")
+    f.write_text(json.dumps({"properties": {"a": {"anyOf": []}}}))
+    with pytest.raises(RewardError, match="#/properties/a: keyword 'anyOf' is not supported"):
+        parse_rewards([f"json-schema:{f}"])
+
+
+def test_weights_and_nan_for_none(tmp_path):
+    module = tmp_path / "r.py"
+    module.write_text("def half(prompts, completions, capital, completion_ids=None, **kw):\n"
+                      "    return [0.5 if c.startswith('{') else None for c in completions]\n")
+    got = _score("json", f"{module}:half", weights=["2", "1"])
+    assert np.isnan(got[1, 1]) and got[0].tolist() == [1.0, 0.5]
+    r = parse_rewards(["json", f"{module}:half"], ["2", "1"])
+    assert [x.weight for x in r] == [2.0, 1.0]
+
+
+def test_a_dotted_module_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text("def n(prompts, completions, **kw):\n"
+                                      "    return [float(len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    assert _score("mine:n", completions=["ab", "abc"], fields={})[:, 0].tolist() == [2, 3]
+
+
+def test_conversational_completions_are_messages():
+    got = _score("exact:capital", completions=[[{"role": "assistant", "content": "Paris"}]],
+                 fields={"capital": ["paris"]})
+    assert got.tolist() == [[1.0]]
+
+
+@pytest.mark.parametrize("specs, weights, needle", [
+    ([], None, "GRPO needs at least one --reward"),
+    (["regex:("], None, "--reward regex:(: not a regular expression"),
+    (["length:9:2"], None, "expected length:MIN:MAX with 0 <= MIN <= MAX"),
+    (["frobnicate"], None, "--reward 'frobnicate': not a reward"),
+    (["no_such_module_x:f"], None, "--reward no_such_module_x:f: cannot import it"),
+    (["json-schema:/no/such.json"], None, "cannot read /no/such.json"),
+    (["json", "json"], ["1"], "1 finite numbers needed, one per --reward (2)"),
+    (["json"], ["x"], "--reward-weights must be numbers"),
+])
+def test_bad_specs_are_one_line_errors(specs, weights, needle):
+    with pytest.raises(RewardError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parse_rewards(specs, weights)
+
+
+def test_a_reward_breaking_its_contract(tmp_path):
+    module = tmp_path / "bad.py"
+    module.write_text("def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
+                      "def text(prompts, completions, **kw):\n    return ['1'] * len(completions)\n"
+                      "def gen(prompts, completions, **kw):\n    return (x for x in completions)\n")
+    for name, needle in (("nan", "returned nan for completion 0"),
+                         ("text", "returned '1' for completion 0"),
+                         ("gen", "returned 'generator' for 5 completions")):
+        with pytest.raises(RewardError, match=needle):
+            _score(f"{module}:{name}")
+    with pytest.raises(RewardError, match="reward exact:city failed: KeyError"):
+        _score("exact:city")
