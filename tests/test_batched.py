@@ -4,6 +4,7 @@ one-row generation's (kvcache.py) for prompts of different lengths, for every fa
 kernels (host executor); a seed reproduces sampled completions; rows stop at their own
 end-of-turn token."""
 import re
+
 import numpy as np
 import pytest
 
