@@ -46,11 +46,11 @@ def tokenizer(tiny_llama):
     return Tokenizer.from_gguf(tiny_llama)
 
 
-def test_mutated_jsonl_gives_a_data_error_or_a_valid_load(tmp_path, tokenizer):
+def _check_fuzz(tmp_path, tokenizer, seed: int, cases: int):
     base = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
-    rng = np.random.default_rng(1234)
+    rng = np.random.default_rng(seed)
     outcomes = {"error": 0, "loaded": 0}
-    for case in range(CASES):
+    for case in range(cases):
         p = tmp_path / f"case{case}.jsonl"
         p.write_bytes(_mutate(base, rng))
         try:
@@ -58,7 +58,18 @@ def test_mutated_jsonl_gives_a_data_error_or_a_valid_load(tmp_path, tokenizer):
             outcomes["loaded"] += 1
         except DataError as e:
             msg = str(e)
-            assert "\n" not in msg and str(p) in msg, (case, msg)
+            assert "\n" not in msg and str(p) in msg, (seed, case, msg)
             outcomes["error"] += 1
+        p.unlink()
     # Both kinds occur, so the mutations neither always break nor never break the file.
-    assert outcomes["error"] > CASES // 20 and outcomes["loaded"] > CASES // 20, outcomes
+    assert outcomes["error"] > cases // 20 and outcomes["loaded"] > cases // 20, outcomes
+
+
+def test_mutated_jsonl_gives_a_data_error_or_a_valid_load(tmp_path, tokenizer):
+    _check_fuzz(tmp_path, tokenizer, 1234, CASES)
+
+
+@pytest.mark.slow
+def test_mutated_jsonl_long(tmp_path, tokenizer):
+    """Twenty times the cases on another seed (10,000)."""
+    _check_fuzz(tmp_path, tokenizer, 4321, 20 * CASES)

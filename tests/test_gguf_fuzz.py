@@ -89,13 +89,14 @@ def _interesting(width: int, old: int, rng) -> int:
     return pick[int(rng.integers(len(pick)))] & top
 
 
-def make_cases(bases: list[Path], seed: int = SEED) -> list[tuple[str, tuple, str]]:
-    """(base file, mutation, description) for every case, from ``seed`` alone."""
+def make_cases(bases: list[Path], seed: int = SEED, scale: int = 1) -> list[tuple[str, tuple, str]]:
+    """(base file, mutation, description) for every case, from ``seed`` alone; ``scale``
+    multiplies every kind's count (the slow run)."""
     rng = np.random.default_rng(seed)
     info = {b: (BoundedReader(b).data_offset, _numbers(b), b.read_bytes()) for b in bases}
     cases = []
     for kind, n in CASES.items():
-        for _ in range(n):
+        for _ in range(n * scale):
             base = bases[int(rng.integers(len(bases)))]
             region, numbers, data = info[base]
             if kind == "flip":
@@ -148,16 +149,26 @@ def test_cases_are_deterministic_and_stay_in_the_header(bases):
         assert off <= BoundedReader(base).data_offset
 
 
-def test_header_fuzz_ends_in_a_clean_error_or_a_usable_model(bases, tmp_path):
-    results = run_cases(make_cases(bases), tmp_path)
-    bad = [f"  seed {SEED} case {i}: {desc}\n    -> {outcome}: {detail}"
+def _check_fuzz(bases, tmp_path, seed: int, scale: int):
+    results = run_cases(make_cases(bases, seed, scale), tmp_path)
+    bad = [f"  seed {seed} case {i}: {desc}\n    -> {outcome}: {detail}"
            for i, (desc, outcome, detail) in enumerate(results)
            if outcome in ("unexpected", "hang") or (outcome == "GGUFError" and "\n" in detail)]
     assert not bad, "GGUF fuzz cases that did not end cleanly:\n" + "\n".join(bad)
-    assert len(results) == sum(CASES.values())
+    assert len(results) == sum(CASES.values()) * scale
     outcomes = {o for _, o, _ in results}
     print({o: sum(r[1] == o for r in results) for o in outcomes})
     assert outcomes == {"loaded", "GGUFError"}   # both kinds occur: the fuzz reaches deep
+
+
+def test_header_fuzz_ends_in_a_clean_error_or_a_usable_model(bases, tmp_path):
+    _check_fuzz(bases, tmp_path, SEED, 1)
+
+
+@pytest.mark.slow
+def test_header_fuzz_long(bases, tmp_path):
+    """Ten times the cases on another seed (3,100; minutes)."""
+    _check_fuzz(bases, tmp_path, SEED + 1, 10)
 
 
 def _part_offset(reader, name: str, part: int, element: int = 0) -> int:
