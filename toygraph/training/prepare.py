@@ -16,6 +16,7 @@ from toygraph.data.batches import data_hash, pad_id_for, split_train_val
 from toygraph.errors import DataError, GGUFError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.models.model import GGUFModel
+from toygraph.models.stores import resolve_store, store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
 from toygraph.training.loop import LoopState
@@ -49,6 +50,19 @@ class Prepared:
     allowed: list = field(default_factory=list)
 
 
+def _model_path(model: str, say) -> Path:
+    """The GGUF of --model: a path, or a store's name (``ollama:...``, models/stores.py),
+    which the run keeps as a name so that its Modelfile can name the Ollama model."""
+    if store_of(model) is not None:
+        source = resolve_store(model)
+        for warning in source.warnings:
+            say(f"warning: {warning}")
+        return source.path
+    if not Path(model).is_file():
+        raise GGUFError(f"{model}: no such GGUF file")
+    return Path(model)
+
+
 def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepared:
     """Validate options, model, data and the checkpoint to resume: all before any write.
     ``say`` gets the lines a user watches (loading, the settings, tokenizing)."""
@@ -56,8 +70,7 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     if run_cfg.batch % ranks:
         raise ToygraphError(f"--batch {run_cfg.batch} is the global batch and must divide "
                             f"evenly over the {ranks} MPI ranks; use a multiple of {ranks}")
-    if not Path(run_cfg.model).is_file():
-        raise GGUFError(f"{run_cfg.model}: no such GGUF file")
+    model_path = _model_path(run_cfg.model, say)
     check_run_dir(run_cfg.out, resume=bool(run_cfg.resume), overwrite=run_cfg.overwrite)
     resume_from, skipped = (find_resumable(Path(run_cfg.resume)) if run_cfg.resume
                             else (None, []))
@@ -67,10 +80,10 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     rows = cls.load_data(run_cfg.data)   # the data's shape is checked before the model loads
     rows = rows[:run_cfg.max_examples] if run_cfg.max_examples else rows
 
-    say(f"loading {Path(run_cfg.model).name} ({size_text(Path(run_cfg.model).stat().st_size)}) ...")
-    model = GGUFModel(run_cfg.model)
+    say(f"loading {model_path.name} ({size_text(model_path.stat().st_size)}) ...")
+    model = GGUFModel(model_path)
     check_against_model(run_cfg, model.config)
-    tok = Tokenizer.from_gguf(model.reader, source=str(run_cfg.model))
+    tok = Tokenizer.from_gguf(model.reader, source=str(model_path))
     tok.use_template(run_cfg.template)   # the model's own, its default, or --template
     say(settings_block(run_cfg))
     t0 = time.perf_counter()
@@ -84,7 +97,7 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     train, val = split_train_val(enc.items, run_cfg.val_split, run_cfg.seed)
     check_passes_per_step(run_cfg, len(train), say)
     state = LoopState(data_hash=data_hash(run_cfg.data), options=run_cfg.options(),
-                      model_fingerprint=model_fingerprint(run_cfg.model),
+                      model_fingerprint=model_fingerprint(model_path),
                       model_identity=model_identity(model),
                       reference_hash=_reference_hash(run_cfg))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state,
