@@ -80,7 +80,8 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     rows = cls.load_data(run_cfg.data)   # the data's shape is checked before the model loads
     rows = rows[:run_cfg.max_examples] if run_cfg.max_examples else rows
 
-    say(f"loading {model_path.name} ({size_text(model_path.stat().st_size)}) ...")
+    shown = run_cfg.model if store_of(run_cfg.model) else model_path.name   # not sha256-...
+    say(f"loading {shown} ({size_text(model_path.stat().st_size)}) ...")
     model = GGUFModel(model_path)
     check_against_model(run_cfg, model.config)
     tok = Tokenizer.from_gguf(model.reader, source=str(model_path))
