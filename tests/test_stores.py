@@ -325,3 +325,52 @@ def test_every_model_command_takes_the_store_names(capsys, ollama_store, tmp_pat
                          "--max-new-tokens", "3")
     assert code == 0 and out == run(capsys, "generate", "--model", tiny_llama, "--prompt", "the",
                                     "--max-new-tokens", "3")[1]
+
+
+def test_run_yaml_repeats_a_run_by_its_ollama_name(capsys, ollama_store, chat_data, tmp_path, tiny_llama):
+    """The run keeps ``ollama:tiny:1b`` (not the blob path): ``--config run.yaml`` resolves it
+    again and repeats the run bit for bit, as the same run from the file path does."""
+    first = json.loads(_train(capsys, "ollama:tiny:1b", chat_data, tmp_path / "a")[1].splitlines()[-1])
+    code, out, err = run(capsys, "finetune", "--config", tmp_path / "a" / "run.yaml",
+                         "--out", tmp_path / "b", "--quiet")
+    assert code == 0, err
+    again = json.loads(out.splitlines()[-1])
+    by_path = json.loads(_train(capsys, tiny_llama, chat_data, tmp_path / "c")[1].splitlines()[-1])
+    assert first["last_loss"] == again["last_loss"] == by_path["last_loss"]
+    assert "model: ollama:tiny:1b\n" in (tmp_path / "b" / "run.yaml").read_text()
+
+
+def _source(path, **kw):
+    return stores.Source(path=Path(path), spec="ollama:tiny:1b", store="ollama",
+                         ollama_name="tiny:1b", **kw)
+
+
+def test_the_modelfile_says_which_template_the_adapter_learned(tiny_llama, tmp_path):
+    from toygraph.adapters.modelfile import OLLAMA_CHATML, modelfile_text
+    from toygraph.fixtures.tiny_models import write_tiny_llama
+    same = modelfile_text(tiny_llama, source=_source(tiny_llama, template=OLLAMA_CHATML))
+    assert "the Ollama model's own template layer is the same text" in same
+    assert f'TEMPLATE """{OLLAMA_CHATML}"""' in same
+    # a template we have no Go form of: Ollama keeps the model's own, and the file says so
+    llama2 = write_tiny_llama(tmp_path / "l2.gguf", chat_template=(
+        "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"))
+    text = modelfile_text(llama2, source=_source(llama2, template="{{ .Prompt }}"))
+    assert "TEMPLATE" not in [line.split(" ")[0] for line in text.splitlines()]
+    assert "No TEMPLATE: Ollama keeps tiny:1b's own Go template (through FROM)" in text
+    # the run's --template with no Go form, over an Ollama model: the mismatch is named
+    text = modelfile_text(llama2, template=("chatml-x", "{{ messages[0]['content'] }}"),
+                          source=_source(llama2, template="{{ .Prompt }}"))
+    assert "which is not the one the adapter was trained with" in text
+
+
+def test_values_a_modelfile_cannot_quote_are_left_out_and_said(tiny_llama):
+    from toygraph.adapters.modelfile import modelfile_text
+    text = modelfile_text(tiny_llama, source=_source(
+        tiny_llama, system='ends in a quote"', params={"stop": ['a"b', "</s>"], "mirostat": 2,
+                                                        "penalize_newline": True}))
+    lines = text.splitlines()
+    assert 'PARAMETER stop "</s>"' in lines and "PARAMETER mirostat 2" in lines
+    assert "PARAMETER penalize_newline true" in lines
+    assert "# left out (values a Modelfile cannot quote): stop" in lines
+    assert "SYSTEM" not in [line.split(" ")[0] for line in lines]
+    assert "# The Ollama model's system message cannot be quoted here; Ollama keeps it through FROM." in lines

@@ -182,7 +182,7 @@ def modelfile_text(base_gguf, adapter: str = "./adapter.gguf",
     ``source`` (models.stores.Source), when the model came from Ollama's store: FROM names
     the Ollama model (Ollama reuses its blob), and its system message and generation
     parameters are written back."""
-    base = Path(base_gguf).resolve()
+    base = Path(base_gguf).absolute()   # a symlink (the HF cache's snapshots) kept: its name ends in .gguf
     tokenizer = Tokenizer.from_gguf(base)
     if template is not None:
         tokenizer.use_template(*template)
