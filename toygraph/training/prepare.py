@@ -16,7 +16,7 @@ from toygraph.data.batches import data_hash, pad_id_for, split_train_val
 from toygraph.errors import DataError, GGUFError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.models.model import GGUFModel
-from toygraph.models.stores import resolve_store, store_of
+from toygraph.models.stores import Source, resolve_store, store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
 from toygraph.training.loop import LoopState
@@ -45,22 +45,23 @@ class Prepared:
     pad: int
     state: LoopState
     template: tuple[str, str] = ("", "")   # (name, Jinja source) conversations render with
+    source: Source | None = None   # where the model came from (the Modelfile names it)
     resume_from: Path | None = None
     skipped: list = field(default_factory=list)
     allowed: list = field(default_factory=list)
 
 
-def _model_path(model: str, say) -> Path:
-    """The GGUF of --model: a path, or a store's name (``ollama:...``, models/stores.py),
+def _model_source(model: str, say) -> Source:
+    """Where --model's GGUF is: a path, or a store's name (``ollama:...``, models/stores.py),
     which the run keeps as a name so that its Modelfile can name the Ollama model."""
     if store_of(model) is not None:
         source = resolve_store(model)
         for warning in source.warnings:
             say(f"warning: {warning}")
-        return source.path
+        return source
     if not Path(model).is_file():
         raise GGUFError(f"{model}: no such GGUF file")
-    return Path(model)
+    return Source(path=Path(model), spec=model)
 
 
 def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepared:
@@ -70,7 +71,8 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     if run_cfg.batch % ranks:
         raise ToygraphError(f"--batch {run_cfg.batch} is the global batch and must divide "
                             f"evenly over the {ranks} MPI ranks; use a multiple of {ranks}")
-    model_path = _model_path(run_cfg.model, say)
+    source = _model_source(run_cfg.model, say)
+    model_path = source.path
     check_run_dir(run_cfg.out, resume=bool(run_cfg.resume), overwrite=run_cfg.overwrite)
     resume_from, skipped = (find_resumable(Path(run_cfg.resume)) if run_cfg.resume
                             else (None, []))
@@ -102,7 +104,7 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
                       model_identity=model_identity(model),
                       reference_hash=_reference_hash(run_cfg))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state,
-                    template=(tok.template_name, tok.chat_template),
+                    template=(tok.template_name, tok.chat_template), source=source,
                     resume_from=resume_from, skipped=skipped)
     if resume_from is not None:
         saved = LoopState.from_json(load_checkpoint(resume_from)[0])

@@ -35,7 +35,6 @@ from toygraph.adapters.modelfile import ollama_create, write_modelfile
 from toygraph.core.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
-from toygraph.models.catalog import resolve_source
 from toygraph.models.stores import store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import (load_checkpoint, restore_swapped, step_dir_name,
@@ -204,7 +203,7 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
                   "targets": list(run_cfg.targets),
                   "base": run_cfg.model if store_of(run_cfg.model) else Path(run_cfg.model).name,
                   "arch": prep.model.config.arch,
-                  "template": prep.template}
+                  "template": prep.template, "source": prep.source}
                  if recipe.trains_adapter else None)
     guard = DivergenceGuard(prep.state, run_cfg.diverge_factor)
     with Signals() as signals:
@@ -321,7 +320,7 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
         write_final(out, recipe, lora_meta, values)
         if lora_meta is not None:
             # Ollama: FROM base + ADAPTER ./adapter.gguf, prompts in the run's template
-            source = resolve_source(sup.run_cfg.model)   # ollama:NAME: FROM the Ollama model
+            source = lora_meta["source"]   # ollama:NAME: FROM the Ollama model
             modelfile = write_modelfile(out, source.path, template=lora_meta["template"],
                                         source=source)
             if sup.run_cfg.to_ollama:
