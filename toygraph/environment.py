@@ -70,6 +70,17 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "how long an MPI rank waits in a collective before it aborts the job"),
     Setting("TOYGRAPH_BENCH_CACHE", "path", "",
             "bench/bench_lora.py's cache (unset: `$TOYGRAPH_CACHE/bench`)"),
+    # models by name (models/stores.py): the other programs' stores, read, never written
+    Setting("OLLAMA_MODELS", "path", "",
+            "Ollama's model store for `--model ollama:NAME` (unset: `~/.ollama/models`, else "
+            "`/usr/share/ollama/.ollama/models`)"),
+    Setting("HF_HUB_CACHE", "path", "",
+            "the Hugging Face hub cache for `--model hf:ORG/REPO/FILE.gguf` (unset: `$HF_HOME/hub`)"),
+    Setting("HF_HOME", "path", "~/.cache/huggingface",
+            "Hugging Face's home; its `hub/` is the hub cache unless `HF_HUB_CACHE` is set"),
+    Setting("LMSTUDIO_MODELS", "path", "",
+            "LM Studio's models folder for `--model lmstudio:...` (unset: `~/.lmstudio/models` "
+            "and `~/.cache/lm-studio/models`)"),
 )}
 
 _FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True,

@@ -26,6 +26,10 @@ check against the Jinja original would silently change every prompt.
 """
 from __future__ import annotations
 
+import re
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 from toygraph.atomic import atomic_write
@@ -97,52 +101,158 @@ def ollama_template(tokenizer) -> tuple[str, str | None, str] | None:
             probe = [{"role": "system", "content": system}] + probe  # Ollama's SYSTEM rule
         if rendered != _chatml(probe):
             return None
-    # A SYSTEM """...""" block cannot hold three quotes, and one ending in a quote or a
-    # backslash runs into the closing quotes: no faithful Modelfile then, so none is written.
-    if system is not None and ('"""' in system or not system.strip()
-                               or system.endswith(('"', "\\"))):
+    # no faithful Modelfile when the system message cannot be quoted, so none is written
+    if system is not None and not _system_ok(system):
         return None
     return OLLAMA_CHATML, system, "ChatML"
 
 
+def _template_lines(tokenizer, source) -> tuple[list[str], str | None]:
+    """The TEMPLATE lines (and comments saying what they are) and the trained-in default
+    system message, for the run's template; ``source`` says what the Ollama model had."""
+    layer = source.template if source is not None else None
+    derived = ollama_template(tokenizer)
+    if derived is not None:
+        go, system, what = derived
+        lines = [f"# The chat template the adapter was trained with is {what}: its Go form."]
+        if layer is not None:
+            same = layer.strip() == go.strip()
+            lines.append("# (the Ollama model's own template layer is the same text)" if same else
+                         "# (it replaces the Ollama model's own template layer, which differs: "
+                         "this is the one the adapter learned)")
+        return lines + [f'TEMPLATE """{go}"""'], system
+    if tokenizer.template_name == "gguf" and layer is not None:
+        return [f"# No TEMPLATE: Ollama keeps {source.ollama_name}'s own Go template (through "
+                "FROM). The adapter was trained with the GGUF's Jinja chat template, which "
+                "toygraph cannot compare with a Go template: check that they render alike."], None
+    if tokenizer.template_name == "gguf":
+        return ["# No TEMPLATE: not one we translate, so Ollama derives it from the GGUF's "
+                "chat template (check `ollama show NAME --template`)."], None
+    inherited = (f" NOTE: without one, Ollama uses {source.ollama_name}'s own template, which is "
+                 "not the one the adapter was trained with." if layer is not None else "")
+    return [f"# No TEMPLATE: the run's template ({tokenizer.template_name}) has no Go "
+            "translation here; write one, or use the merged GGUF (toygraph export), "
+            f"which carries the template.{inherited}"], None
+
+
+def _system_ok(system: str) -> bool:
+    # A SYSTEM """...""" block cannot hold three quotes, and one ending in a quote or a
+    # backslash runs into the closing quotes.
+    return '"""' not in system and bool(system.strip()) and not system.endswith(('"', "\\"))
+
+
+def _parameter(key: str, value) -> str | None:
+    """``PARAMETER key value`` for one of Ollama's generation parameters, or None when the
+    value is not one we write faithfully."""
+    if isinstance(value, bool):
+        return f"PARAMETER {key} {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"PARAMETER {key} {value}"
+    if isinstance(value, str) and _quotable(value):
+        return f'PARAMETER {key} "{value}"'
+    return None
+
+
+def _parameter_lines(stops: list[str], params: dict) -> list[str]:
+    """The stop tokens (the model's end-of-turn tokens, then the Ollama params layer's),
+    then the params layer's other generation parameters."""
+    lines, skipped = [], []
+    given = params.get("stop", [])
+    for t in dict.fromkeys([*stops, *([given] if isinstance(given, str) else given)]):
+        if isinstance(t, str) and _quotable(t):
+            lines.append(f'PARAMETER stop "{t}"')
+        else:
+            skipped.append("stop")
+    for key, value in sorted(params.items()):
+        for v in (value if isinstance(value, list) else [value]) if key != "stop" else ():
+            line = _parameter(key, v)
+            if line is None:
+                skipped.append(key)
+            else:
+                lines.append(line)
+    if skipped:
+        lines.append(f"# left out (values a Modelfile cannot quote): {', '.join(sorted(set(skipped)))}")
+    return lines
+
+
 def modelfile_text(base_gguf, adapter: str = "./adapter.gguf",
-                   template: tuple[str, str] | None = None) -> str:
+                   template: tuple[str, str] | None = None, source=None) -> str:
     """The Modelfile for ``base_gguf`` plus the llama.cpp adapter at ``adapter``, whose
-    prompts follow ``template`` ((name, Jinja source): the run's; None: the model's own)."""
-    base = Path(base_gguf).resolve()
+    prompts follow ``template`` ((name, Jinja source): the run's; None: the model's own).
+    ``source`` (models.stores.Source), when the model came from Ollama's store: FROM names
+    the Ollama model (Ollama reuses its blob), and its system message and generation
+    parameters are written back."""
+    base = Path(base_gguf).absolute()   # a symlink (the HF cache's snapshots) kept: its name ends in .gguf
     tokenizer = Tokenizer.from_gguf(base)
     if template is not None:
         tokenizer.use_template(*template)
     # the tokens that end a reply, the same list generation stops on
     stops = sorted({tokenizer.id_to_token(i) for i in tokenizer.end_of_turn_ids})
+    from_ollama = source is not None and source.ollama_name is not None
     lines = [
         "# Ollama model: the base GGUF plus this run's LoRA adapter (llama.cpp format).",
         f"#   ollama create NAME -f path/to/{MODELFILE}    then: ollama run NAME",
         "# Or merge the adapter into one GGUF: toygraph export --model BASE --adapter . --out merged.gguf",
-        f"FROM {base}",
-        f"ADAPTER {adapter}",
     ]
-    derived = ollama_template(tokenizer)
-    if derived is not None:
-        go, system, what = derived
-        lines.append(f"# The chat template the adapter was trained with is {what}: its Go form.")
-        lines.append(f'TEMPLATE """{go}"""')
-        if system is not None:
-            lines.append(f'SYSTEM """{system}"""')
-    elif tokenizer.template_name == "gguf":
-        lines.append("# No TEMPLATE: not one we translate, so Ollama derives it from the GGUF's "
-                     "chat template (check `ollama show NAME --template`).")
-    else:
-        lines.append(f"# No TEMPLATE: the run's template ({tokenizer.template_name}) has no Go "
-                     "translation here; write one, or use the merged GGUF (toygraph export), "
-                     "which carries the template.")
-    lines += [f'PARAMETER stop "{t}"' for t in stops if _quotable(t)]
+    if from_ollama:
+        lines.append(f"# The base is the Ollama model {source.ollama_name} (GGUF {base}).")
+    lines += [f"FROM {source.ollama_name if from_ollama else base}", f"ADAPTER {adapter}"]
+    template_lines, system = _template_lines(tokenizer, source)
+    lines += template_lines
+    layer_system = source.system if from_ollama else None
+    if system is not None:
+        lines.append(f'SYSTEM """{system}"""')
+        if layer_system is not None and layer_system != system:
+            lines.append("# (the trained-in default system message above replaces the Ollama "
+                         "model's own system layer)")
+    elif layer_system is not None:
+        lines.append("# The Ollama model's system message:" if _system_ok(layer_system) else
+                     "# The Ollama model's system message cannot be quoted here; Ollama keeps it through FROM.")
+        if _system_ok(layer_system):
+            lines.append(f'SYSTEM """{layer_system}"""')
+    lines += _parameter_lines(stops, source.params if from_ollama else {})
     return "\n".join(lines) + "\n"
 
 
-def write_modelfile(run_dir, base_gguf, template: tuple[str, str] | None = None) -> Path:
+def write_modelfile(run_dir, base_gguf, template: tuple[str, str] | None = None,
+                    source=None) -> Path:
     """Write ``run_dir/Modelfile`` (atomically) next to the run's ``adapter.gguf``."""
     path = Path(run_dir) / MODELFILE
-    text = modelfile_text(base_gguf, template=template)
+    text = modelfile_text(base_gguf, template=template, source=source)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
     return path
+
+
+#: A name ``ollama create`` takes: [host/][namespace/]name[:tag].
+OLLAMA_NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/){0,2}[A-Za-z0-9][A-Za-z0-9._-]*"
+                         r"(:[A-Za-z0-9_][A-Za-z0-9._-]{0,79})?$")
+
+
+def ollama_name_error(name: str) -> str | None:
+    """Why ``name`` is not a model name Ollama accepts, or None."""
+    if OLLAMA_NAME.match(name):
+        return None
+    return (f"{name!r} is not an Ollama model name ([namespace/]name[:tag]: letters, digits, "
+            "'.', '_', '-')")
+
+
+def ollama_create(name: str, modelfile: Path) -> dict:
+    """``ollama create NAME -f Modelfile`` when ``ollama`` is on PATH; else the command to run.
+    A dict: ``name``, ``command`` (the line), ``created`` (bool), ``message`` (what happened)."""
+    command = f"ollama create {shlex.quote(name)} -f {shlex.quote(str(modelfile))}"
+    exe = shutil.which("ollama")
+    if exe is None:
+        return {"name": name, "command": command, "created": False,
+                "message": f"ollama is not on PATH; create the model with:\n  {command}"}
+    try:
+        proc = subprocess.run([exe, "create", name, "-f", str(modelfile)], capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL)
+    except OSError as e:   # the training's result stands; the user can run the line
+        return {"name": name, "command": command, "created": False,
+                "message": f"`{command}` could not run ({e})"}
+    if proc.returncode != 0:
+        said = " ".join((proc.stderr or proc.stdout).split())[-300:]
+        return {"name": name, "command": command, "created": False,
+                "message": f"`{command}` failed (exit {proc.returncode}): {said}"}
+    return {"name": name, "command": command, "created": True,
+            "message": f"created the Ollama model {name}: ollama run {shlex.quote(name)}"}

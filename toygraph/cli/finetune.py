@@ -12,7 +12,8 @@ import json
 from dataclasses import MISSING
 
 from toygraph.core.distributed import world
-from toygraph.models.catalog import resolve_model
+from toygraph.models.catalog import resolve_source
+from toygraph.models.stores import STORES
 from toygraph.training.run_config import GROUPS, RunConfig, coerce, flag
 from toygraph.training.run_file import load_run_file
 
@@ -77,8 +78,9 @@ def run_config_from_args(args) -> RunConfig:
     if "allow_change" in flags:   # flag spellings are fine here: --allow-change seq-len
         flags["allow_change"] = tuple(n.replace("-", "_") for n in flags["allow_change"])
     given.update(flags)
-    if "model" in given:
-        given["model"] = resolve_model(given["model"])
+    if "model" in given:   # resolved now, so a bad name fails at once; a store's name
+        source = resolve_source(given["model"])   # (ollama:...) stays a name: see prepare.py
+        given["model"] = given["model"] if source.store in STORES else str(source.path)
     return RunConfig.from_options(given)
 
 

@@ -1,4 +1,5 @@
-"""The ``toygraph`` command line: tokenize, eval, finetune, generate, chat, export, demo.
+"""The ``toygraph`` command line: tokenize, eval, finetune, generate, chat, export, demo,
+models.
 
 Further commands come from other installed packages through the ``toygraph.commands``
 entry points (each a function that adds its sub-parser): ``toygraph gate`` is one, from
@@ -18,6 +19,7 @@ from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampl
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
 from toygraph.cli.finetune import add_finetune_parser
+from toygraph.cli.models import add_models_parser
 from toygraph.errors import ToygraphError
 from toygraph.models.catalog import resolve_model
 from toygraph.training.supervisor import rate_text
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_demo)
     add_export_parser(sub)
     add_chat_parser(sub)
+    add_models_parser(sub)
     for plugin in entry_points(group="toygraph.commands"):
         plugin.load()(sub)
     return ap

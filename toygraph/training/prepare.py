@@ -16,6 +16,7 @@ from toygraph.data.batches import data_hash, pad_id_for, split_train_val
 from toygraph.errors import DataError, GGUFError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.models.model import GGUFModel
+from toygraph.models.stores import Source, resolve_store, store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
 from toygraph.training.loop import LoopState
@@ -44,9 +45,23 @@ class Prepared:
     pad: int
     state: LoopState
     template: tuple[str, str] = ("", "")   # (name, Jinja source) conversations render with
+    source: Source | None = None   # where the model came from (the Modelfile names it)
     resume_from: Path | None = None
     skipped: list = field(default_factory=list)
     allowed: list = field(default_factory=list)
+
+
+def _model_source(model: str, say) -> Source:
+    """Where --model's GGUF is: a path, or a store's name (``ollama:...``, models/stores.py),
+    which the run keeps as a name so that its Modelfile can name the Ollama model."""
+    if store_of(model) is not None:
+        source = resolve_store(model)
+        for warning in source.warnings:
+            say(f"warning: {warning}")
+        return source
+    if not Path(model).is_file():
+        raise GGUFError(f"{model}: no such GGUF file")
+    return Source(path=Path(model), spec=model)
 
 
 def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepared:
@@ -56,8 +71,8 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     if run_cfg.batch % ranks:
         raise ToygraphError(f"--batch {run_cfg.batch} is the global batch and must divide "
                             f"evenly over the {ranks} MPI ranks; use a multiple of {ranks}")
-    if not Path(run_cfg.model).is_file():
-        raise GGUFError(f"{run_cfg.model}: no such GGUF file")
+    source = _model_source(run_cfg.model, say)
+    model_path = source.path
     check_run_dir(run_cfg.out, resume=bool(run_cfg.resume), overwrite=run_cfg.overwrite)
     resume_from, skipped = (find_resumable(Path(run_cfg.resume)) if run_cfg.resume
                             else (None, []))
@@ -67,10 +82,11 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     rows = cls.load_data(run_cfg.data)   # the data's shape is checked before the model loads
     rows = rows[:run_cfg.max_examples] if run_cfg.max_examples else rows
 
-    say(f"loading {Path(run_cfg.model).name} ({size_text(Path(run_cfg.model).stat().st_size)}) ...")
-    model = GGUFModel(run_cfg.model)
+    shown = run_cfg.model if store_of(run_cfg.model) else model_path.name   # not sha256-...
+    say(f"loading {shown} ({size_text(model_path.stat().st_size)}) ...")
+    model = GGUFModel(model_path)
     check_against_model(run_cfg, model.config)
-    tok = Tokenizer.from_gguf(model.reader, source=str(run_cfg.model))
+    tok = Tokenizer.from_gguf(model.reader, source=str(model_path))
     tok.use_template(run_cfg.template)   # the model's own, its default, or --template
     say(settings_block(run_cfg))
     t0 = time.perf_counter()
@@ -84,11 +100,11 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     train, val = split_train_val(enc.items, run_cfg.val_split, run_cfg.seed)
     check_passes_per_step(run_cfg, len(train), say)
     state = LoopState(data_hash=data_hash(run_cfg.data), options=run_cfg.options(),
-                      model_fingerprint=model_fingerprint(run_cfg.model),
+                      model_fingerprint=model_fingerprint(model_path),
                       model_identity=model_identity(model),
                       reference_hash=_reference_hash(run_cfg))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state,
-                    template=(tok.template_name, tok.chat_template),
+                    template=(tok.template_name, tok.chat_template), source=source,
                     resume_from=resume_from, skipped=skipped)
     if resume_from is not None:
         saved = LoopState.from_json(load_checkpoint(resume_from)[0])

@@ -31,10 +31,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from toygraph import __version__
-from toygraph.adapters.modelfile import write_modelfile
+from toygraph.adapters.modelfile import ollama_create, write_modelfile
 from toygraph.core.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
+from toygraph.models.stores import store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import (load_checkpoint, restore_swapped, step_dir_name,
                                            write_final)
@@ -200,8 +201,9 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
     intro += [(f"resume: skipped {path} ({why})", True) for path, why in prep.skipped]
     lora_meta = ({"rank": run_cfg.rank, "alpha": run_cfg.alpha,
                   "targets": list(run_cfg.targets),
-                  "base": Path(run_cfg.model).name, "arch": prep.model.config.arch,
-                  "template": prep.template}
+                  "base": run_cfg.model if store_of(run_cfg.model) else Path(run_cfg.model).name,
+                  "arch": prep.model.config.arch,
+                  "template": prep.template, "source": prep.source}
                  if recipe.trains_adapter else None)
     guard = DivergenceGuard(prep.state, run_cfg.diverge_factor)
     with Signals() as signals:
@@ -271,6 +273,8 @@ def final_text(run_cfg: RunConfig, out: Path, final: dict, adapter: bool) -> str
                   f"  toygraph export --model {model} --adapter {run} --out merged.gguf",
                   f"  ollama create NAME -f {shlex.quote(str(out / 'Modelfile'))}",
                   "(any checkpoint directory works as --adapter too)"]
+    if "ollama" in final:
+        lines.append(f"--to-ollama: {final['ollama']['message']}")
     return "\n".join(lines)
 
 
@@ -316,7 +320,11 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
         write_final(out, recipe, lora_meta, values)
         if lora_meta is not None:
             # Ollama: FROM base + ADAPTER ./adapter.gguf, prompts in the run's template
-            write_modelfile(out, sup.run_cfg.model, template=lora_meta["template"])
+            source = lora_meta["source"]   # ollama:NAME: FROM the Ollama model
+            modelfile = write_modelfile(out, source.path, template=lora_meta["template"],
+                                        source=source)
+            if sup.run_cfg.to_ollama:
+                final = {**final, "ollama": ollama_create(sup.run_cfg.to_ollama, modelfile)}
         return None, status, reason, final
     except Diverged as e:
         return None, "diverged", str(e), None

@@ -24,6 +24,7 @@ import math
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from toygraph.adapters.modelfile import ollama_name_error
 from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
 from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
@@ -83,7 +84,9 @@ class RunConfig:
     """Every option of a fine-tuning run (see the module docstring)."""
 
     # --- what to train ---------------------------------------------------------------------
-    model: str = option(help="GGUF file, or a model name (smollm2)", group="run", resume="free")
+    model: str = option(help="GGUF file, or a model name: smollm2, gemma3-270m, ollama:NAME[:TAG], "
+                             "hf:ORG/REPO/FILE.gguf, lmstudio:NAME (`toygraph models` lists them)",
+                        group="run", resume="free")
     data: str = option(help="JSONL: instruction/response, alpaca, chat or text rows; "
                             "{prompt, chosen, rejected} pairs for dpo/orpo",
                        group="run", resume="free")
@@ -106,6 +109,12 @@ class RunConfig:
     reward_weights: tuple[str, ...] | None = option(None, help="grpo: the --reward functions' weights, "
                                                       "comma-separated; none: 1 each",
                                              group="run", used_by=_grpo_recipes)
+    # models by name (issue 26): hand the trained adapter back to Ollama under a new name
+    to_ollama: str | None = option(None, help="after training, `ollama create` this model name "
+                                              "from the run's Modelfile (FROM the base, ADAPTER "
+                                              "the adapter, the run's template), or print that "
+                                              "command when ollama is not on PATH",
+                                   group="run", used_by=_adapter_recipes, resume="free")
     # --- LoRA adapters ---------------------------------------------------------------------
     targets: tuple[str, ...] = option(LoraConfig.targets,
                                       help="LoRA targets among q,k,v,o,gate,up,down (Qwen3.5's DeltaNet "
@@ -327,6 +336,8 @@ class RunConfig:
             raise ToygraphError("give --resume or --overwrite, not both")
         if not str(self.out).strip():
             raise ToygraphError("--out must name a directory, got an empty string")
+        if self.to_ollama is not None and ollama_name_error(self.to_ollama):
+            raise ToygraphError(f"--to-ollama {ollama_name_error(self.to_ollama)}")
         unknown = sorted(set(self.allow_change) - set(self.names()))
         if unknown:
             raise ToygraphError(f"--allow-change: no options named {unknown}")

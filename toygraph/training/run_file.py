@@ -15,6 +15,7 @@ from pathlib import Path
 
 from toygraph.atomic import atomic_write
 from toygraph.errors import ToygraphError
+from toygraph.models.stores import store_of
 from toygraph.training.run_config import GROUPS, RunConfig, check_value, differs, coerce
 
 #: The run file a run directory keeps (and ``--config`` reads).
@@ -66,8 +67,8 @@ def write_run_file(run_cfg: RunConfig, run_dir) -> Path:
         if not RunConfig.meta(name)["file"]:
             continue
         value = getattr(run_cfg, name)
-        if name in ("model", "data", "adapter_init", "out") and value:
-            value = os.path.abspath(value)
+        if name in ("model", "data", "adapter_init", "out") and value and not store_of(value):
+            value = os.path.abspath(value)   # a store's name (ollama:...) is kept as it is
         doc[name] = list(value) if isinstance(value, tuple) else value
     path = Path(run_dir) / RUN_FILE
     header = "# The options of this run (toygraph finetune --config this-file --out OTHER repeats it)\n"
