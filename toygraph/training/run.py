@@ -344,7 +344,8 @@ def _log_start(run_cfg, prep: Prepared, log, recipe, total: int, realize_s: floa
               **({"packing": {"pack": run_cfg.pack,
                               "efficiency": packing["packed" if run_cfg.pack else "unpacked"],
                               **packing}} if packing else {}),
-              **({"ranks": ranks} if ranks else {}))
+              **({"ranks": ranks} if ranks else {}),
+              **({"data_mix": prep.mix} if prep.mix else {}))
 
 
 def _log_end(log, summary: dict, error):

@@ -84,9 +84,12 @@ class RunConfig:
 
     # --- what to train ---------------------------------------------------------------------
     model: str = option(help="GGUF file, or a model name (smollm2)", group="run", resume="free")
-    data: str = option(help="JSONL: instruction/response, alpaca, chat or text rows; "
-                            "{prompt, chosen, rejected} pairs for dpo/orpo",
-                       group="run", resume="free")
+    # data files, mixed by weight (toygraph/data/mixing.py): one per flag
+    data: list[str] = option(help="JSONL: instruction/response, alpaca, chat (tool calls too), "
+                                  "ShareGPT, prompt/completion or text rows; {prompt, chosen, "
+                                  "rejected} pairs for dpo/orpo. Repeat as PATH:WEIGHT to mix "
+                                  "files (a.jsonl:0.7 --data b.jsonl:0.3)",
+                             group="run", resume="free")
     out: str = option(help="run directory: adapter, checkpoints, events.jsonl, run.yaml",
                       group="run", resume="free")
     recipe: str = option("lora", help="what trains: lora (adapters), full (every weight, from "
@@ -251,6 +254,10 @@ class RunConfig:
                                           "$TOYGRAPH_BASE_MEMORY (auto: decode when it fits)",
                                      group="compute", resume="free", choices=BASE_MEMORY_MODES)
     quiet: bool = option(False, help="no progress line", group="compute", resume="free")
+
+    def __post_init__(self):
+        if isinstance(self.data, str):   # RunConfig(data="d.jsonl"): one file
+            self.data = (self.data,)
 
     # --- what the fields say of themselves ---------------------------------------------------
     @classmethod
