@@ -20,6 +20,7 @@ from toygraph.models.model import GGUFModel
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
 from toygraph.training.loop import LoopState
+from toygraph.training.reporting import reporter_names
 from toygraph.training.resume import check_resume, model_fingerprint, model_identity
 from toygraph.training.run_config import RunConfig, check_against_model
 from toygraph.training.run_dir import check_run_dir
@@ -65,6 +66,7 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
                             else (None, []))
     if run_cfg.adapter_init and not Path(run_cfg.adapter_init).is_dir():
         raise DataError(f"--adapter-init {run_cfg.adapter_init}: no such adapter directory")
+    reporter_names(run_cfg.report_to)   # an unknown name or a missing package: now
     cls = recipe_class(run_cfg.recipe)
     specs = parse_data_specs(run_cfg.data)
     # the data's shape is checked before the model loads

@@ -213,6 +213,11 @@ class RunConfig:
     log_completions: int = option(0, help="grpo: put a sampled completion in the step event "
                                           "every N steps; 0 = never",
                                   group="evaluation", used_by=_grpo_recipes, resume="free", low=0)
+    # --report-to (toygraph/training/reporting.py): the event log's scalars elsewhere too
+    report_to: list[str] = option((), help="also log the scalars of events.jsonl to tensorboard "
+                                           "(event files in RUN_DIR/tensorboard) and/or wandb "
+                                           "(repeat the flag or use commas); none: neither",
+                                  group="evaluation", resume="free")
     # --- checkpoints, resume and safety ----------------------------------------------------
     save_every: int = option(0, help="also checkpoint every N steps (evaluations always "
                                      "checkpoint); 0 = off",
