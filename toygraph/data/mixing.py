@@ -117,9 +117,9 @@ def mix_summary(specs: list[DataSpec], sizes: list[int], seed: int) -> tuple[str
     weights = [s.weight for s in specs] if specs[0].weight is not None else None
     counts = mix_counts(sizes, weights)
     total = sum(counts)
+    shares = [w / sum(weights) for w in weights] if weights else [c / total for c in counts]
     records, parts = [], []
-    for spec, n, count in zip(specs, sizes, counts):
-        share = count / total
+    for spec, n, count, share in zip(specs, sizes, counts, shares):
         how = ("all" if count == n else f"{count / n:.2f}x" if count > n
                else f"a sample of {count}")
         parts.append(f"{spec.name} {share:.0%} ({count} rows: {how} of its {n})")
