@@ -16,6 +16,9 @@ Accepted JSONL shapes (one object per line, blank lines skipped; extra keys are 
   (rendered together with the template; the loss is on the completion's assistant turns);
 - plain ``{"text"}``.
 
+Parquet, CSV and Arrow files hold the same rows as table rows, read through the optional
+``datasets`` library (toygraph/data/tables.py).
+
 Hostile files are bounded: a line longer than ``MAX_LINE_BYTES`` or nested deeper than
 ``MAX_JSON_DEPTH`` is refused before it is parsed, and text that is not valid Unicode is
 refused with its line.
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
+from toygraph.data.tables import is_table, load_table
 from toygraph.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -73,6 +77,8 @@ def load_examples(path, parse_row=None) -> list:
     """Parse a JSONL data file; raises DataError naming ``file:line`` on any bad row.
     ``parse_row(obj, where, line, path)`` turns one JSON value into a row (default: an
     ``Example``; toygraph.data.preference parses preference pairs through the same reader)."""
+    if is_table(path):   # .parquet/.csv/.arrow, through the datasets library (tables.py)
+        return load_table(path, parse_row or _parse_row)
     p = Path(path)
     examples = []
     try:

@@ -96,7 +96,7 @@ class RunConfig:
                                       "the GGUF), scratch (every weight, random), dpo/orpo "
                                       "(preference tuning with LoRA)",
                          group="run", resume="never", choices=lambda: tuple(RECIPES))
-    max_examples: int | None = option(None, help="use only the first N rows of the data",
+    max_examples: int | None = option(None, help="use only the first N rows of each data file",
                                       group="run", low=1)
     template: str | None = option(None, help="chat template conversations are rendered with: "
                                              "gguf (the model's own), alpaca, chatml, or a Jinja "
