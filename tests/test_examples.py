@@ -130,3 +130,29 @@ def test_sharegpt_tool_turns_and_tools(tmp_path):
     assert [m["role"] for m in ex.messages] == ["user", "assistant", "tool", "assistant"]
     assert ex.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert ex.tools == [WEATHER]
+
+
+def test_llama_factory_tool_turns(tmp_path):
+    """LLaMA-Factory's ShareGPT tool format: a function_call turn (its value the call's JSON)
+    and an observation turn; "tools" a JSON string."""
+    p = write(tmp_path, [{"conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather",
+                                                        "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": "22C"}, {"from": "gpt", "value": "22C."}],
+        "tools": json.dumps([WEATHER])}])
+    [ex] = load_examples(p)
+    assert ex.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert ex.messages[2] == {"role": "tool", "content": "22C"} and ex.tools == [WEATHER]
+
+
+def test_sharegpt_turn_weights_are_refused(tmp_path):
+    p = write(tmp_path, [{"conversations": [{"from": "human", "value": "a"},
+                                            {"from": "gpt", "value": "b", "weight": 0}]}])
+    with pytest.raises(DataError, match=r"d.jsonl:1: conversations\[1\] has weight 0; per-turn "
+                                        r"weights are not supported"):
+        load_examples(p)
+    ok = write(tmp_path, [{"conversations": [{"from": "human", "value": "a"},
+                                             {"from": "gpt", "value": "b", "weight": 1}]}], "ok.jsonl")
+    assert load_examples(ok)[0].messages[1] == {"role": "assistant", "content": "b"}

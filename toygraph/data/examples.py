@@ -10,7 +10,8 @@ Accepted JSONL shapes (one object per line, blank lines skipped; extra keys are 
   ``name`` and/or ``tool_call_id``; ``tools`` (JSON schemas) reaches the chat template as
   its ``tools`` variable, as transformers' ``apply_chat_template(tools=...)`` passes it;
 - ShareGPT ``{"conversations": [{"from", "value"}], "system"?, "tools"?}`` (``from``:
-  human/user, gpt/assistant, system, tool; ``role``/``content`` keys are accepted too);
+  human/user, gpt/assistant, system, tool, and LLaMA-Factory's function_call (value: the
+  call's JSON) and observation; ``role``/``content`` keys are accepted too);
 - prompt/completion ``{"prompt", "completion"}`` as TRL's SFT takes it: two strings (raw
   text, no template; the loss is on the completion, which gets EOS) or two message lists
   (rendered together with the template; the loss is on the completion's assistant turns);
@@ -39,9 +40,12 @@ SHAPES = ('{"instruction", "response", "system"?}', '{"instruction", "input"?, "
           '{"messages": [{"role", "content"}, ...], "tools"?}',
           '{"conversations": [{"from", "value"}, ...]} (ShareGPT)',
           '{"prompt", "completion"} (strings, or lists of messages)', '{"text"}')
-#: ShareGPT's speaker names (``from``) and the roles they are.
+#: ShareGPT's speaker names (``from``) and the roles they are. LLaMA-Factory's tool turns:
+#: "function_call" (an assistant turn whose value is the JSON of its call, or of a list of
+#: calls) and "observation" (the tool's result).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool"}
+                  "system": "system", "tool": "tool", "function_call": "assistant",
+                  "observation": "tool"}
 
 
 @dataclass
@@ -188,8 +192,18 @@ def _sharegpt(obj: dict, where: str) -> list[dict]:
         if speaker not in SHAREGPT_ROLES:
             raise DataError(f"{where}: conversations[{i}] has unknown 'from' {speaker!r} "
                             f"(accepted: {', '.join(SHAREGPT_ROLES)})")
-        message = {k: v for k, v in turn.items() if k not in ("from", "value")}
-        messages.append({**message, "role": SHAREGPT_ROLES[speaker], "content": turn.get("value")})
+        if turn.get("weight", 1) != 1:   # FastChat/axolotl: weight 0 = not trained
+            raise DataError(f"{where}: conversations[{i}] has weight {turn['weight']!r}; per-turn "
+                            f"weights are not supported (use prompt/completion rows to train "
+                            f"only some turns)")
+        message = {k: v for k, v in turn.items() if k not in ("from", "value", "weight")}
+        message.update(role=SHAREGPT_ROLES[speaker], content=turn.get("value"))
+        if speaker == "function_call":
+            value = turn.get("value")
+            calls = (_json_value(value, where, f"conversations[{i}].value")
+                     if isinstance(value, str) else value)
+            message.update(content="", tool_calls=calls if isinstance(calls, list) else [calls])
+        messages.append(message)
     system = _string(obj, "system", where, optional=True)
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
