@@ -99,6 +99,18 @@ def test_wandb_gets_the_config_and_the_scalars(tiny_llama, chat_data, tmp_path, 
     assert [c[1] for c in calls if c[0] == "log"][-1] == 8
 
 
+def test_wandb_that_cannot_start_is_one_line(tiny_llama, chat_data, tmp_path, monkeypatch):  # noqa: F811
+    fake = types.ModuleType("wandb")
+
+    def init(**kw):
+        raise RuntimeError("api_key not configured (no-tty).\nCall wandb.login(key=...)")
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with pytest.raises(ToygraphError, match=r"^--report-to wandb: could not start a W&B run: "
+                                            r"api_key not configured \(no-tty\). Call "):
+        run_training(cfg_for(tiny_llama, chat_data, tmp_path / "r", report_to=("wandb",)))
+
+
 def test_wandb_missing_is_one_line(tiny_llama, chat_data, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setitem(sys.modules, "wandb", None)   # import wandb raises ImportError
     with pytest.raises(ToygraphError, match=r"^--report-to wandb: the wandb package is not "
@@ -113,6 +125,8 @@ def test_wandb_offline_run(tiny_llama, chat_data, tmp_path, monkeypatch):  # noq
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):   # not $HOME's
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
     out = tmp_path / "r"
     run_training(cfg_for(tiny_llama, chat_data, out, report_to=("wandb",)))
     run_id = (out / "wandb" / "toygraph-run-id").read_text()

@@ -85,9 +85,14 @@ class WandbReporter:
         folder.mkdir(parents=True, exist_ok=True)
         id_file = folder / "toygraph-run-id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "toygraph"),
-                              name=Path(out).resolve().name, dir=str(out), id=run_id,
-                              resume="allow", config=options)
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "toygraph"),
+                                  name=Path(out).resolve().name, dir=str(out), id=run_id,
+                                  resume="allow", config=options)
+        except Exception as e:   # not logged in, no network, ...: W&B's reason, one line
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ToygraphError(f"--report-to wandb: could not start a W&B run: {reason} "
+                                f"(WANDB_MODE=offline logs without a network)") from None
         id_file.write_text(run_id)
 
     def write(self, event: str, fields: dict):
