@@ -115,14 +115,14 @@ def test_every_shape_parses(tmp_path):
 
 @pytest.mark.parametrize("line, needle", [
     ('{"instruction": "x", "response": ', "invalid JSON"),
-    ('{"prompt": "x", "completion": "y"}', "completion, prompt"),
+    ('{"prompt": "x", "chosen": "y"}', "needs a 'completion'"),
     ('[1, 2]', "expected a JSON object"),
     ('{"instruction": 5, "response": "y"}', "'instruction' must be a string"),
     ('{"instruction": "x", "output": null}', "'output' must be a string"),
     ('{"text": ["a"]}', "'text' must be a string"),
     ('{"instruction": "x"}', "'response' or 'output'"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
-    ('{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}', "unknown role 'tool'"),
+    ('{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}', "unknown role 'robot'"),
     ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}', "content must be a string"),
     ('{"messages": "hello"}', "non-empty list"),
     ('{"messages": [], "text": "x"}', "ambiguous"),

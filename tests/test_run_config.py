@@ -59,7 +59,7 @@ def test_the_flags_give_the_fields_defaults(required):
     for name in RunConfig.names():
         if RunConfig.default(name) is not dataclasses.MISSING:
             assert getattr(cfg, name) == RunConfig.default(name), name
-    assert (cfg.model, cfg.data, cfg.out) == (required[1], "d.jsonl", "o")
+    assert (cfg.model, cfg.data, cfg.out) == (required[1], ("d.jsonl",), "o")
 
 
 def test_flags_parse_into_the_fields_types(required):

@@ -35,9 +35,14 @@ def encode_rows(ex: Example, tok, max_len: int, last_turn_only: bool = False) ->
     survives truncation to ``max_len + 1`` tokens (inputs are ``tokens[:-1]``, targets
     ``tokens[1:]``).
 
-    Plain text is one row, every token a target, EOS appended. Chats are rendered with
+    Plain text is one row, every token a target, EOS appended. A raw prompt/completion
+    (strings) is one row: the prompt tokenized as generation would be given it, then the
+    completion and EOS as targets (TRL's convention: EOS is appended to a completion that
+    does not end with it). Chats are rendered with
     ``tok.apply_chat_template`` (the template in use, templates.py); each assistant turn's reply, up to and including its end-of-turn
-    token, is a target, and nothing else is. For each assistant turn i, the rendering of
+    token, is a target, and nothing else is (with ``ex.train_from``, a conversational
+    prompt/completion, only the turns of the completion). The row's ``tools`` reach the
+    template as transformers' ``apply_chat_template(tools=...)`` passes them. For each assistant turn i, the rendering of
     ``messages[:i]`` with the generation prompt (what the model is given at inference before
     turn i) must be where the rendering of ``messages[:i+1]`` starts. How the turns become
     rows depends on whether the template is also *prefix-consistent* for the conversation:
@@ -65,6 +70,8 @@ def encode_rows(ex: Example, tok, max_len: int, last_turn_only: bool = False) ->
         if tok.eos_id is not None:
             tokens.append(tok.eos_id)  # teach where a document ends
         return [_finish(tokens, [True] * len(tokens), tok, max_len, ex.line)]
+    if ex.prompt is not None:
+        return [_finish(*_raw_prompt_completion(ex, tok), tok, max_len, ex.line)]
     turns = _chat_turns(ex, tok)
     if all(later.prompt.startswith(earlier.full) for earlier, later in zip(turns, turns[1:])):
         tokens, mask = _one_row(turns, tok)
@@ -101,7 +108,7 @@ def _chat_turns(ex: Example, tok) -> list[_Turn]:
     last assistant message train nothing and are not rendered)."""
     turns = []
     for i, message in enumerate(ex.messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < ex.train_from:
             continue
         prompt = _render(tok, ex.messages[:i], True, ex)
         full = _render(tok, ex.messages[:i + 1], False, ex)
@@ -112,6 +119,18 @@ def _chat_turns(ex: Example, tok) -> list[_Turn]:
                             f"cannot be located for the loss mask")
         turns.append(_Turn(i, prompt, full))
     return turns
+
+
+def _raw_prompt_completion(ex: Example, tok) -> tuple[list[int], list[bool]]:
+    """A raw prompt and completion: the prompt tokenized on its own (BOS as the tokenizer
+    adds it), as a prompt is at inference, so the boundary is exact; the completion after
+    it, closed with EOS unless it already ends with it. TRL tokenizes the concatenation and
+    warns where the two differ; here they never do."""
+    ids = tok.encode(ex.prompt, add_bos=None, add_eos=False)
+    reply = tok.encode(ex.completion, add_bos=False, add_eos=False)
+    if tok.eos_id is not None and reply[-1:] != [tok.eos_id]:
+        reply.append(tok.eos_id)
+    return ids + reply, [False] * len(ids) + [True] * len(reply)
 
 
 def _one_row(turns: list[_Turn], tok) -> tuple[list[int], list[bool]]:
@@ -194,7 +213,9 @@ def _last_run(mask: list[bool]) -> list[bool]:
 
 def _render(tok, messages: list[dict], add_generation_prompt: bool, ex: Example) -> str:
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        tools = {"tools": ex.tools} if ex.tools else {}
+        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                       **tools)
     except Exception as e:  # the template's own error (raise_exception, ...): add the data line
         raise DataError(f"{ex.where}: the chat template failed on this example: {e}") from None
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from toygraph.data.batches import data_hash, pad_id_for, split_train_val
+from toygraph.data.mixing import mix_hash, mix_rows, mix_summary, parse_data_specs
 from toygraph.errors import DataError, GGUFError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.models.model import GGUFModel
@@ -20,6 +21,7 @@ from toygraph.models.stores import Source, resolve_store, store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
 from toygraph.training.loop import LoopState
+from toygraph.training.reporting import reporter_names
 from toygraph.training.resume import check_resume, model_fingerprint, model_identity
 from toygraph.training.run_config import RunConfig, check_against_model
 from toygraph.training.run_dir import check_run_dir
@@ -49,6 +51,7 @@ class Prepared:
     resume_from: Path | None = None
     skipped: list = field(default_factory=list)
     allowed: list = field(default_factory=list)
+    mix: list | None = None   # each file's share of a mixed run's training rows (mixing.py)
 
 
 def _model_source(model: str, say) -> Source:
@@ -78,9 +81,12 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
                             else (None, []))
     if run_cfg.adapter_init and not Path(run_cfg.adapter_init).is_dir():
         raise DataError(f"--adapter-init {run_cfg.adapter_init}: no such adapter directory")
+    reporter_names(run_cfg.report_to)   # an unknown name or a missing package: now
     cls = recipe_class(run_cfg.recipe)
-    rows = cls.load_data(run_cfg.data)   # the data's shape is checked before the model loads
-    rows = rows[:run_cfg.max_examples] if run_cfg.max_examples else rows
+    specs = parse_data_specs(run_cfg.data)
+    # the data's shape is checked before the model loads
+    files = [cls.load_data(spec.path) for spec in specs]
+    files = [rows[:run_cfg.max_examples] if run_cfg.max_examples else rows for rows in files]
 
     shown = run_cfg.model if store_of(run_cfg.model) else model_path.name   # not sha256-...
     say(f"loading {shown} ({size_text(model_path.stat().st_size)}) ...")
@@ -90,22 +96,35 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     tok.use_template(run_cfg.template)   # the model's own, its default, or --template
     say(settings_block(run_cfg))
     t0 = time.perf_counter()
-    say(f"tokenizing {len(rows):,} rows of {Path(run_cfg.data).name} "
+    names = ", ".join(spec.name for spec in specs)
+    say(f"tokenizing {sum(map(len, files)):,} rows of {names} "
         f"(template: {tok.template_name}) ...")
-    enc = cls.encode_data(rows, tok, run_cfg.seq_len, progress=Ticker("tokenizing, row", say))
-    if not enc.items:
-        raise DataError(f"{run_cfg.data}: no example has a target token within "
-                        f"--seq-len {run_cfg.seq_len}")
+    ticker = Ticker("tokenizing, row", say)
+    encoded = [cls.encode_data(rows, tok, run_cfg.seq_len, progress=ticker) for rows in files]
+    for spec, enc in zip(specs, encoded):
+        if not enc.items:
+            raise DataError(f"{spec.path}: no example has a target token within "
+                            f"--seq-len {run_cfg.seq_len}")
+    enc = encoded[0] if len(encoded) == 1 else _merged(encoded)
     say(f"tokenized in {time.perf_counter() - t0:.1f}s: {enc.report}")
-    train, val = split_train_val(enc.items, run_cfg.val_split, run_cfg.seed)
+    splits = [split_train_val(e.items, run_cfg.val_split, run_cfg.seed) for e in encoded]
+    if len(specs) == 1:   # one file is taken whole, as it always was
+        (train, val), mix, hashed = splits[0], None, data_hash(specs[0].path)
+    else:
+        weights = [s.weight for s in specs] if specs[0].weight is not None else None
+        train = mix_rows([t for t, _ in splits], weights, run_cfg.seed)
+        val = [row for _, v in splits for row in v]
+        line, mix = mix_summary(specs, [len(t) for t, _ in splits], run_cfg.seed)
+        say(line)
+        hashed = mix_hash(specs, [data_hash(spec.path) for spec in specs])
     check_passes_per_step(run_cfg, len(train), say)
-    state = LoopState(data_hash=data_hash(run_cfg.data), options=run_cfg.options(),
+    state = LoopState(data_hash=hashed, options=run_cfg.options(),
                       model_fingerprint=model_fingerprint(model_path),
                       model_identity=model_identity(model),
                       reference_hash=_reference_hash(run_cfg))
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state,
                     template=(tok.template_name, tok.chat_template), source=source,
-                    resume_from=resume_from, skipped=skipped)
+                    resume_from=resume_from, skipped=skipped, mix=mix)
     if resume_from is not None:
         saved = LoopState.from_json(load_checkpoint(resume_from)[0])
         prep.allowed = check_resume(asdict(saved), asdict(state), str(resume_from),
@@ -113,6 +132,20 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
         for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
             setattr(state, name, getattr(saved, name))
     return prep
+
+
+def _merged(encoded: list):
+    """One EncodedDataset of several files' (a mix's): their items in file order, their
+    reports summed (counts add up, dropped lines are listed file by file)."""
+    from dataclasses import fields, replace
+    first = encoded[0]
+    report = replace(first.report)
+    for enc in encoded[1:]:
+        for f in fields(report):
+            mine, theirs = getattr(report, f.name), getattr(enc.report, f.name)
+            if f.name != "max_len":   # the same --seq-len for every file
+                setattr(report, f.name, max(mine, theirs) if f.name == "longest" else mine + theirs)
+    return type(first)([item for enc in encoded for item in enc.items], report)
 
 
 def check_passes_per_step(run_cfg: RunConfig, n_train: int, say) -> None:

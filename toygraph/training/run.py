@@ -43,6 +43,7 @@ from toygraph.training.guard import Diverged, DivergenceGuard
 from toygraph.training.loop import Trainer
 from toygraph.training.plot import plot_losses
 from toygraph.training.prepare import Prepared, prepare
+from toygraph.training.reporting import open_reporters
 from toygraph.training.run_config import RunConfig, recipe_options
 from toygraph.training.run_dir import (EVENTS_FILE, FINAL_ARTIFACTS, EventLog, NullLog, RunError,
                                        io_error, open_run_dir)
@@ -183,7 +184,8 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
                       resumed=prep.resume_from is not None, micro_per_epoch=n_batches,
                       rank=w.rank, ranks=w.size)
     ranks = w.gather_info() if w.size > 1 else None
-    log = EventLog(out / EVENTS_FILE) if w.rank == 0 else NullLog()
+    log = (EventLog(out / EVENTS_FILE, open_reporters(run_cfg.report_to, out, run_cfg.options()))
+           if w.rank == 0 else NullLog())
     packing = recipe.packing_report(prep.train, run_cfg.batch, run_cfg.seq_len)
     _log_start(run_cfg, prep, log, recipe, total, realize_s, packing, ranks)
     progress = Progress(total, run_cfg.quiet or w.rank != 0, first_step=prep.state.step)
@@ -352,7 +354,8 @@ def _log_start(run_cfg, prep: Prepared, log, recipe, total: int, realize_s: floa
               **({"packing": {"pack": run_cfg.pack,
                               "efficiency": packing["packed" if run_cfg.pack else "unpacked"],
                               **packing}} if packing else {}),
-              **({"ranks": ranks} if ranks else {}))
+              **({"ranks": ranks} if ranks else {}),
+              **({"data_mix": prep.mix} if prep.mix else {}))
 
 
 def _log_end(log, summary: dict, error):

@@ -87,16 +87,19 @@ class RunConfig:
     model: str = option(help="GGUF file, or a model name: smollm2, gemma3-270m, ollama:NAME[:TAG], "
                              "hf:ORG/REPO/FILE.gguf, lmstudio:NAME (`toygraph models` lists them)",
                         group="run", resume="free")
-    data: str = option(help="JSONL: instruction/response, alpaca, chat or text rows; "
-                            "{prompt, chosen, rejected} pairs for dpo/orpo",
-                       group="run", resume="free")
+    # data files, mixed by weight (toygraph/data/mixing.py): one per flag
+    data: list[str] = option(help="JSONL: instruction/response, alpaca, chat (tool calls too), "
+                                  "ShareGPT, prompt/completion or text rows; {prompt, chosen, "
+                                  "rejected} pairs for dpo/orpo. Repeat as PATH:WEIGHT to mix "
+                                  "files (a.jsonl:0.7 --data b.jsonl:0.3)",
+                             group="run", resume="free")
     out: str = option(help="run directory: adapter, checkpoints, events.jsonl, run.yaml",
                       group="run", resume="free")
     recipe: str = option("lora", help="what trains: lora (adapters), full (every weight, from "
                                       "the GGUF), scratch (every weight, random), dpo/orpo "
                                       "(preference tuning with LoRA)",
                          group="run", resume="never", choices=lambda: tuple(RECIPES))
-    max_examples: int | None = option(None, help="use only the first N rows of the data",
+    max_examples: int | None = option(None, help="use only the first N rows of each data file",
                                       group="run", low=1)
     template: str | None = option(None, help="chat template conversations are rendered with: "
                                              "gguf (the model's own), alpaca, chatml, or a Jinja "
@@ -219,6 +222,11 @@ class RunConfig:
     log_completions: int = option(0, help="grpo: put a sampled completion in the step event "
                                           "every N steps; 0 = never",
                                   group="evaluation", used_by=_grpo_recipes, resume="free", low=0)
+    # --report-to (toygraph/training/reporting.py): the event log's scalars elsewhere too
+    report_to: list[str] = option((), help="also log the scalars of events.jsonl to tensorboard "
+                                           "(event files in RUN_DIR/tensorboard) and/or wandb "
+                                           "(repeat the flag or use commas); none: neither",
+                                  group="evaluation", resume="free")
     # --- checkpoints, resume and safety ----------------------------------------------------
     save_every: int = option(0, help="also checkpoint every N steps (evaluations always "
                                      "checkpoint); 0 = off",
@@ -260,6 +268,10 @@ class RunConfig:
                                           "$TOYGRAPH_BASE_MEMORY (auto: decode when it fits)",
                                      group="compute", resume="free", choices=BASE_MEMORY_MODES)
     quiet: bool = option(False, help="no progress line", group="compute", resume="free")
+
+    def __post_init__(self):
+        if isinstance(self.data, str):   # RunConfig(data="d.jsonl"): one file
+            self.data = (self.data,)
 
     # --- what the fields say of themselves ---------------------------------------------------
     @classmethod

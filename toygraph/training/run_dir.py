@@ -25,8 +25,10 @@ EVENTS_FILE = "events.jsonl"
 #: A completed run's result at the top of its directory (absent unless it completed).
 FINAL_ARTIFACTS = ("adapter_model.safetensors", "adapter_config.json", "adapter.gguf",
                    "Modelfile", "weights.safetensors")
-#: What a run writes into its directory; ``--overwrite`` removes exactly these.
-RUN_ARTIFACTS = (EVENTS_FILE, "checkpoints", "best", "loss.png", *FINAL_ARTIFACTS)
+#: What a run writes into its directory; ``--overwrite`` removes exactly these (tensorboard/
+#: and wandb/: --report-to's, toygraph/training/reporting.py).
+RUN_ARTIFACTS = (EVENTS_FILE, "checkpoints", "best", "loss.png", "tensorboard", "wandb",
+                 *FINAL_ARTIFACTS)
 
 
 class RunError(ToygraphError):
@@ -167,10 +169,12 @@ def strict_json(fields: dict) -> dict:
 
 class EventLog:
     """Appends one JSON object a line, each in one ``write`` call (O_APPEND), so a crash
-    or kill loses at most the line being written and never leaves a partial one."""
+    or kill loses at most the line being written and never leaves a partial one. Each of
+    ``reporters`` (--report-to: toygraph/training/reporting.py) is handed every event
+    after it is written, and closed with the log."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, reporters=()):
+        self.path, self.reporters = path, list(reporters)
         try:
             _drop_torn_tail(path)
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -182,10 +186,14 @@ class EventLog:
         line = (json.dumps(record, allow_nan=False) + "\n").encode()
         try:
             os.write(self.fd, line)
+            for reporter in self.reporters:
+                reporter.write(event, fields)
         except OSError as e:
             raise io_error(f"the event log {self.path}", e) from None
 
     def close(self):
+        while self.reporters:
+            self.reporters.pop().close()
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -67,7 +67,9 @@ def write_run_file(run_cfg: RunConfig, run_dir) -> Path:
         if not RunConfig.meta(name)["file"]:
             continue
         value = getattr(run_cfg, name)
-        if name in ("model", "data", "adapter_init", "out") and value and not store_of(value):
+        if name == "data":   # PATH or PATH:WEIGHT; abspath keeps the weight suffix
+            value = [os.path.abspath(v) for v in value]
+        elif name in ("model", "adapter_init", "out") and value and not store_of(value):
             value = os.path.abspath(value)   # a store's name (ollama:...) is kept as it is
         doc[name] = list(value) if isinstance(value, tuple) else value
     path = Path(run_dir) / RUN_FILE
