@@ -1,0 +1,130 @@
+"""bench/roofline.py, the modelled step: per-launch FLOPs and bytes counted by hand for a
+few launches of a small plan, the plan's GEMM FLOPs against the textbook count, and the
+JSON's numbers consistent with each other."""
+import sys
+from math import ceil
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import roofline  # noqa: E402
+from roofline_plan import launch_cost, plan_launches, visible_tile_pairs  # noqa: E402
+
+B, T, R = 2, 64, 16
+D, FF, V, L, KV = 576, 1536, 512, 2, 3 * 64   # roofline.SHAPES["tiny"]: SmolLM2-wide, 2 layers
+
+
+@pytest.fixture(scope="module")
+def plan():
+    launches, cfg, raw = plan_launches(roofline.SHAPES["tiny"], batch=B, seq=T, wtype="q8_0",
+                                       precision="bf16")
+    return [(n, l, launch_cost(n, l, raw)) for n, l in launches]
+
+
+@pytest.fixture(scope="module")
+def result():
+    return roofline.model("tiny-2x64")
+
+
+def _one(plan, kernel, where):
+    found = [(n, l, c) for n, l, c in plan if l.kernel == kernel and where(n, l)]
+    assert found, kernel
+    return found[0]
+
+
+def test_lora_a_forward_gemm_counted_from_its_launch(plan):
+    # x [B*T, D] @ A^T [D, R] for layer 0's q: a 128 x 128 tile per block, K in 32-slices
+    n, l, c = _one(plan, "tg_tc_matmul_bf16",
+                   lambda n, l: n.srcs[1].name == "blk.0.attn_q.weight.lora_a"
+                   and not n.attrs["trans_a"])
+    M, K = B * T, D
+    assert c.useful == 2 * M * R * K
+    assert c.tc == ceil(M / 128) * 1 * 128 * 128 * ceil(K / 32) * 32 * 2
+    assert c.bytes == 4 * (M * K + R * K + M * R)
+    assert c.kind == "gemm tensor-core" and c.blocks == 1
+
+
+def test_block_format_gemm_reads_block_bytes(plan):
+    # x @ W^T with layer 0's ffn_up in q8_0: 34 bytes per 32 weights
+    n, l, c = _one(plan, "tg_tc_qmm_nt_q8_0_bf16", lambda n, l: n.srcs[1].name == "blk.0.ffn_up.weight")
+    assert c.useful == 2 * B * T * FF * D
+    assert c.bytes == 4 * B * T * D + FF * D // 32 * 34 + 4 * B * T * FF
+
+
+def test_attention_forward_counts_visible_tiles(plan):
+    n, l, c = _one(plan, "tg_attn_fwd_64", lambda n, l: True)
+    pairs = 3        # 2 tiles of 32 rows, causal: (0,0), (1,0), (1,1)
+    scores = B * 9 * pairs * 32 * 32
+    assert c.fma == 2 * 2 * scores * 64 and c.sfu == scores and c.tc == 0
+    assert c.bytes == 4 * (2 * B * 9 * T * 64 + 2 * B * 3 * T * 64)
+
+
+def test_adamw_moves_seven_f32_per_weight(plan):
+    n, l, c = _one(plan, "tg_adamw", lambda n, l: n.srcs[0].name == "blk.1.ffn_down.weight.lora_b")
+    assert c.bytes == 28 * D * R
+
+
+def test_visible_tile_pairs_match_element_masks():
+    for T_, BT, window in [(64, 32, 0), (100, 32, 0), (96, 16, 20), (50, 16, 7)]:
+        n = ceil(T_ / BT)
+        brute = sum(any(j <= i and (not window or i - j < window)
+                        for i in range(qi * BT, min(T_, qi * BT + BT))
+                        for j in range(kj * BT, min(T_, kj * BT + BT)))
+                    for qi in range(n) for kj in range(n))
+        assert visible_tile_pairs(T_, BT, True, window) == brute
+    assert visible_tile_pairs(64, 32, False, 0) == 4
+
+
+def test_plan_gemm_flops_match_the_textbook_count(plan):
+    """4 N_base T (forward + input gradients) + 6 N_lora T, plus the fused head's backward
+    recomputing the logits (2 V D T), less what autodiff prunes: layer 0's q/k/v inputs
+    come from the frozen embedding, so their input gradients (base and LoRA A) are never
+    formed."""
+    mats = [(D, D), (KV, D), (KV, D), (D, D), (FF, D), (FF, D), (D, FF)]
+    tok = B * T
+    n_base = L * sum(o * i for o, i in mats) + V * D
+    n_lora = L * sum(R * (o + i) for o, i in mats)
+    pruned = sum(o * i + R * i for o, i in mats[:3])
+    expect = 4 * n_base * tok + 6 * n_lora * tok + 2 * V * D * tok - 2 * pruned * tok
+    got = sum(c.useful for _, _, c in plan if c.kind.startswith("gemm"))
+    assert got == expect
+
+
+def test_json_numbers_are_consistent(result):
+    r = result
+    for key in ("predicted_tokens_per_s", "attention_tensor_core_fraction",
+                "torch_eager_estimate_tokens_per_s"):
+        assert key in r and r[key] >= 0
+    classes = r["toygraph"]["classes"]
+    step = sum(c["seconds"] for c in classes.values()) + roofline.TOYGRAPH_HOST_S
+    assert r["predicted_step_s"] == pytest.approx(step)
+    assert r["predicted_tokens_per_s"] == pytest.approx(B * T / step)
+    assert sum(c["launches"] for c in classes.values()) == r["launches"]
+    kernels = r["toygraph"]["kernels"].values()
+    for field in ("seconds", "bytes", "tc_flops", "f32_flops", "launches"):
+        assert sum(k[field] for k in kernels) == pytest.approx(sum(c[field] for c in classes.values()))
+    # today's attention kernels are f32 on CUDA cores
+    assert r["attention_tensor_core_fraction"] == 0.0 and classes["attention"]["f32_flops"] > 0
+    t = r["torch_eager"]
+    torch_step = max(t["gpu_s"], t["host_s"])
+    assert t["gpu_s"] == pytest.approx(sum(c["seconds"] for c in t["classes"].values()))
+    assert r["torch_eager_estimate_tokens_per_s"] == pytest.approx(B * T / torch_step)
+    assert r["speedup_vs_torch_eager"] == pytest.approx(torch_step / step)
+
+
+def test_torch_trace_launches_flash_attention_and_f32_adapters(result):
+    cls = result["torch_eager"]["classes"]
+    kernels = result["torch_eager"]["kernels"]
+    # one FA2 forward and three backward kernels per layer, on tensor cores
+    assert cls["attention"]["launches"] == 4 * L and cls["attention"]["tc_flops"] > 0
+    # PEFT keeps adapters f32 on a bf16 model: 6 GEMMs per adapter pair (2 fwd, 4 bwd),
+    # less layer 0's q/k/v input gradient through A
+    assert kernels["cublas_mm_f32 [gemm cuBLAS f32 (CUDA cores)]"]["launches"] == L * 7 * 6 - 3
+
+
+def test_unknown_kernel_is_refused(plan):
+    from toygraph.cuda.lowering import Launch
+    node = plan[0][0]
+    with pytest.raises(ValueError, match="tg_new_kernel"):
+        launch_cost(node, Launch("tg_new_kernel", (1, 1, 1)))
