@@ -240,6 +240,12 @@ def render(r: dict, top: int = 12) -> str:
                   f"{1e3 * t['host_s']:.1f} ms -> **{r['torch_eager_estimate_tokens_per_s']:,.0f} "
                   f"tokens/s (modelled)**; toygraph / torch eager = "
                   f"**{r['speedup_vs_torch_eager']:.2f}x (modelled)**"]
+    for x in r.get("also", []):
+        lines.append(f"- on {x['device']}, precision {x['precision']}: toygraph "
+                     f"{x['predicted_tokens_per_s']:,.0f} tokens/s (modelled)" +
+                     (f", torch eager {x['torch_eager_estimate_tokens_per_s']:,.0f} tokens/s "
+                      f"(modelled), ratio {x['speedup_vs_torch_eager']:.2f}x"
+                      if "speedup_vs_torch_eager" in x else ""))
     lines += ["", "toygraph, per kernel class:", "", *head,
               *_class_rows(r["toygraph"], r["predicted_step_s"]), "",
               f"toygraph, top {top} kernels:", "",
@@ -254,10 +260,22 @@ def render(r: dict, top: int = 12) -> str:
     return "\n".join(lines) + "\n"
 
 
+HEADLINE = ("device", "precision", "predicted_step_s", "predicted_tokens_per_s",
+            "attention_tensor_core_fraction", "torch_eager_estimate_tokens_per_s",
+            "speedup_vs_torch_eager")
+
+
+def headline(r: dict) -> dict:
+    return {k: r[k] for k in HEADLINE if k in r}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="smollm2-8x512", choices=sorted(CONFIGS))
-    ap.add_argument("--device", default="h100", choices=sorted(DEVICES))
+    ap.add_argument("--device", default="h100",
+                    help=f"comma list of {', '.join(DEVICES)}; the first gets the tables")
+    ap.add_argument("--also-precision", default="", help="comma list of toygraph "
+                    "precisions to model as well (one line each)")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "tf32", "f32"],
                     help="toygraph's matmul precision (the torch side is always bf16)")
     ap.add_argument("--wtype", help="base weight storage (default: the config's)")
@@ -268,10 +286,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the model's numbers here")
     ap.add_argument("--md", help="write the table here")
     a = ap.parse_args(argv)
-    r = model(a.config, a.device, a.precision, a.wtype, tuple(a.targets.split(",")), a.rank,
+    a.also_precision = [x for x in a.also_precision.split(",") if x]
+    devices = a.device.split(",")
+    r = model(a.config, devices[0], a.precision, a.wtype, tuple(a.targets.split(",")), a.rank,
               a.alpha, torch_side=not a.no_torch)
     r["command"] = "python bench/roofline.py " + " ".join(sys.argv[1:] if argv is None else argv)
     r["date"] = f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC"
+    # the same step on the other devices, and toygraph at its other matmul precisions
+    r["also"] = [headline(model(a.config, dev, prec, a.wtype, tuple(a.targets.split(",")),
+                                a.rank, a.alpha, torch_side=not a.no_torch and prec == a.precision))
+                 for dev in devices for prec in [a.precision] + a.also_precision
+                 if (dev, prec) != (devices[0], a.precision)]
     text = render(r)
     print(text)
     if a.md:
