@@ -11,9 +11,11 @@ unit and bytes come from its own shapes. PyTorch: bench/roofline_torch.py record
 ops of the transformers + PEFT step on the meta device (what bench_lora.py runs as "torch").
 
 Time of a launch = max(tensor-core FLOPs / (peak x eff), f32 FLOPs / (peak x eff),
-SFU ops / (peak x eff), bytes / (bandwidth x memory eff)) + launch cost, with a tile
-kernel that runs one block per SM (toygraph's tensor-core GEMM: 222 registers x 256
-threads, from its ptxas report) charged whole waves of blocks. The step is the sum of its
+SFU ops / (peak x eff), bytes / (bandwidth x memory eff)) + launch cost, with toygraph's
+tensor-core GEMM tiles (128 x 128, no split-K) charged whole waves: ceil(tiles / SMs) tile
+times, a tile running at its SM's share of the peak (a lone block per SM is assumed to
+reach it: occupancy is in the efficiency; ptxas on sm_90, NVRTC 13.5: tg_tc_matmul_bf16
+222 registers x 256 threads, one block per SM; tg_tc_qmm_* 123-128 registers, two). The step is the sum of its
 launches; PyTorch eager's step is the larger of that and its host time (one Python +
 dispatcher op at a time). Tokens/s = batch x seq / step time.
 
@@ -129,7 +131,7 @@ def predict(cost, dev: Device, eff: dict, launch_s: float) -> float:
     """Seconds of one launch (see the module docstring)."""
     ce, me = eff[cost.kind]
     tc_peak = dev.tc[cost.tc_type] * ce
-    if cost.blocks:   # one block per SM: whole waves of tiles
+    if cost.blocks:   # whole waves of tiles: an SM's share of the peak per tile
         t_tc = ceil(cost.blocks / dev.sms) * cost.tile_flops / (tc_peak / dev.sms)
     else:
         t_tc = cost.tc / tc_peak

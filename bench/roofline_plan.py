@@ -34,8 +34,8 @@ class Cost:
     ``tc_type``), on CUDA-core f32 pipes (``fma``, 2 per FMA), special-function ops (``sfu``:
     exp, rsqrt, sin...); ``bytes`` global memory read + written, each tensor once (the
     compulsory traffic; re-reads are assumed to hit L2); ``useful`` the FLOPs of the math
-    (2*M*N*K for a GEMM) where the kernel issues more (tile padding); ``waves`` set for the
-    tile kernels that run one block per SM (``tile_flops`` per block)."""
+    (2*M*N*K for a GEMM) where the kernel issues more (tile padding); for the
+    tensor-core tile kernels, ``blocks`` tiles of ``tile_flops`` each."""
     kernel: str
     kind: str
     tc: float = 0.0

@@ -10,8 +10,9 @@ is patched to what CUDA does, each patch stated:
 
 - transformers builds no mask for sdpa when there is no padding and calls
   ``scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)``; on CUDA with bf16
-  that is the FlashAttention-2 backend (one forward kernel; a backward of three:
-  dot(dO, O), dq/dk/dv, dq convert). On meta SDPA would decompose into the math path, so
+  that is the FlashAttention-2 backend, the one SDPA backend that takes enable_gqa
+  (pytorch/pytorch#139586), reading K/V in place (one forward kernel; a backward of
+  three: dot(dO, O), dq/dk/dv, dq convert). On meta SDPA would decompose into the math path, so
   it is replaced by a function recording one "flash_fwd" / "flash_bwd" op per call.
 - ``find_packed_sequence_indices`` (a data-dependent check) is skipped: no packing.
 

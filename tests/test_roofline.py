@@ -50,6 +50,20 @@ def test_block_format_gemm_reads_block_bytes(plan):
     n, l, c = _one(plan, "tg_tc_qmm_nt_q8_0_bf16", lambda n, l: n.srcs[1].name == "blk.0.ffn_up.weight")
     assert c.useful == 2 * B * T * FF * D
     assert c.bytes == 4 * B * T * D + FF * D // 32 * 34 + 4 * B * T * FF
+    assert c.blocks == ceil(FF / 128)
+
+
+def test_tile_kernels_are_charged_whole_waves():
+    from roofline_plan import Cost
+    dev = roofline.DEVICES["h100"]
+    eff = {"gemm tensor-core": (0.5, 1.0)}
+    per_tile = 1e9
+    one_wave = Cost("k", "gemm tensor-core", tc=132 * per_tile, blocks=132, tile_flops=per_tile)
+    t1 = roofline.predict(one_wave, dev, eff, 0.0)
+    assert t1 == pytest.approx(per_tile / (989e12 * 0.5 / 132))
+    # one block more is a second wave: twice the time for 0.8% more work
+    two = Cost("k", "gemm tensor-core", tc=133 * per_tile, blocks=133, tile_flops=per_tile)
+    assert roofline.predict(two, dev, eff, 0.0) == pytest.approx(2 * t1)
 
 
 def test_attention_forward_counts_visible_tiles(plan):
