@@ -89,6 +89,9 @@ EFFICIENCY = {
     # flash_attention.cu: f32 on CUDA cores, one shared-memory load per FMA: 32 of 128
     # FMA lanes per clock can be fed (issue 25)
     "attention": (0.25, 0.70),
+    # tc_attention.cu (issue 25, bf16): FlashAttention-2's design (mma.sync, ldmatrix,
+    # cp.async double buffering): FA2's efficiency, as for PyTorch below
+    "attention tensor-core": (0.28, 0.60),
     # scalar loads, per-element div/mod of strided indexing
     "elementwise": (0.50, 0.60),
     "norm (row reductions)": (0.50, 0.60),
@@ -168,14 +171,15 @@ def model(config: str, device: str = "h100", precision: str = "bf16", wtype: str
     costs = [launch_cost(node, launch, raw) for node, launch in launches]
     tg = summarize(costs, dev, EFFICIENCY, GRAPH_LAUNCH_S)
     tg_s = sum(r["seconds"] for r in tg["classes"].values()) + TOYGRAPH_HOST_S
-    attn = tg["classes"].get("attention", {})
-    attn_flops = attn.get("tc_flops", 0) + attn.get("f32_flops", 0)
+    attn = [v for k, v in tg["classes"].items() if k.startswith("attention")]
+    attn_tc = sum(v["tc_flops"] for v in attn)
+    attn_flops = attn_tc + sum(v["f32_flops"] for v in attn)
     out = {"config": config, "device": dev.name, "precision": precision,
            "weights": wtype or c["wtype"], "tokens_per_step": tokens,
            "lora": {"targets": list(targets), "rank": rank, "alpha": alpha},
            "label": "modelled (bench/roofline.py), not measured",
            "predicted_step_s": tg_s, "predicted_tokens_per_s": tokens / tg_s,
-           "attention_tensor_core_fraction": attn.get("tc_flops", 0) / attn_flops if attn_flops else 0.0,
+           "attention_tensor_core_fraction": attn_tc / attn_flops if attn_flops else 0.0,
            "launches": len(costs), "toygraph": tg,
            "total_useful_flops": sum(x.useful for x in costs if x.kind.startswith(("gemm", "attention"))),
            "six_n_t_flops": six_nt(cfg, tokens, c["seq"], targets, rank)}

@@ -176,18 +176,18 @@ ATTN_PASSES = {"tg_attn_fwd": 2, "tg_attn_bwd_prep": 1, "tg_attn_bwd_dq": 3, "tg
 
 
 @lru_cache(maxsize=None)
-def visible_tile_pairs(T: int, BT: int, causal: bool, window: int) -> int:
-    """(query tile, key tile) pairs the kernels compute for one (batch, head): causal ones
-    skip key tiles after the query tile, windowed ones those wholly outside the window."""
-    n = ceil(T / BT)
+def visible_tile_pairs(T: int, BQ: int, BK: int, causal: bool, window: int) -> int:
+    """(query tile of BQ rows, key tile of BK rows) pairs the kernels compute for one
+    (batch, head): causal ones skip the pairs where no key is at or before a query, windowed
+    ones those wholly outside the window (flash_attention.cu's and tc_attention.cu's rule)."""
     if not causal:
-        return n * n
+        return ceil(T / BQ) * ceil(T / BK)
     pairs = 0
-    for qi in range(n):
-        q_lo, q_hi = qi * BT, min(T, qi * BT + BT) - 1
-        for kj in range(qi + 1):
-            k_hi = kj * BT + BT - 1
-            if not window or q_lo - min(k_hi, q_hi) < window:
+    for q_lo in range(0, T, BQ):
+        q_hi = min(T, q_lo + BQ) - 1
+        for k_lo in range(0, q_hi + 1, BK):
+            k_hi = min(T, k_lo + BK) - 1
+            if not window or q_lo - min(k_hi, q_lo) < window:
                 pairs += 1
     return pairs
 
@@ -199,7 +199,7 @@ def _attention(node, launch, raw) -> Cost:
     BT = ATTN_TILES[HD][0]
     q, k = node.srcs[0], node.srcs[1]
     B, H, T, hd = q.shape
-    pairs = visible_tile_pairs(T, BT, bool(node.attrs["causal"]), int(node.attrs["window"]))
+    pairs = visible_tile_pairs(T, BT, BT, bool(node.attrs["causal"]), int(node.attrs["window"]))
     scores = B * H * pairs * BT * BT
     qb, kb = 4 * q.size, 4 * k.size
     stats = 4 * B * H * T            # one of L or D, [B, H, T]
@@ -210,6 +210,44 @@ def _attention(node, launch, raw) -> Cost:
     fma = 2.0 * ATTN_PASSES[stem] * scores * HD
     useful = 2.0 * ATTN_PASSES[stem] * scores * hd
     return Cost(launch.kernel, "attention", fma=fma, sfu=scores, bytes=traffic[stem], useful=useful)
+
+
+#: Tensor-core attention (tc_attention.cu, issue 25): bf16 mma passes per visible pair of
+#: (64-row block, streamed tile): the forward S and P v (the backward's statistics pass,
+#: o null, S only), dq S, dP, dS k, dk/dv S, dP, P^T dO, dS^T q.
+TCA_PASSES = {"tg_tca_fwd": 2, "tg_tca_bwd_dq": 3, "tg_tca_bwd_dkdv": 4}
+
+
+def _tc_attention(node, launch, raw) -> Cost:
+    from toygraph.cuda.lowering import constants
+    k, kind = launch.kernel, "attention tensor-core"
+    q, kk = node.srcs[0], node.srcs[1]
+    B, H, T, hd = q.shape
+    if k == "tg_tca_to_bf16":       # rows x hd f32 in, rows x HD bf16 out
+        rows, hd_, HD = _arg(launch, 2), _arg(launch, 3), _arg(launch, 4)
+        return Cost(k, kind, bytes=4 * rows * hd_ + 2 * rows * HD)
+    if k == "tg_tca_bwd_prep":      # o, dO f32 in; dO bf16 and D out
+        rows, hd_, HD = _arg(launch, 4), _arg(launch, 5), _arg(launch, 6)
+        return Cost(k, kind, fma=2.0 * rows * hd_, bytes=8 * rows * hd_ + 2 * rows * HD + 4 * rows)
+    stem, HD = re.fullmatch(r"(tg_tca_\w+?)_(\d+)", k).groups()
+    HD, BQ = int(HD), constants.TCA_BQ
+    tile = constants.TCA_TILES[HD]
+    causal, window = bool(node.attrs["causal"]), int(node.attrs["window"])
+    pairs = (visible_tile_pairs(T, tile, BQ, causal, window) if stem == "tg_tca_bwd_dkdv"
+             else visible_tile_pairs(T, BQ, tile, causal, window))
+    scores = B * H * pairs * BQ * tile
+    passes = TCA_PASSES[stem]
+    qh, kh, stats = 2 * B * H * T * HD, 2 * B * kk.shape[1] * T * HD, 4 * B * H * T
+    if stem == "tg_tca_fwd":
+        full = _arg(launch, 0) != 0            # o written; else the statistics pass
+        passes = 2 if full else 1
+        traffic = qh + 2 * kh + 4 * q.size if full else qh + kh + stats
+    elif stem == "tg_tca_bwd_dq":              # q, k, v, dO, L, D in; dq out
+        traffic = 2 * qh + 2 * kh + 2 * stats + 4 * q.size
+    else:                                      # the same in; dk, dv out
+        traffic = 2 * qh + 2 * kh + 2 * stats + 8 * kk.size
+    return Cost(k, kind, tc=2.0 * passes * scores * HD, sfu=scores, bytes=traffic,
+                useful=2.0 * passes * scores * hd)
 
 
 def _streaming(kind: str, flops_per_elem: float = 1.0, sfu_per_elem: float = 0.0):
@@ -260,6 +298,7 @@ def _loss(node, launch, raw) -> Cost:
 RULES = [
     (r"tg_tc_matmul_\w+|tg_tc_qmm_\w+|tg_matmul(_acc)?|tg_qmm_\w+", _gemm),
     (r"tg_attn_(fwd|bwd_prep|bwd_dq|bwd_dkdv)_\d+", _attention),
+    (r"tg_tca_to_bf16|tg_tca_bwd_prep|tg_tca_(fwd|bwd_dq|bwd_dkdv)_\d+", _tc_attention),
     (r"tg_adamw|tg_accumulate|tg_sumsq_partial|tg_global_norm", _optimizer),
     (r"tg_ce_rows|tg_ce_back|tg_ce_back_rows|tg_ce_reduce|tg_lce_grad_scale|tg_count_valid", _loss),
     (r"tg_rms_norm|tg_rms_norm_back", _streaming("norm (row reductions)", 4.0, 0.0)),

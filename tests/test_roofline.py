@@ -23,6 +23,13 @@ def plan():
 
 
 @pytest.fixture(scope="module")
+def plan_f32():
+    launches, cfg, raw = plan_launches(roofline.SHAPES["tiny"], batch=B, seq=T, wtype="q8_0",
+                                       precision="f32")
+    return [(n, l, launch_cost(n, l, raw)) for n, l in launches]
+
+
+@pytest.fixture(scope="module")
 def result():
     return roofline.model("tiny-2x64")
 
@@ -66,8 +73,8 @@ def test_tile_kernels_are_charged_whole_waves():
     assert roofline.predict(two, dev, eff, 0.0) == pytest.approx(2 * t1)
 
 
-def test_attention_forward_counts_visible_tiles(plan):
-    n, l, c = _one(plan, "tg_attn_fwd_64", lambda n, l: True)
+def test_attention_forward_counts_visible_tiles(plan_f32):
+    n, l, c = _one(plan_f32, "tg_attn_fwd_64", lambda n, l: True)
     pairs = 3        # 2 tiles of 32 rows, causal: (0,0), (1,0), (1,1)
     scores = B * 9 * pairs * 32 * 32
     assert c.fma == 2 * 2 * scores * 64 and c.sfu == scores and c.tc == 0
@@ -80,14 +87,14 @@ def test_adamw_moves_seven_f32_per_weight(plan):
 
 
 def test_visible_tile_pairs_match_element_masks():
-    for T_, BT, window in [(64, 32, 0), (100, 32, 0), (96, 16, 20), (50, 16, 7)]:
-        n = ceil(T_ / BT)
+    for T_, BQ, BK, window in [(64, 32, 32, 0), (100, 32, 32, 0), (96, 16, 16, 20),
+                               (50, 16, 16, 7), (200, 64, 32, 0), (200, 32, 64, 0),
+                               (130, 64, 16, 40)]:
         brute = sum(any(j <= i and (not window or i - j < window)
-                        for i in range(qi * BT, min(T_, qi * BT + BT))
-                        for j in range(kj * BT, min(T_, kj * BT + BT)))
-                    for qi in range(n) for kj in range(n))
-        assert visible_tile_pairs(T_, BT, True, window) == brute
-    assert visible_tile_pairs(64, 32, False, 0) == 4
+                        for i in range(q0, min(T_, q0 + BQ)) for j in range(k0, min(T_, k0 + BK)))
+                    for q0 in range(0, T_, BQ) for k0 in range(0, T_, BK))
+        assert visible_tile_pairs(T_, BQ, BK, True, window) == brute
+    assert visible_tile_pairs(64, 32, 32, False, 0) == 4
 
 
 def test_plan_gemm_flops_match_the_textbook_count(plan):
@@ -118,13 +125,46 @@ def test_json_numbers_are_consistent(result):
     kernels = r["toygraph"]["kernels"].values()
     for field in ("seconds", "bytes", "tc_flops", "f32_flops", "launches"):
         assert sum(k[field] for k in kernels) == pytest.approx(sum(c[field] for c in classes.values()))
-    # today's attention kernels are f32 on CUDA cores
-    assert r["attention_tensor_core_fraction"] == 0.0 and classes["attention"]["f32_flops"] > 0
+    attn = [c for k, c in classes.items() if k.startswith("attention")]
+    tc = sum(c["tc_flops"] for c in attn)
+    assert r["attention_tensor_core_fraction"] == pytest.approx(tc / (tc + sum(c["f32_flops"] for c in attn)))
     t = r["torch_eager"]
     torch_step = max(t["gpu_s"], t["host_s"])
     assert t["gpu_s"] == pytest.approx(sum(c["seconds"] for c in t["classes"].values()))
     assert r["torch_eager_estimate_tokens_per_s"] == pytest.approx(B * T / torch_step)
     assert r["speedup_vs_torch_eager"] == pytest.approx(torch_step / step)
+
+
+def test_f32_attention_runs_on_cuda_cores():
+    r = roofline.model("tiny-2x64", precision="f32", torch_side=False)
+    assert r["attention_tensor_core_fraction"] == 0.0
+    assert r["toygraph"]["classes"]["attention"]["f32_flops"] > 0
+
+
+def test_tensor_core_attention_counted_per_pass(plan, monkeypatch):
+    """tc_attention.cu's forward (issue 25), costed from a launch with its arguments: blocks
+    of 64 queries, key tiles of 64 at head dim 64; o null is the statistics-only pass."""
+    from toygraph.cuda.lowering import Launch, constants, i32, p
+    monkeypatch.setattr(constants, "TCA_BQ", 64, raising=False)
+    monkeypatch.setattr(constants, "TCA_TILES", {64: 64}, raising=False)
+    node = next(n for n, _, _ in plan if n.op == "attention")
+    scores = B * 9 * 1 * 64 * 64          # T = 64: one causal (block, tile) pair per head
+    full = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(1), p(0)]))
+    stats = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(0), p(1)]))
+    assert full.tc == 2 * 2 * scores * 64 and full.fma == 0 and full.sfu == scores
+    assert stats.tc == 2 * scores * 64 and full.kind == "attention tensor-core"
+    cast = launch_cost(node, Launch("tg_tca_to_bf16", (1, 1, 1), [p(1), p(1), i32(10), i32(60), i32(64)]))
+    assert cast.bytes == 4 * 10 * 60 + 2 * 10 * 64
+
+
+def test_tensor_core_attention_launches_of_the_plan(plan):
+    """Where the bf16 attention lowers to tc_attention.cu (issue 25), its launches in the
+    plan: the forward's two passes over T = 64 (one block, one tile per head)."""
+    fwd = [(n, l, c) for n, l, c in plan if l.kernel.startswith("tg_tca_fwd_")]
+    if not fwd:
+        pytest.skip("this tree's bf16 attention has no tensor-core kernels yet")
+    n, l, c = next(x for x in fwd if x[0].op == "attention")
+    assert c.tc == 2 * 2 * (B * 9 * 64 * 64) * 64
 
 
 def test_torch_trace_launches_flash_attention_and_f32_adapters(result):
