@@ -8,6 +8,8 @@
 #   setup     install the carried wheels (.whl/*.whl, e.g. gguf) into /tmp/site on PYTHONPATH,
 #             pip install --no-deps --no-build-isolation -e .   (always runs)
 #   info      nvidia-smi name/driver, versions, toygraph.cuda.driver.available()   (always)
+#   kernels   unpack .gpu/kernels.tar.xz (bench/precompile.py, made here) into the cubin cache
+#             and say how many modules hit (same kernel sources and NVRTC major.minor)  (always)
 #   tests     pytest tests/test_cuda.py (the GPU suite) tests/test_cuda_compile.py, and the
 #             families' NVRTC/ptxas tests (-k compile in tests/test_ops_*_cuda.py and
 #             tests/test_ops_gemm*.py; their numpy replays need no GPU: CI runs them)
@@ -48,6 +50,7 @@
 #   GS_PACK_ARGS  bench_packing.py step counts (default "--steps 10 --warmup 2")
 #   GS_BUDGET   seconds the whole script may take (default 540: ends inside a 600 s call)
 #   GS_SLICE    the SmolLM2 slice (default .gpu/smollm2-8l.gguf)
+#   GS_ARCH     arch the kernels stage checks the carried cubins for (default sm_90)
 #   GS_BACKEND  backend every stage treats as "the GPU" (default cuda; cpu for a dry run of
 #               the plumbing on a machine without one, with GS_SKIP_SETUP=1; or cuda with
 #               TOYGRAPH_CUDA_DEVICE=host: the real CUDA lowering on the host executor)
@@ -381,6 +384,15 @@ EOF
 stage info 60 "$SETUP_LOG" "tail -n 1 '$SETUP_LOG'" \
     "$PY -c 'import gguf, toygraph.fixtures.experiments; from toygraph.cuda import driver; ok = driver.available(); print(\"gguf\", gguf.__file__, \"| cuda available:\", ok, \"| arch:\", driver.device_arch() if ok else \"-\")'"
 echo "[gpu_session] device: $DEVICE | $VERSIONS"
+
+# kernels compiled ahead (bench/precompile.py, here): unpacked into $TOYGRAPH_CACHE so the
+# stages load cubins instead of compiling them; both lent kinds (H100, H200) are sm_90
+if [[ -f .gpu/kernels.tar.xz ]]; then
+    stage kernels 60 "$SETUP_LOG" "tail -n 1 '$SETUP_LOG'" \
+        "$PY bench/precompile.py --unpack .gpu/kernels.tar.xz --arch ${GS_ARCH:-sm_90}"
+else
+    row kernels SKIP 0 "-" "no .gpu/kernels.tar.xz (python bench/precompile.py here): kernels compile on first use"
+fi
 
 # pytest options: per-test timeout where pytest-timeout is there, so one hang cannot eat the stage
 PT_OPTS="-q --durations=15 --maxfail=40"

@@ -1,0 +1,319 @@
+"""toygraph's side of the cost model (bench/roofline.py): the CUDA plan of one LoRA training
+step, lowered to its kernel launches without a GPU, and what each launch does.
+
+``plan_launches(config)`` builds the step exactly as a LoRA run on ``backend="cuda"`` does
+(recipes.LoRA's graph, build_training's backward, clip and AdamW), orders and plans it as
+Session.realize does, then asks the CUDA lowering (toygraph.cuda.lowering.dispatch.lower) for
+every node's launches, with fake device addresses: nothing is compiled, allocated or run.
+The model needs shapes only, so no GGUF is read: ``shape_model`` makes a llama config and
+weight records (block format, no bytes) with the config's dimensions.
+
+``launch_cost(node, launch)`` reads each launch's own shapes (a GEMM's M, N, K and batch from
+its arguments; attention's tiles from its kernel's head-dim bound and the node's shapes) and
+returns a :class:`Cost`: FLOPs by unit, global-memory bytes, the kernel class. A kernel this
+file has no rule for is an error naming it: a new kernel needs its cost written down here.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from math import ceil
+
+SHAPES = {  # the configs' model dimensions (bench/random_llama.py's, which bench_lora uses)
+    "smollm2": dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152,
+                    n_ctx=8192, rope_base=100000.0),
+    "llama1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_vocab=32000,
+                    n_ctx=4096, rope_base=10000.0),
+}
+
+
+@dataclass
+class Cost:
+    """One launch: ``kind`` its class; FLOPs issued on tensor cores (``tc``: bf16 or tf32 per
+    ``tc_type``), on CUDA-core f32 pipes (``fma``, 2 per FMA), special-function ops (``sfu``:
+    exp, rsqrt, sin...); ``bytes`` global memory read + written, each tensor once (the
+    compulsory traffic; re-reads are assumed to hit L2); ``useful`` the FLOPs of the math
+    (2*M*N*K for a GEMM) where the kernel issues more (tile padding); for the
+    tensor-core tile kernels, ``blocks`` tiles of ``tile_flops`` each."""
+    kernel: str
+    kind: str
+    tc: float = 0.0
+    fma: float = 0.0
+    sfu: float = 0.0
+    bytes: float = 0.0
+    useful: float = 0.0
+    tc_type: str = "bf16"
+    blocks: int = 0
+    tile_flops: float = 0.0
+    node: str = ""
+
+    @property
+    def flops(self) -> float:
+        return self.tc + self.fma
+
+
+# --- the model and the plan ----------------------------------------------------------------------
+def shape_model(dims: dict, wtype: str):
+    """(ModelConfig, a GGUFModel stand-in) for a llama of ``dims`` whose matrices are stored
+    as ``wtype``: the config comes from the same metadata keys a GGUF would carry."""
+    from toygraph.models.config import read_config, tensor_shapes
+    from toygraph.gguf.file import WeightTensor
+
+    a, d = "llama", dims
+    meta = {"general.architecture": a, f"{a}.context_length": d["n_ctx"],
+            f"{a}.embedding_length": d["n_embd"], f"{a}.block_count": d["n_layer"],
+            f"{a}.feed_forward_length": d["n_ff"], f"{a}.attention.head_count": d["n_head"],
+            f"{a}.attention.head_count_kv": d["n_head_kv"], f"{a}.rope.freq_base": d["rope_base"],
+            f"{a}.attention.layer_norm_rms_epsilon": 1e-5,
+            f"{a}.rope.dimension_count": d["n_embd"] // d["n_head"], f"{a}.vocab_size": d["n_vocab"]}
+    index = {"token_embd.weight": (d["n_vocab"], d["n_embd"])}
+    index.update({f"blk.{i}.attn_norm.weight": (d["n_embd"],) for i in range(d["n_layer"])})
+    cfg = read_config(meta.get, list(meta), index, "<roofline shapes>")
+    shapes = tensor_shapes(cfg)
+
+    class ShapeModel:
+        def tensor_names(self):
+            return list(shapes)
+
+        def tensor(self, name):
+            shape = shapes[name]
+            return WeightTensor(name, wtype if len(shape) >= 2 else "f32", shape, None)
+    return cfg, ShapeModel()
+
+
+def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: str,
+                  targets=("q", "k", "v", "o", "gate", "up", "down"), rank: int = 16,
+                  alpha: float = 32, clip: float = 1.0):
+    """[(node, Launch)] of one LoRA step on CUDA, in launch order, and the config."""
+    import toygraph.core.ops  # noqa: F401  (fills the lowering registry)
+    from toygraph.core.optimizer import build_training
+    from toygraph.core.session import Session
+    from toygraph.cuda.devmem import plan_device_memory
+    from toygraph.cuda.lowering.dispatch import lower
+    from toygraph.recipes import LoRA, RecipeOptions
+
+    class NoDevice:
+        itemsize = 4          # the CUDA backend's buffers are all f32, as the numpy one's
+
+        def realize(self, *args):
+            pass
+
+    class PlanSession(Session):  # Session.realize's ordering and buffer plan, no backend
+        def __init__(self, graph):
+            self.graph, self.backend_name, self.backend = graph, "cuda", NoDevice()
+            self.realized, self.plan, self.base_memory = False, None, None
+
+    cfg, model = shape_model(dims, wtype)
+    recipe = LoRA(targets=tuple(targets), rank=rank, alpha=alpha)
+    opts = RecipeOptions(seq_len=seq, batch=batch, backend="cuda", precision=precision, clip=clip)
+    recipe.build_graph(model, cfg, opts)   # as Recipe.realize, up to its Session
+    build_training(recipe.loss, recipe.net.params, count=recipe.count, max_norm=opts.clip)
+    sess = PlanSession(recipe.graph)
+    sess.realize()
+    schedule = sess.schedules["step"]
+    outputs = [t for ts in recipe.graph.outputs.values() for t in ts]
+    mem = plan_device_memory(schedule, sess.plan, sess.pinned, outputs, qmatmul=True)
+    raw = frozenset(mem.raw_consts)
+    fake = 1 << 32   # an address: launches need one, the model never dereferences it
+    out = []
+    for t in schedule:
+        if t.op is not None:
+            scratch = fake if t.id in mem.scratch else 0
+            out += [(t, l) for l in lower(t, lambda _: fake, scratch, raw, precision)]
+    return out, cfg, raw
+
+
+# --- per launch ------------------------------------------------------------------------------------
+def _arg(launch, i) -> int:
+    return int(launch.args[i][0])
+
+
+def _nbytes(t, raw) -> int:
+    """Bytes of tensor ``t`` on the device: block bytes for a const kept in its format."""
+    if t.id in raw:
+        from toygraph.gguf import blocks
+        return blocks.nbytes(t.storage, t.shape)
+    return 4 * max(t.size, 1)
+
+
+def _gemm(node, launch, raw) -> Cost:
+    """tg_tc_matmul_* / tg_tc_qmm_* / tg_matmul(_acc) / tg_qmm_*: M, N, K from the arguments;
+    the tensor-core kernels issue whole 128 x 128 x BK tiles (zeros past the edges)."""
+    from toygraph.cuda.lowering.constants import MM_BM, MM_BK, TC_BM, TC_BF16_BK, TC_TF32_BK
+    k = launch.kernel
+    M, N, K = _arg(launch, 3), _arg(launch, 4), _arg(launch, 5)
+    quant = "qmm" in k
+    nbatch = 1 if quant else _arg(launch, 10)
+    if quant:   # B is the block-format weight: all its rows, row_bytes each
+        b_bytes = _arg(launch, 6) * (N if "_nt_" in k else K)
+    elif node.op == "matmul":
+        b_bytes = 4 * node.srcs[1].size
+    else:
+        b_bytes = 4 * K * N
+    c_bytes = 4 * M * N * nbatch * (2 if k.endswith("_acc") else 1)
+    useful = 2.0 * M * N * K * nbatch
+    cost = Cost(k, "", bytes=4 * M * K * nbatch + b_bytes + c_bytes, useful=useful)
+    if k.startswith("tg_tc_"):
+        tc_type = "tf32" if k.endswith("_tf32") else "bf16"
+        bk = TC_TF32_BK if tc_type == "tf32" else TC_BF16_BK
+        cost.blocks = ceil(M / TC_BM) * ceil(N / TC_BM) * nbatch
+        cost.tile_flops = 2.0 * TC_BM * TC_BM * ceil(K / bk) * bk
+        cost.tc, cost.tc_type = cost.blocks * cost.tile_flops, tc_type
+        cost.kind = "gemm tensor-core (block-format B)" if quant else "gemm tensor-core"
+    else:
+        cost.fma = 2.0 * ceil(M / MM_BM) * MM_BM * ceil(N / MM_BM) * MM_BM * ceil(K / MM_BK) * MM_BK * nbatch
+        cost.kind = "gemm f32 CUDA cores"
+    return cost
+
+
+#: Attention kernels: passes of a [BT x HD] x [HD x BT] product per visible (query tile, key
+#: tile) pair, as flash_attention.cu's kernels do them: the forward S = q k^T and P v; the
+#: backward's prep recomputes S for the row log-sum-exp (the forward does not save it), dq
+#: recomputes S and forms dP = dO v^T and dq = dS k, dk/dv recomputes S and dP and forms
+#: dv = P^T dO and dk = dS^T q. One exp per score in each kernel. All f32 on CUDA cores.
+ATTN_PASSES = {"tg_attn_fwd": 2, "tg_attn_bwd_prep": 1, "tg_attn_bwd_dq": 3, "tg_attn_bwd_dkdv": 4}
+
+
+@lru_cache(maxsize=None)
+def visible_tile_pairs(T: int, BQ: int, BK: int, causal: bool, window: int) -> int:
+    """(query tile of BQ rows, key tile of BK rows) pairs the kernels compute for one
+    (batch, head): causal ones skip the pairs where no key is at or before a query, windowed
+    ones those wholly outside the window (flash_attention.cu's and tc_attention.cu's rule)."""
+    if not causal:
+        return ceil(T / BQ) * ceil(T / BK)
+    pairs = 0
+    for q_lo in range(0, T, BQ):
+        q_hi = min(T, q_lo + BQ) - 1
+        for k_lo in range(0, q_hi + 1, BK):
+            k_hi = min(T, k_lo + BK) - 1
+            if not window or q_lo - min(k_hi, q_lo) < window:
+                pairs += 1
+    return pairs
+
+
+def _attention(node, launch, raw) -> Cost:
+    from toygraph.cuda.lowering.constants import ATTN_TILES
+    stem, HD = re.fullmatch(r"(tg_attn_\w+?)_(\d+)", launch.kernel).groups()
+    HD = int(HD)
+    BT = ATTN_TILES[HD][0]
+    q, k = node.srcs[0], node.srcs[1]
+    B, H, T, hd = q.shape
+    pairs = visible_tile_pairs(T, BT, BT, bool(node.attrs["causal"]), int(node.attrs["window"]))
+    scores = B * H * pairs * BT * BT
+    qb, kb = 4 * q.size, 4 * k.size
+    stats = 4 * B * H * T            # one of L or D, [B, H, T]
+    traffic = {"tg_attn_fwd": 2 * qb + 2 * kb,                     # q, k, v in; o out
+               "tg_attn_bwd_prep": 3 * qb + kb + 2 * stats,        # q, o, dO, k in; L, D out
+               "tg_attn_bwd_dq": 3 * qb + 2 * kb + 2 * stats,      # q, dO, k, v, L, D; dq out
+               "tg_attn_bwd_dkdv": 2 * qb + 4 * kb + 2 * stats}    # q, dO, k, v, L, D; dk, dv
+    fma = 2.0 * ATTN_PASSES[stem] * scores * HD
+    useful = 2.0 * ATTN_PASSES[stem] * scores * hd
+    return Cost(launch.kernel, "attention", fma=fma, sfu=scores, bytes=traffic[stem], useful=useful)
+
+
+#: Tensor-core attention (tc_attention.cu, issue 25): bf16 mma passes per visible pair of
+#: (64-row block, streamed tile): the forward S and P v (the backward's statistics pass,
+#: o null, S only), dq S, dP, dS k, dk/dv S, dP, P^T dO, dS^T q.
+TCA_PASSES = {"tg_tca_fwd": 2, "tg_tca_bwd_dq": 3, "tg_tca_bwd_dkdv": 4}
+
+
+def _tc_attention(node, launch, raw) -> Cost:
+    from toygraph.cuda.lowering import constants
+    k, kind = launch.kernel, "attention tensor-core"
+    q, kk = node.srcs[0], node.srcs[1]
+    B, H, T, hd = q.shape
+    if k == "tg_tca_to_bf16":       # rows x hd f32 in, rows x HD bf16 out
+        rows, hd_, HD = _arg(launch, 2), _arg(launch, 3), _arg(launch, 4)
+        return Cost(k, kind, bytes=4 * rows * hd_ + 2 * rows * HD)
+    if k == "tg_tca_bwd_prep":      # o, dO f32 in; dO bf16 and D out
+        rows, hd_, HD = _arg(launch, 4), _arg(launch, 5), _arg(launch, 6)
+        return Cost(k, kind, fma=2.0 * rows * hd_, bytes=8 * rows * hd_ + 2 * rows * HD + 4 * rows)
+    stem, HD = re.fullmatch(r"(tg_tca_\w+?)_(\d+)", k).groups()
+    HD, BQ = int(HD), constants.TCA_BQ
+    tile = constants.TCA_TILES[HD]
+    causal, window = bool(node.attrs["causal"]), int(node.attrs["window"])
+    pairs = (visible_tile_pairs(T, tile, BQ, causal, window) if stem == "tg_tca_bwd_dkdv"
+             else visible_tile_pairs(T, BQ, tile, causal, window))
+    scores = B * H * pairs * BQ * tile
+    passes = TCA_PASSES[stem]
+    qh, kh, stats = 2 * B * H * T * HD, 2 * B * kk.shape[1] * T * HD, 4 * B * H * T
+    if stem == "tg_tca_fwd":
+        full = _arg(launch, 0) != 0            # o written; else the statistics pass
+        passes = 2 if full else 1
+        traffic = qh + 2 * kh + 4 * q.size if full else qh + kh + stats
+    elif stem == "tg_tca_bwd_dq":              # q, k, v, dO, L, D in; dq out
+        traffic = 2 * qh + 2 * kh + 2 * stats + 4 * q.size
+    else:                                      # the same in; dk, dv out
+        traffic = 2 * qh + 2 * kh + 2 * stats + 8 * kk.size
+    return Cost(k, kind, tc=2.0 * passes * scores * HD, sfu=scores, bytes=traffic,
+                useful=2.0 * passes * scores * hd)
+
+
+def _streaming(kind: str, flops_per_elem: float = 1.0, sfu_per_elem: float = 0.0):
+    """A kernel that reads its node's operands and writes its output once: bytes of the
+    distinct sources (block bytes for a const kept in its format) plus the output."""
+    def cost(node, launch, raw) -> Cost:
+        srcs = {s.id: s for s in node.srcs}.values()
+        n = max(node.size, 1)
+        if launch.kernel == "tg_fill":                 # writes n zeros, reads nothing
+            return Cost(launch.kernel, kind, bytes=4 * _arg(launch, 1))
+        if launch.kernel.startswith("tg_get_rows_"):   # reads only the rows it gathers
+            table = node.srcs[0]
+            rows = node.size // table.shape[-1]
+            read = _nbytes(table, raw) * rows // table.shape[0] + 4 * node.srcs[1].size
+        else:
+            read = sum(_nbytes(s, raw) for s in srcs)
+        return Cost(launch.kernel, kind, fma=flops_per_elem * n, sfu=sfu_per_elem * n,
+                    bytes=read + 4 * n, useful=flops_per_elem * n)
+    return cost
+
+
+def _optimizer(node, launch, raw) -> Cost:
+    k = launch.kernel
+    if k == "tg_adamw":                  # w, g, m, v in; w, m, v out
+        n = node.srcs[0].size
+        return Cost(k, "adamw + clip", fma=12.0 * n, sfu=n, bytes=28 * n, useful=12.0 * n)
+    if k == "tg_accumulate":             # acc += g
+        n = node.srcs[0].size
+        return Cost(k, "adamw + clip", fma=n, bytes=12 * n, useful=n)
+    if k == "tg_sumsq_partial":          # one gradient's squares, per-block partial sums
+        n = _arg(launch, 2)
+        return Cost(k, "adamw + clip", fma=2.0 * n, bytes=4 * n, useful=2.0 * n)
+    return Cost(k, "adamw + clip", bytes=8 * _arg(launch, 2))   # tg_global_norm: the partials
+
+
+def _loss(node, launch, raw) -> Cost:
+    """The fused head's row kernels over one chunk's [rows, V] logits (arguments c, V)."""
+    k = launch.kernel
+    if k in ("tg_ce_rows", "tg_ce_back", "tg_ce_back_rows"):
+        c, V = _arg(launch, 3 if k == "tg_ce_rows" else 4), _arg(launch, 4 if k == "tg_ce_rows" else 5)
+        writes = 4 * c * V if k != "tg_ce_rows" else 4 * c
+        return Cost(k, "loss (softmax rows)", fma=3.0 * c * V, sfu=c * V,
+                    bytes=4 * c * V + writes, useful=3.0 * c * V)
+    return Cost(k, "loss (softmax rows)", bytes=4 * max(node.srcs[0].size, 1))  # tiny reductions
+
+
+#: kernel name pattern -> its cost rule (the first match wins).
+RULES = [
+    (r"tg_tc_matmul_\w+|tg_tc_qmm_\w+|tg_matmul(_acc)?|tg_qmm_\w+", _gemm),
+    (r"tg_attn_(fwd|bwd_prep|bwd_dq|bwd_dkdv)_\d+", _attention),
+    (r"tg_tca_to_bf16|tg_tca_bwd_prep|tg_tca_(fwd|bwd_dq|bwd_dkdv)_\d+", _tc_attention),
+    (r"tg_adamw|tg_accumulate|tg_sumsq_partial|tg_global_norm", _optimizer),
+    (r"tg_ce_rows|tg_ce_back|tg_ce_back_rows|tg_ce_reduce|tg_lce_grad_scale|tg_count_valid", _loss),
+    (r"tg_rms_norm|tg_rms_norm_back", _streaming("norm (row reductions)", 4.0, 0.0)),
+    (r"tg_silu|tg_silu_back", _streaming("elementwise", 4.0, 1.0)),
+    (r"tg_rope", _streaming("elementwise", 6.0, 2.0)),
+    (r"tg_binary|tg_scale|tg_copy|tg_gather|tg_fill|tg_get_rows(_\w+)?", _streaming("elementwise")),
+]
+
+
+def launch_cost(node, launch, raw=frozenset()) -> Cost:
+    """The :class:`Cost` of ``launch``, one of ``node``'s launches."""
+    for pattern, rule in RULES:
+        if re.fullmatch(pattern, launch.kernel):
+            cost = rule(node, launch, raw)
+            cost.node = node.name
+            return cost
+    raise ValueError(f"bench/roofline_plan.py has no cost rule for kernel {launch.kernel!r} "
+                     f"(op {node.op}): add one to RULES")
