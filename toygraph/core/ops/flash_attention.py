@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.core.ops.shape import unpack
+from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.core.ops.table import (F32, I32, INT32_MAX, check, check_floats, define_op, kernel,
                                      make_node)
 from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, f32, i32, lowers, p,
@@ -17,8 +18,11 @@ from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, f32, i
 from toygraph.cuda.lowering.constants import ATTN_TILES
 from toygraph.errors import CudaError
 
-# The family's CUDA kernels, beside this module.
+# The family's CUDA kernels, beside this module: the f32 kernels in every module; ldmatrix /
+# cp.async (tc_async.cuh, usable by any tensor-core kernel) and the tensor-core attention
+# only in the tensor-core precisions' modules, so the f32 module stays as it is.
 declare_kernels(__file__, "flash_attention.cu")
+declare_kernels(__file__, "tc_async.cuh", precisions=TENSOR_CORE_PRECISIONS)
 
 
 def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0, segments=None,
