@@ -23,6 +23,8 @@ from toygraph.errors import CudaError
 # only in the tensor-core precisions' modules, so the f32 module stays as it is.
 declare_kernels(__file__, "flash_attention.cu")
 declare_kernels(__file__, "tc_async.cuh", precisions=TENSOR_CORE_PRECISIONS)
+declare_kernels(__file__, "tc_attention.cu", precisions=TENSOR_CORE_PRECISIONS,
+                needs=("flash_attention.cu", "tc_matmul.cu", "tc_async.cuh"))
 
 
 def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0, segments=None,

@@ -317,8 +317,6 @@ static bool in_shared(const void* p, int bytes) {
 // matrix i's row l / 4, elements 2(l % 4) and 2(l % 4) + 1 (low half first); with .trans
 // the transposed matrix's, i.e. elements (2(l % 4), l / 4) and (2(l % 4) + 1, l / 4).
 // Lanes not giving an address (8 NM .. 31) still take part and still receive registers.
-// TG_HOST_BREAK_LDMATRIX swaps the rows lanes 0 and 1 receive (for the test proving a wrong
-// fragment index fails the attention parity check).
 template <int NM, bool TRANS>
 static void ldmatrix_release(Warp& W) {
     uint16_t M[4][8][8];
@@ -330,9 +328,6 @@ static void ldmatrix_release(Warp& W) {
         }
     for (int l = 0; l < WARP; ++l) {
         int g = l >> 2, t = l & 3;
-#ifdef TG_HOST_BREAK_LDMATRIX
-        if (g == 0 || g == 1) g ^= 1;
-#endif
         for (int i = 0; i < NM; ++i) {
             uint16_t lo = TRANS ? M[i][2 * t][g] : M[i][g][2 * t];
             uint16_t hi = TRANS ? M[i][2 * t + 1][g] : M[i][g][2 * t + 1];

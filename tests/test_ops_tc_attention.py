@@ -1,0 +1,120 @@
+"""The tensor-core flash attention kernels (toygraph/core/ops/tc_attention.cu) on the host
+executor against an f64 numpy reference (tests/tcattn_reference.py) at ragged shapes:
+sequence lengths off the 64-row and key-tile edges, grouped-query heads, head dims below
+their bound (zero-padded), sliding windows, packed segments and sinks, head dims 64, 128
+and 256 -- and a deliberately broken ldmatrix fragment must fail the same check.
+
+Tolerances, derived (not tuned). The reference is computed from the same bf16-rounded
+q, k, v the kernels read, so what remains is:
+- o: P is rounded to bf16 (relative error <= u = 2^-8, bf16's unit roundoff) before
+  P V, while the row sum l uses the f32 P: o_i - o_ref_i = sum_j p_j delta_j v_j / l with
+  |delta_j| <= u, so |o - o_ref| <= u max|v|. f32 accumulation adds ~HD 2^-24 relative,
+  covered by a 1% margin on the bound.
+- the log-sum-exp: f32 only (scores of bf16 operands are exact products summed in f32):
+  |error| <= HD 2^-24 (|L| + scale sum_d |q_d k_d|) plus a few ulps of expf/logf, bounded
+  here by 2^-16 (1 + |L| + scale max_j sum_d |q_d k_d|).
+"""
+import numpy as np
+import pytest
+
+from tcattn_reference import (BF16_U, bf16_bits, bf16_value, reference, run_forward,
+                              tca_source)
+
+
+@pytest.fixture(autouse=True)
+def host_device(monkeypatch):
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+
+
+def _case(B, H, KV, T, hd, seed=0, segments=None, sinks=False):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.normal(size=(B, n, T, hd)).astype(np.float32) for n in (H, KV, KV))
+    segs = None
+    if segments:   # packed examples: ids 0, 0, ..., 1, 1, ... cut at the given positions
+        segs = np.zeros((B, T), np.int32)
+        for cut in segments:
+            segs[:, cut:] += 1
+    sk = rng.normal(size=H).astype(np.float32) if sinks else None
+    return q, k, v, segs, sk
+
+
+def check_forward(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, source=None):
+    o, lse = run_forward(q, k, v, scale, causal, window, segs, sinks, source=source)
+    qr, kr, vr = (bf16_value(bf16_bits(x)) for x in (q, k, v))
+    ro, rl = reference(qr, kr, vr, scale, causal, window, segs, sinks)
+    o_bound = 1.01 * BF16_U * np.abs(vr).max()
+    G = q.shape[1] // k.shape[1]
+    qk = scale * np.abs(qr.astype(np.float64)) @ np.swapaxes(np.abs(np.repeat(kr, G, 1)), -1, -2)
+    l_bound = 2.0 ** -16 * (1 + np.abs(rl) + qk.max(-1))
+    assert np.abs(o - ro).max() <= o_bound, ("o", np.abs(o - ro).max(), o_bound)
+    assert (np.abs(lse - rl) <= l_bound).all(), ("lse", np.abs(lse - rl).max())
+    return o, lse
+
+
+# (B, H, KV, T, hd, causal, window, segment cuts, sinks): small shapes, every feature
+FORWARD = {
+    "gqa-ragged": (1, 4, 2, 70, 64, True, 0, None, False),
+    "hd40-padded": (1, 2, 1, 33, 40, True, 0, None, False),
+    "noncausal": (2, 2, 2, 45, 64, False, 0, None, False),
+    "window": (1, 2, 1, 90, 64, True, 20, None, False),
+    "segments": (1, 2, 2, 70, 64, True, 0, (13, 50), False),
+    "sinks-window": (1, 4, 1, 40, 64, True, 16, None, True),
+    "hd128": (1, 2, 1, 37, 128, True, 0, None, False),
+    "hd256": (1, 2, 2, 20, 256, True, 0, None, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD))
+def test_forward_matches_the_f64_reference(name):
+    B, H, KV, T, hd, causal, window, cuts, sinks = FORWARD[name]
+    q, k, v, segs, sk = _case(B, H, KV, T, hd, segments=cuts, sinks=sinks)
+    check_forward(q, k, v, hd ** -0.5, causal, window, segs, sk)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hd", [64, 128, 256])
+def test_forward_at_larger_shapes(hd):
+    q, k, v, segs, sk = _case(2, 4, 2, 200, hd, seed=1, segments=(77,))
+    check_forward(q, k, v, hd ** -0.5, True, 100, segs, None)
+
+
+def test_statistics_only_pass_gives_the_same_log_sum_exp():
+    q, k, v, _, _ = _case(1, 2, 1, 70, 64)
+    _, lse = run_forward(q, k, v, 0.125)
+    o, lse_only = run_forward(q, k, v, 0.125, stats_only=True)
+    assert o is None and np.array_equal(lse, lse_only)
+
+
+def test_forward_is_bit_identical_run_to_run_and_under_the_reverse_schedule(monkeypatch):
+    q, k, v, segs, _ = _case(1, 2, 1, 70, 64, segments=(30,))
+    first = run_forward(q, k, v, 0.125, segs=segs)
+    monkeypatch.setenv("TOYGRAPH_HOST_SCHEDULE", "reverse")
+    again = run_forward(q, k, v, 0.125, segs=segs)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+
+
+#: One fragment index of tc_attention.cu changed: the parity check must then fail.
+MUTATIONS = {
+    "q's A fragment takes the wrong k half": (
+        "S + (lane & 15) * LD + ks * 16 + (lane >> 4) * 8",
+        "S + (lane & 15) * LD + ks * 16 + ((lane >> 4) ^ 1) * 8"),
+    "k's B fragment rows swap between lanes 0-7 and 8-15": (
+        "(n0 + (lane & 7) + 8 * (lane >> 4)) * LD + k0\n                                 + 8 * ((lane >> 3) & 1)",
+        "(n0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + k0\n                                 + 8 * (lane >> 4)"),
+    "v's transposed B fragment reads the next row": (
+        "(k0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD",
+        "(k0 + ((lane + 1) & 7) + 8 * ((lane >> 3) & 1)) * LD"),
+    "P's A fragment swaps registers 1 and 2": (
+        "a[2] = tca_pack(c1[0], c1[1]);\n    a[3] = tca_pack(c1[2], c1[3]);",
+        "a[2] = tca_pack(c0[2], c0[3]);\n    a[1] = tca_pack(c1[0], c1[1]);\n    a[3] = tca_pack(c1[2], c1[3]);"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_a_broken_fragment_index_fails_the_parity_check(mutation, monkeypatch):
+    old, new = MUTATIONS[mutation]
+    real = tca_source()
+    assert real.count(old) == 1, "the mutation no longer matches the kernel source"
+    q, k, v, _, _ = _case(1, 2, 1, 40, 64)
+    with pytest.raises(AssertionError, match="'o'"):
+        check_forward(q, k, v, 0.125, source=real.replace(old, new))
