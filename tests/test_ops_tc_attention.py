@@ -17,8 +17,8 @@ q, k, v the kernels read, so what remains is:
 import numpy as np
 import pytest
 
-from tcattn_reference import (BF16_U, bf16_bits, bf16_value, reference, run_forward,
-                              tca_source)
+from tcattn_reference import (BF16_U, backward_bounds, bf16_bits, bf16_value, reference,
+                              run_backward, run_forward, tca_source)
 
 
 @pytest.fixture(autouse=True)
@@ -110,11 +110,64 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
-def test_a_broken_fragment_index_fails_the_parity_check(mutation, monkeypatch):
+def _mutations(table, default):
+    """Each mutation a parameter; all but ``default`` slow (each one is a host build)."""
+    return [pytest.param(m, marks=() if m == default else pytest.mark.slow)
+            for m in sorted(table)]
+
+
+@pytest.mark.parametrize("mutation", _mutations(MUTATIONS, "q's A fragment takes the wrong k half"))
+def test_a_broken_fragment_index_fails_the_parity_check(mutation):
     old, new = MUTATIONS[mutation]
     real = tca_source()
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
     q, k, v, _, _ = _case(1, 2, 1, 40, 64)
     with pytest.raises(AssertionError, match="'o'"):
         check_forward(q, k, v, 0.125, source=real.replace(old, new))
+
+
+def check_backward(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, seed=5,
+                   source=None):
+    g = np.random.default_rng(seed).normal(size=q.shape).astype(np.float32)
+    got = run_backward(q, k, v, g, scale, causal, window, segs, sinks, source=source)
+    refs, bounds = backward_bounds(q, k, v, g, got[0], scale, causal, window, segs, sinks)
+    for name, a, r, bd in zip(("dq", "dk", "dv", "dsinks"), got[2:], refs, bounds):
+        err = np.abs(a - r)
+        assert (err <= bd).all(), (name, err.max(), float(np.abs(r).max()),
+                                   float((err / bd).max()))
+    return got
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD))
+def test_backward_matches_the_f64_reference(name):
+    B, H, KV, T, hd, causal, window, cuts, sinks = FORWARD[name]
+    q, k, v, segs, sk = _case(B, H, KV, T, hd, segments=cuts, sinks=sinks)
+    check_backward(q, k, v, hd ** -0.5, causal, window, segs, sk)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hd", [64, 128, 256])
+def test_backward_at_larger_shapes(hd):
+    q, k, v, segs, sk = _case(2, 4, 2, 150, hd, seed=2, segments=(61,), sinks=True)
+    check_backward(q, k, v, hd ** -0.5, True, 70, segs, sk)
+
+
+BACKWARD_MUTATIONS = {
+    "dk/dv read the query column of the next register pair": (
+        "const int i = i0 + nt * 8 + 2 * t + (e & 1);",
+        "const int i = i0 + nt * 8 + 2 * t + (e >> 1);"),
+    "dq's dS k product reads k untransposed": (
+        "tca_b_kn(kb, Ks, LD, 16 * kk, 16 * op, lane);",
+        "tca_b_nk(kb, Ks, LD, 16 * kk, 16 * op, lane);"),
+}
+
+
+@pytest.mark.parametrize("mutation", _mutations(BACKWARD_MUTATIONS,
+                                                "dq's dS k product reads k untransposed"))
+def test_a_broken_backward_index_fails_the_parity_check(mutation):
+    old, new = BACKWARD_MUTATIONS[mutation]
+    real = tca_source()
+    assert real.count(old) == 1, "the mutation no longer matches the kernel source"
+    q, k, v, _, _ = _case(1, 2, 1, 40, 64)
+    with pytest.raises(AssertionError, match="'d[qkv]'"):
+        check_backward(q, k, v, 0.125, source=real.replace(old, new))

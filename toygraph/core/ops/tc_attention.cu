@@ -243,6 +243,240 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
     }
 }
 
+// dk, dv of 64 keys of one kv head, summed over the group's query heads (in order) and the
+// query tiles that see them. The (head, query tile) pairs are one flat sequence, so the
+// cp.async pipeline runs across head boundaries.
+template <int HD, int TILE>
+__device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, float* dv,
+                                             const unsigned short* q, const unsigned short* k,
+                                             const unsigned short* v, const unsigned short* gb,
+                                             const float* lse, const float* delta,
+                                             const int* segs, int H, int KV, int T, int hd,
+                                             float scale, int causal, int window) {
+    constexpr int LD = HD + TG_TCA_PAD, KS = HD / 16, NT = TILE / 8, OT = HD / 8;
+    const int kvh = blockIdx.y, b = blockIdx.z, G = H / KV;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int j0 = blockIdx.x * TG_TCA_BQ;
+    const long long head = (long long)T * HD;
+    const long long kv_off = ((long long)b * KV + kvh) * head;
+    if (segs != nullptr) segs += (long long)b * T;
+    unsigned kf[KS][4], vf[KS][4];
+    tca_issue<HD, TG_TCA_BQ>(smem, k + kv_off, j0, T);
+    tg_cp_async_commit();
+    tg_cp_async_wait<0>();
+    __syncthreads();
+    tca_a_frags<HD>(kf, smem + warp * 16 * LD, lane);
+    __syncthreads();
+    tca_issue<HD, TG_TCA_BQ>(smem, v + kv_off, j0, T);
+    tg_cp_async_commit();
+    tg_cp_async_wait<0>();
+    __syncthreads();
+    tca_a_frags<HD>(vf, smem + warp * 16 * LD, lane);
+    __syncthreads();  // k and v are in registers: the buffer takes the q/dO stages
+    const int keys[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
+    float dka[OT][4], dva[OT][4];
+#pragma unroll
+    for (int ot = 0; ot < OT; ++ot)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dka[ot][e] = dva[ot][e] = 0.0f;
+    // The query tiles that see keys [j0, j0 + 64): from the tile of j0 (causal) to the tile
+    // of the last key's last window query.
+    const int nq = (T + TILE - 1) / TILE;
+    const int qfirst = causal ? j0 / TILE : 0;
+    const int qlast = window > 0 ? min(nq - 1, (min(j0 + TG_TCA_BQ, T) - 1 + window - 1) / TILE)
+                                 : nq - 1;
+    const int per_head = qlast - qfirst + 1, n = G * per_head;
+    for (int it = -1; it < n; ++it) {
+        if (it + 1 < n) {  // stage the next (head, query tile): q and dO
+            const long long q_off = ((long long)b * H + kvh * G + (it + 1) / per_head) * head;
+            const int i1 = (qfirst + (it + 1) % per_head) * TILE;
+            unsigned short* nx = smem + ((it + 1) & 1) * 2 * TILE * LD;
+            tca_issue<HD, TILE>(nx, q + q_off, i1, T);
+            tca_issue<HD, TILE>(nx + TILE * LD, gb + q_off, i1, T);
+            tg_cp_async_commit();
+        }
+        if (it < 0) continue;
+        if (it + 1 < n) tg_cp_async_wait<1>();
+        else tg_cp_async_wait<0>();
+        __syncthreads();
+        const int h = kvh * G + it / per_head, i0 = (qfirst + it % per_head) * TILE;
+        const unsigned short* Qs = smem + (it & 1) * 2 * TILE * LD;
+        const unsigned short* Gs = Qs + TILE * LD;
+        float st[NT][4], dpt[NT][4];   // S^T = k q^T and dP^T = v dO^T, [key][query]
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned qb[4], gq[4];
+                tca_b_nk(qb, Qs, LD, 16 * np, 16 * ks, lane);
+                tca_b_nk(gq, Gs, LD, 16 * np, 16 * ks, lane);
+                TcBF16::mma(st[2 * np], kf[ks], qb);
+                TcBF16::mma(st[2 * np + 1], kf[ks], qb + 2);
+                TcBF16::mma(dpt[2 * np], vf[ks], gq);
+                TcBF16::mma(dpt[2 * np + 1], vf[ks], gq + 2);
+            }
+        const float* L = lse + ((long long)b * H + h) * T;
+        const float* D = delta + ((long long)b * H + h) * T;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = i0 + nt * 8 + 2 * t + (e & 1);
+                const bool seen = tca_sees(i, keys[e >> 1], segs, T, causal, window);
+                const float p = seen ? expf(__fsub_rn(__fmul_rn(st[nt][e], scale), L[i])) : 0.0f;
+                dpt[nt][e] = seen ? __fmul_rn(__fmul_rn(p, __fsub_rn(dpt[nt][e], D[i])), scale)
+                                  : 0.0f;
+                st[nt][e] = p;
+            }
+#pragma unroll
+        for (int kk = 0; kk < TILE / 16; ++kk) {   // dv += P^T dO, dk += dS^T q
+            unsigned ap[4], ad[4];
+            tca_c_to_a(ap, st[2 * kk], st[2 * kk + 1]);
+            tca_c_to_a(ad, dpt[2 * kk], dpt[2 * kk + 1]);
+#pragma unroll
+            for (int op = 0; op < OT / 2; ++op) {
+                unsigned gbf[4], qbf[4];
+                tca_b_kn(gbf, Gs, LD, 16 * kk, 16 * op, lane);
+                tca_b_kn(qbf, Qs, LD, 16 * kk, 16 * op, lane);
+                TcBF16::mma(dva[2 * op], ap, gbf);
+                TcBF16::mma(dva[2 * op + 1], ap, gbf + 2);
+                TcBF16::mma(dka[2 * op], ad, qbf);
+                TcBF16::mma(dka[2 * op + 1], ad, qbf + 2);
+            }
+        }
+        __syncthreads();  // this stage is read: the next iteration may refill it
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (keys[r] >= T) continue;
+        const long long row = (((long long)b * KV + kvh) * T + keys[r]) * hd;
+#pragma unroll
+        for (int ot = 0; ot < OT; ++ot)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                const int d = ot * 8 + 2 * t + (e & 1);
+                if (d < hd) {
+                    dk[row + d] = dka[ot][e];
+                    dv[row + d] = dva[ot][e];
+                }
+            }
+    }
+}
+
+// dq of 64 queries of one head over the key tiles they see.
+template <int HD, int TILE>
+__device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
+                                           const unsigned short* q, const unsigned short* k,
+                                           const unsigned short* v, const unsigned short* gb,
+                                           const float* lse, const float* delta,
+                                           const int* segs, int H, int KV, int T, int hd,
+                                           float scale, int causal, int window) {
+    constexpr int LD = HD + TG_TCA_PAD, KS = HD / 16, NT = TILE / 8, OT = HD / 8;
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int i0 = blockIdx.x * TG_TCA_BQ;
+    const long long head = (long long)T * HD;
+    const long long q_off = ((long long)b * H + h) * head;
+    const unsigned short* K = k + ((long long)b * KV + kvh) * head;
+    const unsigned short* V = v + ((long long)b * KV + kvh) * head;
+    if (segs != nullptr) segs += (long long)b * T;
+    unsigned qf[KS][4], gf[KS][4];
+    tca_issue<HD, TG_TCA_BQ>(smem, q + q_off, i0, T);
+    tg_cp_async_commit();
+    tg_cp_async_wait<0>();
+    __syncthreads();
+    tca_a_frags<HD>(qf, smem + warp * 16 * LD, lane);
+    __syncthreads();
+    tca_issue<HD, TG_TCA_BQ>(smem, gb + q_off, i0, T);
+    tg_cp_async_commit();
+    tg_cp_async_wait<0>();
+    __syncthreads();
+    tca_a_frags<HD>(gf, smem + warp * 16 * LD, lane);
+    __syncthreads();  // q and dO are in registers: the buffer takes the k/v stages
+    const int rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    float Lr[2], Dr[2], dqa[OT][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const long long at = ((long long)b * H + h) * T + rows[r];
+        Lr[r] = rows[r] < T ? lse[at] : 0.0f;
+        Dr[r] = rows[r] < T ? delta[at] : 0.0f;
+    }
+#pragma unroll
+    for (int ot = 0; ot < OT; ++ot) dqa[ot][0] = dqa[ot][1] = dqa[ot][2] = dqa[ot][3] = 0.0f;
+    int first, last;
+    tca_key_tiles(i0, TILE, T, causal, window, first, last);
+    for (int kt = first - 1; kt <= last; ++kt) {
+        if (kt < last) {  // stage the next key tile: k and v
+            unsigned short* nx = smem + ((kt + 1 - first) & 1) * 2 * TILE * LD;
+            tca_issue<HD, TILE>(nx, K, (kt + 1) * TILE, T);
+            tca_issue<HD, TILE>(nx + TILE * LD, V, (kt + 1) * TILE, T);
+            tg_cp_async_commit();
+        }
+        if (kt < first) continue;
+        if (kt < last) tg_cp_async_wait<1>();
+        else tg_cp_async_wait<0>();
+        __syncthreads();
+        const unsigned short* Ks = smem + ((kt - first) & 1) * 2 * TILE * LD;
+        const unsigned short* Vs = Ks + TILE * LD;
+        float s[NT][4], dp[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned kb[4], vb[4];
+                tca_b_nk(kb, Ks, LD, 16 * np, 16 * ks, lane);
+                tca_b_nk(vb, Vs, LD, 16 * np, 16 * ks, lane);
+                TcBF16::mma(s[2 * np], qf[ks], kb);
+                TcBF16::mma(s[2 * np + 1], qf[ks], kb + 2);
+                TcBF16::mma(dp[2 * np], gf[ks], vb);
+                TcBF16::mma(dp[2 * np + 1], gf[ks], vb + 2);
+            }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, j = kt * TILE + nt * 8 + 2 * t + (e & 1);
+                const bool seen = tca_sees(rows[r], j, segs, T, causal, window);
+                const float p = seen ? expf(__fsub_rn(__fmul_rn(s[nt][e], scale), Lr[r])) : 0.0f;
+                s[nt][e] = seen ? __fmul_rn(__fmul_rn(p, __fsub_rn(dp[nt][e], Dr[r])), scale)
+                                : 0.0f;
+            }
+#pragma unroll
+        for (int kk = 0; kk < TILE / 16; ++kk) {   // dq += dS k
+            unsigned a[4];
+            tca_c_to_a(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int op = 0; op < OT / 2; ++op) {
+                unsigned kb[4];
+                tca_b_kn(kb, Ks, LD, 16 * kk, 16 * op, lane);
+                TcBF16::mma(dqa[2 * op], a, kb);
+                TcBF16::mma(dqa[2 * op + 1], a, kb + 2);
+            }
+        }
+        __syncthreads();  // this stage is read: the next iteration may refill it
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rows[r] >= T) continue;
+        const long long row = (((long long)b * H + h) * T + rows[r]) * hd;
+#pragma unroll
+        for (int ot = 0; ot < OT; ++ot)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                const int d = ot * 8 + 2 * t + (e & 1);
+                if (d < hd) dq[row + d] = dqa[ot][e];
+            }
+    }
+}
+
 // ---- conversions (grid-stride, any grid) ------------------------------------------------
 // dst [rows, HD] bf16 = src [rows, hd] f32 rounded to nearest even, zeros past hd.
 extern "C" __global__ void tg_tca_to_bf16(unsigned short* dst, const float* src, int rows,
@@ -286,4 +520,42 @@ extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS) tg_tca_fwd_128(TG_T
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS) tg_tca_fwd_256(TG_TCA_FWD_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_256];
     tca_fwd<256, TG_TCA_TILE_256>(smem, TG_TCA_FWD_CALL);
+}
+
+#define TG_TCA_BWD_ARGS                                                                    \
+    const unsigned short *q, const unsigned short *k, const unsigned short *v,              \
+        const unsigned short *gb, const float *lse, const float *delta, const int *segs,     \
+        int H, int KV, int T, int hd, float scale, int causal, int window
+#define TG_TCA_BWD_CALL q, k, v, gb, lse, delta, segs, H, KV, T, hd, scale, causal, window
+
+extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
+tg_tca_bwd_dkdv_64(float* dk, float* dv, TG_TCA_BWD_ARGS) {
+    __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_64];
+    tca_bwd_dkdv<64, TG_TCA_TILE_64>(smem, dk, dv, TG_TCA_BWD_CALL);
+}
+extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
+tg_tca_bwd_dkdv_128(float* dk, float* dv, TG_TCA_BWD_ARGS) {
+    __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_128];
+    tca_bwd_dkdv<128, TG_TCA_TILE_128>(smem, dk, dv, TG_TCA_BWD_CALL);
+}
+extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
+tg_tca_bwd_dkdv_256(float* dk, float* dv, TG_TCA_BWD_ARGS) {
+    __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_256];
+    tca_bwd_dkdv<256, TG_TCA_TILE_256>(smem, dk, dv, TG_TCA_BWD_CALL);
+}
+
+extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
+tg_tca_bwd_dq_64(float* dq, TG_TCA_BWD_ARGS) {
+    __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_64];
+    tca_bwd_dq<64, TG_TCA_TILE_64>(smem, dq, TG_TCA_BWD_CALL);
+}
+extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
+tg_tca_bwd_dq_128(float* dq, TG_TCA_BWD_ARGS) {
+    __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_128];
+    tca_bwd_dq<128, TG_TCA_TILE_128>(smem, dq, TG_TCA_BWD_CALL);
+}
+extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
+tg_tca_bwd_dq_256(float* dq, TG_TCA_BWD_ARGS) {
+    __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_256];
+    tca_bwd_dq<256, TG_TCA_TILE_256>(smem, dq, TG_TCA_BWD_CALL);
 }
