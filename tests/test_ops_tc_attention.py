@@ -17,8 +17,12 @@ q, k, v the kernels read, so what remains is:
 import numpy as np
 import pytest
 
+from hostparity import MIXED_TOL, compare_op
 from tcattn_reference import (BF16_U, backward_bounds, bf16_bits, bf16_value, reference,
                               run_backward, run_forward, tca_source)
+from toygraph.core import ops
+from toygraph.core.graph import Graph
+from toygraph.cuda.lowering import dispatch
 
 
 @pytest.fixture(autouse=True)
@@ -171,3 +175,62 @@ def test_a_broken_backward_index_fails_the_parity_check(mutation):
     q, k, v, _, _ = _case(1, 2, 1, 40, 64)
     with pytest.raises(AssertionError, match="'d[qkv]'"):
         check_backward(q, k, v, 0.125, source=real.replace(old, new))
+
+
+# --- through the graph: the lowering picks these kernels at --precision bf16 ----------------
+def _graph_case(hd, sinks=False, segments=False, window=0):
+    H, KV, T = 4, 2, 70
+
+    def build(q, k, v, *rest):
+        extra = list(rest)
+        seg = extra.pop(0) if segments else None
+        sk = extra.pop(0) if sinks else None
+        return ops.attention(q, k, v, scale=hd ** -0.5, causal=True, window=window,
+                             segments=seg, sinks=sk)
+
+    shapes = [(1, H, T, hd), (1, KV, T, hd), (1, KV, T, hd)] + ([(H,)] if sinks else [])
+
+    def inputs(g, rng):
+        if not segments:
+            return {}
+        ids = np.repeat(np.arange(3, dtype=np.int32), [25, 30, 15])[None]
+        return {g.input("segs", (1, T), "i32"): ids}
+
+    if segments:   # the segment ids are an input between v and the sinks
+        def build_seg(q, k, v, *rest):
+            *params, seg = rest
+            return build(q, k, v, seg, *params)
+        return build_seg, shapes, inputs
+    return build, shapes, None
+
+
+@pytest.mark.parametrize("hd, sinks, segments, window", [
+    (64, False, False, 0), (64, True, True, 30), (256, False, False, 0)])
+def test_bf16_session_runs_the_tensor_core_kernels_within_the_bf16_tolerance(
+        hd, sinks, segments, window):
+    """The whole op, forward and backward, through a bf16 session on the host device
+    against the numpy backend in f32 (normwise, hostparity.MIXED_TOL["bf16"], the bf16
+    matmuls' tolerance: the kernel-level bounds are above), bit-identical when run again."""
+    build, shapes, inputs = _graph_case(hd, sinks, segments, window)
+    compare_op(build, shapes, MIXED_TOL["bf16"], inputs_fn=inputs, grad_tol=MIXED_TOL["bf16"],
+               precision="bf16")
+
+
+def test_bf16_lowers_attention_to_the_tensor_core_kernels_and_f32_does_not():
+    g = Graph()
+    q = g.const("q", np.ones((1, 2, 5, 64), np.float32))
+    k, v = (g.const(n, np.ones((1, 1, 5, 64), np.float32)) for n in "kv")
+    att = ops.attention(q, k, v, scale=0.125)
+    back = ops.OPS["attention"].grad(att, g.const("g", np.ones(att.shape)), [True] * 3)[0].srcs[0]
+
+    def kernels(node, precision):
+        return [launch.kernel for launch in dispatch.lower(node, lambda t: (t.id + 1) << 20,
+                                                           1 << 40, precision=precision)]
+    assert kernels(att, "bf16") == ["tg_tca_to_bf16"] * 3 + ["tg_tca_fwd_64"]
+    assert kernels(back, "bf16") == ["tg_tca_to_bf16"] * 3 + [
+        "tg_tca_fwd_64", "tg_tca_bwd_prep", "tg_tca_bwd_dkdv_64", "tg_tca_bwd_dq_64"]
+    for prec in ("f32", "tf32"):
+        assert kernels(att, prec) == ["tg_attn_fwd_64"]
+        assert not any("tca" in name for name in kernels(back, prec))
+    assert dispatch.scratch_bytes(att, "f32") == 0
+    assert dispatch.scratch_bytes(att, "bf16") == 2 * 64 * (10 + 2 * 5)
