@@ -522,40 +522,45 @@ extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS) tg_tca_fwd_256(TG_T
     tca_fwd<256, TG_TCA_TILE_256>(smem, TG_TCA_FWD_CALL);
 }
 
-#define TG_TCA_BWD_ARGS                                                                    \
-    const unsigned short *q, const unsigned short *k, const unsigned short *v,              \
+#define TG_TCA_DKDV_ARGS                                                                   \
+    float *dk, float *dv, const unsigned short *q, const unsigned short *k,                 \
+        const unsigned short *v, const unsigned short *gb, const float *lse,                 \
+        const float *delta, const int *segs, int H, int KV, int T, int hd, float scale,      \
+        int causal, int window
+#define TG_TCA_DQ_ARGS                                                                     \
+    float *dq, const unsigned short *q, const unsigned short *k, const unsigned short *v,   \
         const unsigned short *gb, const float *lse, const float *delta, const int *segs,     \
         int H, int KV, int T, int hd, float scale, int causal, int window
 #define TG_TCA_BWD_CALL q, k, v, gb, lse, delta, segs, H, KV, T, hd, scale, causal, window
 
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
-tg_tca_bwd_dkdv_64(float* dk, float* dv, TG_TCA_BWD_ARGS) {
+tg_tca_bwd_dkdv_64(TG_TCA_DKDV_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_64];
     tca_bwd_dkdv<64, TG_TCA_TILE_64>(smem, dk, dv, TG_TCA_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
-tg_tca_bwd_dkdv_128(float* dk, float* dv, TG_TCA_BWD_ARGS) {
+tg_tca_bwd_dkdv_128(TG_TCA_DKDV_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_128];
     tca_bwd_dkdv<128, TG_TCA_TILE_128>(smem, dk, dv, TG_TCA_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
-tg_tca_bwd_dkdv_256(float* dk, float* dv, TG_TCA_BWD_ARGS) {
+tg_tca_bwd_dkdv_256(TG_TCA_DKDV_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_256];
     tca_bwd_dkdv<256, TG_TCA_TILE_256>(smem, dk, dv, TG_TCA_BWD_CALL);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
-tg_tca_bwd_dq_64(float* dq, TG_TCA_BWD_ARGS) {
+tg_tca_bwd_dq_64(TG_TCA_DQ_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_64];
     tca_bwd_dq<64, TG_TCA_TILE_64>(smem, dq, TG_TCA_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
-tg_tca_bwd_dq_128(float* dq, TG_TCA_BWD_ARGS) {
+tg_tca_bwd_dq_128(TG_TCA_DQ_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_128];
     tca_bwd_dq<128, TG_TCA_TILE_128>(smem, dq, TG_TCA_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
-tg_tca_bwd_dq_256(float* dq, TG_TCA_BWD_ARGS) {
+tg_tca_bwd_dq_256(TG_TCA_DQ_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_256];
     tca_bwd_dq<256, TG_TCA_TILE_256>(smem, dq, TG_TCA_BWD_CALL);
 }
