@@ -22,7 +22,8 @@ def report() -> dict[str, dict[str, dict]]:
     out = {}
     for arch in ("sm_80", "sm_90"):
         usage = resource_usage(module_source(FILES), arch, name="tc_attention.cu")
-        out[arch] = {k: v for k, v in sorted(usage.items()) if k.startswith(("tg_tca_", "tg_attn_"))}
+        out[arch] = {k: v for k, v in sorted(usage.items())
+                     if k.startswith(("tg_tca_", "tg_attn_"))}
     return out
 
 

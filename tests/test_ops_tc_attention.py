@@ -103,15 +103,14 @@ MUTATIONS = {
     "q's A fragment takes the wrong k half": (
         "S + (lane & 15) * LD + ks * 16 + (lane >> 4) * 8",
         "S + (lane & 15) * LD + ks * 16 + ((lane >> 4) ^ 1) * 8"),
-    "k's B fragment rows swap between lanes 0-7 and 8-15": (
-        "(n0 + (lane & 7) + 8 * (lane >> 4)) * LD + k0\n                                 + 8 * ((lane >> 3) & 1)",
-        "(n0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + k0\n                                 + 8 * (lane >> 4)"),
+    "k's B fragment rows swap between lanes 8-15 and 16-23": (
+        "(n0 + (lane & 7) + 8 * (lane >> 4)) * LD",
+        "(n0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD"),
     "v's transposed B fragment reads the next row": (
         "(k0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD",
         "(k0 + ((lane + 1) & 7) + 8 * ((lane >> 3) & 1)) * LD"),
-    "P's A fragment swaps registers 1 and 2": (
-        "a[2] = tca_pack(c1[0], c1[1]);\n    a[3] = tca_pack(c1[2], c1[3]);",
-        "a[2] = tca_pack(c0[2], c0[3]);\n    a[1] = tca_pack(c1[0], c1[1]);\n    a[3] = tca_pack(c1[2], c1[3]);"),
+    "P's A fragment takes row g + 8 for row g": (
+        "a[0] = tca_pack(c0[0], c0[1]);", "a[0] = tca_pack(c0[2], c0[3]);"),
 }
 
 
@@ -157,18 +156,18 @@ def test_backward_at_larger_shapes(hd):
     check_backward(q, k, v, hd ** -0.5, True, 70, segs, sk)
 
 
+DQ_COLUMN = "dq reads the key column of the next register pair"
 BACKWARD_MUTATIONS = {
     "dk/dv read the query column of the next register pair": (
         "const int i = i0 + nt * 8 + 2 * t + (e & 1);",
         "const int i = i0 + nt * 8 + 2 * t + (e >> 1);"),
-    "dq's dS k product reads k untransposed": (
-        "tca_b_kn(kb, Ks, LD, 16 * kk, 16 * op, lane);",
-        "tca_b_nk(kb, Ks, LD, 16 * kk, 16 * op, lane);"),
+    DQ_COLUMN: (
+        "const int r = e >> 1, j = kt * TILE + nt * 8 + 2 * t + (e & 1);",
+        "const int r = e >> 1, j = kt * TILE + nt * 8 + 2 * t + (e >> 1);"),
 }
 
 
-@pytest.mark.parametrize("mutation", _mutations(BACKWARD_MUTATIONS,
-                                                "dq's dS k product reads k untransposed"))
+@pytest.mark.parametrize("mutation", _mutations(BACKWARD_MUTATIONS, DQ_COLUMN))
 def test_a_broken_backward_index_fails_the_parity_check(mutation):
     old, new = BACKWARD_MUTATIONS[mutation]
     real = tca_source()
@@ -237,17 +236,14 @@ def test_bf16_lowers_attention_to_the_tensor_core_kernels_and_f32_does_not():
     assert dispatch.scratch_bytes(att, "bf16") == 2 * 64 * (10 + 2 * 5)
 
 
-#: The kernels ptxas spills in (registers: the dk/dv accumulators and k/v fragments of a
-#: 16-key warp slice at head dims 128/256, dq's at 256). Every other kernel must not spill.
-KNOWN_SPILLS = {"tg_tca_bwd_dkdv_128", "tg_tca_bwd_dkdv_256", "tg_tca_bwd_dq_256"}
-
-
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_kernels_compile_for_the_gpus_within_static_shared_memory(arch):
     """NVRTC compiles the inline PTX (ldmatrix, cp.async, mma.sync) for sm_80 and sm_90;
     ptxas's report: every block's static shared memory is the constants' TCA buffer (under
-    48 KB, no opt-in), at most 255 registers, no spills outside KNOWN_SPILLS."""
+    48 KB, no opt-in), at most 255 registers, and the forward kernels do not spill. (The
+    backward's register pressure -- k/v fragments plus dk/dv accumulators per 16-key warp
+    slice -- spills at head dims 128/256: bench/tc_attention_resources.py prints it.)"""
     from toygraph.cuda.nvrtc import resource_usage
     usage = resource_usage(tca_source(), arch, name="tc_attention.cu")
     tca = {name: u for name, u in usage.items() if name.startswith("tg_tca_")}
@@ -258,5 +254,5 @@ def test_the_kernels_compile_for_the_gpus_within_static_shared_memory(arch):
         if HD in {str(b) for b in constants.TCA_HEAD_DIMS}:   # the attention kernels proper
             HD = int(HD)
             assert u["smem"] == 2 * constants.tca_smem_halves(HD) <= 48 * 1024, (name, u)
-        if name not in KNOWN_SPILLS:
-            assert u["spill_stores"] == u["spill_loads"] == 0, (name, u)
+        if name.startswith("tg_tca_fwd_"):
+            assert u["stack"] == u["spill_stores"] == u["spill_loads"] == 0, (name, u)

@@ -119,6 +119,97 @@ __device__ __forceinline__ void tca_key_tiles(int i0, int TILE, int T, int causa
     last = ((causal ? min(i0 + TG_TCA_BQ, T) : T) - 1) / TILE;
 }
 
+// The A fragments of the warp's 16 of rows [r0, r0 + 64) of a [T, HD] matrix, staged
+// through the block's buffer, which is free again on return (every thread calls it).
+template <int HD>
+__device__ __forceinline__ void tca_stage_frags(unsigned (&f)[HD / 16][4], unsigned short* smem,
+                                                const unsigned short* src, int r0, int T) {
+    tca_issue<HD, TG_TCA_BQ>(smem, src, r0, T);
+    tg_cp_async_commit();
+    tg_cp_async_wait<0>();
+    __syncthreads();
+    tca_a_frags<HD>(f, smem + (threadIdx.x >> 5) * 16 * (HD + TG_TCA_PAD), threadIdx.x & 31);
+    __syncthreads();
+}
+
+template <int N>
+__device__ __forceinline__ void tca_zero(float (&c)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+}
+
+// c[16][N * 8] += A S^T: A the warp's row fragments over HD, S an n-major tile [N * 8][HD]
+// (keys for q k^T, queries for k q^T).
+template <int HD, int N>
+__device__ __forceinline__ void tca_mma_nk(float (&c)[N][4], const unsigned (&a)[HD / 16][4],
+                                           const unsigned short* S, int lane) {
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks)
+#pragma unroll
+        for (int np = 0; np < N / 2; ++np) {
+            unsigned b[4];
+            tca_b_nk(b, S, HD + TG_TCA_PAD, 16 * np, 16 * ks, lane);
+            TcBF16::mma(c[2 * np], a[ks], b);
+            TcBF16::mma(c[2 * np + 1], a[ks], b + 2);
+        }
+}
+
+// c[16][HD] += A S[k0 .. k0 + 16): A one k-step's fragment (tca_c_to_a of P or dS), S a
+// k-major tile [.][HD] (v, dO, q or k rows).
+template <int HD>
+__device__ __forceinline__ void tca_mma_kn(float (&c)[HD / 8][4], const unsigned (&a)[4],
+                                           const unsigned short* S, int k0, int lane) {
+#pragma unroll
+    for (int op = 0; op < HD / 16; ++op) {
+        unsigned b[4];
+        tca_b_kn(b, S, HD + TG_TCA_PAD, k0, 16 * op, lane);
+        TcBF16::mma(c[2 * op], a, b);
+        TcBF16::mma(c[2 * op + 1], a, b + 2);
+    }
+}
+
+// The warp's C tile [16][HD] into rows rows[0], rows[1] (those < T) of dst [T, hd], columns
+// < hd, each row divided by div[r] when div is given (the forward's 1 / l).
+template <int HD>
+__device__ __forceinline__ void tca_store(float* dst, const float (&c)[HD / 8][4],
+                                          const int (&rows)[2], int T, int hd,
+                                          const float* div = nullptr) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rows[r] >= T) continue;
+#pragma unroll
+        for (int ot = 0; ot < HD / 8; ++ot)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                const int d = ot * 8 + 2 * t + (e & 1);
+                if (d < hd)
+                    dst[(long long)rows[r] * hd + d] = div ? __fdiv_rn(c[ot][e], div[r]) : c[ot][e];
+            }
+    }
+}
+
+// One step of the key-tile pipeline over tiles [first, last], kt running from first - 1:
+// stages tile kt + 1 (k, and v unless V is null) into the other stage, then waits for tile
+// kt (stage (kt - first) & 1) and syncs. False on the prologue step. Every thread calls it.
+template <int HD, int TILE>
+__device__ __forceinline__ bool tca_key_tile_ready(unsigned short* smem, const unsigned short* K,
+                                                   const unsigned short* V, int kt, int first,
+                                                   int last, int T) {
+    constexpr int LD = HD + TG_TCA_PAD;
+    if (kt < last) {
+        unsigned short* nx = smem + ((kt + 1 - first) & 1) * 2 * TILE * LD;
+        tca_issue<HD, TILE>(nx, K, (kt + 1) * TILE, T);
+        if (V != nullptr) tca_issue<HD, TILE>(nx + TILE * LD, V, (kt + 1) * TILE, T);
+        tg_cp_async_commit();
+    }
+    if (kt < first) return false;
+    if (kt < last) tg_cp_async_wait<1>();
+    else tg_cp_async_wait<0>();
+    __syncthreads();
+    return true;
+}
+
 // Forward: o (null: statistics only) and L (null: not stored) of 64 queries of one head.
 template <int HD, int TILE>
 __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float* lse,
@@ -126,7 +217,7 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
                                         const unsigned short* v, const int* segs,
                                         const float* sinks, int H, int KV, int T, int hd,
                                         float scale, int causal, int window) {
-    constexpr int LD = HD + TG_TCA_PAD, KS = HD / 16, NT = TILE / 8, OT = HD / 8;
+    constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int i0 = blockIdx.x * TG_TCA_BQ;
@@ -134,13 +225,8 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
     const unsigned short* K = k + ((long long)b * KV + kvh) * head;
     const unsigned short* V = v + ((long long)b * KV + kvh) * head;
     if (segs != nullptr) segs += (long long)b * T;
-    tca_issue<HD, TG_TCA_BQ>(smem, q + ((long long)b * H + h) * head, i0, T);
-    tg_cp_async_commit();
-    tg_cp_async_wait<0>();
-    __syncthreads();
-    unsigned qf[KS][4];
-    tca_a_frags<HD>(qf, smem + warp * 16 * LD, lane);
-    __syncthreads();  // q is in registers: the buffer takes the k/v stages
+    unsigned qf[HD / 16][4];
+    tca_stage_frags<HD>(qf, smem, q + ((long long)b * H + h) * head, i0, T);
     const int rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
     float m[2], l[2], o[OT][4];
 #pragma unroll
@@ -148,38 +234,18 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
         m[r] = sinks != nullptr ? sinks[h] : TG_TCA_NEG_INF;
         l[r] = sinks != nullptr ? 1.0f : 0.0f;
     }
-#pragma unroll
-    for (int ot = 0; ot < OT; ++ot) o[ot][0] = o[ot][1] = o[ot][2] = o[ot][3] = 0.0f;
+    tca_zero<OT>(o);
     int first, last;
     tca_key_tiles(i0, TILE, T, causal, window, first, last);
-    tca_issue<HD, TILE>(smem, K, first * TILE, T);
-    if (out != nullptr) tca_issue<HD, TILE>(smem + TILE * LD, V, first * TILE, T);
-    tg_cp_async_commit();
-    for (int kt = first; kt <= last; ++kt) {
+    for (int kt = first - 1; kt <= last; ++kt) {
+        if (!tca_key_tile_ready<HD, TILE>(smem, K, out != nullptr ? V : nullptr, kt, first,
+                                          last, T))
+            continue;
         const unsigned short* Ks = smem + ((kt - first) & 1) * 2 * TILE * LD;
         const unsigned short* Vs = Ks + TILE * LD;
-        if (kt < last) {  // the next tile into the other stage, then wait for this one
-            unsigned short* nx = smem + ((kt - first + 1) & 1) * 2 * TILE * LD;
-            tca_issue<HD, TILE>(nx, K, (kt + 1) * TILE, T);
-            if (out != nullptr) tca_issue<HD, TILE>(nx + TILE * LD, V, (kt + 1) * TILE, T);
-            tg_cp_async_commit();
-            tg_cp_async_wait<1>();
-        } else {
-            tg_cp_async_wait<0>();
-        }
-        __syncthreads();
         float s[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                unsigned kb[4];
-                tca_b_nk(kb, Ks, LD, 16 * np, 16 * ks, lane);
-                TcBF16::mma(s[2 * np], qf[ks], kb);
-                TcBF16::mma(s[2 * np + 1], qf[ks], kb + 2);
-            }
+        tca_zero<NT>(s);
+        tca_mma_nk<HD, NT>(s, qf, Ks, lane);
         float mt[2] = {TG_TCA_NEG_INF, TG_TCA_NEG_INF}, base[2], alpha[2], ls[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -212,35 +278,20 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
 #pragma unroll
                 for (int e = 0; e < 4; ++e) o[ot][e] = __fmul_rn(o[ot][e], alpha[e >> 1]);
 #pragma unroll
-            for (int kk = 0; kk < TILE / 16; ++kk) {
+            for (int kk = 0; kk < TILE / 16; ++kk) {   // o += P v
                 unsigned a[4];
                 tca_c_to_a(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-                for (int op = 0; op < OT / 2; ++op) {
-                    unsigned vb[4];
-                    tca_b_kn(vb, Vs, LD, 16 * kk, 16 * op, lane);
-                    TcBF16::mma(o[2 * op], a, vb);
-                    TcBF16::mma(o[2 * op + 1], a, vb + 2);
-                }
+                tca_mma_kn<HD>(o, a, Vs, 16 * kk, lane);
             }
         }
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
+    const long long row0 = ((long long)b * H + h) * T;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = rows[r];
-        if (i >= T) continue;
-        const long long at = ((long long)b * H + h) * T + i;
-        if (lse != nullptr && t == 0) lse[at] = __fadd_rn(m[r], logf(l[r]));
-        if (out == nullptr) continue;
-#pragma unroll
-        for (int ot = 0; ot < OT; ++ot)
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                const int d = ot * 8 + 2 * t + (e & 1);
-                if (d < hd) out[at * hd + d] = __fdiv_rn(o[ot][e], l[r]);
-            }
-    }
+    for (int r = 0; r < 2; ++r)
+        if (lse != nullptr && t == 0 && rows[r] < T)
+            lse[row0 + rows[r]] = __fadd_rn(m[r], logf(l[r]));
+    if (out != nullptr) tca_store<HD>(out + row0 * hd, o, rows, T, hd, l);
 }
 
 // dk, dv of 64 keys of one kv head, summed over the group's query heads (in order) and the
@@ -253,32 +304,20 @@ __device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, fl
                                              const float* lse, const float* delta,
                                              const int* segs, int H, int KV, int T, int hd,
                                              float scale, int causal, int window) {
-    constexpr int LD = HD + TG_TCA_PAD, KS = HD / 16, NT = TILE / 8, OT = HD / 8;
+    constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int kvh = blockIdx.y, b = blockIdx.z, G = H / KV;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int j0 = blockIdx.x * TG_TCA_BQ;
     const long long head = (long long)T * HD;
     const long long kv_off = ((long long)b * KV + kvh) * head;
     if (segs != nullptr) segs += (long long)b * T;
-    unsigned kf[KS][4], vf[KS][4];
-    tca_issue<HD, TG_TCA_BQ>(smem, k + kv_off, j0, T);
-    tg_cp_async_commit();
-    tg_cp_async_wait<0>();
-    __syncthreads();
-    tca_a_frags<HD>(kf, smem + warp * 16 * LD, lane);
-    __syncthreads();
-    tca_issue<HD, TG_TCA_BQ>(smem, v + kv_off, j0, T);
-    tg_cp_async_commit();
-    tg_cp_async_wait<0>();
-    __syncthreads();
-    tca_a_frags<HD>(vf, smem + warp * 16 * LD, lane);
-    __syncthreads();  // k and v are in registers: the buffer takes the q/dO stages
+    unsigned kf[HD / 16][4], vf[HD / 16][4];
+    tca_stage_frags<HD>(kf, smem, k + kv_off, j0, T);
+    tca_stage_frags<HD>(vf, smem, v + kv_off, j0, T);
     const int keys[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
     float dka[OT][4], dva[OT][4];
-#pragma unroll
-    for (int ot = 0; ot < OT; ++ot)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dka[ot][e] = dva[ot][e] = 0.0f;
+    tca_zero<OT>(dka);
+    tca_zero<OT>(dva);
     // The query tiles that see keys [j0, j0 + 64): from the tile of j0 (causal) to the tile
     // of the last key's last window query.
     const int nq = (T + TILE - 1) / TILE;
@@ -303,22 +342,10 @@ __device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, fl
         const unsigned short* Qs = smem + (it & 1) * 2 * TILE * LD;
         const unsigned short* Gs = Qs + TILE * LD;
         float st[NT][4], dpt[NT][4];   // S^T = k q^T and dP^T = v dO^T, [key][query]
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                unsigned qb[4], gq[4];
-                tca_b_nk(qb, Qs, LD, 16 * np, 16 * ks, lane);
-                tca_b_nk(gq, Gs, LD, 16 * np, 16 * ks, lane);
-                TcBF16::mma(st[2 * np], kf[ks], qb);
-                TcBF16::mma(st[2 * np + 1], kf[ks], qb + 2);
-                TcBF16::mma(dpt[2 * np], vf[ks], gq);
-                TcBF16::mma(dpt[2 * np + 1], vf[ks], gq + 2);
-            }
+        tca_zero<NT>(st);
+        tca_zero<NT>(dpt);
+        tca_mma_nk<HD, NT>(st, kf, Qs, lane);
+        tca_mma_nk<HD, NT>(dpt, vf, Gs, lane);
         const float* L = lse + ((long long)b * H + h) * T;
         const float* D = delta + ((long long)b * H + h) * T;
 #pragma unroll
@@ -337,34 +364,14 @@ __device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, fl
             unsigned ap[4], ad[4];
             tca_c_to_a(ap, st[2 * kk], st[2 * kk + 1]);
             tca_c_to_a(ad, dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-            for (int op = 0; op < OT / 2; ++op) {
-                unsigned gbf[4], qbf[4];
-                tca_b_kn(gbf, Gs, LD, 16 * kk, 16 * op, lane);
-                tca_b_kn(qbf, Qs, LD, 16 * kk, 16 * op, lane);
-                TcBF16::mma(dva[2 * op], ap, gbf);
-                TcBF16::mma(dva[2 * op + 1], ap, gbf + 2);
-                TcBF16::mma(dka[2 * op], ad, qbf);
-                TcBF16::mma(dka[2 * op + 1], ad, qbf + 2);
-            }
+            tca_mma_kn<HD>(dva, ap, Gs, 16 * kk, lane);
+            tca_mma_kn<HD>(dka, ad, Qs, 16 * kk, lane);
         }
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (keys[r] >= T) continue;
-        const long long row = (((long long)b * KV + kvh) * T + keys[r]) * hd;
-#pragma unroll
-        for (int ot = 0; ot < OT; ++ot)
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                const int d = ot * 8 + 2 * t + (e & 1);
-                if (d < hd) {
-                    dk[row + d] = dka[ot][e];
-                    dv[row + d] = dva[ot][e];
-                }
-            }
-    }
+    const long long row0 = ((long long)b * KV + kvh) * T;
+    tca_store<HD>(dk + row0 * hd, dka, keys, T, hd);
+    tca_store<HD>(dv + row0 * hd, dva, keys, T, hd);
 }
 
 // dq of 64 queries of one head over the key tiles they see.
@@ -375,7 +382,7 @@ __device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
                                            const float* lse, const float* delta,
                                            const int* segs, int H, int KV, int T, int hd,
                                            float scale, int causal, int window) {
-    constexpr int LD = HD + TG_TCA_PAD, KS = HD / 16, NT = TILE / 8, OT = HD / 8;
+    constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int i0 = blockIdx.x * TG_TCA_BQ;
@@ -384,61 +391,29 @@ __device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
     const unsigned short* K = k + ((long long)b * KV + kvh) * head;
     const unsigned short* V = v + ((long long)b * KV + kvh) * head;
     if (segs != nullptr) segs += (long long)b * T;
-    unsigned qf[KS][4], gf[KS][4];
-    tca_issue<HD, TG_TCA_BQ>(smem, q + q_off, i0, T);
-    tg_cp_async_commit();
-    tg_cp_async_wait<0>();
-    __syncthreads();
-    tca_a_frags<HD>(qf, smem + warp * 16 * LD, lane);
-    __syncthreads();
-    tca_issue<HD, TG_TCA_BQ>(smem, gb + q_off, i0, T);
-    tg_cp_async_commit();
-    tg_cp_async_wait<0>();
-    __syncthreads();
-    tca_a_frags<HD>(gf, smem + warp * 16 * LD, lane);
-    __syncthreads();  // q and dO are in registers: the buffer takes the k/v stages
+    unsigned qf[HD / 16][4], gf[HD / 16][4];
+    tca_stage_frags<HD>(qf, smem, q + q_off, i0, T);
+    tca_stage_frags<HD>(gf, smem, gb + q_off, i0, T);
     const int rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
+    const long long row0 = ((long long)b * H + h) * T;
     float Lr[2], Dr[2], dqa[OT][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const long long at = ((long long)b * H + h) * T + rows[r];
-        Lr[r] = rows[r] < T ? lse[at] : 0.0f;
-        Dr[r] = rows[r] < T ? delta[at] : 0.0f;
+        Lr[r] = rows[r] < T ? lse[row0 + rows[r]] : 0.0f;
+        Dr[r] = rows[r] < T ? delta[row0 + rows[r]] : 0.0f;
     }
-#pragma unroll
-    for (int ot = 0; ot < OT; ++ot) dqa[ot][0] = dqa[ot][1] = dqa[ot][2] = dqa[ot][3] = 0.0f;
+    tca_zero<OT>(dqa);
     int first, last;
     tca_key_tiles(i0, TILE, T, causal, window, first, last);
     for (int kt = first - 1; kt <= last; ++kt) {
-        if (kt < last) {  // stage the next key tile: k and v
-            unsigned short* nx = smem + ((kt + 1 - first) & 1) * 2 * TILE * LD;
-            tca_issue<HD, TILE>(nx, K, (kt + 1) * TILE, T);
-            tca_issue<HD, TILE>(nx + TILE * LD, V, (kt + 1) * TILE, T);
-            tg_cp_async_commit();
-        }
-        if (kt < first) continue;
-        if (kt < last) tg_cp_async_wait<1>();
-        else tg_cp_async_wait<0>();
-        __syncthreads();
+        if (!tca_key_tile_ready<HD, TILE>(smem, K, V, kt, first, last, T)) continue;
         const unsigned short* Ks = smem + ((kt - first) & 1) * 2 * TILE * LD;
         const unsigned short* Vs = Ks + TILE * LD;
         float s[NT][4], dp[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                unsigned kb[4], vb[4];
-                tca_b_nk(kb, Ks, LD, 16 * np, 16 * ks, lane);
-                tca_b_nk(vb, Vs, LD, 16 * np, 16 * ks, lane);
-                TcBF16::mma(s[2 * np], qf[ks], kb);
-                TcBF16::mma(s[2 * np + 1], qf[ks], kb + 2);
-                TcBF16::mma(dp[2 * np], gf[ks], vb);
-                TcBF16::mma(dp[2 * np + 1], gf[ks], vb + 2);
-            }
+        tca_zero<NT>(s);
+        tca_zero<NT>(dp);
+        tca_mma_nk<HD, NT>(s, qf, Ks, lane);
+        tca_mma_nk<HD, NT>(dp, gf, Vs, lane);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -453,28 +428,11 @@ __device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
         for (int kk = 0; kk < TILE / 16; ++kk) {   // dq += dS k
             unsigned a[4];
             tca_c_to_a(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-            for (int op = 0; op < OT / 2; ++op) {
-                unsigned kb[4];
-                tca_b_kn(kb, Ks, LD, 16 * kk, 16 * op, lane);
-                TcBF16::mma(dqa[2 * op], a, kb);
-                TcBF16::mma(dqa[2 * op + 1], a, kb + 2);
-            }
+            tca_mma_kn<HD>(dqa, a, Ks, 16 * kk, lane);
         }
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (rows[r] >= T) continue;
-        const long long row = (((long long)b * H + h) * T + rows[r]) * hd;
-#pragma unroll
-        for (int ot = 0; ot < OT; ++ot)
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                const int d = ot * 8 + 2 * t + (e & 1);
-                if (d < hd) dq[row + d] = dqa[ot][e];
-            }
-    }
+    tca_store<HD>(dq + row0 * hd, dqa, rows, T, hd);
 }
 
 // ---- conversions (grid-stride, any grid) ------------------------------------------------
