@@ -10,6 +10,9 @@ FAMILIES = files_of("f32")
 TC_FAMILIES = only_in("bf16")
 #: Every kernel of the f32 module, and of the tensor-core files.
 KERNEL_NAMES = tuple(kernel_names(backend_source("f32")))
-TC_KERNEL_NAMES = tuple(kernel_names(module_source(TC_FAMILIES)))
+#: (module_source also places the f32 files the tensor-core files need, e.g.
+#: flash_attention.cu for tc_attention.cu: their kernels are the f32 module's.)
+TC_KERNEL_NAMES = tuple(k for k in kernel_names(module_source(TC_FAMILIES))
+                        if k not in KERNEL_NAMES)
 #: The kernels each op's lowering declares.
 OP_KERNELS = op_kernels()

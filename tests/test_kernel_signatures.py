@@ -21,7 +21,7 @@ from toygraph.gguf import blocks
 from toygraph.core.autodiff import backward
 from toygraph.cuda import devmem
 from toygraph.cuda.lowering import dispatch
-from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS
+from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS, TCA_HEAD_DIMS
 from kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import module_source
@@ -175,6 +175,13 @@ def _attention_launches():
         att = ops.attention(q, k, v, scale=hd ** -0.5, sinks=sinks)
         back = ops.OPS["attention"].grad(att, g.const("gs", np.ones(att.shape)), [True] * 4)
         out += _lower_all([att, back[0].srcs[0]], precisions=("f32",))
+    for hd in TCA_HEAD_DIMS:                      # bf16: the tensor-core kernels
+        g = Graph()
+        q, k, v = (g.const(n, np.ones((1, 2, 5, hd))) for n in "qkv")
+        sinks = g.const("sinks", np.ones(2))
+        att = ops.attention(q, k, v, scale=hd ** -0.5, sinks=sinks)
+        back = ops.OPS["attention"].grad(att, g.const("g", np.ones(att.shape)), [True] * 4)
+        out += _lower_all([att, back[0].srcs[0]], precisions=("bf16",))
     return out
 
 

@@ -14,7 +14,7 @@ from mmaemu import (MMA_K, ROUND, emulate_tc_launch, kernel_frags, mma_emulate, 
 from toygraph.core import ops
 from toygraph.cuda import devmem
 from toygraph.cuda.lowering import dispatch
-from kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
+from kernelsrc import FAMILIES, KERNEL_NAMES, TC_KERNEL_NAMES
 from toygraph.core.ops.gemm import TC_KERNELS
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import backend_source, module_source
@@ -243,9 +243,10 @@ def test_tc_kernel_table_and_the_f32_module_is_unchanged():
         names.add(table["matmul"])
         assert set(table["nt"]) == set(table["nn"]) == set(BLOCK_FORMATS)
         names |= set(table["nt"].values()) | set(table["nn"].values())
-    assert names == set(TC_KERNEL_NAMES)
-    assert not names & set(KERNEL_NAMES)      # the f32 module has none of them
-    assert set(kernel_names_of(backend_source("bf16"))) == set(KERNEL_NAMES) | names
+    attention = {n for n in TC_KERNEL_NAMES if n.startswith("tg_tca_")}   # tc_attention.cu
+    assert names == set(TC_KERNEL_NAMES) - attention
+    assert not (names | attention) & set(KERNEL_NAMES)   # the f32 module has none of them
+    assert set(kernel_names_of(backend_source("bf16"))) == set(KERNEL_NAMES) | set(TC_KERNEL_NAMES)
 
 
 def kernel_names_of(src):
@@ -258,14 +259,16 @@ def kernel_names_of(src):
 def test_tc_module_compiles_without_spills(arch, cache):
     """Every tensor-core kernel compiles for sm_80 and sm_90 (inline-PTX mma.sync, cvt to
     bf16/tf32) into the mixed-precision module, and ptxas reports no stack frame or spills
-    (register arrays indexed only by unrolled constants; 64 f32 accumulators per thread)."""
+    in the matmuls (register arrays indexed only by unrolled constants; 64 f32
+    accumulators per thread). The attention kernels' report: tests/test_ops_tc_attention.py."""
     from toygraph.cuda.nvrtc import compile_cubin, resource_usage
     cubin = compile_cubin(backend_source("bf16"), arch=arch, name="toygraph_tc.cu")
     assert cubin[:4] == b"\x7fELF"
     for name in (*KERNEL_NAMES, *TC_KERNEL_NAMES):
         assert name.encode() in cubin, name
-    usage = resource_usage(module_source(TC_FAMILIES), arch, name="tc_matmul.cu")
-    assert set(usage) == set(TC_KERNEL_NAMES)
+    usage = resource_usage(module_source(("tc_layout.cuh", "tc_matmul.cu")), arch,
+                           name="tc_matmul.cu")
+    assert set(usage) == {n for n in TC_KERNEL_NAMES if not n.startswith("tg_tca_")}
     for name, u in usage.items():
         assert u["stack"] == u["spill_stores"] == u["spill_loads"] == 0, (name, u)
         assert 0 < u["registers"] <= 255, (name, u)
@@ -275,8 +278,9 @@ def test_tc_module_compiles_without_spills(arch, cache):
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_llama_kquant"])
 @pytest.mark.parametrize("prec", TC_PRECISIONS)
 def test_mixed_precision_lowering_changes_only_the_matmuls(model, prec, request):
-    """bf16/tf32 swap each matmul for its tensor-core kernel with the same arguments; every
-    other launch, and the whole f32 lowering, is identical to the default."""
+    """bf16/tf32 swap each matmul for its tensor-core kernel with the same arguments (and
+    bf16 the attention for tc_attention.cu's kernels); every other launch, and the whole
+    f32 lowering, is identical to the default."""
     g = lora_graph(request.getfixturevalue(model), targets=("q", "k", "v", "o", "gate"))
     order, pinned, plan, outputs = training_plan(g)
     raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
@@ -292,6 +296,10 @@ def test_mixed_precision_lowering_changes_only_the_matmuls(model, prec, request)
         tc = dispatch.lower(*args, precision=prec)
         assert [(l.kernel, l.grid, l.block, [a.tolist() for a in l.args]) for l in base] == \
                [(l.kernel, l.grid, l.block, [a.tolist() for a in l.args]) for l in same]
+        if node.op.startswith("attention") and prec == "bf16":
+            assert all(l.kernel.startswith("tg_tca_") or l.kernel == "tg_attn_bwd_sinks"
+                       for l in tc)
+            continue
         if node.op != "matmul":
             assert [(l.kernel, l.grid, [a.tolist() for a in l.args]) for l in base] == \
                    [(l.kernel, l.grid, [a.tolist() for a in l.args]) for l in tc]

@@ -120,7 +120,8 @@ class CudaBackend:
                 raise CudaError(f"tensor {t.name!r} has {t.size} elements; the CUDA kernels "
                                 f"index with int32 (at most {MAX_ELEMENTS})")
         outputs = [t for ts in getattr(graph, "outputs", {}).values() for t in ts]
-        mem = plan_device_memory(schedule, plan, pinned, outputs, qmatmul=self.qmatmul)
+        mem = plan_device_memory(schedule, plan, pinned, outputs, qmatmul=self.qmatmul,
+                                 precision=self.precision)
         self.memory = mem
         self.raw_consts = frozenset(mem.raw_consts)
         own = [t for t in schedule if t.id in mem.f32_buffers or t.id in mem.raw_consts]

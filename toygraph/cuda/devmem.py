@@ -95,12 +95,13 @@ class DeviceMemoryPlan:
                 "f32_avoided_bytes": self.f32_avoided_bytes, "saved_bytes": self.saved_bytes}
 
 
-def plan_device_memory(schedule, plan, pinned, outputs=(), qmatmul: bool | None = None
-                       ) -> DeviceMemoryPlan:
+def plan_device_memory(schedule, plan, pinned, outputs=(), qmatmul: bool | None = None,
+                       precision: str = "f32") -> DeviceMemoryPlan:
     """The allocations of CudaBackend.realize for ``schedule`` with the shared buffer
     ``plan``: the arena, one f32 (or i32) buffer per pinned tensor except the consts kept in
     block format, which get their block bytes instead, and one scratch buffer for all the
-    nodes that need scratch (each node's need in ``scratch``)."""
+    nodes that need scratch (each node's need at the backend's ``precision`` in
+    ``scratch``)."""
     if qmatmul is None:
         qmatmul = qmatmul_enabled()
     raw = block_format_consts(schedule, outputs) if qmatmul else set()
@@ -119,7 +120,7 @@ def plan_device_memory(schedule, plan, pinned, outputs=(), qmatmul: bool | None 
                                              int(np.asarray(t.data).nbytes))
     for t in schedule:
         if t.op is not None:
-            n = scratch_bytes(t)
+            n = scratch_bytes(t, precision)
             if n:
                 mem.scratch[t.id] = n
     return mem

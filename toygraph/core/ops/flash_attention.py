@@ -10,6 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.core.ops.shape import unpack
+from toygraph.core.ops.tc_attention import (TC_ATTENTION_PRECISION, tc_attention_launches,
+                                            tc_scratch)
+from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.core.ops.table import (F32, I32, INT32_MAX, check, check_floats, define_op, kernel,
                                      make_node)
 from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, f32, i32, lowers, p,
@@ -17,8 +20,13 @@ from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, f32, i
 from toygraph.cuda.lowering.constants import ATTN_TILES
 from toygraph.errors import CudaError
 
-# The family's CUDA kernels, beside this module.
+# The family's CUDA kernels, beside this module: the f32 kernels in every module; ldmatrix /
+# cp.async (tc_async.cuh, usable by any tensor-core kernel) and the tensor-core attention
+# only in the tensor-core precisions' modules, so the f32 module stays as it is.
 declare_kernels(__file__, "flash_attention.cu")
+declare_kernels(__file__, "tc_async.cuh", precisions=TENSOR_CORE_PRECISIONS)
+declare_kernels(__file__, "tc_attention.cu", precisions=TENSOR_CORE_PRECISIONS,
+                needs=("flash_attention.cu", "tc_matmul.cu", "tc_async.cuh"))
 
 
 def attention(q, k, v, *, scale: float, causal: bool = True, window: int = 0, segments=None,
@@ -245,12 +253,18 @@ def attention_config(hd: int) -> tuple[int, int, int]:
     raise CudaError(f"attention: head_dim {hd} exceeds the kernels' maximum {max(ATTN_TILES)}")
 
 
-def _attention_scratch(node) -> int:
-    """attention_back: row log-sum-exp and rowsum(dO * O), [B, H, T] each."""
+def _attention_scratch(node, precision: str) -> int:
+    """attention_back: row log-sum-exp and rowsum(dO * O), [B, H, T] each; at bf16 the
+    tensor-core kernels' (tc_attention.tc_scratch), for the forward too."""
+    if precision == TC_ATTENTION_PRECISION:
+        return tc_scratch(node)
+    if node.op == "attention":
+        return 0
     return 2 * 4 * node.srcs[0].size // node.srcs[0].shape[-1]
 
 
-@lowers("attention", kernels=("tg_attn_fwd_32", "tg_attn_fwd_64", "tg_attn_fwd_128"))
+@lowers("attention", scratch=_attention_scratch,
+        kernels=("tg_attn_fwd_32", "tg_attn_fwd_64", "tg_attn_fwd_128"))
 @lowers("attention_back", scratch=_attention_scratch,
         kernels=("tg_attn_bwd_prep_32", "tg_attn_bwd_prep_64", "tg_attn_bwd_prep_128",
                  "tg_attn_bwd_dkdv_32", "tg_attn_bwd_dkdv_64", "tg_attn_bwd_dkdv_128",
@@ -263,9 +277,12 @@ def _attention(node, at) -> list[Launch]:
     kernels are instantiated per head_dim bound HD (constants.ATTN_TILES), named ``_HD``.
     Optional segment ids (sample packing) and sinks pass as pointers after the float
     operands, null pointers without them; with sinks, attention_back ends with their
-    gradient (tg_attn_bwd_sinks, one block per head, from the row statistics)."""
+    gradient (tg_attn_bwd_sinks, one block per head, from the row statistics). At precision
+    "bf16" the tensor-core kernels run instead (tc_attention.py)."""
     out, ptr, scratch = at.out, at.ptr, at.scratch
     q, k, v, seg, sinks, rest = attention_operands(node)
+    if at.precision == TC_ATTENTION_PRECISION:   # tensor cores (tc_attention.py)
+        return tc_attention_launches(node, at, q, k, v, seg, sinks, rest)
     segs = p(ptr(seg) if seg is not None else 0)
     sink = p(ptr(sinks) if sinks is not None else 0)
     B, H, T, hd = q.shape

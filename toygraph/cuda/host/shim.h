@@ -15,6 +15,10 @@
 // at a time they are per block, and the whole section is filled with 0xFF bytes (NaN as
 // f32) before every block, so a kernel reading shared memory it did not write this block
 // sees garbage, as it would on a GPU. Dynamic (extern) shared memory is not emulated.
+// g++ leaves the static locals of a *template* function out of that section (they are
+// plain per-process arrays, not refilled per block): kernels that want the per-block
+// garbage, or ldmatrix / cp.async (which check their shared addresses against the
+// section), declare their shared arrays in the extern "C" kernel and pass them down.
 //
 // Arithmetic: compiled with -ffp-contract=off, so __fadd_rn & co are single IEEE
 // operations and fmaf is a true fused multiply-add, as on the GPU. expf/logf/pow/... are
@@ -30,6 +34,7 @@
 
 #include <mutex>
 #include <utility>
+#include <vector>
 
 struct uint3 {
     unsigned x, y, z;
@@ -51,11 +56,21 @@ constexpr int MAX_THREADS = 1024, WARP = 32, MAX_WARPS = MAX_THREADS / WARP;
 constexpr size_t STACK_BYTES = 256 * 1024;
 enum State { RUNNABLE, WAIT_BLOCK, WAIT_WARP, DONE };
 
+// One cp.async a thread issued and has not waited for: `group` is the commit group it
+// belongs to (-1 until cp.async.commit_group), `data` the source bytes read at issue.
+struct AsyncCopy {
+    char* dst;
+    unsigned char data[16];
+    int bytes, group;
+};
+
 struct Thread {
     void* sp;
     State state;
     uint3 idx;
     int warp, lane;
+    std::vector<AsyncCopy> copies;   // pending cp.async (see "cp.async" below)
+    int groups;                      // commit groups this thread has committed
 };
 
 // One warp's exchange: lanes deposit into `slot`, the releasing lane computes `out`.
@@ -164,6 +179,9 @@ static void fail(const char* fmt, ...) {
 
 static void thread_main(void*) {
     g_body(g_body_ctx);
+    if (!g_cur->copies.empty())
+        fail("exited with %d cp.async copies it never waited for (cp.async.wait_group)",
+             (int)g_cur->copies.size());
     g_cur->state = DONE;
     yield_to_scheduler();
 }
@@ -284,6 +302,99 @@ static void mma(float* c, const unsigned* a, const unsigned* b) {
     memcpy(c, W.out[g_cur->lane], 16);
 }
 
+// ---- ldmatrix and cp.async (sm_80+) ----------------------------------------------------
+extern "C" char __start_tg_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_tg_shared[] __attribute__((weak, visibility("hidden")));
+
+static bool in_shared(const void* p, int bytes) {
+    const char* c = (const char*)p;
+    return __start_tg_shared && c >= __start_tg_shared && c + bytes <= __stop_tg_shared;
+}
+
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}.shared.b16 (PTX ISA, "Warp-level matrix load
+// instruction: ldmatrix"): NM 8 x 8 matrices of 16-bit elements; lanes 8i .. 8i+7 give the
+// (16-byte aligned, shared) addresses of rows 0..7 of matrix i. Register i of lane l holds
+// matrix i's row l / 4, elements 2(l % 4) and 2(l % 4) + 1 (low half first); with .trans
+// the transposed matrix's, i.e. elements (2(l % 4), l / 4) and (2(l % 4) + 1, l / 4).
+// Lanes not giving an address (8 NM .. 31) still take part and still receive registers.
+template <int NM, bool TRANS>
+static void ldmatrix_release(Warp& W) {
+    uint16_t M[4][8][8];
+    for (int i = 0; i < NM; ++i)
+        for (int r = 0; r < 8; ++r) {
+            const char* row;
+            memcpy(&row, W.slot[8 * i + r], sizeof row);
+            memcpy(M[i][r], row, 16);
+        }
+    for (int l = 0; l < WARP; ++l) {
+        int g = l >> 2, t = l & 3;
+        for (int i = 0; i < NM; ++i) {
+            uint16_t lo = TRANS ? M[i][2 * t][g] : M[i][g][2 * t];
+            uint16_t hi = TRANS ? M[i][2 * t + 1][g] : M[i][g][2 * t + 1];
+            W.out[l][i] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+    }
+}
+
+template <int NM, bool TRANS>
+static void ldmatrix(unsigned* d, const void* row) {
+    static_assert(NM == 1 || NM == 2 || NM == 4, "ldmatrix: .x1, .x2 or .x4");
+    if (g_cur->lane < 8 * NM) {
+        if ((uintptr_t)row % 16) fail("ldmatrix: row address %p is not 16-byte aligned", row);
+        if (!in_shared(row, 16)) fail("ldmatrix: row address %p is not in shared memory", row);
+    }
+    memcpy(g_warps[g_cur->warp].slot[g_cur->lane], &row, sizeof row);
+    Warp& W = warp_exchange(0xffffffffu, ldmatrix_release<NM, TRANS>);
+    memcpy(d, W.out[g_cur->lane], 4 * NM);
+}
+
+// cp.async.{ca,cg}.shared.global [dst], [src], bytes, src_bytes (PTX ISA, "cp.async"):
+// copies `bytes` (4, 8 or 16; .cg 16 only) from global to shared memory, asynchronously;
+// the source bytes past src_bytes read as zeros. cp.async.commit_group closes the thread's
+// pending copies into a group, cp.async.wait_group N waits until at most the N most recent
+// groups are pending. The data is only defined after that wait (and a barrier, for other
+// threads). Emulation: the source is read at issue (it must not change before the wait on
+// a GPU either), the destination is poisoned with 0xFF bytes (NaN as f32 or bf16) at
+// issue and written only when a wait_group completes the copy's group -- so a kernel that
+// reads a tile before waiting for it, waits for too few groups, or still reads the old
+// contents of a buffer it is refilling sees NaN here, as it could see stale data on a
+// GPU. A thread that exits with copies it never waited for fails the launch.
+static void cp_async(void* dst, const void* src, int bytes, int src_bytes, bool cg) {
+    if (bytes != 4 && bytes != 8 && bytes != 16) fail("cp.async: size %d (4, 8 or 16)", bytes);
+    if (cg && bytes != 16) fail("cp.async.cg: size %d (16 only)", bytes);
+    if (src_bytes < 0 || src_bytes > bytes) fail("cp.async: src-size %d of %d", src_bytes, bytes);
+    if ((uintptr_t)dst % bytes || (uintptr_t)src % bytes)
+        fail("cp.async: %p <- %p not aligned to %d bytes", dst, src, bytes);
+    if (!in_shared(dst, bytes)) fail("cp.async: destination %p is not in shared memory", dst);
+    AsyncCopy c;
+    c.dst = (char*)dst;
+    c.bytes = bytes;
+    c.group = -1;
+    memset(c.data, 0, sizeof c.data);
+    if (src_bytes > 0) memcpy(c.data, src, src_bytes);
+    memset(dst, 0xff, bytes);
+    g_cur->copies.push_back(c);
+}
+
+static void cp_async_commit() {
+    for (AsyncCopy& c : g_cur->copies)
+        if (c.group < 0) c.group = g_cur->groups;
+    ++g_cur->groups;
+}
+
+// Completes the copies of every committed group but the n most recent.
+static void cp_async_wait(int n) {
+    std::vector<AsyncCopy>& cs = g_cur->copies;
+    size_t keep = 0;
+    for (size_t i = 0; i < cs.size(); ++i) {
+        if (cs[i].group >= 0 && cs[i].group < g_cur->groups - n)
+            memcpy(cs[i].dst, cs[i].data, cs[i].bytes);
+        else
+            cs[keep++] = cs[i];
+    }
+    cs.resize(keep);
+}
+
 // ---- cvt roundings ----------------------------------------------------------------------
 static inline uint32_t float_bits(float f) {
     uint32_t u;
@@ -315,8 +426,6 @@ static inline float half_to_float(unsigned short h) {
 }
 
 // ---- one launch -------------------------------------------------------------------------
-extern "C" char __start_tg_shared[] __attribute__((weak, visibility("hidden")));
-extern "C" char __stop_tg_shared[] __attribute__((weak, visibility("hidden")));
 
 // Runs every thread of the current block to completion; false on a failure or deadlock.
 static bool run_block() {
@@ -330,6 +439,8 @@ static bool run_block() {
                   (unsigned)(t / (g_bdim.x * g_bdim.y))};
         th.warp = t / WARP;
         th.lane = t % WARP;
+        th.copies.clear();
+        th.groups = 0;
         th.sp = fiber_init(g_stacks[t], thread_main, nullptr);
     }
     int done = 0;

@@ -37,6 +37,23 @@ TC_TF32_LD = 20
 ATTN_TILES = {32: (32, 4), 64: (32, 4), 128: (16, 8)}
 ATTN_HEAD_DIMS = tuple(sorted(ATTN_TILES))
 
+# --- tensor-core attention (ops/tc_attention.cu) ---------------------------------------------
+TCA_THREADS = 128  # 4 warps, 16 tile rows each
+TCA_BQ = 64        # rows a block owns: queries (forward, dq) or keys (dk/dv)
+TCA_PAD = 8        # shared rows of HD + 8 bf16: ldmatrix's 8 row reads hit distinct banks
+#: head_dim bound -> rows of the tiles streamed through shared memory, double-buffered with
+#: cp.async (keys in the forward and dq, queries in dk/dv): two stages of two tiles plus
+#: the block's own rows staged once fit 48 KB of static shared memory at every bound.
+TCA_TILES = {64: 64, 128: 32, 256: 16}
+TCA_HEAD_DIMS = tuple(sorted(TCA_TILES))
+
+
+def tca_smem_halves(hd_bound: int) -> int:
+    """bf16 elements of a tensor-core attention block's shared buffer: the larger of the
+    block's own 64 rows and two stages of two streamed tiles."""
+    return max(TCA_BQ, 4 * TCA_TILES[hd_bound]) * (hd_bound + TCA_PAD)
+
+
 # --- the gated delta rule (ops/deltanet.cu) ----------------------------------------------------
 DELTA_MAX_DK = 256   # key head size bound: one thread holds a state column of dk floats
 DELTA_SPAN = 32      # backward: steps between saved states (scratch: T/SPAN + SPAN states)
@@ -49,6 +66,9 @@ DEFINES: dict[str, int] = {
     "TC_MI": TC_MI, "TC_NI": TC_NI, "TC_BF16_BK": TC_BF16_BK, "TC_BF16_LD": TC_BF16_LD,
     "TC_TF32_BK": TC_TF32_BK, "TC_TF32_LD": TC_TF32_LD, "TG_DELTA_MAX_DK": DELTA_MAX_DK,
 }
+DEFINES.update({"TG_TCA_THREADS": TCA_THREADS, "TG_TCA_BQ": TCA_BQ, "TG_TCA_PAD": TCA_PAD})
+for _hd, _rows in TCA_TILES.items():
+    DEFINES.update({f"TG_TCA_TILE_{_hd}": _rows, f"TG_TCA_SMEM_{_hd}": tca_smem_halves(_hd)})
 for _hd, (_bt, _tpr) in ATTN_TILES.items():
     DEFINES.update({f"TG_ATTN_BT_{_hd}": _bt, f"TG_ATTN_TPR_{_hd}": _tpr,
                     f"TG_ATTN_THREADS_{_hd}": _bt * _tpr})

@@ -23,10 +23,14 @@ from toygraph.cuda.lowering.registry import REGISTRY, At, block_storage, cuda_op
 from toygraph.errors import CudaError
 
 
-def scratch_bytes(node) -> int:
-    """Device scratch a node needs besides its output (filled by its own launches)."""
+def scratch_bytes(node, precision: str = "f32") -> int:
+    """Device scratch a node needs besides its output (filled by its own launches) at the
+    backend's ``precision``: a scratch rule taking two arguments is given the precision
+    (the tensor-core attention stages bf16 operand copies there)."""
     rule = cuda_op(node.op, node.name).scratch
-    return rule(node) if rule else 0
+    if rule is None:
+        return 0
+    return rule(node, precision) if rule.__code__.co_argcount == 2 else rule(node)
 
 
 def reads_block_format(node, index: int) -> bool:

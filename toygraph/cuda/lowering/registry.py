@@ -46,7 +46,7 @@ class CudaOp:
     op: str
     build: Callable                    # (node, At) -> list[Launch]
     kernels: tuple[str, ...]           # every kernel ``build`` launches in f32 on dense operands
-    scratch: Callable | None = None    # node -> bytes of scratch; None: none
+    scratch: Callable | None = None    # node [, precision] -> bytes of scratch; None: none
     block_format: Callable | None = None  # (node, index) -> may that source stay in blocks
     has_output: bool = True            # False: the op updates its sources in place
 

@@ -1,0 +1,187 @@
+"""Helpers of the tensor-core attention tests (tests/test_ops_tc_attention*.py): bf16
+rounding written from its definition, the f64 reference attention with every mask the op
+supports (built as [T, T], small shapes only), and runs of the kernels on the host
+executor with the operands laid out as tc_attention.cu expects."""
+import numpy as np
+
+from toygraph.core import ops  # noqa: F401  (the op families declare their kernel files)
+from toygraph.cuda.host.device import run_kernel
+from toygraph.cuda.lowering import constants, sources
+
+#: bf16's unit roundoff: 8 significant bits, round to nearest.
+BF16_U = 2.0 ** -8
+TCA_FILES = ("flash_attention.cu", "tc_layout.cuh", "tc_matmul.cu", "tc_async.cuh",
+             "tc_attention.cu")
+
+
+def tca_source(extra: str = "") -> str:
+    """The tensor-core attention kernels and what they need, one translation unit."""
+    return extra + sources.module_source(TCA_FILES)
+
+
+def bf16_bits(x):
+    """f32 -> bf16 bits, round to nearest, ties to even (no NaN in these tests)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_value(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def padded_bits(x, HD):
+    """[..., T, hd] f32 -> [..., T, HD] bf16 bits, zero columns past hd."""
+    out = np.zeros(x.shape[:-1] + (HD,), np.uint16)
+    out[..., :x.shape[-1]] = bf16_bits(x)
+    return out
+
+
+def visible(T, causal, window, segs=None):
+    """[B or 1, T, T] bool: query i sees key j."""
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    vis = np.ones((T, T), bool)
+    if causal:
+        vis &= j <= i
+    if window:
+        vis &= i - j < window
+    vis = vis[None]
+    if segs is not None:
+        vis = vis & (segs[:, :, None] == segs[:, None, :])
+    return vis
+
+
+def reference(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, dout=None):
+    """f64 attention of (already rounded) q [B, H, T, hd], k, v [B, KV, T, hd]: o, the row
+    log-sum-exp and, with ``dout``, (dq, dk, dv, d sinks)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, H, T, hd = q.shape
+    G = H // k.shape[1]
+    kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = scale * q @ np.swapaxes(kk, -1, -2)
+    vis = visible(T, causal, window, segs)[:, None]
+    s = np.where(vis, s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, np.asarray(sinks, np.float64)[None, :, None, None])
+    e = np.exp(s - top)
+    den = e.sum(-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(np.asarray(sinks, np.float64)[None, :, None, None] - top)
+    p = e / den
+    o = p @ vv
+    lse = (top + np.log(den))[..., 0]
+    if dout is None:
+        return o, lse
+    g = np.asarray(dout, np.float64)
+    delta = (g * o).sum(-1, keepdims=True)
+    dvv = np.swapaxes(p, -1, -2) @ g
+    ds = p * (g @ np.swapaxes(vv, -1, -2) - delta) * scale
+    dq = ds @ kk
+    dkk = np.swapaxes(ds, -1, -2) @ q
+    fold = lambda x: x.reshape(B, -1, G, T, hd).sum(2)  # noqa: E731
+    dsinks = None
+    if sinks is not None:
+        psink = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)
+        dsinks = -(psink * delta[..., 0]).sum(axis=(0, 2))
+    return o, lse, (dq, fold(dkk), fold(dvv), dsinks)
+
+
+#: A null pointer argument for run_kernel (a 64-bit zero passed by value).
+NULL = np.uint64(0)
+
+
+def _or_null(x, dtype):
+    return NULL if x is None else np.ascontiguousarray(x, dtype)
+
+
+def hd_bound(hd):
+    return min(b for b in constants.TCA_HEAD_DIMS if hd <= b)
+
+
+def run_forward(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, source=None,
+                stats_only=False):
+    """tg_tca_fwd_<HD> on the host: (o, lse) as float32 (o None with ``stats_only``)."""
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    HD = hd_bound(hd)
+    out = np.full((B, H, T, hd), np.nan, np.float32)
+    lse = np.full((B, H, T), np.nan, np.float32)
+    qb, kb, vb = (padded_bits(x, HD) for x in (q, k, v))
+    args = [NULL if stats_only else out, lse, qb, kb, vb, _or_null(segs, np.int32),
+            _or_null(sinks, np.float32), np.int32(H), np.int32(KV), np.int32(T),
+            np.int32(hd), np.float32(scale), np.int32(causal), np.int32(window)]
+    run_kernel(f"tg_tca_fwd_{HD}", ((T + constants.TCA_BQ - 1) // constants.TCA_BQ, H, B),
+               (constants.TCA_THREADS, 1, 1), args, source=source or tca_source())
+    return (None if stats_only else out), lse
+
+
+def run_backward(q, k, v, dout, scale, causal=True, window=0, segs=None, sinks=None,
+                 source=None):
+    """The tensor-core backward on the host, as the lowering chains it: the forward (o, L),
+    tg_tca_bwd_prep (D, dO as bf16), tg_tca_bwd_dkdv, tg_tca_bwd_dq and, with sinks,
+    tg_attn_bwd_sinks. Returns (o, lse, dq, dk, dv, d sinks or None), float32."""
+    source = source or tca_source()
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    HD = hd_bound(hd)
+    o, lse = run_forward(q, k, v, scale, causal, window, segs, sinks, source=source)
+    rows = B * H * T
+    gb = np.zeros((B, H, T, HD), np.uint16)
+    delta = np.full((B, H, T), np.nan, np.float32)
+    run_kernel("tg_tca_bwd_prep", (4, 1, 1), (64, 1, 1),
+               [gb, delta, o, np.ascontiguousarray(dout, np.float32), np.int32(rows),
+                np.int32(hd), np.int32(HD)], source=source)
+    qb, kb, vb = (padded_bits(x, HD) for x in (q, k, v))
+    common = [qb, kb, vb, gb, lse, delta, _or_null(segs, np.int32), np.int32(H), np.int32(KV),
+              np.int32(T), np.int32(hd), np.float32(scale), np.int32(causal), np.int32(window)]
+    dq = np.full(q.shape, np.nan, np.float32)
+    dk, dv = np.full(k.shape, np.nan, np.float32), np.full(k.shape, np.nan, np.float32)
+    tiles = (T + constants.TCA_BQ - 1) // constants.TCA_BQ
+    block = (constants.TCA_THREADS, 1, 1)
+    run_kernel(f"tg_tca_bwd_dkdv_{HD}", (tiles, KV, B), block, [dk, dv] + common, source=source)
+    run_kernel(f"tg_tca_bwd_dq_{HD}", (tiles, H, B), block, [dq] + common, source=source)
+    dsinks = None
+    if sinks is not None:
+        dsinks = np.full(H, np.nan, np.float32)
+        run_kernel("tg_attn_bwd_sinks", (H, 1, 1), (constants.THREADS, 1, 1),
+                   [dsinks, np.ascontiguousarray(sinks, np.float32), lse, delta, np.int32(B),
+                    np.int32(H), np.int32(T)], source=source)
+    return o, lse, dq, dk, dv, dsinks
+
+
+def backward_bounds(q, k, v, g, o_kernel, scale, causal=True, window=0, segs=None,
+                    sinks=None):
+    """The f64 reference gradients of the rounded operands and their error bounds, derived
+    from where the kernels round (u = BF16_U):
+    - D = rowsum(dO o) uses the f32 dO (the reference's is rounded) and the forward's o
+      (``o_kernel``, checked against its own bound): |dD| <= u sum|dO||o| +
+      sum|dO||o_kernel - o|;
+    - dS = P (dP - D) scale, rounded to bf16 for the dq/dk mma: |d dS| <= u |dS| + P |dD| scale;
+    - P is rounded to bf16 for dv = P^T dO: |d dv| <= u P^T |dO|;
+    so |d dq| <= |d dS| |k|, |d dk| <= |d dS|^T |q|, |d dsinks| <= sum P_sink |dD|. Each
+    bound gets a 1% margin and a floor of 2^-16 max|reference| for the f32 arithmetic."""
+    qr, kr, vr, gr = (bf16_value(bf16_bits(x)).astype(np.float64) for x in (q, k, v, g))
+    o, lse, (dq, dk, dv, dsinks) = reference(qr, kr, vr, scale, causal, window, segs, sinks,
+                                             dout=gr)
+    B, H, T, hd = q.shape
+    G = H // k.shape[1]
+    kk = np.repeat(kr, G, axis=1)
+    vis = visible(T, causal, window, segs)[:, None]
+    p = np.where(vis, np.exp(scale * qr @ np.swapaxes(kk, -1, -2) - lse[..., None]), 0.0)
+    g64 = np.asarray(g, np.float64)
+    dD = (BF16_U * (np.abs(g64) * np.abs(o)).sum(-1)
+          + (np.abs(g64) * np.abs(o_kernel - o)).sum(-1))              # [B, H, T]
+    ds = p * (gr @ np.swapaxes(np.repeat(vr, G, 1), -1, -2) - (gr * o).sum(-1, keepdims=True))
+    ds *= scale
+    d_ds = BF16_U * np.abs(ds) + p * dD[..., None] * scale
+    fold = lambda x: x.reshape(B, -1, G, T, hd).sum(2)  # noqa: E731
+    bounds = [d_ds @ np.abs(kk),
+              fold(np.swapaxes(d_ds, -1, -2) @ np.abs(qr)),
+              fold(BF16_U * np.swapaxes(p, -1, -2) @ np.abs(gr))]
+    refs = [dq, dk, dv]
+    if sinks is not None:
+        psink = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)
+        bounds.append((psink * dD).sum(axis=(0, 2)))
+        refs.append(dsinks)
+    bounds = [1.01 * bd + 2.0 ** -16 * np.abs(r).max() for bd, r in zip(bounds, refs)]
+    return refs, bounds

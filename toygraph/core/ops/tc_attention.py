@@ -1,0 +1,103 @@
+"""The tensor-core attention's lowering (tc_attention.cu): what ``attention`` and
+``attention_back`` launch when the backend's precision is "bf16" (flash_attention.py's
+lowering hands them over; at "f32" and "tf32" the f32 kernels of flash_attention.cu run,
+the exact path, so f32 results never change).
+
+The activations are f32, so the operands are first rounded to bf16 copies in scratch,
+rows zero-padded from the head dim hd to the kernels' bound HD (tg_tca_to_bf16; a bf16
+activation path would hand them over as they are). ``attention`` then runs
+tg_tca_fwd_<HD>. ``attention_back`` needs the forward's row log-sum-exp L; the graph
+carries only o, so it runs the forward kernel again in statistics-only mode (q k^T and
+the online softmax, no P v: half a forward) -- a saved L as a second output of the
+attention node would remove that pass (the kernel writes it already). Then D =
+rowsum(dO o) and dO as bf16 (tg_tca_bwd_prep), dk/dv and dq, and with sinks their
+gradient (flash_attention.cu's tg_attn_bwd_sinks, from the same L and D).
+
+Scratch (bytes, 16-byte aligned regions): q, k, v [and dO] as bf16 [rows, HD], then
+[L, D] f32 [B, H, T] for the backward.
+"""
+from __future__ import annotations
+
+from toygraph.cuda.lowering import (MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32, grid_1d, i32, p,
+                                    rows_grid)
+from toygraph.cuda.lowering.constants import TCA_BQ, TCA_HEAD_DIMS, TCA_THREADS
+from toygraph.errors import CudaError
+
+#: The precision whose attention runs on tensor cores (tf32 keeps the f32 kernels).
+TC_ATTENTION_PRECISION = "bf16"
+
+
+def tc_head_dim(hd: int) -> int:
+    """The smallest kernel bound HD >= head_dim ``hd``."""
+    for HD in TCA_HEAD_DIMS:
+        if hd <= HD:
+            return HD
+    raise CudaError(f"attention: head_dim {hd} exceeds the tensor-core kernels' maximum "
+                    f"{max(TCA_HEAD_DIMS)}")
+
+
+def _rows(node) -> tuple[int, int, int]:
+    """(query rows B*H*T, kv rows B*KV*T, HD) of an attention or attention_back node."""
+    q, k = node.srcs[:2]
+    B, H, T, hd = q.shape
+    return B * H * T, B * k.shape[1] * T, tc_head_dim(hd)
+
+
+def tc_scratch(node) -> int:
+    """Bytes of scratch: bf16 q, k, v (and dO) copies, and L, D for the backward."""
+    q_rows, kv_rows, HD = _rows(node)
+    if node.op == "attention":
+        return 2 * HD * (q_rows + 2 * kv_rows)
+    return 2 * HD * (2 * q_rows + 2 * kv_rows) + 2 * 4 * q_rows
+
+
+def _to_bf16(dst: int, src: int, rows: int, hd: int, HD: int) -> Launch:
+    if rows * HD > MAX_ELEMENTS:
+        raise CudaError(f"attention: {rows} x {HD} operand elements exceed the kernels' int "
+                        f"indexing ({MAX_ELEMENTS})")
+    return Launch("tg_tca_to_bf16", grid_1d(rows * HD), [p(dst), p(src), i32(rows), i32(hd),
+                                                         i32(HD)])
+
+
+def tc_attention_launches(node, at, q, k, v, seg, sinks, rest) -> list[Launch]:
+    """The launches of an attention / attention_back node at "bf16" (operands already split
+    by flash_attention.attention_operands)."""
+    B, H, T, hd = q.shape
+    KV = k.shape[1]
+    q_rows, kv_rows, HD = _rows(node)
+    if max(H, B) > MAX_GRID_YZ:
+        raise CudaError(f"attention {node.name!r}: {B} x {H} exceeds the grid limit")
+    qb = at.scratch
+    kb = qb + 2 * HD * q_rows
+    vb = kb + 2 * HD * kv_rows
+    segs = p(at.ptr(seg) if seg is not None else 0)
+    sink = p(at.ptr(sinks) if sinks is not None else 0)
+    common = [i32(H), i32(KV), i32(T), i32(hd), f32(node.attrs["scale"]),
+              i32(node.attrs["causal"]), i32(node.attrs["window"])]
+    tiles = (T + TCA_BQ - 1) // TCA_BQ
+    block = (TCA_THREADS, 1, 1)
+    launches = [_to_bf16(qb, at.ptr(q), q_rows, hd, HD), _to_bf16(kb, at.ptr(k), kv_rows, hd, HD),
+                _to_bf16(vb, at.ptr(v), kv_rows, hd, HD)]
+    fwd = f"tg_tca_fwd_{HD}"
+    if node.op == "attention":
+        return launches + [Launch(fwd, (tiles, H, B), [p(at.out), p(0), p(qb), p(kb), p(vb),
+                                                       segs, sink, *common], block)]
+    o, g = rest
+    gb = vb + 2 * HD * kv_rows
+    lse = gb + 2 * HD * q_rows
+    delta = lse + 4 * q_rows
+    dq, dk, dv = at.out, at.out + 4 * q.size, at.out + 4 * (q.size + k.size)
+    operands = [p(qb), p(kb), p(vb), p(gb), p(lse), p(delta), segs, *common]
+    launches += [
+        Launch(fwd, (tiles, H, B), [p(0), p(lse), p(qb), p(kb), p(vb), segs, sink, *common],
+               block),
+        Launch("tg_tca_bwd_prep", grid_1d(q_rows), [p(gb), p(delta), p(at.ptr(o)),
+                                                    p(at.ptr(g)), i32(q_rows), i32(hd),
+                                                    i32(HD)]),
+        Launch(f"tg_tca_bwd_dkdv_{HD}", (tiles, KV, B), [p(dk), p(dv), *operands], block),
+        Launch(f"tg_tca_bwd_dq_{HD}", (tiles, H, B), [p(dq), *operands], block)]
+    if sinks is not None:
+        dsinks = at.out + 4 * (q.size + 2 * k.size)
+        launches.append(Launch("tg_attn_bwd_sinks", rows_grid(H),
+                               [p(dsinks), sink, p(lse), p(delta), i32(B), i32(H), i32(T)]))
+    return launches
