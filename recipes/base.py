@@ -163,6 +163,10 @@ class Recipe:
     def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
         return None
 
+    def lr_scales(self) -> dict:
+        """Params whose learning rate is lr * scale (LoRA+), after build_graph."""
+        return {}
+
     @staticmethod
     def check_model(model_cfg, opts: RecipeOptions) -> None:
         """The options that assert what the model must have (untied, qkv_bias)."""
@@ -208,7 +212,8 @@ class Recipe:
         self.train = build_training(self.loss, self.net.params, count=self.count,
                                     max_norm=opts.clip,
                                     checkpoint=opts.checkpoint_activations,
-                                    ranks=self.world.size if self.world else None)
+                                    ranks=self.world.size if self.world else None,
+                                    lr_scales=self.lr_scales())
         self.sess = Session(self.graph, backend=opts.backend, precision=opts.precision,
                             base_memory=opts.base_memory)
         self.sess.realize()

@@ -42,7 +42,8 @@ class TrainingStep:
 
 def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None = None,
                    max_norm: float = 0.0, checkpoint: bool = False,
-                   ranks: int | None = None) -> TrainingStep:
+                   ranks: int | None = None,
+                   lr_scales: dict[Tensor, float] | None = None) -> TrainingStep:
     """Append backward, gradient accumulation, global norm and AdamW to loss's graph.
 
     ``loss`` is what gradients are taken of (a summed loss when ``count`` is given);
@@ -53,6 +54,8 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     ``max_norm`` > 0 clips the averaged gradient to that global norm. ``ranks`` (data
     parallelism) sums the accumulated gradients and the count over that many ranks with an
     ``all_reduce`` node between backward and the clip/AdamW nodes (ops/collective.py).
+    ``lr_scales`` gives some params a learning rate of lr * scale (LoRA+), a constant of
+    the graph: the hp row stays the same for every param.
     """
     if max_norm < 0 or not math.isfinite(max_norm):
         raise GraphError(f"max_norm must be >= 0 and finite, got {max_norm}")
@@ -73,7 +76,8 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     for p in params:
         m = graph.state(f"adam_m.{p.name}", p.shape, kind="moment")
         v = graph.state(f"adam_v.{p.name}", p.shape, kind="moment")
-        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, divisor, max_norm=max_norm), "step")
+        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, divisor, max_norm=max_norm,
+                               lr_scale=(lr_scales or {}).get(p, 1.0)), "step")
         moments[p] = (m, v)
     return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc,
                         checkpoint=report)

@@ -28,7 +28,7 @@ from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
 from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
 from toygraph.models.decoder import LoraConfig
-from toygraph.recipes import RECIPES, RecipeOptions, recipe_class
+from toygraph.recipes import RECIPES, LoRA, RecipeOptions, recipe_class
 from toygraph.recipes.dpo import DPO, LABEL_SMOOTHING
 from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, NUM_GENERATIONS, NUM_ITERATIONS,
                                    TEMPERATURE, TOP_P)
@@ -63,6 +63,12 @@ def option(default=MISSING, *, help: str, group: str, used_by=None, resume: str 
 
 def _adapter_recipes(recipe) -> bool:
     return recipe.trains_adapter
+
+
+def _lora_recipe(recipe) -> bool:
+    # the plain LoRA recipe only: the preference and GRPO recipes (its subclasses) build
+    # reference and sampling passes that do not take the variants
+    return recipe is LoRA
 
 
 def _preference_recipes(recipe) -> bool:
@@ -126,6 +132,17 @@ class RunConfig:
                                     help="dpo: assumed chance a pair's preference is flipped "
                                          "(conservative DPO)",
                                     group="adapter", used_by=lambda recipe: issubclass(recipe, DPO), low=0, high=0.5)
+    # --- LoRA variants (issue 26 item 4; LoraConfig's docstring) ---
+    rslora: bool = option(LoraConfig.rslora, help="rsLoRA: scale the update by alpha / "
+                                                  "sqrt(rank) instead of alpha / rank",
+                          group="adapter", used_by=_lora_recipe)
+    dora: bool = option(LoraConfig.dora, help="DoRA: a trainable magnitude per output row "
+                                              "times the direction of W + scale * B A",
+                        group="adapter", used_by=_lora_recipe, resume="never")
+    lora_plus_ratio: float = option(LoraConfig.plus_ratio,
+                                    help="LoRA+: the B matrices' learning rate is the peak "
+                                         "learning rate times this (A's: that rate)",
+                                    group="adapter", used_by=_lora_recipe, low=0, open_low=True)
     # --- steps and batches -----------------------------------------------------------------
     steps: int | None = option(None, help="optimizer steps; none: one epoch, or what --epochs says",
                                group="steps", low=1)

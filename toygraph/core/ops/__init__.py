@@ -12,7 +12,7 @@ for attention).
 table            OpSpec, OPS, KERNELS and the helpers the families fill them with
 shape            reshape, permute, contiguous, expand, sum_to, sum, unpack
 elementwise      add, sub, mul, scale, silu, gelu, sigmoid, softcap, swiglu_oai (+ swiglu, geglu, mean)
-norm             rms_norm, softmax (row-wise normalisations)
+norm             rms_norm, softmax, inv_row_norm (row-wise normalisations)
 rotary           rope
 flash_attention  attention (fused, flash-style)
 gemm             matmul (f32, block-format weights, tensor cores) and the dequantizers
@@ -44,7 +44,7 @@ from toygraph.core.ops.shape import (broadcast_shapes, contiguous, expand, permu
                                      sum, sum_to, unpack)
 from toygraph.core.ops.elementwise import (add, geglu, gelu, gelu_back, mean, mul, scale, silu,
                                            sigmoid, silu_back, softcap, sub, swiglu, swiglu_oai)
-from toygraph.core.ops.norm import rms_norm, softmax
+from toygraph.core.ops.norm import inv_row_norm, rms_norm, softmax
 from toygraph.core.ops.rotary import rope
 from toygraph.core.ops.flash_attention import attention
 from toygraph.core.ops.gemm import matmul
