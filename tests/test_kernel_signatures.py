@@ -203,7 +203,9 @@ def _small_op_launches():
     cached = ops.cache_write(g.state("cache", (2, 6, 4), kind="cache"),
                              g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
     row_norm = ops.inv_row_norm(x)   # DoRA's detached norm: no backward
-    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state, row_norm]),
+    dropped = ops.dropout(x, g.input("hp", (9,)), p=0.1, seed=1, salt=2)   # LoRA dropout
+    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state, row_norm,
+                                  dropped]),
                       precisions=("f32",))
 
 

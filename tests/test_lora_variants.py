@@ -29,13 +29,13 @@ def _peft_loss(model, tokens, labels) -> float:
                                              ignore_index=-100).item()
 
 
-def check_variant(path, tmp_path, rank=4, alpha=8, lr=2e-3, **variant):
+def check_variant(path, tmp_path, rank=4, alpha=8, lr=2e-3, peft_hook=None, **variant):
     """3 steps vs PEFT; then the trained adapter exported, read back by PEFT and toygraph."""
     tokens = token_batch(path, True, 24)
     keep = {}
     mine, ref, norms = train_both(path, tmp_path / "init", targets=ALL, rank=rank, alpha=alpha,
                                   tokens=tokens, n_prompt=6, steps=STEPS, lr=lr, keep=keep,
-                                  **variant)
+                                  peft_hook=peft_hook, **variant)
     errs = [rel(a, b) for a, b in zip(mine, ref)]
     print(f"{variant}: toygraph {np.round(mine, 6).tolist()} torch {np.round(ref, 6).tolist()} "
           f"max rel {max(errs):.2e}")
@@ -49,7 +49,7 @@ def check_variant(path, tmp_path, rank=4, alpha=8, lr=2e-3, **variant):
     trained = total / count
     out = tmp_path / "trained"
     save_peft(out, lora_arrays(recipe), cfg, rank=rank, alpha=alpha, targets=ALL,
-              rslora=variant.get("rslora", False))
+              rslora=variant.get("rslora", False), dropout=variant.get("dropout", 0.0))
     model = peft_model(path, out)
     theirs = _peft_loss(model, tokens, labels)
     print(f"  exported: toygraph {trained:.7f} peft {theirs:.7f} (rel {rel(trained, theirs):.1e})")
@@ -186,3 +186,120 @@ def test_variant_options_are_for_the_lora_recipe(tiny_llama, tmp_path):
     for kw in (dict(dora=True), dict(rslora=True), dict(lora_plus_ratio=2.0)):
         with pytest.raises(ToygraphError, match="is for --recipe lora, not dpo"):
             cfg_for(tiny_llama, "d.jsonl", tmp_path, recipe="dpo", **kw).validate()
+
+
+def test_dora_generation_with_the_kv_cache_is_the_merged_models(tiny_llama, tmp_path):
+    """generate (KV cache, prefill then one-token steps sharing the magnitudes) on a DoRA
+    adapter gives the tokens of its merged f32 model, and differs from the base's."""
+    from test_peft_reference import random_lora
+    from toygraph.adapters.merge import export_merged
+    cfg = LanguageModel(tiny_llama).cfg
+    rng = np.random.default_rng(4)
+    lora = {n: (a, b, (np.linalg.norm(base_weight(tiny_llama, n), axis=1)
+                       * np.exp(0.4 * rng.normal(size=b.shape[0]))).astype(np.float32))
+            for n, (a, b) in random_lora(cfg, ALL, 4, b_std=0.5).items()}
+    save_peft(tmp_path / "run", lora, cfg, rank=4, alpha=8, targets=ALL)
+    merged = export_merged(tiny_llama, tmp_path / "run", tmp_path / "m.gguf", "f32")
+    prompt = list(range(3, 9))
+    ids = [LanguageModel(p, adapter_dir=d).generate(prompt, max_new_tokens=12, stop=())
+           for p, d in ((tiny_llama, tmp_path / "run"), (merged, None), (tiny_llama, None))]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+
+# --- LoRA dropout ----------------------------------------------------------------------------
+def toygraph_masks(p: float, seed: int = 42):
+    """A peft_hook putting toygraph's own dropout masks (ops/stochastic.keep_mask, keyed by
+    the seed, the module's GGUF name, the step) into PEFT's lora_dropout modules, so the
+    same elements drop on both sides: PEFT's own nn.Dropout draws from torch's RNG."""
+    import re
+    import zlib
+    from toygraph.core.ops.stochastic import keep_mask
+    step = [0]
+
+    class SameMask(torch.nn.Module):
+        def __init__(self, salt):
+            super().__init__()
+            self.salt = salt
+
+        def forward(self, x):
+            keep = keep_mask(x.numel(), p, seed, self.salt, step[0], 0).reshape(x.shape)
+            return x * torch.tensor(keep, dtype=x.dtype) * float(np.float32(1 / (1 - p)))
+
+    def hook(model, cfg):
+        gguf_by_hf = {hf: g for g, hf in cfg.family.hf_modules.items()}
+        n = 0
+        for name, module in model.named_modules():
+            m = re.search(r"layers\.(\d+)\.(\w+\.\w+)$", name)
+            if m and hasattr(module, "lora_dropout"):
+                gguf = f"blk.{m.group(1)}.{gguf_by_hf[m.group(2)]}.weight"
+                module.lora_dropout["default"] = SameMask(zlib.crc32(gguf.encode()))
+                n += 1
+        assert n
+        return lambda t: step.__setitem__(0, t)
+    return hook
+
+
+def test_dropout_trains_as_peft_with_the_same_masks(tiny_llama, tmp_path):
+    """3 steps with p = 0.3 against PEFT given the very masks toygraph drew; the exported
+    adapter records lora_dropout and evaluates (no dropout) as PEFT's eval mode does."""
+    p = 0.3
+    out, mine = check_variant(tiny_llama, tmp_path, dropout=p, peft_hook=toygraph_masks(p))
+    import json
+    assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == p
+    plain, _, _ = train_both(tiny_llama, tmp_path / "plain", targets=ALL, rank=4, alpha=8,
+                             tokens=token_batch(tiny_llama, True, 24), n_prompt=6, steps=STEPS)
+    assert all(rel(a, b) > 1e-4 for a, b in zip(mine, plain))   # the masks acted every step
+
+
+def test_dropout_is_off_in_evaluation_and_each_micro_batch_draws_its_own(tiny_llama):
+    from toygraph.core.optimizer import hp_row
+    from toygraph.models.model import GGUFModel
+    from toygraph.recipes import LoRA, RecipeOptions
+    model = GGUFModel(tiny_llama)
+    tokens = token_batch(tiny_llama, True, 16)
+    B, T = tokens.shape
+    labels = np.concatenate([tokens[:, 1:], np.full((B, 1), -1)], 1).astype(np.int32)
+    positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    from test_peft_reference import random_lora, trainable_values
+    lora = random_lora(model.config, ("q", "v"), 4, b_std=0.2)
+
+    def recipe_with(p, accum=1):
+        r = LoRA(targets=("q", "v"), rank=4, dropout=p)
+        r.realize(model, model.config, RecipeOptions(seq_len=T, batch=B, grad_accum=accum))
+        r.load_trainable(trainable_values(lora))
+        return r
+
+    dropped, plain = recipe_with(0.5), recipe_with(0.0)
+    assert dropped.evaluate(tokens, positions, labels) == plain.evaluate(tokens, positions, labels)
+    first = dropped.step(tokens[None], positions[None], labels[None], hp_row(1, 0.0), True)
+    assert first != plain.step(tokens[None], positions[None], labels[None], hp_row(1, 0.0), True)
+    # lr 0: nothing moves, so the same step draws the same loss, another step another
+    again = dropped.step(tokens[None], positions[None], labels[None], hp_row(1, 0.0), True)
+    other = dropped.step(tokens[None], positions[None], labels[None], hp_row(2, 0.0), True)
+    assert again == first and other != first
+    # two micro-batches of the same rows: different masks, so the step's loss is not the
+    # one-batch loss (it would be with a mask shared by the micro-batches)
+    two = recipe_with(0.5, accum=2)
+    both = two.step(np.stack([tokens, tokens]), np.stack([positions, positions]),
+                    np.stack([labels, labels]), hp_row(1, 0.0), True)
+    assert both != first
+    assert dropped.evaluate(tokens, positions, labels) == plain.evaluate(tokens, positions, labels)
+
+
+def test_a_dropout_run_with_accumulation_resumes_exactly(tiny_qwen2, tmp_path):
+    from test_train import _stop_after, cfg_for, events, write_chat_data
+    from toygraph.training import run_training
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    kw = dict(steps=4, save_every=2, grad_accum=2, lora_dropout=0.2, rslora=True)
+    run_training(cfg_for(tiny_qwen2, data, tmp_path / "full", **kw))
+    straight = [e["loss"] for e in events(tmp_path / "full") if e["event"] == "step"]
+    part = tmp_path / "part"
+    _stop_after(cfg_for(tiny_qwen2, data, part, **kw), 2)
+    run_training(cfg_for(tiny_qwen2, data, part, resume=str(part / "checkpoints" / "step-000002"),
+                         **kw))
+    resumed = {e["step"]: e["loss"] for e in events(part) if e["event"] == "step"}
+    assert [resumed[s] for s in range(1, 5)] == straight       # the same masks: bit-exact
+    assert (tmp_path / "full" / "adapter.gguf").exists()      # llama.cpp takes it as is
+    with pytest.raises(Exception, match="--lora-dropout together with --dora is not supported"):
+        run_training(cfg_for(tiny_qwen2, data, tmp_path / "x", lora_dropout=0.1, dora=True))

@@ -102,11 +102,12 @@ def test_peft_adapter_loss_matches_transformers(which, request, tmp_path):
 
 def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=5, lr=2e-3,
                betas=(0.9, 0.99), eps=1e-8, wd=0.05, max_norm=0.5, reference=gguf_reference,
-               keep=None, **variants):
+               keep=None, peft_hook=None, **variants):
     """Per-step losses of toygraph's LoRA recipe and of torch + PEFT (on the model
     ``reference(path)``) from the same init. ``variants``: the LoRA recipe's rslora, dora,
     plus_ratio (LoRA+: PEFT's create_loraplus_optimizer). ``keep`` (a dict) receives the
-    recipe, the PEFT model, the labels."""
+    recipe, the PEFT model, the labels. ``peft_hook(model, cfg)`` may adjust the PEFT model
+    and return a function called with each step's number before its forward."""
     model_file = GGUFModel(path)
     cfg = model_file.config
     lora = random_lora(cfg, targets, rank, present=model_file.tensor_names())
@@ -134,6 +135,7 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
     model = peft_model(path, tmp_path, trainable=True, reference=reference)
     params = [p for p in model.parameters() if p.requires_grad]
     assert len(params) == sum(len(pair) for pair in lora.values())
+    before_step = peft_hook(model, cfg) if peft_hook else (lambda t: None)
     if variants.get("plus_ratio", 1.0) != 1.0:   # PEFT's weight decay for LoRA+ is its own kwarg
         from peft.optimizers import create_loraplus_optimizer
         opt = create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr,
@@ -144,7 +146,8 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
     ids = torch.tensor(tokens, dtype=torch.long)
     target = torch.tensor(np.where(labels < 0, -100, labels), dtype=torch.long).reshape(-1)
     ref = []
-    for _ in range(steps):
+    for t in range(1, steps + 1):
+        before_step(t)
         opt.zero_grad()
         logits = model(input_ids=ids).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target,

@@ -135,11 +135,13 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
 
 # --- PEFT ----------------------------------------------------------------------------------
 def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "",
-              template: tuple[str, str] | None = None, rslora: bool = False) -> Path:
+              template: tuple[str, str] | None = None, rslora: bool = False,
+              dropout: float = 0.0) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
     the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order).
     ``rslora``: the scale is alpha / sqrt(rank) (use_rslora); ``(A, B, m)`` entries make a
-    DoRA adapter (use_dora, m saved as ``lora_magnitude_vector``, rows in HF order).
+    DoRA adapter (use_dora, m saved as ``lora_magnitude_vector``, rows in HF order);
+    ``dropout`` is recorded as lora_dropout (it acts in training only).
     ``template``: (name, Jinja source) of the chat template the adapter was trained with,
     kept in the weights' metadata (:func:`adapter_template` reads it back)."""
     dir = Path(dir)
@@ -167,7 +169,7 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name or None, "revision": None,
-        "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": 0.0,
+        "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": float(dropout),
         "target_modules": sorted(cfg.family.hf_modules[ALL_TARGETS[t]].split(".")[1] for t in targets),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": bool(rslora), "use_dora": dora,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,

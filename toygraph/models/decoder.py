@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
+from toygraph.core.optimizer import hp_input
 from toygraph.errors import GraphError
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
 from toygraph.models.deltanet import Recurrence, deltanet
@@ -64,7 +66,10 @@ class LoraConfig:
     row norms of W, and computes ``y = m / ||W + s B A||_row * (W x + s B A x)`` with the
     norm detached from the gradient as PEFT does [use_dora]; ``plus_ratio`` (LoRA+) is the
     learning-rate multiplier of B (and of DoRA's magnitudes, as PEFT's
-    create_loraplus_optimizer groups every 1-D tensor with B), A keeping the base rate."""
+    create_loraplus_optimizer groups every 1-D tensor with B), A keeping the base rate;
+    ``dropout`` drops elements of each adapter's input x with that probability while
+    training, ``B A dropout(x)`` [lora_dropout] (ops.dropout: its own mask per module, keyed
+    by the step in the hp row; ``dropout_stream`` tells data-parallel ranks apart)."""
 
     targets: tuple[str, ...] = ("q", "v")
     rank: int = 8
@@ -75,6 +80,8 @@ class LoraConfig:
     rslora: bool = False
     dora: bool = False
     plus_ratio: float = 1.0
+    dropout: float = 0.0
+    dropout_stream: int = 0
 
     def __post_init__(self):
         bad = [t for t in self.targets if t not in ALL_TARGETS]
@@ -84,6 +91,10 @@ class LoraConfig:
             raise GraphError(f"LoRA rank must be >= 1, got {self.rank}")
         if not (self.plus_ratio > 0 and np.isfinite(self.plus_ratio)):
             raise GraphError(f"LoRA+ ratio must be > 0, got {self.plus_ratio}")
+        if not 0 <= self.dropout < 1:
+            raise GraphError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout and self.dora:  # PEFT then drops DoRA's base term's input too
+            raise GraphError("LoRA dropout together with DoRA is not supported")
 
     @property
     def scaling(self) -> float:
@@ -259,7 +270,12 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
             a, b = (shared.lora[name] if shared else
                     _lora_pair(g, lora_prefix + name, w.shape[1], w.shape[0], lora, lora_rng))
             net.lora[name] = (a, b)
-            low = ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True)
+            xa = x
+            if lora.dropout:   # each module its own mask: the name's crc32 salts it
+                xa = ops.dropout(x, hp_input(g), p=lora.dropout,
+                                 seed=lora.seed + (lora.dropout_stream << 20),
+                                 salt=zlib.crc32((lora_prefix + name).encode()))
+            low = ops.matmul(ops.matmul(xa, a, trans_b=True), b, trans_b=True)
         if adapted and lora.dora:  # PEFT's DoRA: m / ||W + s B A|| * (W x + s B A x) + bias
             m = (shared.magnitudes[name] if shared else
                  _dora_magnitude(g, lora_prefix + name, w, model))

@@ -207,6 +207,7 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
     intro = [(line, False) for line in intro]
     intro += [(f"resume: skipped {path} ({why})", True) for path, why in prep.skipped]
     lora_meta = ({"rank": run_cfg.rank, "alpha": run_cfg.alpha, "rslora": run_cfg.rslora,
+                  "dropout": run_cfg.lora_dropout,
                   "targets": list(run_cfg.targets),
                   "base": Path(run_cfg.model).name, "arch": prep.model.config.arch,
                   "template": prep.template}

@@ -143,6 +143,9 @@ class RunConfig:
                                     help="LoRA+: the B matrices' learning rate is the peak "
                                          "learning rate times this (A's: that rate)",
                                     group="adapter", used_by=_lora_recipe, low=0, open_low=True)
+    lora_dropout: float = option(LoraConfig.dropout, help="dropout on each adapter's input "
+                                                          "while training (not with --dora)",
+                                 group="adapter", used_by=_lora_recipe, low=0, high=1)
     # --- steps and batches -----------------------------------------------------------------
     steps: int | None = option(None, help="optimizer steps; none: one epoch, or what --epochs says",
                                group="steps", low=1)
@@ -334,6 +337,8 @@ class RunConfig:
         why = precision_error(self.precision, self.backend)
         if why:
             raise ToygraphError(f"--precision {why}")
+        if self.dora and self.lora_dropout:   # PEFT would drop DoRA's base term's input too
+            raise ToygraphError("--lora-dropout together with --dora is not supported")
         if self.min_lr > self.lr:
             raise ToygraphError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if 0 < self.diverge_factor <= 1:

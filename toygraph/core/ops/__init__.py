@@ -26,6 +26,7 @@ slicing          narrow (a slice of the last axis)
 preference       token_logprobs, softplus, log_sigmoid, log1mexp (DPO/ORPO losses)
 experts          topk, take_along, group_by_expert, expert_matmul (mixtures of experts)
 policy           clipped_surrogate, kl_penalty (GRPO's policy-gradient loss)
+stochastic       dropout (a counter-based mask keyed by the hp row's step)
 ===============  =======================================================================
 
 The builders are re-exported here, so ``ops.<name>`` is every op:
@@ -58,6 +59,7 @@ from toygraph.core.ops.slicing import narrow
 from toygraph.core.ops.preference import log1mexp, log_sigmoid, softplus, token_logprobs
 from toygraph.core.ops.experts import expert_matmul, group_by_expert, take_along, topk
 from toygraph.core.ops.policy import clipped_surrogate, kl_penalty
+from toygraph.core.ops.stochastic import dropout
 # isort: on
 
 #: Ops that write into their first operand(s) rather than producing a value.

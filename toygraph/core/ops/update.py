@@ -40,7 +40,7 @@ def adamw(param, grad, m, v, hp, norm, divisor, *, max_norm: float, lr_scale: fl
     """One AdamW update in place of param, m and v, from the accumulated ``grad``.
 
     The gradient used is grad / divisor, scaled by min(1, max_norm / norm) when max_norm > 0;
-    ``hp`` is the 7-value row [lr, b1, b2, eps, wd, 1/(1-b1^t), 1/(1-b2^t)]. ``lr_scale``
+    ``hp`` is the row [lr, b1, b2, eps, wd, 1/(1-b1^t), 1/(1-b2^t), t, micro]. ``lr_scale``
     multiplies this tensor's learning rate (LoRA+: B's rate is lr * ratio), a constant of
     the graph, so every replayed step (and a resumed run) applies the same one; the f32
     product lr * 1.0 is lr exactly, so a scale of 1 changes no bit.
@@ -53,7 +53,7 @@ def _infer_adamw(shapes, dtypes, attrs):
     check_floats(dtypes)
     w, g, m, v, hp, norm, div = shapes
     check(w == g == m == v, f"param, grad and moments must share a shape, got {w} {g} {m} {v}")
-    check(hp == (7,), f"hp must be the 7-value row, got {hp}")
+    check(hp == (9,), f"hp must be the 9-value row (core/optimizer.hp_row), got {hp}")
     check(norm == () and div == (), "norm and divisor must be scalars")
     return (), NONE
 
@@ -84,7 +84,7 @@ def _global_norm_numpy(out, srcs, attrs):
 @kernel("adamw")
 def _adamw_numpy(out, srcs, attrs):
     w, g, m, v, hp, norm, divisor = srcs
-    lr, b1, b2, eps, wd, b1h, b2h = (w.dtype.type(h) for h in hp)
+    lr, b1, b2, eps, wd, b1h, b2h = (w.dtype.type(h) for h in hp[:7])
     lr = lr * w.dtype.type(attrs["lr_scale"])
     coef = 1.0 / max(float(divisor), 1.0)
     max_norm = attrs["max_norm"]
