@@ -154,20 +154,30 @@ def base_weight(path, name):
 
 
 # --- the training run: options, files, resume, --adapter-init ------------------------------
-def test_a_dora_rslora_lora_plus_run_resumes_exactly_and_writes_its_adapter(tiny_qwen2,
-                                                                              tmp_path):
+def run_and_resume(model, tmp_path, **kw):
+    """4 steps straight, and 2 steps, Ctrl-C, resume, 2 more: (the data, the step losses
+    of each); the straight run is in tmp_path / "full"."""
     from test_train import _stop_after, cfg_for, events, write_chat_data
     from toygraph.training import run_training
     data = write_chat_data(tmp_path / "chat.jsonl")
-    kw = dict(steps=4, save_every=2, dora=True, rslora=True, lora_plus_ratio=4.0)
-    run_training(cfg_for(tiny_qwen2, data, tmp_path / "full", **kw))
+    kw = dict(steps=4, save_every=2, **kw)
+    run_training(cfg_for(model, data, tmp_path / "full", **kw))
     straight = [e["loss"] for e in events(tmp_path / "full") if e["event"] == "step"]
     part = tmp_path / "part"
-    _stop_after(cfg_for(tiny_qwen2, data, part, **kw), 2)
-    run_training(cfg_for(tiny_qwen2, data, part, resume=str(part / "checkpoints" / "step-000002"),
+    _stop_after(cfg_for(model, data, part, **kw), 2)
+    run_training(cfg_for(model, data, part, resume=str(part / "checkpoints" / "step-000002"),
                          **kw))
     resumed = {e["step"]: e["loss"] for e in events(part) if e["event"] == "step"}
-    assert [resumed[s] for s in range(1, 5)] == straight       # bit-exact
+    return data, straight, [resumed[s] for s in range(1, 5)]
+
+
+def test_a_dora_rslora_lora_plus_run_resumes_exactly_and_writes_its_adapter(tiny_qwen2,
+                                                                              tmp_path):
+    from test_train import cfg_for
+    from toygraph.training import run_training
+    data, straight, resumed = run_and_resume(tiny_qwen2, tmp_path, dora=True, rslora=True,
+                                             lora_plus_ratio=4.0)
+    assert resumed == straight       # bit-exact
     out = tmp_path / "full"
     config = __import__("json").loads((out / "adapter_config.json").read_text())
     assert config["use_dora"] is True and config["use_rslora"] is True
@@ -288,18 +298,11 @@ def test_dropout_is_off_in_evaluation_and_each_micro_batch_draws_its_own(tiny_ll
 
 
 def test_a_dropout_run_with_accumulation_resumes_exactly(tiny_qwen2, tmp_path):
-    from test_train import _stop_after, cfg_for, events, write_chat_data
+    from test_train import cfg_for
     from toygraph.training import run_training
-    data = write_chat_data(tmp_path / "chat.jsonl")
-    kw = dict(steps=4, save_every=2, grad_accum=2, lora_dropout=0.2, rslora=True)
-    run_training(cfg_for(tiny_qwen2, data, tmp_path / "full", **kw))
-    straight = [e["loss"] for e in events(tmp_path / "full") if e["event"] == "step"]
-    part = tmp_path / "part"
-    _stop_after(cfg_for(tiny_qwen2, data, part, **kw), 2)
-    run_training(cfg_for(tiny_qwen2, data, part, resume=str(part / "checkpoints" / "step-000002"),
-                         **kw))
-    resumed = {e["step"]: e["loss"] for e in events(part) if e["event"] == "step"}
-    assert [resumed[s] for s in range(1, 5)] == straight       # the same masks: bit-exact
+    data, straight, resumed = run_and_resume(tiny_qwen2, tmp_path, grad_accum=2,
+                                             lora_dropout=0.2, rslora=True)
+    assert resumed == straight       # the same masks: bit-exact
     assert (tmp_path / "full" / "adapter.gguf").exists()      # llama.cpp takes it as is
     with pytest.raises(Exception, match="--lora-dropout together with --dora is not supported"):
         run_training(cfg_for(tiny_qwen2, data, tmp_path / "x", lora_dropout=0.1, dora=True))
