@@ -29,6 +29,7 @@ from toygraph.core import ops
 from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
 from toygraph.core.distributed import world
 from toygraph.core.graph import Graph
+from toygraph.core.ops.stochastic import HP_MICRO
 from toygraph.core.optimizer import build_training
 from toygraph.core.precision import BACKENDS, precision_error
 from toygraph.core.session import Session
@@ -59,6 +60,13 @@ def head_loss(net, labels, backend: str):
     if fused_head(backend, net.cfg):
         return ops.linear_cross_entropy(net.hidden, net.head, labels, reduction="sum")
     return ops.cross_entropy(lm_head(net), labels, reduction="sum")
+
+
+def _with_micro(hp, i: int) -> np.ndarray:
+    """The hp row with micro-batch index i (ops/stochastic.py keys dropout by it)."""
+    row = np.array(hp, np.float32)
+    row[HP_MICRO] = i
+    return row
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,10 @@ class Recipe:
     def lora_config(self, opts: RecipeOptions) -> LoraConfig | None:
         return None
 
+    def lr_scales(self) -> dict:
+        """Params whose learning rate is lr * scale (LoRA+), after build_graph."""
+        return {}
+
     @staticmethod
     def check_model(model_cfg, opts: RecipeOptions) -> None:
         """The options that assert what the model must have (untied, qkv_bias)."""
@@ -208,10 +220,13 @@ class Recipe:
         self.train = build_training(self.loss, self.net.params, count=self.count,
                                     max_norm=opts.clip,
                                     checkpoint=opts.checkpoint_activations,
-                                    ranks=self.world.size if self.world else None)
+                                    ranks=self.world.size if self.world else None,
+                                    lr_scales=self.lr_scales())
         self.sess = Session(self.graph, backend=opts.backend, precision=opts.precision,
                             base_memory=opts.base_memory)
         self.sess.realize()
+        # LoRA dropout: its masks are keyed by the hp row's step and micro-batch entries
+        self.has_dropout = any(t.op == "dropout" for t in self.graph.nodes)
         self.step_index = 0
         self.last_metrics = {}
 
@@ -283,6 +298,8 @@ class Recipe:
         s.upload(self.train.hp, hp)
         sums: dict = {}
         for i, m in enumerate(micro):
+            if self.has_dropout and i:   # each micro-batch its own dropout masks
+                s.upload(self.train.hp, _with_micro(hp, i))
             self.upload(*m)
             s.run("step" if i == len(micro) - 1 else "backward")
             self.collect(sums)
@@ -292,6 +309,8 @@ class Recipe:
     def evaluate(self, token_ids, positions, labels, segments=None) -> tuple[float, int]:
         """Forward only: (summed loss, counted tokens) of one batch [batch, seq_len]
         (``segments`` for a packing recipe)."""
+        if getattr(self, "has_dropout", False):   # step 0 in the hp row: no dropout
+            self.sess.upload(self.train.hp, np.zeros(self.train.hp.shape, np.float32))
         self.upload(token_ids, positions, labels, segments)
         self.sess.run("forward")
         return float(self.sess.download(self.loss_sum)), int(self.sess.download(self.count))

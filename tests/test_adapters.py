@@ -110,14 +110,15 @@ Q0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
     ("no_weights", "adapter_model.safetensors: missing"),
     ("bad_json", "adapter_config.json: malformed JSON"),
     ("not_lora", "peft_type is 'IA3'"),
-    ("dora", "DoRA is not supported"),
-    ("rslora", "rsLoRA .* not supported"),
+    ("dora", r"has \['A', 'B'\] of \['A', 'B', 'm'\] \(use_dora=true"),   # no magnitudes
+    ("rslora", "an rsLoRA adapter; this use takes plain LoRA adapters only"),
+    ("fan_in_fan_out", "fan_in_fan_out=true is not supported"),
     ("bad_key", "'base_model.model.model.layers.0.self_attn.qkv.lora_A.weight' does not map"),
     ("bad_layer", "layers.7.self_attn.q_proj.lora_A.weight' does not map"),
     ("bad_shape", "do not fit the weight"),
     ("rank_ab", "rank mismatch: A has 4 rows, B has 3 columns"),
     ("rank_config", "rank 4 but adapter_config.json says r=8"),
-    ("half_pair", "has lora_A but not its partner"),
+    ("half_pair", r"has \['A'\] of \['A', 'B'\]"),
     ("corrupt", "cannot read safetensors"),
 ])
 def test_load_peft_errors(cfg, tmp_path, case, match):
@@ -125,6 +126,7 @@ def test_load_peft_errors(cfg, tmp_path, case, match):
         "not_lora": dict(config_edit=lambda c: c.update(peft_type="IA3")),
         "dora": dict(config_edit=lambda c: c.update(use_dora=True)),
         "rslora": dict(config_edit=lambda c: c.update(use_rslora=True)),
+        "fan_in_fan_out": dict(config_edit=lambda c: c.update(fan_in_fan_out=True)),
         "rank_config": dict(config_edit=lambda c: c.update(r=8)),
         "bad_key": dict(tensor_edit=lambda t: t.update(
             {Q0.replace("q_proj", "qkv") + "A.weight": t[Q0 + "A.weight"]})),

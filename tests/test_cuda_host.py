@@ -198,6 +198,12 @@ def test_run_kernel_passes_structs_by_value():
 
 
 # --- every op, f32 ----------------------------------------------------------------------------
+def _dora(x, w, a, b, m, s):
+    low = ops.scale(ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True), s)
+    norm = ops.inv_row_norm(w + ops.scale(ops.matmul(b, a), s))
+    return (ops.matmul(x, w, trans_b=True) + low) * (m * norm)
+
+
 @pytest.mark.parametrize("name,build,shapes,tol", [
     ("scale", lambda x: ops.scale(x, -1.7), [(3, 4)], ELEMENTWISE),
     ("silu", ops.silu, [(7, 300)], ELEMENTWISE),
@@ -221,6 +227,11 @@ def test_run_kernel_passes_structs_by_value():
     ("add_bcast", lambda a, b: a + b, [(2, 3, 4), (4,)], ELEMENTWISE),
     ("sub_bcast", lambda a, b: a - b, [(3, 4), (1, 4)], ELEMENTWISE),
     ("mul_bcast", lambda a, b: a * b, [(2, 3, 4), (3, 1)], ELEMENTWISE),
+    # DoRA's layer: (x W^T + s x A^T B^T) * m / ||W + s B A||_row, the norm detached
+    ("dora_linear", lambda x, w, a, b, m: _dora(x, w, a, b, m, 0.5),
+     [(6, 20), (12, 20), (3, 20), (12, 3), (12,)], REDUCTION),
+    ("dora_linear_wide_rows", lambda x, w, a, b, m: _dora(x, w, a, b, m, 2.0),
+     [(5, 600), (7, 600), (2, 600), (7, 2), (7,)], REDUCTION),
 ])
 def test_op_matches_numpy(name, build, shapes, tol):
     compare_op(build, shapes, tol)

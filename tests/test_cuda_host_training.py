@@ -123,8 +123,9 @@ def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
 
 
 # --- AdamW, clip, replay ---------------------------------------------------------------------
-def _mlp_train(backend, max_norm, steps=3, seed=0, n=24, d=16, h=40, v=30):
-    """A two-layer MLP trained ``steps`` AdamW steps (sum loss, count division, clip)."""
+def _mlp_train(backend, max_norm, steps=3, seed=0, n=24, d=16, h=40, v=30, lr_scale=1.0):
+    """A two-layer MLP trained ``steps`` AdamW steps (sum loss, count division, clip);
+    ``lr_scale`` multiplies the second layer's learning rate (LoRA+'s per-tensor rate)."""
     rng = np.random.default_rng(seed)
     g = Graph()
     x, lab = g.input("x", (n, d)), g.input("lab", (n,), "i32")
@@ -132,7 +133,8 @@ def _mlp_train(backend, max_norm, steps=3, seed=0, n=24, d=16, h=40, v=30):
     w2, b2 = g.param("w2", rnd(rng, h, v, s=0.3)), g.param("b2", rnd(rng, v, s=0.1))
     hid = ops.rms_norm(ops.silu(x @ w1 + b1), 1e-5)
     loss = g.output(ops.cross_entropy(hid @ w2 + b2, lab, reduction="sum"))
-    step = build_training(loss, [w1, b1, w2, b2], count=ops.count_valid(lab), max_norm=max_norm)
+    step = build_training(loss, [w1, b1, w2, b2], count=ops.count_valid(lab), max_norm=max_norm,
+                          lr_scales={w2: lr_scale, b2: lr_scale})
     s = Session(g, backend=backend)
     s.realize()
     losses = []
@@ -164,6 +166,18 @@ def test_adamw_step_with_clip_matches_numpy_and_replays_identically(max_norm, mo
     for other in (again, eager):
         assert other[0] == got[0] and other[2] == got[2]
         assert all(np.array_equal(a, b) for a, b in zip(other[1], got[1]))
+
+
+def test_adamw_per_tensor_lr_scale_matches_numpy():
+    """LoRA+'s learning-rate multiplier (a kernel argument) as numpy applies it, and it
+    changes the trained weights (a scale the kernel ignored would not)."""
+    cpu, got = _mlp_train("cpu", 0.0, lr_scale=8.0), _mlp_train("cuda", 0.0, lr_scale=8.0)
+    for a, b in zip(got[0], cpu[0]):
+        assert abs(a - b) <= 1e-4 * abs(b)
+    for a, b in zip(got[1], cpu[1]):
+        assert rel_err(a, b) <= 1e-4
+    plain = _mlp_train("cuda", 0.0)
+    assert abs(plain[0][-1] - got[0][-1]) > 1e-3 * abs(got[0][-1])
 
 
 def test_adamw_step_with_capped_grids_matches_numpy(monkeypatch):

@@ -209,7 +209,10 @@ def _small_op_launches():
                                       ("cx", "cw", "dq", "dk", "dv", "dg", "db")])
     cached = ops.cache_write(g.state("cache", (2, 6, 4), kind="cache"),
                              g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
-    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state]),
+    row_norm = ops.inv_row_norm(x)   # DoRA's detached norm: no backward
+    dropped = ops.dropout(x, g.input("hp", (9,)), p=0.1, seed=1, salt=2)   # LoRA dropout
+    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state, row_norm,
+                                  dropped]),
                       precisions=("f32",))
 
 
@@ -260,7 +263,7 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
 def test_every_kernel_in_the_sources_is_parsed():
     assert set(SIGNATURES) == set(KERNEL_NAMES) | set(TC_KERNEL_NAMES)
     assert SIGNATURES["tg_binary"] == ["float*", "float*", "float*", "int", "Strided", "int"]
-    assert SIGNATURES["tg_adamw"][-1] == "double"
+    assert SIGNATURES["tg_adamw"][-2:] == ["double", "float"]   # max_norm, lr_scale
     dkdv = SIGNATURES["tg_attn_bwd_dkdv_64"]                      # through TG_ATTN_DKDV_ARGS
     assert len(dkdv) > 10 and dkdv[:2] == ["float*", "float*"] and dkdv[-1] == "int"
     assert SIGNATURES["tg_tc_matmul_bf16"] == SIGNATURES["tg_matmul"]

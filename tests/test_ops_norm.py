@@ -1,6 +1,7 @@
-"""The row-wise normalisations (ops/norm.py: rms_norm, softmax): f64 finite-difference
-gradients, the per-head q/k norm of Qwen3 and Gemma 3 (rms_norm of [B, T, H, hd] times a
-[hd] weight), and its CUDA launches (rows over head_dim)."""
+"""The row-wise normalisations (ops/norm.py: rms_norm, softmax, inv_row_norm): f64
+finite-difference gradients, the per-head q/k norm of Qwen3 and Gemma 3 (rms_norm of
+[B, T, H, hd] times a [hd] weight), and its CUDA launches (rows over head_dim); DoRA's
+detached norm and the gradients of the DoRA layer built on it."""
 import numpy as np
 import pytest
 
@@ -36,3 +37,66 @@ def test_per_head_rms_norm_lowers_to_rows_over_head_dim():
         (launch,) = dispatch.lower(node, lambda t: (t.id + 1) << 20)
         rows, D = (int(v[0]) for v in launch.args[-3:-1])
         assert (launch.kernel, rows, D) == ("tg_" + node.op, 24, 40)
+
+
+# --- inv_row_norm: DoRA's detached 1 / ||row|| ------------------------------------------------
+def _run_f64(g, fetch, params_values=None):
+    from toygraph.core.session import Session
+    sess = Session(g, backend="cpu", dtype="f64")
+    sess.realize()
+    sess.reset()
+    sess.run("backward")
+    return [sess.download(t) for t in fetch]
+
+
+def test_inv_row_norm_is_one_over_the_row_norm_and_passes_no_gradient():
+    from toygraph.core.autodiff import accumulate_grads, backward
+    rng = np.random.default_rng(3)
+    g = Graph()
+    xv = rnd(rng, 4, 3, 9)
+    x = g.param("x", xv)
+    r1, r2 = rnd(rng, 4, 3), rnd(rng, 4, 3, 9)
+    y = g.output(ops.inv_row_norm(x))
+    loss = ops.sum(y * g.const("r1", r1)) + ops.sum(x * g.const("r2", r2))
+    grads = accumulate_grads(backward(loss, [x]))
+    got, dx = _run_f64(g, [y, grads[x]])
+    x64 = xv.astype(np.float64)
+    np.testing.assert_allclose(got, 1 / np.sqrt((x64 ** 2).sum(-1)), rtol=1e-12)
+    np.testing.assert_array_equal(dx, r2)   # only the direct path: the norm is detached
+
+
+def test_dora_layer_gradients_treat_the_norm_as_a_constant():
+    """d loss / d (A, B, m) of y = (x W^T + s x A^T B^T) * m / ||W + s B A||_row against f64
+    central differences of the same function with the norm held at its value (PEFT's
+    ``weight_norm.detach()``), written in numpy."""
+    from toygraph.core.autodiff import accumulate_grads, backward
+    rng = np.random.default_rng(5)
+    s, n, d_in, d_out, r = 1.5, 6, 10, 7, 3
+    xv, wv = rnd(rng, n, d_in), rnd(rng, d_out, d_in)
+    av, bv, mv = rnd(rng, r, d_in), rnd(rng, d_out, r, s=0.5), 1 + rnd(rng, d_out, s=0.3)
+    rv = rnd(rng, n, d_out)
+    g = Graph()
+    x, w = g.const("x", xv), g.const("w", wv)
+    a, b, m = g.param("a", av), g.param("b", bv), g.param("m", mv)
+    low = ops.scale(ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True), s)
+    y = (ops.matmul(x, w, trans_b=True) + low) * (m * ops.inv_row_norm(w + ops.scale(ops.matmul(b, a), s)))
+    loss = g.output(ops.sum(y * g.const("r", rv)))
+    grads = accumulate_grads(backward(loss, [a, b, m]))
+    analytic = _run_f64(g, [grads[a], grads[b], grads[m]])
+
+    x64, w64, r64 = (v.astype(np.float64) for v in (xv, wv, rv))
+    frozen = np.linalg.norm(w64 + s * bv.astype(np.float64) @ av.astype(np.float64), axis=1)
+
+    def f(a_, b_, m_):
+        out = (x64 @ w64.T + s * (x64 @ a_.T) @ b_.T) * (m_ / frozen)
+        return float((out * r64).sum())
+
+    values = [av.astype(np.float64), bv.astype(np.float64), mv.astype(np.float64)]
+    for k, grad in enumerate(analytic):
+        numeric = np.zeros_like(values[k])
+        for i in np.ndindex(values[k].shape):
+            for sign in (1, -1):
+                pert = [v.copy() for v in values]
+                pert[k][i] += sign * 1e-6
+                numeric[i] += sign * f(*pert) / 2e-6
+        assert np.abs(grad - numeric).max() / np.abs(numeric).max() <= TOL, k

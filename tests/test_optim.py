@@ -135,8 +135,9 @@ def test_accumulating_k_micro_batches_equals_one_big_batch():
 
 def test_hp_row_and_schedules():
     row = hp_row(3, 1e-3, 0.9, 0.999, 1e-8, 0.01)
-    assert row.dtype == np.float32 and row.shape == (7,)
+    assert row.dtype == np.float32 and row.shape == (9,)
     assert np.isclose(row[5], 1 / (1 - 0.9 ** 3)) and np.isclose(row[6], 1 / (1 - 0.999 ** 3))
+    assert row[7] == 3 and row[8] == 0      # the step and micro-batch dropout is keyed by
     with pytest.raises(GraphError):
         hp_row(0, 1e-3)
     warm = Schedule(1e-3, "cosine", warmup=10, total=100, floor=1e-5)

@@ -40,6 +40,16 @@ def random_lora(cfg, targets, rank, seed=0, b_std=0.02, present=None):
     return lora
 
 
+def trainable_values(lora: dict) -> dict:
+    """The LoRA recipe's trainable tensors by name from {weight: (A, B) or (A, B, m)}."""
+    out = {}
+    for n, (a, b, *m) in lora.items():
+        out.update({f"{n}.lora_a": a, f"{n}.lora_b": b})
+        if m:
+            out[f"{n}.lora_magnitude"] = m[0]
+    return out
+
+
 def gguf_reference(path):
     """transformers' own model of a GGUF (float32)."""
     return transformers.AutoModelForCausalLM.from_pretrained(
@@ -91,9 +101,13 @@ def test_peft_adapter_loss_matches_transformers(which, request, tmp_path):
 
 
 def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=5, lr=2e-3,
-               betas=(0.9, 0.99), eps=1e-8, wd=0.05, max_norm=0.5, reference=gguf_reference):
+               betas=(0.9, 0.99), eps=1e-8, wd=0.05, max_norm=0.5, reference=gguf_reference,
+               keep=None, peft_hook=None, **variants):
     """Per-step losses of toygraph's LoRA recipe and of torch + PEFT (on the model
-    ``reference(path)``) from the same init."""
+    ``reference(path)``) from the same init. ``variants``: the LoRA recipe's rslora, dora,
+    plus_ratio (LoRA+: PEFT's create_loraplus_optimizer). ``keep`` (a dict) receives the
+    recipe, the PEFT model, the labels. ``peft_hook(model, cfg)`` may adjust the PEFT model
+    and return a function called with each step's number before its forward."""
     model_file = GGUFModel(path)
     cfg = model_file.config
     lora = random_lora(cfg, targets, rank, present=model_file.tensor_names())
@@ -101,10 +115,14 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
     labels = np.concatenate([tokens[:, 1:], np.full((B, 1), -1)], 1).astype(np.int32)
     labels[:, :n_prompt] = -1  # prompt positions are not trained on
 
-    recipe = LoRA(targets=targets, rank=rank, alpha=alpha)
+    recipe = LoRA(targets=targets, rank=rank, alpha=alpha, **variants)
     recipe.realize(model_file, cfg, RecipeOptions(seq_len=T, batch=B, clip=max_norm))
-    recipe.load_trainable({f"{n}.{h}": x for n, (a, b) in lora.items()
-                           for h, x in (("lora_a", a), ("lora_b", b))})
+    if variants.get("dora"):   # magnitudes moved off their init (the row norms of W)
+        rng = np.random.default_rng(1)
+        start = recipe.trainable()
+        lora = {n: (a, b, (start[f"{n}.lora_magnitude"] * (1 + 0.2 * rng.normal(size=b.shape[0])))
+                    .astype(np.float32)) for n, (a, b) in lora.items()}
+    recipe.load_trainable(trainable_values(lora))
     positions = np.tile(np.arange(T, dtype=np.int32), (B, 1))
     mine, norms = [], []
     for t in range(1, steps + 1):
@@ -112,15 +130,24 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
                                 is_first=(t == 1)))
         norms.append(recipe.last_grad_norm())
 
-    save_peft(tmp_path, lora, cfg, rank=rank, alpha=alpha, targets=targets)
+    save_peft(tmp_path, lora, cfg, rank=rank, alpha=alpha, targets=targets,
+              rslora=variants.get("rslora", False))
     model = peft_model(path, tmp_path, trainable=True, reference=reference)
     params = [p for p in model.parameters() if p.requires_grad]
-    assert len(params) == 2 * len(lora)
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    assert len(params) == sum(len(pair) for pair in lora.values())
+    before_step = peft_hook(model, cfg) if peft_hook else (lambda t: None)
+    if variants.get("plus_ratio", 1.0) != 1.0:   # PEFT's weight decay for LoRA+ is its own kwarg
+        from peft.optimizers import create_loraplus_optimizer
+        opt = create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr,
+                                        loraplus_lr_ratio=variants["plus_ratio"], betas=betas,
+                                        eps=eps, loraplus_weight_decay=wd)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)
     ids = torch.tensor(tokens, dtype=torch.long)
     target = torch.tensor(np.where(labels < 0, -100, labels), dtype=torch.long).reshape(-1)
     ref = []
-    for _ in range(steps):
+    for t in range(1, steps + 1):
+        before_step(t)
         opt.zero_grad()
         logits = model(input_ids=ids).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target,
@@ -129,6 +156,8 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
         ref.append(loss.item())
+    if keep is not None:
+        keep.update(recipe=recipe, model=model, labels=labels, cfg=cfg)
     return mine, ref, norms
 
 

@@ -178,7 +178,7 @@ def test_the_run_start_prints_the_settings(tiny_llama, tmp_path, capsys):
 
 # --- resume rules and the defaults of the lower layers ------------------------------------------
 def test_resume_rules_come_from_the_fields():
-    assert SHAPE == {"recipe", "targets", "rank"}
+    assert SHAPE == {"recipe", "targets", "rank", "dora"}   # dora: the magnitude tensors
     assert {"out", "resume", "model", "data", "quiet", "backend", "adapter_init"} <= OPERATIONAL
     assert not {"lr", "seed", "batch", "seq_len", "schedule", "beta"} & OPERATIONAL
 

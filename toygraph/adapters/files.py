@@ -1,7 +1,9 @@
 """LoRA adapter files: PEFT directories (Hugging Face) and llama.cpp GGUF adapters.
 
 Adapters live in memory as ``{gguf weight name: (A, B)}`` with A [rank, n_in] and
-B [n_out, rank] float32 in the GGUF row order the graph computes in (models/decoder.py).
+B [n_out, rank] float32 in the GGUF row order the graph computes in (models/decoder.py);
+a DoRA adapter's entries are ``(A, B, m)`` with m [n_out] its magnitude vector.
+:func:`read_peft` gives the whole adapter (variants included) as a :class:`PeftAdapter`.
 
 >>> save_peft("out/adapter", lora, cfg, rank=8, alpha=16, targets=("q", "v"),
 ...           base_model_name="HuggingFaceTB/SmolLM2-135M-Instruct")      # doctest: +SKIP
@@ -19,7 +21,9 @@ llama.cpp adds them to the GGUF base as stored.
 from __future__ import annotations
 
 import json
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +43,8 @@ TEMPLATE_NAME, TEMPLATE_SOURCE = "toygraph.template", "toygraph.chat_template"
 # own tables, cfg.family.hf_modules, are what export and import use; this is the default).
 HF_MODULES = HF_LAYER_MODULES
 _SHORT_BY_GGUF = {g: s for s, g in ALL_TARGETS.items()}
-_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
+_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\."
+                       r"(?:lora_([AB])\.weight|lora_(magnitude)_vector)")
 
 
 # --- the one layout conversion ------------------------------------------------------------
@@ -102,7 +107,10 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
     if not lora:
         raise DataError(f"{where}: no adapter tensors")
     ranks = set()
-    for name, (a, b) in lora.items():
+    dora = {len(pair) == 3 for pair in lora.values()}
+    if len(dora) != 1:
+        raise DataError(f"{where}: some adapters have a DoRA magnitude vector and some do not")
+    for name, (a, b, *mag) in lora.items():
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
         if not m or m.group(2) not in _SHORT_BY_GGUF or int(m.group(1)) >= cfg.n_layer:
             raise DataError(f"{where}: {name!r} is not a LoRA-targetable weight of this "
@@ -114,7 +122,10 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
         if a.shape[0] != b.shape[1]:
             raise DataError(f"{where}: {name!r} rank mismatch: A has {a.shape[0]} rows, "
                             f"B has {b.shape[1]} columns")
-        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        if mag and mag[0].shape != (n_out,):
+            raise DataError(f"{where}: {name!r} DoRA magnitude has shape {mag[0].shape}; "
+                            f"the weight has {n_out} output rows")
+        if not all(np.all(np.isfinite(x)) for x in (a, b, *mag)):
             raise DataError(f"{where}: {name!r} holds NaN or inf")
         ranks.add(a.shape[0])
     if len(ranks) != 1:
@@ -124,9 +135,13 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
 
 # --- PEFT ----------------------------------------------------------------------------------
 def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "",
-              template: tuple[str, str] | None = None) -> Path:
+              template: tuple[str, str] | None = None, rslora: bool = False,
+              dropout: float = 0.0) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
     the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order).
+    ``rslora``: the scale is alpha / sqrt(rank) (use_rslora); ``(A, B, m)`` entries make a
+    DoRA adapter (use_dora, m saved as ``lora_magnitude_vector``, rows in HF order);
+    ``dropout`` is recorded as lora_dropout (it acts in training only).
     ``template``: (name, Jinja source) of the chat template the adapter was trained with,
     kept in the weights' metadata (:func:`adapter_template` reads it back)."""
     dir = Path(dir)
@@ -139,19 +154,24 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
         raise DataError(f"{dir}: targets {list(targets)} must be known names covering every "
                         f"adapter (uncovered: {stray})")
     tensors = {}
-    for name, (a, b) in lora.items():
+    dora = False
+    for name, (a, b, *mag) in lora.items():
         layer, proj = int(name.split(".")[1]), name.split(".")[2]
         key = f"base_model.model.model.layers.{layer}.{cfg.family.hf_modules[proj]}"
         tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(
             hf_column_order(np.asarray(a, np.float32), cfg, name, to_hf=True))
         tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(
             hf_row_order(np.asarray(b, np.float32), cfg, name, to_hf=True))
+        if mag:
+            dora = True
+            tensors[f"{key}.lora_magnitude_vector"] = np.ascontiguousarray(
+                hf_row_order(np.asarray(mag[0], np.float32), cfg, name, to_hf=True))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name or None, "revision": None,
-        "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": 0.0,
+        "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": float(dropout),
         "target_modules": sorted(cfg.family.hf_modules[ALL_TARGETS[t]].split(".")[1] for t in targets),
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": bool(rslora), "use_dora": dora,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {},
@@ -197,10 +217,11 @@ def _read_peft_config(path: Path) -> dict:
         raise DataError(f"{path}: expected a JSON object, found {type(config).__name__}")
     if config.get("peft_type") != "LORA":
         raise DataError(f"{path}: peft_type is {config.get('peft_type')!r}; only 'LORA' is supported")
-    for key, what in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA scaling (alpha/sqrt(r))"),
-                      ("fan_in_fan_out", "fan_in_fan_out")):
-        if config.get(key):
-            raise DataError(f"{path}: {key}=true: {what} is not supported")
+    if config.get("fan_in_fan_out"):
+        raise DataError(f"{path}: fan_in_fan_out=true is not supported")
+    for key in ("use_dora", "use_rslora"):
+        if not isinstance(config.get(key, False), bool):
+            raise DataError(f"{path}: {key} must be true or false, found {config[key]!r}")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise DataError(f"{path}: {key} (per-module ranks/alphas) is not supported")
@@ -228,9 +249,35 @@ def adapter_template(dir) -> tuple[str, str] | None:
     return None
 
 
+@dataclass(frozen=True)
+class PeftAdapter:
+    """A PEFT LoRA adapter as toygraph uses it: ``lora`` in GGUF layout ((A, B), or
+    (A, B, m) for DoRA), its rank, alpha, short target names and variant flags."""
+    lora: dict
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    rslora: bool = False
+    dora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
 def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
-    """Read a PEFT LoRA directory for the model ``cfg``: (lora in GGUF layout, rank, alpha,
-    short target names). Raises DataError naming the file for anything it cannot use."""
+    """(lora, rank, alpha, targets) of a plain PEFT LoRA directory (:func:`read_peft`);
+    an adapter with rsLoRA or DoRA is refused here, as these four values do not describe it."""
+    a = read_peft(dir, cfg)
+    if a.rslora or a.dora:
+        raise DataError(f"{dir}: {'a DoRA' if a.dora else 'an rsLoRA'} adapter; this use "
+                        "takes plain LoRA adapters only")
+    return a.lora, a.rank, a.alpha, a.targets
+
+
+def read_peft(dir, cfg) -> PeftAdapter:
+    """Read a PEFT LoRA directory for the model ``cfg`` (use_rslora and use_dora included).
+    Raises DataError naming the file for anything it cannot use."""
     from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
@@ -262,33 +309,44 @@ def load_peft(dir, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
         if proj is None or int(m.group(1)) >= cfg.n_layer:
             raise DataError(f"{wpath}: key {key!r} does not map to a LoRA module of this "
                             f"{cfg.n_layer}-layer {cfg.arch} model")
-        halves.setdefault(f"blk.{int(m.group(1))}.{proj}.weight", {})[m.group(3)] = value
+        halves.setdefault(f"blk.{int(m.group(1))}.{proj}.weight", {})[m.group(3) or "m"] = value
+    dora = bool(config.get("use_dora", False))
+    want = {"A", "B", "m"} if dora else {"A", "B"}
     lora = {}
     for name, pair in halves.items():
-        if set(pair) != {"A", "B"}:
-            raise DataError(f"{wpath}: {name!r} has lora_{'A' if 'A' in pair else 'B'} "
-                            "but not its partner")
-        a, b = pair["A"].astype(np.float32), pair["B"].astype(np.float32)
-        lora[name] = (a, b)
+        if set(pair) != want:
+            raise DataError(f"{wpath}: {name!r} has {sorted(pair)} of {sorted(want)} "
+                            f"(use_dora={str(dora).lower()} in {CONFIG_FILE})")
+        lora[name] = tuple(pair[k].astype(np.float32) for k in sorted(want))
     rank = _check_lora(lora, cfg, str(wpath))  # shapes checked before any reshape below
     if rank != config["r"]:
         raise DataError(f"{wpath}: tensors have rank {rank} but {CONFIG_FILE} says r={config['r']}")
-    lora = {n: (hf_column_order(a, cfg, n, to_hf=False), hf_row_order(b, cfg, n, to_hf=False))
-            for n, (a, b) in lora.items()}
-    return lora, rank, float(config["lora_alpha"]), _targets_of(lora)
+    lora = {n: (hf_column_order(a, cfg, n, to_hf=False), hf_row_order(b, cfg, n, to_hf=False),
+                *(hf_row_order(x, cfg, n, to_hf=False) for x in mag))
+            for n, (a, b, *mag) in lora.items()}
+    return PeftAdapter(lora, rank, float(config["lora_alpha"]), _targets_of(lora),
+                       rslora=bool(config.get("use_rslora", False)), dora=dora)
 
 
 # --- llama.cpp GGUF adapters ---------------------------------------------------------------
-def save_gguf_adapter(path, lora: dict, cfg, alpha: float, base_arch: str) -> Path:
+def save_gguf_adapter(path, lora: dict, cfg, alpha: float, base_arch: str,
+                      rslora: bool = False) -> Path:
     """Write a llama.cpp LoRA adapter GGUF (f32, rows in GGUF order).
 
     numpy shapes A [r, n_in] and B [n_out, r] are ggml shapes [n_in, r] and [r, n_out],
-    which is what llama.cpp's loader checks against the base tensor.
+    which is what llama.cpp's loader checks against the base tensor. llama.cpp scales by
+    adapter.lora.alpha / rank, so an rsLoRA adapter (alpha / sqrt(rank)) is written with
+    alpha * sqrt(rank). llama.cpp has no DoRA: a DoRA adapter is refused.
     """
     import gguf
 
     path = Path(path)
-    _check_lora(lora, cfg, str(path))
+    rank = _check_lora(lora, cfg, str(path))
+    if any(len(pair) == 3 for pair in lora.values()):
+        raise DataError(f"{path}: llama.cpp's LoRA adapters have no DoRA; export the merged "
+                        "model instead (toygraph export)")
+    if rslora:
+        alpha = alpha * math.sqrt(rank)
 
     def write(tmp):
         w = gguf.GGUFWriter(tmp, base_arch)
@@ -409,11 +467,14 @@ def load_gguf_adapter(path, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     return lora, rank, alpha, _targets_of(lora)
 
 
-def load_lora(sess, pairs: dict, lora: dict) -> None:
-    """Load adapter weights ``lora`` (GGUF weight name -> (A, B), as load_peft returns)
-    into a realized session's LoRA params ``pairs`` (name -> (A tensor, B tensor)). A layer
-    the adapter lacks keeps B = 0: no change to the base model."""
-    for name, (a, b) in pairs.items():
+def load_lora(sess, net, lora: dict) -> None:
+    """Load adapter weights ``lora`` (GGUF weight name -> (A, B) or (A, B, m), as
+    read_peft gives them) into the LoRA params of ``net`` (a Decoder in a realized session:
+    its ``lora`` pairs and, for DoRA, its ``magnitudes``). A layer the adapter lacks keeps
+    B = 0 (and DoRA's m its initial row norms of W): no change to the base model."""
+    for name, (a, b) in net.lora.items():
         if name in lora:
             sess.load_param(a, lora[name][0])
             sess.load_param(b, lora[name][1])
+            if name in net.magnitudes:
+                sess.load_param(net.magnitudes[name], lora[name][2])

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from toygraph.adapters.files import (WEIGHTS_FILE, adapter_template, load_gguf_adapter,
-                                     load_peft)
+                                     read_peft)
 from toygraph.atomic import atomic_write
 from toygraph.errors import DataError
 from toygraph.models.model import GGUFModel
@@ -32,17 +32,18 @@ OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
 PROVENANCE = "toygraph.merged_adapter"
 
 
-def load_adapter(adapter, cfg) -> tuple[dict, int, float, Path]:
+def load_adapter(adapter, cfg) -> tuple[dict, int, float, float, Path]:
     """An adapter given as a run/PEFT directory or a llama.cpp ``.gguf`` adapter file:
-    (lora in GGUF row order, rank, alpha, the file whose bytes identify it)."""
+    (lora in GGUF row order, DoRA's (A, B, m) included, rank, alpha, the scale of B A
+    (alpha / rank, rsLoRA's alpha / sqrt(rank)), the file whose bytes identify it)."""
     adapter = Path(adapter)
     if adapter.is_file() and adapter.suffix == ".gguf":
         lora, rank, alpha, _ = load_gguf_adapter(adapter, cfg)
-        return lora, rank, alpha, adapter
+        return lora, rank, alpha, alpha / rank, adapter
     if not adapter.is_dir():
         raise DataError(f"--adapter {adapter}: no such run directory or .gguf adapter file")
-    lora, rank, alpha, _ = load_peft(adapter, cfg)
-    return lora, rank, alpha, adapter / WEIGHTS_FILE
+    a = read_peft(adapter, cfg)
+    return a.lora, a.rank, a.alpha, a.scaling, adapter / WEIGHTS_FILE
 
 
 def refuse_merged_twice(model, adapter_file: Path, allow: bool = False) -> None:
@@ -58,11 +59,16 @@ def refuse_merged_twice(model, adapter_file: Path, allow: bool = False) -> None:
                         f"(pass --allow-merged if that is meant)")
 
 
-def merged_weight(base: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float) -> np.ndarray:
+def merged_weight(base: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float,
+                  magnitude: np.ndarray | None = None) -> np.ndarray:
     """``base + scaling * b @ a`` in f32 (numpy shapes: base [n_out, n_in], a [r, n_in],
-    b [n_out, r])."""
+    b [n_out, r]); with DoRA's ``magnitude`` [n_out], each row of that is rescaled to
+    norm m (PEFT's merge: W' = m / ||W + s B A||_row * (W + s B A))."""
     delta = b.astype(np.float32) @ a.astype(np.float32)
-    return (base.astype(np.float32) + np.float32(scaling) * delta).astype(np.float32)
+    w = (base.astype(np.float32) + np.float32(scaling) * delta).astype(np.float32)
+    if magnitude is not None:
+        w = w * (magnitude.astype(np.float32) / np.linalg.norm(w, axis=1))[:, None]
+    return w
 
 
 def encode_weight(w: np.ndarray, out_type: str, name: str):
@@ -86,12 +92,12 @@ def encode_weight(w: np.ndarray, out_type: str, name: str):
 def _merged_tensors(model: GGUFModel, lora: dict, scaling: float, out_type: str,
                     progress=None) -> dict:
     merged = {}
-    for i, (name, (a, b)) in enumerate(lora.items()):
+    for i, (name, (a, b, *m)) in enumerate(lora.items()):
         if progress is not None:
             progress(i, len(lora))
         if not model.has(name):
             raise DataError(f"{model.path}: the adapter targets {name!r}, which the model lacks")
-        w = merged_weight(model.tensor(name).dequantize(), a, b, scaling)
+        w = merged_weight(model.tensor(name).dequantize(), a, b, scaling, *m)
         merged[name] = encode_weight(w, out_type, name)
     return merged
 
@@ -127,7 +133,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
     if Path(out_path).resolve() == Path(model_path).resolve():
         raise DataError(f"--out {out_path}: would overwrite the base model; choose another path")
     model = GGUFModel(model_path)
-    lora, rank, alpha, source = load_adapter(adapter_dir, model.config)
+    lora, rank, alpha, scaling, source = load_adapter(adapter_dir, model.config)
     refuse_merged_twice(model, source, allow_merged)
     tok = Tokenizer.from_gguf(model.reader, source=str(model_path))
     trained = adapter_template(adapter_dir) if Path(adapter_dir).is_dir() else None
@@ -142,7 +148,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
                      else None)
     template_name = (tok.template_name if chat_template
                      else "gguf" if tok.file_chat_template else "none")
-    merged = _merged_tensors(model, lora, alpha / rank, out_type, progress)
+    merged = _merged_tensors(model, lora, scaling, out_type, progress)
     reader, out_path = model.reader, Path(out_path)
     name = model.metadata("general.name") or Path(model_path).stem
     source_dir = str(Path(adapter_dir).resolve())

@@ -3,8 +3,9 @@
 >>> step = build_training(loss_sum, params, count=n_valid, max_norm=1.0)   # doctest: +SKIP
 >>> sess.upload(step.hp, hp_row(t=1, lr=1e-3))                             # doctest: +SKIP
 
-The update is decoupled-decay AdamW, reading the 7-value row
-``[lr, beta1, beta2, eps, weight_decay, 1/(1-beta1^t), 1/(1-beta2^t)]`` (t from 1):
+The update is decoupled-decay AdamW, reading the hp row
+``[lr, beta1, beta2, eps, weight_decay, 1/(1-beta1^t), 1/(1-beta2^t), t, micro]`` (t from 1;
+t and the micro-batch index key the dropout masks, ops/stochastic.py):
 ``m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g;``
 ``w = w*(1 - lr*wd) - lr*(m*b1h) / (sqrt(v*b2h) + eps)``.
 
@@ -27,12 +28,15 @@ from toygraph.core.graph import Tensor
 from toygraph.core.recompute import CheckpointReport, checkpoint_regions
 from toygraph.errors import GraphError
 
+#: Entries of the hp row: AdamW's seven, the optimizer step and the micro-batch index.
+HP_SIZE = 9
+
 
 @dataclass
 class TrainingStep:
     """Handles to the tensors a caller uploads or downloads around a training step."""
 
-    hp: Tensor                    # input [7]
+    hp: Tensor                    # input [HP_SIZE]
     grad_norm: Tensor             # output of "step": global norm of the (averaged) gradient
     grads: dict[Tensor, Tensor]   # param -> accumulated gradient state
     moments: dict[Tensor, tuple[Tensor, Tensor]]
@@ -42,7 +46,8 @@ class TrainingStep:
 
 def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None = None,
                    max_norm: float = 0.0, checkpoint: bool = False,
-                   ranks: int | None = None) -> TrainingStep:
+                   ranks: int | None = None,
+                   lr_scales: dict[Tensor, float] | None = None) -> TrainingStep:
     """Append backward, gradient accumulation, global norm and AdamW to loss's graph.
 
     ``loss`` is what gradients are taken of (a summed loss when ``count`` is given);
@@ -53,6 +58,8 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     ``max_norm`` > 0 clips the averaged gradient to that global norm. ``ranks`` (data
     parallelism) sums the accumulated gradients and the count over that many ranks with an
     ``all_reduce`` node between backward and the clip/AdamW nodes (ops/collective.py).
+    ``lr_scales`` gives some params a learning rate of lr * scale (LoRA+), a constant of
+    the graph: the hp row stays the same for every param.
     """
     if max_norm < 0 or not math.isfinite(max_norm):
         raise GraphError(f"max_norm must be >= 0 and finite, got {max_norm}")
@@ -67,16 +74,26 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     divisor = count_acc
     if ranks is not None:  # clip and AdamW read its value, so they run after the reduction
         divisor = ops.all_reduce([count_acc, *grads.values()], ranks=ranks)
-    hp = graph.input("hp", (7,))
+    hp = hp_input(graph)
     norm = graph.output(ops.global_norm(list(grads.values()), divisor), "step")
     moments = {}
     for p in params:
         m = graph.state(f"adam_m.{p.name}", p.shape, kind="moment")
         v = graph.state(f"adam_v.{p.name}", p.shape, kind="moment")
-        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, divisor, max_norm=max_norm), "step")
+        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, divisor, max_norm=max_norm,
+                               lr_scale=(lr_scales or {}).get(p, 1.0)), "step")
         moments[p] = (m, v)
     return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc,
                         checkpoint=report)
+
+
+def hp_input(graph) -> Tensor:
+    """The graph's hp row input, made on first use: the forward makes it when it has
+    dropout (which reads the step from it), build_training otherwise."""
+    for t in graph.nodes:
+        if t.role == "input" and t.name == "hp":
+            return t
+    return graph.input("hp", (HP_SIZE,))
 
 
 @dataclass(frozen=True)
@@ -91,14 +108,17 @@ class AdamWSettings:
 
 def hp_row(t: int, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
            weight_decay: float = 0.0) -> np.ndarray:
-    """The 7-value AdamW row for optimizer step ``t`` (counting from 1)."""
+    """The hp row for optimizer step ``t`` (counting from 1); its micro-batch entry is 0
+    (Recipe.step sets it per micro-batch when the graph has dropout)."""
     if t < 1:
         raise GraphError(f"optimizer step t counts from 1, got {t}")
     for name, val, lo, hi in (("beta1", beta1, 0, 1), ("beta2", beta2, 0, 1)):
         if not lo <= val < hi:
             raise GraphError(f"{name} must be in [0, 1), got {val}")
+    if t >= 1 << 24:   # it travels as an f32, exact up to 2^24
+        raise GraphError(f"optimizer step t must be below 2^24, got {t}")
     return np.array([lr, beta1, beta2, eps, weight_decay,
-                     1.0 / (1.0 - beta1 ** t), 1.0 / (1.0 - beta2 ** t)], np.float32)
+                     1.0 / (1.0 - beta1 ** t), 1.0 / (1.0 - beta2 ** t), t, 0], np.float32)
 
 
 @dataclass(frozen=True)

@@ -203,7 +203,7 @@ class BatchedGenerator:
                                             cache_len=cache_len, model=model, lora=lora)
         self.sess = Session(g, backend=backend, precision=precision)
         self.sess.realize()
-        load_lora(self.sess, self.gen.prefill.lora, adapter or {})
+        load_lora(self.sess, self.gen.prefill, adapter or {})
 
     def generate(self, prompts, max_new_tokens: int, opts: SamplingOptions = SamplingOptions(),
                  rng=None, stop_ids=(), pad: int = 0, trace: list | None = None) -> list[list[int]]:

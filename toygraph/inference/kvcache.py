@@ -88,7 +88,7 @@ class CachedDecoder:
         self.recurrent = rec
         self.sess = Session(g, backend=backend, precision=precision)
         self.sess.realize()
-        load_lora(self.sess, self.first.lora, adapter or {})
+        load_lora(self.sess, self.first, adapter or {})
         self.prefill_program = self.sess.program([self.first.logits] + writes
                                                  + (rec.prefill.writes if rec else []))
         self.decode_program = self.sess.program([self.step.logits]

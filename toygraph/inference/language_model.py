@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toygraph.adapters.files import WEIGHTS_FILE, adapter_template, load_lora, load_peft
+from toygraph.adapters.files import WEIGHTS_FILE, adapter_template, load_lora, read_peft
 from toygraph.adapters.merge import refuse_merged_twice
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
@@ -72,10 +72,11 @@ class LanguageModel:
             raise DataError(f"seq_len must be >= 2, got {seq_len}")
         self.lora_config, self.adapter = None, {}
         if adapter_dir is not None:
-            lora, rank, alpha, targets = load_peft(adapter_dir, self.cfg)
+            a = read_peft(adapter_dir, self.cfg)
             refuse_merged_twice(self.model, Path(adapter_dir) / WEIGHTS_FILE, allow_merged)
-            self.lora_config = LoraConfig(targets=targets, rank=rank, alpha=alpha)
-            self.adapter = lora
+            self.lora_config = LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
+                                          rslora=a.rslora, dora=a.dora)
+            self.adapter = a.lora
         # The chat template: the one asked for, else the one the adapter was trained with,
         # else the model's own (templates.py): prompts render as training rendered them.
         trained = adapter_template(adapter_dir) if adapter_dir is not None else None
@@ -104,7 +105,7 @@ class LanguageModel:
                          loss_sum=g.output(ops.cross_entropy(net.logits, labels, reduction="sum")),
                          count=g.output(ops.count_valid(labels)))
             f.sess.realize()
-            load_lora(f.sess, net.lora, self.adapter)
+            load_lora(f.sess, net, self.adapter)
             self._graphs[key] = f
         return self._graphs[key]
 

@@ -19,13 +19,16 @@ embedding scale) arrive as data in ``cfg`` (models/config.ModelConfig) and its F
 """
 from __future__ import annotations
 
+import math
 import re
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
+from toygraph.core.optimizer import hp_input
 from toygraph.errors import GraphError
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
 from toygraph.models.deltanet import Recurrence, deltanet
@@ -56,13 +59,29 @@ class LoraConfig:
     """Adapters ``y = W x + (alpha / rank) * B (A x)``; A ~ N(0, init_scale) seeded, B = 0.
 
     These defaults are the only place the default LoRA shape, seed and init scale are
-    written: RecipeOptions, the LoRA recipe and RunConfig (so the CLI) read them from here."""
+    written: RecipeOptions, the LoRA recipe and RunConfig (so the CLI) read them from here.
+
+    The variants (PEFT's names in brackets): ``rslora`` scales by alpha / sqrt(rank)
+    [use_rslora]; ``dora`` adds a trainable magnitude per output row, initialised to the
+    row norms of W, and computes ``y = m / ||W + s B A||_row * (W x + s B A x)`` with the
+    norm detached from the gradient as PEFT does [use_dora]; ``plus_ratio`` (LoRA+) is the
+    learning-rate multiplier of B (and of DoRA's magnitudes, as PEFT's
+    create_loraplus_optimizer groups every 1-D tensor with B), A keeping the base rate;
+    ``dropout`` drops elements of each adapter's input x with that probability while
+    training, ``B A dropout(x)`` [lora_dropout] (ops.dropout: its own mask per module, keyed
+    by the step in the hp row; ``dropout_stream`` tells data-parallel ranks apart)."""
 
     targets: tuple[str, ...] = ("q", "v")
     rank: int = 8
     alpha: float = 16.0
     seed: int = 42
     init_scale: float = 0.01
+    # LoRA variants (issue 26 item 4)
+    rslora: bool = False
+    dora: bool = False
+    plus_ratio: float = 1.0
+    dropout: float = 0.0
+    dropout_stream: int = 0
 
     def __post_init__(self):
         bad = [t for t in self.targets if t not in ALL_TARGETS]
@@ -70,10 +89,21 @@ class LoraConfig:
             raise GraphError(f"LoRA targets must be a non-empty subset of {list(ALL_TARGETS)}, got {list(self.targets)}")
         if self.rank < 1:
             raise GraphError(f"LoRA rank must be >= 1, got {self.rank}")
+        if not (self.plus_ratio > 0 and np.isfinite(self.plus_ratio)):
+            raise GraphError(f"LoRA+ ratio must be > 0, got {self.plus_ratio}")
+        if not 0 <= self.dropout < 1:
+            raise GraphError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout and self.dora:  # PEFT then drops DoRA's base term's input too
+            raise GraphError("LoRA dropout together with DoRA is not supported")
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.rank
+        return lora_scaling(self.alpha, self.rank, self.rslora)
+
+
+def lora_scaling(alpha: float, rank: int, rslora: bool = False) -> float:
+    """The factor of B A: alpha / rank, or alpha / sqrt(rank) for rsLoRA (PEFT's rule)."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
 
 
 @dataclass
@@ -89,6 +119,7 @@ class Decoder:
     per_layer_inputs: Tensor | None = None           # Gemma 4: [n_layer, B * T * ple_dim]
     layer_rows: list[Tensor] = field(default_factory=list)  # Gemma 4: one-hot [1, n_layer] each
     lora: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # GGUF weight -> (A, B)
+    magnitudes: dict[str, Tensor] = field(default_factory=dict)  # DoRA: GGUF weight -> m [n_out]
     hidden: Tensor | None = None                     # final-normed states [batch * seq_len, n_embd]
     head: Tensor | None = None                       # output weight [vocab, n_embd] (maybe tied)
     segments: Tensor | None = None                   # packed rows: segment ids [batch, seq] i32
@@ -96,8 +127,8 @@ class Decoder:
     @property
     def params(self) -> list[Tensor]:
         ps = [t for t in self.weights.values() if t.role == "param"]
-        for a, b in self.lora.values():
-            ps += [a, b]
+        for name, (a, b) in self.lora.items():
+            ps += [a, b] + ([self.magnitudes[name]] if name in self.magnitudes else [])
         return ps
 
 
@@ -147,6 +178,23 @@ def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng
     a = g.param(f"{name}.lora_a", (rng.normal(size=(lora.rank, n_in)) * lora.init_scale).astype(np.float32))
     b = g.param(f"{name}.lora_b", np.zeros((n_out, lora.rank), np.float32))
     return a, b
+
+
+def _dora_magnitude(g: Graph, name: str, w: Tensor, model) -> Tensor:
+    """DoRA's magnitude vector, initialised as PEFT does: the norms of W's rows (PEFT's
+    ``torch.linalg.norm(weight, dim=1)`` of the [n_out, n_in] weight; B = 0 at init)."""
+    if model is None or w.role == "param":
+        raise GraphError("DoRA needs the frozen GGUF base (LoRA recipe) to set its magnitudes")
+    rows = model.tensor(w.name).dequantize().astype(np.float64)
+    return g.param(name + ".lora_magnitude", np.sqrt((rows * rows).sum(1)).astype(np.float32))
+
+
+def _dora_factor(w: Tensor, a: Tensor, b: Tensor, m: Tensor, scaling: float) -> Tensor:
+    """m / ||W + s B A||_row [n_out], the norm detached (ops.inv_row_norm). The simplest
+    correct path: W + s B A as one [n_out, n_in] f32 temporary per adapted weight per
+    forward, which also makes the backends hold a block-format W decoded (CUDA keeps an
+    f32 copy of it; numpy decodes it where it is read)."""
+    return m * ops.inv_row_norm(w + ops.scale(ops.matmul(b, a), scaling))
 
 
 def _check_targets(cfg, wanted: set[str]) -> None:
@@ -217,13 +265,26 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         w = W[name]
         y = ops.matmul(x, w, trans_b=True)
         bias = W.get(name.replace(".weight", ".bias"))
-        if bias is not None:
-            y = y + bias
-        if name.split(".")[-2] in wanted:
+        adapted = name.split(".")[-2] in wanted
+        if adapted:
             a, b = (shared.lora[name] if shared else
                     _lora_pair(g, lora_prefix + name, w.shape[1], w.shape[0], lora, lora_rng))
             net.lora[name] = (a, b)
-            low = ops.matmul(ops.matmul(x, a, trans_b=True), b, trans_b=True)
+            xa = x
+            if lora.dropout:   # each module its own mask: the name's crc32 salts it
+                xa = ops.dropout(x, hp_input(g), p=lora.dropout,
+                                 seed=lora.seed + (lora.dropout_stream << 20),
+                                 salt=zlib.crc32((lora_prefix + name).encode()))
+            low = ops.matmul(ops.matmul(xa, a, trans_b=True), b, trans_b=True)
+        if adapted and lora.dora:  # PEFT's DoRA: m / ||W + s B A|| * (W x + s B A x) + bias
+            m = (shared.magnitudes[name] if shared else
+                 _dora_magnitude(g, lora_prefix + name, w, model))
+            net.magnitudes[name] = m
+            y = (y + ops.scale(low, lora.scaling)) * _dora_factor(w, a, b, m, lora.scaling)
+            return y + bias if bias is not None else y
+        if bias is not None:
+            y = y + bias
+        if adapted:
             y = y + ops.scale(low, lora.scaling)
         return y
 

@@ -177,7 +177,9 @@ def prune_checkpoints(run: Path, keep: int) -> list[Path]:
 def lora_arrays(recipe, values: dict | None = None) -> dict:
     """{GGUF weight name: (A, B)} of a LoRA recipe, from ``values`` or the session."""
     vals = values if values is not None else recipe.trainable()
-    return {name: (vals[a.name], vals[b.name]) for name, (a, b) in recipe.net.lora.items()}
+    mags = recipe.net.magnitudes  # DoRA: (A, B, m)
+    return {name: (vals[a.name], vals[b.name], *([vals[mags[name].name]] if name in mags else []))
+            for name, (a, b) in recipe.net.lora.items()}
 
 
 def write_adapter(dest: Path, recipe, meta: dict, gguf_too: bool = True, values: dict | None = None):
@@ -186,10 +188,12 @@ def write_adapter(dest: Path, recipe, meta: dict, gguf_too: bool = True, values:
     lora = lora_arrays(recipe, values)
     save_peft(dest, lora, recipe.model_cfg, rank=meta["rank"], alpha=meta["alpha"],
               targets=meta["targets"], base_model_name=meta["base"],
-              template=meta.get("template"))
-    if gguf_too:
+              template=meta.get("template"), rslora=meta.get("rslora", False),
+              dropout=meta.get("dropout", 0.0))
+    # llama.cpp has no DoRA: its adapter.gguf is left out (the merged export serves it)
+    if gguf_too and not recipe.net.magnitudes:
         save_gguf_adapter(dest / "adapter.gguf", lora, recipe.model_cfg, alpha=meta["alpha"],
-                          base_arch=recipe.model_cfg.arch)
+                          base_arch=recipe.model_cfg.arch, rslora=meta.get("rslora", False))
 
 
 def write_final(out: Path, recipe, lora_meta: dict | None, values: dict | None = None):

@@ -85,16 +85,24 @@ def _realize(run_cfg: RunConfig, prep: Prepared, ranks: int = 1):
 
 
 def _load_adapter_init(run_cfg: RunConfig, recipe):
-    from toygraph.adapters.files import load_peft
-    lora, rank, alpha, targets = load_peft(run_cfg.adapter_init, recipe.model_cfg)
+    from toygraph.adapters.files import read_peft
+    adapter = read_peft(run_cfg.adapter_init, recipe.model_cfg)
+    rank, targets = adapter.rank, adapter.targets
     if rank != run_cfg.rank or set(targets) != set(run_cfg.targets):
         raise DataError(f"{run_cfg.adapter_init}: adapter has rank {rank} and targets {targets}; "
                         f"the run asks for rank {run_cfg.rank} and {list(run_cfg.targets)}")
-    missing = set(recipe.net.lora) - set(lora)
+    for key, flag in (("rslora", "--rslora"), ("dora", "--dora")):
+        want = bool(getattr(run_cfg, key, False))
+        if getattr(adapter, key) != want:
+            raise DataError(f"{run_cfg.adapter_init}: adapter has use_{key}="
+                            f"{str(getattr(adapter, key)).lower()}; the run "
+                            f"{'asks for' if want else 'does not ask for'} {flag}")
+    missing = set(recipe.net.lora) - set(adapter.lora)
     if missing:
         raise DataError(f"{run_cfg.adapter_init}: adapter lacks {sorted(missing)[:3]}")
-    recipe.load_adapter_init({f"{k}.lora_{s}": v for k, (a, b) in lora.items()
-                              for s, v in (("a", a), ("b", b))})
+    recipe.load_adapter_init({f"{k}.lora_{s}": v for k, (a, b, *m) in adapter.lora.items()
+                              for s, v in (("a", a), ("b", b), ("magnitude", (m or [None])[0]))
+                              if v is not None})
 
 
 def _epoch_batches(run_cfg: RunConfig, train: list, pad: int, recipe):
@@ -201,7 +209,8 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
     # (line, shown even with --quiet): skipped checkpoints always show
     intro = [(line, False) for line in intro]
     intro += [(f"resume: skipped {path} ({why})", True) for path, why in prep.skipped]
-    lora_meta = ({"rank": run_cfg.rank, "alpha": run_cfg.alpha,
+    lora_meta = ({"rank": run_cfg.rank, "alpha": run_cfg.alpha, "rslora": run_cfg.rslora,
+                  "dropout": run_cfg.lora_dropout,
                   "targets": list(run_cfg.targets),
                   "base": run_cfg.model if store_of(run_cfg.model) else Path(run_cfg.model).name,
                   "arch": prep.model.config.arch,
@@ -320,7 +329,7 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
             return None, status, reason, None
         values, final = _final_source(sup.run_cfg, out, trainer)
         write_final(out, recipe, lora_meta, values)
-        if lora_meta is not None:
+        if lora_meta is not None and not sup.run_cfg.dora:   # DoRA: no adapter.gguf
             # Ollama: FROM base + ADAPTER ./adapter.gguf, prompts in the run's template
             source = lora_meta["source"]   # ollama:NAME: FROM the Ollama model
             modelfile = write_modelfile(out, source.path, template=lora_meta["template"],

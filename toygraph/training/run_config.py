@@ -29,7 +29,7 @@ from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
 from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
 from toygraph.models.decoder import LoraConfig
-from toygraph.recipes import RECIPES, RecipeOptions, recipe_class
+from toygraph.recipes import RECIPES, LoRA, RecipeOptions, recipe_class
 from toygraph.recipes.dpo import DPO, LABEL_SMOOTHING
 from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, NUM_GENERATIONS, NUM_ITERATIONS,
                                    TEMPERATURE, TOP_P)
@@ -64,6 +64,12 @@ def option(default=MISSING, *, help: str, group: str, used_by=None, resume: str 
 
 def _adapter_recipes(recipe) -> bool:
     return recipe.trains_adapter
+
+
+def _lora_recipe(recipe) -> bool:
+    # the plain LoRA recipe only: the preference and GRPO recipes (its subclasses) build
+    # reference and sampling passes that do not take the variants
+    return recipe is LoRA
 
 
 def _preference_recipes(recipe) -> bool:
@@ -138,6 +144,20 @@ class RunConfig:
                                     help="dpo: assumed chance a pair's preference is flipped "
                                          "(conservative DPO)",
                                     group="adapter", used_by=lambda recipe: issubclass(recipe, DPO), low=0, high=0.5)
+    # --- LoRA variants (issue 26 item 4; LoraConfig's docstring) ---
+    rslora: bool = option(LoraConfig.rslora, help="rsLoRA: scale the update by alpha / "
+                                                  "sqrt(rank) instead of alpha / rank",
+                          group="adapter", used_by=_lora_recipe)
+    dora: bool = option(LoraConfig.dora, help="DoRA: a trainable magnitude per output row "
+                                              "times the direction of W + scale * B A",
+                        group="adapter", used_by=_lora_recipe, resume="never")
+    lora_plus_ratio: float = option(LoraConfig.plus_ratio,
+                                    help="LoRA+: the B matrices' learning rate is the peak "
+                                         "learning rate times this (A's: that rate)",
+                                    group="adapter", used_by=_lora_recipe, low=0, open_low=True)
+    lora_dropout: float = option(LoraConfig.dropout, help="dropout on each adapter's input "
+                                                          "while training (not with --dora)",
+                                 group="adapter", used_by=_lora_recipe, low=0, high=1)
     # --- steps and batches -----------------------------------------------------------------
     steps: int | None = option(None, help="optimizer steps; none: one epoch, or what --epochs says",
                                group="steps", low=1)
@@ -338,6 +358,8 @@ class RunConfig:
         why = precision_error(self.precision, self.backend)
         if why:
             raise ToygraphError(f"--precision {why}")
+        if self.dora and self.lora_dropout:   # PEFT would drop DoRA's base term's input too
+            raise ToygraphError("--lora-dropout together with --dora is not supported")
         if self.min_lr > self.lr:
             raise ToygraphError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if 0 < self.diverge_factor <= 1:

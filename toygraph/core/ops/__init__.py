@@ -12,7 +12,7 @@ for attention).
 table            OpSpec, OPS, KERNELS and the helpers the families fill them with
 shape            reshape, permute, contiguous, expand, sum_to, sum, unpack
 elementwise      add, sub, mul, scale, silu, gelu, sigmoid, softcap, swiglu_oai (+ swiglu, geglu, mean)
-norm             rms_norm, softmax (row-wise normalisations)
+norm             rms_norm, softmax, inv_row_norm (row-wise normalisations)
 rotary           rope
 flash_attention  attention (fused, flash-style)
 gemm             matmul (f32, block-format weights, tensor cores) and the dequantizers
@@ -26,6 +26,7 @@ slicing          narrow (a slice of the last axis)
 preference       token_logprobs, softplus, log_sigmoid, log1mexp (DPO/ORPO losses)
 experts          topk, take_along, group_by_expert, expert_matmul (mixtures of experts)
 policy           clipped_surrogate, kl_penalty (GRPO's policy-gradient loss)
+stochastic       dropout (a counter-based mask keyed by the hp row's step)
 ===============  =======================================================================
 
 The builders are re-exported here, so ``ops.<name>`` is every op:
@@ -44,7 +45,7 @@ from toygraph.core.ops.shape import (broadcast_shapes, contiguous, expand, permu
                                      sum, sum_to, unpack)
 from toygraph.core.ops.elementwise import (add, geglu, gelu, gelu_back, mean, mul, scale, silu,
                                            sigmoid, silu_back, softcap, sub, swiglu, swiglu_oai)
-from toygraph.core.ops.norm import rms_norm, softmax
+from toygraph.core.ops.norm import inv_row_norm, rms_norm, softmax
 from toygraph.core.ops.rotary import rope
 from toygraph.core.ops.flash_attention import attention
 from toygraph.core.ops.gemm import matmul
@@ -58,6 +59,7 @@ from toygraph.core.ops.slicing import narrow
 from toygraph.core.ops.preference import log1mexp, log_sigmoid, softplus, token_logprobs
 from toygraph.core.ops.experts import expert_matmul, group_by_expert, take_along, topk
 from toygraph.core.ops.policy import clipped_surrogate, kl_penalty
+from toygraph.core.ops.stochastic import dropout
 # isort: on
 
 #: Ops that write into their first operand(s) rather than producing a value.

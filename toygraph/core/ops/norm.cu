@@ -78,3 +78,15 @@ extern "C" __global__ void tg_softmax_back(float* out, const float* y, const flo
             orow[j] = __fmul_rn(__fmul_rn(scale, yr[j]), __fsub_rn(gr[j], s));
     }
 }
+
+// 1 / sqrt(sum(x^2)) of each row of length D (DoRA's detached weight norm, ops/norm.py).
+extern "C" __global__ void tg_inv_row_norm(float* out, const float* x, int rows, int D) {
+    __shared__ float sh[TG_THREADS];
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* xr = x + (long long)row * D;
+        float acc = 0.0f;
+        for (int j = threadIdx.x; j < D; j += blockDim.x) acc = __fadd_rn(acc, __fmul_rn(xr[j], xr[j]));
+        float total = tg_block_sum(acc, sh);
+        if (threadIdx.x == 0) out[row] = __fdiv_rn(1.0f, __fsqrt_rn(total));
+    }
+}

@@ -1,7 +1,7 @@
 """The row-wise normalisations over the last axis: rms_norm (x / sqrt(mean(x^2) + eps)) and
 softmax (scaled, optionally causal-masked), with their backward ops, numpy kernels and CUDA
-lowering (norm.cu: one block per row, fixed-order tree reductions). The attention of the
-models is the fused op of flash_attention.py; softmax serves graphs that want the
+lowering (norm.cu: one block per row, fixed-order tree reductions). inv_row_norm (1 / ||row||, detached) serves DoRA.
+The attention of the models is the fused op of flash_attention.py; softmax serves graphs that want the
 probabilities."""
 from __future__ import annotations
 
@@ -45,6 +45,22 @@ define_op("softmax", _infer_softmax,
 define_op("softmax_back", infer_same2)
 
 
+def inv_row_norm(x):
+    """1 / sqrt(sum(x^2, last axis)): [..., D] -> [...]. Detached: no gradient flows
+    through it (its backward rule gives none), as DoRA treats ||W + s B A|| as a constant
+    (the DoRA paper, section 4.3; PEFT's ``weight_norm.detach()``)."""
+    return make_node("inv_row_norm", [x])
+
+
+def _infer_inv_row_norm(shapes, dtypes, attrs):
+    check_floats(dtypes)
+    check(len(shapes[0]) >= 1, "inv_row_norm needs at least one axis")
+    return shapes[0][:-1], F32
+
+
+define_op("inv_row_norm", _infer_inv_row_norm, lambda n, g, need: [None])
+
+
 # --- numpy kernels -----------------------------------------------------------------------------
 @kernel("rms_norm")
 def _rms_norm_numpy(out, srcs, attrs):
@@ -81,6 +97,12 @@ def _softmax_back_numpy(out, srcs, attrs):
     out[...] = attrs["scale"] * y * (g - np.sum(g * y, axis=-1, keepdims=True))
 
 
+@kernel("inv_row_norm")
+def _inv_row_norm_numpy(out, srcs, attrs):
+    x = srcs[0]
+    out[...] = 1.0 / np.sqrt(np.sum(x * x, axis=-1))
+
+
 # --- CUDA lowering (norm.cu) -------------------------------------------------------------------
 def _rms(node, at):
     """A block per row; rms_norm_back's g is one more pointer after x."""
@@ -110,3 +132,10 @@ def _softmax_back(node, at):
     return [Launch("tg_softmax_back", rows_grid(rows),
                    [p(at.out), p(at.ptr(y)), p(at.ptr(g)), i32(rows), i32(T),
                     f32(node.attrs["scale"])])]
+
+
+@lowers("inv_row_norm", kernels=("tg_inv_row_norm",))
+def _inv_row_norm(node, at):
+    x = node.srcs[0]
+    rows, D = x.size // x.shape[-1], x.shape[-1]
+    return [Launch("tg_inv_row_norm", rows_grid(rows), [p(at.out), p(at.ptr(x)), i32(rows), i32(D)])]

@@ -27,8 +27,9 @@ extern "C" __global__ void tg_global_norm(float* out, const double* partials, in
 // scaled by min(1, max_norm / norm) when max_norm > 0.
 extern "C" __global__ void tg_adamw(float* w, const float* g, float* m, float* v, const float* hp,
                                     const float* norm, const float* divisor, int n,
-                                    double max_norm) {
-    float lr = hp[0], b1 = hp[1], b2 = hp[2], eps = hp[3], wd = hp[4], b1h = hp[5], b2h = hp[6];
+                                    double max_norm, float lr_scale) {
+    // lr_scale: this tensor's learning-rate multiplier (LoRA+), 1 for most.
+    float lr = __fmul_rn(hp[0], lr_scale), b1 = hp[1], b2 = hp[2], eps = hp[3], wd = hp[4], b1h = hp[5], b2h = hp[6];
     double coef = 1.0 / fmax((double)divisor[0], 1.0);
     double nrm = (double)norm[0];
     if (max_norm > 0.0 && nrm > max_norm) coef *= max_norm / nrm;

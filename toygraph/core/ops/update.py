@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.core.ops.table import F32, NONE, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, f64, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import Launch, declare_kernels, f32, f64, grid_1d, i32, lowers, p
 from toygraph.cuda.lowering.constants import THREADS
 
 # The family's CUDA kernels, beside this module.
@@ -36,20 +36,24 @@ def _infer_global_norm(shapes, dtypes, attrs):
     return (), F32
 
 
-def adamw(param, grad, m, v, hp, norm, divisor, *, max_norm: float):
+def adamw(param, grad, m, v, hp, norm, divisor, *, max_norm: float, lr_scale: float = 1.0):
     """One AdamW update in place of param, m and v, from the accumulated ``grad``.
 
     The gradient used is grad / divisor, scaled by min(1, max_norm / norm) when max_norm > 0;
-    ``hp`` is the 7-value row [lr, b1, b2, eps, wd, 1/(1-b1^t), 1/(1-b2^t)].
+    ``hp`` is the row [lr, b1, b2, eps, wd, 1/(1-b1^t), 1/(1-b2^t), t, micro]. ``lr_scale``
+    multiplies this tensor's learning rate (LoRA+: B's rate is lr * ratio), a constant of
+    the graph, so every replayed step (and a resumed run) applies the same one; the f32
+    product lr * 1.0 is lr exactly, so a scale of 1 changes no bit.
     """
-    return make_node("adamw", [param, grad, m, v, hp, norm, divisor], max_norm=float(max_norm))
+    return make_node("adamw", [param, grad, m, v, hp, norm, divisor], max_norm=float(max_norm),
+                     lr_scale=float(lr_scale))
 
 
 def _infer_adamw(shapes, dtypes, attrs):
     check_floats(dtypes)
     w, g, m, v, hp, norm, div = shapes
     check(w == g == m == v, f"param, grad and moments must share a shape, got {w} {g} {m} {v}")
-    check(hp == (7,), f"hp must be the 7-value row, got {hp}")
+    check(hp == (9,), f"hp must be the 9-value row (core/optimizer.hp_row), got {hp}")
     check(norm == () and div == (), "norm and divisor must be scalars")
     return (), NONE
 
@@ -80,7 +84,8 @@ def _global_norm_numpy(out, srcs, attrs):
 @kernel("adamw")
 def _adamw_numpy(out, srcs, attrs):
     w, g, m, v, hp, norm, divisor = srcs
-    lr, b1, b2, eps, wd, b1h, b2h = (w.dtype.type(h) for h in hp)
+    lr, b1, b2, eps, wd, b1h, b2h = (w.dtype.type(h) for h in hp[:7])
+    lr = lr * w.dtype.type(attrs["lr_scale"])
     coef = 1.0 / max(float(divisor), 1.0)
     max_norm = attrs["max_norm"]
     if max_norm > 0 and float(norm) > max_norm:
@@ -136,4 +141,5 @@ def _adamw(node, at):
     w, g, m, v, hp, norm, div = node.srcs
     return [Launch("tg_adamw", grid_1d(w.size),
                    [p(at.ptr(w)), p(at.ptr(g)), p(at.ptr(m)), p(at.ptr(v)), p(at.ptr(hp)),
-                    p(at.ptr(norm)), p(at.ptr(div)), i32(w.size), f64(node.attrs["max_norm"])])]
+                    p(at.ptr(norm)), p(at.ptr(div)), i32(w.size), f64(node.attrs["max_norm"]),
+                    f32(node.attrs["lr_scale"])])]
