@@ -8,6 +8,7 @@ import pytest
 
 from gradcheck import check_gradients, weighted_sum
 from hostparity import REDUCTION, compare_op
+from tcattn_reference import visible
 from toygraph.core import ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
@@ -33,13 +34,7 @@ def dense_reference(q, k, v, segs, scale, causal, window):
     B, H, T, _ = q.shape
     G = H // k.shape[1]
     kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
-    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-    vis = np.ones((T, T), bool)
-    if causal:
-        vis &= j <= i
-    if window:
-        vis &= i - j < window
-    vis = vis[None] & (segs[:, :, None] == segs[:, None, :])          # [B, T, T]
+    vis = visible(T, causal, window, segs)                             # [B, T, T]
     s = np.where(vis[:, None], scale * q @ np.swapaxes(kk, -1, -2), -np.inf)
     s = np.exp(s - s.max(-1, keepdims=True))
     return (s / s.sum(-1, keepdims=True)) @ vv
