@@ -43,8 +43,7 @@ def test_the_estimate_is_near_what_tokenizing_holds(tiny_llama, tmp_path):
     assert abs(estimate - measured) < 0.2 * measured, (estimate, measured)
 
 
-def test_small_files_get_no_estimate(tiny_llama, tmp_path):
-    tok = Tokenizer.from_gguf(tiny_llama)
+def test_small_files_get_no_estimate(tmp_path):
     rows = load_examples(_data(tmp_path / "d.jsonl", ESTIMATE_FROM_ROWS - 1))
     calls = []
     assert estimate_tokenized_bytes(lambda s: calls.append(s), rows) is None and not calls
