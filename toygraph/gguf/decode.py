@@ -9,8 +9,8 @@ blocks.dequantize (about 1.3 ns an element for q8_0, 12 for q4_k, 21 for q6_k on
 core: usable, several times slower).
 
 :class:`BlockTensor` is one frozen tensor as its block bytes (an mmap'd GGUF slice), with
-``decode_into`` for the whole of it and ``decode_rows`` for the rows an embedding lookup
-needs.
+``decode_into`` for the whole of it, ``decode_rows`` for the rows an embedding lookup
+needs and ``part`` for one expert of a stacked [E, out, in] tensor.
 
 >>> t = BlockTensor(raw, "q4_k", (2048, 8192))                     # doctest: +SKIP
 >>> t.decode_into(scratch)                                        # doctest: +SKIP
@@ -119,6 +119,12 @@ class BlockTensor:
     def decode_into(self, out: np.ndarray) -> np.ndarray:
         """The whole tensor, decoded into ``out`` (its shape, any float dtype)."""
         return dequantize_into(self.data, self.storage, self.shape, out)
+
+    def part(self, i: int) -> "BlockTensor":
+        """Slice ``i`` along the first axis (one expert of [E, out, in]) as a BlockTensor
+        over the same bytes: nothing is read or copied until it is decoded."""
+        per = self.nbytes // self.shape[0]
+        return BlockTensor(self.data[i * per:(i + 1) * per], self.storage, self.shape[1:])
 
     def decode_rows(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Rows ``ids`` of a 2-D tensor decoded into ``out`` [len(ids), cols]: only their
