@@ -185,8 +185,10 @@ def test_quantized_experts_decode_only_the_chosen_ones_bit_for_bit(qtype, monkey
     sess, got = _run_block_graph(g, outs, feed, "quantized")
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-    # each chosen expert once per node, in expert order; never the stacked tensor
-    assert parts == sorted(chosen) * 2 and w.shape not in whole
+    # per node each chosen expert twice (its prefetch, then its decode), in expert order;
+    # only expert-sized decodes, never the stacked tensor
+    assert parts == sorted(chosen) * 4 and set(whole) == {w.shape[1:]}
+    assert len(whole) == 2 * len(chosen)
     plan = sess.plan
     assert plan.quantized == {w.id} and plan.scratch_bytes == aligned(4 * 32 * 256)
 

@@ -218,7 +218,10 @@ def _expert_matmul_blocks(out, srcs, attrs, scratch):
     rows = out.reshape(N * k, n_out)
     xr = x.reshape(-1, x.shape[-1])
     we = scratch[:_one_expert(w.shape)].reshape(w.shape[1:])
-    for e, slots in _groups(routes, w.shape[0]):
+    groups = list(_groups(routes, w.shape[0]))
+    for e, _ in groups:   # start reading every chosen expert's pages, and only theirs
+        w.part(e).prefetch()
+    for e, slots in groups:
         src = slots // k if x.ndim == 2 else slots
         w.part(e).decode_into(we)
         rows[slots] = xr[src] @ (we.T if attrs["trans_b"] else we)
