@@ -38,6 +38,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from bench_base_memory import finish, uptime  # noqa: E402
 from bench_lora import bench_cache, ensure_toygraph, log, peak_rss_bytes  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -221,10 +222,6 @@ def run_child(spec: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child")
@@ -261,12 +258,7 @@ def main(argv=None) -> None:
            "command": "python bench/bench_moe.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
            "uptime": load, "rows": rows}
-    text = render(doc)
-    print(text)
-    if a.md:
-        Path(a.md).write_text(text + "\n")
-    if a.json:
-        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    finish(render(doc), a, doc)
 
 
 def render(doc: dict) -> str:
