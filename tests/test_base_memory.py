@@ -101,10 +101,11 @@ def models(tmp_path_factory):
     return {name: write(d / f"{name}.gguf") for name, write in MODELS.items()}
 
 
-def _steps(path, mode, monkeypatch, checkpoint=False, steps=2):
+def _steps(path, mode, monkeypatch, checkpoint=False, steps=2,
+           targets=("q", "k", "v", "o", "gate", "up", "down")):
     monkeypatch.setenv("TOYGRAPH_BASE_MEMORY", mode)
     model = GGUFModel(path)
-    recipe = RECIPES["lora"](targets=("q", "k", "v", "o", "gate", "up", "down"))
+    recipe = RECIPES["lora"](targets=targets)
     recipe.realize(model, model.config, RecipeOptions(seq_len=16, batch=2, seed=3,
                                                       checkpoint_activations=checkpoint))
     rng = np.random.default_rng(0)
@@ -130,6 +131,23 @@ def test_lora_steps_are_bit_identical_with_the_base_quantized(models, name, chec
     assert plan.base_memory == "quantized" and "base kept quantized" in plan.summary()
     assert got.sess.backend.decode_seconds > 0
     assert ref.sess.plan.total_bytes > plan.total_bytes
+
+
+@pytest.mark.parametrize("name,qtype", [("qwen3moe", "q8_0"), ("gpt-oss", "mxfp4")])
+def test_moe_lora_steps_are_bit_identical_with_the_experts_quantized(name, qtype, tmp_path,
+                                                                     monkeypatch):
+    """The committed MoE fixtures with their experts (and attention) requantized: LoRA
+    steps read only the chosen experts' blocks and give decode mode's losses bit for bit."""
+    from moe_references import requantize
+    path = requantize(name, tmp_path / "m.gguf", {"_exps": qtype, "attn_q.": "q8_0"})
+    ref, ref_losses = _steps(path, "decode", monkeypatch, targets=("q", "k", "v", "o"))
+    got, losses = _steps(path, "quantized", monkeypatch, targets=("q", "k", "v", "o"))
+    assert [x.hex() for x in losses] == [x.hex() for x in ref_losses]
+    after, want = got.trainable(), ref.trainable()
+    for key in want:
+        np.testing.assert_array_equal(after[key], want[key], err_msg=key)
+    exps = [t for t in got.graph.nodes if t.id in got.sess.plan.quantized and "_exps" in t.name]
+    assert exps and all(t.storage == qtype for t in exps)
 
 
 def test_the_tied_head_is_decoded_once_per_step(models, monkeypatch):

@@ -1,5 +1,7 @@
 """Every mixture-of-experts key of a GGUF is implemented or refused in one line
 (models/config.py's _experts), on the metadata of the committed llama.cpp conversion."""
+import os
+
 import numpy as np
 import pytest
 
@@ -73,3 +75,33 @@ def test_leading_dense_layers_have_a_plain_ffn():
     s.upload(labels, np.arange(1, 6, dtype=np.int32))
     s.run("forward")
     assert np.isfinite(s.download(loss))
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_expert_tensors_are_mapped_for_random_reads():
+    """The stacked experts are advised MADV_RANDOM ("rr"): a fault there reads its page,
+    not the read-ahead window of unused experts around it; other tensors keep the
+    default (sequential read-ahead helps them)."""
+    from toygraph.models.model import GGUFModel
+    model = GGUFModel(gguf_path("qwen3moe"))
+    base = model.reader.mmap.ctypes.data
+    offsets = {t.name: t.data_offset for t in model.reader.tensors}
+    exps = [n for n in offsets if n.endswith("_exps.weight")]
+    assert len(exps) == 3 * model.config.n_layer
+    for name in exps:
+        assert "rr" in _vma_flags(base + offsets[name]), name
+    assert "rr" not in _vma_flags(base + offsets["token_embd.weight"])

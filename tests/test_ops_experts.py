@@ -8,7 +8,10 @@ import pytest
 from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.graph import Graph
+from toygraph.core.memory import aligned
+from toygraph.core.session import Session
 from toygraph.errors import GraphError
+from toygraph.gguf import block_encode, decode
 
 
 def distinct_ids(rng, n, k, n_expert):
@@ -131,3 +134,71 @@ def test_shape_errors_name_the_operands():
         ops.expert_matmul(x, w, ops.group_by_expert(ids, 3))
     with pytest.raises(GraphError, match="topk needs 1 <= k <= 8"):
         ops.topk(x, 9)
+
+
+# --- expert weights kept in their block format (core/base_memory.py "quantized") ------------
+def _block_expert_graph(qtype, E=6, N=5, k=2, n_in=256, n_out=32):
+    """y = x @ W[e]^T and the dx-style dy @ W[e] over block-format expert weights, experts
+    0 and E-1 chosen by no token."""
+    rng = np.random.default_rng(4)
+    ids_v = np.stack([rng.choice(np.arange(1, E - 1), k, replace=False) for _ in range(N)]
+                     ).astype(np.int32)
+    wv = (rng.standard_normal((E, n_out, n_in)) * 0.05).astype(np.float32)
+    g = Graph()
+    w = g.const("w", block_encode.quantize(wv, qtype), shape=wv.shape, storage=qtype)
+    x, dy = g.input("x", (N, n_in)), g.input("dy", (N, k, n_out))
+    ids = g.input("ids", (N, k), "i32")
+    routes = ops.group_by_expert(ids, E)
+    outs = [g.output(ops.expert_matmul(x, w, routes)),
+            g.output(ops.expert_matmul(dy, w, routes, trans_b=False))]
+    feed = {x: rng.standard_normal((N, n_in)), dy: rng.standard_normal((N, k, n_out)),
+            ids: ids_v}
+    return g, w, outs, feed, set(ids_v.ravel().tolist())
+
+
+def _run_block_graph(g, outs, feed, mode):
+    sess = Session(g, base_memory=mode)
+    sess.realize()
+    for t, v in feed.items():
+        sess.upload(t, v)
+    sess.run("forward")
+    return sess, [sess.download(t) for t in outs]
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_quantized_experts_decode_only_the_chosen_ones_bit_for_bit(qtype, monkeypatch):
+    g, w, outs, feed, chosen = _block_expert_graph(qtype)
+    _, ref = _run_block_graph(g, outs, feed, "decode")
+    parts, whole = [], []
+    plain_part, plain_decode = decode.BlockTensor.part, decode.BlockTensor.decode_into
+
+    def part(self, i):
+        parts.append(i)
+        return plain_part(self, i)
+
+    def decode_into(self, out):
+        whole.append(self.shape)
+        return plain_decode(self, out)
+
+    monkeypatch.setattr(decode.BlockTensor, "part", part)
+    monkeypatch.setattr(decode.BlockTensor, "decode_into", decode_into)
+    sess, got = _run_block_graph(g, outs, feed, "quantized")
+    for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    # per node each chosen expert twice (its prefetch, then its decode), in expert order;
+    # only expert-sized decodes, never the stacked tensor
+    assert parts == sorted(chosen) * 4 and set(whole) == {w.shape[1:]}
+    assert len(whole) == 2 * len(chosen)
+    plan = sess.plan
+    assert plan.quantized == {w.id} and plan.scratch_bytes == aligned(4 * 32 * 256)
+
+
+def test_an_expert_slice_decodes_to_that_expert_of_the_whole():
+    rng = np.random.default_rng(5)
+    wv = rng.standard_normal((3, 4, 256)).astype(np.float32)
+    t = decode.BlockTensor(block_encode.quantize(wv, "q4_k"), "q4_k", wv.shape)
+    whole = t.decode_into(np.empty(wv.shape, np.float32))
+    for e in range(3):
+        part = t.part(e)
+        assert part.shape == (4, 256) and np.shares_memory(part.data, t.data)
+        np.testing.assert_array_equal(part.decode_into(np.empty((4, 256), np.float32)), whole[e])

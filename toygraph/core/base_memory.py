@@ -11,8 +11,10 @@ time by every node that reads it (QLoRA on the CPU).
   A node whose op has a block kernel for that source (``ops.BLOCK_KERNELS``: get_rows
   decodes only the rows it gathers) reads the bytes itself and needs no scratch. Forward,
   backward (dx through the frozen weight) and recomputed blocks alike: the mechanism sees
-  nodes, not what they are for, so any op reading any frozen block-format const (MoE
-  experts too) works unchanged.
+  nodes, not what they are for, so any op reading any frozen block-format const works
+  unchanged. expert_matmul's block kernel decodes only the experts some token chose in
+  this step, one at a time into one expert's worth of scratch: the other experts' pages
+  of the mapped file are never read.
 - ``auto``: ``decode`` when the whole decoded plan takes at most ``AUTO_SHARE`` of the
   memory available now, else ``quantized``.
 
@@ -73,11 +75,14 @@ def block_format_consts(schedule, outputs=()) -> list:
 def scratch_layout(node, quantized, itemsize: int) -> tuple[dict[int, int], int]:
     """Where in the scratch ``node``'s quantized sources are decoded ({const id: byte
     offset}, in source order) and the bytes that takes; ({}, 0) when the node reads none,
-    or reads all of them in their block format through its op's block kernel."""
-    reads = BLOCK_KERNELS.get(node.op, (None, ()))[1]
+    and ({}, what its block kernel asks for) when it reads all of them in their block
+    format through its op's block kernel."""
+    _, reads, need = BLOCK_KERNELS.get(node.op, (None, (), None))
     mine = [s for i, s in enumerate(node.srcs) if s.id in quantized]
-    if all(i in reads for i, s in enumerate(node.srcs) if s.id in quantized):
+    if not mine:
         return {}, 0
+    if all(i in reads for i, s in enumerate(node.srcs) if s.id in quantized):
+        return {}, aligned(need(node) * itemsize)
     layout, offset = {}, 0
     for s in mine:
         if s.id not in layout:

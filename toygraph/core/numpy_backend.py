@@ -78,7 +78,10 @@ class CpuBackend:
         for t in schedule:
             if t.op is None or not any(s.id in plan.quantized for s in t.srcs):
                 continue
-            layout, _ = scratch_layout(t, plan.quantized, self.itemsize)
+            layout, need = scratch_layout(t, plan.quantized, self.itemsize)
+            if not layout:  # the op's block kernel reads the bytes (and maybe the scratch)
+                self.decodes[t.id] = (layout, scratch[:need // self.itemsize] if need else None)
+                continue
             views = {}
             for s in t.srcs:
                 if s.id in layout:
@@ -100,11 +103,19 @@ class CpuBackend:
             if t.id in decodes:
                 layout, views = decodes[t.id]
                 if not layout:
-                    BLOCK_KERNELS[t.op][0](arrays.get(t.id), srcs, t.attrs)
+                    self._block_kernel(t, srcs, views)
                     continue
                 self._decode(layout, views)
                 srcs = [views[s.id][1] if s.id in views else a for s, a in zip(t.srcs, srcs)]
             KERNELS[t.op](arrays.get(t.id), srcs, t.attrs)
+
+    def _block_kernel(self, t, srcs, scratch):
+        """Run ``t``'s block kernel (its decodes are not in ``decode_seconds``: they are
+        interleaved with its GEMMs); one that decodes into the scratch overwrites what the
+        scratch held."""
+        BLOCK_KERNELS[t.op][0](self.arrays.get(t.id), srcs, t.attrs, scratch)
+        if scratch is not None:
+            self._held = None
 
     def _decode(self, layout: dict, views: dict):
         """Decode the quantized consts of one node into its scratch views, unless the

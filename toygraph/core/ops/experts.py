@@ -26,7 +26,8 @@ import numpy as np
 
 from toygraph.core.ops.gemm import DEQUANT_KERNELS
 from toygraph.core.ops.shape import sum as _sum
-from toygraph.core.ops.table import F32, I32, check, check_floats, define_op, kernel, make_node
+from toygraph.core.ops.table import (F32, I32, block_kernel, check, check_floats, define_op,
+                                     kernel, make_node)
 from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, grid_1d, i32, lowers,
                                     p)
 from toygraph.cuda.lowering.constants import MM_BM, MM_THREADS
@@ -199,6 +200,31 @@ def _expert_matmul_numpy(out, srcs, attrs):
         src = slots // k if x.ndim == 2 else slots
         we = w[e].T if attrs["trans_b"] else w[e]
         rows[slots] = xr[src] @ we
+
+
+def _one_expert(w_shape) -> int:
+    """Elements of one expert of expert_matmul's weights [E, ., .]."""
+    return int(np.prod(w_shape[1:]))
+
+
+@block_kernel("expert_matmul", reads=(1,), scratch=lambda node: _one_expert(node.srcs[1].shape))
+def _expert_matmul_blocks(out, srcs, attrs, scratch):
+    """Weights kept in their block format (a gguf.decode.BlockTensor): each expert some
+    slot chose is decoded, alone, into the scratch just before its GEMM, so the experts no
+    token chose are never read (their pages of the mapped file stay untouched). The same
+    decoded values in the same layout reach the same GEMM as in _expert_matmul_numpy."""
+    x, w, routes = srcs
+    N, k, n_out = out.shape
+    rows = out.reshape(N * k, n_out)
+    xr = x.reshape(-1, x.shape[-1])
+    we = scratch[:_one_expert(w.shape)].reshape(w.shape[1:])
+    groups = list(_groups(routes, w.shape[0]))
+    for e, _ in groups:   # start reading every chosen expert's pages, and only theirs
+        w.part(e).prefetch()
+    for e, slots in groups:
+        src = slots // k if x.ndim == 2 else slots
+        w.part(e).decode_into(we)
+        rows[slots] = xr[src] @ (we.T if attrs["trans_b"] else we)
 
 
 @kernel("expert_matmul_dw")

@@ -42,7 +42,7 @@ def _get_rows_numpy(out, srcs, attrs):
 
 
 @block_kernel("get_rows", reads=(0,))
-def _get_rows_blocks(out, srcs, attrs):
+def _get_rows_blocks(out, srcs, attrs, scratch):
     """A table kept in its block format (a gguf.decode.BlockTensor): only the gathered
     rows are decoded, straight into the output."""
     table, ids = srcs

@@ -40,11 +40,13 @@ class OpSpec:
 OPS: dict[str, OpSpec] = {}
 KERNELS: dict[str, Callable] = {}
 #: Numpy kernels that read some sources in their block format themselves, per op:
-#: (kernel, the source indices it takes as ``toygraph.gguf.decode.BlockTensor``s). The numpy
-#: backend calls one for a node whose every quantized source is at such an index (e.g.
-#: get_rows decodes only the rows it gathers); any other node gets its quantized sources
-#: decoded into the scratch first (core/base_memory.py).
-BLOCK_KERNELS: dict[str, tuple[Callable, tuple[int, ...]]] = {}
+#: (kernel, the source indices it takes as ``toygraph.gguf.decode.BlockTensor``s, the scratch
+#: elements it needs for a node). The numpy backend calls one for a node whose every
+#: quantized source is at such an index (get_rows decodes only the rows it gathers,
+#: expert_matmul only the experts some token chose, one at a time into its part of the
+#: decode scratch); any other node gets its quantized sources decoded into the scratch
+#: first (core/base_memory.py).
+BLOCK_KERNELS: dict[str, tuple[Callable, tuple[int, ...], Callable]] = {}
 
 
 def define_op(name, infer, grad=None, id_ranges=None, in_place=False):
@@ -69,11 +71,13 @@ def kernel(name):
     return register
 
 
-def block_kernel(name, reads: tuple[int, ...]):
-    """Register the decorated ``fn(out, srcs, attrs)`` as op ``name``'s numpy kernel for
-    sources ``reads`` kept in their block format (see BLOCK_KERNELS)."""
+def block_kernel(name, reads: tuple[int, ...], scratch: Callable = lambda node: 0):
+    """Register the decorated ``fn(out, srcs, attrs, scratch)`` as op ``name``'s numpy
+    kernel for sources ``reads`` kept in their block format (see BLOCK_KERNELS);
+    ``scratch(node)`` elements of the decode scratch are its to decode into (a flat array,
+    or None when it asks for none)."""
     def register(fn):
-        BLOCK_KERNELS[name] = (fn, tuple(reads))
+        BLOCK_KERNELS[name] = (fn, tuple(reads), scratch)
         return fn
     return register
 
