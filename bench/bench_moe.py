@@ -10,8 +10,8 @@ DONTNEED); after the step it asks the kernel which of the file's pages are resid
 the kernel's read-ahead of faulted pages); /proc/self/pagemap says which pages of
 toygraph's own mapping the step touched. Per expert slice of the _exps tensors it reports
 both, split into the slices the block kernel decoded (the experts the step's tokens
-chose) and the others. toygraph advises the expert tensors MADV_RANDOM (GGUFModel); a
-second row undoes that (MADV_NORMAL) to show what the disk's read-ahead costs.
+chose) and the others. toygraph's expert kernel advises the expert tensors MADV_RANDOM (BlockTensor.read_sparsely);
+a second row skips that advice to show what the disk's read-ahead costs.
 
 Each mode runs in its own child process (its peak RSS is its own). The decode mode's
 plan is computed from the quantized one (same arena, the block consts as f32) and run
@@ -85,13 +85,11 @@ def mapped(model) -> np.ndarray:
     return (entries >> np.uint64(63)).astype(bool)
 
 
-def default_readahead(model, tensors) -> None:
-    """Undo toygraph's madvise(MADV_RANDOM) over the _exps tensors (MADV_NORMAL): a page
-    fault there reads the disk's read-ahead window again, as before that advice."""
-    for name, (off, n) in tensors.items():
-        if "_exps" in name:
-            a = off // PAGE * PAGE
-            model.reader.mmap._mmap.madvise(mmap.MADV_NORMAL, a, off + n - a)
+def default_readahead(decode) -> None:
+    """Keep the disk's read-ahead over the _exps tensors: the expert kernel's
+    madvise(MADV_RANDOM) (BlockTensor.read_sparsely) becomes a no-op, so a page fault there
+    reads the read-ahead window, as before that advice."""
+    decode.BlockTensor.read_sparsely = lambda self: None
 
 
 def evict(model, path: Path) -> None:
@@ -157,7 +155,7 @@ def child(spec: dict) -> dict:
     pos = np.tile(np.arange(T, dtype=np.int32), (1, B, 1))
     tensors = {t.name: (t.data_offset, int(t.n_bytes)) for t in model.reader.tensors}
     if spec["readahead"]:
-        default_readahead(model, tensors)
+        default_readahead(decode)
     losses, warm_s = [], []
     for i in range(n):
         cold = i == 1

@@ -180,9 +180,12 @@ def test_quantized_experts_decode_only_the_chosen_ones_bit_for_bit(qtype, monkey
         whole.append(self.shape)
         return plain_decode(self, out)
 
+    sparse = []
     monkeypatch.setattr(decode.BlockTensor, "part", part)
     monkeypatch.setattr(decode.BlockTensor, "decode_into", decode_into)
+    monkeypatch.setattr(decode.BlockTensor, "read_sparsely", lambda self: sparse.append(self.shape))
     sess, got = _run_block_graph(g, outs, feed, "quantized")
+    assert sparse == [w.shape] * 2   # each node advises the stacked experts it reads
     for a, b in zip(ref, got):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     # per node each chosen expert twice (its prefetch, then its decode), in expert order;

@@ -126,6 +126,7 @@ class BlockTensor:
     def __init__(self, data, storage: str, shape):
         self.storage, self.shape = storage, tuple(int(s) for s in shape)
         self.data = blocks.as_bytes(data)
+        self._sparse = False   # advised MADV_RANDOM already (read_sparsely)
         self.nbytes = blocks.nbytes(storage, self.shape)
         if self.data.size != self.nbytes:
             raise GGUFError(f"{storage} tensor of shape {self.shape} needs {self.nbytes} bytes, "
@@ -141,17 +142,32 @@ class BlockTensor:
         per = self.nbytes // self.shape[0]
         return BlockTensor(self.data[i * per:(i + 1) * per], self.storage, self.shape[1:])
 
-    def prefetch(self) -> None:
-        """Ask the kernel to start reading these bytes now (madvise MADV_WILLNEED over
-        their pages): one large asynchronous read of a mapped expert's slice instead of a
-        page fault per 4 KiB (the expert tensors are advised MADV_RANDOM, gguf/file.py).
-        Best effort: nothing happens where madvise is missing or refuses."""
-        if _madvise is None or self.data.size == 0:
+    def read_sparsely(self) -> None:
+        """Tell the kernel these bytes are read in scattered pieces (a MoE's stacked
+        experts, of which a step reads the chosen few): madvise(MADV_RANDOM), so a page
+        fault reads its page, not the disk's read-ahead window (megabytes: the unused
+        experts around it). Advised once per tensor, and only by the kernel that reads it
+        piecewise: a whole-tensor decode or a device upload keeps the read-ahead. Pair it
+        with ``prefetch`` of the pieces (without, cold reads go page by page). Best effort."""
+        if self._sparse or _madvise is None or self.data.size == 0:
             return
+        self._sparse = True
+        self._advise(mmap.MADV_RANDOM)
+
+    def _advise(self, advice: int) -> None:
         start = self.data.ctypes.data
         aligned = start - start % mmap.PAGESIZE
         _madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(start + self.data.size - aligned),
-                 mmap.MADV_WILLNEED)
+                 advice)
+
+    def prefetch(self) -> None:
+        """Ask the kernel to start reading these bytes now (madvise MADV_WILLNEED over
+        their pages): one large asynchronous read of a mapped expert's slice instead of a
+        page fault per 4 KiB (the expert tensors are advised MADV_RANDOM: ``read_sparsely``).
+        Best effort: nothing happens where madvise is missing or refuses."""
+        if _madvise is None or self.data.size == 0:
+            return
+        self._advise(mmap.MADV_WILLNEED)
 
     def decode_rows(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Rows ``ids`` of a 2-D tensor decoded into ``out`` [len(ids), cols]: only their

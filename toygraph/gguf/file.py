@@ -11,7 +11,6 @@ decoded (or bound to a device buffer). What the tensors mean is the model layer'
 """
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,18 +99,6 @@ class GGUFFile:
         qtype = blocks.qtype_name(t.tensor_type)   # checked at open
         raw = self.reader.mmap[t.data_offset:t.data_offset + t.n_bytes]
         return WeightTensor(name=name, qtype=qtype, shape=self._shapes[name], raw=raw)
-
-    def read_sparsely(self, name: str) -> None:
-        """Tell the kernel that tensor ``name`` is read in scattered pieces (a MoE's stacked
-        experts, of which a step reads the chosen few): madvise(MADV_RANDOM) over its bytes
-        of the mapping, so a page fault there reads that page, not the disk's read-ahead
-        window (megabytes: the unused experts around it). No-op where madvise is missing."""
-        mm = getattr(self.reader.mmap, "_mmap", None)
-        if mm is None or not hasattr(mmap, "MADV_RANDOM"):
-            return
-        t = self._tensors[name]
-        start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-        mm.madvise(mmap.MADV_RANDOM, start, t.data_offset + int(t.n_bytes) - start)
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r})"

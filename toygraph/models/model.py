@@ -30,9 +30,6 @@ class GGUFModel(GGUFFile):
         # Every tensor the graph needs, with its shape, and no tensor it would ignore.
         check_tensors(self.config, self._shapes, self.path)
         self._check_vocabulary()
-        for name in self._shapes:   # a step reads only the chosen experts' slices
-            if name.endswith("_exps.weight"):
-                self.read_sparsely(name)
 
     def _check_vocabulary(self) -> None:
         """The vocabulary's sizes agree: ``<arch>.vocab_size`` (when present) with the

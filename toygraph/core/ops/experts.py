@@ -219,6 +219,7 @@ def _expert_matmul_blocks(out, srcs, attrs, scratch):
     xr = x.reshape(-1, x.shape[-1])
     we = scratch[:_one_expert(w.shape)].reshape(w.shape[1:])
     groups = list(_groups(routes, w.shape[0]))
+    w.read_sparsely()     # no read-ahead into the unused experts around a chosen one
     for e, _ in groups:   # start reading every chosen expert's pages, and only theirs
         w.part(e).prefetch()
     for e, slots in groups:
