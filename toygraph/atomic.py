@@ -1,5 +1,5 @@
 """Writing files so that a reader never sees half of one, with the modes the user's umask
-asks for.
+asks for; and a file's sha256, which checkpoints, data and model stores all check.
 
 >>> atomic_write(Path("runs/x/adapter.gguf"), lambda tmp: writer.write_to(tmp))  # doctest: +SKIP
 
@@ -9,6 +9,7 @@ them the mode an ordinary ``open``/``mkdir`` would have had under the process's 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -42,3 +43,12 @@ def temp_dir(parent, prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     os.chmod(path, 0o777 & ~umask())
     return path
+
+
+def file_sha256(path) -> str:
+    """The sha256 of a file's bytes, read a MiB at a time (hex)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -19,11 +19,11 @@ and ``encode_example`` are from ``toygraph.data.encoding``).
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from toygraph.atomic import file_sha256
 from toygraph.data.encoding import Encoded, encode_example, encode_rows
 from toygraph.data.examples import Example, load_examples
 from toygraph.errors import DataError
@@ -203,11 +203,7 @@ def batches(items: list[Encoded], batch_size: int, seq_len: int, pad_id: int, *,
 
 def data_hash(path) -> str:
     """sha256 of the file bytes, so a checkpoint can tell whether its data changed."""
-    h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
+        return file_sha256(path)
     except OSError as e:
         raise DataError(f"{path}: cannot read data file: {e}") from e
-    return h.hexdigest()

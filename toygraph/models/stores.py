@@ -35,13 +35,13 @@ Every error is one line naming the store path and what is missing.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from toygraph import environment
+from toygraph.atomic import file_sha256
 from toygraph.errors import ToygraphError
 
 MEDIA = "application/vnd.ollama.image."
@@ -114,14 +114,6 @@ def _blob(root: Path, digest: str) -> Path:
     return root / "blobs" / f"sha256-{hexdigest}"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _checked_blob(root: Path, layer: dict, what: str, hash_limit: int | None) -> Path:
     """The blob of ``layer``, its size checked against the manifest's, its sha256 too when it
     is at most ``hash_limit`` bytes (None: always)."""
@@ -136,7 +128,7 @@ def _checked_blob(root: Path, layer: dict, what: str, hash_limit: int | None) ->
     if "size" in layer and size != layer["size"]:
         raise StoreError(f"{what}: blob {path} has {size} bytes, the manifest says {layer['size']} "
                          "(a partial or damaged pull: `ollama pull` it again)")
-    if (hash_limit is None or size <= hash_limit) and _sha256(path) != digest[7:]:
+    if (hash_limit is None or size <= hash_limit) and file_sha256(path) != digest[7:]:
         raise StoreError(f"{what}: blob {path} does not have the sha256 its name says "
                          "(damaged: `ollama pull` it again)")
     return path

@@ -10,7 +10,6 @@ renamed into place, so a checkpoint either verifies completely or is skipped on 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toygraph.atomic import temp_dir
+from toygraph.atomic import file_sha256, temp_dir
 from toygraph.errors import DataError
 from toygraph.training.run_dir import io_error
 
@@ -33,17 +32,9 @@ def step_dir_name(step: int) -> str:
 
 
 # --- writing -----------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_manifest(folder: Path):
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
-    doc = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    doc = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
     tmp = folder / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, folder / MANIFEST)
@@ -123,7 +114,7 @@ def verify_checkpoint(path: Path) -> str | None:
             return f"missing {name}"
         if f.stat().st_size != want.get("size"):
             return f"{name} has {f.stat().st_size} bytes, the manifest says {want.get('size')}"
-        if _sha256(f) != want.get("sha256"):
+        if file_sha256(f) != want.get("sha256"):
             return f"{name} does not match its sha256 in the manifest"
     return None
 
