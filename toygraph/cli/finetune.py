@@ -13,7 +13,7 @@ from dataclasses import MISSING
 
 from toygraph.core.distributed import world
 from toygraph.models.catalog import resolve_source
-from toygraph.models.stores import STORES
+from toygraph.models.stores import store_of
 from toygraph.training.run_config import GROUPS, RunConfig, coerce, flag
 from toygraph.training.run_file import load_run_file
 
@@ -78,9 +78,10 @@ def run_config_from_args(args) -> RunConfig:
     if "allow_change" in flags:   # flag spellings are fine here: --allow-change seq-len
         flags["allow_change"] = tuple(n.replace("-", "_") for n in flags["allow_change"])
     given.update(flags)
-    if "model" in given:   # resolved now, so a bad name fails at once; a store's name
-        source = resolve_source(given["model"])   # (ollama:...) stays a name: see prepare.py
-        given["model"] = given["model"] if source.store in STORES else str(source.path)
+    # A path or catalog name is resolved now (a bad one fails at once, smollm2 is fetched);
+    # a store's name (ollama:...) stays a name, which prepare.py resolves first thing.
+    if "model" in given and store_of(given["model"]) is None:
+        given["model"] = str(resolve_source(given["model"]).path)
     return RunConfig.from_options(given)
 
 
