@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from toygraph.data.batches import data_hash, pad_id_for, split_train_val
@@ -142,7 +142,6 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
 def _merged(encoded: list):
     """One EncodedDataset of several files' (a mix's): their items in file order, their
     reports summed (counts add up, dropped lines are listed file by file)."""
-    from dataclasses import fields, replace
     first = encoded[0]
     report = replace(first.report)
     for enc in encoded[1:]:
