@@ -18,6 +18,7 @@ import pytest
 
 from toygraph.data.encoding import encode_rows
 from toygraph.data.examples import Example
+from toygraph.errors import DataError
 from toygraph.gguf.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
@@ -154,3 +155,20 @@ def test_raw_completion_already_ending_in_eos_is_not_closed_twice(vocab):
     tok = tokenizer(vocab, None)
     [row] = encode_rows(Example(prompt="a", completion="b<|im_end|>", line=1), tok, 64)
     assert row.tokens.count(tok.eos_id) == 1 and row.tokens[-1] == tok.eos_id
+
+
+@pytest.mark.parametrize("tools", [[WEATHER], None])
+def test_a_template_that_drops_tool_calls_is_refused(vocab, tools):
+    """ChatML as SmolLM2 has it knows no tools: the tool-calling turn would render as an
+    empty reply (and the tool list not at all), so the row is refused, naming the tool."""
+    tok = tokenizer(vocab, None)
+    tok.use_template("chatml")
+    with pytest.raises(DataError) as e:
+        encode_rows(Example(messages=TOOL_CHAT, tools=tools, line=3), tok, 1024)
+    msg = str(e.value)
+    assert "\n" not in msg and ":3:" in msg and "'get_weather'" in msg and "--template" in msg
+
+
+def test_a_tool_aware_template_passes_the_check(vocab):
+    tok = tokenizer(vocab, "qwen2_5.jinja")
+    assert encode_rows(Example(messages=TOOL_CHAT, tools=[WEATHER], line=1), tok, 1024)

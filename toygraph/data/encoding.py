@@ -214,10 +214,31 @@ def _last_run(mask: list[bool]) -> list[bool]:
 def _render(tok, messages: list[dict], add_generation_prompt: bool, ex: Example) -> str:
     try:
         tools = {"tools": ex.tools} if ex.tools else {}
-        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                        **tools)
     except Exception as e:  # the template's own error (raise_exception, ...): add the data line
         raise DataError(f"{ex.where}: the chat template failed on this example: {e}") from None
+    _check_tools_rendered(text, messages, ex, tok)
+    return text
+
+
+def _tool_names(messages: list[dict], tools) -> list[str]:
+    """The function names a rendering must show: each assistant tool call's, each tool's."""
+    calls = [c.get("function", c).get("name") for m in messages for c in m.get("tool_calls") or ()
+             if isinstance(c, dict)]
+    declared = [t.get("function", t).get("name") for t in tools or () if isinstance(t, dict)]
+    return [n for n in calls + declared if isinstance(n, str) and n]
+
+
+def _check_tools_rendered(text: str, messages: list[dict], ex: Example, tok) -> None:
+    """A template that does not know tools (SmolLM2's, say) renders a tool-calling turn as
+    an empty reply and drops the tool list: training would teach the model to say nothing.
+    Refuse that in one line instead."""
+    for name in _tool_names(messages, ex.tools):
+        if name not in text:
+            raise DataError(f"{ex.where}: the chat template ({tok.template_name}) does not "
+                            f"render the tool {name!r} (it has no tool calls or tool list); "
+                            f"use a tool-aware template with --template FILE.jinja")
 
 
 def _end_of_turn_index(reply: list[int], tok) -> int | None:
