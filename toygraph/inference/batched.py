@@ -40,10 +40,9 @@ from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.session import Session
 from toygraph.errors import DataError
-from toygraph.inference.kvcache import MASKED
+from toygraph.inference.kvcache import MASKED, CacheDecode, CachePrefill
 from toygraph.inference.sampling import SamplingOptions, pick_token
 from toygraph.models.decoder import Decoder, build_decoder
-from toygraph.models.deltanet import Recurrence
 
 
 @dataclass
@@ -153,8 +152,8 @@ class _BatchedRecurrent:
         self.zero_state = g.const(prefix + "delta_state.zero", np.zeros(shape, np.float32))
         self.valid = g.input(prefix + "prefill.valid", (R, P, 1))
         self.select = g.input(prefix + "decode.conv_rows", (R, ssm.conv, L))
-        self.decode_zero = g.input(prefix + "decode.zero", (1,), "i32")
-        self.prefill, self.decode = _Prefill(self, g, zero), _Decode(self, g, start)
+        self.zero = g.input(prefix + "decode.zero", (1,), "i32")
+        self.prefill, self.decode = CachePrefill(self, g, zero), _Decode(self, g, start)
 
     def upload_prefill(self, sess, lengths) -> None:
         valid = (np.arange(self.prompt_len)[None] < np.asarray(lengths)[:, None])
@@ -170,42 +169,17 @@ class _BatchedRecurrent:
                 if pos >= 0:
                     select[r, tap, pos if pos < n else self.prompt_len + pos - n] = 1.0
         sess.upload(self.select, select)
-        sess.upload(self.decode_zero, np.zeros(1, np.int32))
+        sess.upload(self.zero, np.zeros(1, np.int32))
 
 
-class _Prefill(Recurrence):
-    def __init__(self, states: _BatchedRecurrent, g, start):
-        self.s, self.g, self.start, self.writes = states, g, start, []
-
-    def conv(self, i, x, w):
-        R, T, C = x.shape
-        self.writes.append(self.g.effect(
-            ops.cache_write(self.s.rows[i], x.reshape(R, 1, T, C), self.start), "forward"))
-        return ops.causal_conv1d(x, w)
-
-    def delta(self, i, q, k, v, g, beta):
-        o, state = ops.delta_rule(q, k, v, g * self.s.valid, beta * self.s.valid,
-                                  state=self.s.zero_state)
-        self.writes.append(self.g.effect(ops.cache_write(self.s.states[i], state, self.start),
-                                         "forward"))
-        return o
-
-
-class _Decode(Recurrence):
-    def __init__(self, states: _BatchedRecurrent, g, start):
-        self.s, self.g, self.start, self.writes = states, g, start, []
+class _Decode(CacheDecode):
+    """kvcache.py's decode step, the conv window selected per row."""
 
     def conv(self, i, x, w):
         R, _, C = x.shape
-        rows = ops.cache_write(self.s.rows[i], x.reshape(R, 1, 1, C), self.start)
+        rows = ops.cache_write(self.s.rows[i], x.reshape(R, 1, 1, C), self.pos)
         window = ops.matmul(self.s.select, rows.reshape(R, self.s.cache_len, C))  # [R, width, C]
         return ops.sum(window.permute(0, 2, 1) * w, 2).reshape(R, 1, C)
-
-    def delta(self, i, q, k, v, g, beta):
-        o, state = ops.delta_rule(q, k, v, g, beta, state=self.s.states[i])
-        self.writes.append(self.g.effect(
-            ops.cache_write(self.s.states[i], state, self.s.decode_zero), "forward"))
-        return o
 
 
 def decode_masks(gen: BatchedGraphs, lengths, j: int, windows) -> dict[int, np.ndarray]:
