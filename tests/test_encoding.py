@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from toygraph.data.encoding import encode_rows
@@ -149,6 +150,8 @@ def test_raw_prompt_completion_matches_trl(vocab, ref):
     assert row.tokens.tolist() == full
     assert row.target_mask.tolist() == [False] * len(prompt_ids) + [True] * (len(full) - len(prompt_ids))
     assert row.tokens[-1] == tok.eos_id
+    # held compactly (a dataset keeps every row): int32 ids and a bool mask, 5 bytes a token
+    assert (row.tokens.dtype, row.target_mask.dtype) == (np.int32, np.bool_)
 
 
 def test_raw_completion_already_ending_in_eos_is_not_closed_twice(vocab):
