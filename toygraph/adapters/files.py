@@ -32,7 +32,7 @@ from toygraph.atomic import atomic_write
 from toygraph.errors import DataError
 from toygraph.adapters import experts
 from toygraph.models.config import layer_shapes
-from toygraph.models.decoder import ALL_TARGETS, lora_shapes
+from toygraph.models.decoder import ALL_TARGETS, expand_targets, lora_shapes
 from toygraph.models.families import HF_LAYER_MODULES
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -161,7 +161,7 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     found = _check_lora(lora, cfg, str(dir))
     if found != rank:
         raise DataError(f"{dir}: adapters have rank {found}, but rank={rank} was given")
-    targets = tuple(targets)
+    targets = expand_targets(targets)
     stray = sorted(set(_targets_of(lora)) - set(targets))
     if stray or any(t not in ALL_TARGETS for t in targets):
         raise DataError(f"{dir}: targets {list(targets)} must be known names covering every "

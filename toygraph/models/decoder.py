@@ -90,8 +90,7 @@ class LoraConfig:
     dropout_stream: int = 0
 
     def __post_init__(self):
-        expanded = [x for t in self.targets for x in TARGET_GROUPS.get(t, (t,))]
-        object.__setattr__(self, "targets", tuple(dict.fromkeys(expanded)))
+        object.__setattr__(self, "targets", expand_targets(self.targets))
         bad = [t for t in self.targets if t not in ALL_TARGETS]
         if bad or not self.targets:
             raise GraphError(f"LoRA targets must be a non-empty subset of {list(ALL_TARGETS)}, got {list(self.targets)}")
@@ -111,6 +110,11 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return lora_scaling(self.alpha, self.rank, self.rslora)
+
+
+def expand_targets(targets) -> tuple[str, ...]:
+    """Target names with each group ("experts") replaced by its members, each name once."""
+    return tuple(dict.fromkeys(x for t in targets for x in TARGET_GROUPS.get(t, (t,))))
 
 
 def lora_scaling(alpha: float, rank: int, rslora: bool = False) -> float:
