@@ -135,9 +135,9 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
         if a.shape[-2] != b.shape[-1]:
             raise DataError(f"{where}: {name!r} rank mismatch: A has {a.shape[-2]} rows, "
                             f"B has {b.shape[-1]} columns")
-        if mag and mag[0].shape != (n_out,):
+        if mag and mag[0].shape != (want_b[-2],):
             raise DataError(f"{where}: {name!r} DoRA magnitude has shape {mag[0].shape}; "
-                            f"the weight has {n_out} output rows")
+                            f"the weight has {want_b[-2]} output rows")
         if not all(np.all(np.isfinite(x)) for x in (a, b, *mag)):
             raise DataError(f"{where}: {name!r} holds NaN or inf")
         ranks.add(a.shape[-2])
