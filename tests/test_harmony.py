@@ -165,8 +165,8 @@ def test_training_rows_target_each_assistant_reply_alone(harmony, reference, cas
         assert _undated(full).startswith(_undated(prompt))
         prompt_ids = reference.encode(prompt, add_special_tokens=False)
         reply_ids = reference.encode(full[len(prompt):], add_special_tokens=False)
-        assert row.tokens == prompt_ids + reply_ids
-        assert row.target_mask == [False] * len(prompt_ids) + [True] * len(reply_ids)
+        assert [int(t) for t in row.tokens] == prompt_ids + reply_ids
+        assert [bool(m) for m in row.target_mask] == [False] * len(prompt_ids) + [True] * len(reply_ids)
         reply = harmony.decode(reply_ids)
         end = "<|call|>" if "tool_calls" in messages[i] else "<|return|>"
         assert reply.endswith(end) and reply.count(end) == 1
