@@ -9,7 +9,8 @@ from toygraph.recipes.registry import register
 
 @register("lora")
 class LoRA(Recipe):
-    """Low-rank adapters on any of q, k, v, o, gate, up, down.
+    """Low-rank adapters on any of q, k, v, o, gate, up, down (and a mixture of experts'
+    experts: gate_up_exps, down_exps, or both as "experts").
 
     >>> LoRA(targets=("q", "v"), rank=8, alpha=16)      # doctest: +ELLIPSIS
     LoRA(targets=('q', 'v'), rank=8, alpha=16)
@@ -22,11 +23,13 @@ class LoRA(Recipe):
                  alpha: float = LoraConfig.alpha, *, rslora: bool = LoraConfig.rslora,
                  dora: bool = LoraConfig.dora, plus_ratio: float = LoraConfig.plus_ratio,
                  dropout: float = LoraConfig.dropout):
-        self.targets, self.rank, self.alpha = tuple(targets), int(rank), alpha
+        self.rank, self.alpha = int(rank), alpha
         # the LoRA variants (LoraConfig's docstring)
         self.variants = dict(rslora=bool(rslora), dora=bool(dora), plus_ratio=float(plus_ratio),
                              dropout=float(dropout))
-        LoraConfig(targets=self.targets, rank=self.rank, alpha=alpha, **self.variants)  # validate now
+        # validated now; "experts" names its expert targets (decoder.TARGET_GROUPS)
+        self.targets = LoraConfig(targets=tuple(targets), rank=self.rank, alpha=alpha,
+                                  **self.variants).targets
 
     @classmethod
     def from_options(cls, cfg) -> "LoRA":

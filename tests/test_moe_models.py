@@ -153,17 +153,21 @@ def test_lora_steps_match_peft(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_exported_peft_adapter_reproduces_the_loss(name, tmp_path):
+@pytest.mark.parametrize("targets,b_std", [   # the experts: tests/test_moe_lora.py
+    (ATTENTION, 0.5), (("gate_up_exps", "down_exps"), 1.0), (("down_exps",), 1.0),
+    (("o", "gate_up_exps"), 1.0)])
+def test_exported_peft_adapter_reproduces_the_loss(name, targets, b_std, tmp_path):
     path = gguf_path(name)
     cfg = GGUFModel(path).config
-    save_peft(tmp_path, random_lora(cfg, ATTENTION, 4, b_std=0.5), cfg, rank=4, alpha=8,
-              targets=ATTENTION)
+    save_peft(tmp_path, random_lora(cfg, targets, 4, b_std=b_std), cfg, rank=4, alpha=8,
+              targets=targets)
     tokens = random_tokens(cfg.n_vocab)
     mine, _ = LanguageModel(path, adapter_dir=tmp_path).loss(tokens.tolist())
     base, _ = LanguageModel(path).loss(tokens.tolist())
     ref = reference_loss(peft.PeftModel.from_pretrained(reference_model(name), str(tmp_path)),
                          tokens)
-    print(f"{name}: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f}")
+    print(f"{name} {targets}: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f} "
+          f"rel {rel(mine, ref):.2e}")
     assert rel(mine, ref) <= 1e-4
     assert abs(mine - base) > 100 * 1e-4 * ref
 

@@ -14,7 +14,7 @@ peft = pytest.importorskip("peft")
 from toygraph.adapters.files import save_peft  # noqa: E402
 from toygraph.models.model import GGUFModel  # noqa: E402
 from toygraph.inference.language_model import LanguageModel  # noqa: E402
-from toygraph.models.decoder import ALL_TARGETS, TARGETS, weight_shape  # noqa: E402
+from toygraph.models.decoder import ALL_TARGETS, TARGETS, lora_shapes  # noqa: E402
 from toygraph.core.optimizer import hp_row  # noqa: E402
 from toygraph.recipes import LoRA, RecipeOptions  # noqa: E402
 
@@ -32,11 +32,11 @@ def random_lora(cfg, targets, rank, seed=0, b_std=0.02, present=None):
     for i in range(cfg.n_layer):
         for t in targets:
             name = f"blk.{i}.{ALL_TARGETS[t]}.weight"
-            if present is not None and name not in present:
+            if present is not None and name.replace("gate_up", "gate") not in present:
                 continue
-            n_out, n_in = weight_shape(cfg, name)
-            lora[name] = ((rng.normal(size=(rank, n_in)) / np.sqrt(n_in)).astype(np.float32),
-                          (rng.normal(size=(n_out, rank)) * b_std).astype(np.float32))
+            a_shape, b_shape = lora_shapes(cfg, name, rank)   # expert stacks: [E, ...] each
+            lora[name] = ((rng.normal(size=a_shape) / np.sqrt(a_shape[-1])).astype(np.float32),
+                          (rng.normal(size=b_shape) * b_std).astype(np.float32))
     return lora
 
 

@@ -15,7 +15,7 @@ from test_llama import toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
 from toygraph.adapters.files import check_gguf_adapter, load_peft, save_gguf_adapter, save_peft
 from toygraph.inference.language_model import LanguageModel
-from toygraph.models.decoder import ALL_TARGETS
+from toygraph.models.decoder import DELTANET_TARGETS, TARGETS
 from toygraph.models.model import GGUFModel
 
 torch = pytest.importorskip("torch")
@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.reference
-ALL = tuple(ALL_TARGETS)
+ALL = (*TARGETS, *DELTANET_TARGETS)   # every projection of a Qwen3.5 layer
 
 
 def build(k_heads=2, v_heads=4):

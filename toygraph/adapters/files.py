@@ -30,7 +30,9 @@ import numpy as np
 
 from toygraph.atomic import atomic_write
 from toygraph.errors import DataError
-from toygraph.models.decoder import ALL_TARGETS, weight_shape
+from toygraph.adapters import experts
+from toygraph.models.config import layer_shapes
+from toygraph.models.decoder import ALL_TARGETS, expand_targets, lora_shapes
 from toygraph.models.families import HF_LAYER_MODULES
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -43,8 +45,13 @@ TEMPLATE_NAME, TEMPLATE_SOURCE = "toygraph.template", "toygraph.chat_template"
 # own tables, cfg.family.hf_modules, are what export and import use; this is the default).
 HF_MODULES = HF_LAYER_MODULES
 _SHORT_BY_GGUF = {g: s for s, g in ALL_TARGETS.items()}
+# Expert tensors an adapter may name by base tensor (llama.cpp's GGUF adapters, merges):
+# the shared gate/up adapter (experts.per_base_tensor) split into its two tensors.
+_BASE_ONLY = ("ffn_gate_exps", "ffn_up_exps")
 _PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\."
                        r"(?:lora_([AB])\.weight|lora_(magnitude)_vector)")
+_PEFT_EXPERT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\."
+                              r"((?:base_layer\.)*)lora_([AB])\.weight")
 
 
 # --- the one layout conversion ------------------------------------------------------------
@@ -112,22 +119,28 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
         raise DataError(f"{where}: some adapters have a DoRA magnitude vector and some do not")
     for name, (a, b, *mag) in lora.items():
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-        if not m or m.group(2) not in _SHORT_BY_GGUF or int(m.group(1)) >= cfg.n_layer:
+        known = m and (m.group(2) in _SHORT_BY_GGUF or m.group(2) in _BASE_ONLY)
+        if not known or int(m.group(1)) >= cfg.n_layer or (
+                experts.is_expert(name) or m.group(2) in _BASE_ONLY) and not cfg.n_expert:
             raise DataError(f"{where}: {name!r} is not a LoRA-targetable weight of this "
                             f"{cfg.n_layer}-layer model")
-        n_out, n_in = weight_shape(cfg, name)
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape[0] != n_out:
+        want_a, want_b = lora_shapes(cfg, name, a.shape[-2] if a.ndim >= 2 else 0)
+        if a.ndim != len(want_a) or b.ndim != len(want_b) or a.shape[:-2] != want_a[:-2] \
+                or a.shape[-1] != want_a[-1] or b.shape[:-1] != want_b[:-1]:
+            rows = ", ".join(str(d) for d in want_a[:-2])
+            e = rows + ", " if rows else ""
             raise DataError(f"{where}: {name!r} adapter shapes A {a.shape}, B {b.shape} do not "
-                            f"fit the weight [{n_out}, {n_in}] (want A [r, {n_in}], B [{n_out}, r])")
-        if a.shape[0] != b.shape[1]:
-            raise DataError(f"{where}: {name!r} rank mismatch: A has {a.shape[0]} rows, "
-                            f"B has {b.shape[1]} columns")
-        if mag and mag[0].shape != (n_out,):
+                            f"fit the weight (want A [{e}r, {want_a[-1]}], "
+                            f"B [{e}{want_b[-2]}, r])")
+        if a.shape[-2] != b.shape[-1]:
+            raise DataError(f"{where}: {name!r} rank mismatch: A has {a.shape[-2]} rows, "
+                            f"B has {b.shape[-1]} columns")
+        if mag and mag[0].shape != (want_b[-2],):
             raise DataError(f"{where}: {name!r} DoRA magnitude has shape {mag[0].shape}; "
-                            f"the weight has {n_out} output rows")
+                            f"the weight has {want_b[-2]} output rows")
         if not all(np.all(np.isfinite(x)) for x in (a, b, *mag)):
             raise DataError(f"{where}: {name!r} holds NaN or inf")
-        ranks.add(a.shape[0])
+        ranks.add(a.shape[-2])
     if len(ranks) != 1:
         raise DataError(f"{where}: adapters have different ranks {sorted(ranks)}")
     return ranks.pop()
@@ -148,15 +161,21 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     found = _check_lora(lora, cfg, str(dir))
     if found != rank:
         raise DataError(f"{dir}: adapters have rank {found}, but rank={rank} was given")
-    targets = tuple(targets)
+    targets = expand_targets(targets)
     stray = sorted(set(_targets_of(lora)) - set(targets))
     if stray or any(t not in ALL_TARGETS for t in targets):
         raise DataError(f"{dir}: targets {list(targets)} must be known names covering every "
                         f"adapter (uncovered: {stray})")
     tensors = {}
     dora = False
+    params = [p for p in experts.HF_EXPERT_PARAMS if any(f".{p}." in n for n in lora)]
     for name, (a, b, *mag) in lora.items():
         layer, proj = int(name.split(".")[1]), name.split(".")[2]
+        if experts.is_expert(name):   # target_parameters (adapters/experts.py)
+            key = experts.peft_keys(layer, params)[proj]
+            tensors[f"{key}lora_A.weight"], tensors[f"{key}lora_B.weight"] = \
+                experts.to_peft(name, a, b, cfg)
+            continue
         key = f"base_model.model.model.layers.{layer}.{cfg.family.hf_modules[proj]}"
         tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(
             hf_column_order(np.asarray(a, np.float32), cfg, name, to_hf=True))
@@ -170,12 +189,15 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name or None, "revision": None,
         "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": float(dropout),
-        "target_modules": sorted(cfg.family.hf_modules[ALL_TARGETS[t]].split(".")[1] for t in targets),
+        "target_modules": sorted(cfg.family.hf_modules[ALL_TARGETS[t]].split(".")[1] for t in targets
+                                 if ALL_TARGETS[t] not in experts.HF_EXPERT_PARAMS),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": bool(rslora), "use_dora": dora,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {},
     }
+    if params:   # PEFT's adapters of the experts' 3-D parameters, in the order keyed above
+        config["target_parameters"] = [experts.HF_EXPERT_PARAMS[p] for p in params]
     dir.mkdir(parents=True, exist_ok=True)
     # Each file is replaced whole; the config goes last, so a crash in between leaves the
     # old config with complete (new) weights, never a truncated file.
@@ -232,6 +254,20 @@ def _read_peft_config(path: Path) -> dict:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             raise DataError(f"{path}: {key} must be a positive number, found {v!r}")
     return config
+
+
+def _expert_params(config: dict, path: Path) -> dict[int, str]:
+    """PEFT's target_parameters as {nesting depth of its keys: GGUF projection}
+    (adapters/experts.py: the nesting follows the experts module's parameter order, not
+    the order the config lists them in, which PEFT saves from a set)."""
+    names = config.get("target_parameters") or []
+    by_hf = {hf: g for g, hf in experts.HF_EXPERT_PARAMS.items()}
+    if not isinstance(names, list) or any(n not in by_hf for n in names) \
+            or len(set(names)) != len(names):
+        raise DataError(f"{path}: target_parameters {names!r} must name distinct parameters "
+                        f"among {sorted(by_hf)}")
+    procs = [g for g, hf in experts.HF_EXPERT_PARAMS.items() if hf in names]
+    return {len(procs) - 1 - i: g for i, g in enumerate(procs)}
 
 
 def adapter_template(dir) -> tuple[str, str] | None:
@@ -303,9 +339,13 @@ def read_peft(dir, cfg) -> PeftAdapter:
                             f"floating point")
     halves: dict[str, dict[str, np.ndarray]] = {}
     gguf_by_hf = {hf: g for g, hf in cfg.family.hf_modules.items()}
+    nested = _expert_params(config, dir / CONFIG_FILE)   # "base_layer." depth -> projection
     for key, value in raw.items():
         m = _PEFT_KEY.fullmatch(key)
         proj = gguf_by_hf.get(m.group(2)) if m else None
+        e = _PEFT_EXPERT_KEY.fullmatch(key)
+        if e and cfg.n_expert:
+            m, proj = e, nested.get(len(e.group(2)) // len("base_layer."))
         if proj is None or int(m.group(1)) >= cfg.n_layer:
             raise DataError(f"{wpath}: key {key!r} does not map to a LoRA module of this "
                             f"{cfg.n_layer}-layer {cfg.arch} model")
@@ -318,6 +358,8 @@ def read_peft(dir, cfg) -> PeftAdapter:
             raise DataError(f"{wpath}: {name!r} has {sorted(pair)} of {sorted(want)} "
                             f"(use_dora={str(dora).lower()} in {CONFIG_FILE})")
         lora[name] = tuple(pair[k].astype(np.float32) for k in sorted(want))
+    lora = {n: experts.from_peft(n, *pair, cfg, str(wpath)) if experts.is_expert(n) else pair
+            for n, pair in lora.items()}
     rank = _check_lora(lora, cfg, str(wpath))  # shapes checked before any reshape below
     if rank != config["r"]:
         raise DataError(f"{wpath}: tensors have rank {rank} but {CONFIG_FILE} says r={config['r']}")
@@ -336,12 +378,14 @@ def save_gguf_adapter(path, lora: dict, cfg, alpha: float, base_arch: str,
     numpy shapes A [r, n_in] and B [n_out, r] are ggml shapes [n_in, r] and [r, n_out],
     which is what llama.cpp's loader checks against the base tensor. llama.cpp scales by
     adapter.lora.alpha / rank, so an rsLoRA adapter (alpha / sqrt(rank)) is written with
-    alpha * sqrt(rank). llama.cpp has no DoRA: a DoRA adapter is refused.
+    alpha * sqrt(rank). llama.cpp has no DoRA: a DoRA adapter is refused. Expert adapters
+    are written per expert tensor, 3-D (adapters/experts.py).
     """
     import gguf
 
     path = Path(path)
     rank = _check_lora(lora, cfg, str(path))
+    lora = experts.per_base_tensor(lora)   # llama.cpp has no shared gate/up expert tensor
     if any(len(pair) == 3 for pair in lora.values()):
         raise DataError(f"{path}: llama.cpp's LoRA adapters have no DoRA; export the merged "
                         "model instead (toygraph export)")
@@ -414,9 +458,13 @@ def _validate_gguf_adapter(reader, path: Path, arch: str, base_ne: dict) -> tupl
             raise DataError(f"{path}: LoRA tensor {base!r} does not exist in the base model")
         ne = base_ne[base]
         a, b = (tuple(int(d) for d in pair[h].shape) for h in ("lora_a", "lora_b"))
-        if len(a) != 2 or len(b) != 2 or a[0] != ne[0] or b[1] != ne[1]:
+        # an expert stack (ne [n_in, n_out, E]): llama.cpp's build_lora_mm_id takes
+        # lora_a [n_in, r, E] and lora_b [r, n_out, E]
+        if len(a) != len(ne) or len(b) != len(ne) or a[0] != ne[0] or b[1] != ne[1] \
+                or a[2:] != tuple(ne[2:]) or b[2:] != tuple(ne[2:]):
             raise DataError(f"{path}: {base!r} has lora_a ne={a}, lora_b ne={b}; the base tensor "
-                            f"is ne={tuple(ne)}, so want a=[{ne[0]}, r], b=[r, {ne[1]}] "
+                            f"is ne={tuple(ne)}, so want a=[{ne[0]}, r{_tail(ne)}], "
+                            f"b=[r, {ne[1]}{_tail(ne)}] "
                             "(wrong base model, or a/b transposed?)")
         if a[1] != b[0]:
             raise DataError(f"{path}: {base!r} rank mismatch: lora_a has r={a[1]}, lora_b r={b[0]}")
@@ -424,6 +472,10 @@ def _validate_gguf_adapter(reader, path: Path, arch: str, base_ne: dict) -> tupl
     if len(ranks) != 1:
         raise DataError(f"{path}: adapters have different ranks {sorted(ranks)}")
     return {k: (p["lora_a"], p["lora_b"]) for k, p in pairs.items()}, ranks.pop(), float(alpha)
+
+
+def _tail(ne) -> str:
+    return "".join(f", {d}" for d in ne[2:])
 
 
 def check_gguf_adapter(adapter_path, base_gguf_path) -> dict:
@@ -450,9 +502,11 @@ def load_gguf_adapter(path, cfg) -> tuple[dict, int, float, tuple[str, ...]]:
     reader = _open_reader(path)
     base_ne = {}
     for i in range(cfg.n_layer):
-        for proj in cfg.family.hf_modules:
+        shapes = layer_shapes(cfg, i)
+        for proj in (*cfg.family.hf_modules, "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             name = f"blk.{i}.{proj}.weight"
-            base_ne[name] = tuple(reversed(weight_shape(cfg, name)))
+            if name in shapes:   # the projections this layer has
+                base_ne[name] = tuple(reversed(shapes[name]))
     pairs, rank, alpha = _validate_gguf_adapter(reader, path, cfg.arch, base_ne)
     lora = {}
     for name, (a, b) in pairs.items():

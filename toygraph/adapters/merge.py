@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from toygraph.adapters.experts import per_base_tensor
 from toygraph.adapters.files import (WEIGHTS_FILE, adapter_template, load_gguf_adapter,
                                      read_peft)
 from toygraph.atomic import atomic_write
@@ -62,7 +63,7 @@ def refuse_merged_twice(model, adapter_file: Path, allow: bool = False) -> None:
 def merged_weight(base: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float,
                   magnitude: np.ndarray | None = None) -> np.ndarray:
     """``base + scaling * b @ a`` in f32 (numpy shapes: base [n_out, n_in], a [r, n_in],
-    b [n_out, r]); with DoRA's ``magnitude`` [n_out], each row of that is rescaled to
+    b [n_out, r], or an expert stack's [E, ...] of each, merged per expert); with DoRA's ``magnitude`` [n_out], each row of that is rescaled to
     norm m (PEFT's merge: W' = m / ||W + s B A||_row * (W + s B A))."""
     delta = b.astype(np.float32) @ a.astype(np.float32)
     w = (base.astype(np.float32) + np.float32(scaling) * delta).astype(np.float32)
@@ -92,6 +93,7 @@ def encode_weight(w: np.ndarray, out_type: str, name: str):
 def _merged_tensors(model: GGUFModel, lora: dict, scaling: float, out_type: str,
                     progress=None) -> dict:
     merged = {}
+    lora = per_base_tensor(lora)   # the shared gate/up expert adapter: each tensor its half
     for i, (name, (a, b, *m)) in enumerate(lora.items()):
         if progress is not None:
             progress(i, len(lora))

@@ -105,7 +105,11 @@ def _llama_merges(tokens: list[str], scores: list[float], types: list[int]) -> l
 # stops generation on the same spellings.
 END_OF_TURN_SPELLINGS = frozenset({
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|endoftext|>",
-    "<|end_of_text|>", "<|eot|>", "<EOT>"})
+    "<|end_of_text|>", "<|eot|>", "<EOT>", "<|return|>", "<|call|>"})
+# gpt-oss's harmony format: <|end|> closes a message inside a reply (the analysis before the
+# final answer), while <|return|> ends the reply and <|call|> a tool call. A vocabulary with
+# both of those does not end turns on <|end|> (llama.cpp's rule, llama-vocab.cpp).
+HARMONY_ENDS, HARMONY_MESSAGE_END = frozenset({"<|return|>", "<|call|>"}), "<|end|>"
 # Special ids a GGUF may name; each must index the vocabulary.
 SPECIAL_ID_KEYS = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown", "eot": "eot",
                    "eom": "eom"}
@@ -267,7 +271,10 @@ class Tokenizer:
         if not hasattr(self, "_end_of_turn_ids"):
             spelled = {i for i, t in enumerate(self._tokens) if t in END_OF_TURN_SPELLINGS}
             named = {self.eos_id, self.eot_id, self.eom_id} - {None}
-            self._end_of_turn_ids = frozenset(spelled | named)
+            ends = spelled | named
+            if HARMONY_ENDS <= {self._tokens[i] for i in ends}:
+                ends = {i for i in ends if self._tokens[i] != HARMONY_MESSAGE_END}
+            self._end_of_turn_ids = frozenset(ends)
         return self._end_of_turn_ids
 
     # ---------------------------------------------------------------- chat template

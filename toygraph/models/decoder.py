@@ -40,7 +40,13 @@ TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
 # Qwen3.5's Gated DeltaNet projections (models/deltanet.py), targetable beside TARGETS.
 DELTANET_TARGETS = {"qkv": "attn_qkv", "z": "attn_gate", "alpha": "ssm_alpha",
                     "beta": "ssm_beta", "ssm_out": "ssm_out"}
-ALL_TARGETS = {**TARGETS, **DELTANET_TARGETS}
+# Mixture-of-experts LoRA (models/moe.py): one A/B pair per expert, stacked (A [E, r, n_in],
+# B [E, n_out, r]), applied to the tokens routed to that expert. The gate and up experts
+# share one adapter as they share one parameter in transformers (gate_up_proj) and so one
+# PEFT ParamWrapper: B A's rows are [gate rows; up rows]. "experts" names both.
+EXPERT_TARGETS = {"gate_up_exps": "ffn_gate_up_exps", "down_exps": "ffn_down_exps"}
+TARGET_GROUPS = {"experts": tuple(EXPERT_TARGETS)}
+ALL_TARGETS = {**TARGETS, **DELTANET_TARGETS, **EXPERT_TARGETS}
 WEIGHT_MODES = ("frozen", "finetune", "scratch")
 # Gated FFN activations by Family.ffn: act(gate) * up; gpt-oss's alpha and limit are the
 # constants llama.cpp's build_moe_ffn uses for LLM_FFN_SWIGLU_OAI_MOE (and transformers'
@@ -84,6 +90,7 @@ class LoraConfig:
     dropout_stream: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "targets", expand_targets(self.targets))
         bad = [t for t in self.targets if t not in ALL_TARGETS]
         if bad or not self.targets:
             raise GraphError(f"LoRA targets must be a non-empty subset of {list(ALL_TARGETS)}, got {list(self.targets)}")
@@ -95,10 +102,19 @@ class LoraConfig:
             raise GraphError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
         if self.dropout and self.dora:  # PEFT then drops DoRA's base term's input too
             raise GraphError("LoRA dropout together with DoRA is not supported")
+        experts = [t for t in self.targets if t in EXPERT_TARGETS]
+        if experts and (self.dora or self.dropout):  # as PEFT's ParamWrapper refuses them
+            raise GraphError(f"LoRA on the experts ({', '.join(experts)}) supports neither "
+                             f"DoRA nor dropout")
 
     @property
     def scaling(self) -> float:
         return lora_scaling(self.alpha, self.rank, self.rslora)
+
+
+def expand_targets(targets) -> tuple[str, ...]:
+    """Target names with each group ("experts") replaced by its members, each name once."""
+    return tuple(dict.fromkeys(x for t in targets for x in TARGET_GROUPS.get(t, (t,))))
 
 
 def lora_scaling(alpha: float, rank: int, rslora: bool = False) -> float:
@@ -142,6 +158,17 @@ def weight_shape(cfg, name: str) -> tuple[int, ...]:
     return (layer_shapes(cfg, int(m.group(1))) if m else global_shapes(cfg))[name]
 
 
+def lora_shapes(cfg, name: str, rank: int) -> tuple[tuple, tuple]:
+    """Numpy shapes (A, B) of the adapter of weight ``name``: [r, n_in] and [n_out, r],
+    or per expert [E, r, n_in] and [E, n_out, r] ("ffn_gate_up_exps": n_out = 2 * n_ff_exp,
+    the gate's rows then the up's)."""
+    if ".ffn_gate_up_exps." in name:
+        E, f, d = weight_shape(cfg, name.replace("gate_up", "gate"))
+        return (E, rank, d), (E, 2 * f, rank)
+    *e, n_out, n_in = weight_shape(cfg, name)
+    return (*e, rank, n_in), (*e, n_out, rank)
+
+
 def _scratch_init(name: str, shape, rng) -> np.ndarray:
     if name.endswith("norm.weight"):
         return np.ones(shape, np.float32)
@@ -174,9 +201,9 @@ def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tenso
     return out
 
 
-def _lora_pair(g: Graph, name: str, n_in: int, n_out: int, lora: LoraConfig, rng):
-    a = g.param(f"{name}.lora_a", (rng.normal(size=(lora.rank, n_in)) * lora.init_scale).astype(np.float32))
-    b = g.param(f"{name}.lora_b", np.zeros((n_out, lora.rank), np.float32))
+def _lora_pair(g: Graph, name: str, shapes: tuple[tuple, tuple], lora: LoraConfig, rng):
+    a = g.param(f"{name}.lora_a", (rng.normal(size=shapes[0]) * lora.init_scale).astype(np.float32))
+    b = g.param(f"{name}.lora_b", np.zeros(shapes[1], np.float32))
     return a, b
 
 
@@ -201,10 +228,13 @@ def _check_targets(cfg, wanted: set[str]) -> None:
     """Every LoRA target names a weight of this model: 'gate'/'up'/'down' are the dense
     FFN's, which a mixture-of-experts layer does not have."""
     present = {name.split(".")[-2] for name in tensor_shapes(cfg)}
+    if "ffn_gate_exps" in present:
+        present.add("ffn_gate_up_exps")
     missing = sorted(wanted - present)
     if missing:
         short = [t for t, proj in ALL_TARGETS.items() if proj in missing]
-        hint = " (its FFNs are mixtures of experts: target q, k, v, o)" if cfg.n_expert else ""
+        hint = (" (its FFNs are mixtures of experts: target q, k, v, o, experts)" if cfg.n_expert
+                else "")
         raise GraphError(f"LoRA targets {short} name no weight of this {cfg.arch} model{hint}")
 
 
@@ -268,7 +298,8 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         adapted = name.split(".")[-2] in wanted
         if adapted:
             a, b = (shared.lora[name] if shared else
-                    _lora_pair(g, lora_prefix + name, w.shape[1], w.shape[0], lora, lora_rng))
+                    _lora_pair(g, lora_prefix + name, lora_shapes(cfg, name, lora.rank), lora,
+                               lora_rng))
             net.lora[name] = (a, b)
             xa = x
             if lora.dropout:   # each module its own mask: the name's crc32 salts it
@@ -287,6 +318,18 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         if adapted:
             y = y + ops.scale(low, lora.scaling)
         return y
+
+    def expert_adapter(name: str):
+        """The (A, B, scaling) of expert weight ``name`` ("blk.N.ffn_down_exps.weight",
+        "blk.N.ffn_gate_up_exps.weight"), None when it is not a target (models/moe.py)."""
+        if name.split(".")[-2] not in wanted:
+            return None
+        a, b = (shared.lora[name] if shared else
+                _lora_pair(g, lora_prefix + name, lora_shapes(cfg, name, lora.rank), lora,
+                           lora_rng))
+        net.lora[name] = (a, b)
+        return a, b, lora.scaling
+    linear.expert_adapter = expert_adapter
 
     B, T, D = batch, seq_len, cfg.n_embd
     h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)

@@ -112,6 +112,9 @@ class Family:
     probabilities renormalised to sum 1 when ``expert_weights_norm``) or "topk_softmax"
     (the k largest logits, softmax over those k). ``expert_weights_norm``: its default
     when the file has no ``expert_weights_norm`` key (llama.cpp's per-family choice).
+    ``hf_gate_up``: how transformers' fused ``mlp.experts.gate_up_proj`` orders the gate and
+    up rows, "halves" (gate then up: Qwen3-MoE) or "interleaved" (gpt-oss); expert LoRA
+    export follows it (adapters/experts.py).
     """
 
     arch: str
@@ -137,6 +140,7 @@ class Family:
     moe: bool = False
     router: str = "softmax_topk"
     expert_weights_norm: bool = False
+    hf_gate_up: str = "halves"
     hf_modules: dict = field(default_factory=lambda: dict(HF_LAYER_MODULES))
     v_norm: bool = False
     attn_scale_one: bool = False
@@ -206,7 +210,7 @@ FAMILIES = {f.arch: f for f in (
     Family(arch="gpt-oss", rope_mode="neox", qk_permuted=False, ffn="swiglu_oai",
            qkv_bias=True, o_bias=True, sinks=True, ffn_norm="post_attention_norm",
            swa_period=2, swa_rope_base=None, swa_rope_scaled=True, yarn=True, moe=True,
-           router="topk_softmax", expert_bias=True,
+           router="topk_softmax", expert_bias=True, hf_gate_up="interleaved",
            extra_keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
                                  "rope.freq_base_swa"})),
 )}

@@ -28,7 +28,7 @@ from toygraph.adapters.modelfile import ollama_name_error
 from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
 from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
-from toygraph.models.decoder import LoraConfig
+from toygraph.models.decoder import LoraConfig, expand_targets
 from toygraph.recipes import RECIPES, LoRA, RecipeOptions, recipe_class
 from toygraph.recipes.dpo import DPO, LABEL_SMOOTHING
 from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, NUM_GENERATIONS, NUM_ITERATIONS,
@@ -127,7 +127,9 @@ class RunConfig:
     # --- LoRA adapters ---------------------------------------------------------------------
     targets: tuple[str, ...] = option(LoraConfig.targets,
                                       help="LoRA targets among q,k,v,o,gate,up,down (Qwen3.5's DeltaNet "
-                                           "layers: qkv,z,alpha,beta,ssm_out)",
+                                           "layers: qkv,z,alpha,beta,ssm_out; a mixture of "
+                                           "experts' experts: gate_up_exps,down_exps, or "
+                                           "both as experts)",
                                       group="adapter", used_by=_adapter_recipes, resume="never")
     rank: int = option(LoraConfig.rank, help="LoRA rank", group="adapter", used_by=_adapter_recipes,
                        resume="never", low=1)
@@ -473,7 +475,9 @@ def check_against_model(run_cfg: RunConfig, model_cfg) -> None:
     q, kv = model_cfg.n_head * model_cfg.head_dim, model_cfg.n_head_kv * model_cfg.head_dim
     widths = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d),
               "gate": (d, ff), "up": (d, ff), "down": (ff, d)}
-    for t in (t for t in run_cfg.targets if t in widths):
+    if model_cfg.n_expert:   # the experts' matrices (a dense model refuses these targets)
+        widths.update(gate_up_exps=(d, 2 * model_cfg.n_ff_exp), down_exps=(model_cfg.n_ff_exp, d))
+    for t in (t for t in expand_targets(run_cfg.targets) if t in widths):
         limit = min(widths[t])
         if run_cfg.rank > limit:
             raise ToygraphError(f"--rank {run_cfg.rank} exceeds the {t} matrix's smaller side "
