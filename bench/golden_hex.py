@@ -9,7 +9,10 @@ say whether a change moved any loss by even one bit.
 
 ``--compare`` compares the runs both files hold and lists the ones only one holds.
 SmolLM2 (lora_qv_smollm2) runs on numpy only: 135M parameters through the host executor's
-fibers would take hours.
+fibers would take hours. Compare runs made with the same BLAS threads: OpenBLAS splits a
+GEMM's sums by thread count, so ``OPENBLAS_NUM_THREADS=1`` against the default moves the
+last bits of numpy's losses from the third step on (seen on this 2-core machine; the
+recorded files use the default).
 """
 from __future__ import annotations
 
