@@ -17,17 +17,22 @@ extern "C" __global__ void tg_scale(float* out, const float* x, int n, float s) 
     TG_GRID_LOOP(i, n) out[i] = __fmul_rn(x[i], s);
 }
 
-extern "C" __global__ void tg_silu(float* out, const float* x, int n) {
-    TG_GRID_LOOP(i, n) out[i] = __fmul_rn(x[i], tg_sigmoid(x[i]));
+// SiLU x * sigmoid(x) and its backward g * s * (1 + x * (1 - s)), left to right as numpy
+// evaluates it: device functions, so the fused gated kernels (gated.cu) round alike.
+__device__ __forceinline__ float tg_silu_at(float x) { return __fmul_rn(x, tg_sigmoid(x)); }
+
+__device__ __forceinline__ float tg_silu_back_at(float x, float g) {
+    float s = tg_sigmoid(x);
+    float t = __fadd_rn(1.0f, __fmul_rn(x, __fsub_rn(1.0f, s)));
+    return __fmul_rn(__fmul_rn(g, s), t);
 }
 
-// g * s * (1 + x * (1 - s)), left to right as numpy evaluates it.
+extern "C" __global__ void tg_silu(float* out, const float* x, int n) {
+    TG_GRID_LOOP(i, n) out[i] = tg_silu_at(x[i]);
+}
+
 extern "C" __global__ void tg_silu_back(float* out, const float* x, const float* g, int n) {
-    TG_GRID_LOOP(i, n) {
-        float s = tg_sigmoid(x[i]);
-        float t = __fadd_rn(1.0f, __fmul_rn(x[i], __fsub_rn(1.0f, s)));
-        out[i] = __fmul_rn(__fmul_rn(g[i], s), t);
-    }
+    TG_GRID_LOOP(i, n) out[i] = tg_silu_back_at(x[i], g[i]);
 }
 
 // GELU, tanh approximation: t = tanh(c (x + a x^3)), c = sqrt(2/pi), a = 0.044715, with
@@ -41,23 +46,26 @@ __device__ __forceinline__ float tg_gelu_tanh(float x) {
 }
 
 // x * 0.5 (1 + t).
-extern "C" __global__ void tg_gelu(float* out, const float* x, int n) {
-    TG_GRID_LOOP(i, n) {
-        float t = tg_gelu_tanh(x[i]);
-        out[i] = __fmul_rn(x[i], __fmul_rn(0.5f, __fadd_rn(1.0f, t)));
-    }
+__device__ __forceinline__ float tg_gelu_at(float x) {
+    return __fmul_rn(x, __fmul_rn(0.5f, __fadd_rn(1.0f, tg_gelu_tanh(x))));
 }
 
 // g * (0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3a x^2)), left to right as numpy evaluates it.
+__device__ __forceinline__ float tg_gelu_back_at(float x, float g) {
+    float t = tg_gelu_tanh(x);
+    float outer = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
+    float inner = __fmul_rn(__fmul_rn(0.5f, x), __fsub_rn(1.0f, __fmul_rn(t, t)));
+    inner = __fmul_rn(inner, TG_GELU_C);
+    float poly = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(3.0f * TG_GELU_A, x), x));
+    return __fmul_rn(g, __fadd_rn(outer, __fmul_rn(inner, poly)));
+}
+
+extern "C" __global__ void tg_gelu(float* out, const float* x, int n) {
+    TG_GRID_LOOP(i, n) out[i] = tg_gelu_at(x[i]);
+}
+
 extern "C" __global__ void tg_gelu_back(float* out, const float* x, const float* g, int n) {
-    TG_GRID_LOOP(i, n) {
-        float xi = x[i], t = tg_gelu_tanh(xi);
-        float outer = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
-        float inner = __fmul_rn(__fmul_rn(0.5f, xi), __fsub_rn(1.0f, __fmul_rn(t, t)));
-        inner = __fmul_rn(inner, TG_GELU_C);
-        float poly = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(3.0f * TG_GELU_A, xi), xi));
-        out[i] = __fmul_rn(g[i], __fadd_rn(outer, __fmul_rn(inner, poly)));
-    }
+    TG_GRID_LOOP(i, n) out[i] = tg_gelu_back_at(x[i], g[i]);
 }
 
 // Soft capping: cap * tanh(x / cap), and its backward g * (1 - t^2), t = tanh(x / cap).

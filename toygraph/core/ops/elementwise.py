@@ -1,5 +1,5 @@
 """Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu, gelu (tanh), sigmoid and
-softcap with their backward ops, the composites built from them (swiglu, geglu, mean), and
+softcap with their backward ops, the composite mean, and
 gpt-oss's clamped SwiGLU (swiglu_oai). Each op's
 builder, shape rule, backward rule, numpy kernel and CUDA lowering (elementwise.cu).
 """
@@ -72,11 +72,6 @@ def silu_back(x, g):
     return make_node("silu_back", [x, g])
 
 
-def swiglu(gate, up):
-    """silu(gate) * up, the Llama FFN activation."""
-    return mul(silu(gate), up)
-
-
 def infer_same2(shapes, dtypes, attrs):
     """The rule of a backward op of two f32 operands of one shape (x and its gradient)."""
     check_floats(dtypes)
@@ -96,11 +91,6 @@ def gelu(x):
 
 def gelu_back(x, g):
     return make_node("gelu_back", [x, g])
-
-
-def geglu(gate, up):
-    """gelu(gate) * up, the Gemma FFN activation."""
-    return mul(gelu(gate), up)
 
 
 define_op("gelu", infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
