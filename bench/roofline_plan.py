@@ -115,12 +115,18 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
     outputs = [t for ts in recipe.graph.outputs.values() for t in ts]
     mem = plan_device_memory(schedule, sess.plan, sess.pinned, outputs, qmatmul=True)
     raw = frozenset(mem.raw_consts)
-    fake = 1 << 32   # an address: launches need one, the model never dereferences it
+    # Addresses: launches need them and the model never dereferences them, but an arena
+    # tensor's must be its plan offset, so the views the plan makes launch nothing.
+    arena, pinned_at = 1 << 40, 1 << 50
+
+    def ptr(t):
+        off = sess.plan.offsets.get(t.id)
+        return arena + off if off is not None else pinned_at + (t.id << 24)
     out = []
     for t in schedule:
         if t.op is not None:
-            scratch = fake if t.id in mem.scratch else 0
-            out += [(t, l) for l in lower(t, lambda _: fake, scratch, raw, precision)]
+            scratch = 1 << 32 if t.id in mem.scratch else 0
+            out += [(t, l) for l in lower(t, ptr, scratch, raw, precision)]
     return out, cfg, raw
 
 

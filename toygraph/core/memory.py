@@ -5,9 +5,11 @@ bytes when their lifetimes (from the node that makes one to its last reader in t
 schedule) do not overlap. Inputs, consts, params, state and outputs are pinned: they get
 buffers of their own and are never reused.
 
-An ``unpack`` of an arena intermediate at an ALIGN-aligned offset gets no buffer: it is a
-view into the packed buffer (whose life then lasts to the view's last reader), so a node
-that packs several results (attention_back, glu_back) hands them out with no copy.
+A ``reshape`` or ``contiguous`` of an arena intermediate (every buffer is contiguous, so
+its bytes are the result's) and an ``unpack`` of one at an ALIGN-aligned offset get no
+buffer: each is a view of its source's bytes, whose life then lasts to the view's last
+reader. So reshapes copy nothing, and a node that packs several results (attention_back,
+glu_back) hands them out with no copy.
 """
 from __future__ import annotations
 
@@ -69,15 +71,24 @@ def is_planned(t, pinned: set[int]) -> bool:
     return t.role is None and not in_place(t.op) and t.id not in pinned
 
 
+#: Ops whose result is their source's bytes from an element offset on (see above).
+VIEW_OPS = ("reshape", "contiguous", "unpack")
+
+
+def view_offset(t) -> int:
+    """The element offset of view op ``t``'s bytes in its source's."""
+    return t.attrs["offset"] if t.op == "unpack" else 0
+
+
 def views(schedule, pinned: set[int], itemsize: int) -> dict[int, int]:
-    """{unpack id: id of the buffer it views} for the unpacks read in place (see above)."""
+    """{view id: id of the buffer it reads} for the view ops planned as views (see above)."""
     root: dict[int, int] = {}
     for t in schedule:
-        if t.op != "unpack" or not is_planned(t, pinned):
+        if t.op not in VIEW_OPS or not is_planned(t, pinned):
             continue
         src = t.srcs[0]
         if src.dtype == t.dtype and is_planned(src, pinned) and \
-                t.attrs["offset"] * itemsize % ALIGN == 0:
+                view_offset(t) * itemsize % ALIGN == 0:
             root[t.id] = root.get(src.id, src.id)
     return root
 
@@ -93,7 +104,7 @@ def plan_buffers(schedule, pinned: set[int], itemsize: int, pinned_bytes: int = 
     live: list[tuple[int, int, int]] = []  # (offset, size, tensor id), sorted by offset
     for i, t in enumerate(schedule):
         if t.id in root:  # a view: its source's bytes from the offset on
-            plan.offsets[t.id] = plan.offsets[t.srcs[0].id] + t.attrs["offset"] * itemsize
+            plan.offsets[t.id] = plan.offsets[t.srcs[0].id] + view_offset(t) * itemsize
         elif is_planned(t, pinned):
             size = aligned(max(1, t.size) * itemsize)
             offset = _first_fit(live, size)

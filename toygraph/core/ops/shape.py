@@ -194,7 +194,8 @@ def _expand_numpy(out, srcs, attrs):
 
 @kernel("reshape")
 def _reshape_numpy(out, srcs, attrs):
-    out[...] = srcs[0].reshape(out.shape)
+    if not np.may_share_memory(out, srcs[0]):   # else a view the buffer plan made
+        out[...] = srcs[0].reshape(out.shape)
 
 
 @kernel("permute")
@@ -204,7 +205,8 @@ def _permute_numpy(out, srcs, attrs):
 
 @kernel("contiguous")
 def _contiguous_numpy(out, srcs, attrs):
-    out[...] = srcs[0]
+    if not np.may_share_memory(out, srcs[0]):   # else a view the buffer plan made
+        out[...] = srcs[0]
 
 
 @kernel("sum")
@@ -256,7 +258,10 @@ def sum_to_walk(x_shape, target):
 
 @lowers("reshape", "contiguous", kernels=("tg_copy",))
 def _copy(node, at):
+    """A copy; nothing when the buffer plan made the node a view of its source."""
     n = node.size
+    if at.out == at.ptr(node.srcs[0]):
+        return []
     return [Launch("tg_copy", grid_1d(n), [p(at.out), p(at.ptr(node.srcs[0])), i32(n)])]
 
 
