@@ -96,8 +96,13 @@ EFFICIENCY = {
     # tc_attention.cu (issue 25, bf16): FlashAttention-2's design (mma.sync, ldmatrix,
     # cp.async double buffering): FA2's efficiency, as for PyTorch below
     "attention tensor-core": (0.28, 0.60),
-    # scalar loads, per-element div/mod of strided indexing
+    # scalar loads, per-element div/mod of strided indexing (tg_binary with broadcasting,
+    # tg_gather) or scalar loads of contiguous operands (tg_glu, tg_rope...)
     "elementwise": (0.50, 0.60),
+    # elementwise.cu's tg_binary_vec / tg_scale_vec: float4 loads and stores of contiguous
+    # operands, no index arithmetic: the kind of kernel PyTorch's vectorised elementwise
+    # kernels are, so their efficiency below
+    "elementwise vectorised": (0.60, 0.80),
     "norm (row reductions)": (0.50, 0.60),
     "loss (softmax rows)": (0.50, 0.60),
     "adamw + clip": (0.50, 0.60),

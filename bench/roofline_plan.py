@@ -322,6 +322,8 @@ RULES = [
     (r"tg_glu", _streaming("elementwise", 5.0, 1.0)),
     (r"tg_glu_back", _streaming("elementwise", 5.0, 0.5)),
     (r"tg_rope", _streaming("elementwise", 6.0, 2.0)),
+    # elementwise.cu's float4 kernels for contiguous same-shape operands
+    (r"tg_binary_vec|tg_scale_vec", _streaming("elementwise vectorised")),
     (r"tg_binary|tg_scale|tg_copy|tg_gather|tg_fill|tg_get_rows(_\w+)?", _streaming("elementwise")),
 ]
 

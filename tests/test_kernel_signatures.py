@@ -213,9 +213,12 @@ def _small_op_launches():
                              g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
     row_norm = ops.inv_row_norm(x)   # DoRA's detached norm: no backward
     dropped = ops.dropout(x, g.input("hp", (9,)), p=0.1, seed=1, salt=2)   # LoRA dropout
-    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state, row_norm,
-                                  dropped]),
-                      precisions=("f32",))
+    # scale's scalar kernel runs only where a buffer is not 16-byte aligned
+    unaligned = [("scale", l) for l in dispatch.lower(ops.scale(x, 3.0),
+                                                      lambda t: 4 + ((t.id + 1) << 20))]
+    return unaligned + _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state,
+                                              row_norm, dropped]),
+                                  precisions=("f32",))
 
 
 def _preference_op_launches():
