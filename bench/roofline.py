@@ -4,6 +4,10 @@ launches. Every figure it prints is MODELLED, not measured (no GPU has run this 
 
     python bench/roofline.py --config smollm2-8x512
     python bench/roofline.py --config llama1b-4x2048 --device h200 --json out.json
+    python bench/roofline.py --config smollm2-8x512 --before old.json --md after.md
+
+``--before`` takes a ``--json`` this script wrote for the same config on an earlier commit
+and adds a before/after table (launches and modelled ms per kernel class).
 
 toygraph: bench/roofline_plan.py builds the step (recipes.LoRA, AdamW, clip 1.0) and lowers
 it to its kernel launches as the CUDA backend would, without a GPU; each launch's FLOPs by
@@ -92,8 +96,13 @@ EFFICIENCY = {
     # tc_attention.cu (issue 25, bf16): FlashAttention-2's design (mma.sync, ldmatrix,
     # cp.async double buffering): FA2's efficiency, as for PyTorch below
     "attention tensor-core": (0.28, 0.60),
-    # scalar loads, per-element div/mod of strided indexing
+    # scalar loads, per-element div/mod of strided indexing (tg_binary with broadcasting,
+    # tg_gather) or scalar loads of contiguous operands (tg_glu, tg_rope...)
     "elementwise": (0.50, 0.60),
+    # elementwise.cu's tg_binary_vec / tg_scale_vec: float4 loads and stores of contiguous
+    # operands, no index arithmetic: the kind of kernel PyTorch's vectorised elementwise
+    # kernels are, so their efficiency below
+    "elementwise vectorised": (0.60, 0.80),
     "norm (row reductions)": (0.50, 0.60),
     "loss (softmax rows)": (0.50, 0.60),
     "adamw + clip": (0.50, 0.60),
@@ -266,6 +275,40 @@ def render(r: dict, top: int = 12) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare(r: dict, before: dict, source: str) -> dict:
+    """The before/after summary of ``r`` against an earlier run's JSON of the same config."""
+    if before.get("config") != r["config"] or before.get("precision") != r["precision"]:
+        raise SystemExit(f"--before {source}: config {before.get('config')}/"
+                         f"{before.get('precision')} is not this run's "
+                         f"{r['config']}/{r['precision']}")
+    keys = ("launches", "predicted_step_s", "predicted_tokens_per_s", "speedup_vs_torch_eager")
+    classes = {k: {"launches": v["launches"], "seconds": v["seconds"], "bytes": v["bytes"]}
+               for k, v in before["toygraph"]["classes"].items()}
+    return {"source": source, "command": before.get("command", ""), "date": before.get("date", ""),
+            **{k: before[k] for k in keys if k in before}, "classes": classes}
+
+
+def render_comparison(r: dict) -> str:
+    b = r["before"]
+    now = r["toygraph"]["classes"]
+    lines = ["", f"Before -> after (MODELLED, the same model; before: `{b['command']}`, {b['date']}):",
+             "", f"- launches per step {b['launches']} -> {r['launches']}; modelled step "
+             f"{1e3 * b['predicted_step_s']:.1f} -> {1e3 * r['predicted_step_s']:.1f} ms; "
+             f"{b['predicted_tokens_per_s']:,.0f} -> {r['predicted_tokens_per_s']:,.0f} tokens/s "
+             f"(modelled)" + (f"; vs torch eager {b['speedup_vs_torch_eager']:.2f}x -> "
+                               f"{r['speedup_vs_torch_eager']:.2f}x" if "speedup_vs_torch_eager"
+                               in b and "speedup_vs_torch_eager" in r else ""),
+             "", "| class | launches before | after | MiB moved before | after | "
+             "modelled ms before | after |", "|---|---:|---:|---:|---:|---:|---:|"]
+    zero = {"launches": 0, "seconds": 0.0, "bytes": 0.0}
+    for kind in sorted(set(b["classes"]) | set(now), key=lambda k: -b["classes"].get(k, zero)["seconds"]):
+        x, y = b["classes"].get(kind, zero), now.get(kind, zero)
+        lines.append(f"| {kind} | {int(x['launches'])} | {int(y['launches'])} | "
+                     f"{x['bytes'] / 2**20:.0f} | {y['bytes'] / 2**20:.0f} | "
+                     f"{1e3 * x['seconds']:.2f} | {1e3 * y['seconds']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 HEADLINE = ("device", "precision", "predicted_step_s", "predicted_tokens_per_s",
             "attention_tensor_core_fraction", "torch_eager_estimate_tokens_per_s",
             "speedup_vs_torch_eager")
@@ -291,6 +334,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="toygraph's side only")
     ap.add_argument("--json", help="write the model's numbers here")
     ap.add_argument("--md", help="write the table here")
+    ap.add_argument("--before", help="a --json of this config from an earlier commit: add a "
+                    "before/after table")
     a = ap.parse_args(argv)
     a.also_precision = [x for x in a.also_precision.split(",") if x]
     devices = a.device.split(",")
@@ -304,6 +349,9 @@ def main(argv=None) -> int:
                  for dev in devices for prec in [a.precision] + a.also_precision
                  if (dev, prec) != (devices[0], a.precision)]
     text = render(r)
+    if a.before:
+        r["before"] = compare(r, json.loads(Path(a.before).read_text()), a.before)
+        text += render_comparison(r)
     print(text)
     if a.md:
         Path(a.md).write_text(text)

@@ -115,12 +115,18 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
     outputs = [t for ts in recipe.graph.outputs.values() for t in ts]
     mem = plan_device_memory(schedule, sess.plan, sess.pinned, outputs, qmatmul=True)
     raw = frozenset(mem.raw_consts)
-    fake = 1 << 32   # an address: launches need one, the model never dereferences it
+    # Addresses: launches need them and the model never dereferences them, but an arena
+    # tensor's must be its plan offset, so the views the plan makes launch nothing.
+    arena, pinned_at = 1 << 40, 1 << 50
+
+    def ptr(t):
+        off = sess.plan.offsets.get(t.id)
+        return arena + off if off is not None else pinned_at + (t.id << 24)
     out = []
     for t in schedule:
         if t.op is not None:
-            scratch = fake if t.id in mem.scratch else 0
-            out += [(t, l) for l in lower(t, lambda _: fake, scratch, raw, precision)]
+            scratch = 1 << 32 if t.id in mem.scratch else 0
+            out += [(t, l) for l in lower(t, ptr, scratch, raw, precision)]
     return out, cfg, raw
 
 
@@ -269,16 +275,24 @@ def _streaming(kind: str, flops_per_elem: float = 1.0, sfu_per_elem: float = 0.0
     return cost
 
 
+def _list_sizes(table) -> list[int]:
+    """The tensor sizes in a packed TgTensorList (ops/update.py's tensor_lists)."""
+    import numpy as np
+    from toygraph.cuda.lowering.constants import LIST_TENSORS as T
+    count = int(np.frombuffer(table[-4:].tobytes(), np.int32)[0])
+    return [int(x) for x in np.frombuffer(table[32 * T:36 * T].tobytes(), np.int32)[:count]]
+
+
 def _optimizer(node, launch, raw) -> Cost:
     k = launch.kernel
-    if k == "tg_adamw":                  # w, g, m, v in; w, m, v out
-        n = node.srcs[0].size
+    if k == "tg_adamw_list":             # per tensor: w, g, m, v in; w, m, v out
+        n = sum(_list_sizes(launch.args[0]))
         return Cost(k, "adamw + clip", fma=12.0 * n, sfu=n, bytes=28 * n, useful=12.0 * n)
     if k == "tg_accumulate":             # acc += g
         n = node.srcs[0].size
         return Cost(k, "adamw + clip", fma=n, bytes=12 * n, useful=n)
-    if k == "tg_sumsq_partial":          # one gradient's squares, per-block partial sums
-        n = _arg(launch, 2)
+    if k == "tg_sumsq_list":             # the gradients' squares, per-block partial sums
+        n = sum(_list_sizes(launch.args[1]))
         return Cost(k, "adamw + clip", fma=2.0 * n, bytes=4 * n, useful=2.0 * n)
     return Cost(k, "adamw + clip", bytes=8 * _arg(launch, 2))   # tg_global_norm: the partials
 
@@ -299,11 +313,17 @@ RULES = [
     (r"tg_tc_matmul_\w+|tg_tc_qmm_\w+|tg_matmul(_acc)?|tg_qmm_\w+", _gemm),
     (r"tg_attn_(fwd|bwd_prep|bwd_dq|bwd_dkdv)_\d+", _attention),
     (r"tg_tca_to_bf16|tg_tca_bwd_prep|tg_tca_(fwd|bwd_dq|bwd_dkdv)_\d+", _tc_attention),
-    (r"tg_adamw|tg_accumulate|tg_sumsq_partial|tg_global_norm", _optimizer),
+    (r"tg_adamw_list|tg_accumulate|tg_sumsq_list|tg_global_norm", _optimizer),
     (r"tg_ce_rows|tg_ce_back|tg_ce_back_rows|tg_ce_reduce|tg_lce_grad_scale|tg_count_valid", _loss),
     (r"tg_rms_norm|tg_rms_norm_back", _streaming("norm (row reductions)", 4.0, 0.0)),
     (r"tg_silu|tg_silu_back", _streaming("elementwise", 4.0, 1.0)),
+    # gated.cu: act(gate) * up (gate, up in; out); the backward's gate, up, g in and
+    # d gate, d up out (its node is the packed pair: ~5 FLOPs and 1/2 exp per element)
+    (r"tg_glu", _streaming("elementwise", 5.0, 1.0)),
+    (r"tg_glu_back", _streaming("elementwise", 5.0, 0.5)),
     (r"tg_rope", _streaming("elementwise", 6.0, 2.0)),
+    # elementwise.cu's float4 kernels for contiguous same-shape operands
+    (r"tg_binary_vec|tg_scale_vec", _streaming("elementwise vectorised")),
     (r"tg_binary|tg_scale|tg_copy|tg_gather|tg_fill|tg_get_rows(_\w+)?", _streaming("elementwise")),
 ]
 

@@ -58,6 +58,11 @@ def emulate(launch, mem):
             oa, ob = walk(a[4], n)
             x, y = mem[int(a[1])][oa], mem[int(a[2])][ob]
             out[:] = [x + y, x - y, x * y][int(a[5])]
+    elif k in ("tg_binary_vec", "tg_scale_vec"):   # flat: element i of each operand
+        out, n = mem[int(a[0])], int(a[3] if k == "tg_binary_vec" else a[2])
+        x = mem[int(a[1])][:n]
+        out[:n] = x * a[3] if k == "tg_scale_vec" else \
+            [x + mem[int(a[2])][:n], x - mem[int(a[2])][:n], x * mem[int(a[2])][:n]][int(a[4])]
     elif k in ("tg_reduce_block", "tg_reduce_thread"):
         out, x, n_out, kept, red, n_red = mem[int(a[0])], mem[int(a[1])], *a[2:]
         base, roff = walk(kept, int(n_out))[0], walk(red, int(n_red))[0]

@@ -76,3 +76,14 @@ def qlinear(fmt, cols, *, rows, batch, seed=0):
     wv = blocks.dequantize(raw, fmt, (rows, cols)).astype(np.float64)
     xv = np.asarray(x.data, np.float64)
     return g, w, [y, grads[x]], [xv @ wv.T, r.astype(np.float64) @ wv]
+
+
+def break_kernel(monkeypatch, old: str, new: str):
+    """From now on the CUDA backend compiles its module with ``old`` (found exactly once)
+    replaced by ``new``: a deliberately broken kernel for a parity check to catch."""
+    from toygraph.cuda import backend as cuda_backend
+    from toygraph.cuda.lowering import sources
+    real = sources.backend_source("f32")
+    assert real.count(old) == 1, "the mutation no longer matches the kernel source"
+    monkeypatch.setattr(cuda_backend, "backend_source",
+                        lambda precision="f32": real.replace(old, new))

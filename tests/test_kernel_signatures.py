@@ -21,7 +21,7 @@ from toygraph.gguf import blocks
 from toygraph.core.autodiff import backward
 from toygraph.cuda import devmem
 from toygraph.cuda.lowering import dispatch
-from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS, TCA_HEAD_DIMS
+from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS, LIST_TENSORS, TCA_HEAD_DIMS
 from kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import module_source
@@ -33,7 +33,9 @@ BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
 
 #: C parameter type -> (numpy dtype, number of elements) of its packed launch argument.
 SCALAR_TYPES = {"int": (np.int32, 1), "float": (np.float32, 1), "double": (np.float64, 1),
-                "Strided": (np.int32, 1 + 3 * MAXD)}
+                "Strided": (np.int32, 1 + 3 * MAXD),
+                # update.cu: 4 pointer arrays, n, scale, block_start[T + 1] and count
+                "TgTensorList": (np.uint8, 44 * LIST_TENSORS + 8)}
 POINTER = (np.uint64, 1)
 
 
@@ -190,7 +192,7 @@ def _small_op_launches():
     g = Graph()
     x = g.param("x", np.ones((2, 3, 4)))
     b = g.param("b", np.ones((4,)))
-    y = ops.softmax(ops.gelu(ops.sub(ops.scale(x, 0.5), b)), scale=2.0, causal=False)
+    y = ops.softmax(ops.silu(ops.gelu(ops.sub(ops.scale(x, 0.5), b))), scale=2.0, causal=False)
     y = ops.sigmoid(ops.softcap(y, 30.0))
     y = ops.contiguous(ops.permute(y, (1, 0, 2))).reshape(3, 8)
     packed = g.const("packed", np.ones(40))
@@ -211,9 +213,12 @@ def _small_op_launches():
                              g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
     row_norm = ops.inv_row_norm(x)   # DoRA's detached norm: no backward
     dropped = ops.dropout(x, g.input("hp", (9,)), p=0.1, seed=1, salt=2)   # LoRA dropout
-    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state, row_norm,
-                                  dropped]),
-                      precisions=("f32",))
+    # scale's scalar kernel runs only where a buffer is not 16-byte aligned
+    unaligned = [("scale", l) for l in dispatch.lower(ops.scale(x, 3.0),
+                                                      lambda t: 4 + ((t.id + 1) << 20))]
+    return unaligned + _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state,
+                                              row_norm, dropped]),
+                                  precisions=("f32",))
 
 
 def _preference_op_launches():
@@ -263,7 +268,7 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
 def test_every_kernel_in_the_sources_is_parsed():
     assert set(SIGNATURES) == set(KERNEL_NAMES) | set(TC_KERNEL_NAMES)
     assert SIGNATURES["tg_binary"] == ["float*", "float*", "float*", "int", "Strided", "int"]
-    assert SIGNATURES["tg_adamw"][-2:] == ["double", "float"]   # max_norm, lr_scale
+    assert SIGNATURES["tg_adamw_list"] == ["TgTensorList", "float*", "float*", "float*", "double"]
     dkdv = SIGNATURES["tg_attn_bwd_dkdv_64"]                      # through TG_ATTN_DKDV_ARGS
     assert len(dkdv) > 10 and dkdv[:2] == ["float*", "float*"] and dkdv[-1] == "int"
     assert SIGNATURES["tg_tc_matmul_bf16"] == SIGNATURES["tg_matmul"]

@@ -134,3 +134,50 @@ def test_softcap_is_cap_times_tanh_and_refuses_a_bad_cap():
     from toygraph.errors import GraphError
     with pytest.raises(GraphError, match="positive cap"):
         ops.softcap(g.const("z", xv), 0.0)
+
+
+# --- the vectorised kernels on the host executor ------------------------------------------------
+VEC_SIZES = [(1,), (3,), (4,), (5,), (7, 129), (3, 1024 + 2)]   # quads and ragged tails
+
+
+@pytest.mark.parametrize("shape", VEC_SIZES)
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "scale"])
+def test_vectorised_kernels_match_numpy(op, shape, monkeypatch):
+    """Same-shape add/sub/mul and scale run tg_binary_vec / tg_scale_vec (float4, then the
+    tail one by one): exactly numpy's f32 results, forward and backward."""
+    from hostparity import compare_op
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    build = (lambda x: ops.scale(x, -1.7)) if op == "scale" else getattr(ops, op)
+    n_srcs = 1 if op == "scale" else 2
+    compare_op(build, [shape] * n_srcs, 0.0, grad_tol=0.0)
+
+
+def test_same_shape_operands_take_the_vector_kernel():
+    g = Graph()
+    a, b = g.const("a", np.ones((3, 5))), g.const("b", np.ones((3, 5)))
+    kernels = lambda t: [l.kernel for l in dispatch.lower(t, lambda s: (s.id + 1) << 20)]  # noqa: E731
+    assert kernels(ops.mul(a, b)) == ["tg_binary_vec"]
+    assert kernels(ops.scale(a, 2.0)) == ["tg_scale_vec"]
+    assert kernels(ops.mul(a, g.const("r", np.ones(5)))) == ["tg_binary"]   # broadcast
+    odd = [l.kernel for l in dispatch.lower(ops.add(a, b), lambda s: 4 + ((s.id + 1) << 20))]
+    assert odd == ["tg_binary"]                                              # not 16-byte aligned
+
+
+#: One index of the vector path changed as a careless edit would: parity must then fail.
+VEC_MUTATIONS = {
+    "the tail starts one element late": ("for (int i = 4 * n4 + blockIdx.x",
+                                         "for (int i = 4 * n4 + 1 + blockIdx.x"),
+    "b's quad is the next one": ("float4 y = reinterpret_cast<const float4*>(b)[i];",
+                                 "float4 y = reinterpret_cast<const float4*>(b)[(i + 1) % n4];"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(VEC_MUTATIONS))
+def test_a_broken_vector_index_fails_the_parity_check(mutation, monkeypatch):
+    from hostparity import break_kernel, op_case, rel_err, run_phase
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    g, extra, fetch = op_case(ops.add, [(3, 7), (3, 7)])
+    want = run_phase(g, "cpu", extra, "forward", fetch[:1])
+    break_kernel(monkeypatch, *VEC_MUTATIONS[mutation])
+    got = run_phase(g, "cuda", extra, "forward", fetch[:1])
+    assert not rel_err(got[0], want[0]) <= 1e-3

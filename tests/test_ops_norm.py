@@ -100,3 +100,58 @@ def test_dora_layer_gradients_treat_the_norm_as_a_constant():
                 pert[k][i] += sign * 1e-6
                 numeric[i] += sign * f(*pert) / 2e-6
         assert np.abs(grad - numeric).max() / np.abs(numeric).max() <= TOL, k
+
+
+# --- the residual stream's gradient folded into rms_norm_back ---------------------------------
+def _residual_block(h, f, w):
+    """s = h + f; out = s + rms_norm(s) * w: s's gradient has two contributions, the
+    residual's and the norm's backward, which autodiff sums inside rms_norm_back."""
+    s = ops.add(h, f)
+    return ops.add(s, ops.mul(ops.rms_norm(s, 1e-5), w))
+
+
+def test_residual_norm_gradient_f64():
+    rng = np.random.default_rng(40)
+    g = Graph()
+    h, f, w = g.param("h", rnd(rng, 3, 70)), g.param("f", rnd(rng, 3, 70)), g.param("w", rnd(rng, 70))
+    assert check_gradients(g, weighted_sum(_residual_block(h, f, w), rng), [h, f, w], {}) <= TOL
+
+
+def _folded_run(backend, fold: bool, monkeypatch):
+    import dataclasses
+    from hostparity import op_case, run_phase
+    spec = ops.OPS["rms_norm_back"]
+    monkeypatch.setitem(ops.OPS, "rms_norm_back",
+                        spec if fold else dataclasses.replace(spec, fold_add=None))
+    g, extra, fetch = op_case(_residual_block, [(5, 300), (5, 300), (300,)])
+    backs = [t for t in g.nodes if t.op == "rms_norm_back"]
+    adds_of_grads = [t for t in g.nodes if t.op == "add" and any(s in backs for s in t.srcs)]
+    assert (len(backs[-1].srcs), len(adds_of_grads)) == ((3, 0) if fold else (2, 1))
+    return run_phase(g, backend, extra, "backward", fetch)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_the_folded_add_changes_no_bit(backend, monkeypatch):
+    """rms_norm_back with the residual's gradient added in its kernel gives the very bits of
+    rms_norm_back then an add (numpy, and the CUDA kernels on the host executor)."""
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    folded = _folded_run(backend, True, monkeypatch)
+    plain = _folded_run(backend, False, monkeypatch)
+    assert all(np.array_equal(a, b) for a, b in zip(folded, plain))
+
+
+def test_folded_cuda_matches_numpy(monkeypatch):
+    from hostparity import REDUCTION, rel_err
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    got, want = _folded_run("cuda", True, monkeypatch), _folded_run("cpu", True, monkeypatch)
+    assert all(rel_err(a, b) <= REDUCTION for a, b in zip(got, want))
+
+
+def test_a_broken_add_index_fails_the_parity_check(monkeypatch):
+    from hostparity import break_kernel, rel_err
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    want = _folded_run("cpu", True, monkeypatch)
+    break_kernel(monkeypatch, "add[(long long)row * D + j]",
+                 "add[(long long)row * D + (j + 1) % D]")
+    got = _folded_run("cuda", True, monkeypatch)
+    assert not all(rel_err(a, b) <= 1e-3 for a, b in zip(got, want))

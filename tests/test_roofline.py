@@ -81,9 +81,21 @@ def test_attention_forward_counts_visible_tiles(plan_f32):
     assert c.bytes == 4 * (2 * B * 9 * T * 64 + 2 * B * 3 * T * 64)
 
 
-def test_adamw_moves_seven_f32_per_weight(plan):
-    n, l, c = _one(plan, "tg_adamw", lambda n, l: n.srcs[0].name == "blk.1.ffn_down.weight.lora_b")
-    assert c.bytes == 28 * D * R
+def test_adamw_is_one_launch_moving_seven_f32_per_weight(plan):
+    """28 LoRA tensors (2 layers x 7 targets x A, B): one multi-tensor launch for AdamW and
+    one for the norm's squares, over every LoRA weight."""
+    lora = L * R * (9 * D + 2 * KV + 3 * FF)   # q, o: D + D; k, v: D + KV; gate, up, down: D + FF
+    (adam,) = [c for n, l, c in plan if l.kernel == "tg_adamw_list"]
+    (sumsq,) = [c for n, l, c in plan if l.kernel == "tg_sumsq_list"]
+    assert adam.bytes == 28 * lora and sumsq.bytes == 4 * lora
+
+
+def test_the_gated_backward_reads_three_and_writes_two(plan):
+    from toygraph.core.ops.gated import up_offset
+    n = B * T * FF
+    c = [c for nd, l, c in plan if l.kernel == "tg_glu_back"][0]
+    assert c.bytes == 4 * (3 * n + up_offset(n) + n)
+    assert sum(1 for nd, l, c in plan if l.kernel in ("tg_silu", "tg_silu_back")) == 0
 
 
 def test_visible_tile_pairs_match_element_masks():

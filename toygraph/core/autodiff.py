@@ -52,13 +52,28 @@ def gradient_map(loss: Tensor, params: list[Tensor]) -> dict[int, Tensor]:
             continue
         if spec.grad is None:
             raise GraphError(f"backward: op {t.op!r} has no gradient rule")
-        for s, gs, nd in zip(t.srcs, spec.grad(t, g, need), need):
+        rule_out = spec.grad(t, g, need)
+        for s, gs, nd in zip(t.srcs, rule_out, need):
             if not nd or gs is None:
                 continue
             if gs.shape != s.shape:  # a rule bug, caught at build time rather than at run
                 raise GraphError(f"backward: {t.op} gave a {gs.shape} gradient for {s.name} {s.shape}")
-            grads[s.id] = gs if s.id not in grads else ops.add(grads[s.id], gs)
+            grads[s.id] = gs if s.id not in grads else _sum(grads[s.id], gs, grads, rule_out)
     return grads
+
+
+def _sum(old: Tensor, new: Tensor, grads: dict, rule_out) -> Tensor:
+    """old + new, two contributions to one gradient: folded into the backward node that
+    made one of them when its op adds in its own kernel (OpSpec.fold_add) and nothing else
+    holds that node (it is then computed once, with the add), else an add node."""
+    for x, y in ((new, old), (old, new)):
+        fold = ops.OPS[x.op].fold_add if x.op else None
+        refs = sum(v is x for v in grads.values()) + sum(v is x for v in rule_out)
+        if fold and refs == 1:
+            fused = fold(x, y)
+            if fused is not None:
+                return fused
+    return ops.add(old, new)
 
 
 def accumulate_grads(grads: dict[Tensor, Tensor], phase: str = "backward") -> dict[Tensor, Tensor]:

@@ -4,6 +4,12 @@ Intermediates live in one arena; each gets a byte offset, and two intermediates 
 bytes when their lifetimes (from the node that makes one to its last reader in the
 schedule) do not overlap. Inputs, consts, params, state and outputs are pinned: they get
 buffers of their own and are never reused.
+
+A ``reshape`` or ``contiguous`` of an arena intermediate (every buffer is contiguous, so
+its bytes are the result's) and an ``unpack`` of one at an ALIGN-aligned offset get no
+buffer: each is a view of its source's bytes, whose life then lasts to the view's last
+reader. So reshapes copy nothing, and a node that packs several results (attention_back,
+glu_back) hands them out with no copy.
 """
 from __future__ import annotations
 
@@ -65,16 +71,41 @@ def is_planned(t, pinned: set[int]) -> bool:
     return t.role is None and not in_place(t.op) and t.id not in pinned
 
 
+#: Ops whose result is their source's bytes from an element offset on (see above).
+VIEW_OPS = ("reshape", "contiguous", "unpack")
+
+
+def view_offset(t) -> int:
+    """The element offset of view op ``t``'s bytes in its source's."""
+    return t.attrs["offset"] if t.op == "unpack" else 0
+
+
+def views(schedule, pinned: set[int], itemsize: int) -> dict[int, int]:
+    """{view id: id of the buffer it reads} for the view ops planned as views (see above)."""
+    root: dict[int, int] = {}
+    for t in schedule:
+        if t.op not in VIEW_OPS or not is_planned(t, pinned):
+            continue
+        src = t.srcs[0]
+        if src.dtype == t.dtype and is_planned(src, pinned) and \
+                view_offset(t) * itemsize % ALIGN == 0:
+            root[t.id] = root.get(src.id, src.id)
+    return root
+
+
 def plan_buffers(schedule, pinned: set[int], itemsize: int, pinned_bytes: int = 0) -> BufferPlan:
     """First-fit placement of every arena tensor of ``schedule`` by liveness."""
+    root = views(schedule, pinned, itemsize)
     last_use: dict[int, int] = {}
     for i, t in enumerate(schedule):
         for s in t.srcs:
-            last_use[s.id] = i
+            last_use[root.get(s.id, s.id)] = i
     plan = BufferPlan(pinned_bytes=pinned_bytes)
     live: list[tuple[int, int, int]] = []  # (offset, size, tensor id), sorted by offset
     for i, t in enumerate(schedule):
-        if is_planned(t, pinned):
+        if t.id in root:  # a view: its source's bytes from the offset on
+            plan.offsets[t.id] = plan.offsets[t.srcs[0].id] + view_offset(t) * itemsize
+        elif is_planned(t, pinned):
             size = aligned(max(1, t.size) * itemsize)
             offset = _first_fit(live, size)
             live.append((offset, size, t.id))
@@ -83,8 +114,9 @@ def plan_buffers(schedule, pinned: set[int], itemsize: int, pinned_bytes: int = 
             plan.naive_bytes += size
             plan.arena_bytes = max(plan.arena_bytes, offset + size)
         # Free after placing the output: a kernel reads its inputs while writing it.
-        dead = {s.id for s in t.srcs if last_use.get(s.id) == i}
-        if is_planned(t, pinned) and t.id not in last_use:
+        dead = {root.get(s.id, s.id) for s in t.srcs}
+        dead = {d for d in dead if last_use.get(d) == i}
+        if is_planned(t, pinned) and t.id not in root and t.id not in last_use:
             dead.add(t.id)  # computed but never read
         live = [blk for blk in live if blk[2] not in dead]
     return plan

@@ -78,11 +78,15 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     norm = graph.output(ops.global_norm(list(grads.values()), divisor), "step")
     moments = {}
     for p in params:
-        m = graph.state(f"adam_m.{p.name}", p.shape, kind="moment")
-        v = graph.state(f"adam_v.{p.name}", p.shape, kind="moment")
-        graph.effect(ops.adamw(p, grads[p], m, v, hp, norm, divisor, max_norm=max_norm,
-                               lr_scale=(lr_scales or {}).get(p, 1.0)), "step")
-        moments[p] = (m, v)
+        moments[p] = (graph.state(f"adam_m.{p.name}", p.shape, kind="moment"),
+                      graph.state(f"adam_v.{p.name}", p.shape, kind="moment"))
+    # One adamw node for every param: CUDA updates them in a few multi-tensor launches.
+    if params:
+        graph.effect(ops.adamw(params, [grads[p] for p in params], [moments[p][0] for p in params],
+                               [moments[p][1] for p in params], hp, norm, divisor,
+                               max_norm=max_norm,
+                               lr_scales=[(lr_scales or {}).get(p, 1.0) for p in params]),
+                     "step")
     return TrainingStep(hp=hp, grad_norm=norm, grads=grads, moments=moments, count=count_acc,
                         checkpoint=report)
 

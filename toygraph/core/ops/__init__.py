@@ -11,7 +11,8 @@ for attention).
 ===============  =======================================================================
 table            OpSpec, OPS, KERNELS and the helpers the families fill them with
 shape            reshape, permute, contiguous, expand, sum_to, sum, unpack
-elementwise      add, sub, mul, scale, silu, gelu, sigmoid, softcap, swiglu_oai (+ swiglu, geglu, mean)
+elementwise      add, sub, mul, scale, silu, gelu, sigmoid, softcap, swiglu_oai (+ mean)
+gated            glu (act(gate) * up fused: swiglu, geglu) and its one-pass backward
 norm             rms_norm, softmax, inv_row_norm (row-wise normalisations)
 rotary           rope
 flash_attention  attention (fused, flash-style)
@@ -43,8 +44,9 @@ from toygraph.core.ops.table import (BLOCK_KERNELS, F32, I32, INT32_MAX, KERNELS
                                      kernel, make_node)
 from toygraph.core.ops.shape import (broadcast_shapes, contiguous, expand, permute, reshape,
                                      sum, sum_to, unpack)
-from toygraph.core.ops.elementwise import (add, geglu, gelu, gelu_back, mean, mul, scale, silu,
-                                           sigmoid, silu_back, softcap, sub, swiglu, swiglu_oai)
+from toygraph.core.ops.elementwise import (add, gelu, gelu_back, mean, mul, scale, silu, sigmoid,
+                                           silu_back, softcap, sub, swiglu_oai)
+from toygraph.core.ops.gated import geglu, glu, swiglu
 from toygraph.core.ops.norm import inv_row_norm, rms_norm, softmax
 from toygraph.core.ops.rotary import rope
 from toygraph.core.ops.flash_attention import attention
@@ -68,7 +70,7 @@ SIDE_EFFECTS = frozenset(name for name, spec in OPS.items() if spec.in_place)
 __all__ = ["BLOCK_KERNELS", "F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS",
            "OpSpec", "block_kernel", "check", "check_floats", "define_op", "kernel", "make_node", "broadcast_shapes",
            "contiguous", "expand", "permute", "reshape", "sum", "sum_to", "unpack", "add",
-           "geglu", "gelu", "gelu_back", "mean", "mul", "scale", "silu", "silu_back", "sub",
+           "geglu", "glu", "gelu", "gelu_back", "mean", "mul", "scale", "silu", "silu_back", "sub",
            "swiglu", "swiglu_oai", "sigmoid", "softcap", "rms_norm", "softmax", "rope", "attention",
            "matmul", "get_rows", "count_valid", "cross_entropy", "linear_cross_entropy",
            "accumulate", "adamw", "global_norm", "log1mexp", "log_sigmoid", "softplus",

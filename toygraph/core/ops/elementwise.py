@@ -1,5 +1,5 @@
 """Elementwise ops: add/sub/mul (numpy broadcasting), scale, silu, gelu (tanh), sigmoid and
-softcap with their backward ops, the composites built from them (swiglu, geglu, mean), and
+softcap with their backward ops, the composite mean, and
 gpt-oss's clamped SwiGLU (swiglu_oai). Each op's
 builder, shape rule, backward rule, numpy kernel and CUDA lowering (elementwise.cu).
 """
@@ -72,11 +72,6 @@ def silu_back(x, g):
     return make_node("silu_back", [x, g])
 
 
-def swiglu(gate, up):
-    """silu(gate) * up, the Llama FFN activation."""
-    return mul(silu(gate), up)
-
-
 def infer_same2(shapes, dtypes, attrs):
     """The rule of a backward op of two f32 operands of one shape (x and its gradient)."""
     check_floats(dtypes)
@@ -96,11 +91,6 @@ def gelu(x):
 
 def gelu_back(x, g):
     return make_node("gelu_back", [x, g])
-
-
-def geglu(gate, up):
-    """gelu(gate) * up, the Gemma FFN activation."""
-    return mul(gelu(gate), up)
 
 
 define_op("gelu", infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
@@ -290,22 +280,38 @@ def broadcast_strides(src_shape, out_shape) -> list[int]:
     return [0 if s == 1 and o != 1 else c for s, o, c in zip(src, out_shape, cs)]
 
 
-@lowers("add", "sub", "mul", kernels=("tg_binary",))
+def vector_ok(*addrs) -> bool:
+    """Whether float4 loads and stores may run at these addresses (16-byte aligned: every
+    buffer is, ALIGN; a view at an odd offset would not be)."""
+    return all(a % 16 == 0 for a in addrs)
+
+
+def grid_vec(n: int):
+    """The grid of a vectorised kernel: a thread per four elements."""
+    return grid_1d((n + 3) // 4)
+
+
+@lowers("add", "sub", "mul", kernels=("tg_binary", "tg_binary_vec"))
 def _binary(node, at):
+    """Operands of the output's shape: tg_binary_vec (float4, no index arithmetic);
+    broadcasting ones: tg_binary's strided walk."""
     a, b = node.srcs
     n = node.size
+    code = i32(BINARY_CODES[node.op])
+    if a.shape == b.shape == node.shape and vector_ok(at.out, at.ptr(a), at.ptr(b)):
+        return [Launch("tg_binary_vec", grid_vec(n),
+                       [p(at.out), p(at.ptr(a)), p(at.ptr(b)), i32(n), code])]
     sa = broadcast_strides(a.shape, node.shape)
     sb = broadcast_strides(b.shape, node.shape)
     return [Launch("tg_binary", grid_1d(n), [p(at.out), p(at.ptr(a)), p(at.ptr(b)), i32(n),
-                                               strided(node.shape, sa, sb),
-                                               i32(BINARY_CODES[node.op])])]
+                                               strided(node.shape, sa, sb), code])]
 
 
-@lowers("scale", kernels=("tg_scale",))
+@lowers("scale", kernels=("tg_scale", "tg_scale_vec"))
 def _scale(node, at):
-    n = node.size
-    return [Launch("tg_scale", grid_1d(n),
-                   [p(at.out), p(at.ptr(node.srcs[0])), i32(n), f32(node.attrs["s"])])]
+    n, x = node.size, at.ptr(node.srcs[0])
+    name, grid = ("tg_scale_vec", grid_vec(n)) if vector_ok(at.out, x) else ("tg_scale", grid_1d(n))
+    return [Launch(name, grid, [p(at.out), p(x), i32(n), f32(node.attrs["s"])])]
 
 
 def pointwise(node, at):

@@ -20,9 +20,10 @@ extern "C" __global__ void tg_rms_norm(float* out, const float* x, int rows, int
     }
 }
 
-// r * (g - y * mean(g * y)) with y = x * r.
-extern "C" __global__ void tg_rms_norm_back(float* out, const float* x, const float* g, int rows,
-                                            int D, float eps) {
+// r * (g - y * mean(g * y)) with y = x * r, plus add[i] when add is not null (autodiff
+// folds the residual stream's other gradient contribution in here: one pass, no add kernel).
+extern "C" __global__ void tg_rms_norm_back(float* out, const float* x, const float* g,
+                                            const float* add, int rows, int D, float eps) {
     __shared__ float sh[TG_THREADS];
     for (int row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* xr = x + (long long)row * D;
@@ -35,7 +36,8 @@ extern "C" __global__ void tg_rms_norm_back(float* out, const float* x, const fl
         float mgy = __fdiv_rn(tg_block_sum(gy, sh), (float)D);
         for (int j = threadIdx.x; j < D; j += blockDim.x) {
             float y = __fmul_rn(xr[j], r);
-            orow[j] = __fmul_rn(r, __fsub_rn(gr[j], __fmul_rn(y, mgy)));
+            float v = __fmul_rn(r, __fsub_rn(gr[j], __fmul_rn(y, mgy)));
+            orow[j] = add ? __fadd_rn(v, add[(long long)row * D + j]) : v;
         }
     }
 }

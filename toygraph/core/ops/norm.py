@@ -21,9 +21,24 @@ def rms_norm(x, eps: float):
     return make_node("rms_norm", [x], eps=float(eps))
 
 
+def _fold_add_rms_back(node, other):
+    """rms_norm_back(x, g) + other in one kernel (the residual stream's gradient added where
+    the norm's backward writes its rows); None when it already adds one."""
+    if len(node.srcs) != 2:
+        return None
+    return make_node("rms_norm_back", [*node.srcs, other], eps=node.attrs["eps"])
+
+
+def _infer_rms_back(shapes, dtypes, attrs):
+    check(len(shapes) in (2, 3), "rms_norm_back takes x, g and optionally a tensor to add")
+    check_floats(dtypes)
+    check(all(s == shapes[0] for s in shapes), f"shapes must match, got {shapes}")
+    return tuple(shapes[0]), F32
+
+
 define_op("rms_norm", infer_unary,
     lambda n, g, need: [make_node("rms_norm_back", [n.srcs[0], g], eps=n.attrs["eps"])])
-define_op("rms_norm_back", infer_same2)
+define_op("rms_norm_back", _infer_rms_back, fold_add=_fold_add_rms_back)
 
 
 def softmax(x, *, scale: float = 1.0, causal: bool = False):
@@ -71,10 +86,14 @@ def _rms_norm_numpy(out, srcs, attrs):
 
 @kernel("rms_norm_back")
 def _rms_norm_back_numpy(out, srcs, attrs):
-    x, g = srcs
+    """r (g - y mean(g y)), y = x r; plus the third source when there is one (added as
+    the add op adds: one rounding, and the sum's order does not change it)."""
+    x, g = srcs[:2]
     r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + attrs["eps"])
     y = x * r
     out[...] = r * (g - y * np.mean(g * y, axis=-1, keepdims=True))
+    if len(srcs) == 3:
+        np.add(out, srcs[2], out=out)
 
 
 def _causal_mask(t):
@@ -105,10 +124,13 @@ def _inv_row_norm_numpy(out, srcs, attrs):
 
 # --- CUDA lowering (norm.cu) -------------------------------------------------------------------
 def _rms(node, at):
-    """A block per row; rms_norm_back's g is one more pointer after x."""
+    """A block per row; rms_norm_back's g is one more pointer after x, then the tensor it
+    adds (0: none)."""
     (name,) = at.kernels
     rows, D = last_axis_rows(node)
-    srcs = [p(at.ptr(t)) for t in node.srcs]
+    srcs = [p(at.ptr(t)) for t in node.srcs[:2]]
+    if node.op == "rms_norm_back":
+        srcs.append(p(at.ptr(node.srcs[2]) if len(node.srcs) == 3 else 0))
     return [Launch(name, rows_grid(rows),
                    [p(at.out), *srcs, i32(rows), i32(D), f32(node.attrs["eps"])])]
 

@@ -194,7 +194,8 @@ def _expand_numpy(out, srcs, attrs):
 
 @kernel("reshape")
 def _reshape_numpy(out, srcs, attrs):
-    out[...] = srcs[0].reshape(out.shape)
+    if not np.may_share_memory(out, srcs[0]):   # else a view the buffer plan made
+        out[...] = srcs[0].reshape(out.shape)
 
 
 @kernel("permute")
@@ -204,7 +205,8 @@ def _permute_numpy(out, srcs, attrs):
 
 @kernel("contiguous")
 def _contiguous_numpy(out, srcs, attrs):
-    out[...] = srcs[0]
+    if not np.may_share_memory(out, srcs[0]):   # else a view the buffer plan made
+        out[...] = srcs[0]
 
 
 @kernel("sum")
@@ -215,6 +217,8 @@ def _sum_numpy(out, srcs, attrs):
 @kernel("unpack")
 def _unpack_numpy(out, srcs, attrs):
     off = attrs["offset"]
+    if np.may_share_memory(out, srcs[0]):  # a view the buffer plan made (core/memory.py)
+        return
     out[...] = srcs[0].reshape(-1)[off:off + out.size].reshape(out.shape)
 
 
@@ -254,15 +258,21 @@ def sum_to_walk(x_shape, target):
 
 @lowers("reshape", "contiguous", kernels=("tg_copy",))
 def _copy(node, at):
+    """A copy; nothing when the buffer plan made the node a view of its source."""
     n = node.size
+    if at.out == at.ptr(node.srcs[0]):
+        return []
     return [Launch("tg_copy", grid_1d(n), [p(at.out), p(at.ptr(node.srcs[0])), i32(n)])]
 
 
 @lowers("unpack", kernels=("tg_copy",))
 def _unpack(node, at):
-    """A copy out of the packed buffer, read from the element offset on."""
+    """A copy out of the packed buffer, read from the element offset on; nothing when the
+    buffer plan made the unpack a view of those very bytes (core/memory.py)."""
     n = node.size
     src = at.ptr(node.srcs[0]) + 4 * node.attrs["offset"]
+    if src == at.out:
+        return []
     return [Launch("tg_copy", grid_1d(n), [p(at.out), p(src), i32(n)])]
 
 

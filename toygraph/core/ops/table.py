@@ -35,6 +35,10 @@ class OpSpec:
     # True for an op that writes into its first operand(s) instead of producing a value
     # (accumulate, adamw): it gets no output buffer and is never dropped as dead.
     in_place: bool = False
+    # For a backward op that can add another tensor in its own kernel: (node, other) -> a
+    # node computing node + other in one pass (rms_norm_back), which autodiff uses to sum
+    # a gradient's contributions without an add kernel.
+    fold_add: Callable | None = None
 
 
 OPS: dict[str, OpSpec] = {}
@@ -49,11 +53,11 @@ KERNELS: dict[str, Callable] = {}
 BLOCK_KERNELS: dict[str, tuple[Callable, tuple[int, ...], Callable]] = {}
 
 
-def define_op(name, infer, grad=None, id_ranges=None, in_place=False):
+def define_op(name, infer, grad=None, id_ranges=None, in_place=False, fold_add=None):
     """Enter op ``name`` in the op table (each name once)."""
     if name in OPS:
         raise GraphError(f"op {name!r} is defined twice")
-    OPS[name] = OpSpec(name, infer, grad, id_ranges, in_place)
+    OPS[name] = OpSpec(name, infer, grad, id_ranges, in_place, fold_add)
 
 
 def in_place(op: str | None) -> bool:

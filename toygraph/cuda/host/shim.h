@@ -40,6 +40,10 @@ struct uint3 {
     unsigned x, y, z;
 };
 typedef uint3 dim3;
+// CUDA's 16-byte vector type (the vectorised elementwise kernels' loads and stores).
+struct __attribute__((aligned(16))) float4 {
+    float x, y, z, w;
+};
 
 #define __global__
 #define __device__

@@ -54,6 +54,11 @@ def tca_smem_halves(hd_bound: int) -> int:
     return max(TCA_BQ, 4 * TCA_TILES[hd_bound]) * (hd_bound + TCA_PAD)
 
 
+# --- multi-tensor kernels (ops/update.cu: AdamW and the gradient norm over many tensors) -------
+#: Tensors one launch takes: their TgTensorList (4 pointers, a size, a scale and a first
+#: block each) rides in the kernel's parameters, which must stay under 4 KB on sm_80.
+LIST_TENSORS = 64
+
 # --- the gated delta rule (ops/deltanet.cu) ----------------------------------------------------
 DELTA_MAX_DK = 256   # key head size bound: one thread holds a state column of dk floats
 DELTA_SPAN = 32      # backward: steps between saved states (scratch: T/SPAN + SPAN states)
@@ -65,6 +70,7 @@ DEFINES: dict[str, int] = {
     "TC_BM": TC_BM, "TC_BN": TC_BN, "TC_THREADS": TC_THREADS, "TC_WM": TC_WM, "TC_WN": TC_WN,
     "TC_MI": TC_MI, "TC_NI": TC_NI, "TC_BF16_BK": TC_BF16_BK, "TC_BF16_LD": TC_BF16_LD,
     "TC_TF32_BK": TC_TF32_BK, "TC_TF32_LD": TC_TF32_LD, "TG_DELTA_MAX_DK": DELTA_MAX_DK,
+    "TG_LIST_TENSORS": LIST_TENSORS,
 }
 DEFINES.update({"TG_TCA_THREADS": TCA_THREADS, "TG_TCA_BQ": TCA_BQ, "TG_TCA_PAD": TCA_PAD})
 for _hd, _rows in TCA_TILES.items():

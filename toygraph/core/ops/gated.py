@@ -1,0 +1,107 @@
+"""The gated FFN activations fused: ``glu`` (act(gate) * up, act SiLU for SwiGLU or tanh-GELU
+for GeGLU) in one kernel instead of an activation and a mul, and ``glu_back``, one kernel
+writing both gradients into one packed buffer that two ``unpack`` views hand out (the
+buffer plan makes them views, core/memory.py). The numpy kernels compute exactly what the
+composed ops computed, in the same f32 order, and the CUDA kernels round like the separate
+ones (gated.cu), so fusing changes no bit of any result. Builders, rules, numpy kernels and
+CUDA lowering.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from toygraph.core.ops.elementwise import (_gelu_back_numpy, _gelu_numpy, _silu_back_numpy,
+                                           _silu_numpy)
+from toygraph.core.ops.shape import unpack
+from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
+from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32, lowers, p
+
+declare_kernels(__file__, "gated.cu", needs=("elementwise.cu",))
+
+#: The activations by name: (their code in gated.cu, numpy forward, numpy backward).
+ACTS = {"silu": (0, _silu_numpy, _silu_back_numpy), "gelu": (1, _gelu_numpy, _gelu_back_numpy)}
+#: d up starts at a multiple of this many elements of glu_back's packed output, so its
+#: view keeps the 256-byte alignment of every buffer (in f32 and f64).
+PACK_ALIGN = 64
+
+
+def glu(gate, up, act: str):
+    """act(gate) * up in one op (``act`` one of ACTS)."""
+    if act not in ACTS:
+        raise ValueError(f"glu: act must be one of {sorted(ACTS)}, got {act!r}")
+    return make_node("glu", [gate, up], act=act)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, the Llama FFN activation."""
+    return glu(gate, up, "silu")
+
+
+def geglu(gate, up):
+    """gelu(gate) * up, the Gemma FFN activation."""
+    return glu(gate, up, "gelu")
+
+
+def up_offset(n: int) -> int:
+    """Where d up starts in glu_back's packed output of two n-element gradients."""
+    return (n + PACK_ALIGN - 1) // PACK_ALIGN * PACK_ALIGN
+
+
+def _infer_glu(shapes, dtypes, attrs):
+    check_floats(dtypes)
+    check(all(s == shapes[0] for s in shapes), f"gate, up (and gradient) shapes must match, "
+          f"got {' and '.join(str(tuple(s)) for s in shapes)}")
+    return tuple(shapes[0]), F32
+
+
+def _infer_glu_back(shapes, dtypes, attrs):
+    shape, _ = _infer_glu(shapes, dtypes, attrs)
+    n = int(np.prod(shape))
+    return (up_offset(n) + n,), F32
+
+
+def _grad_glu(n, g, need):
+    """d gate and d up: views into one glu_back node's output."""
+    back = make_node("glu_back", [*n.srcs, g], act=n.attrs["act"])
+    gate, up = n.srcs
+    return [unpack(back, 0, gate.shape) if need[0] else None,
+            unpack(back, up_offset(up.size), up.shape) if need[1] else None]
+
+
+define_op("glu", _infer_glu, _grad_glu)
+define_op("glu_back", _infer_glu_back)
+
+
+# --- numpy kernels -----------------------------------------------------------------------------
+@kernel("glu")
+def _glu_numpy(out, srcs, attrs):
+    gate, up = srcs
+    ACTS[attrs["act"]][1](out, [gate], attrs)   # act(gate), as the activation op rounds it
+    np.multiply(out, up, out=out)
+
+
+@kernel("glu_back")
+def _glu_back_numpy(out, srcs, attrs):
+    """d gate = act_back(gate, g * up), d up = g * act(gate): the mul's and the
+    activation's backward kernels on the same values."""
+    gate, up, g = srcs
+    n = gate.size
+    _, forward, backward = ACTS[attrs["act"]]
+    d_gate = out[:n].reshape(gate.shape)
+    d_up = out[up_offset(n):up_offset(n) + n].reshape(up.shape)
+    np.multiply(g, up, out=d_up)                # g * up, parked where d up goes
+    backward(d_gate, [gate, d_up], attrs)
+    forward(d_up, [gate], attrs)
+    np.multiply(g, d_up, out=d_up)
+
+
+# --- CUDA lowering (gated.cu) ------------------------------------------------------------------
+@lowers("glu", "glu_back", kernels=("tg_glu", "tg_glu_back"))
+def _glu(node, at):
+    act = i32(ACTS[node.attrs["act"]][0])
+    srcs = [p(at.ptr(s)) for s in node.srcs]
+    if node.op == "glu":
+        return [Launch("tg_glu", grid_1d(node.size), [p(at.out), *srcs, i32(node.size), act])]
+    n = node.srcs[0].size
+    return [Launch("tg_glu_back", grid_1d(n),
+                   [p(at.out), *srcs, i32(n), i32(up_offset(n)), act])]
