@@ -204,6 +204,8 @@ def _small_op_launches():
     gb = [g.param(f"d{n}", np.ones((1, 2, 1))) for n in "gb"]
     delta = ops.delta_rule(dq, dk_, dv_, *gb)
     _, state = ops.delta_rule(dq, dk_, dv_, *gb, state=g.const("s0", np.zeros((1, 1, 3, 3))))
+    _, step = ops.delta_rule(*(g.param(f"s{n}", np.ones(s)) for n, s in zip(
+        "qkvgb", [(1, 1, 1, 3)] * 3 + [(1, 1, 1)] * 2)), state=state)   # decoding: step-wise
     loss = ops.add(loss, ops.add(ops.sum(conv), ops.sum(delta)))
     grads = backward(loss, [x, b] + [n for n in g.nodes if n.role == "param" and n.name in
                                       ("cx", "cw", "dq", "dk", "dv", "dg", "db")])
@@ -211,8 +213,8 @@ def _small_op_launches():
                              g.const("new", np.ones((2, 1, 4))), g.input("start", (1,), "i32"))
     row_norm = ops.inv_row_norm(x)   # DoRA's detached norm: no backward
     dropped = ops.dropout(x, g.input("hp", (9,)), p=0.1, seed=1, salt=2)   # LoRA dropout
-    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state, row_norm,
-                                  dropped]),
+    return _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state, step,
+                                  row_norm, dropped]),
                       precisions=("f32",))
 
 

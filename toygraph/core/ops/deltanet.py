@@ -12,8 +12,9 @@ The numpy forward computes it chunk by chunk in the WY form (transformers'
 torch_chunk_gated_delta_rule: a unit lower-triangular system per chunk turns the chunk's
 delta updates into matmuls, then one state update per chunk); the backward keeps the state
 at each chunk start and walks each chunk backwards step by step, recomputing the chunk's
-states from its start. Every column of S evolves on its own, which the CUDA kernels use:
-one thread per (batch, head, column), sequential in time.
+states from its start. The CUDA kernels (deltanet.cu) compute the same chunked form, forward
+and backward (the backward in closed form per chunk, from the chunk-start states), one block
+per (batch, head); decoding one token from a state runs a step-wise kernel instead.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
 from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32, lowers, p
-from toygraph.cuda.lowering.constants import DELTA_MAX_DK, DELTA_SPAN, THREADS
+from toygraph.cuda.lowering.constants import DELTA_CHUNK, DELTA_MAX_DK, THREADS
 from toygraph.errors import CudaError, GraphError
 
 declare_kernels(__file__, "deltanet.cu")
@@ -261,39 +262,57 @@ def _conv(node, at):
 
 def _delta_dims(node):
     q, _, v = node.srcs[:3]
-    B, T, H, dk = q.shape
-    if dk > DELTA_MAX_DK:
-        raise CudaError(f"{node.op} {node.name!r}: key head size {dk} exceeds the kernels' "
-                        f"bound {DELTA_MAX_DK}")
-    return B, T, H, dk, v.shape[3]
+    return (*q.shape, v.shape[3])
+
+
+def _chunk(node) -> int:
+    """The chunk the kernels walk: the op's, at most DELTA_CHUNK (the chunk only changes
+    the rounding, as in the numpy form)."""
+    return min(node.attrs["chunk"], DELTA_CHUNK)
+
+
+def _stepwise(node) -> bool:
+    """Decoding (one new token from a given state) runs the step-wise kernel."""
+    return len(node.srcs) == 6 and node.srcs[0].shape[1] == 1
+
+
+def _fwd_scratch_bytes(node) -> int:
+    B, T, H, dk, dv = _delta_dims(node)
+    C = _chunk(node)
+    return 0 if _stepwise(node) else 4 * B * H * (dk * dv + 3 * C * C + 3 * C * dv)
 
 
 def _back_scratch_bytes(node) -> int:
     B, T, H, dk, dv = _delta_dims(node)
-    return 4 * B * H * (-(-T // DELTA_SPAN) + DELTA_SPAN + 2) * dk * dv
+    C = _chunk(node)
+    return 4 * B * H * ((-(-T // C) + 1) * dk * dv + 5 * C * C + 5 * C * dv)
 
 
-@lowers("delta_rule", kernels=("tg_delta_rule",))
+@lowers("delta_rule", kernels=("tg_delta_rule", "tg_delta_chunked"), scratch=_fwd_scratch_bytes)
 def _delta(node, at):
+    """The chunked kernel, one block per (batch, head); decoding: the step-wise kernel, one
+    thread per (batch, head, state column)."""
     B, T, H, dk, dv = _delta_dims(node)
     with_state = len(node.srcs) == 6
     srcs = [p(at.ptr(s)) for s in node.srcs[:5]]
     state = p(at.ptr(node.srcs[5])) if with_state else p(at.ptr(node.srcs[0]))  # unread if 0
-    return [Launch("tg_delta_rule", grid_1d(B * H * dv),
-                   [p(at.out), *srcs, state, i32(B), i32(T), i32(H), i32(dk), i32(dv),
-                    i32(with_state)])]
+    dims = [i32(B), i32(T), i32(H), i32(dk), i32(dv)]
+    if _stepwise(node):
+        if dk > DELTA_MAX_DK:
+            raise CudaError(f"{node.op} {node.name!r}: key head size {dk} exceeds the step-wise "
+                            f"kernel's bound {DELTA_MAX_DK}")
+        return [Launch("tg_delta_rule", grid_1d(B * H * dv),
+                       [p(at.out), *srcs, state, *dims, i32(with_state)])]
+    return [Launch("tg_delta_chunked", (B * H, 1, 1),
+                   [p(at.out), *srcs, state, p(at.scratch), *dims, i32(_chunk(node)),
+                    i32(with_state)], block=(THREADS, 1, 1))]
 
 
-@lowers("delta_rule_back", kernels=("tg_delta_rule_back",), scratch=_back_scratch_bytes)
+@lowers("delta_rule_back", kernels=("tg_delta_chunked_back",), scratch=_back_scratch_bytes)
 def _delta_back(node, at):
-    """One block per (batch, head) of the smallest power of two >= max(dk, dv) threads."""
+    """One block per (batch, head), walking the chunks from the last."""
     B, T, H, dk, dv = _delta_dims(node)
-    threads = 32
-    while threads < max(dk, dv):
-        threads *= 2
-    if threads > THREADS:
-        raise CudaError(f"{node.op} {node.name!r}: head sizes {dk}, {dv} exceed {THREADS} threads")
     srcs = [p(at.ptr(s)) for s in node.srcs]
-    return [Launch("tg_delta_rule_back", (B * H, 1, 1),
+    return [Launch("tg_delta_chunked_back", (B * H, 1, 1),
                    [p(at.out), *srcs, p(at.scratch), i32(B), i32(T), i32(H), i32(dk), i32(dv),
-                    i32(DELTA_SPAN)], block=(threads, 1, 1))]
+                    i32(_chunk(node))], block=(THREADS, 1, 1))]
