@@ -2,8 +2,8 @@
 one-row generation's (kvcache.py) for prompts of different lengths, for every family
 (sliding windows, q/k norms, rope factors), with an adapter, on numpy and on the CUDA
 kernels (host executor); a seed reproduces sampled completions; rows stop at their own
-end-of-turn token."""
-import re
+end-of-turn token. Gemma 4, Qwen3.5 and the MoE families are checked in their own
+modules (test_gemma4.py, test_qwen35.py, test_moe_models.py) against the same helper."""
 
 import numpy as np
 import pytest
@@ -32,23 +32,29 @@ def _prompts(lm):
     return [lm.tokenizer.encode(p) for p in PROMPTS]
 
 
-def _batched(lm, prompts, backend="cpu", **kw):
+def _batched(lm, prompts, backend="cpu", new=NEW, **kw):
     P = max(map(len, prompts)) + 3          # padding after every prompt
-    return BatchedGenerator(lm.model, rows=len(prompts), prompt_len=P, cache_len=P + NEW + 5,
+    return BatchedGenerator(lm.model, rows=len(prompts), prompt_len=P, cache_len=P + new + 5,
                             backend=backend, lora=lm.lora_config, adapter=lm.adapter, **kw)
+
+
+def assert_rows_are_one_row_generation(lm, new=NEW, texts=PROMPTS, tol=LOGIT_TOL):
+    """Each row's greedy tokens (and the logits they came from) are one-row generation's,
+    for prompts of different lengths; returns the rows."""
+    prompts = [lm.tokenizer.encode(p) for p in texts]
+    assert len(set(map(len, prompts))) == len(prompts)
+    trace = []
+    got = _batched(lm, prompts, new=new).generate(prompts, new, trace=trace)
+    for r, (ids, row) in enumerate(zip(prompts, got)):
+        tokens, logits = greedy_steps(lm, ids, new, kv_cache=True)
+        assert row == tokens
+        assert normwise(np.array([t[r] for t in trace]), logits) <= tol
+    return got
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "llama3"])
 def test_each_row_is_one_row_generation_at_temperature_0(models, family):
-    lm = LanguageModel(models[family])
-    prompts = _prompts(lm)
-    assert len(set(map(len, prompts))) == len(prompts)
-    trace = []
-    got = _batched(lm, prompts).generate(prompts, NEW, trace=trace)
-    for r, (ids, row) in enumerate(zip(prompts, got)):
-        tokens, logits = greedy_steps(lm, ids, NEW, kv_cache=True)
-        assert row == tokens
-        assert normwise(np.array([t[r] for t in trace]), logits) <= LOGIT_TOL
+    assert_rows_are_one_row_generation(LanguageModel(models[family]))
 
 
 def test_with_an_adapter(models, tmp_path):
@@ -104,22 +110,3 @@ def test_bad_requests_are_one_line_errors(models):
         gen.generate(prompts, 1000)
     with pytest.raises(DataError, match="prompts must have 1 to"):
         gen.generate([[]] + prompts[1:], 4)
-
-
-@pytest.mark.parametrize("change, needle", [
-    (dict(recurrent=(True, False)), "recurrent (DeltaNet) layers"),
-    (dict(kv_sources=(0, 0)), "K/V shared across layers"),
-    (dict(head_dims=(16, 32)), "per-layer head shapes"),
-])
-def test_what_the_sampler_does_not_handle_is_refused(tiny_llama, change, needle):
-    """Its attention is written for one uniform cache: Qwen3.5's recurrent layers, Gemma 4's
-    shared K/V and per-layer shapes (and gpt-oss's sinks) are refused, not sampled wrong."""
-    import dataclasses
-
-    from toygraph.core.graph import Graph
-    from toygraph.errors import DataError
-    from toygraph.inference.batched import build_batched_generation
-    from toygraph.models.model import GGUFModel
-    cfg = dataclasses.replace(GGUFModel(tiny_llama).config, **change)
-    with pytest.raises(DataError, match=re.escape(needle)):
-        build_batched_generation(Graph(), cfg, rows=2, prompt_len=4, cache_len=8)

@@ -153,7 +153,7 @@ def test_mask_covers_assistant_content_and_end_of_turn():
     enc = encode_example(chat(("user", "What is 2+2?"), ("assistant", "4, obviously.")), tok, 256)
     assert targets(enc, tok) == "4, obviously.<|im_end|>"
     assert tok.decode(enc.tokens).endswith("<|im_start|>assistant\n4, obviously.<|im_end|>")
-    assert enc.tokens.count(1) == 3  # <|im_start|> encoded as one id each time
+    assert enc.tokens.tolist().count(1) == 3  # <|im_start|> encoded as one id each time
     assert not enc.truncated and enc.line == 1
 
 
@@ -168,7 +168,7 @@ def test_multi_turn_every_assistant_turn_is_a_target():
 def test_template_bos_is_not_doubled_and_turn_end_is_not_followed_by_eos():
     tok = FakeTokenizer(template=WITH_BOS, bos_id=3, eos_id=0, add_bos=True)
     enc = encode_example(chat(("user", "hi"), ("assistant", "yo")), tok, 256)
-    assert enc.tokens[0] == 3 and enc.tokens.count(3) == 1
+    assert enc.tokens[0] == 3 and enc.tokens.tolist().count(3) == 1
     assert targets(enc, tok) == "yo<|eot_id|>"  # <|eot_id|> ends the turn; no extra EOS
 
 
@@ -201,8 +201,8 @@ def test_template_that_is_not_incremental_is_an_error():
 def test_plain_text_every_token_is_a_target():
     tok = FakeTokenizer(bos_id=3, add_bos=True)
     enc = encode_example(Example(text="abc", line=1), tok, 64)
-    assert enc.tokens == [3, 16 + 97, 16 + 98, 16 + 99, 2]
-    assert enc.target_mask == [False, True, True, True, True]
+    assert enc.tokens.tolist() == [3, 16 + 97, 16 + 98, 16 + 99, 2]
+    assert enc.target_mask.tolist() == [False, True, True, True, True]
 
 
 # ------------------------------------------------------------------------- truncation
@@ -249,7 +249,7 @@ def test_batches_static_shapes_padding_and_labels():
     assert (last.labels[1:] == -1).all() and (last.tokens[1:] == 0).all()  # filler rows
     first = items[0]
     n = len(first.tokens) - 1
-    assert bs[0].tokens[0, :n].tolist() == first.tokens[:-1]
+    assert bs[0].tokens[0, :n].tolist() == first.tokens[:-1].tolist()
     expect = [t if m else -1 for t, m in zip(first.tokens[1:], first.target_mask[1:])]
     assert bs[0].labels[0, :n].tolist() == expect
     assert (bs[0].labels[0, n:] == -1).all() and (bs[0].tokens[0, n:] == 0).all()
@@ -311,7 +311,7 @@ def test_smollm2_mask_decodes_to_response_and_end_of_turn(smollm2_tok):
     text = tok.decode(enc.tokens)
     assert text.startswith("<|im_start|>system\n") and text.count("<|im_start|>") == 3
     im_start = tok.encode("<|im_start|>", add_bos=False)
-    assert len(im_start) == 1 and enc.tokens.count(im_start[0]) == 3
+    assert len(im_start) == 1 and enc.tokens.tolist().count(im_start[0]) == 3
     multi = encode_example(chat(("user", "a"), ("assistant", "b c"), ("user", "d"), ("assistant", "e")), tok, 128)
     assert targets(multi, tok) == "b c<|im_end|>e<|im_end|>"
 

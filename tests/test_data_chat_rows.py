@@ -59,7 +59,7 @@ def qwen3(qwen3_file):
 
 def split_row(enc, tok):
     """(prompt text, target text) of a row whose targets are one run reaching its end."""
-    first = enc.target_mask.index(True)
+    first = enc.target_mask.tolist().index(True)
     assert all(enc.target_mask[first:]) and not any(enc.target_mask[:first])
     return tok.decode(enc.tokens[:first]), tok.decode(enc.tokens[first:])
 
@@ -89,8 +89,8 @@ def test_qwen3_rows_match_transformers(qwen3, qwen3_file):
             assert full.startswith(prompt) and full.endswith("<|im_end|>\n")
             prompt_ids = ref.encode(prompt, add_special_tokens=False)
             reply_ids = ref.encode(full[len(prompt):-1], add_special_tokens=False)  # no "\n"
-            assert row.tokens == prompt_ids + reply_ids
-            assert row.target_mask == [False] * len(prompt_ids) + [True] * len(reply_ids)
+            assert row.tokens.tolist() == prompt_ids + reply_ids
+            assert row.target_mask.tolist() == [False] * len(prompt_ids) + [True] * len(reply_ids)
             assert qwen3.decode(row.tokens) == full[:-1]
 
 

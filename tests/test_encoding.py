@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from toygraph.data.encoding import encode_rows
@@ -61,7 +62,7 @@ def jinja(name: str) -> str:
 def assert_masks_agree(row, ids, assistant_mask, ref):
     """``row`` is transformers' ``ids`` less the final "\\n"; its targets are transformers'
     assistant tokens less "\\n" tokens (and token 0, which nothing predicts)."""
-    assert ids[-1] == ref.convert_tokens_to_ids("Ċ") and row.tokens == ids[:-1]
+    assert ids[-1] == ref.convert_tokens_to_ids("Ċ") and row.tokens.tolist() == ids[:-1]
     for i, (ours, theirs) in enumerate(zip(row.target_mask, assistant_mask)):
         if bool(ours) != bool(theirs):
             assert theirs and ref.decode([ids[i]]) == "\n", (i, ref.decode(ids[max(0, i - 3):i + 3]))
@@ -105,9 +106,9 @@ def test_tool_chat_rows_match_transformers_prefixes_on_qwen3(vocab, ref):
         assert full.startswith(prompt) and full.endswith("<|im_end|>\n") and "<tools>" in prompt
         prompt_ids = ref.encode(prompt, add_special_tokens=False)
         reply_ids = ref.encode(full[len(prompt):-1], add_special_tokens=False)
-        assert row.tokens == prompt_ids + reply_ids
-        assert row.target_mask == [False] * len(prompt_ids) + [True] * len(reply_ids)
-    assert "<tool_call>" in tok.decode(rows[0].tokens[rows[0].target_mask.index(True):])
+        assert row.tokens.tolist() == prompt_ids + reply_ids
+        assert row.target_mask.tolist() == [False] * len(prompt_ids) + [True] * len(reply_ids)
+    assert "<tool_call>" in tok.decode(rows[0].tokens[rows[0].target_mask.tolist().index(True):])
 
 
 @pytest.mark.reference
@@ -146,15 +147,17 @@ def test_raw_prompt_completion_matches_trl(vocab, ref):
     [row] = encode_rows(ex, tok, 256)
     prompt_ids = ref(ex.prompt)["input_ids"]
     full = ref(ex.prompt + ex.completion + ref.eos_token)["input_ids"]
-    assert row.tokens == full
-    assert row.target_mask == [False] * len(prompt_ids) + [True] * (len(full) - len(prompt_ids))
+    assert row.tokens.tolist() == full
+    assert row.target_mask.tolist() == [False] * len(prompt_ids) + [True] * (len(full) - len(prompt_ids))
     assert row.tokens[-1] == tok.eos_id
+    # held compactly (a dataset keeps every row): int32 ids and a bool mask, 5 bytes a token
+    assert (row.tokens.dtype, row.target_mask.dtype) == (np.int32, np.bool_)
 
 
 def test_raw_completion_already_ending_in_eos_is_not_closed_twice(vocab):
     tok = tokenizer(vocab, None)
     [row] = encode_rows(Example(prompt="a", completion="b<|im_end|>", line=1), tok, 64)
-    assert row.tokens.count(tok.eos_id) == 1 and row.tokens[-1] == tok.eos_id
+    assert row.tokens.tolist().count(tok.eos_id) == 1 and row.tokens[-1] == tok.eos_id
 
 
 @pytest.mark.parametrize("tools", [[WEATHER], None])

@@ -144,6 +144,25 @@ def test_cached_generation_matches_the_full_window(gemma4):
     assert len(set(tokens)) > 1
 
 
+def test_grpo_samples_in_its_training_graph(gemma4, tmp_path):
+    """GRPO's sampler inside the training graph, after a few updates, against a standalone
+    generator loaded with the adapter's values."""
+    from test_grpo import check_the_sampler_shares_the_trained_tensors, write_prompts
+    path, _ = gemma4
+    check_the_sampler_shares_the_trained_tensors(path, write_prompts(tmp_path),
+                                                 rewards=("regex:[aeiou]",))
+
+
+def test_batched_generation_rows_are_one_row_generation(gemma4):
+    """GRPO's sampler with per-layer head shapes and the shared layers' K/V, past the
+    window of 5. The same tokens; the logits to 3e-5 (not 1e-5): on this random model f32
+    rounding alone moves them ~1e-5 (the one-row cache against the full window: 9.9e-6 on
+    the 5-token prompt), and the batch changes the GEMMs' shapes, so their rounding."""
+    from test_batched import assert_rows_are_one_row_generation
+    path, _ = gemma4
+    assert_rows_are_one_row_generation(LanguageModel(path), tol=3e-5)
+
+
 def test_activation_checkpointing_gives_the_same_steps(gemma4):
     """Recomputing each block in the backward: the shared layers read keys and values made
     in an earlier block, and every block reads the per-layer inputs made before the first."""

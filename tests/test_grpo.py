@@ -23,7 +23,11 @@ WORDS = "abcdefghijklmnop"
 
 @pytest.fixture
 def prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
+    return write_prompts(tmp_path)
+
+
+def write_prompts(folder):
+    path = folder / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"the cat sat on the mat {w}" + " and" * (i % 3),
                                         "answer": w}) + "\n" for i, w in enumerate(WORDS)))
     return path
@@ -42,11 +46,11 @@ def steps(out):
             if e["event"] == "step"]
 
 
-def _recipe(model_path, data, **kw):
+def _recipe(model_path, data, rewards=("regex:[0-9]",), **kw):
     """A realized GRPO recipe with the prompts of ``data`` known to it."""
     from toygraph.data.prompts import encode_prompts, load_prompts
     model = GGUFModel(model_path)
-    recipe = GRPO(rewards=["regex:[0-9]"], num_generations=4, max_completion_length=6, **kw)
+    recipe = GRPO(rewards=list(rewards), num_generations=4, max_completion_length=6, **kw)
     opts = RecipeOptions(seq_len=16, batch=2, seed=3, init_scale=0.3)
     recipe.realize(model, model.config, opts)
     items = encode_prompts(load_prompts(data), recipe.tok, 16).items
@@ -55,7 +59,19 @@ def _recipe(model_path, data, **kw):
 
 
 def test_the_sampler_shares_the_trained_tensors(tiny_llama, prompts):
-    recipe, model, items = _recipe(tiny_llama, prompts, objective=Objective(max_completion_length=6))
+    check_the_sampler_shares_the_trained_tensors(tiny_llama, prompts)
+
+
+def test_the_sampler_on_gpt_oss(prompts):
+    """Sinks, sliding windows, MoE layers (the other families: test_gemma4.py, test_qwen35.py)."""
+    from moe_references import gguf_path
+    check_the_sampler_shares_the_trained_tensors(gguf_path("gpt-oss"), prompts)
+
+
+def check_the_sampler_shares_the_trained_tensors(tiny_llama, prompts, rewards=("regex:[0-9]",)):
+    """``rewards`` must vary within some group (else no update moves the adapter)."""
+    recipe, model, items = _recipe(tiny_llama, prompts, rewards,
+                                   objective=Objective(max_completion_length=6))
     gen = recipe.gen
     assert gen.prefill.weights is recipe.net.weights
     assert all(gen.prefill.lora[k] == recipe.net.lora[k] for k in recipe.net.lora)

@@ -277,3 +277,20 @@ def test_gguf_adapter_uses_llama_cpp_names(name, tmp_path):
     info = check_gguf_adapter(out, path)
     assert set(info["tensors"]) == {f"blk.{i}.{p}.weight" for i in range(cfg.n_layer)
                                     for p in ("attn_q", "attn_k", "attn_v", "attn_output")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batched_generation_rows_are_one_row_generation(name):
+    """GRPO's sampler on both families (gpt-oss: sinks as the caches' extra row, windows
+    of 6 passed), each row of prompts of different lengths against the one-row cache."""
+    from test_batched import assert_rows_are_one_row_generation
+    assert_rows_are_one_row_generation(LanguageModel(gguf_path(name)))
+
+
+def test_batched_gpt_oss_on_the_cuda_kernels(monkeypatch):
+    from test_batched import PROMPTS, _batched
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    lm = LanguageModel(gguf_path("gpt-oss"))
+    prompts = [lm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    want = _batched(lm, prompts).generate(prompts, 8)
+    assert _batched(lm, prompts, backend="cuda").generate(prompts, 8) == want

@@ -129,6 +129,26 @@ def test_cached_generation_carries_the_recurrent_state(qwen35):
         assert len(set(tokens)) > 1
 
 
+def test_grpo_samples_in_its_training_graph(qwen35, tmp_path):
+    """GRPO's sampler inside the training graph, after a few updates, against a standalone
+    generator loaded with the adapter's values."""
+    from test_grpo import check_the_sampler_shares_the_trained_tensors, write_prompts
+    path, _ = qwen35
+    check_the_sampler_shares_the_trained_tensors(path, write_prompts(tmp_path),
+                                                 rewards=("regex:[aeiou]",))
+
+
+def test_batched_generation_carries_each_rows_recurrent_state(qwen35):
+    """GRPO's sampler: per row its own padded prefill state and conv window, against the
+    one-row cache, for prompts of different lengths. The same tokens; the logits to 3e-5
+    (not 1e-5): the prefill's padded length differs from the one-row bucket's, so the delta
+    rule's chunks sum in another order, and this random model amplifies f32 rounding (see
+    the CUDA test below)."""
+    from test_batched import assert_rows_are_one_row_generation
+    path, _ = qwen35
+    assert_rows_are_one_row_generation(LanguageModel(path), tol=3e-5)
+
+
 def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
     """Every op of a Qwen3.5 LoRA backward (all projections, 70 tokens: past the delta rule's
     64-step chunk) and of cached generation through the CUDA backend, its kernels run by

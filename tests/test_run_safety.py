@@ -444,6 +444,60 @@ def test_a_resume_with_nothing_left_to_do_touches_nothing(tiny_llama, chat_data,
     assert _tree(out) == before   # no second run_end, no rewritten adapter or Modelfile
 
 
+def test_a_signal_after_the_final_checkpoint_stops_at_once_and_resume_finishes(
+        tiny_llama, chat_data, tmp_path, monkeypatch):
+    """SIGTERM while the top level is written (here a Modelfile whose template never ends)
+    stops at once, leaves no half top level, and --resume writes it from the final
+    checkpoint: the same bytes as a run that was never stopped."""
+    import time
+    import toygraph.training.run as run_module
+    real, seen = run_module.write_modelfile, []
+
+    def hostile_modelfile(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        start = time.monotonic()
+        while time.monotonic() - start < 30:   # a template that never ends (bounded here)
+            seen.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(run_module, "write_modelfile", hostile_modelfile)
+    out, ref = tmp_path / "r", tmp_path / "ref"
+    t0 = time.monotonic()
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=2, val_split=0))
+    assert time.monotonic() - t0 < 25   # not the hostile loop's 30 s
+    assert s["status"] == "interrupted" and "SIGTERM after the final checkpoint (step 2)" in s["reason"]
+    assert not any((out / name).exists() for name in (*FINAL, "Modelfile"))
+    assert not list(out.glob(".final.*"))
+    assert verify_checkpoint(out / "checkpoints" / "step-000002") is None
+    assert read_events(out / "events.jsonl")[-1]["status"] == "interrupted"
+    monkeypatch.undo()
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=2, val_split=0, resume=str(out)))
+    assert s["status"] == "completed" and s["reason"] == "top level written from step-000002"
+    run_training(cfg_for(tiny_llama, chat_data, ref, steps=2, val_split=0))
+    for name in (*FINAL, "Modelfile"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    ends = [e for e in read_events(out / "events.jsonl") if e["event"] == "run_end"]
+    assert [e["status"] for e in ends] == ["interrupted", "completed"]
+    before = _tree(out)   # and once written, a further resume touches nothing
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=2, val_split=0, resume=str(out)))
+    assert s["reason"].startswith("nothing to do") and _tree(out) == before
+
+
+def test_finishing_stops_at_the_first_signal_once_and_at_one_already_received():
+    import time
+    from toygraph.training.supervisor import Signals
+    with Signals() as signals:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            with signals.finishing():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(20)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(KeyboardInterrupt):   # a signal that came before: on entering
+            with signals.finishing():
+                pass
+    assert signals.count == 1
+
+
 def test_a_step_over_many_passes_of_the_data_is_refused(tiny_llama, chat_data, tmp_path, capsys):
     with pytest.raises(ToygraphError, match=r"one step of --batch 2 x --grad-accum 100000 is "
                                             r"[\d,.]+ passes over the \d+ training examples"):

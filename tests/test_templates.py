@@ -65,7 +65,7 @@ def test_the_run_records_its_template_and_every_use_renders_as_training(trained,
     tok = Tokenizer.from_gguf(base_model)
     row = encode_example(Example(messages=[{"role": "user", "content": QUESTION},
                                            {"role": "assistant", "content": "red"}]), tok, 64)
-    trained_prompt = row.tokens[:row.target_mask.index(True)]
+    trained_prompt = row.tokens[:row.target_mask.tolist().index(True)].tolist()
     # ... is what generate --chat and chat give the model with the adapter
     lm = LanguageModel(base_model, adapter_dir=trained)
     assert lm.tokenizer.template_name == "alpaca"

@@ -117,7 +117,7 @@ def encode_dataset(examples: list[Example], tok, max_len: int, progress=None) ->
                 continue
             items.append(enc)
             report.truncated += enc.truncated
-            report.target_tokens += sum(enc.target_mask)
+            report.target_tokens += int(np.count_nonzero(enc.target_mask))
             report.total_tokens += len(enc.tokens)
     report.kept = len(items)
     return EncodedDataset(items, report)

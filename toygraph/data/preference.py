@@ -106,7 +106,7 @@ def encode_pairs(pairs: list[PreferencePair], tok, max_len: int, progress=None) 
             continue
         items.append(tuple(enc))
         report.truncated += any(e.truncated for e in enc)
-        report.target_tokens += sum(sum(e.target_mask) for e in enc)
+        report.target_tokens += sum(int(np.count_nonzero(e.target_mask)) for e in enc)
         report.total_tokens += sum(len(e.tokens) for e in enc)
     report.kept = len(items)
     return EncodedDataset(items, report)

@@ -21,6 +21,11 @@ optimizer updates (no copy). Per layer the cache is a K and a V ``state``
   than the window behind by position. So each row sees exactly what one-row generation
   (kvcache.py) shows it, and its tokens at temperature 0 are the same.
 
+Every family: per layer the cache has that layer's K/V heads and head dim (Gemma 4; its
+KV-sharing layers get their source layer's keys and values and cache them again), gpt-oss's
+sinks are one more never-written cache row as in kvcache.py, and Qwen3.5's DeltaNet layers
+keep kvcache.py's conv rows and delta-rule state with a row axis (``_BatchedRecurrent``).
+
 Sampling (temperature, top-p, ...) is ``sampling.pick_token`` on each row in turn, all
 from one generator: a seed gives the same completions.
 """
@@ -35,7 +40,7 @@ from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.session import Session
 from toygraph.errors import DataError
-from toygraph.inference.kvcache import MASKED
+from toygraph.inference.kvcache import MASKED, CacheDecode, CachePrefill
 from toygraph.inference.sampling import SamplingOptions, pick_token
 from toygraph.models.decoder import Decoder, build_decoder
 
@@ -51,17 +56,20 @@ class BatchedGraphs:
     last: Tensor                   # [R] i32: row r's last prompt token, r * P + n_r - 1
     start: Tensor                  # [1] i32: the cache row the decode step writes
     prefill_start: Tensor          # [1] i32: 0, where the prefill writes its P rows
-    masks: dict[int, Tensor]       # window (0: none) -> [R, 1, 1, L] additive mask
+    masks: dict[int, Tensor]       # window (0: none) -> [R, 1, 1, L (+ the sink row)] mask
     prefill_logits: Tensor         # [R, vocab]
     decode_logits: Tensor          # [R, vocab]
-    writes: list[Tensor]           # the prefill's cache writes (effects)
+    writes: list[Tensor]           # the prefill's cache and state writes (effects)
+    decode_writes: list[Tensor]    # the decode step's recurrent state writes (effects)
+    sink_row: int = 0              # 1 where the family has attention sinks (kvcache.py)
+    recurrent: "_BatchedRecurrent | None" = None
     programs: dict = field(default_factory=dict)   # session id -> (prefill, decode) programs
 
     @property
     def targets(self) -> list[Tensor]:
         """Every output and effect of the two graphs (what a shared training graph leaves
         out of its own programs)."""
-        return [self.prefill_logits, self.decode_logits, *self.writes]
+        return [self.prefill_logits, self.decode_logits, *self.writes, *self.decode_writes]
 
 
 def build_batched_generation(g: Graph, cfg, *, rows: int, prompt_len: int, cache_len: int,
@@ -72,54 +80,112 @@ def build_batched_generation(g: Graph, cfg, *, rows: int, prompt_len: int, cache
     if not 0 < prompt_len < cache_len <= cfg.n_ctx:
         raise DataError(f"batched generation needs 0 < prompt_len {prompt_len} < cache_len "
                         f"{cache_len} <= the context length {cfg.n_ctx}")
-    # Its attention is written here over one uniform cache: a model whose layers differ from
-    # that (recurrent layers, shared K/V, per-layer shapes, sinks) is refused, not sampled wrong.
-    unsupported = [what for what, has in (
-        ("recurrent (DeltaNet) layers", any(cfg.recurrent)),
-        ("K/V shared across layers", bool(cfg.kv_sources)),
-        ("per-layer head shapes", bool(cfg.head_dims or cfg.kv_heads)),
-        ("attention sinks", cfg.family.sinks)) if has]
-    if unsupported:
-        raise DataError(f"batched generation (GRPO's sampler) does not handle {cfg.arch}'s "
-                        f"{', '.join(unsupported)} yet")
     R, P, L = rows, prompt_len, cache_len
-    shape = (R, cfg.n_head_kv, L, cfg.head_dim)
-    caches = [tuple(g.state(f"{prefix}blk.{i}.cache_{kv}", shape, kind="cache") for kv in "kv")
-              for i in range(cfg.n_layer)]
+    sink_row = int(bool(cfg.family.sinks))   # one never-written cache row: the sink
+    # Per attention layer [R, its K/V heads, L (+ the sink row), its head dim]; Gemma 4's
+    # KV-sharing layers are handed their source layer's keys and values, cached again.
+    caches = {i: tuple(g.state(f"{prefix}blk.{i}.cache_{kv}",
+                               (R, cfg.layer_kv_heads(i), L + sink_row, cfg.layer_head_dim(i)),
+                               kind="cache") for kv in "kv")
+              for i in range(cfg.n_layer) if not cfg.layer_recurrent(i)}
     zero = g.input(prefix + "prefill.start", (1,), "i32")   # the prompt fills rows [0, P)
     start = g.input(prefix + "decode.start", (1,), "i32")
-    masks = {w: g.input(f"{prefix}decode.mask{w}", (R, 1, 1, L)) for w in set(cfg.windows)}
+    masks = {w: g.input(f"{prefix}decode.mask{w}", (R, 1, 1, L + sink_row))
+             for w in set(cfg.windows)}
+    sink_col = (g.const(prefix + "decode.sink_col", np.eye(L + 1, dtype=np.float32)[-1])
+                if sink_row else None)
+    rec = _BatchedRecurrent(g, cfg, R, P, L, prefix, zero, start) if cfg.recurrent else None
     writes = []
 
-    def prefill_attend(i, q, k, v, sinks):   # sinks: None (families with sinks are refused)
+    def prefill_attend(i, q, k, v, sinks):
         writes.extend(g.effect(ops.cache_write(c, x, zero), "forward")
                       for c, x in zip(caches[i], (k, v)))
-        return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i])
+        return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
+                             sinks=sinks)
 
     def decode_attend(i, q, k, v, sinks):
         kc, vc = (ops.cache_write(c, x, start) for c, x in zip(caches[i], (k, v)))
-        kv, group = cfg.n_head_kv, cfg.n_head // cfg.n_head_kv
+        kv, hd = cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+        group = cfg.n_head // kv
         # Query head h reads K/V head h // group: the group folded into the rows of a
         # batched matmul per (row, K/V head), [R, KV, group, hd] x [R, KV, L, hd]^T.
-        scores = ops.matmul(q.reshape(R, kv, group, cfg.head_dim), kc, trans_b=True)
-        probs = ops.softmax(scores + masks[cfg.windows[i]], scale=cfg.attn_scale)
-        return ops.matmul(probs, vc).reshape(R, cfg.n_head, 1, cfg.head_dim)
+        scores = ops.matmul(q.reshape(R, kv, group, hd), kc, trans_b=True)
+        scores = scores + masks[cfg.windows[i]]
+        if sinks is not None:   # the sink row's score q.0 = 0 gets sinks[h] (kvcache.py)
+            sinks = ops.scale(sinks.reshape(kv, group, 1), 1.0 / cfg.attn_scale)
+            scores = scores + ops.mul(sinks, sink_col)
+        probs = ops.softmax(scores, scale=cfg.attn_scale)
+        return ops.matmul(probs, vc).reshape(R, cfg.n_head, 1, hd)
 
     first = build_decoder(g, cfg, batch=R, seq_len=P, model=model, lora=lora, shared=shared,
-                          prefix=prefix + "prefill.", attend=prefill_attend, logits=False)
+                          prefix=prefix + "prefill.", attend=prefill_attend, logits=False,
+                          recurrence=rec and rec.prefill)
     last = g.input(prefix + "prefill.last", (R,), "i32")
     prefill_logits = ops.matmul(ops.get_rows(first.hidden, last), first.head, trans_b=True)
     if cfg.logit_softcap:   # as lm_head caps the decode step's logits
         prefill_logits = ops.softcap(prefill_logits, cfg.logit_softcap)
     step = build_decoder(g, cfg, batch=R, seq_len=1, lora=lora, shared=first,
-                         prefix=prefix + "decode.", attend=decode_attend)
+                         prefix=prefix + "decode.", attend=decode_attend,
+                         recurrence=rec and rec.decode)
     return BatchedGraphs(R, P, L, first, step, last, start, zero, masks, g.output(prefill_logits),
-                         g.output(step.logits), writes)
+                         g.output(step.logits), writes + (rec.prefill.writes if rec else []),
+                         rec.decode.writes if rec else [], sink_row, rec)
+
+
+class _BatchedRecurrent:
+    """Qwen3.5's DeltaNet layers in batched generation: kvcache.py's two states per layer
+    with a leading row axis. Row r's prompt has n_r tokens: the prefill zeroes the decay and
+    write strength of its padding (``valid`` [R, P, 1]), so its state is the state after its
+    own tokens; the conv rows it writes sit where the attention caches put that row's
+    tokens (prompt rows [0, n_r), generated ones from P), and decode step j reads, per row,
+    the conv window ending at its new token through a one-hot selection [R, width, L]."""
+
+    def __init__(self, g, cfg, R: int, P: int, L: int, prefix: str, zero, start):
+        ssm = cfg.ssm
+        self.width, self.prompt_len, self.cache_len = ssm.conv, P, L
+        layers = [i for i in range(cfg.n_layer) if cfg.layer_recurrent(i)]
+        self.rows = {i: g.state(f"{prefix}blk.{i}.conv_rows", (R, 1, L, ssm.channels),
+                                kind="cache") for i in layers}
+        shape = (R, ssm.v_heads, ssm.k_dim, ssm.v_dim)
+        self.states = {i: g.state(f"{prefix}blk.{i}.delta_state", shape, kind="cache")
+                       for i in layers}
+        self.zero_state = g.const(prefix + "delta_state.zero", np.zeros(shape, np.float32))
+        self.valid = g.input(prefix + "prefill.valid", (R, P, 1))
+        self.select = g.input(prefix + "decode.conv_rows", (R, ssm.conv, L))
+        self.zero = g.input(prefix + "decode.zero", (1,), "i32")
+        self.prefill, self.decode = CachePrefill(self, g, zero), _Decode(self, g, start)
+
+    def upload_prefill(self, sess, lengths) -> None:
+        valid = (np.arange(self.prompt_len)[None] < np.asarray(lengths)[:, None])
+        sess.upload(self.valid, valid.astype(np.float32)[..., None])
+
+    def upload_decode(self, sess, lengths, j: int) -> None:
+        """Step j's selection: row r's taps read positions n_r + j - (width - 1) .. n_r + j,
+        at cache row p (a prompt token) or P + p - n_r (a generated one)."""
+        select = np.zeros(self.select.shape, np.float32)
+        for r, n in enumerate(lengths):
+            for tap in range(self.width):
+                pos = n + j - (self.width - 1) + tap
+                if pos >= 0:
+                    select[r, tap, pos if pos < n else self.prompt_len + pos - n] = 1.0
+        sess.upload(self.select, select)
+        sess.upload(self.zero, np.zeros(1, np.int32))
+
+
+class _Decode(CacheDecode):
+    """kvcache.py's decode step, the conv window selected per row."""
+
+    def conv(self, i, x, w):
+        R, _, C = x.shape
+        rows = ops.cache_write(self.s.rows[i], x.reshape(R, 1, 1, C), self.pos)
+        window = ops.matmul(self.s.select, rows.reshape(R, self.s.cache_len, C))  # [R, width, C]
+        return ops.sum(window.permute(0, 2, 1) * w, 2).reshape(R, 1, C)
 
 
 def decode_masks(gen: BatchedGraphs, lengths, j: int, windows) -> dict[int, np.ndarray]:
-    """The additive masks of decode step ``j`` ([R, 1, 1, L] per window): row r sees its
-    prompt's cache rows [0, n_r) and its generated rows [P, P + j], within the window."""
+    """The additive masks of decode step ``j`` ([R, 1, 1, L (+ 1)] per window): row r sees
+    its prompt's cache rows [0, n_r) and its generated rows [P, P + j], within the window,
+    and the sink's row where there is one."""
     P, L = gen.prompt_len, gen.cache_len
     n = np.asarray(lengths)[:, None]
     i = np.arange(L)[None]
@@ -128,7 +194,8 @@ def decode_masks(gen: BatchedGraphs, lengths, j: int, windows) -> dict[int, np.n
     out = {}
     for w in windows:
         ok = seen & ((n + j - key_pos < w) if w else True)
-        out[w] = np.where(ok, 0.0, MASKED).astype(np.float32).reshape(gen.rows, 1, 1, L)
+        ok = np.concatenate([ok, np.ones((len(ok), gen.sink_row), bool)], axis=1)
+        out[w] = np.where(ok, 0.0, MASKED).astype(np.float32).reshape(gen.rows, 1, 1, -1)
     return out
 
 
@@ -158,6 +225,8 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
     sess.upload(gen.prefill.positions, np.tile(np.arange(P, dtype=np.int32), (R, 1)))
     sess.upload(gen.prefill_start, np.zeros(1, np.int32))
     sess.upload(gen.last, (np.arange(R) * P + lengths - 1).astype(np.int32))
+    if gen.recurrent:
+        gen.recurrent.upload_prefill(sess, lengths)
     sess.run_program(prefill)
     logits = sess.download(gen.prefill_logits)
     out: list[list[int]] = [[] for _ in range(R)]
@@ -179,6 +248,8 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
         sess.upload(gen.start, np.array([P + j], np.int32))
         for w, m in decode_masks(gen, lengths, j, gen.masks).items():
             sess.upload(gen.masks[w], m)
+        if gen.recurrent:
+            gen.recurrent.upload_decode(sess, lengths, j)
         sess.run_program(decode)
         logits = sess.download(gen.decode_logits)
     return out
@@ -188,7 +259,7 @@ def _programs(sess: Session, gen: BatchedGraphs):
     key = id(sess)
     if key not in gen.programs:
         gen.programs[key] = (sess.program([gen.prefill_logits, *gen.writes]),
-                             sess.program([gen.decode_logits]))
+                             sess.program([gen.decode_logits, *gen.decode_writes]))
     return gen.programs[key]
 
 

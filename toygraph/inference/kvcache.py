@@ -158,8 +158,8 @@ class _Recurrent:
         self.valid = g.input("prefill.valid", (1, prompt_len, 1))      # 1 on the prompt's tokens
         self.select = g.input("decode.conv_rows", (ssm.conv, cache_len))  # one-hot window rows
         self.zero = g.input("decode.zero", (1,), "i32")
-        self.prefill = _Prefill(self, g, owner.start)
-        self.decode = _Decode(self, g, owner.pos)
+        self.prefill = CachePrefill(self, g, owner.start)
+        self.decode = CacheDecode(self, g, owner.pos)
 
     def upload_prefill(self, sess, n: int) -> None:
         valid = np.zeros(self.valid.shape, np.float32)
@@ -176,13 +176,13 @@ class _Recurrent:
         sess.upload(self.zero, np.zeros(1, np.int32))
 
 
-class _Prefill(Recurrence):
+class CachePrefill(Recurrence):
     def __init__(self, states: _Recurrent, g, start):
         self.s, self.g, self.start, self.writes = states, g, start, []
 
     def conv(self, i, x, w):
-        B, T, C = x.shape
-        self.writes.append(self.g.effect(ops.cache_write(self.s.rows[i], x.reshape(1, 1, T, C),
+        B, T, C = x.shape   # B: 1 here, the rows of batched generation (batched.py)
+        self.writes.append(self.g.effect(ops.cache_write(self.s.rows[i], x.reshape(B, 1, T, C),
                                                          self.start), "forward"))
         return ops.causal_conv1d(x, w)
 
@@ -194,7 +194,7 @@ class _Prefill(Recurrence):
         return o
 
 
-class _Decode(Recurrence):
+class CacheDecode(Recurrence):
     def __init__(self, states: _Recurrent, g, pos):
         self.s, self.g, self.pos, self.writes = states, g, pos, []
 

@@ -53,6 +53,7 @@ class Prepared:
     skipped: list = field(default_factory=list)
     allowed: list = field(default_factory=list)
     mix: list | None = None   # each file's share of a mixed run's training rows (mixing.py)
+    resumed_status: str | None = None   # how the run resumed from ended (its checkpoint's)
 
 
 def _model_source(model: str, say) -> Source:
@@ -136,6 +137,7 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
                                     set(run_cfg.allow_change))
         for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
             setattr(state, name, getattr(saved, name))
+        prep.resumed_status = saved.status
     return prep
 
 

@@ -45,8 +45,8 @@ from toygraph.training.plot import plot_losses
 from toygraph.training.prepare import Prepared, prepare
 from toygraph.training.reporting import open_reporters
 from toygraph.training.run_config import RunConfig, recipe_options
-from toygraph.training.run_dir import (EVENTS_FILE, FINAL_ARTIFACTS, EventLog, NullLog, RunError,
-                                       io_error, open_run_dir)
+from toygraph.training.run_dir import (EVENTS_FILE, FINAL_ARTIFACTS, RESULT_FILES, EventLog,
+                                       NullLog, RunError, io_error, open_run_dir)
 from toygraph.training.run_file import RUN_FILE, write_run_file
 from toygraph.training.supervisor import Progress, RunSupervisor, Signals
 
@@ -170,7 +170,12 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
     total = run_cfg.steps or max(1, math.ceil((run_cfg.epochs or 1) * n_batches
                                                 / run_cfg.grad_accum))
     if prep.resume_from is not None and prep.state.step >= total:
-        # Nothing to train: the run's artifacts, events and run file stay as they are.
+        # Nothing to train: the run's artifacts, events and run file stay as they are, but
+        # for a completed run whose top level was never written (stopped by a signal after
+        # its final checkpoint), which is written now from that checkpoint.
+        if (w.rank == 0 and prep.resumed_status in COMPLETED
+                and not any((out / name).exists() for name in RESULT_FILES)):
+            return _finish_from_checkpoint(run_cfg, prep, out, recipe, say)
         reason = f"nothing to do: the checkpoint is at step {prep.state.step} of {total}"
         say(reason)
         return {"status": "completed", "reason": reason, "steps": prep.state.step,
@@ -209,13 +214,7 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
     # (line, shown even with --quiet): skipped checkpoints always show
     intro = [(line, False) for line in intro]
     intro += [(f"resume: skipped {path} ({why})", True) for path, why in prep.skipped]
-    lora_meta = ({"rank": run_cfg.rank, "alpha": run_cfg.alpha, "rslora": run_cfg.rslora,
-                  "dropout": run_cfg.lora_dropout,
-                  "targets": list(run_cfg.targets),
-                  "base": run_cfg.model if store_of(run_cfg.model) else Path(run_cfg.model).name,
-                  "arch": prep.model.config.arch,
-                  "template": prep.template, "source": prep.source}
-                 if recipe.trains_adapter else None)
+    lora_meta = _lora_meta(run_cfg, prep, recipe)
     guard = DivergenceGuard(prep.state, run_cfg.diverge_factor)
     with Signals() as signals:
         sup = RunSupervisor(run_cfg, out, recipe, log, progress, guard, signals, val=prep.val,
@@ -249,17 +248,79 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
     return summary
 
 
-def _final_source(run_cfg: RunConfig, out: Path, trainer) -> tuple[dict | None, dict]:
+def _lora_meta(run_cfg: RunConfig, prep: Prepared, recipe) -> dict | None:
+    """What the adapter files say about the run (None when it trains all weights)."""
+    if not recipe.trains_adapter:
+        return None
+    return {"rank": run_cfg.rank, "alpha": run_cfg.alpha, "rslora": run_cfg.rslora,
+            "dropout": run_cfg.lora_dropout, "targets": list(run_cfg.targets),
+            "base": run_cfg.model if store_of(run_cfg.model) else Path(run_cfg.model).name,
+            "arch": prep.model.config.arch, "template": prep.template, "source": prep.source}
+
+
+def _final_source(run_cfg: RunConfig, out: Path, step: int) -> tuple[dict | None, dict]:
     """(the weights the top level gets, or None for the last step's; what they are):
     best/'s when --final best, or by default when there was a validation split, and a
-    best/ exists; else the last step's."""
+    best/ exists; else the last step's (``step``)."""
     choice = run_cfg.final or ("best" if run_cfg.val_split else "last")
-    last = {"from": "last", "step": trainer.state.step}
+    last = {"from": "last", "step": step}
     if choice == "last" or not (out / "best").is_dir():
         return None, last
     state, weights, _ = load_checkpoint(out / "best")
     return weights, {"from": "best", "step": state.get("step"), "val_loss": state.get("best_val"),
-                     "last_step": trainer.state.step}
+                     "last_step": step}
+
+
+def _write_top_level(run_cfg: RunConfig, out: Path, recipe, lora_meta, step: int) -> dict:
+    """A completed run's result at the top of ``out``: the adapter (or weights) and the
+    Modelfile, and the Ollama model with --to-ollama; returns what it holds (final_text)."""
+    values, final = _final_source(run_cfg, out, step)
+    write_final(out, recipe, lora_meta, values)
+    if lora_meta is not None and not run_cfg.dora:   # DoRA: no adapter.gguf
+        # Ollama: FROM base + ADAPTER ./adapter.gguf, prompts in the run's template
+        source = lora_meta["source"]   # ollama:NAME: FROM the Ollama model
+        modelfile = write_modelfile(out, source.path, template=lora_meta["template"],
+                                    source=source)
+        if run_cfg.to_ollama:
+            final = {**final, "ollama": ollama_create(run_cfg.to_ollama, modelfile)}
+    return final
+
+
+def _top_level_stopped(out: Path, signals, step: int) -> str:
+    """Undo a top level cut short by a signal (all of it or none is there) and say why."""
+    for name in FINAL_ARTIFACTS:
+        (out / name).unlink(missing_ok=True)
+    return (f"stopped by {signals.name or 'SIGINT'} after the final checkpoint (step {step}) "
+            f"was saved; the top-level result was not written: --resume writes it from that "
+            f"checkpoint")
+
+
+def _finish_from_checkpoint(run_cfg: RunConfig, prep: Prepared, out: Path, recipe, say) -> dict:
+    """The top level of a completed run that a signal stopped before writing it, from its
+    final checkpoint (loaded into ``recipe`` by _realize); logged as a second run_end."""
+    step = prep.state.step
+    say(f"the run completed at step {step} but its top-level result was not written: "
+        f"writing it from {prep.resume_from}")
+    summary = {"status": "completed", "steps": step, "best_val_loss": prep.state.best_val,
+               "last_loss": None, "out": str(out)}
+    error = None
+    with Signals() as signals:
+        try:
+            with signals.finishing():
+                final = _write_top_level(run_cfg, out, recipe, _lora_meta(run_cfg, prep, recipe),
+                                         step)
+            summary.update(reason=f"top level written from {prep.resume_from.name}", final=final)
+        except KeyboardInterrupt:
+            summary.update(status="interrupted", reason=_top_level_stopped(out, signals, step))
+        except Exception as e:  # recorded as the run's failure, then re-raised to the caller
+            error = e
+            summary.update(status="failed", reason=_one_line(e))
+    _log_end(EventLog(out / EVENTS_FILE), summary, error)
+    if error is not None:
+        raise error
+    say(final_text(run_cfg, out, summary["final"], recipe.trains_adapter)
+        if "final" in summary else f"run interrupted: {summary['reason']}")
+    return summary
 
 
 def final_text(run_cfg: RunConfig, out: Path, final: dict, adapter: bool) -> str:
@@ -327,15 +388,12 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
         sup.save(trainer, "final")
         if sup.world.rank != 0:
             return None, status, reason, None
-        values, final = _final_source(sup.run_cfg, out, trainer)
-        write_final(out, recipe, lora_meta, values)
-        if lora_meta is not None and not sup.run_cfg.dora:   # DoRA: no adapter.gguf
-            # Ollama: FROM base + ADAPTER ./adapter.gguf, prompts in the run's template
-            source = lora_meta["source"]   # ollama:NAME: FROM the Ollama model
-            modelfile = write_modelfile(out, source.path, template=lora_meta["template"],
-                                        source=source)
-            if sup.run_cfg.to_ollama:
-                final = {**final, "ollama": ollama_create(sup.run_cfg.to_ollama, modelfile)}
+        try:   # a signal now stops at once (a template or `ollama create` may be slow)
+            with sup.signals.finishing():
+                final = _write_top_level(sup.run_cfg, out, recipe, lora_meta, trainer.state.step)
+        except KeyboardInterrupt:
+            return (None, "interrupted",
+                    _top_level_stopped(out, sup.signals, trainer.state.step), None)
         return None, status, reason, final
     except Diverged as e:
         return None, "diverged", str(e), None

@@ -25,6 +25,8 @@ EVENTS_FILE = "events.jsonl"
 #: A completed run's result at the top of its directory (absent unless it completed).
 FINAL_ARTIFACTS = ("adapter_model.safetensors", "adapter_config.json", "adapter.gguf",
                    "Modelfile", "weights.safetensors")
+#: One of these is at the top of every completed run (the adapter or the full weights).
+RESULT_FILES = ("adapter_model.safetensors", "weights.safetensors")
 #: What a run writes into its directory; ``--overwrite`` removes exactly these (tensorboard/
 #: and wandb/: --report-to's, toygraph/training/reporting.py).
 RUN_ARTIFACTS = (EVENTS_FILE, "checkpoints", "best", "loss.png", "tensorboard", "wandb",

@@ -139,15 +139,22 @@ class Signals:
     """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop between steps, so an update is
     never cut in half; the first is acknowledged at once (``acknowledge(signal name)``
     gives the line to print). A second one aborts a step at once, but never a checkpoint
-    write: during ``saving()`` signals are only counted, and the write completes."""
+    write: during ``saving()`` signals are only counted, and the write completes. During
+    ``finishing()`` (the top-level result, after the final checkpoint) the first one stops
+    at once: that work can be redone from the checkpoint, and it may be running a model's
+    chat template or ``ollama create``, which must not outlive the user's Ctrl-C."""
 
     def __init__(self, acknowledge=None):
         self.count, self.name, self.in_step, self._saving, self._old = 0, None, False, False, {}
+        self._finishing = False
         self.acknowledge = acknowledge
 
     def _handler(self, signum, frame):
         self.count += 1
         self.name = signal.Signals(signum).name
+        if self._finishing and not self._saving:
+            self._finishing = False   # once: the cleanup that follows is not cut short
+            raise KeyboardInterrupt
         if self.count == 1 and self.acknowledge is not None:
             text = self.acknowledge(self.name)
             if text:
@@ -177,6 +184,18 @@ class Signals:
             yield
         finally:
             self._saving = was
+
+    @contextmanager
+    def finishing(self):
+        """Signals raise KeyboardInterrupt at once in this block (not in a ``saving()``);
+        one that came before it does too, on entering."""
+        if self.count:
+            raise KeyboardInterrupt
+        self._finishing = True
+        try:
+            yield
+        finally:
+            self._finishing = False
 
 
 def evaluate(recipe, items, batch: int, seq_len: int, pad: int,
