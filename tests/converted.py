@@ -84,11 +84,14 @@ def convert(folder: Path, name: str, model, tokenizer, *, pre: str | None = None
     return out, hf
 
 
-def tiny_sentencepiece_tokenizer(tokenizer_class):
-    """A Gemma-style byte-fallback vocabulary of 316 tokens: specials, 256 bytes, letters."""
+def tiny_sentencepiece_tokenizer(tokenizer_class, pad_to: int = 0):
+    """A Gemma-style byte-fallback vocabulary of 316 tokens: specials, 256 bytes, letters;
+    then unused tokens up to ``pad_to`` (benchmarks: a real vocabulary's size, which the
+    converter's Gemma path takes from the tokenizer)."""
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     tokens = specials + [f"<0x{i:02X}>" for i in range(256)] + letters + ["▁"] + ["▁" + c for c in letters]
+    tokens += [f"<unused{i}>" for i in range(pad_to - len(tokens))]
     return tokenizer_class(vocab={t: i for i, t in enumerate(tokens)},
                            merges=[("▁", c) for c in letters])
 

@@ -206,6 +206,8 @@ def _small_op_launches():
     gb = [g.param(f"d{n}", np.ones((1, 2, 1))) for n in "gb"]
     delta = ops.delta_rule(dq, dk_, dv_, *gb)
     _, state = ops.delta_rule(dq, dk_, dv_, *gb, state=g.const("s0", np.zeros((1, 1, 3, 3))))
+    _, step = ops.delta_rule(*(g.param(f"s{n}", np.ones(s)) for n, s in zip(
+        "qkvgb", [(1, 1, 1, 3)] * 3 + [(1, 1, 1)] * 2)), state=state)   # decoding: step-wise
     loss = ops.add(loss, ops.add(ops.sum(conv), ops.sum(delta)))
     grads = backward(loss, [x, b] + [n for n in g.nodes if n.role == "param" and n.name in
                                       ("cx", "cw", "dq", "dk", "dv", "dg", "db")])
@@ -217,7 +219,7 @@ def _small_op_launches():
     unaligned = [("scale", l) for l in dispatch.lower(ops.scale(x, 3.0),
                                                       lambda t: 4 + ((t.id + 1) << 20))]
     return unaligned + _lower_all(topo_order([loss, *grads.values(), acc, summed, cached, state,
-                                              row_norm, dropped]),
+                                              step, row_norm, dropped]),
                                   precisions=("f32",))
 
 

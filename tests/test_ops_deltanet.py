@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradcheck import TOL, check_gradients, rnd, weighted_sum
-from hostparity import ELEMENTWISE, REDUCTION, compare_op
+from hostparity import ELEMENTWISE, REDUCTION, compare_op, rel_err
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
@@ -152,33 +152,88 @@ def test_kernels_match_numpy(host_device, name, build, shapes, tol):
     compare_op(build, shapes, tol)
 
 
-@pytest.mark.parametrize("T,dk,dv", [(37, 4, 5), (70, 16, 24)])
-def test_delta_rule_kernels_match_numpy(host_device, T, dk, dv):
-    """Forward and the gradient of every input, T past the backward's saved-state span (32)
-    and not a multiple of it, and bit-identical when run again."""
-    from hostparity import rel_err, run_phase
+def _delta_case(B, T, H, dk, dv, chunk, seed=11):
+    """The delta rule's output and every input's gradient (loss = a weighted sum of o)."""
     from toygraph.core.autodiff import accumulate_grads, backward
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed)
     g = Graph()
-    params = [g.param(n, a) for n, a in zip("qkvgb", delta_inputs(rng, T=T, dk=dk, dv=dv))]
-    y = g.output(ops.delta_rule(*params, chunk=16))
+    params = [g.param(n, a) for n, a in zip("qkvgb", delta_inputs(rng, B, T, H, dk, dv))]
+    y = g.output(ops.delta_rule(*params, chunk=chunk))
     grads = accumulate_grads(backward(weighted_sum(y, rng), params))
-    fetch = [y] + [grads[p] for p in params]
+    return g, [y] + [grads[p] for p in params]
+
+
+def _delta_errors(B, T, H, dk, dv, chunk):
+    """rel_err of the CUDA chunked kernels (host executor) against numpy for o, dq, dk, dv,
+    dg, dbeta; and whether a second run is bit-identical."""
+    from hostparity import run_phase
+    g, fetch = _delta_case(B, T, H, dk, dv, chunk)
     cpu = run_phase(g, "cpu", {}, "backward", fetch)
     got = run_phase(g, "cuda", {}, "backward", fetch)
-    for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, cpu):
-        assert rel_err(a, b) <= REDUCTION, (name, rel_err(a, b))
     again = run_phase(g, "cuda", {}, "backward", fetch)
-    assert all(np.array_equal(a, b) for a, b in zip(got, again))
+    errors = {n: rel_err(a, b) for n, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, cpu)}
+    return errors, all(np.array_equal(a, b) for a, b in zip(got, again))
 
 
-def test_delta_rule_with_state_kernel_matches_numpy(host_device):
-    from hostparity import rel_err, run_phase
+@pytest.mark.parametrize("B,T,H,dk,dv,chunk", [
+    (2, 37, 3, 4, 5, 16),      # three chunks, the last ragged
+    (1, 150, 2, 16, 24, 64),   # the default chunk: two full chunks and 22 steps
+    (2, 70, 3, 32, 16, 64),    # dk > dv
+    (1, 130, 2, 8, 8, 100),    # a chunk past the kernels' bound runs as DELTA_CHUNK
+    (1, 5, 4, 8, 300, 64),     # more state columns than threads, shorter than a chunk
+])
+def test_delta_rule_kernels_match_numpy(host_device, B, T, H, dk, dv, chunk):
+    """The chunked forward and backward kernels against numpy (the WY forward, the
+    chunk-start + step-wise backward), every gradient, and bit-identical when run again."""
+    errors, repeatable = _delta_errors(B, T, H, dk, dv, chunk)
+    print((B, T, H, dk, dv, chunk), {n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) <= REDUCTION, errors
+    assert repeatable
+
+
+# One index expression each, as a careless edit would change it: the parity check that
+# passes on the real source must fail.
+DELTA_MUTATIONS = {
+    "the forward's output skips the diagonal of M":
+        ("for (int l = 0; l <= i; ++l) o = __fadd_rn", "for (int l = 0; l < i; ++l) o = __fadd_rn"),
+    "the back-substitution drops the chunk's last row":
+        ("for (int l = i + 1; l < n; ++l)", "for (int l = i + 1; l < n - 1; ++l)"),
+    "dU reads its own step's output gradient for every later step":
+        ("w.M[l * C + i], dout[TG_ROW(l) * dv + j]", "w.M[l * C + i], dout[TG_ROW(i) * dv + j]"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(DELTA_MUTATIONS))
+def test_a_broken_delta_kernel_fails_its_parity_check(host_device, mutation, monkeypatch):
+    from toygraph.cuda import backend as cuda_backend
+    from toygraph.cuda.lowering import sources
+    old, new = DELTA_MUTATIONS[mutation]
+    real = sources.backend_source("f32")
+    assert real.count(old) == 1, "the mutation no longer matches the kernel source"
+    broken = real.replace(old, new)
+    monkeypatch.setattr(cuda_backend, "backend_source", lambda precision="f32": broken)
+    errors, _ = _delta_errors(1, 70, 2, 8, 8, 64)
+    assert max(errors.values()) > 1e-2, errors
+
+
+@pytest.mark.parametrize("T", [1, 70])
+def test_delta_rule_with_state_kernel_matches_numpy(host_device, T):
+    """From a given state: decoding (T = 1) runs the step-wise kernel, a prompt the chunked
+    one; o and the final state against numpy."""
+    from hostparity import run_phase
     rng = np.random.default_rng(12)
     g = Graph()
-    x = [g.const(n, a) for n, a in zip("qkvgb", delta_inputs(rng, T=3))]
+    x = [g.const(n, a) for n, a in zip("qkvgb", delta_inputs(rng, T=T))]
     o, S = ops.delta_rule(*x, g.const("S0", rnd(rng, 2, 3, 4, 5)))
     fetch = [g.output(o), g.output(S)]
     cpu = run_phase(g, "cpu", {}, "forward", fetch)
     got = run_phase(g, "cuda", {}, "forward", fetch)
     assert all(rel_err(a, b) <= REDUCTION for a, b in zip(got, cpu))
+    kernels = {launch.kernel for launch in _launches(o)}
+    assert kernels == {"tg_delta_rule" if T == 1 else "tg_delta_chunked"}
+
+
+def _launches(t):
+    from toygraph.cuda.lowering import dispatch
+    node = t.srcs[0] if t.op != "delta_rule" else t
+    return dispatch.lower(node, lambda s: 4096, scratch=8192)

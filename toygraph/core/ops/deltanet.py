@@ -11,9 +11,10 @@ The gated delta rule, per head, with a state S [dk, dv] starting at 0 (or a give
 The numpy forward computes it chunk by chunk in the WY form (transformers'
 torch_chunk_gated_delta_rule: a unit lower-triangular system per chunk turns the chunk's
 delta updates into matmuls, then one state update per chunk); the backward keeps the state
-at each chunk start and walks each chunk backwards step by step, recomputing the chunk's
-states from its start. Every column of S evolves on its own, which the CUDA kernels use:
-one thread per (batch, head, column), sequential in time.
+at each chunk start and differentiates each chunk's matmuls in closed form, from the last
+chunk, carrying the gradient of the state. The CUDA kernels (deltanet.cu) compute the same chunked form, forward
+and backward (the backward in closed form per chunk, from the chunk-start states), one block
+per (batch, head); decoding one token from a state runs a step-wise kernel instead.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
 from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32, lowers, p
-from toygraph.cuda.lowering.constants import DELTA_MAX_DK, DELTA_SPAN, THREADS
+from toygraph.cuda.lowering.constants import DELTA_CHUNK, DELTA_MAX_DK, THREADS
 from toygraph.errors import CudaError, GraphError
 
 declare_kernels(__file__, "deltanet.cu")
@@ -198,50 +199,68 @@ def _delta_numpy(out, srcs, attrs):
         flat[n_o:] = S.reshape(-1)
 
 
-def _step(S, q, k, v, a, beta):
-    """One step on [B, H, ...] slices: (P = a S, the error v - P^T k, d, the new S, o)."""
-    P = S * a[..., None, None]
-    err = v - np.einsum("bhkv,bhk->bhv", P, k)
-    d = beta[..., None] * err
-    S_new = P + k[..., :, None] * d[..., None, :]
-    return P, err, d, S_new, np.einsum("bhkv,bhk->bhv", S_new, q)
+def _solve_unit_lower_t(L, b):
+    """x with (I + strictly_lower(L))^T x = b, by back substitution from the last row."""
+    x = np.array(b)
+    for i in range(L.shape[-1] - 2, -1, -1):
+        x[..., i, :] -= np.einsum("...j,...jd->...d", L[..., i + 1:, i], x[..., i + 1:, :])
+    return x
+
+
+def _chunk_back(q, k, v, g, beta, S0, do, dS):
+    """One chunk's backward in closed form (the forward of delta_rule_chunked written with
+    U = (I + A)^-1 diag(beta) (V - diag(gam) K S0), A = diag(beta) P; deltanet.cu derives
+    each line): the gradients of q, k, v, g, beta and of the state S0 the chunk starts from,
+    given do and dS, the gradient of the state after the chunk. Arrays [B, H, n, ...]."""
+    n = q.shape[2]
+    T_ = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+    lower = np.tril(np.ones((n, n), bool))
+    strict = np.tril(np.ones((n, n), bool), -1)
+    cg = np.cumsum(g, axis=-1)
+    gam, cdec = np.exp(cg), np.exp(cg[..., -1:] - cg)
+    D = np.where(lower, np.exp(np.where(lower, cg[..., :, None] - cg[..., None, :], 0)), 0)
+    P, M = np.where(strict, (k @ T_(k)) * D, 0), (q @ T_(k)) * D
+    A = beta[..., :, None] * P
+    KS, QS, KdS = k @ S0, q @ S0, k @ dS
+    U = _solve_unit_lower(A, beta[..., None] * (v - gam[..., None] * KS))
+    dR = _solve_unit_lower_t(A, T_(M) @ do + cdec[..., None] * KdS)
+    dA = np.where(strict, -(dR @ T_(U)), 0)
+    dM = np.where(lower, do @ T_(U), 0)
+    dMD, E = dM * D, beta[..., :, None] * dA * D
+    dq = gam[..., None] * (do @ T_(S0)) + dMD @ k
+    dk = (T_(dMD) @ q + cdec[..., None] * (U @ T_(dS))
+          - (gam * beta)[..., None] * (dR @ T_(S0)) + (E + T_(E)) @ k)
+    dbeta = np.sum(dR * (v - gam[..., None] * KS), -1) + np.sum(dA * P, -1)
+    F = dM * M + dA * A     # the gradient of log D, row i's decay minus column l's
+    uk = cdec * np.sum(U * KdS, -1)
+    dcg = (F.sum(-1) - F.sum(-2) - uk
+           + gam * (np.sum(do * QS, -1) - beta * np.sum(dR * KS, -1)))
+    dcg[..., -1] += uk.sum(-1) + gam[..., -1] * np.sum(dS * S0, axis=(-2, -1))
+    dg = np.cumsum(dcg[..., ::-1], axis=-1)[..., ::-1]
+    dS0 = (gam[..., -1, None, None] * dS + T_(q) @ (gam[..., None] * do)
+           - T_(k) @ ((gam * beta)[..., None] * dR))
+    return (dq, dk, beta[..., None] * dR, dg, dbeta), dS0
 
 
 @kernel("delta_rule_back")
 def _delta_back_numpy(out, srcs, attrs):
+    """The state at each chunk start by the chunked forward, then each chunk's closed-form
+    backward from the last, carrying the state's gradient."""
     q, k, v, g, beta, do = _heads_first(*srcs)
     B, H, T, dk = q.shape
     dv, C = v.shape[-1], attrs["chunk"]
-    a = np.exp(g)
-    starts = [np.zeros((B, H, dk, dv), q.dtype)]  # the state at each chunk start
-    for c0 in range(0, T - C, C):
-        _, S = delta_rule_chunked(q[:, :, c0:c0 + C], k[:, :, c0:c0 + C], v[:, :, c0:c0 + C],
-                                  g[:, :, c0:c0 + C], beta[:, :, c0:c0 + C], starts[-1], C)
-        starts.append(S)
+    chunks = [slice(c0, min(T, c0 + C)) for c0 in range(0, T, C)]
+    starts = [np.zeros((B, H, dk, dv), q.dtype)]
+    for s in chunks[:-1]:
+        starts.append(delta_rule_chunked(q[:, :, s], k[:, :, s], v[:, :, s], g[:, :, s],
+                                         beta[:, :, s], starts[-1], C)[1])
     grads = [np.zeros_like(x) for x in (q, k, v, g, beta)]
-    dq, dk_, dv_, dg, db = grads
     dS = np.zeros((B, H, dk, dv), q.dtype)
-    for c, S0 in reversed(list(enumerate(starts))):
-        steps = range(c * C, min(T, (c + 1) * C))
-        states = [S0]                                   # S_{t-1} for each step of the chunk
-        for t in steps:
-            states.append(_step(states[-1], q[:, :, t], k[:, :, t], v[:, :, t], a[:, :, t],
-                                beta[:, :, t])[3])
-        for t, S_prev in zip(reversed(steps), reversed(states[:-1])):
-            kt, bt = k[:, :, t], beta[:, :, t]
-            P, err, d, S, _ = _step(S_prev, q[:, :, t], kt, v[:, :, t], a[:, :, t], bt)
-            dot = do[:, :, t]
-            dS = dS + q[:, :, t][..., :, None] * dot[..., None, :]     # o = S^T q
-            dq[:, :, t] = np.einsum("bhkv,bhv->bhk", S, dot)
-            dd = np.einsum("bhkv,bhk->bhv", dS, kt)                    # S = P + k d^T
-            dk_[:, :, t] = np.einsum("bhkv,bhv->bhk", dS, d)
-            db[:, :, t] = np.sum(dd * err, axis=-1)                    # d = beta err
-            derr = bt[..., None] * dd
-            dv_[:, :, t] = derr
-            dP = dS - kt[..., :, None] * derr[..., None, :]             # err = v - P^T k
-            dk_[:, :, t] -= np.einsum("bhkv,bhv->bhk", P, derr)
-            dg[:, :, t] = np.sum(dP * S_prev, axis=(-2, -1)) * a[:, :, t]  # P = a S_prev
-            dS = dP * a[:, :, t][..., None, None]
+    for s, S0 in reversed(list(zip(chunks, starts))):
+        parts, dS = _chunk_back(q[:, :, s], k[:, :, s], v[:, :, s], g[:, :, s], beta[:, :, s],
+                                S0, do[:, :, s], dS)
+        for grad, part in zip(grads, parts):
+            grad[:, :, s] = part
     offset = 0
     for grad in grads:
         flat = np.moveaxis(grad, 2, 1).reshape(-1)  # back to [B, T, H, ...]
@@ -261,39 +280,57 @@ def _conv(node, at):
 
 def _delta_dims(node):
     q, _, v = node.srcs[:3]
-    B, T, H, dk = q.shape
-    if dk > DELTA_MAX_DK:
-        raise CudaError(f"{node.op} {node.name!r}: key head size {dk} exceeds the kernels' "
-                        f"bound {DELTA_MAX_DK}")
-    return B, T, H, dk, v.shape[3]
+    return (*q.shape, v.shape[3])
+
+
+def _chunk(node) -> int:
+    """The chunk the kernels walk: the op's, at most DELTA_CHUNK (the chunk only changes
+    the rounding, as in the numpy form)."""
+    return min(node.attrs["chunk"], DELTA_CHUNK)
+
+
+def _stepwise(node) -> bool:
+    """Decoding (one new token from a given state) runs the step-wise kernel."""
+    return len(node.srcs) == 6 and node.srcs[0].shape[1] == 1
+
+
+def _fwd_scratch_bytes(node) -> int:
+    B, T, H, dk, dv = _delta_dims(node)
+    C = _chunk(node)
+    return 0 if _stepwise(node) else 4 * B * H * (dk * dv + 3 * C * C + 3 * C * dv)
 
 
 def _back_scratch_bytes(node) -> int:
     B, T, H, dk, dv = _delta_dims(node)
-    return 4 * B * H * (-(-T // DELTA_SPAN) + DELTA_SPAN + 2) * dk * dv
+    C = _chunk(node)
+    return 4 * B * H * ((-(-T // C) + 1) * dk * dv + 5 * C * C + 5 * C * dv)
 
 
-@lowers("delta_rule", kernels=("tg_delta_rule",))
+@lowers("delta_rule", kernels=("tg_delta_rule", "tg_delta_chunked"), scratch=_fwd_scratch_bytes)
 def _delta(node, at):
+    """The chunked kernel, one block per (batch, head); decoding: the step-wise kernel, one
+    thread per (batch, head, state column)."""
     B, T, H, dk, dv = _delta_dims(node)
     with_state = len(node.srcs) == 6
     srcs = [p(at.ptr(s)) for s in node.srcs[:5]]
     state = p(at.ptr(node.srcs[5])) if with_state else p(at.ptr(node.srcs[0]))  # unread if 0
-    return [Launch("tg_delta_rule", grid_1d(B * H * dv),
-                   [p(at.out), *srcs, state, i32(B), i32(T), i32(H), i32(dk), i32(dv),
-                    i32(with_state)])]
+    dims = [i32(B), i32(T), i32(H), i32(dk), i32(dv)]
+    if _stepwise(node):
+        if dk > DELTA_MAX_DK:
+            raise CudaError(f"{node.op} {node.name!r}: key head size {dk} exceeds the step-wise "
+                            f"kernel's bound {DELTA_MAX_DK}")
+        return [Launch("tg_delta_rule", grid_1d(B * H * dv),
+                       [p(at.out), *srcs, state, *dims, i32(with_state)])]
+    return [Launch("tg_delta_chunked", (B * H, 1, 1),
+                   [p(at.out), *srcs, state, p(at.scratch), *dims, i32(_chunk(node)),
+                    i32(with_state)], block=(THREADS, 1, 1))]
 
 
-@lowers("delta_rule_back", kernels=("tg_delta_rule_back",), scratch=_back_scratch_bytes)
+@lowers("delta_rule_back", kernels=("tg_delta_chunked_back",), scratch=_back_scratch_bytes)
 def _delta_back(node, at):
-    """One block per (batch, head) of the smallest power of two >= max(dk, dv) threads."""
+    """One block per (batch, head), walking the chunks from the last."""
     B, T, H, dk, dv = _delta_dims(node)
-    threads = 32
-    while threads < max(dk, dv):
-        threads *= 2
-    if threads > THREADS:
-        raise CudaError(f"{node.op} {node.name!r}: head sizes {dk}, {dv} exceed {THREADS} threads")
     srcs = [p(at.ptr(s)) for s in node.srcs]
-    return [Launch("tg_delta_rule_back", (B * H, 1, 1),
+    return [Launch("tg_delta_chunked_back", (B * H, 1, 1),
                    [p(at.out), *srcs, p(at.scratch), i32(B), i32(T), i32(H), i32(dk), i32(dv),
-                    i32(DELTA_SPAN)], block=(threads, 1, 1))]
+                    i32(_chunk(node))], block=(THREADS, 1, 1))]

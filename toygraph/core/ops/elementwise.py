@@ -230,16 +230,23 @@ def _sigmoid_back_numpy(out, srcs, attrs):
 
 @kernel("softcap")
 def _softcap_numpy(out, srcs, attrs):
+    """In place in ``out`` (the same operations as tanh(x / c) * c): the Gemma 4 head's
+    logits are [tokens, 262144], where temporaries cost more than the tanh."""
     c = srcs[0].dtype.type(attrs["cap"])
-    out[...] = np.tanh(srcs[0] / c) * c
+    np.divide(srcs[0], c, out=out)
+    np.tanh(out, out=out)
+    np.multiply(out, c, out=out)
 
 
 @kernel("softcap_back")
 def _softcap_back_numpy(out, srcs, attrs):
-    """d/dx = 1 - t^2, t = tanh(x / cap)."""
+    """d/dx = 1 - t^2, t = tanh(x / cap); one temporary (``out`` may share g's memory)."""
     x, g = srcs
-    t = np.tanh(x / x.dtype.type(attrs["cap"]))
-    out[...] = g * (1 - t * t)
+    t = np.divide(x, x.dtype.type(attrs["cap"]))
+    np.tanh(t, out=t)
+    np.multiply(t, t, out=t)
+    np.subtract(1, t, out=t)
+    np.multiply(g, t, out=out)
 def _swiglu_oai_parts(gate, up, attrs):
     """(clamped gate, clamped up, sigmoid(alpha * clamped gate))."""
     gc = np.minimum(gate, gate.dtype.type(attrs["limit"]))

@@ -60,8 +60,8 @@ def tca_smem_halves(hd_bound: int) -> int:
 LIST_TENSORS = 64
 
 # --- the gated delta rule (ops/deltanet.cu) ----------------------------------------------------
-DELTA_MAX_DK = 256   # key head size bound: one thread holds a state column of dk floats
-DELTA_SPAN = 32      # backward: steps between saved states (scratch: T/SPAN + SPAN states)
+DELTA_MAX_DK = 256   # key head size bound of the step-wise kernel: a state column per thread
+DELTA_CHUNK = 64     # chunk bound of the chunked kernels (their per-step shared arrays)
 
 #: The macros emitted into the kernel source, name -> value, in the order they are emitted.
 DEFINES: dict[str, int] = {
@@ -70,7 +70,7 @@ DEFINES: dict[str, int] = {
     "TC_BM": TC_BM, "TC_BN": TC_BN, "TC_THREADS": TC_THREADS, "TC_WM": TC_WM, "TC_WN": TC_WN,
     "TC_MI": TC_MI, "TC_NI": TC_NI, "TC_BF16_BK": TC_BF16_BK, "TC_BF16_LD": TC_BF16_LD,
     "TC_TF32_BK": TC_TF32_BK, "TC_TF32_LD": TC_TF32_LD, "TG_DELTA_MAX_DK": DELTA_MAX_DK,
-    "TG_LIST_TENSORS": LIST_TENSORS,
+    "TG_LIST_TENSORS": LIST_TENSORS, "TG_DELTA_CHUNK": DELTA_CHUNK,
 }
 DEFINES.update({"TG_TCA_THREADS": TCA_THREADS, "TG_TCA_BQ": TCA_BQ, "TG_TCA_PAD": TCA_PAD})
 for _hd, _rows in TCA_TILES.items():
