@@ -21,6 +21,7 @@ from tcattn_reference import bf16_bits, bf16_value
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.ops import gemm, tc_gemm
+from toygraph.core.ops import loss as loss_ops
 from toygraph.core.ops.tc_gemm import Gemm, gemm_launches, split_count
 from toygraph.cuda.host.device import by_value, run_kernel
 from toygraph.cuda.lowering import dispatch, sources
@@ -235,6 +236,29 @@ def test_bf16_lowering_of_a_dense_matmul_uses_the_gemm_and_declares_its_scratch(
 def test_matmul_op_and_its_gradients_on_a_bf16_session_match_numpy(sa, sb, ta, tb):
     compare_op(lambda a, b: ops.matmul(a, b, trans_a=ta, trans_b=tb), [sa, sb],
                MIXED_TOL["bf16"], grad_tol=MIXED_TOL["bf16"], precision="bf16")
+
+
+def test_the_heads_dh_splits_over_the_vocabulary_on_a_bf16_session():
+    """linear_cross_entropy's dh = dlogits W (k = V) through tc_gemm.cu with split-K, vs numpy."""
+    V, D, N = 700, 24, 40
+    labels = np.random.default_rng(2).integers(0, V, N).astype(np.int32)
+    g = Graph()
+    back = g.node("linear_cross_entropy_back",
+                  [g.param("h", np.zeros((N, D), np.float32)),
+                   g.param("w", np.zeros((V, D), np.float32)), g.input("l", (N,), "i32"),
+                   g.const("g", np.array(1.0))], dict(reduction="mean", grad_h=True,
+                                                      grad_w=True))
+    assert loss_ops._dh_gemm(back, N).splits > 1
+    kernels = [l.kernel for l in dispatch.lower(back, lambda t: (t.id + 1) << 30, 1 << 40,
+                                                precision="bf16")]
+    assert "tg_tcg_sum_splits" in kernels
+
+    def label_input(graph, rng):
+        return {graph.input("labels", (N,), "i32"): labels}
+
+    compare_op(lambda h, w, lab: ops.linear_cross_entropy(h, w, lab), [(N, D), (V, D)],
+               MIXED_TOL["bf16"], inputs_fn=label_input, grad_tol=MIXED_TOL["bf16"],
+               precision="bf16")
 
 
 @needs_nvrtc
