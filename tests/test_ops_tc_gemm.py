@@ -180,6 +180,20 @@ def test_split_count_fills_the_sms_from_the_shape(name):
         assert per >= tc_gemm.MIN_SPLIT_SLICES
 
 
+def test_the_cost_model_picks_copies_for_long_k_and_the_direct_kernel_for_skinny_products():
+    """tc_gemm.prefers_copies on a training step's shapes (M, N, K; bench/roofline.py's
+    constants): the copies' 8 bytes per operand element lose on memory-bound LoRA products
+    (N or K = rank) and win where split-K fills idle SMs or the product is compute-bound."""
+    def pick(M, N, K, sam, sak, sbk, sbn):
+        return tc_gemm.prefers_copies(Gemm(M, N, K, sam, sak, sbk, sbn))
+    assert pick(576, 16, 4096, 1, 576, 16, 1)           # SmolLM2 LoRA dA, K = tokens
+    assert pick(1344, 576, 49152, 49152, 1, 576, 1)      # SmolLM2 head dh, K = vocab
+    assert pick(4096, 4096, 4096, 4096, 1, 4096, 1)      # large and square
+    assert not pick(4096, 16, 576, 576, 1, 1, 576)       # x A^T: N = rank, memory-bound
+    assert not pick(8192, 2048, 16, 16, 1, 1, 16)        # (x A^T) B^T: K = rank
+    assert not pick(70, 33, 45, 45, 1, 33, 1)            # tiny: launches dominate
+
+
 def test_batched_products_and_short_k_never_split():
     assert Gemm(20, 20, 5000, 5000, 1, 20, 1, nbatch=2).splits == 1
     assert split_count(1, 4 * 32 - 1) == 1
@@ -231,9 +245,15 @@ def test_bf16_lowering_of_a_dense_matmul_uses_the_gemm_and_declares_its_scratch(
     ((70, 45), (45, 33), False, False),
     ((2, 40, 24), (50, 24), False, True),
     ((2, 4, 9, 16), (2, 2, 9, 16), False, True),
-    ((300, 20), (300, 12), True, False),
+    ((1100, 20), (1100, 12), True, False),   # k = 1100 over one tile: split-K, tc_gemm.cu
 ])
 def test_matmul_op_and_its_gradients_on_a_bf16_session_match_numpy(sa, sb, ta, tb):
+    """Whichever bf16 kernel the cost model picks for each product (forward and both
+    gradients) matches numpy; the last case's forward is tc_gemm.cu's split-K GEMM."""
+    g = Graph()
+    node = ops.matmul(g.const("a", np.zeros(sa, np.float32)), g.const("b", np.zeros(sb, np.float32)),
+                      trans_a=ta, trans_b=tb)
+    assert tc_gemm.prefers_copies(gemm.matmul_gemm(node)) == (sa[0] == 1100)
     compare_op(lambda a, b: ops.matmul(a, b, trans_a=ta, trans_b=tb), [sa, sb],
                MIXED_TOL["bf16"], grad_tol=MIXED_TOL["bf16"], precision="bf16")
 
@@ -248,7 +268,7 @@ def test_the_heads_dh_splits_over_the_vocabulary_on_a_bf16_session():
                    g.param("w", np.zeros((V, D), np.float32)), g.input("l", (N,), "i32"),
                    g.const("g", np.array(1.0))], dict(reduction="mean", grad_h=True,
                                                       grad_w=True))
-    assert loss_ops._dh_gemm(back, N).splits > 1
+    assert loss_ops._dh_gemm(back, N).splits > 1 and tc_gemm.prefers_copies(loss_ops._dh_gemm(back, N))
     kernels = [l.kernel for l in dispatch.lower(back, lambda t: (t.id + 1) << 30, 1 << 40,
                                                 precision="bf16")]
     assert "tg_tcg_sum_splits" in kernels
@@ -273,3 +293,51 @@ def test_ptxas_fits_two_blocks_per_sm_without_spills(arch, cache):
     assert 0 < u["registers"] <= 128 and 0 < u["smem"] <= 48 * 1024, u
     for name in ("tg_tcg_to_bf16", "tg_tcg_sum_splits"):
         assert usage[name]["stack"] == usage[name]["spill_stores"] == 0, usage[name]
+
+
+# --- block-format weights decoded once into the B copy (tg_tcg_deq_*) ------------------------
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "f16"])
+def test_block_format_weight_decoded_once_on_a_bf16_session(fmt):
+    """y = x W^T ("nt") with W in ``fmt``, which the cost model sends to tc_gemm.cu (W
+    decoded into the bf16 copy, k = 2048 split 16 ways), and dx = dy W (k = 130: the
+    direct block-format kernel): within the f32-accumulation bound of the f64 product of
+    the bf16-rounded x, dy and decoded W."""
+    from hostparity import qlinear, run_phase
+    g, w, fetch, _ = qlinear(fmt, 2048, rows=130, batch=(300,), seed=1)
+    matmuls = [t for t in g.nodes if t.op == "matmul" and t.srcs[1] is w]
+    picks = [tc_gemm.prefers_copies(gemm.block_gemm(m), gemm.row_bytes(w) * w.shape[0])
+             for m in matmuls]
+    assert picks == [True, False]
+    got = run_phase(g, "cuda", {}, "backward", fetch, "bf16")
+    from toygraph.gguf import blocks
+    wv = rounded(blocks.dequantize(w.data, fmt, w.shape))
+    x = [t for t in g.nodes if t.name == "x"][0]
+    r = [t for t in g.nodes if t.name == "r"][0]
+    xv, rv = rounded(np.asarray(x.data)), rounded(np.asarray(r.data))
+    for name, value, ref, mag, K in (
+            ("y", got[0], xv @ wv.T, np.abs(xv) @ np.abs(wv).T, 2048),
+            ("dx", got[1], rv @ wv, np.abs(rv) @ np.abs(wv), 130)):
+        n = K + 64      # k along K plus a split sum (at most 64 splits here)
+        err = np.abs(value - ref)
+        assert (err <= 1.01 * n * 2.0 ** -24 * mag + 1e-30).all(), (name, float(err.max()))
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "f16", "q6_k"])
+@pytest.mark.parametrize("kind", ["nt", "nn"])
+def test_block_format_copy_is_the_bf16_rounded_numpy_decode(fmt, kind):
+    """tg_tcg_deq_{nt,nn}_<fmt>: W [rows, cols] decoded to the GEMM's B copy [N][Kp] (nt:
+    W itself, nn: W^T), bf16 bits identical to numpy's decode rounded, zeros past K."""
+    from toygraph.gguf import block_encode, blocks
+    rows, cols = 45, 512
+    rng = np.random.default_rng(3)
+    raw = np.frombuffer(block_encode.quantize(rng.normal(size=(rows, cols)).astype(np.float32),
+                                              fmt), np.uint8).copy()
+    wv = blocks.dequantize(raw, fmt, (rows, cols))
+    want = wv if kind == "nt" else wv.T
+    N, K = want.shape
+    kp = -(-K // 8) * 8
+    got = np.full((N, kp), 0xFFFF, np.uint16)
+    launch = tc_gemm.deq_launch(fmt, kind, 0, 0, N, K, kp, blocks.nbytes(fmt, (1, cols)))
+    run_kernel(launch.kernel, launch.grid, launch.block,
+               [got, raw, *(a[0] for a in launch.args[2:])], source=tcg_source())
+    assert np.array_equal(got[:, :K], bf16_bits(want)) and not got[:, K:].any()

@@ -14,7 +14,7 @@ import numpy as np
 
 from toygraph.core.ops.shape import broadcast_shapes, sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.core.ops.tc_gemm import Gemm, gemm_launches
+from toygraph.core.ops.tc_gemm import Gemm, deq_launch, gemm_launches, prefers_copies
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, contiguous_strides, declare_kernels,
                                     decodes, grid_1d, i32, lowers, p, pad_shape, strided)
@@ -46,7 +46,7 @@ QUANT_KERNELS: dict[str, dict[str, str]] = {
 }
 #: Tensor-core kernels per precision: "matmul" takes tg_matmul's arguments, "nt"/"nn" per
 #: block format take the fused kernels' (QUANT_KERNELS) arguments. At bf16 a dense matmul
-#: runs tc_gemm.cu's GEMM instead (BF16_GEMM_KERNELS; "matmul" stays for tf32).
+#: the cost model prefers it for runs tc_gemm.cu's GEMM instead (BF16_GEMM_KERNELS).
 TC_KERNELS: dict[str, dict] = {
     prec: {"matmul": f"tg_tc_matmul_{prec}",
            "nt": {fmt: f"tg_tc_qmm_nt_{fmt}_{prec}" for fmt in DEQUANT_KERNELS},
@@ -55,7 +55,9 @@ TC_KERNELS: dict[str, dict] = {
 }
 #: The precision whose dense matmuls run tc_gemm.cu, and its kernels.
 BF16_GEMM_PRECISION = "bf16"
-BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_sum_splits")
+BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_sum_splits",
+                     *(f"tg_tcg_deq_{kind}_{fmt}" for kind in ("nt", "nn")
+                       for fmt in DEQUANT_KERNELS))
 
 
 def matmul(a, b, *, trans_a=False, trans_b=False):
@@ -208,26 +210,51 @@ def _matmul_scratch(node, precision: str) -> int:
     for the dense GEMM even when b will be read in its block format instead (which the
     memory plan decides later): scratch is one buffer shared by every node, so this only
     raises its size to the bf16 copies of the largest weight."""
-    return matmul_gemm(node).scratch() if precision == BF16_GEMM_PRECISION else 0
+    if precision != BF16_GEMM_PRECISION:
+        return 0
+    g = matmul_gemm(node)
+    w = node.srcs[1]
+    blocks = (_weight_in_blocks(node, 1) and w.role == "const" and w.storage in DEQUANT_KERNELS
+              and prefers_copies(block_gemm(node), row_bytes(w) * w.shape[0]))
+    return g.scratch() if prefers_copies(g) or blocks else 0
+
+
+def block_gemm(node) -> Gemm:
+    """x @ W^T / dy @ W with W a block-format weight, as tc_gemm's Gemm (x's batch axes
+    folded into M; B's strides unused: tg_tcg_deq_* writes its copy)."""
+    (x, w), tb = node.srcs, node.attrs["trans_b"]
+    K = x.shape[-1]
+    return Gemm(x.size // K if K else 0, w.shape[0] if tb else w.shape[1], K, K, 1, 0, 0)
 
 
 def _tc_matmul(node, at) -> list[Launch]:
-    """The tensor-core launches for a matmul: at bf16 a dense one runs tc_gemm.cu; at tf32
-    dense operands take tg_matmul's arguments (so every trans/batch/grouped-query case is
-    covered); a block-format weight the fused kernels' arguments."""
+    """The tensor-core launches for a matmul: at bf16 a dense one runs tc_gemm.cu where the
+    cost model prefers it (tc_gemm.prefers_copies: long k with few tiles, or large and
+    compute-bound); otherwise, and at tf32, dense operands take tg_matmul's arguments (so
+    every trans/batch/grouped-query case is covered); a block-format weight the fused
+    kernels' arguments."""
     out, ptr, raw_consts, precision = at.out, at.ptr, at.raw_consts, at.precision
     if precision not in TC_KERNELS:
         raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
                         f"{precision!r} (have {sorted(TC_KERNELS)})")
     table = TC_KERNELS[precision]
-    if node.srcs[1].id in raw_consts:
+    w = node.srcs[1]
+    if w.id in raw_consts and precision == BF16_GEMM_PRECISION:
+        g = block_gemm(node)
+        if prefers_copies(g, row_bytes(w) * w.shape[0]):   # decoded once, then tc_gemm.cu
+            kind = "nt" if node.attrs["trans_b"] else "nn"
+            return gemm_launches(g, out, ptr(node.srcs[0]), 0, at.scratch,
+                                 f"matmul {node.name!r}",
+                                 b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N,
+                                                               g.K, g.kp, row_bytes(w)))
+    if w.id in raw_consts:
         q = _qmatmul(node, out, ptr, tile=TC_TILE)
         return [Launch(table["nt" if node.attrs["trans_b"] else "nn"][node.srcs[1].storage],
                        q.grid, q.args, block=(TC_THREADS, 1, 1))]
-    if precision == BF16_GEMM_PRECISION:
+    g = matmul_gemm(node)
+    if precision == BF16_GEMM_PRECISION and prefers_copies(g):
         x, y = node.srcs
-        return gemm_launches(matmul_gemm(node), out, ptr(x), ptr(y), at.scratch,
-                             f"matmul {node.name!r}")
+        return gemm_launches(g, out, ptr(x), ptr(y), at.scratch, f"matmul {node.name!r}")
     return [_matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"], threads=TC_THREADS)]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.core.ops.gemm import BF16_GEMM_PRECISION, block_mm, dense_mm
-from toygraph.core.ops.tc_gemm import Gemm, gemm_launches
+from toygraph.core.ops.tc_gemm import Gemm, gemm_launches, prefers_copies
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, kernel, make_node
 from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p, rows_grid
@@ -289,17 +289,21 @@ def _lce_scratch(node, precision: str = "f32") -> dict[str, int]:
     """Scratch parts, in order, in bytes (each 256-byte aligned): the chunk's logits block,
     then forward the per-row losses [N], backward the dlogits weight (one f32); reduction
     "none" needs neither (its rows go straight to the output, its weights are g's rows).
-    At bf16 a backward with dh adds the dh GEMM's operand copies and split partials (sized
-    for a dense head even when it will be read in blocks: the memory plan decides that)."""
+    At bf16 a backward with dh adds the dh GEMM's operand copies and split partials where
+    the cost model prefers that GEMM for the chunk's shape (sized for a dense head even
+    when it will be read in blocks: the memory plan decides that)."""
     (N, _), V = node.srcs[0].shape, node.srcs[1].shape[0]
     parts = {"logits": 4 * lce_chunk_rows(N, V) * V}
     if node.attrs["reduction"] != "none" and node.op == "linear_cross_entropy":
         parts["rowloss"] = 4 * N
     elif node.attrs["reduction"] != "none":
         parts["gscale"] = 4
+    rows = lce_chunk_rows(N, V)
     if (precision == BF16_GEMM_PRECISION and node.op == "linear_cross_entropy_back"
-            and node.attrs["grad_h"]):
-        parts["dh_gemm"] = _dh_gemm(node, lce_chunk_rows(N, V)).scratch()
+            and node.attrs["grad_h"] and prefers_copies(_dh_gemm(node, rows))):
+        # the last chunk may be shorter, with more splits: room for both
+        parts["dh_gemm"] = max(_dh_gemm(node, rows).scratch(),
+                               _dh_gemm(node, N % rows or rows).scratch())
     return {k: (v + 255) // 256 * 256 for k, v in parts.items()}
 
 

@@ -6,7 +6,8 @@
 // tg_tcg_sum_splits adds the slices in split order.
 //
 // Operands: canonical bf16 copies written by tg_tcg_to_bf16 from the f32 tensors (a bf16
-// activation path would hand them over directly): A as [matrices][M][Kp], B as
+// activation path would hand them over directly), or for a block-format weight by
+// tg_tcg_deq_{nt,nn}_<fmt> (decoded once per GEMM): A as [matrices][M][Kp], B as
 // [matrices][N][Kp] (k contiguous, Kp = K rounded up to 8 and zero-padded, so every row
 // is whole 16-byte chunks). Transposed operands are transposed by the copy, so the GEMM
 // has one layout. Matrix offsets (batch, broadcast, grouped-query) come from `batch`, in
@@ -29,33 +30,87 @@
 #define TCG_LD TC_BF16_LD
 #define TCG_BK TC_BF16_BK
 
-// f32 X(r, k) = src[z * mat + r * sr + k * sk] -> bf16 dst[z][r][k], k < Kp, zero past K.
-// A 32 x 32 tile through shared memory, read along the source's contiguous axis and
-// written along k, so a transposing copy is coalesced on both sides. 256 threads.
+// X(r, k) -> bf16 dst[r][k], k < Kp, zero past K, X one of tc_matmul.cu's operand readers
+// (TcStrided: f32, any transpose; TcBlocksNT/NN: a block-format weight, decoded). A 32 x 32
+// tile through shared memory, read along the source's contiguous axis and written along
+// k, so a transposing copy is coalesced on both sides. 256 threads.
+template <class Op>
+__device__ __forceinline__ void tcg_copy_tile(unsigned short* dst, const Op& op, int R, int K,
+                                              int Kp, float (*tile)[33]) {
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const int k0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    const bool kfast = op.kfast();
+#pragma unroll
+    for (int j = 0; j < 32; j += 8) {   // (row, k) of the tile this thread reads
+        const int r = kfast ? ty + j : tx, k = kfast ? tx : ty + j;
+        const int gr = r0 + r, gk = k0 + k;
+        tile[r][k] = gr < R && gk < K ? op.at(gr, gk) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 32; j += 8) {
+        const int gr = r0 + ty + j, gk = k0 + tx;
+        if (gr < R && gk < Kp) dst[(long long)gr * Kp + gk] = TcBF16::cvt(tile[ty + j][tx]);
+    }
+    __syncthreads();
+}
+
+// f32 X(r, k) = src[z * mat + r * sr + k * sk] -> dst[z][r][k] for the nmat matrices.
 extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_to_bf16(
     unsigned short* dst, const float* src, int R, int K, int Kp, int sr, int sk, int nmat,
     int mat) {
-    __shared__ float tile[32][33];
-    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-    const int k0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
-    for (int z = blockIdx.z; z < nmat; z += gridDim.z) {
-        const float* s = src + (long long)z * mat;
-#pragma unroll
-        for (int j = 0; j < 32; j += 8) {   // (row, k) of the tile this thread reads
-            const int r = sk == 1 ? ty + j : tx, k = sk == 1 ? tx : ty + j;
-            const int gr = r0 + r, gk = k0 + k;
-            tile[r][k] = gr < R && gk < K ? s[(long long)gr * sr + (long long)gk * sk] : 0.0f;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < 32; j += 8) {
-            const int gr = r0 + ty + j, gk = k0 + tx;
-            if (gr < R && gk < Kp)
-                dst[((long long)z * R + gr) * Kp + gk] = TcBF16::cvt(tile[ty + j][tx]);
-        }
-        __syncthreads();
+    __shared__ float tcg_tile_f32[32][33];
+    for (int z = blockIdx.z; z < nmat; z += gridDim.z)
+        tcg_copy_tile(dst + (long long)z * R * Kp, TcStrided{src + (long long)z * mat, sr, sk},
+                      R, K, Kp, tcg_tile_f32);
+}
+
+// A block-format weight W [rows][cols] (row_bytes per row) decoded once into the GEMM's
+// B copy [N][Kp]: "nt" (x @ W^T) B(n, k) = W[n][k], N = rows; "nn" (dy @ W) B(n, k) =
+// W[k][n], N = cols, transposed through the tile.
+template <class F, bool NT>
+__device__ __forceinline__ void tcg_deq(unsigned short* dst, const unsigned char* w, int R,
+                                        int K, int Kp, int row_bytes, float (*tile)[33]) {
+    if constexpr (NT) {
+        tcg_copy_tile(dst, TcBlocksNT<F>{w, row_bytes}, R, K, Kp, tile);
+    } else {
+        tcg_copy_tile(dst, TcBlocksNN<F>{w, row_bytes}, R, K, Kp, tile);
     }
 }
+
+// One kernel per block format and direction, written out (kernel_names reads the source).
+#define TG_TCG_DEQ_ARGS unsigned short* dst, const unsigned char* w, int R, int K, int Kp, \
+    int row_bytes
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_f16(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_f16[32][33]; tcg_deq<TgF16, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_f16); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_bf16(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_bf16[32][33]; tcg_deq<TgBF16, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_bf16); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q8_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q8_0[32][33]; tcg_deq<TgQ8_0, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q8_0); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q4_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q4_0[32][33]; tcg_deq<TgQ4_0, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q4_0); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q4_1(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q4_1[32][33]; tcg_deq<TgQ4_1, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q4_1); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q5_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q5_0[32][33]; tcg_deq<TgQ5_0, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q5_0); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q5_1(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q5_1[32][33]; tcg_deq<TgQ5_1, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q5_1); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_iq4_nl(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_iq4_nl[32][33]; tcg_deq<TgIQ4_NL, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_iq4_nl); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q2_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q2_k[32][33]; tcg_deq<TgQ2_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q2_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q3_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q3_k[32][33]; tcg_deq<TgQ3_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q3_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q4_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q4_k[32][33]; tcg_deq<TgQ4_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q4_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q5_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q5_k[32][33]; tcg_deq<TgQ5_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q5_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q6_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q6_k[32][33]; tcg_deq<TgQ6_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q6_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_iq4_xs(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_iq4_xs[32][33]; tcg_deq<TgIQ4_XS, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_iq4_xs); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_mxfp4(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_mxfp4[32][33]; tcg_deq<TgMXFP4, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_mxfp4); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_f16(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_f16[32][33]; tcg_deq<TgF16, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_f16); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_bf16(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_bf16[32][33]; tcg_deq<TgBF16, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_bf16); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q8_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q8_0[32][33]; tcg_deq<TgQ8_0, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q8_0); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q4_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q4_0[32][33]; tcg_deq<TgQ4_0, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q4_0); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q4_1(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q4_1[32][33]; tcg_deq<TgQ4_1, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q4_1); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q5_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q5_0[32][33]; tcg_deq<TgQ5_0, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q5_0); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q5_1(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q5_1[32][33]; tcg_deq<TgQ5_1, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q5_1); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_iq4_nl(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_iq4_nl[32][33]; tcg_deq<TgIQ4_NL, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_iq4_nl); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q2_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q2_k[32][33]; tcg_deq<TgQ2_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q2_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q3_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q3_k[32][33]; tcg_deq<TgQ3_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q3_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q4_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q4_k[32][33]; tcg_deq<TgQ4_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q4_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q5_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q5_k[32][33]; tcg_deq<TgQ5_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q5_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q6_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q6_k[32][33]; tcg_deq<TgQ6_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q6_k); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_iq4_xs(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_iq4_xs[32][33]; tcg_deq<TgIQ4_XS, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_iq4_xs); }
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_mxfp4(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_mxfp4[32][33]; tcg_deq<TgMXFP4, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_mxfp4); }
 
 // Rows [r0, r0 + 128) x k [k0, k0 + 32) of X [R][Kp] into S[128][LD] with cp.async.
 __device__ __forceinline__ void tcg_issue(unsigned short* S, const unsigned short* X, int r0,

@@ -1,5 +1,6 @@
 """The bf16 tensor-core GEMM's lowering (tc_gemm.cu): what a dense matmul runs at
---precision bf16 (gemm.py hands it over; block-format weights and tf32 keep tc_matmul.cu).
+--precision bf16 when the cost model prefers it to tc_matmul.cu's direct kernel
+(:func:`prefers_copies`; gemm.py decides; block-format weights and tf32 keep tc_matmul.cu).
 
 The activations are f32, so each operand is first copied to bf16 in the GEMM's canonical
 layout, [matrices][rows][Kp] with k contiguous and Kp = K rounded up to 8
@@ -94,6 +95,53 @@ class Gemm:
         return sum(self.regions())
 
 
+#: The cost model's view of the two bf16 GEMMs (bench/roofline.py: H100 SXM dense bf16
+#: peak over HBM bandwidth, 989 TFLOP/s / 3.35 TB/s, and each kernel's ASSUMED (compute,
+#: memory) efficiency), used only to pick between them until a GPU measures both.
+RIDGE_FLOPS_PER_BYTE = 989 / 3.35
+DIRECT_EFF = (0.45, 0.70)    # tc_matmul.cu: f32 operands read and rounded in the tile loop
+COPIES_EFF = (0.55, 0.75)    # this GEMM: bf16 copies, cp.async, ldmatrix, split-K
+SMS = TARGET_BLOCKS
+LAUNCH_FLOPS = 1e-6 * 989e12  # a launch of a replayed CUDA graph, ~1 us, in peak flops
+
+
+#: tc_matmul.cu's block-format kernels: B decoded per element inside the tile loop.
+BLOCKS_DIRECT_EFF = (0.30, 0.70)
+
+
+def prefers_copies(g: Gemm, b_bytes: int | None = None) -> bool:
+    """Whether this GEMM (its copies, 8 bytes per operand element: f32 read, bf16 written
+    and read again, and split-K) is modelled faster than tc_matmul.cu's direct kernel (4
+    bytes per operand element, one block per tile, no split). Skinny, memory-bound
+    products (a LoRA x A^T: N = rank) lose by the copies' bytes; long-k products with
+    few tiles (weight gradients, the head's dh) and large square ones win by split-K and
+    the faster pipeline. ``b_bytes``: B is a block-format weight of that many bytes, which
+    the direct kernels decode per element in the tile loop and the copies decode once
+    (tg_tcg_deq_*). Times in units of one SM's share of the peak per flop."""
+    M, N, K, kp = g.M, g.N, g.K, g.kp
+    gx, gy = g.tiles
+    tiles = gx * gy * g.nbatch
+    out = g.nbatch * M * N
+    tile = 2.0 * TC_BM * TC_BN
+
+    def seconds(eff, waves, slices_per_tile, nbytes):
+        compute = waves * tile * slices_per_tile * TC_BF16_BK / (eff[0] / SMS)
+        return max(compute, nbytes * RIDGE_FLOPS_PER_BYTE / eff[1])
+
+    slices = -(-kp // TC_BF16_BK)
+    s = g.splits
+    a_elems, b_elems = g.na * M * K, g.nb * N * K
+    if b_bytes is None:
+        eff, direct_b, copy_b = DIRECT_EFF, 4 * b_elems, 8 * b_elems
+    else:   # the block bytes once, then the bf16 copy written and read
+        eff, direct_b, copy_b = BLOCKS_DIRECT_EFF, b_bytes, b_bytes + 4 * b_elems
+    direct = seconds(eff, -(-tiles // SMS), slices, 4 * (a_elems + out) + direct_b)
+    copies = seconds(COPIES_EFF, -(-tiles * s // SMS), -(-slices // s),
+                     8 * a_elems + copy_b + 4 * out * (2 * s + 1 if s > 1 else 1))
+    copies += (3 if s > 1 else 2) * LAUNCH_FLOPS     # the copies and the split sum
+    return copies < direct
+
+
 def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat: int,
           what: str) -> list[Launch]:
     if rows * kp * nmat == 0:
@@ -106,9 +154,19 @@ def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat
                                             i32(sr), i32(sk), i32(nmat), i32(rows * k)])]
 
 
-def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str) -> list[Launch]:
+def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp: int,
+               row_bytes: int) -> Launch:
+    """tg_tcg_deq_<kind>_<storage>: the block-format weight at ``w`` decoded into the bf16
+    B copy [rows][kp] at ``dst`` ("nt": rows of W, "nn": its columns)."""
+    return Launch(f"tg_tcg_deq_{kind}_{storage}", (-(-kp // 32), -(-rows // 32), 1),
+                  [p(dst), p(w), i32(rows), i32(k), i32(kp), i32(row_bytes)])
+
+
+def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
+                  b_copy=None) -> list[Launch]:
     """The launches of ``g`` writing f32 C at ``out`` from f32 operands at ``a`` and ``b``,
-    with g.scratch() bytes at ``scratch``."""
+    with g.scratch() bytes at ``scratch``; ``b_copy(dst)``, if given, makes the launch that
+    writes the B copy instead (a block-format weight's deq_launch)."""
     M, N, K, kp = g.M, g.N, g.K, g.kp
     if M * N * g.nbatch == 0:
         return []
@@ -125,7 +183,7 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str) ->
     per = -(-slices // splits) if splits > 1 else max(1, slices)
     dst = parts if splits > 1 else out
     launches = _copy(ac, a, M, K, kp, g.sam, g.sak, g.na, what)
-    launches += _copy(bc, b, N, K, kp, g.sbn, g.sbk, g.nb, what)
+    launches += [b_copy(bc)] if b_copy else _copy(bc, b, N, K, kp, g.sbn, g.sbk, g.nb, what)
     zs = g.nbatch * splits          # grid z up to MAX_GRID_YZ, the rest folded into x
     gz = max(1, min(zs, MAX_GRID_YZ))
     launches.append(Launch("tg_tcg_gemm_bf16", (gx * -(-zs // gz), gy, gz),
