@@ -165,12 +165,7 @@ __device__ __forceinline__ void tcg_tile(float* C, const unsigned short* A,
     int wm, wn;
     tg_tc_warp_origin(threadIdx.x >> 5, wm, wn);
     float acc[TC_MI][TC_NI][4];
-#pragma unroll
-    for (int i = 0; i < TC_MI; ++i)
-#pragma unroll
-        for (int j = 0; j < TC_NI; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+    tg_tc_zero(acc);
     if (kt0 < kt1) {
         tcg_issue(tcg_As[0], A, m0, M, kt0 * TCG_BK, Kp);
         tcg_issue(tcg_Bs[0], B, n0, N, kt0 * TCG_BK, Kp);
@@ -190,17 +185,7 @@ __device__ __forceinline__ void tcg_tile(float* C, const unsigned short* A,
         tcg_compute(tcg_As[cur], tcg_Bs[cur], wm, wn, lane, acc);
         __syncthreads();   // stage cur is refilled by the next iteration's copies
     }
-#pragma unroll
-    for (int i = 0; i < TC_MI; ++i)
-#pragma unroll
-        for (int j = 0; j < TC_NI; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                int row, col;
-                tg_tc_c_frag(lane, r, row, col);
-                const int gm = m0 + wm + 16 * i + row, gn = n0 + wn + 8 * j + col;
-                if (gm < M && gn < N) C[(long long)gm * N + gn] = acc[i][j][r];
-            }
+    tg_tc_store(C, acc, lane, m0 + wm, n0 + wn, M, N);
 }
 
 // tg_offsets with constant indices only: its loop over batch.nd indexes the parameter
