@@ -341,3 +341,16 @@ def test_block_format_copy_is_the_bf16_rounded_numpy_decode(fmt, kind):
     run_kernel(launch.kernel, launch.grid, launch.block,
                [got, raw, *(a[0] for a in launch.args[2:])], source=tcg_source())
     assert np.array_equal(got[:, :K], bf16_bits(want)) and not got[:, K:].any()
+
+
+def test_scratch_covers_the_block_format_gemm_of_a_batched_input():
+    """x [2, 33, K] @ W^T: read densely it is a batch of 2 (no split-K); decoded once, the
+    batch folds into M = 66 and k splits, so the node's scratch must hold the split
+    partials too (the host executor's heap was corrupted when it did not)."""
+    from hostparity import qlinear
+    g, w, fetch, _ = qlinear("q8_0", 2048, rows=70, batch=(2, 33), seed=0)
+    node = [t for t in g.nodes if t.op == "matmul" and t.srcs[1] is w][0]
+    b = gemm.block_gemm(node)
+    assert b.splits > 1 and gemm.matmul_gemm(node).splits == 1
+    assert tc_gemm.prefers_copies(b, gemm.row_bytes(w) * w.shape[0])
+    assert dispatch.scratch_bytes(node, "bf16") >= b.scratch()

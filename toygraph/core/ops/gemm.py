@@ -206,17 +206,20 @@ def matmul_gemm(node) -> Gemm:
 
 
 def _matmul_scratch(node, precision: str) -> int:
-    """The bf16 GEMM's operand copies and split partials (tc_gemm.py); none otherwise. Sized
-    for the dense GEMM even when b will be read in its block format instead (which the
-    memory plan decides later): scratch is one buffer shared by every node, so this only
-    raises its size to the bf16 copies of the largest weight."""
+    """The bf16 GEMM's operand copies and split partials (tc_gemm.py); none otherwise. Room
+    for both ways a block-format b may be read (the memory plan decides later): dense
+    (matmul_gemm) and decoded once (block_gemm, batch folded into M, so it may split k
+    where the batched dense walk does not). Scratch is one buffer shared by every node,
+    so this only raises its size to the largest node's."""
     if precision != BF16_GEMM_PRECISION:
         return 0
-    g = matmul_gemm(node)
-    w = node.srcs[1]
-    blocks = (_weight_in_blocks(node, 1) and w.role == "const" and w.storage in DEQUANT_KERNELS
-              and prefers_copies(block_gemm(node), row_bytes(w) * w.shape[0]))
-    return g.scratch() if prefers_copies(g) or blocks else 0
+    g, w = matmul_gemm(node), node.srcs[1]
+    need = g.scratch() if prefers_copies(g) else 0
+    if _weight_in_blocks(node, 1) and w.role == "const" and w.storage in DEQUANT_KERNELS:
+        b = block_gemm(node)   # batch folded into M: its own copies and split partials
+        if prefers_copies(b, row_bytes(w) * w.shape[0]):
+            need = max(need, b.scratch())
+    return need
 
 
 def block_gemm(node) -> Gemm:
