@@ -16,10 +16,13 @@ ops of the transformers + PEFT step on the meta device (what bench_lora.py runs 
 
 Time of a launch = max(tensor-core FLOPs / (peak x eff), f32 FLOPs / (peak x eff),
 SFU ops / (peak x eff), bytes / (bandwidth x memory eff)) + launch cost, with toygraph's
-tensor-core GEMM tiles (128 x 128, no split-K) charged whole waves: ceil(tiles / SMs) tile
-times, a tile running at its SM's share of the peak (a lone block per SM is assumed to
-reach it: occupancy is in the efficiency; ptxas on sm_90, NVRTC 13.5: tg_tc_matmul_bf16
-222 registers x 256 threads, one block per SM; tg_tc_qmm_* 123-128 registers, two). The step is the sum of its
+tensor-core GEMM tiles (128 x 128) charged whole waves: ceil(blocks / SMs) tile times, a
+tile running at its SM's share of the peak (a lone block per SM is assumed to reach it:
+occupancy -- two resident blocks hiding each other's latency -- is in the efficiency;
+ptxas on sm_90, NVRTC 13.5: tg_tc_matmul_bf16 222 registers x 256 threads, one block per
+SM; tg_tc_qmm_* 123-128 registers, two; tc_gemm.cu's tg_tcg_gemm_bf16, the bf16 dense
+GEMM since issue 25's GEMM work, 126, two, its blocks counting the split-K splits). The
+step is the sum of its
 launches; PyTorch eager's step is the larger of that and its host time (one Python +
 dispatcher op at a time). Tokens/s = batch x seq / step time.
 
@@ -84,8 +87,14 @@ DEVICES = {
 #: kernel class -> (compute efficiency, memory efficiency), ASSUMED; why, for each:
 EFFICIENCY = {
     # toygraph's tc_matmul.cu: f32 operands staged through registers with cvt and 2-byte
-    # shared stores, no cp.async/ldmatrix/wgmma (issue 25's reading of the kernel)
+    # shared stores, no cp.async/ldmatrix/wgmma (issue 25's reading of the kernel); since
+    # tc_gemm.cu, tf32 and the head's logits only
     "gemm tensor-core": (0.45, 0.70),
+    # tc_gemm.cu (issue 25, bf16 dense): bf16 operand copies staged by cp.async, two stages,
+    # ldmatrix fragments, mma.sync m16n8k16, two blocks per SM (126 registers). mma.sync
+    # cannot reach Hopper's wgmma peak (published microbenchmarks put sm_90 mma.sync at about
+    # two thirds of it), so 0.55 of the dense peak; 16-byte copies: 0.75 of the bandwidth
+    "gemm tensor-core (cp.async + ldmatrix)": (0.55, 0.75),
     # the same with B decoded per element inside the tile with one-byte loads
     "gemm tensor-core (block-format B)": (0.30, 0.70),
     # matmul.cu's 64 x 64 register-tiled f32 SIMT tiles (--precision f32)

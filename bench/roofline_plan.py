@@ -173,6 +173,35 @@ def _gemm(node, launch, raw) -> Cost:
     return cost
 
 
+def _tc_gemm(node, launch, raw) -> Cost:
+    """tc_gemm.cu (the bf16 GEMM, issue 25): the f32 -> bf16 operand copies and the
+    block-format weights' decoded copies, the GEMM over
+    128 x 128 tiles x splits of k (ptxas, sm_90: 126 registers x 256 threads, 40 KB of
+    shared memory, two blocks per SM: bench/results/tc-gemm-ptxas-2026-11-25.md), and the
+    split sum."""
+    from toygraph.cuda.lowering.constants import TC_BM, TC_BF16_BK
+    k, kind = launch.kernel, "gemm tensor-core (cp.async + ldmatrix)"
+    if k == "tg_tcg_to_bf16":           # R x K f32 per matrix in, R x Kp bf16 out
+        R, K, Kp, nmat = _arg(launch, 2), _arg(launch, 3), _arg(launch, 4), _arg(launch, 7)
+        return Cost(k, kind, bytes=nmat * (4 * R * K + 2 * R * Kp))
+    if k.startswith("tg_tcg_deq_"):     # the block-format weight once in, N x Kp bf16 out
+        R, Kp = _arg(launch, 2), _arg(launch, 4)
+        w = node.srcs[1]
+        return Cost(k, kind, bytes=_nbytes(w, raw) + 2 * R * Kp)
+    if k == "tg_tcg_sum_splits":        # splits partials in, one out
+        splits, n = _arg(launch, 2), _arg(launch, 3)
+        return Cost(k, kind, fma=(splits - 1.0) * n, bytes=4.0 * (splits + 1) * n)
+    M, N, Kp, splits, kts, nbatch = (_arg(launch, i) for i in range(3, 9))
+    slices = ceil(Kp / TC_BF16_BK)
+    blocks = ceil(M / TC_BM) * ceil(N / TC_BM) * nbatch * splits
+    # bf16 copies read once (re-reads by other tiles assumed to hit L2); C or the partials
+    cost = Cost(k, kind, bytes=2 * (M + N) * Kp * nbatch + 4 * M * N * nbatch * splits,
+                useful=2.0 * M * N * Kp * nbatch, blocks=blocks,
+                tile_flops=2.0 * TC_BM * TC_BM * min(kts, slices) * TC_BF16_BK)
+    cost.tc = cost.blocks * cost.tile_flops
+    return cost
+
+
 #: Attention kernels: passes of a [BT x HD] x [HD x BT] product per visible (query tile, key
 #: tile) pair, as flash_attention.cu's kernels do them: the forward S = q k^T and P v; the
 #: backward's prep recomputes S for the row log-sum-exp (the forward does not save it), dq
@@ -311,6 +340,7 @@ def _loss(node, launch, raw) -> Cost:
 #: kernel name pattern -> its cost rule (the first match wins).
 RULES = [
     (r"tg_tc_matmul_\w+|tg_tc_qmm_\w+|tg_matmul(_acc)?|tg_qmm_\w+", _gemm),
+    (r"tg_tcg_to_bf16|tg_tcg_gemm_bf16|tg_tcg_sum_splits|tg_tcg_deq_(nt|nn)_\w+", _tc_gemm),
     (r"tg_attn_(fwd|bwd_prep|bwd_dq|bwd_dkdv)_\d+", _attention),
     (r"tg_tca_to_bf16|tg_tca_bwd_prep|tg_tca_(fwd|bwd_dq|bwd_dkdv)_\d+", _tc_attention),
     (r"tg_adamw_list|tg_accumulate|tg_sumsq_list|tg_global_norm", _optimizer),

@@ -31,8 +31,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    rep = report()
-    if args.json:
+    print_report(report(), args.json)
+
+
+def print_report(rep: dict, as_json: bool = False) -> None:
+    """``rep`` (arch -> kernel -> ptxas usage) as JSON or as a markdown table."""
+    if as_json:
         print(json.dumps(rep, indent=1))
         return
     print("| arch | kernel | registers | smem bytes | stack | spill stores/loads |")

@@ -107,9 +107,10 @@ def test_the_modules_order_files_by_what_they_need():
     assert "tc_matmul.cu" not in f32 and set(f32) < set(bf16)
     assert sources.only_in("bf16") == sources.only_in("tf32")
     assert set(sources.only_in("bf16")) == {"tc_layout.cuh", "tc_matmul.cu", "tc_async.cuh",
-                                            "tc_attention.cu"}
+                                            "tc_attention.cu", "tc_gemm.cu"}
     assert bf16.index("tc_attention.cu") > max(bf16.index(n) for n in (
         "flash_attention.cu", "tc_matmul.cu", "tc_async.cuh"))
+    assert bf16.index("tc_gemm.cu") > max(bf16.index(n) for n in ("tc_matmul.cu", "tc_async.cuh"))
     src = backend_source("f32")
     assert src.index("// ---- matmul.cu") < src.index("// ---- qmatmul.cu")
 

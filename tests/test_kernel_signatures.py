@@ -128,7 +128,8 @@ def _full_finetune_launches(path):
 
 
 def _block_format_launches(rng):
-    """The fused kernels of every block format: y = x @ W^T, dx = dy @ W, get_rows."""
+    """The fused kernels of every block format: y = x @ W^T, dx = dy @ W, get_rows; and at
+    bf16 the decoded-once copies of a large W (tc_gemm.cu)."""
     out = []
     for fmt in BLOCK_FORMATS:
         rows, cols = 8, blocks.BLOCK[fmt][0]
@@ -138,6 +139,11 @@ def _block_format_launches(rng):
                  ops.matmul(g.const("dy", np.ones((3, rows))), w),
                  ops.get_rows(w, g.input("ids", (5,), "i32"))]
         out += _lower_all(nodes, frozenset({w.id}))
+        # a product large enough that bf16 decodes W once for tc_gemm.cu (tg_tcg_deq_*)
+        big = g.const("big", None, shape=(4096, 4096), storage=fmt)
+        x = g.input("xbig", (4096, 4096))
+        out += _lower_all([ops.matmul(x, big, trans_b=True), ops.matmul(x, big)],
+                          frozenset({big.id}), precisions=("bf16",))
     return out
 
 

@@ -15,7 +15,7 @@ from toygraph.core import ops
 from toygraph.cuda import devmem
 from toygraph.cuda.lowering import dispatch
 from kernelsrc import FAMILIES, KERNEL_NAMES, TC_KERNEL_NAMES
-from toygraph.core.ops.gemm import TC_KERNELS
+from toygraph.core.ops.gemm import BF16_GEMM_KERNELS, TC_KERNELS
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import backend_source, module_source
 from toygraph.errors import CudaError
@@ -180,6 +180,12 @@ def test_tc_matmul_replayed_through_the_mma_emulator_matches_numpy(prec, sa, sb,
            addr[node.srcs[1].id]: yv.astype(np.float64).ravel(),
            addr[node.id]: np.full(node.size, np.nan)}
     launches = dispatch.lower(node, lambda t: addr[t.id], precision=prec)
+    if prec == "bf16" and "tg_tcg_gemm_bf16" in [l.kernel for l in launches]:
+        # the cost model picked tc_gemm.cu (tests/test_ops_tc_gemm.py); replay the direct
+        # kernel it would otherwise run
+        launches = [matmul_ops._matmul(node, addr[node.id], lambda t: addr[t.id],
+                                       tile=matmul_ops.TC_TILE, kernel=TC_KERNELS[prec]["matmul"],
+                                       threads=256)]
     assert [l.kernel for l in launches] == [TC_KERNELS[prec]["matmul"]]
     emulate_tc_launch(tc_layout, launches[0], mem)
     got = mem[addr[node.id]].reshape(node.shape)
@@ -244,6 +250,8 @@ def test_tc_kernel_table_and_the_f32_module_is_unchanged():
         assert set(table["nt"]) == set(table["nn"]) == set(BLOCK_FORMATS)
         names |= set(table["nt"].values()) | set(table["nn"].values())
     attention = {n for n in TC_KERNEL_NAMES if n.startswith("tg_tca_")}   # tc_attention.cu
+    assert set(BF16_GEMM_KERNELS) == {n for n in TC_KERNEL_NAMES if n.startswith("tg_tcg_")}
+    names |= set(BF16_GEMM_KERNELS)                                          # tc_gemm.cu
     assert names == set(TC_KERNEL_NAMES) - attention
     assert not (names | attention) & set(KERNEL_NAMES)   # the f32 module has none of them
     assert set(kernel_names_of(backend_source("bf16"))) == set(KERNEL_NAMES) | set(TC_KERNEL_NAMES)
@@ -260,7 +268,8 @@ def test_tc_module_compiles_without_spills(arch, cache):
     """Every tensor-core kernel compiles for sm_80 and sm_90 (inline-PTX mma.sync, cvt to
     bf16/tf32) into the mixed-precision module, and ptxas reports no stack frame or spills
     in the matmuls (register arrays indexed only by unrolled constants; 64 f32
-    accumulators per thread). The attention kernels' report: tests/test_ops_tc_attention.py."""
+    accumulators per thread). The attention kernels' report: tests/test_ops_tc_attention.py;
+    the bf16 GEMM's: tests/test_ops_tc_gemm.py."""
     from toygraph.cuda.nvrtc import compile_cubin, resource_usage
     cubin = compile_cubin(backend_source("bf16"), arch=arch, name="toygraph_tc.cu")
     assert cubin[:4] == b"\x7fELF"
@@ -268,7 +277,7 @@ def test_tc_module_compiles_without_spills(arch, cache):
         assert name.encode() in cubin, name
     usage = resource_usage(module_source(("tc_layout.cuh", "tc_matmul.cu")), arch,
                            name="tc_matmul.cu")
-    assert set(usage) == {n for n in TC_KERNEL_NAMES if not n.startswith("tg_tca_")}
+    assert set(usage) == {n for n in TC_KERNEL_NAMES if not n.startswith(("tg_tca_", "tg_tcg_"))}
     for name, u in usage.items():
         assert u["stack"] == u["spill_stores"] == u["spill_loads"] == 0, (name, u)
         assert 0 < u["registers"] <= 255, (name, u)
@@ -278,9 +287,10 @@ def test_tc_module_compiles_without_spills(arch, cache):
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_llama_kquant"])
 @pytest.mark.parametrize("prec", TC_PRECISIONS)
 def test_mixed_precision_lowering_changes_only_the_matmuls(model, prec, request):
-    """bf16/tf32 swap each matmul for its tensor-core kernel with the same arguments (and
-    bf16 the attention for tc_attention.cu's kernels); every other launch, and the whole
-    f32 lowering, is identical to the default."""
+    """bf16/tf32 swap each matmul for its tensor-core kernel with the same arguments (bf16:
+    a dense matmul for tc_gemm.cu's copies, GEMM and split sum, and the attention for
+    tc_attention.cu's kernels); every other launch, and the whole f32 lowering, is
+    identical to the default."""
     g = lora_graph(request.getfixturevalue(model), targets=("q", "k", "v", "o", "gate"))
     order, pinned, plan, outputs = training_plan(g)
     raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
@@ -305,6 +315,11 @@ def test_mixed_precision_lowering_changes_only_the_matmuls(model, prec, request)
                    [(l.kernel, l.grid, [a.tolist() for a in l.args]) for l in tc]
             continue
         seen += 1
+        if any(l.kernel.startswith("tg_tcg_") for l in tc):  # bf16, tc_gemm.cu's pick
+            assert [l.kernel for l in tc][-2:] in (["tg_tcg_to_bf16", "tg_tcg_gemm_bf16"],
+                                                   ["tg_tcg_gemm_bf16", "tg_tcg_sum_splits"])
+            assert {l.kernel for l in tc} <= set(BF16_GEMM_KERNELS)
+            continue
         (b,), (t,) = base, tc
         assert t.kernel in TC_KERNEL_NAMES and t.kernel.endswith("_" + prec)
         assert [a.tolist() for a in b.args] == [a.tolist() for a in t.args]

@@ -41,23 +41,54 @@ def _one(plan, kernel, where):
 
 
 def test_lora_a_forward_gemm_counted_from_its_launch(plan):
-    # x [B*T, D] @ A^T [D, R] for layer 0's q: a 128 x 128 tile per block, K in 32-slices
-    n, l, c = _one(plan, "tg_tc_matmul_bf16",
-                   lambda n, l: n.srcs[1].name == "blk.0.attn_q.weight.lora_a"
-                   and not n.attrs["trans_a"])
+    # x [B*T, D] @ A^T [D, R] for layer 0's q: a 128 x 128 tile per block, K in 32-slices,
+    # the operands as bf16 copies (tc_gemm.cu), each copied from f32 by tg_tcg_to_bf16
+    where = (lambda n, l: n.op == "matmul" and n.srcs[1].name == "blk.0.attn_q.weight.lora_a"
+             and not n.attrs["trans_a"])
+    n, l, c = _one(plan, "tg_tcg_gemm_bf16", where)
     M, K = B * T, D
+    # one output tile, so k = D splits (split_count: 18 slices -> 4 splits of 5, 5, 5, 3)
+    from toygraph.core.ops.tc_gemm import split_count
+    splits = split_count(1, K)
+    assert splits == 4 and ceil(M / 128) == 1
     assert c.useful == 2 * M * R * K
-    assert c.tc == ceil(M / 128) * 1 * 128 * 128 * ceil(K / 32) * 32 * 2
-    assert c.bytes == 4 * (M * K + R * K + M * R)
-    assert c.kind == "gemm tensor-core" and c.blocks == 1
+    assert c.blocks == splits and c.tc == splits * 128 * 128 * 5 * 32 * 2
+    assert c.bytes == 2 * (M * K + R * K) + 4 * M * R * splits
+    assert c.kind == "gemm tensor-core (cp.async + ldmatrix)"
+    copies = [c for n2, l2, c in plan if n2 is n and l2.kernel == "tg_tcg_to_bf16"]
+    assert sorted(c.bytes for c in copies) == sorted([6 * R * K, 6 * M * K])
+
+
+def test_split_k_gemm_counts_every_split_as_blocks_and_the_sum():
+    from roofline_plan import launch_cost as cost_of
+    from toygraph.core.ops.tc_gemm import Gemm, gemm_launches
+    g = Gemm(576, 16, 4096, 1, 576, 16, 1)     # a LoRA dA at 8 x 512 tokens: K = tokens
+    assert g.splits == 26
+    costs = [cost_of(type("Node", (), {"name": "dA"})(), l) for l in gemm_launches(g, 1 << 32, 1 << 32, 1 << 32, 1 << 32, "t")]
+    gemm, total = costs[2], costs[3]
+    per = ceil(4096 / 32 / 26)
+    assert gemm.blocks == 5 * 1 * 26 and gemm.tile_flops == 2 * 128 * 128 * per * 32
+    assert gemm.useful == 2 * 576 * 16 * 4096
+    assert gemm.bytes == 2 * (576 + 16) * 4096 + 4 * 576 * 16 * 26
+    assert total.bytes == 4 * 27 * 576 * 16 and total.fma == 25 * 576 * 16
 
 
 def test_block_format_gemm_reads_block_bytes(plan):
-    # x @ W^T with layer 0's ffn_up in q8_0: 34 bytes per 32 weights
-    n, l, c = _one(plan, "tg_tc_qmm_nt_q8_0_bf16", lambda n, l: n.srcs[1].name == "blk.0.ffn_up.weight")
+    # x @ W^T with layer 0's ffn_up in q8_0: 34 bytes per 32 weights, decoded once into
+    # the bf16 copy tc_gemm.cu reads (the cost model's pick for this shape)
+    up = lambda n, l: n.srcs[1].name == "blk.0.ffn_up.weight"   # noqa: E731
+    n, l, c = _one(plan, "tg_tcg_deq_nt_q8_0", up)
+    assert c.bytes == FF * D // 32 * 34 + 2 * FF * D
+    n, l, c = _one(plan, "tg_tcg_gemm_bf16", up)
+    from toygraph.core.ops.tc_gemm import split_count
     assert c.useful == 2 * B * T * FF * D
+    assert c.blocks == ceil(FF / 128) * split_count(ceil(FF / 128), D) == 12 * 4
+    # the direct kernel's cost of the same product reads the block bytes in its tile loop
+    from toygraph.core.ops.gemm import _qmatmul
+    q = _qmatmul(n, 1 << 32, lambda t: 1 << 32, tile=128)
+    q.kernel = "tg_tc_qmm_nt_q8_0_bf16"
+    c = launch_cost(n, q, frozenset({n.srcs[1].id}))
     assert c.bytes == 4 * B * T * D + FF * D // 32 * 34 + 4 * B * T * FF
-    assert c.blocks == ceil(FF / 128)
 
 
 def test_tile_kernels_are_charged_whole_waves():

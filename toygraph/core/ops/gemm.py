@@ -1,8 +1,10 @@
 """matmul: batched, broadcast and grouped-query products, with a frozen weight that may
 stay in its GGUF block format on CUDA. Builder, shape rule, backward rule, numpy kernel
 and CUDA lowering: f32 tiles (matmul.cu), weights read in block format (qmatmul.cu),
-tensor-core tiles for bf16/tf32 (tc_matmul.cu + tc_layout.cuh), and the dequantizers the
-CUDA backend decodes the other block-format consts with at realize (dequant.cu).
+tensor-core tiles for tf32 and for block-format weights at bf16 (tc_matmul.cu +
+tc_layout.cuh), the bf16 GEMM with cp.async, ldmatrix and split-K for dense operands
+(tc_gemm.cu, lowered by tc_gemm.py), and the dequantizers the CUDA backend decodes the
+other block-format consts with at realize (dequant.cu).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 
 from toygraph.core.ops.shape import broadcast_shapes, sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
+from toygraph.core.ops.tc_gemm import Gemm, deq_launch, gemm_launches, prefers_copies
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, contiguous_strides, declare_kernels,
                                     decodes, grid_1d, i32, lowers, p, pad_shape, strided)
@@ -25,6 +28,8 @@ declare_kernels(__file__, "matmul.cu", "dequant.cu")
 declare_kernels(__file__, "qmatmul.cu", needs=("matmul.cu",))
 declare_kernels(__file__, "tc_layout.cuh", precisions=TENSOR_CORE_PRECISIONS)
 declare_kernels(__file__, "tc_matmul.cu", needs=("tc_layout.cuh",),
+                precisions=TENSOR_CORE_PRECISIONS)
+declare_kernels(__file__, "tc_gemm.cu", needs=("tc_matmul.cu", "tc_async.cuh"),
                 precisions=TENSOR_CORE_PRECISIONS)
 
 #: Dequantization kernel per const storage format (f32 consts are used as they are).
@@ -40,13 +45,19 @@ QUANT_KERNELS: dict[str, dict[str, str]] = {
     for fmt in DEQUANT_KERNELS
 }
 #: Tensor-core kernels per precision: "matmul" takes tg_matmul's arguments, "nt"/"nn" per
-#: block format take the fused kernels' (QUANT_KERNELS) arguments.
+#: block format take the fused kernels' (QUANT_KERNELS) arguments. At bf16 a dense matmul
+#: the cost model prefers it for runs tc_gemm.cu's GEMM instead (BF16_GEMM_KERNELS).
 TC_KERNELS: dict[str, dict] = {
     prec: {"matmul": f"tg_tc_matmul_{prec}",
            "nt": {fmt: f"tg_tc_qmm_nt_{fmt}_{prec}" for fmt in DEQUANT_KERNELS},
            "nn": {fmt: f"tg_tc_qmm_nn_{fmt}_{prec}" for fmt in DEQUANT_KERNELS}}
     for prec in TENSOR_CORE_PRECISIONS
 }
+#: The precision whose dense matmuls run tc_gemm.cu, and its kernels.
+BF16_GEMM_PRECISION = "bf16"
+BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_sum_splits",
+                     *(f"tg_tcg_deq_{kind}_{fmt}" for kind in ("nt", "nn")
+                       for fmt in DEQUANT_KERNELS))
 
 
 def matmul(a, b, *, trans_a=False, trans_b=False):
@@ -185,19 +196,69 @@ def _matmul(node, out, ptr, tile: int = MM_BM, kernel: str = "tg_matmul",
                                  strided(dims, sa, sb)], block=(threads, 1, 1))
 
 
-def _tc_matmul(node, out, ptr, raw_consts, precision: str) -> Launch:
-    """The tensor-core launch for a matmul: dense operands take tg_matmul's arguments (so
-    every trans/batch/grouped-query case is covered), a block-format weight the fused
+def matmul_gemm(node) -> Gemm:
+    """A dense matmul node as tc_gemm's Gemm (its batch walk from matmul_geometry)."""
+    M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
+    x, y = node.srcs
+    return Gemm(M, N, K, sam, sak, sbk, sbn, na=x.size // (M * K) if M * K else 0,
+                nb=y.size // (K * N) if K * N else 0, nbatch=nbatch, dims=tuple(dims),
+                sa=tuple(sa), sb=tuple(sb))
+
+
+def _matmul_scratch(node, precision: str) -> int:
+    """The bf16 GEMM's operand copies and split partials (tc_gemm.py); none otherwise. Room
+    for both ways a block-format b may be read (the memory plan decides later): dense
+    (matmul_gemm) and decoded once (block_gemm, batch folded into M, so it may split k
+    where the batched dense walk does not). Scratch is one buffer shared by every node,
+    so this only raises its size to the largest node's."""
+    if precision != BF16_GEMM_PRECISION:
+        return 0
+    g, w = matmul_gemm(node), node.srcs[1]
+    need = g.scratch() if prefers_copies(g) else 0
+    if _weight_in_blocks(node, 1) and w.role == "const" and w.storage in DEQUANT_KERNELS:
+        b = block_gemm(node)   # batch folded into M: its own copies and split partials
+        if prefers_copies(b, row_bytes(w) * w.shape[0]):
+            need = max(need, b.scratch())
+    return need
+
+
+def block_gemm(node) -> Gemm:
+    """x @ W^T / dy @ W with W a block-format weight, as tc_gemm's Gemm (x's batch axes
+    folded into M; B's strides unused: tg_tcg_deq_* writes its copy)."""
+    (x, w), tb = node.srcs, node.attrs["trans_b"]
+    K = x.shape[-1]
+    return Gemm(x.size // K if K else 0, w.shape[0] if tb else w.shape[1], K, K, 1, 0, 0)
+
+
+def _tc_matmul(node, at) -> list[Launch]:
+    """The tensor-core launches for a matmul: at bf16 a dense one runs tc_gemm.cu where the
+    cost model prefers it (tc_gemm.prefers_copies: long k with few tiles, or large and
+    compute-bound); otherwise, and at tf32, dense operands take tg_matmul's arguments (so
+    every trans/batch/grouped-query case is covered); a block-format weight the fused
     kernels' arguments."""
+    out, ptr, raw_consts, precision = at.out, at.ptr, at.raw_consts, at.precision
     if precision not in TC_KERNELS:
         raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
                         f"{precision!r} (have {sorted(TC_KERNELS)})")
     table = TC_KERNELS[precision]
-    if node.srcs[1].id in raw_consts:
+    w = node.srcs[1]
+    if w.id in raw_consts and precision == BF16_GEMM_PRECISION:
+        g = block_gemm(node)
+        if prefers_copies(g, row_bytes(w) * w.shape[0]):   # decoded once, then tc_gemm.cu
+            kind = "nt" if node.attrs["trans_b"] else "nn"
+            return gemm_launches(g, out, ptr(node.srcs[0]), 0, at.scratch,
+                                 f"matmul {node.name!r}",
+                                 b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N,
+                                                               g.K, g.kp, row_bytes(w)))
+    if w.id in raw_consts:
         q = _qmatmul(node, out, ptr, tile=TC_TILE)
-        return Launch(table["nt" if node.attrs["trans_b"] else "nn"][node.srcs[1].storage],
-                      q.grid, q.args, block=(TC_THREADS, 1, 1))
-    return _matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"], threads=TC_THREADS)
+        return [Launch(table["nt" if node.attrs["trans_b"] else "nn"][node.srcs[1].storage],
+                       q.grid, q.args, block=(TC_THREADS, 1, 1))]
+    g = matmul_gemm(node)
+    if precision == BF16_GEMM_PRECISION and prefers_copies(g):
+        x, y = node.srcs
+        return gemm_launches(g, out, ptr(x), ptr(y), at.scratch, f"matmul {node.name!r}")
+    return [_matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"], threads=TC_THREADS)]
 
 
 def row_bytes(w) -> int:
@@ -229,12 +290,12 @@ def _weight_in_blocks(node, index: int) -> bool:
             and not node.attrs["trans_a"])
 
 
-@lowers("matmul", kernels=("tg_matmul",), block_format=_weight_in_blocks)
+@lowers("matmul", kernels=("tg_matmul",), scratch=_matmul_scratch, block_format=_weight_in_blocks)
 def _lower_matmul(node, at):
     """f32: tg_matmul, or the QUANT_KERNELS of a block-format weight; bf16/tf32: the
-    tensor-core twins (TC_KERNELS)."""
+    tensor-core kernels (_tc_matmul)."""
     if at.precision != "f32":
-        return [_tc_matmul(node, at.out, at.ptr, at.raw_consts, at.precision)]
+        return _tc_matmul(node, at)
     if node.srcs[1].id in at.raw_consts:
         return [_qmatmul(node, at.out, at.ptr)]
     return [_matmul(node, at.out, at.ptr)]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph.core.ops.gemm import block_mm, dense_mm
+from toygraph.core.ops.gemm import BF16_GEMM_PRECISION, block_mm, dense_mm
+from toygraph.core.ops.tc_gemm import Gemm, gemm_launches, prefers_copies
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, kernel, make_node
 from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p, rows_grid
@@ -277,16 +278,32 @@ def lce_chunk_rows(n_rows: int, vocab: int) -> int:
     return max(1, min(n_rows, rows))
 
 
-def _lce_scratch(node) -> dict[str, int]:
+def _dh_gemm(node, rows: int) -> Gemm:
+    """dh_c = dlogits_c [rows, V] @ W [V, D] as the bf16 GEMM (split-K over the vocabulary:
+    few output tiles, k = V)."""
+    (_, D), V = node.srcs[0].shape, node.srcs[1].shape[0]
+    return Gemm(rows, D, V, V, 1, D, 1)
+
+
+def _lce_scratch(node, precision: str = "f32") -> dict[str, int]:
     """Scratch parts, in order, in bytes (each 256-byte aligned): the chunk's logits block,
     then forward the per-row losses [N], backward the dlogits weight (one f32); reduction
-    "none" needs neither (its rows go straight to the output, its weights are g's rows)."""
+    "none" needs neither (its rows go straight to the output, its weights are g's rows).
+    At bf16 a backward with dh adds the dh GEMM's operand copies and split partials where
+    the cost model prefers that GEMM for the chunk's shape (sized for a dense head even
+    when it will be read in blocks: the memory plan decides that)."""
     (N, _), V = node.srcs[0].shape, node.srcs[1].shape[0]
     parts = {"logits": 4 * lce_chunk_rows(N, V) * V}
     if node.attrs["reduction"] != "none" and node.op == "linear_cross_entropy":
         parts["rowloss"] = 4 * N
     elif node.attrs["reduction"] != "none":
         parts["gscale"] = 4
+    rows = lce_chunk_rows(N, V)
+    if (precision == BF16_GEMM_PRECISION and node.op == "linear_cross_entropy_back"
+            and node.attrs["grad_h"] and prefers_copies(_dh_gemm(node, rows))):
+        # the last chunk may be shorter, with more splits: room for both
+        parts["dh_gemm"] = max(_dh_gemm(node, rows).scratch(),
+                               _dh_gemm(node, N % rows or rows).scratch())
     return {k: (v + 255) // 256 * 256 for k, v in parts.items()}
 
 
@@ -296,8 +313,8 @@ def _head_in_blocks(node, index: int) -> bool:
     return index == 1 and node.srcs[0] is not node.srcs[1] and not node.attrs.get("grad_w")
 
 
-def _lce_scratch_bytes(node) -> int:
-    return sum(_lce_scratch(node).values())
+def _lce_scratch_bytes(node, precision: str) -> int:
+    return sum(_lce_scratch(node, precision).values())
 
 
 # One function for both ops (77 lines): forward and backward share the chunk walk and the
@@ -319,14 +336,15 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
     Reduction "none": forward tg_ce_rows writes the output's rows and nothing reduces;
     backward has no tg_lce_grad_scale and tg_ce_back_rows weighs each row by its g.
     A block-format head reads through the QUANT_KERNELS "nt"/"nn" kernels instead of
-    tg_matmul, and bf16/tf32 through their tensor-core twins.
+    tg_matmul, and bf16/tf32 through their tensor-core twins; at bf16 a dense head's dh
+    runs tc_gemm.cu's GEMM with split-K (k = V), its copies and partials in scratch.
     """
     out, ptr, scratch = at.out, at.ptr, at.scratch
     raw_consts, precision = at.raw_consts, at.precision
     h, w, labels = node.srcs[:3]
     (N, D), V = h.shape, w.shape[0]
     rows = lce_chunk_rows(N, V)
-    parts = _lce_scratch(node)
+    parts = _lce_scratch(node, precision)
     zbuf = scratch
     extra = scratch + parts["logits"]
     hp, lp = ptr(h), ptr(labels)
@@ -367,6 +385,10 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
             if quant:
                 launches.append(block_mm(dh + 4 * r0 * D, zbuf, w, ptr(w), c, D, V, "nn",
                                          precision))
+            elif "dh_gemm" in parts:   # bf16: tc_gemm.cu, split over the vocabulary
+                launches += gemm_launches(_dh_gemm(node, c), dh + 4 * r0 * D, zbuf, ptr(w),
+                                          scratch + parts["logits"] + parts.get("gscale", 0),
+                                          f"{node.op} {node.name!r}")
             else:
                 launches.append(dense_mm(dh + 4 * r0 * D, zbuf, ptr(w), c, D, V, V, 1, D, 1,
                                          precision))

@@ -183,6 +183,32 @@ __device__ __forceinline__ void tg_tc_compute(const typename P::elem* As,
     }
 }
 
+// A warp's TC_MI x TC_NI accumulator tiles: zeroed, and stored into C [M, N] (row-major)
+// at the warp's origin (r0, c0), inside the bounds (shared with tc_gemm.cu).
+__device__ __forceinline__ void tg_tc_zero(float (&acc)[TC_MI][TC_NI][4]) {
+#pragma unroll
+    for (int i = 0; i < TC_MI; ++i)
+#pragma unroll
+        for (int j = 0; j < TC_NI; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+}
+
+__device__ __forceinline__ void tg_tc_store(float* C, const float (&acc)[TC_MI][TC_NI][4],
+                                            int lane, int r0, int c0, int M, int N) {
+#pragma unroll
+    for (int i = 0; i < TC_MI; ++i)
+#pragma unroll
+        for (int j = 0; j < TC_NI; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int row, col;
+                tg_tc_c_frag(lane, r, row, col);
+                const int gm = r0 + 16 * i + row, gn = c0 + 8 * j + col;
+                if (gm < M && gn < N) C[(long long)gm * N + gn] = acc[i][j][r];
+            }
+}
+
 // One 128 x 128 tile of C[M, N] = A(m, k) B(n, k)^T at (m0, n0).
 template <class P, class OA, class OB>
 __device__ __forceinline__ void tg_tc_tile(float* C, const OA& A, const OB& B, int M, int N,
@@ -195,12 +221,7 @@ __device__ __forceinline__ void tg_tc_tile(float* C, const OA& A, const OB& B, i
     tg_tc_warp_origin(threadIdx.x >> 5, wm, wn);
     const int akf = A.kfast(), bkf = B.kfast();
     float acc[TC_MI][TC_NI][4];
-#pragma unroll
-    for (int i = 0; i < TC_MI; ++i)
-#pragma unroll
-        for (int j = 0; j < TC_NI; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+    tg_tc_zero(acc);
     float ra[PA], rb[PB];
     const int ktiles = (K + P::BK - 1) / P::BK;
     if (ktiles > 0) {
@@ -227,17 +248,7 @@ __device__ __forceinline__ void tg_tc_tile(float* C, const OA& A, const OB& B, i
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int i = 0; i < TC_MI; ++i)
-#pragma unroll
-        for (int j = 0; j < TC_NI; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                int row, col;
-                tg_tc_c_frag(lane, r, row, col);
-                int gm = m0 + wm + 16 * i + row, gn = n0 + wn + 8 * j + col;
-                if (gm < M && gn < N) C[(long long)gm * N + gn] = acc[i][j][r];
-            }
+    tg_tc_store(C, acc, lane, m0 + wm, n0 + wn, M, N);
 }
 
 template <class P>

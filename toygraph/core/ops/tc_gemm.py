@@ -1,0 +1,196 @@
+"""The bf16 tensor-core GEMM's lowering (tc_gemm.cu): what a dense matmul runs at
+--precision bf16 when the cost model prefers it to tc_matmul.cu's direct kernel
+(:func:`prefers_copies`; gemm.py decides; block-format weights and tf32 keep tc_matmul.cu).
+
+The activations are f32, so each operand is first copied to bf16 in the GEMM's canonical
+layout, [matrices][rows][Kp] with k contiguous and Kp = K rounded up to 8
+(tg_tcg_to_bf16, transposing where the operand's k is not contiguous); the GEMM then
+stages 16-byte chunks of those copies with cp.async and reads fragments with ldmatrix.
+
+Split-K: a 2-D product whose output tiles cannot fill the GPU (TARGET_BLOCKS) and whose
+k is long -- the weight gradients dW = x^T dy, LoRA's dA and dB (K = tokens), the head's
+dh (K = vocab) -- runs ``splits`` blocks per tile over consecutive k ranges, each writing
+its partial product to scratch, and tg_tcg_sum_splits adds them in split order. The
+split count is a function of the shape alone, so a step is bit-identical run to run.
+
+Scratch (bytes, 256-aligned regions): the A copy, the B copy, then the split partials
+[splits, M, N] f32 when splits > 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toygraph.cuda.lowering import MAX_ELEMENTS, MAX_GRID_YZ, Launch, grid_1d, i32, p, strided
+from toygraph.cuda.lowering.constants import TC_BF16_BK, TC_BM, TC_BN, TC_THREADS
+from toygraph.errors import CudaError
+
+#: Blocks a GEMM should launch to fill the GPU: one per SM of an H100 SXM (132). A product
+#: with fewer output tiles splits k until it has about this many blocks.
+TARGET_BLOCKS = 132
+#: Fewest k slices (of TC_BF16_BK, 128 k) one split handles, so its pipeline fills and its
+#: partial's store and sum stay small against its mma work.
+MIN_SPLIT_SLICES = 4
+#: k of the canonical copies is padded to a multiple of this: whole 16-byte cp.async chunks.
+K_ALIGN = 8
+
+
+def _align(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def split_count(tiles: int, k: int) -> int:
+    """Splits of k for a product of ``tiles`` output tiles and inner dimension ``k``: enough
+    for TARGET_BLOCKS blocks, each split at least MIN_SPLIT_SLICES slices, and no split
+    left empty."""
+    slices = -(-k // TC_BF16_BK)
+    if tiles <= 0 or tiles >= TARGET_BLOCKS:
+        return 1
+    want = min(-(-TARGET_BLOCKS // tiles), slices // MIN_SPLIT_SLICES)
+    if want <= 1:
+        return 1
+    per = -(-slices // want)
+    return -(-slices // per)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One bf16 GEMM C[nbatch, M, N] = A(m, k) B(k, n) with A(m, k) = a[m*sam + k*sak] and
+    B(k, n) = b[k*sbk + n*sbn] per matrix; ``na``/``nb`` the matrices a and b hold, and the
+    batch walk (dims, a's and b's matrix strides in f32 elements) as gemm.matmul_batch
+    gives it."""
+    M: int
+    N: int
+    K: int
+    sam: int
+    sak: int
+    sbk: int
+    sbn: int
+    na: int = 1
+    nb: int = 1
+    nbatch: int = 1
+    dims: tuple = ()
+    sa: tuple = ()
+    sb: tuple = ()
+
+    @property
+    def kp(self) -> int:
+        return -(-self.K // K_ALIGN) * K_ALIGN
+
+    @property
+    def tiles(self) -> tuple[int, int]:
+        return -(-self.N // TC_BN), -(-self.M // TC_BM)
+
+    @property
+    def splits(self) -> int:
+        gx, gy = self.tiles
+        return split_count(gx * gy, self.K) if self.nbatch == 1 else 1
+
+    def regions(self) -> tuple[int, int, int]:
+        """Bytes of scratch for the A copy, the B copy and the split partials."""
+        parts = 4 * self.splits * self.M * self.N if self.splits > 1 else 0
+        return (_align(2 * self.na * self.M * self.kp), _align(2 * self.nb * self.N * self.kp),
+                _align(parts))
+
+    def scratch(self) -> int:
+        return sum(self.regions())
+
+
+#: The cost model's view of the two bf16 GEMMs (bench/roofline.py: H100 SXM dense bf16
+#: peak over HBM bandwidth, 989 TFLOP/s / 3.35 TB/s, and each kernel's ASSUMED (compute,
+#: memory) efficiency), used only to pick between them until a GPU measures both.
+RIDGE_FLOPS_PER_BYTE = 989 / 3.35
+DIRECT_EFF = (0.45, 0.70)    # tc_matmul.cu: f32 operands read and rounded in the tile loop
+COPIES_EFF = (0.55, 0.75)    # this GEMM: bf16 copies, cp.async, ldmatrix, split-K
+SMS = TARGET_BLOCKS
+LAUNCH_FLOPS = 1e-6 * 989e12  # a launch of a replayed CUDA graph, ~1 us, in peak flops
+
+
+#: tc_matmul.cu's block-format kernels: B decoded per element inside the tile loop.
+BLOCKS_DIRECT_EFF = (0.30, 0.70)
+
+
+def prefers_copies(g: Gemm, b_bytes: int | None = None) -> bool:
+    """Whether this GEMM (its copies, 8 bytes per operand element: f32 read, bf16 written
+    and read again, and split-K) is modelled faster than tc_matmul.cu's direct kernel (4
+    bytes per operand element, one block per tile, no split). Skinny, memory-bound
+    products (a LoRA x A^T: N = rank) lose by the copies' bytes; long-k products with
+    few tiles (weight gradients, the head's dh) and large square ones win by split-K and
+    the faster pipeline. ``b_bytes``: B is a block-format weight of that many bytes, which
+    the direct kernels decode per element in the tile loop and the copies decode once
+    (tg_tcg_deq_*). Times in units of one SM's share of the peak per flop."""
+    M, N, K, kp = g.M, g.N, g.K, g.kp
+    gx, gy = g.tiles
+    tiles = gx * gy * g.nbatch
+    out = g.nbatch * M * N
+    tile = 2.0 * TC_BM * TC_BN
+
+    def seconds(eff, waves, slices_per_tile, nbytes):
+        compute = waves * tile * slices_per_tile * TC_BF16_BK / (eff[0] / SMS)
+        return max(compute, nbytes * RIDGE_FLOPS_PER_BYTE / eff[1])
+
+    slices = -(-kp // TC_BF16_BK)
+    s = g.splits
+    a_elems, b_elems = g.na * M * K, g.nb * N * K
+    if b_bytes is None:
+        eff, direct_b, copy_b = DIRECT_EFF, 4 * b_elems, 8 * b_elems
+    else:   # the block bytes once, then the bf16 copy written and read
+        eff, direct_b, copy_b = BLOCKS_DIRECT_EFF, b_bytes, b_bytes + 4 * b_elems
+    direct = seconds(eff, -(-tiles // SMS), slices, 4 * (a_elems + out) + direct_b)
+    copies = seconds(COPIES_EFF, -(-tiles * s // SMS), -(-slices // s),
+                     8 * a_elems + copy_b + 4 * out * (2 * s + 1 if s > 1 else 1))
+    copies += (3 if s > 1 else 2) * LAUNCH_FLOPS     # the copies and the split sum
+    return copies < direct
+
+
+def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat: int,
+          what: str) -> list[Launch]:
+    if rows * kp * nmat == 0:
+        return []
+    if nmat * rows * max(k, kp) > MAX_ELEMENTS or -(-rows // 32) > MAX_GRID_YZ:
+        raise CudaError(f"{what}: a {nmat} x {rows} x {k} operand exceeds the bf16 GEMM's "
+                        "int indexing")
+    grid = (-(-kp // 32), -(-rows // 32), min(nmat, MAX_GRID_YZ))
+    return [Launch("tg_tcg_to_bf16", grid, [p(dst), p(src), i32(rows), i32(k), i32(kp),
+                                            i32(sr), i32(sk), i32(nmat), i32(rows * k)])]
+
+
+def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp: int,
+               row_bytes: int) -> Launch:
+    """tg_tcg_deq_<kind>_<storage>: the block-format weight at ``w`` decoded into the bf16
+    B copy [rows][kp] at ``dst`` ("nt": rows of W, "nn": its columns)."""
+    return Launch(f"tg_tcg_deq_{kind}_{storage}", (-(-kp // 32), -(-rows // 32), 1),
+                  [p(dst), p(w), i32(rows), i32(k), i32(kp), i32(row_bytes)])
+
+
+def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
+                  b_copy=None) -> list[Launch]:
+    """The launches of ``g`` writing f32 C at ``out`` from f32 operands at ``a`` and ``b``,
+    with g.scratch() bytes at ``scratch``; ``b_copy(dst)``, if given, makes the launch that
+    writes the B copy instead (a block-format weight's deq_launch)."""
+    M, N, K, kp = g.M, g.N, g.K, g.kp
+    if M * N * g.nbatch == 0:
+        return []
+    ra, rb, _ = g.regions()
+    ac, bc, parts = scratch, scratch + ra, scratch + ra + rb
+    gx, gy = g.tiles
+    if gy > MAX_GRID_YZ:
+        raise CudaError(f"{what}: {M} rows exceed the kernel's grid limit")
+    # batch strides of a and b count f32 matrices of M*K / K*N; the copies' are M*kp / N*kp
+    sa = [s // (M * K) * M * kp if M * K else 0 for s in g.sa]
+    sb = [s // (K * N) * N * kp if K * N else 0 for s in g.sb]
+    splits = g.splits
+    slices = -(-kp // TC_BF16_BK)
+    per = -(-slices // splits) if splits > 1 else max(1, slices)
+    dst = parts if splits > 1 else out
+    launches = _copy(ac, a, M, K, kp, g.sam, g.sak, g.na, what)
+    launches += [b_copy(bc)] if b_copy else _copy(bc, b, N, K, kp, g.sbn, g.sbk, g.nb, what)
+    zs = g.nbatch * splits          # grid z up to MAX_GRID_YZ, the rest folded into x
+    gz = max(1, min(zs, MAX_GRID_YZ))
+    launches.append(Launch("tg_tcg_gemm_bf16", (gx * -(-zs // gz), gy, gz),
+                           [p(dst), p(ac), p(bc), i32(M), i32(N), i32(kp), i32(splits),
+                            i32(per), i32(g.nbatch), strided(list(g.dims), sa, sb)],
+                           block=(TC_THREADS, 1, 1)))
+    if splits > 1:
+        launches.append(Launch("tg_tcg_sum_splits", grid_1d(M * N),
+                               [p(out), p(parts), i32(splits), i32(M * N)]))
+    return launches
