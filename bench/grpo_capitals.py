@@ -44,7 +44,7 @@ SYSTEM = 'Answer with one line of JSON: {"country": ..., "capital": ...}.'
 EXAMPLE = ("France", "What is the capital of France?", '{"country": "France", "capital": "Paris"}')
 SCHEMA = {"type": "object", "required": ["country", "capital"], "additionalProperties": False,
           "properties": {"country": {"type": "string"}, "capital": {"type": "string"}}}
-REWARDS = ("exact:capital", "json-schema:{schema}")
+REWARDS = ("exact:capital", "exact:country", "json-schema:{schema}")
 HOLD_OUT_EVERY = 10     # every 10th country (sorted by name) is never trained on
 SETTINGS = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=8, alpha=16, lr=5e-4,
                 schedule="constant", warmup=0, seq_len=76, max_completion_length=24,
