@@ -1,14 +1,17 @@
 """GRPO on SmolLM2 from rewards alone: the capitals questions answered in one-line JSON.
 
-    OPENBLAS_NUM_THREADS=1 python bench/grpo_capitals.py --steps 80 --batch 2 \\
+    OPENBLAS_NUM_THREADS=1 python bench/grpo_capitals.py --steps 40 --batch 2 \\
         --num-generations 8 --json out.json
 
 The prompts are capitals.jsonl's questions (toygraph/demo/capitals.jsonl) after a system
 line asking for one line of JSON and one demonstrated exchange about France (France's own
 questions are left out); the data holds no reply to any question asked, only the fields the
-rewards check (``country``, ``capital``). Two rewards, neither shaped: the reply is exactly
-the capital or a JSON object whose ``capital`` is (``exact:capital``), and it is a JSON
-object with exactly the string keys ``country`` and ``capital`` (``json-schema:``).
+rewards check (``country``, ``capital``). Three rewards, none shaped: the reply is exactly
+the capital or a JSON object whose ``capital`` is (``exact:capital``), a JSON object whose
+``country`` is the one asked about (``exact:country``; without it the model learned to copy
+France from the example), and a JSON object with exactly the string keys ``country`` and
+``capital`` (``json-schema:``). bench/results/grpo-capitals-cpu-smollm2-2026-11-25.md has
+both runs.
 
 Every 10th country (all three of its questions) is held out of the training data and
 answered greedily by the base model before and by the trained adapter after
@@ -94,7 +97,7 @@ def held_out_rewards(adapter, rows, rewards, max_new_tokens) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--num-generations", type=int, default=8)
     ap.add_argument("--eval-every", type=int, default=10)
