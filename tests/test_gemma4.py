@@ -266,3 +266,54 @@ def test_f64_logits_equal_transformers_in_f64(gemma4, monkeypatch):
     diff = np.linalg.norm(mine - ref.numpy()) / np.linalg.norm(ref.numpy())
     print(f"gemma4 f64 logits: toygraph vs transformers (f64 throughout) rel {diff:.2e}")
     assert diff <= 1e-10
+
+
+def test_f64_gradients_equal_transformers_in_f64(gemma4, monkeypatch):
+    """The backward too: the loss's gradient for every weight the file carries (full
+    fine-tuning, f64) is transformers' autograd gradient (f64 throughout, the layer scalars
+    included) to 1e-9 of its largest entry. Weights are paired by value (every random
+    tensor is distinct), so no name table can hide a swapped pair."""
+    from toygraph.core import ops
+    from toygraph.core.autodiff import accumulate_grads, backward
+    from toygraph.core.graph import Graph
+    from toygraph.core.session import Session
+    from toygraph.models.decoder import build_decoder
+    path, hf_dir = gemma4
+    m = GGUFModel(path)
+    tokens = tokens_for(m.config.n_vocab, seq=12)
+    B, T = tokens.shape
+    labels = np.concatenate([tokens[:, 1:], np.full((B, 1), -1)], 1).astype(np.int32)
+    g = Graph()
+    net = build_decoder(g, m.config, batch=B, seq_len=T, model=m, weights="finetune")
+    lab = g.input("labels", (B * T,), "i32")
+    loss = g.output(ops.cross_entropy(net.logits, lab))
+    accumulate_grads(backward(loss, net.params))
+    s = Session(g, dtype="f64")
+    s.realize()
+    s.reset()
+    s.upload(net.tokens, tokens)
+    s.upload(net.positions, np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+    s.upload(lab, labels.ravel())
+    s.run("backward")
+    model = exact_f64_reference(hf_dir, monkeypatch)
+    scalars = {f"layer_scalar.{i}": layer.layer_scalar.requires_grad_()  # a buffer there
+               for i, layer in enumerate(model.model.layers)}
+    logits = model(torch.tensor(tokens, dtype=torch.long)).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(B * T, -1),
+                                            torch.tensor(labels.ravel()).long(), ignore_index=-1)
+    ref.backward()
+    assert abs(float(s.download(loss)) - ref.item()) <= 1e-12 * ref.item()
+    theirs = {**dict(model.named_parameters()), **scalars}
+    worst = 0.0
+    for p in net.params:
+        value = m.tensor(p.name).dequantize().astype(np.float64).ravel()
+        match = [n for n, q in theirs.items() if q.numel() == value.size
+                 and np.array_equal(q.detach().numpy().ravel(), value)]
+        assert len(match) == 1, (p.name, match)
+        want = theirs.pop(match[0]).grad.numpy().ravel()
+        got = np.asarray(s.download(g.find(f"grad.{p.name}"))).ravel()
+        # The floor: the last layer's scalar has a gradient of ~1e-8 (the final RMSNorm
+        # undoes any scale of its input; only eps sees it), compared absolutely.
+        worst = max(worst, np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+    print(f"gemma4 f64 gradients of {len(net.params)} weights: worst rel {worst:.2e}")
+    assert worst <= 1e-9 and not theirs   # every trainable weight of theirs was compared
