@@ -261,8 +261,9 @@ def test_f64_logits_equal_transformers_in_f64(gemma4, monkeypatch):
     path, hf_dir = gemma4
     tokens = tokens_for(GGUFModel(path).config.n_vocab, seq=24)
     mine = toygraph_logits(path, tokens, "f64")
+    model = exact_f64_reference(hf_dir, monkeypatch)
     with torch.no_grad():
-        ref = exact_f64_reference(hf_dir, monkeypatch)(torch.tensor(tokens, dtype=torch.long)).logits
+        ref = model(torch.tensor(tokens, dtype=torch.long)).logits
     diff = np.linalg.norm(mine - ref.numpy()) / np.linalg.norm(ref.numpy())
     print(f"gemma4 f64 logits: toygraph vs transformers (f64 throughout) rel {diff:.2e}")
     assert diff <= 1e-10
