@@ -204,10 +204,9 @@ def exact_f64_reference(hf_dir, monkeypatch):
     """transformers' model in float64 throughout. ``model.double()`` alone is not: Gemma 4's
     RMSNorm upcasts with ``.float()`` (float32, whatever the model's dtype), the rotary
     embedding computes inv_freq, the angles and cos/sin in float32, and sqrt(hidden_size)
-    and sqrt(hidden_size_per_layer_input)
-    are buffers made in float32. On a Gemma-4-E2B-shaped random model those alone put
-    the double model's logits 3e-6 (tiny vocabulary) to 2.7e-5 (262144) from an f64
-    computation (bench/results/cpu-qwen35-gemma4-shapes-2026-11-25.md, "Fidelity")."""
+    and sqrt(hidden_size_per_layer_input) are buffers made in float32. On a
+    Gemma-4-E2B-shaped random model those alone put the double model's logits 3e-6 (tiny
+    vocabulary) to 2.7e-5 (262144) from an f64 computation (bench/results/cpu-qwen35-gemma4-shapes-2026-11-25.md, "Fidelity")."""
     import transformers.models.gemma4.modeling_gemma4 as gemma4_hf
 
     def rms_norm(self, x):
