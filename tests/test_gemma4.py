@@ -198,3 +198,122 @@ def test_the_recipes_take_the_soft_capped_head_on_cuda_too(gemma4, recipe):
     g = r.build_graph(m, m.config, RecipeOptions(seq_len=8, batch=1, backend="cuda"))
     ops_used = {t.op for t in g.nodes}
     assert "softcap" in ops_used and "linear_cross_entropy" not in ops_used
+
+
+def exact_f64_reference(hf_dir, monkeypatch):
+    """transformers' model in float64 throughout. ``model.double()`` alone is not: Gemma 4's
+    RMSNorm upcasts with ``.float()`` (float32, whatever the model's dtype), the rotary
+    embedding computes inv_freq, the angles and cos/sin in float32, and sqrt(hidden_size)
+    and sqrt(hidden_size_per_layer_input) are buffers made in float32. On a
+    Gemma-4-E2B-shaped random model those alone put the double model's logits 3e-6 (tiny
+    vocabulary) to 2.7e-5 (262144) from an f64 computation (bench/results/cpu-qwen35-gemma4-shapes-2026-11-25.md, "Fidelity")."""
+    import transformers.models.gemma4.modeling_gemma4 as gemma4_hf
+
+    def rms_norm(self, x):
+        y = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return y * self.weight if self.with_scale else y
+
+    def rotary(self, x, position_ids, layer_type):
+        angles = position_ids[..., None].double() * getattr(self, f"{layer_type}_inv_freq")
+        emb = torch.cat((angles, angles), -1)
+        scaling = getattr(self, f"{layer_type}_attention_scaling")
+        return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+    monkeypatch.setattr(gemma4_hf.Gemma4RMSNorm, "forward", rms_norm)
+    monkeypatch.setattr(gemma4_hf.Gemma4TextRotaryEmbedding, "forward", rotary)
+    model = hf_model(hf_dir).double()
+    cfg, rot = model.config, model.model.rotary_emb
+    for kind in rot.layer_types:  # transformers' formulas (default and proportional), in f64
+        rp, dim = cfg.rope_parameters[kind], cfg.per_layer_config[kind].head_dim
+        turning = int(rp.get("partial_rotary_factor", 1.0) * dim // 2)
+        inv = rp["rope_theta"] ** -(torch.arange(0, 2 * turning, 2, dtype=torch.float64) / dim)
+        inv = torch.cat([inv, torch.zeros(dim // 2 - turning, dtype=torch.float64)])
+        setattr(rot, f"{kind}_inv_freq", inv / rp.get("factor", 1.0))
+    model.model.embed_tokens.embed_scale.fill_(cfg.hidden_size ** 0.5)
+    model.model.embed_tokens_per_layer.embed_scale.fill_(cfg.hidden_size_per_layer_input ** 0.5)
+    return model
+
+
+def toygraph_logits(path, tokens, dtype):
+    """The logits [batch, seq, vocab] of our graph on the numpy backend at ``dtype``."""
+    from toygraph.core.graph import Graph
+    from toygraph.core.session import Session
+    from toygraph.models.decoder import build_decoder
+    m = GGUFModel(path)
+    B, T = tokens.shape
+    g = Graph()
+    net = build_decoder(g, m.config, batch=B, seq_len=T, model=m)
+    out = g.output(net.logits)
+    s = Session(g, dtype=dtype)
+    s.realize()
+    s.upload(net.tokens, tokens)
+    s.upload(net.positions, np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+    s.run("forward")
+    return np.asarray(s.download(out), dtype=np.float64).reshape(B, T, -1)
+
+
+def test_f64_logits_equal_transformers_in_f64(gemma4, monkeypatch):
+    """In float64 on both sides the logits are the same to rounding (1e-10), not merely
+    close: every part of the layer is transformers' formula, which the f32 tolerances of
+    the other tests (1e-4) could not tell. The window of 5 and the shared layers are
+    crossed (24 tokens)."""
+    path, hf_dir = gemma4
+    tokens = tokens_for(GGUFModel(path).config.n_vocab, seq=24)
+    mine = toygraph_logits(path, tokens, "f64")
+    model = exact_f64_reference(hf_dir, monkeypatch)
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens, dtype=torch.long)).logits
+    diff = np.linalg.norm(mine - ref.numpy()) / np.linalg.norm(ref.numpy())
+    print(f"gemma4 f64 logits: toygraph vs transformers (f64 throughout) rel {diff:.2e}")
+    assert diff <= 1e-10
+
+
+def test_f64_gradients_equal_transformers_in_f64(gemma4, monkeypatch):
+    """The backward too: the loss's gradient for every weight the file carries (full
+    fine-tuning, f64) is transformers' autograd gradient (f64 throughout, the layer scalars
+    included) to 1e-9 of its largest entry. Weights are paired by value (every random
+    tensor is distinct), so no name table can hide a swapped pair."""
+    from toygraph.core import ops
+    from toygraph.core.autodiff import accumulate_grads, backward
+    from toygraph.core.graph import Graph
+    from toygraph.core.session import Session
+    from toygraph.models.decoder import build_decoder
+    path, hf_dir = gemma4
+    m = GGUFModel(path)
+    tokens = tokens_for(m.config.n_vocab, seq=12)
+    B, T = tokens.shape
+    labels = np.concatenate([tokens[:, 1:], np.full((B, 1), -1)], 1).astype(np.int32)
+    g = Graph()
+    net = build_decoder(g, m.config, batch=B, seq_len=T, model=m, weights="finetune")
+    lab = g.input("labels", (B * T,), "i32")
+    loss = g.output(ops.cross_entropy(net.logits, lab))
+    accumulate_grads(backward(loss, net.params))
+    s = Session(g, dtype="f64")
+    s.realize()
+    s.reset()
+    s.upload(net.tokens, tokens)
+    s.upload(net.positions, np.tile(np.arange(T, dtype=np.int32), (B, 1)))
+    s.upload(lab, labels.ravel())
+    s.run("backward")
+    model = exact_f64_reference(hf_dir, monkeypatch)
+    scalars = {f"layer_scalar.{i}": layer.layer_scalar.requires_grad_()  # a buffer there
+               for i, layer in enumerate(model.model.layers)}
+    logits = model(torch.tensor(tokens, dtype=torch.long)).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(B * T, -1),
+                                            torch.tensor(labels.ravel()).long(), ignore_index=-1)
+    ref.backward()
+    assert abs(float(s.download(loss)) - ref.item()) <= 1e-12 * ref.item()
+    theirs = {**dict(model.named_parameters()), **scalars}
+    worst = 0.0
+    for p in net.params:
+        value = m.tensor(p.name).dequantize().astype(np.float64).ravel()
+        match = [n for n, q in theirs.items() if q.numel() == value.size
+                 and np.array_equal(q.detach().numpy().ravel(), value)]
+        assert len(match) == 1, (p.name, match)
+        want = theirs.pop(match[0]).grad.numpy().ravel()
+        got = np.asarray(s.download(g.find(f"grad.{p.name}"))).ravel()
+        # The floor: the last layer's scalar has a gradient of ~1e-8 (the final RMSNorm
+        # undoes any scale of its input; only eps sees it), compared absolutely.
+        worst = max(worst, np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+    print(f"gemma4 f64 gradients of {len(net.params)} weights: worst rel {worst:.2e}")
+    assert worst <= 1e-9 and not theirs   # every trainable weight of theirs was compared
