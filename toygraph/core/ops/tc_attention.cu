@@ -168,6 +168,20 @@ __device__ __forceinline__ void tca_mma_kn(float (&c)[HD / 8][4], const unsigned
     }
 }
 
+// c[16][HD] += P S over a key tile: P the warp's [16][TILE] scores or their gradient (C
+// fragments, TILE / 8 n-tiles; two adjacent ones are one k-step's A), S [TILE][HD] in shared
+// memory (v, dO, q or k rows). The P v, dS k, P^T dO and dS^T q products.
+template <int HD, int TILE>
+__device__ __forceinline__ void tca_mma_tile(float (&c)[HD / 8][4], const float (&p)[TILE / 8][4],
+                                             const unsigned short* S, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < TILE / 16; ++kk) {
+        unsigned a[4];
+        tca_c_to_a(a, p[2 * kk], p[2 * kk + 1]);
+        tca_mma_kn<HD>(c, a, S, 16 * kk, lane);
+    }
+}
+
 // The warp's C tile [16][HD] into rows rows[0], rows[1] (those < T) of dst [T, hd], columns
 // < hd, each row divided by div[r] when div is given (the forward's 1 / l).
 template <int HD>
@@ -277,12 +291,7 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
             for (int ot = 0; ot < OT; ++ot)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) o[ot][e] = __fmul_rn(o[ot][e], alpha[e >> 1]);
-#pragma unroll
-            for (int kk = 0; kk < TILE / 16; ++kk) {   // o += P v
-                unsigned a[4];
-                tca_c_to_a(a, s[2 * kk], s[2 * kk + 1]);
-                tca_mma_kn<HD>(o, a, Vs, 16 * kk, lane);
-            }
+            tca_mma_tile<HD, TILE>(o, s, Vs, lane);   // o += P v
         }
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
@@ -359,14 +368,8 @@ __device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, fl
                                   : 0.0f;
                 st[nt][e] = p;
             }
-#pragma unroll
-        for (int kk = 0; kk < TILE / 16; ++kk) {   // dv += P^T dO, dk += dS^T q
-            unsigned ap[4], ad[4];
-            tca_c_to_a(ap, st[2 * kk], st[2 * kk + 1]);
-            tca_c_to_a(ad, dpt[2 * kk], dpt[2 * kk + 1]);
-            tca_mma_kn<HD>(dva, ap, Gs, 16 * kk, lane);
-            tca_mma_kn<HD>(dka, ad, Qs, 16 * kk, lane);
-        }
+        tca_mma_tile<HD, TILE>(dva, st, Gs, lane);    // dv += P^T dO
+        tca_mma_tile<HD, TILE>(dka, dpt, Qs, lane);   // dk += dS^T q
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
     const long long row0 = ((long long)b * KV + kvh) * T;
@@ -424,12 +427,7 @@ __device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
                 s[nt][e] = seen ? __fmul_rn(__fmul_rn(p, __fsub_rn(dp[nt][e], Dr[r])), scale)
                                 : 0.0f;
             }
-#pragma unroll
-        for (int kk = 0; kk < TILE / 16; ++kk) {   // dq += dS k
-            unsigned a[4];
-            tca_c_to_a(a, s[2 * kk], s[2 * kk + 1]);
-            tca_mma_kn<HD>(dqa, a, Ks, 16 * kk, lane);
-        }
+        tca_mma_tile<HD, TILE>(dqa, s, Ks, lane);   // dq += dS k
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
     tca_store<HD>(dq + row0 * hd, dqa, rows, T, hd);
