@@ -153,8 +153,8 @@ def _gemm(node, launch, raw) -> Cost:
     nbatch = 1 if quant else _arg(launch, 10)
     if quant:   # B is the block-format weight: all its rows, row_bytes each
         b_bytes = _arg(launch, 6) * (N if "_nt_" in k else K)
-    elif node.op == "matmul":
-        b_bytes = 4 * node.srcs[1].size
+    elif node.op in ("matmul", "matmul_add"):
+        b_bytes = 4 * node.srcs[-1].size
     else:
         b_bytes = 4 * K * N
     c_bytes = 4 * M * N * nbatch * (2 if k.endswith("_acc") else 1)
@@ -186,16 +186,18 @@ def _tc_gemm(node, launch, raw) -> Cost:
         return Cost(k, kind, bytes=nmat * (4 * R * K + 2 * R * Kp))
     if k.startswith("tg_tcg_deq_"):     # the block-format weight once in, N x Kp bf16 out
         R, Kp = _arg(launch, 2), _arg(launch, 4)
-        w = node.srcs[1]
+        w = node.srcs[-1]
         return Cost(k, kind, bytes=_nbytes(w, raw) + 2 * R * Kp)
+    add = _arg(launch, -2) != 0        # matmul_add's epilogue: the added tensor read once
     if k == "tg_tcg_sum_splits":        # splits partials in, one out
         splits, n = _arg(launch, 2), _arg(launch, 3)
-        return Cost(k, kind, fma=(splits - 1.0) * n, bytes=4.0 * (splits + 1) * n)
+        return Cost(k, kind, fma=(splits - 1.0 + 2 * add) * n,
+                    bytes=4.0 * (splits + 1 + add) * n)
     M, N, Kp, splits, kts, nbatch = (_arg(launch, i) for i in range(3, 9))
     slices = ceil(Kp / TC_BF16_BK)
     blocks = ceil(M / TC_BM) * ceil(N / TC_BM) * nbatch * splits
     # bf16 copies read once (re-reads by other tiles assumed to hit L2); C or the partials
-    cost = Cost(k, kind, bytes=2 * (M + N) * Kp * nbatch + 4 * M * N * nbatch * splits,
+    cost = Cost(k, kind, bytes=2 * (M + N) * Kp * nbatch + 4 * M * N * nbatch * (splits + add),
                 useful=2.0 * M * N * Kp * nbatch, blocks=blocks,
                 tile_flops=2.0 * TC_BM * TC_BM * min(kts, slices) * TC_BF16_BK)
     cost.tc = cost.blocks * cost.tile_flops
@@ -355,6 +357,10 @@ RULES = [
     # elementwise.cu's float4 kernels for contiguous same-shape operands
     (r"tg_binary_vec|tg_scale_vec", _streaming("elementwise vectorised")),
     (r"tg_binary|tg_scale|tg_copy|tg_gather|tg_fill|tg_get_rows(_\w+)?", _streaming("elementwise")),
+    # matmul_add's epilogue after a kernel without one: the product and the add in, out
+    (r"tg_matmul_add_epilogue", lambda node, launch, raw: Cost(
+        launch.kernel, "elementwise", fma=2.0 * node.size, bytes=12.0 * node.size,
+        useful=2.0 * node.size)),
 ]
 
 

@@ -287,7 +287,8 @@ def test_tc_module_compiles_without_spills(arch, cache):
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_llama_kquant"])
 @pytest.mark.parametrize("prec", TC_PRECISIONS)
 def test_mixed_precision_lowering_changes_only_the_matmuls(model, prec, request):
-    """bf16/tf32 swap each matmul for its tensor-core kernel with the same arguments (bf16:
+    """bf16/tf32 swap each matmul (and matmul_add's product) for its tensor-core kernel with
+    the same arguments (bf16:
     a dense matmul for tc_gemm.cu's copies, GEMM and split sum, and the attention for
     tc_attention.cu's kernels); every other launch, and the whole f32 lowering, is
     identical to the default."""
@@ -310,7 +311,7 @@ def test_mixed_precision_lowering_changes_only_the_matmuls(model, prec, request)
             assert all(l.kernel.startswith("tg_tca_") or l.kernel == "tg_attn_bwd_sinks"
                        for l in tc)
             continue
-        if node.op != "matmul":
+        if node.op not in ("matmul", "matmul_add"):
             assert [(l.kernel, l.grid, [a.tolist() for a in l.args]) for l in base] == \
                    [(l.kernel, l.grid, [a.tolist() for a in l.args]) for l in tc]
             continue
@@ -320,6 +321,11 @@ def test_mixed_precision_lowering_changes_only_the_matmuls(model, prec, request)
                                                    ["tg_tcg_gemm_bf16", "tg_tcg_sum_splits"])
             assert {l.kernel for l in tc} <= set(BF16_GEMM_KERNELS)
             continue
+        if node.op == "matmul_add":   # the same epilogue after the product's kernel
+            assert [(l.kernel, [a.tolist() for a in l.args]) for l in base[1:]] == \
+                   [(l.kernel, [a.tolist() for a in l.args]) for l in tc[1:]]
+            assert [l.kernel for l in tc[1:]] == ["tg_matmul_add_epilogue"]
+            base, tc = base[:1], tc[:1]
         (b,), (t,) = base, tc
         assert t.kernel in TC_KERNEL_NAMES and t.kernel.endswith("_" + prec)
         assert [a.tolist() for a in b.args] == [a.tolist() for a in t.args]

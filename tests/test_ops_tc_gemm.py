@@ -60,7 +60,9 @@ def run(g: Gemm, a, b, source=None) -> np.ndarray:
                                 "test"):
         args = []
         for x in launch.args:
-            if x.dtype == np.uint64:   # a pointer: base + offset
+            if x.dtype == np.uint64 and int(x[0]) == 0:   # a null pointer (no epilogue add)
+                args.append(np.uint64(0))
+            elif x.dtype == np.uint64:   # a pointer: base + offset
                 name = max((n for n, v in BASES.items() if v <= int(x[0])), key=BASES.get)
                 args.append(bufs[name][int(x[0]) - BASES[name]:])
             elif x.size > 1:

@@ -201,6 +201,12 @@ def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tenso
     return out
 
 
+def _add_lora(y, x_at, b, scaling: float):
+    """y + scaling * (x A^T) B^T, the adapter's product adding y and its scale in its own
+    epilogue (ops.matmul_add: on the bf16 GEMM no pass of its own over the output)."""
+    return ops.matmul_add(y, x_at, b, alpha=scaling, trans_b=True)
+
+
 def _lora_pair(g: Graph, name: str, shapes: tuple[tuple, tuple], lora: LoraConfig, rng):
     a = g.param(f"{name}.lora_a", (rng.normal(size=shapes[0]) * lora.init_scale).astype(np.float32))
     b = g.param(f"{name}.lora_b", np.zeros(shapes[1], np.float32))
@@ -306,17 +312,17 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
                 xa = ops.dropout(x, hp_input(g), p=lora.dropout,
                                  seed=lora.seed + (lora.dropout_stream << 20),
                                  salt=zlib.crc32((lora_prefix + name).encode()))
-            low = ops.matmul(ops.matmul(xa, a, trans_b=True), b, trans_b=True)
+            low = ops.matmul(xa, a, trans_b=True)   # x A^T [N, rank]
         if adapted and lora.dora:  # PEFT's DoRA: m / ||W + s B A|| * (W x + s B A x) + bias
             m = (shared.magnitudes[name] if shared else
                  _dora_magnitude(g, lora_prefix + name, w, model))
             net.magnitudes[name] = m
-            y = (y + ops.scale(low, lora.scaling)) * _dora_factor(w, a, b, m, lora.scaling)
+            y = _add_lora(y, low, b, lora.scaling) * _dora_factor(w, a, b, m, lora.scaling)
             return y + bias if bias is not None else y
         if bias is not None:
             y = y + bias
         if adapted:
-            y = y + ops.scale(low, lora.scaling)
+            y = _add_lora(y, low, b, lora.scaling)
         return y
 
     def expert_adapter(name: str):

@@ -16,7 +16,8 @@ gated            glu (act(gate) * up fused: swiglu, geglu) and its one-pass back
 norm             rms_norm, softmax, inv_row_norm (row-wise normalisations)
 rotary           rope
 flash_attention  attention (fused, flash-style)
-gemm             matmul (f32, block-format weights, tensor cores) and the dequantizers
+gemm             matmul (f32, block-format weights, tensor cores), matmul_add (with an
+                 epilogue: add + alpha * product) and the dequantizers
 rows             get_rows
 loss             cross_entropy, count_valid, linear_cross_entropy (fused head + loss)
 update           accumulate, global_norm, adamw
@@ -50,7 +51,7 @@ from toygraph.core.ops.gated import geglu, glu, swiglu
 from toygraph.core.ops.norm import inv_row_norm, rms_norm, softmax
 from toygraph.core.ops.rotary import rope
 from toygraph.core.ops.flash_attention import attention
-from toygraph.core.ops.gemm import matmul
+from toygraph.core.ops.gemm import matmul, matmul_add
 from toygraph.core.ops.rows import get_rows
 from toygraph.core.ops.loss import count_valid, cross_entropy, linear_cross_entropy
 from toygraph.core.ops.update import accumulate, adamw, global_norm
@@ -72,7 +73,7 @@ __all__ = ["BLOCK_KERNELS", "F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NON
            "contiguous", "expand", "permute", "reshape", "sum", "sum_to", "unpack", "add",
            "geglu", "glu", "gelu", "gelu_back", "mean", "mul", "scale", "silu", "silu_back", "sub",
            "swiglu", "swiglu_oai", "sigmoid", "softcap", "rms_norm", "softmax", "rope", "attention",
-           "matmul", "get_rows", "count_valid", "cross_entropy", "linear_cross_entropy",
+           "matmul", "matmul_add", "get_rows", "count_valid", "cross_entropy", "linear_cross_entropy",
            "accumulate", "adamw", "global_norm", "log1mexp", "log_sigmoid", "softplus",
            "token_logprobs", "cache_write", "causal_conv1d", "delta_rule", "narrow", "all_reduce",
            "expert_matmul", "group_by_expert", "take_along", "topk", "clipped_surrogate",

@@ -1,5 +1,6 @@
 """matmul: batched, broadcast and grouped-query products, with a frozen weight that may
-stay in its GGUF block format on CUDA. Builder, shape rule, backward rule, numpy kernel
+stay in its GGUF block format on CUDA; matmul_add: add + alpha * matmul, the product with
+an epilogue. Builder, shape rule, backward rule, numpy kernel
 and CUDA lowering: f32 tiles (matmul.cu), weights read in block format (qmatmul.cu),
 tensor-core tiles for tf32 and for block-format weights at bf16 (tc_matmul.cu +
 tc_layout.cuh), the bf16 GEMM with cp.async, ldmatrix and split-K for dense operands
@@ -12,12 +13,13 @@ from math import prod
 
 import numpy as np
 
+from toygraph.core.ops.elementwise import scale
 from toygraph.core.ops.shape import broadcast_shapes, sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
 from toygraph.core.ops.tc_gemm import Gemm, deq_launch, gemm_launches, prefers_copies
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, contiguous_strides, declare_kernels,
-                                    decodes, grid_1d, i32, lowers, p, pad_shape, strided)
+                                    decodes, f32, grid_1d, i32, lowers, p, pad_shape, strided)
 from toygraph.cuda.lowering.constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
 from toygraph.errors import CudaError
 
@@ -66,6 +68,18 @@ def matmul(a, b, *, trans_a=False, trans_b=False):
     return make_node("matmul", [a, b], trans_a=bool(trans_a), trans_b=bool(trans_b))
 
 
+def matmul_add(add, a, b, *, alpha: float = 1.0, trans_a=False, trans_b=False):
+    """add + alpha * (a @ b), ``add`` of the product's shape: LoRA's y = x W^T + s (x A^T) B^T
+    and the sums of gradient contributions, with the add (and scale) in the product's
+    epilogue instead of two more passes over the output. Rounded as matmul, scale and add
+    would round it: the same bits. The product's operands are the last two sources, as a
+    matmul's are (the helpers below read ``srcs[-2:]``), and ``add`` comes first so the
+    graph's order, and with it the order autodiff sums contributions in, is the unfused
+    add's."""
+    return make_node("matmul_add", [add, a, b], alpha=float(alpha), trans_a=bool(trans_a),
+                     trans_b=bool(trans_b))
+
+
 def _mat_dims(shape, trans):
     m, k = shape[-2], shape[-1]
     return (k, m) if trans else (m, k)
@@ -73,7 +87,7 @@ def _mat_dims(shape, trans):
 
 def _infer_matmul(shapes, dtypes, attrs):
     check_floats(dtypes)
-    a, b = shapes
+    a, b = shapes[-2:]
     check(len(a) >= 2 and len(b) >= 2, f"matmul needs >= 2-D operands, got {a} and {b}")
     m, k = _mat_dims(a, attrs["trans_a"])
     k2, n = _mat_dims(b, attrs["trans_b"])
@@ -83,8 +97,15 @@ def _infer_matmul(shapes, dtypes, attrs):
     return batch + (m, n), F32
 
 
+def _infer_matmul_add(shapes, dtypes, attrs):
+    shape, dtype = _infer_matmul(shapes, dtypes, attrs)
+    check(tuple(shapes[0]) == shape, f"the added operand {shapes[0]} is not the product's "
+                                     f"shape {shape}")
+    return shape, dtype
+
+
 def _grad_matmul(n, g, need):
-    (a, b), ta, tb = n.srcs, n.attrs["trans_a"], n.attrs["trans_b"]
+    (a, b), ta, tb = n.srcs[-2:], n.attrs["trans_a"], n.attrs["trans_b"]
     ga = gb = None
     if need[0]:  # dA = dC B^T (or its transpose when A was transposed)
         ga = matmul(b, g, trans_a=tb, trans_b=True) if ta else matmul(g, b, trans_b=not tb)
@@ -101,7 +122,24 @@ def _grad_matmul(n, g, need):
     return [ga, gb]
 
 
-define_op("matmul", _infer_matmul, _grad_matmul)
+def _grad_matmul_add(n, g, need):
+    """The add's gradient is g; the product's is matmul's of alpha * g (the scale node the
+    unfused graph has, so the backward is the same graph and the same bits)."""
+    alpha = n.attrs["alpha"]
+    gp = g if alpha == 1.0 or not any(need[1:]) else scale(g, alpha)
+    return [g if need[0] else None] + _grad_matmul(n, gp, need[1:])
+
+
+def _fold_add_matmul(node, other):
+    """node + other as one matmul_add: autodiff sums a gradient's contributions in the
+    product's epilogue (dx = dy W + du A of a LoRA projection, q/k/v's shared input)."""
+    if other.shape != node.shape or other.dtype != node.dtype:
+        return None
+    return matmul_add(other, *node.srcs, **node.attrs)
+
+
+define_op("matmul", _infer_matmul, _grad_matmul, fold_add=_fold_add_matmul)
+define_op("matmul_add", _infer_matmul_add, _grad_matmul_add)
 
 
 # --- numpy kernel ------------------------------------------------------------------------------
@@ -137,6 +175,14 @@ def _matmul_numpy(out, srcs, attrs):
     np.matmul(a, b, out=out)
 
 
+@kernel("matmul_add")
+def _matmul_add_numpy(out, srcs, attrs):
+    _matmul_numpy(out, srcs[1:], attrs)
+    if attrs["alpha"] != 1.0:
+        np.multiply(out, out.dtype.type(attrs["alpha"]), out=out)
+    np.add(srcs[0], out, out=out)
+
+
 # --- CUDA lowering -----------------------------------------------------------------------------
 #: Output tile edge of the tensor-core kernels (square: TC_BM == TC_BN, checked by a test;
 #: so are the f32 tiles, MM_BM == MM_BN).
@@ -166,7 +212,7 @@ def matmul_batch(a_shape, b_shape, out_batch):
 def matmul_geometry(node):
     """(M, N, K, sam, sak, sbk, sbn, nbatch, batch dims, a strides, b strides) of a dense
     matmul: A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn], plus the batch walk."""
-    (x, y), ta, tb = node.srcs, node.attrs["trans_a"], node.attrs["trans_b"]
+    (x, y), ta, tb = node.srcs[-2:], node.attrs["trans_a"], node.attrs["trans_b"]
     M, N = node.shape[-2], node.shape[-1]
     K = x.shape[-2] if ta else x.shape[-1]
     sam, sak = (1, M) if ta else (K, 1)
@@ -188,7 +234,7 @@ def _row_tiles(what: str, M: int, tile: int) -> int:
 def _matmul(node, out, ptr, tile: int = MM_BM, kernel: str = "tg_matmul",
             threads: int = MM_THREADS) -> Launch:
     M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
-    x, y = node.srcs
+    x, y = node.srcs[-2:]
     gy = _row_tiles(f"matmul {node.name!r}", M, tile)
     grid = ((N + tile - 1) // tile, gy, max(1, min(nbatch, MAX_GRID_YZ)))
     return Launch(kernel, grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
@@ -199,7 +245,7 @@ def _matmul(node, out, ptr, tile: int = MM_BM, kernel: str = "tg_matmul",
 def matmul_gemm(node) -> Gemm:
     """A dense matmul node as tc_gemm's Gemm (its batch walk from matmul_geometry)."""
     M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
-    x, y = node.srcs
+    x, y = node.srcs[-2:]
     return Gemm(M, N, K, sam, sak, sbk, sbn, na=x.size // (M * K) if M * K else 0,
                 nb=y.size // (K * N) if K * N else 0, nbatch=nbatch, dims=tuple(dims),
                 sa=tuple(sa), sb=tuple(sb))
@@ -213,7 +259,7 @@ def _matmul_scratch(node, precision: str) -> int:
     so this only raises its size to the largest node's."""
     if precision != BF16_GEMM_PRECISION:
         return 0
-    g, w = matmul_gemm(node), node.srcs[1]
+    g, w = matmul_gemm(node), node.srcs[-1]
     need = g.scratch() if prefers_copies(g) else 0
     if _weight_in_blocks(node, 1) and w.role == "const" and w.storage in DEQUANT_KERNELS:
         b = block_gemm(node)   # batch folded into M: its own copies and split partials
@@ -225,40 +271,44 @@ def _matmul_scratch(node, precision: str) -> int:
 def block_gemm(node) -> Gemm:
     """x @ W^T / dy @ W with W a block-format weight, as tc_gemm's Gemm (x's batch axes
     folded into M; B's strides unused: tg_tcg_deq_* writes its copy)."""
-    (x, w), tb = node.srcs, node.attrs["trans_b"]
+    (x, w), tb = node.srcs[-2:], node.attrs["trans_b"]
     K = x.shape[-1]
     return Gemm(x.size // K if K else 0, w.shape[0] if tb else w.shape[1], K, K, 1, 0, 0)
 
 
-def _tc_matmul(node, at) -> list[Launch]:
+def _tc_matmul(node, at, add: int = 0, alpha: float = 1.0) -> tuple[list[Launch], bool]:
     """The tensor-core launches for a matmul: at bf16 a dense one runs tc_gemm.cu where the
     cost model prefers it (tc_gemm.prefers_copies: long k with few tiles, or large and
     compute-bound); otherwise, and at tf32, dense operands take tg_matmul's arguments (so
     every trans/batch/grouped-query case is covered); a block-format weight the fused
-    kernels' arguments."""
+    kernels' arguments. ``add`` (an address; 0: none): matmul_add's epilogue, which
+    tc_gemm.cu runs in its store; the second value says whether these launches did."""
     out, ptr, raw_consts, precision = at.out, at.ptr, at.raw_consts, at.precision
     if precision not in TC_KERNELS:
         raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
                         f"{precision!r} (have {sorted(TC_KERNELS)})")
     table = TC_KERNELS[precision]
-    w = node.srcs[1]
+    w = node.srcs[-1]
     if w.id in raw_consts and precision == BF16_GEMM_PRECISION:
         g = block_gemm(node)
-        if prefers_copies(g, row_bytes(w) * w.shape[0]):   # decoded once, then tc_gemm.cu
-            kind = "nt" if node.attrs["trans_b"] else "nn"
-            return gemm_launches(g, out, ptr(node.srcs[0]), 0, at.scratch,
+        if prefers_copies(g, row_bytes(w) * w.shape[0], epilogue=bool(add)):
+            kind = "nt" if node.attrs["trans_b"] else "nn"   # decoded once, then tc_gemm.cu
+            return gemm_launches(g, out, ptr(node.srcs[-2]), 0, at.scratch,
                                  f"matmul {node.name!r}",
                                  b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N,
-                                                               g.K, g.kp, row_bytes(w)))
+                                                               g.K, g.kp, row_bytes(w)),
+                                 add=add, alpha=alpha), True
     if w.id in raw_consts:
         q = _qmatmul(node, out, ptr, tile=TC_TILE)
-        return [Launch(table["nt" if node.attrs["trans_b"] else "nn"][node.srcs[1].storage],
-                       q.grid, q.args, block=(TC_THREADS, 1, 1))]
+        return [Launch(table["nt" if node.attrs["trans_b"] else "nn"][w.storage],
+                       q.grid, q.args, block=(TC_THREADS, 1, 1))], False
     g = matmul_gemm(node)
-    if precision == BF16_GEMM_PRECISION and prefers_copies(g):
-        x, y = node.srcs
-        return gemm_launches(g, out, ptr(x), ptr(y), at.scratch, f"matmul {node.name!r}")
-    return [_matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"], threads=TC_THREADS)]
+    if precision == BF16_GEMM_PRECISION and prefers_copies(g, epilogue=bool(add)):
+        x, y = node.srcs[-2:]
+        return gemm_launches(g, out, ptr(x), ptr(y), at.scratch, f"matmul {node.name!r}",
+                             add=add, alpha=alpha), True
+    return [_matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"],
+                    threads=TC_THREADS)], False
 
 
 def row_bytes(w) -> int:
@@ -270,7 +320,7 @@ def row_bytes(w) -> int:
 def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
     """x @ W^T (trans_b) or dy @ W on a block-format W [rows, cols]; x's batch axes fold
     into M since the 2-D W is shared by every batch entry and all buffers are contiguous."""
-    (x, w), tb = node.srcs, node.attrs["trans_b"]
+    (x, w), tb = node.srcs[-2:], node.attrs["trans_b"]
     K = x.shape[-1]
     M = x.size // K if K else 0
     N = w.shape[0] if tb else w.shape[1]
@@ -284,9 +334,10 @@ def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
 
 
 def _weight_in_blocks(node, index: int) -> bool:
-    """A matmul reads its b in block format as the weight of ``x @ W^T`` / ``dy @ W``: a
-    2-D b, trans_a=False, a's batch axes folded into M."""
-    return (index == 1 and node.srcs[1].ndim == 2 and node.srcs[0] is not node.srcs[1]
+    """A matmul (or matmul_add) reads its b, the last source, in block format as the weight
+    of ``x @ W^T`` / ``dy @ W``: a 2-D b, trans_a=False, a's batch axes folded into M."""
+    a, b = node.srcs[-2:]
+    return (index == len(node.srcs) - 1 and b.ndim == 2 and a is not b
             and not node.attrs["trans_a"])
 
 
@@ -295,10 +346,27 @@ def _lower_matmul(node, at):
     """f32: tg_matmul, or the QUANT_KERNELS of a block-format weight; bf16/tf32: the
     tensor-core kernels (_tc_matmul)."""
     if at.precision != "f32":
-        return _tc_matmul(node, at)
-    if node.srcs[1].id in at.raw_consts:
+        return _tc_matmul(node, at)[0]
+    if node.srcs[-1].id in at.raw_consts:
         return [_qmatmul(node, at.out, at.ptr)]
     return [_matmul(node, at.out, at.ptr)]
+
+
+@lowers("matmul_add", kernels=("tg_matmul", "tg_matmul_add_epilogue"), scratch=_matmul_scratch,
+        block_format=_weight_in_blocks)
+def _lower_matmul_add(node, at):
+    """The product as matmul lowers it, and the epilogue out = add + alpha * product: in
+    tc_gemm.cu's store (or split sum) where the bf16 GEMM runs the product, else
+    tg_matmul_add_epilogue over the product in out."""
+    add, alpha = at.ptr(node.srcs[0]), node.attrs["alpha"]
+    if at.precision != "f32":
+        launches, done = _tc_matmul(node, at, add, alpha)
+        if done:
+            return launches
+    else:
+        launches = _lower_matmul(node, at)
+    return launches + [Launch("tg_matmul_add_epilogue", grid_1d(node.size),
+                              [p(at.out), p(add), f32(alpha), i32(node.size)])]
 
 
 # --- unbatched launches for fused ops that run matmuls over raw addresses (loss.py's head) ---

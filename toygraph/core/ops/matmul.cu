@@ -100,3 +100,11 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_matmul(TG_MM_ARGS) {
 extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_matmul_acc(TG_MM_ARGS) {
     tg_matmul_tiles<true>(out, a, b, M, N, K, sam, sak, sbk, sbn, nbatch, batch);
 }
+
+// matmul_add's epilogue where the product's kernel has none (every path but tc_gemm.cu's):
+// out = add + alpha * out over the product already in out, rounded as matmul, scale, add
+// would round it (__fmul_rn, then __fadd_rn: never an fma).
+extern "C" __global__ void tg_matmul_add_epilogue(float* out, const float* add, float alpha,
+                                                  int n) {
+    TG_GRID_LOOP(i, n) out[i] = __fadd_rn(add[i], __fmul_rn(alpha, out[i]));
+}

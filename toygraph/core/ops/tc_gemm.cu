@@ -26,6 +26,11 @@
 //   C: c_e at row g + 8 (e >> 1), column 2t + (e & 1) (tg_tc_c_frag).
 // Each output is one fixed chain of mma over its k slices in increasing order, and split-K
 // sums the partials in a fixed order: bit-identical run to run.
+//
+// Epilogue (matmul_add): with `add` given, out = add + alpha * C, rounded as a separate
+// scale and add would round it (__fmul_rn, then __fadd_rn: no contraction into an fma), so
+// the fused node equals matmul, scale, add bit for bit; with splits > 1 the split sum
+// applies it to the summed partials.
 
 #define TCG_LD TC_BF16_LD
 #define TCG_BK TC_BF16_BK
@@ -153,12 +158,33 @@ __device__ __forceinline__ void tcg_compute(const unsigned short* As, const unsi
     }
 }
 
+// tg_tc_store with the matmul_add epilogue: C = add + alpha * acc where add is given.
+__device__ __forceinline__ void tcg_store(float* C, const float (&acc)[TC_MI][TC_NI][4],
+                                          int lane, int r0, int c0, int M, int N,
+                                          const float* add, float alpha) {
+#pragma unroll
+    for (int i = 0; i < TC_MI; ++i)
+#pragma unroll
+        for (int j = 0; j < TC_NI; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int row, col;
+                tg_tc_c_frag(lane, r, row, col);
+                const int gm = r0 + 16 * i + row, gn = c0 + 8 * j + col;
+                if (gm < M && gn < N) {
+                    const long long o = (long long)gm * N + gn;
+                    C[o] = add ? __fadd_rn(add[o], __fmul_rn(alpha, acc[i][j][r])) : acc[i][j][r];
+                }
+            }
+}
+
 // C[M, N] (row-major) = A B^T over k slices [kt0, kt1) for the tile at (m0, n0), staged in
 // the kernel's shared arrays tcg_As / tcg_Bs (declared in the extern "C" kernel: the host
 // executor only treats a kernel's own statics as shared memory, shim.h).
 __device__ __forceinline__ void tcg_tile(float* C, const unsigned short* A,
                                          const unsigned short* B, int M, int N, int Kp,
                                          int kt0, int kt1, int m0, int n0,
+                                         const float* add, float alpha,
                                          unsigned short (*tcg_As)[TC_BM * TCG_LD],
                                          unsigned short (*tcg_Bs)[TC_BN * TCG_LD]) {
     const int lane = threadIdx.x & 31;
@@ -185,7 +211,7 @@ __device__ __forceinline__ void tcg_tile(float* C, const unsigned short* A,
         tcg_compute(tcg_As[cur], tcg_Bs[cur], wm, wn, lane, acc);
         __syncthreads();   // stage cur is refilled by the next iteration's copies
     }
-    tg_tc_store(C, acc, lane, m0 + wm, n0 + wn, M, N);
+    tcg_store(C, acc, lane, m0 + wm, n0 + wn, M, N, add, alpha);
 }
 
 // tg_offsets with constant indices only: its loop over batch.nd indexes the parameter
@@ -208,10 +234,11 @@ __device__ __forceinline__ void tcg_offsets(const Strided& s, int i, int& oa, in
 // up to 65535, more in grid x (each block one z: a loop over z costs registers that
 // would spill at two blocks per SM). With splits > 1 (nbatch 1) split s covers k slices
 // [s * kts, (s + 1) * kts) and writes its partial [M, N] at out + s * M * N; otherwise
-// out is the [nbatch, M, N] result.
+// out is the [nbatch, M, N] result (plus alpha times add's, when add is given: splits 1).
 __device__ __forceinline__ void tcg_gemm(float* out, const unsigned short* a,
                                          const unsigned short* b, int M, int N, int Kp,
                                          int splits, int kts, int nbatch, const Strided& batch,
+                                         const float* add, float alpha,
                                          unsigned short (*As)[TC_BM * TCG_LD],
                                          unsigned short (*Bs)[TC_BN * TCG_LD]) {
     const int gx = (N + TC_BN - 1) / TC_BN;
@@ -223,22 +250,26 @@ __device__ __forceinline__ void tcg_gemm(float* out, const unsigned short* a,
     int oa, ob;
     tcg_offsets(batch, z / splits, oa, ob);
     const int kt0 = s * kts, kt1 = min(ktiles, kt0 + kts);
-    tcg_tile(out + (long long)z * M * N, a + oa, b + ob, M, N, Kp, kt0, kt1, m0, n0, As, Bs);
+    const long long oc = (long long)z * M * N;
+    tcg_tile(out + oc, a + oa, b + ob, M, N, Kp, kt0, kt1, m0, n0,
+             splits == 1 && add ? add + oc : nullptr, alpha, As, Bs);
 }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_bf16(
     float* out, const unsigned short* a, const unsigned short* b, int M, int N, int Kp,
-    int splits, int kts, int nbatch, Strided batch) {
+    int splits, int kts, int nbatch, Strided batch, const float* add, float alpha) {
     __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
     __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
-    tcg_gemm(out, a, b, M, N, Kp, splits, kts, nbatch, batch, tcg_As, tcg_Bs);
+    tcg_gemm(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, tcg_As, tcg_Bs);
 }
 
-// out[i] = parts[0][i] + parts[1][i] + ... + parts[splits - 1][i], in that order.
-extern "C" __global__ void tg_tcg_sum_splits(float* out, const float* parts, int splits, int n) {
+// out[i] = parts[0][i] + parts[1][i] + ... + parts[splits - 1][i], in that order (then
+// add[i] + alpha * that, when add is given: the matmul_add epilogue).
+extern "C" __global__ void tg_tcg_sum_splits(float* out, const float* parts, int splits, int n,
+                                             const float* add, float alpha) {
     TG_GRID_LOOP(i, n) {
         float s = parts[i];
         for (int k = 1; k < splits; ++k) s = __fadd_rn(s, parts[(long long)k * n + i]);
-        out[i] = s;
+        out[i] = add ? __fadd_rn(add[i], __fmul_rn(alpha, s)) : s;
     }
 }

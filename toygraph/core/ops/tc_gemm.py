@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toygraph.cuda.lowering import MAX_ELEMENTS, MAX_GRID_YZ, Launch, grid_1d, i32, p, strided
+from toygraph.cuda.lowering import MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32, grid_1d, i32, p, strided
 from toygraph.cuda.lowering.constants import TC_BF16_BK, TC_BM, TC_BN, TC_THREADS
 from toygraph.errors import CudaError
 
@@ -109,7 +109,7 @@ LAUNCH_FLOPS = 1e-6 * 989e12  # a launch of a replayed CUDA graph, ~1 us, in pea
 BLOCKS_DIRECT_EFF = (0.30, 0.70)
 
 
-def prefers_copies(g: Gemm, b_bytes: int | None = None) -> bool:
+def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False) -> bool:
     """Whether this GEMM (its copies, 8 bytes per operand element: f32 read, bf16 written
     and read again, and split-K) is modelled faster than tc_matmul.cu's direct kernel (4
     bytes per operand element, one block per tile, no split). Skinny, memory-bound
@@ -117,7 +117,9 @@ def prefers_copies(g: Gemm, b_bytes: int | None = None) -> bool:
     few tiles (weight gradients, the head's dh) and large square ones win by split-K and
     the faster pipeline. ``b_bytes``: B is a block-format weight of that many bytes, which
     the direct kernels decode per element in the tile loop and the copies decode once
-    (tg_tcg_deq_*). Times in units of one SM's share of the peak per flop."""
+    (tg_tcg_deq_*). ``epilogue``: a matmul_add, whose add the copies path reads in its
+    store and the direct path runs as one more pass (read out and add, write out).
+    Times in units of one SM's share of the peak per flop."""
     M, N, K, kp = g.M, g.N, g.K, g.kp
     gx, gy = g.tiles
     tiles = gx * gy * g.nbatch
@@ -139,6 +141,9 @@ def prefers_copies(g: Gemm, b_bytes: int | None = None) -> bool:
     copies = seconds(COPIES_EFF, -(-tiles * s // SMS), -(-slices // s),
                      8 * a_elems + copy_b + 4 * out * (2 * s + 1 if s > 1 else 1))
     copies += (3 if s > 1 else 2) * LAUNCH_FLOPS     # the copies and the split sum
+    if epilogue:
+        direct += 12 * out * RIDGE_FLOPS_PER_BYTE / DIRECT_EFF[1] + LAUNCH_FLOPS
+        copies += 4 * out * RIDGE_FLOPS_PER_BYTE / COPIES_EFF[1]
     return copies < direct
 
 
@@ -163,10 +168,12 @@ def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp:
 
 
 def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
-                  b_copy=None) -> list[Launch]:
+                  b_copy=None, add: int = 0, alpha: float = 1.0) -> list[Launch]:
     """The launches of ``g`` writing f32 C at ``out`` from f32 operands at ``a`` and ``b``,
     with g.scratch() bytes at ``scratch``; ``b_copy(dst)``, if given, makes the launch that
-    writes the B copy instead (a block-format weight's deq_launch)."""
+    writes the B copy instead (a block-format weight's deq_launch). ``add`` (an address,
+    0: none): the matmul_add epilogue, out = add + alpha * C, in the GEMM's store or, when
+    k is split, in the split sum."""
     M, N, K, kp = g.M, g.N, g.K, g.kp
     if M * N * g.nbatch == 0:
         return []
@@ -188,9 +195,10 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     gz = max(1, min(zs, MAX_GRID_YZ))
     launches.append(Launch("tg_tcg_gemm_bf16", (gx * -(-zs // gz), gy, gz),
                            [p(dst), p(ac), p(bc), i32(M), i32(N), i32(kp), i32(splits),
-                            i32(per), i32(g.nbatch), strided(list(g.dims), sa, sb)],
+                            i32(per), i32(g.nbatch), strided(list(g.dims), sa, sb),
+                            p(add if splits == 1 else 0), f32(alpha)],
                            block=(TC_THREADS, 1, 1)))
     if splits > 1:
         launches.append(Launch("tg_tcg_sum_splits", grid_1d(M * N),
-                               [p(out), p(parts), i32(splits), i32(M * N)]))
+                               [p(out), p(parts), i32(splits), i32(M * N), p(add), f32(alpha)]))
     return launches
