@@ -182,3 +182,90 @@ def test_a_broken_epilogue_index_fails(mutation, monkeypatch):
                         lambda precision="bf16": real.replace(old, new))
     got = run_phase(fused_g, "cuda", {}, "backward", fused_f, "bf16")
     assert not np.array_equal(got[0], want[0])
+
+
+# --- scale_a: (s a) @ b with the scale applied where the product reads a -------------------
+def _scaled_pair(fused: bool, sa, sb, ta, tb, s, seed=0):
+    """(s a) @ b, as matmul(scale_a=s) or as scale then matmul; loss sum(y * r)."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    a, b = g.param("a", rnd(rng, *sa)), g.param("b", rnd(rng, *sb))
+    if fused:
+        y = ops.matmul(a, b, trans_a=ta, trans_b=tb, scale_a=s)
+    else:
+        y = ops.matmul(ops.scale(a, s), b, trans_a=ta, trans_b=tb)
+    y = g.output(y)
+    loss = ops.sum(ops.mul(y, g.const("r", rnd(rng, *y.shape))))
+    grads = accumulate_grads(backward(loss, [a, b]))
+    return g, [y, grads[a], grads[b]]
+
+
+#: (a, b, trans_a, trans_b): LoRA's dB (dy^T u, a read transposed), du (dy B), a batched
+#: product with a weight shared by the batch, a long-k one the bf16 GEMM splits
+SCALED = {"lora-dB": ((300, 70), (300, 16), True, False),
+          "lora-du": ((300, 70), (70, 16), False, False),
+          "batched": ((2, 40, 24), (30, 24), False, True),
+          "split-k": ((1100, 24), (1100, 20), True, False)}
+
+
+@pytest.mark.parametrize("case", sorted(SCALED))
+@pytest.mark.parametrize("backend,precision,copies", [
+    ("cpu", "f32", False), ("cuda", "f32", False), ("cuda", "bf16", False),
+    ("cuda", "bf16", True)])
+def test_scale_a_is_bit_identical_to_a_scale_node(case, backend, precision, copies,
+                                                  monkeypatch):
+    """The product's own scale (the direct kernels' prescale into scratch, the bf16 copy's
+    __fmul_rn) rounds as the scale node it replaces, forward and backward."""
+    if copies:
+        copies_always(monkeypatch)
+    sa, sb, ta, tb = SCALED[case]
+    fused_g, fused_f = _scaled_pair(True, sa, sb, ta, tb, -0.37)
+    plain_g, plain_f = _scaled_pair(False, sa, sb, ta, tb, -0.37)
+    got = run_phase(fused_g, backend, {}, "backward", fused_f, precision)
+    want = run_phase(plain_g, backend, {}, "backward", plain_f, precision)
+    for name, x, y in zip(("y", "d a", "d b"), got, want):
+        assert np.array_equal(x, y), (name, float(np.abs(x - y).max()))
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_scale_a_gradients_match_finite_differences_in_f64(ta, tb):
+    rng = np.random.default_rng(4)
+    g = Graph()
+    a = g.param("a", rnd(rng, *((4, 5) if ta else (5, 4))))
+    b = g.param("b", rnd(rng, *((6, 4) if tb else (4, 6))))
+    add = g.param("add", rnd(rng, 5, 6))
+    y = ops.matmul_add(add, a, b, alpha=0.7, trans_a=ta, trans_b=tb, scale_a=-1.3)
+    loss = ops.sum(ops.mul(y, g.const("r", rnd(rng, 5, 6))))
+    check_gradients(g, loss, [a, b, add], {})
+
+
+def test_lora_backward_reads_the_scaled_gradient_without_a_scale_pass(tiny_llama):
+    """A LoRA projection's dB and du read s dy through scale_a: the backward has no scale
+    node over the output gradient of a LoRA up-projection."""
+    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.models.model import GGUFModel
+    cfg = GGUFModel(tiny_llama).config
+    g = Graph()
+    net = build_decoder(g, cfg, batch=1, seq_len=4, weights="scratch",
+                        lora=LoraConfig(rank=2, alpha=4, targets=("q", "v")))
+    params = [t for t in topo_order([net.logits]) if t.role == "param"]
+    loss = ops.sum(net.logits)
+    grads = backward(loss, params)
+    order = topo_order(list(grads.values()))
+    scaled = [t for t in order if t.op == "matmul" and t.attrs.get("scale_a", 1.0) != 1.0]
+    assert len(scaled) == 2 * 2 * cfg.n_layer      # dB and du of every adapter
+    assert all(t.attrs["scale_a"] == 2.0 for t in scaled)
+    assert not any(t.op == "scale" and t.attrs["s"] == 2.0 for t in order)
+
+
+def test_the_cost_model_counts_the_prescale_pass_of_the_direct_kernel():
+    g = Graph()
+    node = ops.matmul(g.const("dy", np.zeros((4096, 576), np.float32)),
+                      g.const("u", np.zeros((4096, 16), np.float32)), trans_a=True)
+    shape = gemm.matmul_gemm(node)
+    assert (tc_gemm.prefers_copies(shape, scaled_a=True)
+            or not tc_gemm.prefers_copies(shape))      # never the worse pick for the scale
+    direct_only = ops.matmul(g.const("x", np.zeros((64, 16), np.float32)),
+                             g.const("w", np.zeros((16, 8), np.float32)), scale_a=3.0)
+    assert [l.kernel for l in dispatch.lower(direct_only, lambda t: (t.id + 1) << 30, 1 << 40)
+            ] == ["tg_scale_vec", "tg_matmul"]

@@ -13,12 +13,12 @@ from math import prod
 
 import numpy as np
 
-from toygraph.core.ops.elementwise import scale
+from toygraph.core.ops.elementwise import grid_vec, scale, vector_ok
 from toygraph.core.ops.shape import broadcast_shapes, sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
 from toygraph.core.ops.tc_gemm import Gemm, deq_launch, gemm_launches, prefers_copies
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
-from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, contiguous_strides, declare_kernels,
+from toygraph.cuda.lowering import (MAX_GRID_YZ, At, Launch, contiguous_strides, declare_kernels,
                                     decodes, f32, grid_1d, i32, lowers, p, pad_shape, strided)
 from toygraph.cuda.lowering.constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
 from toygraph.errors import CudaError
@@ -62,13 +62,25 @@ BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_sum_splits",
                        for fmt in DEQUANT_KERNELS))
 
 
-def matmul(a, b, *, trans_a=False, trans_b=False):
+def matmul(a, b, *, trans_a=False, trans_b=False, scale_a: float = 1.0):
     """a @ b over the last two axes, batch axes broadcast. ``b`` may have fewer heads
-    than ``a`` (grouped-query attention); a 2-D ``b`` is a weight shared by every batch."""
-    return make_node("matmul", [a, b], trans_a=bool(trans_a), trans_b=bool(trans_b))
+    than ``a`` (grouped-query attention); a 2-D ``b`` is a weight shared by every batch.
+    ``scale_a``: (scale_a * a) @ b, a rounded to f32 after the scale as a scale node would
+    round it (LoRA's backward: s dy read by dB and du without a pass of its own; the bf16
+    GEMM's operand copy applies it)."""
+    return make_node("matmul", [a, b], **_attrs(trans_a, trans_b, scale_a))
 
 
-def matmul_add(add, a, b, *, alpha: float = 1.0, trans_a=False, trans_b=False):
+def _attrs(trans_a, trans_b, scale_a: float) -> dict:
+    """A product's attributes; scale_a only where it is not 1 (most graphs never see it)."""
+    attrs = dict(trans_a=bool(trans_a), trans_b=bool(trans_b))
+    if scale_a != 1.0:
+        attrs["scale_a"] = float(scale_a)
+    return attrs
+
+
+def matmul_add(add, a, b, *, alpha: float = 1.0, trans_a=False, trans_b=False,
+               scale_a: float = 1.0):
     """add + alpha * (a @ b), ``add`` of the product's shape: LoRA's y = x W^T + s (x A^T) B^T
     and the sums of gradient contributions, with the add (and scale) in the product's
     epilogue instead of two more passes over the output. Rounded as matmul, scale and add
@@ -76,8 +88,8 @@ def matmul_add(add, a, b, *, alpha: float = 1.0, trans_a=False, trans_b=False):
     matmul's are (the helpers below read ``srcs[-2:]``), and ``add`` comes first so the
     graph's order, and with it the order autodiff sums contributions in, is the unfused
     add's."""
-    return make_node("matmul_add", [add, a, b], alpha=float(alpha), trans_a=bool(trans_a),
-                     trans_b=bool(trans_b))
+    return make_node("matmul_add", [add, a, b], alpha=float(alpha),
+                     **_attrs(trans_a, trans_b, scale_a))
 
 
 def _mat_dims(shape, trans):
@@ -104,30 +116,54 @@ def _infer_matmul_add(shapes, dtypes, attrs):
     return shape, dtype
 
 
-def _grad_matmul(n, g, need):
+def _grad_matmul(n, g, need, g_scale: float = 1.0):
+    """dA and dB of the product, for the gradient ``g_scale * g``."""
     (a, b), ta, tb = n.srcs[-2:], n.attrs["trans_a"], n.attrs["trans_b"]
+    s_a = n.attrs.get("scale_a", 1.0)
+    if s_a == 1.0:
+        return _product_grads(a, b, ta, tb, g, need, g_scale)
+    # A product that scales its own a is made by autodiff, so only a second backward
+    # reaches here: the unfused graph's gradient (scale node, product, scale), its bits.
+    ga, gb = _product_grads(scale(a, s_a), b, ta, tb, g, need, g_scale)
+    return [None if ga is None else scale(ga, s_a), gb]
+
+
+def _product_grads(a, b, ta, tb, g, need, g_scale: float):
+    """dA and dB of a @ b (transposed as ta, tb) for the gradient ``g_scale * g``: a product
+    that reads g as its first operand scales it there (scale_a), one that reads it second
+    from a scale node, made once."""
+    scaled = []
+
+    def g_second():     # g scaled, as the second operand of a product
+        if g_scale == 1.0:
+            return g
+        if not scaled:
+            scaled.append(scale(g, g_scale))
+        return scaled[0]
     ga = gb = None
     if need[0]:  # dA = dC B^T (or its transpose when A was transposed)
-        ga = matmul(b, g, trans_a=tb, trans_b=True) if ta else matmul(g, b, trans_b=not tb)
+        ga = (matmul(b, g_second(), trans_a=tb, trans_b=True) if ta else
+              matmul(g, b, trans_b=not tb, scale_a=g_scale))
         ga = sum_to(ga, a.shape)
     if need[1]:
         if b.ndim == 2 and a.ndim > 2 and not ta:
             # A weight shared by every batch row: fold the batch axes into M so dB is one
             # 2-D matmul instead of a per-batch product summed afterwards.
-            af, gf = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-            gb = matmul(gf, af, trans_a=True) if tb else matmul(af, gf, trans_a=True)
+            af = a.reshape(-1, a.shape[-1])
+            gb = (matmul(g.reshape(-1, g.shape[-1]), af, trans_a=True, scale_a=g_scale) if tb
+                  else matmul(af, g_second().reshape(-1, g.shape[-1]), trans_a=True))
         else:  # dB = A^T dC (or its transpose)
-            gb = matmul(g, a, trans_a=True, trans_b=ta) if tb else matmul(a, g, trans_a=not ta)
+            gb = (matmul(g, a, trans_a=True, trans_b=ta, scale_a=g_scale) if tb else
+                  matmul(a, g_second(), trans_a=not ta))
             gb = sum_to(gb, b.shape)
     return [ga, gb]
 
 
 def _grad_matmul_add(n, g, need):
-    """The add's gradient is g; the product's is matmul's of alpha * g (the scale node the
-    unfused graph has, so the backward is the same graph and the same bits)."""
-    alpha = n.attrs["alpha"]
-    gp = g if alpha == 1.0 or not any(need[1:]) else scale(g, alpha)
-    return [g if need[0] else None] + _grad_matmul(n, gp, need[1:])
+    """The add's gradient is g; the product's is matmul's of alpha * g, scaled where its
+    products read it (scale_a: LoRA's du and dB read s dy with no scale pass), rounded as
+    the unfused graph's scale node rounds it: the same bits."""
+    return [g if need[0] else None] + _grad_matmul(n, g, need[1:], n.attrs["alpha"])
 
 
 def _fold_add_matmul(node, other):
@@ -146,6 +182,8 @@ define_op("matmul_add", _infer_matmul_add, _grad_matmul_add)
 @kernel("matmul")
 def _matmul_numpy(out, srcs, attrs):
     a, b = srcs
+    if attrs.get("scale_a", 1.0) != 1.0:
+        a = np.multiply(a, out.dtype.type(attrs["scale_a"]))
     if attrs["trans_a"]:
         a = np.swapaxes(a, -1, -2)
     if attrs["trans_b"]:
@@ -251,21 +289,56 @@ def matmul_gemm(node) -> Gemm:
                 sa=tuple(sa), sb=tuple(sb))
 
 
+def _picks_copies(node, g: Gemm, b_bytes: int | None = None) -> bool:
+    """Whether the cost model runs this product as tc_gemm.cu's GEMM on copies (at bf16),
+    given what the node adds to the direct kernels: matmul_add's epilogue pass, scale_a's
+    prescaling pass (both free on the copies path)."""
+    return prefers_copies(g, b_bytes, epilogue=node.op == "matmul_add",
+                          scaled_a=_scale_a(node) != 1.0)
+
+
+def _scale_a(node) -> float:
+    return node.attrs.get("scale_a", 1.0)
+
+
+def _prescaled_bytes(node) -> int:
+    """Scratch for scale_a * a where the product's kernel cannot scale its operand."""
+    return 0 if _scale_a(node) == 1.0 else (4 * node.srcs[-2].size + 255) // 256 * 256
+
+
 def _matmul_scratch(node, precision: str) -> int:
-    """The bf16 GEMM's operand copies and split partials (tc_gemm.py); none otherwise. Room
-    for both ways a block-format b may be read (the memory plan decides later): dense
-    (matmul_gemm) and decoded once (block_gemm, batch folded into M, so it may split k
-    where the batched dense walk does not). Scratch is one buffer shared by every node,
-    so this only raises its size to the largest node's."""
+    """The bf16 GEMM's operand copies and split partials (tc_gemm.py), or a prescaled a
+    (scale_a) before any other kernel. Room for both ways a block-format b may be read
+    (the memory plan decides later): dense (matmul_gemm) and decoded once (block_gemm,
+    batch folded into M, so it may split k where the batched dense walk does not).
+    Scratch is one buffer shared by every node, so this only raises its size to the
+    largest node's."""
+    direct = _prescaled_bytes(node)
     if precision != BF16_GEMM_PRECISION:
-        return 0
+        return direct
     g, w = matmul_gemm(node), node.srcs[-1]
-    need = g.scratch() if prefers_copies(g) else 0
-    if _weight_in_blocks(node, 1) and w.role == "const" and w.storage in DEQUANT_KERNELS:
+    need = g.scratch() if _picks_copies(node, g) else direct
+    if (_weight_in_blocks(node, len(node.srcs) - 1) and w.role == "const"
+            and w.storage in DEQUANT_KERNELS):
         b = block_gemm(node)   # batch folded into M: its own copies and split partials
-        if prefers_copies(b, row_bytes(w) * w.shape[0]):
-            need = max(need, b.scratch())
+        need = max(need, b.scratch() if _picks_copies(node, b, row_bytes(w) * w.shape[0])
+                   else direct)
     return need
+
+
+def _prescale(node, at) -> tuple[list[Launch], At]:
+    """For a product with scale_a whose kernel reads a as it is: scale_a * a into the front
+    of scratch (tg_scale's arithmetic, the unfused scale node's), and where the node's
+    launches then read a and their own scratch. Nothing for a product without scale_a."""
+    if _scale_a(node) == 1.0:
+        return [], at
+    a, dst = node.srcs[-2], at.scratch
+    src, n = at.ptr(a), a.size
+    name, grid = ("tg_scale_vec", grid_vec(n)) if vector_ok(dst, src) else ("tg_scale", grid_1d(n))
+    ptr = at.ptr
+    return ([Launch(name, grid, [p(dst), p(src), i32(n), f32(_scale_a(node))])],
+            at._replace(ptr=lambda t: dst if t is a else ptr(t),
+                        scratch=at.scratch + _prescaled_bytes(node)))
 
 
 def block_gemm(node) -> Gemm:
@@ -288,27 +361,28 @@ def _tc_matmul(node, at, add: int = 0, alpha: float = 1.0) -> tuple[list[Launch]
         raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
                         f"{precision!r} (have {sorted(TC_KERNELS)})")
     table = TC_KERNELS[precision]
-    w = node.srcs[-1]
+    (x, w), s_a = node.srcs[-2:], _scale_a(node)
+    what = f"matmul {node.name!r}"
     if w.id in raw_consts and precision == BF16_GEMM_PRECISION:
         g = block_gemm(node)
-        if prefers_copies(g, row_bytes(w) * w.shape[0], epilogue=bool(add)):
+        if _picks_copies(node, g, row_bytes(w) * w.shape[0]):
             kind = "nt" if node.attrs["trans_b"] else "nn"   # decoded once, then tc_gemm.cu
-            return gemm_launches(g, out, ptr(node.srcs[-2]), 0, at.scratch,
-                                 f"matmul {node.name!r}",
+            return gemm_launches(g, out, ptr(x), 0, at.scratch, what,
                                  b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N,
                                                                g.K, g.kp, row_bytes(w)),
-                                 add=add, alpha=alpha), True
-    if w.id in raw_consts:
-        q = _qmatmul(node, out, ptr, tile=TC_TILE)
-        return [Launch(table["nt" if node.attrs["trans_b"] else "nn"][w.storage],
-                       q.grid, q.args, block=(TC_THREADS, 1, 1))], False
+                                 add=add, alpha=alpha, a_scale=s_a), True
     g = matmul_gemm(node)
-    if precision == BF16_GEMM_PRECISION and prefers_copies(g, epilogue=bool(add)):
-        x, y = node.srcs[-2:]
-        return gemm_launches(g, out, ptr(x), ptr(y), at.scratch, f"matmul {node.name!r}",
-                             add=add, alpha=alpha), True
-    return [_matmul(node, out, ptr, tile=TC_TILE, kernel=table["matmul"],
-                    threads=TC_THREADS)], False
+    if (w.id not in raw_consts and precision == BF16_GEMM_PRECISION
+            and _picks_copies(node, g)):
+        return gemm_launches(g, out, ptr(x), ptr(w), at.scratch, what, add=add, alpha=alpha,
+                             a_scale=s_a), True
+    pre, at = _prescale(node, at)
+    if w.id in raw_consts:
+        q = _qmatmul(node, out, at.ptr, tile=TC_TILE)
+        return pre + [Launch(table["nt" if node.attrs["trans_b"] else "nn"][w.storage],
+                             q.grid, q.args, block=(TC_THREADS, 1, 1))], False
+    return pre + [_matmul(node, out, at.ptr, tile=TC_TILE, kernel=table["matmul"],
+                          threads=TC_THREADS)], False
 
 
 def row_bytes(w) -> int:
@@ -341,18 +415,21 @@ def _weight_in_blocks(node, index: int) -> bool:
             and not node.attrs["trans_a"])
 
 
-@lowers("matmul", kernels=("tg_matmul",), scratch=_matmul_scratch, block_format=_weight_in_blocks)
+@lowers("matmul", kernels=("tg_matmul", "tg_scale", "tg_scale_vec"), scratch=_matmul_scratch,
+        block_format=_weight_in_blocks)
 def _lower_matmul(node, at):
     """f32: tg_matmul, or the QUANT_KERNELS of a block-format weight; bf16/tf32: the
     tensor-core kernels (_tc_matmul)."""
     if at.precision != "f32":
         return _tc_matmul(node, at)[0]
+    pre, at = _prescale(node, at)
     if node.srcs[-1].id in at.raw_consts:
-        return [_qmatmul(node, at.out, at.ptr)]
-    return [_matmul(node, at.out, at.ptr)]
+        return pre + [_qmatmul(node, at.out, at.ptr)]
+    return pre + [_matmul(node, at.out, at.ptr)]
 
 
-@lowers("matmul_add", kernels=("tg_matmul", "tg_matmul_add_epilogue"), scratch=_matmul_scratch,
+@lowers("matmul_add", kernels=("tg_matmul", "tg_scale", "tg_scale_vec", "tg_matmul_add_epilogue"),
+        scratch=_matmul_scratch,
         block_format=_weight_in_blocks)
 def _lower_matmul_add(node, at):
     """The product as matmul lowers it, and the epilogue out = add + alpha * product: in

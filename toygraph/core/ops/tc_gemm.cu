@@ -60,14 +60,26 @@ __device__ __forceinline__ void tcg_copy_tile(unsigned short* dst, const Op& op,
     __syncthreads();
 }
 
-// f32 X(r, k) = src[z * mat + r * sr + k * sk] -> dst[z][r][k] for the nmat matrices.
+// X(r, k) = scale * p[r*sr + k*sk] rounded to f32 (__fmul_rn: a scale node's rounding;
+// scale 1 reads p as it is): matmul's scale_a, applied by the copy.
+struct TcScaled {
+    const float* p;
+    int sr, sk;
+    float scale;
+    __device__ __forceinline__ int kfast() const { return sk == 1; }
+    __device__ __forceinline__ float at(int r, int k) const {
+        return __fmul_rn(scale, p[(long long)r * sr + (long long)k * sk]);
+    }
+};
+
+// f32 X(r, k) = scale * src[z * mat + r * sr + k * sk] -> dst[z][r][k] for the nmat matrices.
 extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_to_bf16(
     unsigned short* dst, const float* src, int R, int K, int Kp, int sr, int sk, int nmat,
-    int mat) {
+    int mat, float scale) {
     __shared__ float tcg_tile_f32[32][33];
     for (int z = blockIdx.z; z < nmat; z += gridDim.z)
-        tcg_copy_tile(dst + (long long)z * R * Kp, TcStrided{src + (long long)z * mat, sr, sk},
-                      R, K, Kp, tcg_tile_f32);
+        tcg_copy_tile(dst + (long long)z * R * Kp,
+                      TcScaled{src + (long long)z * mat, sr, sk, scale}, R, K, Kp, tcg_tile_f32);
 }
 
 // A block-format weight W [rows][cols] (row_bytes per row) decoded once into the GEMM's

@@ -109,7 +109,8 @@ LAUNCH_FLOPS = 1e-6 * 989e12  # a launch of a replayed CUDA graph, ~1 us, in pea
 BLOCKS_DIRECT_EFF = (0.30, 0.70)
 
 
-def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False) -> bool:
+def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False,
+                   scaled_a: bool = False) -> bool:
     """Whether this GEMM (its copies, 8 bytes per operand element: f32 read, bf16 written
     and read again, and split-K) is modelled faster than tc_matmul.cu's direct kernel (4
     bytes per operand element, one block per tile, no split). Skinny, memory-bound
@@ -118,7 +119,9 @@ def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False) 
     the faster pipeline. ``b_bytes``: B is a block-format weight of that many bytes, which
     the direct kernels decode per element in the tile loop and the copies decode once
     (tg_tcg_deq_*). ``epilogue``: a matmul_add, whose add the copies path reads in its
-    store and the direct path runs as one more pass (read out and add, write out).
+    store and the direct path runs as one more pass (read out and add, write out);
+    ``scaled_a``: a scale_a product, whose scale the copies path applies in its copy and
+    the direct path as a pass of its own (read a, write its scaled copy).
     Times in units of one SM's share of the peak per flop."""
     M, N, K, kp = g.M, g.N, g.K, g.kp
     gx, gy = g.tiles
@@ -144,11 +147,13 @@ def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False) 
     if epilogue:
         direct += 12 * out * RIDGE_FLOPS_PER_BYTE / DIRECT_EFF[1] + LAUNCH_FLOPS
         copies += 4 * out * RIDGE_FLOPS_PER_BYTE / COPIES_EFF[1]
+    if scaled_a:
+        direct += 8 * a_elems * RIDGE_FLOPS_PER_BYTE / DIRECT_EFF[1] + LAUNCH_FLOPS
     return copies < direct
 
 
 def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat: int,
-          what: str) -> list[Launch]:
+          what: str, scale: float = 1.0) -> list[Launch]:
     if rows * kp * nmat == 0:
         return []
     if nmat * rows * max(k, kp) > MAX_ELEMENTS or -(-rows // 32) > MAX_GRID_YZ:
@@ -156,7 +161,8 @@ def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat
                         "int indexing")
     grid = (-(-kp // 32), -(-rows // 32), min(nmat, MAX_GRID_YZ))
     return [Launch("tg_tcg_to_bf16", grid, [p(dst), p(src), i32(rows), i32(k), i32(kp),
-                                            i32(sr), i32(sk), i32(nmat), i32(rows * k)])]
+                                            i32(sr), i32(sk), i32(nmat), i32(rows * k),
+                                            f32(scale)])]
 
 
 def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp: int,
@@ -168,12 +174,14 @@ def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp:
 
 
 def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
-                  b_copy=None, add: int = 0, alpha: float = 1.0) -> list[Launch]:
+                  b_copy=None, add: int = 0, alpha: float = 1.0,
+                  a_scale: float = 1.0) -> list[Launch]:
     """The launches of ``g`` writing f32 C at ``out`` from f32 operands at ``a`` and ``b``,
     with g.scratch() bytes at ``scratch``; ``b_copy(dst)``, if given, makes the launch that
     writes the B copy instead (a block-format weight's deq_launch). ``add`` (an address,
     0: none): the matmul_add epilogue, out = add + alpha * C, in the GEMM's store or, when
-    k is split, in the split sum."""
+    k is split, in the split sum. ``a_scale``: the A copy holds bf16(a_scale * a), a
+    rounded to f32 after the scale (matmul's scale_a)."""
     M, N, K, kp = g.M, g.N, g.K, g.kp
     if M * N * g.nbatch == 0:
         return []
@@ -189,7 +197,7 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     slices = -(-kp // TC_BF16_BK)
     per = -(-slices // splits) if splits > 1 else max(1, slices)
     dst = parts if splits > 1 else out
-    launches = _copy(ac, a, M, K, kp, g.sam, g.sak, g.na, what)
+    launches = _copy(ac, a, M, K, kp, g.sam, g.sak, g.na, what, a_scale)
     launches += [b_copy(bc)] if b_copy else _copy(bc, b, N, K, kp, g.sbn, g.sbk, g.nb, what)
     zs = g.nbatch * splits          # grid z up to MAX_GRID_YZ, the rest folded into x
     gz = max(1, min(zs, MAX_GRID_YZ))
