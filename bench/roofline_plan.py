@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 from math import ceil
 
 SHAPES = {  # the configs' model dimensions (bench/random_llama.py's, which bench_lora uses)
@@ -84,17 +85,23 @@ def shape_model(dims: dict, wtype: str):
 
 def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: str,
                   targets=("q", "k", "v", "o", "gate", "up", "down"), rank: int = 16,
-                  alpha: float = 32, clip: float = 1.0):
-    """[(node, Launch)] of one LoRA step on CUDA, in launch order, and the config."""
+                  alpha: float = 32, clip: float = 1.0, bf16_activations: bool = True):
+    """[(node, Launch)] of one LoRA step on CUDA, in launch order, the config, and how the
+    plan stores tensors (:class:`Stored`); ``bf16_activations`` False models
+    TOYGRAPH_CUDA_BF16_ACTIVATIONS=0."""
     import toygraph.core.ops  # noqa: F401  (fills the lowering registry)
     from toygraph.core.optimizer import build_training
     from toygraph.core.session import Session
     from toygraph.cuda.devmem import plan_device_memory
     from toygraph.cuda.lowering.dispatch import lower
+    from toygraph.cuda.storage import plan_bf16
     from toygraph.recipes import LoRA, RecipeOptions
 
     class NoDevice:
-        itemsize = 4          # the CUDA backend's buffers are all f32, as the numpy one's
+        itemsize = 4          # the CUDA backend's f32 buffers
+
+        def bf16_buffers(self, schedule, pinned):   # as CudaBackend's
+            return plan_bf16(schedule, pinned, precision) if bf16_activations else frozenset()
 
         def realize(self, *args):
             pass
@@ -114,7 +121,7 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
     schedule = sess.schedules["step"]
     outputs = [t for ts in recipe.graph.outputs.values() for t in ts]
     mem = plan_device_memory(schedule, sess.plan, sess.pinned, outputs, qmatmul=True)
-    raw = frozenset(mem.raw_consts)
+    stored = Stored(frozenset(mem.raw_consts), sess.plan.bf16)
     # Addresses: launches need them and the model never dereferences them, but an arena
     # tensor's must be its plan offset, so the views the plan makes launch nothing.
     arena, pinned_at = 1 << 40, 1 << 50
@@ -126,8 +133,9 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
     for t in schedule:
         if t.op is not None:
             scratch = 1 << 32 if t.id in mem.scratch else 0
-            out += [(t, l) for l in lower(t, ptr, scratch, raw, precision)]
-    return out, cfg, raw
+            out += [(t, l) for l in lower(t, ptr, scratch, stored.raw, precision,
+                                          stored.half)]
+    return out, cfg, stored
 
 
 # --- per launch ------------------------------------------------------------------------------------
@@ -135,15 +143,23 @@ def _arg(launch, i) -> int:
     return int(launch.args[i][0])
 
 
-def _nbytes(t, raw) -> int:
-    """Bytes of tensor ``t`` on the device: block bytes for a const kept in its format."""
-    if t.id in raw:
+class Stored(NamedTuple):
+    """How the plan stores tensors besides f32: ``raw`` the consts kept in their block
+    format, ``half`` the activations kept in bf16 (cuda/storage.py)."""
+    raw: frozenset = frozenset()
+    half: frozenset = frozenset()
+
+
+def _nbytes(t, stored: Stored) -> int:
+    """Bytes of tensor ``t`` on the device: block bytes for a const kept in its format, 2 an
+    element for an activation kept in bf16."""
+    if t.id in stored.raw:
         from toygraph.gguf import blocks
         return blocks.nbytes(t.storage, t.shape)
-    return 4 * max(t.size, 1)
+    return (2 if t.id in stored.half else 4) * max(t.size, 1)
 
 
-def _gemm(node, launch, raw) -> Cost:
+def _gemm(node, launch, stored) -> Cost:
     """tg_tc_matmul_* / tg_tc_qmm_* / tg_matmul(_acc) / tg_qmm_*: M, N, K from the arguments;
     the tensor-core kernels issue whole 128 x 128 x BK tiles (zeros past the edges)."""
     from toygraph.cuda.lowering.constants import MM_BM, MM_BK, TC_BM, TC_BF16_BK, TC_TF32_BK
@@ -173,7 +189,7 @@ def _gemm(node, launch, raw) -> Cost:
     return cost
 
 
-def _tc_gemm(node, launch, raw) -> Cost:
+def _tc_gemm(node, launch, stored) -> Cost:
     """tc_gemm.cu (the bf16 GEMM, issue 25): the f32 -> bf16 operand copies and the
     block-format weights' decoded copies, the GEMM over
     128 x 128 tiles x splits of k (ptxas, sm_90: 126 registers x 256 threads, 40 KB of
@@ -181,23 +197,27 @@ def _tc_gemm(node, launch, raw) -> Cost:
     split sum."""
     from toygraph.cuda.lowering.constants import TC_BM, TC_BF16_BK
     k, kind = launch.kernel, "gemm tensor-core (cp.async + ldmatrix)"
-    if k == "tg_tcg_to_bf16":           # R x K f32 per matrix in, R x Kp bf16 out
+    if k == "tg_tcg_to_bf16":           # R x K f32 (or bf16) per matrix in, R x Kp bf16 out
         R, K, Kp, nmat = _arg(launch, 2), _arg(launch, 3), _arg(launch, 4), _arg(launch, 7)
-        return Cost(k, kind, bytes=nmat * (4 * R * K + 2 * R * Kp))
+        return Cost(k, kind, bytes=nmat * ((2 if _arg(launch, 10) else 4) * R * K + 2 * R * Kp))
     if k.startswith("tg_tcg_deq_"):     # the block-format weight once in, N x Kp bf16 out
         R, Kp = _arg(launch, 2), _arg(launch, 4)
         w = node.srcs[-1]
-        return Cost(k, kind, bytes=_nbytes(w, raw) + 2 * R * Kp)
-    add = _arg(launch, -2) != 0        # matmul_add's epilogue: the added tensor read once
+        return Cost(k, kind, bytes=_nbytes(w, stored) + 2 * R * Kp)
+    add = _arg(launch, -3) != 0        # matmul_add's epilogue: the added tensor read once
+    half = _arg(launch, -1)            # bf16 mask: bit 0 the added tensor, bit 16 C
+    c_size, add_size = (2 if half >> 16 else 4), (2 if half & 1 else 4) * add
     if k == "tg_tcg_sum_splits":        # splits partials in, one out
         splits, n = _arg(launch, 2), _arg(launch, 3)
         return Cost(k, kind, fma=(splits - 1.0 + 2 * add) * n,
-                    bytes=4.0 * (splits + 1 + add) * n)
+                    bytes=(4.0 * splits + add_size + c_size) * n)
     M, N, Kp, splits, kts, nbatch = (_arg(launch, i) for i in range(3, 9))
     slices = ceil(Kp / TC_BF16_BK)
     blocks = ceil(M / TC_BM) * ceil(N / TC_BM) * nbatch * splits
-    # bf16 copies read once (re-reads by other tiles assumed to hit L2); C or the partials
-    cost = Cost(k, kind, bytes=2 * (M + N) * Kp * nbatch + 4 * M * N * nbatch * (splits + add),
+    # bf16 copies read once (re-reads by other tiles assumed to hit L2); C (or the f32
+    # partials) written, the added tensor read
+    c_bytes = 4 * splits if splits > 1 else c_size + add_size
+    cost = Cost(k, kind, bytes=2 * (M + N) * Kp * nbatch + c_bytes * M * N * nbatch,
                 useful=2.0 * M * N * Kp * nbatch, blocks=blocks,
                 tile_flops=2.0 * TC_BM * TC_BM * min(kts, slices) * TC_BF16_BK)
     cost.tc = cost.blocks * cost.tile_flops
@@ -229,7 +249,7 @@ def visible_tile_pairs(T: int, BQ: int, BK: int, causal: bool, window: int) -> i
     return pairs
 
 
-def _attention(node, launch, raw) -> Cost:
+def _attention(node, launch, stored) -> Cost:
     from toygraph.cuda.lowering.constants import ATTN_TILES
     stem, HD = re.fullmatch(r"(tg_attn_\w+?)_(\d+)", launch.kernel).groups()
     HD = int(HD)
@@ -255,7 +275,7 @@ def _attention(node, launch, raw) -> Cost:
 TCA_PASSES = {"tg_tca_fwd": 2, "tg_tca_bwd_dq": 3, "tg_tca_bwd_dkdv": 4}
 
 
-def _tc_attention(node, launch, raw) -> Cost:
+def _tc_attention(node, launch, stored) -> Cost:
     from toygraph.cuda.lowering import constants
     k, kind = launch.kernel, "attention tensor-core"
     q, kk = node.srcs[0], node.srcs[1]
@@ -290,7 +310,7 @@ def _tc_attention(node, launch, raw) -> Cost:
 def _streaming(kind: str, flops_per_elem: float = 1.0, sfu_per_elem: float = 0.0):
     """A kernel that reads its node's operands and writes its output once: bytes of the
     distinct sources (block bytes for a const kept in its format) plus the output."""
-    def cost(node, launch, raw) -> Cost:
+    def cost(node, launch, stored) -> Cost:
         srcs = {s.id: s for s in node.srcs}.values()
         n = max(node.size, 1)
         if launch.kernel == "tg_fill":                 # writes n zeros, reads nothing
@@ -298,11 +318,11 @@ def _streaming(kind: str, flops_per_elem: float = 1.0, sfu_per_elem: float = 0.0
         if launch.kernel.startswith("tg_get_rows_"):   # reads only the rows it gathers
             table = node.srcs[0]
             rows = node.size // table.shape[-1]
-            read = _nbytes(table, raw) * rows // table.shape[0] + 4 * node.srcs[1].size
+            read = _nbytes(table, stored) * rows // table.shape[0] + 4 * node.srcs[1].size
         else:
-            read = sum(_nbytes(s, raw) for s in srcs)
+            read = sum(_nbytes(s, stored) for s in srcs)
         return Cost(launch.kernel, kind, fma=flops_per_elem * n, sfu=sfu_per_elem * n,
-                    bytes=read + 4 * n, useful=flops_per_elem * n)
+                    bytes=read + _nbytes(node, stored), useful=flops_per_elem * n)
     return cost
 
 
@@ -314,7 +334,7 @@ def _list_sizes(table) -> list[int]:
     return [int(x) for x in np.frombuffer(table[32 * T:36 * T].tobytes(), np.int32)[:count]]
 
 
-def _optimizer(node, launch, raw) -> Cost:
+def _optimizer(node, launch, stored) -> Cost:
     k = launch.kernel
     if k == "tg_adamw_list":             # per tensor: w, g, m, v in; w, m, v out
         n = sum(_list_sizes(launch.args[0]))
@@ -328,7 +348,7 @@ def _optimizer(node, launch, raw) -> Cost:
     return Cost(k, "adamw + clip", bytes=8 * _arg(launch, 2))   # tg_global_norm: the partials
 
 
-def _loss(node, launch, raw) -> Cost:
+def _loss(node, launch, stored) -> Cost:
     """The fused head's row kernels over one chunk's [rows, V] logits (arguments c, V)."""
     k = launch.kernel
     if k in ("tg_ce_rows", "tg_ce_back", "tg_ce_back_rows"):
@@ -358,17 +378,20 @@ RULES = [
     (r"tg_binary_vec|tg_scale_vec", _streaming("elementwise vectorised")),
     (r"tg_binary|tg_scale|tg_copy|tg_gather|tg_fill|tg_get_rows(_\w+)?", _streaming("elementwise")),
     # matmul_add's epilogue after a kernel without one: the product and the add in, out
-    (r"tg_matmul_add_epilogue", lambda node, launch, raw: Cost(
+    (r"tg_matmul_add_epilogue", lambda node, launch, stored: Cost(
         launch.kernel, "elementwise", fma=2.0 * node.size, bytes=12.0 * node.size,
         useful=2.0 * node.size)),
 ]
 
 
-def launch_cost(node, launch, raw=frozenset()) -> Cost:
-    """The :class:`Cost` of ``launch``, one of ``node``'s launches."""
+def launch_cost(node, launch, stored=frozenset()) -> Cost:
+    """The :class:`Cost` of ``launch``, one of ``node``'s launches; ``stored`` the plan's
+    :class:`Stored` (or just the ids of the consts kept in their block format)."""
+    if not isinstance(stored, Stored):
+        stored = Stored(frozenset(stored))
     for pattern, rule in RULES:
         if re.fullmatch(pattern, launch.kernel):
-            cost = rule(node, launch, raw)
+            cost = rule(node, launch, stored)
             cost.node = node.name
             return cost
     raise ValueError(f"bench/roofline_plan.py has no cost rule for kernel {launch.kernel!r} "

@@ -101,10 +101,10 @@ def test_mismatched_shapes_are_refused():
 
 #: One index of gated.cu changed as a careless edit would: the parity check must fail.
 MUTATIONS = {
-    "d up is written one element early": ("out[up_at + i] = __fmul_rn",
-                                          "out[up_at + i - (i > 0)] = __fmul_rn"),
-    "the forward reads the next up": ("tg_gate_act(gate[i], act), up[i])",
-                                      "tg_gate_act(gate[i], act), up[(i + 1) % n])"),
+    "d up is written one element early": ("tg_stx(out, (long long)up_at + i,",
+                                          "tg_stx(out, (long long)up_at + i - (i > 0),"),
+    "the forward reads the next up": ("tg_ldx(up, i, bf16, 1)), bf16);",
+                                      "tg_ldx(up, (i + 1) % n, bf16, 1)), bf16);"),
 }
 
 

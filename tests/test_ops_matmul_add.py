@@ -92,7 +92,7 @@ def test_the_bf16_lowering_runs_the_epilogue_where_the_cost_model_says(shapes):
     launches = dispatch.lower(node, ptr, 1 << 40, precision="bf16")
     last = launches[-1]
     assert last.kernel == ROUTES[shapes]
-    add_at = 1 if last.kernel == "tg_matmul_add_epilogue" else -2
+    add_at = 1 if last.kernel == "tg_matmul_add_epilogue" else -3
     assert int(last.args[add_at][0]) == ptr(c)
     assert sum("epilogue" in l.kernel for l in launches) == (add_at == 1)
     f32 = [l.kernel for l in dispatch.lower(node, ptr, 1 << 40, precision="f32")]
@@ -159,10 +159,10 @@ def test_lora_projection_has_no_scale_or_add_on_the_adapters_path(tiny_llama):
 
 #: One index of the epilogue changed: the fused result then differs from the unfused one.
 MUTATIONS = {
-    "store adds the wrong row of add": ("__fadd_rn(add[o], __fmul_rn(alpha, acc[i][j][r]))",
-                                        "__fadd_rn(add[o ^ 1], __fmul_rn(alpha, acc[i][j][r]))"),
-    "split sum adds its neighbour's add": ("out[i] = add ? __fadd_rn(add[i],",
-                                           "out[i] = add ? __fadd_rn(add[i ^ 1],"),
+    "store adds the wrong row of add": ("__fadd_rn(tg_ldx(add, o, bf16, 0),",
+                                        "__fadd_rn(tg_ldx(add, o ^ 1, bf16, 0),"),
+    "split sum adds its neighbour's add": ("add ? __fadd_rn(tg_ldx(add, i, bf16, 0),",
+                                           "add ? __fadd_rn(tg_ldx(add, i ^ 1, bf16, 0),"),
 }
 
 

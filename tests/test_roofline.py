@@ -121,10 +121,14 @@ def test_adamw_is_one_launch_moving_seven_f32_per_weight(plan):
     assert adam.bytes == 28 * lora and sumsq.bytes == 4 * lora
 
 
-def test_the_gated_backward_reads_three_and_writes_two(plan):
+def test_the_gated_backward_reads_three_and_writes_two(plan, plan_f32):
+    """gate, up and the gradient in, d gate and d up out: all in bf16 at bf16 (products
+    make the three and only products read the two, cuda/storage.py), f32 at f32."""
     from toygraph.core.ops.gated import up_offset
     n = B * T * FF
     c = [c for nd, l, c in plan if l.kernel == "tg_glu_back"][0]
+    assert c.bytes == 2 * (3 * n + up_offset(n) + n)
+    c = [c for nd, l, c in plan_f32 if l.kernel == "tg_glu_back"][0]
     assert c.bytes == 4 * (3 * n + up_offset(n) + n)
     assert sum(1 for nd, l, c in plan if l.kernel in ("tg_silu", "tg_silu_back")) == 0
 

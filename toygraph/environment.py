@@ -55,6 +55,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "replay each phase as a captured CUDA graph (0: launch kernels one by one)"),
     Setting("TOYGRAPH_CUDA_QMATMUL", "flag", "1",
             "keep block-format weights quantized on the device (0: f32 copies of all)"),
+    Setting("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "flag", "1",
+            "at `--precision bf16`, keep the activations that only matmuls and bf16-aware "
+            "kernels read in bf16 (0: every buffer f32, the matmuls still bf16)"),
     Setting("TOYGRAPH_BASE_MEMORY", "choice", "auto",
             "how the numpy backend holds a frozen base stored as f16/bf16/quantized blocks: "
             "`decode` to f32 once at realize (fastest; 4 bytes a weight), `quantized` in its "

@@ -10,6 +10,10 @@ its bytes are the result's) and an ``unpack`` of one at an ALIGN-aligned offset 
 buffer: each is a view of its source's bytes, whose life then lasts to the view's last
 reader. So reshapes copy nothing, and a node that packs several results (attention_back,
 glu_back) hands them out with no copy.
+
+Buffers hold the backend's float type (``itemsize`` bytes an element), except the tensors
+in ``half``: the CUDA backend at --precision bf16 keeps some activations in bf16 (2 bytes;
+cuda/storage.py says which), and a view of one is bf16 too.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class BufferPlan:
     base_bytes: int = 0      # the block-format consts: f32 copies, or their block bytes
     scratch_bytes: int = 0   # the one buffer just-in-time decodes write into
     quantized: frozenset = frozenset()   # ids of the consts kept in their block format
+    bf16: frozenset = frozenset()        # ids of the intermediates kept in bf16 (CUDA)
 
     @property
     def total_bytes(self) -> int:
@@ -80,33 +85,37 @@ def view_offset(t) -> int:
     return t.attrs["offset"] if t.op == "unpack" else 0
 
 
-def views(schedule, pinned: set[int], itemsize: int) -> dict[int, int]:
+def views(schedule, pinned: set[int], itemsize: int, half=frozenset()) -> dict[int, int]:
     """{view id: id of the buffer it reads} for the view ops planned as views (see above)."""
     root: dict[int, int] = {}
     for t in schedule:
         if t.op not in VIEW_OPS or not is_planned(t, pinned):
             continue
         src = t.srcs[0]
+        size = 2 if src.id in half else itemsize
         if src.dtype == t.dtype and is_planned(src, pinned) and \
-                view_offset(t) * itemsize % ALIGN == 0:
+                view_offset(t) * size % ALIGN == 0:
             root[t.id] = root.get(src.id, src.id)
     return root
 
 
-def plan_buffers(schedule, pinned: set[int], itemsize: int, pinned_bytes: int = 0) -> BufferPlan:
-    """First-fit placement of every arena tensor of ``schedule`` by liveness."""
-    root = views(schedule, pinned, itemsize)
+def plan_buffers(schedule, pinned: set[int], itemsize: int, pinned_bytes: int = 0,
+                 half=frozenset()) -> BufferPlan:
+    """First-fit placement of every arena tensor of ``schedule`` by liveness; the tensors
+    in ``half`` (and only planned intermediates may be) take 2 bytes an element."""
+    root = views(schedule, pinned, itemsize, half)
     last_use: dict[int, int] = {}
     for i, t in enumerate(schedule):
         for s in t.srcs:
             last_use[root.get(s.id, s.id)] = i
-    plan = BufferPlan(pinned_bytes=pinned_bytes)
+    plan = BufferPlan(pinned_bytes=pinned_bytes, bf16=frozenset(half))
     live: list[tuple[int, int, int]] = []  # (offset, size, tensor id), sorted by offset
     for i, t in enumerate(schedule):
         if t.id in root:  # a view: its source's bytes from the offset on
-            plan.offsets[t.id] = plan.offsets[t.srcs[0].id] + view_offset(t) * itemsize
+            step = 2 if t.srcs[0].id in half else itemsize
+            plan.offsets[t.id] = plan.offsets[t.srcs[0].id] + view_offset(t) * step
         elif is_planned(t, pinned):
-            size = aligned(max(1, t.size) * itemsize)
+            size = aligned(max(1, t.size) * (2 if t.id in half else itemsize))
             offset = _first_fit(live, size)
             live.append((offset, size, t.id))
             live.sort()

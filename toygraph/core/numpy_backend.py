@@ -45,6 +45,10 @@ class CpuBackend:
         self.itemsize = np.dtype(self.dtype).itemsize
         self.arrays: dict[int, np.ndarray] = {}
 
+    def bf16_buffers(self, schedule, pinned) -> frozenset:
+        """None: every buffer has the backend's dtype (the reference arithmetic)."""
+        return frozenset()
+
     def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):
         missing = [n.op for n in schedule if n.op is not None and n.op not in KERNELS]
         if missing:

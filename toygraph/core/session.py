@@ -42,7 +42,7 @@ def _make_backend(backend: str, precision: str, dtype: str):
         return CpuBackend(dtype)
     from toygraph.cuda.backend import CudaBackend
     if dtype != "f32":
-        raise CudaError(f"the cuda backend keeps every buffer in f32, got dtype {dtype!r} "
+        raise CudaError(f"the cuda backend computes in f32, got dtype {dtype!r} "
                         "(use backend='cpu' with dtype='f64' for gradient checks)")
     return CudaBackend(precision)
 
@@ -55,7 +55,8 @@ class Session:
     - ``precision``: the input precision of every matmul, the training setting (CLI
       ``--precision``, ``RunConfig.precision``, ``RecipeOptions.precision``,
       ``CudaBackend.precision``): ``"f32"``, or on the cuda backend ``"bf16"`` / ``"tf32"``
-      (tensor cores, f32 accumulation, every buffer still f32).
+      (tensor cores, f32 accumulation; at ``"bf16"`` the activations that only matmuls
+      and bf16-aware kernels read are stored in bf16, cuda/storage.py).
     - ``dtype``: the float type of every buffer on the numpy backend: ``"f32"``, or
       ``"f64"`` for finite-difference gradient checks (cpu only; never a training option).
 
@@ -97,7 +98,8 @@ class Session:
         itemsize = self.backend.itemsize
         pinned_bytes = sum(nbytes(t, 4 if t.dtype == "i32" else itemsize)
                            for t in full if t.id in pinned and t.op not in ("accumulate", "adamw"))
-        self.plan = plan_buffers(full, pinned, itemsize, pinned_bytes)
+        half = self.backend.bf16_buffers(full, pinned)
+        self.plan = plan_buffers(full, pinned, itemsize, pinned_bytes, half)
         if self.backend_name == "cpu":
             outputs = [t for p in PHASES for t in g.outputs[p]]
             plan_base(full, self.plan, pinned, outputs, self.base_memory, itemsize)

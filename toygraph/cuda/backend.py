@@ -11,8 +11,10 @@ buffers); ``read`` is the only host<->device synchronisation.
 ``precision="bf16"`` (or ``"tf32"``) is mixed precision: every matmul runs on tensor cores
 (ops/tc_matmul.cu) with its f32 operands rounded to bf16 (tf32) as they are staged in
 shared memory and block-format weights decoded straight to that type, accumulating in f32;
-all other ops, the f32 master weights and the Adam moments are unchanged. ``"f32"`` (the
-default) compiles and launches exactly the plain f32 kernels.
+the f32 master weights, the Adam moments, reductions and the residual stream stay f32. At
+"bf16" the activations that only bf16-reading kernels consume are also *stored* in bf16
+(cuda/storage.py; ``TOYGRAPH_CUDA_BF16_ACTIVATIONS=0`` keeps every buffer f32).
+``"f32"`` (the default) compiles and launches exactly the plain f32 kernels.
 
 >>> sess = Session(graph, backend="cuda", precision="bf16")   # doctest: +SKIP
 
@@ -47,6 +49,7 @@ from toygraph.cuda.lowering.dispatch import lower
 from toygraph.cuda.lowering.launch import MAX_ELEMENTS, Collective, Launch
 from toygraph.cuda.lowering.registry import REGISTRY, decode_launch
 from toygraph.cuda.lowering.sources import backend_source
+from toygraph.cuda.storage import plan_bf16
 from toygraph.errors import CudaError
 
 logger = logging.getLogger(__name__)
@@ -86,10 +89,10 @@ class CudaBackend:
         if precision not in PRECISIONS:
             raise CudaError(f"the cuda backend's matmul precision must be one of "
                             f"{', '.join(PRECISIONS)} ('bf16' / 'tf32': tensor-core matmuls), "
-                            f"got {precision!r} (buffers are always f32; use backend='cpu' "
+                            f"got {precision!r} (its buffers are f32; use backend='cpu' "
                             "with dtype='f64' for gradient checks)")
         self.precision = precision
-        self.itemsize = 4   # every buffer is f32 whatever the matmuls' input precision
+        self.itemsize = 4   # f32 buffers (at "bf16" the plan makes some activations 2 bytes)
         self.ctx = open_device(device)
         if precision in TENSOR_CORE_PRECISIONS and _sm(self.ctx.arch) < 80:
             raise CudaError(f"precision {precision!r} needs tensor cores with bf16/tf32 mma "
@@ -109,6 +112,13 @@ class CudaBackend:
         self.module = None
 
     # --- realize ------------------------------------------------------------------------------
+    def bf16_buffers(self, schedule, pinned) -> frozenset:
+        """The activations kept in bf16 at precision "bf16" (cuda/storage.py; none with
+        ``TOYGRAPH_CUDA_BF16_ACTIVATIONS=0`` or at another precision)."""
+        if not environment.get("TOYGRAPH_CUDA_BF16_ACTIVATIONS"):
+            return frozenset()
+        return plan_bf16(schedule, pinned, self.precision)
+
     def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):
         """Compile, allocate the arena and pinned buffers, upload consts and params."""
         self.ctx.make_current()
@@ -127,7 +137,7 @@ class CudaBackend:
         own = [t for t in schedule if t.id in mem.f32_buffers or t.id in mem.raw_consts]
         for t in schedule:
             if t.id in plan.offsets:
-                end = plan.offsets[t.id] + t.size * self.itemsize
+                end = plan.offsets[t.id] + t.size * (2 if t.id in plan.bf16 else self.itemsize)
                 if plan.offsets[t.id] < 0 or end > plan.arena_bytes:
                     raise CudaError(f"buffer plan places {t.name!r} at bytes "
                                     f"[{plan.offsets[t.id]}, {end}) outside the arena of "
@@ -161,7 +171,8 @@ class CudaBackend:
         for t in schedule:
             if t.op is not None:
                 scratch = self.scratch_ptr if t.id in mem.scratch else 0
-                launches = lower(t, self._ptr, scratch, self.raw_consts, self.precision)
+                launches = lower(t, self._ptr, scratch, self.raw_consts, self.precision,
+                                 plan.bf16)
                 self._launches[t.id] = [self._prepare(l) for l in launches]
         self.ctx.sync()
         self._keep.clear()

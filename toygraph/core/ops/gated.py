@@ -21,8 +21,8 @@ declare_kernels(__file__, "gated.cu", needs=("elementwise.cu",))
 #: The activations by name: (their code in gated.cu, numpy forward, numpy backward).
 ACTS = {"silu": (0, _silu_numpy, _silu_back_numpy), "gelu": (1, _gelu_numpy, _gelu_back_numpy)}
 #: d up starts at a multiple of this many elements of glu_back's packed output, so its
-#: view keeps the 256-byte alignment of every buffer (in f32 and f64).
-PACK_ALIGN = 64
+#: view keeps the 256-byte alignment of every buffer (in bf16, f32 and f64).
+PACK_ALIGN = 128
 
 
 def glu(gate, up, act: str):
@@ -96,12 +96,14 @@ def _glu_back_numpy(out, srcs, attrs):
 
 
 # --- CUDA lowering (gated.cu) ------------------------------------------------------------------
-@lowers("glu", "glu_back", kernels=("tg_glu", "tg_glu_back"))
+@lowers("glu", "glu_back", kernels=("tg_glu", "tg_glu_back"), bf16_reads=(0, 1, 2),
+        bf16_writes=True)
 def _glu(node, at):
-    act = i32(ACTS[node.attrs["act"]][0])
+    act, mask = i32(ACTS[node.attrs["act"]][0]), i32(at.bf16_mask(node))
     srcs = [p(at.ptr(s)) for s in node.srcs]
     if node.op == "glu":
-        return [Launch("tg_glu", grid_1d(node.size), [p(at.out), *srcs, i32(node.size), act])]
+        return [Launch("tg_glu", grid_1d(node.size),
+                       [p(at.out), *srcs, i32(node.size), act, mask])]
     n = node.srcs[0].size
     return [Launch("tg_glu_back", grid_1d(n),
-                   [p(at.out), *srcs, i32(n), i32(up_offset(n)), act])]
+                   [p(at.out), *srcs, i32(n), i32(up_offset(n)), act, mask])]

@@ -312,17 +312,16 @@ def _matmul_scratch(node, precision: str) -> int:
     (the memory plan decides later): dense (matmul_gemm) and decoded once (block_gemm,
     batch folded into M, so it may split k where the batched dense walk does not).
     Scratch is one buffer shared by every node, so this only raises its size to the
-    largest node's."""
+    largest node's. At bf16 the copies' room is kept whatever the cost model picks: an
+    operand kept in bf16 (decided after scratch, cuda/storage.py) always takes tc_gemm.cu."""
     direct = _prescaled_bytes(node)
     if precision != BF16_GEMM_PRECISION:
         return direct
     g, w = matmul_gemm(node), node.srcs[-1]
-    need = g.scratch() if _picks_copies(node, g) else direct
+    need = max(g.scratch(), direct)
     if (_weight_in_blocks(node, len(node.srcs) - 1) and w.role == "const"
             and w.storage in DEQUANT_KERNELS):
-        b = block_gemm(node)   # batch folded into M: its own copies and split partials
-        need = max(need, b.scratch() if _picks_copies(node, b, row_bytes(w) * w.shape[0])
-                   else direct)
+        need = max(need, block_gemm(node).scratch())   # batch folded into M: its own split
     return need
 
 
@@ -349,33 +348,42 @@ def block_gemm(node) -> Gemm:
     return Gemm(x.size // K if K else 0, w.shape[0] if tb else w.shape[1], K, K, 1, 0, 0)
 
 
-def _tc_matmul(node, at, add: int = 0, alpha: float = 1.0) -> tuple[list[Launch], bool]:
+def _tc_matmul(node, at, add: int = 0, alpha: float = 1.0,
+               add_bf16: bool = False) -> tuple[list[Launch], bool]:
     """The tensor-core launches for a matmul: at bf16 a dense one runs tc_gemm.cu where the
     cost model prefers it (tc_gemm.prefers_copies: long k with few tiles, or large and
     compute-bound); otherwise, and at tf32, dense operands take tg_matmul's arguments (so
     every trans/batch/grouped-query case is covered); a block-format weight the fused
     kernels' arguments. ``add`` (an address; 0: none): matmul_add's epilogue, which
-    tc_gemm.cu runs in its store; the second value says whether these launches did."""
+    tc_gemm.cu runs in its store; the second value says whether these launches did. An
+    operand, output or added tensor kept in bf16 (cuda/storage.py) is read and written only
+    by tc_gemm.cu."""
     out, ptr, raw_consts, precision = at.out, at.ptr, at.raw_consts, at.precision
     if precision not in TC_KERNELS:
         raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
                         f"{precision!r} (have {sorted(TC_KERNELS)})")
     table = TC_KERNELS[precision]
     (x, w), s_a = node.srcs[-2:], _scale_a(node)
+    half = dict(a_bf16=at.half(x), b_bf16=at.half(w), out_bf16=at.half(node),
+                add_bf16=add_bf16)
     what = f"matmul {node.name!r}"
     if w.id in raw_consts and precision == BF16_GEMM_PRECISION:
         g = block_gemm(node)
-        if _picks_copies(node, g, row_bytes(w) * w.shape[0]):
+        if any(half.values()) or _picks_copies(node, g, row_bytes(w) * w.shape[0]):
             kind = "nt" if node.attrs["trans_b"] else "nn"   # decoded once, then tc_gemm.cu
             return gemm_launches(g, out, ptr(x), 0, at.scratch, what,
                                  b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N,
                                                                g.K, g.kp, row_bytes(w)),
-                                 add=add, alpha=alpha, a_scale=s_a), True
+                                 add=add, alpha=alpha, a_scale=s_a, a_bf16=half["a_bf16"],
+                                 out_bf16=half["out_bf16"], add_bf16=add_bf16), True
     g = matmul_gemm(node)
     if (w.id not in raw_consts and precision == BF16_GEMM_PRECISION
-            and _picks_copies(node, g)):
+            and (any(half.values()) or _picks_copies(node, g))):
         return gemm_launches(g, out, ptr(x), ptr(w), at.scratch, what, add=add, alpha=alpha,
-                             a_scale=s_a), True
+                             a_scale=s_a, **half), True
+    if any(half.values()):
+        raise CudaError(f"{what}: an operand or output kept in bf16 needs precision "
+                        f"{BF16_GEMM_PRECISION!r}'s GEMM")
     pre, at = _prescale(node, at)
     if w.id in raw_consts:
         q = _qmatmul(node, out, at.ptr, tile=TC_TILE)
@@ -416,7 +424,7 @@ def _weight_in_blocks(node, index: int) -> bool:
 
 
 @lowers("matmul", kernels=("tg_matmul", "tg_scale", "tg_scale_vec"), scratch=_matmul_scratch,
-        block_format=_weight_in_blocks)
+        block_format=_weight_in_blocks, bf16_reads=(-2, -1), bf16_writes=True)
 def _lower_matmul(node, at):
     """f32: tg_matmul, or the QUANT_KERNELS of a block-format weight; bf16/tf32: the
     tensor-core kernels (_tc_matmul)."""
@@ -429,15 +437,15 @@ def _lower_matmul(node, at):
 
 
 @lowers("matmul_add", kernels=("tg_matmul", "tg_scale", "tg_scale_vec", "tg_matmul_add_epilogue"),
-        scratch=_matmul_scratch,
-        block_format=_weight_in_blocks)
+        scratch=_matmul_scratch, block_format=_weight_in_blocks, bf16_reads=(0, 1, 2),
+        bf16_writes=True)
 def _lower_matmul_add(node, at):
     """The product as matmul lowers it, and the epilogue out = add + alpha * product: in
     tc_gemm.cu's store (or split sum) where the bf16 GEMM runs the product, else
     tg_matmul_add_epilogue over the product in out."""
     add, alpha = at.ptr(node.srcs[0]), node.attrs["alpha"]
     if at.precision != "f32":
-        launches, done = _tc_matmul(node, at, add, alpha)
+        launches, done = _tc_matmul(node, at, add, alpha, at.half(node.srcs[0]))
         if done:
             return launches
     else:

@@ -270,7 +270,7 @@ def _unpack(node, at):
     """A copy out of the packed buffer, read from the element offset on; nothing when the
     buffer plan made the unpack a view of those very bytes (core/memory.py)."""
     n = node.size
-    src = at.ptr(node.srcs[0]) + 4 * node.attrs["offset"]
+    src = at.ptr(node.srcs[0]) + (2 if at.half(node.srcs[0]) else 4) * node.attrs["offset"]
     if src == at.out:
         return []
     return [Launch("tg_copy", grid_1d(n), [p(at.out), p(src), i32(n)])]

@@ -5,8 +5,9 @@
 // tokens): each split writes its partial tile to its own slice of a scratch, and
 // tg_tcg_sum_splits adds the slices in split order.
 //
-// Operands: canonical bf16 copies written by tg_tcg_to_bf16 from the f32 tensors (a bf16
-// activation path would hand them over directly), or for a block-format weight by
+// Operands: canonical bf16 copies written by tg_tcg_to_bf16 from the f32 tensors, an
+// activation kept in bf16 that already has the canonical layout as it is (tc_gemm.py's
+// `canonical`), or for a block-format weight by
 // tg_tcg_deq_{nt,nn}_<fmt> (decoded once per GEMM): A as [matrices][M][Kp], B as
 // [matrices][N][Kp] (k contiguous, Kp = K rounded up to 8 and zero-padded, so every row
 // is whole 16-byte chunks). Transposed operands are transposed by the copy, so the GEMM
@@ -35,10 +36,10 @@
 #define TCG_LD TC_BF16_LD
 #define TCG_BK TC_BF16_BK
 
-// X(r, k) -> bf16 dst[r][k], k < Kp, zero past K, X one of tc_matmul.cu's operand readers
-// (TcStrided: f32, any transpose; TcBlocksNT/NN: a block-format weight, decoded). A 32 x 32
-// tile through shared memory, read along the source's contiguous axis and written along
-// k, so a transposing copy is coalesced on both sides. 256 threads.
+// X(r, k) -> bf16 dst[r][k], k < Kp, zero past K, X an operand reader (TcScaled below: f32
+// or bf16, any transpose, scaled; tc_matmul.cu's TcBlocksNT/NN: a block-format weight,
+// decoded). A 32 x 32 tile through shared memory, read along the source's contiguous axis
+// and written along k, so a transposing copy is coalesced on both sides. 256 threads.
 template <class Op>
 __device__ __forceinline__ void tcg_copy_tile(unsigned short* dst, const Op& op, int R, int K,
                                               int Kp, float (*tile)[33]) {
@@ -60,26 +61,32 @@ __device__ __forceinline__ void tcg_copy_tile(unsigned short* dst, const Op& op,
     __syncthreads();
 }
 
-// X(r, k) = scale * p[r*sr + k*sk] rounded to f32 (__fmul_rn: a scale node's rounding;
-// scale 1 reads p as it is): matmul's scale_a, applied by the copy.
+// X(r, k) = scale * p[base + r*sr + k*sk] rounded to f32 (__fmul_rn: a scale node's
+// rounding; scale 1 reads p as it is): matmul's scale_a, applied by the copy. p is f32, or
+// bf16 when `bf16` is 1 (an activation kept in bf16, cuda/storage.py: a copy only to
+// transpose, pad or scale it).
 struct TcScaled {
-    const float* p;
+    const void* p;
+    long long base;
     int sr, sk;
     float scale;
+    int bf16;
     __device__ __forceinline__ int kfast() const { return sk == 1; }
     __device__ __forceinline__ float at(int r, int k) const {
-        return __fmul_rn(scale, p[(long long)r * sr + (long long)k * sk]);
+        return __fmul_rn(scale, tg_ldx(p, base + (long long)r * sr + (long long)k * sk, bf16, 0));
     }
 };
 
-// f32 X(r, k) = scale * src[z * mat + r * sr + k * sk] -> dst[z][r][k] for the nmat matrices.
+// X(r, k) = scale * src[z * mat + r * sr + k * sk] -> bf16 dst[z][r][k] for the nmat
+// matrices; src f32, or bf16 with `bf16` 1.
 extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_to_bf16(
-    unsigned short* dst, const float* src, int R, int K, int Kp, int sr, int sk, int nmat,
-    int mat, float scale) {
+    unsigned short* dst, const void* src, int R, int K, int Kp, int sr, int sk, int nmat,
+    int mat, float scale, int bf16) {
     __shared__ float tcg_tile_f32[32][33];
     for (int z = blockIdx.z; z < nmat; z += gridDim.z)
         tcg_copy_tile(dst + (long long)z * R * Kp,
-                      TcScaled{src + (long long)z * mat, sr, sk, scale}, R, K, Kp, tcg_tile_f32);
+                      TcScaled{src, (long long)z * mat, sr, sk, scale, bf16}, R, K, Kp,
+                      tcg_tile_f32);
 }
 
 // A block-format weight W [rows][cols] (row_bytes per row) decoded once into the GEMM's
@@ -170,10 +177,12 @@ __device__ __forceinline__ void tcg_compute(const unsigned short* As, const unsi
     }
 }
 
-// tg_tc_store with the matmul_add epilogue: C = add + alpha * acc where add is given.
-__device__ __forceinline__ void tcg_store(float* C, const float (&acc)[TC_MI][TC_NI][4],
+// tg_tc_store with the matmul_add epilogue: C = add + alpha * acc where add is given. With
+// `bf16` bit 0 add is read in bf16, with TG_OUT_BF16 C is written in bf16 (tensors kept in
+// bf16, cuda/storage.py).
+__device__ __forceinline__ void tcg_store(void* C, const float (&acc)[TC_MI][TC_NI][4],
                                           int lane, int r0, int c0, int M, int N,
-                                          const float* add, float alpha) {
+                                          const void* add, float alpha, int bf16) {
 #pragma unroll
     for (int i = 0; i < TC_MI; ++i)
 #pragma unroll
@@ -185,7 +194,9 @@ __device__ __forceinline__ void tcg_store(float* C, const float (&acc)[TC_MI][TC
                 const int gm = r0 + 16 * i + row, gn = c0 + 8 * j + col;
                 if (gm < M && gn < N) {
                     const long long o = (long long)gm * N + gn;
-                    C[o] = add ? __fadd_rn(add[o], __fmul_rn(alpha, acc[i][j][r])) : acc[i][j][r];
+                    tg_stx(C, o, add ? __fadd_rn(tg_ldx(add, o, bf16, 0),
+                                                 __fmul_rn(alpha, acc[i][j][r]))
+                                     : acc[i][j][r], bf16);
                 }
             }
 }
@@ -193,10 +204,10 @@ __device__ __forceinline__ void tcg_store(float* C, const float (&acc)[TC_MI][TC
 // C[M, N] (row-major) = A B^T over k slices [kt0, kt1) for the tile at (m0, n0), staged in
 // the kernel's shared arrays tcg_As / tcg_Bs (declared in the extern "C" kernel: the host
 // executor only treats a kernel's own statics as shared memory, shim.h).
-__device__ __forceinline__ void tcg_tile(float* C, const unsigned short* A,
+__device__ __forceinline__ void tcg_tile(void* C, const unsigned short* A,
                                          const unsigned short* B, int M, int N, int Kp,
                                          int kt0, int kt1, int m0, int n0,
-                                         const float* add, float alpha,
+                                         const void* add, float alpha, int bf16,
                                          unsigned short (*tcg_As)[TC_BM * TCG_LD],
                                          unsigned short (*tcg_Bs)[TC_BN * TCG_LD]) {
     const int lane = threadIdx.x & 31;
@@ -223,7 +234,7 @@ __device__ __forceinline__ void tcg_tile(float* C, const unsigned short* A,
         tcg_compute(tcg_As[cur], tcg_Bs[cur], wm, wn, lane, acc);
         __syncthreads();   // stage cur is refilled by the next iteration's copies
     }
-    tcg_store(C, acc, lane, m0 + wm, n0 + wn, M, N, add, alpha);
+    tcg_store(C, acc, lane, m0 + wm, n0 + wn, M, N, add, alpha, bf16);
 }
 
 // tg_offsets with constant indices only: its loop over batch.nd indexes the parameter
@@ -246,11 +257,12 @@ __device__ __forceinline__ void tcg_offsets(const Strided& s, int i, int& oa, in
 // up to 65535, more in grid x (each block one z: a loop over z costs registers that
 // would spill at two blocks per SM). With splits > 1 (nbatch 1) split s covers k slices
 // [s * kts, (s + 1) * kts) and writes its partial [M, N] at out + s * M * N; otherwise
-// out is the [nbatch, M, N] result (plus alpha times add's, when add is given: splits 1).
-__device__ __forceinline__ void tcg_gemm(float* out, const unsigned short* a,
+// out is the [nbatch, M, N] result (plus alpha times add's, when add is given: splits 1),
+// in bf16 when `bf16` says so (splits 1; the partials are f32).
+__device__ __forceinline__ void tcg_gemm(void* out, const unsigned short* a,
                                          const unsigned short* b, int M, int N, int Kp,
                                          int splits, int kts, int nbatch, const Strided& batch,
-                                         const float* add, float alpha,
+                                         const void* add, float alpha, int bf16,
                                          unsigned short (*As)[TC_BM * TCG_LD],
                                          unsigned short (*Bs)[TC_BN * TCG_LD]) {
     const int gx = (N + TC_BN - 1) / TC_BN;
@@ -263,25 +275,31 @@ __device__ __forceinline__ void tcg_gemm(float* out, const unsigned short* a,
     tcg_offsets(batch, z / splits, oa, ob);
     const int kt0 = s * kts, kt1 = min(ktiles, kt0 + kts);
     const long long oc = (long long)z * M * N;
-    tcg_tile(out + oc, a + oa, b + ob, M, N, Kp, kt0, kt1, m0, n0,
-             splits == 1 && add ? add + oc : nullptr, alpha, As, Bs);
+    void* c = (bf16 >> TG_OUT_BF16) & 1 ? (void*)((unsigned short*)out + oc)
+                                        : (void*)((float*)out + oc);
+    const void* ad = !add || splits != 1 ? nullptr
+                     : bf16 & 1 ? (const void*)((const unsigned short*)add + oc)
+                                : (const void*)((const float*)add + oc);
+    tcg_tile(c, a + oa, b + ob, M, N, Kp, kt0, kt1, m0, n0, ad, alpha, bf16, As, Bs);
 }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_bf16(
-    float* out, const unsigned short* a, const unsigned short* b, int M, int N, int Kp,
-    int splits, int kts, int nbatch, Strided batch, const float* add, float alpha) {
+    void* out, const unsigned short* a, const unsigned short* b, int M, int N, int Kp,
+    int splits, int kts, int nbatch, Strided batch, const void* add, float alpha, int bf16) {
     __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
     __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
-    tcg_gemm(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, tcg_As, tcg_Bs);
+    tcg_gemm(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, bf16, tcg_As,
+             tcg_Bs);
 }
 
 // out[i] = parts[0][i] + parts[1][i] + ... + parts[splits - 1][i], in that order (then
-// add[i] + alpha * that, when add is given: the matmul_add epilogue).
-extern "C" __global__ void tg_tcg_sum_splits(float* out, const float* parts, int splits, int n,
-                                             const float* add, float alpha) {
+// add[i] + alpha * that, when add is given: the matmul_add epilogue); add in bf16 where
+// `bf16` has bit 0 set, out where it has TG_OUT_BF16.
+extern "C" __global__ void tg_tcg_sum_splits(void* out, const float* parts, int splits, int n,
+                                             const void* add, float alpha, int bf16) {
     TG_GRID_LOOP(i, n) {
         float s = parts[i];
         for (int k = 1; k < splits; ++k) s = __fadd_rn(s, parts[(long long)k * n + i]);
-        out[i] = add ? __fadd_rn(add[i], __fmul_rn(alpha, s)) : s;
+        tg_stx(out, i, add ? __fadd_rn(tg_ldx(add, i, bf16, 0), __fmul_rn(alpha, s)) : s, bf16);
     }
 }

@@ -2,10 +2,11 @@
 --precision bf16 when the cost model prefers it to tc_matmul.cu's direct kernel
 (:func:`prefers_copies`; gemm.py decides; block-format weights and tf32 keep tc_matmul.cu).
 
-The activations are f32, so each operand is first copied to bf16 in the GEMM's canonical
-layout, [matrices][rows][Kp] with k contiguous and Kp = K rounded up to 8
-(tg_tcg_to_bf16, transposing where the operand's k is not contiguous); the GEMM then
-stages 16-byte chunks of those copies with cp.async and reads fragments with ldmatrix.
+Each operand is first copied to bf16 in the GEMM's canonical layout, [matrices][rows][Kp]
+with k contiguous and Kp = K rounded up to 8 (tg_tcg_to_bf16 from f32, or from an
+activation kept in bf16 (cuda/storage.py) where it must be transposed, padded or scaled;
+one already in that layout is read as it is); the GEMM then stages 16-byte chunks of the
+copies with cp.async and reads fragments with ldmatrix.
 
 Split-K: a 2-D product whose output tiles cannot fill the GPU (TARGET_BLOCKS) and whose
 k is long -- the weight gradients dW = x^T dy, LoRA's dA and dB (K = tokens), the head's
@@ -32,6 +33,8 @@ TARGET_BLOCKS = 132
 MIN_SPLIT_SLICES = 4
 #: k of the canonical copies is padded to a multiple of this: whole 16-byte cp.async chunks.
 K_ALIGN = 8
+#: A kernel's ``bf16`` argument with the output bit set (common.cuh's TG_OUT_BF16).
+OUT_BF16 = 1 << 16
 
 
 def _align(n: int, to: int = 256) -> int:
@@ -152,8 +155,16 @@ def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False,
     return copies < direct
 
 
+def canonical(rows: int, k: int, sr: int, sk: int, mats: tuple, scale: float = 1.0) -> bool:
+    """Whether a bf16 operand (rows x k per matrix, X(r, k) at r*sr + k*sk, matrices at the
+    strides ``mats``) already is its GEMM copy: k contiguous, rows k apart, k a multiple of
+    K_ALIGN (so Kp = k and no padding), whole matrices apart, and no scale to apply."""
+    return (scale == 1.0 and sk == 1 and sr == k and k % K_ALIGN == 0
+            and all(m % (rows * k) == 0 for m in mats))
+
+
 def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat: int,
-          what: str, scale: float = 1.0) -> list[Launch]:
+          what: str, scale: float = 1.0, bf16: bool = False) -> list[Launch]:
     if rows * kp * nmat == 0:
         return []
     if nmat * rows * max(k, kp) > MAX_ELEMENTS or -(-rows // 32) > MAX_GRID_YZ:
@@ -162,7 +173,7 @@ def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat
     grid = (-(-kp // 32), -(-rows // 32), min(nmat, MAX_GRID_YZ))
     return [Launch("tg_tcg_to_bf16", grid, [p(dst), p(src), i32(rows), i32(k), i32(kp),
                                             i32(sr), i32(sk), i32(nmat), i32(rows * k),
-                                            f32(scale)])]
+                                            f32(scale), i32(bf16)])]
 
 
 def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp: int,
@@ -175,18 +186,27 @@ def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp:
 
 def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
                   b_copy=None, add: int = 0, alpha: float = 1.0,
-                  a_scale: float = 1.0) -> list[Launch]:
+                  a_scale: float = 1.0, a_bf16: bool = False,
+                  b_bf16: bool = False, out_bf16: bool = False,
+                  add_bf16: bool = False) -> list[Launch]:
     """The launches of ``g`` writing f32 C at ``out`` from f32 operands at ``a`` and ``b``,
     with g.scratch() bytes at ``scratch``; ``b_copy(dst)``, if given, makes the launch that
     writes the B copy instead (a block-format weight's deq_launch). ``add`` (an address,
     0: none): the matmul_add epilogue, out = add + alpha * C, in the GEMM's store or, when
     k is split, in the split sum. ``a_scale``: the A copy holds bf16(a_scale * a), a
-    rounded to f32 after the scale (matmul's scale_a)."""
+    rounded to f32 after the scale (matmul's scale_a). ``a_bf16`` / ``b_bf16``: that
+    operand is kept in bf16 (cuda/storage.py): read as it is when it already has the copy's
+    layout (:func:`canonical`), else copied from bf16; ``out_bf16``: C is stored in bf16
+    (by the GEMM's store, or the split sum's); ``add_bf16``: the added tensor is read in
+    bf16."""
     M, N, K, kp = g.M, g.N, g.K, g.kp
     if M * N * g.nbatch == 0:
         return []
     ra, rb, _ = g.regions()
     ac, bc, parts = scratch, scratch + ra, scratch + ra + rb
+    a_as_is = a_bf16 and canonical(M, K, g.sam, g.sak, g.sa, a_scale)
+    b_as_is = b_bf16 and not b_copy and canonical(N, K, g.sbn, g.sbk, g.sb)
+    ac, bc = (a if a_as_is else ac), (b if b_as_is else bc)
     gx, gy = g.tiles
     if gy > MAX_GRID_YZ:
         raise CudaError(f"{what}: {M} rows exceed the kernel's grid limit")
@@ -197,16 +217,22 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     slices = -(-kp // TC_BF16_BK)
     per = -(-slices // splits) if splits > 1 else max(1, slices)
     dst = parts if splits > 1 else out
-    launches = _copy(ac, a, M, K, kp, g.sam, g.sak, g.na, what, a_scale)
-    launches += [b_copy(bc)] if b_copy else _copy(bc, b, N, K, kp, g.sbn, g.sbk, g.nb, what)
+    launches = [] if a_as_is else _copy(ac, a, M, K, kp, g.sam, g.sak, g.na, what, a_scale,
+                                        a_bf16)
+    if b_copy:
+        launches.append(b_copy(bc))
+    elif not b_as_is:
+        launches += _copy(bc, b, N, K, kp, g.sbn, g.sbk, g.nb, what, bf16=b_bf16)
     zs = g.nbatch * splits          # grid z up to MAX_GRID_YZ, the rest folded into x
     gz = max(1, min(zs, MAX_GRID_YZ))
     launches.append(Launch("tg_tcg_gemm_bf16", (gx * -(-zs // gz), gy, gz),
                            [p(dst), p(ac), p(bc), i32(M), i32(N), i32(kp), i32(splits),
                             i32(per), i32(g.nbatch), strided(list(g.dims), sa, sb),
-                            p(add if splits == 1 else 0), f32(alpha)],
+                            p(add if splits == 1 else 0), f32(alpha),
+                            i32((OUT_BF16 if out_bf16 and splits == 1 else 0) | add_bf16)],
                            block=(TC_THREADS, 1, 1)))
     if splits > 1:
         launches.append(Launch("tg_tcg_sum_splits", grid_1d(M * N),
-                               [p(out), p(parts), i32(splits), i32(M * N), p(add), f32(alpha)]))
+                               [p(out), p(parts), i32(splits), i32(M * N), p(add), f32(alpha),
+                                i32((OUT_BF16 if out_bf16 else 0) | add_bf16)]))
     return launches

@@ -103,6 +103,30 @@ __device__ __forceinline__ float tg_bf16_to_float(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
 }
 
+// f32 -> bf16, round to nearest even (cvt.rn.bf16.f32's result, in integer arithmetic so
+// every module compiles for any arch): how --precision bf16 stores an activation.
+__device__ __forceinline__ unsigned short tg_float_to_bf16(float x) {
+    unsigned int u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;   // NaN stays NaN
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Element i of an activation buffer that cuda/storage.py kept in f32 or, under --precision
+// bf16, in bf16: bit j of a kernel's `bf16` argument says which for its operand j (bit
+// TG_OUT_BF16 for its output). The branch is uniform across the grid.
+#define TG_OUT_BF16 16
+__device__ __forceinline__ float tg_ldx(const void* p, long long i, int bf16, int bit) {
+    return (bf16 >> bit) & 1 ? tg_bf16_to_float(((const unsigned short*)p)[i])
+                             : ((const float*)p)[i];
+}
+
+__device__ __forceinline__ void tg_stx(void* p, long long i, float v, int bf16) {
+    if ((bf16 >> TG_OUT_BF16) & 1)
+        ((unsigned short*)p)[i] = tg_float_to_bf16(v);
+    else
+        ((float*)p)[i] = v;
+}
+
 // Little-endian f16 at an arbitrary (possibly odd) byte address.
 __device__ __forceinline__ float tg_load_half(const unsigned char* p) {
     return tg_half_to_float((unsigned short)(p[0] | (p[1] << 8)));

@@ -31,13 +31,28 @@ class At(NamedTuple):
     backend's matmul ``precision`` ("f32", "bf16" or "tf32") and the ``kernels`` its entry
     declares. Every node's scratch is the same buffer (cuda/devmem.py): the launches must
     write what they read there, and nothing in it outlives the node (what a later node
-    reads, such as saved row statistics, is an output)."""
+    reads, such as saved row statistics, is an output). ``bf16``: the ids of the tensors
+    kept in bf16 rather than f32 (cuda/storage.py; only ops whose entry declares
+    ``bf16_reads`` / ``bf16_writes`` ever see one)."""
     out: int
     ptr: Callable
     scratch: int
     raw_consts: Collection[int]
     precision: str
     kernels: tuple[str, ...] = ()
+    bf16: Collection[int] = frozenset()
+
+    def half(self, t) -> bool:
+        """Whether tensor ``t`` is kept in bf16."""
+        return t.id in self.bf16
+
+    def bf16_mask(self, node, srcs=None) -> int:
+        """The ``bf16`` argument of a kernel that reads and writes through tg_ldx/tg_stx
+        (common.cuh): bit j for operand j of ``srcs`` (default the node's sources), bit
+        16 (TG_OUT_BF16) for the output."""
+        srcs = node.srcs if srcs is None else srcs
+        mask = sum(1 << j for j, s in enumerate(srcs) if s.id in self.bf16)
+        return mask | (1 << 16 if node.id in self.bf16 else 0)
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,15 @@ class CudaOp:
     scratch: Callable | None = None    # node [, precision] -> bytes of scratch; None: none
     block_format: Callable | None = None  # (node, index) -> may that source stay in blocks
     has_output: bool = True            # False: the op updates its sources in place
+    # --precision bf16's activations (cuda/storage.py): the source indices (negative: from
+    # the end) whose tensor the launches can read in bf16, and whether they can write the
+    # output in bf16; a tensor is kept in bf16 only when its maker and every reader can.
+    bf16_reads: tuple[int, ...] = ()
+    bf16_writes: bool = False
+
+    def reads_bf16(self, node, index: int) -> bool:
+        n = len(node.srcs)
+        return any(i % n == index for i in self.bf16_reads) if n else False
 
 
 REGISTRY: dict[str, CudaOp] = {}
@@ -58,13 +82,15 @@ DECODERS: dict[str, Callable] = {}
 
 
 def lowers(*ops: str, kernels: tuple[str, ...], scratch=None, block_format=None,
-           has_output: bool = True):
+           has_output: bool = True, bf16_reads: tuple[int, ...] = (),
+           bf16_writes: bool = False):
     """Register the decorated ``build(node, at)`` as the CUDA lowering of ``ops``."""
     def register(build):
         for op in ops:
             if op in REGISTRY:
                 raise CudaError(f"op {op!r} has two CUDA lowerings")
-            REGISTRY[op] = CudaOp(op, build, tuple(kernels), scratch, block_format, has_output)
+            REGISTRY[op] = CudaOp(op, build, tuple(kernels), scratch, block_format, has_output,
+                                  tuple(bf16_reads), bool(bf16_writes))
         return build
     return register
 

@@ -1,0 +1,221 @@
+"""--precision bf16's activations kept in bf16 (cuda/storage.py): which tensors the plan
+picks, the buffer plan's 2-byte buffers and views, and the arithmetic.
+
+The exactness argument: at bf16 every matmul rounds its operands to bf16 before the
+GEMM, so an activation that only such products read (unscaled) gives the same GEMM
+operand whether it is stored in f32 and rounded by the GEMM's copy or rounded once when
+stored -- the results must agree bit for bit, forward and backward. A LoRA step, whose
+products also scale a bf16 operand (s dy), rounds twice there and so only tracks it.
+"""
+import numpy as np
+import pytest
+
+from cudaemu import lora_graph, training_plan
+from hostparity import MIXED_TOL, rel_err, rnd, run_phase
+from toygraph.core import ops
+from toygraph.core.autodiff import accumulate_grads, backward
+from toygraph.core.graph import Graph
+from toygraph.core.memory import plan_buffers
+from toygraph.cuda.lowering.registry import REGISTRY
+from toygraph.cuda.storage import plan_bf16
+
+
+@pytest.fixture(autouse=True)
+def host_device(monkeypatch):
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+
+
+def _readers(order):
+    out = {}
+    for node in order:
+        for i, s in enumerate(node.srcs):
+            out.setdefault(s.id, []).append((node, i))
+    return out
+
+
+def test_the_plan_keeps_in_bf16_only_what_bf16_readers_read(tiny_llama):
+    g = lora_graph(tiny_llama, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    order, pinned, _, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    by_id = {t.id: t for t in order}
+    glus = [t for t in order if t.op == "glu"]
+    for t in glus:      # each layer's act, and the gate and up products it reads
+        assert {t.id, t.srcs[0].id, t.srcs[1].id} <= half
+        for proj in t.srcs:   # LoRA's x W^T + s u B: the base product (the add) and u
+            assert proj.op == "matmul_add" and {proj.srcs[0].id, proj.srcs[1].id} <= half
+    assert any(by_id[i].op == "glu_back" for i in half)
+    residual = [t for t in order if t.op == "rms_norm"][0].srcs[0]
+    assert residual.id not in half
+    readers = _readers(order)
+    for i in half:
+        t = by_id[i]
+        assert t.id not in pinned and t.role is None
+        assert t.op in ("reshape", "contiguous", "unpack") or REGISTRY[t.op].bf16_writes
+        for node, k in readers.get(i, []):
+            assert node.id in half or REGISTRY[node.op].reads_bf16(node, k), (node.op, k)
+    for prec in ("f32", "tf32"):
+        assert plan_bf16(order, pinned, prec) == frozenset()
+
+
+def test_a_reader_that_needs_f32_keeps_the_tensor_f32():
+    rng = np.random.default_rng(0)
+    g = Graph()
+    gate, up = g.param("gate", rnd(rng, 8, 16)), g.param("up", rnd(rng, 8, 16))
+    w = g.param("w", rnd(rng, 16, 4))
+    only_mm = ops.glu(gate, up, "silu")
+    also_add = ops.glu(up, gate, "silu")
+    shown = ops.glu(gate, gate, "silu")
+    out = g.output(ops.add(ops.matmul(only_mm, w), ops.matmul(also_add, w)))
+    g.output(ops.add(also_add, also_add))      # an elementwise reader: f32
+    g.output(shown)                            # an output: downloaded as f32
+    order, pinned, _, _ = training_plan(g)
+    assert out.id in pinned
+    assert plan_bf16(order, pinned, "bf16") == {only_mm.id}
+
+
+def test_an_unpack_view_off_the_bf16_alignment_keeps_its_buffer_f32():
+    """64 f32 elements are 256 bytes, 64 bf16 only 128: that view could not stay a view."""
+    rng = np.random.default_rng(1)
+    g = Graph()
+    gate, up = g.param("gate", rnd(rng, 4, 32)), g.param("up", rnd(rng, 4, 32))
+    act = ops.glu(gate, up, "silu")
+    flat = ops.reshape(act, (128,))
+    ok = ops.reshape(ops.unpack(flat, 0, (64,)), (4, 16))
+    off = ops.reshape(ops.unpack(flat, 64, (64,)), (4, 16))
+    w = g.param("w", rnd(rng, 16, 3))
+    g.output(ops.add(ops.matmul(ok, w), ops.matmul(off, w)))
+    order, pinned, _, _ = training_plan(g)
+    assert plan_bf16(order, pinned, "bf16") == frozenset()
+
+
+def test_the_buffer_plan_gives_bf16_tensors_two_bytes_and_their_views_bf16_offsets(tiny_llama):
+    g = lora_graph(tiny_llama, targets=("q", "v", "gate", "up", "down"))
+    order, pinned, f32_plan, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    plan = plan_buffers(order, pinned, 4, half=half)
+    assert plan.bf16 == half and plan.arena_bytes <= f32_plan.arena_bytes
+    assert plan.naive_bytes < f32_plan.naive_bytes
+    for t in order:
+        if t.op == "unpack" and t.id in half:      # glu_back's d up: 2-byte element offsets
+            src = t.srcs[0]
+            assert plan.offsets[t.id] == plan.offsets[src.id] + 2 * t.attrs["offset"]
+    # placed intervals never overlap while both live: checked by first-fit on sizes that
+    # now differ by tensor; a quick sanity check that bf16 buffers are half as long
+    glu = next(t for t in order if t.op == "glu")
+    assert glu.id in half
+
+
+def _ffn(seed=0):
+    """z = (silu(x Wg) * (x Wu)) Wd with every weight trainable (no scaled operand)."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    x = g.param("x", rnd(rng, 40, 24))
+    wg, wu = g.param("wg", rnd(rng, 24, 48, s=0.2)), g.param("wu", rnd(rng, 24, 48, s=0.2))
+    wd = g.param("wd", rnd(rng, 48, 16, s=0.2))
+    act = ops.glu(ops.matmul(x, wg), ops.matmul(x, wu), "silu")
+    z = g.output(ops.matmul(act, wd))
+    loss = ops.sum(ops.mul(z, g.const("r", rnd(rng, 40, 16))))
+    grads = accumulate_grads(backward(loss, [x, wg, wu, wd]))
+    return g, [z] + [grads[p] for p in (x, wg, wu, wd)], act
+
+
+def _chain(seed=0):
+    """z = ((x W1) W2) W3: the products' outputs are read by products only."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    x = g.param("x", rnd(rng, 40, 24))
+    ws = [g.param(f"w{i}", rnd(rng, 24, 24, s=0.3)) for i in range(3)]
+    h = x
+    for w in ws:
+        h = ops.matmul(h, w)
+    z = g.output(h)
+    loss = ops.sum(ops.mul(z, g.const("r", rnd(rng, 40, 24))))
+    grads = accumulate_grads(backward(loss, [x, *ws]))
+    return g, [z] + [grads[p] for p in (x, *ws)]
+
+
+def _both_ways(build, monkeypatch):
+    """The graph's fetches at bf16 with the activations kept in bf16, and with every buffer
+    f32 (TOYGRAPH_CUDA_BF16_ACTIVATIONS=0), and the first run's bf16 set."""
+    g, fetch, *_ = build()
+    order, pinned, _, _ = training_plan(g)
+    stored = run_phase(g, "cuda", {}, "backward", fetch, "bf16")
+    monkeypatch.setenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "0")
+    g2, fetch2, *_ = build()
+    plain = run_phase(g2, "cuda", {}, "backward", fetch2, "bf16")
+    monkeypatch.delenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS")
+    return stored, plain, plan_bf16(order, pinned, "bf16")
+
+
+def test_bf16_storage_of_what_only_products_read_changes_no_bit(monkeypatch):
+    """Made by glu / glu_back, read only by unscaled products (the products' own outputs
+    kept f32 here), or made by products and read only by products: the same bits."""
+    from dataclasses import replace
+    for op in ("matmul", "matmul_add"):
+        monkeypatch.setitem(REGISTRY, op, replace(REGISTRY[op], bf16_writes=False))
+    stored, plain, half = _both_ways(_ffn, monkeypatch)
+    assert len(half) >= 3                      # act, glu_back's packed pair and its views
+    for name, a, b in zip(("z", "dx", "dwg", "dwu", "dwd"), stored, plain):
+        assert np.array_equal(a, b), (name, float(np.abs(a - b).max()))
+    monkeypatch.undo()
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    stored, plain, half = _both_ways(_chain, monkeypatch)
+    assert len(half) == 4        # x W1, x W1 W2 and, in the backward, their gradients
+    for a, b in zip(stored, plain):
+        assert np.array_equal(a, b), float(np.abs(a - b).max())
+
+
+def test_a_glu_reading_bf16_products_tracks_the_f32_storage(monkeypatch):
+    """With the gate and up products kept in bf16 too, glu computes from rounded inputs:
+    within bf16's rounding of the f32-storage run, not equal to it."""
+    stored, plain, half = _both_ways(_ffn, monkeypatch)
+    for name, a, b in zip(("z", "dx", "dwg", "dwu", "dwd"), stored, plain):
+        assert rel_err(a, b) <= MIXED_TOL["bf16"], (name, rel_err(a, b))
+    assert not np.array_equal(stored[0], plain[0])
+
+
+def test_the_switch_turns_it_off(monkeypatch, tiny_llama):
+    from toygraph.core.session import Session
+    monkeypatch.setenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "0")
+    s = Session(lora_graph(tiny_llama, targets=("gate", "up", "down")), backend="cuda",
+                precision="bf16")
+    s.realize()
+    assert s.plan.bf16 == frozenset()
+
+
+def test_a_store_that_truncates_instead_of_rounding_fails(monkeypatch):
+    from toygraph.cuda import backend as cuda_backend
+    from toygraph.cuda.lowering import sources
+    old = "return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);"
+    real = sources.backend_source("bf16")
+    assert real.count(old) == 1, "the mutation no longer matches the kernel source"
+    g2, fetch2 = _chain()
+    monkeypatch.setenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "0")
+    plain = run_phase(g2, "cuda", {}, "backward", fetch2, "bf16")
+    monkeypatch.delenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS")
+    monkeypatch.setattr(cuda_backend, "backend_source",
+                        lambda precision="bf16": real.replace(old, "return (unsigned short)(u >> 16);"))
+    g, fetch = _chain()
+    stored = run_phase(g, "cuda", {}, "backward", fetch, "bf16")
+    assert not np.array_equal(stored[0], plain[0])
+
+
+def test_a_product_reads_a_canonical_bf16_operand_as_it_is():
+    """act [40, 48] (k contiguous, 48 a multiple of 8) is A of act @ Wd: no copy of it; its
+    transposed use in dWd = act^T dz is copied from bf16."""
+    from toygraph.cuda.lowering import dispatch
+    g, fetch, act = _ffn()
+    order, pinned, _, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    ptr = lambda t: (t.id + 1) << 30   # noqa: E731
+    readers = [n for n in order if n.op in ("matmul", "matmul_add") and act in n.srcs]
+    assert len(readers) == 2
+    for node in readers:
+        launches = dispatch.lower(node, ptr, 1 << 40, precision="bf16", bf16=half)
+        copies = [l for l in launches if l.kernel == "tg_tcg_to_bf16"]
+        from_act = [l for l in copies if int(l.args[1][0]) == ptr(act)]
+        gemm = next(l for l in launches if l.kernel == "tg_tcg_gemm_bf16")
+        if node.srcs[-2] is act and not node.attrs["trans_a"]:
+            assert not from_act and int(gemm.args[1][0]) == ptr(act)
+        else:
+            assert len(from_act) == 1 and int(from_act[0].args[-1][0]) == 1   # bf16 source
