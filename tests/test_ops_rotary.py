@@ -183,9 +183,47 @@ def test_rope_launch_replayed_in_numpy_matches_the_cpu_kernel(mode, dims, factor
     (launch,) = dispatch.lower(node, lambda t: addr[t.id])
     assert launch.kernel == "tg_rope" and launch.kernel in OP_KERNELS["rope"]
     assert [v.dtype for v in launch.args] == [np.uint64] * 4 + [np.int32] * 4 + \
-        [np.float64] * 2 + [np.int32] * 2
+        [np.float64] * 2 + [np.int32] * 3
+    assert int(launch.args[-1][0]) == 0     # the bf16 mask: f32 x and out
     _emulate_rope(launch, mem)
     want = np.zeros(node.shape)
     CPU_KERNELS["rope"](want, [np.asarray(v, np.float64) for v in srcs], node.attrs)
     np.testing.assert_allclose(mem[addr[node.id]].reshape(node.shape), want, rtol=1e-12,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+def test_rope_between_products_reads_and_writes_bf16(mode, monkeypatch):
+    """At bf16 a rope whose input a product makes and whose output only products read
+    keeps both in bf16 (cuda/storage.py) and rotates the rounded input in f32: the host
+    executor's forward and gradients within bf16's rounding of the f32-storage run."""
+    from cudaemu import training_plan
+    from hostparity import MIXED_TOL, rel_err, run_phase
+    from toygraph.core.autodiff import accumulate_grads, backward
+    from toygraph.cuda.storage import plan_bf16
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+
+    def build():
+        rng = np.random.default_rng(3)
+        g = Graph()
+        x, w1 = g.param("x", rnd(rng, 2, 5, 16)), g.param("w1", rnd(rng, 16, 24))
+        w2 = g.param("w2", rnd(rng, 24, 8))
+        pos = g.input("pos", (2, 5), "i32")
+        q = ops.reshape(ops.matmul(x, w1), (2, 5, 3, 8))
+        r = ops.rope(q, pos, dims=8, base=500.0, mode=mode)
+        z = g.output(ops.matmul(ops.reshape(r, (2, 5, 24)), w2))
+        loss = ops.sum(ops.mul(z, g.const("c", rnd(rng, 2, 5, 8))))
+        grads = accumulate_grads(backward(loss, [x, w1, w2]))
+        return g, pos, r, [z] + [grads[p] for p in (g.find("x"), w1, w2)]
+
+    posv = np.array([[0, 1, 2, 3, 4], [7, 3, 9, 1, 0]], np.int32)
+    g, pos, r, fetch = build()
+    order, pinned, _, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    assert r.id in half and r.srcs[0].id in half
+    got = run_phase(g, "cuda", {pos: posv}, "backward", fetch, "bf16")
+    monkeypatch.setenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "0")
+    g2, pos2, _, fetch2 = build()
+    want = run_phase(g2, "cuda", {pos2: posv}, "backward", fetch2, "bf16")
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= MIXED_TOL["bf16"], rel_err(a, b)

@@ -98,13 +98,15 @@ def _rope_numpy(out, srcs, attrs):
 
 
 # --- CUDA lowering (rotary.cu) ----------------------------------------------------------------
-@lowers("rope", kernels=("tg_rope",))
+@lowers("rope", kernels=("tg_rope",), bf16_reads=(0,), bf16_writes=True)
 def _rope(node, at):
-    """A null factors pointer: no frequency factors."""
+    """A null factors pointer: no frequency factors. x and the output may be kept in bf16
+    (the bf16 mask's bits 0 and 16)."""
     s, a = node.srcs, node.attrs
     B, S, H, D = s[0].shape
     factors = at.ptr(s[2]) if len(s) == 3 else 0
     return [Launch("tg_rope", grid_1d(node.size),
                    [p(at.out), p(at.ptr(s[0])), p(at.ptr(s[1])), p(factors), i32(node.size),
                     i32(H), i32(D), i32(a["dims"]), f64(a["base"]), f64(a["freq_scale"]),
-                    i32(a["mode"] == "neox"), i32(a["inverse"])])]
+                    i32(a["mode"] == "neox"), i32(a["inverse"]),
+                    i32(at.bf16_mask(node, s[:1]))])]
