@@ -219,3 +219,26 @@ def test_a_product_reads_a_canonical_bf16_operand_as_it_is():
             assert not from_act and int(gemm.args[1][0]) == ptr(act)
         else:
             assert len(from_act) == 1 and int(from_act[0].args[-1][0]) == 1   # bf16 source
+
+
+def test_a_scaled_canonical_bf16_operand_is_scaled_in_the_store():
+    """(s act) @ W with act kept in bf16 in the copy's layout: no pass over act; the GEMM's
+    store multiplies by s (alpha), and the result tracks numpy's f32 (s act) @ W."""
+    from toygraph.cuda.lowering import dispatch
+    rng = np.random.default_rng(4)
+    g = Graph()
+    gate, up = g.param("gate", rnd(rng, 64, 40)), g.param("up", rnd(rng, 64, 40))
+    w = g.param("w", rnd(rng, 40, 24))
+    act = ops.glu(gate, up, "silu")
+    y = g.output(ops.matmul(act, w, scale_a=-0.37))
+    order, pinned, _, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    assert act.id in half
+    ptr = lambda t: (t.id + 1) << 30   # noqa: E731
+    launches = dispatch.lower(y, ptr, 1 << 40, precision="bf16", bf16=half)
+    assert not [l for l in launches if l.kernel == "tg_tcg_to_bf16" and int(l.args[1][0]) == ptr(act)]
+    gemm = next(l for l in launches if l.kernel == "tg_tcg_gemm_bf16")
+    assert int(gemm.args[1][0]) == ptr(act) and float(gemm.args[-2][0]) == np.float32(-0.37)
+    got, = run_phase(g, "cuda", {}, "forward", [y], "bf16")
+    want, = run_phase(g, "cpu", {}, "forward", [y])
+    assert rel_err(got, want) <= MIXED_TOL["bf16"]

@@ -177,7 +177,8 @@ __device__ __forceinline__ void tcg_compute(const unsigned short* As, const unsi
     }
 }
 
-// tg_tc_store with the matmul_add epilogue: C = add + alpha * acc where add is given. With
+// tg_tc_store with the matmul_add epilogue: C = add + alpha * acc where add is given, else
+// alpha * acc (alpha 1: acc itself; otherwise a bf16 operand's scale_a, tc_gemm.py). With
 // `bf16` bit 0 add is read in bf16, with TG_OUT_BF16 C is written in bf16 (tensors kept in
 // bf16, cuda/storage.py).
 __device__ __forceinline__ void tcg_store(void* C, const float (&acc)[TC_MI][TC_NI][4],
@@ -194,9 +195,8 @@ __device__ __forceinline__ void tcg_store(void* C, const float (&acc)[TC_MI][TC_
                 const int gm = r0 + 16 * i + row, gn = c0 + 8 * j + col;
                 if (gm < M && gn < N) {
                     const long long o = (long long)gm * N + gn;
-                    tg_stx(C, o, add ? __fadd_rn(tg_ldx(add, o, bf16, 0),
-                                                 __fmul_rn(alpha, acc[i][j][r]))
-                                     : acc[i][j][r], bf16);
+                    const float v = __fmul_rn(alpha, acc[i][j][r]);
+                    tg_stx(C, o, add ? __fadd_rn(tg_ldx(add, o, bf16, 0), v) : v, bf16);
                 }
             }
 }
@@ -293,13 +293,15 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_bf16(
 }
 
 // out[i] = parts[0][i] + parts[1][i] + ... + parts[splits - 1][i], in that order (then
-// add[i] + alpha * that, when add is given: the matmul_add epilogue); add in bf16 where
+// add[i] + alpha * that, when add is given: the matmul_add epilogue; else alpha * that,
+// alpha 1 but for a bf16 operand's scale_a); add in bf16 where
 // `bf16` has bit 0 set, out where it has TG_OUT_BF16.
 extern "C" __global__ void tg_tcg_sum_splits(void* out, const float* parts, int splits, int n,
                                              const void* add, float alpha, int bf16) {
     TG_GRID_LOOP(i, n) {
         float s = parts[i];
         for (int k = 1; k < splits; ++k) s = __fadd_rn(s, parts[(long long)k * n + i]);
-        tg_stx(out, i, add ? __fadd_rn(tg_ldx(add, i, bf16, 0), __fmul_rn(alpha, s)) : s, bf16);
+        const float v = __fmul_rn(alpha, s);
+        tg_stx(out, i, add ? __fadd_rn(tg_ldx(add, i, bf16, 0), v) : v, bf16);
     }
 }

@@ -155,12 +155,11 @@ def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False,
     return copies < direct
 
 
-def canonical(rows: int, k: int, sr: int, sk: int, mats: tuple, scale: float = 1.0) -> bool:
+def canonical(rows: int, k: int, sr: int, sk: int, mats: tuple) -> bool:
     """Whether a bf16 operand (rows x k per matrix, X(r, k) at r*sr + k*sk, matrices at the
     strides ``mats``) already is its GEMM copy: k contiguous, rows k apart, k a multiple of
-    K_ALIGN (so Kp = k and no padding), whole matrices apart, and no scale to apply."""
-    return (scale == 1.0 and sk == 1 and sr == k and k % K_ALIGN == 0
-            and all(m % (rows * k) == 0 for m in mats))
+    K_ALIGN (so Kp = k and no padding) and whole matrices apart."""
+    return sk == 1 and sr == k and k % K_ALIGN == 0 and all(m % (rows * k) == 0 for m in mats)
 
 
 def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat: int,
@@ -196,7 +195,9 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     k is split, in the split sum. ``a_scale``: the A copy holds bf16(a_scale * a), a
     rounded to f32 after the scale (matmul's scale_a). ``a_bf16`` / ``b_bf16``: that
     operand is kept in bf16 (cuda/storage.py): read as it is when it already has the copy's
-    layout (:func:`canonical`), else copied from bf16; ``out_bf16``: C is stored in bf16
+    layout (:func:`canonical`; a_scale then multiplies the product in the store, one more
+    rounding than the scaled copy but no pass over a), else copied from bf16; ``out_bf16``:
+    C is stored in bf16
     (by the GEMM's store, or the split sum's); ``add_bf16``: the added tensor is read in
     bf16."""
     M, N, K, kp = g.M, g.N, g.K, g.kp
@@ -204,8 +205,10 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
         return []
     ra, rb, _ = g.regions()
     ac, bc, parts = scratch, scratch + ra, scratch + ra + rb
-    a_as_is = a_bf16 and canonical(M, K, g.sam, g.sak, g.sa, a_scale)
+    a_as_is = a_bf16 and canonical(M, K, g.sam, g.sak, g.sa)
     b_as_is = b_bf16 and not b_copy and canonical(N, K, g.sbn, g.sbk, g.sb)
+    if a_as_is:   # a bf16 operand read as it is scales the product in the store instead
+        alpha, a_scale = alpha * a_scale, 1.0
     ac, bc = (a if a_as_is else ac), (b if b_as_is else bc)
     gx, gy = g.tiles
     if gy > MAX_GRID_YZ:
@@ -228,7 +231,7 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     launches.append(Launch("tg_tcg_gemm_bf16", (gx * -(-zs // gz), gy, gz),
                            [p(dst), p(ac), p(bc), i32(M), i32(N), i32(kp), i32(splits),
                             i32(per), i32(g.nbatch), strided(list(g.dims), sa, sb),
-                            p(add if splits == 1 else 0), f32(alpha),
+                            p(add if splits == 1 else 0), f32(alpha if splits == 1 else 1.0),
                             i32((OUT_BF16 if out_bf16 and splits == 1 else 0) | add_bf16)],
                            block=(TC_THREADS, 1, 1)))
     if splits > 1:
