@@ -94,14 +94,15 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
     from toygraph.core.session import Session
     from toygraph.cuda.devmem import plan_device_memory
     from toygraph.cuda.lowering.dispatch import lower
-    from toygraph.cuda.storage import plan_bf16
+    from toygraph.cuda.storage import plan_storage
     from toygraph.recipes import LoRA, RecipeOptions
 
     class NoDevice:
         itemsize = 4          # the CUDA backend's f32 buffers
 
-        def bf16_buffers(self, schedule, pinned):   # as CudaBackend's
-            return plan_bf16(schedule, pinned, precision) if bf16_activations else frozenset()
+        def storage(self, schedule, pinned):   # as CudaBackend's
+            st = plan_storage(schedule, pinned, precision)
+            return st if bf16_activations else st._replace(bf16=frozenset())
 
         def realize(self, *args):
             pass
@@ -134,7 +135,7 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
         if t.op is not None:
             scratch = 1 << 32 if t.id in mem.scratch else 0
             out += [(t, l) for l in lower(t, ptr, scratch, stored.raw, precision,
-                                          stored.half)]
+                                          stored.half, sess.plan.absorbed)]
     return out, cfg, stored
 
 
@@ -204,14 +205,17 @@ def _tc_gemm(node, launch, stored) -> Cost:
         R, Kp = _arg(launch, 2), _arg(launch, 4)
         w = node.srcs[-1]
         return Cost(k, kind, bytes=_nbytes(w, stored) + 2 * R * Kp)
-    add = _arg(launch, -3) != 0        # matmul_add's epilogue: the added tensor read once
-    half = _arg(launch, -1)            # bf16 mask: bit 0 the added tensor, bit 16 C
+    at = (4, 6) if k == "tg_tcg_sum_splits" else (10, 12)
+    add = _arg(launch, at[0]) != 0     # matmul_add's epilogue: the added tensor read once
+    half = _arg(launch, at[1])         # the bf16 mask: bit 0 the added tensor, bit 16 C
     c_size, add_size = (2 if half >> 16 else 4), (2 if half & 1 else 4) * add
     if k == "tg_tcg_sum_splits":        # splits partials in, one out
         splits, n = _arg(launch, 2), _arg(launch, 3)
         return Cost(k, kind, fma=(splits - 1.0 + 2 * add) * n,
                     bytes=(4.0 * splits + add_size + c_size) * n)
     M, N, Kp, splits, kts, nbatch = (_arg(launch, i) for i in range(3, 9))
+    if k == "tg_tcg_gemm2_bf16":        # the dual GEMM: the second product's k after the first's
+        Kp += _arg(launch, 15)
     slices = ceil(Kp / TC_BF16_BK)
     blocks = ceil(M / TC_BM) * ceil(N / TC_BM) * nbatch * splits
     # bf16 copies read once (re-reads by other tiles assumed to hit L2); C (or the f32
@@ -362,7 +366,7 @@ def _loss(node, launch, stored) -> Cost:
 #: kernel name pattern -> its cost rule (the first match wins).
 RULES = [
     (r"tg_tc_matmul_\w+|tg_tc_qmm_\w+|tg_matmul(_acc)?|tg_qmm_\w+", _gemm),
-    (r"tg_tcg_to_bf16|tg_tcg_gemm_bf16|tg_tcg_sum_splits|tg_tcg_deq_(nt|nn)_\w+", _tc_gemm),
+    (r"tg_tcg_to_bf16|tg_tcg_gemm2?_bf16|tg_tcg_sum_splits|tg_tcg_deq_(nt|nn)_\w+", _tc_gemm),
     (r"tg_attn_(fwd|bwd_prep|bwd_dq|bwd_dkdv)_\d+", _attention),
     (r"tg_tca_to_bf16|tg_tca_bwd_prep|tg_tca_(fwd|bwd_dq|bwd_dkdv)_\d+", _tc_attention),
     (r"tg_adamw_list|tg_accumulate|tg_sumsq_list|tg_global_norm", _optimizer),

@@ -88,21 +88,80 @@ def test_an_unpack_view_off_the_bf16_alignment_keeps_its_buffer_f32():
     assert plan_bf16(order, pinned, "bf16") == frozenset()
 
 
-def test_the_buffer_plan_gives_bf16_tensors_two_bytes_and_their_views_bf16_offsets(tiny_llama):
+def _no_two_live_buffers_overlap(order, pinned, plan):
+    """Every arena tensor's bytes, from the node that makes it to its last reader (a node
+    absorbing a reader counts as reading that reader's sources), touch no other live one."""
+    from toygraph.core.memory import views
+    pos = {t.id: i for i, t in enumerate(order)}
+    root = views(order, pinned, 4, plan.bf16)
+    life = {}
+    for i, t in enumerate(order):
+        at = pos[plan.absorbed[t.id].id] if t.id in plan.absorbed else i
+        for s in t.srcs:
+            r = root.get(s.id, s.id)
+            if r in life:
+                life[r] = (life[r][0], max(life[r][1], at))
+        if t.id in plan.offsets and t.id not in root:
+            life[t.id] = (i, i)
+    by_id = {t.id: t for t in order}
+    spans = []
+    for tid, (a, b) in life.items():
+        size = by_id[tid].size * (2 if tid in plan.bf16 else 4)
+        spans.append((plan.offsets[tid], plan.offsets[tid] + size, a, b, tid))
+    for i, (o1, e1, a1, b1, t1) in enumerate(spans):
+        for o2, e2, a2, b2, t2 in spans[i + 1:]:
+            if o1 < e2 and o2 < e1:
+                assert b1 < a2 or b2 < a1, (by_id[t1].name, by_id[t2].name)
+
+
+def test_the_buffer_plan_gives_bf16_tensors_two_bytes_and_absorbed_ones_none(tiny_llama):
+    from toygraph.cuda.storage import plan_storage
     g = lora_graph(tiny_llama, targets=("q", "v", "gate", "up", "down"))
     order, pinned, f32_plan, _ = training_plan(g)
-    half = plan_bf16(order, pinned, "bf16")
-    plan = plan_buffers(order, pinned, 4, half=half)
-    assert plan.bf16 == half and plan.arena_bytes <= f32_plan.arena_bytes
-    assert plan.naive_bytes < f32_plan.naive_bytes
+    storage = plan_storage(order, pinned, "bf16")
+    plan = plan_buffers(order, pinned, 4, storage=storage)
+    assert plan.bf16 == storage.bf16 and plan.absorbed == storage.absorbed
+    assert plan.arena_bytes < f32_plan.arena_bytes and plan.naive_bytes < f32_plan.naive_bytes
     for t in order:
-        if t.op == "unpack" and t.id in half:      # glu_back's d up: 2-byte element offsets
+        if t.op == "unpack" and t.id in plan.bf16:      # glu_back's d up: 2-byte offsets
             src = t.srcs[0]
             assert plan.offsets[t.id] == plan.offsets[src.id] + 2 * t.attrs["offset"]
-    # placed intervals never overlap while both live: checked by first-fit on sizes that
-    # now differ by tensor; a quick sanity check that bf16 buffers are half as long
-    glu = next(t for t in order if t.op == "glu")
-    assert glu.id in half
+    assert storage.absorbed and not set(storage.absorbed) & set(plan.offsets)
+    _no_two_live_buffers_overlap(order, pinned, plan)
+    _no_two_live_buffers_overlap(order, pinned, f32_plan)
+
+
+def test_every_lora_projection_runs_as_one_dual_gemm(tiny_llama):
+    """x W^T + s (x A^T) B^T: the base product is absorbed by the adapter's matmul_add (one
+    tg_tcg_gemm2_bf16, the base's weight decoded once into its copy, s in B's copy), and
+    so is the backward's dy W of dx = dy W + du A; at f32 nothing is."""
+    from toygraph.cuda.lowering import dispatch
+    from toygraph.cuda.storage import plan_storage
+    g = lora_graph(tiny_llama, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    order, pinned, _, outputs = training_plan(g)
+    storage = plan_storage(order, pinned, "bf16")
+    lora = [t for t in order if t.op == "matmul_add" and t.srcs[2].role == "param"
+            and t.attrs["trans_b"]]                  # y + s u B^T (the backward's: du A)
+    n_layer = sum(1 for t in order if t.op == "glu")
+    assert len(lora) == 7 * n_layer
+    for m in lora:
+        assert storage.absorbed.get(m.srcs[0].id) is m, m.name
+    backward = [m for m in storage.absorbed.values() if not m.attrs["trans_b"]]
+    assert backward                                   # dx = dy W + du A
+    assert plan_storage(order, pinned, "f32") == (frozenset(), {})
+    from toygraph.cuda.devmem import plan_device_memory
+    plan = plan_buffers(order, pinned, 4, storage=storage)
+    raw = frozenset(plan_device_memory(order, plan, pinned, outputs, qmatmul=True).raw_consts)
+    ptr = lambda t: (t.id + 1) << 30   # noqa: E731
+    for m in lora:
+        assert dispatch.lower(m.srcs[0], ptr, 1 << 40, raw, "bf16", storage.bf16,
+                              storage.absorbed) == []
+        launches = dispatch.lower(m, ptr, 1 << 40, raw, "bf16", storage.bf16, storage.absorbed)
+        assert [l.kernel for l in launches][-1] == "tg_tcg_gemm2_bf16"
+        assert any(l.kernel.startswith("tg_tcg_deq_") for l in launches)
+        b_copy = [l for l in launches if l.kernel == "tg_tcg_to_bf16"
+                  and int(l.args[1][0]) == ptr(m.srcs[2])]
+        assert len(b_copy) == 1 and float(b_copy[0].args[9][0]) == np.float32(m.attrs["alpha"])
 
 
 def _ffn(seed=0):
@@ -174,13 +233,14 @@ def test_a_glu_reading_bf16_products_tracks_the_f32_storage(monkeypatch):
     assert not np.array_equal(stored[0], plain[0])
 
 
-def test_the_switch_turns_it_off(monkeypatch, tiny_llama):
+def test_the_switches_turn_them_off(monkeypatch, tiny_llama):
     from toygraph.core.session import Session
     monkeypatch.setenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "0")
+    monkeypatch.setenv("TOYGRAPH_CUDA_DUAL_GEMM", "0")
     s = Session(lora_graph(tiny_llama, targets=("gate", "up", "down")), backend="cuda",
                 precision="bf16")
     s.realize()
-    assert s.plan.bf16 == frozenset()
+    assert s.plan.bf16 == frozenset() and s.plan.absorbed == {}
 
 
 def test_a_store_that_truncates_instead_of_rounding_fails(monkeypatch):

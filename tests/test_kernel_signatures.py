@@ -92,25 +92,31 @@ def mismatches(launch: Launch, signatures=SIGNATURES) -> list[str]:
 
 
 # --- the launches --------------------------------------------------------------------------
-def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS):
+def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS, storage=None):
     """(op, launch) for every non-leaf node of ``nodes`` at every precision (kernel launches
-    only: all_reduce's Collective step is no kernel; tests/test_distributed.py covers it)."""
+    only: all_reduce's Collective step is no kernel; tests/test_distributed.py covers it);
+    ``storage``: a bf16 plan's (cuda/storage.py) bf16 tensors and absorbed products."""
     out = []
+    bf16, absorbed = storage or (frozenset(), {})
     for node in nodes:
         if node.op is None:
             continue
         for prec in precisions:
             out += [(node.op, l) for l in dispatch.lower(node, lambda t: (t.id + 1) << 20,
-                                                         1 << 40, raw, precision=prec)
+                                                         1 << 40, raw, prec, bf16, absorbed)
                     if isinstance(l, Launch)]
     return out
 
 
 def _model_launches(path, **lora_graph_kw):
+    """Every precision as the backends lower it, and bf16 again with its storage plan (bf16
+    activations, the dual GEMM)."""
+    from toygraph.cuda.storage import plan_storage
     order, pinned, plan, outputs = training_plan(lora_graph(path, **lora_graph_kw))
     raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
                     .raw_consts)
-    return _lower_all(order, raw)
+    return _lower_all(order, raw) + _lower_all(order, raw, ("bf16",),
+                                               plan_storage(order, pinned, "bf16"))
 
 
 def _full_finetune_launches(path):

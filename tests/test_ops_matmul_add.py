@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gradcheck import check_gradients
-from hostparity import MIXED_TOL, compare_op, rnd, run_phase
+from hostparity import MIXED_TOL, compare_op, rel_err, rnd, run_phase
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph, topo_order
@@ -269,3 +269,69 @@ def test_the_cost_model_counts_the_prescale_pass_of_the_direct_kernel():
                              g.const("w", np.zeros((16, 8), np.float32)), scale_a=3.0)
     assert [l.kernel for l in dispatch.lower(direct_only, lambda t: (t.id + 1) << 30, 1 << 40)
             ] == ["tg_scale_vec", "tg_matmul"]
+
+
+# --- the dual GEMM: a LoRA projection's base product absorbed by its adapter's -------------------
+def _lora_projection(w_format: str | None, seed=0, rows=200, out=80, rank=8):
+    """y = x W^T + s (x A^T) B^T with W f32 (``w_format`` None, a param) or a frozen
+    block-format const, loss sum(y * r): graph, fetch [y, dx, dA, dB (, dW)]."""
+    from cudaemu import qweight
+    rng = np.random.default_rng(seed)
+    cols = 96 if w_format in (None, "q8_0") else 256     # whole blocks of the format
+    g = Graph()
+    x = g.param("x", rnd(rng, rows, cols))
+    if w_format is None:
+        w = g.param("w", rnd(rng, out, cols, s=0.2))
+    else:
+        raw, _ = qweight(rng, w_format, out, cols)
+        w = g.const("w", raw, shape=(out, cols), storage=w_format)
+    a, b = g.param("a", rnd(rng, rank, cols, s=0.3)), g.param("b", rnd(rng, out, rank, s=0.3))
+    u = ops.matmul(x, a, trans_b=True)
+    y = g.output(ops.matmul_add(ops.matmul(x, w, trans_b=True), u, b, alpha=1.7, trans_b=True))
+    loss = ops.sum(ops.mul(y, g.const("r", rnd(rng, rows, out))))
+    params = [x, a, b] + ([w] if w_format is None else [])
+    grads = accumulate_grads(backward(loss, params))
+    return g, [y] + [grads[p] for p in params]
+
+
+@pytest.mark.parametrize("w_format", [None, "q4_k", "q8_0"])
+def test_the_dual_gemm_tracks_numpy_and_the_two_gemms(w_format, monkeypatch):
+    from cudaemu import training_plan
+    from toygraph.cuda.storage import plan_storage
+    g, fetch = _lora_projection(w_format)
+    order, pinned, _, _ = training_plan(g)
+    assert plan_storage(order, pinned, "bf16").absorbed       # the forward's base at least
+    dual = run_phase(g, "cuda", {}, "backward", fetch, "bf16")
+    g2, fetch2 = _lora_projection(w_format)
+    want = run_phase(g2, "cpu", {}, "backward", fetch2)
+    monkeypatch.setenv("TOYGRAPH_CUDA_DUAL_GEMM", "0")
+    g3, fetch3 = _lora_projection(w_format)
+    two = run_phase(g3, "cuda", {}, "backward", fetch3, "bf16")
+    for name, d, w, t in zip(("y", "dx", "dA", "dB", "dW"), dual, want, two):
+        assert rel_err(d, w) <= MIXED_TOL["bf16"], (name, rel_err(d, w))
+        assert rel_err(d, t) <= MIXED_TOL["bf16"], (name, rel_err(d, t))
+
+
+DUAL_MUTATIONS = {
+    "the second product's slices start one slice late":
+        ("(kt - two.ktiles1) * TCG_BK, two.kp);\\n        tcg_issue(Bs",
+         "(kt - two.ktiles1 + 1) * TCG_BK, two.kp);\\n        tcg_issue(Bs"),
+    "the second product is skipped": ("+ (DUAL ? (two.kp + TCG_BK - 1) / TCG_BK : 0);",
+                                      "+ 0;"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(DUAL_MUTATIONS))
+def test_a_broken_dual_gemm_fails(mutation, monkeypatch):
+    from toygraph.cuda import backend as cuda_backend
+    from toygraph.cuda.lowering import sources
+    old, new = (x.replace("\\n", "\n") for x in DUAL_MUTATIONS[mutation])
+    real = sources.backend_source("bf16")
+    assert real.count(old) == 1, "the mutation no longer matches the kernel source"
+    g, fetch = _lora_projection(None)
+    want = run_phase(g, "cpu", {}, "backward", fetch)
+    monkeypatch.setattr(cuda_backend, "backend_source",
+                        lambda precision="bf16": real.replace(old, new))
+    g2, fetch2 = _lora_projection(None)
+    got = run_phase(g2, "cuda", {}, "backward", fetch2, "bf16")
+    assert rel_err(got[0], want[0]) > 5 * MIXED_TOL["bf16"]

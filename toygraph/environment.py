@@ -55,6 +55,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "replay each phase as a captured CUDA graph (0: launch kernels one by one)"),
     Setting("TOYGRAPH_CUDA_QMATMUL", "flag", "1",
             "keep block-format weights quantized on the device (0: f32 copies of all)"),
+    Setting("TOYGRAPH_CUDA_DUAL_GEMM", "flag", "1",
+            "at `--precision bf16`, compute a LoRA projection's base product and adapter in "
+            "one GEMM (0: the base product written, then added in the adapter's GEMM)"),
     Setting("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "flag", "1",
             "at `--precision bf16`, keep the activations that only matmuls and bf16-aware "
             "kernels read in bf16 (0: every buffer f32, the matmuls still bf16)"),

@@ -11,19 +11,30 @@ buffer: each is a view of its source's bytes, whose life then lasts to the view'
 reader. So reshapes copy nothing, and a node that packs several results (attention_back,
 glu_back) hands them out with no copy.
 
-Buffers hold the backend's float type (``itemsize`` bytes an element), except the tensors
-in ``half``: the CUDA backend at --precision bf16 keeps some activations in bf16 (2 bytes;
-cuda/storage.py says which), and a view of one is bf16 too.
+Buffers hold the backend's float type (``itemsize`` bytes an element), except where the
+backend's :class:`Storage` says otherwise (the CUDA backend at --precision bf16,
+cuda/storage.py): tensors in ``bf16`` take 2 bytes an element (a view of one is bf16 too),
+and a tensor in ``absorbed`` gets no buffer at all -- the one node that reads it computes
+it inside its own kernel, so that node reads the absorbed node's sources instead, and
+their lives last to it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
 from toygraph.core.ops.table import in_place
 
 ALIGN = 256  # bytes; what CUDA's allocator guarantees, and harmless for numpy
+
+
+class Storage(NamedTuple):
+    """How a backend stores a schedule's intermediates besides its float type: ``bf16`` the
+    ids kept in bf16, ``absorbed`` {id: the node that computes it in its own kernel}."""
+    bf16: frozenset = frozenset()
+    absorbed: Mapping = {}
 
 
 @dataclass
@@ -40,6 +51,7 @@ class BufferPlan:
     scratch_bytes: int = 0   # the one buffer just-in-time decodes write into
     quantized: frozenset = frozenset()   # ids of the consts kept in their block format
     bf16: frozenset = frozenset()        # ids of the intermediates kept in bf16 (CUDA)
+    absorbed: Mapping = field(default_factory=dict)   # id -> the node computing it (CUDA)
 
     @property
     def total_bytes(self) -> int:
@@ -100,21 +112,28 @@ def views(schedule, pinned: set[int], itemsize: int, half=frozenset()) -> dict[i
 
 
 def plan_buffers(schedule, pinned: set[int], itemsize: int, pinned_bytes: int = 0,
-                 half=frozenset()) -> BufferPlan:
-    """First-fit placement of every arena tensor of ``schedule`` by liveness; the tensors
-    in ``half`` (and only planned intermediates may be) take 2 bytes an element."""
+                 storage: Storage = Storage()) -> BufferPlan:
+    """First-fit placement of every arena tensor of ``schedule`` by liveness, as
+    ``storage`` says (only planned intermediates may be bf16 or absorbed)."""
+    half, absorbed = storage.bf16, storage.absorbed
     root = views(schedule, pinned, itemsize, half)
+    position = {t.id: i for i, t in enumerate(schedule)}
+    inside: dict[int, list] = {}       # node id -> the nodes it absorbs
+    for t in schedule:
+        if t.id in absorbed:
+            inside.setdefault(absorbed[t.id].id, []).append(t)
     last_use: dict[int, int] = {}
     for i, t in enumerate(schedule):
+        reader = position[absorbed[t.id].id] if t.id in absorbed else i
         for s in t.srcs:
-            last_use[root.get(s.id, s.id)] = i
-    plan = BufferPlan(pinned_bytes=pinned_bytes, bf16=frozenset(half))
+            last_use[root.get(s.id, s.id)] = max(last_use.get(root.get(s.id, s.id), -1), reader)
+    plan = BufferPlan(pinned_bytes=pinned_bytes, bf16=frozenset(half), absorbed=dict(absorbed))
     live: list[tuple[int, int, int]] = []  # (offset, size, tensor id), sorted by offset
     for i, t in enumerate(schedule):
         if t.id in root:  # a view: its source's bytes from the offset on
             step = 2 if t.srcs[0].id in half else itemsize
             plan.offsets[t.id] = plan.offsets[t.srcs[0].id] + view_offset(t) * step
-        elif is_planned(t, pinned):
+        elif is_planned(t, pinned) and t.id not in absorbed:
             size = aligned(max(1, t.size) * (2 if t.id in half else itemsize))
             offset = _first_fit(live, size)
             live.append((offset, size, t.id))
@@ -122,8 +141,10 @@ def plan_buffers(schedule, pinned: set[int], itemsize: int, pinned_bytes: int = 
             plan.offsets[t.id] = offset
             plan.naive_bytes += size
             plan.arena_bytes = max(plan.arena_bytes, offset + size)
-        # Free after placing the output: a kernel reads its inputs while writing it.
+        # Free after placing the output: a kernel reads its inputs while writing it (and
+        # those of the nodes it absorbs).
         dead = {root.get(s.id, s.id) for s in t.srcs}
+        dead |= {root.get(s.id, s.id) for a in inside.get(t.id, ()) for s in a.srcs}
         dead = {d for d in dead if last_use.get(d) == i}
         if is_planned(t, pinned) and t.id not in root and t.id not in last_use:
             dead.add(t.id)  # computed but never read

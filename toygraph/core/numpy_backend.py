@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from toygraph.core.base_memory import check_fits, scratch_layout
-from toygraph.core.memory import BufferPlan
+from toygraph.core.memory import BufferPlan, Storage
 from toygraph.core.ops import BLOCK_KERNELS, KERNELS
 from toygraph.errors import GraphError
 from toygraph.gguf.decode import BlockTensor
@@ -45,9 +45,10 @@ class CpuBackend:
         self.itemsize = np.dtype(self.dtype).itemsize
         self.arrays: dict[int, np.ndarray] = {}
 
-    def bf16_buffers(self, schedule, pinned) -> frozenset:
-        """None: every buffer has the backend's dtype (the reference arithmetic)."""
-        return frozenset()
+    def storage(self, schedule, pinned) -> Storage:
+        """Every buffer in the backend's dtype, every node computed on its own (the
+        reference arithmetic)."""
+        return Storage()
 
     def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):
         missing = [n.op for n in schedule if n.op is not None and n.op not in KERNELS]

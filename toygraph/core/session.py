@@ -98,8 +98,8 @@ class Session:
         itemsize = self.backend.itemsize
         pinned_bytes = sum(nbytes(t, 4 if t.dtype == "i32" else itemsize)
                            for t in full if t.id in pinned and t.op not in ("accumulate", "adamw"))
-        half = self.backend.bf16_buffers(full, pinned)
-        self.plan = plan_buffers(full, pinned, itemsize, pinned_bytes, half)
+        self.plan = plan_buffers(full, pinned, itemsize, pinned_bytes,
+                                 self.backend.storage(full, pinned))
         if self.backend_name == "cpu":
             outputs = [t for p in PHASES for t in g.outputs[p]]
             plan_base(full, self.plan, pinned, outputs, self.base_memory, itemsize)

@@ -40,7 +40,7 @@ import logging
 import numpy as np
 
 from toygraph import environment
-from toygraph.core.memory import BufferPlan
+from toygraph.core.memory import BufferPlan, Storage
 from toygraph.core.ops.table import in_place
 from toygraph.core.precision import PRECISIONS, TENSOR_CORE_PRECISIONS
 from toygraph.cuda import driver
@@ -49,7 +49,7 @@ from toygraph.cuda.lowering.dispatch import lower
 from toygraph.cuda.lowering.launch import MAX_ELEMENTS, Collective, Launch
 from toygraph.cuda.lowering.registry import REGISTRY, decode_launch
 from toygraph.cuda.lowering.sources import backend_source
-from toygraph.cuda.storage import plan_bf16
+from toygraph.cuda.storage import plan_storage
 from toygraph.errors import CudaError
 
 logger = logging.getLogger(__name__)
@@ -112,12 +112,10 @@ class CudaBackend:
         self.module = None
 
     # --- realize ------------------------------------------------------------------------------
-    def bf16_buffers(self, schedule, pinned) -> frozenset:
-        """The activations kept in bf16 at precision "bf16" (cuda/storage.py; none with
-        ``TOYGRAPH_CUDA_BF16_ACTIVATIONS=0`` or at another precision)."""
-        if not environment.get("TOYGRAPH_CUDA_BF16_ACTIVATIONS"):
-            return frozenset()
-        return plan_bf16(schedule, pinned, self.precision)
+    def storage(self, schedule, pinned) -> Storage:
+        """The activations kept in bf16 and the products computed inside another node's
+        GEMM, at precision "bf16" (cuda/storage.py; nothing at another precision)."""
+        return plan_storage(schedule, pinned, self.precision)
 
     def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):
         """Compile, allocate the arena and pinned buffers, upload consts and params."""
@@ -142,7 +140,8 @@ class CudaBackend:
                     raise CudaError(f"buffer plan places {t.name!r} at bytes "
                                     f"[{plan.offsets[t.id]}, {end}) outside the arena of "
                                     f"{plan.arena_bytes} bytes")
-            elif t.op is not None and not in_place(t.op) and t.id not in pinned:
+            elif (t.op is not None and not in_place(t.op) and t.id not in pinned
+                  and t.id not in plan.absorbed):
                 raise CudaError(f"buffer plan has no place for {t.name!r}")
         needed = mem.peak_bytes
         free, total = self.ctx.mem_info()
@@ -172,7 +171,7 @@ class CudaBackend:
             if t.op is not None:
                 scratch = self.scratch_ptr if t.id in mem.scratch else 0
                 launches = lower(t, self._ptr, scratch, self.raw_consts, self.precision,
-                                 plan.bf16)
+                                 plan.bf16, plan.absorbed)
                 self._launches[t.id] = [self._prepare(l) for l in launches]
         self.ctx.sync()
         self._keep.clear()

@@ -15,13 +15,46 @@ only possible when its offset stays 256-byte aligned at 2 bytes an element.
 Everything else -- the residual stream, reductions, the loss, weights, gradients of
 weights, the optimizer's moments -- stays f32, and at "f32" / "tf32" nothing changes.
 
->>> half = plan_bf16(schedule, pinned, "bf16")          # doctest: +SKIP
->>> plan = plan_buffers(schedule, pinned, 4, half=half)  # doctest: +SKIP
+It also picks the products another node computes inside its own kernel
+(:func:`plan_absorbed`, the lowerings' ``absorbs`` rule: a LoRA projection's base product
+x W^T, summed with s u B^T in one accumulation by matmul_add's dual GEMM), which then get
+neither launches nor a buffer.
+
+>>> storage = plan_storage(schedule, pinned, "bf16")           # doctest: +SKIP
+>>> plan = plan_buffers(schedule, pinned, 4, storage=storage)  # doctest: +SKIP
 """
 from __future__ import annotations
 
-from toygraph.core.memory import ALIGN, VIEW_OPS, is_planned, view_offset, views
+from toygraph import environment
+from toygraph.core.memory import ALIGN, VIEW_OPS, Storage, is_planned, view_offset, views
 from toygraph.cuda.lowering.registry import REGISTRY
+
+
+def plan_storage(schedule, pinned: set[int], precision: str) -> Storage:
+    """The bf16 tensors and absorbed products of ``schedule`` at ``precision`` (none of
+    either with TOYGRAPH_CUDA_BF16_ACTIVATIONS=0 / TOYGRAPH_CUDA_DUAL_GEMM=0)."""
+    half = (plan_bf16(schedule, pinned, precision)
+            if environment.get("TOYGRAPH_CUDA_BF16_ACTIVATIONS") else frozenset())
+    absorbed = (plan_absorbed(schedule, pinned, precision)
+                if environment.get("TOYGRAPH_CUDA_DUAL_GEMM") else {})
+    return Storage(half, absorbed)
+
+
+def plan_absorbed(schedule, pinned: set[int], precision: str) -> dict:
+    """{id of a tensor: the node computing it in its own launches}: what a node's
+    ``absorbs`` rule offers, when it is a planned intermediate that node alone reads."""
+    readers: dict[int, list] = {}
+    for node in schedule:
+        for s in node.srcs:
+            readers.setdefault(s.id, []).append(node)
+    absorbed = {}
+    for node in schedule:
+        entry = REGISTRY.get(node.op) if node.op else None
+        inner = entry.absorbs(node, precision) if entry and entry.absorbs else None
+        if (inner is not None and is_planned(inner, pinned) and inner.id not in absorbed
+                and all(r is node for r in readers.get(inner.id, []))):
+            absorbed[inner.id] = node
+    return absorbed
 
 #: The precision whose activations may be stored in bf16.
 BF16_STORAGE_PRECISION = "bf16"

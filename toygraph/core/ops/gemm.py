@@ -16,7 +16,8 @@ import numpy as np
 from toygraph.core.ops.elementwise import grid_vec, scale, vector_ok
 from toygraph.core.ops.shape import broadcast_shapes, sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.core.ops.tc_gemm import Gemm, deq_launch, gemm_launches, prefers_copies
+from toygraph.core.ops.tc_gemm import (Gemm, deq_launch, dual_gemm_launches, gemm_launches,
+                                       prefers_copies)
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.cuda.lowering import (MAX_GRID_YZ, At, Launch, contiguous_strides, declare_kernels,
                                     decodes, f32, grid_1d, i32, lowers, p, pad_shape, strided)
@@ -57,7 +58,7 @@ TC_KERNELS: dict[str, dict] = {
 }
 #: The precision whose dense matmuls run tc_gemm.cu, and its kernels.
 BF16_GEMM_PRECISION = "bf16"
-BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_sum_splits",
+BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_sum_splits",
                      *(f"tg_tcg_deq_{kind}_{fmt}" for kind in ("nt", "nn")
                        for fmt in DEQUANT_KERNELS))
 
@@ -319,10 +320,41 @@ def _matmul_scratch(node, precision: str) -> int:
         return direct
     g, w = matmul_gemm(node), node.srcs[-1]
     need = max(g.scratch(), direct)
-    if (_weight_in_blocks(node, len(node.srcs) - 1) and w.role == "const"
-            and w.storage in DEQUANT_KERNELS):
+    if _decodes_once(node):
         need = max(need, block_gemm(node).scratch())   # batch folded into M: its own split
+    if _absorbs(node, precision) is not None:          # the dual GEMM: both products' copies
+        need = max(need, max(_base_gemms(node.srcs[0]), key=Gemm.scratch).scratch()
+                   + g.scratch())
     return need
+
+
+def _decodes_once(node) -> bool:
+    """Whether the product's weight may be a block-format const decoded once at bf16."""
+    w = node.srcs[-1]
+    return (_weight_in_blocks(node, len(node.srcs) - 1) and w.role == "const"
+            and w.storage in DEQUANT_KERNELS)
+
+
+def _base_gemms(base) -> list[Gemm]:
+    """The Gemms a product may run as: dense, and decoded once if its weight may be."""
+    return [matmul_gemm(base)] + ([block_gemm(base)] if _decodes_once(base) else [])
+
+
+def _absorbs(node, precision: str):
+    """matmul_add's base product -- x W^T of a LoRA projection, dy W of its backward --
+    computed in its own GEMM at bf16 (tg_tcg_gemm2_bf16: one accumulation over both
+    products' k, the base output never written apart): both unbatched, 2-D operands, the
+    base unscaled and too large to split k, and the scale of the other product free to go
+    into its B copy (not a block-format weight's decode). None otherwise (cuda/storage.py
+    then also checks that the base is an intermediate read only here)."""
+    base = node.srcs[0]
+    if (precision != BF16_GEMM_PRECISION or base.op != "matmul" or _scale_a(base) != 1.0
+            or any(len(t.shape) != 2 for t in (base, *base.srcs, *node.srcs[1:]))
+            or (_decodes_once(node) and node.attrs["alpha"] * _scale_a(node) != 1.0)):
+        return None
+    if any(g.splits != 1 for g in _base_gemms(base)) or matmul_gemm(node).nbatch != 1:
+        return None
+    return base
 
 
 def _prescale(node, at) -> tuple[list[Launch], At]:
@@ -438,11 +470,13 @@ def _lower_matmul(node, at):
 
 @lowers("matmul_add", kernels=("tg_matmul", "tg_scale", "tg_scale_vec", "tg_matmul_add_epilogue"),
         scratch=_matmul_scratch, block_format=_weight_in_blocks, bf16_reads=(0, 1, 2),
-        bf16_writes=True)
+        bf16_writes=True, absorbs=_absorbs)
 def _lower_matmul_add(node, at):
     """The product as matmul lowers it, and the epilogue out = add + alpha * product: in
     tc_gemm.cu's store (or split sum) where the bf16 GEMM runs the product, else
     tg_matmul_add_epilogue over the product in out."""
+    if at.absorbed.get(node.srcs[0].id) is node:
+        return _dual(node, at)
     add, alpha = at.ptr(node.srcs[0]), node.attrs["alpha"]
     if at.precision != "f32":
         launches, done = _tc_matmul(node, at, add, alpha, at.half(node.srcs[0]))
@@ -452,6 +486,31 @@ def _lower_matmul_add(node, at):
         launches = _lower_matmul(node, at)
     return launches + [Launch("tg_matmul_add_epilogue", grid_1d(node.size),
                               [p(at.out), p(add), f32(alpha), i32(node.size)])]
+
+
+def _dual(node, at) -> list[Launch]:
+    """matmul_add with its base product absorbed (_absorbs): base + alpha * (s_a a) @ b as
+    one dual GEMM, the base's weight decoded once when it is a block-format const."""
+    base, ptr = node.srcs[0], at.ptr
+    (x, w), (u, b) = base.srcs, node.srcs[1:]
+    what = f"matmul {node.name!r}"
+    g2 = matmul_gemm(node)
+    common = dict(scale2=node.attrs["alpha"] * _scale_a(node), a2_bf16=at.half(u),
+                  b2_bf16=at.half(b), out_bf16=at.half(node))
+    if b.id in at.raw_consts:   # the second product's weight decoded once too
+        g2 = block_gemm(node)
+        kind2 = "nt" if node.attrs["trans_b"] else "nn"
+        common["b2_copy"] = lambda dst: deq_launch(b.storage, kind2, dst, ptr(b), g2.N, g2.K,
+                                                   g2.kp, row_bytes(b))
+    if w.id in at.raw_consts:
+        g = block_gemm(base)
+        kind = "nt" if base.attrs["trans_b"] else "nn"
+        return dual_gemm_launches(
+            g, g2, at.out, ptr(x), 0, ptr(u), ptr(b), at.scratch, what, a_bf16=at.half(x),
+            b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N, g.K, g.kp,
+                                          row_bytes(w)), **common)
+    return dual_gemm_launches(matmul_gemm(base), g2, at.out, ptr(x), ptr(w), ptr(u), ptr(b),
+                              at.scratch, what, a_bf16=at.half(x), b_bf16=at.half(w), **common)
 
 
 # --- unbatched launches for fused ops that run matmuls over raw addresses (loss.py's head) ---

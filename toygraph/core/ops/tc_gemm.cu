@@ -201,13 +201,41 @@ __device__ __forceinline__ void tcg_store(void* C, const float (&acc)[TC_MI][TC_
             }
 }
 
-// C[M, N] (row-major) = A B^T over k slices [kt0, kt1) for the tile at (m0, n0), staged in
-// the kernel's shared arrays tcg_As / tcg_Bs (declared in the extern "C" kernel: the host
-// executor only treats a kernel's own statics as shared memory, shim.h).
+// The second product of a dual GEMM (tg_tcg_gemm2_bf16): its A [M][Kp2] and B [N][Kp2]
+// copies, whose k slices follow the first product's ktiles1 slices in one accumulation.
+struct TcgSecond {
+    const unsigned short* a;
+    const unsigned short* b;
+    int kp, ktiles1;
+};
+
+// Slice kt of the k range into stage S: the first product's, or past its ktiles1 slices
+// (DUAL) the second's.
+template <bool DUAL>
+__device__ __forceinline__ void tcg_issue_slice(unsigned short* As, unsigned short* Bs,
+                                                const unsigned short* A,
+                                                const unsigned short* B, int Kp,
+                                                const TcgSecond& two, int kt, int m0, int n0,
+                                                int M, int N) {
+    if (DUAL && kt >= two.ktiles1) {
+        tcg_issue(As, two.a, m0, M, (kt - two.ktiles1) * TCG_BK, two.kp);
+        tcg_issue(Bs, two.b, n0, N, (kt - two.ktiles1) * TCG_BK, two.kp);
+    } else {
+        tcg_issue(As, A, m0, M, kt * TCG_BK, Kp);
+        tcg_issue(Bs, B, n0, N, kt * TCG_BK, Kp);
+    }
+}
+
+// C[M, N] (row-major) = A B^T over k slices [kt0, kt1) for the tile at (m0, n0) (DUAL: the
+// second product's slices after the first's), staged in the kernel's shared arrays tcg_As /
+// tcg_Bs (declared in the extern "C" kernel: the host executor only treats a kernel's own
+// statics as shared memory, shim.h).
+template <bool DUAL>
 __device__ __forceinline__ void tcg_tile(void* C, const unsigned short* A,
                                          const unsigned short* B, int M, int N, int Kp,
                                          int kt0, int kt1, int m0, int n0,
                                          const void* add, float alpha, int bf16,
+                                         const TcgSecond& two,
                                          unsigned short (*tcg_As)[TC_BM * TCG_LD],
                                          unsigned short (*tcg_Bs)[TC_BN * TCG_LD]) {
     const int lane = threadIdx.x & 31;
@@ -216,15 +244,14 @@ __device__ __forceinline__ void tcg_tile(void* C, const unsigned short* A,
     float acc[TC_MI][TC_NI][4];
     tg_tc_zero(acc);
     if (kt0 < kt1) {
-        tcg_issue(tcg_As[0], A, m0, M, kt0 * TCG_BK, Kp);
-        tcg_issue(tcg_Bs[0], B, n0, N, kt0 * TCG_BK, Kp);
+        tcg_issue_slice<DUAL>(tcg_As[0], tcg_Bs[0], A, B, Kp, two, kt0, m0, n0, M, N);
         tg_cp_async_commit();
     }
     for (int kt = kt0; kt < kt1; ++kt) {
         const int cur = (kt - kt0) & 1;
         if (kt + 1 < kt1) {   // the next slice's copies fly while this one is multiplied
-            tcg_issue(tcg_As[cur ^ 1], A, m0, M, (kt + 1) * TCG_BK, Kp);
-            tcg_issue(tcg_Bs[cur ^ 1], B, n0, N, (kt + 1) * TCG_BK, Kp);
+            tcg_issue_slice<DUAL>(tcg_As[cur ^ 1], tcg_Bs[cur ^ 1], A, B, Kp, two, kt + 1,
+                                  m0, n0, M, N);
             tg_cp_async_commit();
             tg_cp_async_wait<1>();
         } else {
@@ -258,18 +285,22 @@ __device__ __forceinline__ void tcg_offsets(const Strided& s, int i, int& oa, in
 // would spill at two blocks per SM). With splits > 1 (nbatch 1) split s covers k slices
 // [s * kts, (s + 1) * kts) and writes its partial [M, N] at out + s * M * N; otherwise
 // out is the [nbatch, M, N] result (plus alpha times add's, when add is given: splits 1),
-// in bf16 when `bf16` says so (splits 1; the partials are f32).
+// in bf16 when `bf16` says so (splits 1; the partials are f32). DUAL: one matrix (nbatch
+// 1), the second product's slices after the first's.
+template <bool DUAL>
 __device__ __forceinline__ void tcg_gemm(void* out, const unsigned short* a,
                                          const unsigned short* b, int M, int N, int Kp,
                                          int splits, int kts, int nbatch, const Strided& batch,
                                          const void* add, float alpha, int bf16,
+                                         const TcgSecond& two,
                                          unsigned short (*As)[TC_BM * TCG_LD],
                                          unsigned short (*Bs)[TC_BN * TCG_LD]) {
     const int gx = (N + TC_BN - 1) / TC_BN;
     const int z = blockIdx.z + gridDim.z * (blockIdx.x / gx);
     if (z >= nbatch * splits) return;
     const int m0 = blockIdx.y * TC_BM, n0 = (blockIdx.x % gx) * TC_BN;
-    const int ktiles = (Kp + TCG_BK - 1) / TCG_BK;
+    const int ktiles = (Kp + TCG_BK - 1) / TCG_BK
+                       + (DUAL ? (two.kp + TCG_BK - 1) / TCG_BK : 0);
     const int s = z % splits;
     int oa, ob;
     tcg_offsets(batch, z / splits, oa, ob);
@@ -280,7 +311,8 @@ __device__ __forceinline__ void tcg_gemm(void* out, const unsigned short* a,
     const void* ad = !add || splits != 1 ? nullptr
                      : bf16 & 1 ? (const void*)((const unsigned short*)add + oc)
                                 : (const void*)((const float*)add + oc);
-    tcg_tile(c, a + oa, b + ob, M, N, Kp, kt0, kt1, m0, n0, ad, alpha, bf16, As, Bs);
+    tcg_tile<DUAL>(c, a + oa, b + ob, M, N, Kp, kt0, kt1, m0, n0, ad, alpha, bf16, two, As,
+                   Bs);
 }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_bf16(
@@ -288,8 +320,21 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_bf16(
     int splits, int kts, int nbatch, Strided batch, const void* add, float alpha, int bf16) {
     __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
     __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
-    tcg_gemm(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, bf16, tcg_As,
-             tcg_Bs);
+    tcg_gemm<false>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, bf16,
+                    TcgSecond{nullptr, nullptr, 0, 0}, tcg_As, tcg_Bs);
+}
+
+// out = A B^T + A2 B2^T in one accumulation (a LoRA projection x W^T + s u B^T with s in
+// B2's copy, and its backward dx = dy W + du A): one matrix, the base product's output
+// never written apart. a2/b2 are [M][Kp2] / [N][Kp2] copies like a and b.
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm2_bf16(
+    void* out, const unsigned short* a, const unsigned short* b, int M, int N, int Kp,
+    int splits, int kts, int nbatch, Strided batch, const void* add, float alpha, int bf16,
+    const unsigned short* a2, const unsigned short* b2, int Kp2) {
+    __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
+    __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
+    tcg_gemm<true>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, bf16,
+                   TcgSecond{a2, b2, Kp2, (Kp + TCG_BK - 1) / TCG_BK}, tcg_As, tcg_Bs);
 }
 
 // out[i] = parts[0][i] + parts[1][i] + ... + parts[splits - 1][i], in that order (then

@@ -183,6 +183,53 @@ def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp:
                   [p(dst), p(w), i32(rows), i32(k), i32(kp), i32(row_bytes)])
 
 
+def dual_gemm_launches(g: Gemm, g2: Gemm, out: int, a: int, b: int, a2: int, b2: int,
+                       scratch: int, what: str, b_copy=None, b2_copy=None,
+                       scale2: float = 1.0,
+                       a_bf16: bool = False, b_bf16: bool = False, a2_bf16: bool = False,
+                       b2_bf16: bool = False, out_bf16: bool = False) -> list[Launch]:
+    """out = A B^T + scale2 * A2 B2^T for two unbatched products of one output shape, in one
+    accumulation (tg_tcg_gemm2_bf16): the launches, with g.scratch() + g2.scratch() bytes at
+    ``scratch``. scale2 goes into the B2 copy, so a B2 decoded by ``b2_copy`` (a
+    block-format weight) takes none; the rest as :func:`gemm_launches`."""
+    M, N = g.M, g.N
+    if (g2.M, g2.N) != (M, N) or g.nbatch != 1 or g2.nbatch != 1:
+        raise CudaError(f"{what}: a dual GEMM needs two unbatched products of one shape")
+    if M * N == 0:
+        return []
+    ra, rb, _ = g.regions()
+    ra2, _, _ = g2.regions()
+    ac, bc = scratch, scratch + ra
+    ac2, bc2 = bc + rb, bc + rb + ra2
+    a_as_is = a_bf16 and canonical(M, g.K, g.sam, g.sak, g.sa)
+    a2_as_is = a2_bf16 and canonical(M, g2.K, g2.sam, g2.sak, g2.sa)
+    b_as_is = b_bf16 and not b_copy and canonical(N, g.K, g.sbn, g.sbk, g.sb)
+    launches = [] if a_as_is else _copy(ac, a, M, g.K, g.kp, g.sam, g.sak, 1, what, bf16=a_bf16)
+    if b_copy:
+        launches.append(b_copy(bc))
+    elif not b_as_is:
+        launches += _copy(bc, b, N, g.K, g.kp, g.sbn, g.sbk, 1, what, bf16=b_bf16)
+    if not a2_as_is:
+        launches += _copy(ac2, a2, M, g2.K, g2.kp, g2.sam, g2.sak, 1, what, bf16=a2_bf16)
+    if b2_copy:
+        if scale2 != 1.0:
+            raise CudaError(f"{what}: a dual GEMM cannot scale a decoded block-format B")
+        launches.append(b2_copy(bc2))
+    else:
+        launches += _copy(bc2, b2, N, g2.K, g2.kp, g2.sbn, g2.sbk, 1, what, scale2, b2_bf16)
+    gx, gy = g.tiles
+    if gy > MAX_GRID_YZ:
+        raise CudaError(f"{what}: {M} rows exceed the kernel's grid limit")
+    slices = -(-g.kp // TC_BF16_BK) + -(-g2.kp // TC_BF16_BK)
+    launches.append(Launch("tg_tcg_gemm2_bf16", (gx, gy, 1),
+                           [p(out), p(a if a_as_is else ac), p(b if b_as_is else bc), i32(M),
+                            i32(N), i32(g.kp), i32(1), i32(slices), i32(1), strided([], [], []),
+                            p(0), f32(1.0), i32(OUT_BF16 if out_bf16 else 0),
+                            p(a2 if a2_as_is else ac2), p(bc2), i32(g2.kp)],
+                           block=(TC_THREADS, 1, 1)))
+    return launches
+
+
 def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
                   b_copy=None, add: int = 0, alpha: float = 1.0,
                   a_scale: float = 1.0, a_bf16: bool = False,

@@ -50,14 +50,18 @@ VIEW_OPS = ("reshape", "contiguous", "unpack")
 
 
 def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = "f32",
-          bf16=frozenset()) -> list[Launch]:
+          bf16=frozenset(), absorbed=None) -> list[Launch]:
     """The launches computing ``node``; ``ptr(t)`` is the device address of tensor t (for a
     const in ``raw_consts``, the address of its block bytes). ``precision`` "bf16"/"tf32"
     lowers matmuls to the tensor-core kernels of tc_matmul.cu (same arguments, 128 x 128
     tiles); every other op, and every op at "f32", lowers as it always has. ``bf16``: ids of
     the tensors kept in bf16 (cuda/storage.py), which only an entry declaring it may read
-    or write."""
+    or write; ``absorbed``: {id: node} of the tensors another node's launches compute (no
+    launches of their own)."""
     entry = cuda_op(node.op, node.name)
+    absorbed = absorbed or {}
+    if node.id in absorbed:
+        return []
     for i, src in enumerate(node.srcs):
         if src.id in raw_consts and not reads_block_format(node, i):
             raise CudaError(f"{node.op} {node.name!r} cannot read const {src.name!r} in its "
@@ -68,4 +72,4 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
         raise CudaError(f"{node.op} {node.name!r} cannot write its output in bf16")
     out = ptr(node) if entry.has_output else 0
     return entry.build(node, At(out, ptr, scratch, raw_consts, precision, entry.kernels,
-                                frozenset(bf16)))
+                                frozenset(bf16), absorbed))

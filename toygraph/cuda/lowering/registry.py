@@ -19,7 +19,7 @@ formats with a decoder are the ones a const may keep on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, NamedTuple
+from typing import Callable, Collection, Mapping, NamedTuple
 
 from toygraph.errors import CudaError
 
@@ -33,7 +33,8 @@ class At(NamedTuple):
     write what they read there, and nothing in it outlives the node (what a later node
     reads, such as saved row statistics, is an output). ``bf16``: the ids of the tensors
     kept in bf16 rather than f32 (cuda/storage.py; only ops whose entry declares
-    ``bf16_reads`` / ``bf16_writes`` ever see one)."""
+    ``bf16_reads`` / ``bf16_writes`` ever see one); ``absorbed``: {id: node} of the tensors
+    a node computes inside its own launches (``CudaOp.absorbs``), which have no buffer."""
     out: int
     ptr: Callable
     scratch: int
@@ -41,6 +42,7 @@ class At(NamedTuple):
     precision: str
     kernels: tuple[str, ...] = ()
     bf16: Collection[int] = frozenset()
+    absorbed: Mapping = {}
 
     def half(self, t) -> bool:
         """Whether tensor ``t`` is kept in bf16."""
@@ -69,6 +71,10 @@ class CudaOp:
     # output in bf16; a tensor is kept in bf16 only when its maker and every reader can.
     bf16_reads: tuple[int, ...] = ()
     bf16_writes: bool = False
+    # (node, precision) -> the source this node's launches can compute too (a product
+    # whose only reader it is: its output then needs neither launches nor a buffer), or
+    # None; cuda/storage.py checks that the source is a planned intermediate read only here.
+    absorbs: Callable | None = None
 
     def reads_bf16(self, node, index: int) -> bool:
         n = len(node.srcs)
@@ -83,14 +89,14 @@ DECODERS: dict[str, Callable] = {}
 
 def lowers(*ops: str, kernels: tuple[str, ...], scratch=None, block_format=None,
            has_output: bool = True, bf16_reads: tuple[int, ...] = (),
-           bf16_writes: bool = False):
+           bf16_writes: bool = False, absorbs=None):
     """Register the decorated ``build(node, at)`` as the CUDA lowering of ``ops``."""
     def register(build):
         for op in ops:
             if op in REGISTRY:
                 raise CudaError(f"op {op!r} has two CUDA lowerings")
             REGISTRY[op] = CudaOp(op, build, tuple(kernels), scratch, block_format, has_output,
-                                  tuple(bf16_reads), bool(bf16_writes))
+                                  tuple(bf16_reads), bool(bf16_writes), absorbs)
         return build
     return register
 
