@@ -1,11 +1,13 @@
 """What --precision bf16 does to the loss on SmolLM2: the same LoRA steps on the numpy
 backend (f32, the reference), and on the CUDA kernels (run by the host executor here, or
-on a GPU) at f32, at bf16 with every buffer f32 (TOYGRAPH_CUDA_BF16_ACTIVATIONS=0) and at
-bf16 with the activations kept in bf16 (cuda/storage.py) -- a table of per-step losses and
-their relative distance from the reference.
+on a GPU) at f32, at bf16 with every buffer f32 and every product its own GEMM
+(TOYGRAPH_CUDA_BF16_ACTIVATIONS=0 TOYGRAPH_CUDA_DUAL_GEMM=0) and at bf16 with the
+activations kept in bf16 and LoRA's products in one GEMM (cuda/storage.py) -- a table of
+per-step losses and their relative distance from the reference.
 
     python bench/bf16_loss.py --layers 2 --steps 4 --json out.json --md out.md
     TOYGRAPH_CUDA_DEVICE=0 python bench/bf16_loss.py --layers 30 --steps 20   # a GPU, whole model
+    TOYGRAPH_CUDA_DEVICE=0 python bench/bf16_loss.py --gguf .gpu/smollm2-8l.gguf   # a file as is
 
 The host executor runs every CUDA thread as a fiber, so here the model is a slice of
 SmolLM2-135M-Instruct's first ``--layers`` blocks (bench/slice_gguf.py: the file's own
@@ -28,9 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RUNS = (("numpy f32", "cpu", "f32", "1"), ("cuda f32", "cuda", "f32", "1"),
-        ("cuda bf16, f32 buffers", "cuda", "bf16", "0"),
-        ("cuda bf16, bf16 activations", "cuda", "bf16", "1"))
+#: (name, backend, precision, whether bf16 activations and the dual GEMM are on)
+RUNS = (("numpy f32", "cpu", "f32", True), ("cuda f32", "cuda", "f32", True),
+        ("cuda bf16, f32 buffers, two GEMMs", "cuda", "bf16", False),
+        ("cuda bf16, bf16 activations, dual GEMM", "cuda", "bf16", True))
 
 
 def run(path: Path, backend: str, precision: str, steps: int, batch: int, seq: int,
@@ -55,6 +58,7 @@ def run(path: Path, backend: str, precision: str, steps: int, batch: int, seq: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--gguf", help="a GGUF to use as it is (no slicing; its tokenizer too)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
@@ -65,13 +69,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOYGRAPH_CUDA_DEVICE", "host")
     from slice_gguf import slice_gguf
     from toygraph.models.catalog import smollm2_path
-    src = smollm2_path()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"smollm2-{args.layers}l.gguf"
-        slice_gguf(src, path, args.layers, quiet=True)
+        path = Path(args.gguf) if args.gguf else Path(tmp) / f"smollm2-{args.layers}l.gguf"
+        if not args.gguf:
+            slice_gguf(smollm2_path(), path, args.layers, quiet=True)
         for name, backend, precision, storage in RUNS:
-            os.environ["TOYGRAPH_CUDA_BF16_ACTIVATIONS"] = storage
+            for var in ("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "TOYGRAPH_CUDA_DUAL_GEMM"):
+                os.environ[var] = "1" if storage else "0"
             t0 = time.perf_counter()
             losses = run(path, backend, precision, args.steps, args.batch, args.seq_len, args.lr)
             results[name] = {"losses": [float(x) for x in losses],
@@ -96,8 +101,8 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
     if args.md:
         Path(args.md).write_text(
-            f"### --precision bf16 and the loss: SmolLM2-135M-Instruct, first {args.layers} "
-            f"blocks\n\n`{meta['command']}` ({meta['date']}, CUDA kernels on the "
+            f"### --precision bf16 and the loss: "
+            f"{args.gguf or f'SmolLM2-135M-Instruct, first {args.layers} blocks'}\n\n`{meta['command']}` ({meta['date']}, CUDA kernels on the "
             f"{meta['cuda_device']}; LoRA r16 on q,k,v,o,gate,up,down, {args.batch} x "
             f"{args.seq_len} tokens a step, lr {args.lr} cosine)\n\n" + "\n".join(table) + "\n")
     return 0

@@ -24,6 +24,9 @@
 #             in .whl) and libnccl.so.2 on the machine   -> $OUT/checks.log
 #   slice     SmolLM2 8-block slice (.gpu/smollm2-8l.gguf): forward loss and the
 #             lora_qv_smollm2 experiment, CUDA vs CPU within 1e-4 rel  -> $OUT/checks.log
+#   bf16loss  bench/bf16_loss.py on the slice: 8 LoRA steps' losses on numpy f32, CUDA f32,
+#             CUDA bf16 with f32 buffers and two GEMMs, CUDA bf16 with bf16 activations and
+#             the dual GEMM (what --precision bf16 does to the loss) -> $OUT/bench.md
 #   generate  bench/bench_generate.py on the slice (GS_BACKEND): greedy tokens/s with and
 #             without the KV cache (256 new tokens, GS_GENERATE_ARGS)
 #             table -> $OUT/bench.md, JSON in results.json
@@ -43,6 +46,7 @@
 #               Second call for the benchmarks only:  GS_STAGES=bench bash bench/gpu_session.sh
 #   GS_BENCH    benchmark stages in order (default below); names: smollm2-512x8,
 #               smollm2-2048x4, llama1b-random, llama1b-bf16 (toygraph and torch in bf16),
+#               llama1b-bf16-plain (toygraph bf16 without bf16 activations and dual GEMM),
 #               ckpt-smollm2-512x8, ckpt-llama1b-2048x4 (bench_checkpoint.py configs)
 #   GS_BENCH_ARGS  extra bench_lora.py arguments for every bench_lora stage (e.g. "--cold no")
 #   GS_GENERATE_ARGS  bench_generate.py arguments (default "--full-tokens 64")
@@ -64,8 +68,8 @@ rm -f "$WORK"/*.json
 BUDGET=${GS_BUDGET:-540}
 DEADLINE=$((SECONDS + BUDGET))
 RESERVE=20          # seconds kept for results.json and the summary at the end
-STAGES=",${GS_STAGES:-tests,nographs,gate,golden,nccl,slice,generate,bench,pack},"
-BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16 ckpt-smollm2-512x8 ckpt-llama1b-2048x4}
+STAGES=",${GS_STAGES:-tests,nographs,gate,golden,nccl,slice,bf16loss,generate,bench,pack},"
+BENCH_LIST=${GS_BENCH:-smollm2-512x8 llama1b-random smollm2-2048x4 llama1b-bf16 llama1b-bf16-plain ckpt-smollm2-512x8 ckpt-llama1b-2048x4}
 SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
 TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt lora_packed_tiny_llama dpo_qv_tiny_llama orpo_qv_tiny_llama"
@@ -422,23 +426,30 @@ if want slice; then
     slice_stage slice 180 "$CHECKS_LOG" "$PY $WORK/check_detail.py '$CHECKS_LOG' slice" \
         "GS_BACKEND=$GS_BACKEND $PY $WORK/slice_check.py $SLICE $WORK/slice.json"
 fi
+if want bf16loss; then
+    slice_stage bf16loss 200 "$OUT/bench.log" "tail -n 6 $WORK/bf16loss.md" \
+        "set -o pipefail; TOYGRAPH_CUDA_DEVICE=\${TOYGRAPH_CUDA_DEVICE:-0} $PY bench/bf16_loss.py --gguf $SLICE --steps 8 --batch 4 --seq-len 128 --md $WORK/bf16loss.md --json $WORK/bench-bf16loss.json | tee -a $OUT/bench.md >&2"
+fi
 if want generate; then
     slice_stage generate 150 "$OUT/bench.log" "tail -n 1 $WORK/generate.md" \
         "set -o pipefail; $PY bench/bench_generate.py --backend $GS_BACKEND --model $SLICE ${GS_GENERATE_ARGS:---full-tokens 64} --md $WORK/generate.md --json $WORK/bench-generate.json --note 'gpu_session.sh generate (SmolLM2 8-block slice)' | tee -a $OUT/bench.md >&2"
 fi
 if want bench; then
     for b in $BENCH_LIST; do
-        script=bench/bench_lora.py extra=${GS_BENCH_ARGS:-}
+        script=bench/bench_lora.py extra=${GS_BENCH_ARGS:-} pre=""
         case $b in
             ckpt-*) script=bench/bench_checkpoint.py extra=""
                     args="--config ${b#ckpt-} --steps 3 --warmup 1"; cap=300 ;;
             llama1b-bf16) args="--config llama1b-random --dtype bf16 --impl toygraph,torch-eager,torch-compile"; cap=240 ;;
+            # the same step with bf16 activations and the dual GEMM off: what they are worth
+            llama1b-bf16-plain) args="--config llama1b-random --dtype bf16 --impl toygraph"; cap=180
+                    pre="TOYGRAPH_CUDA_BF16_ACTIVATIONS=0 TOYGRAPH_CUDA_DUAL_GEMM=0" ;;
             smollm2-512x8) args="--config $b"; cap=300 ;;
             *) args="--config $b"; cap=300 ;;
         esac
         stage "bench $b" "$cap" "$OUT/bench.log" \
             "$PY $WORK/bench_detail.py $WORK/bench-$b.json" \
-            "set -o pipefail; $PY $script --device $GS_BACKEND $args $extra --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
+            "set -o pipefail; $pre $PY $script --device $GS_BACKEND $args $extra --json $WORK/bench-$b.json --note 'gpu_session.sh $b' | tee -a $OUT/bench.md >&2"
     done
 fi
 
