@@ -273,25 +273,18 @@ def test_linear_cross_entropy_reads_a_block_format_head_through_the_fused_kernel
         dispatch.lower(gw, lambda t: 1 << 20, 1 << 30, frozenset({w.id}))
 
 
-@pytest.mark.parametrize("prec", TC_PRECISIONS)
-def test_linear_cross_entropy_in_mixed_precision_uses_tensor_core_matmuls(prec):
-    """bf16/tf32: logits and dh on the tensor-core kernels (same arguments, 128-row tiles),
-    dw accumulation stays tg_matmul_acc (f32; it has no tensor-core twin). At bf16, dh runs
-    tc_gemm.cu's GEMM instead (tests/test_ops_tc_gemm.py)."""
+def test_linear_cross_entropy_at_tf32_uses_tensor_core_matmuls():
+    """tf32: logits and dh on the tensor-core kernels (same arguments, 128-row tiles), dw
+    accumulation stays tg_matmul_acc (f32; it has no tensor-core twin)."""
     rng = np.random.default_rng(7)
     g, h, w, lab, *_ = _lce_case(rng, 300, 64, 100, np.zeros(300))
     back = g.node("linear_cross_entropy_back", [h, w, lab, g.const("g", np.array(1.0))],
                   dict(reduction="sum", grad_h=True, grad_w=True))
     base = dispatch.lower(back, lambda t: (t.id + 1) << 24, 1 << 30)
-    tc = dispatch.lower(back, lambda t: (t.id + 1) << 24, 1 << 30, precision=prec)
+    tc = dispatch.lower(back, lambda t: (t.id + 1) << 24, 1 << 30, precision="tf32")
     assert [l.kernel for l in base] == ["tg_lce_grad_scale", "tg_fill", "tg_matmul", "tg_ce_back",
                                         "tg_matmul", "tg_matmul_acc"]
-    if prec == "bf16" and "tg_tcg_gemm_bf16" in [l.kernel for l in tc]:   # the model's pick
-        assert [l.kernel for l in tc][4:7] == ["tg_tcg_to_bf16", "tg_tcg_to_bf16",
-                                               "tg_tcg_gemm_bf16"]
-        del tc[4:7]
-        del base[4]
-    assert [l.kernel for l in tc] == [TC_KERNELS[prec]["matmul"] if k == "tg_matmul" else k
+    assert [l.kernel for l in tc] == [TC_KERNELS["tf32"]["matmul"] if k == "tg_matmul" else k
                                       for k in (l.kernel for l in base)]
     for b, t in zip(base, tc):
         assert [x.tolist() for x in b.args] == [x.tolist() for x in t.args]
@@ -300,6 +293,33 @@ def test_linear_cross_entropy_in_mixed_precision_uses_tensor_core_matmuls(prec):
             assert t.grid == (-(-N // 128), -(-M // 128), 1) and t.block == (256, 1, 1)
 
 
+@pytest.mark.parametrize("storage", [None, "q8_0"])
+def test_linear_cross_entropy_at_bf16_copies_the_head_once(storage, monkeypatch):
+    """bf16: W's bf16 copy and its transpose made once for the node (decoded from a
+    block-format head), then every chunk's logits and dh on tc_gemm.cu's GEMM reading them
+    as they are; dw (full fine-tuning) stays tg_matmul_acc with its f32 arguments."""
+    from cudaemu import qweight
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 128 * 104)   # three chunks of 300
+    rng = np.random.default_rng(7)   # (V a multiple of 8: W's transposed copy has no padding)
+    g, h, w, lab, *_ = _lce_case(rng, 300, 64, 104, np.zeros(300))
+    raw = frozenset()
+    if storage:
+        w = g.const("wq", qweight(rng, storage, 104, 64)[0], shape=(104, 64), storage=storage)
+        raw = frozenset({w.id})
+    back = g.node("linear_cross_entropy_back", [h, w, lab, g.const("g", np.array(1.0))],
+                  dict(reduction="sum", grad_h=True, grad_w=not storage))
+    ptr = lambda t: (t.id + 1) << 24   # noqa: E731
+    tc = dispatch.lower(back, ptr, 1 << 30, raw, precision="bf16")
+    kinds = [l.kernel for l in tc]
+    head = [l for l in tc if int(l.args[1][0]) == ptr(w)]
+    assert [l.kernel for l in head] == ([f"tg_tcg_deq_nt_{storage}", f"tg_tcg_deq_nn_{storage}"]
+                                        if storage else ["tg_tcg_to_bf16"] * 2)
+    assert kinds.count("tg_tcg_gemm_bf16") == 2 * 3 and not any("tc_matmul" in k or "qmm" in k
+                                                                for k in kinds)
+    gemms = [l for l in tc if l.kernel == "tg_tcg_gemm_bf16"]
+    copies = {int(l.args[0][0]) for l in head}
+    assert all(int(l.args[2][0]) in copies for l in gemms)    # B: the head's copies as they are
+    assert kinds.count("tg_matmul_acc") == (0 if storage else 3)
 def test_linear_cross_entropy_chunk_rows():
     assert loss_ops.lce_chunk_rows(8192, 49152) == 1344        # 256 MiB of SmolLM2 logits
     assert loss_ops.lce_chunk_rows(512, 49152) == 512
@@ -326,3 +346,39 @@ def test_linear_cross_entropy_kernels_compile_without_spills(arch, cache):
         u = usage[name]
         assert u["stack"] == u["spill_stores"] == u["spill_loads"] == 0, (name, u)
     assert usage["tg_matmul_acc"]["registers"] <= usage["tg_matmul"]["registers"] + 8
+
+
+@pytest.mark.parametrize("fmt", [None, "q8_0", "q4_k"])
+def test_the_bf16_head_tracks_numpy_on_the_host_executor(fmt, monkeypatch):
+    """The fused head at bf16 (W's copies made once, every chunk on tc_gemm.cu) against
+    numpy f32: the loss and dh within bf16's tolerance, over several chunks, a vocabulary
+    that is no multiple of 8 (its transposed copy is re-copied per chunk) and labels -1."""
+    from cudaemu import qweight
+    from hostparity import MIXED_TOL, rel_err, rnd, run_phase
+    from toygraph.core.autodiff import backward
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 64 * 300)
+    N, D = 150, 256 if fmt == "q4_k" else 64
+    V = 300 if fmt else 301
+    rng = np.random.default_rng(11)
+    labels = rng.integers(0, V, N).astype(np.int32)
+    labels[::7] = -1
+
+    def build():
+        g = Graph()
+        h = g.param("h", rnd(np.random.default_rng(1), N, D))
+        if fmt:
+            raw, _ = qweight(np.random.default_rng(2), fmt, V, D)
+            w = g.const("w", raw, shape=(V, D), storage=fmt)
+        else:
+            w = g.const("w", rnd(np.random.default_rng(2), V, D, s=0.2))
+        lab = g.input("labels", (N,), "i32")
+        loss = g.output(ops.linear_cross_entropy(h, w, lab))
+        return g, lab, [loss, g.output(backward(loss, [h])[h])]
+
+    g, lab, fetch = build()
+    got = run_phase(g, "cuda", {lab: labels}, "backward", fetch, "bf16")
+    g2, lab2, fetch2 = build()
+    want = run_phase(g2, "cpu", {lab2: labels}, "backward", fetch2)
+    for name, a, b in zip(("loss", "dh"), got, want):
+        assert rel_err(a, b) <= MIXED_TOL["bf16"], (name, rel_err(a, b))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph.core.ops.gemm import BF16_GEMM_PRECISION, block_mm, dense_mm
-from toygraph.core.ops.tc_gemm import Gemm, gemm_launches, prefers_copies
+from toygraph.core.ops.gemm import BF16_GEMM_PRECISION, block_mm, dense_mm, row_bytes
+from toygraph.core.ops.tc_gemm import K_ALIGN, Gemm, bf16_copy, deq_launch, gemm_launches
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, kernel, make_node
 from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p, rows_grid
@@ -278,33 +278,65 @@ def lce_chunk_rows(n_rows: int, vocab: int) -> int:
     return max(1, min(n_rows, rows))
 
 
-def _dh_gemm(node, rows: int) -> Gemm:
-    """dh_c = dlogits_c [rows, V] @ W [V, D] as the bf16 GEMM (split-K over the vocabulary:
-    few output tiles, k = V)."""
+def _padded(n: int) -> int:
+    return -(-n // K_ALIGN) * K_ALIGN
+
+
+def _head_gemms(node, rows: int) -> tuple[Gemm, Gemm]:
+    """At bf16, a chunk's two products on the bf16 copies of W the node makes once:
+    logits_c = h_c [rows, D] W^T, B from W as it is ([V][D'], "w_nt"); dh_c = dlogits_c
+    [rows, V] W, B from W's transpose ([D][V'], "w_nn"); D', V' rounded up to 8."""
     (_, D), V = node.srcs[0].shape, node.srcs[1].shape[0]
-    return Gemm(rows, D, V, V, 1, D, 1)
+    return (Gemm(rows, V, D, D, 1, 1, _padded(D)), Gemm(rows, D, V, V, 1, 1, _padded(V)))
 
 
 def _lce_scratch(node, precision: str = "f32") -> dict[str, int]:
     """Scratch parts, in order, in bytes (each 256-byte aligned): the chunk's logits block,
     then forward the per-row losses [N], backward the dlogits weight (one f32); reduction
     "none" needs neither (its rows go straight to the output, its weights are g's rows).
-    At bf16 a backward with dh adds the dh GEMM's operand copies and split partials where
-    the cost model prefers that GEMM for the chunk's shape (sized for a dense head even
-    when it will be read in blocks: the memory plan decides that)."""
-    (N, _), V = node.srcs[0].shape, node.srcs[1].shape[0]
-    parts = {"logits": 4 * lce_chunk_rows(N, V) * V}
+    At bf16 the head's bf16 copies (W and, for dh, its transpose: decoded once per node
+    from a block-format head, copied from an f32 one) and the chunk GEMMs' own copies and
+    split partials (room for the last, shorter chunk's too)."""
+    (N, D), V = node.srcs[0].shape, node.srcs[1].shape[0]
+    rows = lce_chunk_rows(N, V)
+    parts = {"logits": 4 * rows * V}
     if node.attrs["reduction"] != "none" and node.op == "linear_cross_entropy":
         parts["rowloss"] = 4 * N
     elif node.attrs["reduction"] != "none":
         parts["gscale"] = 4
-    rows = lce_chunk_rows(N, V)
-    if (precision == BF16_GEMM_PRECISION and node.op == "linear_cross_entropy_back"
-            and node.attrs["grad_h"] and prefers_copies(_dh_gemm(node, rows))):
-        # the last chunk may be shorter, with more splits: room for both
-        parts["dh_gemm"] = max(_dh_gemm(node, rows).scratch(),
-                               _dh_gemm(node, N % rows or rows).scratch())
+    if precision == BF16_GEMM_PRECISION:
+        dh = node.op == "linear_cross_entropy_back" and node.attrs["grad_h"]
+        parts["w_nt"] = 2 * V * _padded(D)
+        if dh:
+            parts["w_nn"] = 2 * D * _padded(V)
+        parts["gemm"] = max(g.scratch() for r in (rows, N % rows or rows)
+                            for g in _head_gemms(node, r)[:1 + dh])
     return {k: (v + 255) // 256 * 256 for k, v in parts.items()}
+
+
+def _part(at, parts: dict, name: str) -> int:
+    """The address of scratch part ``name`` (parts in order, as _lce_scratch lists them)."""
+    offset = 0
+    for key, size in parts.items():
+        if key == name:
+            return at.scratch + offset
+        offset += size
+    raise KeyError(name)
+
+
+def _head_copies(node, at, parts: dict, grad_h: bool) -> list[Launch]:
+    """At bf16, W [V, D] once as the logits GEMM's B ([V][D']) and, for dh, its transpose
+    ([D][V']): decoded from a block-format head (tg_tcg_deq_*), else copied from f32."""
+    w, what = node.srcs[1], f"{node.op} {node.name!r}"
+    V, D = w.shape
+    dp, vp = _padded(D), _padded(V)
+    nt, nn = _part(at, parts, "w_nt"), grad_h and _part(at, parts, "w_nn")
+    if w.id in at.raw_consts:
+        rb = row_bytes(w)
+        return ([deq_launch(w.storage, "nt", nt, at.ptr(w), V, D, dp, rb)]
+                + ([deq_launch(w.storage, "nn", nn, at.ptr(w), D, V, vp, rb)] if grad_h else []))
+    return (bf16_copy(nt, at.ptr(w), V, D, dp, D, 1, what)
+            + (bf16_copy(nn, at.ptr(w), D, V, vp, 1, D, what) if grad_h else []))
 
 
 def _head_in_blocks(node, index: int) -> bool:
@@ -336,8 +368,10 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
     Reduction "none": forward tg_ce_rows writes the output's rows and nothing reduces;
     backward has no tg_lce_grad_scale and tg_ce_back_rows weighs each row by its g.
     A block-format head reads through the QUANT_KERNELS "nt"/"nn" kernels instead of
-    tg_matmul, and bf16/tf32 through their tensor-core twins; at bf16 a dense head's dh
-    runs tc_gemm.cu's GEMM with split-K (k = V), its copies and partials in scratch.
+    tg_matmul, and tf32 through their tensor-core twins. At bf16 both products run
+    tc_gemm.cu's GEMM on bf16 copies of W the node makes once (decoded from its blocks, or
+    copied from f32: _head_copies) instead of decoding W per element in every chunk, dh
+    with split-K (k = V) where its tiles are few; copies and partials in scratch.
     """
     out, ptr, scratch = at.out, at.ptr, at.scratch
     raw_consts, precision = at.raw_consts, at.precision
@@ -363,10 +397,17 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
                                 i32(node.attrs["reduction"] == "mean")]))
     if grad_w:
         launches.append(Launch("tg_fill", grid_1d(V * D), [p(dw), i32(V * D), f32(0.0)]))
+    tc = precision == BF16_GEMM_PRECISION
+    if tc:
+        launches += _head_copies(node, at, parts, grad_h)
+    what = f"{node.op} {node.name!r}"
     for r0 in range(0, N, rows):
         c = min(rows, N - r0)
         hc, lc = hp + 4 * r0 * D, lp + 4 * r0
-        if quant:   # logits = h_c W^T: A = h_c [c, D], W [V, D]
+        if tc:      # logits = h_c W^T on W's bf16 copy
+            launches += gemm_launches(_head_gemms(node, c)[0], zbuf, hc, _part(at, parts, "w_nt"),
+                                      _part(at, parts, "gemm"), what, b_bf16=True)
+        elif quant:   # logits = h_c W^T: A = h_c [c, D], W [V, D]
             launches.append(block_mm(zbuf, hc, w, ptr(w), c, V, D, "nt", precision))
         else:
             launches.append(dense_mm(zbuf, hc, ptr(w), c, V, D, D, 1, 1, D, precision))
@@ -382,13 +423,13 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
             launches.append(Launch("tg_ce_back", rows_grid(c),
                                    [p(zbuf), p(zbuf), p(lc), p(extra), i32(c), i32(V), i32(0)]))
         if grad_h:   # dh_c = dlogits_c [c, V] @ W [V, D]
-            if quant:
+            if tc:   # on W's transposed bf16 copy (split over the vocabulary when few tiles)
+                launches += gemm_launches(_head_gemms(node, c)[1], dh + 4 * r0 * D, zbuf,
+                                          _part(at, parts, "w_nn"), _part(at, parts, "gemm"),
+                                          what, b_bf16=True)
+            elif quant:
                 launches.append(block_mm(dh + 4 * r0 * D, zbuf, w, ptr(w), c, D, V, "nn",
                                          precision))
-            elif "dh_gemm" in parts:   # bf16: tc_gemm.cu, split over the vocabulary
-                launches += gemm_launches(_dh_gemm(node, c), dh + 4 * r0 * D, zbuf, ptr(w),
-                                          scratch + parts["logits"] + parts.get("gscale", 0),
-                                          f"{node.op} {node.name!r}")
             else:
                 launches.append(dense_mm(dh + 4 * r0 * D, zbuf, ptr(w), c, D, V, V, 1, D, 1,
                                          precision))

@@ -162,6 +162,13 @@ def canonical(rows: int, k: int, sr: int, sk: int, mats: tuple) -> bool:
     return sk == 1 and sr == k and k % K_ALIGN == 0 and all(m % (rows * k) == 0 for m in mats)
 
 
+def bf16_copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int,
+              what: str) -> list[Launch]:
+    """The launch writing X(r, k) = src[r*sr + k*sk] (f32) as a bf16 GEMM copy [rows][kp]
+    at ``dst``: for operands a node keeps through several GEMMs (the fused head's W)."""
+    return _copy(dst, src, rows, k, kp, sr, sk, 1, what)
+
+
 def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat: int,
           what: str, scale: float = 1.0, bf16: bool = False) -> list[Launch]:
     if rows * kp * nmat == 0:
