@@ -366,7 +366,8 @@ def _loss(node, launch, stored) -> Cost:
 #: kernel name pattern -> its cost rule (the first match wins).
 RULES = [
     (r"tg_tc_matmul_\w+|tg_tc_qmm_\w+|tg_matmul(_acc)?|tg_qmm_\w+", _gemm),
-    (r"tg_tcg_to_bf16|tg_tcg_gemm2?_bf16|tg_tcg_sum_splits|tg_tcg_deq_(nt|nn)_\w+", _tc_gemm),
+    (r"tg_tcg_to_bf16|tg_tcg_gemm(2|_ta|_tb|_tab)?_bf16|tg_tcg_sum_splits|tg_tcg_deq_(nt|nn)_\w+",
+     _tc_gemm),
     (r"tg_attn_(fwd|bwd_prep|bwd_dq|bwd_dkdv)_\d+", _attention),
     (r"tg_tca_to_bf16|tg_tca_bwd_prep|tg_tca_(fwd|bwd_dq|bwd_dkdv)_\d+", _tc_attention),
     (r"tg_adamw_list|tg_accumulate|tg_sumsq_list|tg_global_norm", _optimizer),

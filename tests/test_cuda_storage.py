@@ -261,8 +261,8 @@ def test_a_store_that_truncates_instead_of_rounding_fails(monkeypatch):
 
 
 def test_a_product_reads_a_canonical_bf16_operand_as_it_is():
-    """act [40, 48] (k contiguous, 48 a multiple of 8) is A of act @ Wd: no copy of it; its
-    transposed use in dWd = act^T dz is copied from bf16."""
+    """act [40, 48] (k contiguous, 48 a multiple of 8) is A of act @ Wd: no copy of it; nor
+    in dWd = act^T dz, which reads it k-major (tg_tcg_gemm_ta*)."""
     from toygraph.cuda.lowering import dispatch
     g, fetch, act = _ffn()
     order, pinned, _, _ = training_plan(g)
@@ -274,11 +274,12 @@ def test_a_product_reads_a_canonical_bf16_operand_as_it_is():
         launches = dispatch.lower(node, ptr, 1 << 40, precision="bf16", bf16=half)
         copies = [l for l in launches if l.kernel == "tg_tcg_to_bf16"]
         from_act = [l for l in copies if int(l.args[1][0]) == ptr(act)]
-        gemm = next(l for l in launches if l.kernel == "tg_tcg_gemm_bf16")
+        gemm = next(l for l in launches if l.kernel.startswith("tg_tcg_gemm"))
+        assert not from_act
         if node.srcs[-2] is act and not node.attrs["trans_a"]:
-            assert not from_act and int(gemm.args[1][0]) == ptr(act)
-        else:
-            assert len(from_act) == 1 and int(from_act[0].args[-1][0]) == 1   # bf16 source
+            assert gemm.kernel == "tg_tcg_gemm_bf16" and int(gemm.args[1][0]) == ptr(act)
+        else:   # dWd = act^T dz: act read k-major as it lies
+            assert gemm.kernel.startswith("tg_tcg_gemm_ta") and int(gemm.args[1][0]) == ptr(act)
 
 
 def test_a_scaled_canonical_bf16_operand_is_scaled_in_the_store():
@@ -302,3 +303,67 @@ def test_a_scaled_canonical_bf16_operand_is_scaled_in_the_store():
     got, = run_phase(g, "cuda", {}, "forward", [y], "bf16")
     want, = run_phase(g, "cpu", {}, "forward", [y])
     assert rel_err(got, want) <= MIXED_TOL["bf16"]
+
+
+def _k_major(a_half: bool, b_half: bool, seed=0, T=70, F=136, G=40):
+    """act^T @ y (k = T, the tokens): act [T, F] and y [T, G] kept in bf16 (glu outputs)
+    or f32 params, read k-major as they lie by tg_tcg_gemm_{ta,tb,tab}_bf16; also the
+    gradients, which read them again the other way."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+
+    def operand(name, cols, half):
+        if half:
+            return ops.glu(g.param(name + "_g", rnd(rng, T, cols)),
+                           g.param(name + "_u", rnd(rng, T, cols)), "silu")
+        return g.param(name, rnd(rng, T, cols))
+    act, y = operand("act", F, a_half), operand("y", G, b_half)
+    z = g.output(ops.matmul(act, y, trans_a=True))
+    loss = ops.sum(ops.mul(z, g.const("r", rnd(rng, F, G))))
+    params = [t for t in g.by_role("param")]
+    grads = accumulate_grads(backward(loss, params))
+    return g, [z] + [grads[p] for p in params], z
+
+
+@pytest.mark.parametrize("a_half,b_half,kernel", [(True, True, "tg_tcg_gemm_tab_bf16"),
+                                                  (True, False, "tg_tcg_gemm_ta_bf16"),
+                                                  (False, True, "tg_tcg_gemm_tb_bf16")])
+def test_k_major_bf16_operands_are_read_as_they_lie_and_change_no_bit(a_half, b_half, kernel,
+                                                                      monkeypatch):
+    """No transposing copy of a k-major bf16 operand: the GEMM stages its [k][r] rows and
+    takes fragments with ldmatrix.trans -- the same bf16 products in the same k order as
+    the copied operand, so the same bits as with every buffer f32."""
+    from toygraph.cuda.lowering import dispatch
+    g, fetch, z = _k_major(a_half, b_half)
+    order, pinned, _, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    ptr = lambda t: (t.id + 1) << 30   # noqa: E731
+    launches = dispatch.lower(z, ptr, 1 << 40, precision="bf16", bf16=half)
+    assert [l.kernel for l in launches if "gemm" in l.kernel] == [kernel]
+    assert not [l for l in launches if l.kernel == "tg_tcg_to_bf16"
+                and int(l.args[1][0]) in {ptr(s) for s in z.srcs if s.id in half}]
+    stored = run_phase(g, "cuda", {}, "backward", fetch, "bf16")
+    monkeypatch.setenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "0")
+    g2, fetch2, _ = _k_major(a_half, b_half)
+    plain = run_phase(g2, "cuda", {}, "backward", fetch2, "bf16")
+    assert np.array_equal(stored[0], plain[0]), float(np.abs(stored[0] - plain[0]).max())
+
+
+@pytest.mark.parametrize("old,new", [
+    ("tg_ldmatrix<4, true>(a, As + (kk + 8 * (lane >> 4) + (lane & 7)) * TCG_LDT",
+     "tg_ldmatrix<4, true>(a, As + (kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * TCG_LDT"),
+    ("+ wn + 8 * j + 8 * (lane >> 4));", "+ wn + 8 * j + 8 * ((lane >> 3) & 1));"),
+    ("const bool in = k0 + k < K && r0 + rc < R;", "const bool in = k0 + k <= K && r0 + rc < R;"),
+])
+def test_a_broken_k_major_fragment_or_bound_fails(old, new, monkeypatch):
+    from toygraph.cuda import backend as cuda_backend
+    from toygraph.cuda.lowering import sources
+    real = sources.backend_source("bf16")
+    assert real.count(old) == 1, "the mutation no longer matches the kernel source"
+    g, fetch, _ = _k_major(True, True, T=70)
+    want = run_phase(g, "cpu", {}, "forward", fetch[:1])
+    monkeypatch.setattr(cuda_backend, "backend_source",
+                        lambda precision="bf16": real.replace(old, new))
+    g2, fetch2, _ = _k_major(True, True, T=70)
+    got = run_phase(g2, "cuda", {}, "forward", fetch2[:1], "bf16")
+    assert not rel_err(got[0], want[0]) <= MIXED_TOL["bf16"]

@@ -108,6 +108,18 @@ def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS, storage=None):
     return out
 
 
+def _k_major_launches():
+    """A product of two bf16-kept operands both read k-major (glu outputs, k = rows):
+    tg_tcg_gemm_tab_bf16, which the tiny models' plans do not reach."""
+    from toygraph.cuda.storage import plan_storage
+    g = Graph()
+    act, y = (ops.glu(g.param(n + "g", np.ones((40, 24))), g.param(n + "u", np.ones((40, 24))),
+                      "silu") for n in "ay")
+    z = g.output(ops.matmul(act, y, trans_a=True))
+    order, pinned, _, _ = training_plan(g)
+    return _lower_all([z], frozenset(), ("bf16",), plan_storage(order, pinned, "bf16"))
+
+
 def _model_launches(path, **lora_graph_kw):
     """Every precision as the backends lower it, and bf16 again with its storage plan (bf16
     activations, the dual GEMM)."""
@@ -274,6 +286,7 @@ def launches(tiny_llama, tiny_qwen2, tiny_llama_kquant):
         out += _lower_all(order, raw)
     out += _full_finetune_launches(tiny_qwen2)
     out += _block_format_launches(rng) + _attention_launches() + _small_op_launches()
+    out += _k_major_launches()
     out += _preference_op_launches() + _expert_launches(rng) + _policy_op_launches()
     return out
 

@@ -290,7 +290,8 @@ def test_ptxas_fits_two_blocks_per_sm_without_spills(arch, cache):
     per SM (the old tc_matmul kernel: 216-222 registers, one). No stack, no spills."""
     from toygraph.cuda.nvrtc import resource_usage
     usage = resource_usage(tcg_source(), arch, name="tc_gemm.cu")
-    for name in ("tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16"):   # (2: the dual GEMM)
+    for name in ("tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_gemm_ta_bf16",
+                 "tg_tcg_gemm_tb_bf16", "tg_tcg_gemm_tab_bf16"):   # dual, k-major
         u = usage[name]
         assert u["stack"] == u["spill_stores"] == u["spill_loads"] == 0, (name, u)
         assert 0 < u["registers"] <= 128 and 0 < u["smem"] <= 48 * 1024, (name, u)

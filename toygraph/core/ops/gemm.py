@@ -58,7 +58,8 @@ TC_KERNELS: dict[str, dict] = {
 }
 #: The precision whose dense matmuls run tc_gemm.cu, and its kernels.
 BF16_GEMM_PRECISION = "bf16"
-BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_sum_splits",
+BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_gemm_ta_bf16",
+                     "tg_tcg_gemm_tb_bf16", "tg_tcg_gemm_tab_bf16", "tg_tcg_sum_splits",
                      *(f"tg_tcg_deq_{kind}_{fmt}" for kind in ("nt", "nn")
                        for fmt in DEQUANT_KERNELS))
 

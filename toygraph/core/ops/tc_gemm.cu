@@ -149,10 +149,31 @@ __device__ __forceinline__ void tcg_issue(unsigned short* S, const unsigned shor
     }
 }
 
+// A k-major operand (X [K][ld] in global memory: rows of k, r contiguous, ld a multiple of
+// 8 -- a bf16 activation read transposed, e.g. x of dW = x^T dy) staged as it lies: k rows
+// [k0, k0 + 32) x r [r0, r0 + 128) into S[32][TCG_LDT] with cp.async, k past K zero-filled
+// (r past R only feeds outputs that are never stored).
+#define TCG_LDT (TC_BM + 8)   // 272-byte rows: 16-byte aligned, ldmatrix's 8 rows in 8 bank quads
+__device__ __forceinline__ void tcg_issue_km(unsigned short* S, const unsigned short* X, int r0,
+                                             int R, int k0, int K, int ld) {
+#pragma unroll
+    for (int i = 0; i < TC_BM * TCG_BK / 8 / TC_THREADS; ++i) {
+        const int c = threadIdx.x + TC_THREADS * i;
+        const int k = c >> 4, rc = (c & 15) * 8;
+        const bool in = k0 + k < K && r0 + rc < R;
+        tg_cp_async16(S + k * TCG_LDT + rc, X + (in ? (long long)(k0 + k) * ld + r0 + rc : 0),
+                      in ? 16 : 0);
+    }
+}
+
 // One staged 32-deep slice into the warp's 64 x 32 accumulators. Per 16-deep step the B
 // fragments of the warp's four n-tiles are loaded first, then one m-tile's A fragment at a
 // time (12 fragment registers live, not 24: the kernel fits 128 registers, two blocks
-// per SM, without spilling).
+// per SM, without spilling). TA / TB: that operand is staged k-major (tcg_issue_km) and its
+// fragments come from ldmatrix.trans: matrix i of lane l is the 8 x 8 block at (8 (i & 1),
+// 8 (i >> 1)) of (m, k) for A -- a0..a3 as m16n8k16 wants them -- and at (8 (i >> 1),
+// 8 (i & 1)) of (n, k) for B; lane l addresses its block's k row l & 7.
+template <bool TA, bool TB>
 __device__ __forceinline__ void tcg_compute(const unsigned short* As, const unsigned short* Bs,
                                             int wm, int wn, int lane,
                                             float (&acc)[TC_MI][TC_NI][4]) {
@@ -162,15 +183,23 @@ __device__ __forceinline__ void tcg_compute(const unsigned short* As, const unsi
 #pragma unroll
         for (int j = 0; j < TC_NI; j += 2) {
             unsigned d[4];
-            tg_ldmatrix<4, false>(d, Bs + (wn + 8 * j + (lane & 7) + 8 * (lane >> 4)) * TCG_LD
-                                         + kk + 8 * ((lane >> 3) & 1));
+            if (TB)
+                tg_ldmatrix<4, true>(d, Bs + (kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * TCG_LDT
+                                            + wn + 8 * j + 8 * (lane >> 4));
+            else
+                tg_ldmatrix<4, false>(d, Bs + (wn + 8 * j + (lane & 7) + 8 * (lane >> 4)) * TCG_LD
+                                             + kk + 8 * ((lane >> 3) & 1));
             b[j][0] = d[0], b[j][1] = d[1], b[j + 1][0] = d[2], b[j + 1][1] = d[3];
         }
 #pragma unroll
         for (int i = 0; i < TC_MI; ++i) {
             unsigned a[4];
-            tg_ldmatrix<4, false>(a, As + (wm + 16 * i + (lane & 15)) * TCG_LD + kk
-                                         + (lane >> 4) * 8);
+            if (TA)
+                tg_ldmatrix<4, true>(a, As + (kk + 8 * (lane >> 4) + (lane & 7)) * TCG_LDT
+                                            + wm + 16 * i + 8 * ((lane >> 3) & 1));
+            else
+                tg_ldmatrix<4, false>(a, As + (wm + 16 * i + (lane & 15)) * TCG_LD + kk
+                                             + (lane >> 4) * 8);
 #pragma unroll
             for (int j = 0; j < TC_NI; ++j) TcBF16::mma(acc[i][j], a, b[j]);
         }
@@ -202,16 +231,18 @@ __device__ __forceinline__ void tcg_store(void* C, const float (&acc)[TC_MI][TC_
 }
 
 // The second product of a dual GEMM (tg_tcg_gemm2_bf16): its A [M][Kp2] and B [N][Kp2]
-// copies, whose k slices follow the first product's ktiles1 slices in one accumulation.
+// copies, whose k slices follow the first product's ktiles1 slices in one accumulation;
+// or, for the k-major GEMMs (TA / TB), the true k extent and the operands' row strides.
 struct TcgSecond {
     const unsigned short* a;
     const unsigned short* b;
     int kp, ktiles1;
+    int K, lda, ldb;
 };
 
 // Slice kt of the k range into stage S: the first product's, or past its ktiles1 slices
-// (DUAL) the second's.
-template <bool DUAL>
+// (DUAL) the second's; a k-major operand (TA / TB) from its [K][ld] layout.
+template <bool DUAL, bool TA, bool TB>
 __device__ __forceinline__ void tcg_issue_slice(unsigned short* As, unsigned short* Bs,
                                                 const unsigned short* A,
                                                 const unsigned short* B, int Kp,
@@ -220,17 +251,23 @@ __device__ __forceinline__ void tcg_issue_slice(unsigned short* As, unsigned sho
     if (DUAL && kt >= two.ktiles1) {
         tcg_issue(As, two.a, m0, M, (kt - two.ktiles1) * TCG_BK, two.kp);
         tcg_issue(Bs, two.b, n0, N, (kt - two.ktiles1) * TCG_BK, two.kp);
-    } else {
-        tcg_issue(As, A, m0, M, kt * TCG_BK, Kp);
-        tcg_issue(Bs, B, n0, N, kt * TCG_BK, Kp);
+        return;
     }
+    if (TA)
+        tcg_issue_km(As, A, m0, M, kt * TCG_BK, two.K, two.lda);
+    else
+        tcg_issue(As, A, m0, M, kt * TCG_BK, Kp);
+    if (TB)
+        tcg_issue_km(Bs, B, n0, N, kt * TCG_BK, two.K, two.ldb);
+    else
+        tcg_issue(Bs, B, n0, N, kt * TCG_BK, Kp);
 }
 
 // C[M, N] (row-major) = A B^T over k slices [kt0, kt1) for the tile at (m0, n0) (DUAL: the
 // second product's slices after the first's), staged in the kernel's shared arrays tcg_As /
 // tcg_Bs (declared in the extern "C" kernel: the host executor only treats a kernel's own
 // statics as shared memory, shim.h).
-template <bool DUAL>
+template <bool DUAL, bool TA, bool TB>
 __device__ __forceinline__ void tcg_tile(void* C, const unsigned short* A,
                                          const unsigned short* B, int M, int N, int Kp,
                                          int kt0, int kt1, int m0, int n0,
@@ -244,21 +281,21 @@ __device__ __forceinline__ void tcg_tile(void* C, const unsigned short* A,
     float acc[TC_MI][TC_NI][4];
     tg_tc_zero(acc);
     if (kt0 < kt1) {
-        tcg_issue_slice<DUAL>(tcg_As[0], tcg_Bs[0], A, B, Kp, two, kt0, m0, n0, M, N);
+        tcg_issue_slice<DUAL, TA, TB>(tcg_As[0], tcg_Bs[0], A, B, Kp, two, kt0, m0, n0, M, N);
         tg_cp_async_commit();
     }
     for (int kt = kt0; kt < kt1; ++kt) {
         const int cur = (kt - kt0) & 1;
         if (kt + 1 < kt1) {   // the next slice's copies fly while this one is multiplied
-            tcg_issue_slice<DUAL>(tcg_As[cur ^ 1], tcg_Bs[cur ^ 1], A, B, Kp, two, kt + 1,
-                                  m0, n0, M, N);
+            tcg_issue_slice<DUAL, TA, TB>(tcg_As[cur ^ 1], tcg_Bs[cur ^ 1], A, B, Kp, two,
+                                          kt + 1, m0, n0, M, N);
             tg_cp_async_commit();
             tg_cp_async_wait<1>();
         } else {
             tg_cp_async_wait<0>();
         }
         __syncthreads();
-        tcg_compute(tcg_As[cur], tcg_Bs[cur], wm, wn, lane, acc);
+        tcg_compute<TA, TB>(tcg_As[cur], tcg_Bs[cur], wm, wn, lane, acc);
         __syncthreads();   // stage cur is refilled by the next iteration's copies
     }
     tcg_store(C, acc, lane, m0 + wm, n0 + wn, M, N, add, alpha, bf16);
@@ -286,8 +323,8 @@ __device__ __forceinline__ void tcg_offsets(const Strided& s, int i, int& oa, in
 // [s * kts, (s + 1) * kts) and writes its partial [M, N] at out + s * M * N; otherwise
 // out is the [nbatch, M, N] result (plus alpha times add's, when add is given: splits 1),
 // in bf16 when `bf16` says so (splits 1; the partials are f32). DUAL: one matrix (nbatch
-// 1), the second product's slices after the first's.
-template <bool DUAL>
+// 1), the second product's slices after the first's. TA / TB: k-major operands (one matrix).
+template <bool DUAL, bool TA = false, bool TB = false>
 __device__ __forceinline__ void tcg_gemm(void* out, const unsigned short* a,
                                          const unsigned short* b, int M, int N, int Kp,
                                          int splits, int kts, int nbatch, const Strided& batch,
@@ -311,8 +348,8 @@ __device__ __forceinline__ void tcg_gemm(void* out, const unsigned short* a,
     const void* ad = !add || splits != 1 ? nullptr
                      : bf16 & 1 ? (const void*)((const unsigned short*)add + oc)
                                 : (const void*)((const float*)add + oc);
-    tcg_tile<DUAL>(c, a + oa, b + ob, M, N, Kp, kt0, kt1, m0, n0, ad, alpha, bf16, two, As,
-                   Bs);
+    tcg_tile<DUAL, TA, TB>(c, a + oa, b + ob, M, N, Kp, kt0, kt1, m0, n0, ad, alpha, bf16, two,
+                           As, Bs);
 }
 
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_bf16(
@@ -321,7 +358,36 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_bf16(
     __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
     __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
     tcg_gemm<false>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, bf16,
-                    TcgSecond{nullptr, nullptr, 0, 0}, tcg_As, tcg_Bs);
+                    TcgSecond{nullptr, nullptr, 0, 0, 0, 0, 0}, tcg_As, tcg_Bs);
+}
+
+// tg_tcg_gemm_bf16 with A (_ta), B (_tb) or both (_tab) read k-major as they lie, X [K][ld]
+// (a bf16 activation whose k is its rows: the weight gradients' x^T dy, LoRA's dA and dB),
+// so no transposing copy of it is made. One matrix (nbatch 1); K the true k extent.
+#define TG_TCG_KM_ARGS void* out, const unsigned short* a, const unsigned short* b, int M, \
+    int N, int Kp, int splits, int kts, int nbatch, Strided batch, const void* add, \
+    float alpha, int bf16, int K, int lda, int ldb
+// (the stages hold a k-major slice too: TCG_BK x TCG_LDT = 4352 <= TC_BM x TCG_LD = 5120)
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_ta_bf16(TG_TCG_KM_ARGS) {
+    __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
+    __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
+    tcg_gemm<false, true, false>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha,
+                                 bf16, TcgSecond{nullptr, nullptr, 0, 0, K, lda, ldb}, tcg_As,
+                                 tcg_Bs);
+}
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_tb_bf16(TG_TCG_KM_ARGS) {
+    __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
+    __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
+    tcg_gemm<false, false, true>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha,
+                                 bf16, TcgSecond{nullptr, nullptr, 0, 0, K, lda, ldb}, tcg_As,
+                                 tcg_Bs);
+}
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_tab_bf16(TG_TCG_KM_ARGS) {
+    __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
+    __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
+    tcg_gemm<false, true, true>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha,
+                                bf16, TcgSecond{nullptr, nullptr, 0, 0, K, lda, ldb}, tcg_As,
+                                tcg_Bs);
 }
 
 // out = A B^T + A2 B2^T in one accumulation (a LoRA projection x W^T + s u B^T with s in
@@ -334,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm2_bf16(
     __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
     __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
     tcg_gemm<true>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, bf16,
-                   TcgSecond{a2, b2, Kp2, (Kp + TCG_BK - 1) / TCG_BK}, tcg_As, tcg_Bs);
+                   TcgSecond{a2, b2, Kp2, (Kp + TCG_BK - 1) / TCG_BK, 0, 0, 0}, tcg_As, tcg_Bs);
 }
 
 // out[i] = parts[0][i] + parts[1][i] + ... + parts[splits - 1][i], in that order (then

@@ -162,6 +162,13 @@ def canonical(rows: int, k: int, sr: int, sk: int, mats: tuple) -> bool:
     return sk == 1 and sr == k and k % K_ALIGN == 0 and all(m % (rows * k) == 0 for m in mats)
 
 
+def k_major(rows: int, k: int, sr: int, sk: int) -> bool:
+    """Whether a bf16 operand (X(r, k) at r*sr + k*sk) can be read k-major as it lies by
+    tg_tcg_gemm_{ta,tb,tab}_bf16: r contiguous, rows of k sk apart, sk a multiple of
+    K_ALIGN (whole 16-byte chunks, none past the tensor's end)."""
+    return sr == 1 and sk >= rows and sk % K_ALIGN == 0 and k > 0
+
+
 def bf16_copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int,
               what: str) -> list[Launch]:
     """The launch writing X(r, k) = src[r*sr + k*sk] (f32) as a bf16 GEMM copy [rows][kp]
@@ -249,8 +256,9 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     k is split, in the split sum. ``a_scale``: the A copy holds bf16(a_scale * a), a
     rounded to f32 after the scale (matmul's scale_a). ``a_bf16`` / ``b_bf16``: that
     operand is kept in bf16 (cuda/storage.py): read as it is when it already has the copy's
-    layout (:func:`canonical`; a_scale then multiplies the product in the store, one more
-    rounding than the scaled copy but no pass over a), else copied from bf16; ``out_bf16``:
+    layout (:func:`canonical`) or lies k-major (:func:`k_major`, one matrix: the ta/tb/tab
+    kernels) -- a_scale then multiplies the product in the store, one more rounding than
+    the scaled copy but no pass over a -- else copied from bf16; ``out_bf16``:
     C is stored in bf16
     (by the GEMM's store, or the split sum's); ``add_bf16``: the added tensor is read in
     bf16."""
@@ -261,9 +269,12 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     ac, bc, parts = scratch, scratch + ra, scratch + ra + rb
     a_as_is = a_bf16 and canonical(M, K, g.sam, g.sak, g.sa)
     b_as_is = b_bf16 and not b_copy and canonical(N, K, g.sbn, g.sbk, g.sb)
-    if a_as_is:   # a bf16 operand read as it is scales the product in the store instead
+    one = g.nbatch == 1 and g.na == 1 and g.nb == 1   # the k-major GEMMs take one matrix
+    a_km = one and a_bf16 and not a_as_is and k_major(M, K, g.sam, g.sak)
+    b_km = one and b_bf16 and not b_as_is and not b_copy and k_major(N, K, g.sbn, g.sbk)
+    if a_as_is or a_km:   # a bf16 operand read as it is scales the product in the store
         alpha, a_scale = alpha * a_scale, 1.0
-    ac, bc = (a if a_as_is else ac), (b if b_as_is else bc)
+    ac, bc = (a if a_as_is or a_km else ac), (b if b_as_is or b_km else bc)
     gx, gy = g.tiles
     if gy > MAX_GRID_YZ:
         raise CudaError(f"{what}: {M} rows exceed the kernel's grid limit")
@@ -274,20 +285,23 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     slices = -(-kp // TC_BF16_BK)
     per = -(-slices // splits) if splits > 1 else max(1, slices)
     dst = parts if splits > 1 else out
-    launches = [] if a_as_is else _copy(ac, a, M, K, kp, g.sam, g.sak, g.na, what, a_scale,
-                                        a_bf16)
+    launches = [] if a_as_is or a_km else _copy(ac, a, M, K, kp, g.sam, g.sak, g.na, what,
+                                                a_scale, a_bf16)
     if b_copy:
         launches.append(b_copy(bc))
-    elif not b_as_is:
+    elif not (b_as_is or b_km):
         launches += _copy(bc, b, N, K, kp, g.sbn, g.sbk, g.nb, what, bf16=b_bf16)
     zs = g.nbatch * splits          # grid z up to MAX_GRID_YZ, the rest folded into x
     gz = max(1, min(zs, MAX_GRID_YZ))
-    launches.append(Launch("tg_tcg_gemm_bf16", (gx * -(-zs // gz), gy, gz),
-                           [p(dst), p(ac), p(bc), i32(M), i32(N), i32(kp), i32(splits),
-                            i32(per), i32(g.nbatch), strided(list(g.dims), sa, sb),
-                            p(add if splits == 1 else 0), f32(alpha if splits == 1 else 1.0),
-                            i32((OUT_BF16 if out_bf16 and splits == 1 else 0) | add_bf16)],
-                           block=(TC_THREADS, 1, 1)))
+    args = [p(dst), p(ac), p(bc), i32(M), i32(N), i32(kp), i32(splits), i32(per),
+            i32(g.nbatch), strided(list(g.dims), sa, sb), p(add if splits == 1 else 0),
+            f32(alpha if splits == 1 else 1.0),
+            i32((OUT_BF16 if out_bf16 and splits == 1 else 0) | add_bf16)]
+    name = "tg_tcg_gemm_bf16"
+    if a_km or b_km:   # read k-major as it lies: the true k, the operands' row strides
+        name = f"tg_tcg_gemm_{'ta' * a_km}{'b' if a_km and b_km else 'tb' * b_km}_bf16"
+        args += [i32(K), i32(g.sak if a_km else 0), i32(g.sbk if b_km else 0)]
+    launches.append(Launch(name, (gx * -(-zs // gz), gy, gz), args, block=(TC_THREADS, 1, 1)))
     if splits > 1:
         launches.append(Launch("tg_tcg_sum_splits", grid_1d(M * N),
                                [p(out), p(parts), i32(splits), i32(M * N), p(add), f32(alpha),
