@@ -45,7 +45,8 @@ def test_plan_never_overlaps_live_buffers():
         if not reuse:
             import toygraph.core.session as sm
             orig = sm.plan_buffers
-            sm.plan_buffers = lambda sched, pinned, isz, pb: _no_reuse(sched, pinned, isz, pb)
+            sm.plan_buffers = lambda sched, pinned, isz, pb, storage: _no_reuse(sched, pinned,
+                                                                               isz, pb)
         try:
             s.realize()
         finally:
