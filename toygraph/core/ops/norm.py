@@ -177,10 +177,14 @@ def _weight(w, D: int, at):
     return [p(at.ptr(w)), i32(0 if w.size == D else D)] if w is not None else [p(0), i32(0)]
 
 
-@lowers("rms_norm", kernels=("tg_rms_norm",))
+@lowers("rms_norm", kernels=("tg_rms_norm",), bf16_reads=(0, 1), bf16_writes=True)
 def _rms_norm(node, at):
-    """A block per row. x, the weight (when it is a gradient) and the output may be kept in
-    bf16 (the bf16 mask's bits 0, 1 and 16): the arithmetic is f32 either way."""
+    """A block per row. x, the weight and the output may be kept in bf16 (the bf16 mask's
+    bits 0, 1 and 16; the arithmetic is f32): at --precision bf16 the normalized rows only
+    products read are (the pre-norms' output, the q/k norms' output, which rope reads), and
+    so is a q/k norm's input, a projection's output. The residual stream it normalizes stays
+    f32 (its maker, an add, writes f32), and a weight is a const or param, f32, except for
+    the g a weight's gradient reads here (g (x r)), which may be bf16 as rms_norm_back's."""
     rows, D = last_axis_rows(node)
     w = node.srcs[1] if len(node.srcs) == 2 else None
     return [Launch("tg_rms_norm", rows_grid(rows),
@@ -188,11 +192,12 @@ def _rms_norm(node, at):
                     f32(node.attrs["eps"]), i32(at.bf16_mask(node))])]
 
 
-@lowers("rms_norm_back", kernels=("tg_rms_norm_back",))
+@lowers("rms_norm_back", kernels=("tg_rms_norm_back",), bf16_reads=(0, 1))
 def _rms_norm_back(node, at):
-    """A block per row: x and g (bits 0 and 1 of the bf16 mask), the weight when weighted,
-    then the tensor it adds (0: none). The weight, the added gradient and the output stay
-    f32: the output is the residual stream's gradient, a sum."""
+    """A block per row: x and g, each possibly kept in bf16 (bits 0 and 1 of the bf16
+    mask: g is a gradient made by products, x a q/k norm's projection output), the weight
+    when weighted, then the tensor it adds (0: none). The weight, the added gradient and
+    the output stay f32: the output is the residual stream's gradient, a sum."""
     rows, D = last_axis_rows(node)
     base = 2 + node.attrs["weighted"]
     w = node.srcs[2] if node.attrs["weighted"] else None
