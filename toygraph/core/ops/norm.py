@@ -70,8 +70,8 @@ def _infer_rms_back(shapes, dtypes, attrs):
     check(len(shapes) in (base, base + 1),
           "rms_norm_back takes x, g, the weight if weighted, and optionally a tensor to add")
     check_floats(dtypes)
-    added = [shapes[1]] + list(shapes[base:])
-    check(all(tuple(s) == tuple(shapes[0]) for s in added), f"shapes must match, got {shapes}")
+    like_x = [shapes[1]] + list(shapes[base:])     # g and the tensor it adds
+    check(all(tuple(s) == tuple(shapes[0]) for s in like_x), f"shapes must match, got {shapes}")
     if attrs["weighted"]:
         _check_weight(shapes[0], shapes[2])
     return tuple(shapes[0]), F32
