@@ -211,6 +211,11 @@ def _dora(x, w, a, b, m, s):
     ("softcap", lambda x: ops.softcap(ops.scale(x, 40.0), 30.0), [(7, 300)], ELEMENTWISE),
     ("rms_norm", lambda x: ops.rms_norm(x, 1e-5), [(2, 3, 8)], REDUCTION),
     ("rms_norm_wide", lambda x: ops.rms_norm(x, 1e-6), [(5, 600)], REDUCTION),
+    # the weighted norm, a trainable [D] weight: per head (q/k norms) and wide rows
+    ("rms_norm_weight", lambda x, w: ops.rms_norm(x, 1e-5, weight=w), [(2, 3, 4, 8), (8,)],
+     REDUCTION),
+    ("rms_norm_weight_wide", lambda x, w: ops.rms_norm(x, 1e-6, weight=w), [(5, 600), (600,)],
+     REDUCTION),
     ("softmax_wide", lambda x: ops.softmax(x, scale=0.7), [(3, 700)], REDUCTION),
     ("softmax_causal", lambda x: ops.softmax(x, scale=0.5, causal=True), [(2, 3, 9, 9)],
      REDUCTION),
@@ -356,6 +361,8 @@ def capped_grids(monkeypatch):
 @pytest.mark.parametrize("name,build,shapes,tol", [
     ("silu", ops.silu, [(7, 300)], ELEMENTWISE),
     ("rms_norm", lambda x: ops.rms_norm(x, 1e-5), [(9, 40)], REDUCTION),
+    ("rms_norm_weight", lambda x, w: ops.rms_norm(x, 1e-5, weight=w), [(9, 40), (40,)],
+     REDUCTION),
     ("softmax_causal", lambda x: ops.softmax(x, scale=0.5, causal=True), [(2, 7, 7)], REDUCTION),
     ("sum_to_cols", lambda x: ops.sum_to(x, (1, 9)), [(700, 9)], REDUCTION),
     ("matmul_batched", lambda a, b: ops.matmul(a, b), [(5, 3, 9, 4), (5, 3, 4, 6)], REDUCTION),

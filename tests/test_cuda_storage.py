@@ -367,3 +367,114 @@ def test_a_broken_k_major_fragment_or_bound_fails(old, new, monkeypatch):
     g2, fetch2, _ = _k_major(True, True, T=70)
     got = run_phase(g2, "cuda", {}, "forward", fetch2[:1], "bf16")
     assert not rel_err(got[0], want[0]) <= MIXED_TOL["bf16"]
+
+
+# --- the norms: the normalized rows products read, and the gradients made by products ----------
+def _normed_products(seed=0):
+    """z = rms_norm(x + x W1, w) W2 + (rms_norm((x W3) per head, wh) rows) W4: a residual
+    pre-norm and a per-head q/k-style norm between products, everything trainable. The
+    graph, its fetch list [z, d x, d w, d wh, d W1..W4] and the norms."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    x = g.param("x", rnd(rng, 40, 64))
+    w1, w2, w3, w4 = (g.param(f"w{i}", rnd(rng, 64, 64, s=0.15)) for i in range(1, 5))
+    w, wh = g.param("w", 1 + rnd(rng, 64, s=0.2)), g.param("wh", 1 + rnd(rng, 16, s=0.2))
+    pre = ops.rms_norm(x + ops.matmul(x, w1), 1e-5, weight=w)
+    head = ops.rms_norm(ops.reshape(ops.matmul(x, w3), (40, 4, 16)), 1e-5, weight=wh)
+    z = g.output(ops.add(ops.matmul(pre, w2), ops.matmul(ops.reshape(head, (40, 64)), w4)))
+    loss = ops.sum(ops.mul(z, g.const("r", rnd(rng, 40, 64))))
+    params = [x, w, wh, w1, w2, w3, w4]
+    grads = accumulate_grads(backward(loss, params))
+    return g, [z] + [grads[p] for p in params], (pre, head)
+
+
+def test_the_plan_keeps_the_norms_bf16_readers_and_writers_bf16():
+    """The pre-norm's output (products read it), the per-head norm's input (a product) and
+    output, rms_norm_back's g (made by products); the residual stream, the weights'
+    gradients and rms_norm_back's output stay f32."""
+    g, fetch, (pre, head) = _normed_products()
+    order, pinned, _, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    assert pre.id in half and pre.srcs[0].id not in half            # x + x W1: an add's
+    assert head.id in half and head.srcs[0].id in half              # the view of x W3
+    backs = [t for t in order if t.op == "rms_norm_back"]
+    assert len(backs) == 2 and all(t.srcs[1].id in half and t.id not in half for t in backs)
+    wgrads = [t for t in order if t.op == "rms_norm" and t.srcs[1].shape == t.shape]
+    assert len(wgrads) == 2 and not any(t.id in half for t in wgrads)   # g (x r), summed
+
+
+def test_norms_reading_and_writing_bf16_track_f32_storage(monkeypatch):
+    stored, plain, half = _both_ways(_normed_products, monkeypatch)
+    assert len(half) >= 6
+    names = ("z", "dx", "dw", "dwh", "dw1", "dw2", "dw3", "dw4")
+    for name, a, b in zip(names, stored, plain):
+        assert rel_err(a, b) <= MIXED_TOL["bf16"], (name, rel_err(a, b))
+    assert not np.array_equal(stored[0], plain[0])
+
+
+def test_norms_between_products_match_numpy_at_bf16():
+    from hostparity import compare_op
+
+    def build(x, w1, w, w2):
+        return ops.matmul(ops.rms_norm(ops.matmul(x, w1), 1e-5, weight=w), w2)
+    compare_op(build, [(24, 32), (32, 48), (48,), (48, 16)], MIXED_TOL["bf16"],
+               grad_tol=MIXED_TOL["bf16"], precision="bf16")
+
+
+def _lora_step(path, targets):
+    """A LoRA graph's loss and its adapters' gradients after one backward on fixed tokens."""
+    g = lora_graph(path, targets=targets)
+    rng = np.random.default_rng(0)
+    n_vocab = g.find("token_embd.weight").shape[0]
+    inputs = {g.find("tokens"): rng.integers(0, n_vocab, (2, 8)).astype(np.int32),
+              g.find("positions"): np.tile(np.arange(8, dtype=np.int32), (2, 1)),
+              g.find("labels"): rng.integers(0, n_vocab, 16).astype(np.int32)}
+    fetch = [t for t in g.nodes if t.role == "state" and t.name.startswith("grad.")]
+    return g, inputs, [g.outputs["forward"][0]] + fetch
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_lora_step_with_bf16_norms_tracks_f32_storage(family, tiny_llama, tmp_path,
+                                                         monkeypatch):
+    """Pre-norms (and Qwen3's q/k norms) reading and writing bf16: the loss and the
+    adapters' gradients within bf16's rounding of the same step with every buffer f32."""
+    from toygraph.fixtures.tiny_models import write_tiny_qwen3
+    path = tiny_llama if family == "llama" else write_tiny_qwen3(tmp_path / "qwen3.gguf")
+    from toygraph.models.model import GGUFModel
+    g, inputs, fetch = _lora_step(path, ("q", "k", "v", "gate"))
+    order, pinned, _, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    n_layer, qk = GGUFModel(path).config.n_layer, 2 * (family == "qwen3")
+    norms = [t for t in order if t.op == "rms_norm"]
+    assert len(norms) == (2 + qk) * n_layer + 1        # pre-norms, q/k norms, the output norm
+    assert all(t.id in half for t in norms)
+    heads = [t for t in norms if t.ndim == 4]          # q/k norms: their projection's output
+    assert len(heads) == qk * n_layer and all(t.srcs[0].id in half for t in heads)
+    stored = run_phase(g, "cuda", inputs, "backward", fetch, "bf16")
+    monkeypatch.setenv("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "0")
+    plain = run_phase(g, "cuda", inputs, "backward", fetch, "bf16")
+    for t, a, b in zip(fetch, stored, plain):
+        assert rel_err(a, b) <= MIXED_TOL["bf16"], (t.name, rel_err(a, b))
+
+
+#: One bf16 access of the norms' kernels made wrong (harmless with every buffer f32): the
+#: storage-on run must then leave the f32-storage run's tolerance.
+NORM_MUTATIONS = {
+    "the normalized rows stored as f32 into a bf16 buffer": (
+        "tg_stx(out, at + j, y, bf16);", "((float*)out)[at + j] = y;"),
+    "rms_norm_back reads g with x's bf16 bit": (
+        "float v = tg_ldx(g, at + j, bf16, 1);", "float v = tg_ldx(g, at + j, bf16, 0);"),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(NORM_MUTATIONS))
+def test_a_wrong_bf16_access_in_the_norms_fails(mutation, monkeypatch):
+    from toygraph.cuda import backend as cuda_backend
+    from toygraph.cuda.lowering import sources
+    old, new = NORM_MUTATIONS[mutation]
+    real = sources.backend_source("bf16")
+    assert real.count(old) == 1, "the mutation no longer matches the kernel source"
+    monkeypatch.setattr(cuda_backend, "backend_source",
+                        lambda precision="bf16": real.replace(old, new))
+    stored, plain, _ = _both_ways(_normed_products, monkeypatch)
+    assert not all(rel_err(a, b) <= MIXED_TOL["bf16"] for a, b in zip(stored, plain))

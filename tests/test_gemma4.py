@@ -78,6 +78,12 @@ def test_the_file_carries_every_part(gemma4):
     assert factors.tolist() == [1.0] * 4 + [np.float32(1e30)] * 12  # 0.25 of the 32 dims turn
 
 
+
+def test_every_norm_weight_is_read_inside_its_norm(gemma4):
+    """Per-layer projection norm, post norms, q/k norms: the weight in the norm's kernels (ops/norm.py)."""
+    from test_ops_norm import check_norm_weights_in_their_norms
+    check_norm_weights_in_their_norms(gemma4[0])
+
 @pytest.mark.parametrize("seq", [16, 40])
 def test_loss_matches_transformers(gemma4, seq):
     path, hf_dir = gemma4

@@ -74,6 +74,12 @@ def test_the_file_is_read_as_written(qwen35):
     assert (cfg.ssm.conv, cfg.ssm.k_heads, cfg.ssm.k_dim, cfg.ssm.v_dim) == (4, 2, 8, 12)
 
 
+
+def test_every_norm_weight_is_read_inside_its_norm(qwen35):
+    """The gated deltanet output norm: the weight in the norm's kernels (ops/norm.py)."""
+    from test_ops_norm import check_norm_weights_in_their_norms
+    check_norm_weights_in_their_norms(qwen35[0])
+
 @pytest.mark.parametrize("seq", [16, 150])
 def test_loss_matches_transformers(qwen35, seq):
     path, hf_dir = qwen35

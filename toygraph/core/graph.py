@@ -79,8 +79,8 @@ class Tensor:
     def matmul(self, other, trans_a=False, trans_b=False):
         return ops.matmul(self, other, trans_a=trans_a, trans_b=trans_b)
 
-    def rms_norm(self, eps: float):
-        return ops.rms_norm(self, eps)
+    def rms_norm(self, eps: float, weight=None):
+        return ops.rms_norm(self, eps, weight=weight)
 
     def rope(self, positions, dims: int, base: float, mode: str = "normal"):
         return ops.rope(self, positions, dims=dims, base=base, mode=mode)

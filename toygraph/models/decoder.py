@@ -362,7 +362,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
             for i in range(start, stop):
                 h = _block(net, cfg, i, h, linear, attend, B, T, recurrence)
             block.output = h
-    h = ops.rms_norm(h, cfg.rms_eps) * W["output_norm.weight"]
+    h = ops.rms_norm(h, cfg.rms_eps, weight=W["output_norm.weight"])
     net.hidden = h
     net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
     if cfg.logit_softcap:  # so the fused head (no soft cap) refuses it: see lm_head
@@ -379,7 +379,8 @@ def _per_layer_inputs(net: Decoder, cfg, h: Tensor, B: int, T: int) -> Tensor:
     W, L, P, N = net.weights, cfg.n_layer, cfg.ple_dim, B * T
     tok = ops.get_rows(W["per_layer_token_embd.weight"], net.tokens).reshape(N, L, P)
     proj = ops.matmul(h, W["per_layer_model_proj.weight"], trans_b=True).reshape(N, L, P)
-    proj = ops.rms_norm(ops.scale(proj, cfg.n_embd ** -0.5), cfg.rms_eps) * W["per_layer_proj_norm.weight"]
+    proj = ops.rms_norm(ops.scale(proj, cfg.n_embd ** -0.5), cfg.rms_eps,
+                        weight=W["per_layer_proj_norm.weight"])
     both = ops.scale(proj + ops.scale(tok, P ** 0.5), 0.5 ** 0.5)
     return ops.contiguous(both.permute(1, 0, 2)).reshape(L, N * P)
 
@@ -391,8 +392,8 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
     W, fam, p = net.weights, cfg.family, f"blk.{i}."
     H, KV, hd = cfg.n_head, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
 
-    def norm(x, name):
-        return ops.rms_norm(x, cfg.rms_eps) * W[p + name + ".weight"]
+    def norm(x, name):  # the weight in the norm's kernel (ops/norm.py)
+        return ops.rms_norm(x, cfg.rms_eps, weight=W[p + name + ".weight"])
 
     def heads(y, n, qk_norm: str | None):
         y = y.reshape(B, T, n, hd)

@@ -55,5 +55,5 @@ def deltanet(cfg, i: int, x: Tensor, W: dict, linear, B: int, T: int,
     g = (ops.softplus(alpha) * W[p + "ssm_a"]).reshape(B, T, nv)
     o = recurrence.delta(i, q, k, v, g, beta)
     z = linear(x, p + "attn_gate.weight").reshape(B, T, nv, dv)
-    o = ops.rms_norm(o, cfg.rms_eps) * W[p + "ssm_norm.weight"] * ops.silu(z)
+    o = ops.rms_norm(o, cfg.rms_eps, weight=W[p + "ssm_norm.weight"]) * ops.silu(z)
     return linear(o.reshape(B * T, nv * dv), p + "ssm_out.weight")

@@ -1,13 +1,15 @@
-"""The row-wise normalisations over the last axis: rms_norm (x / sqrt(mean(x^2) + eps)) and
-softmax (scaled, optionally causal-masked), with their backward ops, numpy kernels and CUDA
-lowering (norm.cu: one block per row, fixed-order tree reductions). inv_row_norm (1 / ||row||, detached) serves DoRA.
+"""The row-wise normalisations over the last axis: rms_norm (x / sqrt(mean(x^2) + eps), optionally
+times a weight in the same kernel) and softmax (scaled, optionally causal-masked), with their
+backward ops, numpy kernels and CUDA lowering (norm.cu: one block per row, fixed-order tree
+reductions). inv_row_norm (1 / ||row||, detached) serves DoRA.
 The attention of the models is the fused op of flash_attention.py; softmax serves graphs that want the
 probabilities."""
 from __future__ import annotations
 
 import numpy as np
 
-from toygraph.core.ops.elementwise import infer_same2, infer_unary
+from toygraph.core.ops.elementwise import infer_same2
+from toygraph.core.ops.shape import sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
 from toygraph.cuda.lowering import (Launch, declare_kernels, f32, i32, last_axis_rows, lowers, p,
                                     rows_grid)
@@ -16,28 +18,66 @@ from toygraph.cuda.lowering import (Launch, declare_kernels, f32, i32, last_axis
 declare_kernels(__file__, "norm.cu")
 
 
-def rms_norm(x, eps: float):
-    """x / sqrt(mean(x^2, last axis) + eps); multiply by a weight separately."""
-    return make_node("rms_norm", [x], eps=float(eps))
+def rms_norm(x, eps: float, weight=None):
+    """x / sqrt(mean(x^2, last axis) + eps), times ``weight`` when one is given: a [D] weight
+    (the models' norm weights, one per column) or one of x's shape. The weighted norm is one
+    kernel, rounded as the norm then a mul would round it: (x r) first, then (x r) w."""
+    return make_node("rms_norm", [x] if weight is None else [x, weight], eps=float(eps))
 
 
-def _fold_add_rms_back(node, other):
-    """rms_norm_back(x, g) + other in one kernel (the residual stream's gradient added where
-    the norm's backward writes its rows); None when it already adds one."""
-    if len(node.srcs) != 2:
-        return None
-    return make_node("rms_norm_back", [*node.srcs, other], eps=node.attrs["eps"])
+def rms_norm_back(x, g, eps: float, weight=None):
+    """The gradient of rms_norm(x, eps, weight) with respect to x, given g, the gradient of
+    its output: the backward of the unweighted norm applied to g w (rounded first, as the
+    mul's backward rounds it)."""
+    srcs = [x, g] if weight is None else [x, g, weight]
+    return make_node("rms_norm_back", srcs, eps=float(eps), weighted=weight is not None)
 
 
-def _infer_rms_back(shapes, dtypes, attrs):
-    check(len(shapes) in (2, 3), "rms_norm_back takes x, g and optionally a tensor to add")
+def _grad_rms(n, g, need):
+    """dx through rms_norm_back; a weight's gradient sums g (x r) over the rows, (x r) being
+    recomputed by an rms_norm weighted by g (the forward keeps only (x r) w), so it is the
+    very product g * (x r) of the unfused mul's backward."""
+    x, eps = n.srcs[0], n.attrs["eps"]
+    w = n.srcs[1] if len(n.srcs) == 2 else None
+    dx = rms_norm_back(x, g, eps, weight=w) if need[0] else None
+    if w is None:
+        return [dx]
+    return [dx, sum_to(rms_norm(x, eps, weight=g), w.shape) if need[1] else None]
+
+
+def _check_weight(x, w):
+    check(len(x) >= 1 and tuple(w) in (tuple(x[-1:]), tuple(x)),
+          f"the weight must be {list(x[-1:])} or x's shape {tuple(x)}, got {tuple(w)}")
+
+
+def _infer_rms(shapes, dtypes, attrs):
     check_floats(dtypes)
-    check(all(s == shapes[0] for s in shapes), f"shapes must match, got {shapes}")
+    if len(shapes) == 2:
+        _check_weight(shapes[0], shapes[1])
     return tuple(shapes[0]), F32
 
 
-define_op("rms_norm", infer_unary,
-    lambda n, g, need: [make_node("rms_norm_back", [n.srcs[0], g], eps=n.attrs["eps"])])
+def _fold_add_rms_back(node, other):
+    """rms_norm_back(x, g[, w]) + other in one kernel (the residual stream's gradient added
+    where the norm's backward writes its rows); None when it already adds one."""
+    if len(node.srcs) != 2 + node.attrs["weighted"]:
+        return None
+    return make_node("rms_norm_back", [*node.srcs, other], **node.attrs)
+
+
+def _infer_rms_back(shapes, dtypes, attrs):
+    base = 2 + attrs["weighted"]
+    check(len(shapes) in (base, base + 1),
+          "rms_norm_back takes x, g, the weight if weighted, and optionally a tensor to add")
+    check_floats(dtypes)
+    like_x = [shapes[1]] + list(shapes[base:])     # g and the tensor it adds
+    check(all(tuple(s) == tuple(shapes[0]) for s in like_x), f"shapes must match, got {shapes}")
+    if attrs["weighted"]:
+        _check_weight(shapes[0], shapes[2])
+    return tuple(shapes[0]), F32
+
+
+define_op("rms_norm", _infer_rms, _grad_rms)
 define_op("rms_norm_back", _infer_rms_back, fold_add=_fold_add_rms_back)
 
 
@@ -77,23 +117,31 @@ define_op("inv_row_norm", _infer_inv_row_norm, lambda n, g, need: [None])
 
 
 # --- numpy kernels -----------------------------------------------------------------------------
+def _rms_inv(x, eps):
+    return 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
 @kernel("rms_norm")
 def _rms_norm_numpy(out, srcs, attrs):
-    x = srcs[0]
-    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + attrs["eps"])
-    np.multiply(x, r, out=out)
+    np.multiply(srcs[0], _rms_inv(srcs[0], attrs["eps"]), out=out)
+    if len(srcs) == 2:   # (x r) w: the product of the rounded x r, as a mul after it
+        np.multiply(out, srcs[1], out=out)
 
 
 @kernel("rms_norm_back")
 def _rms_norm_back_numpy(out, srcs, attrs):
-    """r (g - y mean(g y)), y = x r; plus the third source when there is one (added as
-    the add op adds: one rounding, and the sum's order does not change it)."""
+    """r (g - y mean(g y)), y = x r, g times the weight first when weighted; plus the last
+    source when there is one to add (as the add op adds: one rounding, and the sum's order
+    does not change it)."""
     x, g = srcs[:2]
-    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + attrs["eps"])
+    base = 2 + attrs["weighted"]
+    if attrs["weighted"]:
+        g = g * srcs[2]
+    r = _rms_inv(x, attrs["eps"])
     y = x * r
     out[...] = r * (g - y * np.mean(g * y, axis=-1, keepdims=True))
-    if len(srcs) == 3:
-        np.add(out, srcs[2], out=out)
+    if len(srcs) > base:
+        np.add(out, srcs[base], out=out)
 
 
 def _causal_mask(t):
@@ -123,20 +171,41 @@ def _inv_row_norm_numpy(out, srcs, attrs):
 
 
 # --- CUDA lowering (norm.cu) -------------------------------------------------------------------
-def _rms(node, at):
-    """A block per row; rms_norm_back's g is one more pointer after x, then the tensor it
-    adds (0: none)."""
-    (name,) = at.kernels
+def _weight(w, D: int, at):
+    """Weight ``w``'s pointer and row stride (0: a [D] weight every row reads; D: one of x's
+    shape); a null pointer for none."""
+    return [p(at.ptr(w)), i32(0 if w.size == D else D)] if w is not None else [p(0), i32(0)]
+
+
+@lowers("rms_norm", kernels=("tg_rms_norm",), bf16_reads=(0, 1), bf16_writes=True)
+def _rms_norm(node, at):
+    """A block per row. x, the weight and the output may be kept in bf16 (the bf16 mask's
+    bits 0, 1 and 16; the arithmetic is f32): at --precision bf16 the normalized rows only
+    products read are (the pre-norms' output, the q/k norms' output, which rope reads), and
+    so is a q/k norm's input, a projection's output. The residual stream it normalizes stays
+    f32 (its maker, an add, writes f32), and a weight is a const or param, f32, except for
+    the g a weight's gradient reads here (g (x r)), which may be bf16 as rms_norm_back's."""
     rows, D = last_axis_rows(node)
-    srcs = [p(at.ptr(t)) for t in node.srcs[:2]]
-    if node.op == "rms_norm_back":
-        srcs.append(p(at.ptr(node.srcs[2]) if len(node.srcs) == 3 else 0))
-    return [Launch(name, rows_grid(rows),
-                   [p(at.out), *srcs, i32(rows), i32(D), f32(node.attrs["eps"])])]
+    w = node.srcs[1] if len(node.srcs) == 2 else None
+    return [Launch("tg_rms_norm", rows_grid(rows),
+                   [p(at.out), p(at.ptr(node.srcs[0])), *_weight(w, D, at), i32(rows), i32(D),
+                    f32(node.attrs["eps"]), i32(at.bf16_mask(node))])]
 
 
-lowers("rms_norm", kernels=("tg_rms_norm",))(_rms)
-lowers("rms_norm_back", kernels=("tg_rms_norm_back",))(_rms)
+@lowers("rms_norm_back", kernels=("tg_rms_norm_back",), bf16_reads=(0, 1))
+def _rms_norm_back(node, at):
+    """A block per row: x and g, each possibly kept in bf16 (bits 0 and 1 of the bf16
+    mask: g is a gradient made by products, x a q/k norm's projection output), the weight
+    when weighted, then the tensor it adds (0: none). The weight, the added gradient and
+    the output stay f32: the output is the residual stream's gradient, a sum."""
+    rows, D = last_axis_rows(node)
+    base = 2 + node.attrs["weighted"]
+    w = node.srcs[2] if node.attrs["weighted"] else None
+    add = at.ptr(node.srcs[base]) if len(node.srcs) > base else 0
+    return [Launch("tg_rms_norm_back", rows_grid(rows),
+                   [p(at.out), p(at.ptr(node.srcs[0])), p(at.ptr(node.srcs[1])),
+                    *_weight(w, D, at), p(add), i32(rows), i32(D), f32(node.attrs["eps"]),
+                    i32(at.bf16_mask(node, node.srcs[:2]))])]
 
 
 @lowers("softmax", kernels=("tg_softmax",))
