@@ -113,6 +113,14 @@ def test_attention_forward_counts_visible_tiles(plan_f32):
     assert c.bytes == 4 * (2 * B * 9 * T * 64 + 2 * B * 3 * T * 64 + B * 9 * T)
 
 
+def test_the_step_permutes_nothing_around_attention(plan, plan_f32):
+    """Token-major attention: no tg_gather (the permutes of q, k, v, o and their gradients)
+    in the step, and the backward has no statistics pass (one forward per layer)."""
+    for p in (plan, plan_f32):
+        assert not [l for n, l, c in p if l.kernel == "tg_gather"]
+    assert sum(l.kernel.startswith("tg_tca_fwd_") for n, l, c in plan) == L
+
+
 def test_adamw_is_one_launch_moving_seven_f32_per_weight(plan):
     """28 LoRA tensors (2 layers x 7 targets x A, B): one multi-tensor launch for AdamW and
     one for the norm's squares, over every LoRA weight."""
