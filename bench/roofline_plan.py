@@ -229,11 +229,11 @@ def _tc_gemm(node, launch, stored) -> Cost:
 
 
 #: Attention kernels: passes of a [BT x HD] x [HD x BT] product per visible (query tile, key
-#: tile) pair, as flash_attention.cu's kernels do them: the forward S = q k^T and P v; the
-#: backward's prep recomputes S for the row log-sum-exp (the forward does not save it), dq
-#: recomputes S and forms dP = dO v^T and dq = dS k, dk/dv recomputes S and dP and forms
-#: dv = P^T dO and dk = dS^T q. One exp per score in each kernel. All f32 on CUDA cores.
-ATTN_PASSES = {"tg_attn_fwd": 2, "tg_attn_bwd_prep": 1, "tg_attn_bwd_dq": 3, "tg_attn_bwd_dkdv": 4}
+#: tile) pair, as flash_attention.cu's kernels do them: the forward S = q k^T and P v (and
+#: it saves the row log-sum-exp L); dq recomputes S and forms dP = dO v^T and dq = dS k,
+#: dk/dv recomputes S and dP and forms dv = P^T dO and dk = dS^T q. One exp per score in
+#: each kernel. All f32 on CUDA cores. The backward's prep only sums D = rowsum(dO * O).
+ATTN_PASSES = {"tg_attn_fwd": 2, "tg_attn_bwd_dq": 3, "tg_attn_bwd_dkdv": 4}
 
 
 @lru_cache(maxsize=None)
@@ -254,18 +254,21 @@ def visible_tile_pairs(T: int, BQ: int, BK: int, causal: bool, window: int) -> i
 
 
 def _attention(node, launch, stored) -> Cost:
+    from toygraph.core.ops.flash_attention import attention_dims
     from toygraph.cuda.lowering.constants import ATTN_TILES
     stem, HD = re.fullmatch(r"(tg_attn_\w+?)_(\d+)", launch.kernel).groups()
     HD = int(HD)
     BT = ATTN_TILES[HD][0]
     q, k = node.srcs[0], node.srcs[1]
-    B, H, T, hd = q.shape
-    pairs = visible_tile_pairs(T, BT, BT, bool(node.attrs["causal"]), int(node.attrs["window"]))
-    scores = B * H * pairs * BT * BT
+    B, H, _, T, hd = attention_dims(node)
     qb, kb = 4 * q.size, 4 * k.size
     stats = 4 * B * H * T            # one of L or D, [B, H, T]
-    traffic = {"tg_attn_fwd": 2 * qb + 2 * kb,                     # q, k, v in; o out
-               "tg_attn_bwd_prep": 3 * qb + kb + 2 * stats,        # q, o, dO, k in; L, D out
+    if stem == "tg_attn_bwd_prep":   # o, dO in; D out
+        return Cost(launch.kernel, "attention", fma=2.0 * q.size, bytes=2 * qb + stats,
+                    useful=2.0 * q.size)
+    pairs = visible_tile_pairs(T, BT, BT, bool(node.attrs["causal"]), int(node.attrs["window"]))
+    scores = B * H * pairs * BT * BT
+    traffic = {"tg_attn_fwd": 2 * qb + 2 * kb + stats,             # q, k, v in; o, L out
                "tg_attn_bwd_dq": 3 * qb + 2 * kb + 2 * stats,      # q, dO, k, v, L, D; dq out
                "tg_attn_bwd_dkdv": 2 * qb + 4 * kb + 2 * stats}    # q, dO, k, v, L, D; dk, dv
     fma = 2.0 * ATTN_PASSES[stem] * scores * HD
@@ -274,16 +277,17 @@ def _attention(node, launch, stored) -> Cost:
 
 
 #: Tensor-core attention (tc_attention.cu, issue 25): bf16 mma passes per visible pair of
-#: (64-row block, streamed tile): the forward S and P v (the backward's statistics pass,
-#: o null, S only), dq S, dP, dS k, dk/dv S, dP, P^T dO, dS^T q.
+#: (64-row block, streamed tile): the forward S and P v (it saves L: the backward has no
+#: statistics pass), dq S, dP, dS k, dk/dv S, dP, P^T dO, dS^T q.
 TCA_PASSES = {"tg_tca_fwd": 2, "tg_tca_bwd_dq": 3, "tg_tca_bwd_dkdv": 4}
 
 
 def _tc_attention(node, launch, stored) -> Cost:
+    from toygraph.core.ops.flash_attention import attention_dims
     from toygraph.cuda.lowering import constants
     k, kind = launch.kernel, "attention tensor-core"
     q, kk = node.srcs[0], node.srcs[1]
-    B, H, T, hd = q.shape
+    B, H, KV, T, hd = attention_dims(node)
     if k == "tg_tca_to_bf16":       # rows x hd f32 in, rows x HD bf16 out
         rows, hd_, HD = _arg(launch, 2), _arg(launch, 3), _arg(launch, 4)
         return Cost(k, kind, bytes=4 * rows * hd_ + 2 * rows * HD)
@@ -298,11 +302,9 @@ def _tc_attention(node, launch, stored) -> Cost:
              else visible_tile_pairs(T, BQ, tile, causal, window))
     scores = B * H * pairs * BQ * tile
     passes = TCA_PASSES[stem]
-    qh, kh, stats = 2 * B * H * T * HD, 2 * B * kk.shape[1] * T * HD, 4 * B * H * T
-    if stem == "tg_tca_fwd":
-        full = _arg(launch, 0) != 0            # o written; else the statistics pass
-        passes = 2 if full else 1
-        traffic = qh + 2 * kh + 4 * q.size if full else qh + kh + stats
+    qh, kh, stats = 2 * B * H * T * HD, 2 * B * KV * T * HD, 4 * B * H * T
+    if stem == "tg_tca_fwd":                   # q, k, v in; o (and L when saved) out
+        traffic = qh + 2 * kh + 4 * q.size + (stats if _arg(launch, 1) else 0)
     elif stem == "tg_tca_bwd_dq":              # q, k, v, dO, L, D in; dq out
         traffic = 2 * qh + 2 * kh + 2 * stats + 4 * q.size
     else:                                      # the same in; dk, dv out

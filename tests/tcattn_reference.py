@@ -98,44 +98,63 @@ def hd_bound(hd):
     return min(b for b in constants.TCA_HEAD_DIMS if hd <= b)
 
 
+def _swap_tokens(x, token_major):
+    """[B, heads, T, d] <-> token-major [B, T, heads, d] when ``token_major`` (a contiguous
+    copy either way): operands into the kernels' layout, their results back."""
+    return np.ascontiguousarray(np.swapaxes(x, 1, 2) if token_major else x)
+
+
+def _empty(shape, token_major):
+    """A NaN-filled f32 output of logical ``shape`` [B, heads, T, d], in the layout."""
+    B, n, T, d = shape
+    return np.full((B, T, n, d) if token_major else shape, np.nan, np.float32)
+
+
 def run_forward(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, source=None,
-                stats_only=False):
-    """tg_tca_fwd_<HD> on the host: (o, lse) as float32 (o None with ``stats_only``)."""
+                token_major=False):
+    """tg_tca_fwd_<HD> on the host: (o, lse) as float32, o [B, H, T, hd] whatever layout
+    (``token_major``) the kernel wrote it in."""
     B, H, T, hd = q.shape
     KV = k.shape[1]
     HD = hd_bound(hd)
-    out = np.full((B, H, T, hd), np.nan, np.float32)
+    out = _empty(q.shape, token_major)
     lse = np.full((B, H, T), np.nan, np.float32)
     qb, kb, vb = (padded_bits(x, HD) for x in (q, k, v))
-    args = [NULL if stats_only else out, lse, qb, kb, vb, _or_null(segs, np.int32),
+    args = [out, lse, qb, kb, vb, _or_null(segs, np.int32),
             _or_null(sinks, np.float32), np.int32(H), np.int32(KV), np.int32(T),
-            np.int32(hd), np.float32(scale), np.int32(causal), np.int32(window)]
+            np.int32(hd), np.float32(scale), np.int32(causal), np.int32(window),
+            np.int32(token_major)]
     run_kernel(f"tg_tca_fwd_{HD}", ((T + constants.TCA_BQ - 1) // constants.TCA_BQ, H, B),
                (constants.TCA_THREADS, 1, 1), args, source=source or tca_source())
-    return (None if stats_only else out), lse
+    return _swap_tokens(out, token_major), lse
 
 
 def run_backward(q, k, v, dout, scale, causal=True, window=0, segs=None, sinks=None,
-                 source=None):
+                 source=None, token_major=False):
     """The tensor-core backward on the host, as the lowering chains it: the forward (o, L),
     tg_tca_bwd_prep (D, dO as bf16), tg_tca_bwd_dkdv, tg_tca_bwd_dq and, with sinks,
-    tg_attn_bwd_sinks. Returns (o, lse, dq, dk, dv, d sinks or None), float32."""
+    tg_attn_bwd_sinks, with o, dO and the gradients in the layout ``token_major`` says.
+    Returns (o, lse, dq, dk, dv, d sinks or None), float32, heads first."""
     source = source or tca_source()
     B, H, T, hd = q.shape
     KV = k.shape[1]
     HD = hd_bound(hd)
-    o, lse = run_forward(q, k, v, scale, causal, window, segs, sinks, source=source)
+    o, lse = run_forward(q, k, v, scale, causal, window, segs, sinks, source=source,
+                         token_major=token_major)
     rows = B * H * T
     gb = np.zeros((B, H, T, HD), np.uint16)
     delta = np.full((B, H, T), np.nan, np.float32)
+    tok = np.int32(token_major)
     run_kernel("tg_tca_bwd_prep", (4, 1, 1), (64, 1, 1),
-               [gb, delta, o, np.ascontiguousarray(dout, np.float32), np.int32(rows),
-                np.int32(hd), np.int32(HD)], source=source)
+               [gb, delta, _swap_tokens(o, token_major),
+                _swap_tokens(np.asarray(dout, np.float32), token_major), np.int32(rows),
+                np.int32(hd), np.int32(HD), np.int32(H), np.int32(T), tok], source=source)
     qb, kb, vb = (padded_bits(x, HD) for x in (q, k, v))
     common = [qb, kb, vb, gb, lse, delta, _or_null(segs, np.int32), np.int32(H), np.int32(KV),
-              np.int32(T), np.int32(hd), np.float32(scale), np.int32(causal), np.int32(window)]
-    dq = np.full(q.shape, np.nan, np.float32)
-    dk, dv = np.full(k.shape, np.nan, np.float32), np.full(k.shape, np.nan, np.float32)
+              np.int32(T), np.int32(hd), np.float32(scale), np.int32(causal), np.int32(window),
+              tok]
+    dq = _empty(q.shape, token_major)
+    dk, dv = _empty(k.shape, token_major), _empty(k.shape, token_major)
     tiles = (T + constants.TCA_BQ - 1) // constants.TCA_BQ
     block = (constants.TCA_THREADS, 1, 1)
     run_kernel(f"tg_tca_bwd_dkdv_{HD}", (tiles, KV, B), block, [dk, dv] + common, source=source)
@@ -146,6 +165,7 @@ def run_backward(q, k, v, dout, scale, causal=True, window=0, segs=None, sinks=N
         run_kernel("tg_attn_bwd_sinks", (H, 1, 1), (constants.THREADS, 1, 1),
                    [dsinks, np.ascontiguousarray(sinks, np.float32), lse, delta, np.int32(B),
                     np.int32(H), np.int32(T)], source=source)
+    dq, dk, dv = (_swap_tokens(x, token_major) for x in (dq, dk, dv))
     return o, lse, dq, dk, dv, dsinks
 
 

@@ -19,7 +19,7 @@ References (transformers 5.x):
 import numpy as np
 import pytest
 
-from test_llama import toygraph_loss
+from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
 from toygraph.adapters.files import check_gguf_adapter, save_gguf_adapter, save_peft
 from toygraph.fixtures.tiny_models import (LLAMA3_ROPE_SCALING, write_tiny_gemma3,
@@ -105,6 +105,12 @@ def test_the_fixtures_exercise_what_they_claim(models):
         "rope_freqs.weight").dequantize().tolist())) >= 3  # kept, smoothed and scaled bands
     g3l = GGUFModel(models["gemma3_linear"]).config
     assert g3l.rope_scales[5] == 0.25 and g3l.rope_scales[0] == 1.0  # global layers only
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_attention_is_token_major(models, name):
+    """q/k norms (Qwen3, Gemma 3) and Gemma 3's sliding windows: no permute around attention."""
+    assert_attention_is_token_major(models[name])
 
 
 @pytest.mark.parametrize("name", list(WRITERS))

@@ -12,7 +12,7 @@ import pytest
 
 from converted import check_adapter_loss, check_checkpointing, convert, hf_model, tiny_sentencepiece_tokenizer
 from test_arch_models import reference_loss
-from test_llama import toygraph_loss
+from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
 from toygraph.adapters.files import save_peft
 from toygraph.inference.language_model import LanguageModel
@@ -60,6 +60,11 @@ def gemma4(tmp_path_factory):
 
 def tokens_for(n_vocab, seq=16, batch=2):
     return np.random.default_rng(0).integers(0, n_vocab, size=(batch, seq)).astype(np.int32)
+
+
+def test_attention_is_token_major(gemma4):
+    """Shared keys and values too: no permute around any layer's attention."""
+    assert_attention_is_token_major(gemma4[0])
 
 
 def test_the_file_carries_every_part(gemma4):

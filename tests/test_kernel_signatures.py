@@ -27,6 +27,7 @@ from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import module_source
 from toygraph.cuda.lowering.launch import MAXD, Launch, f32, f64, i32, p, strided
 from toygraph.core.graph import Graph, topo_order
+from toygraph.core.ops.flash_attention import backward_node
 
 PRECISIONS = ("f32",) + TC_PRECISIONS
 BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
@@ -191,23 +192,21 @@ def _expert_launches(rng):
 
 def _attention_launches():
     out = []
-    for hd in ATTN_HEAD_DIMS:
+
+    def forward_backward(hd, layout, sinks=False):
+        """attention of 2 heads of 5 tokens in ``layout`` and its backward."""
         g = Graph()
-        q, k, v = (g.const(n, np.ones((1, 2, 5, hd))) for n in "qkv")
-        att = ops.attention(q, k, v, scale=hd ** -0.5, causal=True)
-        back = ops.OPS["attention"].grad(att, g.const("g", np.ones(att.shape)), [True] * 3)
-        out += _lower_all([att, back[0].srcs[0]], precisions=("f32",))
-        sinks = g.const("sinks", np.ones(2))      # gpt-oss: their pointer and gradient kernel
-        att = ops.attention(q, k, v, scale=hd ** -0.5, sinks=sinks)
-        back = ops.OPS["attention"].grad(att, g.const("gs", np.ones(att.shape)), [True] * 4)
-        out += _lower_all([att, back[0].srcs[0]], precisions=("f32",))
-    for hd in TCA_HEAD_DIMS:                      # bf16: the tensor-core kernels
-        g = Graph()
-        q, k, v = (g.const(n, np.ones((1, 2, 5, hd))) for n in "qkv")
-        sinks = g.const("sinks", np.ones(2))
-        att = ops.attention(q, k, v, scale=hd ** -0.5, sinks=sinks)
-        back = ops.OPS["attention"].grad(att, g.const("g", np.ones(att.shape)), [True] * 4)
-        out += _lower_all([att, back[0].srcs[0]], precisions=("bf16",))
+        q, k, v = (g.const(n, np.ones((1, 5, 2, hd) if layout == "bthd" else (1, 2, 5, hd)))
+                   for n in "qkv")
+        sk = g.const("sinks", np.ones(2)) if sinks else None   # gpt-oss: pointer and kernel
+        att = ops.attention(q, k, v, scale=hd ** -0.5, sinks=sk, layout=layout).srcs[0]
+        return [att, backward_node(att, g.const("g", np.ones(q.shape)))]
+    for layout in ("bhtd", "bthd"):
+        for hd in ATTN_HEAD_DIMS:
+            for sinks in (False, True):
+                out += _lower_all(forward_backward(hd, layout, sinks), precisions=("f32",))
+        for hd in TCA_HEAD_DIMS:                  # bf16: the tensor-core kernels
+            out += _lower_all(forward_backward(hd, layout, True), precisions=("bf16",))
     return out
 
 

@@ -90,20 +90,43 @@ def test_lora_gradients_through_the_whole_model(tiny_qwen2):
     assert err <= 1e-6
 
 
-def test_attention_never_materialises_seq_by_seq_scores(tiny_llama):
-    """Forward and backward of a LoRA step: no node is [.., T, T] (fused attention), and
-    each layer has one attention and one attention_back node."""
+def lora_step_graph(path, T=12):
+    """(graph, config) of a LoRA step on q, k, v, o of the GGUF at ``path``: the decoder
+    over [2, T] tokens and its backward."""
     from toygraph.core.autodiff import backward
-    m = GGUFModel(tiny_llama)
+    m = GGUFModel(path)
     g = Graph()
-    T = 12
     net = build_decoder(g, m.config, batch=2, seq_len=T, model=m,
-                      lora=LoraConfig(targets=("q", "k", "v", "o")))
+                        lora=LoraConfig(targets=("q", "k", "v", "o")))
     labels = g.input("labels", (2 * T,), "i32")
     backward(ops.cross_entropy(net.logits, labels), net.params)
-    assert not [t for t in g.nodes if t.shape[-2:] == (T, T)]
+    return g, m.config
+
+
+def assert_attention_is_token_major(path):
+    """Every attention of a LoRA step reads q, k, v token-major, straight from rope, norms
+    or the projections: no permute node (a gather kernel) before or after it, forward or
+    backward."""
+    g, cfg = lora_step_graph(path)
+    atts = [t for t in g.nodes if t.op == "attention"]
+    assert len(atts) == sum(not cfg.layer_recurrent(i) for i in range(cfg.n_layer))
+    assert all(t.attrs["layout"] == "bthd" for t in atts)
+    near = {s.id for t in g.nodes if t.op in ("attention", "attention_back") for s in t.srcs}
+    near |= {t.id for t in g.nodes if t.op == "unpack"
+             and t.srcs[0].op in ("attention", "attention_back")}
+    assert not [t for t in g.nodes if t.op == "permute"
+                and (t.id in near or t.srcs[0].id in near)]
+
+
+def test_attention_never_materialises_seq_by_seq_scores(tiny_llama):
+    """Forward and backward of a LoRA step: no node is [.., T, T] (fused attention), each
+    layer has one attention and one attention_back node, and nothing is permuted."""
+    g, cfg = lora_step_graph(tiny_llama, T=12)
+    assert not [t for t in g.nodes if t.shape[-2:] == (12, 12)]
     ops_used = [t.op for t in g.nodes]
-    assert ops_used.count("attention") == ops_used.count("attention_back") == m.config.n_layer
+    assert ops_used.count("attention") == ops_used.count("attention_back") == cfg.n_layer
+    assert "permute" not in ops_used
+    assert_attention_is_token_major(tiny_llama)
 
 
 def test_build_errors(tiny_llama):

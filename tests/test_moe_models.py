@@ -16,7 +16,7 @@ import pytest
 
 from moe_references import MODELS, gguf_path, random_tokens, reference_model, requantize
 from test_arch_models import reference_loss
-from test_llama import toygraph_loss
+from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
 from toygraph.adapters.files import save_peft
 from toygraph.core.graph import Graph
@@ -71,6 +71,12 @@ def test_loss_matches_transformers(name):
     mine, ref = toygraph_loss(path, tokens), reference_loss(reference_model(name), tokens)
     print(f"{name}: toygraph {mine:.7f} transformers {ref:.7f} rel {rel(mine, ref):.2e}")
     assert rel(mine, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_attention_is_token_major(name):
+    """gpt-oss's sinks and windows, Qwen3-MoE's q/k norms: no permute around attention."""
+    assert_attention_is_token_major(gguf_path(name))
 
 
 def test_the_gpt_oss_fixture_exercises_what_it_claims():

@@ -1,12 +1,14 @@
 """The fused attention op (ops/flash_attention.py), numpy side: f64 finite-difference
-gradients (grouped-query, causal, sliding window; the numpy kernels in one query block
-and in blocks of 2 rows), equality with the unfused softmax composition and with an
-explicitly masked softmax, the packed backward read through unpack, and shape errors."""
+gradients (grouped-query, causal, sliding window, both layouts; the numpy kernels in one
+query block and in blocks of 2 rows), equality with the unfused softmax composition and
+with an explicitly masked softmax, the saved row log-sum-exp, the token-major layout bit
+for bit against heads-first, the packed backward read through unpack, and shape errors."""
 import numpy as np
 import pytest
 
 from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
+from toygraph.core.autodiff import backward
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
@@ -41,14 +43,23 @@ WINDOW_CASES = [  # (B, H, KV, T, hd, window)
 ]
 
 
+def _tokens_first(x):
+    """[B, heads, T, hd] -> the token-major [B, T, heads, hd] (a copy)."""
+    return np.ascontiguousarray(np.swapaxes(x, 1, 2))
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
 @pytest.mark.parametrize("B,H,KV,T,hd,causal,window",
                          [c + (0,) for c in ATTN_CASES] +
                          [c[:5] + (True, c[5]) for c in WINDOW_CASES])
-def test_attention_gradients(B, H, KV, T, hd, causal, window, attn_rows):
+def test_attention_gradients(B, H, KV, T, hd, causal, window, layout, attn_rows):
     rng = np.random.default_rng(11)
+    vals = _attn_inputs(rng, B, H, KV, T, hd)
+    if layout == "bthd":
+        vals = [_tokens_first(x) for x in vals]
     g = Graph()
-    q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, B, H, KV, T, hd)))
-    y = ops.attention(q, k, v, scale=hd ** -0.5, causal=causal, window=window)
+    q, k, v = (g.param(n, x) for n, x in zip("qkv", vals))
+    y = ops.attention(q, k, v, scale=hd ** -0.5, causal=causal, window=window, layout=layout)
     # With window 1 the output is v itself: q and k get exactly no gradient, and a relative
     # error against an all-zero finite difference means nothing (the comparison with the
     # explicitly masked softmax below checks dq = dk = 0 there).
@@ -85,8 +96,94 @@ def test_attention_equals_the_unfused_composition(B, H, KV, T, hd, causal, attn_
                              unfused)
 
 
+def _run_attention(vals, layout, segments=None, r=None, **kw):
+    """o, L and (dq, dk, dv[, d sinks]) of ops.attention over ``vals`` (q, k, v[, sinks])
+    as params with the loss sum(o * r) (r random unless given), on the numpy backend
+    (f32); ``segments`` [B, T] ids are uploaded to an input."""
+    from toygraph.core.autodiff import accumulate_grads, backward
+    g = Graph()
+    params = [g.param(n, x) for n, x in zip(("q", "k", "v", "sinks"), vals)]
+    seg = None if segments is None else g.input("segs", segments.shape, "i32")
+    o = ops.attention(*params[:3], sinks=params[3] if len(params) > 3 else None,
+                      segments=seg, layout=layout, **kw)
+    if r is None:
+        r = np.random.default_rng(0).normal(size=o.shape).astype(np.float32)
+    outs = [g.output(o), g.output(o.srcs[0])]
+    grads = accumulate_grads(backward(ops.sum(ops.mul(o, g.const("r", r))), params))
+    s = Session(g)
+    s.realize()
+    s.reset()
+    if seg is not None:
+        s.upload(seg, segments)
+    s.run("backward")
+    o_val, packed = (s.download(t) for t in outs)
+    return o_val, packed[o.size:], [s.download(grads[p]) for p in params]
+
+
+@pytest.mark.parametrize("sinks,segmented,window", [(False, False, 0), (True, False, 4),
+                                                    (False, True, 0), (True, True, 3)])
+def test_token_major_layout_equals_heads_first_bit_for_bit(sinks, segmented, window, attn_rows):
+    """o, L and every gradient of the token-major op are the heads-first op's, moved
+    (numpy f32: the kernels copy token-major operands heads first, so every product sees
+    the same arrays): the decoder's switch to token-major changes no bit of a numpy run."""
+    rng = np.random.default_rng(21)
+    B, H, KV, T, hd = 2, 6, 2, 11, 4
+    vals = list(_attn_inputs(rng, B, H, KV, T, hd)) + ([rnd(rng, H)] if sinks else [])
+    segs = np.array([[1, 1, 1, 2, 2, 2, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 2, 3, 3, 3, 3, 0]],
+                    np.int32) if segmented else None
+    r = rnd(rng, B, H, T, hd)
+    o1, l1, g1 = _run_attention(vals, "bhtd", segs, r, scale=0.4, window=window)
+    moved = [_tokens_first(x) if x.ndim == 4 else x for x in vals]
+    o2, l2, g2 = _run_attention(moved, "bthd", segs, _tokens_first(r), scale=0.4, window=window)
+    np.testing.assert_array_equal(o2, _tokens_first(o1))
+    np.testing.assert_array_equal(l2, l1)
+    for a, b in zip(g2, g1):
+        np.testing.assert_array_equal(a, _tokens_first(b) if b.ndim == 4 else b)
+
+
+@pytest.mark.parametrize("sinks,window", [(False, 0), (True, 0), (True, 3), (False, 2)])
+def test_the_node_saves_the_row_log_sum_exp(sinks, window, attn_rows):
+    """L [B, H, T] after o: log of each row's softmax denominator of the scaled, masked
+    scores (the sink's logit included), against f64 numpy."""
+    rng = np.random.default_rng(22)
+    B, H, KV, T, hd = 2, 4, 2, 7, 3
+    q, k, v = _attn_inputs(rng, B, H, KV, T, hd)
+    sk = rnd(rng, H) if sinks else None
+    _, lse, _ = _run_attention([q, k, v] + ([sk] if sinks else []), "bhtd", scale=0.5,
+                               window=window)
+    s = 0.5 * q.astype(np.float64) @ np.swapaxes(np.repeat(k, H // KV, 1), -1, -2)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    s = np.where((j <= i) & ((i - j < window) if window else True), s, -np.inf)
+    if sinks:
+        s = np.concatenate([s, np.broadcast_to(sk[None, :, None, None], (B, H, T, 1))], -1)
+    want = np.log(np.exp(s).sum(-1))
+    np.testing.assert_allclose(lse.reshape(B, H, T), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_forward_only_node_leaves_l_out_and_has_no_gradient():
+    g = Graph()
+    q = g.param("q", np.ones((1, 2, 5, 4), np.float32))
+    o = ops.attention(q, q, q, scale=0.5, save_lse=False)
+    assert o.srcs[0].shape == (q.size,) and ops.attention(q, q, q, scale=0.5).srcs[0].shape == (
+        q.size + 2 * 5,)
+    with pytest.raises(GraphError, match="save_lse=False.*no gradient"):
+        backward(ops.sum(o), [q])
+
+
+def test_only_o_has_a_gradient():
+    """L is statistics the backward reads, not a differentiable output; the packed node is
+    read through its views only."""
+    g = Graph()
+    q = g.param("q", np.ones((1, 2, 5, 4), np.float32))
+    att = ops.attention(q, q, q, scale=0.5).srcs[0]
+    lse = ops.unpack(att, q.size, (1, 2, 5))
+    with pytest.raises(GraphError, match="only its output o has a gradient"):
+        backward(ops.sum(lse), [q])
+    with pytest.raises(GraphError, match="must be read through unpack views"):
+        backward(ops.sum(att), [q])
+
+
 def test_attention_backward_is_one_node_read_through_three_unpacks():
-    from toygraph.core.autodiff import backward
     rng = np.random.default_rng(13)
     g = Graph()
     q, k, v = (g.param(n, x) for n, x in zip("qkv", _attn_inputs(rng, 2, 6, 2, 5, 4)))

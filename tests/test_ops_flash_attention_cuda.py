@@ -1,8 +1,9 @@
 """The fused attention op's CUDA side (ops/flash_attention.py, flash_attention.cu): the
 tiled algorithm of every launch replayed in numpy (following the kernels' tile loop
 bounds, failing on any visited tile with nothing visible in it) against the numpy
-kernels, with grouped-query heads, every head_dim bound and sliding windows; the head-dim
-selection, the instantiated tiles, and the compiled kernels' register use."""
+kernels, with grouped-query heads, every head_dim bound, sliding windows and both
+layouts; the head-dim selection, the instantiated tiles, and the compiled kernels'
+register use."""
 import re
 
 import numpy as np
@@ -21,20 +22,26 @@ from toygraph.core.ops import KERNELS as CPU_KERNELS
 from toygraph.core.ops import flash_attention as attention_ops
 
 
-def _attn_tile(mem, addr, r0, T, hd, BT, HD):
-    """Rows [r0, r0 + BT) of the [T, hd] matrix at ``addr``, zero-filled to [BT, HD]."""
+def _attn_tile(mem, addr, r0, T, hd, BT, HD, ld):
+    """Rows [r0, r0 + BT) of the [T, hd] matrix at ``addr`` with row stride ``ld``,
+    zero-filled to [BT, HD]."""
     arr, off = resolve(mem, addr)
     out = np.zeros((BT, HD))
-    n = max(0, min(BT, T - r0))
-    out[:n, :hd] = arr[off + r0 * hd:off + (r0 + n) * hd].reshape(n, hd)
+    for r in range(max(0, min(BT, T - r0))):
+        out[r, :hd] = arr[off + (r0 + r) * ld:off + (r0 + r) * ld + hd]
     return out
+
+
+def _head(b, h, heads, T, hd, tok):
+    """Element offset of head h of batch row b and its row stride (attn_head, attn_ld)."""
+    return (b * heads * T + (h if tok else h * T)) * hd, (heads * hd if tok else hd)
 
 
 # One function of ~140 lines on purpose: it follows flash_attention.cu's four kernels
 # branch by branch, loop by loop, so the two read side by side.
 def _emulate_attention(launch, mem):
     """Replay one attention launch block by block with the kernel's own loop bounds, tiles,
-    online softmax, scratch layout and output addresses (numpy, f64)."""
+    online softmax, strides, scratch layout and output addresses (numpy, f64)."""
     name = launch.kernel
     if name == "tg_attn_bwd_sinks":
         _emulate_sinks_gradient(launch, mem)
@@ -43,18 +50,30 @@ def _emulate_attention(launch, mem):
     BT, TPR = constants.ATTN_TILES[HD]
     assert launch.block == (BT * TPR, 1, 1)
     a = [x[0] for x in launch.args]
-    H, KV, T, hd, scale, causal, window = (int(a[-7]), int(a[-6]), int(a[-5]), int(a[-4]),
-                                           float(a[-3]), int(a[-2]), int(a[-1]))
-    # Pointers end with the segment ids (or 0), then, in fwd and prep, the sinks (or 0).
-    *ptrs, seg_addr = [int(x) for x in a[:-7]]
+    gx, gy, gz = launch.grid
+    if name.startswith("tg_attn_bwd_prep_"):   # D = rowsum(dO * O) only: L is the forward's
+        delta, o, g = (int(x) for x in a[:3])
+        H, T, hd, tok = (int(x) for x in a[3:])
+        assert (gx, gy) == ((T + BT - 1) // BT, H)
+        D, Do = resolve(mem, delta)
+        for b in range(gz):
+            for h in range(H):
+                at, ld = _head(b, h, H, T, hd, tok)
+                O = _attn_tile(mem, o + 4 * at, 0, T, hd, T, hd, ld)
+                dO = _attn_tile(mem, g + 4 * at, 0, T, hd, T, hd, ld)
+                D[Do + (b * H + h) * T:Do + (b * H + h + 1) * T] = (O * dO).sum(1)
+        return
+    H, KV, T, hd, scale, causal, window, tok = (int(a[-8]), int(a[-7]), int(a[-6]), int(a[-5]),
+                                                float(a[-4]), int(a[-3]), int(a[-2]), int(a[-1]))
+    # Pointers end with the segment ids (or 0), then, in the forward, the sinks (or 0).
+    *ptrs, seg_addr = [int(x) for x in a[:-8]]
     sinks = None
-    if name.startswith(("tg_attn_fwd_", "tg_attn_bwd_prep_")):
+    if name.startswith("tg_attn_fwd_"):
         *ptrs, seg_addr, sink_addr = ptrs + [seg_addr]
         if sink_addr:
             arr, off = resolve(mem, sink_addr)
             sinks = arr[off:off + H]
-    G, nt, head = H // KV, (T + BT - 1) // BT, T * hd
-    gx, gy, gz = launch.grid
+    G, nt = H // KV, (T + BT - 1) // BT
     ar = np.arange(BT)
     segs = None
     if seg_addr:
@@ -82,112 +101,105 @@ def _emulate_attention(launch, mem):
         assert visible(i0, j0, b).any(), ("a visited tile is wholly masked", i0, j0)
         return i0, j0, b
 
-    def write(addr, rows0, vals):  # rows [rows0, rows0 + BT) of a [T, hd] matrix
+    def heads(base, b, h, n):  # a tile loader and writer for head h of an n-head operand
+        at, ld = _head(b, h, n, T, hd, tok)
+
+        def load(r0):
+            return _attn_tile(mem, base + 4 * at, r0, T, hd, BT, HD, ld)
+
+        def write(r0, vals):
+            arr, off = resolve(mem, base + 4 * at)
+            for r in range(max(0, min(BT, T - r0))):
+                arr[off + (r0 + r) * ld:off + (r0 + r) * ld + hd] = vals[r, :hd]
+        return load, write
+
+    def stats(addr, b, h, i0):  # rows [i0, i0 + BT) of L or D [B, H, T], 0 past T
         arr, off = resolve(mem, addr)
-        n = max(0, min(BT, T - rows0))
-        arr[off + rows0 * hd:off + (rows0 + n) * hd] = vals[:n, :hd].ravel()
+        rows = np.minimum(i0 + ar, T - 1) + (b * H + h) * T
+        return np.where(i0 + ar < T, arr[off + rows], 0.0)
 
-    def scores(Q, i0, kaddr, qt, b, h):
-        """Online row max / sum over query tile qt's key tiles, from the sink when there is
-        one (m = sinks[h], l = 1); yields per tile (j0, s, base)."""
-        m, l = np.full(BT, -np.inf), np.zeros(BT)
-        if sinks is not None:
-            m, l = np.full(BT, sinks[h]), np.ones(BT)
-        for kt in key_tiles(qt, b):
-            Ks = _attn_tile(mem, kaddr, kt * BT, T, hd, BT, HD)
-            s = np.where(visible(*tile_pair(i0, kt * BT, b)), (Q @ Ks.T) * scale, -np.inf)
-            mn = np.maximum(m, s.max(1))
-            base = np.where(mn == -np.inf, 0.0, mn)
-            p = np.exp(s - base[:, None])
-            alpha = np.exp(m - base)
-            l = l * alpha + p.sum(1)
-            m = mn
-            yield kt * BT, p, alpha, m, l
-
-    if name.startswith("tg_attn_fwd_") or name.startswith("tg_attn_bwd_prep_"):
-        assert (gx, gy, gz) == (nt, H, launch.grid[2])
+    if name.startswith("tg_attn_fwd_"):
+        out, lse, q, k, v = ptrs
+        assert (gx, gy) == (nt, H)
         for b in range(gz):
             for h in range(H):
-                kv = b * KV + h // G
+                Qt, _ = heads(q, b, h, H)
+                Kt, _ = heads(k, b, h // G, KV)
+                Vt, _ = heads(v, b, h // G, KV)
+                _, write = heads(out, b, h, H)
                 for qt in range(nt):
                     i0 = qt * BT
-                    if name.startswith("tg_attn_fwd_"):
-                        out, q, k, v = ptrs
-                        Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
-                        acc = np.zeros((BT, HD))
-                        for j0, p, alpha, m, l in scores(Q, i0, k + 4 * kv * head, qt, b, h):
-                            Vs = _attn_tile(mem, v + 4 * kv * head, j0, T, hd, BT, HD)
-                            acc = acc * alpha[:, None] + p @ Vs
-                        write(out + 4 * (b * H + h) * head, i0, acc / l[:, None])
-                    else:
-                        lse, delta, q, k, o, g = ptrs
-                        Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
-                        m, l = (np.full(BT, -np.inf), np.zeros(BT)) if sinks is None else (
-                            np.full(BT, sinks[h]), np.ones(BT))
-                        for _, _, _, m, l in scores(Q, i0, k + 4 * kv * head, qt, b, h):
-                            pass
-                        O = _attn_tile(mem, o + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
-                        dO = _attn_tile(mem, g + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
+                    Q, acc = Qt(i0), np.zeros((BT, HD))
+                    # The online softmax, from the sink when there is one (m = sinks[h], l = 1).
+                    m, l = (np.full(BT, -np.inf), np.zeros(BT)) if sinks is None else (
+                        np.full(BT, sinks[h]), np.ones(BT))
+                    for kt in key_tiles(qt, b):
+                        s = np.where(visible(*tile_pair(i0, kt * BT, b)),
+                                     (Q @ Kt(kt * BT).T) * scale, -np.inf)
+                        mn = np.maximum(m, s.max(1))
+                        base = np.where(mn == -np.inf, 0.0, mn)
+                        p = np.exp(s - base[:, None])
+                        alpha = np.exp(m - base)
+                        l, m = l * alpha + p.sum(1), mn
+                        acc = acc * alpha[:, None] + p @ Vt(kt * BT)
+                    with np.errstate(divide="ignore", invalid="ignore"):  # rows past T: l = 0
+                        o_rows, l_rows = acc / l[:, None], m + np.log(l)
+                    write(i0, o_rows)
+                    if lse:
                         n = max(0, min(BT, T - i0))
                         L, Lo = resolve(mem, lse + 4 * ((b * H + h) * T + i0))
-                        D, Do = resolve(mem, delta + 4 * ((b * H + h) * T + i0))
-                        L[Lo:Lo + n] = (m + np.log(l))[:n]
-                        D[Do:Do + n] = (O * dO).sum(1)[:n]
+                        L[Lo:Lo + n] = l_rows[:n]
         return
     if name.startswith("tg_attn_bwd_dkdv_"):
         dk, dv, q, k, v, g, lse, delta = ptrs
         assert (gx, gy) == (nt, KV)
         for b in range(gz):
             for kvh in range(KV):
-                kv = b * KV + kvh
+                Kt, _ = heads(k, b, kvh, KV)
+                Vt, _ = heads(v, b, kvh, KV)
+                _, write_dv = heads(dv, b, kvh, KV)
+                _, write_dk = heads(dk, b, kvh, KV)
                 for kt in range(nt):
                     j0 = kt * BT
-                    Ks = _attn_tile(mem, k + 4 * kv * head, j0, T, hd, BT, HD)
-                    Vs = _attn_tile(mem, v + 4 * kv * head, j0, T, hd, BT, HD)
+                    Ks, Vs = Kt(j0), Vt(j0)
                     dka, dva = np.zeros((BT, HD)), np.zeros((BT, HD))
                     for h in range(kvh * G, kvh * G + G):
-                        qa, ga = q + 4 * (b * H + h) * head, g + 4 * (b * H + h) * head
+                        Qt, _ = heads(q, b, h, H)
+                        Gt, _ = heads(g, b, h, H)
                         for qt in query_tiles(kt, b):
                             i0 = qt * BT
-                            Q = _attn_tile(mem, qa, i0, T, hd, BT, HD)
-                            dO = _attn_tile(mem, ga, i0, T, hd, BT, HD)
-                            rows = np.minimum(i0 + ar, T - 1) + (b * H + h) * T
-                            L, Lo = resolve(mem, lse)
-                            D, Do = resolve(mem, delta)
-                            Li = np.where(i0 + ar < T, L[Lo + rows], 0.0)
-                            Di = np.where(i0 + ar < T, D[Do + rows], 0.0)
+                            Q, dO = Qt(i0), Gt(i0)
+                            Li, Di = stats(lse, b, h, i0), stats(delta, b, h, i0)
                             vis = visible(*tile_pair(i0, j0, b))   # [query, key]
                             p = np.where(vis, np.exp((Q @ Ks.T) * scale - Li[:, None]), 0.0)
                             ds = p * ((dO @ Vs.T) - Di[:, None]) * scale
                             dva += p.T @ dO
                             dka += ds.T @ Q
-                    write(dk + 4 * kv * head, j0, dka)
-                    write(dv + 4 * kv * head, j0, dva)
+                    write_dk(j0, dka)
+                    write_dv(j0, dva)
         return
     if name.startswith("tg_attn_bwd_dq_"):
         dq, q, k, v, g, lse, delta = ptrs
         assert (gx, gy) == (nt, H)
         for b in range(gz):
             for h in range(H):
-                kv = b * KV + h // G
+                Qt, _ = heads(q, b, h, H)
+                Gt, _ = heads(g, b, h, H)
+                Kt, _ = heads(k, b, h // G, KV)
+                Vt, _ = heads(v, b, h // G, KV)
+                _, write = heads(dq, b, h, H)
                 for qt in range(nt):
                     i0 = qt * BT
-                    Q = _attn_tile(mem, q + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
-                    dO = _attn_tile(mem, g + 4 * (b * H + h) * head, i0, T, hd, BT, HD)
-                    rows = np.minimum(i0 + ar, T - 1) + (b * H + h) * T
-                    L, Lo = resolve(mem, lse)
-                    D, Do = resolve(mem, delta)
-                    Li = np.where(i0 + ar < T, L[Lo + rows], 0.0)
-                    Di = np.where(i0 + ar < T, D[Do + rows], 0.0)
+                    Q, dO = Qt(i0), Gt(i0)
+                    Li, Di = stats(lse, b, h, i0), stats(delta, b, h, i0)
                     acc = np.zeros((BT, HD))
                     for kt in key_tiles(qt, b):
                         j0 = kt * BT
-                        Ks = _attn_tile(mem, k + 4 * kv * head, j0, T, hd, BT, HD)
-                        Vs = _attn_tile(mem, v + 4 * kv * head, j0, T, hd, BT, HD)
+                        Ks = Kt(j0)
                         p = np.where(visible(*tile_pair(i0, j0, b)),
                                      np.exp((Q @ Ks.T) * scale - Li[:, None]), 0.0)
-                        acc += (p * ((dO @ Vs.T) - Di[:, None]) * scale) @ Ks
-                    write(dq + 4 * (b * H + h) * head, i0, acc)
+                        acc += (p * ((dO @ Vt(j0).T) - Di[:, None]) * scale) @ Ks
+                    write(i0, acc)
         return
     raise AssertionError(f"no emulation for {name}")
 
@@ -212,30 +224,34 @@ ATTN_LOWERING_CASES = [  # (B, H, KV, T, hd, causal): T off the tile, GQA, every
 
 
 @pytest.mark.parametrize("B,H,KV,T,hd,causal", ATTN_LOWERING_CASES)
-def test_attention_launches_replayed_in_numpy_match_the_cpu_kernels(B, H, KV, T, hd, causal):
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_attention_launches_replayed_in_numpy_match_the_cpu_kernels(B, H, KV, T, hd, causal,
+                                                                    layout):
     """Grid, block, tile loop bounds (causal skipping), grouped-query head mapping, the
-    scratch layout of the row statistics and the packed [dq, dk, dv] addresses."""
-    replay_attention_launches(B, H, KV, T, hd, causal)
+    strides of either layout, L packed after o, the scratch layout of D and the packed
+    [dq, dk, dv] addresses."""
+    replay_attention_launches(B, H, KV, T, hd, causal, layout=layout)
 
 
-def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None, sinks=False):
+def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None, sinks=False,
+                              layout="bhtd"):
     """Lower attention and its backward, replay every launch with _emulate_attention and
     compare with the numpy kernels (the windowed test below runs it with sliding windows,
-    test_ops_flash_attention_segments.py with segment ids, the sinks test with sinks)."""
+    test_ops_flash_attention_segments.py with segment ids, the sinks test with sinks; each
+    also token-major)."""
     rng = np.random.default_rng(0)
     g = Graph()
-    vals = [rng.normal(size=s) for s in ((B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd))]
+    shapes = [(B, T, n, hd) if layout == "bthd" else (B, n, T, hd) for n in (H, KV, KV)]
+    vals = [rng.normal(size=s) for s in shapes]
     q, k, v = (g.const(n, x) for n, x in zip("qkv", vals))
     seg = None if segments is None else g.input("segs", (B, T), "i32")
     sink_vals = rng.normal(size=H) * 2 if sinks else None
     sink = g.const("sinks", sink_vals) if sinks else None
     # The kernels take the scale as an f32 argument: give both sides that value.
     att = ops.attention(q, k, v, scale=float(np.float32(hd ** -0.5)), causal=causal,
-                        window=window, segments=seg, sinks=sink)
-    gout = g.const("gout", rng.normal(size=att.shape))
-    need = [True] * 3 + [False] * (seg is not None) + [True] * sinks
-    back = ops.OPS["attention"].grad(att, gout, need)[0]
-    back = back.srcs[0]
+                        window=window, segments=seg, sinks=sink, layout=layout).srcs[0]
+    gout = g.const("gout", rng.normal(size=q.shape))
+    back = attention_ops.backward_node(att, gout)
     leaves = (q, k, v, gout) + (() if seg is None else (seg,)) + ((sink,) if sinks else ())
     addr = {t.id: (i + 1) << 24 for i, t in enumerate(leaves + (att, back))}
     mem = {addr[t.id]: np.asarray(x, np.float64).ravel().copy()
@@ -258,8 +274,7 @@ def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None, 
             assert launch.kernel in KERNEL_NAMES
             assert launch.kernel in OP_KERNELS[node.op]
             _emulate_attention(launch, mem)
-    for node, srcs in ((att, vals), (back, (*vals, mem[addr[att.id]].reshape(att.shape),
-                                            gout.data))):
+    for node, srcs in ((att, vals), (back, (*vals, mem[addr[att.id]], gout.data))):
         want = np.zeros(node.shape)
         CPU_KERNELS[node.op](want, [np.asarray(x, np.float64) for x in srcs], node.attrs)
         got = mem[addr[node.id]]
@@ -273,7 +288,7 @@ def test_attention_head_dim_selection_and_limit():
     g = Graph()
     q = g.const("q", np.zeros((1, 2, 4, 160)))
     with pytest.raises(CudaError, match="head_dim 160"):
-        dispatch.lower(ops.attention(q, q, q, scale=1.0), lambda t: 1 << 20)
+        dispatch.lower(ops.attention(q, q, q, scale=1.0).srcs[0], lambda t: 1 << 20)
 
 
 def test_attention_instantiations_match_the_lowering_tiles():
@@ -298,7 +313,8 @@ def test_attention_instantiations_match_the_lowering_tiles():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_attention_kernels_compile_without_spills(arch, cache):
     """Register arrays indexed by unrolled constants only (no stack, no spills) and static
-    shared memory within the 48 KB a block gets without an opt-in."""
+    shared memory within the 48 KB a block gets without an opt-in (none in the prep
+    kernels, which only sum rows)."""
     from toygraph.cuda.nvrtc import resource_usage
     names = {n for op in ("attention", "attention_back") for n in OP_KERNELS[op]}
     usage = resource_usage(module_source(("flash_attention.cu",)), arch,
@@ -307,7 +323,10 @@ def test_attention_kernels_compile_without_spills(arch, cache):
     for name, u in usage.items():
         assert u["stack"] == u["spill_stores"] == u["spill_loads"] == 0, (name, u)
         assert 0 < u["registers"] <= 255, (name, u)
-        assert 0 < u["smem"] <= 48 * 1024, (name, u)
+        if name.startswith("tg_attn_bwd_prep_"):   # D = rowsum(dO * O): no tiles
+            assert u["smem"] == 0, (name, u)
+        else:
+            assert 0 < u["smem"] <= 48 * 1024, (name, u)
 
 
 # --- sliding-window attention -------------------------------------------------------------------
@@ -323,15 +342,18 @@ def test_attention_kernels_compile_without_spills(arch, cache):
 def test_windowed_attention_launches_replayed_in_numpy_match_the_cpu_kernels(B, H, KV, T, hd,
                                                                              window):
     replay_attention_launches(B, H, KV, T, hd, True, window)
+    if window in (5, 40):
+        replay_attention_launches(B, H, KV, T, hd, True, window, layout="bthd")
 
 
-def test_attention_launches_carry_the_window_as_an_int32():
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_attention_launches_carry_the_window_and_layout_as_int32s(layout):
     g = Graph()
     q = g.const("q", np.zeros((1, 2, 40, 8)))
-    node = ops.attention(q, q, q, scale=0.5, window=7)
+    node = ops.attention(q, q, q, scale=0.5, window=7, layout=layout).srcs[0]
     (launch,) = dispatch.lower(node, lambda t: 1 << 20)
-    assert launch.args[-1].dtype == np.int32 and int(launch.args[-1][0]) == 7
-    assert int(launch.args[-2][0]) == 1  # causal
+    assert all(x.dtype == np.int32 for x in launch.args[-3:])
+    assert [int(x[0]) for x in launch.args[-3:]] == [1, 7, layout == "bthd"]  # causal, window
 
 
 # --- attention sinks (gpt-oss) -------------------------------------------------------------------
@@ -340,8 +362,9 @@ def test_attention_launches_carry_the_window_as_an_int32():
     (1, 6, 2, 70, 64, 40),      # a sliding window across a tile edge
     (1, 2, 1, 35, 100, 0),      # the HD=128 kernels
 ])
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
 def test_attention_with_sinks_launches_replayed_in_numpy_match_the_cpu_kernels(B, H, KV, T, hd,
-                                                                               window):
-    """The sinks seed the online softmax of the forward and of the row statistics, and
-    tg_attn_bwd_sinks turns those statistics into their gradient (packed after dv)."""
-    replay_attention_launches(B, H, KV, T, hd, True, window, sinks=True)
+                                                                               window, layout):
+    """The sinks seed the forward's online softmax, so the L it saves, and
+    tg_attn_bwd_sinks turns L and D into their gradient (packed after dv)."""
+    replay_attention_launches(B, H, KV, T, hd, True, window, sinks=True, layout=layout)

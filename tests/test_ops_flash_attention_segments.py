@@ -2,12 +2,13 @@
 carry the same segment id, on top of causality and the sliding window. Checked against a
 dense masked softmax written out here in numpy (f64), by finite differences, against the
 numpy kernels run on each segment alone, and, for the CUDA kernels, on the host executor
-(TOYGRAPH_CUDA_DEVICE=host) against numpy, with ragged segments across tile edges."""
+(TOYGRAPH_CUDA_DEVICE=host) against numpy, with ragged segments across tile edges, both
+layouts, and the row log-sum-exp the forward saves (f32 and bf16)."""
 import numpy as np
 import pytest
 
 from gradcheck import check_gradients, weighted_sum
-from hostparity import REDUCTION, compare_op
+from hostparity import MIXED_TOL, REDUCTION, compare_op, rel_err, rnd, run_phase
 from tcattn_reference import visible
 from toygraph.core import ops
 from toygraph.errors import GraphError
@@ -122,22 +123,55 @@ def test_segment_ids_are_checked():
 
 
 # --- the CUDA kernels on the host executor --------------------------------------------------
-@pytest.mark.parametrize("B,H,KV,T,hd,causal,window", [
-    (2, 4, 2, 37, 8, True, 0),      # ragged segments across the 32-row tile edge
-    (1, 6, 2, 100, 16, True, 0),    # many tiles: whole tiles skipped between segments
-    (2, 2, 2, 45, 64, False, 0),    # not causal: a segment still sees only itself
-    (1, 4, 1, 70, 64, True, 20),    # with a sliding window (Gemma 3)
-    (1, 2, 1, 35, 100, True, 0),    # the HD=128 kernels (16-row tiles)
+@pytest.mark.parametrize("B,H,KV,T,hd,causal,window,layout", [
+    (2, 4, 2, 37, 8, True, 0, "bhtd"),      # ragged segments across the 32-row tile edge
+    (2, 4, 2, 37, 8, True, 0, "bthd"),      # the same token-major
+    (1, 6, 2, 100, 16, True, 0, "bhtd"),    # many tiles: whole tiles skipped between segments
+    (2, 2, 2, 45, 64, False, 0, "bhtd"),    # not causal: a segment still sees only itself
+    (1, 4, 1, 70, 64, True, 20, "bhtd"),    # with a sliding window (Gemma 3)
+    (1, 4, 1, 70, 64, True, 20, "bthd"),    # the same token-major
+    (1, 2, 1, 35, 100, True, 0, "bthd"),    # the HD=128 kernels (16-row tiles)
 ])
 def test_segmented_attention_on_the_host_executor_matches_numpy(B, H, KV, T, hd, causal,
-                                                               window, monkeypatch):
+                                                               window, layout, monkeypatch):
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
 
     def segs(g, rng):
         return {g.input("segs", (B, T), "i32"): ragged_segments(rng, B, T)}
+    shapes = [(B, T, n, hd) if layout == "bthd" else (B, n, T, hd) for n in (H, KV, KV)]
     compare_op(lambda q, k, v, s: ops.attention(q, k, v, scale=hd ** -0.5, causal=causal,
-                                                window=window, segments=s),
-               [(B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd)], REDUCTION, inputs_fn=segs)
+                                                window=window, segments=s, layout=layout),
+               shapes, REDUCTION, inputs_fn=segs)
+
+
+@pytest.mark.parametrize("precision,tol", [("f32", REDUCTION), ("bf16", MIXED_TOL["bf16"])])
+@pytest.mark.parametrize("B,H,KV,T,hd,window,sinks,layout", [
+    (2, 4, 2, 37, 16, 0, False, "bhtd"),    # GQA, T off the tile
+    (2, 4, 2, 37, 16, 0, False, "bthd"),
+    (1, 6, 2, 70, 64, 20, True, "bthd"),    # window and sinks across tile edges
+    (1, 2, 1, 35, 100, 0, True, "bhtd"),    # hd below its bound (f32: HD 128)
+])
+def test_the_saved_row_log_sum_exp_matches_numpy_on_the_host(B, H, KV, T, hd, window, sinks,
+                                                            layout, precision, tol,
+                                                            monkeypatch):
+    """The attention node's packed o and L (with ragged segments) from the host executor
+    against numpy's: L is what the backward reads instead of recomputing it."""
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    rng = np.random.default_rng(7)
+    g = Graph()
+    shapes = [(B, T, n, hd) if layout == "bthd" else (B, n, T, hd) for n in (H, KV, KV)]
+    q, k, v = (g.const(n, rnd(rng, *s)) for n, s in zip("qkv", shapes))
+    sg = g.input("segs", (B, T), "i32")
+    sk = g.const("sinks", rnd(rng, H)) if sinks else None
+    o = ops.attention(q, k, v, scale=hd ** -0.5, window=window, segments=sg, sinks=sk,
+                      layout=layout)
+    att = g.output(o.srcs[0])
+    ids = {sg: ragged_segments(rng, B, T)}
+    want, = run_phase(g, "cpu", ids, "forward", [att])
+    got, = run_phase(g, "cuda", ids, "forward", [att], precision)
+    n = o.size
+    assert rel_err(got[:n], want[:n]) <= tol, ("o", rel_err(got[:n], want[:n]))
+    assert rel_err(got[n:], want[n:]) <= tol, ("L", rel_err(got[n:], want[n:]))
 
 
 @pytest.mark.parametrize("B,H,KV,T,hd,causal,window", [

@@ -2,7 +2,8 @@
 executor against an f64 numpy reference (tests/tcattn_reference.py) at ragged shapes:
 sequence lengths off the 64-row and key-tile edges, grouped-query heads, head dims below
 their bound (zero-padded), sliding windows, packed segments and sinks, head dims 64, 128
-and 256 -- and a deliberately broken ldmatrix fragment must fail the same check.
+and 256, heads-first and token-major layouts -- and a deliberately broken ldmatrix fragment
+or output stride must fail the same check.
 
 Tolerances, derived (not tuned). The reference is computed from the same bf16-rounded
 q, k, v the kernels read, so what remains is:
@@ -23,6 +24,7 @@ from tcattn_reference import (BF16_U, backward_bounds, bf16_bits, bf16_value, re
                               run_backward, run_forward, tca_source)
 from toygraph.core import ops
 from toygraph.core.graph import Graph
+from toygraph.core.ops.flash_attention import backward_node
 from toygraph.cuda.lowering import constants, dispatch
 
 
@@ -43,8 +45,10 @@ def _case(B, H, KV, T, hd, seed=0, segments=None, sinks=False):
     return q, k, v, segs, sk
 
 
-def check_forward(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, source=None):
-    o, lse = run_forward(q, k, v, scale, causal, window, segs, sinks, source=source)
+def check_forward(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, source=None,
+                  token_major=False):
+    o, lse = run_forward(q, k, v, scale, causal, window, segs, sinks, source=source,
+                         token_major=token_major)
     qr, kr, vr = (bf16_value(bf16_bits(x)) for x in (q, k, v))
     ro, rl = reference(qr, kr, vr, scale, causal, window, segs, sinks)
     o_bound = 1.01 * BF16_U * np.abs(vr).max()
@@ -83,11 +87,22 @@ def test_forward_at_larger_shapes(hd):
     check_forward(q, k, v, hd ** -0.5, True, 100, segs, None)
 
 
-def test_statistics_only_pass_gives_the_same_log_sum_exp():
-    q, k, v, _, _ = _case(1, 2, 1, 70, 64)
-    _, lse = run_forward(q, k, v, 0.125)
-    o, lse_only = run_forward(q, k, v, 0.125, stats_only=True)
-    assert o is None and np.array_equal(lse, lse_only)
+#: FORWARD's cases the token-major layout runs too (every feature, hd 64 and 256).
+TOKEN_MAJOR = ("gqa-ragged", "segments", "sinks-window", "hd256")
+
+
+@pytest.mark.parametrize("name", TOKEN_MAJOR)
+def test_token_major_layout_gives_the_same_bits(name):
+    """o, L, dq, dk, dv and d sinks with o, dO and the gradients token-major ([B, T, heads,
+    hd], stored through the row stride) equal the heads-first run bit for bit: the layout
+    moves where rows go, never what is computed."""
+    B, H, KV, T, hd, causal, window, cuts, sinks = FORWARD[name]
+    q, k, v, segs, sk = _case(B, H, KV, T, hd, segments=cuts, sinks=sinks)
+    g = np.random.default_rng(5).normal(size=q.shape).astype(np.float32)
+    heads = run_backward(q, k, v, g, hd ** -0.5, causal, window, segs, sk)
+    tokens = run_backward(q, k, v, g, hd ** -0.5, causal, window, segs, sk, token_major=True)
+    for what, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), tokens, heads):
+        assert (a is None and b is None) or np.array_equal(a, b), what
 
 
 def test_forward_is_bit_identical_run_to_run_and_under_the_reverse_schedule(monkeypatch):
@@ -111,6 +126,8 @@ MUTATIONS = {
         "(k0 + ((lane + 1) & 7) + 8 * ((lane >> 3) & 1)) * LD"),
     "P's A fragment takes row g + 8 for row g": (
         "a[0] = tca_pack(c0[0], c0[1]);", "a[0] = tca_pack(c0[2], c0[3]);"),
+    "o's rows are stored hd apart whatever the layout": (
+        "dst[(long long)rows[r] * ld + d]", "dst[(long long)rows[r] * hd + d]"),
 }
 
 
@@ -127,7 +144,7 @@ def test_a_broken_fragment_index_fails_the_parity_check(mutation):
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
     q, k, v, _, _ = _case(1, 2, 1, 40, 64)
     with pytest.raises(AssertionError, match="'o'"):
-        check_forward(q, k, v, 0.125, source=real.replace(old, new))
+        check_forward(q, k, v, 0.125, source=real.replace(old, new), token_major=True)
 
 
 def check_backward(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, seed=5,
@@ -178,7 +195,7 @@ def test_a_broken_backward_index_fails_the_parity_check(mutation):
 
 
 # --- through the graph: the lowering picks these kernels at --precision bf16 ----------------
-def _graph_case(hd, sinks=False, segments=False, window=0):
+def _graph_case(hd, sinks=False, segments=False, window=0, layout="bhtd"):
     H, KV, T = 4, 2, 70
 
     def build(q, k, v, *rest):
@@ -186,9 +203,10 @@ def _graph_case(hd, sinks=False, segments=False, window=0):
         seg = extra.pop(0) if segments else None
         sk = extra.pop(0) if sinks else None
         return ops.attention(q, k, v, scale=hd ** -0.5, causal=True, window=window,
-                             segments=seg, sinks=sk)
+                             segments=seg, sinks=sk, layout=layout)
 
-    shapes = [(1, H, T, hd), (1, KV, T, hd), (1, KV, T, hd)] + ([(H,)] if sinks else [])
+    shapes = [(1, T, n, hd) if layout == "bthd" else (1, n, T, hd) for n in (H, KV, KV)]
+    shapes += [(H,)] if sinks else []
 
     def inputs(g, rng):
         if not segments:
@@ -204,14 +222,16 @@ def _graph_case(hd, sinks=False, segments=False, window=0):
     return build, shapes, None
 
 
-@pytest.mark.parametrize("hd, sinks, segments, window", [
-    (64, False, False, 0), (64, True, True, 30), (256, False, False, 0)])
+@pytest.mark.parametrize("hd, sinks, segments, window, layout", [
+    (64, False, False, 0, "bhtd"), (64, True, True, 30, "bhtd"), (256, False, False, 0, "bhtd"),
+    (64, True, True, 30, "bthd"), (256, False, False, 0, "bthd")])
 def test_bf16_session_runs_the_tensor_core_kernels_within_the_bf16_tolerance(
-        hd, sinks, segments, window):
+        hd, sinks, segments, window, layout):
     """The whole op, forward and backward, through a bf16 session on the host device
     against the numpy backend in f32 (normwise, hostparity.MIXED_TOL["bf16"], the bf16
-    matmuls' tolerance: the kernel-level bounds are above), bit-identical when run again."""
-    build, shapes, inputs = _graph_case(hd, sinks, segments, window)
+    matmuls' tolerance: the kernel-level bounds are above), bit-identical when run again;
+    token-major too (the bf16 copies then read q, k, v and dO through their row strides)."""
+    build, shapes, inputs = _graph_case(hd, sinks, segments, window, layout)
     compare_op(build, shapes, MIXED_TOL["bf16"], inputs_fn=inputs, grad_tol=MIXED_TOL["bf16"],
                precision="bf16")
 
@@ -220,15 +240,16 @@ def test_bf16_lowers_attention_to_the_tensor_core_kernels_and_f32_does_not():
     g = Graph()
     q = g.const("q", np.ones((1, 2, 5, 64), np.float32))
     k, v = (g.const(n, np.ones((1, 1, 5, 64), np.float32)) for n in "kv")
-    att = ops.attention(q, k, v, scale=0.125)
-    back = ops.OPS["attention"].grad(att, g.const("g", np.ones(att.shape)), [True] * 3)[0].srcs[0]
+    att = ops.attention(q, k, v, scale=0.125).srcs[0]
+    back = backward_node(att, g.const("g", np.ones(q.shape)))
 
     def kernels(node, precision):
         return [launch.kernel for launch in dispatch.lower(node, lambda t: (t.id + 1) << 20,
                                                            1 << 40, precision=precision)]
     assert kernels(att, "bf16") == ["tg_tca_to_bf16"] * 3 + ["tg_tca_fwd_64"]
+    # The backward reads the forward's L: no statistics pass.
     assert kernels(back, "bf16") == ["tg_tca_to_bf16"] * 3 + [
-        "tg_tca_fwd_64", "tg_tca_bwd_prep", "tg_tca_bwd_dkdv_64", "tg_tca_bwd_dq_64"]
+        "tg_tca_bwd_prep", "tg_tca_bwd_dkdv_64", "tg_tca_bwd_dq_64"]
     for prec in ("f32", "tf32"):
         assert kernels(att, prec) == ["tg_attn_fwd_64"]
         assert not any("tca" in name for name in kernels(back, prec))

@@ -11,7 +11,7 @@ import pytest
 
 from converted import check_adapter_loss, check_checkpointing, convert, hf_model
 from test_arch_models import reference_loss
-from test_llama import toygraph_loss
+from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
 from toygraph.adapters.files import check_gguf_adapter, load_peft, save_gguf_adapter, save_peft
 from toygraph.inference.language_model import LanguageModel
@@ -65,6 +65,11 @@ def qwen35(request, tmp_path_factory):
 
 def tokens_for(n_vocab, seq=16, batch=2, seed=0):
     return np.random.default_rng(seed).integers(0, n_vocab, size=(batch, seq)).astype(np.int32)
+
+
+def test_attention_layers_are_token_major(qwen35):
+    """The gated full-attention layers take q, k, v token-major (no permute)."""
+    assert_attention_is_token_major(qwen35[0])
 
 
 def test_the_file_is_read_as_written(qwen35):

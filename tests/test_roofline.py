@@ -110,7 +110,16 @@ def test_attention_forward_counts_visible_tiles(plan_f32):
     pairs = 3        # 2 tiles of 32 rows, causal: (0,0), (1,0), (1,1)
     scores = B * 9 * pairs * 32 * 32
     assert c.fma == 2 * 2 * scores * 64 and c.sfu == scores and c.tc == 0
-    assert c.bytes == 4 * (2 * B * 9 * T * 64 + 2 * B * 3 * T * 64)
+    # q, o, k, v and the saved row log-sum-exp L
+    assert c.bytes == 4 * (2 * B * 9 * T * 64 + 2 * B * 3 * T * 64 + B * 9 * T)
+
+
+def test_the_step_permutes_nothing_around_attention(plan, plan_f32):
+    """Token-major attention: no tg_gather (the permutes of q, k, v, o and their gradients)
+    in the step, and the backward has no statistics pass (one forward per layer)."""
+    for p in (plan, plan_f32):
+        assert not [l for n, l, c in p if l.kernel == "tg_gather"]
+    assert sum(l.kernel.startswith("tg_tca_fwd_") for n, l, c in plan) == L
 
 
 def test_adamw_is_one_launch_moving_seven_f32_per_weight(plan):
@@ -191,16 +200,17 @@ def test_f32_attention_runs_on_cuda_cores():
 
 def test_tensor_core_attention_counted_per_pass(plan, monkeypatch):
     """tc_attention.cu's forward (issue 25), costed from a launch with its arguments: blocks
-    of 64 queries, key tiles of 64 at head dim 64; o null is the statistics-only pass."""
+    of 64 queries, key tiles of 64 at head dim 64; saving L adds its bytes, no pass."""
     from toygraph.cuda.lowering import Launch, constants, i32, p
     monkeypatch.setattr(constants, "TCA_BQ", 64, raising=False)
     monkeypatch.setattr(constants, "TCA_TILES", {64: 64}, raising=False)
     node = next(n for n, _, _ in plan if n.op == "attention")
     scores = B * 9 * 1 * 64 * 64          # T = 64: one causal (block, tile) pair per head
     full = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(1), p(0)]))
-    stats = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(0), p(1)]))
+    saving = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(1), p(1)]))
     assert full.tc == 2 * 2 * scores * 64 and full.fma == 0 and full.sfu == scores
-    assert stats.tc == 2 * scores * 64 and full.kind == "attention tensor-core"
+    assert saving.tc == full.tc and saving.bytes == full.bytes + 4 * B * 9 * 64
+    assert full.kind == "attention tensor-core"
     cast = launch_cost(node, Launch("tg_tca_to_bf16", (1, 1, 1), [p(1), p(1), i32(10), i32(60), i32(64)]))
     assert cast.bytes == 4 * 10 * 60 + 2 * 10 * 64
 

@@ -42,13 +42,21 @@ def gradient_map(loss: Tensor, params: list[Tensor]) -> dict[int, Tensor]:
         raise GraphError(f"backward: loss {loss.name!r} does not depend on params {missing}")
 
     grads: dict[int, Tensor] = {loss.id: graph.scalar(1.0, name=f"d_{loss.name}")}
+    views: dict[int, dict[int, Tensor]] = {}   # packing node id -> {view offset: gradient}
     for t in reversed(order):
-        g = grads.get(t.id)
-        if g is None or t.op is None:
+        if t.op is None:
             continue
         spec = ops.OPS[t.op]
+        g = _view_gradients(t, grads, views) if spec.grad_views else grads.get(t.id)
+        if g is None:
+            continue
         need = [s.id in reaches for s in t.srcs]
         if not any(need):
+            continue
+        if _views_packed(t):   # the packing op's rule takes it from here (OpSpec.grad_views)
+            parts = views.setdefault(t.srcs[0].id, {})
+            at = t.attrs["offset"]
+            parts[at] = g if at not in parts else ops.add(parts[at], g)
             continue
         if spec.grad is None:
             raise GraphError(f"backward: op {t.op!r} has no gradient rule")
@@ -60,6 +68,20 @@ def gradient_map(loss: Tensor, params: list[Tensor]) -> dict[int, Tensor]:
                 raise GraphError(f"backward: {t.op} gave a {gs.shape} gradient for {s.name} {s.shape}")
             grads[s.id] = gs if s.id not in grads else _sum(grads[s.id], gs, grads, rule_out)
     return grads
+
+
+def _views_packed(t: Tensor) -> bool:
+    """Whether ``t`` is an unpack view of a node whose op packs several results."""
+    src = t.srcs[0] if t.op == "unpack" else None
+    return src is not None and src.op is not None and ops.OPS[src.op].grad_views
+
+
+def _view_gradients(t: Tensor, grads: dict, views: dict) -> dict[int, Tensor] | None:
+    """The gradients of packing node ``t``'s views by offset (None: none has one)."""
+    if t.id in grads:   # read as a whole: no rule of its op would see that gradient
+        raise GraphError(f"backward: {t.op} {t.name!r} packs several results and must be "
+                         f"read through unpack views, not as a whole")
+    return views.get(t.id)
 
 
 def _sum(old: Tensor, new: Tensor, grads: dict, rule_out) -> Tensor:

@@ -38,9 +38,10 @@ import numpy as np
 from toygraph.adapters.files import load_lora
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
+from toygraph.core.ops.flash_attention import TOKEN_MAJOR
 from toygraph.core.session import Session
 from toygraph.errors import DataError
-from toygraph.inference.kvcache import MASKED, CacheDecode, CachePrefill
+from toygraph.inference.kvcache import MASKED, CacheDecode, CachePrefill, heads_first
 from toygraph.inference.sampling import SamplingOptions, pick_token
 from toygraph.models.decoder import Decoder, build_decoder
 
@@ -97,15 +98,16 @@ def build_batched_generation(g: Graph, cfg, *, rows: int, prompt_len: int, cache
     rec = _BatchedRecurrent(g, cfg, R, P, L, prefix, zero, start) if cfg.recurrent else None
     writes = []
 
-    def prefill_attend(i, q, k, v, sinks):
-        writes.extend(g.effect(ops.cache_write(c, x, zero), "forward")
+    def prefill_attend(i, q, k, v, sinks):   # token-major q, k, v (build_decoder)
+        writes.extend(g.effect(ops.cache_write(c, heads_first(x), zero), "forward")
                       for c, x in zip(caches[i], (k, v)))
         return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
-                             sinks=sinks)
+                             sinks=sinks, layout=TOKEN_MAJOR, save_lse=False)
 
-    def decode_attend(i, q, k, v, sinks):
-        kc, vc = (ops.cache_write(c, x, start) for c, x in zip(caches[i], (k, v)))
+    def decode_attend(i, q, k, v, sinks):   # one token: token-major is heads-first
         kv, hd = cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+        kc, vc = (ops.cache_write(c, x.reshape(R, kv, 1, hd), start)
+                  for c, x in zip(caches[i], (k, v)))
         group = cfg.n_head // kv
         # Query head h reads K/V head h // group: the group folded into the rows of a
         # batched matmul per (row, K/V head), [R, KV, group, hd] x [R, KV, L, hd]^T.
@@ -115,7 +117,7 @@ def build_batched_generation(g: Graph, cfg, *, rows: int, prompt_len: int, cache
             sinks = ops.scale(sinks.reshape(kv, group, 1), 1.0 / cfg.attn_scale)
             scores = scores + ops.mul(sinks, sink_col)
         probs = ops.softmax(scores, scale=cfg.attn_scale)
-        return ops.matmul(probs, vc).reshape(R, cfg.n_head, 1, hd)
+        return ops.matmul(probs, vc).reshape(R, 1, cfg.n_head, hd)
 
     first = build_decoder(g, cfg, batch=R, seq_len=P, model=model, lora=lora, shared=shared,
                           prefix=prefix + "prefill.", attend=prefill_attend, logits=False,

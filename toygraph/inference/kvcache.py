@@ -39,9 +39,15 @@ import numpy as np
 from toygraph.adapters.files import load_lora
 from toygraph.core import ops
 from toygraph.core.graph import Graph
+from toygraph.core.ops.flash_attention import TOKEN_MAJOR
 from toygraph.core.session import Session
 from toygraph.models.decoder import build_decoder
 from toygraph.models.deltanet import Recurrence
+
+def heads_first(x):
+    """Token-major keys or values [B, T, KV, hd] as the caches hold them, [B, KV, T, hd]."""
+    return x.permute(0, 2, 1, 3)
+
 
 #: The additive mask of rows a query may not see. Finite, because uploads refuse NaN and
 #: inf; softmax subtracts the row maximum first, so these rows' weights are exactly 0.
@@ -68,11 +74,12 @@ class CachedDecoder:
         writes = []
         rec = _Recurrent(g, cfg, prompt_len, cache_len, self) if cfg.recurrent else None
 
-        def prefill_attend(i, q, k, v, sinks):
-            writes.extend(g.effect(ops.cache_write(c, x, self.start), "forward")
+        def prefill_attend(i, q, k, v, sinks):   # token-major q, k, v (build_decoder)
+            writes.extend(g.effect(ops.cache_write(c, heads_first(x), self.start), "forward")
                           for c, x in zip(self.caches[i], (k, v)))
             return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True,
-                                 window=cfg.windows[i], sinks=sinks)
+                                 window=cfg.windows[i], sinks=sinks, layout=TOKEN_MAJOR,
+                                 save_lse=False)
 
         self.first = build_decoder(g, cfg, batch=1, seq_len=prompt_len, model=model, lora=lora,
                                    attend=prefill_attend, recurrence=rec and rec.prefill)
@@ -95,10 +102,12 @@ class CachedDecoder:
                                                 + (rec.decode.writes if rec else []))
 
     def _decode_attend(self, i, q, k, v, sinks):
-        """Layer i's attention of the one new token over the cache (q [1, H, 1, hd])."""
+        """Layer i's attention of the one new token over the cache (q [1, 1, H, hd]: with
+        one token, token-major is heads-first, so reshapes are all it takes)."""
         cfg = self.cfg
-        kc, vc = (ops.cache_write(c, x, self.pos) for c, x in zip(self.caches[i], (k, v)))
         kv, hd = cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+        kc, vc = (ops.cache_write(c, x.reshape(1, kv, 1, hd), self.pos)
+                  for c, x in zip(self.caches[i], (k, v)))
         group = cfg.n_head // kv
         # Query head h reads K/V head h // group: fold the group into the rows of a
         # batched matmul per K/V head, [1, KV, group, hd] x [1, KV, L, hd]^T.
@@ -108,7 +117,7 @@ class CachedDecoder:
             sinks = ops.scale(sinks.reshape(kv, group, 1), 1.0 / cfg.attn_scale)
             scores = scores + ops.mul(sinks, self.sink_col)
         probs = ops.softmax(scores, scale=cfg.attn_scale)
-        return ops.matmul(probs, vc).reshape(1, cfg.n_head, 1, hd)
+        return ops.matmul(probs, vc).reshape(1, 1, cfg.n_head, hd)
 
     def prefill(self, ids) -> np.ndarray:
         """Run the prompt ``ids`` (at most prompt_len tokens) through the model, filling

@@ -28,6 +28,7 @@ import numpy as np
 
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
+from toygraph.core.ops.flash_attention import TOKEN_MAJOR
 from toygraph.core.optimizer import hp_input
 from toygraph.errors import GraphError
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
@@ -257,8 +258,9 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
     base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
 
     For generation with a KV cache (kvcache.py): ``attend(i, q, k, v, sinks)`` replaces
-    layer i's fused causal attention (q [B, H, T, hd], k and v [B, KV, T, hd] after norms
-    and rope, sinks the layer's attention sinks [H] or None; returns [B, H, T, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
+    layer i's fused causal attention (q [B, T, H, hd], k and v [B, T, KV, hd] after norms
+    and rope: token-major, the projections' rows; sinks the layer's attention sinks [H] or
+    None; returns [B, T, H, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
     and LoRA pairs (a second graph over the same parameters), and ``prefix`` names this
     one's ``tokens``/``positions`` inputs apart from its.
 
@@ -347,9 +349,11 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
         net.layer_rows = earlier.layer_rows if earlier else [
             g.const(f"per_layer_input.{i}", np.eye(cfg.n_layer, dtype=np.float32)[i:i + 1])
             for i in range(cfg.n_layer)]
+    # Token-major q/k/v/o: the kernels read the projections' rows through strides, so no
+    # permute (a gather each way, forward and backward) surrounds the attention.
     attend = attend or (lambda i, q, k, v, sinks: ops.attention(
         q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
-        segments=net.segments, sinks=sinks))
+        segments=net.segments, sinks=sinks, layout=TOKEN_MAJOR))
     # One region per block: the unit activation checkpointing recomputes (recompute.py). A
     # region recomputes from its own input alone, so the blocks from the first whose keys
     # and values a later block reuses (Gemma 4) to the last form one region.
@@ -395,7 +399,7 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
     def norm(x, name):  # the weight in the norm's kernel (ops/norm.py)
         return ops.rms_norm(x, cfg.rms_eps, weight=W[p + name + ".weight"])
 
-    def heads(y, n, qk_norm: str | None):
+    def heads(y, n, qk_norm: str | None):   # [B * T, n * hd] -> [B, T, n, hd]
         y = y.reshape(B, T, n, hd)
         if qk_norm:  # per-head RMSNorm over head_dim, before rope (Qwen3, Gemma 3)
             y = norm(y, qk_norm)
@@ -403,10 +407,9 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
 
     def rope(y):
         dims, factors = cfg.layer_rope(i)
-        y = ops.rope(y, net.positions, dims=dims, base=cfg.rope_bases[i],
-                     mode=cfg.rope_mode, freq_scale=cfg.rope_scales[i],
-                     freq_factors=W["rope_freqs.weight"] if factors else W.get(YARN_FACTORS))
-        return y.permute(0, 2, 1, 3)  # [B, heads, T, hd]
+        return ops.rope(y, net.positions, dims=dims, base=cfg.rope_bases[i],
+                        mode=cfg.rope_mode, freq_scale=cfg.rope_scales[i],
+                        freq_factors=W["rope_freqs.weight"] if factors else W.get(YARN_FACTORS))
 
     x = norm(h, "attn_norm")
     if cfg.layer_recurrent(i):  # Qwen3.5: a Gated DeltaNet layer instead of attention
@@ -427,12 +430,11 @@ def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
         v = heads(vx, KV, None)
         if fam.v_norm:  # Gemma 4: RMSNorm of each value head, without a weight
             v = ops.rms_norm(v, cfg.rms_eps)
-        v = v.permute(0, 2, 1, 3)
         net.kv[i] = k, v
     else:  # Gemma 4's last layers attend with an earlier layer's keys and values
         k, v = net.kv[source]
     # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
-    o = attend(i, q, k, v, W.get(p + "attn_sinks.weight")).permute(0, 2, 1, 3).reshape(B * T, H * hd)
+    o = attend(i, q, k, v, W.get(p + "attn_sinks.weight")).reshape(B * T, H * hd)
     if fam.attn_output_gate:
         o = o * ops.sigmoid(gate)
     a = linear(o, p + "attn_output.weight")

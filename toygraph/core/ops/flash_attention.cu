@@ -1,7 +1,10 @@
 // Fused causal attention, flash-style: softmax(scale * q k^T) v over tiles of BT queries x
 // BT keys in shared memory, with an online softmax over the key tiles, so no [T, T] score
-// matrix ever reaches global memory. q/o/dO are [B, H, T, hd], k/v [B, KV, T, hd], all
-// contiguous; query head h reads K/V head h / (H / KV) (grouped-query).
+// matrix ever reaches global memory. q/o/dO are [B, H, T, hd] and k/v [B, KV, T, hd]
+// (tok = 0), or token-major: q/o/dO [B, T, H, hd], k/v [B, T, KV, hd] (tok = 1, the
+// projections' own rows; read and written through the row stride heads * hd, attn_head /
+// attn_ld); gradients share their operands' layout. Query head h reads K/V head h / (H / KV)
+// (grouped-query).
 //
 // Thread layout: BT * TPR threads, TPR consecutive lanes per tile row (a query row, or a
 // key row in the dk/dv kernel). A thread scores the BT / TPR columns sub, sub + TPR, ...
@@ -10,9 +13,11 @@
 // loop runs the full compile-time HD and register arrays are indexed by constants only.
 // Shared rows are padded to HD + 1 / BT + 1 floats: the column walks hit distinct banks.
 //
+// The forward also writes the row log-sum-exp L = m + log(l) [B, H, T] (when lse is not
+// null): the backward reads it instead of recomputing the row statistics.
+//
 // Backward (no float atomics, fixed summation orders: bit-identical run to run):
-//   tg_attn_bwd_prep_*  per (query tile, head, batch): row log-sum-exp L and
-//                       D = rowsum(dO * O) into scratch;
+//   tg_attn_bwd_prep_*  per (query tile, head, batch): D = rowsum(dO * O) into scratch;
 //   tg_attn_bwd_dkdv_*  per (key tile, kv head, batch): loops over the group's query
 //                       heads and the query tiles that can see the key tile, accumulating
 //                       dk = scale * dS^T q and dv = P^T dO in registers;
@@ -36,8 +41,8 @@
 //
 // Attention sinks (sinks [H] f32, or a null pointer; gpt-oss): one more logit per query
 // head in every row's softmax, with value 0. The online softmax starts from it (m = sink,
-// l = 1) instead of from nothing (m = -inf, l = 0), in the forward and in the row
-// statistics, so L includes it and the dq/dkdv kernels need no change; tg_attn_bwd_sinks
+// l = 1) instead of from nothing (m = -inf, l = 0), so the L the forward saves includes it
+// and the dq/dkdv kernels need no change; tg_attn_bwd_sinks
 // then sums d sinks[h] = -sum_rows exp(sink - L) * D over (batch, query), one block per
 // head in a fixed order.
 //
@@ -61,13 +66,23 @@ __device__ __forceinline__ float attn_group_sum(float x) {
     return x;
 }
 
-// Rows [r0, r0 + BT) of a [T, hd] matrix into S[BT][HD + 1], zeros past T and past hd.
+// Where head `head` of batch row b starts in a [B, heads, T, hd] tensor (tok = 0) or a
+// token-major [B, T, heads, hd] one (tok = 1), and the stride between its rows.
+__device__ __forceinline__ long long attn_head(int b, int head, int heads, int T, int hd,
+                                               int tok) {
+    return ((long long)b * heads * T + (tok ? head : (long long)head * T)) * hd;
+}
+
+__device__ __forceinline__ int attn_ld(int heads, int hd, int tok) { return tok ? heads * hd : hd; }
+
+// Rows [r0, r0 + BT) of a [T, hd] matrix with row stride ld into S[BT][HD + 1], zeros past
+// T and past hd.
 template <int HD, int BT>
 __device__ __forceinline__ void attn_load(float (*S)[HD + 1], const float* src, int r0, int T,
-                                          int hd) {
+                                          int hd, int ld) {
     for (int idx = threadIdx.x; idx < BT * HD; idx += blockDim.x) {
         int r = idx / HD, d = idx % HD;
-        S[r][d] = (r0 + r < T && d < hd) ? src[(long long)(r0 + r) * hd + d] : 0.0f;
+        S[r][d] = (r0 + r < T && d < hd) ? src[(long long)(r0 + r) * ld + d] : 0.0f;
     }
 }
 
@@ -126,8 +141,7 @@ __device__ __forceinline__ int attn_last_query_tile(int kt, int BT, int window, 
 
 // Scaled, masked (causal, window) scores of query row r (global row i) against this
 // thread's NK keys of the key tile starting at j0 (-inf where masked); returns their
-// maximum. Shared by the forward and the backward's row statistics, so both see the same
-// scores.
+// maximum.
 template <int HD, int TPR, int NK>
 __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Qs)[HD + 1],
                                                  const float (*Ks)[HD + 1], const int* Sk,
@@ -153,10 +167,10 @@ __device__ __forceinline__ float attn_row_scores(float (&s)[NK], const float (*Q
 }
 
 template <int HD, int BT, int TPR>
-__device__ __forceinline__ void attn_fwd(float* out, const float* q, const float* k,
-                                         const float* v, const int* segs, const float* sinks,
-                                         int H, int KV, int T, int hd, float scale, int causal,
-                                         int window) {
+__device__ __forceinline__ void attn_fwd(float* out, float* lse, const float* q,
+                                         const float* k, const float* v, const int* segs,
+                                         const float* sinks, int H, int KV, int T, int hd,
+                                         float scale, int causal, int window, int tok) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float KVs[BT][HD + 1];
@@ -165,14 +179,14 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
     const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int r = threadIdx.x / TPR, sub = threadIdx.x % TPR;
     const int i0 = qt * BT, i = i0 + r;
-    const long long head = (long long)T * hd;
-    const float* Q = q + ((long long)b * H + h) * head;
-    const float* K = k + ((long long)b * KV + kvh) * head;
-    const float* V = v + ((long long)b * KV + kvh) * head;
+    const int ldq = attn_ld(H, hd, tok), ldk = attn_ld(KV, hd, tok);
+    const long long q_off = attn_head(b, h, H, T, hd, tok);
+    const float* K = k + attn_head(b, kvh, KV, T, hd, tok);
+    const float* V = v + attn_head(b, kvh, KV, T, hd, tok);
     if (segs != nullptr) segs += (long long)b * T;
     const int sq = attn_seg(segs, i, T);
     const int* Skp = segs != nullptr ? Sk : nullptr;
-    attn_load<HD, BT>(Qs, Q, i0, T, hd);
+    attn_load<HD, BT>(Qs, q + q_off, i0, T, hd, ldq);
     float m = sinks != nullptr ? sinks[h] : TG_ATTN_NEG_INF;
     float l = sinks != nullptr ? 1.0f : 0.0f, acc[ND];
 #pragma unroll
@@ -184,7 +198,7 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
         if (segs != nullptr && !attn_tile_live<BT, TPR, NK, true>(Sk, &live, segs, i, sq, j0,
                                                                    sub, T, causal, window))
             continue;
-        attn_load<HD, BT>(KVs, K, j0, T, hd);
+        attn_load<HD, BT>(KVs, K, j0, T, hd, ldk);
         __syncthreads();
         float s[NK];
         const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, KVs, Skp, sq, r, sub, i, j0, T,
@@ -204,7 +218,7 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
 #pragma unroll
         for (int dd = 0; dd < ND; ++dd) acc[dd] = __fmul_rn(acc[dd], alpha);
         __syncthreads();  // K is no longer read; P is complete
-        attn_load<HD, BT>(KVs, V, j0, T, hd);
+        attn_load<HD, BT>(KVs, V, j0, T, hd, ldk);
         __syncthreads();
         for (int jj = 0; jj < BT; ++jj) {
             float pj = Ps[r][jj];
@@ -213,61 +227,28 @@ __device__ __forceinline__ void attn_fwd(float* out, const float* q, const float
         }
     }
     if (i < T) {
-        float* O = out + ((long long)b * H + h) * head + (long long)i * hd;
+        float* O = out + q_off + (long long)i * ldq;
 #pragma unroll
         for (int dd = 0; dd < ND; ++dd) {
             int d = sub + TPR * dd;
             if (d < hd) O[d] = __fdiv_rn(acc[dd], l);
         }
+        // Every lane of the row's group holds the same m and l (xor shuffles).
+        if (lse != nullptr && sub == 0) lse[((long long)b * H + h) * T + i] = __fadd_rn(m, logf(l));
     }
 }
 
-// Row log-sum-exp of scale * q k^T (masked) and D = rowsum(dO * O), [B, H, T] each.
+// D = rowsum(dO * O) [B, H, T], each row summed by its TPR lanes in the order the
+// backward always has (fmaf over the lane's features, then the group's xor shuffles).
 template <int HD, int BT, int TPR>
-__device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const float* q,
-                                              const float* k, const float* o, const float* g,
-                                              const int* segs, const float* sinks, int H,
-                                              int KV, int T, int hd, float scale, int causal,
-                                              int window) {
-    constexpr int NK = BT / TPR, ND = HD / TPR;
-    __shared__ float Qs[BT][HD + 1];
-    __shared__ float Ks[BT][HD + 1];
-    __shared__ int Sk[BT], live;
-    const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
-    const int r = threadIdx.x / TPR, sub = threadIdx.x % TPR;
-    const int i0 = qt * BT, i = i0 + r;
-    const long long head = (long long)T * hd;
-    const float* Q = q + ((long long)b * H + h) * head;
-    const float* K = k + ((long long)b * KV + kvh) * head;
-    if (segs != nullptr) segs += (long long)b * T;
-    const int sq = attn_seg(segs, i, T);
-    const int* Skp = segs != nullptr ? Sk : nullptr;
-    attn_load<HD, BT>(Qs, Q, i0, T, hd);
-    float m = sinks != nullptr ? sinks[h] : TG_ATTN_NEG_INF;
-    float l = sinks != nullptr ? 1.0f : 0.0f;
-    const int last = causal ? qt : attn_tiles(T, BT) - 1;
-    for (int kt = attn_first_key_tile(qt, BT, window); kt <= last; ++kt) {
-        const int j0 = kt * BT;
-        __syncthreads();
-        if (segs != nullptr && !attn_tile_live<BT, TPR, NK, true>(Sk, &live, segs, i, sq, j0,
-                                                                   sub, T, causal, window))
-            continue;
-        attn_load<HD, BT>(Ks, K, j0, T, hd);
-        __syncthreads();
-        float s[NK];
-        const float mt = attn_row_scores<HD, TPR, NK>(s, Qs, Ks, Skp, sq, r, sub, i, j0, T,
-                                                       causal, window, scale);
-        const float mn = fmaxf(m, attn_group_max<TPR>(mt));
-        const float base = mn == TG_ATTN_NEG_INF ? 0.0f : mn;
-        float ls = 0.0f;
-#pragma unroll
-        for (int c = 0; c < NK; ++c) ls = __fadd_rn(ls, expf(__fsub_rn(s[c], base)));
-        l = fmaf(l, expf(__fsub_rn(m, base)), attn_group_sum<TPR>(ls));
-        m = mn;
-    }
+__device__ __forceinline__ void attn_bwd_prep(float* delta, const float* o, const float* g,
+                                              int H, int T, int hd, int tok) {
+    constexpr int ND = HD / TPR;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int i = blockIdx.x * BT + threadIdx.x / TPR, sub = threadIdx.x % TPR;
     float dsum = 0.0f;
     if (i < T) {
-        const long long row = ((long long)b * H + h) * head + (long long)i * hd;
+        const long long row = attn_head(b, h, H, T, hd, tok) + (long long)i * attn_ld(H, hd, tok);
 #pragma unroll
         for (int dd = 0; dd < ND; ++dd) {
             int d = sub + TPR * dd;
@@ -275,11 +256,7 @@ __device__ __forceinline__ void attn_bwd_prep(float* lse, float* delta, const fl
         }
     }
     dsum = attn_group_sum<TPR>(dsum);
-    if (i < T && sub == 0) {
-        const long long at = ((long long)b * H + h) * T + i;
-        lse[at] = __fadd_rn(m, logf(l));
-        delta[at] = dsum;
-    }
+    if (i < T && sub == 0) delta[((long long)b * H + h) * T + i] = dsum;
 }
 
 // dk and dv of one key tile of one kv head, summed over the group's query heads.
@@ -288,7 +265,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
                                               const float* k, const float* v, const float* g,
                                               const float* lse, const float* delta,
                                               const int* segs, int H, int KV, int T, int hd,
-                                              float scale, int causal, int window) {
+                                              float scale, int causal, int window, int tok) {
     constexpr int NQ = BT / TPR, ND = HD / TPR;
     __shared__ float Ks[BT][HD + 1];
     __shared__ float Vs[BT][HD + 1];
@@ -304,17 +281,17 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
     if (segs != nullptr) segs += (long long)b * T;
     const int sk = attn_seg(segs, j, T);
     const int* Sqp = segs != nullptr ? Sq : nullptr;
-    const long long head = (long long)T * hd;
-    const long long kv_off = ((long long)b * KV + kvh) * head;
-    attn_load<HD, BT>(Ks, k + kv_off, j0, T, hd);
-    attn_load<HD, BT>(Vs, v + kv_off, j0, T, hd);
+    const int ldq = attn_ld(H, hd, tok), ldk = attn_ld(KV, hd, tok);
+    const long long kv_off = attn_head(b, kvh, KV, T, hd, tok);
+    attn_load<HD, BT>(Ks, k + kv_off, j0, T, hd, ldk);
+    attn_load<HD, BT>(Vs, v + kv_off, j0, T, hd, ldk);
     float dka[ND], dva[ND];
 #pragma unroll
     for (int dd = 0; dd < ND; ++dd) dka[dd] = dva[dd] = 0.0f;
     const int last = attn_last_query_tile(kt, BT, window, attn_tiles(T, BT));
     for (int gi = 0; gi < G; ++gi) {
         const int h = kvh * G + gi;
-        const long long q_off = ((long long)b * H + h) * head;
+        const long long q_off = attn_head(b, h, H, T, hd, tok);
         const float* L = lse + ((long long)b * H + h) * T;
         const float* D = delta + ((long long)b * H + h) * T;
         for (int qt = causal ? kt : 0; qt <= last; ++qt) {
@@ -323,8 +300,8 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
             if (segs != nullptr && !attn_tile_live<BT, TPR, NQ, false>(Sq, &live, segs, j, sk, i0,
                                                                         sub, T, causal, window))
                 continue;
-            attn_load<HD, BT>(Qs, q + q_off, i0, T, hd);
-            attn_load<HD, BT>(Gs, g + q_off, i0, T, hd);
+            attn_load<HD, BT>(Qs, q + q_off, i0, T, hd, ldq);
+            attn_load<HD, BT>(Gs, g + q_off, i0, T, hd, ldq);
             for (int x = threadIdx.x; x < BT; x += blockDim.x) {
                 Ls[x] = i0 + x < T ? L[i0 + x] : 0.0f;
                 Ds[x] = i0 + x < T ? D[i0 + x] : 0.0f;
@@ -362,7 +339,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(float* dk, float* dv, const float*
         }
     }
     if (j < T) {
-        const long long row = kv_off + (long long)j * hd;
+        const long long row = kv_off + (long long)j * ldk;
 #pragma unroll
         for (int dd = 0; dd < ND; ++dd) {
             int d = sub + TPR * dd;
@@ -379,7 +356,8 @@ template <int HD, int BT, int TPR>
 __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const float* k,
                                             const float* v, const float* g, const float* lse,
                                             const float* delta, const int* segs, int H, int KV,
-                                            int T, int hd, float scale, int causal, int window) {
+                                            int T, int hd, float scale, int causal, int window,
+                                            int tok) {
     constexpr int NK = BT / TPR, ND = HD / TPR;
     __shared__ float Qs[BT][HD + 1];
     __shared__ float Gs[BT][HD + 1];
@@ -390,14 +368,14 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
     const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int r = threadIdx.x / TPR, sub = threadIdx.x % TPR;
     const int i0 = qt * BT, i = i0 + r;
-    const long long head = (long long)T * hd;
-    const long long q_off = ((long long)b * H + h) * head;
-    const long long kv_off = ((long long)b * KV + kvh) * head;
+    const int ldq = attn_ld(H, hd, tok), ldk = attn_ld(KV, hd, tok);
+    const long long q_off = attn_head(b, h, H, T, hd, tok);
+    const long long kv_off = attn_head(b, kvh, KV, T, hd, tok);
     if (segs != nullptr) segs += (long long)b * T;
     const int sq = attn_seg(segs, i, T);
     const int* Skp = segs != nullptr ? Sk : nullptr;
-    attn_load<HD, BT>(Qs, q + q_off, i0, T, hd);
-    attn_load<HD, BT>(Gs, g + q_off, i0, T, hd);
+    attn_load<HD, BT>(Qs, q + q_off, i0, T, hd, ldq);
+    attn_load<HD, BT>(Gs, g + q_off, i0, T, hd, ldq);
     const long long at = ((long long)b * H + h) * T + i;
     const float Li = i < T ? lse[at] : 0.0f, Di = i < T ? delta[at] : 0.0f;
     float acc[ND];
@@ -410,8 +388,8 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
         if (segs != nullptr && !attn_tile_live<BT, TPR, NK, true>(Sk, &live, segs, i, sq, j0,
                                                                    sub, T, causal, window))
             continue;
-        attn_load<HD, BT>(Ks, k + kv_off, j0, T, hd);
-        attn_load<HD, BT>(Vs, v + kv_off, j0, T, hd);
+        attn_load<HD, BT>(Ks, k + kv_off, j0, T, hd, ldk);
+        attn_load<HD, BT>(Vs, v + kv_off, j0, T, hd, ldk);
         __syncthreads();
         float s[NK], dp[NK];
 #pragma unroll
@@ -440,7 +418,7 @@ __device__ __forceinline__ void attn_bwd_dq(float* dq, const float* q, const flo
         }
     }
     if (i < T) {
-        const long long row = q_off + (long long)i * hd;
+        const long long row = q_off + (long long)i * ldq;
 #pragma unroll
         for (int dd = 0; dd < ND; ++dd) {
             int d = sub + TPR * dd;
@@ -468,57 +446,57 @@ extern "C" __global__ void tg_attn_bwd_sinks(float* dsinks, const float* sinks,
 
 // ---- instantiations: grid (query or key tiles, heads or kv heads, batch), BT * TPR threads
 #define TG_ATTN_FWD_ARGS                                                                  \
-    float *out, const float *q, const float *k, const float *v, const int *segs,           \
-        const float *sinks, int H, int KV, int T, int hd, float scale, int causal, int window
-#define TG_ATTN_PREP_ARGS                                                                 \
-    float *lse, float *delta, const float *q, const float *k, const float *o, const float *g, \
-        const int *segs, const float *sinks, int H, int KV, int T, int hd, float scale,      \
-        int causal, int window
+    float *out, float *lse, const float *q, const float *k, const float *v, const int *segs, \
+        const float *sinks, int H, int KV, int T, int hd, float scale, int causal, int window, \
+        int tok
+#define TG_ATTN_FWD_CALL out, lse, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window, tok
+#define TG_ATTN_PREP_ARGS float *delta, const float *o, const float *g, int H, int T, int hd, int tok
 #define TG_ATTN_DKDV_ARGS                                                                 \
     float *dk, float *dv, const float *q, const float *k, const float *v, const float *g,    \
         const float *lse, const float *delta, const int *segs, int H, int KV, int T, int hd, \
-        float scale, int causal, int window
+        float scale, int causal, int window, int tok
 #define TG_ATTN_DQ_ARGS                                                                   \
     float *dq, const float *q, const float *k, const float *v, const float *g,              \
         const float *lse, const float *delta, const int *segs, int H, int KV, int T, int hd, \
-        float scale, int causal, int window
+        float scale, int causal, int window, int tok
+#define TG_ATTN_BWD_CALL q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window, tok
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_fwd_32(TG_ATTN_FWD_ARGS) {
-    attn_fwd<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(out, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window);
+    attn_fwd<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(TG_ATTN_FWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_fwd_64(TG_ATTN_FWD_ARGS) {
-    attn_fwd<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(out, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window);
+    attn_fwd<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(TG_ATTN_FWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_fwd_128(TG_ATTN_FWD_ARGS) {
-    attn_fwd<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(out, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window);
+    attn_fwd<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(TG_ATTN_FWD_CALL);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_prep_32(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(lse, delta, q, k, o, g, segs, sinks, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(delta, o, g, H, T, hd, tok);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_prep_64(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(lse, delta, q, k, o, g, segs, sinks, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(delta, o, g, H, T, hd, tok);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_prep_128(TG_ATTN_PREP_ARGS) {
-    attn_bwd_prep<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(lse, delta, q, k, o, g, segs, sinks, H, KV, T, hd, scale, causal, window);
+    attn_bwd_prep<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(delta, o, g, H, T, hd, tok);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_dkdv_32(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dk, dv, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dkdv<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dk, dv, TG_ATTN_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_dkdv_64(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dk, dv, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dkdv<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dk, dv, TG_ATTN_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_dkdv_128(TG_ATTN_DKDV_ARGS) {
-    attn_bwd_dkdv<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dk, dv, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dkdv<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dk, dv, TG_ATTN_BWD_CALL);
 }
 
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_32) tg_attn_bwd_dq_32(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dq, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dq<32, TG_ATTN_BT_32, TG_ATTN_TPR_32>(dq, TG_ATTN_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_64) tg_attn_bwd_dq_64(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dq, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dq<64, TG_ATTN_BT_64, TG_ATTN_TPR_64>(dq, TG_ATTN_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(TG_ATTN_THREADS_128) tg_attn_bwd_dq_128(TG_ATTN_DQ_ARGS) {
-    attn_bwd_dq<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dq, q, k, v, g, lse, delta, segs, H, KV, T, hd, scale, causal, window);
+    attn_bwd_dq<128, TG_ATTN_BT_128, TG_ATTN_TPR_128>(dq, TG_ATTN_BWD_CALL);
 }

@@ -6,6 +6,9 @@ with ``@lowers`` in the same family module.
 
 A backward rule gets the node, the gradient of its output and a list saying which sources
 need a gradient; it returns one gradient Tensor (or None) per source, built from more ops.
+An op whose one flat result packs several (``grad_views``: attention's o and its row
+log-sum-exp) is read through ``unpack`` views, so its rule gets {view offset: gradient}
+instead, for the views that have one.
 A numpy kernel is ``kernel(out, srcs, attrs)`` and writes into ``out`` (``None`` for an op
 that updates its sources in place); ``block_kernel`` registers a variant that reads a
 frozen const in its block format (``BLOCK_KERNELS``).
@@ -39,6 +42,10 @@ class OpSpec:
     # node computing node + other in one pass (rms_norm_back), which autodiff uses to sum
     # a gradient's contributions without an add kernel.
     fold_add: Callable | None = None
+    # True for an op whose result packs several results read through unpack views
+    # (attention: o, then the row log-sum-exp its backward reads): autodiff hands its
+    # backward rule {view offset: gradient} instead of a gradient of the packed tensor.
+    grad_views: bool = False
 
 
 OPS: dict[str, OpSpec] = {}
@@ -53,11 +60,12 @@ KERNELS: dict[str, Callable] = {}
 BLOCK_KERNELS: dict[str, tuple[Callable, tuple[int, ...], Callable]] = {}
 
 
-def define_op(name, infer, grad=None, id_ranges=None, in_place=False, fold_add=None):
+def define_op(name, infer, grad=None, id_ranges=None, in_place=False, fold_add=None,
+              grad_views=False):
     """Enter op ``name`` in the op table (each name once)."""
     if name in OPS:
         raise GraphError(f"op {name!r} is defined twice")
-    OPS[name] = OpSpec(name, infer, grad, id_ranges, in_place, fold_add)
+    OPS[name] = OpSpec(name, infer, grad, id_ranges, in_place, fold_add, grad_views)
 
 
 def in_place(op: str | None) -> bool:

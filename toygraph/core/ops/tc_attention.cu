@@ -5,9 +5,11 @@
 //
 // Operands: q [B, H, T, HD], k/v [B, KV, T, HD] and dO as bf16, rows zero-padded from the
 // real head_dim hd to the kernel's bound HD (tg_tca_to_bf16 / tg_tca_bwd_prep write these
-// copies from the f32 activations; a bf16 activation path would hand them over directly).
-// mma.sync m16n8k16 bf16 with f32 accumulation; softmax statistics, P's row sums, the
-// log-sum-exp and every output in f32. Outputs o, dq, dk, dv are f32 [.., T, hd].
+// copies from the f32 activations, heads first whatever the activations' layout: a
+// token-major source, tok = 1, is read through its row stride; a bf16 activation path
+// would hand them over directly). mma.sync m16n8k16 bf16 with f32 accumulation; softmax
+// statistics, P's row sums, the log-sum-exp and every output in f32. Outputs o, dq, dk, dv
+// are f32 in the operands' layout (flash_attention.cu's attn_head / attn_ld), L [B, H, T].
 //
 // Blocks: 4 warps; each warp owns 16 rows of the block's 64 (queries in the forward and
 // dq, keys in dk/dv), whose operand fragments are staged through shared memory once and
@@ -31,13 +33,13 @@
 // Kernels (HD in 64, 128, 256; grid (tiles of 64 rows, heads or kv heads, batch), 128
 // threads, static shared memory TG_TCA_SMEM_<HD> halves, under 48 KB):
 //   tg_tca_fwd_<HD>       o and the row log-sum-exp L = m + log(l) (f32 [B, H, T], natural
-//                         log of the scaled scores, sinks included) when lse is not null;
-//                         with o null, L only (the backward's statistics pass).
+//                         log of the scaled scores, sinks included) when lse is not null:
+//                         the attention node saves L for the backward.
 //   tg_tca_bwd_dkdv_<HD>  per (key tile, kv head): dv = P^T dO, dk = dS^T q over the
 //                         group's query heads and visible query tiles, in a fixed order;
 //   tg_tca_bwd_dq_<HD>    per (query tile, head): dq = dS k over the visible key tiles;
-// with P = exp(scale q k^T - L) and dS = P (dO v^T - D) scale, D = rowsum(dO o) (f32, from
-// tg_tca_bwd_prep). No atomics: each output element is one thread's fixed chain of mma,
+// with P = exp(scale q k^T - L) (the forward's L) and dS = P (dO v^T - D) scale, D =
+// rowsum(dO o) (f32, from tg_tca_bwd_prep). No atomics: each output element is one thread's fixed chain of mma,
 // bit-identical run to run. Causal blocks stop at the last key tile their last query sees
 // (and dk/dv blocks start at the first query tile that sees their first key); windows skip
 // the tiles before the window; the edge tiles are masked element by element.
@@ -182,11 +184,11 @@ __device__ __forceinline__ void tca_mma_tile(float (&c)[HD / 8][4], const float 
     }
 }
 
-// The warp's C tile [16][HD] into rows rows[0], rows[1] (those < T) of dst [T, hd], columns
-// < hd, each row divided by div[r] when div is given (the forward's 1 / l).
+// The warp's C tile [16][HD] into rows rows[0], rows[1] (those < T) of dst [T, hd] (row
+// stride ld), columns < hd, each row divided by div[r] when div is given (the forward's 1 / l).
 template <int HD>
 __device__ __forceinline__ void tca_store(float* dst, const float (&c)[HD / 8][4],
-                                          const int (&rows)[2], int T, int hd,
+                                          const int (&rows)[2], int T, int hd, int ld,
                                           const float* div = nullptr) {
     const int t = threadIdx.x & 3;
 #pragma unroll
@@ -198,14 +200,14 @@ __device__ __forceinline__ void tca_store(float* dst, const float (&c)[HD / 8][4
             for (int e = 2 * r; e < 2 * r + 2; ++e) {
                 const int d = ot * 8 + 2 * t + (e & 1);
                 if (d < hd)
-                    dst[(long long)rows[r] * hd + d] = div ? __fdiv_rn(c[ot][e], div[r]) : c[ot][e];
+                    dst[(long long)rows[r] * ld + d] = div ? __fdiv_rn(c[ot][e], div[r]) : c[ot][e];
             }
     }
 }
 
 // One step of the key-tile pipeline over tiles [first, last], kt running from first - 1:
-// stages tile kt + 1 (k, and v unless V is null) into the other stage, then waits for tile
-// kt (stage (kt - first) & 1) and syncs. False on the prologue step. Every thread calls it.
+// stages tile kt + 1 (k and v) into the other stage, then waits for tile kt (stage
+// (kt - first) & 1) and syncs. False on the prologue step. Every thread calls it.
 template <int HD, int TILE>
 __device__ __forceinline__ bool tca_key_tile_ready(unsigned short* smem, const unsigned short* K,
                                                    const unsigned short* V, int kt, int first,
@@ -214,7 +216,7 @@ __device__ __forceinline__ bool tca_key_tile_ready(unsigned short* smem, const u
     if (kt < last) {
         unsigned short* nx = smem + ((kt + 1 - first) & 1) * 2 * TILE * LD;
         tca_issue<HD, TILE>(nx, K, (kt + 1) * TILE, T);
-        if (V != nullptr) tca_issue<HD, TILE>(nx + TILE * LD, V, (kt + 1) * TILE, T);
+        tca_issue<HD, TILE>(nx + TILE * LD, V, (kt + 1) * TILE, T);
         tg_cp_async_commit();
     }
     if (kt < first) return false;
@@ -224,13 +226,13 @@ __device__ __forceinline__ bool tca_key_tile_ready(unsigned short* smem, const u
     return true;
 }
 
-// Forward: o (null: statistics only) and L (null: not stored) of 64 queries of one head.
+// Forward: o and L (null: not stored) of 64 queries of one head.
 template <int HD, int TILE>
 __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float* lse,
                                         const unsigned short* q, const unsigned short* k,
                                         const unsigned short* v, const int* segs,
                                         const float* sinks, int H, int KV, int T, int hd,
-                                        float scale, int causal, int window) {
+                                        float scale, int causal, int window, int tok) {
     constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -252,9 +254,7 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
     int first, last;
     tca_key_tiles(i0, TILE, T, causal, window, first, last);
     for (int kt = first - 1; kt <= last; ++kt) {
-        if (!tca_key_tile_ready<HD, TILE>(smem, K, out != nullptr ? V : nullptr, kt, first,
-                                          last, T))
-            continue;
+        if (!tca_key_tile_ready<HD, TILE>(smem, K, V, kt, first, last, T)) continue;
         const unsigned short* Ks = smem + ((kt - first) & 1) * 2 * TILE * LD;
         const unsigned short* Vs = Ks + TILE * LD;
         float s[NT][4];
@@ -286,13 +286,11 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
             }
 #pragma unroll
         for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha[r], tca_quad_sum(ls[r]));
-        if (out != nullptr) {
 #pragma unroll
-            for (int ot = 0; ot < OT; ++ot)
+        for (int ot = 0; ot < OT; ++ot)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) o[ot][e] = __fmul_rn(o[ot][e], alpha[e >> 1]);
-            tca_mma_tile<HD, TILE>(o, s, Vs, lane);   // o += P v
-        }
+            for (int e = 0; e < 4; ++e) o[ot][e] = __fmul_rn(o[ot][e], alpha[e >> 1]);
+        tca_mma_tile<HD, TILE>(o, s, Vs, lane);   // o += P v
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
     const long long row0 = ((long long)b * H + h) * T;
@@ -300,7 +298,7 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
     for (int r = 0; r < 2; ++r)
         if (lse != nullptr && t == 0 && rows[r] < T)
             lse[row0 + rows[r]] = __fadd_rn(m[r], logf(l[r]));
-    if (out != nullptr) tca_store<HD>(out + row0 * hd, o, rows, T, hd, l);
+    tca_store<HD>(out + attn_head(b, h, H, T, hd, tok), o, rows, T, hd, attn_ld(H, hd, tok), l);
 }
 
 // dk, dv of 64 keys of one kv head, summed over the group's query heads (in order) and the
@@ -312,7 +310,7 @@ __device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, fl
                                              const unsigned short* v, const unsigned short* gb,
                                              const float* lse, const float* delta,
                                              const int* segs, int H, int KV, int T, int hd,
-                                             float scale, int causal, int window) {
+                                             float scale, int causal, int window, int tok) {
     constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int kvh = blockIdx.y, b = blockIdx.z, G = H / KV;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -372,9 +370,9 @@ __device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, fl
         tca_mma_tile<HD, TILE>(dka, dpt, Qs, lane);   // dk += dS^T q
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
-    const long long row0 = ((long long)b * KV + kvh) * T;
-    tca_store<HD>(dk + row0 * hd, dka, keys, T, hd);
-    tca_store<HD>(dv + row0 * hd, dva, keys, T, hd);
+    const long long at = attn_head(b, kvh, KV, T, hd, tok);
+    tca_store<HD>(dk + at, dka, keys, T, hd, attn_ld(KV, hd, tok));
+    tca_store<HD>(dv + at, dva, keys, T, hd, attn_ld(KV, hd, tok));
 }
 
 // dq of 64 queries of one head over the key tiles they see.
@@ -384,7 +382,7 @@ __device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
                                            const unsigned short* v, const unsigned short* gb,
                                            const float* lse, const float* delta,
                                            const int* segs, int H, int KV, int T, int hd,
-                                           float scale, int causal, int window) {
+                                           float scale, int causal, int window, int tok) {
     constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -430,24 +428,37 @@ __device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
         tca_mma_tile<HD, TILE>(dqa, s, Ks, lane);   // dq += dS k
         __syncthreads();  // this stage is read: the next iteration may refill it
     }
-    tca_store<HD>(dq + row0 * hd, dqa, rows, T, hd);
+    tca_store<HD>(dq + attn_head(b, h, H, T, hd, tok), dqa, rows, T, hd, attn_ld(H, hd, tok));
 }
 
 // ---- conversions (grid-stride, any grid) ------------------------------------------------
-// dst [rows, HD] bf16 = src [rows, hd] f32 rounded to nearest even, zeros past hd.
+// Where row r = (b * heads + h) * T + i of a heads-first copy starts in its f32 source of
+// `heads` heads: the same row of a [B, heads, T, hd] source, or row i of head h of a
+// token-major [B, T, heads, hd] one (tok = 1).
+__device__ __forceinline__ long long tca_src_row(int r, int heads, int T, int hd, int tok) {
+    const int bh = r / T;
+    return tok ? attn_head(bh / heads, bh % heads, heads, T, hd, 1)
+                     + (long long)(r % T) * attn_ld(heads, hd, 1)
+               : (long long)r * hd;
+}
+
+// dst [rows, HD] bf16 (heads first) = src's rows f32 rounded to nearest even, zeros past hd.
 extern "C" __global__ void tg_tca_to_bf16(unsigned short* dst, const float* src, int rows,
-                                          int hd, int HD) {
+                                          int hd, int HD, int heads, int T, int tok) {
     TG_GRID_LOOP(x, rows * HD) {
         const int r = x / HD, d = x % HD;
-        dst[x] = d < hd ? TcBF16::cvt(src[(long long)r * hd + d]) : (unsigned short)0;
+        dst[x] = d < hd ? TcBF16::cvt(src[tca_src_row(r, heads, T, hd, tok) + d])
+                        : (unsigned short)0;
     }
 }
 
-// Per row: D = rowsum(dO * o) in f32 (in order of d) and dO as padded bf16.
+// Per row (heads first): D = rowsum(dO * o) in f32 (in order of d) and dO as padded bf16;
+// o and dO in the operands' layout.
 extern "C" __global__ void tg_tca_bwd_prep(unsigned short* gb, float* delta, const float* o,
-                                           const float* g, int rows, int hd, int HD) {
+                                           const float* g, int rows, int hd, int HD, int heads,
+                                           int T, int tok) {
     TG_GRID_LOOP(r, rows) {
-        const long long at = (long long)r * hd;
+        const long long at = tca_src_row(r, heads, T, hd, tok);
         float acc = 0.0f;
         for (int d = 0; d < hd; ++d) {
             acc = fmaf(g[at + d], o[at + d], acc);
@@ -462,8 +473,8 @@ extern "C" __global__ void tg_tca_bwd_prep(unsigned short* gb, float* delta, con
 #define TG_TCA_FWD_ARGS                                                                    \
     float *out, float *lse, const unsigned short *q, const unsigned short *k,               \
         const unsigned short *v, const int *segs, const float *sinks, int H, int KV, int T,  \
-        int hd, float scale, int causal, int window
-#define TG_TCA_FWD_CALL out, lse, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window
+        int hd, float scale, int causal, int window, int tok
+#define TG_TCA_FWD_CALL out, lse, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window, tok
 
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS) tg_tca_fwd_64(TG_TCA_FWD_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_64];
@@ -482,12 +493,12 @@ extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS) tg_tca_fwd_256(TG_T
     float *dk, float *dv, const unsigned short *q, const unsigned short *k,                 \
         const unsigned short *v, const unsigned short *gb, const float *lse,                 \
         const float *delta, const int *segs, int H, int KV, int T, int hd, float scale,      \
-        int causal, int window
+        int causal, int window, int tok
 #define TG_TCA_DQ_ARGS                                                                     \
     float *dq, const unsigned short *q, const unsigned short *k, const unsigned short *v,   \
         const unsigned short *gb, const float *lse, const float *delta, const int *segs,     \
-        int H, int KV, int T, int hd, float scale, int causal, int window
-#define TG_TCA_BWD_CALL q, k, v, gb, lse, delta, segs, H, KV, T, hd, scale, causal, window
+        int H, int KV, int T, int hd, float scale, int causal, int window, int tok
+#define TG_TCA_BWD_CALL q, k, v, gb, lse, delta, segs, H, KV, T, hd, scale, causal, window, tok
 
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
 tg_tca_bwd_dkdv_64(TG_TCA_DKDV_ARGS) {

@@ -4,21 +4,20 @@ lowering hands them over; at "f32" and "tf32" the f32 kernels of flash_attention
 the exact path, so f32 results never change).
 
 The activations are f32, so the operands are first rounded to bf16 copies in scratch,
-rows zero-padded from the head dim hd to the kernels' bound HD (tg_tca_to_bf16; a bf16
-activation path would hand them over as they are). ``attention`` then runs
-tg_tca_fwd_<HD>. ``attention_back`` needs the forward's row log-sum-exp L; the graph
-carries only o, so it runs the forward kernel again in statistics-only mode (q k^T and
-the online softmax, no P v: half a forward) -- a saved L as a second output of the
-attention node would remove that pass (the kernel writes it already). Then D =
-rowsum(dO o) and dO as bf16 (tg_tca_bwd_prep), dk/dv and dq, and with sinks their
-gradient (flash_attention.cu's tg_attn_bwd_sinks, from the same L and D).
+heads first whatever the op's layout (a token-major operand is read through its row
+stride by the copy itself), rows zero-padded from the head dim hd to the kernels' bound HD
+(tg_tca_to_bf16; a bf16 activation path would hand them over as they are). ``attention``
+then runs tg_tca_fwd_<HD>, which writes o (in the operands' layout) and the row
+log-sum-exp L into the attention node. ``attention_back`` reads that L: D = rowsum(dO o)
+and dO as bf16 (tg_tca_bwd_prep), dk/dv and dq, and with sinks their gradient
+(flash_attention.cu's tg_attn_bwd_sinks, from the same L and D).
 
-Scratch (bytes, 16-byte aligned regions): q, k, v [and dO] as bf16 [rows, HD], then
-[L, D] f32 [B, H, T] for the backward.
+Scratch (bytes, 16-byte aligned regions): q, k, v [and dO] as bf16 [rows, HD], then D f32
+[B, H, T] for the backward.
 """
 from __future__ import annotations
 
-from toygraph.cuda.lowering import (MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32, grid_1d, i32, p,
+from toygraph.cuda.lowering import (MAX_ELEMENTS, Launch, f32, grid_1d, i32, p,
                                     rows_grid)
 from toygraph.cuda.lowering.constants import TCA_BQ, TCA_HEAD_DIMS, TCA_THREADS
 from toygraph.errors import CudaError
@@ -36,64 +35,59 @@ def tc_head_dim(hd: int) -> int:
                     f"{max(TCA_HEAD_DIMS)}")
 
 
-def _rows(node) -> tuple[int, int, int]:
-    """(query rows B*H*T, kv rows B*KV*T, HD) of an attention or attention_back node."""
-    q, k = node.srcs[:2]
-    B, H, T, hd = q.shape
-    return B * H * T, B * k.shape[1] * T, tc_head_dim(hd)
-
-
-def tc_scratch(node) -> int:
-    """Bytes of scratch: bf16 q, k, v (and dO) copies, and L, D for the backward."""
-    q_rows, kv_rows, HD = _rows(node)
+def tc_scratch(node, dims) -> int:
+    """Bytes of scratch: bf16 q, k, v (and dO) copies, and D for the backward; ``dims``
+    the node's (B, H, KV, T, hd)."""
+    B, H, KV, T, hd = dims
+    q_rows, kv_rows, HD = B * H * T, B * KV * T, tc_head_dim(hd)
     if node.op == "attention":
         return 2 * HD * (q_rows + 2 * kv_rows)
-    return 2 * HD * (2 * q_rows + 2 * kv_rows) + 2 * 4 * q_rows
+    return 2 * HD * (2 * q_rows + 2 * kv_rows) + 4 * q_rows
 
 
-def _to_bf16(dst: int, src: int, rows: int, hd: int, HD: int) -> Launch:
+def _to_bf16(dst: int, src: int, rows: int, hd: int, HD: int, heads_t: list) -> Launch:
     if rows * HD > MAX_ELEMENTS:
         raise CudaError(f"attention: {rows} x {HD} operand elements exceed the kernels' int "
                         f"indexing ({MAX_ELEMENTS})")
     return Launch("tg_tca_to_bf16", grid_1d(rows * HD), [p(dst), p(src), i32(rows), i32(hd),
-                                                         i32(HD)])
+                                                         i32(HD), *heads_t])
 
 
-def tc_attention_launches(node, at, q, k, v, seg, sinks, rest) -> list[Launch]:
-    """The launches of an attention / attention_back node at "bf16" (operands already split
-    by flash_attention.attention_operands)."""
-    B, H, T, hd = q.shape
-    KV = k.shape[1]
-    q_rows, kv_rows, HD = _rows(node)
-    if max(H, B) > MAX_GRID_YZ:
-        raise CudaError(f"attention {node.name!r}: {B} x {H} exceeds the grid limit")
+def tc_attention_launches(node, at, dims, token_major: bool, lse: int,
+                          operands) -> list[Launch]:
+    """The launches of an attention / attention_back node at "bf16": ``dims`` its (B, H, KV,
+    T, hd), ``token_major`` its layout, ``lse`` the address of L in the attention node (0:
+    not saved), ``operands`` as flash_attention.attention_operands splits them."""
+    q, k, v, seg, sinks, rest = operands
+    B, H, KV, T, hd = dims
+    q_rows, kv_rows, HD = B * H * T, B * KV * T, tc_head_dim(hd)
+    tok = i32(token_major)
     qb = at.scratch
     kb = qb + 2 * HD * q_rows
     vb = kb + 2 * HD * kv_rows
     segs = p(at.ptr(seg) if seg is not None else 0)
     sink = p(at.ptr(sinks) if sinks is not None else 0)
     common = [i32(H), i32(KV), i32(T), i32(hd), f32(node.attrs["scale"]),
-              i32(node.attrs["causal"]), i32(node.attrs["window"])]
+              i32(node.attrs["causal"]), i32(node.attrs["window"]), tok]
     tiles = (T + TCA_BQ - 1) // TCA_BQ
     block = (TCA_THREADS, 1, 1)
-    launches = [_to_bf16(qb, at.ptr(q), q_rows, hd, HD), _to_bf16(kb, at.ptr(k), kv_rows, hd, HD),
-                _to_bf16(vb, at.ptr(v), kv_rows, hd, HD)]
-    fwd = f"tg_tca_fwd_{HD}"
+    q_heads, kv_heads = [i32(H), i32(T), tok], [i32(KV), i32(T), tok]
+    launches = [_to_bf16(qb, at.ptr(q), q_rows, hd, HD, q_heads),
+                _to_bf16(kb, at.ptr(k), kv_rows, hd, HD, kv_heads),
+                _to_bf16(vb, at.ptr(v), kv_rows, hd, HD, kv_heads)]
     if node.op == "attention":
-        return launches + [Launch(fwd, (tiles, H, B), [p(at.out), p(0), p(qb), p(kb), p(vb),
-                                                       segs, sink, *common], block)]
-    o, g = rest
+        return launches + [Launch(f"tg_tca_fwd_{HD}", (tiles, H, B),
+                                  [p(at.out), p(lse), p(qb), p(kb), p(vb), segs, sink, *common],
+                                  block)]
+    fwd, g = rest   # o is the attention node's first q.size elements, L follows
     gb = vb + 2 * HD * kv_rows
-    lse = gb + 2 * HD * q_rows
-    delta = lse + 4 * q_rows
+    delta = gb + 2 * HD * q_rows
     dq, dk, dv = at.out, at.out + 4 * q.size, at.out + 4 * (q.size + k.size)
     operands = [p(qb), p(kb), p(vb), p(gb), p(lse), p(delta), segs, *common]
     launches += [
-        Launch(fwd, (tiles, H, B), [p(0), p(lse), p(qb), p(kb), p(vb), segs, sink, *common],
-               block),
-        Launch("tg_tca_bwd_prep", grid_1d(q_rows), [p(gb), p(delta), p(at.ptr(o)),
+        Launch("tg_tca_bwd_prep", grid_1d(q_rows), [p(gb), p(delta), p(at.ptr(fwd)),
                                                     p(at.ptr(g)), i32(q_rows), i32(hd),
-                                                    i32(HD)]),
+                                                    i32(HD), *q_heads]),
         Launch(f"tg_tca_bwd_dkdv_{HD}", (tiles, KV, B), [p(dk), p(dv), *operands], block),
         Launch(f"tg_tca_bwd_dq_{HD}", (tiles, H, B), [p(dq), *operands], block)]
     if sinks is not None:
