@@ -51,8 +51,7 @@ def test_tiny_models_match_transformers(which, request):
     assert abs(mine - ref) / ref <= 1e-4
 
 
-@pytest.mark.reference
-@pytest.mark.slow
+@pytest.mark.reference   # not slow: the default run keeps one real file against transformers
 def test_smollm2_matches_transformers(smollm2):
     from toygraph.gguf.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(smollm2)

@@ -265,8 +265,8 @@ def test_the_kernels_compile_for_the_gpus_within_static_shared_memory(arch):
     48 KB, no opt-in), at most 255 registers, and the forward kernels do not spill. (The
     backward's register pressure -- k/v fragments plus dk/dv accumulators per 16-key warp
     slice -- spills at head dims 128/256: bench/tc_attention_resources.py prints it.)"""
-    from toygraph.cuda.nvrtc import resource_usage
-    usage = resource_usage(tca_source(), arch, name="tc_attention.cu")
+    from ptxas import bf16_module
+    usage = bf16_module(arch)[1]
     tca = {name: u for name, u in usage.items() if name.startswith("tg_tca_")}
     assert len(tca) == 2 + 3 * len(constants.TCA_HEAD_DIMS)
     for name, u in tca.items():

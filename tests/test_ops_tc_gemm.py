@@ -285,11 +285,11 @@ def test_the_heads_dh_splits_over_the_vocabulary_on_a_bf16_session():
 
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_ptxas_fits_two_blocks_per_sm_without_spills(arch, cache):
+def test_ptxas_fits_two_blocks_per_sm_without_spills(arch):
     """128 registers x 256 threads and 40 KB of static shared memory per block: two blocks
     per SM (the old tc_matmul kernel: 216-222 registers, one). No stack, no spills."""
-    from toygraph.cuda.nvrtc import resource_usage
-    usage = resource_usage(tcg_source(), arch, name="tc_gemm.cu")
+    from ptxas import bf16_module
+    usage = bf16_module(arch)[1]
     for name in ("tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_gemm_ta_bf16",
                  "tg_tcg_gemm_tb_bf16", "tg_tcg_gemm_tab_bf16"):   # dual, k-major
         u = usage[name]

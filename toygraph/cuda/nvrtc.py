@@ -113,6 +113,11 @@ def compile_cubin(source: str, arch: str, name: str = "toygraph.cu",
 
 
 def _compile(source: str, opts: list[str], name: str) -> bytes:
+    return _run(source, opts, name)[0]
+
+
+def _run(source: str, opts: list[str], name: str) -> tuple[bytes, str]:
+    """One NVRTC compile: (the cubin, NVRTC's log)."""
     global compile_count
     nv = bindings()
     prog = _check("nvrtcCreateProgram",
@@ -128,7 +133,7 @@ def _compile(source: str, opts: list[str], name: str) -> bytes:
         # NVRTC writing into it would corrupt every b" " in the process.
         buf = bytearray(int(size))
         _check("nvrtcGetCUBIN", nv.nvrtcGetCUBIN(prog, buf))
-        return bytes(buf)
+        return bytes(buf), log
     finally:
         nv.nvrtcDestroyProgram(prog)
 
@@ -142,16 +147,17 @@ def resource_usage(source: str, arch: str, name: str = "toygraph.cu") -> dict[st
     >>> resource_usage(backend_source("f32"), "sm_90")["tg_matmul"]["spill_stores"]  # doctest: +SKIP
     0
     """
-    nv = bindings()
-    prog = _check("nvrtcCreateProgram",
-                  nv.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
-    try:
-        enc = [o.encode() for o in options(arch) + ["--ptxas-options=-v"]]
-        res = nv.nvrtcCompileProgram(prog, len(enc), enc)
-        log = _log(nv, prog)
-        _check(f"NVRTC compile of {name} for {arch}", res, log)
-    finally:
-        nv.nvrtcDestroyProgram(prog)
+    return compile_report(source, arch, name)[1]
+
+
+def compile_report(source: str, arch: str, name: str = "toygraph.cu") -> tuple[bytes, dict]:
+    """The cubin of ``source`` for ``arch`` and ptxas's report of it (:func:`resource_usage`),
+    from one compile (no cache): a whole module's report costs no second compile."""
+    cubin, log = _run(source, options(arch) + ["--ptxas-options=-v"], name)
+    return cubin, _ptxas_report(log)
+
+
+def _ptxas_report(log: str) -> dict[str, dict]:
     out: dict[str, dict] = {}
     kernel = None
     for line in log.splitlines():

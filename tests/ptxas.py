@@ -1,0 +1,17 @@
+"""The bf16 module -- every kernel: the f32 files and the tensor-core ones -- compiled once
+per arch with ptxas's report, for the tests that check a cubin's symbols or a kernel's
+registers, shared memory and spills. ptxas compiles each kernel alone, so its figures in
+the whole module are those of a file compiled by itself, and one compile (~90 s for sm_90
+here) serves every such test instead of one per test."""
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def bf16_module(arch: str) -> tuple[bytes, dict[str, dict]]:
+    """(cubin, nvrtc.resource_usage-style report) of backend_source("bf16") for ``arch``."""
+    import toygraph.core.ops  # noqa: F401  (the op families declare the kernel files)
+    from toygraph.cuda.lowering.sources import backend_source
+    from toygraph.cuda.nvrtc import compile_report
+    return compile_report(backend_source("bf16"), arch, name="toygraph_tc.cu")
