@@ -288,12 +288,15 @@ def _tc_attention(node, launch, stored) -> Cost:
     k, kind = launch.kernel, "attention tensor-core"
     q, kk = node.srcs[0], node.srcs[1]
     B, H, KV, T, hd = attention_dims(node)
-    if k == "tg_tca_to_bf16":       # rows x hd f32 in, rows x HD bf16 out
+    if k == "tg_tca_to_bf16":       # rows x hd f32 (or bf16) in, rows x HD bf16 out
         rows, hd_, HD = _arg(launch, 2), _arg(launch, 3), _arg(launch, 4)
-        return Cost(k, kind, bytes=4 * rows * hd_ + 2 * rows * HD)
-    if k == "tg_tca_bwd_prep":      # o, dO f32 in; dO bf16 and D out
+        src = 2 if len(launch.args) > 8 and _arg(launch, 8) else 4
+        return Cost(k, kind, bytes=src * rows * hd_ + 2 * rows * HD)
+    if k == "tg_tca_bwd_prep":      # o f32, dO f32 or bf16 in; D and (unless read as is) dO bf16 out
         rows, hd_, HD = _arg(launch, 4), _arg(launch, 5), _arg(launch, 6)
-        return Cost(k, kind, fma=2.0 * rows * hd_, bytes=8 * rows * hd_ + 2 * rows * HD + 4 * rows)
+        g = 2 if len(launch.args) > 10 and _arg(launch, 10) else 4
+        copy = 2 * rows * HD if _arg(launch, 0) else 0
+        return Cost(k, kind, fma=2.0 * rows * hd_, bytes=(4 + g) * rows * hd_ + copy + 4 * rows)
     stem, HD = re.fullmatch(r"(tg_tca_\w+?)_(\d+)", k).groups()
     HD, BQ = int(HD), constants.TCA_BQ
     tile = constants.TCA_TILES[HD]

@@ -110,49 +110,68 @@ def _empty(shape, token_major):
     return np.full((B, T, n, d) if token_major else shape, np.nan, np.float32)
 
 
+def _operand_bits(x, HD, as_is):
+    """An operand's bf16 bits as the kernels read them: the heads-first copy padded to HD,
+    or (``as_is``: token-major, hd == HD) the token-major activation itself."""
+    bits = padded_bits(x, HD)
+    return _swap_tokens(bits, True) if as_is else bits
+
+
 def run_forward(q, k, v, scale, causal=True, window=0, segs=None, sinks=None, source=None,
-                token_major=False):
+                token_major=False, as_is=False):
     """tg_tca_fwd_<HD> on the host: (o, lse) as float32, o [B, H, T, hd] whatever layout
-    (``token_major``) the kernel wrote it in."""
+    (``token_major``) the kernel wrote it in; ``as_is``: q, k, v handed over as token-major
+    bf16 activations (asis = 7) instead of heads-first copies."""
     B, H, T, hd = q.shape
     KV = k.shape[1]
     HD = hd_bound(hd)
+    assert not as_is or (token_major and hd == HD)
     out = _empty(q.shape, token_major)
     lse = np.full((B, H, T), np.nan, np.float32)
-    qb, kb, vb = (padded_bits(x, HD) for x in (q, k, v))
+    qb, kb, vb = (_operand_bits(x, HD, as_is) for x in (q, k, v))
     args = [out, lse, qb, kb, vb, _or_null(segs, np.int32),
             _or_null(sinks, np.float32), np.int32(H), np.int32(KV), np.int32(T),
             np.int32(hd), np.float32(scale), np.int32(causal), np.int32(window),
-            np.int32(token_major)]
+            np.int32(token_major), np.int32(7 if as_is else 0)]
     run_kernel(f"tg_tca_fwd_{HD}", ((T + constants.TCA_BQ - 1) // constants.TCA_BQ, H, B),
                (constants.TCA_THREADS, 1, 1), args, source=source or tca_source())
     return _swap_tokens(out, token_major), lse
 
 
 def run_backward(q, k, v, dout, scale, causal=True, window=0, segs=None, sinks=None,
-                 source=None, token_major=False):
+                 source=None, token_major=False, as_is=False):
     """The tensor-core backward on the host, as the lowering chains it: the forward (o, L),
     tg_tca_bwd_prep (D, dO as bf16), tg_tca_bwd_dkdv, tg_tca_bwd_dq and, with sinks,
     tg_attn_bwd_sinks, with o, dO and the gradients in the layout ``token_major`` says.
-    Returns (o, lse, dq, dk, dv, d sinks or None), float32, heads first."""
+    Returns (o, lse, dq, dk, dv, d sinks or None), float32, heads first. ``as_is``: q, k,
+    v and dO handed over as token-major bf16 activations (asis = 15; the prep then only
+    sums D, from dO's bf16 values)."""
     source = source or tca_source()
     B, H, T, hd = q.shape
     KV = k.shape[1]
     HD = hd_bound(hd)
     o, lse = run_forward(q, k, v, scale, causal, window, segs, sinks, source=source,
-                         token_major=token_major)
+                         token_major=token_major, as_is=as_is)
     rows = B * H * T
-    gb = np.zeros((B, H, T, HD), np.uint16)
     delta = np.full((B, H, T), np.nan, np.float32)
     tok = np.int32(token_major)
-    run_kernel("tg_tca_bwd_prep", (4, 1, 1), (64, 1, 1),
-               [gb, delta, _swap_tokens(o, token_major),
-                _swap_tokens(np.asarray(dout, np.float32), token_major), np.int32(rows),
-                np.int32(hd), np.int32(HD), np.int32(H), np.int32(T), tok], source=source)
-    qb, kb, vb = (padded_bits(x, HD) for x in (q, k, v))
+    if as_is:   # dO handed over in bf16: the prep reads its bits and writes no copy
+        gb = _operand_bits(dout, HD, True)
+        run_kernel("tg_tca_bwd_prep", (4, 1, 1), (64, 1, 1),
+                   [NULL, delta, _swap_tokens(o, token_major), gb, np.int32(rows),
+                    np.int32(hd), np.int32(HD), np.int32(H), np.int32(T), tok, np.int32(2)],
+                   source=source)
+    else:
+        gb = np.zeros((B, H, T, HD), np.uint16)
+        run_kernel("tg_tca_bwd_prep", (4, 1, 1), (64, 1, 1),
+                   [gb, delta, _swap_tokens(o, token_major),
+                    _swap_tokens(np.asarray(dout, np.float32), token_major), np.int32(rows),
+                    np.int32(hd), np.int32(HD), np.int32(H), np.int32(T), tok, np.int32(0)],
+                   source=source)
+    qb, kb, vb = (_operand_bits(x, HD, as_is) for x in (q, k, v))
     common = [qb, kb, vb, gb, lse, delta, _or_null(segs, np.int32), np.int32(H), np.int32(KV),
               np.int32(T), np.int32(hd), np.float32(scale), np.int32(causal), np.int32(window),
-              tok]
+              tok, np.int32(15 if as_is else 0)]
     dq = _empty(q.shape, token_major)
     dk, dv = _empty(k.shape, token_major), _empty(k.shape, token_major)
     tiles = (T + constants.TCA_BQ - 1) // constants.TCA_BQ

@@ -478,3 +478,86 @@ def test_a_wrong_bf16_access_in_the_norms_fails(mutation, monkeypatch):
                         lambda precision="bf16": real.replace(old, new))
     stored, plain, _ = _both_ways(_normed_products, monkeypatch)
     assert not all(rel_err(a, b) <= MIXED_TOL["bf16"] for a, b in zip(stored, plain))
+
+
+# --- attention reading bf16 q, k, v and dO ---------------------------------------------------
+def _attention_block(hd, seed=0, B=2, T=40, H=2, KV=1, D=32):
+    """z = attention(x Wq, x Wk, x Wv) Wo, token-major (the decoder's layout): q, k, v and
+    attention_back's dO are products, kept in bf16."""
+    rng = np.random.default_rng(seed)
+    g = Graph()
+    x = g.param("x", rnd(rng, B * T, D))
+    ws = [g.param(f"w{n}", rnd(rng, D, m * hd, s=0.3)) for n, m in (("q", H), ("k", KV),
+                                                                     ("v", KV))]
+    wo = g.param("wo", rnd(rng, H * hd, D, s=0.3))
+    q, k, v = (ops.reshape(ops.matmul(x, w), (B, T, n, hd)) for w, n in zip(ws, (H, KV, KV)))
+    o = ops.attention(q, k, v, scale=hd ** -0.5, causal=True, layout="bthd")
+    z = g.output(ops.matmul(ops.reshape(o, (B * T, H * hd)), wo))
+    loss = ops.sum(ops.mul(z, g.const("r", rnd(rng, B * T, D))))
+    grads = accumulate_grads(backward(loss, [x, *ws, wo]))
+    return g, [z] + [grads[p] for p in (x, *ws, wo)]
+
+
+def _attention_reads(monkeypatch, forward, backward_):
+    from dataclasses import replace
+    monkeypatch.setitem(REGISTRY, "attention", replace(REGISTRY["attention"], bf16_reads=forward))
+    monkeypatch.setitem(REGISTRY, "attention_back",
+                        replace(REGISTRY["attention_back"], bf16_reads=backward_))
+
+
+@pytest.mark.parametrize("hd", [64, 48])
+def test_attention_reads_bf16_q_k_v_as_they_lie_and_changes_no_bit(hd, monkeypatch):
+    """q, k and v made by products and kept in bf16: at hd == HD (64) the kernels read them
+    where they lie, no tg_tca_to_bf16 (asis bits 0-2); at hd 48 the copies pad them from
+    bf16. Either way the kernels get the values the copies of f32 q, k, v rounded to, so
+    every output and gradient is the bits of the step with q, k, v f32 (dO kept f32 here:
+    attention_back's bf16 read of dO is off)."""
+    from toygraph.cuda.lowering import dispatch
+    _attention_reads(monkeypatch, (0, 1, 2), (0, 1, 2))
+    g, fetch = _attention_block(hd)
+    order, pinned, plan, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    atts = [t for t in order if t.op in ("attention", "attention_back")]
+    assert len(atts) == 2 and all(t.srcs[j].id in half for t in atts for j in range(3))
+    assert atts[1].srcs[-1].id not in half
+    for t in atts:
+        launches = dispatch.lower(t, lambda u: (u.id + 1) << 20, 1 << 40, frozenset(), "bf16",
+                                  half)
+        copies = [l for l in launches if l.kernel == "tg_tca_to_bf16"]
+        assert len(copies) == (0 if hd == 64 else 3)
+        assert all(int(l.args[-1][0]) == 1 for l in copies)        # read from bf16
+        tca = [l for l in launches if l.kernel.startswith(("tg_tca_fwd", "tg_tca_bwd_d"))]
+        assert tca and all(int(l.args[-1][0]) == (7 if hd == 64 else 0) for l in tca)
+    stored = run_phase(g, "cuda", {}, "backward", fetch, "bf16")
+    _attention_reads(monkeypatch, (), ())
+    g2, fetch2 = _attention_block(hd)
+    plain = run_phase(g2, "cuda", {}, "backward", fetch2, "bf16")
+    for name, a, b in zip(("z", "dx", "dwq", "dwk", "dwv", "dwo"), stored, plain):
+        assert np.array_equal(a, b), (name, float(np.abs(a - b).max()))
+
+
+def test_attention_back_reading_bf16_do_tracks_the_f32_do(monkeypatch):
+    """dO kept in bf16 too (the product dy Wo^T): the backward reads it where it lies
+    (asis 15, the prep copies nothing) and D = rowsum(dO o) sums its rounded values, as
+    dP = dO v^T does. The forward is the same bits; the gradients within bf16's tolerance
+    of the step with dO f32, and not equal to it (D differs)."""
+    from toygraph.cuda.lowering import dispatch
+    g, fetch = _attention_block(64)
+    order, pinned, _, _ = training_plan(g)
+    half = plan_bf16(order, pinned, "bf16")
+    back = [t for t in order if t.op == "attention_back"][0]
+    assert back.srcs[-1].id in half
+    launches = dispatch.lower(back, lambda u: (u.id + 1) << 20, 1 << 40, frozenset(), "bf16",
+                              half)
+    assert [l.kernel for l in launches] == ["tg_tca_bwd_prep", "tg_tca_bwd_dkdv_64",
+                                            "tg_tca_bwd_dq_64"]
+    assert int(launches[0].args[0][0]) == 0 and int(launches[0].args[-1][0]) == 2
+    assert all(int(l.args[-1][0]) == 15 for l in launches[1:])
+    stored = run_phase(g, "cuda", {}, "backward", fetch, "bf16")
+    _attention_reads(monkeypatch, (0, 1, 2), (0, 1, 2))
+    g2, fetch2 = _attention_block(64)
+    plain = run_phase(g2, "cuda", {}, "backward", fetch2, "bf16")
+    assert np.array_equal(stored[0], plain[0])
+    for name, a, b in zip(("dx", "dwq", "dwk", "dwv", "dwo"), stored[1:], plain[1:]):
+        assert rel_err(a, b) <= MIXED_TOL["bf16"], (name, rel_err(a, b))
+    assert not np.array_equal(stored[1], plain[1])

@@ -194,6 +194,44 @@ def test_a_broken_backward_index_fails_the_parity_check(mutation):
         check_backward(q, k, v, 0.125, source=real.replace(old, new))
 
 
+# --- operands read where they lie (asis): bf16 token-major activations, hd == HD ------------
+AS_IS = {   # (B, H, KV, T, hd, causal, window, segment cuts, sinks)
+    "gqa-ragged-segments": (2, 4, 2, 70, 64, True, 0, (29,), False),
+    "window-sinks-hd128": (1, 2, 1, 45, 128, True, 20, None, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AS_IS))
+def test_operands_read_as_they_lie_give_the_bits_of_the_copies(name):
+    """q, k, v and dO handed over as token-major bf16 activations (the kernels stride
+    through heads * HD rows, the prep writes no dO copy) against the heads-first copies of
+    the same values: the same products in the same order, so o, L, dq, dk, dv (and dsinks)
+    bit for bit. (dO is given in bf16 values: a dO kept in bf16 gives D = rowsum(dO o) its
+    rounded values, as it gives them to dP = dO v^T; from an f32 dO the prep sums D from
+    the unrounded ones.)"""
+    B, H, KV, T, hd, causal, window, cuts, sinks = AS_IS[name]
+    q, k, v, segs, sk = _case(B, H, KV, T, hd, seed=3, segments=cuts, sinks=sinks)
+    g = bf16_value(bf16_bits(np.random.default_rng(4).normal(size=q.shape).astype(np.float32)))
+    args = (q, k, v, g, hd ** -0.5, causal, window, segs, sk)
+    copies = run_backward(*args, token_major=True)
+    as_is = run_backward(*args, token_major=True, as_is=True)
+    for what, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), as_is, copies):
+        assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), what
+
+
+def test_as_is_rows_read_hd_apart_fail():
+    """The as-is operands' row stride taken as the copies' HD: wrong rows, caught."""
+    old = "tca_stage_frags<HD>(qf, smem, q + attn_head(b, h, H, T, HD, tq), i0, T, attn_ld(H, HD, tq));"
+    real = tca_source()
+    assert real.count(old) == 2, "the mutation no longer matches the kernel source"
+    broken = real.replace(old, old.replace("attn_ld(H, HD, tq)", "HD"))
+    q, k, v, _, _ = _case(1, 2, 1, 40, 64, seed=3)
+    g = bf16_value(bf16_bits(np.random.default_rng(4).normal(size=q.shape).astype(np.float32)))
+    got = run_backward(q, k, v, g, 0.125, token_major=True, as_is=True, source=broken)
+    want = run_backward(q, k, v, g, 0.125, token_major=True)
+    assert not np.array_equal(got[0], want[0]) and not np.array_equal(got[2], want[2])
+
+
 # --- through the graph: the lowering picks these kernels at --precision bf16 ----------------
 def _graph_case(hd, sinks=False, segments=False, window=0, layout="bhtd"):
     H, KV, T = 4, 2, 70

@@ -337,9 +337,9 @@ def _attention_scratch(node, precision: str) -> int:
     return 0 if node.op == "attention" else 4 * B * H * T
 
 
-@lowers("attention", scratch=_attention_scratch,
+@lowers("attention", scratch=_attention_scratch, bf16_reads=(0, 1, 2),
         kernels=("tg_attn_fwd_32", "tg_attn_fwd_64", "tg_attn_fwd_128"))
-@lowers("attention_back", scratch=_attention_scratch,
+@lowers("attention_back", scratch=_attention_scratch, bf16_reads=(0, 1, 2, -1),
         kernels=("tg_attn_bwd_prep_32", "tg_attn_bwd_prep_64", "tg_attn_bwd_prep_128",
                  "tg_attn_bwd_dkdv_32", "tg_attn_bwd_dkdv_64", "tg_attn_bwd_dkdv_128",
                  "tg_attn_bwd_dq_32", "tg_attn_bwd_dq_64", "tg_attn_bwd_dq_128",

@@ -5,9 +5,11 @@
 //
 // Operands: q [B, H, T, HD], k/v [B, KV, T, HD] and dO as bf16, rows zero-padded from the
 // real head_dim hd to the kernel's bound HD (tg_tca_to_bf16 / tg_tca_bwd_prep write these
-// copies from the f32 activations, heads first whatever the activations' layout: a
-// token-major source, tok = 1, is read through its row stride; a bf16 activation path
-// would hand them over directly). mma.sync m16n8k16 bf16 with f32 accumulation; softmax
+// copies from the activations, f32 or bf16, heads first whatever the activations' layout:
+// a token-major source, tok = 1, is read through its row stride), or, where an activation
+// is already what the kernel reads -- bf16, token-major, hd == HD -- that activation as it
+// lies (bit j of `asis`: q, k, v, dO), its rows heads * HD apart (attn_head / attn_ld).
+// mma.sync m16n8k16 bf16 with f32 accumulation; softmax
 // statistics, P's row sums, the log-sum-exp and every output in f32. Outputs o, dq, dk, dv
 // are f32 in the operands' layout (flash_attention.cu's attn_head / attn_ld), L [B, H, T].
 //
@@ -46,16 +48,17 @@
 
 #define TG_TCA_NEG_INF __int_as_float(0xff800000)
 
-// Rows [r0, r0 + ROWS) of a [T, HD] bf16 matrix into S[ROWS][HD + PAD] with cp.async, the
-// block's threads taking the 16-byte chunks in turn; rows past T are zero-filled.
+// Rows [r0, r0 + ROWS) of a [T, HD] bf16 matrix, rows ld apart, into S[ROWS][HD + PAD]
+// with cp.async, the block's threads taking the 16-byte chunks in turn; rows past T are
+// zero-filled.
 template <int HD, int ROWS>
 __device__ __forceinline__ void tca_issue(unsigned short* S, const unsigned short* src, int r0,
-                                          int T) {
+                                          int T, int ld) {
     constexpr int CH = HD / 8, LD = HD + TG_TCA_PAD;
     for (int c = threadIdx.x; c < ROWS * CH; c += blockDim.x) {
         const int r = c / CH, col = (c % CH) * 8;
         const bool in = r0 + r < T;
-        tg_cp_async16(S + r * LD + col, src + (in ? (long long)(r0 + r) * HD + col : 0),
+        tg_cp_async16(S + r * LD + col, src + (in ? (long long)(r0 + r) * ld + col : 0),
                       in ? 16 : 0);
     }
 }
@@ -121,12 +124,13 @@ __device__ __forceinline__ void tca_key_tiles(int i0, int TILE, int T, int causa
     last = ((causal ? min(i0 + TG_TCA_BQ, T) : T) - 1) / TILE;
 }
 
-// The A fragments of the warp's 16 of rows [r0, r0 + 64) of a [T, HD] matrix, staged
-// through the block's buffer, which is free again on return (every thread calls it).
+// The A fragments of the warp's 16 of rows [r0, r0 + 64) of a [T, HD] matrix (rows ld
+// apart), staged through the block's buffer, which is free again on return (every thread
+// calls it).
 template <int HD>
 __device__ __forceinline__ void tca_stage_frags(unsigned (&f)[HD / 16][4], unsigned short* smem,
-                                                const unsigned short* src, int r0, int T) {
-    tca_issue<HD, TG_TCA_BQ>(smem, src, r0, T);
+                                                const unsigned short* src, int r0, int T, int ld) {
+    tca_issue<HD, TG_TCA_BQ>(smem, src, r0, T, ld);
     tg_cp_async_commit();
     tg_cp_async_wait<0>();
     __syncthreads();
@@ -211,12 +215,12 @@ __device__ __forceinline__ void tca_store(float* dst, const float (&c)[HD / 8][4
 template <int HD, int TILE>
 __device__ __forceinline__ bool tca_key_tile_ready(unsigned short* smem, const unsigned short* K,
                                                    const unsigned short* V, int kt, int first,
-                                                   int last, int T) {
+                                                   int last, int T, int ldk, int ldv) {
     constexpr int LD = HD + TG_TCA_PAD;
     if (kt < last) {
         unsigned short* nx = smem + ((kt + 1 - first) & 1) * 2 * TILE * LD;
-        tca_issue<HD, TILE>(nx, K, (kt + 1) * TILE, T);
-        tca_issue<HD, TILE>(nx + TILE * LD, V, (kt + 1) * TILE, T);
+        tca_issue<HD, TILE>(nx, K, (kt + 1) * TILE, T, ldk);
+        tca_issue<HD, TILE>(nx + TILE * LD, V, (kt + 1) * TILE, T, ldv);
         tg_cp_async_commit();
     }
     if (kt < first) return false;
@@ -232,17 +236,18 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
                                         const unsigned short* q, const unsigned short* k,
                                         const unsigned short* v, const int* segs,
                                         const float* sinks, int H, int KV, int T, int hd,
-                                        float scale, int causal, int window, int tok) {
+                                        float scale, int causal, int window, int tok, int asis) {
     constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int i0 = blockIdx.x * TG_TCA_BQ;
-    const long long head = (long long)T * HD;
-    const unsigned short* K = k + ((long long)b * KV + kvh) * head;
-    const unsigned short* V = v + ((long long)b * KV + kvh) * head;
+    const int tq = asis & 1, tk = (asis >> 1) & 1, tv = (asis >> 2) & 1;
+    const unsigned short* K = k + attn_head(b, kvh, KV, T, HD, tk);
+    const unsigned short* V = v + attn_head(b, kvh, KV, T, HD, tv);
+    const int ldk = attn_ld(KV, HD, tk), ldv = attn_ld(KV, HD, tv);
     if (segs != nullptr) segs += (long long)b * T;
     unsigned qf[HD / 16][4];
-    tca_stage_frags<HD>(qf, smem, q + ((long long)b * H + h) * head, i0, T);
+    tca_stage_frags<HD>(qf, smem, q + attn_head(b, h, H, T, HD, tq), i0, T, attn_ld(H, HD, tq));
     const int rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
     float m[2], l[2], o[OT][4];
 #pragma unroll
@@ -254,7 +259,7 @@ __device__ __forceinline__ void tca_fwd(unsigned short* smem, float* out, float*
     int first, last;
     tca_key_tiles(i0, TILE, T, causal, window, first, last);
     for (int kt = first - 1; kt <= last; ++kt) {
-        if (!tca_key_tile_ready<HD, TILE>(smem, K, V, kt, first, last, T)) continue;
+        if (!tca_key_tile_ready<HD, TILE>(smem, K, V, kt, first, last, T, ldk, ldv)) continue;
         const unsigned short* Ks = smem + ((kt - first) & 1) * 2 * TILE * LD;
         const unsigned short* Vs = Ks + TILE * LD;
         float s[NT][4];
@@ -310,17 +315,17 @@ __device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, fl
                                              const unsigned short* v, const unsigned short* gb,
                                              const float* lse, const float* delta,
                                              const int* segs, int H, int KV, int T, int hd,
-                                             float scale, int causal, int window, int tok) {
+                                             float scale, int causal, int window, int tok,
+                                             int asis) {
     constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int kvh = blockIdx.y, b = blockIdx.z, G = H / KV;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int j0 = blockIdx.x * TG_TCA_BQ;
-    const long long head = (long long)T * HD;
-    const long long kv_off = ((long long)b * KV + kvh) * head;
+    const int tq = asis & 1, tk = (asis >> 1) & 1, tv = (asis >> 2) & 1, tg = (asis >> 3) & 1;
     if (segs != nullptr) segs += (long long)b * T;
     unsigned kf[HD / 16][4], vf[HD / 16][4];
-    tca_stage_frags<HD>(kf, smem, k + kv_off, j0, T);
-    tca_stage_frags<HD>(vf, smem, v + kv_off, j0, T);
+    tca_stage_frags<HD>(kf, smem, k + attn_head(b, kvh, KV, T, HD, tk), j0, T, attn_ld(KV, HD, tk));
+    tca_stage_frags<HD>(vf, smem, v + attn_head(b, kvh, KV, T, HD, tv), j0, T, attn_ld(KV, HD, tv));
     const int keys[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
     float dka[OT][4], dva[OT][4];
     tca_zero<OT>(dka);
@@ -334,11 +339,12 @@ __device__ __forceinline__ void tca_bwd_dkdv(unsigned short* smem, float* dk, fl
     const int per_head = qlast - qfirst + 1, n = G * per_head;
     for (int it = -1; it < n; ++it) {
         if (it + 1 < n) {  // stage the next (head, query tile): q and dO
-            const long long q_off = ((long long)b * H + kvh * G + (it + 1) / per_head) * head;
+            const int h1 = kvh * G + (it + 1) / per_head;
             const int i1 = (qfirst + (it + 1) % per_head) * TILE;
             unsigned short* nx = smem + ((it + 1) & 1) * 2 * TILE * LD;
-            tca_issue<HD, TILE>(nx, q + q_off, i1, T);
-            tca_issue<HD, TILE>(nx + TILE * LD, gb + q_off, i1, T);
+            tca_issue<HD, TILE>(nx, q + attn_head(b, h1, H, T, HD, tq), i1, T, attn_ld(H, HD, tq));
+            tca_issue<HD, TILE>(nx + TILE * LD, gb + attn_head(b, h1, H, T, HD, tg), i1, T,
+                                attn_ld(H, HD, tg));
             tg_cp_async_commit();
         }
         if (it < 0) continue;
@@ -382,19 +388,20 @@ __device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
                                            const unsigned short* v, const unsigned short* gb,
                                            const float* lse, const float* delta,
                                            const int* segs, int H, int KV, int T, int hd,
-                                           float scale, int causal, int window, int tok) {
+                                           float scale, int causal, int window, int tok,
+                                           int asis) {
     constexpr int LD = HD + TG_TCA_PAD, NT = TILE / 8, OT = HD / 8;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KV);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int i0 = blockIdx.x * TG_TCA_BQ;
-    const long long head = (long long)T * HD;
-    const long long q_off = ((long long)b * H + h) * head;
-    const unsigned short* K = k + ((long long)b * KV + kvh) * head;
-    const unsigned short* V = v + ((long long)b * KV + kvh) * head;
+    const int tq = asis & 1, tk = (asis >> 1) & 1, tv = (asis >> 2) & 1, tg = (asis >> 3) & 1;
+    const unsigned short* K = k + attn_head(b, kvh, KV, T, HD, tk);
+    const unsigned short* V = v + attn_head(b, kvh, KV, T, HD, tv);
+    const int ldk = attn_ld(KV, HD, tk), ldv = attn_ld(KV, HD, tv);
     if (segs != nullptr) segs += (long long)b * T;
     unsigned qf[HD / 16][4], gf[HD / 16][4];
-    tca_stage_frags<HD>(qf, smem, q + q_off, i0, T);
-    tca_stage_frags<HD>(gf, smem, gb + q_off, i0, T);
+    tca_stage_frags<HD>(qf, smem, q + attn_head(b, h, H, T, HD, tq), i0, T, attn_ld(H, HD, tq));
+    tca_stage_frags<HD>(gf, smem, gb + attn_head(b, h, H, T, HD, tg), i0, T, attn_ld(H, HD, tg));
     const int rows[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
     const long long row0 = ((long long)b * H + h) * T;
     float Lr[2], Dr[2], dqa[OT][4];
@@ -407,7 +414,7 @@ __device__ __forceinline__ void tca_bwd_dq(unsigned short* smem, float* dq,
     int first, last;
     tca_key_tiles(i0, TILE, T, causal, window, first, last);
     for (int kt = first - 1; kt <= last; ++kt) {
-        if (!tca_key_tile_ready<HD, TILE>(smem, K, V, kt, first, last, T)) continue;
+        if (!tca_key_tile_ready<HD, TILE>(smem, K, V, kt, first, last, T, ldk, ldv)) continue;
         const unsigned short* Ks = smem + ((kt - first) & 1) * 2 * TILE * LD;
         const unsigned short* Vs = Ks + TILE * LD;
         float s[NT][4], dp[NT][4];
@@ -442,29 +449,33 @@ __device__ __forceinline__ long long tca_src_row(int r, int heads, int T, int hd
                : (long long)r * hd;
 }
 
-// dst [rows, HD] bf16 (heads first) = src's rows f32 rounded to nearest even, zeros past hd.
-extern "C" __global__ void tg_tca_to_bf16(unsigned short* dst, const float* src, int rows,
-                                          int hd, int HD, int heads, int T, int tok) {
+// dst [rows, HD] bf16 (heads first) = src's rows rounded to nearest even (an f32 source;
+// bit 0 of bf16: a bf16 one, copied), zeros past hd.
+extern "C" __global__ void tg_tca_to_bf16(unsigned short* dst, const void* src, int rows,
+                                          int hd, int HD, int heads, int T, int tok, int bf16) {
     TG_GRID_LOOP(x, rows * HD) {
         const int r = x / HD, d = x % HD;
-        dst[x] = d < hd ? TcBF16::cvt(src[tca_src_row(r, heads, T, hd, tok) + d])
+        dst[x] = d < hd ? TcBF16::cvt(tg_ldx(src, tca_src_row(r, heads, T, hd, tok) + d, bf16, 0))
                         : (unsigned short)0;
     }
 }
 
-// Per row (heads first): D = rowsum(dO * o) in f32 (in order of d) and dO as padded bf16;
-// o and dO in the operands' layout.
+// Per row (heads first): D = rowsum(dO * o) in f32 (in order of d) and, unless gb is null
+// (the kernels read dO as it lies), dO as padded bf16; o and dO in the operands' layout,
+// o f32, dO f32 or (bit 1 of bf16) bf16.
 extern "C" __global__ void tg_tca_bwd_prep(unsigned short* gb, float* delta, const float* o,
-                                           const float* g, int rows, int hd, int HD, int heads,
-                                           int T, int tok) {
+                                           const void* g, int rows, int hd, int HD, int heads,
+                                           int T, int tok, int bf16) {
     TG_GRID_LOOP(r, rows) {
         const long long at = tca_src_row(r, heads, T, hd, tok);
         float acc = 0.0f;
         for (int d = 0; d < hd; ++d) {
-            acc = fmaf(g[at + d], o[at + d], acc);
-            gb[(long long)r * HD + d] = TcBF16::cvt(g[at + d]);
+            const float gd = tg_ldx(g, at + d, bf16, 1);
+            acc = fmaf(gd, o[at + d], acc);
+            if (gb != nullptr) gb[(long long)r * HD + d] = TcBF16::cvt(gd);
         }
-        for (int d = hd; d < HD; ++d) gb[(long long)r * HD + d] = 0;
+        if (gb != nullptr)
+            for (int d = hd; d < HD; ++d) gb[(long long)r * HD + d] = 0;
         delta[r] = acc;
     }
 }
@@ -473,8 +484,9 @@ extern "C" __global__ void tg_tca_bwd_prep(unsigned short* gb, float* delta, con
 #define TG_TCA_FWD_ARGS                                                                    \
     float *out, float *lse, const unsigned short *q, const unsigned short *k,               \
         const unsigned short *v, const int *segs, const float *sinks, int H, int KV, int T,  \
-        int hd, float scale, int causal, int window, int tok
-#define TG_TCA_FWD_CALL out, lse, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window, tok
+        int hd, float scale, int causal, int window, int tok, int asis
+#define TG_TCA_FWD_CALL \
+    out, lse, q, k, v, segs, sinks, H, KV, T, hd, scale, causal, window, tok, asis
 
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS) tg_tca_fwd_64(TG_TCA_FWD_ARGS) {
     __shared__ __align__(16) unsigned short smem[TG_TCA_SMEM_64];
@@ -493,12 +505,13 @@ extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS) tg_tca_fwd_256(TG_T
     float *dk, float *dv, const unsigned short *q, const unsigned short *k,                 \
         const unsigned short *v, const unsigned short *gb, const float *lse,                 \
         const float *delta, const int *segs, int H, int KV, int T, int hd, float scale,      \
-        int causal, int window, int tok
+        int causal, int window, int tok, int asis
 #define TG_TCA_DQ_ARGS                                                                     \
     float *dq, const unsigned short *q, const unsigned short *k, const unsigned short *v,   \
         const unsigned short *gb, const float *lse, const float *delta, const int *segs,     \
-        int H, int KV, int T, int hd, float scale, int causal, int window, int tok
-#define TG_TCA_BWD_CALL q, k, v, gb, lse, delta, segs, H, KV, T, hd, scale, causal, window, tok
+        int H, int KV, int T, int hd, float scale, int causal, int window, int tok, int asis
+#define TG_TCA_BWD_CALL \
+    q, k, v, gb, lse, delta, segs, H, KV, T, hd, scale, causal, window, tok, asis
 
 extern "C" __global__ void __launch_bounds__(TG_TCA_THREADS)
 tg_tca_bwd_dkdv_64(TG_TCA_DKDV_ARGS) {

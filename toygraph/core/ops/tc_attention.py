@@ -3,13 +3,17 @@
 lowering hands them over; at "f32" and "tf32" the f32 kernels of flash_attention.cu run,
 the exact path, so f32 results never change).
 
-The activations are f32, so the operands are first rounded to bf16 copies in scratch,
-heads first whatever the op's layout (a token-major operand is read through its row
-stride by the copy itself), rows zero-padded from the head dim hd to the kernels' bound HD
-(tg_tca_to_bf16; a bf16 activation path would hand them over as they are). ``attention``
-then runs tg_tca_fwd_<HD>, which writes o (in the operands' layout) and the row
-log-sum-exp L into the attention node. ``attention_back`` reads that L: D = rowsum(dO o)
-and dO as bf16 (tg_tca_bwd_prep), dk/dv and dq, and with sinks their gradient
+An operand the plan keeps in bf16 (cuda/storage.py: q and k from rope, v and dO from
+products) that is token-major with hd equal to the kernels' bound HD is read as it lies
+(bit j of the kernels' ``asis``: q, k, v, dO; :func:`reads_as_is`). Any other operand is
+first copied to bf16 in scratch, heads first whatever the op's layout (a token-major
+operand is read through its row stride by the copy itself; an f32 one rounded, a bf16
+one copied), rows zero-padded from the head dim hd to HD (tg_tca_to_bf16). Either way the
+kernels see the same bf16 values: rounding an f32 activation in the copy or when its
+maker stores it in bf16 is the same rounding. ``attention`` then runs tg_tca_fwd_<HD>,
+which writes o (in the operands' layout) and the row log-sum-exp L into the attention
+node. ``attention_back`` reads that L: D = rowsum(dO o) and, unless dO is read as it lies,
+dO as bf16 (tg_tca_bwd_prep), dk/dv and dq, and with sinks their gradient
 (flash_attention.cu's tg_attn_bwd_sinks, from the same L and D).
 
 Scratch (bytes, 16-byte aligned regions): q, k, v [and dO] as bf16 [rows, HD], then D f32
@@ -45,12 +49,19 @@ def tc_scratch(node, dims) -> int:
     return 2 * HD * (2 * q_rows + 2 * kv_rows) + 4 * q_rows
 
 
-def _to_bf16(dst: int, src: int, rows: int, hd: int, HD: int, heads_t: list) -> Launch:
+def reads_as_is(at, x, token_major: bool, hd: int) -> bool:
+    """Whether the kernels read operand ``x`` where it lies: kept in bf16, token-major rows
+    of exactly HD elements (no padding to add). Otherwise they read a copy."""
+    return at.half(x) and token_major and hd == tc_head_dim(hd)
+
+
+def _to_bf16(dst: int, src: int, rows: int, hd: int, HD: int, heads_t: list,
+             src_bf16: bool) -> Launch:
     if rows * HD > MAX_ELEMENTS:
         raise CudaError(f"attention: {rows} x {HD} operand elements exceed the kernels' int "
                         f"indexing ({MAX_ELEMENTS})")
     return Launch("tg_tca_to_bf16", grid_1d(rows * HD), [p(dst), p(src), i32(rows), i32(hd),
-                                                         i32(HD), *heads_t])
+                                                         i32(HD), *heads_t, i32(src_bf16)])
 
 
 def tc_attention_launches(node, at, dims, token_major: bool, lse: int,
@@ -72,22 +83,34 @@ def tc_attention_launches(node, at, dims, token_major: bool, lse: int,
     tiles = (T + TCA_BQ - 1) // TCA_BQ
     block = (TCA_THREADS, 1, 1)
     q_heads, kv_heads = [i32(H), i32(T), tok], [i32(KV), i32(T), tok]
-    launches = [_to_bf16(qb, at.ptr(q), q_rows, hd, HD, q_heads),
-                _to_bf16(kb, at.ptr(k), kv_rows, hd, HD, kv_heads),
-                _to_bf16(vb, at.ptr(v), kv_rows, hd, HD, kv_heads)]
+    launches, read, asis = [], [], 0
+    for j, (x, copy, rows, heads_t) in enumerate(((q, qb, q_rows, q_heads),
+                                                  (k, kb, kv_rows, kv_heads),
+                                                  (v, vb, kv_rows, kv_heads))):
+        if reads_as_is(at, x, token_major, hd):
+            asis |= 1 << j
+            read.append(p(at.ptr(x)))
+        else:
+            launches.append(_to_bf16(copy, at.ptr(x), rows, hd, HD, heads_t, at.half(x)))
+            read.append(p(copy))
     if node.op == "attention":
         return launches + [Launch(f"tg_tca_fwd_{HD}", (tiles, H, B),
-                                  [p(at.out), p(lse), p(qb), p(kb), p(vb), segs, sink, *common],
+                                  [p(at.out), p(lse), *read, segs, sink, *common, i32(asis)],
                                   block)]
     fwd, g = rest   # o is the attention node's first q.size elements, L follows
     gb = vb + 2 * HD * kv_rows
     delta = gb + 2 * HD * q_rows
+    if reads_as_is(at, g, token_major, hd):
+        asis |= 8
+        g_read, gb = at.ptr(g), 0     # tg_tca_bwd_prep then only sums D
+    else:
+        g_read = gb
     dq, dk, dv = at.out, at.out + 4 * q.size, at.out + 4 * (q.size + k.size)
-    operands = [p(qb), p(kb), p(vb), p(gb), p(lse), p(delta), segs, *common]
+    operands = [*read, p(g_read), p(lse), p(delta), segs, *common, i32(asis)]
     launches += [
         Launch("tg_tca_bwd_prep", grid_1d(q_rows), [p(gb), p(delta), p(at.ptr(fwd)),
                                                     p(at.ptr(g)), i32(q_rows), i32(hd),
-                                                    i32(HD), *q_heads]),
+                                                    i32(HD), *q_heads, i32(2 * at.half(g))]),
         Launch(f"tg_tca_bwd_dkdv_{HD}", (tiles, KV, B), [p(dk), p(dv), *operands], block),
         Launch(f"tg_tca_bwd_dq_{HD}", (tiles, H, B), [p(dq), *operands], block)]
     if sinks is not None:
