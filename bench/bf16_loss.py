@@ -8,6 +8,7 @@ per-step losses and their relative distance from the reference.
     python bench/bf16_loss.py --layers 2 --steps 4 --json out.json --md out.md
     TOYGRAPH_CUDA_DEVICE=0 python bench/bf16_loss.py --layers 30 --steps 20   # a GPU, whole model
     TOYGRAPH_CUDA_DEVICE=0 python bench/bf16_loss.py --gguf .gpu/smollm2-8l.gguf   # a file as is
+    python bench/bf16_loss.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --runs 0,3   # two runs
 
 The host executor runs every CUDA thread as a fiber, so here the model is a slice of
 SmolLM2-135M-Instruct's first ``--layers`` blocks (bench/slice_gguf.py: the file's own
@@ -38,6 +39,13 @@ RUNS = (("numpy f32", "cpu", "f32", True), ("cuda f32", "cuda", "f32", True),
 
 def run(path: Path, backend: str, precision: str, steps: int, batch: int, seq: int,
         lr: float) -> list[float]:
+    """The per-step losses of the LoRA run."""
+    return trainer(path, backend, precision, steps, batch, seq, lr)[1].run()
+
+
+def trainer(path: Path, backend: str, precision: str, steps: int, batch: int, seq: int,
+            lr: float):
+    """(the realized LoRA recipe, its Trainer over ``steps`` steps of the capitals data)."""
     from toygraph.core.optimizer import AdamWSettings, Schedule
     from toygraph.data.batches import Batch
     from toygraph.fixtures.experiments import capitals_batches
@@ -52,7 +60,7 @@ def run(path: Path, backend: str, precision: str, steps: int, batch: int, seq: i
     pos = np.tile(np.arange(seq, dtype=np.int32), (batch, 1))
     micro = [Batch(t, pos, lab, int((lab != -1).sum())) for t, lab in data]
     sched = Schedule(lr, "cosine", warmup=min(1, steps - 1), total=steps, floor=lr / 10)
-    return Trainer(recipe, micro.__getitem__, sched, steps, adamw=AdamWSettings()).run()
+    return recipe, Trainer(recipe, micro.__getitem__, sched, steps, adamw=AdamWSettings())
 
 
 def main(argv=None) -> int:
@@ -63,6 +71,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--runs", default=",".join(str(i) for i in range(len(RUNS))),
+                    help="which of the runs, by index (0 numpy f32, the reference, is always run): "
+                         + "; ".join(f"{i} {r[0]}" for i, r in enumerate(RUNS)))
     ap.add_argument("--json")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
@@ -74,7 +85,8 @@ def main(argv=None) -> int:
         path = Path(args.gguf) if args.gguf else Path(tmp) / f"smollm2-{args.layers}l.gguf"
         if not args.gguf:
             slice_gguf(smollm2_path(), path, args.layers, quiet=True)
-        for name, backend, precision, storage in RUNS:
+        picked = sorted({0} | {int(i) for i in args.runs.split(",")})
+        for name, backend, precision, storage in (RUNS[i] for i in picked):
             for var in ("TOYGRAPH_CUDA_BF16_ACTIVATIONS", "TOYGRAPH_CUDA_DUAL_GEMM"):
                 os.environ[var] = "1" if storage else "0"
             t0 = time.perf_counter()

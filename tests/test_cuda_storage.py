@@ -41,8 +41,12 @@ def test_the_plan_keeps_in_bf16_only_what_bf16_readers_read(tiny_llama):
     glus = [t for t in order if t.op == "glu"]
     for t in glus:      # each layer's act, and the gate and up products it reads
         assert {t.id, t.srcs[0].id, t.srcs[1].id} <= half
-        for proj in t.srcs:   # LoRA's x W^T + s u B: the base product (the add) and u
-            assert proj.op == "matmul_add" and {proj.srcs[0].id, proj.srcs[1].id} <= half
+        for proj in t.srcs:   # LoRA's x W^T + s u B: u in bf16, the add (base product) f32
+            assert proj.op == "matmul_add" and proj.srcs[1].id in half
+    # A matmul_add's add is a sum of gradient contributions (or the base product): f32, so
+    # no partial sum of a reduction is rounded to bf16.
+    adds = [t.srcs[0] for t in order if t.op == "matmul_add"]
+    assert adds and not any(a.id in half for a in adds)
     assert any(by_id[i].op == "glu_back" for i in half)
     residual = [t for t in order if t.op == "rms_norm"][0].srcs[0]
     assert residual.id not in half

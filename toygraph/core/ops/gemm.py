@@ -469,8 +469,11 @@ def _lower_matmul(node, at):
     return pre + [_matmul(node, at.out, at.ptr)]
 
 
+# The add is read in f32: matmul_add chains are sums of gradient contributions (dx of the
+# q, k, v or gate and up projections and their adapters), and a bf16 partial sum would round
+# the reduction at every term. Only the product's operands may be bf16.
 @lowers("matmul_add", kernels=("tg_matmul", "tg_scale", "tg_scale_vec", "tg_matmul_add_epilogue"),
-        scratch=_matmul_scratch, block_format=_weight_in_blocks, bf16_reads=(0, 1, 2),
+        scratch=_matmul_scratch, block_format=_weight_in_blocks, bf16_reads=(1, 2),
         bf16_writes=True, absorbs=_absorbs)
 def _lower_matmul_add(node, at):
     """The product as matmul lowers it, and the epilogue out = add + alpha * product: in
