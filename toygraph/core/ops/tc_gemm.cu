@@ -368,26 +368,20 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_bf16(
     int N, int Kp, int splits, int kts, int nbatch, Strided batch, const void* add, \
     float alpha, int bf16, int K, int lda, int ldb
 // (the stages hold a k-major slice too: TCG_BK x TCG_LDT = 4352 <= TC_BM x TCG_LD = 5120)
+#define TG_TCG_KM_BODY(A_KM, B_KM)                                                          \
+    __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];                      \
+    __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];                      \
+    tcg_gemm<false, A_KM, B_KM>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha, \
+                                bf16, TcgSecond{nullptr, nullptr, 0, 0, K, lda, ldb}, tcg_As, \
+                                tcg_Bs)
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_ta_bf16(TG_TCG_KM_ARGS) {
-    __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
-    __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
-    tcg_gemm<false, true, false>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha,
-                                 bf16, TcgSecond{nullptr, nullptr, 0, 0, K, lda, ldb}, tcg_As,
-                                 tcg_Bs);
+    TG_TCG_KM_BODY(true, false);
 }
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_tb_bf16(TG_TCG_KM_ARGS) {
-    __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
-    __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
-    tcg_gemm<false, false, true>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha,
-                                 bf16, TcgSecond{nullptr, nullptr, 0, 0, K, lda, ldb}, tcg_As,
-                                 tcg_Bs);
+    TG_TCG_KM_BODY(false, true);
 }
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) tg_tcg_gemm_tab_bf16(TG_TCG_KM_ARGS) {
-    __shared__ __align__(16) unsigned short tcg_As[2][TC_BM * TCG_LD];
-    __shared__ __align__(16) unsigned short tcg_Bs[2][TC_BN * TCG_LD];
-    tcg_gemm<false, true, true>(out, a, b, M, N, Kp, splits, kts, nbatch, batch, add, alpha,
-                                bf16, TcgSecond{nullptr, nullptr, 0, 0, K, lda, ldb}, tcg_As,
-                                tcg_Bs);
+    TG_TCG_KM_BODY(true, true);
 }
 
 // out = A B^T + A2 B2^T in one accumulation (a LoRA projection x W^T + s u B^T with s in
