@@ -25,6 +25,7 @@ LAYERS = [
     ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment", "toygraph.atomic",
                     "toygraph.moved")),
     ("the GGUF file", ("toygraph.gguf",)),
+    ("the CPU engine", ("toygraph.cpu",)),
     ("CUDA lowering API", ("toygraph.cuda.lowering",)),
     ("graph core and backends", ("toygraph.core", "toygraph.cuda")),
     ("models", ("toygraph.models",)),

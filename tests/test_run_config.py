@@ -242,7 +242,7 @@ def test_f64_buffers_are_a_separate_cpu_setting():
 
 
 def test_base_memory_reaches_the_session_and_run_start(tiny_llama, tmp_path):
-    """--base-memory quantized keeps the block-format base as block bytes (core/base_memory.py),
+    """--base-memory quantized keeps the block-format base as block bytes (core/frozen_base.py),
     and run_start says what the plan holds."""
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"word {i} " * 8}) + "\n" for i in range(4)))

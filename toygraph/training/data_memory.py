@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from toygraph.core.base_memory import available_bytes
+from toygraph.core.frozen_base import available_bytes
 from toygraph.errors import DataError
 
 #: Files with fewer rows are tokenized without an estimate (they fit anywhere).

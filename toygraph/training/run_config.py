@@ -25,7 +25,7 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from toygraph.adapters.modelfile import ollama_name_error
-from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
+from toygraph.core.frozen_base import MODES as BASE_MEMORY_MODES
 from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
 from toygraph.models.decoder import LoraConfig, expand_targets
