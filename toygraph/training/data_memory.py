@@ -5,7 +5,7 @@ Tokenizing keeps every row's token ids and target mask (numpy arrays: 5 bytes a 
 ``ESTIMATE_FROM_ROWS`` rows or more we tokenize an evenly spaced sample first, measure what
 its items occupy (``deep_size``: the objects themselves, not a per-token constant) and
 scale by the row count; the estimate goes into the "tokenizing ..." line, and one that
-exceeds the memory the machine has available is refused in one line before the work.
+exceeds the memory this process may use (toygraph/limits.py) is refused in one line before the work.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from toygraph.core.base_memory import available_bytes
 from toygraph.errors import DataError
+from toygraph.limits import limit_words
 
 #: Files with fewer rows are tokenized without an estimate (they fit anywhere).
 ESTIMATE_FROM_ROWS = 1000
@@ -66,6 +67,6 @@ def check_tokenized_memory(estimate: int | None, what: str, rows: int, size_text
     free = available_bytes()
     if free is not None and estimate > free:
         raise DataError(f"{what}: tokenizing {rows:,} rows needs about {size_text(estimate)} "
-                        f"of memory (estimated from {SAMPLE_ROWS} rows) and this machine has "
-                        f"{size_text(free)} available; use --max-examples or a smaller file")
+                        f"of memory (estimated from {SAMPLE_ROWS} rows) and this process has "
+                        f"{size_text(free)} available{limit_words()}; use --max-examples or a smaller file")
     return f"; about {size_text(estimate)} in memory, estimated from {SAMPLE_ROWS} rows"
