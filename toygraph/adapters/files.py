@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from toygraph.atomic import atomic_write
-from toygraph.bounded import excerpt, load_json, printable
+from toygraph.bounded import excerpt, load_json, printable, regular_file_error
 from toygraph.errors import DataError
 from toygraph.gguf.reader import BoundedReader
 from toygraph.adapters import experts
@@ -255,7 +255,7 @@ _BASE_KEEPING_INITS = (True, False, "gaussian", "eva", "orthogonal")
 def _read_peft_config(path: Path) -> dict:
     """adapter_config.json, every key that changes the math honoured or refused by name
     (an unknown key with a value set is refused: we cannot know it changes nothing)."""
-    if not path.is_file():
+    if not path.exists():   # anything else but a regular file is refused by load_json
         raise DataError(f"{path}: missing PEFT adapter config")
     config = load_json(path, max_bytes=1 << 20, allow_nan=True)   # NaN: named by its key below
     if not isinstance(config, dict):
@@ -400,8 +400,10 @@ def read_peft(dir, cfg) -> PeftAdapter:
         raise DataError(f"{dir}: no such adapter directory")
     config = _read_peft_config(dir / CONFIG_FILE)
     wpath = dir / WEIGHTS_FILE
-    if not wpath.is_file():
+    if not wpath.exists():
         raise DataError(f"{wpath}: missing adapter weights (only safetensors is supported)")
+    if regular_file_error(wpath):   # a FIFO or a device: never opened
+        raise DataError(f"{wpath}: {regular_file_error(wpath)}")
     try:
         raw = load_file(str(wpath))
         with safe_open(str(wpath), "np") as f:
