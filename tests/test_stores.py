@@ -209,6 +209,18 @@ def test_a_deeply_nested_manifest_is_one_line_and_the_listing_goes_on(capsys, ol
     assert "nested" in rows["ollama:deep:latest"]["skipped"] and "skipped" not in rows["ollama:tiny:1b"]
 
 
+@pytest.mark.parametrize("params, needle", [
+    (b'{"stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON nested 100001 levels deep"),
+    (b'{"temperature": NaN}', "NaN is not a JSON number"),
+    (b'["stop"]', "the params layer is not a JSON object"),
+    (b'{"stop": "\xff"}', "not UTF-8 text"),
+])
+def test_a_hostile_params_layer_is_one_line(capsys, ollama_store, tiny_llama, params, needle):
+    add_ollama_model(ollama_store, "registry.ollama.ai/library/p/latest", tiny_llama, params=params)
+    code, _, err = run(capsys, "eval", "--model", "ollama:p", "--tokens", "1,2")
+    assert code == 2 and err.count("\n") == 1 and needle in err and "the params layer" in err, err
+
+
 def _hf_cache(root: Path, repo: str, files: dict[str, Path], rev: str = "abc123") -> Path:
     """The hub client's layout: blobs by hash, snapshot files linking to them, refs/main."""
     repo_dir = root / f"models--{repo.replace('/', '--')}"
