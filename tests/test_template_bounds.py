@@ -93,7 +93,7 @@ def test_ordinary_templates_render_as_before(tok):
     # a merge naming a token the vocabulary lacks ("~~" and "~" are not tokens here)
     (lambda merge: b"~~ " + b"~" * (len(merge) - 3), "cannot build a BPE tokenizer"),
     (lambda merge: b"~" * len(merge), "cannot build a BPE tokenizer"),        # no pair at all
-    (lambda merge: b"\xff" + merge[1:], "'tokenizer.ggml.merges' is not valid UTF-8 text"),
+    (lambda merge: b"\xff" + merge[1:], "'tokenizer.ggml.merges': string #0 of the array is not valid UTF-8"),
 ])
 def test_a_broken_merges_list_is_one_line_naming_the_file(tiny_llama, tmp_path, change, needle):
     """A merge naming a token the vocabulary lacks, or merges that are not UTF-8 text, fail
