@@ -42,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 
+from toygraph.bounded import load_json
 from toygraph.errors import ToygraphError
 
 BUILT_IN = ("regex:PATTERN", "exact:FIELD", "json", "json-schema:FILE", "length:MIN:MAX")
@@ -191,7 +192,7 @@ _INVALID = object()
 def _json(text: str):
     try:
         return json.loads(text.strip())
-    except ValueError:
+    except (ValueError, RecursionError):   # a completion nested past the parser's depth too
         return _INVALID
 
 
@@ -242,12 +243,8 @@ _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null":
 
 
 def _load_schema(path: str, spec: str) -> dict:
-    try:
-        schema = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise RewardError(f"--reward {spec}: cannot read {path} ({e.strerror or e})") from None
-    except ValueError as e:
-        raise RewardError(f"--reward {spec}: {path} is not JSON ({e})") from None
+    # bounded (toygraph/bounded.py): a regular file, nesting and size limited
+    schema = load_json(path, f"--reward {spec}", max_bytes=1 << 20, error=RewardError)
     where = check_schema(schema)
     if where:
         raise RewardError(f"--reward {spec}: {where}")

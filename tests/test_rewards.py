@@ -80,7 +80,7 @@ def test_conversational_completions_are_messages():
     (["length:9:2"], None, "expected length:MIN:MAX with 0 <= MIN <= MAX"),
     (["frobnicate"], None, "--reward 'frobnicate': not a reward"),
     (["no_such_module_x:f"], None, "--reward no_such_module_x:f: cannot import it"),
-    (["json-schema:/no/such.json"], None, "cannot read /no/such.json"),
+    (["json-schema:/no/such.json"], None, "json-schema:/no/such.json: cannot read it"),
     (["json", "json"], ["1"], "1 finite numbers needed, one per --reward (2)"),
     (["json"], ["x"], "--reward-weights must be numbers"),
 ])

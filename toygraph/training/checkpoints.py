@@ -19,11 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from toygraph.atomic import file_sha256, temp_dir
+from toygraph.bounded import excerpt, load_json
 from toygraph.errors import DataError
 from toygraph.training.run_dir import io_error
 
 MANIFEST = "manifest.json"
 REQUIRED = ("state.json", "trainable.safetensors", "optimizer.safetensors")
+#: state.json holds the loop state and options (kilobytes; a bound for a hostile one).
+STATE_BYTES = 64 << 20
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -102,13 +105,15 @@ def verify_checkpoint(path: Path) -> str | None:
     if not manifest.is_file():
         missing = [n for n in REQUIRED if not (path / n).is_file()]
         return f"missing {missing[0]}" if missing else f"no {MANIFEST} (incomplete write)"
-    try:
-        doc = json.loads(manifest.read_text())
-    except (OSError, ValueError) as e:
+    try:   # bounded: toygraph/bounded.py
+        doc = load_json(manifest, max_bytes=1 << 20)
+    except DataError as e:
         return f"unreadable {MANIFEST}: {e}"
     if not isinstance(doc, dict) or not set(REQUIRED) <= set(doc):
         return f"{MANIFEST} does not list {', '.join(REQUIRED)}"
     for name, want in doc.items():
+        if not isinstance(want, dict):
+            return f"{MANIFEST} gives {excerpt(name)} no size and sha256"
         f = path / name
         if not f.is_file():
             return f"missing {name}"
@@ -145,10 +150,10 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
     try:
-        state = json.loads((path / "state.json").read_text())
+        state = load_json(path / "state.json", max_bytes=STATE_BYTES)
         return (state, load_file(str(path / "trainable.safetensors")),
                 load_file(str(path / "optimizer.safetensors")))
-    except (ValueError, OSError, SafetensorError) as e:
+    except (ValueError, OSError, SafetensorError, DataError) as e:
         raise DataError(f"{path}: unreadable checkpoint: {e}") from None
 
 

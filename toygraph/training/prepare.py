@@ -20,7 +20,8 @@ from toygraph.models.model import GGUFModel
 from toygraph.models.stores import Source, resolve_store, store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
-from toygraph.training.data_memory import check_tokenized_memory, estimate_tokenized_bytes
+from toygraph.training.data_memory import (check_tokenized_memory, estimate_tokenized_bytes,
+                                           rows_bytes)
 from toygraph.training.loop import LoopState
 from toygraph.training.reporting import reporter_names
 from toygraph.training.resume import check_resume, model_fingerprint, model_identity
@@ -103,7 +104,8 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     estimates = [estimate_tokenized_bytes(
         lambda sample: cls.encode_data(sample, tok, run_cfg.seq_len), rows) for rows in files]
     known = [e for e in estimates if e is not None]
-    memory = check_tokenized_memory(sum(known) if known else None, names, n_rows, size_text)
+    memory = check_tokenized_memory(sum(known) if known else None, names, n_rows, size_text,
+                                    held=rows_bytes(files))
     say(f"tokenizing {n_rows:,} rows of {names} (template: {tok.template_name}{memory}) ...")
     ticker = Ticker("tokenizing, row", say)
     encoded = [cls.encode_data(rows, tok, run_cfg.seq_len, progress=ticker) for rows in files]

@@ -91,6 +91,10 @@ def _load_adapter_init(run_cfg: RunConfig, recipe):
     if rank != run_cfg.rank or set(targets) != set(run_cfg.targets):
         raise DataError(f"{run_cfg.adapter_init}: adapter has rank {rank} and targets {targets}; "
                         f"the run asks for rank {run_cfg.rank} and {list(run_cfg.targets)}")
+    if adapter.alpha != float(run_cfg.alpha):   # refused, as rank is: run.yaml says the scale
+        raise DataError(f"{run_cfg.adapter_init}: adapter has lora_alpha {adapter.alpha:g}; the run "
+                        f"asks for --alpha {run_cfg.alpha:g} (the update's scale): give --alpha "
+                        f"{adapter.alpha:g} to continue it as it was trained")
     for key, flag in (("rslora", "--rslora"), ("dora", "--dora")):
         want = bool(getattr(run_cfg, key, False))
         if getattr(adapter, key) != want:

@@ -18,7 +18,8 @@ import socket
 import time
 from pathlib import Path
 
-from toygraph.errors import ToygraphError
+from toygraph.bounded import parse_json
+from toygraph.errors import DataError, ToygraphError
 
 LOCK_FILE = ".lock"
 EVENTS_FILE = "events.jsonl"
@@ -232,9 +233,9 @@ def read_events(path: Path) -> list[dict]:
     for i, line in enumerate(lines):
         if not line.strip():
             continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
+        try:   # bounded: a deeply nested line is refused, never a RecursionError
+            out.append(parse_json(line.decode("utf-8", "replace"), f"{path}:{i + 1}"))
+        except DataError:
             if i < len(lines) - 1 and any(x.strip() for x in lines[i + 1:]):
                 raise RunError(f"{path}:{i + 1}: not a JSON event") from None
     return out
