@@ -43,6 +43,7 @@ from typing import Callable
 import numpy as np
 
 from toygraph.errors import ToygraphError
+from toygraph.files import open_regular
 
 BUILT_IN = ("regex:PATTERN", "exact:FIELD", "json", "json-schema:FILE", "length:MIN:MAX")
 
@@ -243,7 +244,8 @@ _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null":
 
 def _load_schema(path: str, spec: str) -> dict:
     try:
-        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+        with open_regular(path, "--reward json-schema:", RewardError, mode="r") as f:
+            schema = json.loads(f.read())
     except OSError as e:
         raise RewardError(f"--reward {spec}: cannot read {path} ({e.strerror or e})") from None
     except ValueError as e:
