@@ -51,11 +51,9 @@ def check_regular_file(path, what: str, error=ToygraphError) -> Path:
 def open_regular(path, what: str, error=ToygraphError, mode: str = "rb"):
     """``path`` opened for reading, refused (``error``, one line) unless it is a regular file.
     Opened without blocking (a FIFO with no writer does not wait) and checked on the open
-    descriptor, so the file checked is the file read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError as e:
-        raise error(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    descriptor, so the file checked is the file read. A file that cannot be opened is the
+    OSError of ``open``, for the caller to word."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         kind = not_regular(os.fstat(fd).st_mode)
         if kind is not None:
