@@ -580,3 +580,25 @@ def test_a_second_ctrl_c_during_an_evaluation_stops_at_once(tiny_llama, chat_dat
                            "checkpoint written for it")
     assert [st for st, _ in list_checkpoints(out)] == []   # step 3's state was not saved
     assert read_events(out / "events.jsonl")[-1]["status"] == "interrupted"
+
+
+def test_export_never_writes_over_the_adapter_it_reads(base_run, tmp_path, capsys):
+    """``export --adapter runs/x --out runs/x/adapter.gguf`` (or one file in and out)
+    replaced the run's adapter with the merged model, without a word."""
+    from toygraph.cli import main
+    model, _, first = base_run
+    run = tmp_path / "run"
+    shutil.copytree(first, run)
+    (tmp_path / "link.gguf").hardlink_to(run / "adapter.gguf")
+    before = snapshot(run)
+    for adapter, out in ((run, run / "adapter.gguf"), (run, run / "adapter_model.safetensors"),
+                         (run / "adapter.gguf", run / "adapter.gguf"),
+                         (run / "adapter.gguf", tmp_path / "link.gguf"),
+                         (run / "checkpoints" / "step-000006",
+                          run / "checkpoints" / "step-000006" / "adapter_model.safetensors")):
+        code = main(["export", "--model", str(model), "--adapter", str(adapter), "--out", str(out)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "which the export reads" in err, err
+    assert snapshot(run) == before
+    assert main(["export", "--model", str(model), "--adapter", str(run),
+                 "--out", str(run / "merged.gguf")]) == 0   # beside it is fine
