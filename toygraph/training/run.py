@@ -36,6 +36,7 @@ from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
 from toygraph.models.stores import store_of
 from toygraph.recipes import recipe_class
+from toygraph.training.bus_error import BusErrorGuard
 from toygraph.training.checkpoints import load_checkpoint, restore_swapped
 from toygraph.training.guard import Diverged, DivergenceGuard
 from toygraph.training.loop import Trainer
@@ -140,12 +141,17 @@ def run_training(run_cfg: RunConfig) -> dict:
     try:
         say = _say if w.rank == 0 and not run_cfg.quiet else (lambda text: None)
         prep = agreed_call(w, prepare, run_cfg, w.size, say)
-        out, lock = agreed_call(w, _open_out, run_cfg, prep, w.rank)
-        try:
-            return _run_locked(run_cfg, prep, out, w, say)
-        finally:
-            if lock is not None:
-                lock.release()
+        # The model is mapped: a file truncated under the run is a SIGBUS (bus_error.py).
+        with BusErrorGuard([prep.model.path], "toygraph finetune",
+                           f"; restore it and continue with --resume {run_cfg.out}") as bus:
+            out, lock = agreed_call(w, _open_out, run_cfg, prep, w.rank)
+            try:
+                if lock is not None:
+                    bus.last_words.append(lambda reason: lock.release())
+                return _run_locked(run_cfg, prep, out, w, say, bus.last_words)
+            finally:
+                if lock is not None:
+                    lock.release()
     except BaseException as e:
         if w.size > 1 and not is_agreed(e):
             w.fail(f"failed: {_one_line(e)}")
@@ -211,7 +217,11 @@ def _prepare_training(run_cfg: RunConfig, prep: Prepared, out: Path, say) -> Non
         raise io_error(f"the run file into {out}", e) from None
 
 
-def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) -> dict:
+def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
+                last_words: list) -> dict:
+    """The run in its locked directory. ``last_words``: what a bus error (bus_error.py)
+    calls before the process ends; the run adds its run_end and, while an extension
+    trains, putting the finished result back."""
     t0 = time.perf_counter()
     say(f"building the training step ({run_cfg.recipe} on {run_cfg.backend}) ...")
     recipe = agreed_call(w, _realize, run_cfg, prep, w.size)
@@ -245,6 +255,8 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
         record_run_id(out, prep.state.run_id)
     log = (EventLog(out / EVENTS_FILE, open_reporters(run_cfg.report_to, out, run_cfg.options()))
            if w.rank == 0 else NullLog())
+    if w.rank == 0:
+        last_words.insert(0, lambda reason: _last_words(log, trainer, out, reason))
     packing = recipe.packing_report(prep.train, run_cfg.batch, run_cfg.seq_len)
     _log_start(run_cfg, prep, log, recipe, total, realize_s, packing, ranks)
     progress = Progress(total, run_cfg.quiet or w.rank != 0, first_step=prep.state.step)
@@ -301,6 +313,15 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
     if error is not None:
         raise error
     return summary
+
+
+def _last_words(log, trainer, out: Path, reason: str) -> None:
+    """What a run records when a bus error ends its process (no reporters: the event line
+    alone), and an extension's finished result put back unless its training ended."""
+    log.write_line("run_end", status="failed", reason=reason, steps=trainer.state.step,
+                   best_val_loss=trainer.state.best_val, out=str(out))
+    if trainer.state.status != "finishing":
+        restore_result(out)
 
 
 def _lora_meta(run_cfg: RunConfig, prep: Prepared, recipe) -> dict | None:

@@ -233,12 +233,20 @@ class EventLog:
             raise io_error(f"the event log {path}", e) from None
 
     def write(self, event: str, **fields):
+        self.write_line(event, **fields)
+        try:
+            for reporter in self.reporters:
+                reporter.write(event, fields)
+        except OSError as e:
+            raise io_error(f"the event log {self.path}", e) from None
+
+    def write_line(self, event: str, **fields):
+        """The event's line in the log alone (``write`` also hands it to the reporters;
+        a process about to end, bus_error.py, writes only this)."""
         record = {"event": event, "time": round(time.time(), 3), **strict_json(fields)}
         line = (json.dumps(record, allow_nan=False) + "\n").encode()
         try:
             os.write(self.fd, line)
-            for reporter in self.reporters:
-                reporter.write(event, fields)
         except OSError as e:
             raise io_error(f"the event log {self.path}", e) from None
 
