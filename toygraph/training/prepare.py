@@ -15,11 +15,11 @@ from pathlib import Path
 from toygraph.data.batches import data_hash, pad_id_for, split_train_val
 from toygraph.data.mixing import mix_hash, mix_rows, mix_summary, parse_data_specs
 from toygraph.errors import DataError, GGUFError, ToygraphError
+from toygraph.files import check_regular_file
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.models.model import GGUFModel
 from toygraph.models.stores import Source, resolve_store, store_of
 from toygraph.recipes import recipe_class
-from toygraph.files import check_regular_file
 from toygraph.training.checkpoints import checkpoint_run_id, find_resumable, load_checkpoint
 from toygraph.training.data_memory import check_tokenized_memory, estimate_tokenized_bytes
 from toygraph.training.lineage import lineage
