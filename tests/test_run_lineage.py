@@ -154,6 +154,25 @@ def test_two_runs_racing_for_a_stale_lock_never_both_win(tmp_path, monkeypatch):
     results[winners[0]].release()
 
 
+def test_a_lock_of_a_live_process_without_flock_still_counts(tmp_path):
+    """A lock file an older toygraph wrote (O_EXCL, no flock) while its process lives."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = tmp_path / ".lock"
+        path.write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(),
+                                    "start": run_dir._process_start(other.pid)}))
+        with pytest.raises(RunError, match=rf"in use by another run \(pid {other.pid}\)"):
+            RunLock(path).acquire()
+    finally:
+        other.kill()
+        other.wait()
+    lock = RunLock(path)
+    lock.acquire()   # its process is gone: taken over
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("kind", ["fifo", "symlink"])
 def test_a_lock_that_is_not_a_regular_file_is_refused(tmp_path, kind):
     path = tmp_path / ".lock"
@@ -178,7 +197,7 @@ def _one_line_error_within(seconds: float, argv: list[str]) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("where", ["--config", "--data", "json-schema"])
+@pytest.mark.parametrize("where", ["--config", "--data", "json-schema", "eval --data"])
 def test_a_fifo_or_device_where_a_file_is_expected_is_refused(tiny_llama, tmp_path, where):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -190,6 +209,8 @@ def test_a_fifo_or_device_where_a_file_is_expected_is_refused(tiny_llama, tmp_pa
             argv = [*base, "--data", str(data), "--config", str(bad)]
         elif where == "--data":
             argv = [*base, "--data", str(bad)]
+        elif where == "eval --data":
+            argv = ["eval", "--model", str(tiny_llama), "--data", str(bad)]
         else:
             prompts = tmp_path / "prompts.jsonl"
             prompts.write_text('{"prompt": "say 1"}\n{"prompt": "say 2"}\n')
