@@ -170,7 +170,8 @@ def _say(text: str) -> None:
 
 def _open_out(run_cfg: RunConfig, prep: Prepared, rank: int):
     """Lock the run directory (rank 0 alone writes it), check under the lock that it still
-    holds the run prepare found, and record this run's id in it."""
+    holds the run prepare found, and put right what a killed run may have left half done
+    (a result set aside, best/ between its renames)."""
     if rank != 0:
         return Path(run_cfg.out), None
     out, lock = open_run_dir(run_cfg.out, resume=bool(run_cfg.resume),
@@ -179,6 +180,7 @@ def _open_out(run_cfg: RunConfig, prep: Prepared, rank: int):
         if not (run_cfg.overwrite and not run_cfg.resume):   # --overwrite replaces any run
             check_claim(out, prep.dir_run_id)
         settle_result(out)
+        restore_swapped(out / "best")   # a kill between best/'s two renames
     except BaseException:
         lock.release()
         raise
@@ -210,7 +212,6 @@ def _prepare_training(run_cfg: RunConfig, prep: Prepared, out: Path, say) -> Non
     if not set_aside_result(out):
         for name in FINAL_ARTIFACTS:   # what an interrupted write may have left
             (out / name).unlink(missing_ok=True)
-    restore_swapped(out / "best")
     try:
         write_run_file(run_cfg, out)  # the options as they are now: --config repeats them
     except OSError as e:
