@@ -149,9 +149,6 @@ def main(argv=None) -> int:
     except OSError as e:  # e.g. a broken pipe on the output; the run (if any) recorded it
         _report(args.command, e)
         return 1
-    except MemoryError:   # the run (if any) recorded it; its printed --resume goes on
-        _report(args.command, "out of memory (MemoryError)")
-        return 1
     except KeyboardInterrupt:  # before or after a run's own handling (loading, realizing)
         _report(args.command, "interrupted")
         return 130
