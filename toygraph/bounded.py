@@ -31,11 +31,11 @@ import json
 import os
 import re
 import reprlib
-import stat
 from itertools import accumulate
 from pathlib import Path
 
 from toygraph.errors import DataError
+from toygraph.files import not_regular
 
 #: Nesting any file toygraph reads needs is a handful of levels; 64 is far above it and
 #: far below Python's recursion limit.
@@ -99,10 +99,10 @@ def read_bytes(path, what: str | None = None, max_bytes: int = MAX_BYTES,
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise error(f"{what}: cannot read it ({e.strerror or e})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    kind = not_regular(os.fstat(fd).st_mode)
+    if kind is not None:
         os.close(fd)
-        raise error(f"{what}: not a regular file (a {file_kind(mode)}); give a file")
+        raise error(f"{what}: not a regular file ({kind}); give a file")
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
@@ -118,16 +118,8 @@ def regular_file_error(path) -> str | None:
         mode = os.stat(path).st_mode
     except OSError as e:
         return f"cannot read it ({e.strerror or e})"
-    return None if stat.S_ISREG(mode) else f"not a regular file (a {file_kind(mode)}); give a file"
-
-
-def file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"
+    kind = not_regular(mode)
+    return None if kind is None else f"not a regular file ({kind}); give a file"
 
 
 def size_words(n: int) -> str:

@@ -22,6 +22,7 @@ from toygraph.cli.finetune import add_finetune_parser
 from toygraph.cli.models import add_models_parser
 from toygraph.bounded import printable
 from toygraph.errors import ToygraphError
+from toygraph.files import check_regular_file
 from toygraph.limits import out_of_memory_text
 from toygraph.models.catalog import resolve_model
 from toygraph.training.supervisor import rate_text
@@ -49,6 +50,7 @@ def cmd_eval(args):
     else:
         from toygraph.data.batches import encode_dataset
         from toygraph.data.examples import load_examples
+        check_regular_file(args.data, "--data")   # a FIFO or a device would hang the reader
         enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
         if not enc.items:
             raise ToygraphError(f"{args.data}: no example has a target token")

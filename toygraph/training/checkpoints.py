@@ -157,11 +157,25 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
         raise DataError(f"{path}: unreadable checkpoint: {e}") from None
 
 
-def prune_checkpoints(run: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest step checkpoints (``best/`` lives apart and the
-    newest is the final one, so both stay) and leftovers of interrupted writes."""
+def checkpoint_run_id(path: Path) -> str | None:
+    """The run id a checkpoint's state records (toygraph/training/lineage.py); None for a
+    checkpoint written before runs had ids, or one whose state cannot be read."""
+    try:
+        run_id = json.loads((Path(path) / "state.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+def prune_checkpoints(run: Path, keep: int, run_id: str | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest step checkpoints of run ``run_id`` (``best/``
+    lives apart and the newest is the final one, so both stay) and leftovers of interrupted
+    writes. A checkpoint of another run (its state names another run id) is never deleted;
+    one with no run id predates them and counts as the directory's own."""
     folder = Path(run) / "checkpoints"
-    gone = [p for _, p in list_checkpoints(run)[:-keep]] if keep > 0 else []
+    ours = [p for _, p in list_checkpoints(run)
+            if run_id is None or checkpoint_run_id(p) in (run_id, None)]
+    gone = ours[:-keep] if keep > 0 else []
     if folder.is_dir():
         gone += [p for p in folder.iterdir() if p.name.startswith(".") or p.name.endswith(".old")]
     for p in gone:
@@ -192,26 +206,18 @@ def write_adapter(dest: Path, recipe, meta: dict, gguf_too: bool = True, values:
                           base_arch=recipe.model_cfg.arch, rslora=meta.get("rslora", False))
 
 
-def write_final(out: Path, recipe, lora_meta: dict | None, values: dict | None = None):
-    """The run's result at the top of ``out``: the adapter (LoRA) or ``weights.safetensors``,
-    of ``values`` (a checkpoint's weights: best/'s) or else the recipe's current weights.
-    Files are written into a temp dir and moved into place one by one."""
+def write_final(folder: Path, recipe, lora_meta: dict | None, values: dict | None = None):
+    """The run's result files into ``folder`` (a temp folder that result.publish moves to
+    the top of the run directory): the adapter (LoRA) or ``weights.safetensors``, of
+    ``values`` (a checkpoint's weights: best/'s) or else the recipe's current weights. A
+    safetensors failure is an OSError like any other write's."""
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
-    tmp = None
     try:
-        tmp = temp_dir(out, prefix=".final.")
         if lora_meta is not None:
-            write_adapter(tmp, recipe, lora_meta, values=values)
+            write_adapter(folder, recipe, lora_meta, values=values)
         else:
             save_file(values if values is not None else recipe.trainable(),
-                      str(tmp / "weights.safetensors"))
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-    except (OSError, SafetensorError) as e:
-        err = e if isinstance(e, OSError) else OSError(0, str(e))
-        raise io_error(f"the final adapter into {out}", err,
-                       "the final checkpoint in checkpoints/ is intact") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+                      str(folder / "weights.safetensors"))
+    except SafetensorError as e:
+        raise OSError(0, str(e)) from None

@@ -37,6 +37,7 @@ from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, NUM_GENERATIONS,
                                    TEMPERATURE, TOP_P)
 from toygraph.recipes.grpo_loss import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS, Objective
 from toygraph.recipes.preference import BETA, PreferenceRecipe
+from toygraph.recipes.rewards import REWARD_TIMEOUT
 
 #: How a resumed run treats an option: "same" must match the checkpoint unless
 #: ``--allow-change`` lists it; "free" may change (it steers how the run is carried out, or
@@ -120,6 +121,10 @@ class RunConfig:
     reward_weights: tuple[str, ...] | None = option(None, help="grpo: the --reward functions' weights, "
                                                       "comma-separated; none: 1 each",
                                              group="run", used_by=_grpo_recipes)
+    reward_timeout: float = option(REWARD_TIMEOUT, help="grpo: seconds a module:function "
+                                                        "reward may take per call (it runs in "
+                                                        "a process of its own); 0 = no limit",
+                                   group="run", used_by=_grpo_recipes, resume="free", low=0)
     # models by name (issue 26): hand the trained adapter back to Ollama under a new name
     to_ollama: str | None = option(None, help="after training, `ollama create` this model name "
                                               "from the run's Modelfile (FROM the base, ADAPTER "
