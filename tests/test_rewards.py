@@ -178,7 +178,8 @@ def test_a_reward_may_print_and_run_programs(hostile):
     ({"minLength": -1}, r"'minLength' must be an integer >= 0, got -1"),
     ({"pattern": "("}, r"'pattern' '\(' is not a regular expression"),
     ({"required": "capital"}, r"'required' must be a list of property names"),
-    ({"maximum": float("nan")}, r"'maximum' must be a finite number"),
+    ({"maximum": float("nan")}, r"NaN is not a JSON number"),   # the bounded reader's refusal
+    ({"maximum": "5"}, r"'maximum' must be a finite number"),
 ])
 def test_a_json_schema_is_itself_checked_first(tmp_path, schema, needle):
     """A typo in a keyword's value matched nothing: reward 0 for every completion, forever."""

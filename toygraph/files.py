@@ -19,13 +19,13 @@ from pathlib import Path
 
 from toygraph.errors import ToygraphError
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISDIR, "a directory"))
 
 
 def not_regular(mode: int) -> str | None:
-    """What a file of ``mode`` is when it is not a regular file ("a FIFO (named pipe)", ...);
+    """What a file of ``mode`` is when it is not a regular file ("a FIFO", ...);
     None for a regular file."""
     if stat.S_ISREG(mode):
         return None
