@@ -48,6 +48,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "the SmolLM2-135M-Instruct Q4_1 GGUF to use instead of searching for it"),
     Setting("TOYGRAPH_GEMMA3_270M", "path", "",
             "the Gemma 3 270M Q4_K_M GGUF to use instead of the one fetched into the cache"),
+    Setting("TOYGRAPH_QWEN25_CODER_05B", "path", "",
+            "the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF to use instead of the one fetched "
+            "into the cache"),
+    Setting("TOYGRAPH_QWEN25_CODER_15B", "path", "",
+            "the Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF to use instead of the one fetched "
+            "into the cache"),
     Setting("TOYGRAPH_OFFLINE", "flag", "0",
             "tests skip instead of downloading SmolLM2 or Gemma 3 270M when not on this machine"),
     Setting("TOYGRAPH_CUDA_DEVICE", "device", "0",
