@@ -26,7 +26,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 def build(scale_q: bool):
     import torch
     import transformers
-    from converted import tiny_sentencepiece_tokenizer
+    from support.converted import tiny_sentencepiece_tokenizer
     from random_hf import GEMMA4_E2B
     from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
     tok = tiny_sentencepiece_tokenizer(GemmaTokenizer)
@@ -83,7 +83,7 @@ def rel(a, b):
 
 def main():
     import pytest
-    from converted import convert, hf_model
+    from support.converted import convert, hf_model
     from test_gemma4 import exact_f64_reference
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale-q", action="store_true")
@@ -128,7 +128,7 @@ def main():
 
 
 def lora_steps(path, hf_dir, tmp: Path, n_vocab: int):
-    from converted import hf_model
+    from support.converted import hf_model
     from test_peft_reference import train_both
     from toygraph.models.decoder import TARGETS
     tokens = np.random.default_rng(0).integers(0, n_vocab, size=(1, 24)).astype(np.int32)

@@ -1,7 +1,7 @@
 """Random Qwen3.5- and Gemma-4-shaped models for benchmarks: built by transformers at the
 real models' layer shapes and vocabularies (fewer layers, so a CPU step fits in seconds),
 saved as a Hugging Face folder and written to GGUF by llama.cpp's convert_hf_to_gguf.py (as
-the tests do: tests/converted.py). toygraph reads the GGUF, torch + PEFT the folder: the
+the tests do: tests/support/converted.py). toygraph reads the GGUF, torch + PEFT the folder: the
 same f32 weights on both sides (transformers cannot read these architectures from GGUF).
 
 The shapes are the published configs' (Qwen3.5-0.8B, Gemma-4-E2B) with one period of
@@ -53,7 +53,7 @@ def _build(arch: str, dims: dict):
         tok.add_special_tokens({"eos_token": "<|endoftext|>"})
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**dims))
     else:
-        from converted import tiny_sentencepiece_tokenizer
+        from support.converted import tiny_sentencepiece_tokenizer
         from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
         tok = tiny_sentencepiece_tokenizer(GemmaTokenizer, pad_to=dims["vocab_size"])
         model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**dims))
@@ -68,7 +68,7 @@ def random_hf_model(name: str, cache: Path) -> tuple[Path, Path]:
     if gguf.is_file():
         return gguf, folder / name
     sys.path.insert(0, str(HERE.parent / "tests"))   # the converter the tests use
-    from converted import convert
+    from support.converted import convert
     arch, dims = SHAPES[name]
     model, tok = _build(arch, dims)
     folder.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,7 @@ def test_moe_lora_steps_are_bit_identical_with_the_experts_quantized(name, qtype
                                                                      monkeypatch):
     """The committed MoE fixtures with their experts (and attention) requantized: LoRA
     steps read only the chosen experts' blocks and give decode mode's losses bit for bit."""
-    from moe_references import requantize
+    from support.moe_references import requantize
     path = requantize(name, tmp_path / "m.gguf", {"_exps": qtype, "attn_q.": "q8_0"})
     ref, ref_losses = _steps(path, "decode", monkeypatch, targets=("q", "k", "v", "o"))
     got, losses = _steps(path, "quantized", monkeypatch, targets=("q", "k", "v", "o"))

@@ -30,7 +30,7 @@ from toygraph.core.session import Session  # noqa: E402
 pytestmark = pytest.mark.gpu
 # The parity helpers (and tolerances) are shared with the host-executor tests, which run
 # these same comparisons on the CPU in CI.
-from hostparity import ELEMENTWISE, REDUCTION, compare_op, qlinear, rel_err, rnd, run_phase  # noqa: E402,F401
+from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, qlinear, rel_err, rnd, run_phase  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("name,build,shapes,tol", [

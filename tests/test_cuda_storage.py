@@ -10,8 +10,8 @@ products also scale a bf16 operand (s dy), rounds twice there and so only tracks
 import numpy as np
 import pytest
 
-from cudaemu import lora_graph, training_plan
-from hostparity import MIXED_TOL, rel_err, rnd, run_phase
+from support.cudaemu import lora_graph, training_plan
+from support.hostparity import MIXED_TOL, rel_err, rnd, run_phase
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
@@ -417,7 +417,7 @@ def test_norms_reading_and_writing_bf16_track_f32_storage(monkeypatch):
 
 
 def test_norms_between_products_match_numpy_at_bf16():
-    from hostparity import compare_op
+    from support.hostparity import compare_op
 
     def build(x, w1, w, w2):
         return ops.matmul(ops.rms_norm(ops.matmul(x, w1), 1e-5, weight=w), w2)

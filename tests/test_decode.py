@@ -7,7 +7,7 @@ import pytest
 
 from toygraph.errors import GGUFError
 from toygraph.gguf import block_encode, blocks, decode
-from test_quant import random_blocks, reference
+from test_blocks import random_blocks, reference
 
 BLOCK_TYPES = [t for t in decode.FORMATS if t not in ("f16", "bf16")]
 

@@ -15,14 +15,14 @@ import re
 import numpy as np
 import pytest
 
-from cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
+from support.cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
 from toygraph.core import ops
 from toygraph.gguf import blocks
 from toygraph.core.autodiff import backward
 from toygraph.cuda import devmem
 from toygraph.cuda.lowering import dispatch
 from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS, LIST_TENSORS, TCA_HEAD_DIMS
-from kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
+from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import module_source
 from toygraph.cuda.lowering.launch import MAXD, Launch, f32, f64, i32, p, strided

@@ -6,7 +6,7 @@ view is still to be read overlaps the bytes it views."""
 import numpy as np
 import pytest
 
-from cudaemu import lora_graph, training_plan
+from support.cudaemu import lora_graph, training_plan
 from toygraph.core import memory, ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session

@@ -5,7 +5,7 @@ differentiated, as in the references)."""
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.memory import aligned

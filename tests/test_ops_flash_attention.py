@@ -6,7 +6,7 @@ for bit against heads-first, the packed backward read through unpack, and shape 
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.autodiff import backward
 from toygraph.errors import GraphError

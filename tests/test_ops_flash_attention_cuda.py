@@ -9,11 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from cudaemu import needs_nvrtc, resolve
+from support.cudaemu import needs_nvrtc, resolve
 from toygraph.core import ops
 from toygraph.cuda.lowering import constants, dispatch
-from kernelsrc import KERNEL_NAMES
-from kernelsrc import OP_KERNELS
+from support.kernelsrc import KERNEL_NAMES
+from support.kernelsrc import OP_KERNELS
 from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS
 from toygraph.cuda.lowering.sources import read_source
 from toygraph.errors import CudaError
@@ -315,7 +315,7 @@ def test_attention_kernels_compile_without_spills(arch):
     """Register arrays indexed by unrolled constants only (no stack, no spills) and static
     shared memory within the 48 KB a block gets without an opt-in (none in the prep
     kernels, which only sum rows)."""
-    from ptxas import bf16_module
+    from support.ptxas import bf16_module
     names = {n for op in ("attention", "attention_back") for n in OP_KERNELS[op]}
     usage = {n: u for n, u in bf16_module(arch)[1].items() if n.startswith("tg_attn_")}
     assert set(usage) == names

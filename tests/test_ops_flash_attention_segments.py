@@ -7,9 +7,9 @@ layouts, and the row log-sum-exp the forward saves (f32 and bf16)."""
 import numpy as np
 import pytest
 
-from gradcheck import check_gradients, weighted_sum
-from hostparity import MIXED_TOL, REDUCTION, compare_op, rel_err, rnd, run_phase
-from tcattn_reference import visible
+from support.gradcheck import check_gradients, weighted_sum
+from support.hostparity import MIXED_TOL, REDUCTION, compare_op, rel_err, rnd, run_phase
+from support.tcattn_reference import visible
 from toygraph.core import ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph

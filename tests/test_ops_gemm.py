@@ -5,9 +5,9 @@ in each GGUF block format against numpy on the dequantized weight."""
 import numpy as np
 import pytest
 
-from cudaemu import (BLOCK_FORMATS, block_weight_const, check_lowering, const_node,
+from support.cudaemu import (BLOCK_FORMATS, block_weight_const, check_lowering, const_node,
                      emulate_quant, needs_nvrtc)
-from gradcheck import TOL, check_gradients, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.gguf import blocks
 from toygraph.cuda.lowering import dispatch

@@ -11,8 +11,8 @@ or add node left on the adapter's path); a broken epilogue index failing.
 import numpy as np
 import pytest
 
-from gradcheck import check_gradients
-from hostparity import MIXED_TOL, compare_op, rel_err, rnd, run_phase
+from support.gradcheck import check_gradients
+from support.hostparity import MIXED_TOL, compare_op, rel_err, rnd, run_phase
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph, topo_order
@@ -275,7 +275,7 @@ def test_the_cost_model_counts_the_prescale_pass_of_the_direct_kernel():
 def _lora_projection(w_format: str | None, seed=0, rows=200, out=80, rank=8):
     """y = x W^T + s (x A^T) B^T with W f32 (``w_format`` None, a param) or a frozen
     block-format const, loss sum(y * r): graph, fetch [y, dx, dA, dB (, dW)]."""
-    from cudaemu import qweight
+    from support.cudaemu import qweight
     rng = np.random.default_rng(seed)
     cols = 96 if w_format in (None, "q8_0") else 256     # whole blocks of the format
     g = Graph()
@@ -296,7 +296,7 @@ def _lora_projection(w_format: str | None, seed=0, rows=200, out=80, rank=8):
 
 @pytest.mark.parametrize("w_format", [None, "q4_k", "q8_0"])
 def test_the_dual_gemm_tracks_numpy_and_the_two_gemms(w_format, monkeypatch):
-    from cudaemu import training_plan
+    from support.cudaemu import training_plan
     from toygraph.cuda.storage import plan_storage
     g, fetch = _lora_projection(w_format)
     order, pinned, _, _ = training_plan(g)

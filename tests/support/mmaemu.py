@@ -5,7 +5,7 @@ replay of a whole tc_matmul.cu launch through it, driven by the kernels' own ind
 (tc_layout.cuh compiled for the host; tests/test_ops_gemm_tensor_cores.py)."""
 import numpy as np
 
-from cudaemu import walk
+from support.cudaemu import walk
 from toygraph.cuda.lowering.launch import MAX_GRID_YZ
 
 
