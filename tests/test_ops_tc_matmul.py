@@ -1,7 +1,7 @@
 """The mixed-precision matmuls (ops/gemm.py, tc_layout.cuh + tc_matmul.cu): the kernels'
 index math compiled for the host and replayed per lane and register through the mma
-emulator of tests/support/mmaemu.py, so a wrong (lane, register) -> (row, col) mapping shows up
-as a wrong matmul; the tiling's coverage and bank conflicts; whole launches (dense and
+emulator of tests/support/mmaemu.py, so a wrong (lane, register) -> (row, col) mapping
+shows up as a wrong matmul; the tiling's coverage and bank conflicts; whole launches (dense and
 block-format) against numpy on rounded inputs; the kernel table, the compiled module's
 register use, and that bf16/tf32 change only the matmuls' dispatch."""
 import numpy as np
