@@ -19,17 +19,11 @@ import numpy as np
 from toygraph.core.base_memory import plan_base, resolve_mode
 from toygraph.core.graph import PHASES, Graph, Tensor, topo_order
 from toygraph.core.memory import BufferPlan, nbytes, plan_buffers
+from toygraph.core.ops.groups import PASS_THROUGH, member
 from toygraph.core.ops.table import INT32_MAX as _INT32_MAX
-from toygraph.core.ops.table import OPS
+from toygraph.core.ops.table import OPS, in_place
 from toygraph.core.precision import BACKENDS, precision_error
 from toygraph.errors import CudaError, GraphError
-
-# Ops through which an integer input flows unchanged, so the range its consumer needs
-# applies to the input itself.
-_PASS_THROUGH = {"reshape", "permute", "contiguous"}
-
-
-
 
 def _make_backend(backend: str, precision: str, dtype: str):
     if backend not in BACKENDS:
@@ -97,7 +91,7 @@ class Session:
         self.inputs = {t.id: t for t in full if t.role == "input"}
         itemsize = self.backend.itemsize
         pinned_bytes = sum(nbytes(t, 4 if t.dtype == "i32" else itemsize)
-                           for t in full if t.id in pinned and t.op not in ("accumulate", "adamw"))
+                           for t in full if t.id in pinned and not in_place(t.op))
         self.plan = plan_buffers(full, pinned, itemsize, pinned_bytes,
                                  self.backend.storage(full, pinned))
         if self.backend_name == "cpu":
@@ -112,7 +106,8 @@ class Session:
 
     def _id_ranges(self, schedule):
         """For each i32 input, the [low, high) its consumers accept (by their op's
-        ``id_ranges`` in ops.py), and who asks for the tightest bound."""
+        ``id_ranges``, looking through the pass-through group), and who asks for the tightest
+        bound."""
         consumers: dict[int, list[Tensor]] = {}
         for t in schedule:
             for s in t.srcs:
@@ -126,7 +121,7 @@ class Session:
             while stack:
                 cur = stack.pop()
                 for c in consumers.get(cur.id, []):
-                    if c.op in _PASS_THROUGH:
+                    if member(c.op, PASS_THROUGH):   # its readers' range is the input's
                         stack.append(c)
                         continue
                     rule = OPS[c.op].id_ranges

@@ -26,7 +26,8 @@ neither launches nor a buffer.
 from __future__ import annotations
 
 from toygraph import environment
-from toygraph.core.memory import ALIGN, VIEW_OPS, Storage, is_planned, view_offset, views
+from toygraph.core.memory import ALIGN, Storage, is_planned, view_offset, views
+from toygraph.core.ops.groups import VIEW, member
 from toygraph.cuda.lowering.registry import REGISTRY
 
 
@@ -96,4 +97,4 @@ def _reads_bf16(node, index: int) -> bool:
 
 def _viewable(view) -> bool:
     """A view of a bf16 buffer stays a view: its element offset is 256-byte aligned in bf16."""
-    return view.op in VIEW_OPS and view_offset(view) * 2 % ALIGN == 0
+    return member(view.op, VIEW) and view_offset(view) * 2 % ALIGN == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from toygraph.core.ops.groups import PACKED
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.tc_attention import (TC_ATTENTION_PRECISION, tc_attention_launches,
                                             tc_scratch)
@@ -166,7 +167,7 @@ def backward_node(node, g):
 
 def _grad_attention(n, views, need):
     """dq, dk, dv (and d sinks) are views into one attention_back node; segment ids are
-    integers and get no gradient. Only o has a gradient (OpSpec.grad_views: {0: dO})."""
+    integers and get no gradient. Only o has a gradient (the packed group, groups.PACKED: {0: dO})."""
     if set(views) != {0}:
         raise GraphError(f"attention {n.name!r}: only its output o has a gradient, not the "
                          f"row log-sum-exp it saves for the backward")
@@ -184,7 +185,7 @@ def _grad_attention(n, views, need):
 
 #: Segment ids are only compared for equality; any non-negative int32 is one.
 _SEGMENT_IDS = {3: (0, INT32_MAX, "segment ids (>= 0)")}
-define_op("attention", _infer_attention, _grad_attention, grad_views=True,
+define_op("attention", _infer_attention, _grad_attention, groups={PACKED},
           id_ranges=lambda n: _SEGMENT_IDS if attention_operands(n)[3] is not None else {})
 define_op("attention_back", _infer_attention_back,
           id_ranges=lambda n: _SEGMENT_IDS if attention_operands(n)[3] is not None else {})

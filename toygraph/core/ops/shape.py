@@ -9,6 +9,7 @@ from math import prod
 
 import numpy as np
 
+from toygraph.core.ops.groups import PASS_THROUGH, VIEW
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
 from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, grid_1d, i32,
                                     lowers, p, pad_shape, rows_grid, strided)
@@ -86,7 +87,8 @@ def _infer_reshape(shapes, dtypes, attrs):
     return attrs["shape"], dtypes[0]
 
 
-define_op("reshape", _infer_reshape, lambda n, g, need: [reshape(g, n.srcs[0].shape)])
+define_op("reshape", _infer_reshape, lambda n, g, need: [reshape(g, n.srcs[0].shape)],
+          groups={VIEW, PASS_THROUGH})
 
 
 def permute(x, axes):
@@ -102,7 +104,7 @@ def _infer_permute(shapes, dtypes, attrs):
 
 
 define_op("permute", _infer_permute,
-    lambda n, g, need: [permute(g, tuple(np.argsort(n.attrs["axes"])))])
+    lambda n, g, need: [permute(g, tuple(np.argsort(n.attrs["axes"])))], groups={PASS_THROUGH})
 
 
 def contiguous(x):
@@ -110,7 +112,8 @@ def contiguous(x):
     return make_node("contiguous", [x])
 
 
-define_op("contiguous", lambda s, d, a: (s[0], d[0]), lambda n, g, need: [g])
+define_op("contiguous", lambda s, d, a: (s[0], d[0]), lambda n, g, need: [g],
+          groups={VIEW, PASS_THROUGH})
 
 
 # --- sum ---------------------------------------------------------------------------------------
@@ -149,7 +152,7 @@ def _infer_unpack(shapes, dtypes, attrs):
     return shape, dtypes[0]
 
 
-define_op("unpack", _infer_unpack)
+define_op("unpack", _infer_unpack, groups={VIEW})
 
 
 # --- numpy kernels -----------------------------------------------------------------------------

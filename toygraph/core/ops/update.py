@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from toygraph.core.ops.groups import IN_PLACE
 from toygraph.core.ops.table import F32, NONE, check, check_floats, define_op, kernel, make_node
 from toygraph.cuda.lowering import Launch, declare_kernels, f64, grid_1d, i32, lowers, p
 from toygraph.cuda.lowering.constants import LIST_TENSORS, THREADS
@@ -79,9 +80,9 @@ def _infer_adamw(shapes, dtypes, attrs):
     return (), NONE
 
 
-define_op("accumulate", _infer_accumulate, in_place=True)
+define_op("accumulate", _infer_accumulate, groups={IN_PLACE})
 define_op("global_norm", _infer_global_norm)
-define_op("adamw", _infer_adamw, in_place=True)
+define_op("adamw", _infer_adamw, groups={IN_PLACE})
 
 
 # --- numpy kernels -----------------------------------------------------------------------------
