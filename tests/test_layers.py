@@ -20,13 +20,15 @@ SOURCES = {"toygraph": ROOT / "toygraph", "toygraph.recipes": ROOT / "recipes",
 
 #: Lowest first. The CUDA lowering API (the registry, launches and kernel sources the op
 #: families declare their CUDA side with) sits below the core; the CUDA runtime (driver,
-#: NVRTC, the backend, the host device) beside the core, as its second backend.
+#: NVRTC, the backend, the host device) above it: it reads the op table and the buffer
+#: plan, and registers itself as a backend the session finds by name (core/backends.py).
 LAYERS = [
     ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment", "toygraph.atomic",
                     "toygraph.moved")),
     ("the GGUF file", ("toygraph.gguf",)),
     ("CUDA lowering API", ("toygraph.cuda.lowering",)),
-    ("graph core and backends", ("toygraph.core", "toygraph.cuda")),
+    ("graph core", ("toygraph.core",)),
+    ("CUDA backend", ("toygraph.cuda",)),
     ("models", ("toygraph.models",)),
     ("adapters", ("toygraph.adapters",)),
     ("data", ("toygraph.data",)),

@@ -16,33 +16,20 @@ import time
 
 import numpy as np
 
+from toygraph.core import backends
 from toygraph.core.base_memory import plan_base, resolve_mode
 from toygraph.core.graph import PHASES, Graph, Tensor, topo_order
 from toygraph.core.memory import BufferPlan, nbytes, plan_buffers
 from toygraph.core.ops.groups import PASS_THROUGH, member
 from toygraph.core.ops.table import INT32_MAX as _INT32_MAX
 from toygraph.core.ops.table import OPS, in_place
-from toygraph.core.precision import BACKENDS, precision_error
-from toygraph.errors import CudaError, GraphError
-
-def _make_backend(backend: str, precision: str, dtype: str):
-    if backend not in BACKENDS:
-        raise GraphError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
-    why = precision_error(precision, backend)
-    if why:
-        raise GraphError(f"precision {why}")
-    if backend == "cpu":
-        from toygraph.core.numpy_backend import CpuBackend
-        return CpuBackend(dtype)
-    from toygraph.cuda.backend import CudaBackend
-    if dtype != "f32":
-        raise CudaError(f"the cuda backend computes in f32, got dtype {dtype!r} "
-                        "(use backend='cpu' with dtype='f64' for gradient checks)")
-    return CudaBackend(precision)
+from toygraph.errors import GraphError
 
 
 class Session:
-    """Runs one Graph on one backend. See the module docstring for the step sequence.
+    """Runs one Graph on one backend, found by name (core/backends.py: "cpu", the numpy
+    backend, or "cuda", which registers itself). See the module docstring for the step
+    sequence.
 
     Two different settings choose the arithmetic:
 
@@ -65,7 +52,7 @@ class Session:
         self.graph = graph
         self.backend_name = backend
         self.base_memory = resolve_mode(base_memory)
-        self.backend = _make_backend(backend, precision, dtype)
+        self.backend = backends.make(backend, precision, dtype)
         self.realized = False
         self.plan: BufferPlan | None = None
         self.realize_seconds = 0.0

@@ -1,7 +1,9 @@
 """The CUDA backend: NVRTC-compiled kernels, one arena from the shared buffer plan, and
 each phase's launch sequence captured once as a CUDA graph and replayed.
 
-Same interface as cpu/backend.py's CpuBackend; a Session picks it with ``backend="cuda"``.
+Same interface as core/numpy_backend.py's CpuBackend; a Session finds it by the name
+``backend="cuda"``, which this module registers (core/backends.py; the package declares it
+as an entry point of the ``toygraph.backends`` group, so the core never imports it).
 Uploads are async copies into fixed device buffers (inputs go through page-locked staging
 buffers); ``read`` is the only host<->device synchronisation.
 
@@ -40,6 +42,7 @@ import logging
 import numpy as np
 
 from toygraph import environment
+from toygraph.core import backends
 from toygraph.core.memory import BufferPlan, Storage
 from toygraph.core.ops.table import in_place
 from toygraph.core.precision import PRECISIONS, TENSOR_CORE_PRECISIONS
@@ -347,3 +350,14 @@ class CudaBackend:
                 self.close()
         except Exception:
             pass
+
+
+def _make(precision: str, dtype: str) -> CudaBackend:
+    """The CUDA backend a Session asks for by name (core/backends.py)."""
+    if dtype != "f32":
+        raise CudaError(f"the cuda backend computes in f32, got dtype {dtype!r} "
+                        "(use backend='cpu' with dtype='f64' for gradient checks)")
+    return CudaBackend(precision)
+
+
+backends.register("cuda", _make)
