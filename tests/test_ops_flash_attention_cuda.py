@@ -296,7 +296,7 @@ def test_attention_head_dim_selection_and_limit():
 
 
 def test_attention_instantiations_match_the_lowering_tiles():
-    """attention.cu's wrapper for head_dim bound HD passes (HD, TG_ATTN_BT_<HD>,
+    """flash_attention.cu's wrapper for head_dim bound HD passes (HD, TG_ATTN_BT_<HD>,
     TG_ATTN_TPR_<HD>), with __launch_bounds__(TG_ATTN_THREADS_<HD>), and those macros are
     the (BT, TPR, BT * TPR) that constants.ATTN_TILES launches with."""
     from toygraph.cuda.lowering.constants import DEFINES

@@ -22,7 +22,7 @@ the f32 master weights, the Adam moments, reductions and the residual stream sta
 
 ``TOYGRAPH_CUDA_DEVICE=host`` (or ``CudaBackend(device="host")``) runs everything on the
 CPU instead: the same kernels compiled by g++ against host/shim.h and executed with their
-grids and blocks (hostdev.py), slowly but exactly as written; CI uses it to check every
+grids and blocks (host/device.py), slowly but exactly as written; CI uses it to check every
 kernel without a GPU. Otherwise the variable (default 0) is the CUDA device ordinal.
 
 Set ``TOYGRAPH_CUDA_GRAPHS=0`` to launch kernels one by one instead of replaying graphs

@@ -21,7 +21,7 @@
 // The tile constants (TC_BM, TC_BN, TC_THREADS, TC_WM, TC_WN, TC_MI = TC_WM / 16,
 // TC_NI = TC_WN / 8, and per precision the k slice TC_*_BK and padded row stride TC_*_LD:
 // bf16 32-deep slices, rows padded by 8 halves, tf32 16-deep, padded by 4 words, so the
-// fragment loads of a warp hit 32 distinct banks) come from toygraph/cuda/constants.py.
+// fragment loads of a warp hit 32 distinct banks) come from toygraph/cuda/lowering/constants.py.
 
 // Element idx (0 .. rows*bk-1) of a staged operand tile -> (row, k) in the tile. The 256
 // threads take idx = thread + 256*i; consecutive threads walk the operand's contiguous

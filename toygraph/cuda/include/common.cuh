@@ -6,7 +6,7 @@
 // order, so every result is bit-identical run to run (no float atomics anywhere).
 
 // TG_MAXD (dims of a Strided walk) and TG_THREADS (threads per block) come from
-// toygraph/cuda/constants.py, emitted ahead of this header.
+// toygraph/cuda/lowering/constants.py, emitted ahead of this header.
 
 // A strided walk over an index space of `nd` dims: element i (row-major over dims)
 // reads operand 0 at offset sum(idx[d] * sa[d]) and operand 1 at sum(idx[d] * sb[d]).
