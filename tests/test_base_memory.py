@@ -7,7 +7,7 @@ import pytest
 
 from toygraph.core import base_memory, ops
 from toygraph.core.graph import Graph, topo_order
-from toygraph.core.memory import aligned, plan_buffers
+from toygraph.core.buffer_plan import aligned, plan_buffers
 from toygraph.core.optimizer import hp_row
 from toygraph.core.session import Session
 from toygraph.errors import GraphError, SettingError

@@ -23,7 +23,7 @@ from toygraph.core.autodiff import accumulate_grads, backward  # noqa: E402
 from toygraph.cuda.backend import CudaBackend  # noqa: E402
 from toygraph.errors import CudaError, GraphError  # noqa: E402
 from toygraph.core.graph import Graph, topo_order  # noqa: E402
-from toygraph.core.memory import plan_buffers  # noqa: E402
+from toygraph.core.buffer_plan import plan_buffers  # noqa: E402
 from toygraph.core.optimizer import build_training, hp_row  # noqa: E402
 from toygraph.core.session import Session  # noqa: E402
 

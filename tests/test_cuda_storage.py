@@ -15,7 +15,7 @@ from support.hostparity import MIXED_TOL, rel_err, rnd, run_phase
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
-from toygraph.core.memory import plan_buffers
+from toygraph.core.buffer_plan import plan_buffers
 from toygraph.cuda.lowering.registry import REGISTRY
 from toygraph.cuda.storage import plan_bf16
 
@@ -95,7 +95,7 @@ def test_an_unpack_view_off_the_bf16_alignment_keeps_its_buffer_f32():
 def _no_two_live_buffers_overlap(order, pinned, plan):
     """Every arena tensor's bytes, from the node that makes it to its last reader (a node
     absorbing a reader counts as reading that reader's sources), touch no other live one."""
-    from toygraph.core.memory import views
+    from toygraph.core.buffer_plan import views
     pos = {t.id: i for i, t in enumerate(order)}
     root = views(order, pinned, 4, plan.bf16)
     life = {}

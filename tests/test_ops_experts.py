@@ -8,7 +8,7 @@ import pytest
 from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.graph import Graph
-from toygraph.core.memory import aligned
+from toygraph.core.buffer_plan import aligned
 from toygraph.core.session import Session
 from toygraph.errors import GraphError
 from toygraph.gguf import block_encode, decode

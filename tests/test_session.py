@@ -59,7 +59,7 @@ def test_plan_never_overlaps_live_buffers():
 
 
 def _no_reuse(schedule, pinned, itemsize, pinned_bytes):
-    from toygraph.core.memory import BufferPlan, aligned, is_planned
+    from toygraph.core.buffer_plan import BufferPlan, aligned, is_planned
     plan = BufferPlan(pinned_bytes=pinned_bytes)
     for t in schedule:
         if is_planned(t, pinned):

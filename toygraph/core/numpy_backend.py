@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from toygraph.core.base_memory import check_fits, scratch_layout
-from toygraph.core.memory import BufferPlan, Storage
+from toygraph.core.buffer_plan import BufferPlan, Storage
 from toygraph.core.ops import BLOCK_KERNELS, KERNELS
 from toygraph.errors import GraphError
 from toygraph.gguf.decode import BlockTensor

@@ -43,7 +43,7 @@ import numpy as np
 
 from toygraph import environment
 from toygraph.core import backends
-from toygraph.core.memory import BufferPlan, Storage
+from toygraph.core.buffer_plan import BufferPlan, Storage
 from toygraph.core.ops.table import in_place
 from toygraph.core.precision import PRECISIONS, TENSOR_CORE_PRECISIONS
 from toygraph.cuda import driver

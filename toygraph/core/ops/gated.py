@@ -1,7 +1,7 @@
 """The gated FFN activations fused: ``glu`` (act(gate) * up, act SiLU for SwiGLU or tanh-GELU
 for GeGLU) in one kernel instead of an activation and a mul, and ``glu_back``, one kernel
 writing both gradients into one packed buffer that two ``unpack`` views hand out (the
-buffer plan makes them views, core/memory.py). The numpy kernels compute exactly what the
+buffer plan makes them views, core/buffer_plan.py). The numpy kernels compute exactly what the
 composed ops computed, in the same f32 order, and the CUDA kernels round like the separate
 ones (gated.cu), so fusing changes no bit of any result. Builders, rules, numpy kernels and
 CUDA lowering.

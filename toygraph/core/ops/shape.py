@@ -220,7 +220,7 @@ def _sum_numpy(out, srcs, attrs):
 @kernel("unpack")
 def _unpack_numpy(out, srcs, attrs):
     off = attrs["offset"]
-    if np.may_share_memory(out, srcs[0]):  # a view the buffer plan made (core/memory.py)
+    if np.may_share_memory(out, srcs[0]):  # a view the buffer plan made (core/buffer_plan.py)
         return
     out[...] = srcs[0].reshape(-1)[off:off + out.size].reshape(out.shape)
 
@@ -271,7 +271,7 @@ def _copy(node, at):
 @lowers("unpack", kernels=("tg_copy",))
 def _unpack(node, at):
     """A copy out of the packed buffer, read from the element offset on; nothing when the
-    buffer plan made the unpack a view of those very bytes (core/memory.py)."""
+    buffer plan made the unpack a view of those very bytes (core/buffer_plan.py)."""
     n = node.size
     src = at.ptr(node.srcs[0]) + (2 if at.half(node.srcs[0]) else 4) * node.attrs["offset"]
     if src == at.out:
