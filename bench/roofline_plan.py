@@ -94,7 +94,7 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
     from toygraph.core.session import Session
     from toygraph.cuda.devmem import plan_device_memory
     from toygraph.cuda.lowering.dispatch import lower
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     from toygraph.recipes import LoRA, RecipeOptions
 
     class NoDevice:
@@ -146,7 +146,7 @@ def _arg(launch, i) -> int:
 
 class Stored(NamedTuple):
     """How the plan stores tensors besides f32: ``raw`` the consts kept in their block
-    format, ``half`` the activations kept in bf16 (cuda/storage.py)."""
+    format, ``half`` the activations kept in bf16 (cuda/bf16_storage.py)."""
     raw: frozenset = frozenset()
     half: frozenset = frozenset()
 

@@ -96,7 +96,7 @@ def mismatches(launch: Launch, signatures=SIGNATURES) -> list[str]:
 def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS, storage=None):
     """(op, launch) for every non-leaf node of ``nodes`` at every precision (kernel launches
     only: all_reduce's Collective step is no kernel; tests/test_distributed.py covers it);
-    ``storage``: a bf16 plan's (cuda/storage.py) bf16 tensors and absorbed products."""
+    ``storage``: a bf16 plan's (cuda/bf16_storage.py) bf16 tensors and absorbed products."""
     out = []
     bf16, absorbed = storage or (frozenset(), {})
     for node in nodes:
@@ -112,7 +112,7 @@ def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS, storage=None):
 def _k_major_launches():
     """A product of two bf16-kept operands both read k-major (glu outputs, k = rows):
     tg_tcg_gemm_tab_bf16, which the tiny models' plans do not reach."""
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     g = Graph()
     act, y = (ops.glu(g.param(n + "g", np.ones((40, 24))), g.param(n + "u", np.ones((40, 24))),
                       "silu") for n in "ay")
@@ -124,7 +124,7 @@ def _k_major_launches():
 def _model_launches(path, **lora_graph_kw):
     """Every precision as the backends lower it, and bf16 again with its storage plan (bf16
     activations, the dual GEMM)."""
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     order, pinned, plan, outputs = training_plan(lora_graph(path, **lora_graph_kw))
     raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
                     .raw_consts)

@@ -404,7 +404,7 @@ def _lora_projection(w_format: str | None, seed=0, rows=200, out=80, rank=8):
 @pytest.mark.parametrize("w_format", [None, "q4_k", "q8_0"])
 def test_the_dual_gemm_tracks_numpy_and_the_two_gemms(w_format, monkeypatch):
     from support.cudaemu import training_plan
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     g, fetch = _lora_projection(w_format)
     order, pinned, _, _ = training_plan(g)
     assert plan_storage(order, pinned, "bf16").absorbed       # the forward's base at least

@@ -133,7 +133,7 @@ def test_adamw_is_one_launch_moving_seven_f32_per_weight(plan):
 
 def test_the_gated_backward_reads_three_and_writes_two(plan, plan_f32):
     """gate, up and the gradient in, d gate and d up out: all in bf16 at bf16 (products
-    make the three and only products read the two, cuda/storage.py), f32 at f32."""
+    make the three and only products read the two, cuda/bf16_storage.py), f32 at f32."""
     from toygraph.core.ops.gated import up_offset
     n = B * T * FF
     c = [c for nd, l, c in plan if l.kernel == "tg_glu_back"][0]

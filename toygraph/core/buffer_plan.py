@@ -13,7 +13,7 @@ glu_back) hands them out with no copy.
 
 Buffers hold the backend's float type (``itemsize`` bytes an element), except where the
 backend's :class:`Storage` says otherwise (the CUDA backend at --precision bf16,
-cuda/storage.py): tensors in ``bf16`` take 2 bytes an element (a view of one is bf16 too),
+cuda/bf16_storage.py): tensors in ``bf16`` take 2 bytes an element (a view of one is bf16 too),
 and a tensor in ``absorbed`` gets no buffer at all -- the one node that reads it computes
 it inside its own kernel, so that node reads the absorbed node's sources instead, and
 their lives last to it.

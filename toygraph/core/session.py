@@ -37,7 +37,7 @@ class Session:
       ``--precision``, ``RunConfig.precision``, ``RecipeOptions.precision``,
       ``CudaBackend.precision``): ``"f32"``, or on the cuda backend ``"bf16"`` / ``"tf32"``
       (tensor cores, f32 accumulation; at ``"bf16"`` the activations that only matmuls
-      and bf16-aware kernels read are stored in bf16, cuda/storage.py).
+      and bf16-aware kernels read are stored in bf16, cuda/bf16_storage.py).
     - ``dtype``: the float type of every buffer on the numpy backend: ``"f32"``, or
       ``"f64"`` for finite-difference gradient checks (cpu only; never a training option).
 

@@ -15,7 +15,7 @@ buffers); ``read`` is the only host<->device synchronisation.
 shared memory and block-format weights decoded straight to that type, accumulating in f32;
 the f32 master weights, the Adam moments, reductions and the residual stream stay f32. At
 "bf16" the activations that only bf16-reading kernels consume are also *stored* in bf16
-(cuda/storage.py; ``TOYGRAPH_CUDA_BF16_ACTIVATIONS=0`` keeps every buffer f32).
+(cuda/bf16_storage.py; ``TOYGRAPH_CUDA_BF16_ACTIVATIONS=0`` keeps every buffer f32).
 ``"f32"`` (the default) compiles and launches exactly the plain f32 kernels.
 
 >>> sess = Session(graph, backend="cuda", precision="bf16")   # doctest: +SKIP
@@ -52,7 +52,7 @@ from toygraph.cuda.lowering.dispatch import lower
 from toygraph.cuda.lowering.launch import MAX_ELEMENTS, Collective, Launch
 from toygraph.cuda.lowering.registry import REGISTRY, decode_launch
 from toygraph.cuda.lowering.sources import backend_source
-from toygraph.cuda.storage import plan_storage
+from toygraph.cuda.bf16_storage import plan_storage
 from toygraph.errors import CudaError
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class CudaBackend:
     # --- realize ------------------------------------------------------------------------------
     def storage(self, schedule, pinned) -> Storage:
         """The activations kept in bf16 and the products computed inside another node's
-        GEMM, at precision "bf16" (cuda/storage.py; nothing at another precision)."""
+        GEMM, at precision "bf16" (cuda/bf16_storage.py; nothing at another precision)."""
         return plan_storage(schedule, pinned, self.precision)
 
     def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):

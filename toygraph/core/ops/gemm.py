@@ -315,7 +315,7 @@ def _matmul_scratch(node, precision: str) -> int:
     batch folded into M, so it may split k where the batched dense walk does not).
     Scratch is one buffer shared by every node, so this only raises its size to the
     largest node's. At bf16 the copies' room is kept whatever the cost model picks: an
-    operand kept in bf16 (decided after scratch, cuda/storage.py) always takes tc_gemm.cu."""
+    operand kept in bf16 (decided after scratch, cuda/bf16_storage.py) always takes tc_gemm.cu."""
     direct = _prescaled_bytes(node)
     if precision != BF16_GEMM_PRECISION:
         return direct
@@ -346,7 +346,7 @@ def _absorbs(node, precision: str):
     computed in its own GEMM at bf16 (tg_tcg_gemm2_bf16: one accumulation over both
     products' k, the base output never written apart): both unbatched, 2-D operands, the
     base unscaled and too large to split k, and the scale of the other product free to go
-    into its B copy (not a block-format weight's decode). None otherwise (cuda/storage.py
+    into its B copy (not a block-format weight's decode). None otherwise (cuda/bf16_storage.py
     then also checks that the base is an intermediate read only here)."""
     base = node.srcs[0]
     if (precision != BF16_GEMM_PRECISION or base.op != "matmul" or _scale_a(base) != 1.0
@@ -389,7 +389,7 @@ def _tc_matmul(node, at, add: int = 0, alpha: float = 1.0,
     every trans/batch/grouped-query case is covered); a block-format weight the fused
     kernels' arguments. ``add`` (an address; 0: none): matmul_add's epilogue, which
     tc_gemm.cu runs in its store; the second value says whether these launches did. An
-    operand, output or added tensor kept in bf16 (cuda/storage.py) is read and written only
+    operand, output or added tensor kept in bf16 (cuda/bf16_storage.py) is read and written only
     by tc_gemm.cu."""
     out, ptr, raw_consts, precision = at.out, at.ptr, at.raw_consts, at.precision
     if precision not in TC_KERNELS:

@@ -14,7 +14,7 @@ from toygraph.errors import GraphError
 
 #: The result is its source's bytes from an element offset on (``view_offset``), so the
 #: buffer plan may make it a view of them: no buffer, no copy (core/buffer_plan.py), and a
-#: bf16 buffer passes through it as it is (cuda/storage.py).
+#: bf16 buffer passes through it as it is (cuda/bf16_storage.py).
 VIEW = "view"
 #: Integer values flow through it unchanged, so the id range an upload is checked against
 #: is the one its readers beyond it ask for (core/session.py).

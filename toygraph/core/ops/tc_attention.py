@@ -3,7 +3,7 @@
 lowering hands them over; at "f32" and "tf32" the f32 kernels of flash_attention.cu run,
 the exact path, so f32 results never change).
 
-An operand the plan keeps in bf16 (cuda/storage.py: q and k from rope, v and dO from
+An operand the plan keeps in bf16 (cuda/bf16_storage.py: q and k from rope, v and dO from
 products) that is token-major with hd equal to the kernels' bound HD is read as it lies
 (bit j of the kernels' ``asis``: q, k, v, dO; :func:`reads_as_is`). Any other operand is
 first copied to bf16 in scratch, heads first whatever the op's layout (a token-major

@@ -4,7 +4,7 @@
 
 Each operand is first copied to bf16 in the GEMM's canonical layout, [matrices][rows][Kp]
 with k contiguous and Kp = K rounded up to 8 (tg_tcg_to_bf16 from f32, or from an
-activation kept in bf16 (cuda/storage.py) where it must be transposed, padded or scaled;
+activation kept in bf16 (cuda/bf16_storage.py) where it must be transposed, padded or scaled;
 one already in that layout is read as it is); the GEMM then stages 16-byte chunks of the
 copies with cp.async and reads fragments with ldmatrix.
 
@@ -255,7 +255,7 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     0: none): the matmul_add epilogue, out = add + alpha * C, in the GEMM's store or, when
     k is split, in the split sum. ``a_scale``: the A copy holds bf16(a_scale * a), a
     rounded to f32 after the scale (matmul's scale_a). ``a_bf16`` / ``b_bf16``: that
-    operand is kept in bf16 (cuda/storage.py): read as it is when it already has the copy's
+    operand is kept in bf16 (cuda/bf16_storage.py): read as it is when it already has the copy's
     layout (:func:`canonical`) or lies k-major (:func:`k_major`, one matrix: the ta/tb/tab
     kernels) -- a_scale then multiplies the product in the store, one more rounding than
     the scaled copy but no pass over a -- else copied from bf16; ``out_bf16``:

@@ -111,7 +111,7 @@ __device__ __forceinline__ unsigned short tg_float_to_bf16(float x) {
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Element i of an activation buffer that cuda/storage.py kept in f32 or, under --precision
+// Element i of an activation buffer that cuda/bf16_storage.py kept in f32 or, under --precision
 // bf16, in bf16: bit j of a kernel's `bf16` argument says which for its operand j (bit
 // TG_OUT_BF16 for its output). The branch is uniform across the grid.
 #define TG_OUT_BF16 16

@@ -50,7 +50,7 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
     const in ``raw_consts``, the address of its block bytes). ``precision`` "bf16"/"tf32"
     lowers matmuls to the tensor-core kernels of tc_matmul.cu (same arguments, 128 x 128
     tiles); every other op, and every op at "f32", lowers as it always has. ``bf16``: ids of
-    the tensors kept in bf16 (cuda/storage.py), which only an entry declaring it may read
+    the tensors kept in bf16 (cuda/bf16_storage.py), which only an entry declaring it may read
     or write (a view the buffer plan made of a bf16 buffer launches nothing, so it reads
     and writes no bf16 itself); ``absorbed``: {id: node} of the tensors another node's
     launches compute (no launches of their own)."""

@@ -1,4 +1,4 @@
-"""--precision bf16's activations kept in bf16 (cuda/storage.py): which tensors the plan
+"""--precision bf16's activations kept in bf16 (cuda/bf16_storage.py): which tensors the plan
 picks, the buffer plan's 2-byte buffers and views, and the arithmetic.
 
 The exactness argument: at bf16 every matmul rounds its operands to bf16 before the
@@ -17,7 +17,7 @@ from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
 from toygraph.core.buffer_plan import plan_buffers
 from toygraph.cuda.lowering.registry import REGISTRY
-from toygraph.cuda.storage import plan_bf16
+from toygraph.cuda.bf16_storage import plan_bf16
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +119,7 @@ def _no_two_live_buffers_overlap(order, pinned, plan):
 
 
 def test_the_buffer_plan_gives_bf16_tensors_two_bytes_and_absorbed_ones_none(tiny_llama):
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     g = lora_graph(tiny_llama, targets=("q", "v", "gate", "up", "down"))
     order, pinned, f32_plan, _ = training_plan(g)
     storage = plan_storage(order, pinned, "bf16")
@@ -140,7 +140,7 @@ def test_every_lora_projection_runs_as_one_dual_gemm(tiny_llama):
     tg_tcg_gemm2_bf16, the base's weight decoded once into its copy, s in B's copy), and
     so is the backward's dy W of dx = dy W + du A; at f32 nothing is."""
     from toygraph.cuda.lowering import dispatch
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     g = lora_graph(tiny_llama, targets=("q", "k", "v", "o", "gate", "up", "down"))
     order, pinned, _, outputs = training_plan(g)
     storage = plan_storage(order, pinned, "bf16")
