@@ -26,6 +26,7 @@ from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAM
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import module_source
 from toygraph.cuda.lowering.launch import MAXD, Launch, f32, f64, i32, p, strided
+from toygraph.core.buffer_plan import plan_buffers
 from toygraph.core.graph import Graph, topo_order
 from toygraph.core.ops.flash_attention import backward_node
 
@@ -93,20 +94,32 @@ def mismatches(launch: Launch, signatures=SIGNATURES) -> list[str]:
 
 
 # --- the launches --------------------------------------------------------------------------
-def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS, storage=None):
+def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS, storage=None, offsets=None):
     """(op, launch) for every non-leaf node of ``nodes`` at every precision (kernel launches
     only: all_reduce's Collective step is no kernel; tests/test_distributed.py covers it);
-    ``storage``: a bf16 plan's (cuda/bf16_storage.py) bf16 tensors and absorbed products."""
+    ``storage``: a bf16 plan's (cuda/bf16_storage.py) bf16 tensors and absorbed products,
+    ``offsets`` the arena offsets of the buffer plan made with it (:func:`_arena`): as on the
+    device, a view of a bf16 buffer then has its source's address and launches nothing.
+    Every other tensor gets an address of its own."""
     out = []
     bf16, absorbed = storage or (frozenset(), {})
+    offsets = offsets or {}
+
+    def ptr(t):
+        return (1 << 44) + offsets[t.id] if t.id in offsets else (t.id + 1) << 20
     for node in nodes:
         if node.op is None:
             continue
         for prec in precisions:
-            out += [(node.op, l) for l in dispatch.lower(node, lambda t: (t.id + 1) << 20,
-                                                         1 << 40, raw, prec, bf16, absorbed)
+            out += [(node.op, l) for l in dispatch.lower(node, ptr, 1 << 40, raw, prec, bf16,
+                                                         absorbed)
                     if isinstance(l, Launch)]
     return out
+
+
+def _arena(order, pinned, storage):
+    """The arena offsets of the buffer plan of schedule ``order`` with ``storage``."""
+    return plan_buffers(order, pinned, 4, storage=storage).offsets
 
 
 def _k_major_launches():
@@ -118,7 +131,8 @@ def _k_major_launches():
                       "silu") for n in "ay")
     z = g.output(ops.matmul(act, y, trans_a=True))
     order, pinned, _, _ = training_plan(g)
-    return _lower_all([z], frozenset(), ("bf16",), plan_storage(order, pinned, "bf16"))
+    storage = plan_storage(order, pinned, "bf16")
+    return _lower_all([z], frozenset(), ("bf16",), storage, _arena(order, pinned, storage))
 
 
 def _model_launches(path, **lora_graph_kw):
@@ -128,8 +142,9 @@ def _model_launches(path, **lora_graph_kw):
     order, pinned, plan, outputs = training_plan(lora_graph(path, **lora_graph_kw))
     raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
                     .raw_consts)
-    return _lower_all(order, raw) + _lower_all(order, raw, ("bf16",),
-                                               plan_storage(order, pinned, "bf16"))
+    storage = plan_storage(order, pinned, "bf16")
+    return _lower_all(order, raw) + _lower_all(order, raw, ("bf16",), storage,
+                                               _arena(order, pinned, storage))
 
 
 def _full_finetune_launches(path):
