@@ -25,7 +25,7 @@ from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS, LIST_TENSORS, TCA_H
 from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import module_source
-from toygraph.cuda.lowering.launch import MAXD, Launch, f32, f64, i32, p, strided
+from toygraph.cuda.lowering.launch import MAXD, Launch, f32_arg, f64_arg, i32_arg, ptr_arg, strided
 from toygraph.core.buffer_plan import plan_buffers
 from toygraph.core.graph import Graph, topo_order
 from toygraph.core.ops.flash_attention import backward_node
@@ -330,22 +330,23 @@ def test_every_launch_matches_its_kernel_signature(launches):
 
 
 def test_a_wrong_launch_is_caught():
-    good = Launch("tg_scale", (1, 1, 1), [p(1 << 20), p(2 << 20), i32(8), f32(0.5)])
+    good = Launch("tg_scale", (1, 1, 1), [ptr_arg(1 << 20), ptr_arg(2 << 20), i32_arg(8),
+                                          f32_arg(0.5)])
     assert mismatches(good) == []
     bad = {
         "missing": (good.args[:3], "3 arguments for 4 parameters"),
-        "extra": (good.args + [i32(0)], "5 arguments for 4 parameters"),
-        "f64 for float": (good.args[:3] + [f64(0.5)], "parameter 3 .float.: got float64.1., "
-                                                       "want float32.1."),
+        "extra": (good.args + [i32_arg(0)], "5 arguments for 4 parameters"),
+        "f64 for float": (good.args[:3] + [f64_arg(0.5)],
+                          "parameter 3 .float.: got float64.1., want float32.1."),
         "python int": (good.args[:2] + [8, good.args[3]], "parameter 2 .int.: got int, want"),
-        "int for pointer": (good.args[:1] + [i32(7)] + good.args[2:],
+        "int for pointer": (good.args[:1] + [i32_arg(7)] + good.args[2:],
                             "parameter 1 .float..: got int32.1., want uint64.1."),
     }
     for what, (args, message) in bad.items():
         found = mismatches(Launch("tg_scale", (1, 1, 1), args))
         assert len(found) == 1 and re.search(message, found[0]), (what, found)
     short = strided([2, 3], [3, 1])[:-1]                         # a Strided struct too short
-    gather = Launch("tg_gather", (1, 1, 1), [p(1), p(2), i32(6), short])
+    gather = Launch("tg_gather", (1, 1, 1), [ptr_arg(1), ptr_arg(2), i32_arg(6), short])
     assert mismatches(gather) == [f"tg_gather parameter 3 (Strided): got int32[{3 * MAXD}], "
                                   f"want int32[{3 * MAXD + 1}]"]
     assert mismatches(Launch("tg_nope", (1, 1, 1), [])) == ["tg_nope: no such kernel in the "
@@ -355,5 +356,5 @@ def test_a_wrong_launch_is_caught():
 def test_a_type_without_a_packing_rule_is_reported():
     sigs = kernel_signatures('extern "C" __global__ void k(float* a, unsigned short n) {}')
     assert sigs == {"k": ["float*", "unsigned short"]}
-    assert mismatches(Launch("k", (1, 1, 1), [p(1), i32(1)]), sigs) == [
+    assert mismatches(Launch("k", (1, 1, 1), [ptr_arg(1), i32_arg(1)]), sigs) == [
         "k parameter 1: no packing rule for C type unsigned short"]

@@ -201,17 +201,19 @@ def test_f32_attention_runs_on_cuda_cores():
 def test_tensor_core_attention_counted_per_pass(plan, monkeypatch):
     """tc_attention.cu's forward (issue 25), costed from a launch with its arguments: blocks
     of 64 queries, key tiles of 64 at head dim 64; saving L adds its bytes, no pass."""
-    from toygraph.cuda.lowering import Launch, constants, i32, p
+    from toygraph.cuda.lowering import Launch, constants, i32_arg, ptr_arg
     monkeypatch.setattr(constants, "TCA_BQ", 64, raising=False)
     monkeypatch.setattr(constants, "TCA_TILES", {64: 64}, raising=False)
     node = next(n for n, _, _ in plan if n.op == "attention")
     scores = B * 9 * 1 * 64 * 64          # T = 64: one causal (block, tile) pair per head
-    full = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(1), p(0)]))
-    saving = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(1), p(1)]))
+    full = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [ptr_arg(1), ptr_arg(0)]))
+    saving = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [ptr_arg(1), ptr_arg(1)]))
     assert full.tc == 2 * 2 * scores * 64 and full.fma == 0 and full.sfu == scores
     assert saving.tc == full.tc and saving.bytes == full.bytes + 4 * B * 9 * 64
     assert full.kind == "attention tensor-core"
-    cast = launch_cost(node, Launch("tg_tca_to_bf16", (1, 1, 1), [p(1), p(1), i32(10), i32(60), i32(64)]))
+    cast = launch_cost(node, Launch("tg_tca_to_bf16", (1, 1, 1), [ptr_arg(1), ptr_arg(1),
+                                                                  i32_arg(10), i32_arg(60),
+                                                                  i32_arg(64)]))
     assert cast.bytes == 4 * 10 * 60 + 2 * 10 * 64
 
 

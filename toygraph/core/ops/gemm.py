@@ -20,7 +20,8 @@ from toygraph.core.ops.tc_gemm import (Gemm, deq_launch, dual_gemm_launches, gem
                                        prefers_copies)
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.cuda.lowering import (MAX_GRID_YZ, At, Launch, contiguous_strides, declare_kernels,
-                                    decodes, f32, grid_1d, i32, lowers, p, pad_shape, strided)
+                                    decodes, f32_arg, grid_1d, i32_arg, lowers, pad_shape, ptr_arg,
+                                    strided)
 from toygraph.cuda.lowering.constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
 from toygraph.errors import CudaError
 
@@ -277,8 +278,9 @@ def _matmul(node, out, ptr, tile: int = MM_BM, kernel: str = "tg_matmul",
     x, y = node.srcs[-2:]
     gy = _row_tiles(f"matmul {node.name!r}", M, tile)
     grid = ((N + tile - 1) // tile, gy, max(1, min(nbatch, MAX_GRID_YZ)))
-    return Launch(kernel, grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
-                                 i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
+    return Launch(kernel, grid, [ptr_arg(out), ptr_arg(ptr(x)), ptr_arg(ptr(y)), i32_arg(M),
+                                 i32_arg(N), i32_arg(K), i32_arg(sam), i32_arg(sak), i32_arg(sbk),
+                                 i32_arg(sbn), i32_arg(nbatch),
                                  strided(dims, sa, sb)], block=(threads, 1, 1))
 
 
@@ -368,7 +370,8 @@ def _prescale(node, at) -> tuple[list[Launch], At]:
     src, n = at.ptr(a), a.size
     name, grid = ("tg_scale_vec", grid_vec(n)) if vector_ok(dst, src) else ("tg_scale", grid_1d(n))
     ptr = at.ptr
-    return ([Launch(name, grid, [p(dst), p(src), i32(n), f32(_scale_a(node))])],
+    return ([Launch(name, grid, [ptr_arg(dst), ptr_arg(src), i32_arg(n),
+                                 f32_arg(_scale_a(node))])],
             at._replace(ptr=lambda t: dst if t is a else ptr(t),
                         scratch=at.scratch + _prescaled_bytes(node)))
 
@@ -444,7 +447,8 @@ def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
     gy = _row_tiles(f"matmul {node.name!r}", M, tile)
     kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
-                  [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))],
+                  [ptr_arg(out), ptr_arg(ptr(x)), ptr_arg(ptr(w)), i32_arg(M), i32_arg(N),
+                   i32_arg(K), i32_arg(row_bytes(w))],
                   block=(MM_THREADS, 1, 1))
 
 
@@ -489,7 +493,7 @@ def _lower_matmul_add(node, at):
     else:
         launches = _lower_matmul(node, at)
     return launches + [Launch("tg_matmul_add_epilogue", grid_1d(node.size),
-                              [p(at.out), p(add), f32(alpha), i32(node.size)])]
+                              [ptr_arg(at.out), ptr_arg(add), f32_arg(alpha), i32_arg(node.size)])]
 
 
 def _dual(node, at) -> list[Launch]:
@@ -527,8 +531,9 @@ def dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matmu
         kernel, tile, block = TC_KERNELS[precision]["matmul"], TC_TILE, (TC_THREADS, 1, 1)
     gy = _row_tiles(kernel, M, tile)
     return Launch(kernel, ((N + tile - 1) // tile, gy, 1),
-                  [p(out), p(a), p(b), i32(M), i32(N), i32(K), i32(sam), i32(sak), i32(sbk),
-                   i32(sbn), i32(1), strided([], [])], block)
+                  [ptr_arg(out), ptr_arg(a), ptr_arg(b), i32_arg(M), i32_arg(N), i32_arg(K),
+                   i32_arg(sam), i32_arg(sak), i32_arg(sbk), i32_arg(sbn), i32_arg(1),
+                   strided([], [])], block)
 
 
 def block_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
@@ -539,7 +544,8 @@ def block_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
         kernel, tile, threads = TC_KERNELS[precision][kind][w.storage], TC_TILE, TC_THREADS
     gy = _row_tiles(kernel, M, tile)
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
-                  [p(out), p(a), p(w_ptr), i32(M), i32(N), i32(K), i32(row_bytes(w))],
+                  [ptr_arg(out), ptr_arg(a), ptr_arg(w_ptr), i32_arg(M), i32_arg(N), i32_arg(K),
+                   i32_arg(row_bytes(w))],
                   block=(threads, 1, 1))
 
 
@@ -549,4 +555,4 @@ def dequant_launch(name: str, storage: str, out: int, raw: int, n: int) -> Launc
     """The launch decoding ``n`` elements of const ``name`` stored as ``storage`` from its
     block bytes at ``raw`` into f32 at ``out`` (the CUDA backend's realize runs it for a
     const whose consumers cannot read its block format)."""
-    return Launch(DEQUANT_KERNELS[storage], grid_1d(n), [p(out), p(raw), i32(n)])
+    return Launch(DEQUANT_KERNELS[storage], grid_1d(n), [ptr_arg(out), ptr_arg(raw), i32_arg(n)])

@@ -11,8 +11,8 @@ import numpy as np
 
 from toygraph.core.ops.groups import PASS_THROUGH, VIEW
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, grid_1d, i32,
-                                    lowers, p, pad_shape, rows_grid, strided)
+from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, grid_1d, i32_arg,
+                                    lowers, pad_shape, ptr_arg, rows_grid, strided)
 from toygraph.errors import GraphError
 
 # The family's CUDA kernels, beside this module.
@@ -265,7 +265,8 @@ def _copy(node, at):
     n = node.size
     if at.out == at.ptr(node.srcs[0]):
         return []
-    return [Launch("tg_copy", grid_1d(n), [p(at.out), p(at.ptr(node.srcs[0])), i32(n)])]
+    return [Launch("tg_copy", grid_1d(n), [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])),
+                                           i32_arg(n)])]
 
 
 @lowers("unpack", kernels=("tg_copy",))
@@ -276,13 +277,14 @@ def _unpack(node, at):
     src = at.ptr(node.srcs[0]) + (2 if at.half(node.srcs[0]) else 4) * node.attrs["offset"]
     if src == at.out:
         return []
-    return [Launch("tg_copy", grid_1d(n), [p(at.out), p(src), i32(n)])]
+    return [Launch("tg_copy", grid_1d(n), [ptr_arg(at.out), ptr_arg(src), i32_arg(n)])]
 
 
 def _gather(node, at, dims, sa):
     n = node.size
     return [Launch("tg_gather", grid_1d(n),
-                   [p(at.out), p(at.ptr(node.srcs[0])), i32(n), strided(dims, sa)])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])), i32_arg(n),
+                    strided(dims, sa)])]
 
 
 @lowers("permute", kernels=("tg_gather",))
@@ -299,7 +301,8 @@ def _expand(node, at):
 def _reduce(out_ptr, x_ptr, kd, ks, rd, rs) -> Launch:
     """A thread per output for short reductions over many outputs, else a block per output."""
     n_out, n_red = prod(kd), prod(rd)
-    args = [p(out_ptr), p(x_ptr), i32(n_out), strided(kd, ks), strided(rd, rs), i32(n_red)]
+    args = [ptr_arg(out_ptr), ptr_arg(x_ptr), i32_arg(n_out), strided(kd, ks), strided(rd, rs),
+            i32_arg(n_red)]
     if n_red <= 64 and n_out > 1:
         return Launch("tg_reduce_thread", grid_1d(n_out), args)
     return Launch("tg_reduce_block", rows_grid(n_out), args)

@@ -10,7 +10,8 @@ fills the registry, and dispatch.py looks nodes up here. The registry itself kno
 
 >>> @lowers("scale", kernels=("tg_scale",))                  # doctest: +SKIP
 ... def _scale(node, at):
-...     return [Launch("tg_scale", grid_1d(node.size), [p(at.out), p(at.ptr(node.srcs[0])), ...])]
+...     return [Launch("tg_scale", grid_1d(node.size),
+...                    [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])), ...])]
 
 :func:`decodes` registers, per GGUF block format, the launch that decodes a const stored
 in it to f32 (the backend's realize runs it for a const no consumer reads in blocks); the
