@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import NamedTuple
 from math import ceil
 
-SHAPES = {  # the configs' model dimensions (bench/random_llama.py's, which bench_lora uses)
+SHAPES = {  # the configs' model dimensions (bench/random_model.py's, which bench_lora uses)
     "smollm2": dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152,
                     n_ctx=8192, rope_base=100000.0),
     "llama1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_vocab=32000,
