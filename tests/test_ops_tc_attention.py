@@ -302,7 +302,7 @@ def test_the_kernels_compile_for_the_gpus_within_static_shared_memory(arch):
     ptxas's report: every block's static shared memory is the constants' TCA buffer (under
     48 KB, no opt-in), at most 255 registers, and the forward kernels do not spill. (The
     backward's register pressure -- k/v fragments plus dk/dv accumulators per 16-key warp
-    slice -- spills at head dims 128/256: bench/tc_attention_resources.py prints it.)"""
+    slice -- spills at head dims 128/256: bench/ptxas_report.py prints it.)"""
     from support.ptxas import bf16_module
     usage = bf16_module(arch)[1]
     tca = {name: u for name, u in usage.items() if name.startswith("tg_tca_")}
