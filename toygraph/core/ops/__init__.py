@@ -34,7 +34,7 @@ stochastic       dropout (a counter-based mask keyed by the hp row's step)
 
 The builders are re-exported here, so ``ops.<name>`` is every op:
 
->>> from toygraph import ops
+>>> from toygraph.core import ops
 >>> y = ops.rms_norm(x, 1e-5)                     # doctest: +SKIP
 """
 from __future__ import annotations
