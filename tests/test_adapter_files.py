@@ -1,237 +1,23 @@
-"""Adapter files (toygraph/adapters/files.py): PEFT directories and llama.cpp GGUF adapters,
-round trips and errors; adapters that must not load (another architecture's, integer tensors)."""
+"""Adapter files that must not load: another architecture's adapter, integer tensors, a
+config whose numbers or settings we cannot honour."""
 import json
+import re
+from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
-from toygraph.adapters.files import (CONFIG_FILE, WEIGHTS_FILE, check_gguf_adapter, hf_row_order,
-                               load_gguf_adapter, load_peft, save_gguf_adapter, save_peft)
+from toygraph.adapters.files import (WEIGHTS_FILE, load_gguf_adapter, load_peft, read_peft,
+                                     save_gguf_adapter, save_peft)
+from toygraph.cli import main
+from toygraph.demo.capitals import data_path as capitals_data
 from toygraph.errors import DataError
 from toygraph.models.model import GGUFModel
-from toygraph.models.decoder import TARGETS, weight_shape
+from toygraph.models.decoder import weight_shape
 
-ALL = tuple(TARGETS)
-
-
-def random_lora(cfg, targets=ALL, rank=4, seed=0):
-    rng = np.random.default_rng(seed)
-    lora = {}
-    for i in range(cfg.n_layer):
-        for t in targets:
-            name = f"blk.{i}.{TARGETS[t]}.weight"
-            n_out, n_in = weight_shape(cfg, name)
-            lora[name] = (rng.normal(size=(rank, n_in)).astype(np.float32),
-                          rng.normal(size=(n_out, rank)).astype(np.float32))
-    return lora
-
-
-@pytest.fixture(scope="module")
-def cfg(tiny_llama):
-    return GGUFModel(tiny_llama).config
-
-
-# --- the q/k row conversion ----------------------------------------------------------------
-def test_hf_row_order_is_transformers_unpermute_and_its_inverse(cfg, tiny_qwen2):
-    rng = np.random.default_rng(1)
-    for proj, n_head in (("attn_q", cfg.n_head), ("attn_k", cfg.n_head_kv)):
-        name = f"blk.0.{proj}.weight"
-        b = rng.normal(size=(n_head * cfg.head_dim, 3)).astype(np.float32)
-        hf = hf_row_order(b, cfg, name, to_hf=True)
-        # transformers' LlamaTensorProcessor._reverse_permute_weights, written out.
-        want = b.reshape(n_head, cfg.head_dim // 2, 2, 3).swapaxes(1, 2).reshape(b.shape)
-        np.testing.assert_array_equal(hf, want)
-        assert not np.array_equal(hf, b)
-        np.testing.assert_array_equal(hf_row_order(hf, cfg, name, to_hf=False), b)
-    v = rng.normal(size=(cfg.n_head_kv * cfg.head_dim, 3))
-    assert hf_row_order(v, cfg, "blk.0.attn_v.weight", to_hf=True) is v
-    qcfg = GGUFModel(tiny_qwen2).config  # neox layout: stored unpermuted
-    q = rng.normal(size=(qcfg.n_head * qcfg.head_dim, 3))
-    assert hf_row_order(q, qcfg, "blk.0.attn_q.weight", to_hf=True) is q
-
-
-# --- PEFT ----------------------------------------------------------------------------------
-def test_peft_round_trip(cfg, tmp_path):
-    lora = random_lora(cfg)
-    save_peft(tmp_path / "a", lora, cfg, rank=4, alpha=8, targets=ALL, base_model_name="tiny")
-    config = json.loads((tmp_path / "a" / CONFIG_FILE).read_text())
-    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
-    assert (config["r"], config["lora_alpha"], config["bias"]) == (4, 8.0, "none")
-    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj",
-                                             "gate_proj", "up_proj", "down_proj"}
-    tensors = load_file(str(tmp_path / "a" / WEIGHTS_FILE))
-    key = "base_model.model.model.layers.1.self_attn.q_proj.lora_"
-    assert tensors[key + "A.weight"].shape == (4, cfg.n_embd)
-    np.testing.assert_array_equal(tensors[key + "A.weight"], lora["blk.1.attn_q.weight"][0])
-    np.testing.assert_array_equal(tensors[key + "B.weight"],
-                                  hf_row_order(lora["blk.1.attn_q.weight"][1], cfg,
-                                               "blk.1.attn_q.weight", to_hf=True))
-    assert "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight" in tensors
-    back, rank, alpha, targets = load_peft(tmp_path / "a", cfg)
-    assert (rank, alpha, targets) == (4, 8.0, ALL)
-    assert set(back) == set(lora)
-    for name, (a, b) in lora.items():
-        np.testing.assert_array_equal(back[name][0], a)
-        np.testing.assert_array_equal(back[name][1], b)
-    assert not list((tmp_path / "a").glob("*.partial"))
-
-
-def test_save_peft_rejects_bad_adapters(cfg, tmp_path):
-    lora = random_lora(cfg, ("q",))
-    with pytest.raises(DataError, match="rank 4, but rank=8"):
-        save_peft(tmp_path, lora, cfg, rank=8, alpha=8, targets=("q",))
-    with pytest.raises(DataError, match="uncovered"):
-        save_peft(tmp_path, lora, cfg, rank=4, alpha=8, targets=("v",))
-    a, b = lora["blk.0.attn_q.weight"]
-    with pytest.raises(DataError, match="do not fit"):
-        save_peft(tmp_path, {"blk.0.attn_q.weight": (a, b[:-1])}, cfg, 4, 8, ("q",))
-
-
-def _peft_dir(cfg, tmp_path, config_edit=None, tensor_edit=None):
-    d = tmp_path / "bad"
-    save_peft(d, random_lora(cfg, ("q", "v")), cfg, rank=4, alpha=8, targets=("q", "v"))
-    if config_edit:
-        config = json.loads((d / CONFIG_FILE).read_text())
-        config_edit(config)
-        (d / CONFIG_FILE).write_text(json.dumps(config))
-    if tensor_edit:
-        tensors = load_file(str(d / WEIGHTS_FILE))
-        tensor_edit(tensors)
-        save_file(tensors, str(d / WEIGHTS_FILE))
-    return d
-
-
-Q0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
-
-
-@pytest.mark.parametrize("case, match", [
-    ("no_config", "adapter_config.json: missing"),
-    ("no_weights", "adapter_model.safetensors: missing"),
-    ("bad_json", "adapter_config.json: malformed JSON"),
-    ("not_lora", "peft_type is 'IA3'"),
-    ("dora", r"has \['A', 'B'\] of \['A', 'B', 'm'\] \(use_dora=true"),   # no magnitudes
-    ("rslora", "an rsLoRA adapter; this use takes plain LoRA adapters only"),
-    ("fan_in_fan_out", "fan_in_fan_out=true is not supported"),
-    ("bad_key", "'base_model.model.model.layers.0.self_attn.qkv.lora_A.weight' does not map"),
-    ("bad_layer", "layers.7.self_attn.q_proj.lora_A.weight' does not map"),
-    ("bad_shape", "do not fit the weight"),
-    ("rank_ab", "rank mismatch: A has 4 rows, B has 3 columns"),
-    ("rank_config", "rank 4 but adapter_config.json says r=8"),
-    ("half_pair", r"has \['A'\] of \['A', 'B'\]"),
-    ("corrupt", "cannot read safetensors"),
-])
-def test_load_peft_errors(cfg, tmp_path, case, match):
-    edits = {
-        "not_lora": dict(config_edit=lambda c: c.update(peft_type="IA3")),
-        "dora": dict(config_edit=lambda c: c.update(use_dora=True)),
-        "rslora": dict(config_edit=lambda c: c.update(use_rslora=True)),
-        "fan_in_fan_out": dict(config_edit=lambda c: c.update(fan_in_fan_out=True)),
-        "rank_config": dict(config_edit=lambda c: c.update(r=8)),
-        "bad_key": dict(tensor_edit=lambda t: t.update(
-            {Q0.replace("q_proj", "qkv") + "A.weight": t[Q0 + "A.weight"]})),
-        "bad_layer": dict(tensor_edit=lambda t: t.update(
-            {Q0.replace("layers.0", "layers.7") + "A.weight": t[Q0 + "A.weight"]})),
-        "bad_shape": dict(tensor_edit=lambda t: t.update(
-            {Q0 + "A.weight": t[Q0 + "A.weight"][:, :-2].copy()})),
-        "rank_ab": dict(tensor_edit=lambda t: t.update(
-            {Q0 + "B.weight": t[Q0 + "B.weight"][:, :3].copy()})),
-        "half_pair": dict(tensor_edit=lambda t: t.pop(Q0 + "B.weight")),
-    }
-    d = _peft_dir(cfg, tmp_path, **edits.get(case, {}))
-    if case == "no_config":
-        (d / CONFIG_FILE).unlink()
-    elif case == "no_weights":
-        (d / WEIGHTS_FILE).unlink()
-    elif case == "bad_json":
-        (d / CONFIG_FILE).write_text('{"peft_type": "LORA", ')
-    elif case == "corrupt":
-        (d / WEIGHTS_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with pytest.raises(DataError, match=match) as e:
-        load_peft(d, cfg)
-    assert str(d) in str(e.value)  # every message names the file
-
-
-# --- llama.cpp GGUF adapters ---------------------------------------------------------------
-def test_gguf_adapter_round_trip_and_llama_cpp_rules(cfg, tiny_llama, tmp_path):
-    lora = random_lora(cfg, ("q", "k", "down"), rank=3)
-    path = save_gguf_adapter(tmp_path / "a.gguf", lora, cfg, alpha=6, base_arch="llama")
-    info = check_gguf_adapter(path, tiny_llama)
-    assert (info["rank"], info["alpha"], len(info["tensors"])) == (3, 6.0, len(lora))
-    r = gguf.GGUFReader(str(path))
-    t = next(t for t in r.tensors if t.name == "blk.0.ffn_down.weight.lora_a")
-    assert tuple(t.shape) == (cfg.n_ff, 3)  # ggml ne: [n_in, r]
-    back, rank, alpha, targets = load_gguf_adapter(path, cfg)
-    assert (rank, alpha, targets) == (3, 6.0, ("q", "k", "down"))
-    for name, (a, b) in lora.items():  # GGUF order on both sides: no permutation
-        np.testing.assert_array_equal(back[name][0], a)
-        np.testing.assert_array_equal(back[name][1], b)
-
-
-def _write_adapter(path, arch="llama", kv=None, tensors=()):
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, value in (kv if kv is not None else
-                       {"general.type": "adapter", "adapter.type": "lora",
-                        "adapter.lora.alpha": 8.0}).items():
-        (w.add_float32 if isinstance(value, float) else w.add_string)(key, value)
-    for name, array in tensors:
-        w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def _pairs(cfg, rank=2):
-    a = np.zeros((rank, cfg.n_embd), np.float32)
-    b = np.zeros((cfg.n_head * cfg.head_dim, rank), np.float32)
-    return [("blk.0.attn_q.weight.lora_a", a), ("blk.0.attn_q.weight.lora_b", b)]
-
-
-@pytest.mark.parametrize("case, match", [
-    ("wrong_arch", "architecture 'qwen2' does not match the base model's 'llama'"),
-    ("not_adapter", "general.type is 'model', expected 'adapter'"),
-    ("not_lora", "adapter.type is 'ia3', expected 'lora'"),
-    ("no_alpha", "adapter.lora.alpha is missing"),
-    ("swapped", "a/b transposed"),
-    ("missing_pair", "pair for 'blk.0.attn_q.weight' is missing one component"),
-    ("unknown_tensor", "'blk.9.attn_q.weight' does not exist in the base model"),
-    ("rank", "rank mismatch"),
-])
-def test_broken_gguf_adapters_fail_like_llama_cpp(cfg, tiny_llama, tmp_path, case, match):
-    good = {"general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": 8.0}
-    pairs = _pairs(cfg)
-    kw = {
-        "wrong_arch": dict(arch="qwen2"),
-        "not_adapter": dict(kv={**good, "general.type": "model"}),
-        "not_lora": dict(kv={**good, "adapter.type": "ia3"}),
-        "no_alpha": dict(kv={k: v for k, v in good.items() if k != "adapter.lora.alpha"}),
-        "swapped": dict(tensors=[(n, np.ascontiguousarray(x.T)) for n, x in pairs]),
-        "missing_pair": dict(tensors=pairs[:1]),
-        "unknown_tensor": dict(tensors=[(n.replace("blk.0", "blk.9"), x) for n, x in pairs]),
-        "rank": dict(tensors=[pairs[0], (pairs[1][0], np.zeros((pairs[1][1].shape[0], 3), np.float32))]),
-    }[case]
-    kw.setdefault("tensors", pairs)
-    path = _write_adapter(tmp_path / f"{case}.gguf", **kw)
-    with pytest.raises(DataError, match=match) as e:
-        check_gguf_adapter(path, tiny_llama)
-    assert str(path) in str(e.value)
-    with pytest.raises(DataError, match=match):  # the loader applies the same rules to cfg
-        load_gguf_adapter(path, cfg)
-
-
-def test_gguf_adapter_file_errors(cfg, tiny_llama, tmp_path):
-    with pytest.raises(DataError, match="no such GGUF adapter file"):
-        check_gguf_adapter(tmp_path / "none.gguf", tiny_llama)
-    (tmp_path / "junk.gguf").write_bytes(b"GGUF junk")
-    with pytest.raises(DataError, match="not a valid GGUF file"):
-        load_gguf_adapter(tmp_path / "junk.gguf", cfg)
-
-
-# Adapters that must not load.
 NAME = "blk.0.attn_q.weight"
+PREFERENCES = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "preferences.jsonl"
+CAPITALS = capitals_data()
 
 
 def _adapter(cfg, tmp_path):
@@ -261,3 +47,146 @@ def test_integer_adapter_tensors_are_refused(tiny_llama, tmp_path):
     save_file(tensors, str(folder / WEIGHTS_FILE))
     with pytest.raises(DataError, match=rf"tensor '{key}' is int32; adapter tensors must be floating"):
         load_peft(folder, cfg)
+
+
+# --- what adapter_config.json says is honoured or refused, never ignored (issue 39) ------------
+def _full_adapter(cfg, folder, alpha=8.0, rank=2, targets=("q", "v"), scale=0.05, seed=0, **config):
+    """A PEFT adapter of every layer's ``targets``; ``config`` entries are written into its
+    adapter_config.json afterwards (as another tool would have)."""
+    rng = np.random.default_rng(seed)
+    lora = {}
+    for i in range(cfg.n_layer):
+        for t in targets:
+            name = f"blk.{i}.attn_{t}.weight"
+            n_out, n_in = weight_shape(cfg, name)
+            lora[name] = (scale * rng.normal(size=(rank, n_in)).astype(np.float32),
+                          scale * rng.normal(size=(n_out, rank)).astype(np.float32))
+    save_peft(folder, lora, cfg, rank=rank, alpha=alpha, targets=list(targets))
+    if config:
+        path = folder / "adapter_config.json"
+        doc = json.loads(path.read_text())
+        doc.update(config)
+        path.write_text(json.dumps(doc))
+    return folder
+
+
+@pytest.mark.parametrize("alpha, needle", [
+    (float("nan"), "lora_alpha must be a finite number > 0, found nan"),
+    (float("inf"), "lora_alpha must be a finite number > 0, found inf"),
+    (1e308, "scales the update by 5e+307, above 1024"),
+    (-4, "lora_alpha must be a finite number > 0, found -4"),
+    ("16", "lora_alpha must be a finite number > 0, found '16'"),
+])
+def test_lora_alpha_is_finite_and_in_range(tiny_llama, tmp_path, alpha, needle):
+    cfg = GGUFModel(tiny_llama).config
+    folder = _full_adapter(cfg, tmp_path / "a", lora_alpha=alpha)
+    with pytest.raises(DataError, match=re.escape(needle)):
+        read_peft(folder, cfg)
+
+
+def test_export_and_eval_refuse_a_nan_alpha_in_one_line(tiny_llama, tmp_path, capsys):
+    """NaN alpha: export wrote an all-NaN merged GGUF with exit 0, eval printed loss nan."""
+    folder = _full_adapter(GGUFModel(tiny_llama).config, tmp_path / "a", lora_alpha=float("nan"))
+    out = tmp_path / "merged.gguf"
+    assert main(["export", "--model", str(tiny_llama), "--adapter", str(folder), "--out", str(out),
+                 "--type", "f32"]) == 2
+    assert main(["eval", "--model", str(tiny_llama), "--adapter", str(folder), "--tokens", "3,4,5",
+                 "--json"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all("lora_alpha must be a finite number > 0, found nan" in e for e in err)
+    assert not out.exists()
+
+
+def test_huge_finite_adapter_values_are_refused_where_they_overflow(tiny_llama, tmp_path, capsys):
+    """Finite tensors whose product overflows f32: eval's loss is not a number and the
+    merge's weight not finite; both said in one line, no NaN JSON, no NaN GGUF."""
+    folder = _full_adapter(GGUFModel(tiny_llama).config, tmp_path / "a", scale=1e30)
+    out = tmp_path / "merged.gguf"
+    assert main(["eval", "--model", str(tiny_llama), "--adapter", str(folder), "--tokens", "3,4,5",
+                 "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "computes values that are not finite" in captured.err
+    assert main(["export", "--model", str(tiny_llama), "--adapter", str(folder), "--out", str(out),
+                 "--type", "f32"]) == 2
+    assert "the merged weight (base + 4 B A) is not finite" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("key, value", [
+    ("lora_bias", True), ("use_qalora", True), ("trainable_token_indices", [3, 4]),
+    ("layer_replication", [[0, 1]]), ("modules_to_save", ["lm_head"]),
+    ("alora_invocation_tokens", [5]), ("init_lora_weights", "pissa"),
+    ("a_future_peft_key", {"on": 1}), ("rank_pattern", {"q_proj": 4}),
+])
+def test_a_setting_that_changes_the_math_is_refused_by_name(tiny_llama, tmp_path, key, value):
+    cfg = GGUFModel(tiny_llama).config
+    folder = _full_adapter(cfg, tmp_path / "a", **{key: value})
+    with pytest.raises(DataError, match=key) as e:
+        read_peft(folder, cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_settings_that_leave_the_math_alone_load(tiny_llama, tmp_path):
+    cfg = GGUFModel(tiny_llama).config
+    plain = read_peft(_full_adapter(cfg, tmp_path / "p"), cfg)
+    same = read_peft(_full_adapter(cfg, tmp_path / "s", init_lora_weights="gaussian",
+                                   lora_bias=False, trainable_token_indices=None,
+                                   a_future_peft_key=None, exclude_modules=["o_proj"],
+                                   layers_pattern="layers"), cfg)
+    assert same.alpha == plain.alpha and all(
+        np.array_equal(x, y) for n in plain.lora for x, y in zip(plain.lora[n], same.lora[n]))
+
+
+def test_layers_to_transform_is_honoured(tiny_llama, tmp_path):
+    """An adapter of layer 0 only loads as that (the others keep B = 0, PEFT's model);
+    tensors of a layer the config leaves out, which PEFT would not load, are refused."""
+    cfg = GGUFModel(tiny_llama).config
+    assert cfg.n_layer >= 2
+    folder = _full_adapter(cfg, tmp_path / "a", layers_to_transform=[0])
+    with pytest.raises(DataError, match=r"is in layer 1, which layers_to_transform \[0\]"):
+        read_peft(folder, cfg)
+    from safetensors.numpy import load_file, save_file
+    tensors = {k: v for k, v in load_file(str(folder / WEIGHTS_FILE)).items() if ".layers.0." in k}
+    save_file(tensors, str(folder / WEIGHTS_FILE))
+    assert {n.split(".")[1] for n in read_peft(folder, cfg).lora} == {"0"}
+    for bad in ([-1], "0", [True], []):
+        _full_adapter(cfg, tmp_path / "b", layers_to_transform=bad)
+        with pytest.raises(DataError, match="layers_to_transform must be"):
+            read_peft(tmp_path / "b", cfg)
+
+
+def test_a_deeply_nested_adapter_config_is_one_line(tiny_llama, tmp_path, capsys):
+    folder = _full_adapter(GGUFModel(tiny_llama).config, tmp_path / "a")
+    (folder / "adapter_config.json").write_text('{"r": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert main(["eval", "--model", str(tiny_llama), "--adapter", str(folder), "--tokens", "3,4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "JSON nested 100001 levels deep" in err, err
+
+
+def test_a_gguf_adapter_alpha_of_zero_means_none_as_in_llama_cpp(tiny_llama, tmp_path):
+    """llama.cpp: adapter.lora.alpha 0 is a scale of 1; it was a scale of 0 (no update)."""
+    cfg = GGUFModel(tiny_llama).config
+    lora = read_peft(_full_adapter(cfg, tmp_path / "a", rank=2), cfg).lora
+    path = save_gguf_adapter(tmp_path / "a.gguf", lora, cfg, alpha=0.0, base_arch=cfg.arch)
+    assert load_gguf_adapter(path, cfg)[1:3] == (2, 2.0)
+    path = save_gguf_adapter(tmp_path / "n.gguf", lora, cfg, alpha=float("nan"), base_arch=cfg.arch)
+    with pytest.raises(DataError, match="adapter.lora.alpha nan"):
+        load_gguf_adapter(path, cfg)
+
+
+@pytest.mark.parametrize("recipe", ["lora", "dpo"])
+def test_adapter_init_takes_the_adapters_alpha_or_says_so(tiny_llama, tmp_path, recipe):
+    """--adapter-init checked rank, targets and variants but not lora_alpha: an adapter of
+    alpha 64 went on at the run's 16 (also as DPO's frozen reference). A mismatch is
+    refused, as a rank mismatch is; --alpha equal to the adapter's runs."""
+    from toygraph.training import RunConfig, run_training
+    cfg = GGUFModel(tiny_llama).config
+    init = _full_adapter(cfg, tmp_path / "init", alpha=64.0, rank=2)
+    data = (PREFERENCES if recipe == "dpo" else CAPITALS)
+    kw = dict(model=str(tiny_llama), data=str(data), recipe=recipe, targets=("q", "v"), rank=2,
+              steps=1, batch=2, seq_len=96, val_split=0.0, quiet=True, max_examples=8,
+              adapter_init=str(init))
+    with pytest.raises(DataError, match="adapter has lora_alpha 64; the run asks for --alpha 16 "
+                                        r".*give --alpha 64"):
+        run_training(RunConfig(out=str(tmp_path / "r16"), **kw))
+    assert run_training(RunConfig(out=str(tmp_path / "r64"), alpha=64, **kw))["steps"] == 1

@@ -23,8 +23,10 @@ SOURCES = {"toygraph": ROOT / "toygraph", "toygraph.recipes": ROOT / "recipes",
 #: NVRTC, the backend, the host device) above it: it reads the op table and the buffer
 #: plan, and registers itself as a backend the session finds by name (core/backends.py).
 LAYERS = [
-    ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment", "toygraph.atomic")),
+    ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment", "toygraph.atomic",
+                    "toygraph.bounded", "toygraph.limits")),
     ("the GGUF file", ("toygraph.gguf",)),
+    ("the CPU engine", ("toygraph.cpu",)),
     ("CUDA lowering API", ("toygraph.cuda.lowering",)),
     ("graph core", ("toygraph.core",)),
     ("CUDA backend", ("toygraph.cuda",)),

@@ -2,6 +2,7 @@
 the model and adapter a command runs, and command-line text checked as UTF-8."""
 from __future__ import annotations
 
+from toygraph.bounded import utf8_error
 from toygraph.errors import ToygraphError
 from toygraph.inference.sampling import SamplingOptions
 from toygraph.models.catalog import resolve_model
@@ -10,12 +11,9 @@ from toygraph.models.catalog import resolve_model
 def utf8(flag: str, text: str) -> str:
     """Command-line text as valid Unicode: undecodable bytes in argv arrive as lone
     surrogates (Python's surrogateescape), which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        c = ord(text[e.start])
-        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate \\u{c:04x}"
-        raise ToygraphError(f"{flag} is not valid UTF-8 text ({what} at character {e.start})") from None
+    why = utf8_error(text)
+    if why:
+        raise ToygraphError(f"{flag} is not valid UTF-8 text ({why})")
     return text
 
 
@@ -29,6 +27,24 @@ def add_backend_args(p, precision: bool = True) -> None:
         p.add_argument("--precision", default=RecipeOptions.precision, choices=list(PRECISIONS),
                        help="matmul input precision (bf16/tf32: CUDA tensor cores, f32 "
                             "accumulation, f32 everything else)")
+
+
+def add_threads_arg(p) -> None:
+    """``--threads``: the threads the CPU engine and BLAS compute with (main sets them)."""
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="threads to compute with on the CPU: the engine's decoders and "
+                        "products, and BLAS (default: $TOYGRAPH_THREADS, else the CPUs this "
+                        "process may use)")
+
+
+def use_threads_of(args) -> None:
+    """Compute with the threads ``--threads`` asks for (a command that has the flag)."""
+    if not hasattr(args, "threads"):
+        return
+    if args.threads is not None and args.threads < 1:
+        raise ToygraphError(f"--threads must be at least 1, got {args.threads}")
+    from toygraph.cpu import engine
+    engine.use_threads(args.threads)
 
 
 def add_allow_merged_arg(p) -> None:
