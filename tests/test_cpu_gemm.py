@@ -13,7 +13,7 @@ term, gamma_(k+2)."""
 import numpy as np
 import pytest
 
-from test_quant import random_blocks
+from test_blocks import random_blocks
 from toygraph.cpu import engine
 from toygraph.errors import GGUFError, ToygraphError
 from toygraph.gguf import block_encode, blocks
