@@ -10,14 +10,13 @@ from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.models.moe import moe_ffn
+from toygraph.models.parts import Experts
 
 N, D, E, K, F, R = 7, 8, 5, 2, 6, 3
 
 
-def _cfg(router):
-    fam = SimpleNamespace(router=router)
-    return SimpleNamespace(family=fam, n_expert=E, n_expert_used=K, n_ff_exp=F,
-                           expert_weights_norm=True, expert_weights_scale=1.0)
+def _part(router):
+    return Experts(count=E, used=K, width=F, router=router, norm_weights=True)
 
 
 def _block(rng, x_param: bool, adapters: dict, router="topk_softmax"):
@@ -30,13 +29,12 @@ def _block(rng, x_param: bool, adapters: dict, router="topk_softmax"):
     pairs = {name: (g.param(name + ".a", a), g.param(name + ".b", b))
              for name, (a, b) in adapters.items()}
 
-    def linear(h, name):
-        return ops.matmul(h, W[name], trans_b=True)
-
-    def adapter(name):
-        return (*pairs[name], 0.7) if name in pairs else None
-    linear.expert_adapter = adapter
-    out = moe_ffn(_cfg(router), W, "blk.0.", x, linear, ops.swiglu)
+    block = SimpleNamespace(   # what moe_ffn reads of models/decoder.Block
+        proj=lambda h, name: ops.matmul(h, W[f"blk.0.{name}.weight"], trans_b=True),
+        w=lambda name: W["blk.0." + name], get=lambda name: W.get("blk.0." + name),
+        expert_adapter=lambda name: ((*pairs[f"blk.0.{name}.weight"], 0.7)
+                                     if f"blk.0.{name}.weight" in pairs else None))
+    out = moe_ffn(block, _part(router), x)
     return g, x, out, pairs
 
 

@@ -1,5 +1,5 @@
 """Every mixture-of-experts key of a GGUF is implemented or refused in one line
-(models/config.py's _experts), on the metadata of the committed llama.cpp conversion."""
+(models/readers.py's experts), on the metadata of the committed llama.cpp conversion."""
 import os
 
 import numpy as np
@@ -30,7 +30,8 @@ def config_with(changes: dict, name="qwen3moe"):
 def test_the_file_reads_as_a_mixture():
     cfg, shapes = config_with({})
     assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp) == (6, 2, 32)
-    assert cfg.expert_weights_norm and cfg.expert_weights_scale == 1.0 and cfg.n_dense_lead == 0
+    assert cfg.experts.norm_weights and cfg.experts.weights_scale == 1.0
+    assert all(layer.ffn == cfg.experts for layer in cfg.layers)   # no leading dense layer
     check_tensors(cfg, shapes, "m.gguf")   # every tensor consumed, none missing
 
 
@@ -53,7 +54,7 @@ def test_keys_that_would_change_the_math_are_refused_in_one_line(changes, messag
 
 def test_weights_norm_and_scale_are_read():
     cfg, _ = config_with({"expert_weights_norm": False, "expert_weights_scale": 2.5})
-    assert not cfg.expert_weights_norm and cfg.expert_weights_scale == 2.5
+    assert not cfg.experts.norm_weights and cfg.experts.weights_scale == 2.5
 
 
 def test_leading_dense_layers_have_a_plain_ffn():

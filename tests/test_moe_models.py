@@ -40,7 +40,7 @@ def _reference(name):
 
 def test_the_qwen3moe_fixture_exercises_what_it_claims():
     cfg = GGUFModel(gguf_path("qwen3moe")).config
-    assert 4 <= cfg.n_expert <= 8 and cfg.n_expert_used == 2 and cfg.expert_weights_norm
+    assert 4 <= cfg.n_expert <= 8 and cfg.n_expert_used == 2 and cfg.experts.norm_weights
     assert cfg.n_head_kv < cfg.n_head and cfg.head_dim * cfg.n_head != cfg.n_embd
     # Every expert is chosen by some token, and no choice is a near tie (a rounding
     # difference cannot flip it between toygraph and the reference).
@@ -82,9 +82,10 @@ def test_attention_is_token_major(name):
 def test_the_gpt_oss_fixture_exercises_what_it_claims():
     cfg = GGUFModel(gguf_path("gpt-oss")).config
     assert 4 <= cfg.n_expert <= 8 and cfg.n_expert_used == 2 and cfg.n_head_kv < cfg.n_head
-    assert cfg.windows == (cfg.sliding_window, 0) and cfg.sliding_window < 16
+    window = cfg.attention[0].window
+    assert [a.window for a in cfg.attention] == [window, 0] and 0 < window < 16
     assert len(set(cfg.rope_yarn)) > 3     # extrapolated, blended and scaled pairs
-    assert cfg.qkv_bias and cfg.family.sinks and cfg.family.o_bias
+    assert all(a.bias and a.sinks and a.out_bias for a in cfg.attention)
 
 
 def _set(attr, value):
