@@ -8,6 +8,7 @@ transformers' Qwen3MoeSparseMoeBlock / GptOssMLP)::
     "topk_softmax": ids = topk(logits, k); w = softmax(logits[ids])
     w = w * expert_weights_scale
     f[n] = sum_j w[n, j] * down_e(act(gate_e(x[n]), up_e(x[n])))   e = ids[n, j]
+    [f[n] += sigmoid(x[n] . ffn_gate_inp_shexp) * shared(x[n])]   (Qwen2-MoE's shared expert)
 
 Renormalised softmax-then-top-k weights are the softmax of the chosen logits (the
 unchosen experts' terms cancel), so that case is built as "topk_softmax" on the
@@ -16,7 +17,7 @@ probabilities' order. Each expert's GEMM runs over only the tokens that chose it
 from __future__ import annotations
 
 from toygraph.core import ops
-from toygraph.models.ffn import ACTIVATIONS
+from toygraph.models.ffn import ACTIVATIONS, dense_ffn
 from toygraph.models.parts import Experts
 
 
@@ -72,4 +73,8 @@ def moe_ffn(b, part: Experts, x):
                             (ops.narrow(gate_up, 0, f), ops.narrow(gate_up, f, f)))
     h = act(experts(x, "ffn_gate_exps", gate_delta), experts(x, "ffn_up_exps", up_delta))
     y = experts(h, "ffn_down_exps", low_rank(h, "ffn_down_exps"))   # [N, k, n_embd]
-    return ops.sum(y * w.reshape(N, part.used, 1), 1)
+    out = ops.sum(y * w.reshape(N, part.used, 1), 1)
+    if part.shared is not None:   # gated per token by sigmoid(x . ffn_gate_inp_shexp)
+        gate = ops.sigmoid(b.proj(x, "ffn_gate_inp_shexp"))   # [N, 1]
+        out = out + dense_ffn(b, part.shared, x) * gate
+    return out

@@ -125,7 +125,8 @@ class DeltaNet:
 @dataclass(frozen=True)
 class Dense:
     """A gated feed-forward part, down(act(gate(x)) * up(x)) of ``width``; ``activation``
-    one of models/ffn.ACTIVATIONS; ``suffix`` names its tensors (ffn_gate<suffix>, ...)."""
+    one of models/ffn.ACTIVATIONS; ``suffix`` names its tensors (ffn_gate<suffix>, ...):
+    "" for a layer's FFN, "_shexp" for a mixture's shared expert."""
 
     width: int = 0
     activation: str = "swiglu"
@@ -143,7 +144,8 @@ class Experts:
     router ``ffn_gate_inp``, experts stacked ``ffn_{gate,up,down}_exps``. ``router``
     "softmax_topk" or "topk_softmax" (moe.route), ``norm_weights`` renormalises the chosen
     experts' weights to sum 1, ``weights_scale`` multiplies them; ``bias``: the router and
-    the experts have biases (gpt-oss)."""
+    the experts have biases (gpt-oss); ``shared``: a dense expert every token goes through,
+    its output gated by sigmoid(x ffn_gate_inp_shexp) (Qwen2-MoE), or None."""
 
     count: int = 0
     used: int = 0
@@ -153,6 +155,7 @@ class Experts:
     norm_weights: bool = False
     weights_scale: float = 1.0
     bias: bool = False
+    shared: Dense | None = None
 
     def tensors(self, d: int) -> Shapes:
         E, f = self.count, self.width
@@ -161,6 +164,8 @@ class Experts:
         if self.bias:
             out.update({"ffn_gate_inp.bias": (E,), "ffn_gate_exps.bias": (E, f),
                         "ffn_up_exps.bias": (E, f), "ffn_down_exps.bias": (E, d)})
+        if self.shared is not None:
+            out.update({"ffn_gate_inp_shexp.weight": (1, d), **self.shared.tensors(d)})
         return out
 
 

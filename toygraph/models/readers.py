@@ -8,7 +8,7 @@ import math
 
 from toygraph.errors import GGUFError
 from toygraph.models.families import ZERO_ONLY_KEYS, Family
-from toygraph.models.parts import DeltaNet, Experts
+from toygraph.models.parts import DeltaNet, Dense, Experts
 
 
 class Metadata:
@@ -196,10 +196,17 @@ def experts(m: Metadata, proto: Experts, n_layer: int) -> tuple[Experts, int]:
     if used > n_expert:
         raise GGUFError(f"{m.path}: {m.key('expert_used_count')} = {used} exceeds "
                         f"{m.key('expert_count')} = {n_expert}")
-    for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
-        if m.num(key, int, 0, positive=False):
-            raise GGUFError(f"{m.path}: {m.key(key)} > 0: shared experts are not "
-                            f"implemented for {m.arch}")
+    shared = None
+    if proto.shared is None:
+        for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
+            if m.num(key, int, 0, positive=False):
+                raise GGUFError(f"{m.path}: {m.key(key)} > 0: shared experts are not "
+                                f"implemented for {m.arch}")
+    else:
+        if m.num("expert_shared_count", int, 1) != 1:
+            raise GGUFError(f"{m.path}: {m.key('expert_shared_count')} must be 1 "
+                            f"(one shared expert) for {m.arch}")
+        shared = Dense(m.num("expert_shared_feed_forward_length", int), proto.activation, "_shexp")
     gating = m.num("expert_gating_func", int, 1)
     if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise GGUFError(f"{m.path}: {m.key('expert_gating_func')} = {gating} is not supported "
@@ -215,7 +222,8 @@ def experts(m: Metadata, proto: Experts, n_layer: int) -> tuple[Experts, int]:
     part = Experts(count=n_expert, used=used, width=m.num("expert_feed_forward_length", int),
                    activation=proto.activation, router=proto.router,
                    norm_weights=proto.norm_weights if norm is None else norm,
-                   weights_scale=m.num("expert_weights_scale", float, 1.0), bias=proto.bias)
+                   weights_scale=m.num("expert_weights_scale", float, 1.0), bias=proto.bias,
+                   shared=shared)
     return part, lead
 
 
