@@ -52,6 +52,20 @@ def test_keys_that_would_change_the_math_are_refused_in_one_line(changes, messag
     assert "\n" not in str(e.value)
 
 
+def test_a_shared_expert_is_read_where_the_family_has_one():
+    """Qwen2-MoE's shared expert: its width from expert_shared_feed_forward_length, its
+    tensors required; more than one shared expert is refused in one line."""
+    cfg, shapes = config_with({}, "qwen2moe")
+    assert cfg.experts.shared.width == 48
+    assert layer_shapes(cfg, 0)["blk.0.ffn_gate_inp_shexp.weight"] == (1, cfg.n_embd)
+    check_tensors(cfg, shapes, "m.gguf")
+    with pytest.raises(GGUFError, match=r"expert_shared_count must be 1") as e:
+        config_with({"expert_shared_count": 2}, "qwen2moe")
+    assert "\n" not in str(e.value)
+    with pytest.raises(GGUFError, match="missing metadata key 'qwen2moe.expert_shared_feed"):
+        config_with({"expert_shared_feed_forward_length": None}, "qwen2moe")
+
+
 def test_weights_norm_and_scale_are_read():
     cfg, _ = config_with({"expert_weights_norm": False, "expert_weights_scale": 2.5})
     assert not cfg.experts.norm_weights and cfg.experts.weights_scale == 2.5

@@ -189,6 +189,12 @@ FAMILIES = {f.arch: f for f in (
     # (norm_w = true; transformers: norm_topk_prob, true in the released configs).
     Family(arch="qwen3moe", layer=Layer(Attention(rope=NEOX, qk_norm=True),
                                         Experts(router="softmax_topk", norm_weights=True))),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2 attention, every FFN a mixture
+    # of experts and a shared expert. llama.cpp's llm_build_qwen2moe: softmax gating, the
+    # chosen weights not renormalised (norm_w = false; transformers' norm_topk_prob, false
+    # in the released configs), the shared expert's output times sigmoid(x ffn_gate_inp_shexp).
+    Family(arch="qwen2moe", layer=Layer(Attention(rope=NEOX, bias=True),
+                                        Experts(router="softmax_topk", shared=Dense()))),
     # gpt-oss (20b, 120b): llama.cpp's llama_model_openai_moe. Sliding window on even
     # layers (load_swa_pattern(ml, 2)) with the file's rope base and scaling on every
     # layer; q/k/v/o biases, attention sinks; the FFN norm is stored as
