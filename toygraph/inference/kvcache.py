@@ -58,8 +58,7 @@ MASKED = -1e30
 
 def attention_layers(cfg) -> dict[int, Attention]:
     """Layer index -> its attention part, for the layers that have one."""
-    return {i: layer.mixer for i, layer in enumerate(cfg.layers)
-            if isinstance(layer.mixer, Attention)}
+    return {i: layer.attention for i, layer in enumerate(cfg.layers) if layer.attention}
 
 
 def kv_caches(g, cfg, rows: int, cache_len: int, prefix: str = "") -> tuple[dict, int]:

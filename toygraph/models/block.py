@@ -97,7 +97,8 @@ def regions(cfg) -> list[tuple[int, int]]:
     keys and values a later block reuses (Gemma 4) to the last form one region."""
     sharing = [a.kv_from for a in cfg.attention if a.kv_from is not None]
     joined = min(sharing, default=cfg.n_layer)
-    return [(i, i + 1) for i in range(joined)] + ([(joined, cfg.n_layer)] if joined < cfg.n_layer else [])
+    return [(i, i + 1) for i in range(joined)] + \
+        ([(joined, cfg.n_layer)] if joined < cfg.n_layer else [])
 
 
 def embed(g: Graph, net, B: int, T: int, earlier) -> Tensor:

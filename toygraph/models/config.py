@@ -53,7 +53,7 @@ class ModelConfig:
     @property
     def attention(self) -> tuple[Attention, ...]:
         """The attention parts, in layer order (the DeltaNet layers have none)."""
-        return tuple(layer.mixer for layer in self.layers if isinstance(layer.mixer, Attention))
+        return tuple(layer.attention for layer in self.layers if layer.attention)
 
     @property
     def n_head(self) -> int:
@@ -157,7 +157,8 @@ def _layers(m: readers.Metadata, fam: Family, n_layer: int, n_embd: int, n_ctx: 
         scale = 1.0   # the interpolation is in the per-pair factors
     window = m.num("attention.sliding_window", int, 0, positive=False) if fam.sliding else 0
     if fam.sliding and window <= 0:
-        raise GGUFError(f"{m.path}: {fam.arch} needs a positive {m.key('attention.sliding_window')}")
+        raise GGUFError(f"{m.path}: {fam.arch} needs a positive "
+                        f"{m.key('attention.sliding_window')}")
     swa_base = m.num("rope.freq_base_swa", float,
                      (fam.sliding.rope_base if fam.sliding else None) or rope_base)
     proto = fam.layer
