@@ -1,6 +1,6 @@
 """QLoRA on the CPU: a LoRA step with the frozen base decoded to f32 at realize ("decode")
 against the base kept in its block format and decoded just in time ("quantized",
-toygraph/core/base_memory.py): peak RSS, tokens/s, the decode share of the step, and
+toygraph/core/frozen_base.py): peak RSS, tokens/s, the decode share of the step, and
 whether the losses are the same floats.
 
 Each (weight type, mode) runs in its own child process (its peak RSS is its own) on a

@@ -112,7 +112,7 @@ def page_bytes(pages: np.ndarray, start: int, n: int) -> int:
 def child(spec: dict) -> dict:
     ensure_toygraph()
     from toygraph.core.optimizer import hp_row
-    from toygraph.gguf import decode
+    from toygraph.cpu import block_tensor as decode
     from toygraph.models.model import GGUFModel
     from toygraph.recipes import LoRA, RecipeOptions
 

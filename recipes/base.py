@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from toygraph.core import ops
-from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
+from toygraph.core.frozen_base import MODES as BASE_MEMORY_MODES
 from toygraph.core.distributed import world
 from toygraph.core.graph import Graph
 from toygraph.core.ops.stochastic import HP_MICRO
@@ -94,7 +94,7 @@ class RecipeOptions:
     data_parallel: bool = False
     pack: bool = False      # packed rows: step/evaluate take segment ids (toygraph.data.packing)
     base_memory: str | None = None   # numpy backend: a block-format base decoded or kept
-    #                                  quantized (core/base_memory.py); None: $TOYGRAPH_BASE_MEMORY
+    #                                  quantized (core/frozen_base.py); None: $TOYGRAPH_BASE_MEMORY
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "grad_accum"):

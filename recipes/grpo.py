@@ -45,7 +45,8 @@ from toygraph.recipes.base import RecipeOptions, fused_head
 from toygraph.recipes.grpo_loss import Objective, build_objective, clipped, group_advantages
 from toygraph.recipes.lora import LoRA
 from toygraph.recipes.registry import register
-from toygraph.recipes.rewards import nan_mean, nan_std, parse_rewards, score, weighted_total
+from toygraph.recipes.rewards import (REWARD_TIMEOUT, nan_mean, nan_std, parse_rewards, score,
+                                      weighted_total)
 
 #: Defaults the run configuration reads from here (TRL's, but a CPU-sized completion).
 NUM_GENERATIONS, TEMPERATURE, TOP_P, MAX_COMPLETION_LENGTH, NUM_ITERATIONS = 8, 1.0, 1.0, 128, 1
@@ -65,9 +66,9 @@ class GRPO(LoRA):
                  num_generations: int = NUM_GENERATIONS, temperature: float = TEMPERATURE,
                  top_p: float = TOP_P, max_completion_length: int = MAX_COMPLETION_LENGTH,
                  num_iterations: int = NUM_ITERATIONS, objective: Objective | None = None,
-                 log_completions: int = 0):
+                 log_completions: int = 0, reward_timeout: float = REWARD_TIMEOUT):
         super().__init__(targets, rank, alpha)
-        self.rewards = parse_rewards(rewards, reward_weights)
+        self.rewards = parse_rewards(rewards, reward_weights, reward_timeout)
         if num_generations < 2:
             raise GraphError(f"num_generations must be >= 2 (a group to compare), got {num_generations}")
         if not (temperature > 0 and math.isfinite(temperature)):
@@ -99,7 +100,7 @@ class GRPO(LoRA):
                    temperature=cfg.temperature, top_p=cfg.top_p,
                    max_completion_length=cfg.max_completion_length,
                    num_iterations=cfg.num_iterations, objective=objective,
-                   log_completions=cfg.log_completions)
+                   log_completions=cfg.log_completions, reward_timeout=cfg.reward_timeout)
 
     def __repr__(self):
         return (f"GRPO(targets={self.targets}, rank={self.rank}, alpha={self.alpha}, "

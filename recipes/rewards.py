@@ -22,29 +22,41 @@ was a list of messages (TRL's conversational format). The built-in ones score 1.
 - ``json-schema:FILE``: it is valid JSON and valid under the schema in FILE (the subset of
   JSON Schema in :func:`check_schema`; a schema using another keyword is refused);
 - ``length:MIN:MAX``: MIN <= its length in characters <= MAX;
-- ``module:function`` (or ``path/to/file.py:function``): a Python function, imported.
+- ``module:function`` (or ``path/to/file.py:function``): a Python function, run in a
+  process of its own (recipes/reward_worker.py), so that nothing it does -- ``sys.exit``,
+  ``os.fork``, replacing the signal handlers -- reaches the run, and each call is bounded
+  by ``--reward-timeout`` seconds.
 
-A reward that raises, returns the wrong number of values or a value that is not a number
-stops the run with a one-line error naming it (:class:`RewardError`).
+A reward that raises, exits, forks, overruns its time, returns the wrong number of values
+or a value that is not a finite number stops the run with a one-line error naming it
+(:class:`RewardError`).
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import math
 import re
+import select
+import socket
+import subprocess
 import sys
+import time
 import unicodedata
+import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from toygraph.bounded import load_json
 from toygraph.errors import ToygraphError
+from toygraph.recipes import reward_worker
+from toygraph.recipes.json_schema import check_schema, valid
 
 BUILT_IN = ("regex:PATTERN", "exact:FIELD", "json", "json-schema:FILE", "length:MIN:MAX")
+_BUILT_IN_KINDS = ("regex", "exact", "json", "json-schema", "length")
+#: Seconds a Python reward function may take per call (--reward-timeout; 0: no limit).
+REWARD_TIMEOUT = 300.0
 
 
 class RewardError(ToygraphError):
@@ -58,8 +70,9 @@ class Reward:
     weight: float = 1.0
 
 
-def parse_rewards(specs, weights=None) -> list[Reward]:
-    """The rewards of ``--reward`` specs, with ``--reward-weights`` (default 1 each)."""
+def parse_rewards(specs, weights=None, timeout: float = REWARD_TIMEOUT) -> list[Reward]:
+    """The rewards of ``--reward`` specs, with ``--reward-weights`` (default 1 each); the
+    Python ones share one worker process, each call bounded by ``timeout`` seconds."""
     specs = list(specs)
     if not specs:
         raise RewardError("GRPO needs at least one --reward (built in: "
@@ -74,11 +87,19 @@ def parse_rewards(specs, weights=None) -> list[Reward]:
                               f"--reward ({len(specs)}), got {list(weights)}")
     else:
         weights = [1.0] * len(specs)
-    return [Reward(s, reward_function(s), w) for s, w in zip(specs, weights)]
+    python = [s for s in specs if _is_python(s)]
+    worker = RewardWorker(python, timeout) if python else None
+    return [Reward(s, worker.function(python.index(s)) if _is_python(s) else reward_function(s), w)
+            for s, w in zip(specs, weights)]
+
+
+def _is_python(spec: str) -> bool:
+    kind, _, arg = spec.partition(":")
+    return bool(arg) and kind not in _BUILT_IN_KINDS
 
 
 def reward_function(spec: str) -> Callable:
-    """The function a ``--reward`` spec names (module docstring)."""
+    """The function a built-in ``--reward`` spec names (module docstring)."""
     kind, _, arg = spec.partition(":")
     if kind == "regex" and arg:
         try:
@@ -93,12 +114,10 @@ def reward_function(spec: str) -> Callable:
     if kind == "json-schema" and arg:
         schema = _load_schema(arg, spec)
         return _per_completion(lambda text, row: float(
-            (value := _json(text)) is not _INVALID and valid(value, schema)))
+            (value := _json(text)) is not _INVALID and _valid(value, schema)))
     if kind == "length":
         lo, hi = _bounds(arg, spec)
         return _per_completion(lambda text, row: float(lo <= len(text) <= hi))
-    if arg and kind not in ("regex", "exact", "json-schema"):
-        return _import(kind, arg, spec)
     raise RewardError(f"--reward {spec!r}: not a reward (built in: {', '.join(BUILT_IN)}; or "
                       f"module:function)")
 
@@ -109,7 +128,9 @@ def score(rewards: list[Reward], prompts: list, completions: list, fields: dict)
     for j, r in enumerate(rewards):
         try:
             values = r.fn(prompts=prompts, completions=completions, **fields)
-        except Exception as e:  # the user's code: any failure stops the run, on one line
+        except RewardError:
+            raise
+        except Exception as e:  # a built-in's failure (a missing field): one line
             msg = " ".join(str(e).split())
             raise RewardError(f"reward {r.name} failed: {type(e).__name__}: {msg}") from None
         if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
@@ -118,12 +139,122 @@ def score(rewards: list[Reward], prompts: list, completions: list, fields: dict)
         for i, v in enumerate(values):
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) \
-                    or not math.isfinite(float(v)):
-                raise RewardError(f"reward {r.name} returned {v!r} for completion {i}: a finite "
-                                  f"number or None is needed")
+            if not _finite(v):
+                raise RewardError(f"reward {r.name} returned {_shown(v)} for completion {i}: a "
+                                  f"finite number or None is needed")
             out[i, j] = float(v)
     return out
+
+
+def _finite(v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:   # an int past float's range (10**400)
+        return False
+
+
+def _shown(v) -> str:
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10**30 else f"an integer of {len(str(abs(v)))} digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --- Python rewards, in a process of their own ----------------------------------------------------
+class RewardWorker:
+    """The worker process (recipes/reward_worker.py) that the Python rewards run in, and
+    its ``function(i)``s: callables with TRL's signature that run reward ``i`` there,
+    each call bounded by ``timeout`` seconds (0: none). Whatever the worker reports or
+    does wrong -- an exception, sys.exit, os.fork, os._exit, no answer in time -- is a
+    one-line RewardError naming the reward; the worker is then stopped."""
+
+    def __init__(self, specs: list[str], timeout: float):
+        self.specs, self.timeout = specs, float(timeout)
+        mine, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, reward_worker.__file__, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            mine.close()
+            raise RewardError(f"--reward {specs[0]}: cannot start the process rewards run in "
+                              f"({e.strerror or e})") from None
+        finally:
+            theirs.close()
+        self.sock = mine
+        self._stop = weakref.finalize(self, _stop_worker, self.proc, mine)
+        targets = [tuple(s.partition(":")[::2]) for s in specs]   # (module, function)
+        answer = self._ask(("import", targets), f"--reward {specs[0]}")
+        if answer[0] == "raised":
+            _, kind, msg, i = answer
+            self._stop()
+            raise RewardError(f"--reward {specs[i]}: cannot import it ({kind}: {msg})")
+
+    def function(self, i: int) -> Callable:
+        def reward(prompts, completions, **fields):
+            answer = self._ask(("call", i, dict(prompts=prompts, completions=completions,
+                                                **fields)), f"reward {self.specs[i]}")
+            return self._values(answer, self.specs[i], len(completions))
+        return reward
+
+    def _values(self, answer: tuple, name: str, n: int):
+        kind = answer[0]
+        if kind == "ok":
+            return answer[1]
+        self._stop()   # the worker's state is unknown from here on: no further call
+        if kind == "raised":
+            raise RewardError(f"reward {name} failed: {answer[1]}: {answer[2]}")
+        if kind == "type":
+            raise RewardError(f"reward {name} returned {answer[1]!r} for {n} completions")
+        if kind == "exit":
+            raise RewardError(f"reward {name} called sys.exit({answer[1]!r}); a reward must "
+                              f"return its values")
+        if kind == "fork":
+            raise RewardError(f"reward {name} called os.fork(); rewards must not fork (run a "
+                              f"program with subprocess instead)")
+        raise RewardError(f"reward {name} returned values that cannot be passed back: {answer[1]}")
+
+    def _ask(self, message, name: str) -> tuple:
+        """Send ``message``, wait for the answer within the time limit. A signal that ends
+        the run (KeyboardInterrupt) stops the worker on the way out."""
+        if not self._stop.alive:
+            raise RewardError(f"{name}: the process rewards run in was stopped by an earlier "
+                              f"error")
+        try:
+            reward_worker.send(self.sock, message)
+            if not self._answered():
+                raise RewardError(f"{name} did not return within {self.timeout:g} s "
+                                  f"(--reward-timeout); its process was stopped")
+            answer = reward_worker.receive(self.sock)
+        except (BrokenPipeError, ConnectionResetError):
+            answer = None   # the worker is gone: said below
+        except BaseException:
+            self._stop()
+            raise
+        if answer is None:   # the worker ended: os._exit, a crash, a kill
+            code = self.proc.wait()
+            self._stop()
+            how = f"signal {-code}" if code < 0 else f"exit status {code}"
+            raise RewardError(f"{name} ended the process rewards run in ({how})")
+        return answer
+
+    def _answered(self) -> bool:
+        """Wait until the worker answers (True) or the time limit passes (False). A signal
+        handler that returns lets select go on waiting (PEP 475)."""
+        if self.timeout <= 0:
+            return bool(select.select([self.sock], [], [])[0])
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if select.select([self.sock], [], [], deadline - time.monotonic())[0]:
+                return True
+        return False
+
+
+def _stop_worker(proc: subprocess.Popen, sock: socket.socket) -> None:
+    sock.close()
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
 
 
 # --- totals and statistics ------------------------------------------------------------------------
@@ -191,7 +322,7 @@ _INVALID = object()
 def _json(text: str):
     try:
         return json.loads(text.strip())
-    except ValueError:
+    except (ValueError, RecursionError):   # a completion nested past the parser's depth too
         return _INVALID
 
 
@@ -207,115 +338,22 @@ def _bounds(arg: str, spec: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _import(module: str, name: str, spec: str) -> Callable:
-    """``module:function``, a module importable from the working directory or a .py file."""
-    try:
-        if module.endswith(".py"):
-            path = Path(module)
-            loader = importlib.util.spec_from_file_location(path.stem, path)
-            if loader is None or not path.is_file():
-                raise FileNotFoundError(f"no file {path}")
-            mod = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(mod)
-        else:
-            sys.path.insert(0, str(Path.cwd()))
-            try:
-                mod = importlib.import_module(module)
-            finally:
-                sys.path.remove(str(Path.cwd()))
-        fn = getattr(mod, name)
-    except Exception as e:  # the user's module: whatever importing it raised, on one line
-        msg = " ".join(str(e).split())
-        raise RewardError(f"--reward {spec}: cannot import it ({type(e).__name__}: {msg})") from None
-    if not callable(fn):
-        raise RewardError(f"--reward {spec}: {name} is not a function")
-    return fn
-
-
-# --- a subset of JSON Schema ---------------------------------------------------------------------
-#: The keywords ``json-schema:`` checks; annotations (title, description, $schema, $id,
-#: examples, default) are accepted and mean nothing to validation.
-KEYWORDS = ("type", "properties", "required", "additionalProperties", "items", "enum", "const",
-            "minLength", "maxLength", "pattern", "minimum", "maximum", "minItems", "maxItems")
-ANNOTATIONS = ("title", "description", "$schema", "$id", "examples", "default")
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
-
-
+# --- json-schema: ----------------------------------------------------------------------------------
 def _load_schema(path: str, spec: str) -> dict:
+    """The schema in ``path``, read bounded (toygraph/bounded.py: a regular file, nesting and
+    size limited) and checked (recipes/json_schema.py) before it is used."""
+    schema = load_json(path, f"--reward {spec}", max_bytes=1 << 20, error=RewardError)
     try:
-        schema = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise RewardError(f"--reward {spec}: cannot read {path} ({e.strerror or e})") from None
-    except ValueError as e:
-        raise RewardError(f"--reward {spec}: {path} is not JSON ({e})") from None
-    where = check_schema(schema)
+        where = check_schema(schema)
+    except RecursionError:
+        where = "nested too deeply"
     if where:
         raise RewardError(f"--reward {spec}: {where}")
     return schema
 
 
-def check_schema(schema, at: str = "#") -> str | None:
-    """None when every keyword of ``schema`` is one :func:`valid` checks, else where not."""
-    if not isinstance(schema, dict):
-        return f"{at} must be an object (a schema)"
-    for key, value in schema.items():
-        if key in ANNOTATIONS:
-            continue
-        if key not in KEYWORDS:
-            return (f"{at}: keyword {key!r} is not supported (supported: {', '.join(KEYWORDS)})")
-        subs = (value.items() if key == "properties" and isinstance(value, dict) else
-                [("", value)] if key == "items" or (key == "additionalProperties"
-                                                    and isinstance(value, dict)) else [])
-        for name, sub in subs:
-            bad = check_schema(sub, f"{at}/{key}{'/' + name if name else ''}")
-            if bad:
-                return bad
-    return None
-
-
-def _is_type(value, kind: str) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, _TYPES.get(kind, ())) and not (kind != "boolean" and isinstance(value, bool))
-
-
-def valid(value, schema: dict) -> bool:
-    """Whether ``value`` is valid under ``schema`` (the keywords of :data:`KEYWORDS`)."""
-    s = schema
-    if "type" in s:
-        kinds = s["type"] if isinstance(s["type"], list) else [s["type"]]
-        if not any(_is_type(value, k) for k in kinds):
-            return False
-    if "enum" in s and value not in s["enum"]:
+def _valid(value, schema: dict) -> bool:
+    try:
+        return valid(value, schema)
+    except RecursionError:   # a completion nested deeper than any schema: not valid
         return False
-    if "const" in s and value != s["const"]:
-        return False
-    if isinstance(value, str):
-        if len(value) < s.get("minLength", 0) or len(value) > s.get("maxLength", math.inf):
-            return False
-        if "pattern" in s and not re.search(s["pattern"], value):
-            return False
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value < s.get("minimum", -math.inf) or value > s.get("maximum", math.inf):
-            return False
-    if isinstance(value, list):
-        if len(value) < s.get("minItems", 0) or len(value) > s.get("maxItems", math.inf):
-            return False
-        if "items" in s and not all(valid(v, s["items"]) for v in value):
-            return False
-    if isinstance(value, dict):
-        if any(k not in value for k in s.get("required", ())):
-            return False
-        props = s.get("properties", {})
-        for k, v in value.items():
-            if k in props:
-                if not valid(v, props[k]):
-                    return False
-            elif s.get("additionalProperties", True) is False:
-                return False
-            elif isinstance(s.get("additionalProperties"), dict) \
-                    and not valid(v, s["additionalProperties"]):
-                return False
-    return True

@@ -108,7 +108,7 @@ Q0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
 @pytest.mark.parametrize("case, match", [
     ("no_config", "adapter_config.json: missing"),
     ("no_weights", "adapter_model.safetensors: missing"),
-    ("bad_json", "adapter_config.json: malformed JSON"),
+    ("bad_json", "adapter_config.json: not valid JSON"),
     ("not_lora", "peft_type is 'IA3'"),
     ("dora", r"has \['A', 'B'\] of \['A', 'B', 'm'\] \(use_dora=true"),   # no magnitudes
     ("rslora", "an rsLoRA adapter; this use takes plain LoRA adapters only"),

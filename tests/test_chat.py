@@ -91,3 +91,19 @@ def test_chat_without_room(tiny_llama):
                      max_new_tokens=N) == 0
     assert "context" in notes.getvalue() and "/reset" in notes.getvalue()
     assert out.getvalue() == expected_replies(tiny_llama, [question])[0] + "\n"
+
+
+def test_invalid_utf8_on_stdin_or_in_system_is_said_not_a_traceback(tiny_llama):
+    """Undecodable bytes on stdin or in --system were a TypeError traceback."""
+    cmd = [sys.executable, "-m", "toygraph.cli", "chat", "--model", str(tiny_llama),
+           "--max-new-tokens", str(N)]
+    run = subprocess.run(cmd, input=b"bad \xff byte\nwhat is that\n", capture_output=True,
+                         timeout=300)
+    assert run.returncode == 0 and b"Traceback" not in run.stderr, run.stderr
+    assert b"(that line is not valid UTF-8 text (byte 0xff at character 4); it was not sent)" \
+        in run.stderr
+    assert run.stdout.decode() == expected_replies(tiny_llama, ["what is that"])[0] + "\n"
+    run = subprocess.run([*cmd, "--system", b"be \xff".decode("utf-8", "surrogateescape")],
+                         input=b"", capture_output=True, timeout=300)
+    assert run.returncode == 2 and run.stderr.count(b"\n") == 1, run.stderr
+    assert b"--system is not valid UTF-8 text (byte 0xff at character 3)" in run.stderr

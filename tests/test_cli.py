@@ -52,6 +52,18 @@ def test_missing_model_is_a_clear_error(capsys, argv, needle):
     assert code == 2 and needle in err and "Traceback" not in err
 
 
+def test_tokenize_reads_the_gguf_through_the_bounded_reader(capsys, tiny_llama, tmp_path):
+    """tokenize used gguf-py's own reader: a 4-byte file was an IndexError traceback."""
+    four = tmp_path / "four.gguf"
+    four.write_bytes(b"GGUF")
+    code, _, err = run(capsys, "tokenize", "--model", str(four), "--text", "hi")
+    assert code == 2 and err.count("\n") == 1 and "shorter than a GGUF header" in err, err
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_llama.read_bytes()[:200])   # counts that point past the end
+    code, _, err = run(capsys, "tokenize", "--model", str(cut), "--text", "hi")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+
+
 def test_finetune_bad_inputs(capsys, tiny_llama, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "a", "response": "b"}\n{"foo": 1}\n')

@@ -18,7 +18,9 @@ ROWS = [{"instruction": "Capital of France?", "response": "Paris"},
         {"text": "the cat sat on the mat"}]
 # Bytes that tend to break parsers: structure, escapes, invalid UTF-8 starts, control chars.
 NASTY = [b'"', b"\\", b"{", b"}", b"[", b"]", b":", b",", b"\n", b"\x00", b"\xff", b"\xc3",
-         b"\xed\xa0\x80", b"\\ud800", b"\\u", b"null", b"1e999", b"-", b"\t", b"\r"]
+         b"\xed\xa0\x80", b"\\ud800", b"\\u", b"null", b"1e999", b"-", b"\t", b"\r",
+         # issue 39's classes: deep nesting, terminal control characters (raw and escaped)
+         b"[" * 100, b'{"a":' * 100, b"\x1b[2J\x1b[32mAll good", b"\\u001b[2J", "\u202e".encode()]
 CASES = 500
 
 
@@ -58,7 +60,7 @@ def _check_fuzz(tmp_path, tokenizer, seed: int, cases: int):
             outcomes["loaded"] += 1
         except DataError as e:
             msg = str(e)
-            assert "\n" not in msg and str(p) in msg, (seed, case, msg)
+            assert "\n" not in msg and "\x1b" not in msg and str(p) in msg, (seed, case, msg)
             outcomes["error"] += 1
         p.unlink()
     # Both kinds occur, so the mutations neither always break nor never break the file.
@@ -73,3 +75,23 @@ def test_mutated_jsonl_gives_a_data_error_or_a_valid_load(tmp_path, tokenizer):
 def test_mutated_jsonl_long(tmp_path, tokenizer):
     """Twenty times the cases on another seed (10,000)."""
     _check_fuzz(tmp_path, tokenizer, 4321, 20 * CASES)
+
+
+def test_a_fifo_a_device_or_a_folder_as_data_is_refused_without_reading(tmp_path, tokenizer):
+    """A FIFO as --data hung (with or without a writer), and so would a device."""
+    import os
+    import signal
+    fifo = tmp_path / "d.jsonl"
+    os.mkfifo(fifo)
+    table = tmp_path / "t.csv"
+    os.mkfifo(table)
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("hung")))
+    signal.alarm(30)
+    try:
+        for path, kind in ((fifo, "FIFO"), (table, "FIFO"), ("/dev/zero", "character device"),
+                           ("/dev/null", "character device"), (tmp_path, "directory")):
+            with pytest.raises(DataError, match=f"not a regular file \\(a {kind}\\)|is a directory"):
+                load_examples(path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

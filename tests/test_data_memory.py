@@ -12,8 +12,9 @@ from toygraph.data.batches import encode_dataset, load_examples
 from toygraph.errors import DataError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.training import RunConfig, run_training
-from toygraph.training.data_memory import (ESTIMATE_FROM_ROWS, SAMPLE_ROWS, deep_size,
-                                           estimate_tokenized_bytes)
+from toygraph.training.data_memory import (ESTIMATE_FROM_ROWS, SAMPLE_ROWS,
+                                           check_tokenized_memory, deep_size,
+                                           estimate_tokenized_bytes, rows_bytes)
 from toygraph.training.prepare import size_text
 
 
@@ -55,7 +56,19 @@ def test_the_tokenizing_line_carries_the_estimate(tiny_llama, tmp_path, capsys):
     run_training(RunConfig(model=str(tiny_llama), data=str(data), out=str(tmp_path / "r"),
                            steps=1, batch=2, seq_len=32, val_split=0, rank=2))
     line = next(s for s in capsys.readouterr().err.splitlines() if s.startswith("tokenizing "))
-    assert f"in memory, estimated from {SAMPLE_ROWS} rows" in line, line
+    assert "; the data takes about " in line and f"of it tokens, estimated from {SAMPLE_ROWS} rows" \
+        in line, line
+
+
+def test_the_rows_read_count_in_what_the_data_takes(tmp_path):
+    """The estimate said 313 MiB where 10^6 short rows took 1.5 GB: the rows read (already
+    in memory) were not counted, and half of that was the rows."""
+    rows = load_examples(_data(tmp_path / "d.jsonl", 3000))
+    measured = deep_size(rows, set()) - sys.getsizeof(rows)
+    assert abs(rows_bytes([rows]) - measured) < 0.2 * measured, (rows_bytes([rows]), measured)
+    assert rows_bytes([rows[:ESTIMATE_FROM_ROWS - 1]]) is None
+    line = check_tokenized_memory(3 << 20, "d.jsonl", 3000, size_text, held=1 << 20)
+    assert "the data takes about 4.0 MiB in memory, 3.0 MiB of it tokens" in line, line
 
 
 def test_more_than_the_machine_has_is_one_line_before_tokenizing(tiny_llama, tmp_path,

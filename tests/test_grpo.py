@@ -236,3 +236,62 @@ def test_the_cuda_graphs_and_activation_checkpointing_take_the_same_steps(
         for k in keys:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7)
     assert runs["cpu"][-1]["kl"] > 0
+
+
+def test_a_reward_that_exits_or_forks_fails_the_run_on_one_line(tiny_llama, prompts, tmp_path):
+    """sys.exit(0) in a reward ended the run with exit 0 and no run_end; os.fork() made
+    copies of the run that pruned each other's checkpoints (issue 39)."""
+    import subprocess
+    import sys
+    module = tmp_path / "bad_rewards.py"
+    module.write_text("import os, sys\n"
+                      "def exits(prompts, completions, **kw):\n    sys.exit(0)\n"
+                      "def forks(prompts, completions, **kw):\n"
+                      "    os.fork()\n    return [1.0] * len(completions)\n")
+    for name, needle in (("exits", "called sys.exit(0)"), ("forks", "called os.fork()")):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "toygraph.cli", "finetune", "--model",
+                               str(tiny_llama), "--data", str(prompts), "--out", str(out),
+                               "--recipe", "grpo", "--reward", f"{module}:{name}", "--steps", "2",
+                               "--batch", "2", "--num-generations", "4", "--seq-len", "16",
+                               "--max-completion-length", "6", "--val-split", "0", "--quiet"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        runs = [json.loads(l) for l in (out / "events.jsonl").read_text().splitlines()]
+        assert [e["event"] for e in runs].count("run_start") == 1
+        assert runs[-1]["event"] == "run_end" and runs[-1]["status"] == "failed"
+        assert needle in runs[-1]["reason"]
+
+
+def test_a_second_ctrl_c_stops_a_hung_reward_at_once(tiny_llama, prompts, tmp_path):
+    """A hung reward ran until SIGKILL: the second Ctrl-C now stops the run at once (the
+    reward's process with it), the first one waits for the step as always."""
+    import os
+    import signal
+    import threading
+    import time
+    module, called = tmp_path / "slow.py", tmp_path / "called"
+    module.write_text(f"import pathlib, time\ndef hangs(prompts, completions, **kw):\n"
+                      f"    pathlib.Path({str(called)!r}).touch()\n    time.sleep(120)\n")
+    pid, done = os.getpid(), threading.Event()
+
+    def ctrl_c_twice_in_the_reward():
+        while not called.exists() and not done.wait(0.05):
+            pass
+        if not done.is_set():
+            os.kill(pid, signal.SIGINT)
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGINT)
+    sender = threading.Thread(target=ctrl_c_twice_in_the_reward)
+    sender.start()
+    try:
+        s = run_training(cfg(tiny_llama, prompts, tmp_path / "r", reward=(f"{module}:hangs",),
+                             steps=2))
+    finally:
+        done.set()
+        sender.join()
+    t0 = called.stat().st_mtime
+    assert time.time() - t0 < 30   # not the reward's 120 s
+    assert s["status"] == "interrupted"
+    assert s["reason"] == "SIGINT twice: aborted during step 1, no checkpoint written for it"

@@ -23,8 +23,9 @@ SOURCES = {"toygraph": ROOT / "toygraph", "toygraph.recipes": ROOT / "recipes",
 #: NVRTC, the backend, the host device) beside the core, as its second backend.
 LAYERS = [
     ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment", "toygraph.atomic",
-                    "toygraph.moved")),
+                    "toygraph.moved", "toygraph.bounded", "toygraph.limits")),
     ("the GGUF file", ("toygraph.gguf",)),
+    ("the CPU engine", ("toygraph.cpu",)),
     ("CUDA lowering API", ("toygraph.cuda.lowering",)),
     ("graph core and backends", ("toygraph.core", "toygraph.cuda")),
     ("models", ("toygraph.models",)),

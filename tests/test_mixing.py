@@ -46,6 +46,15 @@ def test_counts_follow_the_shares():
     assert mix_counts([100, 20], [1, 1e-9]) == [120, 1]      # every weighted file gives a row
 
 
+def test_huge_weights_keep_their_proportions():
+    """--data a:1e308 --data b:1e308 trained on 2 rows instead of 72: the weights' sum
+    overflowed to inf and every share to 0."""
+    assert mix_counts([36, 36], [1e308, 1e308]) == [36, 36]
+    assert mix_counts([100, 20], [7e307, 3e307]) == [84, 36]
+    assert mix_summary([DataSpec("a.jsonl", 1e308), DataSpec("b.jsonl", 1e308)], [36, 36],
+                       seed=0)[1][0]["share"] == 0.5
+
+
 def test_mix_samples_down_and_repeats_up_deterministically():
     a, b = [f"a{i}" for i in range(100)], [f"b{i}" for i in range(20)]
     rows = mix_rows([a, b], [0.7, 0.3], seed=5)

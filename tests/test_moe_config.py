@@ -112,7 +112,7 @@ def test_expert_tensors_are_advised_random_only_by_the_piecewise_reader():
     decode or a device upload wants it); the quantized expert kernel advises its stacked
     experts MADV_RANDOM ("rr") through BlockTensor.read_sparsely, so a fault there reads
     its page, not the read-ahead window of unused experts around it."""
-    from toygraph.gguf.decode import BlockTensor
+    from toygraph.cpu.block_tensor import BlockTensor
     from toygraph.models.model import GGUFModel
     model = GGUFModel(gguf_path("qwen3moe"))
     base = model.reader.mmap.ctypes.data

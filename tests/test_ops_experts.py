@@ -11,7 +11,8 @@ from toygraph.core.graph import Graph
 from toygraph.core.memory import aligned
 from toygraph.core.session import Session
 from toygraph.errors import GraphError
-from toygraph.gguf import block_encode, decode
+from toygraph.cpu import block_tensor as decode
+from toygraph.gguf import block_encode
 
 
 def distinct_ids(rng, n, k, n_expert):
@@ -136,7 +137,7 @@ def test_shape_errors_name_the_operands():
         ops.topk(x, 9)
 
 
-# --- expert weights kept in their block format (core/base_memory.py "quantized") ------------
+# --- expert weights kept in their block format (core/frozen_base.py "quantized") ------------
 def _block_expert_graph(qtype, E=6, N=5, k=2, n_in=256, n_out=32):
     """y = x @ W[e]^T and the dx-style dy @ W[e] over block-format expert weights, experts
     0 and E-1 chosen by no token."""

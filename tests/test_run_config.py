@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -110,7 +112,7 @@ def test_the_run_file_sets_options_and_flags_override_it(tmp_path):
     ("learning_rate: 4\n", "unknown option 'learning_rate'"),
     ("rank: four\n", "rank: must be an integer >= 1, got 'four'"),
     ("- rank\n", "expected a mapping of option: value"),
-    ("rank: [\n", "not valid YAML (line 2)"),
+    ("rank: [\n", "not valid YAML at line 2"),
 ])
 def test_a_bad_run_file_is_one_line_naming_the_key(tmp_path, capsys, text, needle):
     run = tmp_path / "run.yaml"
@@ -120,6 +122,43 @@ def test_a_bad_run_file_is_one_line_naming_the_key(tmp_path, capsys, text, needl
     assert len(err.splitlines()) == 1 and needle in err, err
     assert main(["finetune", "--config", str(tmp_path / "none.yaml")]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+#: 9 levels of 9 aliases in under 1 KB: 387M strings once expanded, the value of one
+#: option (the refusal of its wrong type formatted all of them: minutes and GBs).
+BILLION_LAUGHS = "targets: [&a [lol, lol, lol, lol, lol, lol, lol, lol, lol], " + ", ".join(
+    f"&{n} [{', '.join([f'*{p}'] * 9)}]" for p, n in zip("abcdefgh", "bcdefghi")) + "]\n"
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p.write_text(BILLION_LAUGHS), "YAML aliases expand to more than 100,000 values"),
+    (lambda p: p.write_text("rank: " + "[" * 500 + "]" * 500 + "\n"), "nested more than 64 levels"),
+    (lambda p: p.write_text("template: '" + "x" * (50 << 20) + "'\n"), "larger than 1 MiB"),
+    (lambda p: p.write_text("rank: [" + ", ".join(["9" * 100] * 2000) + "]\n"),
+     "must be an integer >= 1, got [99999"),
+    (lambda p: os.mkfifo(p), "not a regular file (a FIFO)"),
+    (lambda p: None, "not a regular file (a character device)"),   # /dev/zero
+], ids=["billion-laughs", "deep", "50MiB-string", "long-list", "fifo", "dev-zero"])
+def test_a_hostile_run_file_is_refused_at_once_in_one_bounded_line(tmp_path, capsys, make, needle):
+    """A billion-laughs file hung for minutes; a 50 MiB string took 51 s and printed a
+    50 MB error line; --config /dev/zero and a FIFO hung."""
+    run = tmp_path / "run.yaml"
+    make(run)
+    t0 = time.perf_counter()
+    assert main(["finetune", "--config", str(run) if run.exists() else "/dev/zero"]) == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - t0 < 5, "not refused at once"
+    assert err.count("\n") == 1 and len(err) < 500 and needle in err, err[:500]
+
+
+def test_alpha_is_bounded_where_the_update_would_drown_the_model(tmp_path, capsys, required):
+    """--alpha 1e12 trained to val loss 15.7 from 3.56 without a word."""
+    RunConfig(model="m", data="d", out="o", alpha=2048, rank=8).validate()   # scale 256: allowed
+    assert main(["finetune", *required, "--alpha", "1e12"]) == 2
+    err = capsys.readouterr().err
+    assert "--alpha 1e+12 with --rank 8 scales the update by 1.25e+11, above 1024" in err, err
+    assert main(["finetune", *required, "--alpha", "nan"]) == 2
+    assert "--alpha must be a finite number > 0, got nan" in capsys.readouterr().err
 
 
 def test_run_file_round_trip_keeps_what_the_run_computes(tmp_path):
@@ -242,7 +281,7 @@ def test_f64_buffers_are_a_separate_cpu_setting():
 
 
 def test_base_memory_reaches_the_session_and_run_start(tiny_llama, tmp_path):
-    """--base-memory quantized keeps the block-format base as block bytes (core/base_memory.py),
+    """--base-memory quantized keeps the block-format base as block bytes (core/frozen_base.py),
     and run_start says what the plan holds."""
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"word {i} " * 8}) + "\n" for i in range(4)))

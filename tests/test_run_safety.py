@@ -79,25 +79,30 @@ def test_overwrite_replaces_the_run(tiny_llama, chat_data, tmp_path):
     assert (out / "notes.txt").read_text() == "mine"  # only the run's own files are replaced
 
 
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from toygraph.training.run_dir import RunLock
+RunLock(Path(sys.argv[1])).acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
 def test_a_live_lock_refuses_and_a_dead_one_is_taken_over(tiny_llama, chat_data, tmp_path):
-    from toygraph.training.run_dir import LOCK_FILE, RunLock
+    from toygraph.training.run_dir import LOCK_FILE
     out = tmp_path / "r"
     out.mkdir()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / LOCK_FILE)],
+                             stdout=subprocess.PIPE, text=True)
     try:
-        # Take the lock as the other process would (its pid and start time).
-        lock = RunLock(out / LOCK_FILE)
-        real_pid = os.getpid
-        os.getpid = lambda: other.pid
-        try:
-            lock.acquire()
-        finally:
-            os.getpid = real_pid
+        assert other.stdout.readline().strip() == "held"
         with pytest.raises(RunError, match=rf"in use by another run \(pid {other.pid}\)"):
             run_training(cfg_for(tiny_llama, chat_data, out, steps=1, resume=None, overwrite=True))
     finally:
         other.kill()
         other.wait()
+    assert (out / LOCK_FILE).exists()   # killed: its lock file stays, and is stale
     s = run_training(cfg_for(tiny_llama, chat_data, out, steps=1, val_split=0.0, overwrite=True))
     assert s["status"] == "completed" and not (out / LOCK_FILE).exists()
 
@@ -274,7 +279,10 @@ def test_a_runaway_learning_rate_stops_as_diverged_and_keeps_the_good_checkpoint
     end = strict_lines(out / "events.jsonl")[-1]
     assert end["event"] == "run_end" and end["status"] == "diverged"
     assert [st for st, _ in list_checkpoints(out)] == [3]  # nothing saved from the runaway state
-    assert snapshot(out / "best") == best_before and not (out / "adapter_model.safetensors").exists()
+    assert snapshot(out / "best") == best_before
+    # the finished run's result, set aside while the resume trained, is back
+    assert (out / "adapter_model.safetensors").read_bytes() == \
+        (first / "adapter_model.safetensors").read_bytes()
 
 
 def test_a_nan_loss_is_strict_json_and_diverged(tiny_llama, chat_data, tmp_path, monkeypatch):
@@ -450,7 +458,7 @@ def test_a_signal_after_the_final_checkpoint_stops_at_once_and_resume_finishes(
     stops at once, leaves no half top level, and --resume writes it from the final
     checkpoint: the same bytes as a run that was never stopped."""
     import time
-    import toygraph.training.run as run_module
+    import toygraph.training.result as run_module
     real, seen = run_module.write_modelfile, []
 
     def hostile_modelfile(*args, **kwargs):
@@ -506,3 +514,91 @@ def test_a_step_over_many_passes_of_the_data_is_refused(tiny_llama, chat_data, t
     run_training(cfg_for(tiny_llama, chat_data, tmp_path / "b", steps=1, grad_accum=40,
                          val_split=0, max_passes_per_step=0, quiet=False))
     assert "warning: one step of --batch 2 x --grad-accum 40 is" in capsys.readouterr().err
+
+
+# --- round 4 (issue 39) -------------------------------------------------------------------------
+def _rewrite_manifest(ck):
+    """What a hand edit with a recomputed manifest leaves: a checkpoint that verifies."""
+    ckpt._write_manifest(ck)
+    assert verify_checkpoint(ck) is None
+
+
+@pytest.mark.parametrize("edit", ["no step", "step as text", "half the tensors"])
+def test_a_hand_edited_checkpoint_is_refused_not_restarted_or_reinitialised(base_run, tmp_path,
+                                                                           edit):
+    """It verifies (the manifest was recomputed), but a missing step restarted the run at
+    0 and a partial trainable set left the rest at their initial values, silently."""
+    from safetensors.numpy import load_file, save_file
+    model, data, first = base_run
+    out = tmp_path / "run"
+    shutil.copytree(first, out)
+    ck = out / "checkpoints" / "step-000006"
+    if edit == "half the tensors":
+        weights = load_file(str(ck / "trainable.safetensors"))
+        save_file(dict(list(weights.items())[: len(weights) // 2]), str(ck / "trainable.safetensors"))
+        needle = r"trainable.safetensors holds \d+ tensors, the run trains \d+; missing"
+    else:
+        state = json.loads((ck / "state.json").read_text())
+        if edit == "no step":
+            del state["step"]
+            needle = "no step recorded"
+        else:
+            state["step"] = "6"
+            needle = "step must be a count"
+        (ck / "state.json").write_text(json.dumps(state))
+    _rewrite_manifest(ck)
+    before = snapshot(out)
+    with pytest.raises(DataError, match=needle) as e:
+        run_training(cfg_for(model, data, out, steps=8, resume=str(ck), allow_change=("steps",)))
+    assert "\n" not in str(e.value)
+    assert snapshot(out) == before
+
+
+def test_a_second_ctrl_c_during_an_evaluation_stops_at_once(tiny_llama, chat_data, tmp_path,
+                                                            monkeypatch):
+    """A 100k-row evaluation ran 95 s more after the second Ctrl-C, and the reason then
+    blamed the checkpoint write. Here the evaluation at step 3 would take 30 s."""
+    import time
+    from toygraph.recipes.base import Recipe
+    real = Recipe.evaluate
+
+    def evaluate(self, *a, **k):
+        if self.step_index == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            start = time.monotonic()
+            while time.monotonic() - start < 30:   # a long evaluation (bounded here)
+                pass
+        return real(self, *a, **k)
+    monkeypatch.setattr(Recipe, "evaluate", evaluate)
+    out = tmp_path / "r"
+    t0 = time.monotonic()
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=6, eval_every=3))
+    assert time.monotonic() - t0 < 20
+    assert s["status"] == "interrupted" and s["steps"] == 3
+    assert s["reason"] == ("SIGINT twice: aborted during the evaluation at step 3, no "
+                           "checkpoint written for it")
+    assert [st for st, _ in list_checkpoints(out)] == []   # step 3's state was not saved
+    assert read_events(out / "events.jsonl")[-1]["status"] == "interrupted"
+
+
+def test_export_never_writes_over_the_adapter_it_reads(base_run, tmp_path, capsys):
+    """``export --adapter runs/x --out runs/x/adapter.gguf`` (or one file in and out)
+    replaced the run's adapter with the merged model, without a word."""
+    from toygraph.cli import main
+    model, _, first = base_run
+    run = tmp_path / "run"
+    shutil.copytree(first, run)
+    (tmp_path / "link.gguf").hardlink_to(run / "adapter.gguf")
+    before = snapshot(run)
+    for adapter, out in ((run, run / "adapter.gguf"), (run, run / "adapter_model.safetensors"),
+                         (run / "adapter.gguf", run / "adapter.gguf"),
+                         (run / "adapter.gguf", tmp_path / "link.gguf"),
+                         (run / "checkpoints" / "step-000006",
+                          run / "checkpoints" / "step-000006" / "adapter_model.safetensors")):
+        code = main(["export", "--model", str(model), "--adapter", str(adapter), "--out", str(out)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "which the export reads" in err, err
+    assert snapshot(run) == before
+    assert main(["export", "--model", str(model), "--adapter", str(run),
+                 "--out", str(run / "merged.gguf")]) == 0   # beside it is fine

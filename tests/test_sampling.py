@@ -87,7 +87,10 @@ def test_pick_token_greedy_seeded_and_within_filters():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5),
-                                 dict(min_p=2.0), dict(repetition_penalty=0.0), dict(top_k=-1)])
+                                 dict(min_p=2.0), dict(repetition_penalty=0.0), dict(top_k=-1),
+                                 # not finite (issue 39): inf passed both checks
+                                 dict(repetition_penalty=float("inf")), dict(temperature=float("inf")),
+                                 dict(repetition_penalty=float("nan")), dict(top_p=float("nan"))])
 def test_bad_options(bad):
     with pytest.raises(DataError, match="out of range"):
         SamplingOptions(**bad)

@@ -90,7 +90,8 @@ def test_ollama_names_default_like_ollama(name, parts):
     assert stores.ollama_display_name(*parts) in (expected, f"{parts[2]}:{parts[3]}")
 
 
-@pytest.mark.parametrize("bad", ["", "a//b", "a/b/c/d", "tiny:", "/tiny"])
+@pytest.mark.parametrize("bad", ["", "a//b", "a/b/c/d", "tiny:", "/tiny", "../../x", "..",
+                                 "me/..", "tiny:..", ".hidden", "a/b/../../x", "ti\x1bny"])
 def test_a_malformed_ollama_name_is_refused(bad):
     with pytest.raises(ToygraphError, match="not an Ollama model name"):
         stores.parse_ollama_name(bad)
@@ -153,8 +154,71 @@ def test_an_adapter_layer_is_refused_and_a_projector_is_left_out_with_a_warning(
 
 def test_a_manifest_that_is_not_json_is_one_line(ollama_store):
     (ollama_store / "manifests/registry.ollama.ai/library/tiny/latest").write_text("{oops")
-    with pytest.raises(ToygraphError, match="not an Ollama manifest"):
+    with pytest.raises(ToygraphError, match="not valid JSON"):
         resolve_model("ollama:tiny")
+
+
+def test_an_ollama_name_never_leads_out_of_the_store(capsys, ollama_store, tmp_path, tiny_llama):
+    """``ollama:../../x`` named manifests/../../x/latest: a manifest outside the store."""
+    outside = tmp_path / "x" / "latest"   # = <store>/manifests/../../x/latest
+    outside.parent.mkdir(parents=True)
+    outside.write_text((ollama_store / "manifests/registry.ollama.ai/library/tiny/1b").read_text())
+    code, _, err = run(capsys, "eval", "--model", "ollama:../../x", "--tokens", "1,2")
+    assert code == 2 and err.count("\n") == 1 and "not an Ollama model name" in err, err
+    # nor a manifest that is a link out of the store
+    link = ollama_store / "manifests/registry.ollama.ai/library/linked/latest"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(outside)
+    with pytest.raises(ToygraphError, match="leads outside the store's manifests folder"):
+        resolve_source("ollama:linked")
+
+
+def test_a_digest_must_be_hex_and_its_blob_inside_the_store(ollama_store, tmp_path, monkeypatch):
+    """A 64-character non-hex digest named a file outside blobs/, checked by size only
+    when HASH_LIMIT let the hash go."""
+    monkeypatch.setattr(stores, "HASH_LIMIT", 0)
+    secret = tmp_path / "secret.gguf"
+    secret.write_bytes(b"GGUF" + bytes(60))
+    (ollama_store / "blobs" / "sha256-..").mkdir()   # a hostile store's folder
+    digest = "sha256:.." + "/." * 20 + "//../../../secret.gguf"   # blobs/sha256-../../../..
+    assert len(digest) == 71 and (ollama_store / "blobs" / f"sha256-{digest[7:]}").resolve() == secret
+    path = ollama_store / "manifests/registry.ollama.ai/library/tiny/latest"
+    doc = json.loads(path.read_text())
+    doc["layers"][0].update(digest=digest, size=64)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ToygraphError, match="has no sha256 digest"):
+        resolve_source("ollama:tiny")
+    doc["layers"][0].update(digest="sha256:" + "A" * 64)   # upper case is not Ollama's
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ToygraphError, match="has no sha256 digest"):
+        resolve_source("ollama:tiny")
+
+
+def test_a_deeply_nested_manifest_is_one_line_and_the_listing_goes_on(capsys, ollama_store):
+    bad = ollama_store / "manifests/registry.ollama.ai/library/deep/latest"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"layers": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    code, _, err = run(capsys, "eval", "--model", "ollama:deep", "--tokens", "1,2")
+    assert code == 2 and err.count("\n") == 1 and "JSON nested 100001 levels deep" in err, err
+    code, out, err = run(capsys, "models")
+    assert code == 0 and "Traceback" not in err, err
+    assert "--model ollama:tiny:1b" in out and "--model ollama:tiny:latest" in out
+    assert "  skipped ollama:deep:latest: " in out and "nested 100001 levels" in out, out
+    code, out, _ = run(capsys, "models", "--json")
+    rows = {r["model"]: r for r in map(json.loads, out.splitlines())}
+    assert "nested" in rows["ollama:deep:latest"]["skipped"] and "skipped" not in rows["ollama:tiny:1b"]
+
+
+@pytest.mark.parametrize("params, needle", [
+    (b'{"stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON nested 100001 levels deep"),
+    (b'{"temperature": NaN}', "NaN is not a JSON number"),
+    (b'["stop"]', "the params layer is not a JSON object"),
+    (b'{"stop": "\xff"}', "not UTF-8 text"),
+])
+def test_a_hostile_params_layer_is_one_line(capsys, ollama_store, tiny_llama, params, needle):
+    add_ollama_model(ollama_store, "registry.ollama.ai/library/p/latest", tiny_llama, params=params)
+    code, _, err = run(capsys, "eval", "--model", "ollama:p", "--tokens", "1,2")
+    assert code == 2 and err.count("\n") == 1 and needle in err and "the params layer" in err, err
 
 
 def _hf_cache(root: Path, repo: str, files: dict[str, Path], rev: str = "abc123") -> Path:
@@ -193,6 +257,32 @@ def test_hf_cache_files_resolve_without_download(capsys, tmp_path, monkeypatch, 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))   # it wins over HF_HOME
     with pytest.raises(ToygraphError, match="elsewhere; it holds no GGUF repos"):
         resolve_model("hf:org/Tiny-GGUF/tiny-Q8_0.gguf")
+
+
+def test_hf_names_and_refs_never_leave_the_hub_cache(capsys, tmp_path, monkeypatch, tiny_llama):
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    repo = _hf_cache(hub, "org/Tiny-GGUF", {"tiny.gguf": tiny_llama})
+    shutil.copy(tiny_llama, tmp_path / "x.gguf")   # = snapshots/abc123/../../../../x.gguf
+    with pytest.raises(ToygraphError, match="no '.' or '..' parts"):
+        resolve_model("hf:org/Tiny-GGUF/../../../../x.gguf")
+    # a refs/main holding a path: the snapshot would be a folder far out of the cache
+    (repo / "refs" / "main").write_text("../../..")
+    with pytest.raises(ToygraphError, match=r"refs/main: holds '../../..', not a commit hash"):
+        resolve_model("hf:org/Tiny-GGUF/x.gguf")
+    _hf_cache(hub, "org/Good-GGUF", {"good.gguf": tiny_llama})
+    code, out, err = run(capsys, "models")   # never walks the tree refs/main pointed at
+    assert code == 0 and "--model hf:org/Good-GGUF/good.gguf" in out, err
+    assert "--model hf:org/Tiny-GGUF" not in out
+    assert f"  skipped {repo}: " in out and "not a commit hash" in out, out
+    # a snapshot file linking out of the cache is not listed as the repo's
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots/abc123/out.gguf").symlink_to(tmp_path / "x.gguf")
+    with pytest.raises(ToygraphError, match="leads outside the hub cache"):
+        resolve_model("hf:org/Tiny-GGUF/out.gguf")
+    skipped: list = []
+    assert [f for _, _, f, _ in stores.hf_ggufs(skipped=skipped)] == ["good.gguf", "tiny.gguf"]
+    assert [p.name for p, _ in skipped] == ["out.gguf"]
 
 
 def test_lmstudio_by_path_or_unique_part(tmp_path, monkeypatch, tiny_llama):

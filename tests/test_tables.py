@@ -42,7 +42,25 @@ def test_parquet_rows_match_jsonl_rows(tmp_path):
     assert [e.messages for e in from_parquet] == [e.messages for e in from_jsonl]
     assert [e.line for e in from_parquet] == [1, 2]
     assert from_parquet[0].messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
-    assert list((tmp_path / "hf-cache").iterdir())   # converted into the (test's) datasets cache
+    # converted into a cache of the read's own, which goes with it (test_a_csv_rewritten_...)
+    assert not (tmp_path / "hf-cache").exists() or not list((tmp_path / "hf-cache").rglob("*.arrow"))
+
+
+def test_a_csv_rewritten_with_its_mtime_kept_is_read_anew(tmp_path):
+    """datasets' cache knows a file by path and mtime: a rewrite that keeps the mtime (a
+    copy with -p, a restore) was read stale, while the checkpoint's data_hash recorded the
+    new bytes."""
+    import os
+    pytest.importorskip("datasets")
+    p = tmp_path / "d.csv"
+    p.write_text("instruction,response\nQ1,A1\nQ2,A2\n")
+    mtime = os.stat(p).st_mtime_ns
+    first = load_examples(p)
+    p.write_text("instruction,response\nQ1,B1\nQ2,B2\n")   # the same size
+    os.utime(p, ns=(mtime, mtime))
+    answers = [[m["content"] for m in e.messages if m["role"] == "assistant"]
+               for e in (*first, *load_examples(p))]
+    assert answers == [["A1"], ["A2"], ["B1"], ["B2"]]
 
 
 def test_csv_flat_rows_and_errors_name_the_row(tmp_path):

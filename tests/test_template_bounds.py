@@ -37,6 +37,24 @@ def test_a_hostile_or_broken_template_is_one_line(tok, template, needle):
     assert message.startswith(f"{tok.source}: the chat template (hostile)")
 
 
+def test_a_templates_own_error_text_reaches_the_terminal_escaped(tok, tiny_llama, capsys):
+    """raise_exception's text is the file's: an escape sequence in it cleared the screen or
+    printed a fake green "All good"."""
+    from toygraph.cli import main
+    tok.use_template("hostile\x1b[2J", "{{ raise_exception('\x1b[2J\x1b[32mAll good\x07') }}")
+    with pytest.raises(DataError) as e:
+        tok.apply_chat_template(HI)
+    message = str(e.value)
+    assert "\x1b" not in message and "\x07" not in message, message
+    assert "(hostile\\x1b[2J)" in message and "\\x1b[2J\\x1b[32mAll good\\x07" in message
+    template = tiny_llama.parent / "hostile.jinja"
+    template.write_text("{{ raise_exception('\x1b[2J\x1b]0;pwned\x07') }}")
+    assert main(["generate", "--model", str(tiny_llama), "--prompt", "hi", "--chat",
+                 "--template", str(template), "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and "\x07" not in err, err
+
+
 def test_a_template_error_names_its_line(tok):
     tok.use_template("lined", "line one\n{{ messages[0].a.b }}\n")
     with pytest.raises(DataError, match=r"\(lined\) line 2: UndefinedError"):
@@ -75,7 +93,7 @@ def test_ordinary_templates_render_as_before(tok):
     # a merge naming a token the vocabulary lacks ("~~" and "~" are not tokens here)
     (lambda merge: b"~~ " + b"~" * (len(merge) - 3), "cannot build a BPE tokenizer"),
     (lambda merge: b"~" * len(merge), "cannot build a BPE tokenizer"),        # no pair at all
-    (lambda merge: b"\xff" + merge[1:], "'tokenizer.ggml.merges' is not valid UTF-8 text"),
+    (lambda merge: b"\xff" + merge[1:], "'tokenizer.ggml.merges': string #0 of the array is not valid UTF-8"),
 ])
 def test_a_broken_merges_list_is_one_line_naming_the_file(tiny_llama, tmp_path, change, needle):
     """A merge naming a token the vocabulary lacks, or merges that are not UTF-8 text, fail

@@ -24,7 +24,8 @@ from toygraph.errors import SettingError
 @dataclass(frozen=True)
 class Setting:
     """One environment variable: ``kind`` is "flag" (0/1), "path", "choice" (one of
-    ``choices``), "device" (a CUDA ordinal or "host") or "seconds" (a number > 0);
+    ``choices``), "device" (a CUDA ordinal or "host"), "seconds" (a number > 0) or "count" (a whole
+    number >= 1, None when unset);
     ``default`` is written as it would be in the environment ("" means unset)."""
     name: str
     kind: str
@@ -47,6 +48,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "the SmolLM2-135M-Instruct Q4_1 GGUF to use instead of searching for it"),
     Setting("TOYGRAPH_GEMMA3_270M", "path", "",
             "the Gemma 3 270M Q4_K_M GGUF to use instead of the one fetched into the cache"),
+    Setting("TOYGRAPH_QWEN25_CODER_05B", "path", "",
+            "the Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF to use instead of the one fetched "
+            "into the cache"),
+    Setting("TOYGRAPH_QWEN25_CODER_15B", "path", "",
+            "the Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF to use instead of the one fetched "
+            "into the cache"),
     Setting("TOYGRAPH_OFFLINE", "flag", "0",
             "tests skip instead of downloading SmolLM2 or Gemma 3 270M when not on this machine"),
     Setting("TOYGRAPH_CUDA_DEVICE", "device", "0",
@@ -63,9 +70,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "kernels read in bf16 (0: every buffer f32, the matmuls still bf16)"),
     Setting("TOYGRAPH_BASE_MEMORY", "choice", "auto",
             "how the numpy backend holds a frozen base stored as f16/bf16/quantized blocks: "
-            "`decode` to f32 once at realize (fastest; 4 bytes a weight), `quantized` in its "
-            "file's format, decoded just in time by each op reading it, `auto` decode when "
-            "that fits the machine's memory", ("auto", "decode", "quantized")),
+            "`quantized` in its file's format, the CPU engine multiplying on the blocks "
+            "panel by panel, `decode` to f32 once at realize (BLAS on f32 copies: 4 bytes a "
+            "weight), `auto` quantized with the engine, else decode when that fits the "
+            "machine's memory", ("auto", "decode", "quantized")),
+    Setting("TOYGRAPH_THREADS", "count", "",
+            "threads the CPU engine and BLAS compute with (`--threads` overrides it); unset: "
+            "the CPUs this process may run on"),
     Setting("TOYGRAPH_HOST_OPT", "choice", "-O1",
             "g++ optimisation level of the host executor's kernel library",
             ("-O0", "-O1", "-O2", "-O3")),
@@ -118,6 +129,12 @@ def parse(name: str, raw: str | None):
         if not (value > 0 and value != float("inf")):
             raise SettingError(f"{name} must be a number of seconds > 0, got {raw!r}")
         return value
+    if s.kind == "count":
+        if not text:
+            return None
+        if not text.isdigit() or int(text) < 1:
+            raise SettingError(f"{name} must be a whole number >= 1, got {raw!r}")
+        return int(text)
     if text == "host":  # kind "device"
         return text
     if not text.isdigit():

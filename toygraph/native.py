@@ -1,11 +1,11 @@
 """Build C++ source into a shared library with the host compiler (g++), cached on disk.
 
 Two users: the host executor (toygraph/cuda/host/compiler.py builds the CUDA kernels as
-host C++) and the numpy backend's block decoders (toygraph/gguf/decode.cpp). The cache key
+host C++) and the CPU engine (toygraph/cpu/engine.cpp: block decoders and products on blocks). The cache key
 is the sha256 of the source, the flags and ``g++ --version``; each library is written
 atomically (temp file + os.replace) into a folder under ``$TOYGRAPH_CACHE/kernels``.
 
->>> path, built = build_shared(source, ["-O2"], folder, "the block decoders")   # doctest: +SKIP
+>>> path, built = build_shared(source, ["-O2"], folder, "the CPU engine")   # doctest: +SKIP
 """
 from __future__ import annotations
 

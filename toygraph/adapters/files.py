@@ -29,7 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from toygraph.atomic import atomic_write
+from toygraph.bounded import excerpt, load_json, printable, regular_file_error
 from toygraph.errors import DataError
+from toygraph.gguf.reader import BoundedReader
 from toygraph.adapters import experts
 from toygraph.models.config import layer_shapes
 from toygraph.models.decoder import ALL_TARGETS, expand_targets, lora_shapes
@@ -228,32 +230,108 @@ def _save_sorted_metadata(tensors: dict, path: str, metadata: dict):
         f.write(text.ljust(n))
 
 
+#: The largest scale of B A (alpha / rank, rsLoRA's alpha / sqrt(rank)) an adapter may
+#: have: LoRA runs use about 0.5 to 4; far past this, training and the merge lose
+#: every bit of the base to the update (and past ~1e38, f32 has no such number).
+MAX_LORA_SCALE = 1024.0
+
+#: adapter_config.json keys that do not change what the adapter computes once trained
+#: (bookkeeping, training-only dropout, how it was initialised without touching the
+#: base), or whose meaning the tensors carry (which modules have adapters).
+PEFT_INERT_KEYS = {"task_type", "peft_type", "auto_mapping", "peft_version",
+                   "base_model_name_or_path", "revision", "inference_mode", "lora_dropout",
+                   "target_modules", "exclude_modules", "megatron_core", "qalora_group_size",
+                   "ensure_weight_tying", "loftq_config", "eva_config", "corda_config",
+                   "lora_ga_config", "runtime_config"}
+#: Keys whose effect is implemented (read_peft), with the values PEFT writes for "off".
+PEFT_HONOURED_KEYS = {"r", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out", "bias",
+                      "rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern",
+                      "target_parameters", "init_lora_weights", "modules_to_save"}
+#: init_lora_weights values that leave the base as it is (pissa, olora, corda, loftq and
+#: lora_ga change the base weights themselves, so the adapter alone means something else).
+_BASE_KEEPING_INITS = (True, False, "gaussian", "eva", "orthogonal")
+
+
 def _read_peft_config(path: Path) -> dict:
-    if not path.is_file():
+    """adapter_config.json, every key that changes the math honoured or refused by name
+    (an unknown key with a value set is refused: we cannot know it changes nothing)."""
+    if not path.exists():   # anything else but a regular file is refused by load_json
         raise DataError(f"{path}: missing PEFT adapter config")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: malformed JSON ({e})") from None
+    config = load_json(path, max_bytes=1 << 20, allow_nan=True)   # NaN: named by its key below
     if not isinstance(config, dict):
         raise DataError(f"{path}: expected a JSON object, found {type(config).__name__}")
     if config.get("peft_type") != "LORA":
-        raise DataError(f"{path}: peft_type is {config.get('peft_type')!r}; only 'LORA' is supported")
+        raise DataError(f"{path}: peft_type is {excerpt(config.get('peft_type'))}; only 'LORA' "
+                        "is supported")
+    for key, value in config.items():
+        if key not in PEFT_INERT_KEYS | PEFT_HONOURED_KEYS and value not in (None, False, [], {}):
+            raise DataError(f"{path}: {excerpt(key)} = {excerpt(value)} is not a setting "
+                            "toygraph implements; refused rather than ignored, as it may change "
+                            "what the adapter computes")
     if config.get("fan_in_fan_out"):
         raise DataError(f"{path}: fan_in_fan_out=true is not supported")
     for key in ("use_dora", "use_rslora"):
         if not isinstance(config.get(key, False), bool):
-            raise DataError(f"{path}: {key} must be true or false, found {config[key]!r}")
-    for key in ("rank_pattern", "alpha_pattern"):
+            raise DataError(f"{path}: {key} must be true or false, found {excerpt(config[key])}")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
         if config.get(key):
-            raise DataError(f"{path}: {key} (per-module ranks/alphas) is not supported")
+            raise DataError(f"{path}: {key} ({excerpt(config[key])}) is not supported: per-module "
+                            "ranks and alphas, or whole modules trained beside the adapter")
     if config.get("bias", "none") != "none":
-        raise DataError(f"{path}: bias={config['bias']!r} is not supported (only 'none')")
-    for key in ("r", "lora_alpha"):
-        v = config.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise DataError(f"{path}: {key} must be a positive number, found {v!r}")
+        raise DataError(f"{path}: bias={excerpt(config['bias'])} is not supported (only 'none')")
+    init = config.get("init_lora_weights", True)
+    if not any(init is v or (isinstance(v, str) and init == v) for v in _BASE_KEEPING_INITS):
+        raise DataError(f"{path}: init_lora_weights={excerpt(init)} changed the base model's "
+                        "weights as well as initialising the adapter; convert it to a plain "
+                        "LoRA adapter (PEFT's path_initial_model_for_weight_conversion)")
+    rank, alpha = config.get("r"), _positive_number(config.get("lora_alpha"))
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= 1 << 16:
+        raise DataError(f"{path}: r must be a whole number in 1..65536, found {excerpt(rank)}")
+    if alpha is None:
+        raise DataError(f"{path}: lora_alpha must be a finite number > 0, found "
+                        f"{excerpt(config.get('lora_alpha'))}")
+    scale = lora_scale(alpha, rank, bool(config.get("use_rslora", False)))
+    if scale > MAX_LORA_SCALE:
+        raise DataError(f"{path}: lora_alpha {alpha:g} with r={rank} scales the update by "
+                        f"{scale:.4g}, above {MAX_LORA_SCALE:g} (LoRA uses about 0.5 to 4): a "
+                        "damaged or mistyped config")
+    _layers_to_transform(config, path)   # checked here, applied by read_peft
     return config
+
+
+def _positive_number(v) -> float | None:
+    """``v`` as a finite float > 0, else None (bools, text, NaN, inf, 10**400 alike)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and f > 0 else None
+
+
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """The scale of B A: alpha / rank, rsLoRA's alpha / sqrt(rank)."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def _layers_to_transform(config: dict, path: Path) -> frozenset[int] | None:
+    """PEFT's layers_to_transform as the layer numbers that may hold adapters (None: all).
+    layers_pattern only names the module list those numbers index, which for the decoders
+    toygraph reads is "layers" (model.model.layers)."""
+    layers = config.get("layers_to_transform")
+    pattern = config.get("layers_pattern")
+    if pattern not in (None, "layers", ["layers"]):
+        raise DataError(f"{path}: layers_pattern {excerpt(pattern)} is not this model's layer "
+                        "list ('layers')")
+    if layers is None:
+        return None
+    layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    if not isinstance(layers, list) or not layers or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        raise DataError(f"{path}: layers_to_transform must be a layer number or a list of them, "
+                        f"found {excerpt(config['layers_to_transform'])}")
+    return frozenset(layers)
 
 
 def _expert_params(config: dict, path: Path) -> dict[int, str]:
@@ -280,8 +358,8 @@ def adapter_template(dir) -> tuple[str, str] | None:
             meta = f.metadata() or {}
     except (OSError, SafetensorError):
         return None   # load_peft reports what is wrong with the file
-    if TEMPLATE_NAME in meta and TEMPLATE_SOURCE in meta:
-        return meta[TEMPLATE_NAME], meta[TEMPLATE_SOURCE]
+    if TEMPLATE_NAME in meta and TEMPLATE_SOURCE in meta:   # the name is shown: escaped
+        return printable(meta[TEMPLATE_NAME])[:200], meta[TEMPLATE_SOURCE]
     return None
 
 
@@ -322,8 +400,10 @@ def read_peft(dir, cfg) -> PeftAdapter:
         raise DataError(f"{dir}: no such adapter directory")
     config = _read_peft_config(dir / CONFIG_FILE)
     wpath = dir / WEIGHTS_FILE
-    if not wpath.is_file():
+    if not wpath.exists():
         raise DataError(f"{wpath}: missing adapter weights (only safetensors is supported)")
+    if regular_file_error(wpath):   # a FIFO or a device: never opened
+        raise DataError(f"{wpath}: {regular_file_error(wpath)}")
     try:
         raw = load_file(str(wpath))
         with safe_open(str(wpath), "np") as f:
@@ -331,7 +411,7 @@ def read_peft(dir, cfg) -> PeftAdapter:
     except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise DataError(f"{wpath}: cannot read safetensors ({e})") from None
     if arch is not None and arch != cfg.arch:
-        raise DataError(f"{wpath}: adapter was trained on a {arch} model; the base model is "
+        raise DataError(f"{wpath}: adapter was trained on a {printable(arch)[:80]} model; the base model is "
                         f"{cfg.arch} (q/k row order and semantics differ)")
     for key, value in raw.items():
         if value.dtype.kind != "f":
@@ -340,6 +420,7 @@ def read_peft(dir, cfg) -> PeftAdapter:
     halves: dict[str, dict[str, np.ndarray]] = {}
     gguf_by_hf = {hf: g for g, hf in cfg.family.hf_modules.items()}
     nested = _expert_params(config, dir / CONFIG_FILE)   # "base_layer." depth -> projection
+    layers = _layers_to_transform(config, dir / CONFIG_FILE)  # the others keep B = 0: no update
     for key, value in raw.items():
         m = _PEFT_KEY.fullmatch(key)
         proj = gguf_by_hf.get(m.group(2)) if m else None
@@ -347,8 +428,11 @@ def read_peft(dir, cfg) -> PeftAdapter:
         if e and cfg.n_expert:
             m, proj = e, nested.get(len(e.group(2)) // len("base_layer."))
         if proj is None or int(m.group(1)) >= cfg.n_layer:
-            raise DataError(f"{wpath}: key {key!r} does not map to a LoRA module of this "
+            raise DataError(f"{wpath}: key {excerpt(key)} does not map to a LoRA module of this "
                             f"{cfg.n_layer}-layer {cfg.arch} model")
+        if layers is not None and int(m.group(1)) not in layers:   # PEFT would not load it
+            raise DataError(f"{wpath}: key {excerpt(key)} is in layer {int(m.group(1))}, which "
+                            f"layers_to_transform {sorted(layers)} in {CONFIG_FILE} leaves out")
         halves.setdefault(f"blk.{int(m.group(1))}.{proj}.weight", {})[m.group(3) or "m"] = value
     dora = bool(config.get("use_dora", False))
     want = {"A", "B", "m"} if dora else {"A", "B"}
@@ -410,14 +494,13 @@ def save_gguf_adapter(path, lora: dict, cfg, alpha: float, base_arch: str,
     return path
 
 
-def _open_reader(path: Path):
-    import gguf
-
+def _open_reader(path: Path, what: str = "GGUF adapter file"):
+    """The bounded reader of ``path`` (gguf-py's own trusts every count it reads)."""
     if not path.is_file():
-        raise DataError(f"{path}: no such GGUF adapter file")
+        raise DataError(f"{path}: no such {what}")
     try:
-        return gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # the reader raises ValueError, KeyError, ... on a bad file
+        return BoundedReader(str(path), "r")
+    except Exception as e:  # the reader raises GGUFError, ValueError, KeyError, ... on a bad file
         raise DataError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
 
 
@@ -471,7 +554,14 @@ def _validate_gguf_adapter(reader, path: Path, arch: str, base_ne: dict) -> tupl
         ranks.add(a[1])
     if len(ranks) != 1:
         raise DataError(f"{path}: adapters have different ranks {sorted(ranks)}")
-    return {k: (p["lora_a"], p["lora_b"]) for k, p in pairs.items()}, ranks.pop(), float(alpha)
+    rank = ranks.pop()
+    # llama.cpp: an alpha of 0 means none, a scale of 1 (alpha = rank)
+    alpha = float(alpha) if alpha else float(rank)
+    if not math.isfinite(alpha) or abs(alpha) / rank > MAX_LORA_SCALE:
+        raise DataError(f"{path}: adapter.lora.alpha {alpha:g} with rank {rank} scales the update "
+                        f"by {alpha / rank:.4g}, beyond {MAX_LORA_SCALE:g} (LoRA uses about 0.5 "
+                        "to 4): a damaged file")
+    return {k: (p["lora_a"], p["lora_b"]) for k, p in pairs.items()}, rank, alpha
 
 
 def _tail(ne) -> str:
@@ -481,13 +571,8 @@ def _tail(ne) -> str:
 def check_gguf_adapter(adapter_path, base_gguf_path) -> dict:
     """Check an adapter against its base GGUF as llama.cpp's loader does; DataError with
     the reason if llama.cpp would refuse it. Returns {"rank", "alpha", "tensors"}."""
-    import gguf
-
     adapter_path, base_path = Path(adapter_path), Path(base_gguf_path)
-    try:
-        base = gguf.GGUFReader(str(base_path), "r")
-    except Exception as e:
-        raise DataError(f"{base_path}: cannot read the base GGUF ({type(e).__name__}: {e})") from None
+    base = _open_reader(base_path, "base GGUF")
     base_ne = {t.name: tuple(int(d) for d in t.shape) for t in base.tensors}
     pairs, rank, alpha = _validate_gguf_adapter(
         _open_reader(adapter_path), adapter_path, _field(base, "general.architecture"), base_ne)

@@ -100,6 +100,9 @@ def _merged_tensors(model: GGUFModel, lora: dict, scaling: float, out_type: str,
         if not model.has(name):
             raise DataError(f"{model.path}: the adapter targets {name!r}, which the model lacks")
         w = merged_weight(model.tensor(name).dequantize(), a, b, scaling, *m)
+        if not np.isfinite(w).all():   # finite adapter values whose product overflows f32
+            raise DataError(f"{name}: the merged weight (base + {scaling:g} B A) is not finite; "
+                            "the adapter's values are too large to be a trained LoRA")
         merged[name] = encode_weight(w, out_type, name)
     return merged
 

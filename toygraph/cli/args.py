@@ -2,6 +2,7 @@
 the model and adapter a command runs, and command-line text checked as UTF-8."""
 from __future__ import annotations
 
+from toygraph.bounded import utf8_error
 from toygraph.errors import ToygraphError
 from toygraph.inference.sampling import SamplingOptions
 from toygraph.models.catalog import resolve_model
@@ -10,12 +11,9 @@ from toygraph.models.catalog import resolve_model
 def utf8(flag: str, text: str) -> str:
     """Command-line text as valid Unicode: undecodable bytes in argv arrive as lone
     surrogates (Python's surrogateescape), which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        c = ord(text[e.start])
-        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate \\u{c:04x}"
-        raise ToygraphError(f"{flag} is not valid UTF-8 text ({what} at character {e.start})") from None
+    why = utf8_error(text)
+    if why:
+        raise ToygraphError(f"{flag} is not valid UTF-8 text ({why})")
     return text
 
 

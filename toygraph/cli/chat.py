@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampling_args, add_template_arg,
-                               generation_kwargs, language_model_from_args)
+                               generation_kwargs, language_model_from_args, utf8)
 from toygraph.inference.chat import chat_loop
 
 
@@ -21,10 +21,12 @@ def add_chat_parser(sub) -> None:
 
 
 def _cmd_chat(args) -> int:
+    system = utf8("--system", args.system) if args.system is not None else None
+    if hasattr(sys.stdin, "reconfigure"):   # undecodable bytes reach chat_loop, which says so
+        sys.stdin.reconfigure(errors="surrogateescape")
     lm = language_model_from_args(args)
     try:
-        return chat_loop(lm, sys.stdin, sys.stdout, system=args.system,
-                         **generation_kwargs(args))
+        return chat_loop(lm, sys.stdin, sys.stdout, system=system, **generation_kwargs(args))
     except KeyboardInterrupt:
         sys.stdout.write("\n")
         return 0

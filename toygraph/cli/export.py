@@ -1,13 +1,16 @@
 """``toygraph export``: merge a LoRA adapter into the base GGUF (toygraph.adapters.merge)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from toygraph.adapters.merge import OUT_TYPES, PROVENANCE, export_merged
 from toygraph.cli.args import add_allow_merged_arg, add_template_arg
+from toygraph.errors import ToygraphError
 from toygraph.models.catalog import resolve_model
 from toygraph.models.model import GGUFModel
+from toygraph.training.run_dir import FINAL_ARTIFACTS
 from toygraph.training.supervisor import Ticker
 
 
@@ -24,7 +27,31 @@ def add_export_parser(sub) -> None:
     p.set_defaults(fn=_cmd_export)
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once links are resolved, or
+    the same inode (a hard link)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:   # one of them does not exist: two different files
+        return False
+
+
+def check_out_is_not_read(out: str, adapter: str) -> None:
+    """``--out`` must not be the adapter the export reads, nor a file of the run directory
+    (or checkpoint) it reads it from: the merged GGUF would replace it, without a word."""
+    out_path, source = Path(out), Path(adapter)
+    files = [source / name for name in FINAL_ARTIFACTS] if source.is_dir() else [source]
+    for f in files:
+        if _same_file(out_path, f):
+            what = "the adapter" if f == source else f"{f.name} of the adapter directory {source}"
+            raise ToygraphError(f"--out {out} is {what}, which the export reads; choose another "
+                                f"path for the merged GGUF")
+
+
 def _cmd_export(args) -> int:
+    check_out_is_not_read(args.out, args.adapter)
     out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
                         template=args.template, allow_merged=args.allow_merged,
                         progress=Ticker("merging, tensor", lambda text: print(text, file=sys.stderr)))

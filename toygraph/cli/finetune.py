@@ -12,6 +12,7 @@ import json
 from dataclasses import MISSING
 
 from toygraph.core.distributed import world
+from toygraph.files import check_regular_file
 from toygraph.models.catalog import resolve_source
 from toygraph.models.stores import store_of
 from toygraph.training.run_config import GROUPS, RunConfig, coerce, flag
@@ -72,6 +73,8 @@ def _shown(default) -> str:
 def run_config_from_args(args) -> RunConfig:
     """The RunConfig of a parsed command line: the defaults, then the run file
     (``--config``), then the flags given (the model name resolved to its file)."""
+    if args.config:   # a FIFO or a device would hang the YAML reader
+        check_regular_file(args.config, "--config")
     given = load_run_file(args.config) if args.config else {}
     flags = {name: coerce(name, value) for name, value in vars(args).items()
              if name in RunConfig.names()}

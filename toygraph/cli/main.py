@@ -20,7 +20,10 @@ from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
 from toygraph.cli.finetune import add_finetune_parser
 from toygraph.cli.models import add_models_parser
+from toygraph.bounded import printable
 from toygraph.errors import ToygraphError
+from toygraph.files import check_regular_file
+from toygraph.limits import out_of_memory_text
 from toygraph.models.catalog import resolve_model
 from toygraph.training.supervisor import rate_text
 
@@ -47,13 +50,18 @@ def cmd_eval(args):
     else:
         from toygraph.data.batches import encode_dataset
         from toygraph.data.examples import load_examples
+        check_regular_file(args.data, "--data")   # a FIFO or a device would hang the reader
         enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
         if not enc.items:
             raise ToygraphError(f"{args.data}: no example has a target token")
         loss, n = lm.loss([e.tokens for e in enc.items], [e.target_mask for e in enc.items])
+    if not math.isfinite(loss):   # an adapter or model whose numbers overflow: say so, not "nan"
+        raise ToygraphError(f"the loss is {loss} over {n} tokens: the model"
+                            f"{' with its adapter' if args.adapter else ''} computes values that "
+                            "are not finite numbers")
     result = {"loss": loss, "tokens": n, "perplexity": math.exp(min(loss, 700))}
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result, allow_nan=False))
     else:
         print(f"loss {loss:.6f}  tokens {n}  perplexity {result['perplexity']:.4f}")
 
@@ -130,9 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _report(command: str, e: BaseException):
+def _report(command: str, e: BaseException | str):
+    # an error may quote text from a file (a template's raise_exception, a name): its
+    # control characters are shown escaped, never sent to the terminal
     try:
-        print(f"toygraph {command}: error: {e}", file=sys.stderr, flush=True)
+        print(f"toygraph {command}: error: {printable(e, keep_newlines=True)}", file=sys.stderr,
+              flush=True)
     except OSError:  # stderr itself is gone (a closed pipe): the exit code still says it
         pass
 
@@ -146,6 +157,9 @@ def main(argv=None) -> int:
         return 2
     except OSError as e:  # e.g. a broken pipe on the output; the run (if any) recorded it
         _report(args.command, e)
+        return 1
+    except MemoryError as e:  # a numpy allocation past ulimit -v, a cgroup limit, the machine
+        _report(args.command, out_of_memory_text(e))
         return 1
     except KeyboardInterrupt:  # before or after a run's own handling (loading, realizing)
         _report(args.command, "interrupted")

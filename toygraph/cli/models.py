@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from toygraph.bounded import printable
 from toygraph.models import stores
 from toygraph.models.catalog import available_models
 from toygraph.training.prepare import size_text
@@ -35,7 +36,7 @@ def cmd_models(args) -> int:
                               for k, v in row.items()}))
         return 0
     for store, title in TITLES.items():
-        mine = [r for r in rows if r["store"] == store]
+        mine = [r for r in rows if r["store"] == store and "skipped" not in r]
         print(title())
         if not mine:
             print("  (none)")
@@ -43,5 +44,8 @@ def cmd_models(args) -> int:
         for r in mine:
             where = ("cached" if r["path"] else "not cached") if store == "catalog" else ""
             size = _size(r["size"]) if r["size"] is not None or store != "catalog" else ""
-            print(f"  --model {r['model']:<{width}}  {size:>10}  {where}".rstrip())
+            print(f"  --model {printable(r['model'])[:200]:<{width}}  {size:>10}  {where}".rstrip())
+        for r in rows:   # what could not be listed, and why (the store's own text, escaped)
+            if r["store"] == store and "skipped" in r:
+                print(f"  skipped {printable(r['model'])[:200]}: {printable(r['skipped'])[:300]}")
     return 0

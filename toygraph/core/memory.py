@@ -43,7 +43,7 @@ class BufferPlan:
     arena_bytes: int = 0     # bytes the arena needs with reuse
     naive_bytes: int = 0     # bytes the same intermediates need with no reuse
     pinned_bytes: int = 0    # inputs, consts, params, state and outputs
-    # The numpy backend's frozen base in block formats (core/base_memory.py): "decode"
+    # The numpy backend's frozen base in block formats (core/frozen_base.py): "decode"
     # (f32 copies, counted in pinned_bytes) or "quantized" (its block bytes, base_bytes,
     # read through the decode scratch); "" when the graph has no such const.
     base_memory: str = ""

@@ -1,12 +1,13 @@
 """The numpy backend: buffers from the shared plan, one kernel call per scheduled node. The
 kernels are the ops' own (``ops.KERNELS``, each in its family module of toygraph/core/ops/).
 
-A frozen base the plan keeps quantized (``plan.quantized``, core/base_memory.py) is held as
-``gguf.decode.BlockTensor``s; before a node that reads one runs, it is decoded into the
-decode scratch and the node's kernel reads that (or the op's block kernel reads the bytes
-itself, ``ops.BLOCK_KERNELS``). The scratch remembers what it holds, so a node reading the
-const the previous decode left there (the tied head's backward right after its forward)
-decodes nothing. ``decode_seconds`` adds up the time spent decoding.
+A frozen base the plan keeps quantized (``plan.quantized``, core/frozen_base.py) is held as
+``cpu.block_tensor.BlockTensor``s. A node whose op has a block kernel serving it reads the
+blocks itself (``ops.BLOCK_KERNELS``: matmul through the CPU engine, get_rows, expert_matmul);
+any other node reading one gets it decoded into the decode scratch first and its kernel
+reads that. The scratch remembers what it holds, so a node reading the const the previous
+decode left there decodes nothing. ``decode_seconds`` adds up the time spent decoding into
+the scratch.
 """
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import time
 
 import numpy as np
 
-from toygraph.core.base_memory import check_fits, scratch_layout
+from toygraph.core.frozen_base import check_fits, scratch_layout
 from toygraph.core.memory import BufferPlan, Storage
 from toygraph.core.ops import BLOCK_KERNELS, KERNELS
 from toygraph.errors import GraphError
-from toygraph.gguf.decode import BlockTensor
+from toygraph.cpu.block_tensor import BlockTensor
 
 DTYPES = {"f32": np.float32, "f64": np.float64}
 

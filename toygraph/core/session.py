@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from toygraph.core.base_memory import plan_base, resolve_mode
+from toygraph.core.frozen_base import plan_base, resolve_mode
 from toygraph.core.graph import PHASES, Graph, Tensor, topo_order
 from toygraph.core.memory import BufferPlan, nbytes, plan_buffers
 from toygraph.core.ops.table import INT32_MAX as _INT32_MAX
@@ -61,7 +61,7 @@ class Session:
       ``"f64"`` for finite-difference gradient checks (cpu only; never a training option).
 
     ``base_memory`` says how the numpy backend holds frozen consts stored in a block format
-    (core/base_memory.py): ``"decode"`` (f32 copies), ``"quantized"`` (block bytes decoded
+    (core/frozen_base.py): ``"decode"`` (f32 copies), ``"quantized"`` (block bytes decoded
     just in time, bit-identical results) or ``"auto"``; None reads
     ``$TOYGRAPH_BASE_MEMORY``. The CUDA backend keeps its own rule (cuda/devmem.py).
     """

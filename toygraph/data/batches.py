@@ -19,6 +19,7 @@ and ``encode_example`` are from ``toygraph.data.encoding``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,8 @@ from toygraph.errors import DataError
 
 __all__ = ["Example", "Encoded", "DataReport", "EncodedDataset", "Batch", "load_examples",
            "encode_rows", "encode_example", "encode_dataset", "check_special_tokens",
-           "split_train_val", "pad_id_for", "steps_per_epoch", "batches", "data_hash"]
+           "split_train_val", "pad_id_for", "steps_per_epoch", "EpochBatches", "batches",
+           "data_hash"]
 
 
 @dataclass
@@ -171,34 +173,54 @@ def steps_per_epoch(n_items: int, batch_size: int) -> int:
     return -(-n_items // batch_size)
 
 
+class EpochBatches(Sequence):
+    """One epoch's batches, each built when it is read (``make(i)``), so what an epoch
+    holds is its order, not its arrays: 10^6 short rows at --seq-len 128 would be 1.5 GB of
+    padded tokens, labels and positions, most of them padding."""
+
+    def __init__(self, n: int, make):
+        self._n, self._make = n, make
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._make(j) for j in range(*i.indices(self._n))]
+        j = i + self._n if i < 0 else i
+        if not 0 <= j < self._n:
+            raise IndexError(f"batch {i} of an epoch of {self._n}")
+        return self._make(j)
+
+
 def batches(items: list[Encoded], batch_size: int, seq_len: int, pad_id: int, *,
-            shuffle: bool, seed: int, epoch: int) -> list[Batch]:
+            shuffle: bool, seed: int, epoch: int) -> EpochBatches:
     """One epoch of fixed-shape batches. The order depends only on (seed, epoch), so a
-    resumed run regenerates it; the last partial batch is filled with all-ignored rows."""
+    resumed run regenerates it; the last partial batch is filled with all-ignored rows.
+    Every row is checked here; each batch's arrays are made when it is read."""
     if batch_size < 1 or seq_len < 1:
         raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+    for item in items:
+        if len(item.tokens) - 1 > seq_len:
+            raise DataError(f"line {item.line}: {len(item.tokens)} tokens do not fit seq_len "
+                            f"{seq_len} (at most seq_len + 1); encode with max_len <= seq_len")
     n = len(items)
     order = (np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n))
-    rows = steps_per_epoch(n, batch_size) * batch_size
-    tokens = np.full((rows, seq_len), pad_id, dtype=np.int32)
-    labels = np.full((rows, seq_len), -1, dtype=np.int32)
-    real = np.zeros(rows, dtype=np.int64)
-    for r, k in enumerate(order):
-        item = items[k]
-        ids = np.asarray(item.tokens, dtype=np.int64)
-        if len(ids) - 1 > seq_len:
-            raise DataError(f"line {item.line}: {len(ids)} tokens do not fit seq_len {seq_len} "
-                            f"(at most seq_len + 1); encode with max_len <= seq_len")
-        m = real[r] = len(ids) - 1
-        tokens[r, :m] = ids[:-1]
-        labels[r, :m] = np.where(np.asarray(item.target_mask[1:], dtype=bool), ids[1:], -1)
     positions = np.tile(np.arange(seq_len, dtype=np.int32), (batch_size, 1))
-    out = []
-    for s in range(0, rows, batch_size):
-        lab = labels[s:s + batch_size]
-        out.append(Batch(tokens[s:s + batch_size].copy(), positions.copy(), lab.copy(),
-                         int((lab != -1).sum()), int(real[s:s + batch_size].sum())))
-    return out
+
+    def make(i: int) -> Batch:
+        tokens = np.full((batch_size, seq_len), pad_id, dtype=np.int32)
+        labels = np.full((batch_size, seq_len), -1, dtype=np.int32)
+        real = 0
+        for r, k in enumerate(order[i * batch_size:(i + 1) * batch_size]):
+            item = items[k]
+            ids = np.asarray(item.tokens, dtype=np.int64)
+            m = len(ids) - 1
+            tokens[r, :m] = ids[:-1]
+            labels[r, :m] = np.where(np.asarray(item.target_mask[1:], dtype=bool), ids[1:], -1)
+            real += m
+        return Batch(tokens, positions.copy(), labels, int((labels != -1).sum()), real)
+    return EpochBatches(steps_per_epoch(n, batch_size), make)
 
 
 def data_hash(path) -> str:

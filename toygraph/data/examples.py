@@ -27,11 +27,10 @@ refused with its line.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 
+from toygraph.bounded import MAX_DEPTH, json_depth, regular_file_error
 from toygraph.data.tables import is_table, load_table
 from toygraph.errors import DataError
 
@@ -74,7 +73,7 @@ class Example:
 #: cost many times its size in memory while parsed and tokenized.
 MAX_LINE_BYTES = 8 << 20
 #: The deepest JSON nesting accepted; real rows are 3-4 levels deep.
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = MAX_DEPTH
 
 
 def load_examples(path, parse_row=None) -> list:
@@ -85,6 +84,8 @@ def load_examples(path, parse_row=None) -> list:
         return load_table(path, parse_row or _parse_row)
     p = Path(path)
     examples = []
+    if p.exists() and not p.is_dir() and not p.is_file():   # a FIFO or a device: never opened
+        raise DataError(f"{p}: {regular_file_error(p)}")
     try:
         with open(p, "rb") as f:
             for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
@@ -115,7 +116,7 @@ def _parse_line(line: bytes, p: Path, n: int, parse_row) -> Example | None:
         s = s.lstrip("\ufeff")  # editors on Windows like to add a BOM
     if not s.strip():
         return None
-    depth = _nesting(s)
+    depth = json_depth(s)
     if depth > MAX_JSON_DEPTH:
         raise DataError(f"{where}: JSON nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
     try:
@@ -123,18 +124,6 @@ def _parse_line(line: bytes, p: Path, n: int, parse_row) -> Example | None:
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
     return parse_row(obj, where, n, str(p))
-
-
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-
-
-def _nesting(s: str) -> int:
-    """The bracket nesting depth of a JSON text (brackets inside strings do not count);
-    json.loads recurses once a level, so it is checked before parsing."""
-    if s.count("[") + s.count("{") <= MAX_JSON_DEPTH:
-        return 0
-    bare = _JSON_STRING.sub("", s)
-    return max(accumulate(1 if c in "[{" else -1 for c in bare if c in "[]{}"), default=0)
 
 
 def _parse_row(obj, where: str, line: int, path: str) -> Example:

@@ -33,7 +33,7 @@ import numpy as np
 
 from toygraph.errors import DataError
 
-__all__ = ["DataSpec", "parse_data_spec", "parse_data_specs", "mix_counts", "mix_rows",
+__all__ = ["DataSpec", "parse_data_spec", "parse_data_specs", "mix_counts", "mix_shares", "mix_rows",
            "mix_hash", "mix_summary"]
 
 
@@ -85,8 +85,20 @@ def mix_counts(sizes: list[int], weights: list[float] | None) -> list[int]:
     round(share * total) and at least 1."""
     if weights is None:
         return list(sizes)
-    total, wsum = sum(sizes), sum(weights)
-    return [max(1, round(w / wsum * total)) for w in weights]
+    total = sum(sizes)
+    return [max(1, round(share * total)) for share in mix_shares(weights)]
+
+
+def mix_shares(weights: list[float]) -> list[float]:
+    """Each weight's share of their sum. When that sum overflows (finite weights as large
+    as 1e308), divided by the largest weight first, so they keep their proportions."""
+    total = sum(weights)
+    if math.isfinite(total):
+        return [w / total for w in weights]
+    top = max(weights)
+    scaled = [w / top for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
 
 
 def mix_rows(parts: list[list], weights: list[float] | None, seed: int) -> list:
@@ -117,7 +129,7 @@ def mix_summary(specs: list[DataSpec], sizes: list[int], seed: int) -> tuple[str
     weights = [s.weight for s in specs] if specs[0].weight is not None else None
     counts = mix_counts(sizes, weights)
     total = sum(counts)
-    shares = [w / sum(weights) for w in weights] if weights else [c / total for c in counts]
+    shares = mix_shares(weights) if weights else [c / total for c in counts]
     records, parts = [], []
     for spec, n, count, share in zip(specs, sizes, counts, shares):
         how = ("all" if count == n else f"{count / n:.2f}x" if count > n

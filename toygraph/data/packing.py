@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph.data.batches import Batch, batches, steps_per_epoch
+from toygraph.data.batches import Batch, EpochBatches, batches, steps_per_epoch
 from toygraph.errors import DataError
 
 __all__ = ["first_fit_decreasing", "packed_batches", "epoch_batches", "batches_per_epoch",
@@ -67,9 +67,10 @@ def _rows(items, seq_len: int, shuffle: bool, seed: int, epoch: int) -> list[lis
 
 
 def packed_batches(items: list, batch_size: int, seq_len: int, pad_id: int, *, shuffle: bool,
-                   seed: int, epoch: int) -> list[Batch]:
+                   seed: int, epoch: int) -> EpochBatches:
     """One epoch of packed fixed-shape batches (``Batch.segments`` set); the last partial
-    batch is filled with all-padding rows, as unpacked."""
+    batch is filled with all-padding rows, as unpacked. The packing is made here, each
+    batch's arrays when it is read (data.batches.EpochBatches)."""
     if batch_size < 1 or seq_len < 1:
         raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
     for item in items:
@@ -77,29 +78,25 @@ def packed_batches(items: list, batch_size: int, seq_len: int, pad_id: int, *, s
             raise DataError(f"line {item.line}: {len(item.tokens)} tokens do not fit seq_len "
                             f"{seq_len} (at most seq_len + 1); encode with max_len <= seq_len")
     rows = _rows(items, seq_len, shuffle, seed, epoch)
-    n_rows = steps_per_epoch(len(rows), batch_size) * batch_size
-    tokens = np.full((n_rows, seq_len), pad_id, dtype=np.int32)
-    labels = np.full((n_rows, seq_len), -1, dtype=np.int32)
-    positions = np.zeros((n_rows, seq_len), dtype=np.int32)
-    segments = np.zeros((n_rows, seq_len), dtype=np.int32)
-    for r, row in enumerate(rows):
-        at = 0
-        for sid, k in enumerate(row, start=1):
-            ids = np.asarray(items[k].tokens, dtype=np.int64)
-            m = len(ids) - 1
-            span = slice(at, at + m)
-            tokens[r, span] = ids[:-1]
-            labels[r, span] = np.where(np.asarray(items[k].target_mask[1:], bool), ids[1:], -1)
-            positions[r, span] = np.arange(m)
-            segments[r, span] = sid
-            at += m
-    out = []
-    for s in range(0, n_rows, batch_size):
-        part = slice(s, s + batch_size)
-        out.append(Batch(tokens[part].copy(), positions[part].copy(), labels[part].copy(),
-                         int((labels[part] != -1).sum()), real_tokens=int((segments[part] > 0).sum()),
-                         segments=segments[part].copy()))
-    return out
+
+    def make(i: int) -> Batch:
+        shape = (batch_size, seq_len)
+        tokens, labels = np.full(shape, pad_id, np.int32), np.full(shape, -1, np.int32)
+        positions, segments = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+        for r, row in enumerate(rows[i * batch_size:(i + 1) * batch_size]):
+            at = 0
+            for sid, k in enumerate(row, start=1):
+                ids = np.asarray(items[k].tokens, dtype=np.int64)
+                m = len(ids) - 1
+                span = slice(at, at + m)
+                tokens[r, span] = ids[:-1]
+                labels[r, span] = np.where(np.asarray(items[k].target_mask[1:], bool), ids[1:], -1)
+                positions[r, span] = np.arange(m)
+                segments[r, span] = sid
+                at += m
+        return Batch(tokens, positions, labels, int((labels != -1).sum()),
+                     real_tokens=int((segments > 0).sum()), segments=segments)
+    return EpochBatches(steps_per_epoch(len(rows), batch_size), make)
 
 
 def epoch_batches(items: list, batch_size: int, seq_len: int, pad_id: int, *, pack: bool,

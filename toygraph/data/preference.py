@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toygraph.data.batches import (Batch, DataReport, EncodedDataset, batches, check_special_tokens,
-                                   encode_example)
+from toygraph.data.batches import (Batch, DataReport, EncodedDataset, EpochBatches, batches,
+                                   check_special_tokens, encode_example)
 from toygraph.data.examples import (Example, _checked_text, _keys, _parse_messages, _string,
                                     _type_name, load_examples)
 from toygraph.errors import DataError
@@ -113,7 +113,7 @@ def encode_pairs(pairs: list[PreferencePair], tok, max_len: int, progress=None) 
 
 
 def pair_batches(items: list[tuple], batch_size: int, seq_len: int, pad_id: int, *,
-                 shuffle: bool, seed: int, epoch: int) -> list[Batch]:
+                 shuffle: bool, seed: int, epoch: int) -> EpochBatches:
     """One epoch of [2 * batch_size, seq_len] batches of (chosen, rejected) pairs: chosen
     rows first, rejected rows in the same order. The order depends only on (seed, epoch);
     the last partial batch is filled with all-ignored pairs."""
@@ -121,7 +121,10 @@ def pair_batches(items: list[tuple], batch_size: int, seq_len: int, pad_id: int,
              else np.arange(len(items)))
     halves = [batches([items[k][side] for k in order], batch_size, seq_len, pad_id,
                       shuffle=False, seed=seed, epoch=epoch) for side in (0, 1)]
-    return [Batch(*(np.concatenate([getattr(c, f), getattr(r, f)])
-                    for f in ("tokens", "positions", "labels")), c.n_targets + r.n_targets,
-                  c.real_tokens + r.real_tokens)
-            for c, r in zip(*halves)]
+
+    def make(i: int) -> Batch:
+        c, r = halves[0][i], halves[1][i]
+        return Batch(*(np.concatenate([getattr(c, f), getattr(r, f)])
+                       for f in ("tokens", "positions", "labels")), c.n_targets + r.n_targets,
+                     c.real_tokens + r.real_tokens)
+    return EpochBatches(len(halves[0]), make)

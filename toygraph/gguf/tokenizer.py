@@ -33,7 +33,9 @@ from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from toygraph.bounded import printable
 from toygraph.errors import DataError, GGUFError
+from toygraph.gguf.reader import BoundedReader, PastEnd
 from toygraph.gguf.templates import choose_template
 
 # llama.cpp token types (llama_token_type / gguf.TokenType).
@@ -160,10 +162,15 @@ class Tokenizer:
                                    or "<GGUFReader>")
         else:
             source = str(path_or_reader)
-            try:
-                reader = gguf.GGUFReader(source)
-            except (OSError, ValueError) as e:
-                raise GGUFError(f"{source}: cannot read GGUF file: {e}") from e
+            try:   # the bounded reader: gguf-py's trusts every count and length it reads
+                reader = BoundedReader(source)
+            except PastEnd as e:
+                raise GGUFError(f"{source}: truncated file: {e}") from None
+            except GGUFError as e:
+                raise GGUFError(f"{source}: {e}") from None
+            except Exception as e:  # the reader raises ValueError, KeyError, IndexError, ...
+                raise GGUFError(f"{source}: cannot read GGUF file ({type(e).__name__}: "
+                                f"{e})") from None
 
         try:
             return cls._from_reader(reader, source)
@@ -291,7 +298,7 @@ class Tokenizer:
             ("bos_token", self.bos_token), ("eos_token", self.eos_token),
             ("unk_token", self._token(self.unk_id)), ("pad_token", self._token(self.pad_id)))
             if tok is not None}
-        where = f"{self.source}: the chat template ({self.template_name})"
+        where = f"{self.source}: the chat template ({printable(self.template_name)})"
         return render_bounded(self.chat_template, where,
                               messages=[_template_message(m) for m in messages], tools=tools,
                               documents=documents, add_generation_prompt=add_generation_prompt,
@@ -446,7 +453,8 @@ def render_bounded(source: str, where: str, **context) -> str:
     except (Exception, RecursionError) as e:   # jinja's errors and the template's own
         line = getattr(e, "lineno", None) or _template_line(e.__traceback__)
         at = f" line {line}" if line else ""
-        message = " ".join(str(e).split())[:300] or type(e).__name__
+        # a template's raise_exception text is the file's: escaped, never sent raw
+        message = printable(" ".join(str(e).split())[:300]) or type(e).__name__
         raise DataError(f"{where}{at}: {type(e).__name__}: {message}") from None
     return "".join(out)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+from toygraph.bounded import utf8_error
 from toygraph.errors import DataError
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "leave"}
@@ -46,6 +47,10 @@ def chat_loop(lm, stdin, stdout, *, system: str | None = None, notices=None,
             notices.write("(conversation reset)\n")
             continue
         if not text:
+            continue
+        why = utf8_error(line)
+        if why:   # undecodable input bytes: said, and the session goes on
+            notices.write(f"(that line is not valid UTF-8 text ({why}); it was not sent)\n")
             continue
         messages.append({"role": "user", "content": line.rstrip("\r\n")})
         try:

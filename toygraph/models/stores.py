@@ -35,16 +35,24 @@ Every error is one line naming the store path and what is missing.
 """
 from __future__ import annotations
 
-import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from toygraph import environment
 from toygraph.atomic import file_sha256
+from toygraph.bounded import excerpt, load_json, parse_json, path_inside, printable, read_text
 from toygraph.errors import ToygraphError
 
 MEDIA = "application/vnd.ollama.image."
+#: Bounds on what a store's small files may hold: a manifest lists a few layers, a
+#: template, system or params layer is text of a few KB.
+MANIFEST_BYTES, LAYER_BYTES = 1 << 20, 16 << 20
+_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_HOST_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,254}")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_HEX = re.compile(r"[0-9a-f]{1,64}")
 DEFAULT_REGISTRY, DEFAULT_NAMESPACE, DEFAULT_TAG = "registry.ollama.ai", "library", "latest"
 #: Model blobs up to this size get their sha256 checked on every resolve (about 0.2 s).
 HASH_LIMIT = 256 * 2**20
@@ -86,14 +94,19 @@ def ollama_root() -> Path:
 
 def parse_ollama_name(name: str) -> tuple[str, str, str, str]:
     """``[host/][namespace/]name[:tag]`` as (host, namespace, name, tag), with Ollama's
-    defaults. The tag is after the last ``:`` of the last part (a host may have a port)."""
+    defaults. The tag is after the last ``:`` of the last part (a host may have a port).
+    Each part is made of Ollama's name characters and starts with a letter, digit or
+    ``_`` (so ``..`` is no part, and a name never leads out of the store)."""
     parts = name.split("/")
     tag = DEFAULT_TAG
     if ":" in parts[-1]:
         parts[-1], tag = parts[-1].rsplit(":", 1)
-    if not all(parts) or not tag or len(parts) > 3:
-        raise StoreError(f"--model ollama:{name}: not an Ollama model name "
-                         "(NAME, NAMESPACE/NAME or HOST/NAMESPACE/NAME, each optionally :TAG)")
+    host_ok = len(parts) < 3 or _HOST_PART.fullmatch(parts[0])
+    if len(parts) > 3 or not host_ok or not all(_NAME_PART.fullmatch(p) for p in parts[-2:]) \
+            or not _NAME_PART.fullmatch(tag):
+        raise StoreError(f"--model ollama:{printable(name)}: not an Ollama model name "
+                         "(NAME, NAMESPACE/NAME or HOST/NAMESPACE/NAME, each optionally :TAG; "
+                         "letters, digits, '_', '-' and '.', not first)")
     parts = [DEFAULT_REGISTRY, DEFAULT_NAMESPACE][:3 - len(parts)] + parts
     return parts[0], parts[1], parts[2], tag
 
@@ -116,17 +129,21 @@ def _blob(root: Path, digest: str) -> Path:
 
 def _checked_blob(root: Path, layer: dict, what: str, hash_limit: int | None) -> Path:
     """The blob of ``layer``, its size checked against the manifest's, its sha256 too when it
-    is at most ``hash_limit`` bytes (None: always)."""
-    digest = str(layer.get("digest", ""))
-    if not digest.startswith("sha256:") or len(digest) != 71:
-        raise StoreError(f"{what}: layer {layer.get('mediaType')} has no sha256 digest ({digest!r})")
+    is at most ``hash_limit`` bytes (None: always). The digest must be sha256 in hex, and
+    the blob a file inside the store's blobs/."""
+    digest = layer.get("digest")
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise StoreError(f"{what}: layer {excerpt(layer.get('mediaType'))} has no sha256 digest "
+                         f"(found {excerpt(digest)})")
     path = _blob(root, digest)
     if not path.is_file():
         raise StoreError(f"{what}: blob {path} is missing (the model is not fully pulled: "
                          f"`ollama pull` it again)")
+    if not path_inside(path, root / "blobs"):
+        raise StoreError(f"{what}: blob {path} leads outside the store's blobs folder")
     size = path.stat().st_size
     if "size" in layer and size != layer["size"]:
-        raise StoreError(f"{what}: blob {path} has {size} bytes, the manifest says {layer['size']} "
+        raise StoreError(f"{what}: blob {path} has {size} bytes, the manifest says {excerpt(layer['size'])} "
                          "(a partial or damaged pull: `ollama pull` it again)")
     if (hash_limit is None or size <= hash_limit) and file_sha256(path) != digest[7:]:
         raise StoreError(f"{what}: blob {path} does not have the sha256 its name says "
@@ -144,11 +161,8 @@ def resolve_ollama(name: str) -> Source:
         have = [n for n, _ in ollama_models(root)]
         listing = f"; the store has {', '.join(have)}" if have else "; the store has no models"
         raise StoreError(f"--model ollama:{name}: no manifest {manifest_path}{listing}")
-    try:
-        layers = json.loads(manifest_path.read_text(encoding="utf-8"))["layers"]
-        kinds = [str(layer["mediaType"]) for layer in layers]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise StoreError(f"{what}: not an Ollama manifest ({type(e).__name__}: {e})") from None
+    layers = ollama_layers(manifest_path, what, root)
+    kinds = [layer["mediaType"] for layer in layers]
     source = Source(path=Path(), spec=f"ollama:{name}", store="ollama",
                     ollama_name=ollama_display_name(host, namespace, model, tag))
     models = [layer for layer, kind in zip(layers, kinds) if kind == MEDIA + "model"]
@@ -162,12 +176,13 @@ def resolve_ollama(name: str) -> Source:
     for layer, kind in zip(layers, kinds):
         short = kind.removeprefix(MEDIA)
         if short in ("template", "prompt", "system", "params"):
-            text = _checked_blob(root, layer, what, None).read_text(encoding="utf-8")
+            blob = _checked_blob(root, layer, what, None)
+            text = read_text(blob, f"{what}: the {short} layer", LAYER_BYTES, StoreError)
             if short == "params":
-                try:
-                    source.params = dict(json.loads(text))
-                except (ValueError, TypeError) as e:
-                    raise StoreError(f"{what}: the params layer is not a JSON object ({e})") from None
+                params = parse_json(text, f"{what}: the params layer", error=StoreError)
+                if not isinstance(params, dict):
+                    raise StoreError(f"{what}: the params layer is not a JSON object")
+                source.params = params
             elif short == "system":
                 source.system = text
             else:
@@ -176,9 +191,33 @@ def resolve_ollama(name: str) -> Source:
             if PASSED_OVER[short]:
                 source.warnings.append(f"ollama:{name}: {PASSED_OVER[short]}")
         elif short != "model":
-            source.warnings.append(f"ollama:{name}: layer {kind} is not one toygraph knows; "
-                                   "left out (the GGUF is the model layer)")
+            source.warnings.append(f"ollama:{name}: layer {printable(kind)[:100]} is not one "
+                                   "toygraph knows; left out (the GGUF is the model layer)")
     return source
+
+
+def ollama_layers(manifest: Path, what: str, root: Path | None = None) -> list[dict]:
+    """The layers of an Ollama manifest, each a dict with a text ``mediaType``: read within
+    bounds (toygraph/bounded.py), the manifest a file inside the store's manifests/."""
+    root = ollama_root() if root is None else root
+    if not path_inside(manifest, root / "manifests"):
+        raise StoreError(f"{what}: the manifest leads outside the store's manifests folder")
+    doc = load_json(manifest, what, MANIFEST_BYTES, error=StoreError)
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    if not isinstance(layers, list) or not all(
+            isinstance(layer, dict) and isinstance(layer.get("mediaType"), str) for layer in layers):
+        raise StoreError(f"{what}: not an Ollama manifest (no list of layers, each with a "
+                         "mediaType)")
+    return layers
+
+
+def ollama_model_size(manifest: Path, root: Path | None = None) -> int:
+    """The bytes of the model layer an Ollama manifest lists (StoreError when unreadable)."""
+    layers = ollama_layers(manifest, str(manifest), root)
+    sizes = [layer.get("size", 0) for layer in layers if layer["mediaType"] == MEDIA + "model"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        raise StoreError(f"{manifest}: a model layer's size is not a byte count")
+    return sum(sizes)
 
 
 def ollama_models(root: Path | None = None) -> list[tuple[str, Path]]:
@@ -205,21 +244,30 @@ def hf_root() -> Path:
 
 
 def _hf_snapshot(repo_dir: Path) -> Path | None:
-    """The snapshot ``refs/main`` names, else the only one there is."""
+    """The snapshot ``refs/main`` names (a commit hash), else the only one there is; a
+    snapshot must lie inside the repository's folder (StoreError when it leads out)."""
     ref = repo_dir / "refs" / "main"
     if ref.is_file():
-        snap = repo_dir / "snapshots" / ref.read_text(encoding="utf-8").strip()
-        return snap if snap.is_dir() else None
-    snaps = [p for p in (repo_dir / "snapshots").glob("*") if p.is_dir()]
-    return snaps[0] if len(snaps) == 1 else None
+        rev = read_text(ref, str(ref), 4096, StoreError).strip()
+        if not _HEX.fullmatch(rev):
+            raise StoreError(f"{ref}: holds {excerpt(rev)}, not a commit hash")
+        snaps = [repo_dir / "snapshots" / rev]
+    else:
+        snaps = [p for p in (repo_dir / "snapshots").glob("*") if p.is_dir()]
+    if len(snaps) != 1 or not snaps[0].is_dir():
+        return None
+    if not path_inside(snaps[0], repo_dir):
+        raise StoreError(f"{snaps[0]}: the snapshot leads outside {repo_dir}")
+    return snaps[0]
 
 
 def resolve_hf(spec: str) -> Source:
     """The Source of ``hf:ORG/REPO/FILE.gguf`` (``spec`` without the prefix)."""
     root = hf_root()
     parts = spec.split("/")
-    if len(parts) < 3 or not all(parts):
-        raise StoreError(f"--model hf:{spec}: give hf:ORG/REPO/FILE.gguf (a file in the hub cache {root})")
+    if len(parts) < 3 or not all(parts) or any(p in (".", "..") for p in parts):
+        raise StoreError(f"--model hf:{printable(spec)}: give hf:ORG/REPO/FILE.gguf (a file in the "
+                         f"hub cache {root}; no '.' or '..' parts)")
     repo_dir = root / f"models--{parts[0]}--{parts[1]}"
     if not repo_dir.is_dir():
         have = sorted({f"{org}/{repo}" for org, repo, _, _ in hf_ggufs(root)})
@@ -233,19 +281,34 @@ def resolve_hf(spec: str) -> Source:
         have = sorted(str(p.relative_to(snap)) for p in snap.rglob("*.gguf"))
         listing = f"; its GGUFs: {', '.join(have)}" if have else "; it holds no GGUF"
         raise StoreError(f"--model hf:{spec}: no {'/'.join(parts[2:])} in {snap}{listing}")
+    if not path_inside(path, root):   # the snapshot's links lead to the repo's blobs/
+        raise StoreError(f"--model hf:{spec}: {path} leads outside the hub cache {root}")
     return Source(path=path, spec=f"hf:{spec}", store="hf")
 
 
-def hf_ggufs(root: Path | None = None) -> list[tuple[str, str, str, Path]]:
-    """(org, repo, file, path) of every .gguf in the hub cache's main snapshots, sorted."""
+def hf_ggufs(root: Path | None = None, skipped: list | None = None
+             ) -> list[tuple[str, str, str, Path]]:
+    """(org, repo, file, path) of every .gguf in the hub cache's main snapshots, sorted; a
+    repository or file that leads outside the cache is left out, and (path, why) goes to
+    ``skipped`` when given."""
     root = hf_root() if root is None else root
     found = []
     for repo_dir in sorted(root.glob("models--*--*")) if root.is_dir() else ():
         org, _, repo = repo_dir.name.removeprefix("models--").partition("--")
-        snap = _hf_snapshot(repo_dir)
+        try:
+            snap = _hf_snapshot(repo_dir)
+        except StoreError as e:
+            if skipped is not None:
+                skipped.append((repo_dir, str(e)))
+            continue
         for path in sorted(snap.rglob("*.gguf")) if snap is not None else ():
-            if path.is_file():
-                found.append((org, repo, str(path.relative_to(snap)), path))
+            if not path.is_file():
+                continue
+            if not path_inside(path, root):
+                if skipped is not None:
+                    skipped.append((path, f"{path} leads outside the hub cache {root}"))
+                continue
+            found.append((org, repo, str(path.relative_to(snap)), path))
     return found
 
 

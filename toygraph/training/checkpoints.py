@@ -19,11 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from toygraph.atomic import file_sha256, temp_dir
+from toygraph.bounded import excerpt, load_json
 from toygraph.errors import DataError
 from toygraph.training.run_dir import io_error
 
 MANIFEST = "manifest.json"
 REQUIRED = ("state.json", "trainable.safetensors", "optimizer.safetensors")
+#: state.json holds the loop state and options (kilobytes; a bound for a hostile one).
+STATE_BYTES = 64 << 20
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -102,13 +105,15 @@ def verify_checkpoint(path: Path) -> str | None:
     if not manifest.is_file():
         missing = [n for n in REQUIRED if not (path / n).is_file()]
         return f"missing {missing[0]}" if missing else f"no {MANIFEST} (incomplete write)"
-    try:
-        doc = json.loads(manifest.read_text())
-    except (OSError, ValueError) as e:
+    try:   # bounded: toygraph/bounded.py
+        doc = load_json(manifest, max_bytes=1 << 20)
+    except DataError as e:
         return f"unreadable {MANIFEST}: {e}"
     if not isinstance(doc, dict) or not set(REQUIRED) <= set(doc):
         return f"{MANIFEST} does not list {', '.join(REQUIRED)}"
     for name, want in doc.items():
+        if not isinstance(want, dict):
+            return f"{MANIFEST} gives {excerpt(name)} no size and sha256"
         f = path / name
         if not f.is_file():
             return f"missing {name}"
@@ -145,18 +150,32 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
     try:
-        state = json.loads((path / "state.json").read_text())
+        state = load_json(path / "state.json", max_bytes=STATE_BYTES)
         return (state, load_file(str(path / "trainable.safetensors")),
                 load_file(str(path / "optimizer.safetensors")))
-    except (ValueError, OSError, SafetensorError) as e:
+    except (ValueError, OSError, SafetensorError, DataError) as e:
         raise DataError(f"{path}: unreadable checkpoint: {e}") from None
 
 
-def prune_checkpoints(run: Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest step checkpoints (``best/`` lives apart and the
-    newest is the final one, so both stay) and leftovers of interrupted writes."""
+def checkpoint_run_id(path: Path) -> str | None:
+    """The run id a checkpoint's state records (toygraph/training/lineage.py); None for a
+    checkpoint written before runs had ids, or one whose state cannot be read."""
+    try:
+        run_id = json.loads((Path(path) / "state.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+def prune_checkpoints(run: Path, keep: int, run_id: str | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest step checkpoints of run ``run_id`` (``best/``
+    lives apart and the newest is the final one, so both stay) and leftovers of interrupted
+    writes. A checkpoint of another run (its state names another run id) is never deleted;
+    one with no run id predates them and counts as the directory's own."""
     folder = Path(run) / "checkpoints"
-    gone = [p for _, p in list_checkpoints(run)[:-keep]] if keep > 0 else []
+    ours = [p for _, p in list_checkpoints(run)
+            if run_id is None or checkpoint_run_id(p) in (run_id, None)]
+    gone = ours[:-keep] if keep > 0 else []
     if folder.is_dir():
         gone += [p for p in folder.iterdir() if p.name.startswith(".") or p.name.endswith(".old")]
     for p in gone:
@@ -187,26 +206,18 @@ def write_adapter(dest: Path, recipe, meta: dict, gguf_too: bool = True, values:
                           base_arch=recipe.model_cfg.arch, rslora=meta.get("rslora", False))
 
 
-def write_final(out: Path, recipe, lora_meta: dict | None, values: dict | None = None):
-    """The run's result at the top of ``out``: the adapter (LoRA) or ``weights.safetensors``,
-    of ``values`` (a checkpoint's weights: best/'s) or else the recipe's current weights.
-    Files are written into a temp dir and moved into place one by one."""
+def write_final(folder: Path, recipe, lora_meta: dict | None, values: dict | None = None):
+    """The run's result files into ``folder`` (a temp folder that result.publish moves to
+    the top of the run directory): the adapter (LoRA) or ``weights.safetensors``, of
+    ``values`` (a checkpoint's weights: best/'s) or else the recipe's current weights. A
+    safetensors failure is an OSError like any other write's."""
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
-    tmp = None
     try:
-        tmp = temp_dir(out, prefix=".final.")
         if lora_meta is not None:
-            write_adapter(tmp, recipe, lora_meta, values=values)
+            write_adapter(folder, recipe, lora_meta, values=values)
         else:
             save_file(values if values is not None else recipe.trainable(),
-                      str(tmp / "weights.safetensors"))
-        for f in sorted(tmp.iterdir()):
-            os.replace(f, out / f.name)
-    except (OSError, SafetensorError) as e:
-        err = e if isinstance(e, OSError) else OSError(0, str(e))
-        raise io_error(f"the final adapter into {out}", err,
-                       "the final checkpoint in checkpoints/ is intact") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+                      str(folder / "weights.safetensors"))
+    except SafetensorError as e:
+        raise OSError(0, str(e)) from None

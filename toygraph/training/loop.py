@@ -12,6 +12,7 @@ follow. What happens around the steps (evaluation, checkpoints, events, signals)
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -32,16 +33,38 @@ class LoopState:
     options: dict = field(default_factory=dict)          # every option of the run
     model_fingerprint: dict | None = None                # resume.model_fingerprint
     model_identity: dict | None = None                   # resume.model_identity
-    status: str = "running"             # running, completed, early_stopped, interrupted, ...
+    # running, interrupted, ..., or finishing: the training ended (``outcome``: completed or
+    # early_stopped) and the run's result at the top of its directory is being written. A
+    # checkpoint never says "completed": only the top level, written after it, does.
+    status: str = "running"
     reason: str | None = None           # why a run that did not complete ended
     recent_losses: list = field(default_factory=list)    # divergence guard's window
     good_norm: float | None = None      # weights' norm at the last state that passed the guard
+    run_id: str | None = None           # the run's id (lineage.py); None before runs had one
+    outcome: str | None = None          # finishing: the status the run ends with
+    eval_step: int | None = None        # the step of the last evaluation (None: none yet)
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, doc: dict) -> "LoopState":
+    def from_json(cls, doc: dict, where: str = "state.json") -> "LoopState":
+        """The state a checkpoint's ``state.json`` holds, each field checked: a count that
+        is missing or not a count is an error naming it, never a silent restart at 0."""
+        from toygraph.errors import DataError
+        if not isinstance(doc, dict) or "step" not in doc:
+            raise DataError(f"{where}: no step recorded; not a checkpoint's state")
+        for name in ("step", "epoch", "bad_evals", "eval_step"):
+            value = doc.get(name, 0)
+            if value is not None and (type(value) is not int or value < 0):
+                raise DataError(f"{where}: {name} must be a count (an integer >= 0), got {value!r}")
+        for name in ("best_val", "good_norm"):
+            value = doc.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise DataError(f"{where}: {name} must be a finite number or null, got {value!r}")
+        if not isinstance(doc.get("options", {}), dict) or not isinstance(doc.get("recent_losses", []), list):
+            raise DataError(f"{where}: options must be a mapping and recent_losses a list")
         return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
 
 

@@ -15,12 +15,15 @@ from pathlib import Path
 from toygraph.data.batches import data_hash, pad_id_for, split_train_val
 from toygraph.data.mixing import mix_hash, mix_rows, mix_summary, parse_data_specs
 from toygraph.errors import DataError, GGUFError, ToygraphError
+from toygraph.files import check_regular_file
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.models.model import GGUFModel
 from toygraph.models.stores import Source, resolve_store, store_of
 from toygraph.recipes import recipe_class
-from toygraph.training.checkpoints import find_resumable, load_checkpoint
-from toygraph.training.data_memory import check_tokenized_memory, estimate_tokenized_bytes
+from toygraph.training.checkpoints import checkpoint_run_id, find_resumable, load_checkpoint
+from toygraph.training.data_memory import (check_tokenized_memory, estimate_tokenized_bytes,
+                                           rows_bytes)
+from toygraph.training.lineage import lineage
 from toygraph.training.loop import LoopState
 from toygraph.training.reporting import reporter_names
 from toygraph.training.resume import check_resume, model_fingerprint, model_identity
@@ -53,7 +56,8 @@ class Prepared:
     skipped: list = field(default_factory=list)
     allowed: list = field(default_factory=list)
     mix: list | None = None   # each file's share of a mixed run's training rows (mixing.py)
-    resumed_status: str | None = None   # how the run resumed from ended (its checkpoint's)
+    saved: LoopState | None = None   # the state of the checkpoint resumed from
+    dir_run_id: str | None = None    # the run id --out holds (lineage.py), None: no run
 
 
 def _model_source(model: str, say) -> Source:
@@ -81,11 +85,15 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     check_run_dir(run_cfg.out, resume=bool(run_cfg.resume), overwrite=run_cfg.overwrite)
     resume_from, skipped = (find_resumable(Path(run_cfg.resume)) if run_cfg.resume
                             else (None, []))
+    run_id, dir_run_id = lineage(Path(run_cfg.out), resume_from,
+                                 checkpoint_run_id(resume_from) if resume_from else None)
     if run_cfg.adapter_init and not Path(run_cfg.adapter_init).is_dir():
         raise DataError(f"--adapter-init {run_cfg.adapter_init}: no such adapter directory")
     reporter_names(run_cfg.report_to)   # an unknown name or a missing package: now
     cls = recipe_class(run_cfg.recipe)
     specs = parse_data_specs(run_cfg.data)
+    for spec in specs:   # a FIFO or a device would hang the reader
+        check_regular_file(spec.path, "--data", DataError)
     # the data's shape is checked before the model loads
     files = [cls.load_data(spec.path) for spec in specs]
     files = [rows[:run_cfg.max_examples] if run_cfg.max_examples else rows for rows in files]
@@ -103,7 +111,8 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     estimates = [estimate_tokenized_bytes(
         lambda sample: cls.encode_data(sample, tok, run_cfg.seq_len), rows) for rows in files]
     known = [e for e in estimates if e is not None]
-    memory = check_tokenized_memory(sum(known) if known else None, names, n_rows, size_text)
+    memory = check_tokenized_memory(sum(known) if known else None, names, n_rows, size_text,
+                                    held=rows_bytes(files))
     say(f"tokenizing {n_rows:,} rows of {names} (template: {tok.template_name}{memory}) ...")
     ticker = Ticker("tokenizing, row", say)
     encoded = [cls.encode_data(rows, tok, run_cfg.seq_len, progress=ticker) for rows in files]
@@ -127,17 +136,19 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
     state = LoopState(data_hash=hashed, options=run_cfg.options(),
                       model_fingerprint=model_fingerprint(model_path),
                       model_identity=model_identity(model),
-                      reference_hash=_reference_hash(run_cfg))
+                      reference_hash=_reference_hash(run_cfg), run_id=run_id)
     prep = Prepared(model, enc, train, val, pad_id_for(tok), state,
                     template=(tok.template_name, tok.chat_template), source=source,
-                    resume_from=resume_from, skipped=skipped, mix=mix)
+                    resume_from=resume_from, skipped=skipped, mix=mix, dir_run_id=dir_run_id)
     if resume_from is not None:
-        saved = LoopState.from_json(load_checkpoint(resume_from)[0])
+        saved = LoopState.from_json(load_checkpoint(resume_from)[0],
+                                    str(resume_from / "state.json"))
         prep.allowed = check_resume(asdict(saved), asdict(state), str(resume_from),
                                     set(run_cfg.allow_change))
-        for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm"):
+        for name in ("step", "epoch", "best_val", "bad_evals", "recent_losses", "good_norm",
+                     "eval_step"):
             setattr(state, name, getattr(saved, name))
-        prep.resumed_status = saved.status
+        prep.saved = saved
     return prep
 
 

@@ -31,21 +31,23 @@ from dataclasses import asdict
 from pathlib import Path
 
 from toygraph import __version__
-from toygraph.adapters.modelfile import ollama_create, write_modelfile
 from toygraph.core.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
 from toygraph.models.stores import store_of
 from toygraph.recipes import recipe_class
-from toygraph.training.checkpoints import (load_checkpoint, restore_swapped, step_dir_name,
-                                           write_final)
+from toygraph.training.bus_error import BusErrorGuard
+from toygraph.training.checkpoints import load_checkpoint, restore_swapped
 from toygraph.training.guard import Diverged, DivergenceGuard
 from toygraph.training.loop import Trainer
 from toygraph.training.plot import plot_losses
 from toygraph.training.prepare import Prepared, prepare
 from toygraph.training.reporting import open_reporters
 from toygraph.training.run_config import RunConfig, recipe_options
-from toygraph.training.run_dir import (EVENTS_FILE, FINAL_ARTIFACTS, RESULT_FILES, EventLog,
+from toygraph.training.lineage import check_claim, record_run_id, set_aside_newer
+from toygraph.training.result import (final_text, restore_result, result_complete,
+                                      set_aside_result, settle_result, write_top_level)
+from toygraph.training.run_dir import (EVENTS_FILE, FINAL_ARTIFACTS, SUPERSEDED, EventLog,
                                        NullLog, RunError, io_error, open_run_dir)
 from toygraph.training.run_file import RUN_FILE, write_run_file
 from toygraph.training.supervisor import Progress, RunSupervisor, Signals
@@ -79,6 +81,13 @@ def _realize(run_cfg: RunConfig, prep: Prepared, ranks: int = 1):
         _load_adapter_init(run_cfg, recipe)
     if prep.resume_from is not None:
         _, weights, moments = load_checkpoint(prep.resume_from)
+        want = {p.name for p in recipe.net.params}
+        missing, unknown = sorted(want - set(weights)), sorted(set(weights) - want)
+        if missing or unknown:   # a partial set would leave the rest at their initial values
+            raise DataError(f"{prep.resume_from}: trainable.safetensors holds {len(weights)} "
+                            f"tensors, the run trains {len(want)}"
+                            + (f"; missing {missing[:3]}" if missing else "")
+                            + (f"; unknown {unknown[:3]}" if unknown else ""))
         recipe.load_trainable(weights)
         recipe.load_optimizer_state(moments)
     return recipe
@@ -91,6 +100,10 @@ def _load_adapter_init(run_cfg: RunConfig, recipe):
     if rank != run_cfg.rank or set(targets) != set(run_cfg.targets):
         raise DataError(f"{run_cfg.adapter_init}: adapter has rank {rank} and targets {targets}; "
                         f"the run asks for rank {run_cfg.rank} and {list(run_cfg.targets)}")
+    if adapter.alpha != float(run_cfg.alpha):   # refused, as rank is: run.yaml says the scale
+        raise DataError(f"{run_cfg.adapter_init}: adapter has lora_alpha {adapter.alpha:g}; the run "
+                        f"asks for --alpha {run_cfg.alpha:g} (the update's scale): give --alpha "
+                        f"{adapter.alpha:g} to continue it as it was trained")
     for key, flag in (("rslora", "--rslora"), ("dora", "--dora")):
         want = bool(getattr(run_cfg, key, False))
         if getattr(adapter, key) != want:
@@ -132,12 +145,17 @@ def run_training(run_cfg: RunConfig) -> dict:
     try:
         say = _say if w.rank == 0 and not run_cfg.quiet else (lambda text: None)
         prep = agreed_call(w, prepare, run_cfg, w.size, say)
-        out, lock = agreed_call(w, _open_out, run_cfg, w.rank)
-        try:
-            return _run_locked(run_cfg, prep, out, w, say)
-        finally:
-            if lock is not None:
-                lock.release()
+        # The model is mapped: a file truncated under the run is a SIGBUS (bus_error.py).
+        with BusErrorGuard([prep.model.path], "toygraph finetune",
+                           f"; restore it and continue with --resume {run_cfg.out}") as bus:
+            out, lock = agreed_call(w, _open_out, run_cfg, prep, w.rank)
+            try:
+                if lock is not None:
+                    bus.last_words.append(lambda reason: lock.release())
+                return _run_locked(run_cfg, prep, out, w, say, bus.last_words)
+            finally:
+                if lock is not None:
+                    lock.release()
     except BaseException as e:
         if w.size > 1 and not is_agreed(e):
             w.fail(f"failed: {_one_line(e)}")
@@ -154,14 +172,61 @@ def _say(text: str) -> None:
         pass
 
 
-def _open_out(run_cfg: RunConfig, rank: int):
-    if rank != 0:  # rank 0 alone writes the run directory
+def _open_out(run_cfg: RunConfig, prep: Prepared, rank: int):
+    """Lock the run directory (rank 0 alone writes it), check under the lock that it still
+    holds the run prepare found, and put right what a killed run may have left half done
+    (a result set aside, best/ between its renames)."""
+    if rank != 0:
         return Path(run_cfg.out), None
-    return open_run_dir(run_cfg.out, resume=bool(run_cfg.resume),
-                        overwrite=run_cfg.overwrite)
+    out, lock = open_run_dir(run_cfg.out, resume=bool(run_cfg.resume),
+                             overwrite=run_cfg.overwrite)
+    try:
+        if not (run_cfg.overwrite and not run_cfg.resume):   # --overwrite replaces any run
+            check_claim(out, prep.dir_run_id)
+        settle_result(out)
+        restore_swapped(out / "best")   # a kill between best/'s two renames
+    except BaseException:
+        lock.release()
+        raise
+    return out, lock
 
 
-def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) -> dict:
+def _ended(prep: Prepared, total: int) -> str | None:
+    """The status a resumed run ends with when its training already ended (its top level
+    is then all that is left to write), else None: its checkpoint is at the last step, or
+    early stopping ended it before (a completed run given more --steps trains on)."""
+    saved = prep.saved
+    if saved is None:
+        return None
+    outcome = saved.outcome if saved.status == "finishing" else saved.status
+    if saved.step >= total:
+        return outcome if outcome in COMPLETED else "completed"
+    return "early_stopped" if outcome == "early_stopped" else None
+
+
+def _prepare_training(run_cfg: RunConfig, prep: Prepared, out: Path, say) -> None:
+    """Rank 0, before a run trains (not when only its top level is left to write): the
+    run's newer checkpoints set aside when it resumes from an earlier one, a finished
+    result set aside when it is extended, the run file written."""
+    if prep.resume_from is not None:
+        moved = set_aside_newer(out, prep.state.step, prep.state.run_id)
+        if moved:
+            say(f"resume from step {prep.state.step}: moved the run's later checkpoints "
+                f"({', '.join(moved)}) to {out / SUPERSEDED}; this run replaces them")
+    if not set_aside_result(out):
+        for name in FINAL_ARTIFACTS:   # what an interrupted write may have left
+            (out / name).unlink(missing_ok=True)
+    try:
+        write_run_file(run_cfg, out)  # the options as they are now: --config repeats them
+    except OSError as e:
+        raise io_error(f"the run file into {out}", e) from None
+
+
+def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
+                last_words: list) -> dict:
+    """The run in its locked directory. ``last_words``: what a bus error (bus_error.py)
+    calls before the process ends; the run adds its run_end and, while an extension
+    trains, putting the finished result back."""
     t0 = time.perf_counter()
     say(f"building the training step ({run_cfg.recipe} on {run_cfg.backend}) ...")
     recipe = agreed_call(w, _realize, run_cfg, prep, w.size)
@@ -169,25 +234,19 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
     micro_batch, n_batches = _epoch_batches(run_cfg, prep.train, prep.pad, recipe)
     total = run_cfg.steps or max(1, math.ceil((run_cfg.epochs or 1) * n_batches
                                                 / run_cfg.grad_accum))
-    if prep.resume_from is not None and prep.state.step >= total:
-        # Nothing to train: the run's artifacts, events and run file stay as they are, but
-        # for a completed run whose top level was never written (stopped by a signal after
-        # its final checkpoint), which is written now from that checkpoint.
-        if (w.rank == 0 and prep.resumed_status in COMPLETED
-                and not any((out / name).exists() for name in RESULT_FILES)):
-            return _finish_from_checkpoint(run_cfg, prep, out, recipe, say)
+    complete = w.any([w.rank == 0 and result_complete(out)])[0]
+    if prep.resume_from is not None and prep.state.step >= total and complete:
+        # Nothing to do: the run's artifacts, events and run file stay as they are.
         reason = f"nothing to do: the checkpoint is at step {prep.state.step} of {total}"
         say(reason)
         return {"status": "completed", "reason": reason, "steps": prep.state.step,
                 "best_val_loss": prep.state.best_val, "last_loss": None, "out": str(out)}
-    if w.rank == 0:
-        for name in FINAL_ARTIFACTS:
-            (out / name).unlink(missing_ok=True)  # present again only if this run completes
-        restore_swapped(out / "best")
-        try:
-            write_run_file(run_cfg, out)  # the options as they are now: --config repeats them
-        except OSError as e:
-            raise io_error(f"the run file into {out}", e) from None
+    ended = None if complete else _ended(prep, total)
+    if ended is not None:
+        say(f"the run's training ended at step {prep.state.step} but its result was not "
+            f"written: writing it from {prep.resume_from}")
+    elif w.rank == 0:
+        _prepare_training(run_cfg, prep, out, say)
     warmup = (run_cfg.warmup if run_cfg.schedule == "constant"
               else min(run_cfg.warmup, total - 1))
     schedule = Schedule(run_cfg.lr, run_cfg.schedule, total=total, floor=run_cfg.min_lr,
@@ -197,8 +256,12 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
                       resumed=prep.resume_from is not None, micro_per_epoch=n_batches,
                       rank=w.rank, ranks=w.size)
     ranks = w.gather_info() if w.size > 1 else None
+    if w.rank == 0:
+        record_run_id(out, prep.state.run_id)
     log = (EventLog(out / EVENTS_FILE, open_reporters(run_cfg.report_to, out, run_cfg.options()))
            if w.rank == 0 else NullLog())
+    if w.rank == 0:
+        last_words.insert(0, lambda reason: _last_words(log, trainer, out, reason))
     packing = recipe.packing_report(prep.train, run_cfg.batch, run_cfg.seq_len)
     _log_start(run_cfg, prep, log, recipe, total, realize_s, packing, ranks)
     progress = Progress(total, run_cfg.quiet or w.rank != 0, first_step=prep.state.step)
@@ -222,12 +285,18 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
                             eval_every=(run_cfg.eval_every
                                         or max(1, n_batches // run_cfg.grad_accum)))
         signals.acknowledge = (lambda name: sup.acknowledge(trainer, name)) if w.rank == 0 else None
-        error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro)
+        error, status, reason = _loop(trainer, sup, guard, recipe, signals, intro, ended)
         final = None
         if status in (*COMPLETED, "interrupted"):
             error, status, reason, final = _finish(trainer, sup, out, recipe, lora_meta, status,
                                                    reason)
+        if ended is not None and status in COMPLETED:
+            reason = f"top level written from {prep.resume_from.name}"
     progress.close()
+    # The final checkpoint is saved: only the top level is left, which --resume writes.
+    finishing = trainer.state.status == "finishing" and sup.saved_step == trainer.state.step
+    if w.rank == 0 and status not in COMPLETED and not finishing:
+        restore_result(out)   # an extension that ended early: the finished run's result back
     summary = {"status": status, "reason": reason, "steps": trainer.state.step,
                "best_val_loss": trainer.state.best_val,
                "last_loss": sup.losses[-1] if sup.losses else None, "out": str(out),
@@ -237,15 +306,27 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say) ->
         plot_losses(out)
     if status in ("interrupted", "diverged"):
         progress.message(f"run {status}: {reason}", always=True)
-    if status == "interrupted" and w.rank == 0 and trainer.state.step:
-        progress.message(f"continue it with:\n  toygraph finetune --config "
-                         f"{shlex.quote(str(out / RUN_FILE))} --resume {shlex.quote(str(out))}",
-                         always=True)
+    resume = (f"toygraph finetune --config {shlex.quote(str(out / RUN_FILE))} "
+              f"--resume {shlex.quote(str(out))}")
+    if w.rank == 0 and status not in COMPLETED and finishing:
+        progress.message(f"the training is done and its final checkpoint saved; write its "
+                         f"result with:\n  {resume}", always=True)
+    elif status == "interrupted" and w.rank == 0 and trainer.state.step:
+        progress.message(f"continue it with:\n  {resume}", always=True)
     if final and w.rank == 0:
         progress.message(final_text(run_cfg, out, final, lora_meta is not None))
     if error is not None:
         raise error
     return summary
+
+
+def _last_words(log, trainer, out: Path, reason: str) -> None:
+    """What a run records when a bus error ends its process (no reporters: the event line
+    alone), and an extension's finished result put back unless its training ended."""
+    log.write_line("run_end", status="failed", reason=reason, steps=trainer.state.step,
+                   best_val_loss=trainer.state.best_val, out=str(out))
+    if trainer.state.status != "finishing":
+        restore_result(out)
 
 
 def _lora_meta(run_cfg: RunConfig, prep: Prepared, recipe) -> dict | None:
@@ -258,103 +339,16 @@ def _lora_meta(run_cfg: RunConfig, prep: Prepared, recipe) -> dict | None:
             "arch": prep.model.config.arch, "template": prep.template, "source": prep.source}
 
 
-def _final_source(run_cfg: RunConfig, out: Path, step: int) -> tuple[dict | None, dict]:
-    """(the weights the top level gets, or None for the last step's; what they are):
-    best/'s when --final best, or by default when there was a validation split, and a
-    best/ exists; else the last step's (``step``)."""
-    choice = run_cfg.final or ("best" if run_cfg.val_split else "last")
-    last = {"from": "last", "step": step}
-    if choice == "last" or not (out / "best").is_dir():
-        return None, last
-    state, weights, _ = load_checkpoint(out / "best")
-    return weights, {"from": "best", "step": state.get("step"), "val_loss": state.get("best_val"),
-                     "last_step": step}
-
-
-def _write_top_level(run_cfg: RunConfig, out: Path, recipe, lora_meta, step: int) -> dict:
-    """A completed run's result at the top of ``out``: the adapter (or weights) and the
-    Modelfile, and the Ollama model with --to-ollama; returns what it holds (final_text)."""
-    values, final = _final_source(run_cfg, out, step)
-    write_final(out, recipe, lora_meta, values)
-    if lora_meta is not None and not run_cfg.dora:   # DoRA: no adapter.gguf
-        # Ollama: FROM base + ADAPTER ./adapter.gguf, prompts in the run's template
-        source = lora_meta["source"]   # ollama:NAME: FROM the Ollama model
-        modelfile = write_modelfile(out, source.path, template=lora_meta["template"],
-                                    source=source)
-        if run_cfg.to_ollama:
-            final = {**final, "ollama": ollama_create(run_cfg.to_ollama, modelfile)}
-    return final
-
-
-def _top_level_stopped(out: Path, signals, step: int) -> str:
-    """Undo a top level cut short by a signal (all of it or none is there) and say why."""
-    for name in FINAL_ARTIFACTS:
-        (out / name).unlink(missing_ok=True)
-    return (f"stopped by {signals.name or 'SIGINT'} after the final checkpoint (step {step}) "
-            f"was saved; the top-level result was not written: --resume writes it from that "
-            f"checkpoint")
-
-
-def _finish_from_checkpoint(run_cfg: RunConfig, prep: Prepared, out: Path, recipe, say) -> dict:
-    """The top level of a completed run that a signal stopped before writing it, from its
-    final checkpoint (loaded into ``recipe`` by _realize); logged as a second run_end."""
-    step = prep.state.step
-    say(f"the run completed at step {step} but its top-level result was not written: "
-        f"writing it from {prep.resume_from}")
-    summary = {"status": "completed", "steps": step, "best_val_loss": prep.state.best_val,
-               "last_loss": None, "out": str(out)}
-    error = None
-    with Signals() as signals:
-        try:
-            with signals.finishing():
-                final = _write_top_level(run_cfg, out, recipe, _lora_meta(run_cfg, prep, recipe),
-                                         step)
-            summary.update(reason=f"top level written from {prep.resume_from.name}", final=final)
-        except KeyboardInterrupt:
-            summary.update(status="interrupted", reason=_top_level_stopped(out, signals, step))
-        except Exception as e:  # recorded as the run's failure, then re-raised to the caller
-            error = e
-            summary.update(status="failed", reason=_one_line(e))
-    _log_end(EventLog(out / EVENTS_FILE), summary, error)
-    if error is not None:
-        raise error
-    say(final_text(run_cfg, out, summary["final"], recipe.trains_adapter)
-        if "final" in summary else f"run interrupted: {summary['reason']}")
-    return summary
-
-
-def final_text(run_cfg: RunConfig, out: Path, final: dict, adapter: bool) -> str:
-    """Which result the run directory's top level holds, where the other one is, and the
-    commands that use it."""
-    model, run = shlex.quote(str(run_cfg.model)), shlex.quote(str(out))
-    what = "adapter" if adapter else "weights (weights.safetensors)"
-    if final["from"] == "best" and final["step"] == final["last_step"]:
-        lines = [f"final {what}: {out} (the last step, {final['step']}, which also has the "
-                 f"lowest validation loss, {final['val_loss']:.4f})"]
-    elif final["from"] == "best":
-        lines = [f"final {what}: {out} = best/ (step {final['step']}, the lowest validation "
-                 f"loss {final['val_loss']:.4f}); the last step's ({final['last_step']}) is "
-                 f"{out / 'checkpoints' / step_dir_name(final['last_step'])}"]
-    else:
-        lines = [f"final {what}: {out} (the last step, {final['step']})"
-                 + (f"; the lowest validation loss is in {out / 'best'}" if (out / "best").is_dir()
-                    else "")]
-    if adapter:
-        lines += ["use it:",
-                  f"  toygraph chat --model {model} --adapter {run}",
-                  f"  toygraph export --model {model} --adapter {run} --out merged.gguf",
-                  f"  ollama create NAME -f {shlex.quote(str(out / 'Modelfile'))}",
-                  "(any checkpoint directory works as --adapter too)"]
-    if "ollama" in final:
-        lines.append(f"--to-ollama: {final['ollama']['message']}")
-    return "\n".join(lines)
-
-
-def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]]):
-    """Run the loop; returns (error to re-raise or None, status, reason)."""
+def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]],
+          ended: str | None = None):
+    """Run the loop; returns (error to re-raise or None, status, reason). ``ended``: the
+    training ended before (the status it ended with); then only an evaluation its last step
+    was due and did not get (a signal came first) is run, as the run would have."""
     try:
         for line, always in intro:
             sup.progress.message(line, always=always)
+        if ended is not None:
+            return None, ("early_stopped" if sup.pending_eval(trainer) else ended), None
         if trainer.state.step == 0:
             guard.reference(recipe.trainable())
             if sup.val:
@@ -363,10 +357,11 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]]):
         status = sup.stop_status or "completed"
         signal_name = signals.name or "a signal to another MPI rank"
         return None, status, (f"stopped by {signal_name}" if status == "interrupted" else None)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:   # the state may be half a step: no checkpoint is taken of it
+        sup.aborted = True
         return (None, "interrupted",
-                f"{signals.name or 'SIGINT'} twice: aborted during step {trainer.state.step + 1}, "
-                f"no checkpoint written for it")
+                f"{signals.name or 'SIGINT'} twice: aborted during {signals.phase}, no "
+                f"checkpoint written for it")
     except Diverged as e:
         return None, "diverged", str(e)
     except Exception as e:  # recorded as the run's failure, then re-raised to the caller
@@ -375,14 +370,19 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]]):
 
 def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
     """The final (or interrupt) checkpoint and, for a completed run, the top-level result:
-    (error to re-raise or None, status, reason, what the top level holds or None)."""
-    if trainer.state.step == 0:
+    (error to re-raise or None, status, reason, what the top level holds or None). The
+    final checkpoint says "finishing" (the top level is still to come), however the step's
+    evaluation saved it before."""
+    if trainer.state.step == 0 or sup.aborted:
         return None, status, reason, None
-    trainer.state.status, trainer.state.reason = status, reason  # recorded in the checkpoint
+    if status == "interrupted":   # recorded in the checkpoint
+        trainer.state.status, trainer.state.reason = status, reason
+    else:
+        trainer.state.status, trainer.state.outcome, trainer.state.reason = "finishing", status, None
     try:
         if status == "interrupted":
             sup.save(trainer, "interrupt")
-            if sup.signals.count > 1:
+            if sup.signals.waited:
                 reason += "; a further signal during the checkpoint write waited for it"
             return None, status, reason, None
         sup.save(trainer, "final")
@@ -390,10 +390,12 @@ def _finish(trainer, sup, out, recipe, lora_meta, status, reason):
             return None, status, reason, None
         try:   # a signal now stops at once (a template or `ollama create` may be slow)
             with sup.signals.finishing():
-                final = _write_top_level(sup.run_cfg, out, recipe, lora_meta, trainer.state.step)
+                final = write_top_level(sup.run_cfg, out, recipe, lora_meta, trainer.state.step)
         except KeyboardInterrupt:
             return (None, "interrupted",
-                    _top_level_stopped(out, sup.signals, trainer.state.step), None)
+                    f"stopped by {sup.signals.name or 'SIGINT'} after the final checkpoint "
+                    f"(step {trainer.state.step}) was saved; the top-level result was not "
+                    f"written: --resume writes it from that checkpoint", None)
         return None, status, reason, final
     except Diverged as e:
         return None, "diverged", str(e), None

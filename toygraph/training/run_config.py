@@ -24,8 +24,10 @@ import math
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from toygraph.adapters.files import MAX_LORA_SCALE, lora_scale
 from toygraph.adapters.modelfile import ollama_name_error
-from toygraph.core.base_memory import MODES as BASE_MEMORY_MODES
+from toygraph.bounded import excerpt
+from toygraph.core.frozen_base import MODES as BASE_MEMORY_MODES
 from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
 from toygraph.models.decoder import LoraConfig, expand_targets
@@ -35,6 +37,7 @@ from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, NUM_GENERATIONS,
                                    TEMPERATURE, TOP_P)
 from toygraph.recipes.grpo_loss import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS, Objective
 from toygraph.recipes.preference import BETA, PreferenceRecipe
+from toygraph.recipes.rewards import REWARD_TIMEOUT
 
 #: How a resumed run treats an option: "same" must match the checkpoint unless
 #: ``--allow-change`` lists it; "free" may change (it steers how the run is carried out, or
@@ -118,6 +121,10 @@ class RunConfig:
     reward_weights: tuple[str, ...] | None = option(None, help="grpo: the --reward functions' weights, "
                                                       "comma-separated; none: 1 each",
                                              group="run", used_by=_grpo_recipes)
+    reward_timeout: float = option(REWARD_TIMEOUT, help="grpo: seconds a module:function "
+                                                        "reward may take per call (it runs in "
+                                                        "a process of its own); 0 = no limit",
+                                   group="run", used_by=_grpo_recipes, resume="free", low=0)
     # models by name (issue 26): hand the trained adapter back to Ollama under a new name
     to_ollama: str | None = option(None, help="after training, `ollama create` this model name "
                                               "from the run's Modelfile (FROM the base, ADAPTER "
@@ -360,6 +367,12 @@ class RunConfig:
         why = precision_error(self.precision, self.backend)
         if why:
             raise ToygraphError(f"--precision {why}")
+        scale = lora_scale(self.alpha, self.rank, self.rslora)
+        if self.used("alpha") and scale > MAX_LORA_SCALE:
+            raise ToygraphError(f"--alpha {self.alpha:g} with --rank {self.rank} scales the update "
+                                f"by {scale:.4g}, above {MAX_LORA_SCALE:g}: LoRA uses about 0.5 to "
+                                "4 (--alpha of one to two times --rank), and far above that the "
+                                "update drowns the model (a typo?)")
         if self.dora and self.lora_dropout:   # PEFT would drop DoRA's base term's input too
             raise ToygraphError("--lora-dropout together with --dora is not supported")
         if self.min_lr > self.lr:
@@ -413,23 +426,23 @@ def check_value(name: str, value) -> None:
         return
     if kind is bool:
         if not isinstance(value, bool):
-            raise ToygraphError(f"{flag(name)} must be true or false, got {value!r}")
+            raise ToygraphError(f"{flag(name)} must be true or false, got {excerpt(value)}")
         return
     if kind in (tuple, list):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise ToygraphError(f"{flag(name)} must be a list of names, got {value!r}")
+            raise ToygraphError(f"{flag(name)} must be a list of names, got {excerpt(value)}")
         return
     if kind is str:
         if not isinstance(value, str):
-            raise ToygraphError(f"{flag(name)} must be text, got {value!r}")
+            raise ToygraphError(f"{flag(name)} must be text, got {excerpt(value)}")
         choices = RunConfig.choices(name)
         if choices and value not in choices:
-            raise ToygraphError(f"{flag(name)} must be one of {', '.join(choices)}, got {value!r}")
+            raise ToygraphError(f"{flag(name)} must be one of {', '.join(choices)}, got {excerpt(value)}")
         return
     low, high, open_low = meta["low"], meta["high"], meta["open_low"]
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-            raise ToygraphError(f"{flag(name)} must be an integer >= {low}, got {value!r}")
+            raise ToygraphError(f"{flag(name)} must be an integer >= {low}, got {excerpt(value)}")
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (low is None or (value > low if open_low else value >= low))
@@ -437,7 +450,7 @@ def check_value(name: str, value) -> None:
     if not ok:
         rng = (f"{'>' if open_low else '>='} {low}" if low is not None else "") \
             + (f" and < {high}" if high is not None else "")
-        raise ToygraphError(f"{flag(name)} must be a finite number {rng}, got {value!r}")
+        raise ToygraphError(f"{flag(name)} must be a finite number {rng}, got {excerpt(value)}")
 
 
 def coerce(name: str, value):

@@ -10,6 +10,7 @@ line in a single ``write`` so a killed process never leaves half a line behind;
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
@@ -18,7 +19,9 @@ import socket
 import time
 from pathlib import Path
 
-from toygraph.errors import ToygraphError
+from toygraph.bounded import parse_json
+from toygraph.errors import DataError, ToygraphError
+from toygraph.files import not_regular
 
 LOCK_FILE = ".lock"
 EVENTS_FILE = "events.jsonl"
@@ -27,10 +30,13 @@ FINAL_ARTIFACTS = ("adapter_model.safetensors", "adapter_config.json", "adapter.
                    "Modelfile", "weights.safetensors")
 #: One of these is at the top of every completed run (the adapter or the full weights).
 RESULT_FILES = ("adapter_model.safetensors", "weights.safetensors")
+#: The run's id (lineage.py), the checkpoints a resume from an earlier step set aside
+#: (lineage.py), and a finished run's result while an extension of it trains (result.py).
+RUN_ID_FILE, SUPERSEDED, RESULT_ASIDE = "run_id", "superseded", ".previous-result"
 #: What a run writes into its directory; ``--overwrite`` removes exactly these (tensorboard/
 #: and wandb/: --report-to's, toygraph/training/reporting.py).
 RUN_ARTIFACTS = (EVENTS_FILE, "checkpoints", "best", "loss.png", "tensorboard", "wandb",
-                 *FINAL_ARTIFACTS)
+                 RUN_ID_FILE, SUPERSEDED, RESULT_ASIDE, *FINAL_ARTIFACTS)
 
 
 class RunError(ToygraphError):
@@ -64,7 +70,7 @@ def check_run_dir(out: str, *, resume: bool, overwrite: bool) -> Path:
     that is no usable directory, or one that holds a run (or anything) without --resume
     or --overwrite."""
     path = check_out_path(out)
-    is_run = (path / EVENTS_FILE).exists() or (path / "checkpoints").exists()
+    is_run = any((path / name).exists() for name in (EVENTS_FILE, "checkpoints", RUN_ID_FILE))
     if path.is_dir() and any(path.iterdir()) and not (resume or overwrite):
         what = "holds a run" if is_run else "is not empty"
         raise RunError(f"--out {out} {what}; pass --resume {out} to continue it, --overwrite "
@@ -114,47 +120,91 @@ def _alive(pid: int) -> bool:
 
 
 class RunLock:
-    """An exclusive lock file holding the owner's pid, host and process start time."""
+    """The run directory's lock: an ``flock`` on ``.lock`` held for the run's life.
+
+    The kernel drops an flock when its process dies, so a lock left by a killed run is free
+    to take, and taking it is one atomic call: two runs racing for a stale lock cannot both
+    win (reading, unlinking and re-creating the file, the way an ``O_EXCL`` lock has to take
+    over, is three calls another run can interleave with). The file holds the owner's pid,
+    host and start time, for the error a second run gets. A lock file written by a process
+    that held no flock (an older toygraph) still counts while that process lives.
+    Releasing unlinks the file while still holding the lock; a run that opened the old file
+    in the meantime sees, once it holds the lock, that the path now names another file (or
+    none), and tries again on the new one."""
 
     def __init__(self, path: Path):
-        self.path, self.held = path, False
+        self.path, self.held, self.fd = path, False, None
 
-    def _owner_alive(self) -> tuple[bool, str]:
+    def _owner(self, fd: int) -> tuple[bool, str]:
+        """(whether the owner named in the file is alive, who it is) from the open lock."""
         try:
-            info = json.loads(self.path.read_text())
+            info = json.loads(os.pread(fd, 4096, 0) or b"null")
             pid = int(info["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             return False, "unreadable"
         if info.get("host") != socket.gethostname():
             return True, f"pid {pid} on {info.get('host')}"  # cannot check: assume alive
-        alive = _alive(pid) and (info.get("start") in (None, _process_start(pid)))
+        alive = (pid != os.getpid() and _alive(pid)
+                 and info.get("start") in (None, _process_start(pid)))
         return alive, f"pid {pid}"
+
+    def _open(self) -> int:
+        """The lock file, opened (created if missing) without following a link or blocking
+        on a FIFO, and refused unless it is a regular file."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RunError(f"the lock file {self.path} is a symbolic link; remove it") from None
+            raise io_error(f"the lock file {self.path}", e) from None
+        kind = not_regular(os.fstat(fd).st_mode)
+        if kind is not None:
+            os.close(fd)
+            raise RunError(f"the lock file {self.path} is {kind}, not a regular file; remove it")
+        return fd
 
     def acquire(self):
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "start": _process_start(os.getpid()), "time": time.time()}
-        for _ in range(2):
+        for _ in range(100):   # each retry means another run released the lock meanwhile
+            fd = self._open()
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                alive, who = self._owner_alive()
-                if alive:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                _, who = self._owner(fd)
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise RunError(f"{self.path.parent} is in use by another run ({who}); "
                                    f"wait for it or stop it first") from None
-                self.path.unlink(missing_ok=True)  # stale: its process is gone
-                continue
-            except OSError as e:
                 raise io_error(f"the lock file {self.path}", e) from None
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me))
-            self.held = True
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path, follow_symlinks=False))
+            except FileNotFoundError:
+                same = False
+            if not same:   # released (unlinked) by its owner after we opened it
+                os.close(fd)
+                continue
+            alive, who = self._owner(fd)
+            if alive:   # a lock of a process that holds no flock (an older toygraph)
+                os.close(fd)
+                raise RunError(f"{self.path.parent} is in use by another run ({who}); "
+                               f"wait for it or stop it first")
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(me).encode(), 0)
+            except OSError as e:
+                os.close(fd)
+                raise io_error(f"the lock file {self.path}", e) from None
+            self.fd, self.held = fd, True
             return
-        raise RunError(f"{self.path}: could not take the run lock")
+        raise RunError(f"{self.path}: could not take the run lock (it kept changing hands)")
 
     def release(self):
         if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
+            self.path.unlink(missing_ok=True)   # while still holding it: see the class doc
+            os.close(self.fd)
+            self.fd, self.held = None, False
 
 
 # --- events ------------------------------------------------------------------------------------
@@ -184,12 +234,20 @@ class EventLog:
             raise io_error(f"the event log {path}", e) from None
 
     def write(self, event: str, **fields):
+        self.write_line(event, **fields)
+        try:
+            for reporter in self.reporters:
+                reporter.write(event, fields)
+        except OSError as e:
+            raise io_error(f"the event log {self.path}", e) from None
+
+    def write_line(self, event: str, **fields):
+        """The event's line in the log alone (``write`` also hands it to the reporters;
+        a process about to end, bus_error.py, writes only this)."""
         record = {"event": event, "time": round(time.time(), 3), **strict_json(fields)}
         line = (json.dumps(record, allow_nan=False) + "\n").encode()
         try:
             os.write(self.fd, line)
-            for reporter in self.reporters:
-                reporter.write(event, fields)
         except OSError as e:
             raise io_error(f"the event log {self.path}", e) from None
 
@@ -232,9 +290,9 @@ def read_events(path: Path) -> list[dict]:
     for i, line in enumerate(lines):
         if not line.strip():
             continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
+        try:   # bounded: a deeply nested line is refused, never a RecursionError
+            out.append(parse_json(line.decode("utf-8", "replace"), f"{path}:{i + 1}"))
+        except DataError:
             if i < len(lines) - 1 and any(x.strip() for x in lines[i + 1:]):
                 raise RunError(f"{path}:{i + 1}: not a JSON event") from None
     return out

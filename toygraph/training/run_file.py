@@ -14,28 +14,25 @@ from dataclasses import MISSING
 from pathlib import Path
 
 from toygraph.atomic import atomic_write
+from toygraph.bounded import excerpt, load_yaml
 from toygraph.errors import ToygraphError
 from toygraph.models.stores import store_of
 from toygraph.training.run_config import GROUPS, RunConfig, check_value, differs, coerce
 
 #: The run file a run directory keeps (and ``--config`` reads).
 RUN_FILE = "run.yaml"
+#: A run file is a page of options; one larger than this is not one.
+RUN_FILE_BYTES = 1 << 20
 
 
 def load_run_file(path) -> dict:
     """The options a YAML run file sets (keys: the field names). A one-line error for a file
     that is missing or not YAML, a key no option has (naming the closest one) or a value
     of the wrong type."""
-    import yaml
     p = Path(path)
-    try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ToygraphError(f"--config {p}: cannot read it ({e.strerror or e})") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" (line {where.line + 1})" if where is not None else ""
-        raise ToygraphError(f"--config {p}: not valid YAML{at}") from None
+    # bounded (toygraph/bounded.py): a regular file of at most 1 MiB, nesting and alias
+    # expansion limited, so /dev/zero or a billion-laughs file is refused at once
+    doc = load_yaml(p, f"--config {p}", max_bytes=RUN_FILE_BYTES, error=ToygraphError)
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -47,7 +44,7 @@ def load_run_file(path) -> dict:
         if name not in RunConfig.names():
             close = difflib.get_close_matches(name, RunConfig.names(), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ToygraphError(f"{p}: unknown option {key!r}{hint}")
+            raise ToygraphError(f"{p}: unknown option {excerpt(key)}{hint}")
         value = coerce(name, value)
         try:
             check_value(name, value)

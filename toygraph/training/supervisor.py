@@ -138,15 +138,19 @@ class Progress:
 class Signals:
     """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop between steps, so an update is
     never cut in half; the first is acknowledged at once (``acknowledge(signal name)``
-    gives the line to print). A second one aborts a step at once, but never a checkpoint
-    write: during ``saving()`` signals are only counted, and the write completes. During
-    ``finishing()`` (the top-level result, after the final checkpoint) the first one stops
-    at once: that work can be redone from the checkpoint, and it may be running a model's
-    chat template or ``ollama create``, which must not outlive the user's Ctrl-C."""
+    gives the line to print). A second one stops at once wherever the run is in an
+    ``abortable(phase)`` block -- a step (sampling and reward calls included), an
+    evaluation -- and the run ends there without a checkpoint of that phase (``phase``
+    says which it was), but never in a checkpoint write: during ``saving()`` signals are
+    only counted (``waited``), and the write completes. During ``finishing()`` (the
+    top-level result, after the final checkpoint) the first one stops at once: that work
+    can be redone from the checkpoint, and it may be running a model's chat template or
+    ``ollama create``, which must not outlive the user's Ctrl-C."""
 
     def __init__(self, acknowledge=None):
         self.count, self.name, self.in_step, self._saving, self._old = 0, None, False, False, {}
-        self._finishing = False
+        self._finishing = self._abortable = self.waited = False
+        self.phase = "the run's start"
         self.acknowledge = acknowledge
 
     def _handler(self, signum, frame):
@@ -164,7 +168,10 @@ class Signals:
                     os.write(2, ("\n" + text + "\n").encode())
                 except OSError:
                     pass
-        if self.count > 1 and self.in_step and not self._saving:
+        if self.count > 1 and self._saving:
+            self.waited = True
+        elif self.count > 1 and (self._abortable or self.in_step):
+            self._abortable = self.in_step = False   # once: what follows the abort is not cut short
             raise KeyboardInterrupt
 
     def __enter__(self):
@@ -176,6 +183,21 @@ class Signals:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+    @contextmanager
+    def abortable(self, phase: str):
+        """A second signal stops ``phase`` at once (a step, an evaluation); one that came
+        before it does too, on entering."""
+        was = self._abortable, self.phase
+        self._abortable, self.phase = True, phase
+        if self.count > 1:
+            raise KeyboardInterrupt
+        try:
+            yield
+        except BaseException:   # ``phase`` stays: the run's reason names it
+            self._abortable = was[0]
+            raise
+        self._abortable, self.phase = was
 
     @contextmanager
     def saving(self):
@@ -234,13 +256,14 @@ class RunSupervisor(Hooks):
         self.guard, self.signals, self.val, self.pad = guard, signals, val, pad
         self.eval_every, self.lora_meta, self.world = eval_every, lora_meta, world
         self.stop_status: str | None = None
+        self.aborted = False   # a second signal stopped a step or evaluation midway
         self.saved_step: int | None = None
         self.last_save = time.monotonic()
         self.losses: list[float] = []
 
     # --- hooks ------------------------------------------------------------------------------
     def before_step(self, trainer):
-        self.signals.in_step = True
+        self.signals.in_step, self.signals.phase = True, f"step {trainer.state.step + 1}"
         self.progress.step_begins()
 
     def acknowledge(self, trainer, signal_name: str) -> str:
@@ -293,9 +316,12 @@ class RunSupervisor(Hooks):
         if not self.val:
             return False
         st, run_cfg, t = trainer.state, self.run_cfg, trainer.state.step
-        vloss, n, metrics = evaluate(self.recipe, self.val, run_cfg.batch, run_cfg.seq_len,
-                                     self.pad, self.world,
-                                     Ticker(f"step {t}: evaluating, batch", self.progress.message))
+        with self.signals.abortable(f"the evaluation at step {t}"):
+            vloss, n, metrics = evaluate(self.recipe, self.val, run_cfg.batch, run_cfg.seq_len,
+                                         self.pad, self.world,
+                                         Ticker(f"step {t}: evaluating, batch",
+                                                self.progress.message))
+        st.eval_step = t
         improved = math.isfinite(vloss) and (st.best_val is None or vloss < st.best_val)
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best
@@ -321,10 +347,20 @@ class RunSupervisor(Hooks):
             self.save(trainer, "eval", weights, moments)
         return bool(run_cfg.patience) and st.bad_evals >= run_cfg.patience
 
-    def save(self, trainer, kind: str, weights=None, moments=None):
-        """Checkpoint the current state (checked by the guard first) and prune old ones."""
+    def pending_eval(self, trainer) -> bool:
+        """The evaluation the last step was due and did not get (a signal stopped the run
+        after the step, before it), as after_step would have run it; returns whether early
+        stopping says stop."""
         t = trainer.state.step
-        if kind != "best" and self.saved_step == t:
+        due = t % self.eval_every == 0 or t == trainer.total
+        return bool(self.val) and due and trainer.state.eval_step != t and self.run_eval(trainer)
+
+    def save(self, trainer, kind: str, weights=None, moments=None):
+        """Checkpoint the current state (checked by the guard first) and prune old ones.
+        A periodic or evaluation checkpoint of a step already saved is skipped; the final
+        and interrupt ones are always written (their state says how the run ended)."""
+        t = trainer.state.step
+        if kind in ("periodic", "eval") and self.saved_step == t:
             return
         if weights is None:
             weights, moments = self.recipe.trainable(), self.recipe.optimizer_state()
@@ -344,5 +380,5 @@ class RunSupervisor(Hooks):
             save_checkpoint(dest, weights, moments, trainer.state.to_json(), extra, intact)
             if kind != "best":
                 self.saved_step, self.last_save = t, time.monotonic()
-                prune_checkpoints(self.out, self.run_cfg.keep_checkpoints)
+                prune_checkpoints(self.out, self.run_cfg.keep_checkpoints, trainer.state.run_id)
         self.log.write("checkpoint", step=t, kind=kind, path=str(dest))

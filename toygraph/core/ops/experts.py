@@ -209,7 +209,7 @@ def _one_expert(w_shape) -> int:
 
 @block_kernel("expert_matmul", reads=(1,), scratch=lambda node: _one_expert(node.srcs[1].shape))
 def _expert_matmul_blocks(out, srcs, attrs, scratch):
-    """Weights kept in their block format (a gguf.decode.BlockTensor): each expert some
+    """Weights kept in their block format (a cpu.block_tensor.BlockTensor): each expert some
     slot chose is decoded, alone, into the scratch just before its GEMM, so the experts no
     token chose are never read (their pages of the mapped file stay untouched). The same
     decoded values in the same layout reach the same GEMM as in _expert_matmul_numpy."""

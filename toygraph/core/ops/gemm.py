@@ -15,7 +15,8 @@ import numpy as np
 
 from toygraph.core.ops.elementwise import grid_vec, scale, vector_ok
 from toygraph.core.ops.shape import broadcast_shapes, sum_to
-from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
+from toygraph.core.ops.table import (F32, block_kernel, check, check_floats, define_op, kernel,
+                                     make_node)
 from toygraph.core.ops.tc_gemm import (Gemm, deq_launch, dual_gemm_launches, gemm_launches,
                                        prefers_copies)
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
@@ -218,9 +219,47 @@ def _matmul_numpy(out, srcs, attrs):
 @kernel("matmul_add")
 def _matmul_add_numpy(out, srcs, attrs):
     _matmul_numpy(out, srcs[1:], attrs)
+    _epilogue(out, srcs[0], attrs)
+
+
+def _epilogue(out, add, attrs):
+    """matmul_add's add + alpha * product, rounded as scale then add (never an fma)."""
     if attrs["alpha"] != 1.0:
         np.multiply(out, out.dtype.type(attrs["alpha"]), out=out)
-    np.add(srcs[0], out, out=out)
+    np.add(add, out, out=out)
+
+
+# --- numpy backend, a frozen weight kept in its blocks ------------------------------------------
+def _engine_multiplies(node, itemsize: int) -> bool:
+    """Whether the CPU engine computes this product on its weight's blocks: f32 buffers, the
+    weight (the last source) 2-D in a format the engine knows, the other operand not
+    transposed (x W^T forward, g W backward: toygraph/cpu/gemm.h)."""
+    from toygraph.cpu import engine
+    w = node.srcs[-1]
+    return (itemsize == 4 and len(w.shape) == 2 and not node.attrs["trans_a"]
+            and engine.available(w.storage))
+
+
+@block_kernel("matmul", reads=(1,), when=_engine_multiplies)
+def _matmul_blocks(out, srcs, attrs, scratch):
+    """b is a cpu.block_tensor.BlockTensor: the engine multiplies on its blocks, panel by
+    panel, every row of a (its leading axes flattened) at once; scale_a is applied to a
+    first, as the plain kernel applies it."""
+    a, w = srcs
+    if attrs.get("scale_a", 1.0) != 1.0:
+        a = np.multiply(a, out.dtype.type(attrs["scale_a"]))
+    rows = np.ascontiguousarray(a).reshape(-1, a.shape[-1])
+    flat = out.reshape(-1, out.shape[-1])
+    if attrs["trans_b"]:
+        w.matmul_nt(rows, flat)
+    else:
+        w.matmul_nn(rows, flat)
+
+
+@block_kernel("matmul_add", reads=(2,), when=_engine_multiplies)
+def _matmul_add_blocks(out, srcs, attrs, scratch):
+    _matmul_blocks(out, srcs[1:], attrs, scratch)
+    _epilogue(out, srcs[0], attrs)
 
 
 # --- CUDA lowering -----------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _get_rows_numpy(out, srcs, attrs):
 
 @block_kernel("get_rows", reads=(0,))
 def _get_rows_blocks(out, srcs, attrs, scratch):
-    """A table kept in its block format (a gguf.decode.BlockTensor): only the gathered
+    """A table kept in its block format (a cpu.block_tensor.BlockTensor): only the gathered
     rows are decoded, straight into the output."""
     table, ids = srcs
     table.decode_rows(ids, out)

@@ -51,13 +51,13 @@ class OpSpec:
 OPS: dict[str, OpSpec] = {}
 KERNELS: dict[str, Callable] = {}
 #: Numpy kernels that read some sources in their block format themselves, per op:
-#: (kernel, the source indices it takes as ``toygraph.gguf.decode.BlockTensor``s, the scratch
-#: elements it needs for a node). The numpy backend calls one for a node whose every
-#: quantized source is at such an index (get_rows decodes only the rows it gathers,
-#: expert_matmul only the experts some token chose, one at a time into its part of the
-#: decode scratch); any other node gets its quantized sources decoded into the scratch
-#: first (core/base_memory.py).
-BLOCK_KERNELS: dict[str, tuple[Callable, tuple[int, ...], Callable]] = {}
+#: (kernel, the source indices it takes as ``toygraph.cpu.block_tensor.BlockTensor``s, the scratch
+#: elements it needs for a node, whether it serves a node: ``when(node, itemsize)``). The
+#: numpy backend calls one for a node whose every quantized source is at such an index and
+#: that it serves (matmul multiplies on the blocks through the CPU engine, get_rows decodes
+#: only the rows it gathers, expert_matmul only the experts some token chose); any other
+#: node gets its quantized sources decoded into the scratch first (core/frozen_base.py).
+BLOCK_KERNELS: dict[str, tuple[Callable, tuple[int, ...], Callable, Callable]] = {}
 
 
 def define_op(name, infer, grad=None, id_ranges=None, in_place=False, fold_add=None,
@@ -83,13 +83,16 @@ def kernel(name):
     return register
 
 
-def block_kernel(name, reads: tuple[int, ...], scratch: Callable = lambda node: 0):
+def block_kernel(name, reads: tuple[int, ...], scratch: Callable = lambda node: 0,
+                 when: Callable = lambda node, itemsize: True):
     """Register the decorated ``fn(out, srcs, attrs, scratch)`` as op ``name``'s numpy
     kernel for sources ``reads`` kept in their block format (see BLOCK_KERNELS);
     ``scratch(node)`` elements of the decode scratch are its to decode into (a flat array,
-    or None when it asks for none)."""
+    or None when it asks for none); ``when(node, itemsize)`` says whether it serves a node
+    whose buffers have ``itemsize`` bytes an element (else the node's blocks are decoded
+    into the scratch and its plain kernel runs)."""
     def register(fn):
-        BLOCK_KERNELS[name] = (fn, tuple(reads), scratch)
+        BLOCK_KERNELS[name] = (fn, tuple(reads), scratch, when)
         return fn
     return register
 

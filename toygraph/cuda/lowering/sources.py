@@ -123,7 +123,7 @@ def layout_defines() -> str:
     """blocks.BLOCK and blocks.LAYOUT as C macros (``TG_Q4_K_QK``, ``TG_Q4_K_BYTES``,
     ``TG_Q4_K_SCALES``...) for every stored format but f32, and blocks.IQ4NL_VALUES and
     MXFP4_VALUES as ``TG_IQ4NL_VALUES`` / ``TG_MXFP4_VALUES``, so the kernels use the one
-    description of each block (the numpy backend's C decoders, gguf/decode.cpp, get the
+    description of each block (the CPU engine's decoders, cpu/decode.h, get the
     same macros: blocks.c_defines)."""
     from toygraph.gguf import blocks
     return blocks.c_defines()

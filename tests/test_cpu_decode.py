@@ -1,15 +1,17 @@
-"""toygraph/gguf/decode.py: the C block decoders give blocks.dequantize's values bit for bit
-(and gguf-py's), for every format the numpy backend can keep quantized; rows alone decode
-like the whole; the numpy fallback takes over without a library."""
+"""toygraph/cpu/decode.h through cpu/block_tensor.py: the engine's block decoders give
+blocks.dequantize's values bit for bit (and gguf-py's), for every format the numpy backend
+can keep quantized; rows alone decode like the whole; the numpy fallback takes over
+without a library."""
 import gguf.quants as gq
 import numpy as np
 import pytest
 
 from toygraph.errors import GGUFError
-from toygraph.gguf import block_encode, blocks, decode
+from toygraph.cpu import block_tensor as decode, engine
+from toygraph.gguf import block_encode, blocks
 from test_quant import random_blocks, reference
 
-BLOCK_TYPES = [t for t in decode.FORMATS if t not in ("f16", "bf16")]
+BLOCK_TYPES = [t for t in engine.FORMATS if t not in ("f16", "bf16")]
 
 
 def encoded(qtype: str, shape, seed: int = 0):
@@ -24,12 +26,12 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def lib():
-    if decode.library() is None:
+    if engine.library() is None:
         pytest.skip("no host C++ compiler: the numpy fallback is all there is")
-    return decode.library()
+    return engine.library()
 
 
-@pytest.mark.parametrize("qtype", decode.FORMATS)
+@pytest.mark.parametrize("qtype", engine.FORMATS)
 def test_c_decoder_equals_numpy_and_gguf_py(lib, qtype):
     shape = (7, 3 * blocks.QK_K)   # 7 rows: the threads' block ranges split mid-row
     raw = encoded(qtype, shape)
@@ -48,7 +50,6 @@ def test_every_bit_pattern_of_the_quants(lib, qtype):
     raw = random_blocks(qtype, shape[0] * shape[1] // elems, np.random.default_rng(3))
     out = np.empty(shape, np.float32)
     decode.dequantize_into(raw, qtype, shape, out)
-    assert out.size >= decode._THREADED_ELEMENTS
     np.testing.assert_array_equal(bits(out), bits(reference(raw, qtype, shape)))
 
 
@@ -91,17 +92,17 @@ def test_f64_buffers_and_the_numpy_path_give_the_same_values():
 def test_without_a_compiler_it_warns_once_and_decodes_with_numpy(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path / "cache"))
-    decode.library.cache_clear()
+    engine.library.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="toygraph.gguf.decode"):
+        with caplog.at_level("WARNING", logger="toygraph.cpu.engine"):
             shape = (2, 256)
             raw = encoded("q4_k", shape)
             out = decode.dequantize_into(raw, "q4_k", shape, np.empty(shape, np.float32))
         np.testing.assert_array_equal(bits(out), bits(blocks.dequantize(raw, "q4_k", shape)))
-        assert decode.library() is None
-        assert "falls back to numpy" in caplog.text
+        assert engine.library() is None
+        assert "take the numpy path" in caplog.text
     finally:
-        decode.library.cache_clear()
+        engine.library.cache_clear()
 
 
 def test_wrong_sizes_are_one_line_errors():

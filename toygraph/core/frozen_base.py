@@ -1,22 +1,28 @@
 """How the numpy backend holds a frozen base stored in a block format (f16, bf16, q8_0,
-q4_k...): decoded to f32 once at realize, or kept in its block bytes and decoded just in
-time by every node that reads it (QLoRA on the CPU).
+q4_k...): kept in its block bytes and computed on by the CPU engine (QLoRA on the CPU), or
+decoded to f32 once at realize.
 
-- ``decode``: realize decodes each such const to an f32 array it keeps (4 bytes a weight:
-  Llama-3.2-1B's 1.04e9 base weights are 4.1 GB whatever the file holds). Fastest.
-- ``quantized``: the const stays as its GGUF bytes (an mmap of the file: 1.1 GB for that
-  1B model in q8_0). Before a node that reads one runs, the backend decodes it into the
-  *decode scratch*, one buffer the size of the largest node's need, and the node's kernel
-  reads the scratch: the same values in the same GEMMs, so results are bit-identical.
-  A node whose op has a block kernel for that source (``ops.BLOCK_KERNELS``: get_rows
-  decodes only the rows it gathers) reads the bytes itself and needs no scratch. Forward,
-  backward (dx through the frozen weight) and recomputed blocks alike: the mechanism sees
-  nodes, not what they are for, so any op reading any frozen block-format const works
-  unchanged. expert_matmul's block kernel decodes only the experts some token chose in
-  this step, one at a time into one expert's worth of scratch: the other experts' pages
-  of the mapped file are never read.
-- ``auto``: ``decode`` when the whole decoded plan takes at most ``AUTO_SHARE`` of the
-  memory available now, else ``quantized``.
+- ``quantized``: the const stays as its GGUF bytes (an mmap of the file: 1.1 GB for a
+  Llama-3.2-1B in q8_0, where f32 copies would take 4.1 GB). A node whose op has a block
+  kernel serving it (``ops.BLOCK_KERNELS``) reads the bytes itself: matmul and matmul_add
+  multiply on the blocks through the CPU engine (toygraph/cpu/: each thread decodes a
+  panel of the weight into its cache right before the product on it, so no f32 copy of
+  the weight exists), get_rows decodes only the rows it gathers, expert_matmul only the
+  experts some token chose. Forward, backward (dx through the frozen weight) and
+  recomputed blocks alike: the mechanism sees nodes, not what they are for. Any other node
+  reading a quantized const (a DoRA norm of W + s BA, an f64 gradient check, the engine
+  missing) gets it decoded into the *decode scratch* first, one buffer the size of the
+  largest such need, and its plain kernel reads that.
+- ``decode``: realize decodes each such const to an f32 array it keeps (4 bytes a weight)
+  and BLAS multiplies it: numpy's reference arithmetic, which the golden runs record.
+- ``auto`` (the default): ``quantized`` when the CPU engine computes on every such const's
+  blocks (it runs at the decoded step's speed: bench/cpu_engine.py); without the engine,
+  ``decode`` when the whole decoded plan takes at most ``AUTO_SHARE`` of the memory
+  available now, else ``quantized``.
+
+The engine's products sum in their own order (one fused multiply-add chain per output, the
+same whatever the threads), BLAS in its own: the two modes agree to f32 rounding, not bit
+for bit (tests/test_cpu_gemm.py states the bound; tests/test_frozen_base.py the losses).
 
 The mode is ``Session(base_memory=...)``, else ``$TOYGRAPH_BASE_MEMORY``. The decision
 and its bytes land in the BufferPlan (its summary is the realize line). Before it
@@ -25,19 +31,22 @@ in one line a plan that cannot fit (:func:`check_fits`).
 
 >>> plan_base(schedule, plan, pinned, outputs, "quantized", itemsize=4)   # doctest: +SKIP
 >>> plan.summary()                                                        # doctest: +SKIP
-'arena 1637.2 MiB (...), pinned 10.1 MiB, base kept quantized 1054.2 MiB + decode scratch 250.0 MiB'
+'arena 319.2 MiB (...), pinned 16.8 MiB, base kept quantized 462.7 MiB'
 """
 from __future__ import annotations
 
 from toygraph import environment
 from toygraph.core.memory import BufferPlan, aligned, nbytes
 from toygraph.core.ops.table import BLOCK_KERNELS
+from toygraph.cpu import engine
 from toygraph.errors import GraphError
 from toygraph.gguf import blocks
+from toygraph.limits import limit_words, usable_memory
 
 MODES = ("auto", "decode", "quantized")
-#: ``auto`` decodes the base only when the decoded plan leaves a quarter of the available
-#: memory to the rest of the machine (and to the transients of loading).
+#: Without the CPU engine, ``auto`` decodes the base only when the decoded plan leaves a
+#: quarter of the available memory to the rest of the machine (and to the transients of
+#: loading).
 AUTO_SHARE = 0.75
 _FLOAT_STORAGE = ("f32", "f64")
 
@@ -52,16 +61,10 @@ def resolve_mode(mode: str | None) -> str:
 
 
 def available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (what can be allocated without swapping), or None
-    where it is unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """What this process may still allocate: the least of the machine's MemAvailable, the
+    address-space limit and the cgroup's (toygraph/limits.py); None where none is known."""
+    usable = usable_memory()
+    return None if usable is None else usable[0]
 
 
 def block_format_consts(schedule, outputs=()) -> list:
@@ -77,11 +80,12 @@ def scratch_layout(node, quantized, itemsize: int) -> tuple[dict[int, int], int]
     offset}, in source order) and the bytes that takes; ({}, 0) when the node reads none,
     and ({}, what its block kernel asks for) when it reads all of them in their block
     format through its op's block kernel."""
-    _, reads, need = BLOCK_KERNELS.get(node.op, (None, (), None))
+    _, reads, need, serves = BLOCK_KERNELS.get(node.op, (None, (), None, None))
     mine = [s for i, s in enumerate(node.srcs) if s.id in quantized]
     if not mine:
         return {}, 0
-    if all(i in reads for i, s in enumerate(node.srcs) if s.id in quantized):
+    if all(i in reads for i, s in enumerate(node.srcs) if s.id in quantized) \
+            and serves(node, itemsize):
         return {}, aligned(need(node) * itemsize)
     layout, offset = {}, 0
     for s in mine:
@@ -104,6 +108,8 @@ def plan_base(schedule, plan: BufferPlan, pinned, outputs, mode: str | None, ite
     ids = frozenset(t.id for t in consts)
     scratch = max((scratch_layout(t, ids, itemsize)[1] for t in schedule if t.op is not None),
                   default=0)
+    if mode == "auto" and itemsize == 4 and all(engine.available(t.storage) for t in consts):
+        mode = "quantized"
     if mode == "auto":
         available = available_bytes() if available is None else available
         fits = available is None or plan.arena_bytes + plan.pinned_bytes <= AUTO_SHARE * available
@@ -120,7 +126,7 @@ def plan_base(schedule, plan: BufferPlan, pinned, outputs, mode: str | None, ite
 
 
 def check_fits(plan: BufferPlan, available: int | None = None) -> None:
-    """GraphError, in one line, when ``plan`` holds more than the memory available now."""
+    """GraphError, in one line, when ``plan`` holds more than this process may allocate now."""
     available = available_bytes() if available is None else available
     if available is None or plan.total_bytes <= available:
         return
@@ -128,5 +134,5 @@ def check_fits(plan: BufferPlan, available: int | None = None) -> None:
     hint = ("; TOYGRAPH_BASE_MEMORY=quantized keeps the base in its block format"
             if plan.base_memory == "decode" else "")
     raise GraphError(f"this plan needs {plan.total_bytes * gib:.2f} GiB ({plan.summary()}) but "
-                     f"the machine has {available * gib:.2f} GiB available{hint}; a smaller "
-                     "batch or sequence, or activation checkpointing, shrinks the arena")
+                     f"this process has {available * gib:.2f} GiB available{limit_words()}{hint}; "
+                     "a smaller batch or sequence, or activation checkpointing, shrinks the arena")

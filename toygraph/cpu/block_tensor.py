@@ -1,84 +1,27 @@
-"""Decode block-format tensors into buffers the caller owns, fast: the numpy backend's
-just-in-time decoding of a frozen base kept in its GGUF format (core/base_memory.py).
+"""A frozen tensor kept as its GGUF block bytes, decoded or multiplied by the CPU engine.
 
 :func:`dequantize_into` gives exactly ``blocks.dequantize``'s values (the same f32 products
-in the same order) but writes into ``out`` and runs decode.cpp, built once with the host
-compiler (toygraph/native.py) and run on every CPU this process may use; without a
-compiler, or if the build fails, it says so once on this module's logger and falls back to
-blocks.dequantize (about 1.3 ns an element for q8_0, 12 for q4_k, 21 for q6_k on one
-core: usable, several times slower).
+in the same order) but writes into a buffer the caller owns, on the engine's threads; without
+the engine (no compiler) it falls back to blocks.dequantize (several times slower).
 
-:class:`BlockTensor` is one frozen tensor as its block bytes (an mmap'd GGUF slice), with
-``decode_into`` for the whole of it, ``decode_rows`` for the rows an embedding lookup
-needs and ``part`` for one expert of a stacked [E, out, in] tensor.
+:class:`BlockTensor` is one frozen tensor as its block bytes (an mmap'd GGUF slice): the
+whole of it (``decode_into``), the rows an embedding lookup needs (``decode_rows``), one
+expert of a stacked [E, out, in] tensor (``part``), and the products of a 2-D weight
+computed on the blocks without an f32 copy (``matmul_nt``: x W^T, ``matmul_nn``: g W).
 
 >>> t = BlockTensor(raw, "q4_k", (2048, 8192))                     # doctest: +SKIP
->>> t.decode_into(scratch)                                        # doctest: +SKIP
+>>> t.matmul_nt(x, out)                                           # doctest: +SKIP
 """
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
-import os
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
-from toygraph import environment, native
-from toygraph.errors import GGUFError, ToygraphError
+from toygraph.cpu import engine
+from toygraph.errors import GGUFError
 from toygraph.gguf import blocks
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("decode.cpp")
-#: The formats decode.cpp knows, in the order of its kFormats table.
-FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k",
-           "q4_k", "q5_k", "q6_k", "iq4_xs")
-#: -ffp-contract=off and no fast-math keep blocks.py's f32 rounding order bit for bit;
-#: -march=native is safe for the values (IEEE ops whatever the vector width), and the
-#: CPU's flags are part of the cache key so a shared cache never hands a library to a
-#: CPU it was not built for.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
-         "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden")
-#: Fewer elements than this decode on one thread (starting threads costs ~50 us).
-_THREADED_ELEMENTS = 1 << 16
-
-
-def threads() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-@lru_cache(maxsize=None)
-def library():
-    """decode.cpp as a loaded library, or None (no compiler, or the build failed: logged
-    once)."""
-    source = f"// cpu {_cpu_flags()}\n{blocks.c_defines()}{SOURCE.read_text()}"
-    try:
-        path, _ = native.build_shared(source, FLAGS, environment.cache_dir("kernels") / "decode",
-                                      "the block decoders (toygraph/gguf/decode.cpp)")
-        lib = ctypes.CDLL(str(path))
-    except (ToygraphError, OSError) as e:
-        logger.warning("block decoding falls back to numpy (several times slower): %s",
-                       str(e).splitlines()[0])
-        return None
-    lib.tg_decode_blocks.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.c_int]
-    lib.tg_decode_blocks.restype = ctypes.c_int
-    return lib
 
 
 def dequantize_into(raw, qtype: str, shape, out: np.ndarray, *, native_code: bool = True
@@ -90,18 +33,16 @@ def dequantize_into(raw, qtype: str, shape, out: np.ndarray, *, native_code: boo
     if out.shape != shape:
         raise GGUFError(f"decode {qtype}: out has shape {out.shape}, want {shape}")
     data = np.asarray(raw)
-    lib = library() if native_code and qtype in FORMATS else None
-    if lib is None or out.dtype != np.float32 or not out.flags.c_contiguous:
+    if not (native_code and engine.available(qtype)) or out.dtype != np.float32 \
+            or not out.flags.c_contiguous:
         np.copyto(out, blocks.dequantize(data, qtype, shape), casting="unsafe")
         return out
-    elems, size = blocks.block_shape(qtype, shape)
+    blocks.block_shape(qtype, shape)
     data = blocks.as_bytes(data)
     if data.size != blocks.nbytes(qtype, shape):
         raise GGUFError(f"{qtype} tensor of shape {shape} needs {blocks.nbytes(qtype, shape)} "
                         f"bytes, got {data.size}")
-    n = data.size // size
-    lib.tg_decode_blocks(FORMATS.index(qtype), data.ctypes.data, out.ctypes.data, n,
-                         threads() if out.size >= _THREADED_ELEMENTS else 1)
+    engine.decode(data, qtype, out.size, out)
     return out
 
 
@@ -135,6 +76,20 @@ class BlockTensor:
     def decode_into(self, out: np.ndarray) -> np.ndarray:
         """The whole tensor, decoded into ``out`` (its shape, any float dtype)."""
         return dequantize_into(self.data, self.storage, self.shape, out)
+
+    @property
+    def computes_on_blocks(self) -> bool:
+        """Whether the engine multiplies this tensor without decoding it whole (a 2-D weight
+        in a format the engine knows, the engine built)."""
+        return len(self.shape) == 2 and engine.available(self.storage)
+
+    def matmul_nt(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out`` [M, N] = x [M, K] . W^T, this tensor W [N, K] read in its blocks."""
+        return engine.matmul_nt(x, self.data, self.storage, self.shape, out)
+
+    def matmul_nn(self, g: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out`` [M, K] = g [M, N] . W, this tensor W [N, K] read in its blocks."""
+        return engine.matmul_nn(g, self.data, self.storage, self.shape, out)
 
     def part(self, i: int) -> "BlockTensor":
         """Slice ``i`` along the first axis (one expert of [E, out, in]) as a BlockTensor
@@ -173,9 +128,14 @@ class BlockTensor:
         """Rows ``ids`` of a 2-D tensor decoded into ``out`` [len(ids), cols]: only their
         blocks are read, and each row's values are those of the whole decoded tensor."""
         rows, cols = self.shape
+        flat = out.reshape(ids.size, cols)
+        if engine.available(self.storage) and out.dtype == np.float32 and out.flags.c_contiguous:
+            engine.decode_rows(self.data, self.storage, self.shape, ids.reshape(-1), flat)
+            return out
         table = self.data.reshape(rows, -1)
-        return dequantize_into(np.take(table, ids.reshape(-1), axis=0), self.storage,
-                               (ids.size, cols), out.reshape(ids.size, cols))
+        dequantize_into(np.take(table, ids.reshape(-1), axis=0), self.storage, (ids.size, cols),
+                        flat)
+        return out
 
     def __array__(self, dtype=None, copy=None):
         """The whole tensor as a new f32 array (downloads; not for the step's hot path)."""

@@ -1,0 +1,143 @@
+"""toygraph/cpu/gemm.h through cpu/engine.py: the products on a weight kept in its blocks
+(x W^T by the panels or the row-dot kernel, g W by the panels) against the f64 product
+of the decoded weight, for every block format, at ragged shapes (partial row blocks,
+partial strips of W, partial K panels, partial backward panels); the results do not
+depend on the number of threads; a deliberately broken panel index fails the same check.
+
+The bound: each output is one fused multiply-add chain of k terms in f32, so it is within
+gamma_k = k u / (1 - k u) (u = 2^-24) of the exact sum, times sum |a_i w_i| (Higham,
+Accuracy and Stability of Numerical Algorithms, 3.1). The dot kernel's vector partial
+sums obey the same bound (its chains are shorter)."""
+import numpy as np
+import pytest
+
+from test_quant import random_blocks
+from toygraph.cpu import engine
+from toygraph.errors import GGUFError, ToygraphError
+from toygraph.gguf import block_encode, blocks
+
+U = 2.0 ** -24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib():
+    if engine.library() is None:
+        pytest.skip("no host C++ compiler: the numpy path is all there is")
+    yield engine.library()
+    engine.use_threads(None)
+
+
+def weight(fmt: str, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """W [N, K] as fmt bytes: encoded from random values where we encode the format,
+    random blocks (every bit pattern, finite scales) otherwise."""
+    rng = np.random.default_rng(seed)
+    if fmt in block_encode.GGUF_ENCODES:
+        return block_encode.quantize((rng.standard_normal((N, K)) * 0.1).astype(np.float32), fmt)
+    qk, _ = blocks.BLOCK[fmt]
+    return random_blocks(fmt, N * K // qk, rng).reshape(N, -1)
+
+
+def within_bound(got, a, w):
+    """got = a @ w (f32 a [M, k], w [k, n]) within the chain bound of the exact product."""
+    a64, w64 = a.astype(np.float64), w.astype(np.float64)
+    k = a.shape[1]
+    bound = k * U / (1 - k * U) * (np.abs(a64) @ np.abs(w64))
+    err = np.abs(got.astype(np.float64) - a64 @ w64)
+    return bool(np.all(err <= bound)), float((err / np.maximum(bound, 1e-300)).max())
+
+
+def inputs(M: int, width: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((M, width)).astype(np.float32)
+
+
+# K: a partial forward panel (not a multiple of KC = 256) where the block allows it.
+SHAPES = {32: 288, 256: 512, 1: 101}
+
+
+@pytest.mark.parametrize("fmt", engine.FORMATS)
+@pytest.mark.parametrize("M", [1, 5, 13])
+def test_products_on_the_blocks_are_within_the_f32_bound(fmt, M):
+    qk, _ = blocks.BLOCK[fmt]
+    N, K = 67, SHAPES[qk]          # 67: two whole strips of 32 and a partial one; PN + 3
+    raw = weight(fmt, N, K)
+    w = blocks.dequantize(raw, fmt, (N, K))
+    x, g = inputs(M, K), inputs(M, N, seed=2)
+    y = engine.matmul_nt(x, raw, fmt, (N, K), np.full((M, N), np.nan, np.float32), kernel=1)
+    assert within_bound(y, x, w.T)[0]
+    dx = engine.matmul_nn(g, raw, fmt, (N, K), np.full((M, K), np.nan, np.float32))
+    assert within_bound(dx, g, w)[0]
+    if M <= engine.DOT_MAX_M:
+        dot = engine.matmul_nt(x, raw, fmt, (N, K), np.full((M, N), np.nan, np.float32), kernel=2)
+        assert within_bound(dot, x, w.T)[0]
+
+
+def test_rows_lying_apart_and_a_long_backward_sum():
+    """x and out as row views of wider arrays (the engine reads and writes rows lda/ldc
+    apart), and g W summed over more rows of W than one backward panel holds."""
+    N, K, M = 300, 256, 20
+    raw = weight("q4_k", N, K)
+    w = blocks.dequantize(raw, "q4_k", (N, K))
+    wide = inputs(M, K + 40)
+    out = np.full((M, N + 7), np.nan, np.float32)
+    engine.matmul_nt(wide[:, 3:3 + K], raw, "q4_k", (N, K), out[:, :N])
+    assert within_bound(out[:, :N], wide[:, 3:3 + K], w.T)[0]
+    assert np.isnan(out[:, N:]).all()
+    g = inputs(M, N)
+    assert within_bound(engine.matmul_nn(g, raw, "q4_k", (N, K), np.empty((M, K), np.float32)),
+                        g, w)[0]
+
+
+def test_results_do_not_depend_on_the_number_of_threads():
+    N, K, M = 200, 512, 30
+    raw = weight("q6_k", N, K)
+    x, g = inputs(M, K), inputs(M, N)
+    runs = []
+    for n in (1, 2, 3):
+        engine.use_threads(n)
+        runs.append((engine.matmul_nt(x, raw, "q6_k", (N, K), np.empty((M, N), np.float32)),
+                     engine.matmul_nn(g, raw, "q6_k", (N, K), np.empty((M, K), np.float32))))
+    engine.use_threads(None)
+    for y, dx in runs[1:]:
+        np.testing.assert_array_equal(y.view(np.uint32), runs[0][0].view(np.uint32))
+        np.testing.assert_array_equal(dx.view(np.uint32), runs[0][1].view(np.uint32))
+
+
+def _broken(old: str, new: str):
+    text = engine.source()
+    assert text.count(old) == 1, old
+    return engine.load(text.replace(old, new))
+
+
+def test_a_broken_forward_panel_index_fails_the_bound():
+    """The forward panel's transposition reading the neighbouring column of a decoded row:
+    the check above must catch it."""
+    lib = _broken("dst[j] = rows[(size_t)j * KC + k];", "dst[j] = rows[(size_t)j * KC + (k + 1) % kk];")
+    N, K, M = 40, 288, 7
+    raw = weight("q8_0", N, K)
+    w = blocks.dequantize(raw, "q8_0", (N, K))
+    x = inputs(M, K)
+    y = engine.matmul_nt(x, raw, "q8_0", (N, K), np.empty((M, N), np.float32), kernel=1, lib=lib)
+    ok, worst = within_bound(y, x, w.T)
+    assert not ok and worst > 1e3
+
+
+@pytest.mark.slow
+def test_a_broken_backward_panel_index_fails_the_bound():
+    """The backward panel reading g one column early from the second panel on."""
+    lib = _broken("p.a + m0 * p.lda + n0, p.lda", "p.a + m0 * p.lda + (n0 ? n0 - 1 : 0), p.lda")
+    N, K, M = 150, 256, 5
+    raw = weight("q4_k", N, K)
+    w = blocks.dequantize(raw, "q4_k", (N, K))
+    g = inputs(M, N)
+    dx = engine.matmul_nn(g, raw, "q4_k", (N, K), np.empty((M, K), np.float32), lib=lib)
+    assert not within_bound(dx, g, w)[0]
+
+
+def test_bad_operands_are_one_line_errors():
+    raw = weight("q8_0", 4, 64)
+    with pytest.raises(GGUFError, match="needs 272 bytes, got 136"):
+        engine.matmul_nt(inputs(2, 64), raw[:2], "q8_0", (4, 64), np.empty((2, 4), np.float32))
+    with pytest.raises(ToygraphError, match=r"x must be f32 \[rows, 64\]"):
+        engine.matmul_nt(inputs(2, 32), raw, "q8_0", (4, 64), np.empty((2, 4), np.float32))
+    with pytest.raises(ToygraphError, match="out has 3 rows, g 2"):
+        engine.matmul_nn(inputs(2, 4), raw, "q8_0", (4, 64), np.empty((3, 64), np.float32))

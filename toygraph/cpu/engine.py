@@ -1,0 +1,201 @@
+"""The CPU engine: native kernels that compute on GGUF blocks, on one pool of threads.
+
+engine.cpp (with simd.h, pool.h, decode.h, gemm.h beside it) is built once with the host
+compiler (toygraph/native.py) for this machine's CPU (``-march=native``; the CPU's flags
+are part of the cache key) and loaded with ctypes. It holds
+
+- the block decoders, bit for bit ``blocks.dequantize``'s values (the same f32 products in
+  the same order), vectorised by the compiler for the target (AVX-512, AVX2, NEON);
+- products with a weight kept in its blocks, decoded panel by panel right before the
+  product on that panel: :func:`matmul_nt` (x W^T, the forward) and :func:`matmul_nn`
+  (g W, the input gradient), and a row-dot kernel for a few rows (generation's one-token
+  step, ``M <= DOT_MAX_M``); no f32 copy of the weight exists, each thread's panels are
+  tens of KiB;
+- the pool of threads every kernel runs on (:func:`set_threads`; cpu/threads.py sets it
+  and BLAS's together).
+
+Without a compiler, or if the build fails, :func:`library` is None, the fallback is said
+once on this module's logger, and callers take the numpy path (blocks.dequantize and BLAS
+on the decoded weight).
+
+>>> y = matmul_nt(x, raw, "q4_k", (4864, 896))        # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from toygraph import environment, native
+from toygraph.cpu import threads
+from toygraph.errors import GGUFError, ToygraphError
+from toygraph.gguf import blocks
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+#: The engine's sources, in the order they are concatenated (engine.cpp's entry points last).
+SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "engine.cpp")
+#: The formats the engine knows, in the order of decode.h's kFormats table.
+FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k",
+           "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4")
+#: -ffp-contract=off and no fast-math keep blocks.py's f32 rounding order bit for bit in the
+#: decoders (the products use explicit FMA intrinsics, which the flag does not touch);
+#: -march=native is safe for the values (IEEE ops whatever the vector width), and the
+#: CPU's flags are part of the cache key so a shared cache never hands a library to a
+#: CPU it was not built for.
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
+         "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden")
+#: Rows of x up to which the row-dot kernel runs instead of the panels (gemm.h's DOT_MAX_M).
+DOT_MAX_M = 4
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def source() -> str:
+    """The translation unit the library is built from: the CPU's flags (a comment, for the
+    cache key), the block layouts, the headers and the entry points."""
+    parts = [f"// cpu {_cpu_flags()}", blocks.c_defines()]
+    parts += [f"// ---- {name}\n{(HERE / name).read_text()}" for name in SOURCES]
+    return "\n".join(parts)
+
+
+@lru_cache(maxsize=None)
+def library():
+    """The engine as a loaded library, or None (no compiler, or the build failed: logged
+    once)."""
+    try:
+        lib = load(source())
+    except (ToygraphError, OSError) as e:
+        logger.warning("the CPU engine is not available, block formats take the numpy path "
+                       "(decoded whole, several times slower): %s", str(e).splitlines()[0])
+        return None
+    lib.tg_set_threads(threads.resolve(None))   # the process's count until use_threads
+    return lib
+
+
+def load(text: str):
+    """The engine built from ``text`` (:func:`source`, or a variant of it: the tests build
+    deliberately broken ones) and loaded, its entry points typed."""
+    path, _ = native.build_shared(text, FLAGS, environment.cache_dir("kernels") / "cpu",
+                                  "the CPU engine (toygraph/cpu/engine.cpp)")
+    lib = ctypes.CDLL(str(path))
+    lib.tg_simd.restype = ctypes.c_char_p
+    lib.tg_set_threads.argtypes, lib.tg_set_threads.restype = [ctypes.c_int], ctypes.c_int
+    lib.tg_threads.restype = ctypes.c_int
+    lib.tg_decode.argtypes = [ctypes.c_int, _P, _P, _I64]
+    lib.tg_decode_rows.argtypes = [ctypes.c_int, _P, _I64, _I64, _P, _I64, _P]
+    lib.tg_matmul.argtypes = [ctypes.c_int, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64,
+                              ctypes.c_int, ctypes.c_int]
+    for fn in (lib.tg_decode, lib.tg_decode_rows, lib.tg_matmul):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def available(fmt: str | None = None) -> bool:
+    """Whether the engine is built (and knows ``fmt``, when given)."""
+    return library() is not None and (fmt is None or fmt in FORMATS)
+
+
+def simd() -> str:
+    """The vector instructions the engine was built for ("avx512", "avx2", "neon",
+    "portable"), or "none" without the engine."""
+    lib = library()
+    return lib.tg_simd().decode() if lib is not None else "none"
+
+
+def set_threads(n: int) -> int:
+    """Size the engine's pool to ``n`` threads (the caller and n - 1 workers); returns the
+    size it has (the engine missing: 1)."""
+    lib = library()
+    return lib.tg_set_threads(int(n)) if lib is not None else 1
+
+
+def use_threads(n: int | None = None) -> int:
+    """Compute with ``n`` threads (``--threads``; None: threads.resolve's default): the
+    engine's pool and BLAS's. Returns the count."""
+    n = threads.resolve(n)
+    set_threads(n)
+    threads.limit_blas(n)
+    return n
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise ToygraphError(f"CPU engine: {what} failed (code {rc})")
+
+
+def _weight(raw, fmt: str, shape) -> tuple[np.ndarray, int, int, int]:
+    """(bytes, row bytes, rows N, row length K) of a 2-D block-format weight, checked."""
+    N, K = (int(s) for s in shape)
+    data = blocks.as_bytes(np.asarray(raw))
+    if data.size != blocks.nbytes(fmt, (N, K)):
+        raise GGUFError(f"{fmt} tensor of shape {(N, K)} needs {blocks.nbytes(fmt, (N, K))} "
+                        f"bytes, got {data.size}")
+    return data, blocks.nbytes(fmt, (1, K)), N, K
+
+
+def _rows(a: np.ndarray, width: int, what: str) -> np.ndarray:
+    if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != width or a.strides[1] != 4:
+        raise ToygraphError(f"CPU engine: {what} must be f32 [rows, {width}] with unit column "
+                            f"stride, got {a.dtype} {a.shape} strides {a.strides}")
+    return a
+
+
+def decode(raw, fmt: str, n_elements: int, out: np.ndarray) -> None:
+    """Every block of ``raw`` into the contiguous f32 ``out`` (n_elements of them)."""
+    elems, size = blocks.BLOCK[fmt]
+    _check(library().tg_decode(FORMATS.index(fmt), raw.ctypes.data, out.ctypes.data,
+                               n_elements // elems), f"decoding {fmt}")
+
+
+def decode_rows(raw, fmt: str, shape, ids: np.ndarray, out: np.ndarray) -> None:
+    """Rows ``ids`` (int32, each in range: the caller checked) of a [N, K] tensor into the
+    contiguous f32 ``out`` [len(ids), K]."""
+    data, row_bytes, _, K = _weight(raw, fmt, shape)
+    ids = np.ascontiguousarray(ids, np.int32)
+    _check(library().tg_decode_rows(FORMATS.index(fmt), data.ctypes.data, row_bytes, K,
+                                    ids.ctypes.data, ids.size, out.ctypes.data),
+           f"decoding rows of {fmt}")
+
+
+def _product(a: np.ndarray, raw, fmt: str, shape, out: np.ndarray, transposed: bool,
+             kernel: int, lib) -> np.ndarray:
+    """tg_matmul on checked operands: a [M, K] . W^T (transposed) or a [M, N] . W."""
+    data, row_bytes, N, K = _weight(raw, fmt, shape)
+    name, (a_width, out_width) = ("x", (K, N)) if transposed else ("g", (N, K))
+    _rows(a, a_width, name)
+    _rows(out, out_width, "out")
+    if out.shape[0] != a.shape[0]:
+        raise ToygraphError(f"CPU engine: out has {out.shape[0]} rows, {name} {a.shape[0]}")
+    _check((lib or library()).tg_matmul(FORMATS.index(fmt), data.ctypes.data, row_bytes, N, K,
+                                        a.ctypes.data, a.strides[0] // 4, a.shape[0],
+                                        out.ctypes.data, out.strides[0] // 4, int(transposed),
+                                        kernel),
+           f"{name} . W{'^T' if transposed else ''} ({fmt} {tuple(shape)})")
+    return out
+
+
+def matmul_nt(x: np.ndarray, raw, fmt: str, shape, out: np.ndarray, kernel: int = 0,
+              lib=None) -> np.ndarray:
+    """``out`` [M, N] = x [M, K] . W^T for W [N, K] in ``fmt`` blocks. ``kernel`` 0 picks by
+    M, 1 forces the panels, 2 the row-dot kernel; ``lib`` another build (tests)."""
+    return _product(x, raw, fmt, shape, out, True, kernel, lib)
+
+
+def matmul_nn(g: np.ndarray, raw, fmt: str, shape, out: np.ndarray, lib=None) -> np.ndarray:
+    """``out`` [M, K] = g [M, N] . W for W [N, K] in ``fmt`` blocks (the input gradient);
+    ``lib`` another build (tests)."""
+    return _product(g, raw, fmt, shape, out, False, 1, lib)

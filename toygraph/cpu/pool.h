@@ -1,0 +1,160 @@
+// One pool of threads for every kernel of the engine: the caller and n - 1 workers take
+// the tasks 0..n_tasks-1 of a job in turn (an atomic counter), each calling
+// job(task, thread) with its own thread index (0 is the caller), so a task may use that
+// thread's scratch. Which thread runs a task never changes what it computes: a task
+// writes its own part of the output, in its own fixed order.
+//
+// Workers that find no job spin a little (a job follows a job within microseconds in the
+// engine's loops and in generation), then sleep on a condition variable, so an idle pool
+// costs nothing while numpy or BLAS runs. After fork() the child has no workers: the pool
+// notices (pthread_atfork) and runs jobs on the caller alone until threads are set again.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <pthread.h>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+static inline void cpu_relax() { _mm_pause(); }
+#elif defined(__aarch64__)
+static inline void cpu_relax() { asm volatile("yield"); }
+#else
+static inline void cpu_relax() {}
+#endif
+
+typedef void (*JobFn)(void* ctx, int64_t task, int thread);
+
+struct Pool {
+    std::vector<pthread_t> workers;
+    std::mutex m;
+    std::condition_variable wake, done;
+    std::atomic<uint64_t> generation{0};
+    std::atomic<int64_t> next{0};
+    std::atomic<int> busy{0};        // workers not yet finished with the current job
+    int64_t n_tasks = 0;
+    JobFn fn = nullptr;
+    void* ctx = nullptr;
+    bool stopping = false;
+};
+
+// Never destroyed: at exit the workers may still wait on its condition variable (glibc's
+// pthread_cond_destroy would wait for them), and the process's end stops them anyway.
+static Pool& g_pool = *new Pool;
+// How long a waiting thread spins before it sleeps: long enough to bridge the gap between
+// two kernels of one layer, short enough not to steal a core from BLAS for long.
+static const auto kSpin = std::chrono::microseconds(100);
+
+// Spin until done() or kSpin has passed; whether done() held.
+template <class P>
+static bool spin_until(P done) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (int i = 0;; i++) {
+        if (done()) return true;
+        cpu_relax();
+        if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) return done();
+    }
+}
+
+static void pool_take_tasks(int thread) {
+    for (;;) {
+        const int64_t t = g_pool.next.fetch_add(1, std::memory_order_relaxed);
+        if (t >= g_pool.n_tasks) return;
+        g_pool.fn(g_pool.ctx, t, thread);
+    }
+}
+
+// The generation a worker starts from is the one at its creation, not at its first
+// instruction: a job issued in between is its to help with (the caller counts on it).
+struct WorkerArg { int thread; uint64_t generation; };
+
+static void* pool_worker(void* p) {
+    const int thread = ((WorkerArg*)p)->thread;
+    uint64_t seen = ((WorkerArg*)p)->generation;
+    delete (WorkerArg*)p;
+    for (;;) {
+        if (!spin_until([&] { return g_pool.generation.load(std::memory_order_acquire) != seen; })) {
+            std::unique_lock<std::mutex> lk(g_pool.m);
+            g_pool.wake.wait(lk, [&] {
+                return g_pool.stopping || g_pool.generation.load(std::memory_order_acquire) != seen;
+            });
+        }
+        if (g_pool.stopping) return nullptr;
+        seen = g_pool.generation.load(std::memory_order_acquire);
+        pool_take_tasks(thread);
+        if (g_pool.busy.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            std::lock_guard<std::mutex> lk(g_pool.m);
+            g_pool.done.notify_one();
+        }
+    }
+}
+
+static void pool_stop() {
+    {
+        std::lock_guard<std::mutex> lk(g_pool.m);
+        g_pool.stopping = true;
+    }
+    g_pool.wake.notify_all();
+    for (pthread_t t : g_pool.workers) pthread_join(t, nullptr);
+    g_pool.workers.clear();
+    g_pool.stopping = false;
+}
+
+static void pool_after_fork_in_child() {
+    // The workers did not survive the fork; their pthread_t are meaningless here.
+    g_pool.workers.clear();
+    g_pool.busy.store(0);
+}
+
+static int pool_threads() { return (int)g_pool.workers.size() + 1; }
+
+// Start n - 1 workers (n >= 1); returns the threads the pool now has.
+static int pool_set_threads(int n) {
+    static bool registered = false;
+    if (!registered) {
+        pthread_atfork(nullptr, nullptr, pool_after_fork_in_child);
+        registered = true;
+    }
+    if (n < 1) n = 1;
+    if (n == pool_threads()) return n;
+    pool_stop();
+    for (int i = 1; i < n; i++) {
+        pthread_t t;
+        if (pthread_create(&t, nullptr, pool_worker, new WorkerArg{i, g_pool.generation.load()}) != 0) break;
+        g_pool.workers.push_back(t);
+    }
+    return pool_threads();
+}
+
+// Run tasks 0..n_tasks-1 of fn on the pool and return when all are done.
+static void pool_run(int64_t n_tasks, JobFn fn, void* ctx) {
+    const int workers = (int)g_pool.workers.size();
+    if (workers == 0 || n_tasks <= 1) {
+        for (int64_t t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+        return;
+    }
+    g_pool.fn = fn;
+    g_pool.ctx = ctx;
+    g_pool.n_tasks = n_tasks;
+    g_pool.next.store(0, std::memory_order_relaxed);
+    g_pool.busy.store(workers, std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lk(g_pool.m);
+        g_pool.generation.fetch_add(1, std::memory_order_acq_rel);
+    }
+    g_pool.wake.notify_all();
+    pool_take_tasks(0);
+    if (!spin_until([] { return g_pool.busy.load(std::memory_order_acquire) == 0; })) {
+        std::unique_lock<std::mutex> lk(g_pool.m);
+        g_pool.done.wait(lk, [] { return g_pool.busy.load(std::memory_order_acquire) == 0; });
+    }
+}
+
+// A job over a lambda: pool_for(n, [&](int64_t task, int thread) { ... }).
+template <class F>
+static void pool_trampoline(void* ctx, int64_t task, int thread) { (*(F*)ctx)(task, thread); }
+template <class F>
+static void pool_for(int64_t n_tasks, F&& f) {
+    typedef typename std::remove_reference<F>::type G;
+    pool_run(n_tasks, pool_trampoline<G>, (void*)&f);
+}
