@@ -276,6 +276,7 @@ def child_toygraph(spec: dict) -> dict:
         out["device_name"] = _cuda_device_name()
     else:
         out["peak_bytes"] = peak_rss_bytes() - rss0
+        out["peak_rss"] = peak_rss_bytes()   # the process's own, all of it
         if spec.get("op_profile"):
             out["op_profile"] = _op_profile(recipe, ids[0], positions, labels[0],
                                             hp_row(len(ids) + 1, spec["lr"]))
@@ -383,6 +384,8 @@ def child_torch(spec: dict) -> dict:
     if spec["impl"] == "torch-compile":
         out["compile_s"] = step_s[0] - statistics.median(step_s[1:])
     out["peak_bytes"] = (torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - rss0)
+    if not cuda:
+        out["peak_rss"] = peak_rss_bytes()   # the process's own, all of it
     return out
 
 

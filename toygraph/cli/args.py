@@ -29,6 +29,24 @@ def add_backend_args(p, precision: bool = True) -> None:
                             "accumulation, f32 everything else)")
 
 
+def add_threads_arg(p) -> None:
+    """``--threads``: the threads the CPU engine and BLAS compute with (main sets them)."""
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="threads to compute with on the CPU: the engine's decoders and "
+                        "products, and BLAS (default: $TOYGRAPH_THREADS, else the CPUs this "
+                        "process may use)")
+
+
+def use_threads_of(args) -> None:
+    """Compute with the threads ``--threads`` asks for (a command that has the flag)."""
+    if not hasattr(args, "threads"):
+        return
+    if args.threads is not None and args.threads < 1:
+        raise ToygraphError(f"--threads must be at least 1, got {args.threads}")
+    from toygraph.cpu import engine
+    engine.use_threads(args.threads)
+
+
 def add_allow_merged_arg(p) -> None:
     """``--allow-merged``: apply an adapter the model already has merged in."""
     p.add_argument("--allow-merged", action="store_true",

@@ -15,7 +15,8 @@ from importlib.metadata import entry_points
 
 from toygraph import __version__
 from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampling_args, add_template_arg,
-                               generation_kwargs, language_model_from_args, utf8)
+                               add_threads_arg, generation_kwargs, language_model_from_args,
+                               use_threads_of, utf8)
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
 from toygraph.cli.finetune import add_finetune_parser
@@ -135,7 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(sub)
     for plugin in entry_points(group="toygraph.commands"):
         plugin.load()(sub)
+    for name, command in sub.choices.items():
+        if name not in WITHOUT_COMPUTE:
+            add_threads_arg(command)
     return ap
+
+
+#: Commands that compute nothing on the CPU engine or BLAS, so take no --threads.
+WITHOUT_COMPUTE = ("tokenize", "models")
 
 
 def _report(command: str, e: BaseException | str):
@@ -151,6 +159,7 @@ def _report(command: str, e: BaseException | str):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        use_threads_of(args)
         return int(args.fn(args) or 0)
     except (ToygraphError, ValueError) as e:  # ValueError: values the library rejected up front
         _report(args.command, e)

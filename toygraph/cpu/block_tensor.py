@@ -68,6 +68,7 @@ class BlockTensor:
         self.storage, self.shape = storage, tuple(int(s) for s in shape)
         self.data = blocks.as_bytes(data)
         self._sparse = False   # advised MADV_RANDOM already (read_sparsely)
+        self._engine_weight = None
         self.nbytes = blocks.nbytes(storage, self.shape)
         if self.data.size != self.nbytes:
             raise GGUFError(f"{storage} tensor of shape {self.shape} needs {self.nbytes} bytes, "
@@ -85,11 +86,17 @@ class BlockTensor:
 
     def matmul_nt(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` [M, N] = x [M, K] . W^T, this tensor W [N, K] read in its blocks."""
-        return engine.matmul_nt(x, self.data, self.storage, self.shape, out)
+        return self._weight().matmul(x, out, transposed=True)
 
     def matmul_nn(self, g: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` [M, K] = g [M, N] . W, this tensor W [N, K] read in its blocks."""
-        return engine.matmul_nn(g, self.data, self.storage, self.shape, out)
+        return self._weight().matmul(g, out, transposed=False)
+
+    def _weight(self) -> "engine.Weight":
+        """The engine's handle on these bytes (checked once, then reused every step)."""
+        if self._engine_weight is None:
+            self._engine_weight = engine.Weight(self.data, self.storage, self.shape)
+        return self._engine_weight
 
     def part(self, i: int) -> "BlockTensor":
         """Slice ``i`` along the first axis (one expert of [E, out, in]) as a BlockTensor

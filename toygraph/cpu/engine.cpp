@@ -1,6 +1,6 @@
 // The CPU engine's entry points (ctypes, engine.py): the pool's size, whole-tensor decodes
-// and the products on blocks of gemm.h. Assembled by engine.py after the layout macros of
-// blocks.c_defines() and the headers simd.h, pool.h, decode.h, gemm.h, in that order.
+// and the products on blocks of gemm.h and dot.h. Assembled by engine.py after the layout macros of
+// blocks.c_defines() and the headers simd.h, pool.h, decode.h, gemm.h, dot.h, in that order.
 
 #define TG_EXPORT extern "C" __attribute__((visibility("default")))
 

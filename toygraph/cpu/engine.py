@@ -8,9 +8,9 @@ are part of the cache key) and loaded with ctypes. It holds
   the same order), vectorised by the compiler for the target (AVX-512, AVX2, NEON);
 - products with a weight kept in its blocks, decoded panel by panel right before the
   product on that panel: :func:`matmul_nt` (x W^T, the forward) and :func:`matmul_nn`
-  (g W, the input gradient), and a row-dot kernel for a few rows (generation's one-token
-  step, ``M <= DOT_MAX_M``); no f32 copy of the weight exists, each thread's panels are
-  tens of KiB;
+  (g W, the input gradient); no f32 copy of the weight exists, each thread's panels are
+  tens of KiB; and for a few rows (generation's one-token step, ``M <= DOT_MAX_M``) dot
+  kernels that read each block once and apply its scale to the partial sum (dot.h);
 - the pool of threads every kernel runs on (:func:`set_threads`; cpu/threads.py sets it
   and BLAS's together).
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 #: The engine's sources, in the order they are concatenated (engine.cpp's entry points last).
-SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "engine.cpp")
+SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "dot.h", "engine.cpp")
 #: The formats the engine knows, in the order of decode.h's kFormats table.
 FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k",
            "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4")
@@ -49,7 +49,7 @@ FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_
 #: CPU it was not built for.
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
          "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden")
-#: Rows of x up to which the row-dot kernel runs instead of the panels (gemm.h's DOT_MAX_M).
+#: Rows of x up to which the row-dot kernels run instead of the panels (dot.h's DOT_MAX_M).
 DOT_MAX_M = 4
 
 _P = ctypes.c_void_p
@@ -171,31 +171,43 @@ def decode_rows(raw, fmt: str, shape, ids: np.ndarray, out: np.ndarray) -> None:
            f"decoding rows of {fmt}")
 
 
-def _product(a: np.ndarray, raw, fmt: str, shape, out: np.ndarray, transposed: bool,
-             kernel: int, lib) -> np.ndarray:
-    """tg_matmul on checked operands: a [M, K] . W^T (transposed) or a [M, N] . W."""
-    data, row_bytes, N, K = _weight(raw, fmt, shape)
-    name, (a_width, out_width) = ("x", (K, N)) if transposed else ("g", (N, K))
-    _rows(a, a_width, name)
-    _rows(out, out_width, "out")
-    if out.shape[0] != a.shape[0]:
-        raise ToygraphError(f"CPU engine: out has {out.shape[0]} rows, {name} {a.shape[0]}")
-    _check((lib or library()).tg_matmul(FORMATS.index(fmt), data.ctypes.data, row_bytes, N, K,
-                                        a.ctypes.data, a.strides[0] // 4, a.shape[0],
-                                        out.ctypes.data, out.strides[0] // 4, int(transposed),
-                                        kernel),
-           f"{name} . W{'^T' if transposed else ''} ({fmt} {tuple(shape)})")
-    return out
+class Weight:
+    """A 2-D block-format weight W [N, K] as the engine's products take it: its bytes,
+    format and row size checked once (a step multiplies each weight several times, and
+    generation hundreds of times a second, so the per-call path only checks the operands)."""
+
+    def __init__(self, raw, fmt: str, shape, lib=None):
+        self.data, self.row_bytes, self.N, self.K = _weight(raw, fmt, shape)
+        self.fmt, self.shape = fmt, (self.N, self.K)
+        self.lib = lib or library()
+        self._args = (FORMATS.index(fmt), self.data.ctypes.data, self.row_bytes, self.N, self.K)
+
+    def matmul(self, a: np.ndarray, out: np.ndarray, transposed: bool, kernel: int = 0) -> np.ndarray:
+        """out = a . W^T (transposed: a [M, K], out [M, N]) or a . W (a [M, N], out [M, K]);
+        ``kernel`` 0 picks by M, 1 the panels, 2 the dot kernels (transposed only)."""
+        name, a_width, out_width = ("x", self.K, self.N) if transposed else ("g", self.N, self.K)
+        if (a.dtype != np.float32 or out.dtype != np.float32 or a.ndim != 2 or out.ndim != 2
+                or a.shape[1] != a_width or out.shape[1] != out_width or a.strides[1] != 4
+                or out.strides[1] != 4 or out.shape[0] != a.shape[0]):
+            _rows(a, a_width, name)
+            _rows(out, out_width, "out")
+            raise ToygraphError(f"CPU engine: out has {out.shape[0]} rows, {name} {a.shape[0]}")
+        rc = self.lib.tg_matmul(*self._args, a.ctypes.data, a.strides[0] >> 2, a.shape[0],
+                                out.ctypes.data, out.strides[0] >> 2, int(transposed),
+                                kernel if transposed else 1)
+        if rc != 0:
+            _check(rc, f"{name} . W{'^T' if transposed else ''} ({self.fmt} {self.shape})")
+        return out
 
 
 def matmul_nt(x: np.ndarray, raw, fmt: str, shape, out: np.ndarray, kernel: int = 0,
               lib=None) -> np.ndarray:
     """``out`` [M, N] = x [M, K] . W^T for W [N, K] in ``fmt`` blocks. ``kernel`` 0 picks by
-    M, 1 forces the panels, 2 the row-dot kernel; ``lib`` another build (tests)."""
-    return _product(x, raw, fmt, shape, out, True, kernel, lib)
+    M, 1 forces the panels, 2 the dot kernels; ``lib`` another build (tests)."""
+    return Weight(raw, fmt, shape, lib).matmul(x, out, True, kernel)
 
 
 def matmul_nn(g: np.ndarray, raw, fmt: str, shape, out: np.ndarray, lib=None) -> np.ndarray:
     """``out`` [M, K] = g [M, N] . W for W [N, K] in ``fmt`` blocks (the input gradient);
     ``lib`` another build (tests)."""
-    return _product(g, raw, fmt, shape, out, False, 1, lib)
+    return Weight(raw, fmt, shape, lib).matmul(g, out, False)

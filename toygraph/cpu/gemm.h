@@ -150,48 +150,17 @@ static void matmul_nt(Product& p) {
 }
 
 static void matmul_nn(Product& p) {
-    // Slices of the output: a whole number of W's blocks, about 256 columns, and enough of
-    // them (with row splits of g when K is narrow) for every thread to have work.
+    // Slices of the output: a whole number of W's blocks, at most about 256 columns, and at
+    // least two per thread when K allows, of equal widths where it divides (K = 896 on 2
+    // threads: four of 224); when K is too narrow for that the rows of g are split as well.
     const int64_t qk = p.f->qk, threads = pool_threads();
-    int64_t slice = ((256 + qk - 1) / qk) * qk;
+    int64_t want = (p.K + 255) / 256;
+    if (want < 2 * threads) want = 2 * threads;
+    int64_t slice = ((p.K + want - 1) / want + qk - 1) / qk * qk;
     if (slice > p.K) slice = p.K;
     const int64_t slices = (p.K + slice - 1) / slice;
     p.slice = slice;
     p.splits = 1;
     while (slices * p.splits < 2 * threads && p.splits * MR < p.M) p.splits++;
     pool_run(slices * p.splits, nn_task, &p);
-}
-
-// --- few rows: one decoded row of W at a time, dotted with each row of x ------------------
-// For generation's one-token step (M = 1) and small batches, the product is a pass over the
-// weight's bytes: a task is a run of W's rows; its thread decodes one row into L1 and takes
-// its dot product with each of the M rows of x (vector partial sums, added at the end).
-static const int DOT_ROWS = 16;   // rows of W per task
-static const int DOT_MAX_M = 4;   // rows of x up to which the dot kernel beats the panels
-
-static void dot_task(void* ctx, int64_t task, int) {
-    const Product& p = *(const Product*)ctx;
-    const int64_t n0 = task * DOT_ROWS, n1 = n0 + DOT_ROWS < p.N ? n0 + DOT_ROWS : p.N;
-    const int64_t kv = p.K / VL * VL;
-    float* row = scratch((size_t)p.K);
-    for (int64_t n = n0; n < n1; n++) {
-        decode_row_part(*p.f, p.w + n * p.row_bytes, 0, p.K, row);
-        for (int64_t m = 0; m < p.M; m++) {
-            const float* x = p.a + m * p.lda;
-            Vec s0 = vzero(), s1 = vzero();
-            int64_t k = 0;
-            for (; k + 2 * VL <= kv; k += 2 * VL) {
-                s0 = vfma(vload(x + k), vload(row + k), s0);
-                s1 = vfma(vload(x + k + VL), vload(row + k + VL), s1);
-            }
-            for (; k < kv; k += VL) s0 = vfma(vload(x + k), vload(row + k), s0);
-            float s = vsum(vadd(s0, s1));
-            for (; k < p.K; k++) s = std::fma(x[k], row[k], s);
-            p.c[m * p.ldc + n] = s;
-        }
-    }
-}
-
-static void matmul_dot(Product& p) {
-    pool_run((p.N + DOT_ROWS - 1) / DOT_ROWS, dot_task, &p);
 }
