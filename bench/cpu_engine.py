@@ -55,7 +55,7 @@ GEN_MODELS = ("smollm2", "qwen2.5-coder-0.5b")
 
 def model_file(name: str) -> Path:
     if name.startswith(("llama1b-", "llama8b-")):
-        from random_llama import LLAMA1B, LLAMA8B, write_random_llama
+        from random_model import LLAMA1B, LLAMA8B, write_random_llama
         shape, wtype = name.split("-")
         path = bench_cache() / f"{shape}-random-{wtype}" / f"{shape}-random-{wtype}.gguf"
         if not path.is_file():

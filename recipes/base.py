@@ -39,6 +39,7 @@ from toygraph.data.packing import batches_per_epoch, epoch_batches, packing_effi
 from toygraph.errors import GraphError
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
 
+#: Whether the CPU backend also uses the fused head + loss. On CUDA the fused op is always
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
 #: the CPU memory is rarely the limit and the fused backward recomputes the head matmul,
 #: which made a SmolLM2 LoRA step (batch 8 x seq 64, 2 cores) slower: 2.91 s against

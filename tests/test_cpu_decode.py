@@ -9,7 +9,7 @@ import pytest
 from toygraph.errors import GGUFError
 from toygraph.cpu import block_tensor as decode, engine
 from toygraph.gguf import block_encode, blocks
-from test_quant import random_blocks, reference
+from test_blocks import random_blocks, reference
 
 BLOCK_TYPES = [t for t in engine.FORMATS if t not in ("f16", "bf16")]
 

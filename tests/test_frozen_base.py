@@ -9,7 +9,7 @@ import pytest
 
 from toygraph.core import frozen_base, ops
 from toygraph.core.graph import Graph, topo_order
-from toygraph.core.memory import aligned, plan_buffers
+from toygraph.core.buffer_plan import aligned, plan_buffers
 from toygraph.core.optimizer import hp_row
 from toygraph.core.session import Session
 from toygraph.errors import GraphError, SettingError
@@ -179,7 +179,7 @@ def test_moe_lora_steps_with_the_experts_quantized(name, qtype, with_engine, tmp
     """The committed MoE fixtures with their experts (and attention) requantized: LoRA
     steps read only the chosen experts' blocks and give decode mode's losses, bit for bit
     on the scratch path, within f32 rounding through the engine."""
-    from moe_references import requantize
+    from support.moe_references import requantize
     if not with_engine:
         monkeypatch.setattr(engine, "available", lambda fmt=None: False)
     path = requantize(name, tmp_path / "m.gguf", {"_exps": qtype, "attn_q.": "q8_0"})

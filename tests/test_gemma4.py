@@ -1,5 +1,5 @@
 """Gemma 4 text against transformers: a tiny random Gemma4ForCausalLM built by transformers,
-written to GGUF by llama.cpp's convert_hf_to_gguf.py (tests/converted.py), with every part
+written to GGUF by llama.cpp's convert_hf_to_gguf.py (tests/support/converted.py), with every part
 the architecture carries switched on: sliding and global layers with their own head sizes,
 KV-head counts and rope (the global layers' "proportional" partial rope through
 rope_freqs), keys reused as values on the global layers (attention_k_eq_v), KV sharing
@@ -10,7 +10,7 @@ the exported adapter is reloaded in PEFT."""
 import numpy as np
 import pytest
 
-from converted import check_adapter_loss, check_checkpointing, convert, hf_model, tiny_sentencepiece_tokenizer
+from support.converted import check_adapter_loss, check_checkpointing, convert, hf_model, tiny_sentencepiece_tokenizer
 from test_arch_models import reference_loss
 from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both

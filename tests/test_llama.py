@@ -3,7 +3,7 @@ loading the same GGUF (float32), and finite differences through the whole graph.
 import numpy as np
 import pytest
 
-from gradcheck import check_gradients
+from support.gradcheck import check_gradients
 from toygraph.core import ops
 from toygraph.errors import GraphError
 from toygraph.models.model import GGUFModel

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.models.moe import moe_ffn

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from moe_references import gguf_path
+from support.moe_references import gguf_path
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session

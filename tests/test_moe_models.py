@@ -1,6 +1,6 @@
 """Mixture-of-experts families against independent references: tiny random models built
 by transformers from a config and converted to GGUF by llama.cpp's convert_hf_to_gguf.py
-(tests/moe_references.py; committed under tests/data/moe/). toygraph's loss on the GGUF
+(tests/support/moe_references.py; committed under tests/data/moe/). toygraph's loss on the GGUF
 equals transformers' on the Hugging Face weights, 3 LoRA steps on the attention equal
 torch + PEFT AdamW, and the exported PEFT adapter reproduces toygraph's adapted loss.
 Each family feature the fixtures claim to exercise is shown to matter: the reference
@@ -14,7 +14,7 @@ reference differs by ~1e-3 (test_yarn_truncation_follows_llama_cpp)."""
 import numpy as np
 import pytest
 
-from moe_references import MODELS, gguf_path, random_tokens, reference_model, requantize
+from support.moe_references import MODELS, gguf_path, random_tokens, reference_model, requantize
 from test_arch_models import reference_loss
 from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both

@@ -86,10 +86,12 @@ def library():
     return lib
 
 
-def load(text: str):
+def load(text: str, target: str = "-march=native"):
     """The engine built from ``text`` (:func:`source`, or a variant of it: the tests build
-    deliberately broken ones) and loaded, its entry points typed."""
-    path, _ = native.build_shared(text, FLAGS, environment.cache_dir("kernels") / "cpu",
+    deliberately broken ones) for ``target`` (the tests also build the AVX2 and the plain
+    x86-64 code paths) and loaded, its entry points typed."""
+    flags = [f for f in FLAGS if not f.startswith("-march=")] + [target]
+    path, _ = native.build_shared(text, flags, environment.cache_dir("kernels") / "cpu",
                                   "the CPU engine (toygraph/cpu/engine.cpp)")
     lib = ctypes.CDLL(str(path))
     lib.tg_simd.restype = ctypes.c_char_p

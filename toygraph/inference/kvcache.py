@@ -5,9 +5,11 @@
 >>> row = gen.decode(token, len(ids))    # logits after `token`, placed at that position
 
 Both graphs live in one Graph and one Session, so they share the weights (bound once) and
-the cache: per layer a K and a V ``state`` tensor [1, n_head_kv, cache_len, head_dim] in
-the session's memory plan, written in place by the ``cache_write`` op (ops/cache.py).
-Each is realized once per (prompt_len, cache_len) and replayed as a session program.
+the cache: per attention layer a K and a V ``state`` tensor [1, its KV heads, cache_len,
+its head size] (``kv_caches``: the sizes of the layer's Attention part) in the session's
+buffer plan (core/buffer_plan.py), written in place by the ``cache_write`` op
+(ops/cache.py). Each is realized once per (prompt_len, cache_len) and replayed as a
+session program.
 
 - **Prefill** is the decoder over the prompt right-padded to ``prompt_len`` tokens,
   exactly the full-window forward (fused causal attention), plus per layer the write of

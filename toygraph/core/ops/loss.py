@@ -12,7 +12,8 @@ from toygraph.core.ops.gemm import BF16_GEMM_PRECISION, block_mm, dense_mm, row_
 from toygraph.core.ops.tc_gemm import K_ALIGN, Gemm, bf16_copy, deq_launch, gemm_launches
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p, rows_grid
+from toygraph.cuda.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
+                                    ptr_arg, rows_grid)
 from toygraph.cuda.lowering.constants import MM_BM
 from toygraph.errors import CudaError, GraphError
 
@@ -241,11 +242,12 @@ def _cross_entropy(node, at):
     """Per-row losses into scratch, then one block sums (or averages) them in order."""
     logits, labels = node.srcs
     N, V = logits.shape
-    mean = i32(node.attrs["reduction"] == "mean")
-    return [Launch("tg_ce_rows", rows_grid(N), [p(at.scratch), p(at.ptr(logits)),
-                                                 p(at.ptr(labels)), i32(N), i32(V)]),
+    mean = i32_arg(node.attrs["reduction"] == "mean")
+    return [Launch("tg_ce_rows", rows_grid(N), [ptr_arg(at.scratch), ptr_arg(at.ptr(logits)),
+                                                 ptr_arg(at.ptr(labels)), i32_arg(N), i32_arg(V)]),
             Launch("tg_ce_reduce", (1, 1, 1),
-                   [p(at.out), p(at.scratch), p(at.ptr(labels)), i32(N), mean])]
+                   [ptr_arg(at.out), ptr_arg(at.scratch), ptr_arg(at.ptr(labels)), i32_arg(N),
+                    mean])]
 
 
 @lowers("cross_entropy_back", kernels=("tg_ce_back",))
@@ -253,14 +255,16 @@ def _cross_entropy_back(node, at):
     logits, labels, g = node.srcs
     N, V = logits.shape
     return [Launch("tg_ce_back", rows_grid(N),
-                   [p(at.out), p(at.ptr(logits)), p(at.ptr(labels)), p(at.ptr(g)), i32(N),
-                    i32(V), i32(node.attrs["reduction"] == "mean")])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(logits)), ptr_arg(at.ptr(labels)),
+                    ptr_arg(at.ptr(g)), i32_arg(N), i32_arg(V),
+                    i32_arg(node.attrs["reduction"] == "mean")])]
 
 
 @lowers("count_valid", kernels=("tg_count_valid",))
 def _count_valid(node, at):
     labels = node.srcs[0]
-    return [Launch("tg_count_valid", (1, 1, 1), [p(at.out), p(at.ptr(labels)), i32(labels.size)])]
+    return [Launch("tg_count_valid", (1, 1, 1), [ptr_arg(at.out), ptr_arg(at.ptr(labels)),
+                                                 i32_arg(labels.size)])]
 
 
 #: Bytes of the [rows, vocab] f32 logits block one chunk of linear_cross_entropy uses (its
@@ -393,10 +397,12 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
     launches = []
     if not fwd and not per_row:
         launches.append(Launch("tg_lce_grad_scale", (1, 1, 1),
-                               [p(extra), p(lp), i32(N), p(ptr(node.srcs[3])),
-                                i32(node.attrs["reduction"] == "mean")]))
+                               [ptr_arg(extra), ptr_arg(lp), i32_arg(N),
+                                ptr_arg(ptr(node.srcs[3])),
+                                i32_arg(node.attrs["reduction"] == "mean")]))
     if grad_w:
-        launches.append(Launch("tg_fill", grid_1d(V * D), [p(dw), i32(V * D), f32(0.0)]))
+        launches.append(Launch("tg_fill", grid_1d(V * D), [ptr_arg(dw), i32_arg(V * D),
+                                                           f32_arg(0.0)]))
     tc = precision == BF16_GEMM_PRECISION
     if tc:
         launches += _head_copies(node, at, parts, grad_h)
@@ -412,16 +418,17 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
         else:
             launches.append(dense_mm(zbuf, hc, ptr(w), c, V, D, D, 1, 1, D, precision))
         if fwd:
-            launches.append(Launch("tg_ce_rows", rows_grid(c), [p((out if per_row else extra)
-                                   + 4 * r0), p(zbuf), p(lc), i32(c), i32(V)]))
+            launches.append(Launch("tg_ce_rows", rows_grid(c), [ptr_arg((out if per_row else extra)
+                                   + 4 * r0), ptr_arg(zbuf), ptr_arg(lc), i32_arg(c), i32_arg(V)]))
             continue
         if per_row:
             launches.append(Launch("tg_ce_back_rows", rows_grid(c),
-                                   [p(zbuf), p(zbuf), p(lc), p(ptr(node.srcs[3]) + 4 * r0), i32(c),
-                                    i32(V)]))
+                                   [ptr_arg(zbuf), ptr_arg(zbuf), ptr_arg(lc),
+                                    ptr_arg(ptr(node.srcs[3]) + 4 * r0), i32_arg(c), i32_arg(V)]))
         else:
             launches.append(Launch("tg_ce_back", rows_grid(c),
-                                   [p(zbuf), p(zbuf), p(lc), p(extra), i32(c), i32(V), i32(0)]))
+                                   [ptr_arg(zbuf), ptr_arg(zbuf), ptr_arg(lc), ptr_arg(extra),
+                                    i32_arg(c), i32_arg(V), i32_arg(0)]))
         if grad_h:   # dh_c = dlogits_c [c, V] @ W [V, D]
             if tc:   # on W's transposed bf16 copy (split over the vocabulary when few tiles)
                 launches += gemm_launches(_head_gemms(node, c)[1], dh + 4 * r0 * D, zbuf,
@@ -438,6 +445,6 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
                                      kernel="tg_matmul_acc"))
     if fwd and not per_row:
         launches.append(Launch("tg_ce_reduce", (1, 1, 1),
-                               [p(out), p(extra), p(lp), i32(N),
-                                i32(node.attrs["reduction"] == "mean")]))
+                               [ptr_arg(out), ptr_arg(extra), ptr_arg(lp), i32_arg(N),
+                                i32_arg(node.attrs["reduction"] == "mean")]))
     return launches

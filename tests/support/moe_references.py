@@ -6,7 +6,7 @@ The outputs are committed under tests/data/moe/<name>/ (config.json, model.safet
 tokenizer files, model.gguf), so the tests need neither network nor llama.cpp. Regenerate
 them with::
 
-    python tests/moe_references.py [--llama-cpp DIR]
+    python tests/support/moe_references.py [--llama-cpp DIR]
 
 DIR is a llama.cpp checkout; without it the script fetches llama-cpp-python's source
 distribution with ``pip download`` (it vendors llama.cpp) into a temporary folder.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent / "data" / "moe"
+HERE = Path(__file__).resolve().parents[1] / "data" / "moe"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"   # the sdist the committed files came from
 VOCAB = 288          # 256 byte tokens, 3 specials, the rest padding the converter names
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -2,10 +2,10 @@
 run, written from the PTX ISA's fragment layouts ("Matrix Fragments for mma.m16n8k16 with
 floating point type", "Matrix Fragments for mma.m16n8k8", .bf16 / .tf32 / f32 C), and a
 replay of a whole tc_matmul.cu launch through it, driven by the kernels' own index math
-(tc_layout.cuh compiled for the host; tests/test_ops_gemm_tensor_cores.py)."""
+(tc_layout.cuh compiled for the host; tests/test_ops_tc_matmul.py)."""
 import numpy as np
 
-from cudaemu import walk
+from support.cudaemu import walk
 from toygraph.cuda.lowering.launch import MAX_GRID_YZ
 
 

@@ -16,7 +16,7 @@ from toygraph.gguf import block_encode, blocks
 from toygraph.cuda.lowering import dispatch
 from toygraph.core.ops.gemm import QUANT_KERNELS
 from toygraph.core.graph import PHASES, Graph, topo_order
-from toygraph.core.memory import plan_buffers
+from toygraph.core.buffer_plan import plan_buffers
 from toygraph.core.ops import KERNELS as CPU_KERNELS
 
 

@@ -1,20 +1,20 @@
 """The mixed-precision matmuls (ops/gemm.py, tc_layout.cuh + tc_matmul.cu): the kernels'
 index math compiled for the host and replayed per lane and register through the mma
-emulator of tests/mmaemu.py, so a wrong (lane, register) -> (row, col) mapping shows up
-as a wrong matmul; the tiling's coverage and bank conflicts; whole launches (dense and
+emulator of tests/support/mmaemu.py, so a wrong (lane, register) -> (row, col) mapping
+shows up as a wrong matmul; the tiling's coverage and bank conflicts; whole launches (dense and
 block-format) against numpy on rounded inputs; the kernel table, the compiled module's
 register use, and that bf16/tf32 change only the matmuls' dispatch."""
 import numpy as np
 import pytest
 
-from cudaemu import (BLOCK_FORMATS, block_weight_const, host_library, lora_graph, needs_nvrtc,
+from support.cudaemu import (BLOCK_FORMATS, block_weight_const, host_library, lora_graph, needs_nvrtc,
                      training_plan)
-from mmaemu import (MMA_K, ROUND, emulate_tc_launch, kernel_frags, mma_emulate, round_bf16,
+from support.mmaemu import (MMA_K, ROUND, emulate_tc_launch, kernel_frags, mma_emulate, round_bf16,
                     round_tf32)
 from toygraph.core import ops
 from toygraph.cuda import devmem
 from toygraph.cuda.lowering import dispatch
-from kernelsrc import FAMILIES, KERNEL_NAMES, TC_KERNEL_NAMES
+from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_KERNEL_NAMES
 from toygraph.core.ops.gemm import BF16_GEMM_KERNELS, TC_KERNELS
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import backend_source, module_source
@@ -270,7 +270,7 @@ def test_tc_module_compiles_without_spills(arch):
     in the matmuls (register arrays indexed only by unrolled constants; 64 f32
     accumulators per thread). The attention kernels' report: tests/test_ops_tc_attention.py;
     the bf16 GEMM's: tests/test_ops_tc_gemm.py."""
-    from ptxas import bf16_module
+    from support.ptxas import bf16_module
     cubin, report = bf16_module(arch)
     assert cubin[:4] == b"\x7fELF"
     for name in (*KERNEL_NAMES, *TC_KERNEL_NAMES):

@@ -9,7 +9,7 @@ GEMM's rounding copy disappears. This module picks those tensors: a planned inte
 (not an input, const, param, state or output) whose maker's lowering declares
 ``bf16_writes`` and whose every reader declares the operand in ``bf16_reads``
 (registry.py). A view of it (a reshape, contiguous or unpack the buffer plan makes a view,
-core/memory.py) is the same bytes, so its readers count as the tensor's; an unpack view is
+core/buffer_plan.py) is the same bytes, so its readers count as the tensor's; an unpack view is
 only possible when its offset stays 256-byte aligned at 2 bytes an element.
 
 Everything else -- the residual stream, reductions, the loss, weights, gradients of
@@ -26,7 +26,8 @@ neither launches nor a buffer.
 from __future__ import annotations
 
 from toygraph import environment
-from toygraph.core.memory import ALIGN, VIEW_OPS, Storage, is_planned, view_offset, views
+from toygraph.core.buffer_plan import ALIGN, Storage, is_planned, view_offset, views
+from toygraph.core.ops.groups import VIEW, member
 from toygraph.cuda.lowering.registry import REGISTRY
 
 
@@ -96,4 +97,4 @@ def _reads_bf16(node, index: int) -> bool:
 
 def _viewable(view) -> bool:
     """A view of a bf16 buffer stays a view: its element offset is 256-byte aligned in bf16."""
-    return view.op in VIEW_OPS and view_offset(view) * 2 % ALIGN == 0
+    return member(view.op, VIEW) and view_offset(view) * 2 % ALIGN == 0

@@ -1,4 +1,5 @@
-"""Adapter files: PEFT directories and llama.cpp GGUF adapters, round trips and errors."""
+"""Adapter files (toygraph/adapters/files.py): PEFT directories and llama.cpp GGUF adapters,
+round trips and errors. (Adapters that must not load: test_adapter_files.py.)"""
 import json
 
 import gguf

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-import toygraph.training.data_memory as data_memory
+import toygraph.training.tokenized_size as tokenized_size
 from toygraph.data.batches import encode_dataset, load_examples
 from toygraph.errors import DataError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.training import RunConfig, run_training
-from toygraph.training.data_memory import (ESTIMATE_FROM_ROWS, SAMPLE_ROWS,
-                                           check_tokenized_memory, deep_size,
-                                           estimate_tokenized_bytes, rows_bytes)
+from toygraph.training.tokenized_size import (ESTIMATE_FROM_ROWS, SAMPLE_ROWS,
+                                              check_tokenized_memory, deep_size,
+                                              estimate_tokenized_bytes, rows_bytes)
 from toygraph.training.prepare import size_text
 
 
@@ -74,7 +74,7 @@ def test_the_rows_read_count_in_what_the_data_takes(tmp_path):
 def test_more_than_the_machine_has_is_one_line_before_tokenizing(tiny_llama, tmp_path,
                                                                  monkeypatch):
     data = _data(tmp_path / "d.jsonl", ESTIMATE_FROM_ROWS)
-    monkeypatch.setattr(data_memory, "available_bytes", lambda: 4096)
+    monkeypatch.setattr(tokenized_size, "available_bytes", lambda: 4096)
     encoded = []
     base = importlib.import_module("toygraph.recipes.base")
     real = base.encode_dataset

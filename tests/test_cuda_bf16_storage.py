@@ -1,4 +1,4 @@
-"""--precision bf16's activations kept in bf16 (cuda/storage.py): which tensors the plan
+"""--precision bf16's activations kept in bf16 (cuda/bf16_storage.py): which tensors the plan
 picks, the buffer plan's 2-byte buffers and views, and the arithmetic.
 
 The exactness argument: at bf16 every matmul rounds its operands to bf16 before the
@@ -10,14 +10,14 @@ products also scale a bf16 operand (s dy), rounds twice there and so only tracks
 import numpy as np
 import pytest
 
-from cudaemu import lora_graph, training_plan
-from hostparity import MIXED_TOL, rel_err, rnd, run_phase
+from support.cudaemu import lora_graph, training_plan
+from support.hostparity import MIXED_TOL, rel_err, rnd, run_phase
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
-from toygraph.core.memory import plan_buffers
+from toygraph.core.buffer_plan import plan_buffers
 from toygraph.cuda.lowering.registry import REGISTRY
-from toygraph.cuda.storage import plan_bf16
+from toygraph.cuda.bf16_storage import plan_bf16
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +95,7 @@ def test_an_unpack_view_off_the_bf16_alignment_keeps_its_buffer_f32():
 def _no_two_live_buffers_overlap(order, pinned, plan):
     """Every arena tensor's bytes, from the node that makes it to its last reader (a node
     absorbing a reader counts as reading that reader's sources), touch no other live one."""
-    from toygraph.core.memory import views
+    from toygraph.core.buffer_plan import views
     pos = {t.id: i for i, t in enumerate(order)}
     root = views(order, pinned, 4, plan.bf16)
     life = {}
@@ -119,7 +119,7 @@ def _no_two_live_buffers_overlap(order, pinned, plan):
 
 
 def test_the_buffer_plan_gives_bf16_tensors_two_bytes_and_absorbed_ones_none(tiny_llama):
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     g = lora_graph(tiny_llama, targets=("q", "v", "gate", "up", "down"))
     order, pinned, f32_plan, _ = training_plan(g)
     storage = plan_storage(order, pinned, "bf16")
@@ -140,7 +140,7 @@ def test_every_lora_projection_runs_as_one_dual_gemm(tiny_llama):
     tg_tcg_gemm2_bf16, the base's weight decoded once into its copy, s in B's copy), and
     so is the backward's dy W of dx = dy W + du A; at f32 nothing is."""
     from toygraph.cuda.lowering import dispatch
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     g = lora_graph(tiny_llama, targets=("q", "k", "v", "o", "gate", "up", "down"))
     order, pinned, _, outputs = training_plan(g)
     storage = plan_storage(order, pinned, "bf16")
@@ -417,7 +417,7 @@ def test_norms_reading_and_writing_bf16_track_f32_storage(monkeypatch):
 
 
 def test_norms_between_products_match_numpy_at_bf16():
-    from hostparity import compare_op
+    from support.hostparity import compare_op
 
     def build(x, w1, w, w2):
         return ops.matmul(ops.rms_norm(ops.matmul(x, w1), 1e-5, weight=w), w2)

@@ -1,4 +1,4 @@
-"""The buffer plan's views (core/memory.py): reshape, contiguous and aligned unpacks of arena
+"""The buffer plan's views (core/buffer_plan.py): reshape, contiguous and aligned unpacks of arena
 intermediates take no bytes and launch nothing, while pinned results, unaligned unpacks and
 sources outside the arena keep their copies; a training step with views gives the same bits
 as with none (numpy and the CUDA kernels on the host executor), and no buffer placed while a
@@ -6,8 +6,9 @@ view is still to be read overlaps the bytes it views."""
 import numpy as np
 import pytest
 
-from cudaemu import lora_graph, training_plan
-from toygraph.core import memory, ops
+from support.cudaemu import lora_graph, training_plan
+from toygraph.core import buffer_plan, ops
+from toygraph.core.ops import groups
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 
@@ -39,7 +40,7 @@ def test_which_nodes_are_views():
 
 def _no_overlap_while_viewed(order, pinned, plan):
     """Every placed tensor's bytes against every other's still live (views resolved)."""
-    root = memory.views(order, pinned, 4)
+    root = buffer_plan.views(order, pinned, 4)
     last = {}
     for i, t in enumerate(order):
         for src in t.srcs:
@@ -55,7 +56,7 @@ def _no_overlap_while_viewed(order, pinned, plan):
 
 def test_a_training_plan_never_overwrites_viewed_bytes(tiny_llama):
     order, pinned, plan, _ = training_plan(lora_graph(tiny_llama, ("q", "v", "gate", "up")))
-    assert sum(1 for t in order if t.id in memory.views(order, pinned, 4)) > 10
+    assert sum(1 for t in order if t.id in buffer_plan.views(order, pinned, 4)) > 10
     _no_overlap_while_viewed(order, pinned, plan)
 
 
@@ -78,7 +79,7 @@ def test_views_change_no_bit_of_a_training_step(tiny_llama, backend, monkeypatch
         return [s.download(t) for t in g.nodes if t.role == "param" or
                 (t.role == "state" and t.kind == "grad")]
     with_views = step()
-    monkeypatch.setattr(memory, "VIEW_OPS", ())
+    monkeypatch.setitem(groups.MEMBERS, groups.VIEW, frozenset())   # no op makes a view
     without = step()
     assert len(with_views) == len(without) > 0
     assert all(np.array_equal(a, b) for a, b in zip(with_views, without))

@@ -13,7 +13,7 @@ glu_back) hands them out with no copy.
 
 Buffers hold the backend's float type (``itemsize`` bytes an element), except where the
 backend's :class:`Storage` says otherwise (the CUDA backend at --precision bf16,
-cuda/storage.py): tensors in ``bf16`` take 2 bytes an element (a view of one is bf16 too),
+cuda/bf16_storage.py): tensors in ``bf16`` take 2 bytes an element (a view of one is bf16 too),
 and a tensor in ``absorbed`` gets no buffer at all -- the one node that reads it computes
 it inside its own kernel, so that node reads the absorbed node's sources instead, and
 their lives last to it.
@@ -25,6 +25,7 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
+from toygraph.core.ops.groups import VIEW, member
 from toygraph.core.ops.table import in_place
 
 ALIGN = 256  # bytes; what CUDA's allocator guarantees, and harmless for numpy
@@ -88,20 +89,17 @@ def is_planned(t, pinned: set[int]) -> bool:
     return t.role is None and not in_place(t.op) and t.id not in pinned
 
 
-#: Ops whose result is their source's bytes from an element offset on (see above).
-VIEW_OPS = ("reshape", "contiguous", "unpack")
-
-
 def view_offset(t) -> int:
     """The element offset of view op ``t``'s bytes in its source's."""
     return t.attrs["offset"] if t.op == "unpack" else 0
 
 
 def views(schedule, pinned: set[int], itemsize: int, half=frozenset()) -> dict[int, int]:
-    """{view id: id of the buffer it reads} for the view ops planned as views (see above)."""
+    """{view id: id of the buffer it reads} for the ops of the view group (ops/groups.py)
+    planned as views (see above)."""
     root: dict[int, int] = {}
     for t in schedule:
-        if t.op not in VIEW_OPS or not is_planned(t, pinned):
+        if not member(t.op, VIEW) or not is_planned(t, pinned):
             continue
         src = t.srcs[0]
         size = 2 if src.id in half else itemsize

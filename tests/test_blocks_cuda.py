@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 import gguf.quants as gq
-from cudaemu import BLOCK_FORMATS, host_library, lora_graph, training_plan
+from support.cudaemu import BLOCK_FORMATS, host_library, lora_graph, training_plan
 from test_llama import transformers_loss
-from test_quant import random_blocks
+from test_blocks import random_blocks
 from toygraph.gguf import block_encode, blocks
 from toygraph.cuda import devmem
 from toygraph.cuda.lowering import dispatch, registry
-from kernelsrc import KERNEL_NAMES
+from support.kernelsrc import KERNEL_NAMES
 from toygraph.core.ops.gemm import QUANT_KERNELS
 from toygraph.cuda.lowering.sources import layout_defines, read_source
 from toygraph.fixtures.tiny_models import write_tiny_llama
