@@ -231,14 +231,18 @@ def _epilogue(out, add, attrs):
 
 
 # --- numpy backend, a frozen weight kept in its blocks ------------------------------------------
-def _engine_multiplies(node, itemsize: int) -> bool:
-    """Whether the CPU engine computes this product on its weight's blocks: f32 buffers, the
-    weight (the last source) 2-D in a format the engine knows, the other operand not
-    transposed (x W^T forward, g W backward: toygraph/cpu/gemm.h)."""
+def engine_multiplies(w, itemsize: int) -> bool:
+    """Whether the CPU engine computes products with the weight ``w`` on its blocks: f32
+    buffers, ``w`` 2-D in a format the engine knows (x W^T forward, g W backward:
+    toygraph/cpu/gemm.h and dot.h)."""
     from toygraph.cpu import engine
-    w = node.srcs[-1]
-    return (itemsize == 4 and len(w.shape) == 2 and not node.attrs["trans_a"]
-            and engine.available(w.storage))
+    return itemsize == 4 and len(w.shape) == 2 and engine.available(w.storage)
+
+
+def _engine_multiplies(node, itemsize: int) -> bool:
+    """A matmul (matmul_add) whose weight is its last source and whose other operand is
+    not transposed, for the engine (engine_multiplies)."""
+    return not node.attrs["trans_a"] and engine_multiplies(node.srcs[-1], itemsize)
 
 
 @block_kernel("matmul", reads=(1,), when=_engine_multiplies)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph.core.ops.gemm import BF16_GEMM_PRECISION, block_mm, dense_mm, row_bytes
+from toygraph.core.ops.gemm import (BF16_GEMM_PRECISION, block_mm, dense_mm, engine_multiplies,
+                                   row_bytes)
 from toygraph.core.ops.tc_gemm import K_ALIGN, Gemm, bf16_copy, deq_launch, gemm_launches
 from toygraph.core.ops.shape import unpack
-from toygraph.core.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, kernel, make_node
+from toygraph.core.ops.table import (F32, I32, INT32_MAX, LABELS, block_kernel, check, define_op,
+                                     kernel, make_node)
 from toygraph.cuda.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
                                     ptr_arg, rows_grid)
 from toygraph.cuda.lowering.constants import MM_BM
@@ -165,6 +167,15 @@ def _count_valid_numpy(out, srcs, attrs):
 LCE_ROWS = 128
 
 
+def _head_rows(hc, w, z):
+    """z = hc @ w^T: BLAS on an f32 head, the CPU engine on one kept in its blocks (a
+    cpu.block_tensor.BlockTensor: each chunk's product decodes the head panel by panel)."""
+    if isinstance(w, np.ndarray):
+        np.matmul(hc, w.T, out=z)
+    else:
+        w.matmul_nt(hc, z)
+
+
 def _lce_chunks(h, w, labels):
     """Per chunk of the rows whose label is not ignored: (row ids, h rows, exp(z - max) in
     a reused buffer, its row sums, the row max, the label's logit) with z = h_rows @ w^T."""
@@ -179,7 +190,7 @@ def _lce_chunks(h, w, labels):
         c = len(r)
         hc, z = hbuf[:c], zbuf[:c]
         np.take(h, r, axis=0, out=hc)
-        np.matmul(hc, w.T, out=z)
+        _head_rows(hc, w, z)
         m = z.max(axis=1, keepdims=True)
         picked = z[np.arange(c), labels[r]]
         z -= m
@@ -187,8 +198,10 @@ def _lce_chunks(h, w, labels):
         yield r, hc, z, z.sum(axis=1), m[:, 0], picked
 
 
+@block_kernel("linear_cross_entropy", reads=(1,), when=lambda node, itemsize: engine_multiplies(
+    node.srcs[1], itemsize))
 @kernel("linear_cross_entropy")
-def _linear_cross_entropy_numpy(out, srcs, attrs):
+def _linear_cross_entropy_numpy(out, srcs, attrs, scratch=None):
     h, w, labels = srcs
     total, n = 0.0, 0
     if attrs["reduction"] == "none":
@@ -203,11 +216,15 @@ def _linear_cross_entropy_numpy(out, srcs, attrs):
         out[...] = total if attrs["reduction"] == "sum" else (total / n if n else 0.0)
 
 
+@block_kernel("linear_cross_entropy_back", reads=(1,),
+              when=lambda node, itemsize: not node.attrs["grad_w"] and engine_multiplies(
+                  node.srcs[1], itemsize))
 @kernel("linear_cross_entropy_back")
-def _linear_cross_entropy_back_numpy(out, srcs, attrs):
+def _linear_cross_entropy_back_numpy(out, srcs, attrs, scratch=None):
     """[dh, dw] packed flat (each only when asked), chunk by chunk from the recomputed
     softmax: dz = (softmax(z) - onehot) * g (/ n for mean), dh = dz @ w, dw += dz^T h, the
-    chunks added into dw in row order. For ``none`` the weight is g's entry of each row."""
+    chunks added into dw in row order. For ``none`` the weight is g's entry of each row.
+    A frozen head kept in its blocks (the block kernel: no dw) is read by the CPU engine."""
     h, w, labels, g = srcs
     (N, D), V = h.shape, w.shape[0]
     dh = out[:N * D].reshape(N, D) if attrs["grad_h"] else None
@@ -223,7 +240,7 @@ def _linear_cross_entropy_back_numpy(out, srcs, attrs):
         z[np.arange(len(r)), labels[r]] -= 1.0
         z *= scale[r, None] if per_row else scale
         if dh is not None:
-            dh[r] = z @ w
+            dh[r] = z @ w if isinstance(w, np.ndarray) else w.matmul_nn(z, np.empty((len(r), D), z.dtype))
         if dw is not None:
             if tmp is None:
                 tmp = np.empty_like(dw)
