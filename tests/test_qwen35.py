@@ -17,6 +17,7 @@ from toygraph.adapters.files import check_gguf_adapter, load_peft, save_gguf_ada
 from toygraph.inference.language_model import LanguageModel
 from toygraph.models.decoder import DELTANET_TARGETS, TARGETS
 from toygraph.models.model import GGUFModel
+from toygraph.models.parts import DeltaNet
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -75,7 +76,8 @@ def test_attention_layers_are_token_major(qwen35):
 def test_the_file_is_read_as_written(qwen35):
     path, _ = qwen35
     cfg = GGUFModel(path).config
-    assert cfg.recurrent == (True, True, True, False) * 2 and cfg.rope_dims == 4
+    recurrent = [isinstance(layer.mixer, DeltaNet) for layer in cfg.layers]
+    assert recurrent == [True, True, True, False] * 2 and {a.rope.dims for a in cfg.attention} == {4}
     assert (cfg.ssm.conv, cfg.ssm.k_heads, cfg.ssm.k_dim, cfg.ssm.v_dim) == (4, 2, 8, 12)
 
 

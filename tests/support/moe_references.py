@@ -42,6 +42,15 @@ MODELS = {
         num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
         max_position_embeddings=256, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "qwen2"),
+    # Qwen2-MoE: Qwen2 attention (q/k/v biases), 6 experts, top-2 softmax weights not
+    # renormalised (norm_topk_prob false, as the released Qwen1.5-MoE and Qwen2-57B), and a
+    # shared expert of its own width gated per token by sigmoid(x . w).
+    "qwen2moe": ("Qwen2MoeConfig", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
+        rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "qwen2"),
     # 6 experts, top-2 then softmax, clamped SwiGLU, biases everywhere, attention sinks,
     # sliding window 6 (< the tests' 16 tokens) on layer 0, full attention on layer 1, and
     # YaRN whose frequency ramp lands inside the 8 rotary pairs (a small base and original
