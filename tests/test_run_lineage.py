@@ -225,7 +225,7 @@ def test_a_fifo_or_device_where_a_file_is_expected_is_refused(tiny_llama, tmp_pa
 def test_the_regular_file_helpers():
     from toygraph.bounded import read_bytes
     from toygraph.files import check_regular_file
-    with pytest.raises(ToygraphError, match="--x /dev/null: is a character device"):
+    with pytest.raises(ToygraphError, match=r"--x /dev/null: not a regular file \(a character device\)"):
         check_regular_file("/dev/null", "--x")
     with pytest.raises(ToygraphError, match="not a regular file \\(a directory\\)"):
         read_bytes("/", "--x")

@@ -45,5 +45,5 @@ def check_regular_file(path, what: str, error=ToygraphError) -> Path:
         raise error(f"{what} {path}: cannot read it ({e.strerror or e})") from None
     kind = not_regular(mode)
     if kind is not None:
-        raise error(f"{what} {path}: is {kind}, not a regular file")
+        raise error(f"{what} {path}: not a regular file ({kind}); give a file")
     return path
