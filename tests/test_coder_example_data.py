@@ -53,6 +53,7 @@ def test_heldout_is_disjoint_from_training(sets):
     unseen = [r for r in heldout if not r["seen"]]
     assert unseen and all(r["template"] in make_data.UNSEEN for r in unseen)
     assert len({r["instruction"] for r in train}) == len(train)
+    assert len({r["reference"] for r in heldout}) == len(heldout)
 
 
 def test_the_checks_catch_what_a_base_model_writes(sets):
@@ -61,8 +62,8 @@ def test_the_checks_catch_what_a_base_model_writes(sets):
     reply = row["reference"]
     fenced = f"Here is the function:\n```python\n{reply}\n```\nIt returns the value."
     v = house_style.verdict(fenced, row)
-    assert v == {"format": False, "passes": False, "code_passes": True,
-                 "problems": ["fence: a markdown fence"]}
+    assert v == {"format": False, "passes": False, "code_format": True, "code_passes": True,
+                 "problems": ["fence: a markdown fence"], "code_problems": []}
     cut = f"Here is the function:\n```python\n{reply}\n"   # generation stopped at the fence
     assert house_style.verdict(cut, row)["code_passes"]
     assert house_style.verdict(reply, row)["format"]

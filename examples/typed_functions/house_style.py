@@ -18,8 +18,8 @@ A *case* (a row of train.jsonl or heldout.jsonl) says what the request asked for
 ``name``, ``params`` ([[name, annotation], ...]), ``returns`` (the annotation) and
 ``tests`` ([[args, expected], ...], computed by a reference implementation written apart
 from the reply's text). :func:`verdict` scores a reply: its format, whether it passes the
-tests as it stands, and whether the code in it passes them once taken out of a markdown
-fence (what a base model writes is often right code in the wrong wrapping).
+tests as it stands, and the same two of the code in it once taken out of a markdown fence
+(what a base model writes is often right code in the wrong wrapping).
 
 Model replies are run in a child process with a time limit (:func:`passes_isolated`);
 ``python house_style.py`` is that child: a JSON {code, name, tests} on stdin, true or
@@ -131,13 +131,19 @@ def code_of(reply: str) -> str:
 
 def verdict(reply: str, case: dict) -> dict:
     """``format``: the reply is in the house style; ``passes``: the reply as it stands
-    passes the case's tests; ``code_passes``: the code fenced in it does."""
+    passes the case's tests; ``code_format``, ``code_passes``: the same of the code fenced
+    in it (a fenced reply can only fail the first two); ``problems`` and ``code_problems``:
+    why each format check failed."""
     problems = format_problems(reply, case)
     as_is = passes_isolated(reply, case["name"], case["tests"])
-    fenced = code_of(reply)
-    in_fence = as_is if fenced == reply else passes_isolated(fenced, case["name"], case["tests"])
-    return {"format": not problems, "passes": as_is, "code_passes": in_fence,
-            "problems": problems}
+    code = code_of(reply)
+    if code == reply:
+        return {"format": not problems, "passes": as_is, "code_format": not problems,
+                "code_passes": as_is, "problems": problems, "code_problems": problems}
+    code_problems = format_problems(code, case)
+    return {"format": not problems, "passes": as_is, "code_format": not code_problems,
+            "code_passes": passes_isolated(code, case["name"], case["tests"]),
+            "problems": problems, "code_problems": code_problems}
 
 
 if __name__ == "__main__":

@@ -32,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from house_style import render  # noqa: E402  (a sibling script, not a package)
 
 SEED = 20250101
-TRAIN_ROWS, HELDOUT_SEEN, HELDOUT_UNSEEN = 320, 28, 12
+TRAIN_ROWS, HELDOUT_SEEN = 320, 28
 TESTS_PER_ROW = 4
 #: the templates held out of training: one or two of each kind
 UNSEEN = ("fahrenheit", "floor_div", "word_count", "longer_than", "length_map", "sorted_desc")
+HELDOUT_UNSEEN = 2 * len(UNSEEN)
 
 ASKS = ("Write a Python function `{name}` that {what}.",
         "Implement `{name}`, which {what}.",
@@ -45,6 +46,7 @@ ASKS = ("Write a Python function `{name}` that {what}.",
 #: parameter names by role (none of them a comprehension's loop variable: x, a, b, w)
 NAMES = {"int": ("n", "value", "count", "number", "total", "size"),
          "float": ("amount", "price", "value", "weight", "reading"),
+         "celsius": ("celsius", "temp", "degrees", "temperature"),
          "ints": ("numbers", "values", "scores", "counts", "items", "nums", "data"),
          "floats": ("prices", "costs", "amounts", "payments"),
          "str": ("text", "s", "word", "name", "line", "label"),
@@ -131,8 +133,8 @@ TEMPLATES = (
       "Return the square of {x} minus {k}.", "{x} * {x} - {k}",
       lambda r: (r.randint(-12, 12),), lambda c: lambda x: x * x - c["k"],
       lambda r: {"k": r.randint(1, 30)}),
-    T("fahrenheit", ("to_fahrenheit", "c_to_f", "fahrenheit"), (("x", F, "float"),), "float",
-      "takes a temperature `{x}` in Celsius as a float and returns it in Fahrenheit",
+    T("fahrenheit", ("to_fahrenheit", "c_to_f", "fahrenheit"), (("x", "celsius", "float"),), "float",
+      "takes a Celsius temperature `{x}` as a float and returns it in Fahrenheit",
       "Return {x} Celsius in Fahrenheit.", "{x} * 9 / 5 + 32",
       lambda r: (round(r.uniform(-40, 100), 1),), lambda c: lambda x: x * 1.8 + 32),
     T("floor_div", ("per_group", "groups_of", "whole_parts"), (("x", I, "int"),), "int",
@@ -306,8 +308,10 @@ def make_sets(seed: int = SEED) -> tuple[list[dict], list[dict]]:
     by_key = {t.key: t for t in TEMPLATES}
     seen = [t for t in TEMPLATES if t.key not in UNSEEN]
     heldout = [dict(make_row(t, r), seen=True) for t in r.sample(seen, HELDOUT_SEEN)]
-    heldout += [dict(make_row(by_key[k], r), seen=False)
-                for k in UNSEEN for _ in range(HELDOUT_UNSEEN // len(UNSEEN))]
+    while len(heldout) < HELDOUT_SEEN + HELDOUT_UNSEEN:   # each unseen template twice
+        row = make_row(by_key[UNSEEN[(len(heldout) - HELDOUT_SEEN) // 2]], r)
+        if row["response"] not in {h["response"] for h in heldout}:   # two functions, not one
+            heldout.append(dict(row, seen=False))
     r.shuffle(heldout)   # so that the first N (bench --limit N) mix both kinds
     for row in heldout:  # held-out rows keep the reference reply apart from "response"
         row["reference"] = row.pop("response")
