@@ -4,7 +4,7 @@ toygraph/core/frozen_base.py): peak RSS, tokens/s, the decode share of the step,
 whether the losses are the same floats.
 
 Each (weight type, mode) runs in its own child process (its peak RSS is its own) on a
-random Llama-shaped GGUF (bench/random_llama.py, written once into the bench cache), with
+random Llama-shaped GGUF (bench/random_model.py, written once into the bench cache), with
 the same seeded adapter and token batches. A mode whose plan does not fit the machine is
 refused by realize in one line, and the table says so.
 
@@ -40,7 +40,7 @@ GIB = 1 << 30
 
 
 def model_file(shape: str, wtype: str) -> Path:
-    from random_llama import LLAMA1B, LLAMA8B, write_random_llama
+    from random_model import LLAMA1B, LLAMA8B, write_random_llama
     stem = f"llama{shape}-random-{wtype}"
     path = bench_cache() / stem / f"{stem}.gguf"
     if not path.is_file():

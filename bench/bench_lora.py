@@ -46,7 +46,7 @@ CONFIGS = {
     "gemma3-270m-cpu": dict(model="gemma3-270m", seq_len=64, batch=8),
     "gemma3-270m-512x8": dict(model="gemma3-270m", seq_len=512, batch=8),
     # Random weights at Qwen3.5-0.8B's and Gemma-4-E2B's layer shapes and vocabularies, one
-    # period of their layer pattern (bench/random_hf.py); torch reads the HF folder. Qwen3.5
+    # period of their layer pattern (bench/random_model.py); torch reads the HF folder. Qwen3.5
     # also trains its Gated DeltaNet projections; 128 tokens: two chunks of the delta rule.
     "qwen35-0.8b-shape-cpu": dict(model="qwen35-0.8b-shape", seq_len=128, batch=2,
                                   targets="q,k,v,o,gate,up,down,qkv,z,alpha,beta,ssm_out"),
@@ -126,7 +126,7 @@ def _random_gguf(stem: str, dims: dict, wtype: str) -> Path:
     # its own directory: transformers is pointed at a directory plus a file name
     path = bench_cache() / stem / f"{stem}.gguf"
     if not path.is_file():
-        from random_llama import write_random_llama
+        from random_model import write_random_llama
         log(f"writing {path} (random weights, {wtype}; once)")
         t0 = time.perf_counter()
         write_random_llama(path, wtype=wtype, **dims)
@@ -136,7 +136,7 @@ def _random_gguf(stem: str, dims: dict, wtype: str) -> Path:
 
 def model_path(name: str, wtype: str, a) -> Path:
     """The GGUF of a config's model; sets ``a.model_note`` when the weights are random."""
-    from random_llama import LLAMA1B, SMOLLM2_SHAPES
+    from random_model import LLAMA1B, SMOLLM2_SHAPES
     if name == "smollm2":
         from toygraph.models.catalog import find_smollm2, smollm2_path
         found = find_smollm2()
@@ -154,9 +154,9 @@ def model_path(name: str, wtype: str, a) -> Path:
         from toygraph.models.catalog import gemma3_270m_path
         return Path(gemma3_270m_path(download=True))
     if name in ("qwen35-0.8b-shape", "gemma4-e2b-shape"):
-        from random_hf import random_hf_model
+        from random_model import random_hf_model
         a.model_note = (f"random weights (transformers' init) at {name.split('-shape')[0]}'s layer "
-                        "shapes and vocabulary, one period of its layer pattern (bench/random_hf.py)")
+                        "shapes and vocabulary, one period of its layer pattern (bench/random_model.py)")
         path, a.hf_dir = random_hf_model(name, bench_cache())
         return path
     if name == "llama1b-random":
@@ -276,6 +276,7 @@ def child_toygraph(spec: dict) -> dict:
         out["device_name"] = _cuda_device_name()
     else:
         out["peak_bytes"] = peak_rss_bytes() - rss0
+        out["peak_rss"] = peak_rss_bytes()   # the process's own, all of it
         if spec.get("op_profile"):
             out["op_profile"] = _op_profile(recipe, ids[0], positions, labels[0],
                                             hp_row(len(ids) + 1, spec["lr"]))
@@ -383,6 +384,8 @@ def child_torch(spec: dict) -> dict:
     if spec["impl"] == "torch-compile":
         out["compile_s"] = step_s[0] - statistics.median(step_s[1:])
     out["peak_bytes"] = (torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - rss0)
+    if not cuda:
+        out["peak_rss"] = peak_rss_bytes()   # the process's own, all of it
     return out
 
 

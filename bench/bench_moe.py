@@ -1,5 +1,5 @@
 """A LoRA step (q,k,v,o, the default recipe otherwise) on a random Qwen3-30B-A3B-shaped
-GGUF (bench/random_moe.py, Q4_K_M's block types) on the CPU: tokens/s, peak RSS, and the
+GGUF (bench/random_model.py, Q4_K_M's block types) on the CPU: tokens/s, peak RSS, and the
 bytes of the file a step actually reads, with the base kept quantized (the experts a
 step's tokens chose are decoded one at a time, core/ops/experts.py) against decoded.
 
@@ -47,7 +47,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def model_file(n_layer: int) -> Path:
-    from random_moe import QWEN3_30B_A3B, write_random_qwen3moe
+    from random_model import QWEN3_30B_A3B, write_random_qwen3moe
     path = bench_cache() / "qwen3moe-30b-a3b-shape" / f"random-{n_layer}l-q4_k_m.gguf"
     if not path.is_file():
         log(f"writing {path} (random, {n_layer} layers; once)")

@@ -2,7 +2,7 @@
 backend (f32, the reference), and on the CUDA kernels (run by the host executor here, or
 on a GPU) at f32, at bf16 with every buffer f32 and every product its own GEMM
 (TOYGRAPH_CUDA_BF16_ACTIVATIONS=0 TOYGRAPH_CUDA_DUAL_GEMM=0) and at bf16 with the
-activations kept in bf16 and LoRA's products in one GEMM (cuda/storage.py) -- a table of
+activations kept in bf16 and LoRA's products in one GEMM (cuda/bf16_storage.py) -- a table of
 per-step losses and their relative distance from the reference.
 
     python bench/bf16_loss.py --layers 2 --steps 4 --json out.json --md out.md

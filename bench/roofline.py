@@ -140,7 +140,7 @@ TOYGRAPH_HOST_S = 100e-6     # graph launch, uploads, one loss read per step
 CONFIGS = {
     # SmolLM2-135M-Instruct as toygraph ships it (Q4_1 GGUF), bench_lora.py's LoRA shape
     "smollm2-8x512": dict(model="smollm2", batch=8, seq=512, wtype="q4_1"),
-    # Llama-3.2-1B-shaped, 32k vocabulary, f16 matrices (bench/random_llama.py's LLAMA1B)
+    # Llama-3.2-1B-shaped, 32k vocabulary, f16 matrices (bench/random_model.py's LLAMA1B)
     "llama1b-4x2048": dict(model="llama1b", batch=4, seq=2048, wtype="f16"),
     # a small config for the tests (2 SmolLM2-wide layers)
     "tiny-2x64": dict(model="tiny", batch=2, seq=64, wtype="q8_0"),

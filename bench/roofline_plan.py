@@ -9,9 +9,11 @@ The model needs shapes only, so no GGUF is read: ``shape_model`` makes a llama c
 weight records (block format, no bytes) with the config's dimensions.
 
 ``launch_cost(node, launch)`` reads each launch's own shapes (a GEMM's M, N, K and batch from
-its arguments; attention's tiles from its kernel's head-dim bound and the node's shapes) and
-returns a :class:`Cost`: FLOPs by unit, global-memory bytes, the kernel class. A kernel this
-file has no rule for is an error naming it: a new kernel needs its cost written down here.
+its arguments, by the names the kernel's parameter list gives them; attention's tiles from
+its kernel's head-dim bound and the node's shapes) and returns a :class:`Cost`: FLOPs by
+unit, global-memory bytes, the kernel class. A kernel this file has no rule for is an error
+naming it: a new kernel needs its cost written down here; tests/test_roofline.py checks
+every rule against the kernels the sources define.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from functools import lru_cache
 from typing import NamedTuple
 from math import ceil
 
-SHAPES = {  # the configs' model dimensions (bench/random_llama.py's, which bench_lora uses)
+SHAPES = {  # the configs' model dimensions (bench/random_model.py's, which bench_lora uses)
     "smollm2": dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152,
                     n_ctx=8192, rope_base=100000.0),
     "llama1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192, n_vocab=32000,
@@ -94,7 +96,7 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
     from toygraph.core.session import Session
     from toygraph.cuda.devmem import plan_device_memory
     from toygraph.cuda.lowering.dispatch import lower
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     from toygraph.recipes import LoRA, RecipeOptions
 
     class NoDevice:
@@ -140,13 +142,42 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
 
 
 # --- per launch ------------------------------------------------------------------------------------
-def _arg(launch, i) -> int:
-    return int(launch.args[i][0])
+@lru_cache(maxsize=None)
+def kernel_params() -> dict[str, tuple[str, ...]]:
+    """kernel name -> its parameter names, parsed from the kernel sources (the bf16 module:
+    every kernel), so a cost rule reads a launch's arguments by the name the kernel gives
+    them: a parameter renamed or moved is an error or is followed, never a wrong count."""
+    import toygraph.core.ops  # noqa: F401  (the op families declare their kernel files)
+    from toygraph.cuda.lowering.sources import backend_source
+    src = backend_source("bf16")
+    macros = {m[1]: m[2].strip() for m in re.finditer(r"^\s*#define\s+(\w+)[ \t]+(.*)$",
+                                                      src.replace("\\\n", " "), re.M)}
+    decl = (r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
+            r'(\w+)\s*\(([^)]*)\)')
+    return {name: tuple(re.findall(r"\w+", d)[-1] for d in macros.get(ps.strip(), ps).split(",")
+                        if d.strip())
+            for name, ps in re.findall(decl, src)}
+
+
+def _raw(launch, name: str):
+    """The argument ``launch`` passes for its kernel's parameter ``name`` (a numpy array)."""
+    params = kernel_params().get(launch.kernel, ())
+    if name not in params:
+        raise ValueError(f"bench/roofline_plan.py reads parameter {name!r} of {launch.kernel}, "
+                         f"whose parameters are {params}: update its cost rule")
+    if len(launch.args) <= params.index(name):
+        raise ValueError(f"a {launch.kernel} launch with {len(launch.args)} arguments for "
+                         f"{len(params)} parameters has no {name!r}")
+    return launch.args[params.index(name)]
+
+
+def _arg(launch, name: str) -> int:
+    return int(_raw(launch, name)[0])
 
 
 class Stored(NamedTuple):
     """How the plan stores tensors besides f32: ``raw`` the consts kept in their block
-    format, ``half`` the activations kept in bf16 (cuda/storage.py)."""
+    format, ``half`` the activations kept in bf16 (cuda/bf16_storage.py)."""
     raw: frozenset = frozenset()
     half: frozenset = frozenset()
 
@@ -165,11 +196,11 @@ def _gemm(node, launch, stored) -> Cost:
     the tensor-core kernels issue whole 128 x 128 x BK tiles (zeros past the edges)."""
     from toygraph.cuda.lowering.constants import MM_BM, MM_BK, TC_BM, TC_BF16_BK, TC_TF32_BK
     k = launch.kernel
-    M, N, K = _arg(launch, 3), _arg(launch, 4), _arg(launch, 5)
+    M, N, K = _arg(launch, "M"), _arg(launch, "N"), _arg(launch, "K")
     quant = "qmm" in k
-    nbatch = 1 if quant else _arg(launch, 10)
+    nbatch = 1 if quant else _arg(launch, "nbatch")
     if quant:   # B is the block-format weight: all its rows, row_bytes each
-        b_bytes = _arg(launch, 6) * (N if "_nt_" in k else K)
+        b_bytes = _arg(launch, "row_bytes") * (N if "_nt_" in k else K)
     elif node.op in ("matmul", "matmul_add"):
         b_bytes = 4 * node.srcs[-1].size
     else:
@@ -199,23 +230,24 @@ def _tc_gemm(node, launch, stored) -> Cost:
     from toygraph.cuda.lowering.constants import TC_BM, TC_BF16_BK
     k, kind = launch.kernel, "gemm tensor-core (cp.async + ldmatrix)"
     if k == "tg_tcg_to_bf16":           # R x K f32 (or bf16) per matrix in, R x Kp bf16 out
-        R, K, Kp, nmat = _arg(launch, 2), _arg(launch, 3), _arg(launch, 4), _arg(launch, 7)
-        return Cost(k, kind, bytes=nmat * ((2 if _arg(launch, 10) else 4) * R * K + 2 * R * Kp))
+        R, K, Kp, nmat = (_arg(launch, n) for n in ("R", "K", "Kp", "nmat"))
+        src = 2 if _arg(launch, "bf16") else 4
+        return Cost(k, kind, bytes=nmat * (src * R * K + 2 * R * Kp))
     if k.startswith("tg_tcg_deq_"):     # the block-format weight once in, N x Kp bf16 out
-        R, Kp = _arg(launch, 2), _arg(launch, 4)
+        R, Kp = _arg(launch, "R"), _arg(launch, "Kp")
         w = node.srcs[-1]
         return Cost(k, kind, bytes=_nbytes(w, stored) + 2 * R * Kp)
-    at = (4, 6) if k == "tg_tcg_sum_splits" else (10, 12)
-    add = _arg(launch, at[0]) != 0     # matmul_add's epilogue: the added tensor read once
-    half = _arg(launch, at[1])         # the bf16 mask: bit 0 the added tensor, bit 16 C
+    add = _arg(launch, "add") != 0     # matmul_add's epilogue: the added tensor read once
+    half = _arg(launch, "bf16")        # the bf16 mask: bit 0 the added tensor, bit 16 C
     c_size, add_size = (2 if half >> 16 else 4), (2 if half & 1 else 4) * add
     if k == "tg_tcg_sum_splits":        # splits partials in, one out
-        splits, n = _arg(launch, 2), _arg(launch, 3)
+        splits, n = _arg(launch, "splits"), _arg(launch, "n")
         return Cost(k, kind, fma=(splits - 1.0 + 2 * add) * n,
                     bytes=(4.0 * splits + add_size + c_size) * n)
-    M, N, Kp, splits, kts, nbatch = (_arg(launch, i) for i in range(3, 9))
+    M, N, Kp, splits, kts, nbatch = (_arg(launch, n)
+                                     for n in ("M", "N", "Kp", "splits", "kts", "nbatch"))
     if k == "tg_tcg_gemm2_bf16":        # the dual GEMM: the second product's k after the first's
-        Kp += _arg(launch, 15)
+        Kp += _arg(launch, "Kp2")
     slices = ceil(Kp / TC_BF16_BK)
     blocks = ceil(M / TC_BM) * ceil(N / TC_BM) * nbatch * splits
     # bf16 copies read once (re-reads by other tiles assumed to hit L2); C (or the f32
@@ -256,6 +288,10 @@ def visible_tile_pairs(T: int, BQ: int, BK: int, causal: bool, window: int) -> i
 def _attention(node, launch, stored) -> Cost:
     from toygraph.core.ops.flash_attention import attention_dims
     from toygraph.cuda.lowering.constants import ATTN_TILES
+    if launch.kernel == "tg_attn_bwd_sinks":   # L and D [B, H, T] in, one exp and FMA each
+        n = _arg(launch, "B") * _arg(launch, "H") * _arg(launch, "T")
+        return Cost(launch.kernel, "attention", fma=2.0 * n, sfu=n, bytes=8 * n,
+                    useful=2.0 * n)
     stem, HD = re.fullmatch(r"(tg_attn_\w+?)_(\d+)", launch.kernel).groups()
     HD = int(HD)
     BT = ATTN_TILES[HD][0]
@@ -289,13 +325,13 @@ def _tc_attention(node, launch, stored) -> Cost:
     q, kk = node.srcs[0], node.srcs[1]
     B, H, KV, T, hd = attention_dims(node)
     if k == "tg_tca_to_bf16":       # rows x hd f32 (or bf16) in, rows x HD bf16 out
-        rows, hd_, HD = _arg(launch, 2), _arg(launch, 3), _arg(launch, 4)
-        src = 2 if len(launch.args) > 8 and _arg(launch, 8) else 4
+        rows, hd_, HD = _arg(launch, "rows"), _arg(launch, "hd"), _arg(launch, "HD")
+        src = 2 if _arg(launch, "bf16") else 4
         return Cost(k, kind, bytes=src * rows * hd_ + 2 * rows * HD)
     if k == "tg_tca_bwd_prep":      # o f32, dO f32 or bf16 in; D and (unless read as is) dO bf16 out
-        rows, hd_, HD = _arg(launch, 4), _arg(launch, 5), _arg(launch, 6)
-        g = 2 if len(launch.args) > 10 and _arg(launch, 10) else 4
-        copy = 2 * rows * HD if _arg(launch, 0) else 0
+        rows, hd_, HD = _arg(launch, "rows"), _arg(launch, "hd"), _arg(launch, "HD")
+        g = 2 if _arg(launch, "bf16") else 4
+        copy = 2 * rows * HD if _arg(launch, "gb") else 0
         return Cost(k, kind, fma=2.0 * rows * hd_, bytes=(4 + g) * rows * hd_ + copy + 4 * rows)
     stem, HD = re.fullmatch(r"(tg_tca_\w+?)_(\d+)", k).groups()
     HD, BQ = int(HD), constants.TCA_BQ
@@ -307,7 +343,7 @@ def _tc_attention(node, launch, stored) -> Cost:
     passes = TCA_PASSES[stem]
     qh, kh, stats = 2 * B * H * T * HD, 2 * B * KV * T * HD, 4 * B * H * T
     if stem == "tg_tca_fwd":                   # q, k, v in; o (and L when saved) out
-        traffic = qh + 2 * kh + 4 * q.size + (stats if _arg(launch, 1) else 0)
+        traffic = qh + 2 * kh + 4 * q.size + (stats if _arg(launch, "lse") else 0)
     elif stem == "tg_tca_bwd_dq":              # q, k, v, dO, L, D in; dq out
         traffic = 2 * qh + 2 * kh + 2 * stats + 4 * q.size
     else:                                      # the same in; dk, dv out
@@ -323,7 +359,7 @@ def _streaming(kind: str, flops_per_elem: float = 1.0, sfu_per_elem: float = 0.0
         srcs = {s.id: s for s in node.srcs}.values()
         n = max(node.size, 1)
         if launch.kernel == "tg_fill":                 # writes n zeros, reads nothing
-            return Cost(launch.kernel, kind, bytes=4 * _arg(launch, 1))
+            return Cost(launch.kernel, kind, bytes=4 * _arg(launch, "n"))
         if launch.kernel.startswith("tg_get_rows_"):   # reads only the rows it gathers
             table = node.srcs[0]
             rows = node.size // table.shape[-1]
@@ -346,22 +382,22 @@ def _list_sizes(table) -> list[int]:
 def _optimizer(node, launch, stored) -> Cost:
     k = launch.kernel
     if k == "tg_adamw_list":             # per tensor: w, g, m, v in; w, m, v out
-        n = sum(_list_sizes(launch.args[0]))
+        n = sum(_list_sizes(_raw(launch, "l")))
         return Cost(k, "adamw + clip", fma=12.0 * n, sfu=n, bytes=28 * n, useful=12.0 * n)
     if k == "tg_accumulate":             # acc += g
         n = node.srcs[0].size
         return Cost(k, "adamw + clip", fma=n, bytes=12 * n, useful=n)
     if k == "tg_sumsq_list":             # the gradients' squares, per-block partial sums
-        n = sum(_list_sizes(launch.args[1]))
+        n = sum(_list_sizes(_raw(launch, "l")))
         return Cost(k, "adamw + clip", fma=2.0 * n, bytes=4 * n, useful=2.0 * n)
-    return Cost(k, "adamw + clip", bytes=8 * _arg(launch, 2))   # tg_global_norm: the partials
+    return Cost(k, "adamw + clip", bytes=8 * _arg(launch, "nparts"))   # tg_global_norm: the partials
 
 
 def _loss(node, launch, stored) -> Cost:
     """The fused head's row kernels over one chunk's [rows, V] logits (arguments c, V)."""
     k = launch.kernel
     if k in ("tg_ce_rows", "tg_ce_back", "tg_ce_back_rows"):
-        c, V = _arg(launch, 3 if k == "tg_ce_rows" else 4), _arg(launch, 4 if k == "tg_ce_rows" else 5)
+        c, V = _arg(launch, "N"), _arg(launch, "V")
         writes = 4 * c * V if k != "tg_ce_rows" else 4 * c
         return Cost(k, "loss (softmax rows)", fma=3.0 * c * V, sfu=c * V,
                     bytes=4 * c * V + writes, useful=3.0 * c * V)
@@ -373,7 +409,7 @@ RULES = [
     (r"tg_tc_matmul_\w+|tg_tc_qmm_\w+|tg_matmul(_acc)?|tg_qmm_\w+", _gemm),
     (r"tg_tcg_to_bf16|tg_tcg_gemm(2|_ta|_tb|_tab)?_bf16|tg_tcg_sum_splits|tg_tcg_deq_(nt|nn)_\w+",
      _tc_gemm),
-    (r"tg_attn_(fwd|bwd_prep|bwd_dq|bwd_dkdv)_\d+", _attention),
+    (r"tg_attn_(fwd|bwd_prep|bwd_dq|bwd_dkdv)_\d+|tg_attn_bwd_sinks", _attention),
     (r"tg_tca_to_bf16|tg_tca_bwd_prep|tg_tca_(fwd|bwd_dq|bwd_dkdv)_\d+", _tc_attention),
     (r"tg_adamw_list|tg_accumulate|tg_sumsq_list|tg_global_norm", _optimizer),
     (r"tg_ce_rows|tg_ce_back|tg_ce_back_rows|tg_ce_reduce|tg_lce_grad_scale|tg_count_valid", _loss),

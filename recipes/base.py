@@ -39,25 +39,33 @@ from toygraph.data.packing import batches_per_epoch, epoch_batches, packing_effi
 from toygraph.errors import GraphError
 from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
 
+#: Whether the CPU backend always uses the fused head + loss. On CUDA the fused op is always
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
-#: the CPU memory is rarely the limit and the fused backward recomputes the head matmul,
-#: which made a SmolLM2 LoRA step (batch 8 x seq 64, 2 cores) slower: 2.91 s against
-#: 2.67 s unfused. So the CPU keeps the unfused head; the two agree to rounding
-#: (tests/test_ops.py, tests/test_llama.py).
+#: the CPU the fused backward recomputes the head matmul, which made a SmolLM2 LoRA step
+#: (batch 8 x seq 64, 2 cores) slower: 2.91 s against 2.67 s unfused; the two agree to
+#: rounding (tests/test_ops_loss.py, tests/test_llama.py). So the CPU fuses only where the
+#: logits and their gradient would take FUSED_HEAD_CPU_BYTES or more: a 151,936-token
+#: vocabulary at 4 x 512 tokens, 2.5 GB, where a QLoRA step's base is a few hundred MB.
 FUSED_HEAD_ON_CPU = False
+FUSED_HEAD_CPU_BYTES = 256 << 20
 
 
-def fused_head(backend: str, model_cfg=None) -> bool:
-    """Whether the head and the loss run as one fused op: on CUDA (or FUSED_HEAD_ON_CPU),
-    unless the model soft-caps its logits (Gemma 4), which the fused op does not do."""
+def fused_head(backend: str, model_cfg=None, rows: int | None = None) -> bool:
+    """Whether the head and the loss run as one fused op: on CUDA, and on the CPU where
+    ``rows`` rows of logits and their gradient would take FUSED_HEAD_CPU_BYTES (or
+    FUSED_HEAD_ON_CPU), unless the model soft-caps its logits (Gemma 4), which the fused op
+    does not do."""
     if model_cfg is not None and getattr(model_cfg, "logit_softcap", 0.0):
         return False
-    return backend == "cuda" or FUSED_HEAD_ON_CPU
+    if backend == "cuda" or FUSED_HEAD_ON_CPU:
+        return True
+    return (rows is not None and model_cfg is not None
+            and 2 * 4 * rows * model_cfg.n_vocab >= FUSED_HEAD_CPU_BYTES)
 
 
 def head_loss(net, labels, backend: str):
     """The summed cross-entropy of the model's next-token logits against ``labels``."""
-    if fused_head(backend, net.cfg):
+    if fused_head(backend, net.cfg, net.hidden.shape[0]):
         return ops.linear_cross_entropy(net.hidden, net.head, labels, reduction="sum")
     return ops.cross_entropy(lm_head(net), labels, reduction="sum")
 

@@ -190,7 +190,7 @@ class GRPO(LoRA):
             logits = ops.scale(logits, 1.0 / self.sampling.temperature)
             return ops.token_logprobs(logits, self.labels).reshape(R, C)
         h = ops.scale(rows, 1.0 / self.sampling.temperature)
-        if fused_head(self.opts.backend, self.model_cfg):
+        if fused_head(self.opts.backend, self.model_cfg, h.shape[0]):
             nll = ops.linear_cross_entropy(h, net.head, self.labels, reduction="none")
             return ops.scale(nll, -1.0).reshape(R, C)
         logits = ops.matmul(h, net.head, trans_b=True)

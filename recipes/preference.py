@@ -85,7 +85,7 @@ class PreferenceRecipe(LoRA):
         per-token log-probs come from the fused head too, minus its per-row losses, so no
         [2B * seq_len, vocab] logits exist."""
         T = self.opts.seq_len
-        if fused_head(self.opts.backend, self.model_cfg):
+        if fused_head(self.opts.backend, self.model_cfg, net.hidden.shape[0]):
             nll = ops.linear_cross_entropy(net.hidden, net.head, self.labels, reduction="none")
             return ops.scale(ops.sum(nll.reshape(self.rows, T), axis=1), -1.0)
         lp = ops.token_logprobs(lm_head(net), self.labels)

@@ -54,9 +54,14 @@ HF_OVERRIDES = {
     "gemma3_linear": lambda cfg: {
         "head_dim": cfg.head_dim, "query_pre_attn_scalar": cfg.head_dim,
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                            "full_attention": {**LINEAR, "rope_theta": cfg.rope_base}}},
+                            "full_attention": {**LINEAR, "rope_theta": global_rope_base(cfg)}}},
 }
 ROPE_REBUILD = {"llama3": LLAMA3_ROPE_SCALING, "llama_linear": LINEAR}
+
+
+def global_rope_base(cfg):
+    """The file's rope.freq_base: the full-attention layers' rope base."""
+    return next(a.rope.base for a in cfg.attention if a.window == 0)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +79,7 @@ def reference_for(name):
             str(path.parent), gguf_file=path.name, dtype=torch.float32, **kw)
         if name in ROPE_REBUILD:  # same weights, the rope the GGUF's tensor/keys describe
             hf = model.config.to_dict()
-            hf["rope_parameters"] = {**ROPE_REBUILD[name], "rope_theta": cfg.rope_base}
+            hf["rope_parameters"] = {**ROPE_REBUILD[name], "rope_theta": global_rope_base(cfg)}
             rebuilt = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(hf))
             rebuilt.load_state_dict(model.state_dict())
             model = rebuilt.float().eval()
@@ -99,12 +104,14 @@ def test_the_fixtures_exercise_what_they_claim(models):
     for cfg in (q3, g3):
         assert cfg.head_dim * cfg.n_head != cfg.n_embd and cfg.n_embd % 32 and cfg.n_ff % 32
         assert cfg.n_head_kv < cfg.n_head
-    assert set(g3.windows) == {0, g3.sliding_window} and g3.sliding_window < 16
-    assert g3.rope_bases[5] == g3.rope_base == 1e6 and g3.rope_bases[0] == 10000.0
+    windows = {a.window for a in g3.attention}
+    assert 0 in windows and len(windows) == 2 and max(windows) < 16
+    assert g3.attention[5].rope.base == 1e6 and g3.attention[0].rope.base == 10000.0
     assert l3.rope_freqs and len(set(GGUFModel(models["llama3"]).tensor(
         "rope_freqs.weight").dequantize().tolist())) >= 3  # kept, smoothed and scaled bands
     g3l = GGUFModel(models["gemma3_linear"]).config
-    assert g3l.rope_scales[5] == 0.25 and g3l.rope_scales[0] == 1.0  # global layers only
+    # the file's linear scaling on the global layers only
+    assert g3l.attention[5].rope.scale == 0.25 and g3l.attention[0].rope.scale == 1.0
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3"])

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from test_train import write_chat_data
+from test_run import write_chat_data
 from toygraph.training.bus_error import what_changed
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
 from toygraph.training.run_dir import LOCK_FILE, read_events

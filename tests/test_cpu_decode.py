@@ -9,7 +9,7 @@ import pytest
 from toygraph.errors import GGUFError
 from toygraph.cpu import block_tensor as decode, engine
 from toygraph.gguf import block_encode, blocks
-from test_quant import random_blocks, reference
+from test_blocks import random_blocks, reference
 
 BLOCK_TYPES = [t for t in engine.FORMATS if t not in ("f16", "bf16")]
 
@@ -119,3 +119,30 @@ def test_gguf_py_agrees_on_a_q8_0_file_layout():
     raw = np.ascontiguousarray(gq.quantize(x, blocks.GGML_TYPE["q8_0"])).view(np.uint8)
     out = decode.dequantize_into(raw, "q8_0", x.shape, np.empty(x.shape, np.float32))
     np.testing.assert_array_equal(bits(out), bits(reference(raw, "q8_0", x.shape)))
+
+
+def test_a_compiler_without_march_native_builds_for_its_default_target(monkeypatch, tmp_path,
+                                                                          caplog):
+    """A g++ that refuses -march=native (some cross or older compilers): the engine is
+    built for the compiler's default target instead of falling back to numpy."""
+    import shutil
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++")
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\n'
+                       f'exec {gxx} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path / "cache"))
+    engine.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="toygraph.cpu.engine"):
+            assert engine.library() is not None
+        assert "default target" in caplog.text
+        shape = (2, 256)
+        raw = encoded("q4_k", shape)
+        out = decode.dequantize_into(raw, "q4_k", shape, np.empty(shape, np.float32))
+        np.testing.assert_array_equal(bits(out), bits(blocks.dequantize(raw, "q4_k", shape)))
+    finally:
+        engine.library.cache_clear()

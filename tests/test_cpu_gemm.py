@@ -13,7 +13,7 @@ term, gamma_(k+2)."""
 import numpy as np
 import pytest
 
-from test_quant import random_blocks
+from test_blocks import random_blocks
 from toygraph.cpu import engine
 from toygraph.errors import GGUFError, ToygraphError
 from toygraph.gguf import block_encode, blocks
@@ -156,3 +156,40 @@ def test_a_broken_dot_kernel_offset_fails_the_bound():
     x = inputs(2, K)
     y = engine.matmul_nt(x, raw, "q4_k", (N, K), np.empty((2, N), np.float32), kernel=2, lib=lib)
     assert not within_bound(y, x, w.T, extra=2)[0]
+
+
+def _other_target(target: str):
+    """The engine built for another x86 target than this machine's (skipped elsewhere)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 targets")
+    return engine.load(engine.source(), target)
+
+
+@pytest.mark.parametrize("target,simd", [
+    ("-march=x86-64-v3", "avx2"),
+    pytest.param("-march=x86-64", "portable", marks=pytest.mark.slow)])
+def test_the_other_code_paths_compute_the_same_products(target, simd):
+    """The AVX2 tiles (6 x 16) and the scalar fallback, built here whatever this CPU has:
+    the forward panels, the backward panels and the dot kernels within the bound."""
+    lib = _other_target(target)
+    assert lib.tg_simd().decode() == simd
+    for fmt in ("q4_k", "q5_0", "f16"):
+        qk, _ = blocks.BLOCK[fmt]
+        N, K = 45, SHAPES[qk]
+        raw = weight(fmt, N, K)
+        w = blocks.dequantize(raw, fmt, (N, K))
+        for M in (2, 9):
+            x, g = inputs(M, K), inputs(M, N, seed=2)
+            y = engine.matmul_nt(x, raw, fmt, (N, K), np.empty((M, N), np.float32), kernel=1, lib=lib)
+            assert within_bound(y, x, w.T)[0], (fmt, M)
+            dx = engine.matmul_nn(g, raw, fmt, (N, K), np.empty((M, K), np.float32), lib=lib)
+            assert within_bound(dx, g, w)[0], (fmt, M)
+            if M <= engine.DOT_MAX_M:
+                dot = engine.matmul_nt(x, raw, fmt, (N, K), np.empty((M, N), np.float32),
+                                       kernel=2, lib=lib)
+                assert within_bound(dot, x, w.T, extra=2)[0], (fmt, M)
+        out = np.empty((N, K), np.float32)
+        lib.tg_decode(engine.FORMATS.index(fmt), blocks.as_bytes(raw).ctypes.data,
+                      out.ctypes.data, N * K // qk)
+        np.testing.assert_array_equal(out.view(np.uint32), w.view(np.uint32))

@@ -13,7 +13,7 @@ import pytest
 
 from toygraph.cuda import driver
 
-ON_HOST = os.environ.get("TOYGRAPH_CUDA_DEVICE") == "host"   # the CPU executor (hostdev.py)
+ON_HOST = os.environ.get("TOYGRAPH_CUDA_DEVICE") == "host"   # the CPU executor (cuda/host/)
 if not driver.available() and not ON_HOST:
     pytest.skip("no CUDA device", allow_module_level=True)
 
@@ -23,14 +23,14 @@ from toygraph.core.autodiff import accumulate_grads, backward  # noqa: E402
 from toygraph.cuda.backend import CudaBackend  # noqa: E402
 from toygraph.errors import CudaError, GraphError  # noqa: E402
 from toygraph.core.graph import Graph, topo_order  # noqa: E402
-from toygraph.core.memory import plan_buffers  # noqa: E402
+from toygraph.core.buffer_plan import plan_buffers  # noqa: E402
 from toygraph.core.optimizer import build_training, hp_row  # noqa: E402
 from toygraph.core.session import Session  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 # The parity helpers (and tolerances) are shared with the host-executor tests, which run
 # these same comparisons on the CPU in CI.
-from hostparity import ELEMENTWISE, REDUCTION, compare_op, qlinear, rel_err, rnd, run_phase  # noqa: E402,F401
+from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, qlinear, rel_err, rnd, run_phase  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("name,build,shapes,tol", [
@@ -284,7 +284,7 @@ def test_bad_quantized_size_is_a_cuda_error():
         Session(g, backend="cuda").realize()
 
 
-# --- frozen consts kept in block format (kernels/qmatmul.cu) -----------------------------------
+# --- frozen consts kept in block format (core/ops/qmatmul.cu) ----------------------------------
 BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
 
 
@@ -427,7 +427,7 @@ def test_block_format_weights_use_less_device_memory(monkeypatch):
     assert used_f - used_q >= 0.9 * rep_q["saved_bytes"]
 
 
-# --- mixed precision: tensor-core matmuls (dtype "bf16" / "tf32", kernels/tc_matmul.cu) --------
+# --- mixed precision: tensor-core matmuls (dtype "bf16" / "tf32", core/ops/tc_matmul.cu) -------
 MIXED_TOL = {"bf16": 2e-2, "tf32": 5e-3}
 MATMUL_CASES = [
     ((3, 4), (4, 5), False, False), ((3, 4), (5, 4), False, True),

@@ -8,15 +8,15 @@ its own tests (tests/test_ops_<family>.py); the NVRTC tests skip only when
 import numpy as np
 import pytest
 
-from cudaemu import needs_nvrtc
+from support.cudaemu import needs_nvrtc
 from toygraph.core import ops
 from toygraph.gguf import blocks
 from toygraph.cuda.lowering import dispatch
 from toygraph.core.ops.gemm import DEQUANT_KERNELS
-from kernelsrc import KERNEL_NAMES
+from support.kernelsrc import KERNEL_NAMES
 from toygraph.cuda.lowering.sources import backend_source
 from toygraph.cuda.lowering.launch import collapse
-from kernelsrc import OP_KERNELS
+from support.kernelsrc import OP_KERNELS
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
 

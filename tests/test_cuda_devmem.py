@@ -5,7 +5,7 @@ where no fused kernel reads it."""
 import numpy as np
 import pytest
 
-from cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
+from support.cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
 from toygraph.core import ops
 from toygraph.gguf import blocks
 from toygraph.cuda import devmem

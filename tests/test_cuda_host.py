@@ -8,7 +8,7 @@ Needs g++ (CI installs it in .ci/run); no GPU, never skipped.
 import numpy as np
 import pytest
 
-from hostparity import (ELEMENTWISE, MIXED_TOL, REDUCTION, compare_op, op_case, rel_err, rnd,
+from support.hostparity import (ELEMENTWISE, MIXED_TOL, REDUCTION, compare_op, op_case, rel_err, rnd,
                         run_phase)
 from toygraph.core import ops
 from toygraph.cuda import backend as cuda_backend

@@ -9,7 +9,7 @@ kernels (its row length is derived from its block size).
 import numpy as np
 import pytest
 
-from hostparity import MIXED_TOL, REDUCTION, qlinear, rel_err, rnd, run_phase
+from support.hostparity import MIXED_TOL, REDUCTION, qlinear, rel_err, rnd, run_phase
 from toygraph.core import ops
 from toygraph.gguf import block_encode, blocks
 from toygraph.core.autodiff import accumulate_grads, backward
@@ -200,7 +200,7 @@ def test_results_do_not_depend_on_the_thread_schedule(case, monkeypatch):
     """Threads of a block run first to last between barriers, then last to first
     (TOYGRAPH_HOST_SCHEDULE=reverse): a read of shared memory another thread writes without
     a barrier in between sees a different value, so race-free kernels are bit-identical."""
-    from hostparity import op_case
+    from support.hostparity import op_case
     from toygraph.core.ops import loss as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
 
@@ -279,7 +279,7 @@ def test_lora_step_of_a_mixture_of_experts_matches_numpy(name, fmt, tmp_path):
     """The MoE fixtures (tests/data/moe) with their experts in a block format: the grouped
     GEMMs read them in it on the device; 3 attention-LoRA steps within 1e-4 of numpy
     (gpt-oss: sinks, biases, clamped SwiGLU and YaRN on the host device too)."""
-    from moe_references import requantize
+    from support.moe_references import requantize
     path = requantize(name, tmp_path / f"{fmt}.gguf", {"_exps.weight": fmt})
     attention = ("q", "k", "v", "o")
     _, cpu_losses = _lora_run(path, "cpu", targets=attention)

@@ -139,7 +139,8 @@ def test_the_poison_check_catches_scratch_that_outlives_its_node(monkeypatch):
 
 
 def test_smollm2_dpo_step_plans_one_256_mib_scratch(smollm2, monkeypatch):
-    """SmolLM2 DPO at 2 pairs x 512 on the fused head (bench/plan_preference.py): three
+    """SmolLM2 DPO at 2 pairs x 512 on the fused head (bench/results/
+    plan-preference-smollm2-2026-11-23.md): three
     linear_cross_entropy nodes each need a [1344, 49152] f32 logits block (1344 rows of
     LCE_CHUNK_BYTES); sharing holds one of them instead of three."""
     import toygraph.recipes.base as recipe_base

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from test_data import FakeTokenizer, chat, targets
+from test_batches import FakeTokenizer, chat, targets
 from toygraph.data.batches import (Example, encode_dataset, encode_example, encode_rows, load_examples,
                            split_train_val)
 from toygraph.errors import DataError

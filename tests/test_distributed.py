@@ -22,7 +22,7 @@ from toygraph.core import distributed, ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
-from test_train import write_chat_data
+from test_run import write_chat_data
 
 LAUNCHER_ENV = [v for pair in distributed.LAUNCHER_VARS for v in pair]
 

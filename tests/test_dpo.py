@@ -4,7 +4,7 @@ weights the policy reads (no second copy), one realized graph runs on the CUDA b
 import numpy as np
 import pytest
 
-from gradcheck import check_gradients
+from support.gradcheck import check_gradients
 from test_dpo_reference import B, T, batches_for
 from toygraph.errors import GraphError
 from toygraph.models.model import GGUFModel

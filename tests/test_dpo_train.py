@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_train import _stop_after, events
+from test_run import _stop_after, events
 from toygraph.demo.capitals import data_path as capitals_data
 from toygraph import cli
 from toygraph.errors import ToygraphError

@@ -9,7 +9,7 @@ import pytest
 
 from toygraph.core import frozen_base, ops
 from toygraph.core.graph import Graph, topo_order
-from toygraph.core.memory import aligned, plan_buffers
+from toygraph.core.buffer_plan import aligned, plan_buffers
 from toygraph.core.optimizer import hp_row
 from toygraph.core.session import Session
 from toygraph.errors import GraphError, SettingError
@@ -179,7 +179,7 @@ def test_moe_lora_steps_with_the_experts_quantized(name, qtype, with_engine, tmp
     """The committed MoE fixtures with their experts (and attention) requantized: LoRA
     steps read only the chosen experts' blocks and give decode mode's losses, bit for bit
     on the scratch path, within f32 rounding through the engine."""
-    from moe_references import requantize
+    from support.moe_references import requantize
     if not with_engine:
         monkeypatch.setattr(engine, "available", lambda fmt=None: False)
     path = requantize(name, tmp_path / "m.gguf", {"_exps": qtype, "attn_q.": "q8_0"})
@@ -283,3 +283,40 @@ def test_f32_files_and_graphs_without_block_consts_report_no_base():
     sess = Session(g, base_memory="quantized")
     plan = sess.realize()
     assert plan.base_memory == "" and "base" not in plan.summary()
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q6_k"])
+def test_the_fused_head_reads_a_head_kept_in_blocks_through_the_engine(qtype):
+    """linear_cross_entropy and its backward (dh) over a frozen head in blocks: the engine
+    multiplies each chunk of rows on the blocks (no decode scratch), agreeing with the
+    decoded head's BLAS products to f32 rounding."""
+    rng = np.random.default_rng(4)
+    V, D, N = 300, 256, 150            # more rows than one chunk (LCE_ROWS = 128)
+    g = Graph()
+    head = g.const("head", block_encode.quantize((rng.standard_normal((V, D)) * 0.1)
+                                                 .astype(np.float32), qtype),
+                   shape=(V, D), storage=qtype)
+    h = g.param("h", (rng.standard_normal((N, D)) * 0.5).astype(np.float32))
+    labels = g.input("labels", (N,), "i32")
+    loss = ops.linear_cross_entropy(h, head, labels, reduction="sum")
+    from toygraph.core.autodiff import backward
+    grads = backward(loss, [h])
+    outs = [g.output(loss), g.output(grads[h])]
+    feed = {labels: np.where(rng.random(N) < 0.2, -1, rng.integers(0, V, N)).astype(np.int32)}
+    ref = _run(g, outs, feed, "decode")[1]
+    sess, got = _run(g, outs, feed, "quantized")
+    assert sess.plan.scratch_bytes == 0 and sess.backend.decode_seconds == 0
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-4, atol=1e-6 * np.abs(ref[1]).max())
+
+
+def test_the_cpu_fuses_the_head_where_the_logits_would_be_large():
+    from toygraph.recipes import base as recipe_base
+
+    class Cfg:
+        logit_softcap, n_vocab = 0.0, 151936
+    assert not recipe_base.fused_head("cpu", Cfg(), rows=128)        # 156 MB of logits + grads
+    assert recipe_base.fused_head("cpu", Cfg(), rows=512)            # 622 MB
+    assert recipe_base.fused_head("cuda", Cfg(), rows=1)
+    Cfg.logit_softcap = 30.0
+    assert not recipe_base.fused_head("cpu", Cfg(), rows=4096)

@@ -31,7 +31,8 @@ def test_config_is_the_released_model(gemma3_270m):
     cfg = GGUFModel(gemma3_270m).config
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_vocab) == \
         (18, 640, 4, 1, 256, 262144)
-    assert cfg.windows.count(0) == 3 and cfg.sliding_window == 512 and cfg.tied_output
+    windows = [a.window for a in cfg.attention]
+    assert windows.count(0) == 3 and set(windows) == {0, 512} and cfg.tied_output
 
 
 def test_loss_of_real_text_past_the_window_matches_transformers(gemma3_270m):

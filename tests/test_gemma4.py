@@ -1,5 +1,5 @@
 """Gemma 4 text against transformers: a tiny random Gemma4ForCausalLM built by transformers,
-written to GGUF by llama.cpp's convert_hf_to_gguf.py (tests/converted.py), with every part
+written to GGUF by llama.cpp's convert_hf_to_gguf.py (tests/support/converted.py), with every part
 the architecture carries switched on: sliding and global layers with their own head sizes,
 KV-head counts and rope (the global layers' "proportional" partial rope through
 rope_freqs), keys reused as values on the global layers (attention_k_eq_v), KV sharing
@@ -10,7 +10,7 @@ the exported adapter is reloaded in PEFT."""
 import numpy as np
 import pytest
 
-from converted import check_adapter_loss, check_checkpointing, convert, hf_model, tiny_sentencepiece_tokenizer
+from support.converted import check_adapter_loss, check_checkpointing, convert, hf_model, tiny_sentencepiece_tokenizer
 from test_arch_models import reference_loss
 from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
@@ -71,11 +71,18 @@ def test_the_file_carries_every_part(gemma4):
     path, _ = gemma4
     m = GGUFModel(path)
     cfg = m.config
-    assert cfg.head_dims == (16, 16, 32, 16, 16, 32) and cfg.kv_heads == (2, 2, 1, 2, 2, 1)
-    assert cfg.ffs == (80, 80, 80, 80, 160, 160) and cfg.windows == (5, 5, 0, 5, 5, 0)
-    assert cfg.kv_sources == (0, 1, 2, 3, 3, 2) and cfg.ple_dim == 8 and cfg.logit_softcap == 3.0
-    assert cfg.layer_rope(2) == (32, True) and cfg.layer_rope(0) == (16, False)
-    assert cfg.attn_scale == 1.0 and cfg.rope_bases[:3] == (10000.0, 10000.0, 1e6)
+    attn = cfg.attention
+    assert [a.head_dim for a in attn] == [16, 16, 32, 16, 16, 32]
+    assert [a.kv_heads for a in attn] == [2, 2, 1, 2, 2, 1]
+    assert [layer.ffn.width for layer in cfg.layers] == [80, 80, 80, 80, 160, 160]
+    assert [a.window for a in attn] == [5, 5, 0, 5, 5, 0]
+    assert [a.kv_from for a in attn] == [None] * 4 + [3, 2]
+    assert [a.keys_as_values for a in attn] == [False, False, True, False, False, False]
+    assert cfg.ple_dim == 8 and cfg.logit_softcap == 3.0
+    assert (attn[2].rope.dims, attn[2].rope.factors) == (32, "rope_freqs.weight")
+    assert (attn[0].rope.dims, attn[0].rope.factors) == (16, None)
+    assert {a.scale for a in attn} == {1.0}
+    assert [a.rope.base for a in attn[:3]] == [10000.0, 10000.0, 1e6]
     names = set(m.tensor_names())
     assert "blk.2.attn_v.weight" not in names and "blk.0.attn_v.weight" in names
     assert "blk.4.attn_k.weight" not in names and "blk.4.attn_q.weight" in names

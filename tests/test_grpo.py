@@ -64,7 +64,7 @@ def test_the_sampler_shares_the_trained_tensors(tiny_llama, prompts):
 
 def test_the_sampler_on_gpt_oss(prompts):
     """Sinks, sliding windows, MoE layers (the other families: test_gemma4.py, test_qwen35.py)."""
-    from moe_references import gguf_path
+    from support.moe_references import gguf_path
     check_the_sampler_shares_the_trained_tensors(gguf_path("gpt-oss"), prompts)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradcheck import check_gradients
+from support.gradcheck import check_gradients
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph

@@ -7,7 +7,7 @@ the turn's reply alone a target, closed by <|return|> (or <|call|> for a tool ca
 tests/data/templates/openai-gpt-oss-120b.jinja is llama.cpp's models/templates copy of the
 chat template of openai/gpt-oss-120b (the same as gpt-oss-20b's; Apache-2.0), byte for byte
 as vendored in llama-cpp-python 0.3.36's source distribution (the sdist
-tests/moe_references.py takes the converter from), sha256
+tests/support/moe_references.py takes the converter from), sha256
 a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146.
 
 The tokenizer is the tiny gpt-oss fixture's (tests/data/moe/gpt-oss) with the harmony
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_references import gguf_path
+from support.moe_references import gguf_path
 from toygraph.data.encoding import encode_rows
 from toygraph.data.examples import Example
 from toygraph.gguf.tokenizer import Tokenizer

@@ -15,17 +15,18 @@ import re
 import numpy as np
 import pytest
 
-from cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
+from support.cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
 from toygraph.core import ops
 from toygraph.gguf import blocks
 from toygraph.core.autodiff import backward
 from toygraph.cuda import devmem
 from toygraph.cuda.lowering import dispatch
 from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS, LIST_TENSORS, TCA_HEAD_DIMS
-from kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
+from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.cuda.lowering.sources import module_source
-from toygraph.cuda.lowering.launch import MAXD, Launch, f32, f64, i32, p, strided
+from toygraph.cuda.lowering.launch import MAXD, Launch, f32_arg, f64_arg, i32_arg, ptr_arg, strided
+from toygraph.core.buffer_plan import plan_buffers
 from toygraph.core.graph import Graph, topo_order
 from toygraph.core.ops.flash_attention import backward_node
 
@@ -93,43 +94,57 @@ def mismatches(launch: Launch, signatures=SIGNATURES) -> list[str]:
 
 
 # --- the launches --------------------------------------------------------------------------
-def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS, storage=None):
+def _lower_all(nodes, raw=frozenset(), precisions=PRECISIONS, storage=None, offsets=None):
     """(op, launch) for every non-leaf node of ``nodes`` at every precision (kernel launches
     only: all_reduce's Collective step is no kernel; tests/test_distributed.py covers it);
-    ``storage``: a bf16 plan's (cuda/storage.py) bf16 tensors and absorbed products."""
+    ``storage``: a bf16 plan's (cuda/bf16_storage.py) bf16 tensors and absorbed products,
+    ``offsets`` the arena offsets of the buffer plan made with it (:func:`_arena`): as on the
+    device, a view of a bf16 buffer then has its source's address and launches nothing.
+    Every other tensor gets an address of its own."""
     out = []
     bf16, absorbed = storage or (frozenset(), {})
+    offsets = offsets or {}
+
+    def ptr(t):
+        return (1 << 44) + offsets[t.id] if t.id in offsets else (t.id + 1) << 20
     for node in nodes:
         if node.op is None:
             continue
         for prec in precisions:
-            out += [(node.op, l) for l in dispatch.lower(node, lambda t: (t.id + 1) << 20,
-                                                         1 << 40, raw, prec, bf16, absorbed)
+            out += [(node.op, l) for l in dispatch.lower(node, ptr, 1 << 40, raw, prec, bf16,
+                                                         absorbed)
                     if isinstance(l, Launch)]
     return out
+
+
+def _arena(order, pinned, storage):
+    """The arena offsets of the buffer plan of schedule ``order`` with ``storage``."""
+    return plan_buffers(order, pinned, 4, storage=storage).offsets
 
 
 def _k_major_launches():
     """A product of two bf16-kept operands both read k-major (glu outputs, k = rows):
     tg_tcg_gemm_tab_bf16, which the tiny models' plans do not reach."""
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     g = Graph()
     act, y = (ops.glu(g.param(n + "g", np.ones((40, 24))), g.param(n + "u", np.ones((40, 24))),
                       "silu") for n in "ay")
     z = g.output(ops.matmul(act, y, trans_a=True))
     order, pinned, _, _ = training_plan(g)
-    return _lower_all([z], frozenset(), ("bf16",), plan_storage(order, pinned, "bf16"))
+    storage = plan_storage(order, pinned, "bf16")
+    return _lower_all([z], frozenset(), ("bf16",), storage, _arena(order, pinned, storage))
 
 
 def _model_launches(path, **lora_graph_kw):
     """Every precision as the backends lower it, and bf16 again with its storage plan (bf16
     activations, the dual GEMM)."""
-    from toygraph.cuda.storage import plan_storage
+    from toygraph.cuda.bf16_storage import plan_storage
     order, pinned, plan, outputs = training_plan(lora_graph(path, **lora_graph_kw))
     raw = frozenset(devmem.plan_device_memory(order, plan, pinned, outputs, qmatmul=True)
                     .raw_consts)
-    return _lower_all(order, raw) + _lower_all(order, raw, ("bf16",),
-                                               plan_storage(order, pinned, "bf16"))
+    storage = plan_storage(order, pinned, "bf16")
+    return _lower_all(order, raw) + _lower_all(order, raw, ("bf16",), storage,
+                                               _arena(order, pinned, storage))
 
 
 def _full_finetune_launches(path):
@@ -315,22 +330,23 @@ def test_every_launch_matches_its_kernel_signature(launches):
 
 
 def test_a_wrong_launch_is_caught():
-    good = Launch("tg_scale", (1, 1, 1), [p(1 << 20), p(2 << 20), i32(8), f32(0.5)])
+    good = Launch("tg_scale", (1, 1, 1), [ptr_arg(1 << 20), ptr_arg(2 << 20), i32_arg(8),
+                                          f32_arg(0.5)])
     assert mismatches(good) == []
     bad = {
         "missing": (good.args[:3], "3 arguments for 4 parameters"),
-        "extra": (good.args + [i32(0)], "5 arguments for 4 parameters"),
-        "f64 for float": (good.args[:3] + [f64(0.5)], "parameter 3 .float.: got float64.1., "
-                                                       "want float32.1."),
+        "extra": (good.args + [i32_arg(0)], "5 arguments for 4 parameters"),
+        "f64 for float": (good.args[:3] + [f64_arg(0.5)],
+                          "parameter 3 .float.: got float64.1., want float32.1."),
         "python int": (good.args[:2] + [8, good.args[3]], "parameter 2 .int.: got int, want"),
-        "int for pointer": (good.args[:1] + [i32(7)] + good.args[2:],
+        "int for pointer": (good.args[:1] + [i32_arg(7)] + good.args[2:],
                             "parameter 1 .float..: got int32.1., want uint64.1."),
     }
     for what, (args, message) in bad.items():
         found = mismatches(Launch("tg_scale", (1, 1, 1), args))
         assert len(found) == 1 and re.search(message, found[0]), (what, found)
     short = strided([2, 3], [3, 1])[:-1]                         # a Strided struct too short
-    gather = Launch("tg_gather", (1, 1, 1), [p(1), p(2), i32(6), short])
+    gather = Launch("tg_gather", (1, 1, 1), [ptr_arg(1), ptr_arg(2), i32_arg(6), short])
     assert mismatches(gather) == [f"tg_gather parameter 3 (Strided): got int32[{3 * MAXD}], "
                                   f"want int32[{3 * MAXD + 1}]"]
     assert mismatches(Launch("tg_nope", (1, 1, 1), [])) == ["tg_nope: no such kernel in the "
@@ -340,5 +356,5 @@ def test_a_wrong_launch_is_caught():
 def test_a_type_without_a_packing_rule_is_reported():
     sigs = kernel_signatures('extern "C" __global__ void k(float* a, unsigned short n) {}')
     assert sigs == {"k": ["float*", "unsigned short"]}
-    assert mismatches(Launch("k", (1, 1, 1), [p(1), i32(1)]), sigs) == [
+    assert mismatches(Launch("k", (1, 1, 1), [ptr_arg(1), i32_arg(1)]), sigs) == [
         "k parameter 1: no packing rule for C type unsigned short"]

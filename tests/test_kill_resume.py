@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from test_train import events, write_chat_data
+from test_run import events, write_chat_data
 from toygraph.training.checkpoints import find_resumable
 from toygraph.cli import main
 from toygraph.errors import DataError

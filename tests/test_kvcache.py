@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from hostparity import run_phase
+from support.hostparity import run_phase
 from toygraph.core import ops
 from toygraph.adapters.files import save_peft
 from toygraph.cli import main

@@ -20,14 +20,16 @@ SOURCES = {"toygraph": ROOT / "toygraph", "toygraph.recipes": ROOT / "recipes",
 
 #: Lowest first. The CUDA lowering API (the registry, launches and kernel sources the op
 #: families declare their CUDA side with) sits below the core; the CUDA runtime (driver,
-#: NVRTC, the backend, the host device) beside the core, as its second backend.
+#: NVRTC, the backend, the host device) above it: it reads the op table and the buffer
+#: plan, and registers itself as a backend the session finds by name (core/backends.py).
 LAYERS = [
     ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment", "toygraph.atomic",
-                    "toygraph.moved", "toygraph.bounded", "toygraph.limits")),
+                    "toygraph.bounded", "toygraph.limits")),
     ("the GGUF file", ("toygraph.gguf",)),
     ("the CPU engine", ("toygraph.cpu",)),
     ("CUDA lowering API", ("toygraph.cuda.lowering",)),
-    ("graph core and backends", ("toygraph.core", "toygraph.cuda")),
+    ("graph core", ("toygraph.core",)),
+    ("CUDA backend", ("toygraph.cuda",)),
     ("models", ("toygraph.models",)),
     ("adapters", ("toygraph.adapters",)),
     ("data", ("toygraph.data",)),
@@ -39,10 +41,6 @@ LAYERS = [
     ("test fixtures", ("toygraph.fixtures",)),
 ]
 MAX_TOP_LEVEL_MODULES = 10
-#: Imports against the layers that stand only for a 0.1 import path kept one release
-#: (toygraph/moved.py): `toygraph.gguf.GGUFModel` forwards to the models layer.
-DEPRECATED_ALIASES = {("toygraph.gguf", "toygraph.models.model"),
-                      ("toygraph.gguf", "toygraph.models")}
 
 
 def modules() -> dict[str, Path]:
@@ -138,7 +136,7 @@ def test_no_import_cycles():
 def test_every_import_points_down_the_layers():
     upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
               for a in sorted(GRAPH) for b in sorted(GRAPH[a])
-              if layer_of(b) > layer_of(a) and (a, b) not in DEPRECATED_ALIASES]
+              if layer_of(b) > layer_of(a)]
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
 
 
@@ -161,29 +159,3 @@ def test_a_planted_upward_import_would_be_caught(name, tmp_path):
     fake.write_text(MODULES[name].read_text() + "\nfrom toygraph.training.loop import Trainer\n")
     got = imports(name, fake, set(MODULES))
     assert "toygraph.training.loop" in got and layer_of("toygraph.training.loop") > layer_of(name)
-
-
-def test_the_old_import_paths_still_work_for_one_release():
-    """The README's 0.1 imports resolve to the moved modules, each with a warning naming
-    the new place."""
-    import importlib
-    import warnings
-    from toygraph.moved import MOVED
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from toygraph.gguf import GGUFModel
-        from toygraph.optim import hp_row
-        preference = importlib.import_module("toygraph.preference")
-        packing = importlib.import_module("toygraph.packing")
-    from toygraph.core.optimizer import hp_row as new_hp_row
-    from toygraph.data import packing as new_packing
-    from toygraph.data import preference as new_preference
-    from toygraph.models.model import GGUFModel as NewGGUFModel
-    assert (GGUFModel, hp_row, preference, packing) == \
-        (NewGGUFModel, new_hp_row, new_preference, new_packing)
-    said = " ".join(str(w.message) for w in caught if w.category is DeprecationWarning)
-    for old, new in (("toygraph.optim", "toygraph.core.optimizer"),
-                     ("toygraph.gguf.GGUFModel", "toygraph.models.model.GGUFModel")):
-        assert f"{old} moved to {new}" in said
-    for old, new in MOVED.items():   # every entry names a module that exists
-        assert new in MODULES and old not in MODULES, (old, new)

@@ -12,7 +12,7 @@ import pytest
 from toygraph import limits
 from toygraph.cli import main as cli_main
 from toygraph.core import frozen_base as base_memory
-from toygraph.core.memory import BufferPlan
+from toygraph.core.buffer_plan import BufferPlan
 from toygraph.gguf.tokenizer import Tokenizer
 
 

@@ -3,7 +3,7 @@ loading the same GGUF (float32), and finite differences through the whole graph.
 import numpy as np
 import pytest
 
-from gradcheck import check_gradients
+from support.gradcheck import check_gradients
 from toygraph.core import ops
 from toygraph.errors import GraphError
 from toygraph.models.model import GGUFModel
@@ -108,7 +108,7 @@ def assert_attention_is_token_major(path):
     backward."""
     g, cfg = lora_step_graph(path)
     atts = [t for t in g.nodes if t.op == "attention"]
-    assert len(atts) == sum(not cfg.layer_recurrent(i) for i in range(cfg.n_layer))
+    assert len(atts) == len(cfg.attention)
     assert all(t.attrs["layout"] == "bthd" for t in atts)
     near = {s.id for t in g.nodes if t.op in ("attention", "attention_back") for s in t.srcs}
     near |= {t.id for t in g.nodes if t.op == "unpack"

@@ -157,7 +157,7 @@ def base_weight(path, name):
 def run_and_resume(model, tmp_path, **kw):
     """4 steps straight, and 2 steps, Ctrl-C, resume, 2 more: (the data, the step losses
     of each); the straight run is in tmp_path / "full"."""
-    from test_train import _stop_after, cfg_for, events, write_chat_data
+    from test_run import _stop_after, cfg_for, events, write_chat_data
     from toygraph.training import run_training
     data = write_chat_data(tmp_path / "chat.jsonl")
     kw = dict(steps=4, save_every=2, **kw)
@@ -173,7 +173,7 @@ def run_and_resume(model, tmp_path, **kw):
 
 def test_a_dora_rslora_lora_plus_run_resumes_exactly_and_writes_its_adapter(tiny_qwen2,
                                                                               tmp_path):
-    from test_train import cfg_for
+    from test_run import cfg_for
     from toygraph.training import run_training
     data, straight, resumed = run_and_resume(tiny_qwen2, tmp_path, dora=True, rslora=True,
                                              lora_plus_ratio=4.0)
@@ -191,7 +191,7 @@ def test_a_dora_rslora_lora_plus_run_resumes_exactly_and_writes_its_adapter(tiny
 
 
 def test_variant_options_are_for_the_lora_recipe(tiny_llama, tmp_path):
-    from test_train import cfg_for
+    from test_run import cfg_for
     from toygraph.errors import ToygraphError
     for kw in (dict(dora=True), dict(rslora=True), dict(lora_plus_ratio=2.0)):
         with pytest.raises(ToygraphError, match="is for --recipe lora, not dpo"):
@@ -298,7 +298,7 @@ def test_dropout_is_off_in_evaluation_and_each_micro_batch_draws_its_own(tiny_ll
 
 
 def test_a_dropout_run_with_accumulation_resumes_exactly(tiny_qwen2, tmp_path):
-    from test_train import cfg_for
+    from test_run import cfg_for
     from toygraph.training import run_training
     data, straight, resumed = run_and_resume(tiny_qwen2, tmp_path, grad_accum=2,
                                              lora_dropout=0.2, rslora=True)

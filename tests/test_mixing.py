@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from test_train import _stop_after, events
-from test_train import cfg_for as one_file_cfg
+from test_run import _stop_after, events
+from test_run import cfg_for as one_file_cfg
 from toygraph.data.mixing import (DataSpec, mix_counts, mix_rows, mix_summary, parse_data_spec,
                                   parse_data_specs)
 from toygraph.errors import DataError

@@ -1,11 +1,11 @@
 """Every mixture-of-experts key of a GGUF is implemented or refused in one line
-(models/config.py's _experts), on the metadata of the committed llama.cpp conversion."""
+(models/readers.py's experts), on the metadata of the committed llama.cpp conversion."""
 import os
 
 import numpy as np
 import pytest
 
-from moe_references import gguf_path
+from support.moe_references import gguf_path
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
@@ -30,7 +30,8 @@ def config_with(changes: dict, name="qwen3moe"):
 def test_the_file_reads_as_a_mixture():
     cfg, shapes = config_with({})
     assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp) == (6, 2, 32)
-    assert cfg.expert_weights_norm and cfg.expert_weights_scale == 1.0 and cfg.n_dense_lead == 0
+    assert cfg.experts.norm_weights and cfg.experts.weights_scale == 1.0
+    assert all(layer.ffn == cfg.experts for layer in cfg.layers)   # no leading dense layer
     check_tensors(cfg, shapes, "m.gguf")   # every tensor consumed, none missing
 
 
@@ -51,9 +52,23 @@ def test_keys_that_would_change_the_math_are_refused_in_one_line(changes, messag
     assert "\n" not in str(e.value)
 
 
+def test_a_shared_expert_is_read_where_the_family_has_one():
+    """Qwen2-MoE's shared expert: its width from expert_shared_feed_forward_length, its
+    tensors required; more than one shared expert is refused in one line."""
+    cfg, shapes = config_with({}, "qwen2moe")
+    assert cfg.experts.shared.width == 48
+    assert layer_shapes(cfg, 0)["blk.0.ffn_gate_inp_shexp.weight"] == (1, cfg.n_embd)
+    check_tensors(cfg, shapes, "m.gguf")
+    with pytest.raises(GGUFError, match=r"expert_shared_count must be 1") as e:
+        config_with({"expert_shared_count": 2}, "qwen2moe")
+    assert "\n" not in str(e.value)
+    with pytest.raises(GGUFError, match="missing metadata key 'qwen2moe.expert_shared_feed"):
+        config_with({"expert_shared_feed_forward_length": None}, "qwen2moe")
+
+
 def test_weights_norm_and_scale_are_read():
     cfg, _ = config_with({"expert_weights_norm": False, "expert_weights_scale": 2.5})
-    assert not cfg.expert_weights_norm and cfg.expert_weights_scale == 2.5
+    assert not cfg.experts.norm_weights and cfg.experts.weights_scale == 2.5
 
 
 def test_leading_dense_layers_have_a_plain_ffn():

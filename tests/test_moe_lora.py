@@ -1,13 +1,13 @@
 """LoRA on the experts of the mixture-of-experts families (models/moe.py, adapters/experts.py):
 one A/B per expert, stacked, applied to the tokens routed to it, against transformers + PEFT
 (target_parameters on the fused mlp.experts.gate_up_proj / down_proj) on the tiny converted
-models of tests/moe_references.py (the exported adapter's loss in PEFT: test_moe_models.py's
+models of tests/support/moe_references.py (the exported adapter's loss in PEFT: test_moe_models.py's
 test_exported_peft_adapter_reproduces_the_loss); llama.cpp's GGUF-LoRA form checked by its loader's rules
 and by merging it; the CUDA kernels (host executor) against numpy."""
 import numpy as np
 import pytest
 
-from moe_references import MODELS, gguf_path, random_tokens, reference_model
+from support.moe_references import MODELS, gguf_path, random_tokens, reference_model
 from test_arch_models import reference_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
 from toygraph.adapters import experts

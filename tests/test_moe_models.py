@@ -1,6 +1,6 @@
 """Mixture-of-experts families against independent references: tiny random models built
 by transformers from a config and converted to GGUF by llama.cpp's convert_hf_to_gguf.py
-(tests/moe_references.py; committed under tests/data/moe/). toygraph's loss on the GGUF
+(tests/support/moe_references.py; committed under tests/data/moe/). toygraph's loss on the GGUF
 equals transformers' on the Hugging Face weights, 3 LoRA steps on the attention equal
 torch + PEFT AdamW, and the exported PEFT adapter reproduces toygraph's adapted loss.
 Each family feature the fixtures claim to exercise is shown to matter: the reference
@@ -14,7 +14,7 @@ reference differs by ~1e-3 (test_yarn_truncation_follows_llama_cpp)."""
 import numpy as np
 import pytest
 
-from moe_references import MODELS, gguf_path, random_tokens, reference_model, requantize
+from support.moe_references import MODELS, gguf_path, random_tokens, reference_model, requantize
 from test_arch_models import reference_loss
 from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
@@ -40,7 +40,7 @@ def _reference(name):
 
 def test_the_qwen3moe_fixture_exercises_what_it_claims():
     cfg = GGUFModel(gguf_path("qwen3moe")).config
-    assert 4 <= cfg.n_expert <= 8 and cfg.n_expert_used == 2 and cfg.expert_weights_norm
+    assert 4 <= cfg.n_expert <= 8 and cfg.n_expert_used == 2 and cfg.experts.norm_weights
     assert cfg.n_head_kv < cfg.n_head and cfg.head_dim * cfg.n_head != cfg.n_embd
     # Every expert is chosen by some token, and no choice is a near tie (a rounding
     # difference cannot flip it between toygraph and the reference).
@@ -82,9 +82,33 @@ def test_attention_is_token_major(name):
 def test_the_gpt_oss_fixture_exercises_what_it_claims():
     cfg = GGUFModel(gguf_path("gpt-oss")).config
     assert 4 <= cfg.n_expert <= 8 and cfg.n_expert_used == 2 and cfg.n_head_kv < cfg.n_head
-    assert cfg.windows == (cfg.sliding_window, 0) and cfg.sliding_window < 16
+    window = cfg.attention[0].window
+    assert [a.window for a in cfg.attention] == [window, 0] and 0 < window < 16
     assert len(set(cfg.rope_yarn)) > 3     # extrapolated, blended and scaled pairs
-    assert cfg.qkv_bias and cfg.family.sinks and cfg.family.o_bias
+    assert all(a.bias and a.sinks and a.out_bias for a in cfg.attention)
+
+
+def test_the_qwen2moe_fixture_exercises_what_it_claims():
+    """Qwen2-MoE is Qwen2's attention and a mixture with a shared expert, recombined from
+    existing parts by one Family entry: biases on q/k/v, softmax top-2 weights not
+    renormalised, a shared expert of its own width gated per token."""
+    cfg = GGUFModel(gguf_path("qwen2moe")).config
+    moe = cfg.experts
+    assert all(layer.ffn == moe for layer in cfg.layers) and cfg.qkv_bias
+    assert (moe.count, moe.used, moe.router, moe.norm_weights) == (6, 2, "softmax_topk", False)
+    assert moe.shared.width == 48 != moe.width and cfg.n_head_kv < cfg.n_head
+    # the shared expert's gate takes values across (0, 1) on these tokens, not a constant
+    model = reference_model("qwen2moe")
+    tokens = torch.tensor(random_tokens(cfg.n_vocab), dtype=torch.long)
+    gates = []
+    hooks = [layer.mlp.shared_expert_gate.register_forward_hook(
+        lambda m, i, o: gates.append(torch.sigmoid(o).flatten())) for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=tokens)
+    for h in hooks:
+        h.remove()
+    g = torch.cat(gates)
+    assert g.min() < 0.3 and g.max() > 0.7
 
 
 def _set(attr, value):
@@ -114,6 +138,9 @@ YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 32
         "beta_slow": 1.0, "original_max_position_embeddings": 512}
 CHANGES = {   # (family, what): the reference with it changed (a model, or a change to one)
     ("qwen3moe", "top-k weights not renormalised"): _set("mlp.gate.norm_topk_prob", False),
+    ("qwen2moe", "top-k weights renormalised"): _set("mlp.gate.norm_topk_prob", True),
+    ("qwen2moe", "no shared expert"): _fill("mlp.shared_expert.down_proj.weight", 0.0),
+    ("qwen2moe", "shared expert not gated"): _fill("mlp.shared_expert_gate.weight", 0.0),
     ("gpt-oss", "no attention sinks"): _fill("self_attn.sinks", -1e9),
     ("gpt-oss", "no router bias"): _fill("mlp.router.bias", 0.0),
     ("gpt-oss", "no gate/up expert biases"): _fill("mlp.experts.gate_up_proj_bias", 0.0),
@@ -175,7 +202,11 @@ def test_exported_peft_adapter_reproduces_the_loss(name, targets, b_std, tmp_pat
     print(f"{name} {targets}: base {base:.7f} adapter: toygraph {mine:.7f} peft {ref:.7f} "
           f"rel {rel(mine, ref):.2e}")
     assert rel(mine, ref) <= 1e-4
-    assert abs(mine - base) > 100 * 1e-4 * ref
+    # The adapter moves the loss far past that tolerance, so the agreement says something.
+    # 20x: Qwen2-MoE's routed experts weigh unrenormalised probabilities (the top 2 of 6
+    # sum to well under 1) beside a shared expert, so their adapters move its loss less
+    # (42x for gate_up + down here; the other families' move it over 100x).
+    assert abs(mine - base) > 20 * 1e-4 * ref
 
 
 def test_dense_ffn_targets_are_refused_on_an_all_experts_model():

@@ -4,7 +4,7 @@ name the op and its operands. Each family's own tests are tests/test_ops_<family
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph

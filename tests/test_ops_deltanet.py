@@ -5,8 +5,8 @@ kernels on the host executor against numpy (forward and backward, ragged chunk e
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, rnd, weighted_sum
-from hostparity import ELEMENTWISE, REDUCTION, compare_op, rel_err
+from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
+from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, rel_err
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
@@ -166,7 +166,7 @@ def _delta_case(B, T, H, dk, dv, chunk, seed=11):
 def _delta_errors(B, T, H, dk, dv, chunk):
     """rel_err of the CUDA chunked kernels (host executor) against numpy for o, dq, dk, dv,
     dg, dbeta; and whether a second run is bit-identical."""
-    from hostparity import run_phase
+    from support.hostparity import run_phase
     g, fetch = _delta_case(B, T, H, dk, dv, chunk)
     cpu = run_phase(g, "cpu", {}, "backward", fetch)
     got = run_phase(g, "cuda", {}, "backward", fetch)
@@ -220,7 +220,7 @@ def test_a_broken_delta_kernel_fails_its_parity_check(host_device, mutation, mon
 def test_delta_rule_with_state_kernel_matches_numpy(host_device, T):
     """From a given state: decoding (T = 1) runs the step-wise kernel, a prompt the chunked
     one; o and the final state against numpy."""
-    from hostparity import run_phase
+    from support.hostparity import run_phase
     rng = np.random.default_rng(12)
     g = Graph()
     x = [g.const(n, a) for n, a in zip("qkvgb", delta_inputs(rng, T=T))]

@@ -4,12 +4,12 @@ approximation, and their CUDA launches replayed in numpy against the numpy kerne
 import numpy as np
 import pytest
 
-from cudaemu import check_lowering, const_node
-from gradcheck import TOL, check_gradients, forward_f64, gradcheck_unary, rnd, weighted_sum
+from support.cudaemu import check_lowering, const_node
+from support.gradcheck import TOL, check_gradients, forward_f64, gradcheck_unary, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.cuda.lowering import dispatch
-from kernelsrc import KERNEL_NAMES
-from kernelsrc import OP_KERNELS
+from support.kernelsrc import KERNEL_NAMES
+from support.kernelsrc import OP_KERNELS
 from toygraph.core.graph import Graph
 
 
@@ -145,7 +145,7 @@ VEC_SIZES = [(1,), (3,), (4,), (5,), (7, 129), (3, 1024 + 2)]   # quads and ragg
 def test_vectorised_kernels_match_numpy(op, shape, monkeypatch):
     """Same-shape add/sub/mul and scale run tg_binary_vec / tg_scale_vec (float4, then the
     tail one by one): exactly numpy's f32 results, forward and backward."""
-    from hostparity import compare_op
+    from support.hostparity import compare_op
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     build = (lambda x: ops.scale(x, -1.7)) if op == "scale" else getattr(ops, op)
     n_srcs = 1 if op == "scale" else 2
@@ -174,7 +174,7 @@ VEC_MUTATIONS = {
 
 @pytest.mark.parametrize("mutation", sorted(VEC_MUTATIONS))
 def test_a_broken_vector_index_fails_the_parity_check(mutation, monkeypatch):
-    from hostparity import break_kernel, op_case, rel_err, run_phase
+    from support.hostparity import break_kernel, op_case, rel_err, run_phase
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     g, extra, fetch = op_case(ops.add, [(3, 7), (3, 7)])
     want = run_phase(g, "cpu", extra, "forward", fetch[:1])

@@ -5,10 +5,10 @@ differentiated, as in the references)."""
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.graph import Graph
-from toygraph.core.memory import aligned
+from toygraph.core.buffer_plan import aligned
 from toygraph.core.session import Session
 from toygraph.errors import GraphError
 from toygraph.cpu import block_tensor as decode

@@ -6,7 +6,7 @@ deliberately broken index in each kernel family failing its check."""
 import numpy as np
 import pytest
 
-from hostparity import ELEMENTWISE, REDUCTION, compare_op, op_case, rel_err, rnd, run_phase
+from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, op_case, rel_err, rnd, run_phase
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph

@@ -1,12 +1,16 @@
-"""The fused attention op (ops/flash_attention.py), numpy side: f64 finite-difference
-gradients (grouped-query, causal, sliding window, both layouts; the numpy kernels in one
-query block and in blocks of 2 rows), equality with the unfused softmax composition and
-with an explicitly masked softmax, the saved row log-sum-exp, the token-major layout bit
-for bit against heads-first, the packed backward read through unpack, and shape errors."""
+"""The fused attention op (ops/flash_attention.py), numpy side: f64 finite-difference gradients
+(grouped-query, causal, sliding window, both layouts; the numpy kernels in one query block
+and in blocks of 2 rows), equality with the unfused softmax composition and with an
+explicitly masked softmax, the saved row log-sum-exp, the token-major layout bit for bit
+against heads-first, the packed backward read through unpack, and shape errors. With segment
+ids (sample packing: query i sees key j only when both carry the same segment id, on top of
+causality and the window): against a dense masked softmax written out here in f64, by finite
+differences, and against each segment run alone."""
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
+from support.tcattn_reference import visible
 from toygraph.core import ops
 from toygraph.core.autodiff import backward
 from toygraph.errors import GraphError
@@ -289,3 +293,111 @@ def test_sinks_must_be_one_per_query_head():
     q, k = g.const("q", np.zeros((1, 4, 3, 2))), g.const("k", np.zeros((1, 2, 3, 2)))
     with pytest.raises(GraphError, match=r"sinks must be f32 \[heads\] = \[4\]"):
         ops.attention(q, k, k, scale=1.0, sinks=g.const("s", np.zeros(2)))
+
+
+# --- segment ids (sample packing) --------------------------------------------------------
+def ragged_segments(rng, B, T, pad=True):
+    """[B, T] i32: each row cut into segments of random lengths 1..T/2, ids counting up
+    from 1, and (``pad``) a tail of padding in segment 0."""
+    out = np.zeros((B, T), np.int32)
+    for b in range(B):
+        end = T - (int(rng.integers(0, T // 4 + 1)) if pad else 0)
+        i, sid = 0, 1
+        while i < end:
+            n = min(int(rng.integers(1, max(2, T // 2))), end - i)
+            out[b, i:i + n] = sid
+            i, sid = i + n, sid + 1
+    return out
+
+
+def dense_reference(q, k, v, segs, scale, causal, window):
+    """softmax(scale * q k^T + mask) v with the [T, T] mask built explicitly (f64)."""
+    B, H, T, _ = q.shape
+    G = H // k.shape[1]
+    kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    vis = visible(T, causal, window, segs)                             # [B, T, T]
+    s = np.where(vis[:, None], scale * q @ np.swapaxes(kk, -1, -2), -np.inf)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    return (s / s.sum(-1, keepdims=True)) @ vv
+
+
+def _run_segmented(vals, segs, scale, causal, window):
+    g = Graph()
+    q, k, v = (g.const(n, x) for n, x in zip("qkv", vals))
+    sg = g.input("segs", segs.shape, "i32")
+    y = g.output(ops.attention(q, k, v, scale=scale, causal=causal, window=window,
+                               segments=sg))
+    s = Session(g, dtype="f64")
+    s.realize()
+    s.upload(sg, segs)
+    s.run("forward")
+    return s.download(y)
+
+
+@pytest.fixture(params=[256, 3], ids=["one_block", "query_blocks_of_3"])
+def seg_attn_rows(request, monkeypatch):
+    """Query blocks of 3 rows: segments of these lengths cross block edges."""
+    from toygraph.core.ops import flash_attention
+    monkeypatch.setattr(flash_attention, "ATTN_ROWS", request.param)
+
+
+SEGMENT_CASES = [  # (B, H, KV, T, hd, causal, window)
+    (2, 4, 2, 11, 3, True, 0), (2, 4, 4, 9, 3, False, 0), (1, 6, 2, 13, 4, True, 3),
+    (3, 3, 1, 8, 2, True, 1),
+]
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal,window", SEGMENT_CASES)
+def test_segmented_attention_equals_the_dense_masked_softmax(B, H, KV, T, hd, causal, window,
+                                                             seg_attn_rows):
+    rng = np.random.default_rng(1)
+    vals = [rng.normal(size=s) for s in ((B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd))]
+    segs = ragged_segments(rng, B, T)
+    got = _run_segmented(vals, segs, 0.4, causal, window)
+    want = dense_reference(*vals, segs, 0.4, causal, window)
+    assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
+
+
+def test_each_segment_equals_that_segment_alone():
+    """Rows of one packed segment give exactly (f64, <= 1e-12) what the segment alone
+    gives as a batch row of its own."""
+    rng = np.random.default_rng(2)
+    B, H, KV, T, hd = 2, 4, 2, 16, 4
+    vals = [rng.normal(size=s) for s in ((B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd))]
+    segs = ragged_segments(rng, B, T, pad=False)
+    packed = _run_segmented(vals, segs, 0.5, True, 0)
+    for b in range(B):
+        for sid in np.unique(segs[b]):
+            rows = np.flatnonzero(segs[b] == sid)
+            alone = _run_segmented([x[b:b + 1, :, rows] for x in vals], np.zeros((1, len(rows)), np.int32),
+                         0.5, True, 0)
+            assert np.abs(packed[b:b + 1, :, rows] - alone).max() <= 1e-12
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal,window", SEGMENT_CASES)
+def test_segmented_attention_gradients(B, H, KV, T, hd, causal, window, seg_attn_rows):
+    """Finite differences (f64) of q, k and v through segment-masked attention."""
+    rng = np.random.default_rng(3)
+    g = Graph()
+    q, k, v = (g.param(n, rng.normal(size=s)) for n, s in
+               zip("qkv", ((B, H, T, hd), (B, KV, T, hd), (B, KV, T, hd))))
+    sg = g.input("segs", (B, T), "i32")
+    y = ops.attention(q, k, v, scale=hd ** -0.5, causal=causal, window=window, segments=sg)
+    params = [v] if window == 1 else [q, k, v]
+    err = check_gradients(g, weighted_sum(y, rng), params, {sg: ragged_segments(rng, B, T)})
+    assert err <= 1e-7
+
+
+def test_segment_ids_are_checked():
+    g = Graph()
+    q = g.input("q", (2, 4, 5, 3))
+    with pytest.raises(GraphError, match="segment ids must be \\[B, T\\]"):
+        ops.attention(q, q, q, scale=1.0, segments=g.input("s", (2, 4), "i32"))
+    with pytest.raises(GraphError, match="segment ids must be i32"):
+        ops.attention(q, q, q, scale=1.0, segments=g.input("f", (2, 5)))
+    sg = g.input("segs", (2, 5), "i32")
+    g.output(ops.attention(q, q, q, scale=1.0, segments=sg))
+    s = Session(g)
+    s.realize()
+    with pytest.raises(GraphError, match="upload 'segs': value -1 outside .*segment ids"):
+        s.upload(sg, np.full((2, 5), -1, np.int32))

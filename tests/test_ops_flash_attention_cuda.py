@@ -1,25 +1,29 @@
-"""The fused attention op's CUDA side (ops/flash_attention.py, flash_attention.cu): the
-tiled algorithm of every launch replayed in numpy (following the kernels' tile loop
-bounds, failing on any visited tile with nothing visible in it) against the numpy
-kernels, with grouped-query heads, every head_dim bound, sliding windows and both
-layouts; the head-dim selection, the instantiated tiles, and the compiled kernels'
-register use."""
+"""The fused attention op's CUDA side (ops/flash_attention.py, flash_attention.cu): the tiled
+algorithm of every launch replayed in numpy (following the kernels' tile loop bounds,
+failing on any visited tile with nothing visible in it) against the numpy kernels, with
+grouped-query heads, every head_dim bound, sliding windows and both layouts; the head-dim
+selection, the instantiated tiles, and the compiled kernels' register use. With segment ids
+(sample packing), on the host executor (TOYGRAPH_CUDA_DEVICE=host) against numpy: ragged
+segments across tile edges, both layouts, and the row log-sum-exp the forward saves (f32 and
+bf16); the replayed launches visit only live tiles."""
 import re
 
 import numpy as np
 import pytest
 
-from cudaemu import needs_nvrtc, resolve
+from support.cudaemu import needs_nvrtc, resolve
 from toygraph.core import ops
 from toygraph.cuda.lowering import constants, dispatch
-from kernelsrc import KERNEL_NAMES
-from kernelsrc import OP_KERNELS
+from support.kernelsrc import KERNEL_NAMES
+from support.kernelsrc import OP_KERNELS
 from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS
 from toygraph.cuda.lowering.sources import read_source
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
 from toygraph.core.ops import KERNELS as CPU_KERNELS
 from toygraph.core.ops import flash_attention as attention_ops
+from support.hostparity import MIXED_TOL, REDUCTION, compare_op, rel_err, rnd, run_phase
+from test_ops_flash_attention import ragged_segments
 
 
 def _attn_tile(mem, addr, r0, T, hd, BT, HD, ld):
@@ -237,7 +241,7 @@ def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None, 
                               layout="bhtd"):
     """Lower attention and its backward, replay every launch with _emulate_attention and
     compare with the numpy kernels (the windowed test below runs it with sliding windows,
-    test_ops_flash_attention_segments.py with segment ids, the sinks test with sinks; each
+    the segment tests at the end with segment ids, the sinks test with sinks; each
     also token-major)."""
     rng = np.random.default_rng(0)
     g = Graph()
@@ -292,7 +296,7 @@ def test_attention_head_dim_selection_and_limit():
 
 
 def test_attention_instantiations_match_the_lowering_tiles():
-    """attention.cu's wrapper for head_dim bound HD passes (HD, TG_ATTN_BT_<HD>,
+    """flash_attention.cu's wrapper for head_dim bound HD passes (HD, TG_ATTN_BT_<HD>,
     TG_ATTN_TPR_<HD>), with __launch_bounds__(TG_ATTN_THREADS_<HD>), and those macros are
     the (BT, TPR, BT * TPR) that constants.ATTN_TILES launches with."""
     from toygraph.cuda.lowering.constants import DEFINES
@@ -315,7 +319,7 @@ def test_attention_kernels_compile_without_spills(arch):
     """Register arrays indexed by unrolled constants only (no stack, no spills) and static
     shared memory within the 48 KB a block gets without an opt-in (none in the prep
     kernels, which only sum rows)."""
-    from ptxas import bf16_module
+    from support.ptxas import bf16_module
     names = {n for op in ("attention", "attention_back") for n in OP_KERNELS[op]}
     usage = {n: u for n, u in bf16_module(arch)[1].items() if n.startswith("tg_attn_")}
     assert set(usage) == names
@@ -367,3 +371,67 @@ def test_attention_with_sinks_launches_replayed_in_numpy_match_the_cpu_kernels(B
     """The sinks seed the forward's online softmax, so the L it saves, and
     tg_attn_bwd_sinks turns L and D into their gradient (packed after dv)."""
     replay_attention_launches(B, H, KV, T, hd, True, window, sinks=True, layout=layout)
+
+
+# --- segment ids (sample packing) on the host executor -----------------------------------
+@pytest.mark.parametrize("B,H,KV,T,hd,causal,window,layout", [
+    (2, 4, 2, 37, 8, True, 0, "bhtd"),      # ragged segments across the 32-row tile edge
+    (2, 4, 2, 37, 8, True, 0, "bthd"),      # the same token-major
+    (1, 6, 2, 100, 16, True, 0, "bhtd"),    # many tiles: whole tiles skipped between segments
+    (2, 2, 2, 45, 64, False, 0, "bhtd"),    # not causal: a segment still sees only itself
+    (1, 4, 1, 70, 64, True, 20, "bhtd"),    # with a sliding window (Gemma 3)
+    (1, 4, 1, 70, 64, True, 20, "bthd"),    # the same token-major
+    (1, 2, 1, 35, 100, True, 0, "bthd"),    # the HD=128 kernels (16-row tiles)
+])
+def test_segmented_attention_on_the_host_executor_matches_numpy(B, H, KV, T, hd, causal,
+                                                               window, layout, monkeypatch):
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+
+    def segs(g, rng):
+        return {g.input("segs", (B, T), "i32"): ragged_segments(rng, B, T)}
+    shapes = [(B, T, n, hd) if layout == "bthd" else (B, n, T, hd) for n in (H, KV, KV)]
+    compare_op(lambda q, k, v, s: ops.attention(q, k, v, scale=hd ** -0.5, causal=causal,
+                                                window=window, segments=s, layout=layout),
+               shapes, REDUCTION, inputs_fn=segs)
+
+
+@pytest.mark.parametrize("precision,tol", [("f32", REDUCTION), ("bf16", MIXED_TOL["bf16"])])
+@pytest.mark.parametrize("B,H,KV,T,hd,window,sinks,layout", [
+    (2, 4, 2, 37, 16, 0, False, "bhtd"),    # GQA, T off the tile
+    (2, 4, 2, 37, 16, 0, False, "bthd"),
+    (1, 6, 2, 70, 64, 20, True, "bthd"),    # window and sinks across tile edges
+    (1, 2, 1, 35, 100, 0, True, "bhtd"),    # hd below its bound (f32: HD 128)
+])
+def test_the_saved_row_log_sum_exp_matches_numpy_on_the_host(B, H, KV, T, hd, window, sinks,
+                                                            layout, precision, tol,
+                                                            monkeypatch):
+    """The attention node's packed o and L (with ragged segments) from the host executor
+    against numpy's: L is what the backward reads instead of recomputing it."""
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    rng = np.random.default_rng(7)
+    g = Graph()
+    shapes = [(B, T, n, hd) if layout == "bthd" else (B, n, T, hd) for n in (H, KV, KV)]
+    q, k, v = (g.const(n, rnd(rng, *s)) for n, s in zip("qkv", shapes))
+    sg = g.input("segs", (B, T), "i32")
+    sk = g.const("sinks", rnd(rng, H)) if sinks else None
+    o = ops.attention(q, k, v, scale=hd ** -0.5, window=window, segments=sg, sinks=sk,
+                      layout=layout)
+    att = g.output(o.srcs[0])
+    ids = {sg: ragged_segments(rng, B, T)}
+    want, = run_phase(g, "cpu", ids, "forward", [att])
+    got, = run_phase(g, "cuda", ids, "forward", [att], precision)
+    n = o.size
+    assert rel_err(got[:n], want[:n]) <= tol, ("o", rel_err(got[:n], want[:n]))
+    assert rel_err(got[n:], want[n:]) <= tol, ("L", rel_err(got[n:], want[n:]))
+
+
+@pytest.mark.parametrize("B,H,KV,T,hd,causal,window", [
+    (2, 4, 2, 37, 8, True, 0), (1, 6, 2, 100, 64, True, 0), (2, 3, 3, 50, 128, False, 0),
+    (1, 4, 1, 70, 64, True, 20),
+])
+def test_segmented_launches_replayed_in_numpy_visit_only_live_tiles(B, H, KV, T, hd, causal,
+                                                                   window):
+    """The emulator above follows the kernels' tile loops, skipping the tiles
+    attn_tile_live rejects, and fails on any visited tile with nothing visible in it."""
+    segs = ragged_segments(np.random.default_rng(4), B, T)
+    replay_attention_launches(B, H, KV, T, hd, causal, window, segments=segs)

@@ -6,8 +6,8 @@ deliberately broken index failing the parity check."""
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, rnd, weighted_sum
-from hostparity import ELEMENTWISE, break_kernel, compare_op, op_case, rel_err, run_phase
+from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
+from support.hostparity import ELEMENTWISE, break_kernel, compare_op, op_case, rel_err, run_phase
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.ops.gated import PACK_ALIGN, up_offset

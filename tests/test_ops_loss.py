@@ -5,7 +5,7 @@ rows, shape errors and label checks at upload."""
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph

@@ -6,14 +6,14 @@ the chunk size rule, and the compiled kernels' register use."""
 import numpy as np
 import pytest
 
-from cudaemu import needs_nvrtc, qmm_format, resolve
+from support.cudaemu import needs_nvrtc, qmm_format, resolve
 from toygraph.core import ops
 from toygraph.gguf import block_encode, blocks
 from toygraph.cuda.lowering import dispatch
-from kernelsrc import KERNEL_NAMES
+from support.kernelsrc import KERNEL_NAMES
 from toygraph.core.ops.gemm import QUANT_KERNELS, TC_KERNELS
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
-from kernelsrc import OP_KERNELS
+from support.kernelsrc import OP_KERNELS
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
 from toygraph.core.ops import KERNELS as CPU_KERNELS
@@ -225,7 +225,7 @@ def test_per_row_linear_cross_entropy_launches_replayed_in_numpy_match_the_cpu_k
 def test_per_row_linear_cross_entropy_on_the_host_device_matches_numpy(labels, monkeypatch):
     """The compiled kernels (TOYGRAPH_CUDA_DEVICE=host): row losses, dh and dw under a
     weighted sum, over 24-row chunks of 70 rows, against numpy; bit-identical twice."""
-    from hostparity import REDUCTION, compare_op
+    from support.hostparity import REDUCTION, compare_op
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
     N, D, V = 70, 40, 300
@@ -297,7 +297,7 @@ def test_linear_cross_entropy_at_bf16_copies_the_head_once(storage, monkeypatch)
     """bf16: W's bf16 copy and its transpose made once for the node (decoded from a
     block-format head), then every chunk's logits and dh on tc_gemm.cu's GEMM reading them
     as they are; dw (full fine-tuning) stays tg_matmul_acc with its f32 arguments."""
-    from cudaemu import qweight
+    from support.cudaemu import qweight
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 128 * 104)   # three chunks of 300
     rng = np.random.default_rng(7)   # (V a multiple of 8: W's transposed copy has no padding)
     g, h, w, lab, *_ = _lce_case(rng, 300, 64, 104, np.zeros(300))
@@ -333,7 +333,7 @@ def test_linear_cross_entropy_kernels_compile_without_spills(arch):
     """tg_matmul_acc (tg_matmul's tiles adding into out), tg_lce_grad_scale and
     tg_ce_back_rows compile for sm_80 and sm_90; the accumulating matmul costs no more
     registers than tg_matmul."""
-    from ptxas import bf16_module
+    from support.ptxas import bf16_module
     cubin, usage = bf16_module(arch)
     names = {n for op in ("linear_cross_entropy", "linear_cross_entropy_back")
              for n in OP_KERNELS[op]}
@@ -350,8 +350,8 @@ def test_the_bf16_head_tracks_numpy_on_the_host_executor(fmt, monkeypatch):
     """The fused head at bf16 (W's copies made once, every chunk on tc_gemm.cu) against
     numpy f32: the loss and dh within bf16's tolerance, over several chunks, a vocabulary
     that is no multiple of 8 (its transposed copy is re-copied per chunk) and labels -1."""
-    from cudaemu import qweight
-    from hostparity import MIXED_TOL, rel_err, rnd, run_phase
+    from support.cudaemu import qweight
+    from support.hostparity import MIXED_TOL, rel_err, rnd, run_phase
     from toygraph.core.autodiff import backward
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 64 * 300)

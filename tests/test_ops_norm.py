@@ -7,7 +7,7 @@ residual stream's gradient folded into rms_norm_back."""
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, gradcheck_unary, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, gradcheck_unary, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.cuda.lowering import dispatch
@@ -149,7 +149,7 @@ def test_residual_norm_gradient_f64(fused):
 
 def _folded_run(backend, fold: bool, monkeypatch):
     import dataclasses
-    from hostparity import op_case, run_phase
+    from support.hostparity import op_case, run_phase
     spec = ops.OPS["rms_norm_back"]
     monkeypatch.setitem(ops.OPS, "rms_norm_back",
                         spec if fold else dataclasses.replace(spec, fold_add=None))
@@ -171,14 +171,14 @@ def test_the_folded_add_changes_no_bit(backend, monkeypatch):
 
 
 def test_folded_cuda_matches_numpy(monkeypatch):
-    from hostparity import REDUCTION, rel_err
+    from support.hostparity import REDUCTION, rel_err
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     got, want = _folded_run("cuda", True, monkeypatch), _folded_run("cpu", True, monkeypatch)
     assert all(rel_err(a, b) <= REDUCTION for a, b in zip(got, want))
 
 
 def test_a_broken_add_index_fails_the_parity_check(monkeypatch):
-    from hostparity import break_kernel, rel_err
+    from support.hostparity import break_kernel, rel_err
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     want = _folded_run("cpu", True, monkeypatch)
     break_kernel(monkeypatch, "add[at + j]", "add[at + (j + 1) % D]")
@@ -194,7 +194,7 @@ WEIGHTED = {"rows": ((5, 300), (300,)), "per-head": ((2, 3, 4, 40), (40,))}
 def _weighted_pair(fused: bool, case: str, trainable: bool, residual: bool, seed=0):
     """rms_norm(x) * w fused or as a norm then a mul, loss sum(y * r): the graph and its
     fetch list [y, d x, (d w)] (w a param, or a frozen const as LoRA keeps it)."""
-    from hostparity import rnd as hrnd
+    from support.hostparity import rnd as hrnd
     rng = np.random.default_rng(seed)
     xs, ws = WEIGHTED[case]
     g = Graph()
@@ -221,7 +221,7 @@ def test_the_weighted_norm_is_bit_identical_to_norm_then_mul(backend, case, trai
                                                               monkeypatch):
     """Forward, d x (with the residual's gradient folded in) and d w, numpy and the CUDA
     kernels on the host executor."""
-    from hostparity import run_phase
+    from support.hostparity import run_phase
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     fused_g, fused_f = _weighted_pair(True, case, trainable, residual)
     plain_g, plain_f = _weighted_pair(False, case, trainable, residual)
@@ -246,7 +246,7 @@ WEIGHT_MUTATIONS = {
 
 @pytest.mark.parametrize("mutation", sorted(WEIGHT_MUTATIONS))
 def test_a_broken_weight_index_fails_the_parity_check(mutation, monkeypatch):
-    from hostparity import break_kernel, rel_err, run_phase
+    from support.hostparity import break_kernel, rel_err, run_phase
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     g, fetch = _weighted_pair(True, "rows", True, False)
     want = run_phase(g, "cpu", {}, "backward", fetch)

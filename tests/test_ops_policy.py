@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradcheck import TOL, check_gradients, weighted_sum
-from hostparity import ELEMENTWISE, compare_op
+from support.gradcheck import TOL, check_gradients, weighted_sum
+from support.hostparity import ELEMENTWISE, compare_op
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session

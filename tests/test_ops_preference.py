@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradcheck import check_gradients, weighted_sum
-from hostparity import ELEMENTWISE, REDUCTION, compare_op, rnd
+from support.gradcheck import check_gradients, weighted_sum
+from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, rnd
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session

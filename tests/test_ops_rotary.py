@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.cuda.lowering import dispatch
-from kernelsrc import OP_KERNELS
+from support.kernelsrc import OP_KERNELS
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
@@ -195,12 +195,12 @@ def test_rope_launch_replayed_in_numpy_matches_the_cpu_kernel(mode, dims, factor
 @pytest.mark.parametrize("mode", ["normal", "neox"])
 def test_rope_between_products_reads_and_writes_bf16(mode, monkeypatch):
     """At bf16 a rope whose input a product makes and whose output only products read
-    keeps both in bf16 (cuda/storage.py) and rotates the rounded input in f32: the host
+    keeps both in bf16 (cuda/bf16_storage.py) and rotates the rounded input in f32: the host
     executor's forward and gradients within bf16's rounding of the f32-storage run."""
-    from cudaemu import training_plan
-    from hostparity import MIXED_TOL, rel_err, run_phase
+    from support.cudaemu import training_plan
+    from support.hostparity import MIXED_TOL, rel_err, run_phase
     from toygraph.core.autodiff import accumulate_grads, backward
-    from toygraph.cuda.storage import plan_bf16
+    from toygraph.cuda.bf16_storage import plan_bf16
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
 
     def build():

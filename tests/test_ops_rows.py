@@ -3,7 +3,7 @@ launches (dense and block-format tables) are replayed in test_ops_gemm.py's bloc
 test and run on the host device in test_cuda_host.py."""
 import numpy as np
 
-from gradcheck import TOL, check_gradients, rnd, weighted_sum
+from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 

@@ -4,11 +4,11 @@ f64 finite-difference gradients, unpack's values and errors, and their CUDA laun
 import numpy as np
 import pytest
 
-from cudaemu import check_lowering, const_node
-from gradcheck import TOL, gradcheck_unary
+from support.cudaemu import check_lowering, const_node
+from support.gradcheck import TOL, gradcheck_unary
 from toygraph.core import ops
 from toygraph.cuda.lowering import dispatch
-from kernelsrc import OP_KERNELS
+from support.kernelsrc import OP_KERNELS
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session

@@ -5,8 +5,8 @@ differences, and the CUDA kernel on the host executor drawing the same bits as n
 import numpy as np
 import pytest
 
-from gradcheck import TOL, check_gradients, rnd, weighted_sum
-from hostparity import compare_op, run_phase
+from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
+from support.hostparity import compare_op, run_phase
 from toygraph.core import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph

@@ -1,5 +1,5 @@
 """The tensor-core flash attention kernels (toygraph/core/ops/tc_attention.cu) on the host
-executor against an f64 numpy reference (tests/tcattn_reference.py) at ragged shapes:
+executor against an f64 numpy reference (tests/support/tcattn_reference.py) at ragged shapes:
 sequence lengths off the 64-row and key-tile edges, grouped-query heads, head dims below
 their bound (zero-padded), sliding windows, packed segments and sinks, head dims 64, 128
 and 256, heads-first and token-major layouts -- and a deliberately broken ldmatrix fragment
@@ -18,9 +18,9 @@ q, k, v the kernels read, so what remains is:
 import numpy as np
 import pytest
 
-from cudaemu import needs_nvrtc
-from hostparity import MIXED_TOL, compare_op
-from tcattn_reference import (BF16_U, backward_bounds, bf16_bits, bf16_value, reference,
+from support.cudaemu import needs_nvrtc
+from support.hostparity import MIXED_TOL, compare_op
+from support.tcattn_reference import (BF16_U, backward_bounds, bf16_bits, bf16_value, reference,
                               run_backward, run_forward, tca_source)
 from toygraph.core import ops
 from toygraph.core.graph import Graph
@@ -302,8 +302,8 @@ def test_the_kernels_compile_for_the_gpus_within_static_shared_memory(arch):
     ptxas's report: every block's static shared memory is the constants' TCA buffer (under
     48 KB, no opt-in), at most 255 registers, and the forward kernels do not spill. (The
     backward's register pressure -- k/v fragments plus dk/dv accumulators per 16-key warp
-    slice -- spills at head dims 128/256: bench/tc_attention_resources.py prints it.)"""
-    from ptxas import bf16_module
+    slice -- spills at head dims 128/256: bench/ptxas_report.py prints it.)"""
+    from support.ptxas import bf16_module
     usage = bf16_module(arch)[1]
     tca = {name: u for name, u in usage.items() if name.startswith("tg_tca_")}
     assert len(tca) == 2 + 3 * len(constants.TCA_HEAD_DIMS)

@@ -15,9 +15,9 @@ most gamma_n = n u / (1 - n u) times sum_k |a_mk b_kn|, u = 2^-24; bound: 1.01 n
 import numpy as np
 import pytest
 
-from cudaemu import needs_nvrtc
-from hostparity import MIXED_TOL, compare_op, rel_err
-from tcattn_reference import bf16_bits, bf16_value
+from support.cudaemu import needs_nvrtc
+from support.hostparity import MIXED_TOL, compare_op, rel_err
+from support.tcattn_reference import bf16_bits, bf16_value
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.ops import gemm, tc_gemm
@@ -288,7 +288,7 @@ def test_the_heads_dh_splits_over_the_vocabulary_on_a_bf16_session():
 def test_ptxas_fits_two_blocks_per_sm_without_spills(arch):
     """128 registers x 256 threads and 40 KB of static shared memory per block: two blocks
     per SM (the old tc_matmul kernel: 216-222 registers, one). No stack, no spills."""
-    from ptxas import bf16_module
+    from support.ptxas import bf16_module
     usage = bf16_module(arch)[1]
     for name in ("tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_gemm_ta_bf16",
                  "tg_tcg_gemm_tb_bf16", "tg_tcg_gemm_tab_bf16"):   # dual, k-major
@@ -306,7 +306,7 @@ def test_block_format_weight_decoded_once_on_a_bf16_session(fmt):
     decoded into the bf16 copy, k = 2048 split 16 ways), and dx = dy W (k = 130: the
     direct block-format kernel): within the f32-accumulation bound of the f64 product of
     the bf16-rounded x, dy and decoded W."""
-    from hostparity import qlinear, run_phase
+    from support.hostparity import qlinear, run_phase
     g, w, fetch, _ = qlinear(fmt, 2048, rows=130, batch=(300,), seed=1)
     matmuls = [t for t in g.nodes if t.op == "matmul" and t.srcs[1] is w]
     picks = [tc_gemm.prefers_copies(gemm.block_gemm(m), gemm.row_bytes(w) * w.shape[0])
@@ -351,7 +351,7 @@ def test_scratch_covers_the_block_format_gemm_of_a_batched_input():
     """x [2, 33, K] @ W^T: read densely it is a batch of 2 (no split-K); decoded once, the
     batch folds into M = 66 and k splits, so the node's scratch must hold the split
     partials too (the host executor's heap was corrupted when it did not)."""
-    from hostparity import qlinear
+    from support.hostparity import qlinear
     g, w, fetch, _ = qlinear("q8_0", 2048, rows=70, batch=(2, 33), seed=0)
     node = [t for t in g.nodes if t.op == "matmul" and t.srcs[1] is w][0]
     b = gemm.block_gemm(node)

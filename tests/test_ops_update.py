@@ -6,7 +6,7 @@ clipping; a deliberately broken index of the table lookup fails the check."""
 import numpy as np
 import pytest
 
-from hostparity import break_kernel, rel_err
+from support.hostparity import break_kernel, rel_err
 from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.optimizer import hp_row

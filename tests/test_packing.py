@@ -251,7 +251,7 @@ def test_a_packing_recipe_needs_segment_ids(tiny_llama):
 def test_packed_run_resumes_exactly_and_logs_packing(tiny_qwen2, tmp_path):
     """6 packed steps (grad_accum 2, validation) straight == 3, Ctrl-C, resume, 3 more;
     events carry the packing efficiency, the arena bytes and real (non-pad) tokens."""
-    from test_train import _stop_after, cfg_for, events, write_chat_data
+    from test_run import _stop_after, cfg_for, events, write_chat_data
     from toygraph.training.run import run_training
     data = write_chat_data(tmp_path / "chat.jsonl")
     kw = dict(steps=6, save_every=3, grad_accum=2, pack=True, seq_len=96)
@@ -280,7 +280,7 @@ def test_packed_run_resumes_exactly_and_logs_packing(tiny_qwen2, tmp_path):
 ], ids=["text", "messages"])
 def test_packed_runs_of_every_data_format(tiny_llama, tmp_path, rows, capsys):
     import json
-    from test_train import cfg_for, events
+    from test_run import cfg_for, events
     from toygraph.training.run import run_training
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")

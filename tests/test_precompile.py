@@ -2,7 +2,7 @@
 import sys
 from pathlib import Path
 
-from cudaemu import needs_nvrtc
+from support.cudaemu import needs_nvrtc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import precompile  # noqa: E402

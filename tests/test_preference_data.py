@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from test_data import FakeTokenizer, targets, write
+from test_batches import FakeTokenizer, targets, write
 from toygraph.errors import DataError
 from toygraph.data.preference import encode_pairs, load_pairs, pair_batches
 

@@ -1,6 +1,6 @@
 """Qwen3.5 against transformers: a tiny random Qwen3_5ForCausalLM built by transformers (three
 Gated DeltaNet layers, then gated full attention, twice), written to GGUF by llama.cpp's
-convert_hf_to_gguf.py (tests/converted.py), with fewer key heads than value heads (the
+convert_hf_to_gguf.py (tests/support/converted.py), with fewer key heads than value heads (the
 file's tiled value-head order), partial rotary dims and q/k norms, on sequences longer than
 the delta rule's chunk (64). The loss is compared with transformers' model on the same
 weights, LoRA steps on every projection (the DeltaNet's too) with torch + PEFT, the exported
@@ -9,7 +9,7 @@ window."""
 import numpy as np
 import pytest
 
-from converted import check_adapter_loss, check_checkpointing, convert, hf_model
+from support.converted import check_adapter_loss, check_checkpointing, convert, hf_model
 from test_arch_models import reference_loss
 from test_llama import assert_attention_is_token_major, toygraph_loss
 from test_peft_reference import _report_and_check, random_lora, rel, train_both
@@ -17,6 +17,7 @@ from toygraph.adapters.files import check_gguf_adapter, load_peft, save_gguf_ada
 from toygraph.inference.language_model import LanguageModel
 from toygraph.models.decoder import DELTANET_TARGETS, TARGETS
 from toygraph.models.model import GGUFModel
+from toygraph.models.parts import DeltaNet
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -75,7 +76,8 @@ def test_attention_layers_are_token_major(qwen35):
 def test_the_file_is_read_as_written(qwen35):
     path, _ = qwen35
     cfg = GGUFModel(path).config
-    assert cfg.recurrent == (True, True, True, False) * 2 and cfg.rope_dims == 4
+    recurrent = [isinstance(layer.mixer, DeltaNet) for layer in cfg.layers]
+    assert recurrent == [True, True, True, False] * 2 and {a.rope.dims for a in cfg.attention} == {4}
     assert (cfg.ssm.conv, cfg.ssm.k_heads, cfg.ssm.k_dim, cfg.ssm.v_dim) == (4, 2, 8, 12)
 
 
@@ -165,7 +167,7 @@ def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
     64-step chunk) and of cached generation through the CUDA backend, its kernels run by
     the host executor, against numpy. This random model amplifies f32 rounding (numpy's f32
     gradients are ~2e-3 from its f64 ones), so both f32 backends are held to f64."""
-    from hostparity import rel_err, run_phase
+    from support.hostparity import rel_err, run_phase
     from test_kvcache import greedy_steps, normwise
     from toygraph.core import ops
     from toygraph.core.autodiff import accumulate_grads, backward

@@ -10,7 +10,7 @@ from toygraph.errors import GraphError
 from toygraph.fixtures import tiny_models
 from toygraph.models.model import GGUFModel
 from toygraph.core.graph import Graph
-from toygraph.core.memory import aligned
+from toygraph.core.buffer_plan import aligned
 from toygraph.core.optimizer import build_training, hp_row
 from toygraph.recipes import RECIPES, RecipeOptions
 

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from test_train import cfg_for, chat_data, events  # noqa: F401 (chat_data: a fixture)
+from test_run import cfg_for, chat_data, events  # noqa: F401 (chat_data: a fixture)
 from toygraph.errors import ToygraphError
 from toygraph.training import run_training
 from toygraph.training.reporting import reporter_names, scalars

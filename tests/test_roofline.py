@@ -9,7 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import roofline  # noqa: E402
-from roofline_plan import launch_cost, plan_launches, visible_tile_pairs  # noqa: E402
+from roofline_plan import (RULES, kernel_params, launch_cost, plan_launches,  # noqa: E402
+                           visible_tile_pairs)
 
 B, T, R = 2, 64, 16
 D, FF, V, L, KV = 576, 1536, 512, 2, 3 * 64   # roofline.SHAPES["tiny"]: SmolLM2-wide, 2 layers
@@ -133,7 +134,7 @@ def test_adamw_is_one_launch_moving_seven_f32_per_weight(plan):
 
 def test_the_gated_backward_reads_three_and_writes_two(plan, plan_f32):
     """gate, up and the gradient in, d gate and d up out: all in bf16 at bf16 (products
-    make the three and only products read the two, cuda/storage.py), f32 at f32."""
+    make the three and only products read the two, cuda/bf16_storage.py), f32 at f32."""
     from toygraph.core.ops.gated import up_offset
     n = B * T * FF
     c = [c for nd, l, c in plan if l.kernel == "tg_glu_back"][0]
@@ -201,17 +202,19 @@ def test_f32_attention_runs_on_cuda_cores():
 def test_tensor_core_attention_counted_per_pass(plan, monkeypatch):
     """tc_attention.cu's forward (issue 25), costed from a launch with its arguments: blocks
     of 64 queries, key tiles of 64 at head dim 64; saving L adds its bytes, no pass."""
-    from toygraph.cuda.lowering import Launch, constants, i32, p
+    from toygraph.cuda.lowering import Launch, constants, i32_arg, ptr_arg
     monkeypatch.setattr(constants, "TCA_BQ", 64, raising=False)
     monkeypatch.setattr(constants, "TCA_TILES", {64: 64}, raising=False)
     node = next(n for n, _, _ in plan if n.op == "attention")
     scores = B * 9 * 1 * 64 * 64          # T = 64: one causal (block, tile) pair per head
-    full = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(1), p(0)]))
-    saving = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [p(1), p(1)]))
+    full = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [ptr_arg(1), ptr_arg(0)]))
+    saving = launch_cost(node, Launch("tg_tca_fwd_64", (1, 9, B), [ptr_arg(1), ptr_arg(1)]))
     assert full.tc == 2 * 2 * scores * 64 and full.fma == 0 and full.sfu == scores
     assert saving.tc == full.tc and saving.bytes == full.bytes + 4 * B * 9 * 64
     assert full.kind == "attention tensor-core"
-    cast = launch_cost(node, Launch("tg_tca_to_bf16", (1, 1, 1), [p(1), p(1), i32(10), i32(60), i32(64)]))
+    cast = launch_cost(node, Launch("tg_tca_to_bf16", (1, 1, 1), [  # 10 f32 rows of 60
+        ptr_arg(1), ptr_arg(1), i32_arg(10), i32_arg(60), i32_arg(64), i32_arg(1), i32_arg(10),
+        i32_arg(0), i32_arg(0)]))
     assert cast.bytes == 4 * 10 * 60 + 2 * 10 * 64
 
 
@@ -240,3 +243,42 @@ def test_unknown_kernel_is_refused(plan):
     node = plan[0][0]
     with pytest.raises(ValueError, match="tg_new_kernel"):
         launch_cost(node, Launch("tg_new_kernel", (1, 1, 1)))
+
+
+# --- the cost rules against the kernels ---------------------------------------------------------
+def test_every_cost_rule_names_kernels_that_exist():
+    """A rule whose pattern no kernel of the sources matches is stale (a kernel renamed or
+    gone): each pattern matches at least one kernel the op families declare."""
+    kernels = set(kernel_params())
+    assert len(kernels) > 100
+    dead = [pattern for pattern, _ in RULES
+            if not any(__import__("re").fullmatch(pattern, k) for k in kernels)]
+    assert not dead, dead
+
+
+def test_every_kernel_an_op_lowers_to_in_the_step_has_a_rule(plan, plan_f32):
+    """The ops of the modelled step lower to kernels listed in the registry; each of those
+    kernels has a cost rule (launch_cost raises on a kernel without one)."""
+    import re
+    from toygraph.cuda.lowering.registry import op_kernels
+    ops_in_step = {n.op for n, _, _ in plan + plan_f32}
+    listed = {k for op in ops_in_step for k in op_kernels()[op]}
+    launched = {l.kernel for _, l, _ in plan + plan_f32}
+    assert listed & launched
+    missing = [k for k in listed | launched
+               if not any(re.fullmatch(pattern, k) for pattern, _ in RULES)]
+    assert not missing, missing
+
+
+def test_a_rule_reads_arguments_by_the_kernels_parameter_names(plan, monkeypatch):
+    """The GEMM rule reads M, N and K by name: with the kernels' parameter lists as the
+    sources give them it counts the textbook FLOPs, and with a parameter renamed it fails
+    naming the kernel and the parameter instead of counting from the wrong argument."""
+    import roofline_plan
+    n, l, c = next((n, l, c) for n, l, c in plan if l.kernel == "tg_tcg_gemm_bf16")
+    assert launch_cost(n, l).useful == c.useful > 0
+    renamed = dict(kernel_params())
+    renamed[l.kernel] = tuple("rows" if p == "M" else p for p in renamed[l.kernel])
+    monkeypatch.setattr(roofline_plan, "kernel_params", lambda: renamed)
+    with pytest.raises(ValueError, match="reads parameter 'M' of tg_tcg_gemm_bf16"):
+        launch_cost(n, l)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import toygraph.training.run_dir as run_dir
-from test_train import cfg_for, events, write_chat_data
+from test_run import cfg_for, events, write_chat_data
 from toygraph.errors import ToygraphError
 from toygraph.training.checkpoints import (checkpoint_run_id, list_checkpoints,
                                            load_checkpoint, prune_checkpoints)

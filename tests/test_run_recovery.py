@@ -15,7 +15,7 @@ import pytest
 import toygraph.adapters.files as adapter_files
 import toygraph.adapters.modelfile as modelfile
 import toygraph.training.checkpoints as ckpt
-from test_train import cfg_for, write_chat_data
+from test_run import cfg_for, write_chat_data
 from toygraph.training.checkpoints import find_resumable, load_checkpoint
 from toygraph.training.run import run_training
 from toygraph.training.run_dir import FINAL_ARTIFACTS, RESULT_ASIDE, read_events

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import toygraph.training.checkpoints as ckpt
-from test_train import cfg_for, events, write_chat_data
+from test_run import cfg_for, events, write_chat_data
 from toygraph.training.checkpoints import find_resumable, list_checkpoints, load_checkpoint, verify_checkpoint
 from toygraph.errors import DataError, ToygraphError
 from toygraph.training.resume import ResumeMismatch

@@ -59,7 +59,7 @@ def test_plan_never_overlaps_live_buffers():
 
 
 def _no_reuse(schedule, pinned, itemsize, pinned_bytes):
-    from toygraph.core.memory import BufferPlan, aligned, is_planned
+    from toygraph.core.buffer_plan import BufferPlan, aligned, is_planned
     plan = BufferPlan(pinned_bytes=pinned_bytes)
     for t in schedule:
         if is_planned(t, pinned):
@@ -202,3 +202,44 @@ def test_tiny_model_learns_a_toy_task_to_near_optimum():
     final = float(np.mean(np.log(np.exp(z).sum(1)) - z[np.arange(len(y)), y]))
     print(f"toy task: optimum {optimum:.4f}, trained {final:.4f}, start {np.log(V):.4f}")
     assert final < optimum + 0.015  # optimum 0.8043; uniform guessing is ln 8 = 2.0794
+
+
+# --- backends by name (core/backends.py) ------------------------------------------------------
+def test_the_cuda_backend_is_found_by_name_without_the_core_importing_it(tmp_path):
+    """In a fresh interpreter, the session and its backend registry leave toygraph.cuda
+    unimported, and Session(backend="cuda") then loads it through its entry point (run on
+    the host executor, so no GPU is needed)."""
+    import subprocess
+    import sys
+    code = """
+import sys
+from toygraph.core import ops
+from toygraph.core.graph import Graph
+from toygraph.core.session import Session
+runtime = [m for m in sys.modules if m.startswith("toygraph.cuda.")
+           and not m.startswith("toygraph.cuda.lowering")]   # the API below the core aside
+assert not runtime, runtime
+g = Graph()
+x = g.input("x", (3,))
+y = g.output(ops.scale(x, 2.0))
+s = Session(g, backend="cuda")
+print(type(s.backend).__module__)
+"""
+    env = {**__import__("os").environ, "TOYGRAPH_CUDA_DEVICE": "host"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "toygraph.cuda.backend"
+
+
+def test_a_backend_nothing_registers_is_a_clear_error(monkeypatch):
+    from toygraph.core import backends
+    monkeypatch.setattr(backends, "FACTORIES", {"cpu": backends.FACTORIES["cpu"]})
+    monkeypatch.setattr(backends, "entry_points", lambda **kw: [])
+    g = Graph()
+    g.output(ops.sum(g.input("x", (2,))))
+    with pytest.raises(GraphError, match="backend 'cuda' is not installed: no entry point 'cuda' "
+                                         "in the group 'toygraph.backends'"):
+        Session(g, backend="cuda")
+    with pytest.raises(GraphError, match="backend must be 'cpu' or 'cuda', got 'tpu'"):
+        Session(g, backend="tpu")

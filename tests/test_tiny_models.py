@@ -50,7 +50,7 @@ def test_transformers_loads_model_with_matching_config(tiny_dir, name):
     assert hf.max_position_embeddings == cfg.n_ctx
     assert hf.rms_norm_eps == pytest.approx(cfg.rms_eps)
     rope = getattr(hf, "rope_parameters", None) or {"rope_theta": hf.rope_theta}
-    assert rope["rope_theta"] == pytest.approx(cfg.rope_base)
+    assert rope["rope_theta"] == pytest.approx(cfg.attention[0].rope.base)
 
     # Weights: transformers dequantizes with gguf-py; ours must give the same numbers.
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -60,7 +60,7 @@ def test_transformers_loads_model_with_matching_config(tiny_dir, name):
         hf_p, gg = f"model.layers.{i}.", f"blk.{i}."
         q = ours.tensor(gg + "attn_q.weight").dequantize()
         k = ours.tensor(gg + "attn_k.weight").dequantize()
-        if cfg.rope_mode == "normal":  # llama: transformers un-permutes Q/K rows on load
+        if cfg.family.qk_permuted:  # llama: transformers un-permutes Q/K rows on load
             q, k = hf_from_gguf_qk(q, cfg.n_head), hf_from_gguf_qk(k, cfg.n_head_kv)
         np.testing.assert_array_equal(sd[hf_p + "self_attn.q_proj.weight"], q)
         np.testing.assert_array_equal(sd[hf_p + "self_attn.k_proj.weight"], k)

@@ -7,8 +7,3 @@ from toygraph.errors import CudaError, DataError, GGUFError, GraphError, Toygrap
 
 __version__ = "0.2.0"
 __all__ = ["ToygraphError", "GraphError", "GGUFError", "DataError", "CudaError", "__version__"]
-
-# The 0.1 import paths, for one release (toygraph/moved.py).
-from toygraph import moved as _moved  # noqa: E402
-
-_moved.install()

@@ -1,7 +1,7 @@
 """How much more memory this process may take, and which limit says so.
 
 Three limits can stop an allocation, and the memory checks (a plan that must fit,
-core/frozen_base.py; the tokenized data, training/data_memory.py) read all three:
+core/frozen_base.py; the tokenized data, training/tokenized_size.py) read all three:
 
 - the machine: ``MemAvailable`` of /proc/meminfo (what can be had without swapping);
 - the process's address space, ``RLIMIT_AS`` (``ulimit -v``), less what it maps already

@@ -1,4 +1,4 @@
-"""Reverse-mode differentiation over the graph, by the backward rules in ops.py.
+"""Reverse-mode differentiation over the graph, by the ops' backward rules (core/ops/).
 
 >>> grads = backward(loss_sum, params)             # doctest: +SKIP
 >>> accs = accumulate_grads(grads)                  # doctest: +SKIP
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from toygraph.core import ops
 from toygraph.core.graph import Tensor, topo_order
+from toygraph.core.ops.groups import PACKED, member
 from toygraph.errors import GraphError
 
 
@@ -47,13 +48,13 @@ def gradient_map(loss: Tensor, params: list[Tensor]) -> dict[int, Tensor]:
         if t.op is None:
             continue
         spec = ops.OPS[t.op]
-        g = _view_gradients(t, grads, views) if spec.grad_views else grads.get(t.id)
+        g = _view_gradients(t, grads, views) if member(t.op, PACKED) else grads.get(t.id)
         if g is None:
             continue
         need = [s.id in reaches for s in t.srcs]
         if not any(need):
             continue
-        if _views_packed(t):   # the packing op's rule takes it from here (OpSpec.grad_views)
+        if _views_packed(t):   # the packing op's rule takes it from here (groups.PACKED)
             parts = views.setdefault(t.srcs[0].id, {})
             at = t.attrs["offset"]
             parts[at] = g if at not in parts else ops.add(parts[at], g)
@@ -73,7 +74,7 @@ def gradient_map(loss: Tensor, params: list[Tensor]) -> dict[int, Tensor]:
 def _views_packed(t: Tensor) -> bool:
     """Whether ``t`` is an unpack view of a node whose op packs several results."""
     src = t.srcs[0] if t.op == "unpack" else None
-    return src is not None and src.op is not None and ops.OPS[src.op].grad_views
+    return src is not None and member(src.op, PACKED)
 
 
 def _view_gradients(t: Tensor, grads: dict, views: dict) -> dict[int, Tensor] | None:

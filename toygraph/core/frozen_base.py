@@ -36,7 +36,7 @@ in one line a plan that cannot fit (:func:`check_fits`).
 from __future__ import annotations
 
 from toygraph import environment
-from toygraph.core.memory import BufferPlan, aligned, nbytes
+from toygraph.core.buffer_plan import BufferPlan, aligned, nbytes
 from toygraph.core.ops.table import BLOCK_KERNELS
 from toygraph.cpu import engine
 from toygraph.errors import GraphError

@@ -75,7 +75,7 @@ class Tensor:
     def __neg__(self):
         return ops.scale(self, -1.0)
 
-    # Methods for everything else; each is a thin call into ops.py.
+    # Methods for everything else; each is a thin call into an op builder (core/ops/).
     def matmul(self, other, trans_a=False, trans_b=False):
         return ops.matmul(self, other, trans_a=trans_a, trans_b=trans_b)
 
@@ -170,7 +170,7 @@ class Graph:
 
     def const(self, name: str, data=None, *, shape=None, storage: str = FLOAT) -> Tensor:
         """A frozen weight. ``data`` is an array (f32/f64) or raw block bytes with
-        ``storage`` naming the format (see quant.py) and ``shape`` the logical shape."""
+        ``storage`` naming the format (see gguf/blocks.py) and ``shape`` the logical shape."""
         if shape is None:
             if data is None:
                 raise GraphError(f"const {name!r}: give data or a shape")
@@ -208,7 +208,7 @@ class Graph:
     # --- nodes --------------------------------------------------------------------------
     def node(self, op: str, srcs: Sequence[Tensor], attrs: dict | None = None,
              name: str | None = None) -> Tensor:
-        """Create an op node, checking shapes and dtypes by the op's rule in ops.py."""
+        """Create an op node, checking shapes and dtypes by the op's rule (ops.OPS)."""
         spec = ops.OPS.get(op)
         if spec is None:
             raise GraphError(f"unknown op {op!r}")

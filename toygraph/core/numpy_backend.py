@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
+from toygraph.core.buffer_plan import BufferPlan, Storage
 from toygraph.core.frozen_base import check_fits, scratch_layout
-from toygraph.core.memory import BufferPlan, Storage
 from toygraph.core.ops import BLOCK_KERNELS, KERNELS
 from toygraph.errors import GraphError
 from toygraph.cpu.block_tensor import BlockTensor

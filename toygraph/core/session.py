@@ -16,39 +16,20 @@ import time
 
 import numpy as np
 
+from toygraph.core import backends
 from toygraph.core.frozen_base import plan_base, resolve_mode
 from toygraph.core.graph import PHASES, Graph, Tensor, topo_order
-from toygraph.core.memory import BufferPlan, nbytes, plan_buffers
+from toygraph.core.buffer_plan import BufferPlan, nbytes, plan_buffers
+from toygraph.core.ops.groups import PASS_THROUGH, member
 from toygraph.core.ops.table import INT32_MAX as _INT32_MAX
-from toygraph.core.ops.table import OPS
-from toygraph.core.precision import BACKENDS, precision_error
-from toygraph.errors import CudaError, GraphError
-
-# Ops through which an integer input flows unchanged, so the range its consumer needs
-# applies to the input itself.
-_PASS_THROUGH = {"reshape", "permute", "contiguous"}
-
-
-
-
-def _make_backend(backend: str, precision: str, dtype: str):
-    if backend not in BACKENDS:
-        raise GraphError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
-    why = precision_error(precision, backend)
-    if why:
-        raise GraphError(f"precision {why}")
-    if backend == "cpu":
-        from toygraph.core.numpy_backend import CpuBackend
-        return CpuBackend(dtype)
-    from toygraph.cuda.backend import CudaBackend
-    if dtype != "f32":
-        raise CudaError(f"the cuda backend computes in f32, got dtype {dtype!r} "
-                        "(use backend='cpu' with dtype='f64' for gradient checks)")
-    return CudaBackend(precision)
+from toygraph.core.ops.table import OPS, in_place
+from toygraph.errors import GraphError
 
 
 class Session:
-    """Runs one Graph on one backend. See the module docstring for the step sequence.
+    """Runs one Graph on one backend, found by name (core/backends.py: "cpu", the numpy
+    backend, or "cuda", which registers itself). See the module docstring for the step
+    sequence.
 
     Two different settings choose the arithmetic:
 
@@ -56,7 +37,7 @@ class Session:
       ``--precision``, ``RunConfig.precision``, ``RecipeOptions.precision``,
       ``CudaBackend.precision``): ``"f32"``, or on the cuda backend ``"bf16"`` / ``"tf32"``
       (tensor cores, f32 accumulation; at ``"bf16"`` the activations that only matmuls
-      and bf16-aware kernels read are stored in bf16, cuda/storage.py).
+      and bf16-aware kernels read are stored in bf16, cuda/bf16_storage.py).
     - ``dtype``: the float type of every buffer on the numpy backend: ``"f32"``, or
       ``"f64"`` for finite-difference gradient checks (cpu only; never a training option).
 
@@ -71,7 +52,7 @@ class Session:
         self.graph = graph
         self.backend_name = backend
         self.base_memory = resolve_mode(base_memory)
-        self.backend = _make_backend(backend, precision, dtype)
+        self.backend = backends.make(backend, precision, dtype)
         self.realized = False
         self.plan: BufferPlan | None = None
         self.realize_seconds = 0.0
@@ -97,7 +78,7 @@ class Session:
         self.inputs = {t.id: t for t in full if t.role == "input"}
         itemsize = self.backend.itemsize
         pinned_bytes = sum(nbytes(t, 4 if t.dtype == "i32" else itemsize)
-                           for t in full if t.id in pinned and t.op not in ("accumulate", "adamw"))
+                           for t in full if t.id in pinned and not in_place(t.op))
         self.plan = plan_buffers(full, pinned, itemsize, pinned_bytes,
                                  self.backend.storage(full, pinned))
         if self.backend_name == "cpu":
@@ -112,7 +93,8 @@ class Session:
 
     def _id_ranges(self, schedule):
         """For each i32 input, the [low, high) its consumers accept (by their op's
-        ``id_ranges`` in ops.py), and who asks for the tightest bound."""
+        ``id_ranges``, looking through the pass-through group), and who asks for the tightest
+        bound."""
         consumers: dict[int, list[Tensor]] = {}
         for t in schedule:
             for s in t.srcs:
@@ -126,7 +108,7 @@ class Session:
             while stack:
                 cur = stack.pop()
                 for c in consumers.get(cur.id, []):
-                    if c.op in _PASS_THROUGH:
+                    if member(c.op, PASS_THROUGH):   # its readers' range is the input's
                         stack.append(c)
                         continue
                     rule = OPS[c.op].id_ranges

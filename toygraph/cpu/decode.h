@@ -42,6 +42,7 @@ typedef uint32_t v16u32 __attribute__((vector_size(64)));
 typedef float v16f __attribute__((vector_size(64)));
 
 static const v16u32 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const v16u32 kOnes = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 
 static inline v16u8 load16(const u8* p) {
     v16u8 v;
@@ -49,56 +50,126 @@ static inline v16u8 load16(const u8* p) {
     return v;
 }
 static inline void store16(float* y, v16f v) { std::memcpy(y, &v, 64); }
+// A scalar in all 16 lanes. Written out because GCC 12, where 16 floats take two registers
+// (AVX2), builds ``scalar * vector`` through 16 stores to the stack.
+static inline v16f splat(float x) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    const __m256 h = _mm256_set1_ps(x);
+    v16f r;
+    std::memcpy(&r, &h, 32);
+    std::memcpy((char*)&r + 32, &h, 32);
+    return r;
+#else
+    v16f r;   // not (v16f){} + x: 0 + -0 is +0, and the sign of a zero scale is kept
+    for (int i = 0; i < 16; i++) r[i] = x;
+    return r;
+#endif
+}
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// GCC 12 converts the upper half of a 16-byte vector byte by byte when 16 ints take two
+// registers: on AVX2, two zero-extending conversions, one per half.
+static inline v16i32 widen(v16u8 v) {
+    const __m128i x = (__m128i)v;
+    const __m256i a = _mm256_cvtepu8_epi32(x), b = _mm256_cvtepu8_epi32(_mm_srli_si128(x, 8));
+    v16i32 r;
+    std::memcpy(&r, &a, 32);
+    std::memcpy((char*)&r + 32, &b, 32);
+    return r;
+}
+#else
 static inline v16i32 widen(v16u8 v) { return __builtin_convertvector(v, v16i32); }
+#endif
 // Signed bytes widened (through the unsigned widening, which every target vectorises:
 // GCC 12 scalarises a signed char vector's conversion).
 static inline v16i32 widen_signed(v16u8 v) { return widen((v16u8)(v ^ 0x80)) - 128; }
 static inline v16f to_float(v16i32 v) { return __builtin_convertvector(v, v16f); }
 static inline v16f to_float(v16u8 v) { return to_float(widen(v)); }
-// table[idx] for a 16-entry table (one permute on AVX-512).
+// table[idx & 15] for a 16-entry table (one permute on AVX-512; two and a blend a half on
+// AVX2, whose permutes reach 8 lanes).
 static inline v16f lookup16(const float* table, v16u8 idx) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    const __m256 t0 = _mm256_loadu_ps(table), t1 = _mm256_loadu_ps(table + 8);
+    const v16i32 i = widen((v16u8)(idx & 15));
+    __m256 half[2];
+    for (int h = 0; h < 2; h++) {
+        __m256i ih;
+        std::memcpy(&ih, (const char*)&i + 32 * h, 32);
+        const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(ih, 28));   // bit 3 -> sign
+        half[h] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, ih),
+                                   _mm256_permutevar8x32_ps(t1, ih), upper);
+    }
+    v16f r;
+    std::memcpy(&r, half, 64);
+    return r;
+#else
     v16f t;
     std::memcpy(&t, table, 64);
-    return __builtin_shuffle(t, widen(idx & 15));
+    return __builtin_shuffle(t, widen((v16u8)(idx & 15)));
+#endif
 }
 // Bits first..first+15 of a 32-bit word, one per element, shifted left by ``to``.
 static inline v16i32 bits16(uint32_t word, int first, int to) {
-    return (v16i32)((((v16u32){} + word) >> (kIota + (uint32_t)first)) & 1u) << to;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    const __m256i w = _mm256_set1_epi32((int)word), one = _mm256_set1_epi32(1);
+    const __m256i lo = _mm256_srlv_epi32(w, _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                             _mm256_set1_epi32(first)));
+    const __m256i hi = _mm256_srlv_epi32(w, _mm256_add_epi32(_mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15),
+                                                             _mm256_set1_epi32(first)));
+    const __m256i a = _mm256_slli_epi32(_mm256_and_si256(lo, one), to);
+    const __m256i b = _mm256_slli_epi32(_mm256_and_si256(hi, one), to);
+    v16i32 r;
+    std::memcpy(&r, &a, 32);
+    std::memcpy((char*)&r + 32, &b, 32);
+    return r;
+#else
+    return (v16i32)((((v16u32){} + word) >> (kIota + (uint32_t)first)) & kOnes) << to;
+#endif
 }
 
-// f16 without branches, 16 at a time: the exponent is rebiased; inf/nan get the top
+// f16 without branches, a register's width at a time (native-width vectors: GCC 12 handles
+// scalar operands of wider ones badly): the exponent is rebiased; inf/nan get the top
 // exponent with their payload (numpy keeps signalling NaNs as they are, and so does this);
 // subnormals are renormalised by an exact f32 subtraction. bf16 is the top half of an f32.
-static inline v16u32 f16_to_f32_bits(v16u32 h) {
-    const v16u32 o = (h & 0x7FFF) << 13, exp = o & 0x0F800000u;
-    const v16u32 inf_nan = (v16u32)(exp == 0x0F800000u) & (112u << 23);
-    const v16u32 normal = o + (112u << 23) + inf_nan;
-    v16f renorm;
-    const v16u32 shifted = o + (113u << 23);
-    std::memcpy(&renorm, &shifted, 64);
+#if defined(__AVX512F__)
+static const int kLanes = 16;
+#elif defined(__AVX2__)
+static const int kLanes = 8;
+#else
+static const int kLanes = 4;
+#endif
+typedef uint32_t vnu32 __attribute__((vector_size(4 * kLanes)));
+typedef float vnf __attribute__((vector_size(4 * kLanes)));
+
+static inline vnu32 f16_to_f32_bits(vnu32 h) {
+    const vnu32 o = (h & 0x7FFF) << 13, exp = o & 0x0F800000u;
+    const vnu32 inf_nan = (vnu32)(exp == 0x0F800000u) & (112u << 23);
+    const vnu32 normal = o + (112u << 23) + inf_nan;
+    const vnu32 shifted = o + (113u << 23);
+    vnf renorm;
+    std::memcpy(&renorm, &shifted, sizeof renorm);
     renorm = renorm - bits_float(113u << 23);
-    v16u32 sub;
-    std::memcpy(&sub, &renorm, 64);
-    const v16u32 is_sub = (v16u32)(exp == 0);
+    vnu32 sub;
+    std::memcpy(&sub, &renorm, sizeof sub);
+    const vnu32 is_sub = (vnu32)(exp == 0);
     return ((sub & is_sub) | (normal & ~is_sub)) | ((h & 0x8000) << 16);
 }
 
-static inline v16u32 load16_u16(const u8* p) {
-    uint16_t h[16];
-    std::memcpy(h, p, 32);
-    v16u32 v;
-    for (int i = 0; i < 16; i++) v[i] = h[i];
+static inline vnu32 load_u16(const u8* p) {
+    uint16_t h[kLanes];
+    std::memcpy(h, p, 2 * kLanes);
+    vnu32 v;
+    for (int i = 0; i < kLanes; i++) v[i] = h[i];
     return v;
 }
 
 static inline void f16_run(const u8* __restrict b, float* __restrict y, int64_t n) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const v16u32 f = f16_to_f32_bits(load16_u16(b + 2 * i));
-        std::memcpy(y + i, &f, 64);
+    for (; i + kLanes <= n; i += kLanes) {
+        const vnu32 f = f16_to_f32_bits(load_u16(b + 2 * i));
+        std::memcpy(y + i, &f, sizeof f);
     }
     for (; i < n; i++) {
-        v16u32 h = {};
+        vnu32 h = {};
         h[0] = (uint32_t)b[2 * i] | ((uint32_t)b[2 * i + 1] << 8);
         y[i] = bits_float(f16_to_f32_bits(h)[0]);
     }
@@ -106,9 +177,9 @@ static inline void f16_run(const u8* __restrict b, float* __restrict y, int64_t 
 
 static inline void bf16_run(const u8* __restrict b, float* __restrict y, int64_t n) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const v16u32 f = load16_u16(b + 2 * i) << 16;
-        std::memcpy(y + i, &f, 64);
+    for (; i + kLanes <= n; i += kLanes) {
+        const vnu32 f = load_u16(b + 2 * i) << 16;
+        std::memcpy(y + i, &f, sizeof f);
     }
     for (; i < n; i++) y[i] = bits_float(((uint32_t)b[2 * i] | ((uint32_t)b[2 * i + 1] << 8)) << 16);
 }
@@ -118,7 +189,7 @@ static inline void q8_0(const u8* __restrict b, float* __restrict y) {
     const float d = half(b + TG_Q8_0_D);
     for (int h = 0; h < 2; h++) {
         const v16i32 q = widen_signed(load16(b + TG_Q8_0_QS + 16 * h));
-        store16(y + 16 * h, to_float(q) * d);
+        store16(y + 16 * h, to_float(q) * splat(d));
     }
 }
 
@@ -133,38 +204,38 @@ static inline uint32_t qh_bits(const u8* qh) {
 static inline void q4_0(const u8* __restrict b, float* __restrict y) {
     const v16u8 qs = load16(b + TG_Q4_0_QS);
     const float d = half(b + TG_Q4_0_D);
-    store16(y, d * (to_float((v16u8)(qs & 0x0F)) - 8.0f));
-    store16(y + 16, d * (to_float((v16u8)(qs >> 4)) - 8.0f));
+    store16(y, splat(d) * (to_float((v16u8)(qs & 0x0F)) - splat(8.0f)));
+    store16(y + 16, splat(d) * (to_float((v16u8)(qs >> 4)) - splat(8.0f)));
 }
 
 static inline void q4_1(const u8* __restrict b, float* __restrict y) {
     const v16u8 qs = load16(b + TG_Q4_1_QS);
     const float d = half(b + TG_Q4_1_D), m = half(b + TG_Q4_1_M);
-    store16(y, d * to_float((v16u8)(qs & 0x0F)) + m);
-    store16(y + 16, d * to_float((v16u8)(qs >> 4)) + m);
+    store16(y, splat(d) * to_float((v16u8)(qs & 0x0F)) + splat(m));
+    store16(y + 16, splat(d) * to_float((v16u8)(qs >> 4)) + splat(m));
 }
 
 static inline void q5_0(const u8* __restrict b, float* __restrict y) {
     const v16u8 qs = load16(b + TG_Q5_0_QS);
     const uint32_t qh = qh_bits(b + TG_Q5_0_QH);
     const float d = half(b + TG_Q5_0_D);
-    store16(y, d * (to_float(widen(qs & 0x0F) | bits16(qh, 0, 4)) - 16.0f));
-    store16(y + 16, d * (to_float(widen(qs >> 4) | bits16(qh, 16, 4)) - 16.0f));
+    store16(y, splat(d) * (to_float(widen(qs & 0x0F) | bits16(qh, 0, 4)) - splat(16.0f)));
+    store16(y + 16, splat(d) * (to_float(widen(qs >> 4) | bits16(qh, 16, 4)) - splat(16.0f)));
 }
 
 static inline void q5_1(const u8* __restrict b, float* __restrict y) {
     const v16u8 qs = load16(b + TG_Q5_1_QS);
     const uint32_t qh = qh_bits(b + TG_Q5_1_QH);
     const float d = half(b + TG_Q5_1_D), m = half(b + TG_Q5_1_M);
-    store16(y, d * to_float(widen(qs & 0x0F) | bits16(qh, 0, 4)) + m);
-    store16(y + 16, d * to_float(widen(qs >> 4) | bits16(qh, 16, 4)) + m);
+    store16(y, splat(d) * to_float(widen(qs & 0x0F) | bits16(qh, 0, 4)) + splat(m));
+    store16(y + 16, splat(d) * to_float(widen(qs >> 4) | bits16(qh, 16, 4)) + splat(m));
 }
 
 static inline void iq4_nl(const u8* __restrict b, float* __restrict y) {
     const v16u8 qs = load16(b + TG_IQ4_NL_QS);
     const float d = half(b + TG_IQ4_NL_D);
-    store16(y, d * lookup16(kIq4nl, qs));
-    store16(y + 16, d * lookup16(kIq4nl, qs >> 4));
+    store16(y, splat(d) * lookup16(kIq4nl, qs));
+    store16(y + 16, splat(d) * lookup16(kIq4nl, qs >> 4));
 }
 
 // 2^(e - 128) as ggml_e8m0_to_fp32_half builds it (denormals for e < 2).
@@ -175,8 +246,8 @@ static inline float e8m0_half(int e) {
 static inline void mxfp4(const u8* __restrict b, float* __restrict y) {
     const v16u8 qs = load16(b + TG_MXFP4_QS);
     const float d = e8m0_half(b[TG_MXFP4_E]);
-    store16(y, d * lookup16(kMxfp4, qs));
-    store16(y + 16, d * lookup16(kMxfp4, qs >> 4));
+    store16(y, splat(d) * lookup16(kMxfp4, qs));
+    store16(y + 16, splat(d) * lookup16(kMxfp4, qs >> 4));
 }
 
 // Shifts of byte vectors by a constant (x86 has no byte shifts: a variable count would be
@@ -192,7 +263,7 @@ static inline void q2_k_crumbs(const u8* b, float d, float dmin, int h, int half
     const int e0 = 128 * h + 32 * S + 16 * half16;
     const int sc = b[TG_Q2_K_SCALES + e0 / 16];
     const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
-    store16(y + e0, dl * to_float((v16u8)(shr<2 * S>(qs) & 3)) - ml);
+    store16(y + e0, splat(dl) * to_float((v16u8)(shr<2 * S>(qs) & 3)) - splat(ml));
 }
 
 static inline void q2_k(const u8* __restrict b, float* __restrict y) {
@@ -217,7 +288,7 @@ static inline void q3_k_crumbs(const u8* b, float d, int h, int half16, v16u8 qs
     const int high = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
     const float dl = d * (float)((low | (high << 4)) - 32);
     const v16i32 clear = widen((v16u8)(~bit_set(hmask, 4 * h + S) & 4));
-    store16(y + e0, dl * to_float(widen((v16u8)(shr<2 * S>(qs) & 3)) - clear));
+    store16(y + e0, splat(dl) * to_float(widen((v16u8)(shr<2 * S>(qs) & 3)) - clear));
 }
 
 static inline void q3_k(const u8* __restrict b, float* __restrict y) {
@@ -265,8 +336,8 @@ static inline void k_quant(const u8* __restrict b, float* __restrict y, int d_of
                 lo |= bit_set(qh, 2 * p) & 16;
                 hi |= bit_set(qh, 2 * p + 1) & 16;
             }
-            store16(y + 64 * p + l, dl0 * to_float(lo) - ml0);
-            store16(y + 64 * p + 32 + l, dl1 * to_float(hi) - ml1);
+            store16(y + 64 * p + l, splat(dl0) * to_float(lo) - splat(ml0));
+            store16(y + 64 * p + 32 + l, splat(dl1) * to_float(hi) - splat(ml1));
         }
     }
 }
@@ -290,7 +361,7 @@ static inline void q6_k_quarter(const u8* b, float d, int h, float* y) {
         const v16u8 ql = load16(b + TG_Q6_K_QL + 64 * h + ((QUARTER & 1) ? 32 : 0) + 16 * half16);
         const v16u8 qh = load16(b + TG_Q6_K_QH + 32 * h + 16 * half16);
         const v16u8 q = (v16u8)((shr<QUARTER >= 2 ? 4 : 0>(ql) & 0x0F) | ((shr<2 * QUARTER>(qh) & 3) << 4));
-        store16(y + e0, dl * (to_float(q) - 32.0f));
+        store16(y + e0, splat(dl) * (to_float(q) - splat(32.0f)));
     }
 }
 
@@ -312,8 +383,8 @@ static inline void iq4_xs(const u8* __restrict b, float* __restrict y) {
                        | (((scales_h >> (2 * j)) & 3) << 4);
         const float dl = d * (float)(ls - 32);
         const v16u8 qs = load16(b + TG_IQ4_XS_QS + 16 * j);
-        store16(y + 32 * j, dl * lookup16(kIq4nl, qs));
-        store16(y + 32 * j + 16, dl * lookup16(kIq4nl, qs >> 4));
+        store16(y + 32 * j, splat(dl) * lookup16(kIq4nl, qs));
+        store16(y + 32 * j + 16, splat(dl) * lookup16(kIq4nl, qs >> 4));
     }
 }
 

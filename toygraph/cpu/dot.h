@@ -50,7 +50,7 @@ static inline float hsum(v16f v) {
 // an offset). ``x`` points at the block's first column, rows ldx apart.
 template <int M>
 static inline void dot_q8_0(const u8* b, const float* x, int64_t ldx, const float*, int64_t, v16f* acc, float*) {
-    const v16f d = (v16f){} + scale16(b + TG_Q8_0_D);
+    const v16f d = splat(scale16(b + TG_Q8_0_D));
     const v16f q0 = to_float(widen_signed(load16(b + TG_Q8_0_QS)));
     const v16f q1 = to_float(widen_signed(load16(b + TG_Q8_0_QS + 16)));
     for (int m = 0; m < M; m++) acc[m] += d * (loadx(x + m * ldx) * q0 + loadx(x + m * ldx + 16) * q1);
@@ -59,7 +59,7 @@ static inline void dot_q8_0(const u8* b, const float* x, int64_t ldx, const floa
 template <int M>
 static inline void dot_q4_0(const u8* b, const float* x, int64_t ldx, const float*, int64_t, v16f* acc, float*) {
     const v16u8 qs = load16(b + TG_Q4_0_QS);
-    const v16f d = (v16f){} + scale16(b + TG_Q4_0_D);
+    const v16f d = splat(scale16(b + TG_Q4_0_D));
     const v16f q0 = to_float(widen((v16u8)(qs & 0x0F)) - 8), q1 = to_float(widen(shr<4>(qs)) - 8);
     for (int m = 0; m < M; m++) acc[m] += d * (loadx(x + m * ldx) * q0 + loadx(x + m * ldx + 16) * q1);
 }
@@ -68,7 +68,7 @@ template <int M>
 static inline void dot_q5_0(const u8* b, const float* x, int64_t ldx, const float*, int64_t, v16f* acc, float*) {
     const v16u8 qs = load16(b + TG_Q5_0_QS);
     const uint32_t qh = qh_bits(b + TG_Q5_0_QH);
-    const v16f d = (v16f){} + scale16(b + TG_Q5_0_D);
+    const v16f d = splat(scale16(b + TG_Q5_0_D));
     const v16f q0 = to_float((widen((v16u8)(qs & 0x0F)) | bits16(qh, 0, 4)) - 16);
     const v16f q1 = to_float((widen(shr<4>(qs)) | bits16(qh, 16, 4)) - 16);
     for (int m = 0; m < M; m++) acc[m] += d * (loadx(x + m * ldx) * q0 + loadx(x + m * ldx + 16) * q1);
@@ -77,7 +77,7 @@ static inline void dot_q5_0(const u8* b, const float* x, int64_t ldx, const floa
 template <int M>
 static inline void dot_q4_1(const u8* b, const float* x, int64_t ldx, const float* xs, int64_t ldxs, v16f* acc, float* off) {
     const v16u8 qs = load16(b + TG_Q4_1_QS);
-    const v16f d = (v16f){} + scale16(b + TG_Q4_1_D);
+    const v16f d = splat(scale16(b + TG_Q4_1_D));
     const float mn = scale16(b + TG_Q4_1_M);
     const v16f q0 = to_float((v16u8)(qs & 0x0F)), q1 = to_float(shr<4>(qs));
     for (int m = 0; m < M; m++) {
@@ -90,7 +90,7 @@ template <int M>
 static inline void dot_q5_1(const u8* b, const float* x, int64_t ldx, const float* xs, int64_t ldxs, v16f* acc, float* off) {
     const v16u8 qs = load16(b + TG_Q5_1_QS);
     const uint32_t qh = qh_bits(b + TG_Q5_1_QH);
-    const v16f d = (v16f){} + scale16(b + TG_Q5_1_D);
+    const v16f d = splat(scale16(b + TG_Q5_1_D));
     const float mn = scale16(b + TG_Q5_1_M);
     const v16f q0 = to_float(widen((v16u8)(qs & 0x0F)) | bits16(qh, 0, 4));
     const v16f q1 = to_float(widen(shr<4>(qs)) | bits16(qh, 16, 4));
@@ -109,7 +109,7 @@ static inline void dot_k(const u8* b, const float* x, int64_t ldx, const float* 
         int sc0, mn0, sc1, mn1;
         k_scale(b + sc_off, 2 * p, &sc0, &mn0);
         k_scale(b + sc_off, 2 * p + 1, &sc1, &mn1);
-        const v16f a0 = (v16f){} + d * (float)sc0, a1 = (v16f){} + d * (float)sc1;
+        const v16f a0 = splat(d * (float)sc0), a1 = splat(d * (float)sc1);
         v16f lo[2], hi[2];
         for (int l = 0; l < 2; l++) {
             const v16u8 src = load16(b + qs_off + 32 * p + 16 * l);
@@ -150,7 +150,7 @@ static inline void dot_q6_k_quarter(const u8* b, float d, int h, const float* x,
         const v16u8 ql = load16(b + TG_Q6_K_QL + 64 * h + ((QUARTER & 1) ? 32 : 0) + 16 * half16);
         const v16u8 qh = load16(b + TG_Q6_K_QH + 32 * h + 16 * half16);
         const v16u8 q = (v16u8)((shr<QUARTER >= 2 ? 4 : 0>(ql) & 0x0F) | ((shr<2 * QUARTER>(qh) & 3) << 4));
-        const v16f a = (v16f){} + d * (float)scales[e0 / 16];
+        const v16f a = splat(d * (float)scales[e0 / 16]);
         const v16f qf = to_float(widen(q) - 32);
         for (int m = 0; m < M; m++) acc[m] += a * (loadx(x + m * ldx + e0) * qf);
     }

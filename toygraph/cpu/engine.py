@@ -78,18 +78,26 @@ def library():
     once)."""
     try:
         lib = load(source())
-    except (ToygraphError, OSError) as e:
-        logger.warning("the CPU engine is not available, block formats take the numpy path "
-                       "(decoded whole, several times slower): %s", str(e).splitlines()[0])
-        return None
+    except (ToygraphError, OSError) as native_error:
+        try:   # a compiler that does not know -march=native here: its default target
+            lib = load(source(), target="")
+            logger.warning("the CPU engine is built for the compiler's default target, not "
+                           "this CPU's own (slower): %s", str(native_error).splitlines()[0])
+        except (ToygraphError, OSError) as e:
+            logger.warning("the CPU engine is not available, block formats take the numpy "
+                           "path (decoded whole, several times slower): %s",
+                           str(e).splitlines()[0])
+            return None
     lib.tg_set_threads(threads.resolve(None))   # the process's count until use_threads
     return lib
 
 
-def load(text: str):
+def load(text: str, target: str = "-march=native"):
     """The engine built from ``text`` (:func:`source`, or a variant of it: the tests build
-    deliberately broken ones) and loaded, its entry points typed."""
-    path, _ = native.build_shared(text, FLAGS, environment.cache_dir("kernels") / "cpu",
+    deliberately broken ones) for ``target`` (the tests also build the AVX2 and the plain
+    x86-64 code paths; "" for the compiler's default) and loaded, its entry points typed."""
+    flags = [f for f in FLAGS if not f.startswith("-march=")] + ([target] if target else [])
+    path, _ = native.build_shared(text, flags, environment.cache_dir("kernels") / "cpu",
                                   "the CPU engine (toygraph/cpu/engine.cpp)")
     lib = ctypes.CDLL(str(path))
     lib.tg_simd.restype = ctypes.c_char_p

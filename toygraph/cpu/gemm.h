@@ -150,10 +150,13 @@ static void matmul_nt(Product& p) {
 }
 
 static void matmul_nn(Product& p) {
-    // Slices of the output: a whole number of W's blocks, about 256 columns, and enough of
-    // them (with row splits of g when K is narrow) for every thread to have work.
+    // Slices of the output: a whole number of W's blocks, at most about 256 columns, and at
+    // least two per thread when K allows, of equal widths where it divides (K = 896 on 2
+    // threads: four of 224); when K is too narrow for that the rows of g are split as well.
     const int64_t qk = p.f->qk, threads = pool_threads();
-    int64_t slice = ((256 + qk - 1) / qk) * qk;
+    int64_t want = (p.K + 255) / 256;
+    if (want < 2 * threads) want = 2 * threads;
+    int64_t slice = ((p.K + want - 1) / want + qk - 1) / qk * qk;
     if (slice > p.K) slice = p.K;
     const int64_t slices = (p.K + slice - 1) / slice;
     p.slice = slice;

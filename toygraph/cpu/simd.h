@@ -3,8 +3,9 @@
 // so the preprocessor's view of the target *is* the runtime check. AVX-512, AVX2 with FMA
 // and NEON get their registers; anything else a one-lane "vector" (plain scalar code).
 //
-// Vec: VL floats. load/store are unaligned; fma(a, b, c) = a * b + c with one rounding
-// (the GEMM's products: the decoders never use it, they keep blocks.py's rounding order).
+// Vec: VL floats, for the GEMM's register tiles (gemm.h). load/store are unaligned;
+// fma(a, b, c) = a * b + c with one rounding (the decoders never use it: they keep
+// blocks.py's rounding order).
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -19,8 +20,6 @@ static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 static inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-static inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TG_SIMD "avx2"
@@ -31,13 +30,6 @@ static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 static inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-static inline float vsum(Vec v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #elif defined(__ARM_NEON) && defined(__aarch64__)
 #include <arm_neon.h>
 #define TG_SIMD "neon"
@@ -48,8 +40,6 @@ static inline Vec vload(const float* p) { return vld1q_f32(p); }
 static inline void vstore(float* p, Vec v) { vst1q_f32(p, v); }
 static inline Vec vset1(float x) { return vdupq_n_f32(x); }
 static inline Vec vfma(Vec a, Vec b, Vec c) { return vfmaq_f32(c, a, b); }
-static inline Vec vadd(Vec a, Vec b) { return vaddq_f32(a, b); }
-static inline float vsum(Vec v) { return vaddvq_f32(v); }
 #else
 #define TG_SIMD "portable"
 typedef float Vec;
@@ -59,8 +49,6 @@ static inline Vec vload(const float* p) { return *p; }
 static inline void vstore(float* p, Vec v) { *p = v; }
 static inline Vec vset1(float x) { return x; }
 static inline Vec vfma(Vec a, Vec b, Vec c) { return std::fma(a, b, c); }
-static inline Vec vadd(Vec a, Vec b) { return a + b; }
-static inline float vsum(Vec v) { return v; }
 #endif
 
 // Registers for the GEMM's accumulator tile: MR rows x (2 * VL) columns. AVX-512 and NEON

@@ -1,7 +1,9 @@
 """The CUDA backend: NVRTC-compiled kernels, one arena from the shared buffer plan, and
 each phase's launch sequence captured once as a CUDA graph and replayed.
 
-Same interface as cpu/backend.py's CpuBackend; a Session picks it with ``backend="cuda"``.
+Same interface as core/numpy_backend.py's CpuBackend; a Session finds it by the name
+``backend="cuda"``, which this module registers (core/backends.py; the package declares it
+as an entry point of the ``toygraph.backends`` group, so the core never imports it).
 Uploads are async copies into fixed device buffers (inputs go through page-locked staging
 buffers); ``read`` is the only host<->device synchronisation.
 
@@ -13,14 +15,14 @@ buffers); ``read`` is the only host<->device synchronisation.
 shared memory and block-format weights decoded straight to that type, accumulating in f32;
 the f32 master weights, the Adam moments, reductions and the residual stream stay f32. At
 "bf16" the activations that only bf16-reading kernels consume are also *stored* in bf16
-(cuda/storage.py; ``TOYGRAPH_CUDA_BF16_ACTIVATIONS=0`` keeps every buffer f32).
+(cuda/bf16_storage.py; ``TOYGRAPH_CUDA_BF16_ACTIVATIONS=0`` keeps every buffer f32).
 ``"f32"`` (the default) compiles and launches exactly the plain f32 kernels.
 
 >>> sess = Session(graph, backend="cuda", precision="bf16")   # doctest: +SKIP
 
 ``TOYGRAPH_CUDA_DEVICE=host`` (or ``CudaBackend(device="host")``) runs everything on the
 CPU instead: the same kernels compiled by g++ against host/shim.h and executed with their
-grids and blocks (hostdev.py), slowly but exactly as written; CI uses it to check every
+grids and blocks (host/device.py), slowly but exactly as written; CI uses it to check every
 kernel without a GPU. Otherwise the variable (default 0) is the CUDA device ordinal.
 
 Set ``TOYGRAPH_CUDA_GRAPHS=0`` to launch kernels one by one instead of replaying graphs
@@ -40,7 +42,8 @@ import logging
 import numpy as np
 
 from toygraph import environment
-from toygraph.core.memory import BufferPlan, Storage
+from toygraph.core import backends
+from toygraph.core.buffer_plan import BufferPlan, Storage
 from toygraph.core.ops.table import in_place
 from toygraph.core.precision import PRECISIONS, TENSOR_CORE_PRECISIONS
 from toygraph.cuda import driver
@@ -49,7 +52,7 @@ from toygraph.cuda.lowering.dispatch import lower
 from toygraph.cuda.lowering.launch import MAX_ELEMENTS, Collective, Launch
 from toygraph.cuda.lowering.registry import REGISTRY, decode_launch
 from toygraph.cuda.lowering.sources import backend_source
-from toygraph.cuda.storage import plan_storage
+from toygraph.cuda.bf16_storage import plan_storage
 from toygraph.errors import CudaError
 
 logger = logging.getLogger(__name__)
@@ -114,7 +117,7 @@ class CudaBackend:
     # --- realize ------------------------------------------------------------------------------
     def storage(self, schedule, pinned) -> Storage:
         """The activations kept in bf16 and the products computed inside another node's
-        GEMM, at precision "bf16" (cuda/storage.py; nothing at another precision)."""
+        GEMM, at precision "bf16" (cuda/bf16_storage.py; nothing at another precision)."""
         return plan_storage(schedule, pinned, self.precision)
 
     def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):
@@ -347,3 +350,14 @@ class CudaBackend:
                 self.close()
         except Exception:
             pass
+
+
+def _make(precision: str, dtype: str) -> CudaBackend:
+    """The CUDA backend a Session asks for by name (core/backends.py)."""
+    if dtype != "f32":
+        raise CudaError(f"the cuda backend computes in f32, got dtype {dtype!r} "
+                        "(use backend='cpu' with dtype='f64' for gradient checks)")
+    return CudaBackend(precision)
+
+
+backends.register("cuda", _make)

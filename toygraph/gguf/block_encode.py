@@ -80,7 +80,7 @@ def _pack_crumbs(q: np.ndarray) -> np.ndarray:
 
 
 def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """Inverse of quant.unpack_k_scales: (n, 8) 6-bit scales and mins -> (n, 12) bytes."""
+    """Inverse of blocks.unpack_k_scales: (n, 8) 6-bit scales and mins -> (n, 12) bytes."""
     lo = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
     mid = (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6)
     hi = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)

@@ -11,7 +11,9 @@ It is also leaner on metadata: the stock reader slices its ``np.memmap`` once pe
 metadata value; for a 49k-token vocabulary that is ~250k memmap views, each dragging a
 Python attribute dict and a fresh byte-order dtype (~160 MB resident for SmolLM2, 2.5 s).
 Parsing from a plain ndarray view of the same mapping gives the same values in ~40 MB
-and 0.5 s. ``mmap`` keeps the original memmap for tensor data.
+and 0.5 s. An array's per-element parts are not built at all: :class:`ArrayParts` makes
+each on demand from the element offsets (a 151,936-token vocabulary and its merges held
+~125 MB of numpy views as lists). ``mmap`` keeps the original memmap for tensor data.
 
 >>> r = BoundedReader("SmolLM2-135M-Instruct.Q4_1.gguf")   # doctest: +SKIP
 >>> len(r.tensors), r.fields["general.architecture"].contents()  # doctest: +SKIP
@@ -36,6 +38,43 @@ _HEADER_BYTES = 4 + 4 + 8 + 8            # magic, version, tensor count, kv coun
 
 class PastEnd(GGUFError):
     """Something the file declares (a string, an array, tensor data) lies past its end."""
+
+
+class ArrayParts:
+    """A metadata array's parts as gguf-py's reader lists them -- the element type, the
+    count, then one part per scalar or a length and a bytes part per string -- made on
+    demand from the file's bytes and the elements' offsets, so ``ReaderField.contents()``
+    reads them as ever while the field itself holds two small index arrays."""
+
+    def __init__(self, head: list, *, values: np.ndarray | None = None, data=None,
+                 starts: np.ndarray | None = None, lengths: np.ndarray | None = None):
+        """Scalars: their ``values``; strings: the file's ``data`` with each string's
+        ``starts`` (of its length field) and ``lengths``."""
+        self.head, self.values = head, values
+        self.data, self.starts, self.lengths = data, starts, lengths
+
+    def __len__(self) -> int:
+        if self.values is not None:
+            return len(self.head) + len(self.values)
+        return len(self.head) + 2 * len(self.starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if i < len(self.head):
+            return self.head[i]
+        k = i - len(self.head)
+        if self.values is not None:
+            return self.values[k:k + 1]
+        pos = int(self.starts[k // 2])
+        if k % 2 == 0:
+            return self.data[pos:pos + 8].view(np.uint64)
+        return self.data[pos + 8:pos + 8 + int(self.lengths[k // 2])]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def _utf8(raw: np.ndarray, what: str) -> str:
@@ -124,8 +163,13 @@ class BoundedReader(GGUFReader):
                 size, parts, idxs, types = self._get_field_parts(offs + 4, raw_type[0])
             except GGUFError as e:
                 raise type(e)(f"metadata {key!r}: {e}") from None
-            self._push_field(ReaderField(start, key, [klen, kdata, raw_type] + parts,
-                                         [j + 3 for j in idxs], types), skip_sum=True)
+            if isinstance(parts, ArrayParts):   # the key's three parts come first
+                parts.head = [klen, kdata, raw_type] + parts.head
+                self._push_field(ReaderField(start, key, parts, range(idxs.start + 3, idxs.stop + 3,
+                                                                    idxs.step), types), skip_sum=True)
+            else:
+                self._push_field(ReaderField(start, key, [klen, kdata, raw_type] + parts,
+                                             [j + 3 for j in idxs], types), skip_sum=True)
             offs += 4 + size
         return offs
 
@@ -155,25 +199,26 @@ class BoundedReader(GGUFReader):
         width = 8 if itype == GGUFValueType.STRING else np.dtype(self.gguf_scalar_to_np[itype]).itemsize
         pos = orig_offs + 12
         self._check_count(f"array of {itype.name} with length", n, pos, width)
-        parts, types = [raw_itype, alen], [GGUFValueType.ARRAY] + ([itype] if n else [])
+        types = [GGUFValueType.ARRAY] + ([itype] if n else [])
         if itype != GGUFValueType.STRING:
             values = self._get(pos, self.gguf_scalar_to_np[itype], n)
-            parts += [values[k:k + 1] for k in range(n)]
-            return 12 + values.nbytes, parts, list(range(2, 2 + n)), types
+            parts = ArrayParts([raw_itype, alen], values=values)
+            return 12 + values.nbytes, parts, range(2, 2 + n), types
         data = self._plain_data
+        starts, lengths = np.empty(n, np.int64), np.empty(n, np.int64)
         for k in range(n):
             if pos + 8 > self._size:
                 raise PastEnd(f"string #{k} of the array starts past the end of the file")
-            length = data[pos:pos + 8].view(np.uint64)
-            end = pos + 8 + int(length[0])
+            length = int(data[pos:pos + 8].view(np.uint64)[0])
+            end = pos + 8 + length
             if end > self._size:
-                raise PastEnd(f"string #{k} of the array ({int(length[0])} bytes) runs past "
+                raise PastEnd(f"string #{k} of the array ({length} bytes) runs past "
                               f"the end of the file ({self._size} bytes)")
-            raw = data[pos + 8:end]
-            _utf8(raw, f"string #{k} of the array")
-            parts += (length, raw)
+            _utf8(data[pos + 8:end], f"string #{k} of the array")
+            starts[k], lengths[k] = pos, length
             pos = end
-        return pos - orig_offs, parts, list(range(3, 3 + 2 * n, 2)), types
+        parts = ArrayParts([raw_itype, alen], data=data, starts=starts, lengths=lengths)
+        return pos - orig_offs, parts, range(3, 3 + 2 * n, 2), types
 
     def _push_field(self, field, skip_sum=False):
         if field.name in self.fields:

@@ -38,12 +38,12 @@ import numpy as np
 from toygraph.adapters.files import load_lora
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
-from toygraph.core.ops.flash_attention import TOKEN_MAJOR
 from toygraph.core.session import Session
 from toygraph.errors import DataError
-from toygraph.inference.kvcache import MASKED, CacheDecode, CachePrefill, heads_first
+from toygraph.inference.kvcache import MASKED, CacheDecode, CachePrefill, kv_caches, windows
 from toygraph.inference.sampling import SamplingOptions, pick_token
 from toygraph.models.decoder import Decoder, build_decoder
+from toygraph.models.parts import DeltaNet
 
 
 @dataclass
@@ -82,56 +82,25 @@ def build_batched_generation(g: Graph, cfg, *, rows: int, prompt_len: int, cache
         raise DataError(f"batched generation needs 0 < prompt_len {prompt_len} < cache_len "
                         f"{cache_len} <= the context length {cfg.n_ctx}")
     R, P, L = rows, prompt_len, cache_len
-    sink_row = int(bool(cfg.family.sinks))   # one never-written cache row: the sink
-    # Per attention layer [R, its K/V heads, L (+ the sink row), its head dim]; Gemma 4's
-    # KV-sharing layers are handed their source layer's keys and values, cached again.
-    caches = {i: tuple(g.state(f"{prefix}blk.{i}.cache_{kv}",
-                               (R, cfg.layer_kv_heads(i), L + sink_row, cfg.layer_head_dim(i)),
-                               kind="cache") for kv in "kv")
-              for i in range(cfg.n_layer) if not cfg.layer_recurrent(i)}
+    caches, sink_row = kv_caches(g, cfg, R, L, prefix)
     zero = g.input(prefix + "prefill.start", (1,), "i32")   # the prompt fills rows [0, P)
     start = g.input(prefix + "decode.start", (1,), "i32")
-    masks = {w: g.input(f"{prefix}decode.mask{w}", (R, 1, 1, L + sink_row))
-             for w in set(cfg.windows)}
+    masks = {w: g.input(f"{prefix}decode.mask{w}", (R, 1, 1, L + sink_row)) for w in windows(cfg)}
     sink_col = (g.const(prefix + "decode.sink_col", np.eye(L + 1, dtype=np.float32)[-1])
                 if sink_row else None)
-    rec = _BatchedRecurrent(g, cfg, R, P, L, prefix, zero, start) if cfg.recurrent else None
-    writes = []
-
-    def prefill_attend(i, q, k, v, sinks):   # token-major q, k, v (build_decoder)
-        writes.extend(g.effect(ops.cache_write(c, heads_first(x), zero), "forward")
-                      for c, x in zip(caches[i], (k, v)))
-        return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
-                             sinks=sinks, layout=TOKEN_MAJOR, save_lse=False)
-
-    def decode_attend(i, q, k, v, sinks):   # one token: token-major is heads-first
-        kv, hd = cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
-        kc, vc = (ops.cache_write(c, x.reshape(R, kv, 1, hd), start)
-                  for c, x in zip(caches[i], (k, v)))
-        group = cfg.n_head // kv
-        # Query head h reads K/V head h // group: the group folded into the rows of a
-        # batched matmul per (row, K/V head), [R, KV, group, hd] x [R, KV, L, hd]^T.
-        scores = ops.matmul(q.reshape(R, kv, group, hd), kc, trans_b=True)
-        scores = scores + masks[cfg.windows[i]]
-        if sinks is not None:   # the sink row's score q.0 = 0 gets sinks[h] (kvcache.py)
-            sinks = ops.scale(sinks.reshape(kv, group, 1), 1.0 / cfg.attn_scale)
-            scores = scores + ops.mul(sinks, sink_col)
-        probs = ops.softmax(scores, scale=cfg.attn_scale)
-        return ops.matmul(probs, vc).reshape(R, 1, cfg.n_head, hd)
-
+    rec = _BatchedRecurrent(g, cfg, R, P, L, prefix) if cfg.ssm else None
+    prefill, decode = CachePrefill(g, caches, zero, rec), _Decode(g, caches, start, masks,
+                                                                  sink_col, rec)
     first = build_decoder(g, cfg, batch=R, seq_len=P, model=model, lora=lora, shared=shared,
-                          prefix=prefix + "prefill.", attend=prefill_attend, logits=False,
-                          recurrence=rec and rec.prefill)
+                          prefix=prefix + "prefill.", logits=False, sequence=prefill)
     last = g.input(prefix + "prefill.last", (R,), "i32")
     prefill_logits = ops.matmul(ops.get_rows(first.hidden, last), first.head, trans_b=True)
     if cfg.logit_softcap:   # as lm_head caps the decode step's logits
         prefill_logits = ops.softcap(prefill_logits, cfg.logit_softcap)
     step = build_decoder(g, cfg, batch=R, seq_len=1, lora=lora, shared=first,
-                         prefix=prefix + "decode.", attend=decode_attend,
-                         recurrence=rec and rec.decode)
+                         prefix=prefix + "decode.", sequence=decode)
     return BatchedGraphs(R, P, L, first, step, last, start, zero, masks, g.output(prefill_logits),
-                         g.output(step.logits), writes + (rec.prefill.writes if rec else []),
-                         rec.decode.writes if rec else [], sink_row, rec)
+                         g.output(step.logits), prefill.writes, decode.writes, sink_row, rec)
 
 
 class _BatchedRecurrent:
@@ -142,20 +111,20 @@ class _BatchedRecurrent:
     tokens (prompt rows [0, n_r), generated ones from P), and decode step j reads, per row,
     the conv window ending at its new token through a one-hot selection [R, width, L]."""
 
-    def __init__(self, g, cfg, R: int, P: int, L: int, prefix: str, zero, start):
-        ssm = cfg.ssm
+    def __init__(self, g, cfg, R: int, P: int, L: int, prefix: str):
+        nets = {i: layer.mixer for i, layer in enumerate(cfg.layers)
+                if isinstance(layer.mixer, DeltaNet)}
+        ssm = next(iter(nets.values()))
         self.width, self.prompt_len, self.cache_len = ssm.conv, P, L
-        layers = [i for i in range(cfg.n_layer) if cfg.layer_recurrent(i)]
-        self.rows = {i: g.state(f"{prefix}blk.{i}.conv_rows", (R, 1, L, ssm.channels),
-                                kind="cache") for i in layers}
+        self.rows = {i: g.state(f"{prefix}blk.{i}.conv_rows", (R, 1, L, d.channels),
+                                kind="cache") for i, d in nets.items()}
         shape = (R, ssm.v_heads, ssm.k_dim, ssm.v_dim)
         self.states = {i: g.state(f"{prefix}blk.{i}.delta_state", shape, kind="cache")
-                       for i in layers}
+                       for i in nets}
         self.zero_state = g.const(prefix + "delta_state.zero", np.zeros(shape, np.float32))
         self.valid = g.input(prefix + "prefill.valid", (R, P, 1))
         self.select = g.input(prefix + "decode.conv_rows", (R, ssm.conv, L))
         self.zero = g.input(prefix + "decode.zero", (1,), "i32")
-        self.prefill, self.decode = CachePrefill(self, g, zero), _Decode(self, g, start)
 
     def upload_prefill(self, sess, lengths) -> None:
         valid = (np.arange(self.prompt_len)[None] < np.asarray(lengths)[:, None])

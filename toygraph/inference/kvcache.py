@@ -5,9 +5,11 @@
 >>> row = gen.decode(token, len(ids))    # logits after `token`, placed at that position
 
 Both graphs live in one Graph and one Session, so they share the weights (bound once) and
-the cache: per layer a K and a V ``state`` tensor [1, n_head_kv, cache_len, head_dim] in
-the session's memory plan, written in place by the ``cache_write`` op (ops/cache.py).
-Each is realized once per (prompt_len, cache_len) and replayed as a session program.
+the cache: per attention layer a K and a V ``state`` tensor [1, its KV heads, cache_len,
+its head size] (``kv_caches``: the sizes of the layer's Attention part) in the session's
+buffer plan (core/buffer_plan.py), written in place by the ``cache_write`` op
+(ops/cache.py). Each is realized once per (prompt_len, cache_len) and replayed as a
+session program.
 
 - **Prefill** is the decoder over the prompt right-padded to ``prompt_len`` tokens,
   exactly the full-window forward (fused causal attention), plus per layer the write of
@@ -42,7 +44,9 @@ from toygraph.core.graph import Graph
 from toygraph.core.ops.flash_attention import TOKEN_MAJOR
 from toygraph.core.session import Session
 from toygraph.models.decoder import build_decoder
-from toygraph.models.deltanet import Recurrence
+from toygraph.models.parts import Attention, DeltaNet
+from toygraph.models.sequence import SequenceOps
+
 
 def heads_first(x):
     """Token-major keys or values [B, T, KV, hd] as the caches hold them, [B, KV, T, hd]."""
@@ -54,6 +58,28 @@ def heads_first(x):
 MASKED = -1e30
 
 
+def attention_layers(cfg) -> dict[int, Attention]:
+    """Layer index -> its attention part, for the layers that have one."""
+    return {i: layer.attention for i, layer in enumerate(cfg.layers) if layer.attention}
+
+
+def kv_caches(g, cfg, rows: int, cache_len: int, prefix: str = "") -> tuple[dict, int]:
+    """Per attention layer a K and a V cache ``state`` [rows, its KV heads, cache_len (+ the
+    sink row), its head size], and the sink row (1 where some layer has sinks: one extra,
+    never-written row). Gemma 4's KV-sharing layers cache their source's keys and values
+    again."""
+    attn = attention_layers(cfg)
+    sink_row = int(any(a.sinks for a in attn.values()))
+    return {i: tuple(g.state(f"{prefix}blk.{i}.cache_{kv}",
+                             (rows, a.kv_heads, cache_len + sink_row, a.head_dim), kind="cache")
+                     for kv in "kv") for i, a in attn.items()}, sink_row
+
+
+def windows(cfg) -> list[int]:
+    """The distinct attention windows of the layers (0: full), one decode mask each."""
+    return sorted({a.window for a in attention_layers(cfg).values()})
+
+
 class CachedDecoder:
     """The prefill and decode programs of one model for one (prompt_len, cache_len)."""
 
@@ -62,62 +88,29 @@ class CachedDecoder:
         cfg = model.config
         self.cfg, self.cache_len = cfg, cache_len
         g = Graph()
-        self.sink_row = cfg.family.sinks  # one extra, never-written row: the sink
-        # Per layer [1, n_head_kv, cache_len (+ the sink row), head_dim] (Gemma 4 varies them
-        # by layer; its KV-sharing layers cache their source layer's keys and values again).
-        self.caches = {i: tuple(g.state(f"blk.{i}.cache_{kv}",
-                                        (1, cfg.layer_kv_heads(i), cache_len + self.sink_row,
-                                         cfg.layer_head_dim(i)), kind="cache") for kv in "kv")
-                       for i in range(cfg.n_layer) if not cfg.layer_recurrent(i)}
+        self.caches, self.sink_row = kv_caches(g, cfg, 1, cache_len)
         self.start = g.input("prefill.start", (1,), "i32")  # 0: the prompt fills rows [0, P)
         self.pos = g.input("decode.pos", (1,), "i32")       # the decode position again, [1]
-        writes = []
-        rec = _Recurrent(g, cfg, prompt_len, cache_len, self) if cfg.recurrent else None
-
-        def prefill_attend(i, q, k, v, sinks):   # token-major q, k, v (build_decoder)
-            writes.extend(g.effect(ops.cache_write(c, heads_first(x), self.start), "forward")
-                          for c, x in zip(self.caches[i], (k, v)))
-            return ops.attention(q, k, v, scale=cfg.attn_scale, causal=True,
-                                 window=cfg.windows[i], sinks=sinks, layout=TOKEN_MAJOR,
-                                 save_lse=False)
-
+        rec = _Recurrent(g, cfg, prompt_len, cache_len) if cfg.ssm else None
+        prefill = CachePrefill(g, self.caches, self.start, rec)
         self.first = build_decoder(g, cfg, batch=1, seq_len=prompt_len, model=model, lora=lora,
-                                   attend=prefill_attend, recurrence=rec and rec.prefill)
+                                   sequence=prefill)
         self.masks = {w: g.input(f"decode.mask{w}", (cache_len + self.sink_row,))
-                      for w in set(cfg.windows)}
-        if self.sink_row:   # 1 on the sink's row: times sinks[h] / scale, added to the scores
-            self.sink_col = g.const("decode.sink_col", np.eye(cache_len + 1, dtype=np.float32)[-1])
+                      for w in windows(cfg)}
+        # 1 on the sink's row: times sinks[h] / scale, added to the scores
+        sink_col = (g.const("decode.sink_col", np.eye(cache_len + 1, dtype=np.float32)[-1])
+                    if self.sink_row else None)
+        decode = CacheDecode(g, self.caches, self.pos, self.masks, sink_col, rec)
         self.step = build_decoder(g, cfg, batch=1, seq_len=1, lora=lora, shared=self.first,
-                                  prefix="decode.", attend=self._decode_attend,
-                                  recurrence=rec and rec.decode)
+                                  prefix="decode.", sequence=decode)
         for net in (self.first, self.step):
             g.output(net.logits)
         self.recurrent = rec
         self.sess = Session(g, backend=backend, precision=precision)
         self.sess.realize()
         load_lora(self.sess, self.first, adapter or {})
-        self.prefill_program = self.sess.program([self.first.logits] + writes
-                                                 + (rec.prefill.writes if rec else []))
-        self.decode_program = self.sess.program([self.step.logits]
-                                                + (rec.decode.writes if rec else []))
-
-    def _decode_attend(self, i, q, k, v, sinks):
-        """Layer i's attention of the one new token over the cache (q [1, 1, H, hd]: with
-        one token, token-major is heads-first, so reshapes are all it takes)."""
-        cfg = self.cfg
-        kv, hd = cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
-        kc, vc = (ops.cache_write(c, x.reshape(1, kv, 1, hd), self.pos)
-                  for c, x in zip(self.caches[i], (k, v)))
-        group = cfg.n_head // kv
-        # Query head h reads K/V head h // group: fold the group into the rows of a
-        # batched matmul per K/V head, [1, KV, group, hd] x [1, KV, L, hd]^T.
-        scores = ops.matmul(q.reshape(1, kv, group, hd), kc, trans_b=True)
-        scores = scores + self.masks[cfg.windows[i]]
-        if sinks is not None:
-            sinks = ops.scale(sinks.reshape(kv, group, 1), 1.0 / cfg.attn_scale)
-            scores = scores + ops.mul(sinks, self.sink_col)
-        probs = ops.softmax(scores, scale=cfg.attn_scale)
-        return ops.matmul(probs, vc).reshape(1, 1, cfg.n_head, hd)
+        self.prefill_program = self.sess.program([self.first.logits] + prefill.writes)
+        self.decode_program = self.sess.program([self.step.logits] + decode.writes)
 
     def prefill(self, ids) -> np.ndarray:
         """Run the prompt ``ids`` (at most prompt_len tokens) through the model, filling
@@ -153,22 +146,21 @@ class CachedDecoder:
 
 
 class _Recurrent:
-    """The DeltaNet layers' states and their prefill and decode Recurrences (see above)."""
+    """The DeltaNet layers' states (see above), sized by their parts."""
 
-    def __init__(self, g, cfg, prompt_len: int, cache_len: int, owner: CachedDecoder):
-        ssm = cfg.ssm
+    def __init__(self, g, cfg, prompt_len: int, cache_len: int):
+        nets = {i: layer.mixer for i, layer in enumerate(cfg.layers)
+                if isinstance(layer.mixer, DeltaNet)}
+        ssm = next(iter(nets.values()))
         self.width, self.cache_len = ssm.conv, cache_len
-        layers = [i for i in range(cfg.n_layer) if cfg.layer_recurrent(i)]
-        self.rows = {i: g.state(f"blk.{i}.conv_rows", (1, 1, cache_len, ssm.channels), kind="cache")
-                     for i in layers}
+        self.rows = {i: g.state(f"blk.{i}.conv_rows", (1, 1, cache_len, d.channels), kind="cache")
+                     for i, d in nets.items()}
         shape = (1, ssm.v_heads, ssm.k_dim, ssm.v_dim)
-        self.states = {i: g.state(f"blk.{i}.delta_state", shape, kind="cache") for i in layers}
+        self.states = {i: g.state(f"blk.{i}.delta_state", shape, kind="cache") for i in nets}
         self.zero_state = g.const("delta_state.zero", np.zeros(shape, np.float32))
         self.valid = g.input("prefill.valid", (1, prompt_len, 1))      # 1 on the prompt's tokens
         self.select = g.input("decode.conv_rows", (ssm.conv, cache_len))  # one-hot window rows
         self.zero = g.input("decode.zero", (1,), "i32")
-        self.prefill = CachePrefill(self, g, owner.start)
-        self.decode = CacheDecode(self, g, owner.pos)
 
     def upload_prefill(self, sess, n: int) -> None:
         valid = np.zeros(self.valid.shape, np.float32)
@@ -185,27 +177,62 @@ class _Recurrent:
         sess.upload(self.zero, np.zeros(1, np.int32))
 
 
-class CachePrefill(Recurrence):
-    def __init__(self, states: _Recurrent, g, start):
-        self.s, self.g, self.start, self.writes = states, g, start, []
+class CachePrefill(SequenceOps):
+    """The prompt's pass: the full-window ops, each attention layer's keys and values
+    written into cache rows [start, start + T), each DeltaNet layer's conv input rows and
+    final state (``states``) written too; ``writes`` collects those effects."""
+
+    def __init__(self, g, caches: dict, start, states=None):
+        self.g, self.caches, self.start, self.s, self.writes = g, caches, start, states, []
+
+    def _write(self, cache, x, at):
+        self.writes.append(self.g.effect(ops.cache_write(cache, x, at), "forward"))
+
+    def attention(self, i, part, q, k, v, sinks, segments):   # token-major q, k, v
+        for cache, x in zip(self.caches[i], (k, v)):
+            self._write(cache, heads_first(x), self.start)
+        return ops.attention(q, k, v, scale=part.scale, causal=True, window=part.window,
+                             sinks=sinks, layout=TOKEN_MAJOR, save_lse=False)
 
     def conv(self, i, x, w):
         B, T, C = x.shape   # B: 1 here, the rows of batched generation (batched.py)
-        self.writes.append(self.g.effect(ops.cache_write(self.s.rows[i], x.reshape(B, 1, T, C),
-                                                         self.start), "forward"))
+        self._write(self.s.rows[i], x.reshape(B, 1, T, C), self.start)
         return ops.causal_conv1d(x, w)
 
     def delta(self, i, q, k, v, g, beta):
         o, state = ops.delta_rule(q, k, v, g * self.s.valid, beta * self.s.valid,
                                   state=self.s.zero_state)
-        self.writes.append(self.g.effect(ops.cache_write(self.s.states[i], state, self.start),
-                                         "forward"))
+        self._write(self.s.states[i], state, self.start)
         return o
 
 
-class CacheDecode(Recurrence):
-    def __init__(self, states: _Recurrent, g, pos):
-        self.s, self.g, self.pos, self.writes = states, g, pos, []
+class CacheDecode(SequenceOps):
+    """One new token per row at cache row ``pos``: attention over every cache row through
+    the additive ``masks`` (one per window), the sinks as the extra row ``sink_col`` marks;
+    the DeltaNet's conv over the window ending at the token, its delta rule from the state
+    and back into it."""
+
+    def __init__(self, g, caches: dict, pos, masks: dict, sink_col, states=None):
+        self.g, self.caches, self.pos, self.masks, self.sink_col, self.s = \
+            g, caches, pos, masks, sink_col, states
+        self.writes = []
+
+    def attention(self, i, part, q, k, v, sinks, segments):
+        """q [R, 1, H, hd]: with one token, token-major is heads-first, so reshapes are all
+        it takes."""
+        R, kv, hd = q.shape[0], part.kv_heads, part.head_dim
+        kc, vc = (ops.cache_write(c, x.reshape(R, kv, 1, hd), self.pos)
+                  for c, x in zip(self.caches[i], (k, v)))
+        group = part.heads // kv
+        # Query head h reads K/V head h // group: the group folded into the rows of a
+        # batched matmul per (row, K/V head), [R, KV, group, hd] x [R, KV, L, hd]^T.
+        scores = ops.matmul(q.reshape(R, kv, group, hd), kc, trans_b=True)
+        scores = scores + self.masks[part.window]
+        if sinks is not None:   # the sink row's score q.0 = 0 gets sinks[h]
+            sinks = ops.scale(sinks.reshape(kv, group, 1), 1.0 / part.scale)
+            scores = scores + ops.mul(sinks, self.sink_col)
+        probs = ops.softmax(scores, scale=part.scale)
+        return ops.matmul(probs, vc).reshape(R, 1, part.heads, hd)
 
     def conv(self, i, x, w):
         C, L = x.shape[2], self.s.cache_len

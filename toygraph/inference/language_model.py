@@ -86,7 +86,8 @@ class LanguageModel:
             self.tokenizer.use_template(*trained)
         self._graphs: dict[tuple[int, int], _Forward] = {}
         self._decoders: dict[tuple[int, int], CachedDecoder] = {}
-        # The tokens training teaches to end a reply with (data.py) are the ones we stop on.
+        # The tokens training teaches to end a reply with (data/encoding.py) are the ones we
+        # stop on.
         self.stop_ids = self.tokenizer.end_of_turn_ids
         if not self.stop_ids:
             logger.warning("%s names no end-of-sequence or end-of-turn token: generation stops "

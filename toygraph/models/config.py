@@ -1,311 +1,113 @@
-"""A GGUF's metadata turned into a checked `ModelConfig`, and the tensors it requires.
+"""A GGUF's metadata turned into a checked `ModelConfig` (its list of layers), and the
+tensors it requires.
 
-Everything here is bounded against the file before anything loops or allocates over it:
-``block_count`` must match the ``blk.N.`` tensors present, head counts and widths must be
-positive and consistent, epsilons and rope bases positive and finite. Every "<arch>."
-metadata key must be one the family understands, and (models/config.check_tensors) every
-tensor in the file must be one the graph consumes. Each failure is one GGUFError line.
+Everything is bounded against the file before anything loops or allocates over it
+(models/readers.py): ``block_count`` must match the ``blk.N.`` tensors present, head
+counts and widths must be positive and consistent, epsilons and rope bases positive and
+finite. Every "<arch>." metadata key must be one the family understands, and
+(check_tensors) every tensor in the file must be one the graph consumes. Each failure is
+one GGUFError line.
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from toygraph.errors import GGUFError
-from toygraph.models.families import FAMILIES, ZERO_ONLY_KEYS, Family
+from toygraph.models import readers
+from toygraph.models.families import FAMILIES, Family
+from toygraph.models.parts import (ROPE_FREQS, YARN_FACTORS, Attention, DeltaNet, Dense,
+                                   Experts, Layer)
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
-class SSMShape:
-    """A Gated DeltaNet layer's sizes: conv kernel width, key heads and their size (the
-    state rows), value heads and their size (the state columns)."""
-
-    conv: int
-    k_heads: int
-    k_dim: int
-    v_heads: int
-    v_dim: int
-
-    @property
-    def channels(self) -> int:  # the conv's q | k | v channels
-        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    """The numbers a decoder graph needs, read from (and checked against) a GGUF.
-
-    Per-layer attention: ``windows[i]`` (0 = full causal attention, else the sliding
-    window), ``rope_bases[i]`` and ``rope_scales[i]`` (linear scaling: positions times
-    this, 1.0 = none).
-    """
+    """A decoder read from (and checked against) a GGUF: its ``layers`` (models/parts.py),
+    one per block, and the parts around them: the token embedding (times
+    ``embed_scale``), the final norm, the output head (``tied_output``: token_embd.weight
+    reused), the final logits' soft cap (0: none), Gemma 4's per-layer input embeddings
+    (``ple_dim`` wide, 0: none), and YaRN's per-pair frequency divisors ``rope_yarn`` (the
+    const YARN_FACTORS the layers' rope reads). The properties below summarise the layers
+    for messages and checks; what builds or sizes a layer reads the layer."""
 
     arch: str
     n_layer: int
     n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    rope_base: float
-    rope_dims: int
-    rope_mode: str      # "normal" | "neox"
-    rms_eps: float
     n_vocab: int
     n_ctx: int
-    tied_output: bool   # no output.weight: the LM head reuses token_embd.weight
-    qkv_bias: bool      # attn_q/k/v have biases (qwen2)
-    rope_freqs: bool = False          # rope_freqs.weight frequency factors (Llama 3.x)
-    rope_scale: float = 1.0           # linear rope scaling on the file's-base layers
-    sliding_window: int = 0
-    attn_scale: float = 0.0           # softmax scale of q k^T
-    embed_scale: float = 1.0          # token embeddings are multiplied by this
-    windows: tuple[int, ...] = ()
-    rope_bases: tuple[float, ...] = ()
-    rope_scales: tuple[float, ...] = ()
-    # Per-layer shapes where the file varies them (Gemma 4); empty: every layer has the
-    # scalar above. Read through the layer_* methods.
-    head_dims: tuple[int, ...] = ()
-    kv_heads: tuple[int, ...] = ()
-    ffs: tuple[int, ...] = ()
-    layer_rope_dims: tuple[int, ...] = ()
-    rope_freq_layers: tuple[bool, ...] = ()  # layers rope_freqs.weight applies to (empty: all)
-    kv_sources: tuple[int, ...] = ()          # layer i attends with layer kv_sources[i]'s K/V
-    ple_dim: int = 0                          # per-layer input embedding width (0: none)
-    logit_softcap: float = 0.0                # final logits: cap * tanh(logits / cap) (0: none)
-    # Qwen3.5: which layers are Gated DeltaNet layers, and their sizes (models/deltanet.py).
-    recurrent: tuple[bool, ...] = ()
-    ssm: SSMShape | None = None
-    # Mixture of experts (Family.moe; models/moe.py): layers from n_dense_lead on route
-    # each token to n_expert_used of n_expert experts of FFN width n_ff_exp.
-    n_expert: int = 0
-    n_expert_used: int = 0
-    n_ff_exp: int = 0
-    n_dense_lead: int = 0             # leading_dense_block_count: plain FFNs of width n_ff
-    expert_weights_norm: bool = False  # renormalise the chosen experts' weights to sum 1
-    expert_weights_scale: float = 1.0  # the chosen experts' weights are multiplied by this
-    # YaRN (rope.scaling.type yarn): per rotary pair, the divisor of its frequency; every
-    # layer uses them, and attn_scale holds YaRN's magnitude scale squared.
+    rms_eps: float
+    tied_output: bool
+    layers: tuple[Layer, ...]
+    embed_scale: float = 1.0
+    logit_softcap: float = 0.0
+    ple_dim: int = 0
     rope_yarn: tuple[float, ...] = ()
 
     @property
     def family(self) -> Family:
         return FAMILIES[self.arch]
 
-    def layer_head_dim(self, i: int) -> int:
-        return self.head_dims[i] if self.head_dims else self.head_dim
+    @property
+    def attention(self) -> tuple[Attention, ...]:
+        """The attention parts, in layer order (the DeltaNet layers have none)."""
+        return tuple(layer.attention for layer in self.layers if layer.attention)
 
-    def layer_kv_heads(self, i: int) -> int:
-        return self.kv_heads[i] if self.kv_heads else self.n_head_kv
+    @property
+    def n_head(self) -> int:
+        return self.attention[0].heads
 
-    def layer_ff(self, i: int) -> int:
-        return self.ffs[i] if self.ffs else self.n_ff
+    @property
+    def n_head_kv(self) -> int:   # the first attention layer's (Gemma 4 varies them)
+        return self.attention[0].kv_heads
 
-    def layer_rope(self, i: int) -> tuple[int, bool]:
-        """(rope dims, whether rope_freqs.weight applies) of layer i."""
-        dims = self.layer_rope_dims[i] if self.layer_rope_dims else self.rope_dims
-        return dims, self.rope_freqs and (not self.rope_freq_layers or self.rope_freq_layers[i])
+    @property
+    def head_dim(self) -> int:    # the first attention layer's (Gemma 4 varies them)
+        return self.attention[0].head_dim
 
-    def layer_kv_source(self, i: int) -> int:
-        return self.kv_sources[i] if self.kv_sources else i
+    @property
+    def n_ff(self) -> int:        # the first dense FFN's width (0: every FFN a mixture)
+        return next((layer.ffn.width for layer in self.layers if isinstance(layer.ffn, Dense)), 0)
 
-    def layer_recurrent(self, i: int) -> bool:
-        return bool(self.recurrent) and self.recurrent[i]
+    @property
+    def qkv_bias(self) -> bool:
+        return any(a.bias for a in self.attention)
 
-    def moe_layer(self, i: int) -> bool:
-        """Whether layer ``i``'s FFN is a mixture of experts."""
-        return self.n_expert > 0 and i >= self.n_dense_lead
+    @property
+    def experts(self) -> Experts | None:
+        """The layers' mixture of experts (the same in every MoE layer), or None."""
+        return next((layer.ffn for layer in self.layers if isinstance(layer.ffn, Experts)), None)
 
+    @property
+    def n_expert(self) -> int:
+        return self.experts.count if self.experts else 0
 
-def _number(meta, path, key: str, kind, default=None, *, positive=True):
-    """A scalar metadata value of ``kind`` (int or float), checked; ``default`` if absent."""
-    value = meta(key)
-    if value is None:
-        if default is None:
-            raise GGUFError(f"{path}: missing metadata key {key!r}")
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or (kind is int and not float(value).is_integer()):
-        raise GGUFError(f"{path}: metadata {key!r} must be a{'n integer' if kind is int else ' number'}, "
-                        f"found {value!r}")
-    value = kind(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise GGUFError(f"{path}: metadata {key!r} must be positive and finite, found {value!r}")
-    return value
+    @property
+    def n_expert_used(self) -> int:
+        return self.experts.used if self.experts else 0
+
+    @property
+    def n_ff_exp(self) -> int:
+        return self.experts.width if self.experts else 0
+
+    @property
+    def ssm(self) -> DeltaNet | None:
+        """The DeltaNet layers' sizes (the same in each), or None."""
+        return next((layer.mixer for layer in self.layers if isinstance(layer.mixer, DeltaNet)),
+                    None)
+
+    @property
+    def rope_freqs(self) -> bool:
+        """Whether some layer reads the file's rope_freqs.weight."""
+        return any(a.rope.factors == ROPE_FREQS for a in self.attention)
 
 
 def _blocks_present(tensor_names) -> int:
     """1 + the largest N of the file's ``blk.N.`` tensors (0 if none)."""
     ns = [int(m.group(1)) for m in map(_BLOCK.match, tensor_names) if m]
     return max(ns) + 1 if ns else 0
-
-
-def _check_keys(meta, meta_keys, fam: Family, path) -> None:
-    prefix = fam.arch + "."
-    unknown = sorted(k[len(prefix):] for k in meta_keys
-                     if k.startswith(prefix) and k[len(prefix):] not in fam.keys
-                     and not (k[len(prefix):] in ZERO_ONLY_KEYS and meta(k) == 0))
-    if unknown:
-        raise GGUFError(f"{path}: metadata key {prefix + unknown[0]!r} is not understood for "
-                        f"{fam.arch}: it may change the model's math, so toygraph refuses the file")
-
-
-def _rope_scale(num, meta, path, k, fam: Family) -> tuple[str, float]:
-    """(scaling type, llama.cpp's rope_freq_scale): 1/factor when ``rope.scaling.factor``
-    (or the older ``rope.scale_linear``) is present; linear scaling is implemented, and
-    YaRN for the families whose parity tests cover it (Family.yarn)."""
-    kind = meta(k("rope.scaling.type"))
-    known = (None, "none", "linear") + (("yarn",) if fam.yarn else ())
-    if kind not in known:
-        raise GGUFError(f"{path}: {k('rope.scaling.type')} = {kind!r} is not supported "
-                        f"(only {' and '.join(repr(x) for x in known[2:])} rope scaling)")
-    factor = num(k("rope.scaling.factor"), float, 0.0, positive=False)
-    if factor == 0.0:
-        factor = num(k("rope.scale_linear"), float, 0.0, positive=False)
-    if factor < 0:
-        raise GGUFError(f"{path}: metadata {k('rope.scaling.factor')!r} must be >= 0, found {factor}")
-    return kind or "none", 1.0 if factor == 0.0 else 1.0 / factor
-
-
-def _yarn(num, path, k, freq_scale: float, base: float, rope_dims: int, head_dim: int,
-          n_ctx: int) -> tuple[tuple[float, ...], float]:
-    """YaRN as llama.cpp computes it (ggml_rope_yarn_corr_dims, rope_yarn): the per-pair
-    frequency divisors 1 / (freq_scale (1 - ramp) + ramp), ramp falling from 1 to 0 over
-    the correction range [floor(dim(beta_fast)), ceil(dim(beta_slow))], and the magnitude
-    scale attn_factor * (1 + 0.1 ln(1 / freq_scale)) of cos and sin. The range is floored
-    and ceiled as llama.cpp does (transformers' "truncate": true; the GGUF has no key)."""
-    for key, default in (("yarn_ext_factor", 1.0), ("yarn_attn_factor", 1.0),
-                         ("yarn_log_multiplier", 0.0)):
-        value = num(k(f"rope.scaling.{key}"), float, default, positive=False)
-        if value != default:
-            raise GGUFError(f"{path}: {k('rope.scaling.' + key)} = {value} is not supported "
-                            f"(only {default})")
-    if rope_dims != head_dim:
-        raise GGUFError(f"{path}: YaRN with partial rotary dims ({rope_dims} of {head_dim}) "
-                        "is not supported")
-    orig = num(k("rope.scaling.original_context_length"), int, n_ctx)
-    fast = num(k("rope.scaling.yarn_beta_fast"), float, 32.0)
-    slow = num(k("rope.scaling.yarn_beta_slow"), float, 1.0)
-
-    def corr_dim(rotations):
-        return rope_dims * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(0.0, math.floor(corr_dim(fast)))
-    high = min(rope_dims - 1.0, math.ceil(corr_dim(slow)))
-    factors = []
-    for i in range(rope_dims // 2):
-        ramp = 1.0 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))
-        factors.append(1.0 / (freq_scale * (1.0 - ramp) + ramp))
-    mscale = num(k("rope.scaling.attn_factor"), float, 1.0) * (1.0 + 0.1 * math.log(1.0 / freq_scale))
-    return tuple(factors), mscale
-
-
-def _global_layers(meta, num, fam: Family, k, n_layer: int, path) -> list[bool]:
-    """Which layers attend to the whole causal past (the rest use the sliding window):
-    llama.cpp's set_swa_pattern(period), layer i sliding iff i % period < period - 1, or
-    the file's per-layer array of "is sliding" flags (Gemma 4)."""
-    if not fam.swa_period:
-        return [True] * n_layer
-    flags = meta(k("attention.sliding_window_pattern"))
-    if isinstance(flags, (list, tuple)):
-        if len(flags) != n_layer or not all(isinstance(f, bool) for f in flags):
-            raise GGUFError(f"{path}: metadata {k('attention.sliding_window_pattern')!r} must be "
-                            f"an integer or {n_layer} booleans, found {flags!r}")
-        return [not f for f in flags]
-    period = num(k("attention.sliding_window_pattern"), int, fam.swa_period, positive=False)
-    if period < 0:
-        raise GGUFError(f"{path}: metadata {k('attention.sliding_window_pattern')!r} must be >= 0, "
-                        f"found {period}")
-    return [period > 0 and i % period == period - 1 for i in range(n_layer)]
-
-
-def _per_layer(meta, path, key: str, n_layer: int, default: int | None, *,
-               positive=True) -> tuple[int, ...]:
-    """An integer per layer: one value for all, or llama.cpp's array of n_layer values."""
-    value = meta(key)
-    if isinstance(value, (list, tuple)):
-        if len(value) != n_layer:
-            raise GGUFError(f"{path}: metadata {key!r} has {len(value)} values for {n_layer} layers")
-        return tuple(_number(lambda _key, v=v: v, path, key, int, positive=positive) for v in value)
-    return (_number(meta, path, key, int, default, positive=positive),) * n_layer
-
-
-def _heads(meta, num, k, n_embd: int, n_layer: int, is_global: list[bool], path) -> dict:
-    """Per layer: KV-head count, head size and rope dims (the sliding layers' from the
-    ``*_swa`` keys where the file has them), each positive and consistent with n_head."""
-    n_head = num(k("attention.head_count"), int)
-    kv = _per_layer(meta, path, k("attention.head_count_kv"), n_layer, n_head)
-    for n in kv:
-        if n_head % n:
-            raise GGUFError(f"{path}: attention.head_count_kv = {n} does not divide "
-                            f"attention.head_count = {n_head}")
-    full = num(k("attention.key_length"), int, max(n_embd // n_head, 1))
-    swa = num(k("attention.key_length_swa"), int, full)
-    for kind, size in (("", full), ("_swa", swa)):
-        if num(k(f"attention.value_length{kind}"), int, size) != size:
-            raise GGUFError(f"{path}: attention.value_length{kind} differs from "
-                            f"attention.key_length{kind} (not supported)")
-    rope_full = num(k("rope.dimension_count"), int, full)
-    rope_swa = num(k("rope.dimension_count_swa"), int, swa if meta(k("attention.key_length_swa"))
-                   else min(rope_full, swa))
-    for kind, dims, size in (("", rope_full, full), ("_swa", rope_swa, swa)):
-        if dims > size or dims % 2:
-            raise GGUFError(f"{path}: rope.dimension_count{kind} = {dims} must be even and at "
-                            f"most the head size {size}")
-    return dict(n_head=n_head, kv=kv, head=tuple(full if g else swa for g in is_global),
-                rope=tuple(rope_full if g else rope_swa for g in is_global))
-
-
-def _kv_sources(num, fam: Family, k, n_layer: int, is_global: list[bool], path) -> tuple[int, ...]:
-    """The layer whose keys and values each layer attends with: itself, or (the last
-    ``attention.shared_kv_layers`` layers) the last earlier unshared layer of its kind."""
-    shared = num(k("attention.shared_kv_layers"), int, 0, positive=False) if fam.kv_sharing else 0
-    if not 0 <= shared < n_layer:
-        raise GGUFError(f"{path}: metadata {k('attention.shared_kv_layers')!r} = {shared} must be "
-                        f"in [0, {n_layer})")
-    first = n_layer - shared
-    sources = []
-    for i in range(n_layer):
-        own = [j for j in range(first) if is_global[j] == is_global[i]]
-        if i >= first and not own:
-            raise GGUFError(f"{path}: layer {i} shares the K/V of an earlier "
-                            f"{'global' if is_global[i] else 'sliding'} layer, and there is none")
-        sources.append(i if i < first else own[-1])
-    return tuple(sources)
-
-
-def _experts(num, meta, fam: Family, k, n_layer: int, path) -> dict:
-    """The ModelConfig fields of a mixture of experts (none for a dense family); every
-    MoE key (families.MOE_KEYS) is used here or refused."""
-    if not fam.moe:
-        return {}
-    n_expert = num(k("expert_count"), int)
-    used = num(k("expert_used_count"), int)
-    if used > n_expert:
-        raise GGUFError(f"{path}: {k('expert_used_count')} = {used} exceeds "
-                        f"{k('expert_count')} = {n_expert}")
-    for key in ("expert_shared_count", "expert_shared_feed_forward_length"):
-        if num(k(key), int, 0, positive=False):
-            raise GGUFError(f"{path}: {k(key)} > 0: shared experts are not implemented "
-                            f"for {fam.arch}")
-    gating = num(k("expert_gating_func"), int, 1)
-    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise GGUFError(f"{path}: {k('expert_gating_func')} = {gating} is not supported "
-                        "(only 1, softmax)")
-    norm = meta(k("expert_weights_norm"))
-    if norm is not None and not isinstance(norm, bool):
-        raise GGUFError(f"{path}: metadata {k('expert_weights_norm')!r} must be a bool, found {norm!r}")
-    lead = num(k("leading_dense_block_count"), int, 0, positive=False)
-    if not 0 <= lead < n_layer:
-        raise GGUFError(f"{path}: {k('leading_dense_block_count')} = {lead} must be in "
-                        f"[0, block_count = {n_layer})")
-    return dict(n_expert=n_expert, n_expert_used=used, n_dense_lead=lead,
-                n_ff_exp=num(k("expert_feed_forward_length"), int),
-                expert_weights_norm=fam.expert_weights_norm if norm is None else norm,
-                expert_weights_scale=num(k("expert_weights_scale"), float, 1.0))
 
 
 def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
@@ -316,148 +118,87 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     if fam is None:
         raise GGUFError(f"{path}: unsupported architecture {arch!r} "
                         f"(supported: {', '.join(FAMILIES)})")
-    _check_keys(meta, meta_keys, fam, path)
-    k = lambda key: f"{arch}.{key}"  # noqa: E731
-
-    def num(key, kind, default=None, *, positive=True):
-        return _number(meta, path, key, kind, default, positive=positive)
-
+    readers.check_keys(meta, meta_keys, fam, path)
+    m = readers.Metadata(meta, arch, path)
     if "token_embd.weight" not in tensors or len(tensors["token_embd.weight"]) != 2:
         raise GGUFError(f"{path}: missing required tensor 'token_embd.weight'")
-    n_layer = num(k("block_count"), int)
+    n_layer = m.num("block_count", int)
     present = _blocks_present(tensors)
     if n_layer != present:
-        raise GGUFError(f"{path}: metadata {k('block_count')!r} is {n_layer}, but the file holds "
-                        f"tensors for {present} blocks")
-    n_embd = num(k("embedding_length"), int)
-    is_global = _global_layers(meta, num, fam, k, n_layer, path)
-    heads = _heads(meta, num, k, n_embd, n_layer, is_global, path)
-    n_head, head_dim, rope_dims = heads["n_head"], heads["head"][0], heads["rope"][0]
-    rope_base = num(k("rope.freq_base"), float, fam.default_rope_base)
-    n_ctx = num(k("context_length"), int, 2048)
-    kind, scale = _rope_scale(num, meta, path, k, fam)
-    yarn, mscale = (), 1.0
-    if kind == "yarn":
-        yarn, mscale = _yarn(num, path, k, scale, rope_base, rope_dims, head_dim, n_ctx)
-        scale = 1.0   # the interpolation is in the per-pair factors
-    window = num(k("attention.sliding_window"), int, 0, positive=False) if fam.swa_period else 0
-    if fam.swa_period and window <= 0:
-        raise GGUFError(f"{path}: {arch} needs a positive {k('attention.sliding_window')}")
-    swa_base = num(k("rope.freq_base_swa"), float, fam.swa_rope_base or rope_base)
-    attn_scale = (1.0 if fam.attn_scale_one else
-                  (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5)
-    # YaRN scales cos and sin by mscale, so every score q.k by mscale^2 (all dims rotate).
-    attn_scale *= mscale * mscale
-    experts = _experts(num, meta, fam, k, n_layer, path)
-    # An all-MoE file's dense width is never used (Qwen3-MoE writes one anyway).
-    dense_ff = not experts or experts["n_dense_lead"] > 0
-    ffs = _per_layer(meta, path, k("feed_forward_length"), n_layer, None if dense_ff else 0,
-                     positive=dense_ff)
-    varies = lambda xs: xs if len(set(xs)) > 1 else ()  # noqa: E731
-    sources = _kv_sources(num, fam, k, n_layer, is_global, path)
+        raise GGUFError(f"{path}: metadata {m.key('block_count')!r} is {n_layer}, but the file "
+                        f"holds tensors for {present} blocks")
+    n_embd = m.num("embedding_length", int)
+    n_ctx = m.num("context_length", int, 2048)
+    layers, yarn = _layers(m, fam, n_layer, n_embd, n_ctx, tensors)
     return ModelConfig(
         arch=arch, n_layer=n_layer, n_embd=n_embd,
-        n_ff=ffs[0],
-        n_head=n_head, n_head_kv=heads["kv"][0], head_dim=head_dim,
-        rope_base=rope_base, rope_dims=rope_dims, rope_mode=fam.rope_mode,
-        # Required, as llama.cpp requires it (the two references' defaults differ).
-        rms_eps=num(k("attention.layer_norm_rms_epsilon"), float),
         # The embedding's row count is what the weights actually hold.
-        n_vocab=int(tensors["token_embd.weight"][0]),
-        n_ctx=n_ctx,
-        tied_output="output.weight" not in tensors,
-        qkv_bias=fam.qkv_bias and "blk.0.attn_q.bias" in tensors,
-        rope_freqs=fam.rope_freqs and "rope_freqs.weight" in tensors,
-        rope_scale=scale, sliding_window=window, attn_scale=attn_scale,
+        n_vocab=int(tensors["token_embd.weight"][0]), n_ctx=n_ctx,
+        # Required, as llama.cpp requires it (the two references' defaults differ).
+        rms_eps=m.num("attention.layer_norm_rms_epsilon", float),
+        tied_output="output.weight" not in tensors, layers=layers,
         embed_scale=math.sqrt(n_embd) if fam.embed_scale_sqrt else 1.0,
-        windows=tuple(0 if g else window for g in is_global),
-        rope_bases=tuple(rope_base if g else swa_base for g in is_global),
-        rope_scales=tuple(scale if g or fam.swa_rope_scaled else 1.0 for g in is_global),
-        rope_yarn=yarn,
-        head_dims=varies(heads["head"]), kv_heads=varies(heads["kv"]), ffs=varies(ffs),
-        layer_rope_dims=varies(heads["rope"]),
-        rope_freq_layers=tuple(is_global) if fam.global_rope_freqs else (),
-        kv_sources=tuple(s for s in sources if sources != tuple(range(n_layer))),
-        ple_dim=(num(k("embedding_length_per_layer_input"), int, 0, positive=False)
-                 if fam.per_layer_inputs else 0),
-        logit_softcap=num(k("final_logit_softcapping"), float, 0.0, positive=False),
-        **(_deltanet(meta, num, k, n_layer, path) if fam.deltanet else {}),
-        **experts,
-    )
+        logit_softcap=m.num("final_logit_softcapping", float, 0.0, positive=False),
+        ple_dim=layers[0].per_layer_input, rope_yarn=yarn)
 
 
-def _deltanet(meta, num, k, n_layer: int, path) -> dict:
-    """Qwen3.5's recurrent layers (``attention.recurrent_layers``) and their sizes."""
-    flags = meta(k("attention.recurrent_layers"))
-    if not isinstance(flags, (list, tuple)) or len(flags) != n_layer \
-            or not all(isinstance(f, bool) for f in flags):
-        raise GGUFError(f"{path}: metadata {k('attention.recurrent_layers')!r} must be "
-                        f"{n_layer} booleans, found {flags!r}")
-    ssm = SSMShape(conv=num(k("ssm.conv_kernel"), int), k_heads=num(k("ssm.group_count"), int),
-                   k_dim=num(k("ssm.state_size"), int), v_heads=num(k("ssm.time_step_rank"), int),
-                   v_dim=1)
-    inner = num(k("ssm.inner_size"), int)
-    if inner % ssm.v_heads or ssm.v_heads % ssm.k_heads:
-        raise GGUFError(f"{path}: ssm.inner_size {inner} and ssm.time_step_rank {ssm.v_heads} "
-                        f"must be a multiple of the value heads and of ssm.group_count {ssm.k_heads}")
-    return dict(recurrent=tuple(flags), ssm=SSMShape(ssm.conv, ssm.k_heads, ssm.k_dim,
-                                                      ssm.v_heads, inner // ssm.v_heads))
+def _layers(m: readers.Metadata, fam: Family, n_layer: int, n_embd: int, n_ctx: int,
+            tensors: dict) -> tuple[tuple[Layer, ...], tuple[float, ...]]:
+    """The family's layer prototype filled in from the file, one per block, and YaRN's
+    per-pair divisors (empty without YaRN)."""
+    is_global = readers.global_layers(m, fam, n_layer)
+    heads = readers.heads(m, n_embd, n_layer, is_global)
+    n_head, head_dim, rope_dims = heads["n_head"], heads["head"][0], heads["rope"][0]
+    rope_base = m.num("rope.freq_base", float, fam.default_rope_base)
+    kind, scale = readers.rope_scale(m, fam)
+    yarn, mscale = (), 1.0
+    if kind == "yarn":
+        yarn, mscale = readers.yarn(m, scale, rope_base, rope_dims, head_dim, n_ctx)
+        scale = 1.0   # the interpolation is in the per-pair factors
+    window = m.num("attention.sliding_window", int, 0, positive=False) if fam.sliding else 0
+    if fam.sliding and window <= 0:
+        raise GGUFError(f"{m.path}: {fam.arch} needs a positive "
+                        f"{m.key('attention.sliding_window')}")
+    swa_base = m.num("rope.freq_base_swa", float,
+                     (fam.sliding.rope_base if fam.sliding else None) or rope_base)
+    proto = fam.layer
+    attn = proto.mixer
+    attn_scale = attn.scale if attn.scale is not None else \
+        (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5
+    # YaRN scales cos and sin by mscale, so every score q.k by mscale^2 (all dims rotate).
+    attn_scale *= mscale * mscale
+    moe, n_dense = (readers.experts(m, proto.ffn, n_layer) if isinstance(proto.ffn, Experts)
+                    else (None, n_layer))
+    # An all-MoE file's dense width is never used (Qwen3-MoE writes one anyway).
+    dense_ff = n_dense > 0
+    ffs = m.per_layer("feed_forward_length", n_layer, None if dense_ff else 0, positive=dense_ff)
+    sources = readers.kv_sources(m, fam, n_layer, is_global)
+    ple = m.num("embedding_length_per_layer_input", int, 0, positive=False) \
+        if fam.per_layer_inputs else 0
+    recurrent, delta = readers.deltanet(m, n_layer) if fam.deltanet else ([False] * n_layer, None)
+    has_freqs = fam.rope_freqs != "" and ROPE_FREQS in tensors
+    bias = attn.bias and "blk.0.attn_q.bias" in tensors
+    layers = []
+    for i, g in enumerate(is_global):
+        freqs = has_freqs and (fam.rope_freqs == "all" or g)
+        rope = replace(attn.rope, dims=heads["rope"][i], base=rope_base if g else swa_base,
+                       scale=scale if g or fam.sliding.rope_scaled else 1.0,
+                       factors=ROPE_FREQS if freqs else YARN_FACTORS if yarn else None)
+        shares = sources[i] != i
+        mixer = delta if recurrent[i] else replace(
+            attn, heads=n_head, kv_heads=heads["kv"][i], head_dim=heads["head"][i], rope=rope,
+            scale=attn_scale, window=0 if g else window, bias=bias,
+            keys_as_values=(attn.keys_as_values and not shares
+                            and f"blk.{i}.attn_v.weight" not in tensors),
+            kv_from=sources[i] if shares else None)
+        ffn = moe if i >= n_dense else Dense(ffs[i], proto.ffn.activation)
+        layers.append(replace(proto, mixer=mixer, ffn=ffn, per_layer_input=ple))
+    return tuple(layers), yarn
 
 
-def layer_shapes(cfg: ModelConfig, i: int, present=None) -> dict[str, tuple[int, ...]]:
-    """Every tensor block ``i`` has, with its numpy-order shape. ``present`` (the file's
-    tensor names) decides between the forms a family allows: Gemma 4's global layers may
-    have no ``attn_v`` (values are the key projection)."""
-    d, hd, fam, ff = cfg.n_embd, cfg.layer_head_dim(i), cfg.family, cfg.layer_ff(i)
-    q, kv = cfg.n_head * hd, cfg.layer_kv_heads(i) * hd
-    if cfg.layer_recurrent(i):  # a Gated DeltaNet layer in place of attention
-        s = cfg.ssm
-        inner = s.v_heads * s.v_dim
-        return {f"blk.{i}.{n}": shape for n, shape in {
-            "attn_norm.weight": (d,), "attn_qkv.weight": (s.channels, d),
-            "attn_gate.weight": (inner, d), "ssm_alpha.weight": (s.v_heads, d),
-            "ssm_beta.weight": (s.v_heads, d), "ssm_a": (s.v_heads,),
-            "ssm_dt.bias": (s.v_heads,), "ssm_conv1d.weight": (s.channels, s.conv),
-            "ssm_norm.weight": (s.v_dim,), "ssm_out.weight": (d, inner),
-            f"{fam.ffn_norm}.weight": (d,), "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d),
-            "ffn_down.weight": (d, ff)}.items()}
-    shapes = {"attn_norm.weight": (d,), "attn_q.weight": (q * (1 + fam.attn_output_gate), d),
-              "attn_k.weight": (kv, d), "attn_v.weight": (kv, d), "attn_output.weight": (d, q),
-              "ffn_norm.weight": (d,)}
-    if cfg.moe_layer(i):  # the router and the experts stacked [experts, out, in]
-        E, f = cfg.n_expert, cfg.n_ff_exp
-        shapes.update({"ffn_gate_inp.weight": (E, d), "ffn_gate_exps.weight": (E, f, d),
-                       "ffn_up_exps.weight": (E, f, d), "ffn_down_exps.weight": (E, d, f)})
-        if fam.expert_bias:
-            shapes.update({"ffn_gate_inp.bias": (E,), "ffn_gate_exps.bias": (E, f),
-                           "ffn_up_exps.bias": (E, f), "ffn_down_exps.bias": (E, d)})
-    else:
-        shapes.update({"ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d),
-                       "ffn_down.weight": (d, ff)})
-    if cfg.qkv_bias:
-        shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
-    if fam.o_bias:
-        shapes["attn_output.bias"] = (d,)
-    if fam.sinks:
-        shapes["attn_sinks.weight"] = (cfg.n_head,)
-    if fam.ffn_norm != "ffn_norm":
-        shapes[fam.ffn_norm + ".weight"] = shapes.pop("ffn_norm.weight")
-    if fam.qk_norm:
-        shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
-    if fam.post_norms:
-        shapes.update({"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)})
-    if cfg.layer_kv_source(i) != i:  # attends with an earlier layer's keys and values
-        for name in ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight", "attn_k.bias",
-                     "attn_v.bias"):
-            shapes.pop(name, None)
-    elif fam.k_eq_v and present is not None and f"blk.{i}.attn_v.weight" not in present:
-        shapes.pop("attn_v.weight")
-    if cfg.ple_dim:
-        shapes.update({"inp_gate.weight": (cfg.ple_dim, d), "proj.weight": (d, cfg.ple_dim),
-                       "post_norm.weight": (d,)})
-    if fam.layer_output_scale:
-        shapes["layer_output_scale.weight"] = (1,)
-    return {f"blk.{i}.{n}": s for n, s in shapes.items()}
+def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor block ``i`` has, with its numpy-order shape."""
+    return {f"blk.{i}.{n}": s for n, s in cfg.layers[i].tensors(cfg.n_embd).items()}
 
 
 def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -466,8 +207,8 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tied_output:
         want["output.weight"] = (cfg.n_vocab, cfg.n_embd)
     if cfg.rope_freqs:
-        dims = max(cfg.layer_rope(i)[0] for i in range(cfg.n_layer) if cfg.layer_rope(i)[1])
-        want["rope_freqs.weight"] = (dims // 2,)
+        dims = max(a.rope.dims for a in cfg.attention if a.rope.factors == ROPE_FREQS)
+        want[ROPE_FREQS] = (dims // 2,)
     if cfg.ple_dim:
         width = cfg.n_layer * cfg.ple_dim
         want.update({"per_layer_token_embd.weight": (cfg.n_vocab, width),
@@ -476,18 +217,17 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return want
 
 
-def tensor_shapes(cfg: ModelConfig, present=None) -> dict[str, tuple[int, ...]]:
-    """Every tensor the graph of ``cfg`` consumes, with its numpy-order shape (``present``:
-    the file's tensor names, see layer_shapes)."""
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the graph of ``cfg`` consumes, with its numpy-order shape."""
     want = global_shapes(cfg)
     for i in range(cfg.n_layer):
-        want.update(layer_shapes(cfg, i, present))
+        want.update(layer_shapes(cfg, i))
     return want
 
 
 def check_tensors(cfg: ModelConfig, tensors: dict, path) -> dict[str, tuple[int, ...]]:
     """Every required tensor present with its shape, and nothing else in the file."""
-    want = tensor_shapes(cfg, tensors)
+    want = tensor_shapes(cfg)
     for name, shape in want.items():
         got = tensors.get(name)
         if got is None:

@@ -5,17 +5,35 @@
 ...                     lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
 >>> net.tokens, net.positions, net.logits   # inputs [4, 128] i32 and logits [512, vocab]
 
-Training graphs pass ``logits=False`` and feed ``net.hidden`` (the final-normed hidden
-states [512, n_embd]) and ``net.head`` (the output weight [vocab, n_embd]) to the fused
-``ops.linear_cross_entropy``, so no [tokens, vocab] logits are built; :func:`lm_head`
-builds them when wanted.
+The graph is the model's list of layers (``cfg.layers``, models/parts.py) built one after
+the other: each layer's parts by their builders (BUILDERS: models/attention.py,
+deltanet.py, ffn.py, moe.py), the norms around them by ``_layer``. Nothing here reads the
+family's name; a family's differences arrive as the parts of its layers.
+
+``build_decoder``'s arguments beyond the shape:
+
+- ``model``, ``weights``, ``seed``: the GGUF (a models/model.GGUFModel) and how its
+  tensors enter the graph (WEIGHT_MODES: "frozen" consts in their block formats,
+  "finetune" trainable f32 copies, "scratch" new random params drawn from ``seed``).
+- ``lora``: adapters on the targeted projections (LoraConfig).
+- ``logits=False`` stops at ``net.hidden`` / ``net.head``: training graphs feed them to
+  the fused ``ops.linear_cross_entropy``, so no [tokens, vocab] logits are built;
+  :func:`lm_head` builds them when wanted.
+- ``packed`` adds the input ``net.segments`` [batch, seq_len] (sample packing): attention
+  then stays inside each segment (toygraph.data.packing).
+- ``reference_of`` builds a second forward pass over that decoder's own inputs and
+  weight tensors, making no new weights (DPO's reference model reads the same frozen
+  base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
+- ``shared``, a Decoder built earlier on the same graph, lends its weights and LoRA pairs
+  (a second graph over the same parameters), and ``prefix`` names this one's
+  ``tokens``/``positions`` inputs apart from its.
+- ``sequence`` (models/sequence.SequenceOps): how attention and the DeltaNet's conv and
+  delta rule run; generation with a cache passes its own (inference/kvcache.py).
 
 Weights keep their GGUF names and layout: a projection ``W`` is [n_out, n_in] and
 ``y = x W^T``. Q/K rows are in the order the GGUF stores them, so rope uses the mode the
 family's GGUFs expect ("normal" for llama, "neox" for the others); converting to Hugging
 Face's row order happens only at the adapter-export boundary (adapters.hf_row_order).
-The family's differences (q/k norms, post norms, activation, sliding windows, rope bases,
-embedding scale) arrive as data in ``cfg`` (models/config.ModelConfig) and its Family.
 """
 from __future__ import annotations
 
@@ -28,12 +46,12 @@ import numpy as np
 
 from toygraph.core import ops
 from toygraph.core.graph import Graph, Tensor
-from toygraph.core.ops.flash_attention import TOKEN_MAJOR
 from toygraph.core.optimizer import hp_input
 from toygraph.errors import GraphError
+from toygraph.models.block import Block, build_block, embed, regions
 from toygraph.models.config import global_shapes, layer_shapes, tensor_shapes
-from toygraph.models.deltanet import Recurrence, deltanet
-from toygraph.models.moe import moe_ffn
+from toygraph.models.parts import ROPE_FREQS, YARN_FACTORS, DeltaNet
+from toygraph.models.sequence import SequenceOps
 
 # LoRA target short names -> GGUF projection names.
 TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -49,16 +67,8 @@ EXPERT_TARGETS = {"gate_up_exps": "ffn_gate_up_exps", "down_exps": "ffn_down_exp
 TARGET_GROUPS = {"experts": tuple(EXPERT_TARGETS)}
 ALL_TARGETS = {**TARGETS, **DELTANET_TARGETS, **EXPERT_TARGETS}
 WEIGHT_MODES = ("frozen", "finetune", "scratch")
-# Gated FFN activations by Family.ffn: act(gate) * up; gpt-oss's alpha and limit are the
-# constants llama.cpp's build_moe_ffn uses for LLM_FFN_SWIGLU_OAI_MOE (and transformers'
-# GptOssConfig defaults; the GGUF has no key for them).
-ACTIVATIONS = {"swiglu": ops.swiglu, "geglu": ops.geglu,
-               "swiglu_oai": lambda gate, up: ops.swiglu_oai(gate, up, alpha=1.702, limit=7.0)}
 # Tensors that describe the model rather than weigh it: frozen in every weight mode.
-FIXED = ("rope_freqs.weight",)
-#: The const holding ModelConfig.rope_yarn (YaRN's per-pair frequency divisors), made by
-#: the builder beside the GGUF's weights (the file stores no such tensor).
-YARN_FACTORS = "rope_yarn.factors"
+FIXED = (ROPE_FREQS,)
 
 
 @dataclass(frozen=True)
@@ -185,8 +195,7 @@ def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tenso
         raise GraphError(f"weight mode {mode!r} needs a GGUF model")
     rng = np.random.default_rng(seed)
     out = {}
-    present = model.tensor_names() if model is not None else None
-    for name, shape in tensor_shapes(cfg, present).items():
+    for name, shape in tensor_shapes(cfg).items():
         if mode == "scratch" and name not in FIXED:
             out[name] = g.param(name, _scratch_init(name, shape, rng))
             continue
@@ -247,78 +256,91 @@ def _check_targets(cfg, wanted: set[str]) -> None:
 
 def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
                   lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
-                  logits: bool = True, packed: bool = False, reference_of: Decoder | None = None, attend=None,
+                  logits: bool = True, packed: bool = False, reference_of: Decoder | None = None,
                   shared: Decoder | None = None, prefix: str = "",
-                  recurrence: Recurrence | None = None) -> Decoder:
-    """Build the forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens;
-    ``logits=False`` stops at ``net.hidden`` / ``net.head`` (see :func:`lm_head`).
-
-    ``reference_of`` builds a second forward pass over that decoder's own inputs and
-    weight tensors, making no new weights (DPO's reference model reads the same frozen
-    base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
-
-    For generation with a KV cache (kvcache.py): ``attend(i, q, k, v, sinks)`` replaces
-    layer i's fused causal attention (q [B, T, H, hd], k and v [B, T, KV, hd] after norms
-    and rope: token-major, the projections' rows; sinks the layer's attention sinks [H] or
-    None; returns [B, T, H, hd]); ``shared``, a Decoder built earlier on ``g``, lends its weights
-    and LoRA pairs (a second graph over the same parameters), and ``prefix`` names this
-    one's ``tokens``/``positions`` inputs apart from its.
-
-    ``packed`` adds the input ``net.segments`` [batch, seq_len] (sample packing): attention
-    then stays inside each segment (toygraph.data.packing).
-
-    ``recurrence`` runs the Gated DeltaNet layers' sequence ops (models/deltanet.py; the
-    KV cache passes its state-carrying one)."""
-    if packed and cfg.recurrent:
-        raise GraphError(f"sample packing is not supported for {cfg.arch}: its recurrent "
-                         "layers would carry state across the packed sequences")
-    recurrence = recurrence or Recurrence()
-    if seq_len > cfg.n_ctx:
-        raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
-    if batch < 1 or seq_len < 1:
-        raise GraphError(f"batch and seq_len must be >= 1, got {batch} and {seq_len}")
-    if reference_of is not None:
-        if reference_of.tokens.shape != (batch, seq_len):
-            raise GraphError(f"a reference pass must have its decoder's shape "
-                             f"{reference_of.tokens.shape}, got {(batch, seq_len)}")
-        W, tokens, positions = reference_of.weights, reference_of.tokens, reference_of.positions
+                  sequence: SequenceOps | None = None) -> Decoder:
+    """The forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens, one
+    layer of ``cfg.layers`` after the other (the arguments: module docstring)."""
+    _check_request(cfg, batch, seq_len, packed, reference_of)
+    if reference_of is not None:   # its inputs and weights, new adapters
+        net = Decoder(cfg, reference_of.tokens, reference_of.positions, None,
+                      reference_of.weights, segments=reference_of.segments)
     else:
         if weights != "scratch" and model is None and shared is None:
             raise GraphError(f"weight mode {weights!r} needs a GGUF model")
         W = shared.weights if shared else _make_weights(g, cfg, model, weights, seed)
-        tokens = g.input(prefix + "tokens", (batch, seq_len), "i32")
-        positions = g.input(prefix + "positions", (batch, seq_len), "i32")
-    net = Decoder(cfg=cfg, tokens=tokens, positions=positions, logits=None, weights=W)
-    if reference_of is not None:
-        net.segments = reference_of.segments
-    elif packed:
-        net.segments = g.input(prefix + "segments", (batch, seq_len), "i32")
-    lora_prefix = "" if reference_of is None else "reference."
-    lora_rng = np.random.default_rng(lora.seed) if lora else None
-    wanted = {ALL_TARGETS[t] for t in lora.targets} if lora else set()
-    _check_targets(cfg, wanted)
+        net = Decoder(cfg, g.input(prefix + "tokens", (batch, seq_len), "i32"),
+                      g.input(prefix + "positions", (batch, seq_len), "i32"), None, W)
+        if packed:
+            net.segments = g.input(prefix + "segments", (batch, seq_len), "i32")
+    proj = Projections(g, net, lora, model, shared, "reference." if reference_of else "")
+    h = embed(g, net, batch, seq_len, shared or reference_of)
+    seq = sequence or SequenceOps()
+    for start, stop in regions(cfg):   # one region per block (recompute.py; Gemma 4: joined)
+        with g.region(f"blk.{start}" if stop == start + 1 else f"blk.{start}-{stop - 1}", h) as r:
+            for i in range(start, stop):
+                h = build_block(Block(net, i, proj, seq, batch, seq_len), cfg.layers[i], h)
+            r.output = h
+    net.hidden = ops.rms_norm(h, cfg.rms_eps, weight=net.weights["output_norm.weight"])
+    net.head = net.weights["token_embd.weight" if cfg.tied_output else "output.weight"]
+    if cfg.logit_softcap:  # so the fused head (no soft cap) refuses it: see lm_head
+        net.head.attrs["logit_softcap"] = cfg.logit_softcap
+    if logits:
+        net.logits = lm_head(net)
+    return net
 
-    def linear(x, name: str):
-        """x [N, n_in] -> [N, n_out] through weight ``name`` (+ bias, + LoRA)."""
+
+def _check_request(cfg, batch: int, seq_len: int, packed: bool, reference_of) -> None:
+    if packed and any(isinstance(layer.mixer, DeltaNet) for layer in cfg.layers):
+        raise GraphError(f"sample packing is not supported for {cfg.arch}: its recurrent "
+                         "layers would carry state across the packed sequences")
+    if seq_len > cfg.n_ctx:
+        raise GraphError(f"sequence length {seq_len} exceeds the model's context length {cfg.n_ctx}")
+    if batch < 1 or seq_len < 1:
+        raise GraphError(f"batch and seq_len must be >= 1, got {batch} and {seq_len}")
+    if reference_of is not None and reference_of.tokens.shape != (batch, seq_len):
+        raise GraphError(f"a reference pass must have its decoder's shape "
+                         f"{reference_of.tokens.shape}, got {(batch, seq_len)}")
+
+
+class Projections:
+    """``proj(x, name)``: x [N, n_in] -> [N, n_out] through GGUF weight ``name`` (+ its
+    bias, + its LoRA adapter when ``lora`` targets it: made here, or ``shared``'s);
+    ``expert_adapter(name)``: an expert stack's (A, B, scaling) or None (models/moe.py)."""
+
+    def __init__(self, g: Graph, net: Decoder, lora: LoraConfig | None, model, shared,
+                 prefix: str):
+        self.g, self.net, self.lora, self.model, self.shared, self.prefix = \
+            g, net, lora, model, shared, prefix
+        self.rng = np.random.default_rng(lora.seed) if lora else None
+        self.wanted = {ALL_TARGETS[t] for t in lora.targets} if lora else set()
+        _check_targets(net.cfg, self.wanted)
+
+    def _pair(self, name: str):
+        pair = (self.shared.lora[name] if self.shared else
+                _lora_pair(self.g, self.prefix + name,
+                           lora_shapes(self.net.cfg, name, self.lora.rank), self.lora, self.rng))
+        self.net.lora[name] = pair
+        return pair
+
+    def __call__(self, x, name: str):
+        lora, W = self.lora, self.net.weights
         w = W[name]
         y = ops.matmul(x, w, trans_b=True)
         bias = W.get(name.replace(".weight", ".bias"))
-        adapted = name.split(".")[-2] in wanted
+        adapted = name.split(".")[-2] in self.wanted
         if adapted:
-            a, b = (shared.lora[name] if shared else
-                    _lora_pair(g, lora_prefix + name, lora_shapes(cfg, name, lora.rank), lora,
-                               lora_rng))
-            net.lora[name] = (a, b)
+            a, b = self._pair(name)
             xa = x
             if lora.dropout:   # each module its own mask: the name's crc32 salts it
-                xa = ops.dropout(x, hp_input(g), p=lora.dropout,
+                xa = ops.dropout(x, hp_input(self.g), p=lora.dropout,
                                  seed=lora.seed + (lora.dropout_stream << 20),
-                                 salt=zlib.crc32((lora_prefix + name).encode()))
+                                 salt=zlib.crc32((self.prefix + name).encode()))
             low = ops.matmul(xa, a, trans_b=True)   # x A^T [N, rank]
         if adapted and lora.dora:  # PEFT's DoRA: m / ||W + s B A|| * (W x + s B A x) + bias
-            m = (shared.magnitudes[name] if shared else
-                 _dora_magnitude(g, lora_prefix + name, w, model))
-            net.magnitudes[name] = m
+            m = (self.shared.magnitudes[name] if self.shared else
+                 _dora_magnitude(self.g, self.prefix + name, w, self.model))
+            self.net.magnitudes[name] = m
             y = _add_lora(y, low, b, lora.scaling) * _dora_factor(w, a, b, m, lora.scaling)
             return y + bias if bias is not None else y
         if bias is not None:
@@ -327,145 +349,12 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
             y = _add_lora(y, low, b, lora.scaling)
         return y
 
-    def expert_adapter(name: str):
+    def expert_adapter(self, name: str):
         """The (A, B, scaling) of expert weight ``name`` ("blk.N.ffn_down_exps.weight",
-        "blk.N.ffn_gate_up_exps.weight"), None when it is not a target (models/moe.py)."""
-        if name.split(".")[-2] not in wanted:
+        "blk.N.ffn_gate_up_exps.weight"), None when it is not a target."""
+        if name.split(".")[-2] not in self.wanted:
             return None
-        a, b = (shared.lora[name] if shared else
-                _lora_pair(g, lora_prefix + name, lora_shapes(cfg, name, lora.rank), lora,
-                           lora_rng))
-        net.lora[name] = (a, b)
-        return a, b, lora.scaling
-    linear.expert_adapter = expert_adapter
-
-    B, T, D = batch, seq_len, cfg.n_embd
-    h = ops.get_rows(W["token_embd.weight"], net.tokens).reshape(B * T, D)
-    if cfg.embed_scale != 1.0:
-        h = ops.scale(h, cfg.embed_scale)
-    if cfg.ple_dim:
-        net.per_layer_inputs = _per_layer_inputs(net, cfg, h, B, T)
-        earlier = shared or reference_of
-        net.layer_rows = earlier.layer_rows if earlier else [
-            g.const(f"per_layer_input.{i}", np.eye(cfg.n_layer, dtype=np.float32)[i:i + 1])
-            for i in range(cfg.n_layer)]
-    # Token-major q/k/v/o: the kernels read the projections' rows through strides, so no
-    # permute (a gather each way, forward and backward) surrounds the attention.
-    attend = attend or (lambda i, q, k, v, sinks: ops.attention(
-        q, k, v, scale=cfg.attn_scale, causal=True, window=cfg.windows[i],
-        segments=net.segments, sinks=sinks, layout=TOKEN_MAJOR))
-    # One region per block: the unit activation checkpointing recomputes (recompute.py). A
-    # region recomputes from its own input alone, so the blocks from the first whose keys
-    # and values a later block reuses (Gemma 4) to the last form one region.
-    sharing = [cfg.layer_kv_source(i) for i in range(cfg.n_layer) if cfg.layer_kv_source(i) != i]
-    joined = min(sharing, default=cfg.n_layer)
-    for start in list(range(joined)) + ([joined] if joined < cfg.n_layer else []):
-        stop = start + 1 if start < joined else cfg.n_layer
-        name = f"blk.{start}" if stop == start + 1 else f"blk.{start}-{stop - 1}"
-        with g.region(name, h) as block:
-            for i in range(start, stop):
-                h = _block(net, cfg, i, h, linear, attend, B, T, recurrence)
-            block.output = h
-    h = ops.rms_norm(h, cfg.rms_eps, weight=W["output_norm.weight"])
-    net.hidden = h
-    net.head = W["token_embd.weight"] if cfg.tied_output else W["output.weight"]
-    if cfg.logit_softcap:  # so the fused head (no soft cap) refuses it: see lm_head
-        net.head.attrs["logit_softcap"] = cfg.logit_softcap
-    if logits:
-        net.logits = lm_head(net)
-    return net
-
-
-def _per_layer_inputs(net: Decoder, cfg, h: Tensor, B: int, T: int) -> Tensor:
-    """Gemma 4's per-layer inputs, all layers at once, as rows [n_layer, B * T * ple_dim]:
-    (rms_norm(h W_proj^T / sqrt(n_embd)) * w + E_ple[tokens] * sqrt(ple_dim)) / sqrt(2),
-    h the scaled token embeddings (transformers' project_per_layer_inputs)."""
-    W, L, P, N = net.weights, cfg.n_layer, cfg.ple_dim, B * T
-    tok = ops.get_rows(W["per_layer_token_embd.weight"], net.tokens).reshape(N, L, P)
-    proj = ops.matmul(h, W["per_layer_model_proj.weight"], trans_b=True).reshape(N, L, P)
-    proj = ops.rms_norm(ops.scale(proj, cfg.n_embd ** -0.5), cfg.rms_eps,
-                        weight=W["per_layer_proj_norm.weight"])
-    both = ops.scale(proj + ops.scale(tok, P ** 0.5), 0.5 ** 0.5)
-    return ops.contiguous(both.permute(1, 0, 2)).reshape(L, N * P)
-
-
-def _block(net: Decoder, cfg, i: int, h: Tensor, linear, attend, B: int, T: int,
-           recurrence: Recurrence) -> Tensor:
-    """Decoder layer ``i`` on the residual stream h [B * T, n_embd] (see models/families.py
-    for the layer's shape and which parts each family has)."""
-    W, fam, p = net.weights, cfg.family, f"blk.{i}."
-    H, KV, hd = cfg.n_head, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
-
-    def norm(x, name):  # the weight in the norm's kernel (ops/norm.py)
-        return ops.rms_norm(x, cfg.rms_eps, weight=W[p + name + ".weight"])
-
-    def heads(y, n, qk_norm: str | None):   # [B * T, n * hd] -> [B, T, n, hd]
-        y = y.reshape(B, T, n, hd)
-        if qk_norm:  # per-head RMSNorm over head_dim, before rope (Qwen3, Gemma 3)
-            y = norm(y, qk_norm)
-        return y
-
-    def rope(y):
-        dims, factors = cfg.layer_rope(i)
-        return ops.rope(y, net.positions, dims=dims, base=cfg.rope_bases[i],
-                        mode=cfg.rope_mode, freq_scale=cfg.rope_scales[i],
-                        freq_factors=W["rope_freqs.weight"] if factors else W.get(YARN_FACTORS))
-
-    x = norm(h, "attn_norm")
-    if cfg.layer_recurrent(i):  # Qwen3.5: a Gated DeltaNet layer instead of attention
-        h = h + deltanet(cfg, i, x, W, linear, B, T, recurrence)
-        return _ffn(h, cfg, i, W, norm, linear, p)
-    q = linear(x, p + "attn_q.weight")
-    if fam.attn_output_gate:  # Qwen3.5: each head's projection is [q | gate]
-        q = q.reshape(B, T, H, 2 * hd)
-        gate = ops.narrow(q, hd, hd).reshape(B * T, H * hd)
-        q = ops.narrow(q, 0, hd)
-    q = rope(heads(q, H, "attn_q_norm" if fam.qk_norm else None))
-    source = cfg.layer_kv_source(i)
-    if source == i:
-        kx = linear(x, p + "attn_k.weight")
-        k = rope(heads(kx, KV, "attn_k_norm" if fam.qk_norm else None))
-        # Gemma 4's global layers may have no attn_v: the key projection is the values.
-        vx = linear(x, p + "attn_v.weight") if p + "attn_v.weight" in W else kx
-        v = heads(vx, KV, None)
-        if fam.v_norm:  # Gemma 4: RMSNorm of each value head, without a weight
-            v = ops.rms_norm(v, cfg.rms_eps)
-        net.kv[i] = k, v
-    else:  # Gemma 4's last layers attend with an earlier layer's keys and values
-        k, v = net.kv[source]
-    # Fused by default: no [B, H, T, T] scores in memory, forward or backward.
-    o = attend(i, q, k, v, W.get(p + "attn_sinks.weight")).reshape(B * T, H * hd)
-    if fam.attn_output_gate:
-        o = o * ops.sigmoid(gate)
-    a = linear(o, p + "attn_output.weight")
-    if fam.post_norms:
-        a = norm(a, "post_attention_norm")
-    h = _ffn(h + a, cfg, i, W, norm, linear, p)
-    if cfg.ple_dim:  # Gemma 4: this layer's per-layer input, gated by the stream
-        # Row i of [n_layer, ...] by a one-hot matmul: exact, and its gradient too.
-        ple = ops.matmul(net.layer_rows[i], net.per_layer_inputs).reshape(B * T, cfg.ple_dim)
-        gate = ops.gelu if fam.ffn == "geglu" else ops.silu
-        r = linear(gate(linear(h, p + "inp_gate.weight")) * ple, p + "proj.weight")
-        h = h + norm(r, "post_norm")
-    if fam.layer_output_scale:
-        h = h * W[p + "layer_output_scale.weight"]
-    return h
-
-
-def _ffn(h: Tensor, cfg, i: int, W: dict, norm, linear, p: str) -> Tensor:
-    """The residual FFN half of layer i: h + [post_ffw_norm](ffn(ffn_norm(h))), the FFN
-    dense (down(act(gate(x)) * up(x))) or a mixture of experts (models/moe.py)."""
-    fam = cfg.family
-    x = norm(h, fam.ffn_norm)
-    act = ACTIVATIONS[fam.ffn]
-    if cfg.moe_layer(i):
-        f = moe_ffn(cfg, W, p, x, linear, act)
-    else:
-        f = linear(act(linear(x, p + "ffn_gate.weight"), linear(x, p + "ffn_up.weight")),
-                   p + "ffn_down.weight")
-    if fam.post_norms:
-        f = norm(f, "post_ffw_norm")
-    return h + f
+        return (*self._pair(name), self.lora.scaling)
 
 
 def lm_head(net: Decoder) -> Tensor:

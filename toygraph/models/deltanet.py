@@ -15,21 +15,10 @@ from __future__ import annotations
 
 from toygraph.core import ops
 from toygraph.core.graph import Tensor
+from toygraph.models.parts import DeltaNet
 
 #: transformers' l2norm epsilon for q and k (fixed, not the model's rms_norm_eps).
 L2_EPS = 1e-6
-
-
-class Recurrence:
-    """How a DeltaNet layer runs its two sequence ops: over the whole sequence from a zero
-    state (training, evaluation). Generation (inference/kvcache.py) swaps in versions that
-    carry the conv window and the recurrent state from one call to the next."""
-
-    def conv(self, i: int, x: Tensor, w: Tensor) -> Tensor:
-        return ops.causal_conv1d(x, w)
-
-    def delta(self, i: int, q, k, v, g, beta) -> Tensor:
-        return ops.delta_rule(q, k, v, g, beta)
 
 
 def _l2norm(x: Tensor, scale: float = 1.0) -> Tensor:
@@ -37,23 +26,24 @@ def _l2norm(x: Tensor, scale: float = 1.0) -> Tensor:
     return ops.scale(ops.rms_norm(x, L2_EPS / d), scale * d ** -0.5)
 
 
-def deltanet(cfg, i: int, x: Tensor, W: dict, linear, B: int, T: int,
-             recurrence: Recurrence) -> Tensor:
-    """Layer i's token mixer on the normed stream x [B * T, n_embd] -> [B * T, n_embd]."""
-    s, p = cfg.ssm, f"blk.{i}."
+def deltanet(b, s: DeltaNet, x: Tensor) -> Tensor:
+    """Layer b.i's token mixer on the normed stream x [B * T, n_embd] -> [B * T, n_embd]
+    (b: the layer's models/decoder.Block; its sequence ops run the conv and the delta
+    rule, models/sequence.py)."""
+    B, T = b.B, b.T
     nk, dk, nv, dv = s.k_heads, s.k_dim, s.v_heads, s.v_dim
-    qkv = linear(x, p + "attn_qkv.weight").reshape(B, T, s.channels)
-    qkv = ops.silu(recurrence.conv(i, qkv, W[p + "ssm_conv1d.weight"]))
+    qkv = b.proj(x, "attn_qkv").reshape(B, T, s.channels)
+    qkv = ops.silu(b.seq.conv(b.i, qkv, b.w("ssm_conv1d.weight")))
     q = _l2norm(ops.narrow(qkv, 0, nk * dk).reshape(B, T, nk, dk), dk ** -0.5)
     k = _l2norm(ops.narrow(qkv, nk * dk, nk * dk).reshape(B, T, nk, dk))
     v = ops.narrow(qkv, 2 * nk * dk, nv * dv).reshape(B, T, nv, dv)
     if nv > nk:  # value head m reads key head m % nk (the file's tiled order)
         q, k = (ops.expand(y.reshape(B, T, 1, nk, dk), (B, T, nv // nk, nk, dk)).reshape(B, T, nv, dk)
                 for y in (q, k))
-    beta = ops.sigmoid(linear(x, p + "ssm_beta.weight")).reshape(B, T, nv)
-    alpha = linear(x, p + "ssm_alpha.weight") + W[p + "ssm_dt.bias"]
-    g = (ops.softplus(alpha) * W[p + "ssm_a"]).reshape(B, T, nv)
-    o = recurrence.delta(i, q, k, v, g, beta)
-    z = linear(x, p + "attn_gate.weight").reshape(B, T, nv, dv)
-    o = ops.rms_norm(o, cfg.rms_eps, weight=W[p + "ssm_norm.weight"]) * ops.silu(z)
-    return linear(o.reshape(B * T, nv * dv), p + "ssm_out.weight")
+    beta = ops.sigmoid(b.proj(x, "ssm_beta")).reshape(B, T, nv)
+    alpha = b.proj(x, "ssm_alpha") + b.w("ssm_dt.bias")
+    g = (ops.softplus(alpha) * b.w("ssm_a")).reshape(B, T, nv)
+    o = b.seq.delta(b.i, q, k, v, g, beta)
+    z = b.proj(x, "attn_gate").reshape(B, T, nv, dv)
+    o = b.norm(o, "ssm_norm") * ops.silu(z)
+    return b.proj(o.reshape(B * T, nv * dv), "ssm_out")

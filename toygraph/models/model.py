@@ -1,5 +1,6 @@
-"""A decoder GGUF (llama, qwen2, qwen3, gemma3, gemma4) read as a model: its config from the
-metadata, checked against the family, and every tensor the graph needs present.
+"""A decoder GGUF (any family of models/families.py) read as a model: its config (the list
+of layers) from the metadata, checked against the family, and every tensor the graph
+needs present.
 
 >>> m = GGUFModel("SmolLM2-135M-Instruct.Q4_1.gguf")      # doctest: +SKIP
 >>> m.config.n_layer, m.tensor("blk.0.attn_q.weight").shape  # doctest: +SKIP
@@ -49,7 +50,7 @@ class GGUFModel(GGUFFile):
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the config requires, with its numpy-order shape."""
-        return tensor_shapes(self.config, self._shapes)
+        return tensor_shapes(self.config)
 
     def __repr__(self) -> str:
         return f"GGUFModel({str(self.path)!r}, {self.config})"

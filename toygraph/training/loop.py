@@ -110,15 +110,15 @@ class Trainer:
         self.total, self.adamw = total, adamw
         self.state = state or LoopState()
         self.resumed, self.micro_per_epoch = resumed, micro_per_epoch
-        self.k = recipe.opts.grad_accum
+        self.grad_accum = recipe.opts.grad_accum
         self.rank, self.ranks = rank, ranks
         self.last_lr = None
 
     def inputs(self, t: int):
         """(micro-batches, tokens, positions, labels, segments) of step t; arrays
-        [k, batch, seq_len] (this rank's shard of the job's micro-batches, which the hooks get
-        whole), segments None unless the batches are packed."""
-        micro = [self.micro_batch((t - 1) * self.k + j) for j in range(self.k)]
+        [grad_accum, batch, seq_len] (this rank's shard of the job's micro-batches, which the
+        hooks get whole), segments None unless the batches are packed."""
+        micro = [self.micro_batch((t - 1) * self.grad_accum + j) for j in range(self.grad_accum)]
         fields = ("tokens", "positions", "labels") + (("segments",) if micro[0].segments is not None else ())
         stack = [shard(np.stack([getattr(b, f) for b in micro]), self.rank, self.ranks)
                  for f in fields]
@@ -135,7 +135,7 @@ class Trainer:
                                 segments=segments)
         self.state.step = t
         if self.micro_per_epoch:
-            self.state.epoch = t * self.k // self.micro_per_epoch
+            self.state.epoch = t * self.grad_accum // self.micro_per_epoch
         return loss, micro
 
     def run(self, hooks: Hooks | None = None) -> list[float]:

@@ -21,8 +21,8 @@ from toygraph.models.model import GGUFModel
 from toygraph.models.stores import Source, resolve_store, store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.checkpoints import checkpoint_run_id, find_resumable, load_checkpoint
-from toygraph.training.data_memory import (check_tokenized_memory, estimate_tokenized_bytes,
-                                           rows_bytes)
+from toygraph.training.tokenized_size import (check_tokenized_memory, estimate_tokenized_bytes,
+                                              rows_bytes)
 from toygraph.training.lineage import lineage
 from toygraph.training.loop import LoopState
 from toygraph.training.reporting import reporter_names

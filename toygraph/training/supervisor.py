@@ -1,7 +1,7 @@
 """What a training run does around its steps: events, evaluation, checkpoints, the
 divergence guard, Ctrl-C / SIGTERM, progress on the terminal.
 
-``RunSupervisor`` is the ``Hooks`` of a CLI/API run (see ``trainer.py`` for the loop).
+``RunSupervisor`` is the ``Hooks`` of a CLI/API run (see ``loop.py`` for the loop).
 Checkpoints are written at every evaluation, every ``save_every`` steps, every
 ``save_minutes`` minutes, when the run is interrupted and at its end; each is checked by
 the divergence guard first and the ``keep_checkpoints`` newest are kept.

@@ -10,6 +10,7 @@ for attention).
 
 ===============  =======================================================================
 table            OpSpec, OPS, KERNELS and the helpers the families fill them with
+groups           the op groups (views, pass-through, in place, packed results)
 shape            reshape, permute, contiguous, expand, sum_to, sum, unpack
 elementwise      add, sub, mul, scale, silu, gelu, sigmoid, softcap, swiglu_oai (+ mean)
 gated            glu (act(gate) * up fused: swiglu, geglu) and its one-pass backward
@@ -33,7 +34,7 @@ stochastic       dropout (a counter-based mask keyed by the hp row's step)
 
 The builders are re-exported here, so ``ops.<name>`` is every op:
 
->>> from toygraph import ops
+>>> from toygraph.core import ops
 >>> y = ops.rms_norm(x, 1e-5)                     # doctest: +SKIP
 """
 from __future__ import annotations
@@ -65,9 +66,6 @@ from toygraph.core.ops.policy import clipped_surrogate, kl_penalty
 from toygraph.core.ops.stochastic import dropout
 # isort: on
 
-#: Ops that write into their first operand(s) rather than producing a value.
-SIDE_EFFECTS = frozenset(name for name, spec in OPS.items() if spec.in_place)
-
 __all__ = ["BLOCK_KERNELS", "F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NONE", "OPS",
            "OpSpec", "block_kernel", "check", "check_floats", "define_op", "kernel", "make_node", "broadcast_shapes",
            "contiguous", "expand", "permute", "reshape", "sum", "sum_to", "unpack", "add",
@@ -77,4 +75,4 @@ __all__ = ["BLOCK_KERNELS", "F32", "I32", "INT32_MAX", "KERNELS", "LABELS", "NON
            "accumulate", "adamw", "global_norm", "log1mexp", "log_sigmoid", "softplus",
            "token_logprobs", "cache_write", "causal_conv1d", "delta_rule", "narrow", "all_reduce",
            "expert_matmul", "group_by_expert", "take_along", "topk", "clipped_surrogate",
-           "kl_penalty", "SIDE_EFFECTS"]
+           "kl_penalty"]

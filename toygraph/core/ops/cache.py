@@ -4,7 +4,7 @@ and CUDA lowering (cache.cu). Not differentiable: generation graphs have no back
 from __future__ import annotations
 
 from toygraph.core.ops.table import F32, I32, check, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32_arg, lowers, ptr_arg
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "cache.cu")
@@ -57,5 +57,6 @@ def _cache_write(node, at):
     cache, value, start = node.srcs
     rows, d = cache.shape[-2:]
     return [Launch("tg_cache_write", grid_1d(node.size),
-                   [p(at.out), p(at.ptr(cache)), p(at.ptr(value)), p(at.ptr(start)),
-                    i32(node.size), i32(rows), i32(value.shape[-2]), i32(d)])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(cache)), ptr_arg(at.ptr(value)),
+                    ptr_arg(at.ptr(start)), i32_arg(node.size), i32_arg(rows),
+                    i32_arg(value.shape[-2]), i32_arg(d)])]

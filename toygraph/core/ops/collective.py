@@ -15,7 +15,7 @@ ncclAllReduce on the session's stream, cuda/nccl.py; MPI on the host device).
 from __future__ import annotations
 
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import Collective, Launch, i32, lowers, p
+from toygraph.cuda.lowering import Collective, Launch, i32_arg, lowers, ptr_arg
 
 
 def all_reduce(tensors, *, ranks: int):
@@ -51,4 +51,5 @@ def _all_reduce(node, at):
     capture records them like any launch and the replayed step includes the reduction."""
     buffers = tuple((at.ptr(s), s.size) for s in node.srcs)
     return [Collective(buffers, node.attrs["ranks"]),
-            Launch("tg_copy", (1, 1, 1), [p(at.out), p(at.ptr(node.srcs[0])), i32(1)])]
+            Launch("tg_copy", (1, 1, 1), [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])),
+                                          i32_arg(1)])]

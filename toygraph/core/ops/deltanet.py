@@ -22,7 +22,7 @@ import numpy as np
 
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32_arg, lowers, ptr_arg
 from toygraph.cuda.lowering.constants import DELTA_CHUNK, DELTA_MAX_DK, THREADS
 from toygraph.errors import CudaError, GraphError
 
@@ -273,9 +273,10 @@ def _delta_back_numpy(out, srcs, attrs):
 def _conv(node, at):
     x, w = node.srcs[:2]
     (B, T, C), K = x.shape, w.shape[1]
-    srcs = [p(at.ptr(s)) for s in node.srcs]
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs]
     name = "tg_causal_conv1d" if node.op == "causal_conv1d" else "tg_causal_conv1d_back"
-    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(B), i32(T), i32(C), i32(K)])]
+    return [Launch(name, grid_1d(node.size), [ptr_arg(at.out), *srcs, i32_arg(B), i32_arg(T),
+                                              i32_arg(C), i32_arg(K)])]
 
 
 def _delta_dims(node):
@@ -312,25 +313,26 @@ def _delta(node, at):
     thread per (batch, head, state column)."""
     B, T, H, dk, dv = _delta_dims(node)
     with_state = len(node.srcs) == 6
-    srcs = [p(at.ptr(s)) for s in node.srcs[:5]]
-    state = p(at.ptr(node.srcs[5])) if with_state else p(at.ptr(node.srcs[0]))  # unread if 0
-    dims = [i32(B), i32(T), i32(H), i32(dk), i32(dv)]
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs[:5]]
+    state = ptr_arg(at.ptr(node.srcs[5] if with_state else node.srcs[0]))  # unread if 0
+    dims = [i32_arg(B), i32_arg(T), i32_arg(H), i32_arg(dk), i32_arg(dv)]
     if _stepwise(node):
         if dk > DELTA_MAX_DK:
             raise CudaError(f"{node.op} {node.name!r}: key head size {dk} exceeds the step-wise "
                             f"kernel's bound {DELTA_MAX_DK}")
         return [Launch("tg_delta_rule", grid_1d(B * H * dv),
-                       [p(at.out), *srcs, state, *dims, i32(with_state)])]
+                       [ptr_arg(at.out), *srcs, state, *dims, i32_arg(with_state)])]
     return [Launch("tg_delta_chunked", (B * H, 1, 1),
-                   [p(at.out), *srcs, state, p(at.scratch), *dims, i32(_chunk(node)),
-                    i32(with_state)], block=(THREADS, 1, 1))]
+                   [ptr_arg(at.out), *srcs, state, ptr_arg(at.scratch), *dims,
+                    i32_arg(_chunk(node)), i32_arg(with_state)], block=(THREADS, 1, 1))]
 
 
 @lowers("delta_rule_back", kernels=("tg_delta_chunked_back",), scratch=_back_scratch_bytes)
 def _delta_back(node, at):
     """One block per (batch, head), walking the chunks from the last."""
     B, T, H, dk, dv = _delta_dims(node)
-    srcs = [p(at.ptr(s)) for s in node.srcs]
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs]
     return [Launch("tg_delta_chunked_back", (B * H, 1, 1),
-                   [p(at.out), *srcs, p(at.scratch), i32(B), i32(T), i32(H), i32(dk), i32(dv),
-                    i32(_chunk(node))], block=(THREADS, 1, 1))]
+                   [ptr_arg(at.out), *srcs, ptr_arg(at.scratch), i32_arg(B), i32_arg(T),
+                    i32_arg(H), i32_arg(dk), i32_arg(dv),
+                    i32_arg(_chunk(node))], block=(THREADS, 1, 1))]

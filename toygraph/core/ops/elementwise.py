@@ -11,8 +11,8 @@ from toygraph.core.ops.shape import broadcast_shapes
 from toygraph.core.ops.shape import sum as _sum
 from toygraph.core.ops.shape import sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, f32, grid_1d, i32,
-                                    lowers, p, pad_shape, strided)
+from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, f32_arg, grid_1d,
+                                    i32_arg, lowers, pad_shape, ptr_arg, strided)
 from toygraph.errors import GraphError
 
 # The family's CUDA kernels, beside this module.
@@ -304,29 +304,32 @@ def _binary(node, at):
     broadcasting ones: tg_binary's strided walk."""
     a, b = node.srcs
     n = node.size
-    code = i32(BINARY_CODES[node.op])
+    code = i32_arg(BINARY_CODES[node.op])
     if a.shape == b.shape == node.shape and vector_ok(at.out, at.ptr(a), at.ptr(b)):
         return [Launch("tg_binary_vec", grid_vec(n),
-                       [p(at.out), p(at.ptr(a)), p(at.ptr(b)), i32(n), code])]
+                       [ptr_arg(at.out), ptr_arg(at.ptr(a)), ptr_arg(at.ptr(b)), i32_arg(n),
+                        code])]
     sa = broadcast_strides(a.shape, node.shape)
     sb = broadcast_strides(b.shape, node.shape)
-    return [Launch("tg_binary", grid_1d(n), [p(at.out), p(at.ptr(a)), p(at.ptr(b)), i32(n),
-                                               strided(node.shape, sa, sb), code])]
+    return [Launch("tg_binary", grid_1d(n), [ptr_arg(at.out), ptr_arg(at.ptr(a)),
+                                             ptr_arg(at.ptr(b)), i32_arg(n),
+                                             strided(node.shape, sa, sb), code])]
 
 
 @lowers("scale", kernels=("tg_scale", "tg_scale_vec"))
 def _scale(node, at):
     n, x = node.size, at.ptr(node.srcs[0])
     name, grid = ("tg_scale_vec", grid_vec(n)) if vector_ok(at.out, x) else ("tg_scale", grid_1d(n))
-    return [Launch(name, grid, [p(at.out), p(x), i32(n), f32(node.attrs["s"])])]
+    return [Launch(name, grid, [ptr_arg(at.out), ptr_arg(x), i32_arg(n),
+                                f32_arg(node.attrs["s"])])]
 
 
 def pointwise(node, at):
     """One thread per element, ``out[i] = f(x[i])`` (a backward op: ``f(x[i], g[i])``),
     launching the one kernel the op's registry entry names."""
     (name,) = at.kernels
-    srcs = [p(at.ptr(s)) for s in node.srcs]
-    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(node.size)])]
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs]
+    return [Launch(name, grid_1d(node.size), [ptr_arg(at.out), *srcs, i32_arg(node.size)])]
 
 
 lowers("silu", kernels=("tg_silu",))(pointwise)
@@ -342,18 +345,18 @@ lowers("sigmoid_back", kernels=("tg_sigmoid_back",))(pointwise)
 @lowers("softcap", "softcap_back", kernels=("tg_softcap", "tg_softcap_back"))
 def _softcap(node, at):
     name = "tg_softcap" if node.op == "softcap" else "tg_softcap_back"
-    srcs = [p(at.ptr(s)) for s in node.srcs]
-    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(node.size),
-                                               f32(node.attrs["cap"])])]
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs]
+    return [Launch(name, grid_1d(node.size), [ptr_arg(at.out), *srcs, i32_arg(node.size),
+                                               f32_arg(node.attrs["cap"])])]
 
 
 @lowers("swiglu_oai", "swiglu_oai_back", kernels=("tg_swiglu_oai", "tg_swiglu_oai_back"))
 def _swiglu_oai(node, at):
     """Forward: tg_swiglu_oai; backward: tg_swiglu_oai_back for d gate (wrt 0) or d up."""
-    srcs = [p(at.ptr(s)) for s in node.srcs]
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs]
     a = node.attrs
-    tail = [i32(node.size), f32(a["alpha"]), f32(a["limit"])]
+    tail = [i32_arg(node.size), f32_arg(a["alpha"]), f32_arg(a["limit"])]
     if node.op == "swiglu_oai":
-        return [Launch("tg_swiglu_oai", grid_1d(node.size), [p(at.out), *srcs, *tail])]
+        return [Launch("tg_swiglu_oai", grid_1d(node.size), [ptr_arg(at.out), *srcs, *tail])]
     return [Launch("tg_swiglu_oai_back", grid_1d(node.size),
-                   [p(at.out), *srcs, *tail, i32(a["wrt"])])]
+                   [ptr_arg(at.out), *srcs, *tail, i32_arg(a["wrt"])])]

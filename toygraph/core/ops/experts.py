@@ -28,8 +28,8 @@ from toygraph.core.ops.gemm import DEQUANT_KERNELS
 from toygraph.core.ops.shape import sum as _sum
 from toygraph.core.ops.table import (F32, I32, block_kernel, check, check_floats, define_op,
                                      kernel, make_node)
-from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, grid_1d, i32, lowers,
-                                    p)
+from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, grid_1d, i32_arg, lowers,
+                                    ptr_arg)
 from toygraph.cuda.lowering.constants import MM_BM, MM_THREADS
 from toygraph.errors import CudaError
 
@@ -246,8 +246,8 @@ def _expert_matmul_dw_numpy(out, srcs, attrs):
 def _topk(node, at):
     x = node.srcs[0]
     rows = node.size // node.attrs["k"]
-    return [Launch("tg_topk", grid_1d(rows), [p(at.out), p(at.ptr(x)), i32(rows),
-                                               i32(x.shape[-1]), i32(node.attrs["k"])])]
+    return [Launch("tg_topk", grid_1d(rows), [ptr_arg(at.out), ptr_arg(at.ptr(x)), i32_arg(rows),
+                                               i32_arg(x.shape[-1]), i32_arg(node.attrs["k"])])]
 
 
 def _along(node, at):
@@ -256,8 +256,9 @@ def _along(node, at):
     (name,) = at.kernels
     vals, ids = node.srcs
     E = node.shape[-1] if node.op == "put_along" else vals.shape[-1]
-    return [Launch(name, grid_1d(node.size), [p(at.out), p(at.ptr(vals)), p(at.ptr(ids)),
-                                              i32(node.size), i32(E), i32(ids.shape[-1])])]
+    return [Launch(name, grid_1d(node.size), [ptr_arg(at.out), ptr_arg(at.ptr(vals)),
+                                              ptr_arg(at.ptr(ids)), i32_arg(node.size), i32_arg(E),
+                                              i32_arg(ids.shape[-1])])]
 
 
 lowers("take_along", kernels=("tg_take_along",))(_along)
@@ -269,7 +270,7 @@ def _group(node, at):
     ids = node.srcs[0]
     E = node.attrs["n_expert"]
     return [Launch("tg_group_by_expert", (min(E, MAX_GRID_YZ), 1, 1),
-                   [p(at.out), p(at.ptr(ids)), i32(ids.size), i32(E)])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(ids)), i32_arg(ids.size), i32_arg(E)])]
 
 
 def _grid(what: str, n_cols: int, n_rows: int, n_expert: int) -> tuple[int, int, int]:
@@ -300,9 +301,10 @@ def _expert_matmul(node, at):
     else:
         row, kernel = cols, f"tg_expert_mm_{kind}"
     grid = _grid(f"expert_matmul {node.name!r}", n_out, N * k, E)
-    return [Launch(kernel, grid, [p(at.out), p(at.ptr(x)), p(at.ptr(w)), p(at.ptr(routes)),
-                                  i32(n_out), i32(x.shape[-1]), i32(E), i32(k),
-                                  i32(x.ndim == 2), i32(rows * row), i32(row)],
+    return [Launch(kernel, grid, [ptr_arg(at.out), ptr_arg(at.ptr(x)), ptr_arg(at.ptr(w)),
+                                  ptr_arg(at.ptr(routes)), i32_arg(n_out), i32_arg(x.shape[-1]),
+                                  i32_arg(E), i32_arg(k), i32_arg(x.ndim == 2),
+                                  i32_arg(rows * row), i32_arg(row)],
                    block=(MM_THREADS, 1, 1))]
 
 
@@ -314,6 +316,7 @@ def _expert_matmul_dw(node, at):
     k = g.shape[1]
     a, b = (g, x) if node.attrs["trans_b"] else (x, g)
     return [Launch("tg_expert_mm_dw", _grid(f"expert_matmul_dw {node.name!r}", N, M, E),
-                   [p(at.out), p(at.ptr(a)), i32(a.ndim == 2), p(at.ptr(b)), i32(b.ndim == 2),
-                    p(at.ptr(routes)), i32(M), i32(N), i32(E), i32(k)],
+                   [ptr_arg(at.out), ptr_arg(at.ptr(a)), i32_arg(a.ndim == 2), ptr_arg(at.ptr(b)),
+                    i32_arg(b.ndim == 2), ptr_arg(at.ptr(routes)), i32_arg(M), i32_arg(N),
+                    i32_arg(E), i32_arg(k)],
                    block=(MM_THREADS, 1, 1))]

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from toygraph.core.ops.groups import PACKED
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.tc_attention import (TC_ATTENTION_PRECISION, tc_attention_launches,
                                             tc_scratch)
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.core.ops.table import (F32, I32, INT32_MAX, check, check_floats, define_op, kernel,
                                      make_node)
-from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, f32, i32, lowers, p,
-                                    rows_grid)
+from toygraph.cuda.lowering import (MAX_GRID_YZ, Launch, declare_kernels, f32_arg, i32_arg, lowers,
+                                    ptr_arg, rows_grid)
 from toygraph.cuda.lowering.constants import ATTN_TILES
 from toygraph.errors import CudaError, GraphError
 
@@ -166,7 +167,7 @@ def backward_node(node, g):
 
 def _grad_attention(n, views, need):
     """dq, dk, dv (and d sinks) are views into one attention_back node; segment ids are
-    integers and get no gradient. Only o has a gradient (OpSpec.grad_views: {0: dO})."""
+    integers and get no gradient. Only o has a gradient (the packed group, groups.PACKED: {0: dO})."""
     if set(views) != {0}:
         raise GraphError(f"attention {n.name!r}: only its output o has a gradient, not the "
                          f"row log-sum-exp it saves for the backward")
@@ -184,7 +185,7 @@ def _grad_attention(n, views, need):
 
 #: Segment ids are only compared for equality; any non-negative int32 is one.
 _SEGMENT_IDS = {3: (0, INT32_MAX, "segment ids (>= 0)")}
-define_op("attention", _infer_attention, _grad_attention, grad_views=True,
+define_op("attention", _infer_attention, _grad_attention, groups={PACKED},
           id_ranges=lambda n: _SEGMENT_IDS if attention_operands(n)[3] is not None else {})
 define_op("attention_back", _infer_attention_back,
           id_ranges=lambda n: _SEGMENT_IDS if attention_operands(n)[3] is not None else {})
@@ -366,31 +367,35 @@ def _attention(node, at) -> list[Launch]:
     token_major = node.attrs["layout"] == TOKEN_MAJOR
     if at.precision == TC_ATTENTION_PRECISION:   # tensor cores (tc_attention.py)
         return tc_attention_launches(node, at, dims, token_major, lse, operands)
-    segs = p(ptr(seg) if seg is not None else 0)
-    sink = p(ptr(sinks) if sinks is not None else 0)
-    tok = i32(token_major)
+    segs = ptr_arg(ptr(seg) if seg is not None else 0)
+    sink = ptr_arg(ptr(sinks) if sinks is not None else 0)
+    tok = i32_arg(token_major)
     HD, BT, TPR = attention_config(hd)
     tiles = (T + BT - 1) // BT
-    common = [i32(H), i32(KV), i32(T), i32(hd), f32(node.attrs["scale"]),
-              i32(node.attrs["causal"]), i32(node.attrs["window"]), tok]
+    common = [i32_arg(H), i32_arg(KV), i32_arg(T), i32_arg(hd), f32_arg(node.attrs["scale"]),
+              i32_arg(node.attrs["causal"]), i32_arg(node.attrs["window"]), tok]
     block = (BT * TPR, 1, 1)
     per_head, per_kv = (tiles, H, B), (tiles, KV, B)
     if node.op == "attention":
         return [Launch(f"tg_attn_fwd_{HD}", per_head,
-                       [p(out), p(lse), p(ptr(q)), p(ptr(k)), p(ptr(v)), segs, sink, *common],
+                       [ptr_arg(out), ptr_arg(lse), ptr_arg(ptr(q)), ptr_arg(ptr(k)),
+                        ptr_arg(ptr(v)), segs, sink, *common],
                        block)]
     g = rest[1]
     delta = at.scratch
     dq, dk, dv = out, out + 4 * q.size, out + 4 * (q.size + k.size)
-    stats = [p(lse), p(delta), segs]
-    qkvg = [p(ptr(q)), p(ptr(k)), p(ptr(v)), p(ptr(g))]
+    stats = [ptr_arg(lse), ptr_arg(delta), segs]
+    qkvg = [ptr_arg(ptr(q)), ptr_arg(ptr(k)), ptr_arg(ptr(v)), ptr_arg(ptr(g))]
     launches = [Launch(f"tg_attn_bwd_prep_{HD}", per_head,
-                       [p(delta), p(packed), p(ptr(g)), i32(H), i32(T), i32(hd), tok], block),
+                       [ptr_arg(delta), ptr_arg(packed), ptr_arg(ptr(g)), i32_arg(H), i32_arg(T),
+                        i32_arg(hd), tok], block),
                 Launch(f"tg_attn_bwd_dkdv_{HD}", per_kv,
-                       [p(dk), p(dv), *qkvg, *stats, *common], block),
-                Launch(f"tg_attn_bwd_dq_{HD}", per_head, [p(dq), *qkvg, *stats, *common], block)]
+                       [ptr_arg(dk), ptr_arg(dv), *qkvg, *stats, *common], block),
+                Launch(f"tg_attn_bwd_dq_{HD}", per_head, [ptr_arg(dq), *qkvg, *stats,
+                                                          *common], block)]
     if sinks is not None:
         dsinks = out + 4 * (q.size + 2 * k.size)
         launches.append(Launch("tg_attn_bwd_sinks", rows_grid(H),
-                               [p(dsinks), sink, p(lse), p(delta), i32(B), i32(H), i32(T)]))
+                               [ptr_arg(dsinks), sink, ptr_arg(lse), ptr_arg(delta), i32_arg(B),
+                                i32_arg(H), i32_arg(T)]))
     return launches

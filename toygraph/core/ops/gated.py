@@ -1,7 +1,7 @@
 """The gated FFN activations fused: ``glu`` (act(gate) * up, act SiLU for SwiGLU or tanh-GELU
 for GeGLU) in one kernel instead of an activation and a mul, and ``glu_back``, one kernel
 writing both gradients into one packed buffer that two ``unpack`` views hand out (the
-buffer plan makes them views, core/memory.py). The numpy kernels compute exactly what the
+buffer plan makes them views, core/buffer_plan.py). The numpy kernels compute exactly what the
 composed ops computed, in the same f32 order, and the CUDA kernels round like the separate
 ones (gated.cu), so fusing changes no bit of any result. Builders, rules, numpy kernels and
 CUDA lowering.
@@ -14,7 +14,7 @@ from toygraph.core.ops.elementwise import (_gelu_back_numpy, _gelu_numpy, _silu_
                                            _silu_numpy)
 from toygraph.core.ops.shape import unpack
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32_arg, lowers, ptr_arg
 
 declare_kernels(__file__, "gated.cu", needs=("elementwise.cu",))
 
@@ -99,11 +99,11 @@ def _glu_back_numpy(out, srcs, attrs):
 @lowers("glu", "glu_back", kernels=("tg_glu", "tg_glu_back"), bf16_reads=(0, 1, 2),
         bf16_writes=True)
 def _glu(node, at):
-    act, mask = i32(ACTS[node.attrs["act"]][0]), i32(at.bf16_mask(node))
-    srcs = [p(at.ptr(s)) for s in node.srcs]
+    act, mask = i32_arg(ACTS[node.attrs["act"]][0]), i32_arg(at.bf16_mask(node))
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs]
     if node.op == "glu":
         return [Launch("tg_glu", grid_1d(node.size),
-                       [p(at.out), *srcs, i32(node.size), act, mask])]
+                       [ptr_arg(at.out), *srcs, i32_arg(node.size), act, mask])]
     n = node.srcs[0].size
     return [Launch("tg_glu_back", grid_1d(n),
-                   [p(at.out), *srcs, i32(n), i32(up_offset(n)), act, mask])]
+                   [ptr_arg(at.out), *srcs, i32_arg(n), i32_arg(up_offset(n)), act, mask])]

@@ -21,7 +21,8 @@ from toygraph.core.ops.tc_gemm import (Gemm, deq_launch, dual_gemm_launches, gem
                                        prefers_copies)
 from toygraph.core.precision import TENSOR_CORE_PRECISIONS
 from toygraph.cuda.lowering import (MAX_GRID_YZ, At, Launch, contiguous_strides, declare_kernels,
-                                    decodes, f32, grid_1d, i32, lowers, p, pad_shape, strided)
+                                    decodes, f32_arg, grid_1d, i32_arg, lowers, pad_shape, ptr_arg,
+                                    strided)
 from toygraph.cuda.lowering.constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
 from toygraph.errors import CudaError
 
@@ -230,14 +231,18 @@ def _epilogue(out, add, attrs):
 
 
 # --- numpy backend, a frozen weight kept in its blocks ------------------------------------------
-def _engine_multiplies(node, itemsize: int) -> bool:
-    """Whether the CPU engine computes this product on its weight's blocks: f32 buffers, the
-    weight (the last source) 2-D in a format the engine knows, the other operand not
-    transposed (x W^T forward, g W backward: toygraph/cpu/gemm.h)."""
+def engine_multiplies(w, itemsize: int) -> bool:
+    """Whether the CPU engine computes products with the weight ``w`` on its blocks: f32
+    buffers, ``w`` 2-D in a format the engine knows (x W^T forward, g W backward:
+    toygraph/cpu/gemm.h and dot.h)."""
     from toygraph.cpu import engine
-    w = node.srcs[-1]
-    return (itemsize == 4 and len(w.shape) == 2 and not node.attrs["trans_a"]
-            and engine.available(w.storage))
+    return itemsize == 4 and len(w.shape) == 2 and engine.available(w.storage)
+
+
+def _engine_multiplies(node, itemsize: int) -> bool:
+    """A matmul (matmul_add) whose weight is its last source and whose other operand is
+    not transposed, for the engine (engine_multiplies)."""
+    return not node.attrs["trans_a"] and engine_multiplies(node.srcs[-1], itemsize)
 
 
 @block_kernel("matmul", reads=(1,), when=_engine_multiplies)
@@ -316,8 +321,9 @@ def _matmul(node, out, ptr, tile: int = MM_BM, kernel: str = "tg_matmul",
     x, y = node.srcs[-2:]
     gy = _row_tiles(f"matmul {node.name!r}", M, tile)
     grid = ((N + tile - 1) // tile, gy, max(1, min(nbatch, MAX_GRID_YZ)))
-    return Launch(kernel, grid, [p(out), p(ptr(x)), p(ptr(y)), i32(M), i32(N), i32(K),
-                                 i32(sam), i32(sak), i32(sbk), i32(sbn), i32(nbatch),
+    return Launch(kernel, grid, [ptr_arg(out), ptr_arg(ptr(x)), ptr_arg(ptr(y)), i32_arg(M),
+                                 i32_arg(N), i32_arg(K), i32_arg(sam), i32_arg(sak), i32_arg(sbk),
+                                 i32_arg(sbn), i32_arg(nbatch),
                                  strided(dims, sa, sb)], block=(threads, 1, 1))
 
 
@@ -354,7 +360,7 @@ def _matmul_scratch(node, precision: str) -> int:
     batch folded into M, so it may split k where the batched dense walk does not).
     Scratch is one buffer shared by every node, so this only raises its size to the
     largest node's. At bf16 the copies' room is kept whatever the cost model picks: an
-    operand kept in bf16 (decided after scratch, cuda/storage.py) always takes tc_gemm.cu."""
+    operand kept in bf16 (decided after scratch, cuda/bf16_storage.py) always takes tc_gemm.cu."""
     direct = _prescaled_bytes(node)
     if precision != BF16_GEMM_PRECISION:
         return direct
@@ -385,7 +391,7 @@ def _absorbs(node, precision: str):
     computed in its own GEMM at bf16 (tg_tcg_gemm2_bf16: one accumulation over both
     products' k, the base output never written apart): both unbatched, 2-D operands, the
     base unscaled and too large to split k, and the scale of the other product free to go
-    into its B copy (not a block-format weight's decode). None otherwise (cuda/storage.py
+    into its B copy (not a block-format weight's decode). None otherwise (cuda/bf16_storage.py
     then also checks that the base is an intermediate read only here)."""
     base = node.srcs[0]
     if (precision != BF16_GEMM_PRECISION or base.op != "matmul" or _scale_a(base) != 1.0
@@ -407,7 +413,8 @@ def _prescale(node, at) -> tuple[list[Launch], At]:
     src, n = at.ptr(a), a.size
     name, grid = ("tg_scale_vec", grid_vec(n)) if vector_ok(dst, src) else ("tg_scale", grid_1d(n))
     ptr = at.ptr
-    return ([Launch(name, grid, [p(dst), p(src), i32(n), f32(_scale_a(node))])],
+    return ([Launch(name, grid, [ptr_arg(dst), ptr_arg(src), i32_arg(n),
+                                 f32_arg(_scale_a(node))])],
             at._replace(ptr=lambda t: dst if t is a else ptr(t),
                         scratch=at.scratch + _prescaled_bytes(node)))
 
@@ -428,7 +435,7 @@ def _tc_matmul(node, at, add: int = 0, alpha: float = 1.0,
     every trans/batch/grouped-query case is covered); a block-format weight the fused
     kernels' arguments. ``add`` (an address; 0: none): matmul_add's epilogue, which
     tc_gemm.cu runs in its store; the second value says whether these launches did. An
-    operand, output or added tensor kept in bf16 (cuda/storage.py) is read and written only
+    operand, output or added tensor kept in bf16 (cuda/bf16_storage.py) is read and written only
     by tc_gemm.cu."""
     out, ptr, raw_consts, precision = at.out, at.ptr, at.raw_consts, at.precision
     if precision not in TC_KERNELS:
@@ -483,7 +490,8 @@ def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
     gy = _row_tiles(f"matmul {node.name!r}", M, tile)
     kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
-                  [p(out), p(ptr(x)), p(ptr(w)), i32(M), i32(N), i32(K), i32(row_bytes(w))],
+                  [ptr_arg(out), ptr_arg(ptr(x)), ptr_arg(ptr(w)), i32_arg(M), i32_arg(N),
+                   i32_arg(K), i32_arg(row_bytes(w))],
                   block=(MM_THREADS, 1, 1))
 
 
@@ -528,7 +536,7 @@ def _lower_matmul_add(node, at):
     else:
         launches = _lower_matmul(node, at)
     return launches + [Launch("tg_matmul_add_epilogue", grid_1d(node.size),
-                              [p(at.out), p(add), f32(alpha), i32(node.size)])]
+                              [ptr_arg(at.out), ptr_arg(add), f32_arg(alpha), i32_arg(node.size)])]
 
 
 def _dual(node, at) -> list[Launch]:
@@ -566,8 +574,9 @@ def dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matmu
         kernel, tile, block = TC_KERNELS[precision]["matmul"], TC_TILE, (TC_THREADS, 1, 1)
     gy = _row_tiles(kernel, M, tile)
     return Launch(kernel, ((N + tile - 1) // tile, gy, 1),
-                  [p(out), p(a), p(b), i32(M), i32(N), i32(K), i32(sam), i32(sak), i32(sbk),
-                   i32(sbn), i32(1), strided([], [])], block)
+                  [ptr_arg(out), ptr_arg(a), ptr_arg(b), i32_arg(M), i32_arg(N), i32_arg(K),
+                   i32_arg(sam), i32_arg(sak), i32_arg(sbk), i32_arg(sbn), i32_arg(1),
+                   strided([], [])], block)
 
 
 def block_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
@@ -578,7 +587,8 @@ def block_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
         kernel, tile, threads = TC_KERNELS[precision][kind][w.storage], TC_TILE, TC_THREADS
     gy = _row_tiles(kernel, M, tile)
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
-                  [p(out), p(a), p(w_ptr), i32(M), i32(N), i32(K), i32(row_bytes(w))],
+                  [ptr_arg(out), ptr_arg(a), ptr_arg(w_ptr), i32_arg(M), i32_arg(N), i32_arg(K),
+                   i32_arg(row_bytes(w))],
                   block=(threads, 1, 1))
 
 
@@ -588,4 +598,4 @@ def dequant_launch(name: str, storage: str, out: int, raw: int, n: int) -> Launc
     """The launch decoding ``n`` elements of const ``name`` stored as ``storage`` from its
     block bytes at ``raw`` into f32 at ``out`` (the CUDA backend's realize runs it for a
     const whose consumers cannot read its block format)."""
-    return Launch(DEQUANT_KERNELS[storage], grid_1d(n), [p(out), p(raw), i32(n)])
+    return Launch(DEQUANT_KERNELS[storage], grid_1d(n), [ptr_arg(out), ptr_arg(raw), i32_arg(n)])

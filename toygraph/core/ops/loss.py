@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph.core.ops.gemm import BF16_GEMM_PRECISION, block_mm, dense_mm, row_bytes
+from toygraph.core.ops.gemm import (BF16_GEMM_PRECISION, block_mm, dense_mm, engine_multiplies,
+                                   row_bytes)
 from toygraph.core.ops.tc_gemm import K_ALIGN, Gemm, bf16_copy, deq_launch, gemm_launches
 from toygraph.core.ops.shape import unpack
-from toygraph.core.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p, rows_grid
+from toygraph.core.ops.table import (F32, I32, INT32_MAX, LABELS, block_kernel, check, define_op,
+                                     kernel, make_node)
+from toygraph.cuda.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
+                                    ptr_arg, rows_grid)
 from toygraph.cuda.lowering.constants import MM_BM
 from toygraph.errors import CudaError, GraphError
 
@@ -164,6 +167,15 @@ def _count_valid_numpy(out, srcs, attrs):
 LCE_ROWS = 128
 
 
+def _head_rows(hc, w, z):
+    """z = hc @ w^T: BLAS on an f32 head, the CPU engine on one kept in its blocks (a
+    cpu.block_tensor.BlockTensor: each chunk's product decodes the head panel by panel)."""
+    if isinstance(w, np.ndarray):
+        np.matmul(hc, w.T, out=z)
+    else:
+        w.matmul_nt(hc, z)
+
+
 def _lce_chunks(h, w, labels):
     """Per chunk of the rows whose label is not ignored: (row ids, h rows, exp(z - max) in
     a reused buffer, its row sums, the row max, the label's logit) with z = h_rows @ w^T."""
@@ -178,7 +190,7 @@ def _lce_chunks(h, w, labels):
         c = len(r)
         hc, z = hbuf[:c], zbuf[:c]
         np.take(h, r, axis=0, out=hc)
-        np.matmul(hc, w.T, out=z)
+        _head_rows(hc, w, z)
         m = z.max(axis=1, keepdims=True)
         picked = z[np.arange(c), labels[r]]
         z -= m
@@ -186,8 +198,10 @@ def _lce_chunks(h, w, labels):
         yield r, hc, z, z.sum(axis=1), m[:, 0], picked
 
 
+@block_kernel("linear_cross_entropy", reads=(1,), when=lambda node, itemsize: engine_multiplies(
+    node.srcs[1], itemsize))
 @kernel("linear_cross_entropy")
-def _linear_cross_entropy_numpy(out, srcs, attrs):
+def _linear_cross_entropy_numpy(out, srcs, attrs, scratch=None):
     h, w, labels = srcs
     total, n = 0.0, 0
     if attrs["reduction"] == "none":
@@ -202,11 +216,15 @@ def _linear_cross_entropy_numpy(out, srcs, attrs):
         out[...] = total if attrs["reduction"] == "sum" else (total / n if n else 0.0)
 
 
+@block_kernel("linear_cross_entropy_back", reads=(1,),
+              when=lambda node, itemsize: not node.attrs["grad_w"] and engine_multiplies(
+                  node.srcs[1], itemsize))
 @kernel("linear_cross_entropy_back")
-def _linear_cross_entropy_back_numpy(out, srcs, attrs):
+def _linear_cross_entropy_back_numpy(out, srcs, attrs, scratch=None):
     """[dh, dw] packed flat (each only when asked), chunk by chunk from the recomputed
     softmax: dz = (softmax(z) - onehot) * g (/ n for mean), dh = dz @ w, dw += dz^T h, the
-    chunks added into dw in row order. For ``none`` the weight is g's entry of each row."""
+    chunks added into dw in row order. For ``none`` the weight is g's entry of each row.
+    A frozen head kept in its blocks (the block kernel: no dw) is read by the CPU engine."""
     h, w, labels, g = srcs
     (N, D), V = h.shape, w.shape[0]
     dh = out[:N * D].reshape(N, D) if attrs["grad_h"] else None
@@ -222,7 +240,7 @@ def _linear_cross_entropy_back_numpy(out, srcs, attrs):
         z[np.arange(len(r)), labels[r]] -= 1.0
         z *= scale[r, None] if per_row else scale
         if dh is not None:
-            dh[r] = z @ w
+            dh[r] = z @ w if isinstance(w, np.ndarray) else w.matmul_nn(z, np.empty((len(r), D), z.dtype))
         if dw is not None:
             if tmp is None:
                 tmp = np.empty_like(dw)
@@ -241,11 +259,12 @@ def _cross_entropy(node, at):
     """Per-row losses into scratch, then one block sums (or averages) them in order."""
     logits, labels = node.srcs
     N, V = logits.shape
-    mean = i32(node.attrs["reduction"] == "mean")
-    return [Launch("tg_ce_rows", rows_grid(N), [p(at.scratch), p(at.ptr(logits)),
-                                                 p(at.ptr(labels)), i32(N), i32(V)]),
+    mean = i32_arg(node.attrs["reduction"] == "mean")
+    return [Launch("tg_ce_rows", rows_grid(N), [ptr_arg(at.scratch), ptr_arg(at.ptr(logits)),
+                                                 ptr_arg(at.ptr(labels)), i32_arg(N), i32_arg(V)]),
             Launch("tg_ce_reduce", (1, 1, 1),
-                   [p(at.out), p(at.scratch), p(at.ptr(labels)), i32(N), mean])]
+                   [ptr_arg(at.out), ptr_arg(at.scratch), ptr_arg(at.ptr(labels)), i32_arg(N),
+                    mean])]
 
 
 @lowers("cross_entropy_back", kernels=("tg_ce_back",))
@@ -253,14 +272,16 @@ def _cross_entropy_back(node, at):
     logits, labels, g = node.srcs
     N, V = logits.shape
     return [Launch("tg_ce_back", rows_grid(N),
-                   [p(at.out), p(at.ptr(logits)), p(at.ptr(labels)), p(at.ptr(g)), i32(N),
-                    i32(V), i32(node.attrs["reduction"] == "mean")])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(logits)), ptr_arg(at.ptr(labels)),
+                    ptr_arg(at.ptr(g)), i32_arg(N), i32_arg(V),
+                    i32_arg(node.attrs["reduction"] == "mean")])]
 
 
 @lowers("count_valid", kernels=("tg_count_valid",))
 def _count_valid(node, at):
     labels = node.srcs[0]
-    return [Launch("tg_count_valid", (1, 1, 1), [p(at.out), p(at.ptr(labels)), i32(labels.size)])]
+    return [Launch("tg_count_valid", (1, 1, 1), [ptr_arg(at.out), ptr_arg(at.ptr(labels)),
+                                                 i32_arg(labels.size)])]
 
 
 #: Bytes of the [rows, vocab] f32 logits block one chunk of linear_cross_entropy uses (its
@@ -393,10 +414,12 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
     launches = []
     if not fwd and not per_row:
         launches.append(Launch("tg_lce_grad_scale", (1, 1, 1),
-                               [p(extra), p(lp), i32(N), p(ptr(node.srcs[3])),
-                                i32(node.attrs["reduction"] == "mean")]))
+                               [ptr_arg(extra), ptr_arg(lp), i32_arg(N),
+                                ptr_arg(ptr(node.srcs[3])),
+                                i32_arg(node.attrs["reduction"] == "mean")]))
     if grad_w:
-        launches.append(Launch("tg_fill", grid_1d(V * D), [p(dw), i32(V * D), f32(0.0)]))
+        launches.append(Launch("tg_fill", grid_1d(V * D), [ptr_arg(dw), i32_arg(V * D),
+                                                           f32_arg(0.0)]))
     tc = precision == BF16_GEMM_PRECISION
     if tc:
         launches += _head_copies(node, at, parts, grad_h)
@@ -412,16 +435,17 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
         else:
             launches.append(dense_mm(zbuf, hc, ptr(w), c, V, D, D, 1, 1, D, precision))
         if fwd:
-            launches.append(Launch("tg_ce_rows", rows_grid(c), [p((out if per_row else extra)
-                                   + 4 * r0), p(zbuf), p(lc), i32(c), i32(V)]))
+            launches.append(Launch("tg_ce_rows", rows_grid(c), [ptr_arg((out if per_row else extra)
+                                   + 4 * r0), ptr_arg(zbuf), ptr_arg(lc), i32_arg(c), i32_arg(V)]))
             continue
         if per_row:
             launches.append(Launch("tg_ce_back_rows", rows_grid(c),
-                                   [p(zbuf), p(zbuf), p(lc), p(ptr(node.srcs[3]) + 4 * r0), i32(c),
-                                    i32(V)]))
+                                   [ptr_arg(zbuf), ptr_arg(zbuf), ptr_arg(lc),
+                                    ptr_arg(ptr(node.srcs[3]) + 4 * r0), i32_arg(c), i32_arg(V)]))
         else:
             launches.append(Launch("tg_ce_back", rows_grid(c),
-                                   [p(zbuf), p(zbuf), p(lc), p(extra), i32(c), i32(V), i32(0)]))
+                                   [ptr_arg(zbuf), ptr_arg(zbuf), ptr_arg(lc), ptr_arg(extra),
+                                    i32_arg(c), i32_arg(V), i32_arg(0)]))
         if grad_h:   # dh_c = dlogits_c [c, V] @ W [V, D]
             if tc:   # on W's transposed bf16 copy (split over the vocabulary when few tiles)
                 launches += gemm_launches(_head_gemms(node, c)[1], dh + 4 * r0 * D, zbuf,
@@ -438,6 +462,6 @@ def _linear_cross_entropy(node, at) -> list[Launch]:
                                      kernel="tg_matmul_acc"))
     if fwd and not per_row:
         launches.append(Launch("tg_ce_reduce", (1, 1, 1),
-                               [p(out), p(extra), p(lp), i32(N),
-                                i32(node.attrs["reduction"] == "mean")]))
+                               [ptr_arg(out), ptr_arg(extra), ptr_arg(lp), i32_arg(N),
+                                i32_arg(node.attrs["reduction"] == "mean")]))
     return launches

@@ -7,7 +7,7 @@
 // that sum to what `out` holds (out += a @ b), so a sum over k split into launches (the
 // row chunks of linear_cross_entropy's dw) adds chunk by chunk, in launch order.
 
-// Tile sizes MM_BM x MM_BN, MM_BK and MM_THREADS come from toygraph/cuda/constants.py.
+// Tile sizes MM_BM x MM_BN, MM_BK and MM_THREADS come from toygraph/cuda/lowering/constants.py.
 
 // One 16-deep k slice of the staged tiles into this thread's 4x4 outputs. Shared by the
 // f32 and block-format matmuls (qmatmul.cu), so both sum in exactly the same order.

@@ -11,8 +11,8 @@ import numpy as np
 from toygraph.core.ops.elementwise import infer_same2
 from toygraph.core.ops.shape import sum_to
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import (Launch, declare_kernels, f32, i32, last_axis_rows, lowers, p,
-                                    rows_grid)
+from toygraph.cuda.lowering import (Launch, declare_kernels, f32_arg, i32_arg, last_axis_rows,
+                                    lowers, ptr_arg, rows_grid)
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "norm.cu")
@@ -174,7 +174,9 @@ def _inv_row_norm_numpy(out, srcs, attrs):
 def _weight(w, D: int, at):
     """Weight ``w``'s pointer and row stride (0: a [D] weight every row reads; D: one of x's
     shape); a null pointer for none."""
-    return [p(at.ptr(w)), i32(0 if w.size == D else D)] if w is not None else [p(0), i32(0)]
+    if w is None:
+        return [ptr_arg(0), i32_arg(0)]
+    return [ptr_arg(at.ptr(w)), i32_arg(0 if w.size == D else D)]
 
 
 @lowers("rms_norm", kernels=("tg_rms_norm",), bf16_reads=(0, 1), bf16_writes=True)
@@ -188,8 +190,9 @@ def _rms_norm(node, at):
     rows, D = last_axis_rows(node)
     w = node.srcs[1] if len(node.srcs) == 2 else None
     return [Launch("tg_rms_norm", rows_grid(rows),
-                   [p(at.out), p(at.ptr(node.srcs[0])), *_weight(w, D, at), i32(rows), i32(D),
-                    f32(node.attrs["eps"]), i32(at.bf16_mask(node))])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])), *_weight(w, D, at),
+                    i32_arg(rows), i32_arg(D), f32_arg(node.attrs["eps"]),
+                    i32_arg(at.bf16_mask(node))])]
 
 
 @lowers("rms_norm_back", kernels=("tg_rms_norm_back",), bf16_reads=(0, 1))
@@ -203,17 +206,17 @@ def _rms_norm_back(node, at):
     w = node.srcs[2] if node.attrs["weighted"] else None
     add = at.ptr(node.srcs[base]) if len(node.srcs) > base else 0
     return [Launch("tg_rms_norm_back", rows_grid(rows),
-                   [p(at.out), p(at.ptr(node.srcs[0])), p(at.ptr(node.srcs[1])),
-                    *_weight(w, D, at), p(add), i32(rows), i32(D), f32(node.attrs["eps"]),
-                    i32(at.bf16_mask(node, node.srcs[:2]))])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])), ptr_arg(at.ptr(node.srcs[1])),
+                    *_weight(w, D, at), ptr_arg(add), i32_arg(rows), i32_arg(D),
+                    f32_arg(node.attrs["eps"]), i32_arg(at.bf16_mask(node, node.srcs[:2]))])]
 
 
 @lowers("softmax", kernels=("tg_softmax",))
 def _softmax(node, at):
     rows, T = last_axis_rows(node)
     return [Launch("tg_softmax", rows_grid(rows),
-                   [p(at.out), p(at.ptr(node.srcs[0])), i32(rows), i32(T),
-                    f32(node.attrs["scale"]), i32(node.attrs["causal"])])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])), i32_arg(rows), i32_arg(T),
+                    f32_arg(node.attrs["scale"]), i32_arg(node.attrs["causal"])])]
 
 
 @lowers("softmax_back", kernels=("tg_softmax_back",))
@@ -221,12 +224,13 @@ def _softmax_back(node, at):
     rows, T = last_axis_rows(node)
     y, g = node.srcs
     return [Launch("tg_softmax_back", rows_grid(rows),
-                   [p(at.out), p(at.ptr(y)), p(at.ptr(g)), i32(rows), i32(T),
-                    f32(node.attrs["scale"])])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(y)), ptr_arg(at.ptr(g)), i32_arg(rows),
+                    i32_arg(T), f32_arg(node.attrs["scale"])])]
 
 
 @lowers("inv_row_norm", kernels=("tg_inv_row_norm",))
 def _inv_row_norm(node, at):
     x = node.srcs[0]
     rows, D = x.size // x.shape[-1], x.shape[-1]
-    return [Launch("tg_inv_row_norm", rows_grid(rows), [p(at.out), p(at.ptr(x)), i32(rows), i32(D)])]
+    return [Launch("tg_inv_row_norm", rows_grid(rows), [ptr_arg(at.out), ptr_arg(at.ptr(x)),
+                                                        i32_arg(rows), i32_arg(D)])]

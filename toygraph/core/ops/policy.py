@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
+                                    ptr_arg)
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "policy.cu")
@@ -92,14 +93,15 @@ def _kl_penalty_back_numpy(out, srcs, attrs):
 @lowers("clipped_surrogate_back", kernels=("tg_clipped_surrogate_back",))
 def _clipped_surrogate(node, at):
     (name,) = at.kernels
-    srcs = [p(at.ptr(s)) for s in node.srcs]
-    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(node.size),
-                                                f32(node.attrs["lo"]), f32(node.attrs["hi"])])]
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs]
+    return [Launch(name, grid_1d(node.size), [ptr_arg(at.out), *srcs, i32_arg(node.size),
+                                              f32_arg(node.attrs["lo"]),
+                                              f32_arg(node.attrs["hi"])])]
 
 
 @lowers("kl_penalty", kernels=("tg_kl_penalty",))
 @lowers("kl_penalty_back", kernels=("tg_kl_penalty_back",))
 def _kl_penalty(node, at):
     (name,) = at.kernels
-    srcs = [p(at.ptr(s)) for s in node.srcs]
-    return [Launch(name, grid_1d(node.size), [p(at.out), *srcs, i32(node.size)])]
+    srcs = [ptr_arg(at.ptr(s)) for s in node.srcs]
+    return [Launch(name, grid_1d(node.size), [ptr_arg(at.out), *srcs, i32_arg(node.size)])]

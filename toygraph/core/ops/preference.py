@@ -9,7 +9,7 @@ import numpy as np
 
 from toygraph.core.ops.elementwise import infer_same2, infer_unary, pointwise
 from toygraph.core.ops.table import F32, I32, LABELS, check, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, i32, lowers, p, rows_grid
+from toygraph.cuda.lowering import Launch, declare_kernels, i32_arg, lowers, ptr_arg, rows_grid
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "preference.cu")
@@ -144,7 +144,8 @@ def _token_logprobs(node, at):
     logits, labels = node.srcs
     N, V = logits.shape
     return [Launch("tg_token_logprobs", rows_grid(N),
-                   [p(at.out), p(at.ptr(logits)), p(at.ptr(labels)), i32(N), i32(V)])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(logits)), ptr_arg(at.ptr(labels)), i32_arg(N),
+                    i32_arg(V)])]
 
 
 @lowers("token_logprobs_back", kernels=("tg_token_logprobs_back",))
@@ -152,8 +153,8 @@ def _token_logprobs_back(node, at):
     logits, labels, g = node.srcs
     N, V = logits.shape
     return [Launch("tg_token_logprobs_back", rows_grid(N),
-                   [p(at.out), p(at.ptr(logits)), p(at.ptr(labels)), p(at.ptr(g)), i32(N),
-                    i32(V)])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(logits)), ptr_arg(at.ptr(labels)),
+                    ptr_arg(at.ptr(g)), i32_arg(N), i32_arg(V)])]
 
 
 def _pointwise(node, at):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.core.ops.table import F32, I32, INT32_MAX, check, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, f64, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import (Launch, declare_kernels, f64_arg, grid_1d, i32_arg, lowers,
+                                    ptr_arg)
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "rotary.cu")
@@ -106,7 +107,8 @@ def _rope(node, at):
     B, S, H, D = s[0].shape
     factors = at.ptr(s[2]) if len(s) == 3 else 0
     return [Launch("tg_rope", grid_1d(node.size),
-                   [p(at.out), p(at.ptr(s[0])), p(at.ptr(s[1])), p(factors), i32(node.size),
-                    i32(H), i32(D), i32(a["dims"]), f64(a["base"]), f64(a["freq_scale"]),
-                    i32(a["mode"] == "neox"), i32(a["inverse"]),
-                    i32(at.bf16_mask(node, s[:1]))])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(s[0])), ptr_arg(at.ptr(s[1])),
+                    ptr_arg(factors), i32_arg(node.size), i32_arg(H), i32_arg(D),
+                    i32_arg(a["dims"]), f64_arg(a["base"]), f64_arg(a["freq_scale"]),
+                    i32_arg(a["mode"] == "neox"), i32_arg(a["inverse"]),
+                    i32_arg(at.bf16_mask(node, s[:1]))])]

@@ -7,7 +7,8 @@ import numpy as np
 
 from toygraph.core.ops.gemm import QUANT_KERNELS, row_bytes
 from toygraph.core.ops.table import F32, I32, block_kernel, check, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p, rows_grid
+from toygraph.cuda.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
+                                    ptr_arg, rows_grid)
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "rows.cu")
@@ -67,10 +68,10 @@ def _get_rows(node, at):
     """Dense table: tg_get_rows; block-format table: QUANT_KERNELS[fmt]["rows"]."""
     table, ids = node.srcs
     n, D = node.size, table.shape[1]
-    args = [p(at.out), p(at.ptr(table)), p(at.ptr(ids)), i32(n), i32(D)]
+    args = [ptr_arg(at.out), ptr_arg(at.ptr(table)), ptr_arg(at.ptr(ids)), i32_arg(n), i32_arg(D)]
     if table.id in at.raw_consts:
         return [Launch(QUANT_KERNELS[table.storage]["rows"], grid_1d(n),
-                       [*args, i32(row_bytes(table))])]
+                       [*args, i32_arg(row_bytes(table))])]
     return [Launch("tg_get_rows", grid_1d(n), args)]
 
 
@@ -78,6 +79,7 @@ def _get_rows(node, at):
 def _get_rows_back(node, at):
     g, ids = node.srcs
     n, N, D = node.size, ids.size, node.shape[1]
-    return [Launch("tg_fill", grid_1d(n), [p(at.out), i32(n), f32(0.0)]),
+    return [Launch("tg_fill", grid_1d(n), [ptr_arg(at.out), i32_arg(n), f32_arg(0.0)]),
             Launch("tg_get_rows_back", rows_grid(N),
-                   [p(at.out), p(at.ptr(g)), p(at.ptr(ids)), i32(N), i32(D)])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(g)), ptr_arg(at.ptr(ids)), i32_arg(N),
+                    i32_arg(D)])]

@@ -9,9 +9,10 @@ from math import prod
 
 import numpy as np
 
+from toygraph.core.ops.groups import PASS_THROUGH, VIEW
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, grid_1d, i32,
-                                    lowers, p, pad_shape, rows_grid, strided)
+from toygraph.cuda.lowering import (Launch, contiguous_strides, declare_kernels, grid_1d, i32_arg,
+                                    lowers, pad_shape, ptr_arg, rows_grid, strided)
 from toygraph.errors import GraphError
 
 # The family's CUDA kernels, beside this module.
@@ -86,7 +87,8 @@ def _infer_reshape(shapes, dtypes, attrs):
     return attrs["shape"], dtypes[0]
 
 
-define_op("reshape", _infer_reshape, lambda n, g, need: [reshape(g, n.srcs[0].shape)])
+define_op("reshape", _infer_reshape, lambda n, g, need: [reshape(g, n.srcs[0].shape)],
+          groups={VIEW, PASS_THROUGH})
 
 
 def permute(x, axes):
@@ -102,7 +104,7 @@ def _infer_permute(shapes, dtypes, attrs):
 
 
 define_op("permute", _infer_permute,
-    lambda n, g, need: [permute(g, tuple(np.argsort(n.attrs["axes"])))])
+    lambda n, g, need: [permute(g, tuple(np.argsort(n.attrs["axes"])))], groups={PASS_THROUGH})
 
 
 def contiguous(x):
@@ -110,7 +112,8 @@ def contiguous(x):
     return make_node("contiguous", [x])
 
 
-define_op("contiguous", lambda s, d, a: (s[0], d[0]), lambda n, g, need: [g])
+define_op("contiguous", lambda s, d, a: (s[0], d[0]), lambda n, g, need: [g],
+          groups={VIEW, PASS_THROUGH})
 
 
 # --- sum ---------------------------------------------------------------------------------------
@@ -149,7 +152,7 @@ def _infer_unpack(shapes, dtypes, attrs):
     return shape, dtypes[0]
 
 
-define_op("unpack", _infer_unpack)
+define_op("unpack", _infer_unpack, groups={VIEW})
 
 
 # --- numpy kernels -----------------------------------------------------------------------------
@@ -217,7 +220,7 @@ def _sum_numpy(out, srcs, attrs):
 @kernel("unpack")
 def _unpack_numpy(out, srcs, attrs):
     off = attrs["offset"]
-    if np.may_share_memory(out, srcs[0]):  # a view the buffer plan made (core/memory.py)
+    if np.may_share_memory(out, srcs[0]):  # a view the buffer plan made (core/buffer_plan.py)
         return
     out[...] = srcs[0].reshape(-1)[off:off + out.size].reshape(out.shape)
 
@@ -262,24 +265,26 @@ def _copy(node, at):
     n = node.size
     if at.out == at.ptr(node.srcs[0]):
         return []
-    return [Launch("tg_copy", grid_1d(n), [p(at.out), p(at.ptr(node.srcs[0])), i32(n)])]
+    return [Launch("tg_copy", grid_1d(n), [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])),
+                                           i32_arg(n)])]
 
 
 @lowers("unpack", kernels=("tg_copy",))
 def _unpack(node, at):
     """A copy out of the packed buffer, read from the element offset on; nothing when the
-    buffer plan made the unpack a view of those very bytes (core/memory.py)."""
+    buffer plan made the unpack a view of those very bytes (core/buffer_plan.py)."""
     n = node.size
     src = at.ptr(node.srcs[0]) + (2 if at.half(node.srcs[0]) else 4) * node.attrs["offset"]
     if src == at.out:
         return []
-    return [Launch("tg_copy", grid_1d(n), [p(at.out), p(src), i32(n)])]
+    return [Launch("tg_copy", grid_1d(n), [ptr_arg(at.out), ptr_arg(src), i32_arg(n)])]
 
 
 def _gather(node, at, dims, sa):
     n = node.size
     return [Launch("tg_gather", grid_1d(n),
-                   [p(at.out), p(at.ptr(node.srcs[0])), i32(n), strided(dims, sa)])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])), i32_arg(n),
+                    strided(dims, sa)])]
 
 
 @lowers("permute", kernels=("tg_gather",))
@@ -296,7 +301,8 @@ def _expand(node, at):
 def _reduce(out_ptr, x_ptr, kd, ks, rd, rs) -> Launch:
     """A thread per output for short reductions over many outputs, else a block per output."""
     n_out, n_red = prod(kd), prod(rd)
-    args = [p(out_ptr), p(x_ptr), i32(n_out), strided(kd, ks), strided(rd, rs), i32(n_red)]
+    args = [ptr_arg(out_ptr), ptr_arg(x_ptr), i32_arg(n_out), strided(kd, ks), strided(rd, rs),
+            i32_arg(n_red)]
     if n_red <= 64 and n_out > 1:
         return Launch("tg_reduce_thread", grid_1d(n_out), args)
     return Launch("tg_reduce_block", rows_grid(n_out), args)

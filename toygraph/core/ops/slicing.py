@@ -5,7 +5,7 @@ backward rule, numpy kernels and CUDA lowering (slicing.cu)."""
 from __future__ import annotations
 
 from toygraph.core.ops.table import F32, check, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import Launch, declare_kernels, grid_1d, i32_arg, lowers, ptr_arg
 
 declare_kernels(__file__, "slicing.cu")
 
@@ -54,5 +54,5 @@ def _narrow(node, at):
     else:
         width, length, start = node.shape[-1], src.shape[-1], node.attrs["start"]
     return [Launch(node.op.replace("narrow", "tg_narrow"), grid_1d(node.size),
-                   [p(at.out), p(at.ptr(src)), i32(node.size), i32(width), i32(length),
-                    i32(start)])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(src)), i32_arg(node.size), i32_arg(width),
+                    i32_arg(length), i32_arg(start)])]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.core.ops.table import F32, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, f32, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
+                                    ptr_arg)
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "stochastic.cu")
@@ -106,6 +107,6 @@ def _dropout(node, at):
     x, hp = node.srcs
     a = node.attrs
     return [Launch("tg_dropout", grid_1d(x.size),
-                   [p(at.out), p(at.ptr(x)), p(at.ptr(hp)), i32(x.size), i32(_signed(a["seed"])),
-                    i32(_signed(a["salt"])), i32(threshold(a["p"])),
-                    f32(np.float32(1.0 / (1.0 - a["p"])))])]
+                   [ptr_arg(at.out), ptr_arg(at.ptr(x)), ptr_arg(at.ptr(hp)), i32_arg(x.size),
+                    i32_arg(_signed(a["seed"])), i32_arg(_signed(a["salt"])),
+                    i32_arg(threshold(a["p"])), f32_arg(np.float32(1.0 / (1.0 - a["p"])))])]

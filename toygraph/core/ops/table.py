@@ -1,12 +1,13 @@
 """The op tables every family module of toygraph.core.ops fills, and the helpers it fills them
 with: ``OPS`` (one :class:`OpSpec` per op: shape/dtype rule, backward rule, id ranges) via
-:func:`define_op`, and ``KERNELS`` (the numpy kernel per op) via :func:`kernel`. The CUDA
-lowering of each op is entered in the third table, ``toygraph.cuda.lowering.registry.REGISTRY``,
-with ``@lowers`` in the same family module.
+:func:`define_op`, which also enters the op in its groups (groups.py), and ``KERNELS`` (the
+numpy kernel per op) via :func:`kernel`. The CUDA lowering of each op is entered in the
+third table, ``toygraph.cuda.lowering.registry.REGISTRY``, with ``@lowers`` in the same
+family module.
 
 A backward rule gets the node, the gradient of its output and a list saying which sources
 need a gradient; it returns one gradient Tensor (or None) per source, built from more ops.
-An op whose one flat result packs several (``grad_views``: attention's o and its row
+An op whose one flat result packs several (the ``packed`` group: attention's o and its row
 log-sum-exp) is read through ``unpack`` views, so its rule gets {view offset: gradient}
 instead, for the views that have one.
 A numpy kernel is ``kernel(out, srcs, attrs)`` and writes into ``out`` (``None`` for an op
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from toygraph.core.ops import groups as op_groups
 from toygraph.errors import GraphError
 
 F32, I32, NONE = "f32", "i32", "none"
@@ -35,17 +37,12 @@ class OpSpec:
     # [low, high) those values must lie in. Sessions check uploads against it, so a bad
     # id is a clear error on the host, never an out-of-bounds read in a kernel.
     id_ranges: Callable | None = None  # (node) -> dict[int, tuple[int, int, str]]
-    # True for an op that writes into its first operand(s) instead of producing a value
-    # (accumulate, adamw): it gets no output buffer and is never dropped as dead.
-    in_place: bool = False
     # For a backward op that can add another tensor in its own kernel: (node, other) -> a
     # node computing node + other in one pass (rms_norm_back), which autodiff uses to sum
     # a gradient's contributions without an add kernel.
     fold_add: Callable | None = None
-    # True for an op whose result packs several results read through unpack views
-    # (attention: o, then the row log-sum-exp its backward reads): autodiff hands its
-    # backward rule {view offset: gradient} instead of a gradient of the packed tensor.
-    grad_views: bool = False
+    # The op groups it is in (groups.py: views, pass-through, in place, packed results).
+    groups: frozenset = frozenset()
 
 
 OPS: dict[str, OpSpec] = {}
@@ -60,19 +57,19 @@ KERNELS: dict[str, Callable] = {}
 BLOCK_KERNELS: dict[str, tuple[Callable, tuple[int, ...], Callable, Callable]] = {}
 
 
-def define_op(name, infer, grad=None, id_ranges=None, in_place=False, fold_add=None,
-              grad_views=False):
-    """Enter op ``name`` in the op table (each name once)."""
+def define_op(name, infer, grad=None, id_ranges=None, fold_add=None, groups=()):
+    """Enter op ``name`` in the op table (each name once), and in the op ``groups`` it
+    belongs to (groups.py)."""
     if name in OPS:
         raise GraphError(f"op {name!r} is defined twice")
-    OPS[name] = OpSpec(name, infer, grad, id_ranges, in_place, fold_add, grad_views)
+    op_groups.join(name, groups)
+    OPS[name] = OpSpec(name, infer, grad, id_ranges, fold_add, frozenset(groups))
 
 
 def in_place(op: str | None) -> bool:
-    """Whether ``op`` writes into its sources instead of producing a value (accumulate,
-    adamw, all_reduce, cache_write): such a node has no buffer of its own."""
-    spec = OPS.get(op)
-    return bool(spec and spec.in_place)
+    """Whether ``op`` writes into its sources instead of producing a value (the in-place
+    group: accumulate, adamw): such a node has no buffer of its own."""
+    return op_groups.member(op, op_groups.IN_PLACE)
 
 
 def kernel(name):

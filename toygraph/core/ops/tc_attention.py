@@ -3,7 +3,7 @@
 lowering hands them over; at "f32" and "tf32" the f32 kernels of flash_attention.cu run,
 the exact path, so f32 results never change).
 
-An operand the plan keeps in bf16 (cuda/storage.py: q and k from rope, v and dO from
+An operand the plan keeps in bf16 (cuda/bf16_storage.py: q and k from rope, v and dO from
 products) that is token-major with hd equal to the kernels' bound HD is read as it lies
 (bit j of the kernels' ``asis``: q, k, v, dO; :func:`reads_as_is`). Any other operand is
 first copied to bf16 in scratch, heads first whatever the op's layout (a token-major
@@ -21,7 +21,7 @@ Scratch (bytes, 16-byte aligned regions): q, k, v [and dO] as bf16 [rows, HD], t
 """
 from __future__ import annotations
 
-from toygraph.cuda.lowering import (MAX_ELEMENTS, Launch, f32, grid_1d, i32, p,
+from toygraph.cuda.lowering import (MAX_ELEMENTS, Launch, f32_arg, grid_1d, i32_arg, ptr_arg,
                                     rows_grid)
 from toygraph.cuda.lowering.constants import TCA_BQ, TCA_HEAD_DIMS, TCA_THREADS
 from toygraph.errors import CudaError
@@ -60,8 +60,9 @@ def _to_bf16(dst: int, src: int, rows: int, hd: int, HD: int, heads_t: list,
     if rows * HD > MAX_ELEMENTS:
         raise CudaError(f"attention: {rows} x {HD} operand elements exceed the kernels' int "
                         f"indexing ({MAX_ELEMENTS})")
-    return Launch("tg_tca_to_bf16", grid_1d(rows * HD), [p(dst), p(src), i32(rows), i32(hd),
-                                                         i32(HD), *heads_t, i32(src_bf16)])
+    return Launch("tg_tca_to_bf16", grid_1d(rows * HD), [ptr_arg(dst), ptr_arg(src), i32_arg(rows),
+                                                         i32_arg(hd), i32_arg(HD), *heads_t,
+                                                         i32_arg(src_bf16)])
 
 
 def tc_attention_launches(node, at, dims, token_major: bool, lse: int,
@@ -72,30 +73,31 @@ def tc_attention_launches(node, at, dims, token_major: bool, lse: int,
     q, k, v, seg, sinks, rest = operands
     B, H, KV, T, hd = dims
     q_rows, kv_rows, HD = B * H * T, B * KV * T, tc_head_dim(hd)
-    tok = i32(token_major)
+    tok = i32_arg(token_major)
     qb = at.scratch
     kb = qb + 2 * HD * q_rows
     vb = kb + 2 * HD * kv_rows
-    segs = p(at.ptr(seg) if seg is not None else 0)
-    sink = p(at.ptr(sinks) if sinks is not None else 0)
-    common = [i32(H), i32(KV), i32(T), i32(hd), f32(node.attrs["scale"]),
-              i32(node.attrs["causal"]), i32(node.attrs["window"]), tok]
+    segs = ptr_arg(at.ptr(seg) if seg is not None else 0)
+    sink = ptr_arg(at.ptr(sinks) if sinks is not None else 0)
+    common = [i32_arg(H), i32_arg(KV), i32_arg(T), i32_arg(hd), f32_arg(node.attrs["scale"]),
+              i32_arg(node.attrs["causal"]), i32_arg(node.attrs["window"]), tok]
     tiles = (T + TCA_BQ - 1) // TCA_BQ
     block = (TCA_THREADS, 1, 1)
-    q_heads, kv_heads = [i32(H), i32(T), tok], [i32(KV), i32(T), tok]
+    q_heads, kv_heads = [i32_arg(H), i32_arg(T), tok], [i32_arg(KV), i32_arg(T), tok]
     launches, read, asis = [], [], 0
     for j, (x, copy, rows, heads_t) in enumerate(((q, qb, q_rows, q_heads),
                                                   (k, kb, kv_rows, kv_heads),
                                                   (v, vb, kv_rows, kv_heads))):
         if reads_as_is(at, x, token_major, hd):
             asis |= 1 << j
-            read.append(p(at.ptr(x)))
+            read.append(ptr_arg(at.ptr(x)))
         else:
             launches.append(_to_bf16(copy, at.ptr(x), rows, hd, HD, heads_t, at.half(x)))
-            read.append(p(copy))
+            read.append(ptr_arg(copy))
     if node.op == "attention":
         return launches + [Launch(f"tg_tca_fwd_{HD}", (tiles, H, B),
-                                  [p(at.out), p(lse), *read, segs, sink, *common, i32(asis)],
+                                  [ptr_arg(at.out), ptr_arg(lse), *read, segs, sink, *common,
+                                   i32_arg(asis)],
                                   block)]
     fwd, g = rest   # o is the attention node's first q.size elements, L follows
     gb = vb + 2 * HD * kv_rows
@@ -106,15 +108,18 @@ def tc_attention_launches(node, at, dims, token_major: bool, lse: int,
     else:
         g_read = gb
     dq, dk, dv = at.out, at.out + 4 * q.size, at.out + 4 * (q.size + k.size)
-    operands = [*read, p(g_read), p(lse), p(delta), segs, *common, i32(asis)]
+    operands = [*read, ptr_arg(g_read), ptr_arg(lse), ptr_arg(delta), segs, *common, i32_arg(asis)]
     launches += [
-        Launch("tg_tca_bwd_prep", grid_1d(q_rows), [p(gb), p(delta), p(at.ptr(fwd)),
-                                                    p(at.ptr(g)), i32(q_rows), i32(hd),
-                                                    i32(HD), *q_heads, i32(2 * at.half(g))]),
-        Launch(f"tg_tca_bwd_dkdv_{HD}", (tiles, KV, B), [p(dk), p(dv), *operands], block),
-        Launch(f"tg_tca_bwd_dq_{HD}", (tiles, H, B), [p(dq), *operands], block)]
+        Launch("tg_tca_bwd_prep", grid_1d(q_rows), [ptr_arg(gb), ptr_arg(delta),
+                                                    ptr_arg(at.ptr(fwd)), ptr_arg(at.ptr(g)),
+                                                    i32_arg(q_rows), i32_arg(hd), i32_arg(HD),
+                                                    *q_heads, i32_arg(2 * at.half(g))]),
+        Launch(f"tg_tca_bwd_dkdv_{HD}", (tiles, KV, B), [ptr_arg(dk), ptr_arg(dv),
+                                                         *operands], block),
+        Launch(f"tg_tca_bwd_dq_{HD}", (tiles, H, B), [ptr_arg(dq), *operands], block)]
     if sinks is not None:
         dsinks = at.out + 4 * (q.size + 2 * k.size)
         launches.append(Launch("tg_attn_bwd_sinks", rows_grid(H),
-                               [p(dsinks), sink, p(lse), p(delta), i32(B), i32(H), i32(T)]))
+                               [ptr_arg(dsinks), sink, ptr_arg(lse), ptr_arg(delta), i32_arg(B),
+                                i32_arg(H), i32_arg(T)]))
     return launches

@@ -63,7 +63,7 @@ __device__ __forceinline__ void tcg_copy_tile(unsigned short* dst, const Op& op,
 
 // X(r, k) = scale * p[base + r*sr + k*sk] rounded to f32 (__fmul_rn: a scale node's
 // rounding; scale 1 reads p as it is): matmul's scale_a, applied by the copy. p is f32, or
-// bf16 when `bf16` is 1 (an activation kept in bf16, cuda/storage.py: a copy only to
+// bf16 when `bf16` is 1 (an activation kept in bf16, cuda/bf16_storage.py: a copy only to
 // transpose, pad or scale it).
 struct TcScaled {
     const void* p;
@@ -209,7 +209,7 @@ __device__ __forceinline__ void tcg_compute(const unsigned short* As, const unsi
 // tg_tc_store with the matmul_add epilogue: C = add + alpha * acc where add is given, else
 // alpha * acc (alpha 1: acc itself; otherwise a bf16 operand's scale_a, tc_gemm.py). With
 // `bf16` bit 0 add is read in bf16, with TG_OUT_BF16 C is written in bf16 (tensors kept in
-// bf16, cuda/storage.py).
+// bf16, cuda/bf16_storage.py).
 __device__ __forceinline__ void tcg_store(void* C, const float (&acc)[TC_MI][TC_NI][4],
                                           int lane, int r0, int c0, int M, int N,
                                           const void* add, float alpha, int bf16) {

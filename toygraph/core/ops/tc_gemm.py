@@ -4,7 +4,7 @@
 
 Each operand is first copied to bf16 in the GEMM's canonical layout, [matrices][rows][Kp]
 with k contiguous and Kp = K rounded up to 8 (tg_tcg_to_bf16 from f32, or from an
-activation kept in bf16 (cuda/storage.py) where it must be transposed, padded or scaled;
+activation kept in bf16 (cuda/bf16_storage.py) where it must be transposed, padded or scaled;
 one already in that layout is read as it is); the GEMM then stages 16-byte chunks of the
 copies with cp.async and reads fragments with ldmatrix.
 
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toygraph.cuda.lowering import MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32, grid_1d, i32, p, strided
+from toygraph.cuda.lowering import (MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32_arg, grid_1d, i32_arg,
+                                    ptr_arg, strided)
 from toygraph.cuda.lowering.constants import TC_BF16_BK, TC_BM, TC_BN, TC_THREADS
 from toygraph.errors import CudaError
 
@@ -184,9 +185,9 @@ def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat
         raise CudaError(f"{what}: a {nmat} x {rows} x {k} operand exceeds the bf16 GEMM's "
                         "int indexing")
     grid = (-(-kp // 32), -(-rows // 32), min(nmat, MAX_GRID_YZ))
-    return [Launch("tg_tcg_to_bf16", grid, [p(dst), p(src), i32(rows), i32(k), i32(kp),
-                                            i32(sr), i32(sk), i32(nmat), i32(rows * k),
-                                            f32(scale), i32(bf16)])]
+    return [Launch("tg_tcg_to_bf16", grid, [ptr_arg(dst), ptr_arg(src), i32_arg(rows), i32_arg(k),
+                                            i32_arg(kp), i32_arg(sr), i32_arg(sk), i32_arg(nmat),
+                                            i32_arg(rows * k), f32_arg(scale), i32_arg(bf16)])]
 
 
 def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp: int,
@@ -194,7 +195,8 @@ def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp:
     """tg_tcg_deq_<kind>_<storage>: the block-format weight at ``w`` decoded into the bf16
     B copy [rows][kp] at ``dst`` ("nt": rows of W, "nn": its columns)."""
     return Launch(f"tg_tcg_deq_{kind}_{storage}", (-(-kp // 32), -(-rows // 32), 1),
-                  [p(dst), p(w), i32(rows), i32(k), i32(kp), i32(row_bytes)])
+                  [ptr_arg(dst), ptr_arg(w), i32_arg(rows), i32_arg(k), i32_arg(kp),
+                   i32_arg(row_bytes)])
 
 
 def dual_gemm_launches(g: Gemm, g2: Gemm, out: int, a: int, b: int, a2: int, b2: int,
@@ -236,10 +238,11 @@ def dual_gemm_launches(g: Gemm, g2: Gemm, out: int, a: int, b: int, a2: int, b2:
         raise CudaError(f"{what}: {M} rows exceed the kernel's grid limit")
     slices = -(-g.kp // TC_BF16_BK) + -(-g2.kp // TC_BF16_BK)
     launches.append(Launch("tg_tcg_gemm2_bf16", (gx, gy, 1),
-                           [p(out), p(a if a_as_is else ac), p(b if b_as_is else bc), i32(M),
-                            i32(N), i32(g.kp), i32(1), i32(slices), i32(1), strided([], [], []),
-                            p(0), f32(1.0), i32(OUT_BF16 if out_bf16 else 0),
-                            p(a2 if a2_as_is else ac2), p(bc2), i32(g2.kp)],
+                           [ptr_arg(out), ptr_arg(a if a_as_is else ac),
+                            ptr_arg(b if b_as_is else bc), i32_arg(M), i32_arg(N), i32_arg(g.kp),
+                            i32_arg(1), i32_arg(slices), i32_arg(1), strided([], [], []),
+                            ptr_arg(0), f32_arg(1.0), i32_arg(OUT_BF16 if out_bf16 else 0),
+                            ptr_arg(a2 if a2_as_is else ac2), ptr_arg(bc2), i32_arg(g2.kp)],
                            block=(TC_THREADS, 1, 1)))
     return launches
 
@@ -255,7 +258,7 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
     0: none): the matmul_add epilogue, out = add + alpha * C, in the GEMM's store or, when
     k is split, in the split sum. ``a_scale``: the A copy holds bf16(a_scale * a), a
     rounded to f32 after the scale (matmul's scale_a). ``a_bf16`` / ``b_bf16``: that
-    operand is kept in bf16 (cuda/storage.py): read as it is when it already has the copy's
+    operand is kept in bf16 (cuda/bf16_storage.py): read as it is when it already has the copy's
     layout (:func:`canonical`) or lies k-major (:func:`k_major`, one matrix: the ta/tb/tab
     kernels) -- a_scale then multiplies the product in the store, one more rounding than
     the scaled copy but no pass over a -- else copied from bf16; ``out_bf16``:
@@ -293,17 +296,18 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
         launches += _copy(bc, b, N, K, kp, g.sbn, g.sbk, g.nb, what, bf16=b_bf16)
     zs = g.nbatch * splits          # grid z up to MAX_GRID_YZ, the rest folded into x
     gz = max(1, min(zs, MAX_GRID_YZ))
-    args = [p(dst), p(ac), p(bc), i32(M), i32(N), i32(kp), i32(splits), i32(per),
-            i32(g.nbatch), strided(list(g.dims), sa, sb), p(add if splits == 1 else 0),
-            f32(alpha if splits == 1 else 1.0),
-            i32((OUT_BF16 if out_bf16 and splits == 1 else 0) | add_bf16)]
+    args = [ptr_arg(dst), ptr_arg(ac), ptr_arg(bc), i32_arg(M), i32_arg(N), i32_arg(kp),
+            i32_arg(splits), i32_arg(per), i32_arg(g.nbatch), strided(list(g.dims), sa, sb),
+            ptr_arg(add if splits == 1 else 0), f32_arg(alpha if splits == 1 else 1.0),
+            i32_arg((OUT_BF16 if out_bf16 and splits == 1 else 0) | add_bf16)]
     name = "tg_tcg_gemm_bf16"
     if a_km or b_km:   # read k-major as it lies: the true k, the operands' row strides
         name = f"tg_tcg_gemm_{'ta' * a_km}{'b' if a_km and b_km else 'tb' * b_km}_bf16"
-        args += [i32(K), i32(g.sak if a_km else 0), i32(g.sbk if b_km else 0)]
+        args += [i32_arg(K), i32_arg(g.sak if a_km else 0), i32_arg(g.sbk if b_km else 0)]
     launches.append(Launch(name, (gx * -(-zs // gz), gy, gz), args, block=(TC_THREADS, 1, 1)))
     if splits > 1:
         launches.append(Launch("tg_tcg_sum_splits", grid_1d(M * N),
-                               [p(out), p(parts), i32(splits), i32(M * N), p(add), f32(alpha),
-                                i32((OUT_BF16 if out_bf16 else 0) | add_bf16)]))
+                               [ptr_arg(out), ptr_arg(parts), i32_arg(splits), i32_arg(M * N),
+                                ptr_arg(add), f32_arg(alpha),
+                                i32_arg((OUT_BF16 if out_bf16 else 0) | add_bf16)]))
     return launches

@@ -1,6 +1,6 @@
 // Index math of the tensor-core matmuls (tc_matmul.cu), kept apart as plain integer
 // functions so the tests can compile this file for the host and replay it through a numpy
-// emulator of the warp-level mma (tests/mmaemu.py, tests/test_ops_gemm_tensor_cores.py).
+// emulator of the warp-level mma (tests/support/mmaemu.py, tests/test_ops_tc_matmul.py).
 // Nothing here touches memory.
 //
 // A block computes a TC_BM x TC_BN output tile with TC_THREADS threads (8 warps, 2 x 4);
@@ -21,7 +21,7 @@
 // The tile constants (TC_BM, TC_BN, TC_THREADS, TC_WM, TC_WN, TC_MI = TC_WM / 16,
 // TC_NI = TC_WN / 8, and per precision the k slice TC_*_BK and padded row stride TC_*_LD:
 // bf16 32-deep slices, rows padded by 8 halves, tf32 16-deep, padded by 4 words, so the
-// fragment loads of a warp hit 32 distinct banks) come from toygraph/cuda/constants.py.
+// fragment loads of a warp hit 32 distinct banks) come from toygraph/cuda/lowering/constants.py.
 
 // Element idx (0 .. rows*bk-1) of a staged operand tile -> (row, k) in the tile. The 256
 // threads take idx = thread + 256*i; consecutive threads walk the operand's contiguous

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from toygraph.core.ops.groups import IN_PLACE
 from toygraph.core.ops.table import F32, NONE, check, check_floats, define_op, kernel, make_node
-from toygraph.cuda.lowering import Launch, declare_kernels, f64, grid_1d, i32, lowers, p
+from toygraph.cuda.lowering import (Launch, declare_kernels, f64_arg, grid_1d, i32_arg, lowers,
+                                    ptr_arg)
 from toygraph.cuda.lowering.constants import LIST_TENSORS, THREADS
 from toygraph.errors import GraphError
 
@@ -79,9 +81,9 @@ def _infer_adamw(shapes, dtypes, attrs):
     return (), NONE
 
 
-define_op("accumulate", _infer_accumulate, in_place=True)
+define_op("accumulate", _infer_accumulate, groups={IN_PLACE})
 define_op("global_norm", _infer_global_norm)
-define_op("adamw", _infer_adamw, in_place=True)
+define_op("adamw", _infer_adamw, groups={IN_PLACE})
 
 
 # --- numpy kernels -----------------------------------------------------------------------------
@@ -164,7 +166,7 @@ def tensor_lists(tensors, blocks):
 def _accumulate(node, at):
     acc, g = node.srcs
     return [Launch("tg_accumulate", grid_1d(acc.size),
-                   [p(at.ptr(acc)), p(at.ptr(g)), i32(acc.size)])]
+                   [ptr_arg(at.ptr(acc)), ptr_arg(at.ptr(g)), i32_arg(acc.size)])]
 
 
 @lowers("global_norm", kernels=("tg_sumsq_list", "tg_global_norm"),
@@ -175,10 +177,12 @@ def _global_norm(node, at):
     launches, offset = [], 0
     grads = [((at.ptr(g),), g.size, 1.0) for g in node.srcs[:-1]]
     for table, nb in tensor_lists(grads, _sumsq_blocks):
-        launches.append(Launch("tg_sumsq_list", (nb, 1, 1), [p(at.scratch + 8 * offset), table]))
+        launches.append(Launch("tg_sumsq_list", (nb, 1, 1), [ptr_arg(at.scratch + 8 * offset),
+                                                             table]))
         offset += nb
     launches.append(Launch("tg_global_norm", (1, 1, 1),
-                           [p(at.out), p(at.scratch), i32(offset), p(at.ptr(node.srcs[-1]))]))
+                           [ptr_arg(at.out), ptr_arg(at.scratch), i32_arg(offset),
+                            ptr_arg(at.ptr(node.srcs[-1]))]))
     return launches
 
 
@@ -188,6 +192,7 @@ def _adamw(node, at):
     groups, (hp, norm, div) = adamw_groups(node.srcs)
     tensors = [(tuple(at.ptr(t) for t in grp), grp[0].size, s)
                for grp, s in zip(groups, node.attrs["lr_scales"])]
-    tail = [p(at.ptr(hp)), p(at.ptr(norm)), p(at.ptr(div)), f64(node.attrs["max_norm"])]
+    tail = [ptr_arg(at.ptr(hp)), ptr_arg(at.ptr(norm)), ptr_arg(at.ptr(div)),
+            f64_arg(node.attrs["max_norm"])]
     return [Launch("tg_adamw_list", (nb, 1, 1), [table, *tail])
             for table, nb in tensor_lists(tensors, lambda n: grid_1d(n)[0])]

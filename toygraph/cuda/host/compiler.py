@@ -3,7 +3,7 @@
 The library is the same translation unit NVRTC compiles (sources.backend_source), with
 ``TG_HOST`` defined and shim.h in front, which supplies threadIdx & co, barriers,
 warp shuffles, mma.sync and the cvt roundings; one ``tg_host_launch_<kernel>`` entry is
-appended per kernel. hostdev.py loads it and launches kernels over host memory.
+appended per kernel. device.py loads it and launches kernels over host memory.
 
 The cache key is the sha256 of the full host source, the flags and ``g++ --version``; the
 library lives in ``$TOYGRAPH_CACHE/kernels/host`` (the folder nvrtc.py caches cubins in, plus

@@ -2,7 +2,7 @@
 
 :class:`HostContext` has the interface of driver.Context (memory, copies, launches, graph
 capture), with host memory as "device" memory and a g++-built library of the kernel
-module (hostcc.py) as the loaded module; a launch runs the kernel's body with the given
+module (compiler.py) as the loaded module; a launch runs the kernel's body with the given
 grid and block through the fibers of shim.h. So the unchanged lowering and backend
 run whole graphs on the CPU:
 

@@ -1,4 +1,4 @@
-// The CUDA builtins for running toygraph's kernels on the CPU (hostexec.py compiles
+// The CUDA builtins for running toygraph's kernels on the CPU (compiler.py compiles
 // kernels/*.cu as host C++ with this header in front and TG_HOST defined).
 //
 // Execution model: the blocks of a launch run one after another; inside a block every
@@ -546,7 +546,7 @@ extern "C" __attribute__((visibility("default"))) void tg_host_set_schedule(int 
     tg_host::g_reverse = reverse;
 }
 
-// One exported entry per kernel (hostexec.py appends these for every kernel it finds).
+// One exported entry per kernel (compiler.py appends these for every kernel it finds).
 #define TG_HOST_EXPORT(name)                                                              \
     extern "C" __attribute__((visibility("default"))) int tg_host_launch_##name(          \
         const int* dims, int shmem, void** params) {                                      \

@@ -1,11 +1,12 @@
 // Per-element decode of the GGUF block formats, shared by the dequantize kernels
 // (dequant.cu) and the fused quantized matmul / get_rows kernels (qmatmul.cu), so the two
-// paths cannot disagree. Byte offsets are quant.LAYOUT and block sizes quant.BLOCK, which
-// kernels.py emits as TG_<FMT>_<FIELD>, TG_<FMT>_QK and TG_<FMT>_BYTES ahead of this file.
+// paths cannot disagree. Byte offsets are gguf/blocks.py's LAYOUT and block sizes its BLOCK,
+// which blocks.c_defines emits as TG_<FMT>_<FIELD>, TG_<FMT>_QK and TG_<FMT>_BYTES ahead of
+// this file.
 //
 // Each format is a struct: QK (elements per block), BYTES (bytes per block) and
-// at(blk, i), element i of the block at blk, computed in quant.py's (ggml's) f32 rounding
-// order with explicitly rounded intrinsics, so no FMA contraction can change a bit.
+// at(blk, i), element i of the block at blk, computed in gguf/blocks.py's (ggml's) f32
+// rounding order with explicitly rounded intrinsics, so no FMA contraction can change a bit.
 
 __device__ __forceinline__ int tg_nib32(const unsigned char* qs, int i) {
     return i < 16 ? (qs[i] & 0x0F) : (qs[i - 16] >> 4);
@@ -22,7 +23,7 @@ __device__ __forceinline__ int tg_crumb(const unsigned char* qs, int i) {
     return (qs[32 * (i / 128) + r % 32] >> (2 * (r / 32))) & 3;
 }
 
-// IQ4_NL's 16 non-linear levels (quant.IQ4NL_VALUES, emitted by kernels.py). A plain
+// IQ4_NL's 16 non-linear levels (blocks.IQ4NL_VALUES, emitted by blocks.c_defines). A plain
 // device array, not __constant__: lanes index it divergently, which constant memory
 // would serialize.
 __device__ const signed char tg_iq4nl_values[16] = {TG_IQ4NL_VALUES};

@@ -6,7 +6,7 @@
 // order, so every result is bit-identical run to run (no float atomics anywhere).
 
 // TG_MAXD (dims of a Strided walk) and TG_THREADS (threads per block) come from
-// toygraph/cuda/constants.py, emitted ahead of this header.
+// toygraph/cuda/lowering/constants.py, emitted ahead of this header.
 
 // A strided walk over an index space of `nd` dims: element i (row-major over dims)
 // reads operand 0 at offset sum(idx[d] * sa[d]) and operand 1 at sum(idx[d] * sb[d]).
@@ -111,7 +111,7 @@ __device__ __forceinline__ unsigned short tg_float_to_bf16(float x) {
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Element i of an activation buffer that cuda/storage.py kept in f32 or, under --precision
+// Element i of an activation buffer that cuda/bf16_storage.py kept in f32 or, under --precision
 // bf16, in bf16: bit j of a kernel's `bf16` argument says which for its operand j (bit
 // TG_OUT_BF16 for its output). The branch is uniform across the grid.
 #define TG_OUT_BF16 16

@@ -14,26 +14,28 @@ kernel, its CUDA side, written against this API only:
   block format is decoded to f32 on the device (the gemm family's dequantizers).
 - :class:`Launch` (a kernel, its grid, block, shared memory and arguments) and
   :class:`Collective` (an all-reduce on the stream); arguments are fixed-width numpy values
-  made by ``p`` (a pointer), ``i32``, ``f32``, ``f64`` and ``strided`` (the ``Strided``
+  made by ``ptr_arg`` (a pointer), ``i32_arg``, ``f32_arg``, ``f64_arg`` (named apart
+  from the graph's dtypes ``F32``/``I32``) and ``strided`` (the ``Strided``
   struct of include/common.cuh, from ``contiguous_strides``); grids by ``grid_1d(n)``,
   ``rows_grid(rows)``, with ``pad_shape`` and ``last_axis_rows`` for shapes.
 - :mod:`constants`: the numbers kernels and launches share (``THREADS``, the matmul and
   attention tiles), emitted into every module as ``#define``s.
 
->>> from toygraph.cuda.lowering import Launch, grid_1d, lowers, p, i32, f32
+>>> from toygraph.cuda.lowering import Launch, f32_arg, grid_1d, i32_arg, lowers, ptr_arg
 >>> @lowers("my_scale", kernels=("tg_scale",))                     # doctest: +SKIP
 ... def _my_scale(node, at):
 ...     x = node.srcs[0]
 ...     return [Launch("tg_scale", grid_1d(node.size),
-...                    [p(at.out), p(at.ptr(x)), i32(node.size), f32(node.attrs["s"])])]
+...                    [ptr_arg(at.out), ptr_arg(at.ptr(x)), i32_arg(node.size),
+...                     f32_arg(node.attrs["s"])])]
 
 The CUDA runtime (toygraph.cuda.backend, devmem.py) looks nodes up through dispatch.py;
 nothing here imports an op family, and the families import nothing of the runtime.
 """
 from toygraph.cuda.lowering import constants  # noqa: F401
 from toygraph.cuda.lowering.launch import (MAX_ELEMENTS, MAX_GRID, MAX_GRID_YZ,  # noqa: F401
-                                           THREADS, Collective, Launch, contiguous_strides, f32,
-                                           f64, grid_1d, i32, last_axis_rows, p, pad_shape,
-                                           rows_grid, strided)
+                                           THREADS, Collective, Launch, contiguous_strides,
+                                           f32_arg, f64_arg, grid_1d, i32_arg, last_axis_rows,
+                                           pad_shape, ptr_arg, rows_grid, strided)
 from toygraph.cuda.lowering.registry import At, decodes, lowers  # noqa: F401
 from toygraph.cuda.lowering.sources import declare_kernels  # noqa: F401

@@ -2,7 +2,7 @@
 
 The launches (grids, tiles, block sizes) are computed from these in Python, and
 :func:`constant_defines` emits them as ``#define``s at the top of every kernel module
-(kernels.module_source), so the ``.cu`` files use the macros and never restate a number.
+(sources.module_source), so the ``.cu`` files use the macros and never restate a number.
 A test checks that every macro is emitted and that no kernel source defines one itself.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ TC_TF32_LD = 20
 
 # --- fused attention (ops/flash_attention.cu) -------------------------------------------
 #: head_dim bound -> (BT, TPR): BT x BT query/key tiles, TPR threads per tile row. A head_dim
-#: runs on the smallest bound >= it; attention.cu instantiates each bound's kernels with
+#: runs on the smallest bound >= it; flash_attention.cu instantiates each bound's kernels with
 #: ``TG_ATTN_BT_<HD>``, ``TG_ATTN_TPR_<HD>`` and ``__launch_bounds__(TG_ATTN_THREADS_<HD>)``.
 ATTN_TILES = {32: (32, 4), 64: (32, 4), 128: (16, 8)}
 ATTN_HEAD_DIMS = tuple(sorted(ATTN_TILES))

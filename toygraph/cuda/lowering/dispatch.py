@@ -44,20 +44,16 @@ def reads_block_format(node, index: int) -> bool:
     return bool(entry and entry.block_format and entry.block_format(node, index))
 
 
-#: Ops the buffer plan may make views of their source's bytes (core/memory.py): they hand
-#: a bf16 buffer on as it is, so cuda/storage.py looks through them.
-VIEW_OPS = ("reshape", "contiguous", "unpack")
-
-
 def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = "f32",
           bf16=frozenset(), absorbed=None) -> list[Launch]:
     """The launches computing ``node``; ``ptr(t)`` is the device address of tensor t (for a
     const in ``raw_consts``, the address of its block bytes). ``precision`` "bf16"/"tf32"
     lowers matmuls to the tensor-core kernels of tc_matmul.cu (same arguments, 128 x 128
     tiles); every other op, and every op at "f32", lowers as it always has. ``bf16``: ids of
-    the tensors kept in bf16 (cuda/storage.py), which only an entry declaring it may read
-    or write; ``absorbed``: {id: node} of the tensors another node's launches compute (no
-    launches of their own)."""
+    the tensors kept in bf16 (cuda/bf16_storage.py), which only an entry declaring it may read
+    or write (a view the buffer plan made of a bf16 buffer launches nothing, so it reads
+    and writes no bf16 itself); ``absorbed``: {id: node} of the tensors another node's
+    launches compute (no launches of their own)."""
     entry = cuda_op(node.op, node.name)
     absorbed = absorbed or {}
     if node.id in absorbed:
@@ -66,10 +62,13 @@ def lower(node, ptr, scratch: int = 0, raw_consts=frozenset(), precision: str = 
         if src.id in raw_consts and not reads_block_format(node, i):
             raise CudaError(f"{node.op} {node.name!r} cannot read const {src.name!r} in its "
                             f"{src.storage} block format")
-        if src.id in bf16 and not entry.reads_bf16(node, i) and node.op not in VIEW_OPS:
-            raise CudaError(f"{node.op} {node.name!r} cannot read {src.name!r} in bf16")
-    if node.id in bf16 and not entry.bf16_writes and node.op not in VIEW_OPS:
-        raise CudaError(f"{node.op} {node.name!r} cannot write its output in bf16")
     out = ptr(node) if entry.has_output else 0
-    return entry.build(node, At(out, ptr, scratch, raw_consts, precision, entry.kernels,
-                                frozenset(bf16), absorbed))
+    launches = entry.build(node, At(out, ptr, scratch, raw_consts, precision, entry.kernels,
+                                    frozenset(bf16), absorbed))
+    if launches:
+        for i, src in enumerate(node.srcs):
+            if src.id in bf16 and not entry.reads_bf16(node, i):
+                raise CudaError(f"{node.op} {node.name!r} cannot read {src.name!r} in bf16")
+        if node.id in bf16 and not entry.bf16_writes:
+            raise CudaError(f"{node.op} {node.name!r} cannot write its output in bf16")
+    return launches

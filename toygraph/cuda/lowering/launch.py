@@ -35,22 +35,22 @@ class Collective:
 
 
 # --- argument packing ----------------------------------------------------------------------
-def p(addr: int) -> np.ndarray:
+def ptr_arg(addr: int) -> np.ndarray:
     return np.array([addr], np.uint64)
 
 
-def i32(v: int) -> np.ndarray:
+def i32_arg(v: int) -> np.ndarray:
     v = int(v)
     if not -2 ** 31 <= v <= INT32_MAX:
         raise CudaError(f"kernel argument {v} does not fit in int32")
     return np.array([v], np.int32)
 
 
-def f32(v: float) -> np.ndarray:
+def f32_arg(v: float) -> np.ndarray:
     return np.array([v], np.float32)
 
 
-def f64(v: float) -> np.ndarray:
+def f64_arg(v: float) -> np.ndarray:
     return np.array([v], np.float64)
 
 

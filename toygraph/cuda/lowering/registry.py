@@ -10,7 +10,8 @@ fills the registry, and dispatch.py looks nodes up here. The registry itself kno
 
 >>> @lowers("scale", kernels=("tg_scale",))                  # doctest: +SKIP
 ... def _scale(node, at):
-...     return [Launch("tg_scale", grid_1d(node.size), [p(at.out), p(at.ptr(node.srcs[0])), ...])]
+...     return [Launch("tg_scale", grid_1d(node.size),
+...                    [ptr_arg(at.out), ptr_arg(at.ptr(node.srcs[0])), ...])]
 
 :func:`decodes` registers, per GGUF block format, the launch that decodes a const stored
 in it to f32 (the backend's realize runs it for a const no consumer reads in blocks); the
@@ -32,7 +33,7 @@ class At(NamedTuple):
     declares. Every node's scratch is the same buffer (cuda/devmem.py): the launches must
     write what they read there, and nothing in it outlives the node (what a later node
     reads, such as saved row statistics, is an output). ``bf16``: the ids of the tensors
-    kept in bf16 rather than f32 (cuda/storage.py; only ops whose entry declares
+    kept in bf16 rather than f32 (cuda/bf16_storage.py; only ops whose entry declares
     ``bf16_reads`` / ``bf16_writes`` ever see one); ``absorbed``: {id: node} of the tensors
     a node computes inside its own launches (``CudaOp.absorbs``), which have no buffer."""
     out: int
@@ -66,14 +67,14 @@ class CudaOp:
     scratch: Callable | None = None    # node [, precision] -> bytes of scratch; None: none
     block_format: Callable | None = None  # (node, index) -> may that source stay in blocks
     has_output: bool = True            # False: the op updates its sources in place
-    # --precision bf16's activations (cuda/storage.py): the source indices (negative: from
+    # --precision bf16's activations (cuda/bf16_storage.py): the source indices (negative: from
     # the end) whose tensor the launches can read in bf16, and whether they can write the
     # output in bf16; a tensor is kept in bf16 only when its maker and every reader can.
     bf16_reads: tuple[int, ...] = ()
     bf16_writes: bool = False
     # (node, precision) -> the source this node's launches can compute too (a product
     # whose only reader it is: its output then needs neither launches nor a buffer), or
-    # None; cuda/storage.py checks that the source is a planned intermediate read only here.
+    # None; cuda/bf16_storage.py checks that the source is a planned intermediate read only here.
     absorbs: Callable | None = None
 
     def reads_bf16(self, node, index: int) -> bool:

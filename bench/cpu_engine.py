@@ -1,0 +1,402 @@
+"""The CPU engine's table: what computing on the blocks costs and saves, beside the references.
+
+Sections (``--sections``, comma-separated; all by default):
+
+- ``decode``: parameters decoded per second per block type (random block bytes, finite
+  scales), on one thread into an L2-sized panel (what the products do) and on every thread
+  into a 64 MiB tensor (memory-bound), beside this machine's memory bandwidth (numpy copy
+  and sum over 256 MiB).
+- ``step``: a LoRA step (targets q,k,v,o, rank 8, one sequence of 128 tokens unless told)
+  on each model row: toygraph with the base decoded to f32 (``--base-memory decode``),
+  toygraph on the blocks (the default), torch + PEFT (transformers loading the same GGUF;
+  not for the 8B shape, whose f32 copy does not fit); tokens/s, peak RSS, the blocks' speed
+  against the decoded step's and the file's size. Each in its own child (bench_lora.py's).
+- ``generate``: greedy generation, the same prompt, 64 new tokens, the same threads:
+  toygraph on the blocks, toygraph decoded to f32 (the reference arithmetic: BLAS),
+  llama.cpp (llama-cpp-python) on the same file; tokens/s after the first token, the greedy
+  tokens against the f32 path and the logits' largest difference along the f32 path's
+  tokens; and GRPO's rollouts (the batched sampler, a group of 4) in tokens/s.
+- ``contention``: the demo's LoRA step (SmolLM2, rank 16 on attention and MLP, 4 x 64
+  tokens) alone and beside one and two CPU-bound processes, toygraph and torch + PEFT: the
+  slowdown (ideal: 2x and 3x on 2 cores... the step's share of the CPUs).
+
+    python bench/cpu_engine.py --md bench/results/cpu-engine-<date>.md --json ....json
+    python bench/cpu_engine.py --sections generate --models smollm2,qwen2.5-coder-0.5b
+
+Numbers only mean something on a quiet machine: the load average is printed before and
+after each section. Progress goes to stderr, the table to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_lora import (bench_cache, ensure_toygraph, log, make_inputs, peak_rss_bytes,  # noqa: E402
+                        run_child, version)
+
+GIB = 1 << 30
+PROMPT = "The history of the printing press begins"
+#: model rows: how each is found (a catalog name, or a random Llama shape and block type)
+STEP_MODELS = ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "llama1b-q4_k", "llama8b-q4_k")
+GEN_MODELS = ("smollm2", "qwen2.5-coder-0.5b")
+
+
+def model_file(name: str) -> Path:
+    if name.startswith(("llama1b-", "llama8b-")):
+        from random_model import LLAMA1B, LLAMA8B, write_random_llama
+        shape, wtype = name.split("-")
+        path = bench_cache() / f"{shape}-random-{wtype}" / f"{shape}-random-{wtype}.gguf"
+        if not path.is_file():
+            log(f"writing {path} (random weights, {wtype}; once)")
+            write_random_llama(path, wtype=wtype, **(LLAMA1B if shape == "llama1b" else LLAMA8B))
+        return path
+    from toygraph.models.catalog import resolve_model
+    return Path(resolve_model(name))
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def best_of(fn, repeat: int = 5) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+# --- decode ------------------------------------------------------------------------------------
+def random_blocks(fmt: str, n_blocks: int, rng) -> np.ndarray:
+    """Random block bytes with finite f16 scales (every other bit pattern)."""
+    from toygraph.gguf import blocks
+    _, size = blocks.BLOCK[fmt]
+    b = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    for field in ("d", "dmin", "m"):
+        off = blocks.LAYOUT.get(fmt, {}).get(field)
+        if off is not None:
+            vals = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16)
+            b[:, off:off + 2] = vals.view(np.uint8).reshape(n_blocks, 2)
+    return b
+
+
+def section_decode(a) -> tuple[str, dict]:
+    from toygraph.cpu import engine, threads
+    from toygraph.gguf import blocks
+    rng = np.random.default_rng(0)
+    big = np.ones(1 << 28, np.uint8)
+    copy = np.empty_like(big)
+    read_gbs = big.nbytes / best_of(lambda: big.view(np.uint64).sum(), 3) / 1e9
+    copy_gbs = 2 * big.nbytes / best_of(lambda: np.copyto(copy, big), 3) / 1e9
+    del big, copy
+    n_threads = threads.resolve(a.threads)
+    lines = [f"Memory bandwidth (numpy, 256 MiB): sum {read_gbs:.1f} GB/s read, copy "
+             f"{copy_gbs:.1f} GB/s read+write. Engine built for {engine.simd()}.", "",
+             f"| format | bytes/param | panel, 1 thread: Gparam/s | tensor, 1 thread | tensor, "
+             f"{n_threads} threads | tensor, {n_threads} threads: GB/s read |",
+             "|---|---:|---:|---:|---:|---:|"]
+    rows = []
+    for fmt in engine.FORMATS:
+        qk, size = blocks.BLOCK[fmt]
+        panel_shape, tensor_shape = (64, 1024), (8192, 2048)
+        raw_t = (rng.integers(0, 1 << 16, tensor_shape[0] * tensor_shape[1], dtype=np.uint16)
+                 .view(np.uint8) if qk == 1 else
+                 random_blocks(fmt, tensor_shape[0] * tensor_shape[1] // qk, rng))
+        raw_t = blocks.as_bytes(raw_t)
+        raw_p = raw_t[:blocks.nbytes(fmt, panel_shape)]
+        out_t, out_p = np.empty(tensor_shape, np.float32), np.empty(panel_shape, np.float32)
+        engine.use_threads(1)
+        panel = best_of(lambda: engine.decode(raw_p, fmt, out_p.size, out_p), 20)
+        engine.decode(raw_t, fmt, out_t.size, out_t)   # the output's pages faulted in, once
+        one = best_of(lambda: engine.decode(raw_t, fmt, out_t.size, out_t), a.repeat)
+        engine.use_threads(n_threads)
+        many = best_of(lambda: engine.decode(raw_t, fmt, out_t.size, out_t), a.repeat)
+        row = dict(format=fmt, bytes_per_param=size / qk, panel_1=out_p.size / panel / 1e9,
+                   tensor_1=out_t.size / one / 1e9, tensor_n=out_t.size / many / 1e9,
+                   read_gbs=raw_t.size / many / 1e9)
+        rows.append(row)
+        lines.append(f"| {fmt} | {row['bytes_per_param']:.3f} | {row['panel_1']:.2f} | "
+                     f"{row['tensor_1']:.2f} | {row['tensor_n']:.2f} | {row['read_gbs']:.1f} |")
+    engine.use_threads(a.threads)
+    return "\n".join(lines), {"read_gbs": read_gbs, "copy_gbs": copy_gbs, "rows": rows}
+
+
+# --- step --------------------------------------------------------------------------------------
+def section_step(a, work: Path) -> tuple[str, dict]:
+    lines = ["| model | file GiB | toygraph decoded: tok/s | peak RSS GiB | toygraph blocks: "
+             "tok/s | peak RSS GiB | blocks / decoded | torch + PEFT: tok/s | peak RSS GiB | "
+             "loss step 1: decoded / blocks / torch |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    doc = []
+    for name in a.models_step:
+        path = model_file(name)
+        ns = argparse.Namespace(targets=tuple(a.targets.split(",")), rank=a.rank,
+                                alpha=2.0 * a.rank, seed=42, init_scale=0.01, warmup=a.warmup,
+                                steps=a.steps, batch=a.batch, seq=a.seq)
+        d = work / name
+        d.mkdir()
+        make_inputs(d, path, ns)
+        base = dict(device="cpu", gguf=str(path), seq=a.seq, batch=a.batch, targets=list(ns.targets),
+                    rank=a.rank, alpha=ns.alpha, lr=1e-3, clip=1.0, seed=42, init_scale=0.01,
+                    dtype="f32", adapter_dir=str(d / "adapter"), adapter_npz=str(d / "adapter.npz"),
+                    data=str(d / "data.npz"), op_profile=False, hf_dir=None, threads=a.threads,
+                    mode="full")
+        got = {}
+        for tag, impl, env in (("decoded", "toygraph", {"TOYGRAPH_BASE_MEMORY": "decode"}),
+                               ("blocks", "toygraph", {"TOYGRAPH_BASE_MEMORY": "auto"}),
+                               ("torch", "torch-eager", {})):
+            if tag == "torch" and name.startswith("llama8b"):
+                got[tag] = {"error": "not run: its f32 weights (32 GB) do not fit"}
+                continue
+            got[tag] = run_child(d, dict(base, impl=impl), f"{name}-{tag}", env)
+        doc.append({"model": name, "file_bytes": path.stat().st_size, **got})
+        lines.append(step_row(name, path.stat().st_size, got, a.batch * a.seq, a.warmup))
+    return "\n".join(lines), {"rows": doc}
+
+
+def step_row(name: str, size: int, got: dict, tokens: int, warmup: int) -> str:
+    def speed(r):
+        return tokens / statistics.median(r["step_s"][warmup:]) if "step_s" in r else None
+
+    cells, rates = [], {}
+    for tag in ("decoded", "blocks", "torch"):
+        r = got[tag]
+        if "error" in r:
+            cells += [r["error"][:60], "—"]
+            continue
+        rates[tag] = speed(r)
+        peak = r.get("peak_rss", r.get("peak_bytes", 0))
+        cells += [f"{rates[tag]:.1f}", f"{peak / GIB:.2f}"]
+    ratio = (f"{rates['blocks'] / rates['decoded']:.0%}" if {"blocks", "decoded"} <= rates.keys()
+             else "—")
+    first = " / ".join(f"{got[t]['losses'][0]:.5f}" if "losses" in got[t] else "—"
+                       for t in ("decoded", "blocks", "torch"))
+    return (f"| {name} | {size / GIB:.2f} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} "
+            f"| {ratio} | {cells[4]} | {cells[5]} | {first} |")
+
+
+# --- generate ----------------------------------------------------------------------------------
+def child_generate(spec: dict) -> dict:
+    """One generation path in this process: tokens/s after the first token and the greedy
+    ids; toygraph also the logits along ``follow`` (another path's greedy tokens, fed to
+    this one) compared with ``follow_logits``, and GRPO's rollouts."""
+    if spec["impl"] == "llama.cpp":
+        from llama_cpp import Llama
+        llm = Llama(model_path=spec["gguf"], n_threads=spec["threads"],
+                    n_threads_batch=spec["threads"], n_ctx=512, verbose=False)
+        stamps, out = [], []
+        for tok in llm.generate(llm.tokenize(PROMPT.encode(), add_bos=False), temp=0.0, top_k=1):
+            stamps.append(time.perf_counter())
+            out.append(int(tok))
+            if len(out) >= spec["new"]:
+                break
+        return {"ids": out, "tok_s": (len(out) - 1) / (stamps[-1] - stamps[0])}
+    os.environ["TOYGRAPH_BASE_MEMORY"] = spec["base_memory"]
+    from toygraph.cpu import engine
+    from toygraph.inference.language_model import LanguageModel
+    engine.use_threads(spec["threads"])
+    lm = LanguageModel(spec["gguf"])
+    prompt = lm.tokenizer.encode(PROMPT)
+    end = len(prompt) + spec["new"]
+    ids, stamps, rows = greedy(lm, prompt, end)
+    out = {"ids": ids, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+    if spec.get("keep_logits"):
+        out["logits"] = [r.tolist() for r in rows]
+    if spec.get("follow"):
+        _, _, along = greedy(lm, prompt, end, follow=spec["follow"])
+        ref = np.asarray(spec["follow_logits"])
+        out["max_logit_diff"] = float(np.abs(np.asarray(along) - ref).max())
+        out["logit_scale"] = float(np.abs(ref).max())
+    if spec.get("rollouts"):
+        out["rollouts_tok_s"] = rollout_speed(lm, prompt, spec["rollouts"])
+    return out
+
+
+def greedy(lm, prompt: list[int], end: int, follow=None):
+    """(new ids, the time each logits row arrived, the rows): greedy picks, or ``follow``'s
+    tokens fed in turn (the rows along another path's sequence)."""
+    context = list(prompt)
+    logits = lm.next_logits(context, end)
+    stamps, rows = [], []
+    while len(context) < end:
+        row = np.asarray(next(logits), np.float64)
+        stamps.append(time.perf_counter())
+        rows.append(row)
+        context.append(int(np.argmax(row)) if follow is None else follow[len(rows) - 1])
+    return context[len(prompt):], stamps, rows
+
+
+def rollout_speed(lm, prompt: list[int], group: int, new: int = 32) -> float:
+    """GRPO's batched sampler (inference/batched.py): a group of completions of one prompt,
+    sampled at temperature 1; tokens/s over the group, after a first (realizing) round."""
+    from toygraph.inference.batched import BatchedGenerator
+    from toygraph.inference.sampling import SamplingOptions
+    gen = BatchedGenerator(lm.model, rows=group, prompt_len=len(prompt),
+                           cache_len=len(prompt) + new)
+    opts = SamplingOptions(temperature=1.0, seed=0)
+    gen.generate([prompt] * group, new, opts)
+    t0 = time.perf_counter()
+    done = gen.generate([prompt] * group, new, opts)
+    return sum(len(c) for c in done) / (time.perf_counter() - t0)
+
+
+def run_generate_child(spec: dict, work: Path, tag: str) -> dict:
+    spec_path, out_path = work / f"{tag}.json", work / f"{tag}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    log(f"{tag}: starting")
+    proc = subprocess.run([sys.executable, __file__, "--_child", str(spec_path), str(out_path)],
+                          stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0 or not out_path.is_file():
+        last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["?"]
+        log(f"{tag}: FAILED: {last[0]}")
+        return {"error": last[0][:200]}
+    return json.loads(out_path.read_text())
+
+
+def section_generate(a, work: Path) -> tuple[str, dict]:
+    lines = [f"| model | toygraph blocks: tok/s | toygraph decoded (f32 path) | llama.cpp | "
+             f"blocks / llama.cpp | greedy tokens = f32 path | logits max diff (of max |logit|) "
+             f"| GRPO rollouts, group of {a.group}: tok/s |", "|---|---:|---:|---:|---:|---|---|---:|"]
+    doc = []
+    for name in a.models_gen:
+        path = str(model_file(name))
+        base = dict(gguf=path, threads=a.threads_n, new=a.new)
+        f32 = run_generate_child(dict(base, impl="toygraph", base_memory="decode",
+                                      keep_logits=True), work, f"{name}-gen-f32")
+        follow = {} if "error" in f32 else {"follow": f32["ids"], "follow_logits": f32["logits"]}
+        blk = run_generate_child(dict(base, impl="toygraph", base_memory="auto",
+                                      rollouts=a.group, **follow), work, f"{name}-gen-blocks")
+        ref = run_generate_child(dict(base, impl="llama.cpp"), work, f"{name}-gen-llama")
+        f32.pop("logits", None)
+        doc.append({"model": name, "blocks": blk, "f32": f32, "llama.cpp": ref})
+        if any("error" in r for r in (f32, blk, ref)):
+            lines.append(f"| {name} | " + " | ".join(r.get("error", "ok")[:50] for r in (blk, f32, ref))
+                         + " | | | | |")
+            continue
+        same = blk["ids"] == f32["ids"]
+        first = next((i for i, (x, y) in enumerate(zip(blk["ids"], f32["ids"])) if x != y), None)
+        lines.append(f"| {name} | {blk['tok_s']:.1f} | {f32['tok_s']:.1f} | {ref['tok_s']:.1f} | "
+                     f"{blk['tok_s'] / ref['tok_s']:.0%} | "
+                     f"{'yes, all ' + str(len(f32['ids'])) if same else f'no: from token {first}'} | "
+                     f"{blk['max_logit_diff']:.2e} ({blk['logit_scale']:.1f}) | "
+                     f"{blk.get('rollouts_tok_s', float('nan')):.1f} |")
+    return "\n".join(lines), {"rows": doc}
+
+
+# --- contention --------------------------------------------------------------------------------
+def busy_loop() -> None:
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+
+
+def section_contention(a, work: Path) -> tuple[str, dict]:
+    import multiprocessing as mp
+    path = model_file("smollm2")
+    ns = argparse.Namespace(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32.0,
+                            seed=42, init_scale=0.01, warmup=1, steps=3, batch=4, seq=64)
+    make_inputs(work, path, ns)
+    base = dict(device="cpu", gguf=str(path), seq=64, batch=4, targets=list(ns.targets), rank=16,
+                alpha=32.0, lr=1e-3, clip=1.0, seed=42, init_scale=0.01, dtype="f32",
+                adapter_dir=str(work / "adapter"), adapter_npz=str(work / "adapter.npz"),
+                data=str(work / "data.npz"), op_profile=False, hf_dir=None, threads=a.threads,
+                mode="full")
+    lines = ["| beside the step | toygraph: s/step | slowdown | torch + PEFT: s/step | slowdown |",
+             "|---|---:|---:|---:|---:|"]
+    doc, alone = [], {}
+    for others in (0, 1, 2):
+        procs = [mp.Process(target=busy_loop, daemon=True) for _ in range(others)]
+        for p in procs:
+            p.start()
+        try:
+            got = {impl: run_child(work, dict(base, impl=impl), f"contention-{impl}-{others}", {})
+                   for impl in ("toygraph", "torch-eager")}
+        finally:
+            for p in procs:
+                p.terminate()
+        cells = []
+        for impl in ("toygraph", "torch-eager"):
+            r = got[impl]
+            s = statistics.median(r["step_s"][1:]) if "step_s" in r else float("nan")
+            alone.setdefault(impl, s)
+            cells += [f"{s:.2f}", f"{s / alone[impl]:.2f}x"]
+        doc.append({"others": others, **got})
+        lines.append(f"| {others} CPU-bound process{'es' if others != 1 else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), {"rows": doc}
+
+
+# --- main --------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_child"]:
+        spec = json.loads(Path(argv[1]).read_text())
+        ensure_toygraph()
+        Path(argv[2]).write_text(json.dumps(child_generate(spec)))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="decode,step,generate,contention")
+    ap.add_argument("--models", help="step and generate rows (default: their own lists)")
+    ap.add_argument("--threads", type=int, help="default: the CPUs this process may use")
+    ap.add_argument("--targets", default="q,k,v,o")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--new", type=int, default=64, help="new tokens per generation")
+    ap.add_argument("--group", type=int, default=4, help="GRPO rollouts' group size")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--md")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    ensure_toygraph()
+    from toygraph.cpu import threads
+    a.threads_n = threads.resolve(a.threads)
+    chosen = a.models.split(",") if a.models else None
+    a.models_step, a.models_gen = chosen or STEP_MODELS, chosen or GEN_MODELS
+    head = (f"## The CPU engine — {cpu_name()}, {a.threads_n} threads of "
+            f"{len(os.sched_getaffinity(0))} CPUs, {time.strftime('%Y-%m-%d')}\n\n"
+            f"- `python bench/cpu_engine.py {' '.join(argv)}`\n- python {platform.python_version()}, "
+            f"numpy {np.__version__}, torch {version('torch')}, transformers "
+            f"{version('transformers')}, llama-cpp-python {version('llama_cpp_python')}\n")
+    parts, doc = [head], {"argv": argv, "threads": a.threads_n}
+    sections = {"decode": lambda w: section_decode(a), "step": lambda w: section_step(a, w),
+                "generate": lambda w: section_generate(a, w),
+                "contention": lambda w: section_contention(a, w)}
+    with tempfile.TemporaryDirectory(prefix="cpu_engine.") as tmp:
+        for name in a.sections.split(","):
+            before = load()
+            work = Path(tmp) / name
+            work.mkdir()
+            text, doc[name] = sections[name](work)
+            parts.append(f"### {name} (load average {before} before, {load()} after)\n\n{text}\n")
+            print(parts[-1], flush=True)
+    if a.md:
+        Path(a.md).write_text("\n".join(parts))
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
