@@ -59,10 +59,8 @@ static inline v16f splat(float x) {
     std::memcpy(&r, &h, 32);
     std::memcpy((char*)&r + 32, &h, 32);
     return r;
-#else
-    v16f r;   // not (v16f){} + x: 0 + -0 is +0, and the sign of a zero scale is kept
-    for (int i = 0; i < 16; i++) r[i] = x;
-    return r;
+#else   // not (v16f){} + x: 0 + -0 is +0, and the sign of a zero scale must be kept
+    return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 #endif
 }
 #if defined(__AVX2__) && !defined(__AVX512F__)
