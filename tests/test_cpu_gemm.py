@@ -126,9 +126,9 @@ def test_a_broken_forward_panel_index_fails_the_bound():
 
 @pytest.mark.slow
 def test_a_broken_backward_panel_index_fails_the_bound():
-    """The backward panel reading g one column early from the second panel on."""
-    lib = _broken("p.a + m0 * p.lda + n0, p.lda", "p.a + m0 * p.lda + (n0 ? n0 - 1 : 0), p.lda")
-    N, K, M = 150, 256, 5
+    """The backward panel copying g's columns one early from the second panel on."""
+    lib = _broken("p.a + m * p.lda + n0, (size_t)nn * 4", "p.a + m * p.lda + (n0 ? n0 - 1 : 0), (size_t)nn * 4")
+    N, K, M = 600, 256, 5
     raw = weight("q4_k", N, K)
     w = blocks.dequantize(raw, "q4_k", (N, K))
     g = inputs(M, N)

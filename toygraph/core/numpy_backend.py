@@ -18,6 +18,7 @@ import numpy as np
 from toygraph.core.buffer_plan import BufferPlan, Storage
 from toygraph.core.frozen_base import check_fits, scratch_layout
 from toygraph.core.ops import BLOCK_KERNELS, KERNELS
+from toygraph.cpu import engine, threads
 from toygraph.errors import GraphError
 from toygraph.cpu.block_tensor import BlockTensor
 
@@ -74,6 +75,9 @@ class CpuBackend:
                 self.arrays[t.id] = view.reshape(t.shape)
         self.schedule = schedule
         self._plan_decodes(schedule, plan)
+        # The engine multiplies the base on its blocks: BLAS (what is left: adapters,
+        # attention) on one thread, so the two pools never spin on the same cores.
+        self.engine_carries = bool(plan.quantized) and self.itemsize == 4 and engine.available()
 
     def _plan_decodes(self, schedule, plan: BufferPlan):
         """Per node reading a quantized const: its scratch layout and the views of it (one
@@ -101,6 +105,7 @@ class CpuBackend:
         self.decode_seconds = 0.0
 
     def run(self, nodes):
+        threads.blas_beside_engine(self.engine_carries)
         arrays, decodes = self.arrays, self.decodes
         for t in nodes:
             if t.op is None:

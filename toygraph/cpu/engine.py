@@ -136,6 +136,7 @@ def use_threads(n: int | None = None) -> int:
     engine's pool and BLAS's. Returns the count."""
     n = threads.resolve(n)
     set_threads(n)
+    threads.choose(n)
     threads.limit_blas(n)
     return n
 

@@ -20,7 +20,7 @@
 // again). The per-thread panels are the engine's bounded scratch.
 
 static const int KC = 256;   // columns of W per forward panel (a K-quant block)
-static const int PN = 64;    // rows of W per backward panel
+static const int PN = 256;   // rows of W per backward panel
 
 template <int R>
 static inline void micro(int64_t kk, const float* A, int64_t lda, const float* B, int64_t ldb,
@@ -91,7 +91,7 @@ struct Product {
     int64_t lda, M;
     float* c;             // y [M, N] (nt) or [M, K] (nn), rows ldc apart
     int64_t ldc;
-    int64_t slice, splits;  // nn: output columns per task, row splits of g
+    int64_t slice, splits;  // nt: strips per task; nn: output columns per task, row splits
 };
 
 // Per-thread scratch, grown on demand (the panels below: tens of KiB a thread).
@@ -102,23 +102,25 @@ static float* scratch(size_t floats) {
     return t_scratch.data();
 }
 
-static void nt_task(void* ctx, int64_t task, int) {
-    const Product& p = *(const Product*)ctx;
-    const int64_t n0 = task * NR;
+static void nt_strip(const Product& p, int64_t n0) {
+    // The strip's whole K as one [K][NR] panel (decoded KC columns of its rows at a time,
+    // then transposed), so each row block of x runs the kernel once over all of K: C in
+    // registers from the first k to the last, never reloaded from y (whose rows lie N
+    // apart: a reload per KC touched a page a row).
     const int cols = (int)(p.N - n0 < NR ? p.N - n0 : NR);
-    float* rows = scratch((size_t)NR * KC * 2);   // [cols][KC] decoded, then [KC][NR] panel
+    float* rows = scratch((size_t)NR * KC + (size_t)NR * p.K);
     float* panel = rows + (size_t)NR * KC;
     for (int64_t k0 = 0; k0 < p.K; k0 += KC) {
         const int64_t kk = p.K - k0 < KC ? p.K - k0 : KC;
         for (int j = 0; j < cols; j++)
             decode_row_part(*p.f, p.w + (n0 + j) * p.row_bytes, k0, k0 + kk, rows + (size_t)j * KC);
         for (int64_t k = 0; k < kk; k++) {
-            float* dst = panel + k * NR;
+            float* dst = panel + (k0 + k) * NR;
             for (int j = 0; j < cols; j++) dst[j] = rows[(size_t)j * KC + k];
             for (int j = cols; j < NR; j++) dst[j] = 0.0f;
         }
-        rows_times_panel(p.M, kk, p.a + k0, p.lda, panel, NR, p.c + n0, p.ldc, k0 == 0, cols);
     }
+    rows_times_panel(p.M, p.K, p.a, p.lda, panel, NR, p.c + n0, p.ldc, true, cols);
 }
 
 static void nn_task(void* ctx, int64_t task, int) {
@@ -129,7 +131,10 @@ static void nn_task(void* ctx, int64_t task, int) {
     const int64_t m0 = split * per, m1 = m0 + per < p.M ? m0 + per : p.M;
     if (m0 >= m1) return;
     const int64_t ld = (kk + NR - 1) / NR * NR;   // whole vectors; the tail stays zero
-    float* panel = scratch((size_t)PN * ld);
+    // The panel of W, and g's columns n0..n0 + PN copied together ([rows][PN]): g's rows lie
+    // N apart (151,936 floats for a head), a page each.
+    float* panel = scratch((size_t)PN * ld + (size_t)(m1 - m0) * PN);
+    float* gp = panel + (size_t)PN * ld;
     for (int64_t n0 = 0; n0 < p.N; n0 += PN) {
         const int64_t nn = p.N - n0 < PN ? p.N - n0 : PN;
         for (int64_t i = 0; i < nn; i++) {
@@ -137,16 +142,29 @@ static void nn_task(void* ctx, int64_t task, int) {
             decode_row_part(*p.f, p.w + (n0 + i) * p.row_bytes, k0, k0 + kk, dst);
             for (int64_t j = kk; j < ld; j++) dst[j] = 0.0f;
         }
+        for (int64_t m = m0; m < m1; m++)
+            std::memcpy(gp + (m - m0) * PN, p.a + m * p.lda + n0, (size_t)nn * 4);
         for (int64_t j = 0; j < kk; j += NR) {
             const int cols = (int)(kk - j < NR ? kk - j : NR);
-            rows_times_panel(m1 - m0, nn, p.a + m0 * p.lda + n0, p.lda, panel + j, ld,
-                             p.c + m0 * p.ldc + k0 + j, p.ldc, n0 == 0, cols);
+            rows_times_panel(m1 - m0, nn, gp, PN, panel + j, ld, p.c + m0 * p.ldc + k0 + j,
+                             p.ldc, n0 == 0, cols);
         }
     }
 }
 
+// A task is a run of neighbouring strips (p.slice of them), so the threads write apart:
+// strips handed out one by one alternate between threads, whose stores then share the
+// cache lines at the strips' edges.
+static void nt_task(void* ctx, int64_t task, int) {
+    const Product& p = *(const Product*)ctx;
+    for (int64_t n0 = task * p.slice * NR; n0 < p.N && n0 < (task + 1) * p.slice * NR; n0 += NR)
+        nt_strip(p, n0);
+}
+
 static void matmul_nt(Product& p) {
-    pool_run((p.N + NR - 1) / NR, nt_task, &p);
+    const int64_t strips = (p.N + NR - 1) / NR, per = strips / (4 * pool_threads());
+    p.slice = per < 1 ? 1 : per;
+    pool_run((strips + p.slice - 1) / p.slice, nt_task, &p);
 }
 
 static void matmul_nn(Product& p) {

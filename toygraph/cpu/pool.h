@@ -50,9 +50,13 @@ struct Pool {
 // Never destroyed: at exit the workers may still wait on its condition variable (glibc's
 // pthread_cond_destroy would wait for them), and the process's end stops them anyway.
 static Pool& g_pool = *new Pool;
-// How long a waiting thread spins before it sleeps: long enough to bridge the gap between
-// two kernels of one layer, short enough not to steal a core from BLAS for long.
-static const auto kSpin = std::chrono::microseconds(100);
+// How long a waiting thread spins before it sleeps. Generation's one-token step calls the
+// engine every few tens of microseconds, and waking a sleeping worker costs about as much
+// as a product with a small matrix: spinning through the gaps took SmolLM2 from 36 to
+// 44-48 tokens/s on 2 cores. A spinning worker only costs where another pool wants the
+// core, and BLAS runs on one thread while the engine carries the base
+// (threads.blas_beside_engine).
+static const auto kSpin = std::chrono::microseconds(400);
 
 // Spin until done() or kSpin has passed; whether done() held.
 template <class P>
@@ -163,7 +167,7 @@ static void pool_run(int64_t n_tasks, JobFn fn, void* ctx) {
     g_pool.open.store(false);
     // A worker that joined as the job ended finds no task and leaves within instructions,
     // unless it was descheduled in between: then let it run.
-    while (!spin_until([] { return g_pool.active.load() == 0; })) sched_yield();
+    while (g_pool.active.load() != 0) sched_yield();
 }
 
 // A job over a lambda: pool_for(n, [&](int64_t task, int thread) { ... }).

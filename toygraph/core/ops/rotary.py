@@ -72,12 +72,31 @@ def rope_angles(positions, dims, base, dtype, freq_factors=None, freq_scale=1.0)
     return np.cos(theta)[:, :, None, :].astype(dtype), np.sin(theta)[:, :, None, :].astype(dtype)
 
 
+#: Angles of the last few small position sets (generation: every layer's q and k rope at
+#: the one new position, so each token's angles are worked out once, not 2 x layers times).
+_RECENT_ANGLES: dict = {}
+_SMALL_POSITIONS = 256
+
+
+def _angles(pos, d, base, dtype, factors, freq_scale):
+    if pos.size > _SMALL_POSITIONS:
+        return rope_angles(pos, d, base, dtype, factors, freq_scale)
+    key = (pos.shape, pos.tobytes(), d, base, np.dtype(dtype).str, freq_scale,
+           None if factors is None else factors.tobytes())
+    hit = _RECENT_ANGLES.get(key)
+    if hit is None:
+        if len(_RECENT_ANGLES) >= 8:
+            _RECENT_ANGLES.pop(next(iter(_RECENT_ANGLES)))
+        hit = _RECENT_ANGLES[key] = rope_angles(pos, d, base, dtype, factors, freq_scale)
+    return hit
+
+
 @kernel("rope")
 def _rope_numpy(out, srcs, attrs):
     x, pos = srcs[:2]
     d = attrs["dims"]
     factors = srcs[2] if len(srcs) == 3 else None
-    cos, sin = rope_angles(pos, d, attrs["base"], x.dtype, factors, attrs["freq_scale"])
+    cos, sin = _angles(pos, d, attrs["base"], x.dtype, factors, attrs["freq_scale"])
     if attrs["inverse"]:
         sin = -sin
     if attrs["mode"] == "normal" and d == x.shape[-1] and x.flags.c_contiguous:
