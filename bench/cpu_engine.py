@@ -8,9 +8,12 @@ Sections (``--sections``, comma-separated; all by default):
   and sum over 256 MiB).
 - ``step``: a LoRA step (targets q,k,v,o, rank 8, one sequence of 128 tokens unless told)
   on each model row: toygraph with the base decoded to f32 (``--base-memory decode``),
-  toygraph on the blocks (the default), torch + PEFT (transformers loading the same GGUF;
-  not for the 8B shape, whose f32 copy does not fit); tokens/s, peak RSS, the blocks' speed
-  against the decoded step's and the file's size. Each in its own child (bench_lora.py's).
+  toygraph on the blocks (the default), torch + PEFT (transformers loading the same GGUF);
+  tokens/s, peak RSS, the blocks' speed against the decoded step's and the file's size.
+  Each in its own child (bench_lora.py's); ``--rounds N`` alternates the decoded and blocks
+  children N times and pools their step times (the host's slow spells fall on both). ``llama8b4-q4_k`` is the 8B's matrices and head
+  with 4 of its 32 layers; the whole ``llama8b-q4_k`` runs on the blocks only (its f32
+  copy, 32 GB, fits neither the decoded path nor torch).
 - ``generate``: greedy generation, the same prompt, 64 new tokens, the same threads:
   toygraph on the blocks, toygraph decoded to f32 (the reference arithmetic: BLAS),
   llama.cpp (llama-cpp-python) on the same file; tokens/s after the first token, the greedy
@@ -49,18 +52,23 @@ from bench_lora import (bench_cache, ensure_toygraph, log, make_inputs, peak_rss
 GIB = 1 << 30
 PROMPT = "The history of the printing press begins"
 #: model rows: how each is found (a catalog name, or a random Llama shape and block type)
-STEP_MODELS = ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "llama1b-q4_k", "llama8b-q4_k")
+STEP_MODELS = ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "llama1b-q4_k", "llama8b4-q4_k")
+#: random Llama shapes: ``llama8b4`` is Llama-3.1-8B's dims, vocabulary and untied head with
+#: 4 of its 32 layers (1.9e9 weights), so that its f32 copy fits beside the blocks and
+#: decoded-vs-blocks can be compared on the 8B's matrices; ``llama8b`` is the whole model.
+RANDOM_SHAPES = {"llama1b": {}, "llama8b": {}, "llama8b4": {"n_layer": 4}}
 GEN_MODELS = ("smollm2", "qwen2.5-coder-0.5b")
 
 
 def model_file(name: str) -> Path:
-    if name.startswith(("llama1b-", "llama8b-")):
+    if name.split("-")[0] in RANDOM_SHAPES:
         from random_model import LLAMA1B, LLAMA8B, write_random_llama
         shape, wtype = name.split("-")
         path = bench_cache() / f"{shape}-random-{wtype}" / f"{shape}-random-{wtype}.gguf"
         if not path.is_file():
             log(f"writing {path} (random weights, {wtype}; once)")
-            write_random_llama(path, wtype=wtype, **(LLAMA1B if shape == "llama1b" else LLAMA8B))
+            dims = dict(LLAMA1B if shape == "llama1b" else LLAMA8B, **RANDOM_SHAPES[shape])
+            write_random_llama(path, wtype=wtype, **dims)
         return path
     from toygraph.models.catalog import resolve_model
     return Path(resolve_model(name))
@@ -162,16 +170,33 @@ def section_step(a, work: Path) -> tuple[str, dict]:
                     data=str(d / "data.npz"), op_profile=False, hf_dir=None, threads=a.threads,
                     mode="full")
         got = {}
-        for tag, impl, env in (("decoded", "toygraph", {"TOYGRAPH_BASE_MEMORY": "decode"}),
-                               ("blocks", "toygraph", {"TOYGRAPH_BASE_MEMORY": "auto"}),
-                               ("torch", "torch-eager", {})):
-            if tag == "torch" and name.startswith("llama8b"):
-                got[tag] = {"error": "not run: its f32 weights (32 GB) do not fit"}
-                continue
-            got[tag] = run_child(d, dict(base, impl=impl), f"{name}-{tag}", env)
+        # decoded and blocks alternate --rounds times (their step times pooled), so a slow
+        # spell of a shared host falls on both; torch + PEFT runs once
+        for rnd in range(a.rounds):
+            for tag, impl, env in (("decoded", "toygraph", {"TOYGRAPH_BASE_MEMORY": "decode"}),
+                                   ("blocks", "toygraph", {"TOYGRAPH_BASE_MEMORY": "auto"}),
+                                   ("torch", "torch-eager", {})):
+                if tag != "blocks" and name.startswith("llama8b-"):
+                    got[tag] = {"error": "not run: its f32 weights (32 GB) do not fit"}
+                    continue
+                if tag == "torch" and rnd < a.rounds - 1:
+                    continue
+                r = run_child(d, dict(base, impl=impl), f"{name}-{tag}-{rnd}", env)
+                got[tag] = pool_rounds(got.get(tag), r, a.warmup)
         doc.append({"model": name, "file_bytes": path.stat().st_size, **got})
         lines.append(step_row(name, path.stat().st_size, got, a.batch * a.seq, a.warmup))
     return "\n".join(lines), {"rows": doc}
+
+
+def pool_rounds(before: dict | None, r: dict, warmup: int) -> dict:
+    """One child's result, its step times after warmup added to the earlier rounds' (their
+    warmup steps kept once, at the front), its peak RSS the largest; an error wins."""
+    if before is None or "error" in r:
+        return r
+    if "error" in before:
+        return before
+    return dict(r, step_s=before["step_s"] + r["step_s"][warmup:],
+                peak_rss=max(before.get("peak_rss", 0), r.get("peak_rss", 0)))
 
 
 def step_row(name: str, size: int, got: dict, tokens: int, warmup: int) -> str:
@@ -363,6 +388,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="step: decoded and blocks alternate this many times, times pooled")
     ap.add_argument("--new", type=int, default=64, help="new tokens per generation")
     ap.add_argument("--group", type=int, default=4, help="GRPO rollouts' group size")
     ap.add_argument("--repeat", type=int, default=5)
