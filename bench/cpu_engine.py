@@ -14,6 +14,9 @@ Sections (``--sections``, comma-separated; all by default):
   children N times and pools their step times (the host's slow spells fall on both). ``llama8b4-q4_k`` is the 8B's matrices and head
   with 4 of its 32 layers; the whole ``llama8b-q4_k`` runs on the blocks only (its f32
   copy, 32 GB, fits neither the decoded path nor torch).
+- ``interleaved``: the fair speed comparison of the step rows: both base modes realized
+  in one process and their steps alternating (2 x --steps of each, the first dropped);
+  the median step of each and the range of the step-by-step ratio.
 - ``generate``: greedy generation, the same prompt, 64 new tokens, the same threads:
   toygraph on the blocks, toygraph decoded to f32 (the reference arithmetic: BLAS),
   llama.cpp (llama-cpp-python) on the same file; tokens/s after the first token, the greedy
@@ -220,6 +223,57 @@ def step_row(name: str, size: int, got: dict, tokens: int, warmup: int) -> str:
             f"| {ratio} | {cells[4]} | {cells[5]} | {first} |")
 
 
+def child_interleaved(spec: dict) -> dict:
+    """Both base modes realized in this process and their LoRA steps interleaved (decoded,
+    blocks, then blocks, decoded, ...): the same tokens, so a slow spell of the host falls
+    on both; the times of every step after the first."""
+    from toygraph.core.optimizer import hp_row
+    from toygraph.cpu import engine
+    from toygraph.models.model import GGUFModel
+    from toygraph.recipes import LoRA, RecipeOptions
+    engine.use_threads(spec["threads"])
+    model = GGUFModel(spec["gguf"])
+    recipes = {}
+    for mode in ("decode", "quantized"):
+        r = LoRA(targets=tuple(spec["targets"]), rank=spec["rank"], alpha=2.0 * spec["rank"])
+        r.realize(model, model.config, RecipeOptions(seq_len=spec["seq"], batch=spec["batch"],
+                                                     seed=42, base_memory=mode))
+        recipes[mode] = r
+    rng = np.random.default_rng(42)
+    ids = rng.integers(0, model.config.n_vocab, (1, spec["batch"], spec["seq"])).astype(np.int32)
+    pos = np.tile(np.arange(spec["seq"], dtype=np.int32), (1, spec["batch"], 1))
+    labels = np.concatenate([ids[..., 1:], np.full(ids.shape[:-1] + (1,), -1, np.int32)], -1)
+    times = {m: [] for m in recipes}
+    for i in range(spec["steps"] + 1):
+        for mode, r in (list(recipes.items()) if i % 2 == 0 else list(recipes.items())[::-1]):
+            t = time.perf_counter()
+            r.step(ids, pos, labels, hp_row(i + 1, 1e-3), is_first=(i == 0))
+            times[mode].append(time.perf_counter() - t)
+    return {m: t[1:] for m, t in times.items()}
+
+
+def section_interleaved(a, work: Path) -> tuple[str, dict]:
+    lines = ["| model | decoded: s/step (median) | blocks: s/step | blocks / decoded | "
+             "pairwise, least..most |", "|---|---:|---:|---:|---|"]
+    doc = []
+    for name in a.models_step:
+        if name.startswith("llama8b-"):
+            continue
+        spec = dict(kind="interleaved", gguf=str(model_file(name)), threads=a.threads_n,
+                    targets=a.targets.split(","), rank=a.rank, batch=a.batch, seq=a.seq,
+                    steps=2 * a.steps)
+        got = run_child_here(spec, work, f"{name}-interleaved")
+        doc.append({"model": name, **got})
+        if "error" in got:
+            lines.append(f"| {name} | {got['error'][:60]} | | | |")
+            continue
+        d, b = (statistics.median(got[m]) for m in ("decode", "quantized"))
+        pairs = [x / y for x, y in zip(got["decode"], got["quantized"])]
+        lines.append(f"| {name} | {d:.2f} | {b:.2f} | {d / b:.0%} | "
+                     f"{min(pairs):.0%}..{max(pairs):.0%} |")
+    return "\n".join(lines), {"rows": doc}
+
+
 # --- generate ----------------------------------------------------------------------------------
 def child_generate(spec: dict) -> dict:
     """One generation path in this process: tokens/s after the first token and the greedy
@@ -285,7 +339,8 @@ def rollout_speed(lm, prompt: list[int], group: int, new: int = 32) -> float:
     return sum(len(c) for c in done) / (time.perf_counter() - t0)
 
 
-def run_generate_child(spec: dict, work: Path, tag: str) -> dict:
+def run_child_here(spec: dict, work: Path, tag: str) -> dict:
+    """Run child_generate (or child_interleaved) on ``spec`` in a process of its own."""
     spec_path, out_path = work / f"{tag}.json", work / f"{tag}.out.json"
     spec_path.write_text(json.dumps(spec))
     log(f"{tag}: starting")
@@ -306,12 +361,12 @@ def section_generate(a, work: Path) -> tuple[str, dict]:
     for name in a.models_gen:
         path = str(model_file(name))
         base = dict(gguf=path, threads=a.threads_n, new=a.new)
-        f32 = run_generate_child(dict(base, impl="toygraph", base_memory="decode",
+        f32 = run_child_here(dict(base, impl="toygraph", base_memory="decode",
                                       keep_logits=True), work, f"{name}-gen-f32")
         follow = {} if "error" in f32 else {"follow": f32["ids"], "follow_logits": f32["logits"]}
-        blk = run_generate_child(dict(base, impl="toygraph", base_memory="auto",
+        blk = run_child_here(dict(base, impl="toygraph", base_memory="auto",
                                       rollouts=a.group, **follow), work, f"{name}-gen-blocks")
-        ref = run_generate_child(dict(base, impl="llama.cpp"), work, f"{name}-gen-llama")
+        ref = run_child_here(dict(base, impl="llama.cpp"), work, f"{name}-gen-llama")
         f32.pop("logits", None)
         doc.append({"model": name, "blocks": blk, "f32": f32, "llama.cpp": ref})
         if any("error" in r for r in (f32, blk, ref)):
@@ -376,10 +431,11 @@ def main(argv=None) -> int:
     if argv[:1] == ["--_child"]:
         spec = json.loads(Path(argv[1]).read_text())
         ensure_toygraph()
-        Path(argv[2]).write_text(json.dumps(child_generate(spec)))
+        child = child_interleaved if spec.get("kind") == "interleaved" else child_generate
+        Path(argv[2]).write_text(json.dumps(child(spec)))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="decode,step,generate,contention")
+    ap.add_argument("--sections", default="decode,step,interleaved,generate,contention")
     ap.add_argument("--models", help="step and generate rows (default: their own lists)")
     ap.add_argument("--threads", type=int, help="default: the CPUs this process may use")
     ap.add_argument("--targets", default="q,k,v,o")
@@ -408,6 +464,7 @@ def main(argv=None) -> int:
             f"{version('transformers')}, llama-cpp-python {version('llama_cpp_python')}\n")
     parts, doc = [head], {"argv": argv, "threads": a.threads_n}
     sections = {"decode": lambda w: section_decode(a), "step": lambda w: section_step(a, w),
+                "interleaved": lambda w: section_interleaved(a, w),
                 "generate": lambda w: section_generate(a, w),
                 "contention": lambda w: section_contention(a, w)}
     with tempfile.TemporaryDirectory(prefix="cpu_engine.") as tmp:
