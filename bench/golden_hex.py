@@ -12,7 +12,8 @@ SmolLM2 (lora_qv_smollm2) runs on numpy only: 135M parameters through the host e
 fibers would take hours. Compare runs made with the same BLAS threads: OpenBLAS splits a
 GEMM's sums by thread count, so ``OPENBLAS_NUM_THREADS=1`` against the default moves the
 last bits of numpy's losses from the third step on (seen on this 2-core machine; the
-recorded files use the default).
+recorded files use the default), and OpenBLAS picks its kernels by CPU model, so compare
+files recorded on one machine (bench/results/README.md names each file's).
 """
 from __future__ import annotations
 
