@@ -21,7 +21,9 @@ Sections (``--sections``, comma-separated; all by default):
   toygraph on the blocks, toygraph decoded to f32 (the reference arithmetic: BLAS),
   llama.cpp (llama-cpp-python) on the same file; tokens/s after the first token, the greedy
   tokens against the f32 path and the logits' largest difference along the f32 path's
-  tokens; and GRPO's rollouts (the batched sampler, a group of 4) in tokens/s.
+  tokens; and GRPO's rollouts (the batched sampler, a group of 4) in tokens/s. With
+  ``--rounds N`` the blocks and llama.cpp runs are repeated in turn N times: medians, and
+  the range of the rounds' ratios.
 - ``contention``: the demo's LoRA step (SmolLM2, rank 16 on attention and MLP, 4 x 64
   tokens) alone and beside one and two CPU-bound processes, toygraph and torch + PEFT: the
   slowdown (ideal: 2x and 3x on 2 cores... the step's share of the CPUs).
@@ -367,16 +369,26 @@ def section_generate(a, work: Path) -> tuple[str, dict]:
         blk = run_child_here(dict(base, impl="toygraph", base_memory="auto",
                                       rollouts=a.group, **follow), work, f"{name}-gen-blocks")
         ref = run_child_here(dict(base, impl="llama.cpp"), work, f"{name}-gen-llama")
+        # --rounds: more runs of the two timed paths in turn (speed only), so a slow spell
+        # of a shared host falls on both; the table gives medians and the rounds' ratios
+        speeds = {"blocks": [blk.get("tok_s")], "llama.cpp": [ref.get("tok_s")]}
+        for rnd in range(1, a.rounds):
+            for tag, spec in (("blocks", dict(base, impl="toygraph", base_memory="auto")),
+                              ("llama.cpp", dict(base, impl="llama.cpp"))):
+                speeds[tag].append(run_child_here(spec, work, f"{name}-gen-{tag}-{rnd}").get("tok_s"))
         f32.pop("logits", None)
-        doc.append({"model": name, "blocks": blk, "f32": f32, "llama.cpp": ref})
-        if any("error" in r for r in (f32, blk, ref)):
+        doc.append({"model": name, "blocks": blk, "f32": f32, "llama.cpp": ref, "rounds": speeds})
+        if any("error" in r for r in (f32, blk, ref)) or None in speeds["blocks"] + speeds["llama.cpp"]:
             lines.append(f"| {name} | " + " | ".join(r.get("error", "ok")[:50] for r in (blk, f32, ref))
                          + " | | | | |")
             continue
         same = blk["ids"] == f32["ids"]
         first = next((i for i, (x, y) in enumerate(zip(blk["ids"], f32["ids"])) if x != y), None)
-        lines.append(f"| {name} | {blk['tok_s']:.1f} | {f32['tok_s']:.1f} | {ref['tok_s']:.1f} | "
-                     f"{blk['tok_s'] / ref['tok_s']:.0%} | "
+        mine, theirs = (statistics.median(speeds[t]) for t in ("blocks", "llama.cpp"))
+        ratios = [x / y for x, y in zip(speeds["blocks"], speeds["llama.cpp"])]
+        spread = f" ({min(ratios):.0%}..{max(ratios):.0%})" if len(ratios) > 1 else ""
+        lines.append(f"| {name} | {mine:.1f} | {f32['tok_s']:.1f} | {theirs:.1f} | "
+                     f"{mine / theirs:.0%}{spread} | "
                      f"{'yes, all ' + str(len(f32['ids'])) if same else f'no: from token {first}'} | "
                      f"{blk['max_logit_diff']:.2e} ({blk['logit_scale']:.1f}) | "
                      f"{blk.get('rollouts_tok_s', float('nan')):.1f} |")
@@ -445,7 +457,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="step: decoded and blocks alternate this many times, times pooled")
+                    help="step: decoded and blocks alternate this many times, times pooled; "
+                         "generate: blocks and llama.cpp alternate, medians")
     ap.add_argument("--new", type=int, default=64, help="new tokens per generation")
     ap.add_argument("--group", type=int, default=4, help="GRPO rollouts' group size")
     ap.add_argument("--repeat", type=int, default=5)
