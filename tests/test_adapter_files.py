@@ -15,6 +15,8 @@ from toygraph.errors import DataError
 from toygraph.models.model import GGUFModel
 from toygraph.models.decoder import weight_shape
 
+from support.random_adapters import random_lora
+
 NAME = "blk.0.attn_q.weight"
 PREFERENCES = Path(__file__).resolve().parents[1] / "fixtures" / "data" / "preferences.jsonl"
 CAPITALS = capitals_data()
@@ -53,14 +55,7 @@ def test_integer_adapter_tensors_are_refused(tiny_llama, tmp_path):
 def _full_adapter(cfg, folder, alpha=8.0, rank=2, targets=("q", "v"), scale=0.05, seed=0, **config):
     """A PEFT adapter of every layer's ``targets``; ``config`` entries are written into its
     adapter_config.json afterwards (as another tool would have)."""
-    rng = np.random.default_rng(seed)
-    lora = {}
-    for i in range(cfg.n_layer):
-        for t in targets:
-            name = f"blk.{i}.attn_{t}.weight"
-            n_out, n_in = weight_shape(cfg, name)
-            lora[name] = (scale * rng.normal(size=(rank, n_in)).astype(np.float32),
-                          scale * rng.normal(size=(n_out, rank)).astype(np.float32))
+    lora = random_lora(cfg, targets, rank, seed, scale)
     save_peft(folder, lora, cfg, rank=rank, alpha=alpha, targets=list(targets))
     if config:
         path = folder / "adapter_config.json"

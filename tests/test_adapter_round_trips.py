@@ -11,21 +11,12 @@ from toygraph.adapters.files import (CONFIG_FILE, WEIGHTS_FILE, check_gguf_adapt
                                load_gguf_adapter, load_peft, save_gguf_adapter, save_peft)
 from toygraph.errors import DataError
 from toygraph.models.model import GGUFModel
-from toygraph.models.decoder import TARGETS, weight_shape
+from toygraph.models.decoder import TARGETS
+
+from support.random_adapters import random_lora
 
 ALL = tuple(TARGETS)
 
-
-def random_lora(cfg, targets=ALL, rank=4, seed=0):
-    rng = np.random.default_rng(seed)
-    lora = {}
-    for i in range(cfg.n_layer):
-        for t in targets:
-            name = f"blk.{i}.{TARGETS[t]}.weight"
-            n_out, n_in = weight_shape(cfg, name)
-            lora[name] = (rng.normal(size=(rank, n_in)).astype(np.float32),
-                          rng.normal(size=(n_out, rank)).astype(np.float32))
-    return lora
 
 
 @pytest.fixture(scope="module")
