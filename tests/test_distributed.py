@@ -350,6 +350,27 @@ def test_nccl_is_imported_only_when_used_and_fails_clearly_without_a_gpu():
     assert "\n" not in str(e.value)
 
 
+def test_nccl_communicator_passes_nccl4pys_own_unique_id_through(monkeypatch):
+    """The unique id goes through nccl4py's real UniqueId class (bytes out, from_bytes in)
+    with only the library calls replaced: the H200 session of 2026-11-28 found
+    ``get_unique_id().as_bytes()`` calling a property (nccl4py 0.6), which the test above
+    could not see behind its missing-libnccl error."""
+    core = pytest.importorskip("nccl.core", reason="nccl4py is not installed")
+    from toygraph.cuda import nccl
+    made, seen = core.get_unique_id(empty=True), {}
+    monkeypatch.setattr(core, "get_unique_id", lambda *a, **k: made)
+
+    def init(nranks, rank, unique_id, config=None):
+        seen.update(nranks=nranks, rank=rank, uid=bytes(unique_id))
+        return "communicator"
+
+    monkeypatch.setattr(core.Communicator, "init", staticmethod(init))
+    monkeypatch.setattr(nccl, "_COMMS", {})
+    assert nccl.communicator(1) == "communicator"
+    assert seen == {"nranks": 1, "rank": 0, "uid": bytes(made)} and len(seen["uid"]) == 128
+    assert nccl.communicator(1) == "communicator"  # made once
+
+
 @needs_mpi
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the host device needs g++")
 def test_two_ranks_on_the_cuda_backend_host_device(tmp_path, tiny_llama):

@@ -37,7 +37,7 @@ def communicator(ranks: int):
     uid, why = b"", ""
     if w.rank == 0:
         try:
-            uid = core.get_unique_id().as_bytes()
+            uid = bytes(core.get_unique_id())  # nccl4py 0.6: as_bytes is a property
         except Exception as e:  # e.g. libnccl.so missing; the others learn it from the broadcast
             why = f": {' '.join(str(e).split())}"
     uid = w.bcast_bytes(uid)  # empty: rank 0 failed, and every rank says so below
