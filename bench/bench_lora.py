@@ -221,7 +221,8 @@ def child_toygraph(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     out = {"threads": blas_threads() if not cuda else "-"}
     ctx = None
-    if cuda:
+    on_gpu = cuda and os.environ.get("TOYGRAPH_CUDA_DEVICE") != "host"  # host: a dry run
+    if on_gpu:
         from toygraph.cuda import driver
         ctx = driver.Context(0)  # the primary context the backend will retain too
         free0 = ctx.mem_info()[0]
@@ -265,21 +266,27 @@ def child_toygraph(spec: dict) -> dict:
         losses.append(loss)
         step_s.append(te - ts)
         host_s.append(first_read[0] - ts)
-        if cuda:
+        if on_gpu:
             free = ctx.mem_info()[0]
             min_free = free if min_free is None else min(min_free, free)
         log(f"toygraph step {i + 1}/{len(ids)}: loss {loss:.6f}  {1e3 * (te - ts):.1f} ms")
     backend.read = plain_read
     out.update(losses=losses, step_s=step_s, host_s=host_s)
-    if cuda:
+    if on_gpu:
         out["peak_bytes"] = free0 - min_free
         out["device_name"] = _cuda_device_name()
+    elif cuda:
+        out["peak_bytes"] = None
     else:
         out["peak_bytes"] = peak_rss_bytes() - rss0
         out["peak_rss"] = peak_rss_bytes()   # the process's own, all of it
         if spec.get("op_profile"):
             out["op_profile"] = _op_profile(recipe, ids[0], positions, labels[0],
                                             hp_row(len(ids) + 1, spec["lr"]))
+    if cuda and spec.get("op_profile"):
+        out["op_profile"], out["top_launches"] = _device_profile(
+            recipe, ids[0], positions, labels[0], hp_row(len(ids) + 1, spec["lr"]))
+        out["op_profile_unit"] = "device"
     return out
 
 
@@ -317,6 +324,57 @@ def _op_profile(recipe, ids, positions, labels, hp) -> list:
         KERNELS.update(plain)
     rows = sorted(((n, s, c) for n, (s, c) in spent.items()), key=lambda r: -r[1])
     return [("(step total)", total, 0)] + rows
+
+
+def _device_profile(recipe, ids, positions, labels, hp, top: int = 15):
+    """Device seconds per kernel over one extra (unmeasured) step on the CUDA backend: graph
+    replay is off for it and a timing event is recorded before every launch, so each
+    launch's time is from its event to the next (its launch gap included; the host work
+    between phases is not counted). Returns (rows like _op_profile's: the step's kernel
+    total first, then kernels biggest first; the ``top`` slowest single launches)."""
+    backend = recipe.sess.backend
+    ctx, graphs = backend.ctx, backend.use_graphs
+    marks = []  # (timer, kernel name, node) per launch; (timer, None, None) ends a phase
+
+    def launch_all(nodes):
+        for t in nodes:
+            for item in backend._launches.get(t.id, ()):
+                ev = ctx.timer()
+                ctx.record(ev)
+                if callable(item):
+                    marks.append((ev, "(nccl all_reduce)", t))
+                    ctx.enqueue(item)
+                    continue
+                fn, grid, block, shmem, params, launch = item
+                marks.append((ev, (launch.kernel, tuple(grid), tuple(block)), t))
+                ctx.launch(fn, grid, block, shmem, params)
+        ev = ctx.timer()
+        ctx.record(ev)
+        marks.append((ev, None, None))
+
+    backend.use_graphs, backend._launch_all = False, launch_all
+    try:
+        recipe.step(ids[None], positions[None], labels[None], hp, is_first=False)
+        ctx.sync()
+    finally:
+        backend.use_graphs = graphs
+        del backend._launch_all
+    spent, launches = {}, []
+    for (ev, what, t), (nxt, _, _) in zip(marks, marks[1:]):
+        if what is None:
+            continue
+        s = ctx.elapsed_ms(ev, nxt) / 1e3
+        name = what if isinstance(what, str) else what[0]
+        acc = spent.setdefault(name, [0.0, 0])
+        acc[0] += s
+        acc[1] += 1
+        if not isinstance(what, str):
+            launches.append((s, name, f"{t.op} {t.name} {list(t.shape)}", what[1], what[2]))
+    total = sum(a[0] for a in spent.values())
+    rows = [("(kernels, summed)", total, len(launches))]
+    rows += sorted(((n, a[0], a[1]) for n, a in spent.items()), key=lambda r: -r[1])
+    launches.sort(key=lambda r: -r[0])
+    return rows, [list(map(str, r[1:])) + [r[0]] for r in launches[:top]]
 
 
 def child_torch(spec: dict) -> dict:
@@ -462,7 +520,7 @@ def summarize(impl: str, r: dict, cold: dict | None, a, facts: dict) -> dict:
                step_ms_min=1e3 * min(measured), step_ms_max=1e3 * max(measured),
                host_ms=(1e3 * statistics.median(r["host_s"][a.warmup:])
                         if a.device == "cuda" else None),
-               peak_mib=r["peak_bytes"] / 2**20,
+               peak_mib=None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20,
                planned_mib=r.get("planned_bytes", 0) / 2**20 if impl == "toygraph" else None,
                mfu=(tokens / step * facts["flops_per_token"] / PEAK_BF16_DENSE
                     if a.device == "cuda" else None),
@@ -519,7 +577,7 @@ def render(rows: list, a, facts: dict, device_desc: str, argv: list) -> str:
             lines.append(f"| {r['impl']} | {r['dtype']} | failed: {r['error']} "
                          "| | | | | | | | | |")
             continue
-        peak = f"{r['peak_mib']:.0f}"
+        peak = "n/a" if r['peak_mib'] is None else f"{r['peak_mib']:.0f}"
         if r.get("planned_mib"):
             peak += f" (plan {r['planned_mib']:.0f})"
         if r["impl"] == "torch-eager":
@@ -556,6 +614,8 @@ def render(rows: list, a, facts: dict, device_desc: str, argv: list) -> str:
 def op_profile_text(rows: list) -> str:
     for r in rows:
         prof = r.get("op_profile")
+        if prof and r.get("op_profile_unit") == "device":
+            return device_profile_text(prof, r.get("top_launches") or [])
         if prof:
             total = prof[0][1]
             out = [f"\n\ntoygraph CPU time by op, one extra step ({1e3 * total:.0f} ms wall):", "",
@@ -568,6 +628,22 @@ def op_profile_text(rows: list) -> str:
                        f"{1e3 * (total - kern):.1f} | {(total - kern) / total:.1%} | |")
             return "\n".join(out)
     return ""
+
+
+def device_profile_text(prof: list, top: list) -> str:
+    total = prof[0][1]
+    out = [f"\n\ntoygraph device time by kernel, one extra step launched without graph "
+           f"replay, a timing event per launch ({1e3 * total:.1f} ms summed over "
+           f"{prof[0][2]} launches):", "",
+           "| kernel | ms | share | launches |", "|---|---:|---:|---:|"]
+    for name, s, c in prof[1:21]:
+        out.append(f"| {name} | {1e3 * s:.2f} | {s / total:.1%} | {c} |")
+    if top:
+        out += ["", "The slowest single launches:", "",
+                "| kernel | node (op, name, shape) | grid | block | ms |", "|---|---|---|---|---:|"]
+        for kernel, node, grid, block, s in top:
+            out.append(f"| {kernel} | {node} | {grid} | {block} | {1e3 * s:.3f} |")
+    return "\n".join(out)
 
 
 def parse_args(argv):
@@ -601,7 +677,8 @@ def parse_args(argv):
                     help="also time realize/compile with empty caches in an extra child "
                          "(auto: on cuda only)")
     ap.add_argument("--op-profile", action="store_true",
-                    help="cpu: time toygraph's kernels by op over one extra step")
+                    help="time toygraph's kernels over one extra step: by op on the cpu, by "
+                         "CUDA kernel (timing events, graph replay off) on cuda")
     ap.add_argument("--threads", type=int,
                     help="cpu: BLAS/OpenMP threads of both sides (OPENBLAS_NUM_THREADS, "
                          "OMP_NUM_THREADS, torch.set_num_threads); default: the environment's")
@@ -664,8 +741,9 @@ def main(argv=None) -> int:
                 cold_r = run_child(work, dict(spec, mode="cold"), f"{impl}-cold", env)
             r = run_child(work, dict(spec, mode="full"), impl, env)
             row = summarize(impl, r, cold_r, a, facts)
-            if r.get("op_profile"):
-                row["op_profile"] = r["op_profile"]
+            for key in ("op_profile", "op_profile_unit", "top_launches"):
+                if r.get(key):
+                    row[key] = r[key]
             if r.get("device_name"):
                 row["device_name"] = r["device_name"]
             rows.append(row)

@@ -207,7 +207,7 @@ class CudaBackend:
             return self.ctx.collective(launch)
         fn = self.module.function(launch.kernel)
         params = np.array([a.ctypes.data for a in launch.args], np.uint64)
-        return fn, launch.grid, launch.block, launch.shmem, params, launch.args
+        return fn, launch.grid, launch.block, launch.shmem, params, launch  # keeps args alive
 
     def _bind(self, t):
         """Fill a pinned buffer: consts and params get their values, the rest zeros."""
@@ -286,7 +286,7 @@ class CudaBackend:
                 if callable(item):  # a collective (all_reduce), enqueued on the same stream
                     self.ctx.enqueue(item)
                     continue
-                fn, grid, block, shmem, params, _args = item
+                fn, grid, block, shmem, params, _launch = item
                 launch(fn, grid, block, shmem, params)
 
     # --- data in and out --------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from functools import lru_cache
 
 import numpy as np
@@ -92,6 +93,11 @@ class HostGraph:
         self.launches = []
 
 
+class _HostTimer:
+    """A timing event: the host clock when it was recorded (launches run synchronously)."""
+    seconds = 0.0
+
+
 class HostContext:
     """driver.Context's interface over host memory; everything runs synchronously."""
 
@@ -163,10 +169,17 @@ class HostContext:
         return None
 
     def record(self, event) -> None:
-        pass
+        if isinstance(event, _HostTimer):
+            event.seconds = time.perf_counter()
 
     def wait_event(self, event) -> None:
         pass
+
+    def timer(self):
+        return _HostTimer()
+
+    def elapsed_ms(self, start, end) -> float:
+        return 1e3 * (end.seconds - start.seconds)
 
     # --- launches and graphs ------------------------------------------------------------
     def launch(self, fn, grid, block, shmem: int, params: np.ndarray) -> None:
