@@ -134,7 +134,7 @@ def _slice_lora(backend: str) -> tuple[bool, dict, str]:
 
 
 def slice_check(gguf: str, out: str) -> int:
-    """SmolLM2 8-block slice: the forward loss on real text and the lora_qv_smollm2
+    """SmolLM2 6-block slice: the forward loss on real text and the lora_qv_smollm2
     experiment (4 LoRA steps, capitals data), GPU backend vs CPU within 1e-4 relative; the
     GPU side twice identical."""
     path, backend = Path(gguf).resolve(), gpu_backend()

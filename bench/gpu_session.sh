@@ -22,7 +22,7 @@
 #             on one rank, i.e. ncclAllReduce inside the captured graph, vs the CPU (1e-4)
 #             and replay on vs off (identical); needs nccl4py + cuda-core (carry their wheels
 #             in .whl) and libnccl.so.2 on the machine   -> $OUT/checks.log
-#   slice     SmolLM2 8-block slice (.gpu/smollm2-8l.gguf): forward loss and the
+#   slice     SmolLM2 6-block slice (.gpu/smollm2-6l.gguf): forward loss and the
 #             lora_qv_smollm2 experiment, CUDA vs CPU within 1e-4 rel  -> $OUT/checks.log
 #   bf16loss  bench/bf16_loss.py on the slice: 8 LoRA steps' losses on numpy f32, CUDA f32,
 #             CUDA bf16 with f32 buffers and two GEMMs, CUDA bf16 with bf16 activations and
@@ -84,7 +84,7 @@
 #   GS_PACK     batch x seq shapes of the pack stage (default "8x512 4x2048")
 #   GS_PACK_ARGS  bench_packing.py step counts (default "--steps 10 --warmup 2")
 #   GS_BUDGET   seconds the whole script may take (default 540: ends inside a 600 s call)
-#   GS_SLICE    the SmolLM2 slice (default .gpu/smollm2-8l.gguf)
+#   GS_SLICE    the SmolLM2 slice (default .gpu/smollm2-6l.gguf)
 #   GS_ARCH     arch the kernels stage checks the carried cubins for (default sm_90)
 #   GS_BACKEND  backend every stage treats as "the GPU" (default cuda; cpu for a dry run of
 #               the plumbing on a machine without one, with GS_SKIP_SETUP=1; or cuda with
@@ -101,7 +101,7 @@ DEADLINE=$((SECONDS + BUDGET))
 RESERVE=20          # seconds kept for results.json and the summary at the end
 STAGES=",${GS_STAGES:-tests,nographs,gate,golden,nccl,slice,bf16loss,generate,bench},"
 BENCH_LIST=${GS_BENCH:-smollm2-512x8}
-SLICE=${GS_SLICE:-.gpu/smollm2-8l.gguf}
+SLICE=${GS_SLICE:-.gpu/smollm2-6l.gguf}
 GS_BACKEND=${GS_BACKEND:-cuda}
 TINY="lora_qv_tiny_llama lora_all_tiny_qwen2 scratch_tiny_llama full_tiny_llama lora_all_tiny_qwen2_ckpt lora_packed_tiny_llama dpo_qv_tiny_llama orpo_qv_tiny_llama"
 PY=${PYTHON:-python3}
@@ -215,11 +215,12 @@ fi
 # info (always)
 DEVICE=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 DEVICE=${DEVICE:-no nvidia-smi}
-# .git does not travel to the device: there the commit comes from .gpu/commit.txt, written
-# here before the call (bench/README.md, "Before a GPU session, here")
-COMMIT=$(git -C "$ROOT" describe --always --dirty 2>/dev/null \
-         || { [[ -f .gpu/commit.txt ]] && echo "$(head -c 200 .gpu/commit.txt) (.gpu/commit.txt)"; } \
-         || echo "unknown (no .git, no .gpu/commit.txt)")
+# The commit comes from .gpu/commit.txt, written here before the call (bench/README.md,
+# "Before a GPU session, here"): the device's .git, where it has one, can be the session's
+# first snapshot (2026-11-28 it said c5d0f27-dirty of a tree at 5f77feb)
+COMMIT=$({ [[ -f .gpu/commit.txt ]] && echo "$(head -c 200 .gpu/commit.txt) (.gpu/commit.txt)"; } \
+         || git -C "$ROOT" describe --always --dirty 2>/dev/null \
+         || echo "unknown (no .gpu/commit.txt, no .git)")
 VERSIONS=$($PY bench/gpu_session.py versions 2>>"$SETUP_LOG")
 { echo "== nvidia-smi"; nvidia-smi 2>&1 | head -n 20; echo "== versions: $VERSIONS"; } >> "$SETUP_LOG"
 stage info 30 "$SETUP_LOG" "tail -n 1 '$SETUP_LOG'" "$PY bench/gpu_session.py info"
@@ -268,7 +269,7 @@ if want bf16loss; then
 fi
 if want generate; then
     slice_stage generate 90 "$OUT/bench.log" "tail -n 1 $WORK/generate.md" \
-        "set -o pipefail; $PY bench/bench_generate.py --backend $GS_BACKEND --model $SLICE ${GS_GENERATE_ARGS:---full-tokens 64} --md $WORK/generate.md --json $WORK/bench-generate.json --note 'gpu_session.sh generate (SmolLM2 8-block slice)' | tee -a $OUT/bench.md >&2"
+        "set -o pipefail; $PY bench/bench_generate.py --backend $GS_BACKEND --model $SLICE ${GS_GENERATE_ARGS:---full-tokens 64} --md $WORK/generate.md --json $WORK/bench-generate.json --note 'gpu_session.sh generate (SmolLM2 6-block slice)' | tee -a $OUT/bench.md >&2"
 fi
 if want bench; then
     for b in $BENCH_LIST; do
