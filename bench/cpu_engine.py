@@ -308,6 +308,11 @@ def child_generate(spec: dict) -> dict:
         ref = np.asarray(spec["follow_logits"])
         out["max_logit_diff"] = float(np.abs(np.asarray(along) - ref).max())
         out["logit_scale"] = float(np.abs(ref).max())
+        # per token: this path's largest logit error, and the f32 path's margin between its
+        # first and second choice (a greedy pick can flip only where error ~ margin)
+        out["row_diffs"] = np.abs(np.asarray(along) - ref).max(axis=1).tolist()
+        top2 = np.sort(ref, axis=1)[:, -2:]
+        out["f32_margins"] = (top2[:, 1] - top2[:, 0]).tolist()
     if spec.get("rollouts"):
         out["rollouts_tok_s"] = rollout_speed(lm, prompt, spec["rollouts"])
     return out
@@ -384,12 +389,19 @@ def section_generate(a, work: Path) -> tuple[str, dict]:
             continue
         same = blk["ids"] == f32["ids"]
         first = next((i for i, (x, y) in enumerate(zip(blk["ids"], f32["ids"])) if x != y), None)
+        theirs_first = next((i for i, (x, y) in enumerate(zip(ref["ids"], f32["ids"])) if x != y), None)
+        if same:
+            agree = f"yes, all {len(f32['ids'])}"
+        else:
+            agree = (f"no: from token {first} (f32 margin there {blk['f32_margins'][first]:.2f}, "
+                     f"error {blk['row_diffs'][first]:.2f})")
+        agree += "; llama.cpp " + (f"from token {theirs_first}" if theirs_first is not None else "all")
         mine, theirs = (statistics.median(speeds[t]) for t in ("blocks", "llama.cpp"))
         ratios = [x / y for x, y in zip(speeds["blocks"], speeds["llama.cpp"])]
         spread = f" ({min(ratios):.0%}..{max(ratios):.0%})" if len(ratios) > 1 else ""
         lines.append(f"| {name} | {mine:.1f} | {f32['tok_s']:.1f} | {theirs:.1f} | "
                      f"{mine / theirs:.0%}{spread} | "
-                     f"{'yes, all ' + str(len(f32['ids'])) if same else f'no: from token {first}'} | "
+                     f"{agree} | "
                      f"{blk['max_logit_diff']:.2e} ({blk['logit_scale']:.1f}) | "
                      f"{blk.get('rollouts_tok_s', float('nan')):.1f} |")
     return "\n".join(lines), {"rows": doc}

@@ -8,7 +8,8 @@ modules (test_gemma4.py, test_qwen35.py, test_moe_models.py) against the same he
 import numpy as np
 import pytest
 
-from test_kvcache import LOGIT_TOL, WRITERS, greedy_steps, normwise, random_adapter
+from test_kvcache import (LOGIT_TOL, WRITERS, f32_products, greedy_steps,  # noqa: F401
+                          normwise, random_adapter)
 from toygraph.errors import DataError
 from toygraph.inference.batched import BatchedGenerator
 from toygraph.inference.language_model import LanguageModel

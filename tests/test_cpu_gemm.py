@@ -158,6 +158,101 @@ def test_a_broken_dot_kernel_offset_fails_the_bound():
     assert not within_bound(y, x, w.T, extra=2)[0]
 
 
+# --- the 8-bit dot kernels (x rounded per 32 columns to int8, llama.cpp's way) ------------
+Q8_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+
+
+def within_q8_bound(got, x, raw, fmt, shape):
+    """got = x @ W^T within what rounding x per 32 to int8 can do, plus f32's chain bound:
+    every weight, its offset included, meets the rounded x8, |x - x8| <= d / 2 per element
+    (d = max|x| / 127 over its group of 32), so |error| <= sum |w| d / 2."""
+    w = blocks.dequantize(raw, fmt, shape).astype(np.float64)
+    x64 = x.astype(np.float64)
+    M, K = x.shape
+    half_d = np.repeat(np.abs(x64).reshape(M, K // 32, 32).max(axis=2) / 254, 32, axis=1)
+    rounding = (half_d * 1.001) @ np.abs(w).T
+    chain = (K + 8) * U / (1 - (K + 8) * U) * ((np.abs(x64) * 1.01) @ np.abs(w).T)
+    err = np.abs(got.astype(np.float64) - x64 @ w.T)
+    return bool(np.all(err <= rounding + chain)), float((err / (rounding + chain)).max())
+
+
+def needs_q8(lib=None):
+    if not (lib or engine.library()).tg_dot_q8():
+        pytest.skip("the 8-bit dot kernels are built on x86 with AVX2 only")
+
+
+@pytest.mark.parametrize("fmt", Q8_FORMATS)
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+def test_8bit_dot_kernels_are_within_the_rounding_bound(fmt, M):
+    """Every format with an 8-bit kernel, every row count it takes, a partial task of rows
+    (N = 67): within the bound, and the bound is not vacuous (the error is well inside it but
+    far above f32's)."""
+    needs_q8()
+    N, K = 67, 512
+    raw = weight(fmt, N, K)
+    x = inputs(M, K)
+    y = engine.matmul_nt(x, raw, fmt, (N, K), np.full((M, N), np.nan, np.float32), kernel=3)
+    ok, worst = within_q8_bound(y, x, raw, fmt, (N, K))
+    assert ok and 0.005 < worst < 0.5, worst
+    auto = engine.matmul_nt(x, raw, fmt, (N, K), np.full((M, N), np.nan, np.float32))
+    np.testing.assert_array_equal(auto.view(np.uint32), y.view(np.uint32))  # kernel 0 picks it
+
+
+def test_8bit_dot_kernels_take_ragged_x_and_refuse_what_they_lack():
+    """x and out as row views of wider arrays; a format without an 8-bit kernel (iq4_nl,
+    f16) is a one-line error when asked for one, and kernel 0 takes the f32 dot kernels."""
+    needs_q8()
+    N, K, M = 40, 256, 3
+    raw = weight("q5_k", N, K)
+    wide = inputs(M, K + 40)
+    out = np.full((M, N + 5), np.nan, np.float32)
+    engine.matmul_nt(wide[:, 7:7 + K], raw, "q5_k", (N, K), out[:, :N], kernel=3)
+    assert within_q8_bound(out[:, :N], np.ascontiguousarray(wide[:, 7:7 + K]), raw, "q5_k", (N, K))[0]
+    assert np.isnan(out[:, N:]).all()
+    for fmt in ("iq4_nl", "f16"):
+        qk, _ = blocks.BLOCK[fmt]
+        raw = weight(fmt, N, SHAPES[qk] // 32 * 32)
+        shape = (N, SHAPES[qk] // 32 * 32)
+        x = inputs(2, shape[1])
+        with pytest.raises(ToygraphError, match=f"no 8-bit dot kernel for {fmt}") as e:
+            engine.matmul_nt(x, raw, fmt, shape, np.empty((2, N), np.float32), kernel=3)
+        assert "\n" not in str(e.value)
+        a = engine.matmul_nt(x, raw, fmt, shape, np.empty((2, N), np.float32))
+        b = engine.matmul_nt(x, raw, fmt, shape, np.empty((2, N), np.float32), kernel=2)
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_the_few_rows_path_keeps_addresses_not_values():
+    """BlockTensor.matmul_few_rows (generation's step) reuses the last operands' row views and
+    addresses: new values in the same x give the new product, another out array is written
+    and the old one is left alone, and the answer is always matmul's."""
+    from toygraph.cpu.block_tensor import BlockTensor
+    N, K = 50, 256
+    raw = weight("q4_k", N, K)
+    bt = BlockTensor(raw, "q4_k", (N, K))
+    x = inputs(3, K).reshape(1, 3, K)
+    out, other = np.zeros((1, 3, N), np.float32), np.zeros((1, 3, N), np.float32)
+    for step in range(3):
+        x[...] = inputs(3, K, seed=10 + step).reshape(1, 3, K)
+        target = out if step < 2 else other
+        bt.matmul_few_rows(x, target)
+        want = engine.matmul_nt(x[0], raw, "q4_k", (N, K), np.empty((3, N), np.float32))
+        np.testing.assert_array_equal(target[0].view(np.uint32), want.view(np.uint32))
+    assert not np.array_equal(out, other)   # the second out kept step 1's product
+
+
+def test_a_broken_8bit_group_index_fails_the_bound():
+    """Q4_K's 8-bit kernel reading x's groups of the first sub-block of a pair for both."""
+    needs_q8()
+    lib = _broken("const int64_t gg = g + 2 * p + h;", "const int64_t gg = g + 2 * p;")
+    N, K = 40, 512
+    raw = weight("q4_k", N, K)
+    x = inputs(2, K)
+    y = engine.matmul_nt(x, raw, "q4_k", (N, K), np.empty((2, N), np.float32), kernel=3, lib=lib)
+    ok, worst = within_q8_bound(y, x, raw, "q4_k", (N, K))
+    assert not ok and worst > 10
+
+
 def _other_target(target: str):
     """The engine built for another x86 target than this machine's (skipped elsewhere)."""
     import platform
@@ -174,6 +269,7 @@ def test_the_other_code_paths_compute_the_same_products(target, simd):
     the forward panels, the backward panels and the dot kernels within the bound."""
     lib = _other_target(target)
     assert lib.tg_simd().decode() == simd
+    assert lib.tg_dot_q8() == (simd == "avx2")   # the scalar build keeps x in f32
     for fmt in ("q4_k", "q5_0", "f16"):
         qk, _ = blocks.BLOCK[fmt]
         N, K = 45, SHAPES[qk]
@@ -189,6 +285,10 @@ def test_the_other_code_paths_compute_the_same_products(target, simd):
                 dot = engine.matmul_nt(x, raw, fmt, (N, K), np.empty((M, N), np.float32),
                                        kernel=2, lib=lib)
                 assert within_bound(dot, x, w.T, extra=2)[0], (fmt, M)
+                if fmt in Q8_FORMATS and simd == "avx2":  # maddubs + madd, no VNNI
+                    dot = engine.matmul_nt(x, raw, fmt, (N, K), np.empty((M, N), np.float32),
+                                           kernel=3, lib=lib)
+                    assert within_q8_bound(dot, x, raw, fmt, (N, K))[0], (fmt, M)
         out = np.empty((N, K), np.float32)
         lib.tg_decode(engine.FORMATS.index(fmt), blocks.as_bytes(raw).ctypes.data,
                       out.ctypes.data, N * K // qk)

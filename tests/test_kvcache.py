@@ -25,6 +25,23 @@ from toygraph.models.decoder import TARGETS, weight_shape
 from toygraph.core.session import Session
 
 LOGIT_TOL = 1e-5
+#: The 8-bit products of generation's few rows (TOYGRAPH_CPU_DOT=int8, the default on x86
+#: with AVX2) against the f32 path: x rounded per 32 columns moves a product by up to
+#: 0.4% of sum |x||w| (tests/test_cpu_gemm.py states the bound). Through tiny_llama and
+#: tiny_qwen2 the logits moved by at most 0.62% of their largest (measured 2026-11-28):
+#: 3x margin. (The tiny Llama 3 moved 12.6%: its logits, about 2.5 at most, are small sums
+#: of large terms, and the bound is relative to the terms; the real files' logits moved by
+#: 1.4 of 38 (SmolLM2) and 0.3 of 22 (Qwen2.5-Coder), as llama.cpp's own do:
+#: bench/results/cpu-engine-generate-*.md.)
+INT8_LOGIT_TOL = 2e-2
+
+
+@pytest.fixture(autouse=True)
+def f32_products(monkeypatch):
+    """The paths compared here must round alike: the cached path multiplies one row at a
+    time, the full window many, so generation's 8-bit products are off in this module but
+    for the test that compares them (test_int8_products_track_the_f32_path)."""
+    monkeypatch.setenv("TOYGRAPH_CPU_DOT", "f32")
 PROMPTS = ["the cat sat on", "a dog and a cat and a bird and a dog went to the river and",
            "a bird and a dog and a cat and a dog went to the sea and"]
 WRITERS = {"qwen3": write_tiny_qwen3, "gemma3": write_tiny_gemma3, "llama3": write_tiny_llama3}
@@ -145,6 +162,27 @@ def test_cached_generation_matches_the_full_window(models, family):
     # The second prompt's session (38 tokens: prompt bucket 48) served the third (36) too,
     # whose cache then held stale rows from the second beyond its own.
     assert len(lm._decoders) == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])   # block formats (the others: f16/bf16)
+def test_int8_products_track_the_f32_path(models, family, monkeypatch):
+    """Generation's default 8-bit products (where built) against the f32 ones: the logits
+    along the f32 path's own greedy tokens within INT8_LOGIT_TOL, normwise per row."""
+    from toygraph.cpu import engine
+    if not engine.dot_q8():
+        pytest.skip("the 8-bit dot kernels are built on x86 with AVX2 only")
+    ids = LanguageModel(models[family]).tokenizer.encode(PROMPTS[1])
+    want_tokens, want = greedy_steps(LanguageModel(models[family]), ids, 16, kv_cache=True)
+    monkeypatch.setenv("TOYGRAPH_CPU_DOT", "int8")
+    lm = LanguageModel(models[family])
+    context = list(ids)
+    rows = lm.next_logits(context, len(ids) + 16, kv_cache=True)
+    got = []
+    for t in want_tokens:
+        got.append(next(rows))
+        context.append(t)
+    err = normwise(np.array(got), want)
+    assert 1e-6 < err <= INT8_LOGIT_TOL, err   # the 8-bit kernels ran, and stayed close
 
 
 def test_cached_generation_with_an_adapter(models, tmp_path):

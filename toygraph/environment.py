@@ -74,6 +74,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "panel by panel, `decode` to f32 once at realize (BLAS on f32 copies: 4 bytes a "
             "weight), `auto` quantized with the engine, else decode when that fits the "
             "machine's memory", ("auto", "decode", "quantized")),
+    Setting("TOYGRAPH_CPU_DOT", "choice", "int8",
+            "how the CPU engine multiplies a few rows (generation's one-token step, GRPO "
+            "groups of up to 4) with a weight kept in blocks: `int8` rounds x per 32 columns "
+            "to 8 bits and multiplies in integers, as llama.cpp does (x86 with AVX2; "
+            "elsewhere f32), `f32` keeps x in f32 (slower; the rounding of the training "
+            "forward and of more rows)", ("int8", "f32")),
     Setting("TOYGRAPH_THREADS", "count", "",
             "threads the CPU engine and BLAS compute with (`--threads` overrides it); unset: "
             "the CPUs this process may run on"),

@@ -64,11 +64,15 @@ class BlockTensor:
     """A frozen tensor kept as its block bytes: ``data`` (uint8, may be an mmap'd GGUF
     slice), its format ``storage`` and its logical ``shape`` (rows along the last axis)."""
 
+    #: Rows of x up to which ``matmul_few_rows`` applies (the engine's dot kernels').
+    FEW_ROWS = engine.DOT_MAX_M
+
     def __init__(self, data, storage: str, shape):
         self.storage, self.shape = storage, tuple(int(s) for s in shape)
         self.data = blocks.as_bytes(data)
         self._sparse = False   # advised MADV_RANDOM already (read_sparsely)
         self._engine_weight = None
+        self._few = None       # matmul_few_rows' last operands and their row views
         self.nbytes = blocks.nbytes(storage, self.shape)
         if self.data.size != self.nbytes:
             raise GGUFError(f"{storage} tensor of shape {self.shape} needs {self.nbytes} bytes, "
@@ -87,6 +91,17 @@ class BlockTensor:
     def matmul_nt(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` [M, N] = x [M, K] . W^T, this tensor W [N, K] read in its blocks."""
         return self._weight().matmul(x, out, transposed=True)
+
+    def matmul_few_rows(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out`` [..., N] = x [..., K] . W^T for C-contiguous x and out of at most
+        engine.DOT_MAX_M rows (generation's step): the row views and their addresses of the
+        last (x, out) pair are reused, as generation passes the same buffers every token.
+        (Few rows only: the views keep x and out alive as long as this tensor.)"""
+        c = self._few
+        if c is None or c[0] is not x or c[1] is not out:
+            c = self._few = (x, out, x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1]))
+        self._weight().matmul_again(c[2], c[3])
+        return out
 
     def matmul_nn(self, g: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` [M, K] = g [M, N] . W, this tensor W [N, K] read in its blocks."""

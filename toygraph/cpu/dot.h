@@ -203,6 +203,267 @@ static const DotRowsFn kDotRows[][DOT_MAX_M] = {
     {}, {},                                           // iq4_xs, mxfp4
 };
 
+// --- 8-bit activations (x86 with AVX2) ------------------------------------------------------
+// llama.cpp's way: x is rounded per 32 columns to int8 with one f32 scale (d = max|x| / 127),
+// and a block's integers meet x's in integer multiply-adds (VNNI's dpbusd, else AVX2's
+// maddubs + madd: 32 products in one or two instructions, against the f32 kernels' widen,
+// convert and FMA per 16). The block's scale times x's scale is applied once per 32 to the
+// integer partial sums. A weight's offset (q4_1/q5_1's min, q4_K/q5_K's -dmin*m, the
+// centres -8, -16 of q4_0/q5_0) multiplies the sum of x's rounded values over the 32, so
+// every weight meets the same rounded x and the error is sum w (x - x8), |x - x8| <= d/2.
+// (With x's exact sum for the offset instead, the error would be sum (w - m)(x - x8): the
+// offset-free part w - m of q4_1/q4_K is all of one sign and up to twice |w|, and it doubled
+// SmolLM2's logit error in generation.) The tests state the bound; generation's greedy
+// tokens and logits are compared with the f32 kernels' in bench/cpu_engine.py.
+#if defined(__AVX2__)
+#define TG_DOT_Q8 1
+
+struct XQ {                  // x [M, K] rounded per 32: values, scales and sums per group
+    const int8_t* q;          // [M, K]
+    const float* d;           // [M, K/32] scale
+    const float* sq;          // [M, K/32] d * (sum of the group's rounded values)
+    int64_t ldq, ldg;         // row strides of q and of d, s, sq
+};
+
+// 32 unsigned weights times 32 signed activations, summed in fours: 8 int32 lanes.
+static inline __m256i dot_u8s8(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else  // pairs into int16 (|w| <= 128, |x| <= 127: no saturation), then pairs into int32
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// Signed weights (q8_0, q6_K's q - 32): |w| against x with w's sign.
+static inline __m256i dot_s8s8(__m256i w, __m256i x) {
+    return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static inline __m256i load32(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+
+// 16 bytes of nibbles as 32 values: the low nibbles (elements 0..15), then the high ones.
+static inline __m256i nibbles32(const u8* p) {
+    const __m128i q = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+// Bit i of 4 bytes as 0x10 in byte i (q5_0/q5_1's fifth bit).
+static inline __m256i fifth_bits(const u8* qh) {
+    uint32_t bits;
+    std::memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+static inline void fma_block(__m256& acc, __m256i p, float scale) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc);
+}
+
+template <int M>
+static inline void q8_q8_0(const u8* b, const XQ& x, int64_t g, __m256* acc, float*) {
+    const float d = scale16(b + TG_Q8_0_D);
+    const __m256i w = load32(b + TG_Q8_0_QS);
+    for (int m = 0; m < M; m++)
+        fma_block(acc[m], dot_s8s8(w, load32(x.q + m * x.ldq + 32 * g)), d * x.d[m * x.ldg + g]);
+}
+
+template <int M>
+static inline void q8_q4_0(const u8* b, const XQ& x, int64_t g, __m256* acc, float* off) {
+    const float d = scale16(b + TG_Q4_0_D);
+    const __m256i w = nibbles32(b + TG_Q4_0_QS);
+    for (int m = 0; m < M; m++) {
+        fma_block(acc[m], dot_u8s8(w, load32(x.q + m * x.ldq + 32 * g)), d * x.d[m * x.ldg + g]);
+        off[m] -= 8.0f * d * x.sq[m * x.ldg + g];
+    }
+}
+
+template <int M>
+static inline void q8_q4_1(const u8* b, const XQ& x, int64_t g, __m256* acc, float* off) {
+    const float d = scale16(b + TG_Q4_1_D), mn = scale16(b + TG_Q4_1_M);
+    const __m256i w = nibbles32(b + TG_Q4_1_QS);
+    for (int m = 0; m < M; m++) {
+        fma_block(acc[m], dot_u8s8(w, load32(x.q + m * x.ldq + 32 * g)), d * x.d[m * x.ldg + g]);
+        off[m] += mn * x.sq[m * x.ldg + g];
+    }
+}
+
+template <int M>
+static inline void q8_q5_0(const u8* b, const XQ& x, int64_t g, __m256* acc, float* off) {
+    const float d = scale16(b + TG_Q5_0_D);
+    const __m256i w = _mm256_or_si256(nibbles32(b + TG_Q5_0_QS), fifth_bits(b + TG_Q5_0_QH));
+    for (int m = 0; m < M; m++) {
+        fma_block(acc[m], dot_u8s8(w, load32(x.q + m * x.ldq + 32 * g)), d * x.d[m * x.ldg + g]);
+        off[m] -= 16.0f * d * x.sq[m * x.ldg + g];
+    }
+}
+
+template <int M>
+static inline void q8_q5_1(const u8* b, const XQ& x, int64_t g, __m256* acc, float* off) {
+    const float d = scale16(b + TG_Q5_1_D), mn = scale16(b + TG_Q5_1_M);
+    const __m256i w = _mm256_or_si256(nibbles32(b + TG_Q5_1_QS), fifth_bits(b + TG_Q5_1_QH));
+    for (int m = 0; m < M; m++) {
+        fma_block(acc[m], dot_u8s8(w, load32(x.q + m * x.ldq + 32 * g)), d * x.d[m * x.ldg + g]);
+        off[m] += mn * x.sq[m * x.ldg + g];
+    }
+}
+
+// Q4_K/Q5_K: 32 bytes of nibbles hold two groups of 32 (low nibbles, then high).
+template <int M, bool Q5>
+static inline void q8_k(const u8* b, const XQ& x, int64_t g, __m256* acc, float* off,
+                        int sc_off, int qs_off, int qh_off) {
+    const float d = scale16(b), dmin = scale16(b + 2);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i qh = Q5 ? load32(b + qh_off) : _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) {
+        const __m256i src = load32(b + qs_off + 32 * p);
+        __m256i w[2] = {_mm256_and_si256(src, low4), _mm256_and_si256(_mm256_srli_epi16(src, 4), low4)};
+        if (Q5) {
+            w[0] = _mm256_or_si256(w[0], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p)), one), 4));
+            w[1] = _mm256_or_si256(w[1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p + 1)), one), 4));
+        }
+        for (int h = 0; h < 2; h++) {
+            int sc, mn;
+            k_scale(b + sc_off, 2 * p + h, &sc, &mn);
+            const int64_t gg = g + 2 * p + h;
+            for (int m = 0; m < M; m++) {
+                fma_block(acc[m], dot_u8s8(w[h], load32(x.q + m * x.ldq + 32 * gg)),
+                          d * (float)sc * x.d[m * x.ldg + gg]);
+                off[m] -= dmin * (float)mn * x.sq[m * x.ldg + gg];
+            }
+        }
+    }
+}
+
+template <int M>
+static inline void q8_q4_k(const u8* b, const XQ& x, int64_t g, __m256* acc, float* off) {
+    q8_k<M, false>(b, x, g, acc, off, TG_Q4_K_SCALES, TG_Q4_K_QS, 0);
+}
+
+template <int M>
+static inline void q8_q5_k(const u8* b, const XQ& x, int64_t g, __m256* acc, float* off) {
+    q8_k<M, true>(b, x, g, acc, off, TG_Q5_K_SCALES, TG_Q5_K_QS, TG_Q5_K_QH);
+}
+
+// Q6_K: per 32 elements two groups of 16 with their own scales: lanes 0-3 of the integer
+// sums are the first group's (bytes 0-15), lanes 4-7 the second's.
+template <int M>
+static inline void q8_q6_k(const u8* b, const XQ& x, int64_t g, __m256* acc, float*) {
+    const float d = scale16(b + TG_Q6_K_D);
+    const signed char* scales = (const signed char*)(b + TG_Q6_K_SCALES);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qh = load32(b + TG_Q6_K_QH + 32 * h);
+        for (int quarter = 0; quarter < 4; quarter++) {
+            const __m256i ql = load32(b + TG_Q6_K_QL + 64 * h + (quarter & 1 ? 32 : 0));
+            const __m256i lo = quarter >= 2 ? _mm256_srli_epi16(ql, 4) : ql;
+            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * quarter)), three);
+            const __m256i w = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo, low4), _mm256_slli_epi16(hi, 4)), c32);
+            const int e = 8 * h + 2 * quarter;   // scale index of the first group of 16
+            const __m256 sc = _mm256_set_m128(_mm_set1_ps((float)scales[e + 1]), _mm_set1_ps((float)scales[e]));
+            const int64_t gg = g + 4 * h + quarter;
+            for (int m = 0; m < M; m++) {
+                const __m256i pr = dot_s8s8(w, load32(x.q + m * x.ldq + 32 * gg));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pr),
+                                         _mm256_mul_ps(sc, _mm256_set1_ps(d * x.d[m * x.ldg + gg])), acc[m]);
+            }
+        }
+    }
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+template <int M, int QK, int BYTES, void (*F)(const u8*, const XQ&, int64_t, __m256*, float*)>
+static void dot_rows_q8(const Product& p, const XQ& x, int64_t n0, int64_t n1) {
+    const int64_t blocks = p.K / QK;
+    for (int64_t n = n0; n < n1; n++) {
+        const u8* row = p.w + n * p.row_bytes;
+        __m256 acc[M];
+        float off[M];
+        for (int m = 0; m < M; m++) {
+            acc[m] = _mm256_setzero_ps();
+            off[m] = 0.0f;
+        }
+        for (int64_t i = 0; i < blocks; i++) F(row + i * BYTES, x, i * (QK / 32), acc, off);
+        for (int m = 0; m < M; m++) p.c[m * p.ldc + n] = hsum8(acc[m]) + off[m];
+    }
+}
+
+typedef void (*DotRowsQ8Fn)(const Product&, const XQ&, int64_t, int64_t);
+
+#define TG_DOT_Q8(fn, NAME) {dot_rows_q8<1, TG_##NAME##_QK, TG_##NAME##_BYTES, fn<1>>, \
+    dot_rows_q8<2, TG_##NAME##_QK, TG_##NAME##_BYTES, fn<2>>, \
+    dot_rows_q8<3, TG_##NAME##_QK, TG_##NAME##_BYTES, fn<3>>, \
+    dot_rows_q8<4, TG_##NAME##_QK, TG_##NAME##_BYTES, fn<4>>}
+
+static const DotRowsQ8Fn kDotRowsQ8[][DOT_MAX_M] = {
+    {}, {},                                           // f16, bf16
+    TG_DOT_Q8(q8_q8_0, Q8_0), TG_DOT_Q8(q8_q4_0, Q4_0), TG_DOT_Q8(q8_q4_1, Q4_1),
+    TG_DOT_Q8(q8_q5_0, Q5_0), TG_DOT_Q8(q8_q5_1, Q5_1), {},   // iq4_nl
+    {}, {},                                           // q2_k, q3_k
+    TG_DOT_Q8(q8_q4_k, Q4_K), TG_DOT_Q8(q8_q5_k, Q5_K), TG_DOT_Q8(q8_q6_k, Q6_K),
+    {}, {},                                           // iq4_xs, mxfp4
+};
+
+// x [M, K] rounded per 32 into ``q`` (int8) with the scales d and sq = d * sum(q).
+static void quantize_rows(const Product& p, int8_t* q, float* d, float* sq) {
+    const int64_t groups = p.K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < p.M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float* xg = p.a + m * p.lda + 32 * g;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xg + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+            mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+            const float a = _mm_cvtss_f32(mx), dg = a / 127.0f;
+            const __m256 id = _mm256_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+            __m256i i[4];
+            for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // nearest
+            const __m256i packed = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i*)(q + m * p.K + 32 * g), packed);
+            int qsum = 0;
+            for (int k = 0; k < 32; k++) qsum += q[m * p.K + 32 * g + k];
+            d[m * groups + g] = dg;
+            sq[m * groups + g] = dg * (float)qsum;
+        }
+}
+
+static bool matmul_dot_q8(Product& p) {
+    const int fmt = (int)(p.f - kFormats);
+    if (p.M > DOT_MAX_M || p.K % 256 != 0 && p.f->qk == 256 || p.K % 32 != 0) return false;
+    const DotRowsQ8Fn fn = kDotRowsQ8[fmt][p.M - 1];
+    if (!fn) return false;
+    const int64_t groups = p.K / 32;
+    std::vector<int8_t> q((size_t)(p.M * p.K));
+    std::vector<float> sums((size_t)(2 * p.M * groups));
+    float *d = sums.data(), *sq = d + p.M * groups;
+    quantize_rows(p, q.data(), d, sq);
+    const XQ x{q.data(), d, sq, p.K, groups};
+    pool_for((p.N + DOT_ROWS - 1) / DOT_ROWS, [&](int64_t task, int) {
+        const int64_t n0 = task * DOT_ROWS, n1 = n0 + DOT_ROWS < p.N ? n0 + DOT_ROWS : p.N;
+        fn(p, x, n0, n1);
+    });
+    return true;
+}
+#else
+static bool matmul_dot_q8(Product&) { return false; }
+#endif
+
 // The row path: one decoded row of W in L1 dotted with each row of x.
 static void dot_rows_decoded(const Product& p, int64_t n0, int64_t n1) {
     float* row = scratch((size_t)p.K);

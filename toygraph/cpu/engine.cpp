@@ -6,6 +6,15 @@
 
 TG_EXPORT const char* tg_simd() { return TG_SIMD; }
 
+// 1 where the 8-bit dot kernels are built (x86 with AVX2), else 0.
+TG_EXPORT int tg_dot_q8() {
+#if defined(TG_DOT_Q8)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 TG_EXPORT int tg_set_threads(int n) { return pool_set_threads(n); }
 
 TG_EXPORT int tg_threads() { return pool_threads(); }
@@ -37,7 +46,9 @@ TG_EXPORT int tg_decode_rows(int fmt, const u8* raw, int64_t row_bytes, int64_t 
 
 // c = a . W^T (transposed = 1: c [M, N], a [M, K]) or c = a . W (transposed = 0: c [M, K],
 // a [M, N]), W [N, K] in format ``fmt`` with rows row_bytes apart. ``kernel``: 0 picks by
-// shape, 1 the panel GEMM, 2 the row-dot kernel (transposed only). Returns 0, or -1.
+// shape (a few rows: the 8-bit dot kernels where built for the format, else the f32 ones),
+// 1 the panel GEMM, 2 the f32 row-dot kernels, 3 the 8-bit ones (transposed only). Returns
+// 0, -1 (bad arguments) or -2 (no 8-bit kernel for this format, shape or CPU).
 TG_EXPORT int tg_matmul(int fmt, const u8* w, int64_t row_bytes, int64_t N, int64_t K,
                         const float* a, int64_t lda, int64_t M, float* c, int64_t ldc,
                         int transposed, int kernel) {
@@ -45,9 +56,13 @@ TG_EXPORT int tg_matmul(int fmt, const u8* w, int64_t row_bytes, int64_t N, int6
     Product p{&kFormats[fmt], w, row_bytes, N, K, a, lda, M, c, ldc, 0, 1};
     if (M == 0 || N == 0) return 0;
     if (!transposed) {
-        if (kernel == 2) return -1;
+        if (kernel >= 2) return -1;
         matmul_nn(p);
-    } else if (kernel == 2 || (kernel == 0 && M <= DOT_MAX_M)) {
+    } else if (kernel == 3) {
+        if (!matmul_dot_q8(p)) return -2;
+    } else if (kernel == 0 && M <= DOT_MAX_M) {
+        if (!matmul_dot_q8(p)) matmul_dot(p);
+    } else if (kernel == 2) {
         matmul_dot(p);
     } else {
         matmul_nt(p);

@@ -10,7 +10,9 @@ are part of the cache key) and loaded with ctypes. It holds
   product on that panel: :func:`matmul_nt` (x W^T, the forward) and :func:`matmul_nn`
   (g W, the input gradient); no f32 copy of the weight exists, each thread's panels are
   tens of KiB; and for a few rows (generation's one-token step, ``M <= DOT_MAX_M``) dot
-  kernels that read each block once and apply its scale to the partial sum (dot.h);
+  kernels that read each block once and apply its scale to the partial sum (dot.h): on
+  x86 with AVX2 with x rounded per 32 columns to int8 and integer multiply-adds, as
+  llama.cpp does (:func:`dot_q8`), elsewhere in f32;
 - the pool of threads every kernel runs on (:func:`set_threads`; cpu/threads.py sets it
   and BLAS's together).
 
@@ -103,6 +105,7 @@ def load(text: str, target: str = "-march=native"):
     lib.tg_simd.restype = ctypes.c_char_p
     lib.tg_set_threads.argtypes, lib.tg_set_threads.restype = [ctypes.c_int], ctypes.c_int
     lib.tg_threads.restype = ctypes.c_int
+    lib.tg_dot_q8.restype = ctypes.c_int
     lib.tg_decode.argtypes = [ctypes.c_int, _P, _P, _I64]
     lib.tg_decode_rows.argtypes = [ctypes.c_int, _P, _I64, _I64, _P, _I64, _P]
     lib.tg_matmul.argtypes = [ctypes.c_int, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64,
@@ -122,6 +125,13 @@ def simd() -> str:
     "portable"), or "none" without the engine."""
     lib = library()
     return lib.tg_simd().decode() if lib is not None else "none"
+
+
+def dot_q8() -> bool:
+    """Whether the 8-bit dot kernels (x rounded per 32 columns to int8, as llama.cpp does)
+    are built: x86 with AVX2. Elsewhere a few rows take the f32 dot kernels."""
+    lib = library()
+    return bool(lib is not None and lib.tg_dot_q8())
 
 
 def set_threads(n: int) -> int:
@@ -190,10 +200,16 @@ class Weight:
         self.fmt, self.shape = fmt, (self.N, self.K)
         self.lib = lib or library()
         self._args = (FORMATS.index(fmt), self.data.ctypes.data, self.row_bytes, self.N, self.K)
+        # TOYGRAPH_CPU_DOT, read when the weight is made: f32 sends a few rows to kernel 2
+        self._few_rows = 2 if environment.get("TOYGRAPH_CPU_DOT") == "f32" else 0
+        self._last = None   # matmul_again's operands
 
     def matmul(self, a: np.ndarray, out: np.ndarray, transposed: bool, kernel: int = 0) -> np.ndarray:
         """out = a . W^T (transposed: a [M, K], out [M, N]) or a . W (a [M, N], out [M, K]);
-        ``kernel`` 0 picks by M, 1 the panels, 2 the dot kernels (transposed only)."""
+        ``kernel`` (transposed only) 0 picks by M (up to DOT_MAX_M rows the 8-bit dot
+        kernels where built for the format, else the f32 ones; more rows the panels), 1 the
+        panels, 2 the f32 dot kernels, 3 the 8-bit ones (an error where there are none);
+        ``TOYGRAPH_CPU_DOT=f32`` makes 0 take the f32 ones for a few rows."""
         name, a_width, out_width = ("x", self.K, self.N) if transposed else ("g", self.N, self.K)
         if (a.dtype != np.float32 or out.dtype != np.float32 or a.ndim != 2 or out.ndim != 2
                 or a.shape[1] != a_width or out.shape[1] != out_width or a.strides[1] != 4
@@ -201,11 +217,32 @@ class Weight:
             _rows(a, a_width, name)
             _rows(out, out_width, "out")
             raise ToygraphError(f"CPU engine: out has {out.shape[0]} rows, {name} {a.shape[0]}")
+        if kernel == 0 and transposed and a.shape[0] <= DOT_MAX_M:
+            kernel = self._few_rows
         rc = self.lib.tg_matmul(*self._args, a.ctypes.data, a.strides[0] >> 2, a.shape[0],
                                 out.ctypes.data, out.strides[0] >> 2, int(transposed),
                                 kernel if transposed else 1)
+        if rc == -2:
+            raise ToygraphError(f"CPU engine: no 8-bit dot kernel for {self.fmt} {self.shape} "
+                                f"with {a.shape[0]} rows on this CPU (engine.dot_q8() says "
+                                f"whether any is built)")
         if rc != 0:
             _check(rc, f"{name} . W{'^T' if transposed else ''} ({self.fmt} {self.shape})")
+        return out
+
+
+    def matmul_again(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``matmul(x, out, True)`` where x and out are the arrays of this method's last call:
+        their checks and addresses are kept (generation multiplies each weight with the same
+        buffers every token, and ``x.ctypes.data`` alone costs microseconds)."""
+        last = self._last
+        if last is not None and last[0] is x and last[1] is out:
+            if self.lib.tg_matmul(*self._args, *last[2]) == 0:
+                return out
+        self.matmul(x, out, True)   # checks, and raises what a failure was
+        kernel = self._few_rows if x.shape[0] <= DOT_MAX_M else 0
+        self._last = (x, out, (x.ctypes.data, x.strides[0] >> 2, x.shape[0], out.ctypes.data,
+                               out.strides[0] >> 2, 1, kernel))
         return out
 
 

@@ -253,6 +253,10 @@ def _matmul_blocks(out, srcs, attrs, scratch):
     a, w = srcs
     if attrs.get("scale_a", 1.0) != 1.0:
         a = np.multiply(a, out.dtype.type(attrs["scale_a"]))
+    elif (attrs["trans_b"] and a.size <= w.FEW_ROWS * a.shape[-1] and a.flags.c_contiguous
+          and out.flags.c_contiguous):
+        w.matmul_few_rows(a, out)   # generation's step: the same buffers every token
+        return
     rows = np.ascontiguousarray(a).reshape(-1, a.shape[-1])
     flat = out.reshape(-1, out.shape[-1])
     if attrs["trans_b"]:
