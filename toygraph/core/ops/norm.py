@@ -118,7 +118,11 @@ define_op("inv_row_norm", _infer_inv_row_norm, lambda n, g, need: [None])
 
 # --- numpy kernels -----------------------------------------------------------------------------
 def _rms_inv(x, eps):
-    return 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    # np.mean's own two calls (its sum, then a true_divide by the count as an intp) without
+    # its Python wrapper: the same bits, ~10 us less a call (61 calls a generated token)
+    ms = np.add.reduce(x * x, axis=-1, keepdims=True)
+    np.true_divide(ms, np.intp(x.shape[-1]), out=ms, casting="unsafe")
+    return 1.0 / np.sqrt(ms + eps)
 
 
 @kernel("rms_norm")

@@ -91,21 +91,40 @@ def _angles(pos, d, base, dtype, factors, freq_scale):
     return hit
 
 
+#: The complex rotations of the recent angles (generation: q and k of every layer share one).
+_RECENT_ROTATIONS: dict = {}
+
+
+def _rotation(cos, sin, inverse: bool, ctype):
+    """cos + i sin (sin negated when ``inverse``) as ``ctype``, kept for the angles that
+    _angles keeps (small position sets: the same arrays come back, so their id is a key)."""
+    key = (id(cos), id(sin), inverse, ctype)
+    hit = _RECENT_ROTATIONS.get(key)
+    if hit is not None and hit[0] is cos and hit[1] is sin:
+        return hit[2]
+    rot = (cos + 1j * (-sin if inverse else sin)).astype(ctype)
+    if cos.size <= 64 * _SMALL_POSITIONS:
+        if len(_RECENT_ROTATIONS) >= 16:
+            _RECENT_ROTATIONS.pop(next(iter(_RECENT_ROTATIONS)))
+        _RECENT_ROTATIONS[key] = (cos, sin, rot)
+    return rot
+
+
 @kernel("rope")
 def _rope_numpy(out, srcs, attrs):
     x, pos = srcs[:2]
     d = attrs["dims"]
     factors = srcs[2] if len(srcs) == 3 else None
     cos, sin = _angles(pos, d, attrs["base"], x.dtype, factors, attrs["freq_scale"])
-    if attrs["inverse"]:
-        sin = -sin
     if attrs["mode"] == "normal" and d == x.shape[-1] and x.flags.c_contiguous:
         # Adjacent pairs (x0, x1) are the complex number x0 + i x1, and rotating by theta
         # is one complex multiply: a third of the strided real arithmetic below.
         ctype = np.complex64 if x.dtype == np.float32 else np.complex128
-        rot = (cos + 1j * sin).astype(ctype)
-        np.multiply(x.view(ctype), rot, out=out.view(ctype))
+        np.multiply(x.view(ctype), _rotation(cos, sin, attrs["inverse"], ctype),
+                    out=out.view(ctype))
         return
+    if attrs["inverse"]:
+        sin = -sin
     if attrs["mode"] == "normal":
         x0, x1, o0, o1 = x[..., 0:d:2], x[..., 1:d:2], out[..., 0:d:2], out[..., 1:d:2]
     else:
