@@ -291,7 +291,18 @@ def child_generate(spec: dict) -> dict:
             out.append(int(tok))
             if len(out) >= spec["new"]:
                 break
-        return {"ids": out, "tok_s": (len(out) - 1) / (stamps[-1] - stamps[0])}
+        res = {"ids": out, "tok_s": (len(out) - 1) / (stamps[-1] - stamps[0])}
+        if spec.get("follow"):   # its logits along the f32 path's tokens, after the timing
+            del llm
+            llm = Llama(model_path=spec["gguf"], n_threads=spec["threads"], n_ctx=512,
+                        n_threads_batch=spec["threads"], logits_all=True, verbose=False)
+            prompt = spec["follow_prompt"]
+            llm.eval(prompt + spec["follow"][:-1])
+            along = np.asarray(llm.scores[len(prompt) - 1:len(prompt) - 1 + len(spec["follow"])],
+                               np.float64)
+            ref = np.asarray(spec["follow_logits"])
+            res["max_logit_diff"] = float(np.abs(along - ref).max())
+        return res
     os.environ["TOYGRAPH_BASE_MEMORY"] = spec["base_memory"]
     from toygraph.cpu import engine
     from toygraph.inference.language_model import LanguageModel
@@ -300,7 +311,7 @@ def child_generate(spec: dict) -> dict:
     prompt = lm.tokenizer.encode(PROMPT)
     end = len(prompt) + spec["new"]
     ids, stamps, rows = greedy(lm, prompt, end)
-    out = {"ids": ids, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+    out = {"ids": ids, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "prompt": prompt}
     if spec.get("keep_logits"):
         out["logits"] = [r.tolist() for r in rows]
     if spec.get("follow"):
@@ -362,7 +373,8 @@ def run_child_here(spec: dict, work: Path, tag: str) -> dict:
 
 def section_generate(a, work: Path) -> tuple[str, dict]:
     lines = [f"| model | toygraph blocks: tok/s | toygraph decoded (f32 path) | llama.cpp | "
-             f"blocks / llama.cpp | greedy tokens = f32 path | logits max diff (of max |logit|) "
+             f"blocks / llama.cpp | greedy tokens = f32 path | logits max diff along it "
+             f"(llama.cpp's; max |logit|) "
              f"| GRPO rollouts, group of {a.group}: tok/s |", "|---|---:|---:|---:|---:|---|---|---:|"]
     doc = []
     for name in a.models_gen:
@@ -373,7 +385,9 @@ def section_generate(a, work: Path) -> tuple[str, dict]:
         follow = {} if "error" in f32 else {"follow": f32["ids"], "follow_logits": f32["logits"]}
         blk = run_child_here(dict(base, impl="toygraph", base_memory="auto",
                                       rollouts=a.group, **follow), work, f"{name}-gen-blocks")
-        ref = run_child_here(dict(base, impl="llama.cpp"), work, f"{name}-gen-llama")
+        # llama.cpp's logits along the f32 path too, fed toygraph's prompt ids
+        ref = run_child_here(dict(base, impl="llama.cpp", **follow, follow_prompt=f32.get("prompt")),
+                             work, f"{name}-gen-llama")
         # --rounds: more runs of the two timed paths in turn (speed only), so a slow spell
         # of a shared host falls on both; the table gives medians and the rounds' ratios
         speeds = {"blocks": [blk.get("tok_s")], "llama.cpp": [ref.get("tok_s")]}
@@ -402,7 +416,8 @@ def section_generate(a, work: Path) -> tuple[str, dict]:
         lines.append(f"| {name} | {mine:.1f} | {f32['tok_s']:.1f} | {theirs:.1f} | "
                      f"{mine / theirs:.0%}{spread} | "
                      f"{agree} | "
-                     f"{blk['max_logit_diff']:.2e} ({blk['logit_scale']:.1f}) | "
+                     f"{blk['max_logit_diff']:.2f} ({ref.get('max_logit_diff', float('nan')):.2f}; "
+                     f"{blk['logit_scale']:.1f}) | "
                      f"{blk.get('rollouts_tok_s', float('nan')):.1f} |")
     return "\n".join(lines), {"rows": doc}
 
