@@ -301,9 +301,9 @@ def _cuda_device_name() -> str:
 
 def _op_profile(recipe, ids, positions, labels, hp) -> list:
     """Seconds per op name over one extra (unmeasured) CPU step, biggest first."""
-    from toygraph.core.ops import KERNELS
+    from toygraph.core.ops import BLOCK_KERNELS, KERNELS
     spent: dict[str, list] = {}
-    plain = dict(KERNELS)
+    plain, plain_blocks = dict(KERNELS), dict(BLOCK_KERNELS)
 
     def timed(name, fn):
         def run(*args):
@@ -316,12 +316,15 @@ def _op_profile(recipe, ids, positions, labels, hp) -> list:
 
     for name, fn in plain.items():
         KERNELS[name] = timed(name, fn)
+    for name, entry in plain_blocks.items():   # the engine's products on a base kept in blocks
+        BLOCK_KERNELS[name] = (timed(f"{name} (on blocks)", entry[0]),) + tuple(entry[1:])
     try:
         t0 = time.perf_counter()
         recipe.step(ids[None], positions[None], labels[None], hp, is_first=False)
         total = time.perf_counter() - t0
     finally:
         KERNELS.update(plain)
+        BLOCK_KERNELS.update(plain_blocks)
     rows = sorted(((n, s, c) for n, (s, c) in spent.items()), key=lambda r: -r[1])
     return [("(step total)", total, 0)] + rows
 
