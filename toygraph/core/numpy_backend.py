@@ -73,6 +73,12 @@ class CpuBackend:
                 dt = np.dtype(np.int32 if t.dtype == "i32" else self.dtype)
                 view = self.arena[off:off + t.size * dt.itemsize].view(dt)
                 self.arrays[t.id] = view.reshape(t.shape)
+        # cache_write hands on the cache it wrote: its output is the state's own buffer, not
+        # a copy (the copy was the whole cache a layer a generated token: 1 MB a layer at
+        # SmolLM2's 1,300 rows). The plan's arena slot for it goes unused.
+        for t in schedule:
+            if t.op == "cache_write" and t.srcs[0].role == "state":
+                self.arrays[t.id] = self.arrays[t.srcs[0].id]
         self.schedule = schedule
         self._plan_decodes(schedule, plan)
         # The engine multiplies the base on its blocks: BLAS (what is left: adapters,
