@@ -80,6 +80,7 @@ class CpuBackend:
             if t.op == "cache_write" and t.srcs[0].role == "state":
                 self.arrays[t.id] = self.arrays[t.srcs[0].id]
         self.schedule = schedule
+        self._programs: dict[int, tuple] = {}   # run's compiled phases, by id of the list
         self._plan_decodes(schedule, plan)
         # The engine multiplies the base on its blocks: BLAS (what is left: adapters,
         # attention) on one thread, so the two pools never spin on the same cores.
@@ -112,19 +113,38 @@ class CpuBackend:
 
     def run(self, nodes):
         threads.blas_beside_engine(self.engine_carries)
-        arrays, decodes = self.arrays, self.decodes
+        steps = self._programs.get(id(nodes))
+        if steps is None or steps[0] is not nodes:
+            if len(self._programs) >= 32:   # callers pass their phases' own lists; bounded
+                self._programs.pop(next(iter(self._programs)))
+            steps = self._programs[id(nodes)] = (nodes, self._compile(nodes))
+        for op, out, srcs, attrs, t in steps[1]:
+            if t is None:
+                KERNELS[op](out, srcs, attrs)   # looked up here: profilers patch KERNELS
+            else:
+                self._run_with_blocks(t, srcs)
+
+    def _compile(self, nodes) -> list:
+        """A phase as (op, out, sources, attrs, node) per kernel call, its arrays looked up
+        once (they never change after realize; writes go into them): generation runs a
+        phase of ~850 small nodes a token. ``node`` is set for one that reads blocks."""
+        arrays, out = self.arrays, []
         for t in nodes:
             if t.op is None:
                 continue
             srcs = [arrays[s.id] for s in t.srcs]
-            if t.id in decodes:
-                layout, views = decodes[t.id]
-                if not layout:
-                    self._block_kernel(t, srcs, views)
-                    continue
-                self._decode(layout, views)
-                srcs = [views[s.id][1] if s.id in views else a for s, a in zip(t.srcs, srcs)]
-            KERNELS[t.op](arrays.get(t.id), srcs, t.attrs)
+            out.append((t.op, arrays.get(t.id), srcs, t.attrs,
+                        t if t.id in self.decodes else None))
+        return out
+
+    def _run_with_blocks(self, t, srcs):
+        layout, views = self.decodes[t.id]
+        if not layout:
+            self._block_kernel(t, srcs, views)
+            return
+        self._decode(layout, views)
+        srcs = [views[s.id][1] if s.id in views else a for s, a in zip(t.srcs, srcs)]
+        KERNELS[t.op](self.arrays.get(t.id), srcs, t.attrs)
 
     def _block_kernel(self, t, srcs, scratch):
         """Run ``t``'s block kernel (its decodes are not in ``decode_seconds``: they are
