@@ -445,7 +445,7 @@ static void quantize_rows(const Product& p, int8_t* q, float* d, float* sq) {
 
 static bool matmul_dot_q8(Product& p) {
     const int fmt = (int)(p.f - kFormats);
-    if (p.M > DOT_MAX_M || p.K % 256 != 0 && p.f->qk == 256 || p.K % 32 != 0) return false;
+    if (p.M > DOT_MAX_M || p.K % p.f->qk != 0 || p.K % 32 != 0) return false;
     const DotRowsQ8Fn fn = kDotRowsQ8[fmt][p.M - 1];
     if (!fn) return false;
     const int64_t groups = p.K / 32;
