@@ -210,6 +210,21 @@ class Weight:
         kernels where built for the format, else the f32 ones; more rows the panels), 1 the
         panels, 2 the f32 dot kernels, 3 the 8-bit ones (an error where there are none);
         ``TOYGRAPH_CPU_DOT=f32`` makes 0 take the f32 ones for a few rows."""
+        self._run(self._operands(a, out, transposed, kernel))
+        return out
+
+    def matmul_again(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``matmul(x, out, True)`` where x and out are the arrays of this method's last call:
+        their checks and addresses are kept (generation multiplies each weight with the same
+        buffers every token, and ``x.ctypes.data`` alone costs microseconds)."""
+        last = self._last
+        if last is None or last[0] is not x or last[1] is not out:
+            last = self._last = (x, out, self._operands(x, out, True, 0))
+        self._run(last[2])
+        return out
+
+    def _operands(self, a: np.ndarray, out: np.ndarray, transposed: bool, kernel: int) -> tuple:
+        """tg_matmul's arguments after the weight's own, ``a`` and ``out`` checked."""
         name, a_width, out_width = ("x", self.K, self.N) if transposed else ("g", self.N, self.K)
         if (a.dtype != np.float32 or out.dtype != np.float32 or a.ndim != 2 or out.ndim != 2
                 or a.shape[1] != a_width or out.shape[1] != out_width or a.strides[1] != 4
@@ -219,31 +234,19 @@ class Weight:
             raise ToygraphError(f"CPU engine: out has {out.shape[0]} rows, {name} {a.shape[0]}")
         if kernel == 0 and transposed and a.shape[0] <= DOT_MAX_M:
             kernel = self._few_rows
-        rc = self.lib.tg_matmul(*self._args, a.ctypes.data, a.strides[0] >> 2, a.shape[0],
-                                out.ctypes.data, out.strides[0] >> 2, int(transposed),
-                                kernel if transposed else 1)
+        return (a.ctypes.data, a.strides[0] >> 2, a.shape[0], out.ctypes.data,
+                out.strides[0] >> 2, int(transposed), kernel if transposed else 1)
+
+    def _run(self, operands: tuple) -> None:
+        rc = self.lib.tg_matmul(*self._args, *operands)
+        if rc == 0:
+            return
+        rows, transposed = operands[2], operands[5]
         if rc == -2:
             raise ToygraphError(f"CPU engine: no 8-bit dot kernel for {self.fmt} {self.shape} "
-                                f"with {a.shape[0]} rows on this CPU (engine.dot_q8() says "
+                                f"with {rows} rows on this CPU (engine.dot_q8() says "
                                 f"whether any is built)")
-        if rc != 0:
-            _check(rc, f"{name} . W{'^T' if transposed else ''} ({self.fmt} {self.shape})")
-        return out
-
-
-    def matmul_again(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``matmul(x, out, True)`` where x and out are the arrays of this method's last call:
-        their checks and addresses are kept (generation multiplies each weight with the same
-        buffers every token, and ``x.ctypes.data`` alone costs microseconds)."""
-        last = self._last
-        if last is not None and last[0] is x and last[1] is out:
-            if self.lib.tg_matmul(*self._args, *last[2]) == 0:
-                return out
-        self.matmul(x, out, True)   # checks, and raises what a failure was
-        kernel = self._few_rows if x.shape[0] <= DOT_MAX_M else 0
-        self._last = (x, out, (x.ctypes.data, x.strides[0] >> 2, x.shape[0], out.ctypes.data,
-                               out.strides[0] >> 2, 1, kernel))
-        return out
+        _check(rc, f"{'x . W^T' if transposed else 'g . W'} ({self.fmt} {self.shape})")
 
 
 def matmul_nt(x: np.ndarray, raw, fmt: str, shape, out: np.ndarray, kernel: int = 0,

@@ -95,18 +95,18 @@ def _angles(pos, d, base, dtype, factors, freq_scale):
 _RECENT_ROTATIONS: dict = {}
 
 
-def _rotation(cos, sin, inverse: bool, ctype):
-    """cos + i sin (sin negated when ``inverse``) as ``ctype``, kept for the angles that
-    _angles keeps (small position sets: the same arrays come back, so their id is a key)."""
-    key = (id(cos), id(sin), inverse, ctype)
-    hit = _RECENT_ROTATIONS.get(key)
-    if hit is not None and hit[0] is cos and hit[1] is sin:
-        return hit[2]
+def _rotation(cos, sin, inverse: bool, ctype, kept: bool):
+    """cos + i sin (sin negated when ``inverse``) as ``ctype``; ``kept``: the angles are
+    _angles' kept ones (the same arrays come back, so their id is a key), and so is this."""
+    key = (id(cos), inverse, ctype)
+    hit = _RECENT_ROTATIONS.get(key) if kept else None
+    if hit is not None and hit[0] is cos:
+        return hit[1]
     rot = (cos + 1j * (-sin if inverse else sin)).astype(ctype)
-    if cos.size <= 64 * _SMALL_POSITIONS:
+    if kept:
         if len(_RECENT_ROTATIONS) >= 16:
             _RECENT_ROTATIONS.pop(next(iter(_RECENT_ROTATIONS)))
-        _RECENT_ROTATIONS[key] = (cos, sin, rot)
+        _RECENT_ROTATIONS[key] = (cos, rot)
     return rot
 
 
@@ -120,8 +120,8 @@ def _rope_numpy(out, srcs, attrs):
         # Adjacent pairs (x0, x1) are the complex number x0 + i x1, and rotating by theta
         # is one complex multiply: a third of the strided real arithmetic below.
         ctype = np.complex64 if x.dtype == np.float32 else np.complex128
-        np.multiply(x.view(ctype), _rotation(cos, sin, attrs["inverse"], ctype),
-                    out=out.view(ctype))
+        rot = _rotation(cos, sin, attrs["inverse"], ctype, pos.size <= _SMALL_POSITIONS)
+        np.multiply(x.view(ctype), rot, out=out.view(ctype))
         return
     if attrs["inverse"]:
         sin = -sin
