@@ -301,7 +301,7 @@ def _cuda_device_name() -> str:
 
 def _op_profile(recipe, ids, positions, labels, hp) -> list:
     """Seconds per op name over one extra (unmeasured) CPU step, biggest first."""
-    from toygraph.core.ops import BLOCK_KERNELS, KERNELS
+    from toygraph.ops import BLOCK_KERNELS, KERNELS
     spent: dict[str, list] = {}
     plain, plain_blocks = dict(KERNELS), dict(BLOCK_KERNELS)
 

@@ -1,7 +1,7 @@
 """A LoRA step (q,k,v,o, the default recipe otherwise) on a random Qwen3-30B-A3B-shaped
 GGUF (bench/random_model.py, Q4_K_M's block types) on the CPU: tokens/s, peak RSS, and the
 bytes of the file a step actually reads, with the base kept quantized (the experts a
-step's tokens chose are decoded one at a time, core/ops/experts.py) against decoded.
+step's tokens chose are decoded one at a time, ops/experts/) against decoded.
 
 Bytes read: before a measured "cold" step the child drops the file from its mapping
 (madvise MADV_DONTNEED on toygraph's mmap) and from the page cache (posix_fadvise

@@ -33,7 +33,7 @@ import numpy as np
 
 
 def child(args):
-    from toygraph.core import distributed
+    from toygraph import distributed
     from toygraph.data.batches import Batch
     from toygraph.models.catalog import smollm2_path
     from toygraph.models.model import GGUFModel

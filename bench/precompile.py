@@ -29,8 +29,8 @@ from pathlib import Path
 def _modules(archs, precisions):
     """[(arch, precision, source)] a session may load, one per distinct (arch, source):
     bf16 and tf32 compile the same module (both precisions' tensor-core kernels)."""
-    import toygraph.core.ops  # noqa: F401  (declares every family's kernel files)
-    from toygraph.cuda.lowering.sources import backend_source
+    import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+    from toygraph.ops.lowering.sources import backend_source
     out, seen = [], set()
     for arch in archs:
         for prec in precisions:
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_80,sm_90")
     ap.add_argument("--precision", default="f32,bf16,tf32")
     a = ap.parse_args(argv)
-    from toygraph.core.precision import PRECISIONS
+    from toygraph.precision import PRECISIONS
     precs, archs = a.precision.split(","), a.arch.split(",")
     bad = [p for p in precs if p not in PRECISIONS]
     if bad:

@@ -25,13 +25,13 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.frozen_base import MODES as BASE_MEMORY_MODES
-from toygraph.core.distributed import world
+from toygraph.distributed import world
 from toygraph.core.graph import Graph
-from toygraph.core.ops.stochastic import HP_MICRO
+from toygraph.ops.stochastic import HP_MICRO
 from toygraph.core.optimizer import build_training
-from toygraph.core.precision import BACKENDS, precision_error
+from toygraph.precision import BACKENDS, precision_error
 from toygraph.core.session import Session
 from toygraph.data.batches import encode_dataset
 from toygraph.data.examples import load_examples
@@ -71,7 +71,7 @@ def head_loss(net, labels, backend: str):
 
 
 def _with_micro(hp, i: int) -> np.ndarray:
-    """The hp row with micro-batch index i (ops/stochastic.py keys dropout by it)."""
+    """The hp row with micro-batch index i (ops/stochastic/ keys dropout by it)."""
     row = np.array(hp, np.float32)
     row[HP_MICRO] = i
     return row
@@ -82,9 +82,9 @@ class RecipeOptions:
     """Options every recipe shares. ``untied``/``qkv_bias`` default to the model's own
     values; set them to assert what the model must have. ``clip`` 0 turns clipping
     off; ``grad_accum`` micro-batches of ``batch`` sequences make one optimizer step.
-    ``precision`` is the matmuls' input precision (toygraph.core.precision.PRECISIONS). The seed
+    ``precision`` is the matmuls' input precision (toygraph.precision.PRECISIONS). The seed
     and init scale default to LoraConfig's: defaults live once, in the lowest layer.
-    ``data_parallel`` makes this process one rank of ``toygraph.core.distributed.world()``:
+    ``data_parallel`` makes this process one rank of ``toygraph.distributed.world()``:
     ``batch`` is then its share of the batch, gradients and token counts are summed over
     the ranks inside the graph and the reported loss is the job's."""
 

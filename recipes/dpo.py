@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.models.decoder import LoraConfig, build_decoder
 from toygraph.recipes.preference import BETA, PreferenceRecipe

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import PHASES, Graph
 from toygraph.data.batches import pad_id_for, steps_per_epoch
 from toygraph.data.prompts import encode_prompts, load_prompts, prompt_batches, prompt_text

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")

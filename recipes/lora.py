@@ -1,7 +1,7 @@
 """LoRA: the GGUF base stays frozen (and quantized where it is); only adapters train."""
 from __future__ import annotations
 
-from toygraph.core.distributed import world
+from toygraph.distributed import world
 from toygraph.models.decoder import ALL_TARGETS, LoraConfig
 from toygraph.recipes.base import Recipe, RecipeOptions
 from toygraph.recipes.registry import register

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.recipes.preference import PreferenceRecipe
 from toygraph.recipes.registry import register
 

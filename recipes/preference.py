@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.data.batches import steps_per_epoch
 from toygraph.data.preference import encode_pairs, load_pairs, pair_batches

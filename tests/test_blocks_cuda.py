@@ -11,10 +11,10 @@ from test_llama import transformers_loss
 from test_blocks import random_blocks
 from toygraph.gguf import block_encode, blocks
 from toygraph.cuda import devmem
-from toygraph.cuda.lowering import dispatch, registry
+from toygraph.ops.lowering import dispatch, registry
 from support.kernelsrc import KERNEL_NAMES
-from toygraph.core.ops.gemm import QUANT_KERNELS
-from toygraph.cuda.lowering.sources import layout_defines, read_source
+from toygraph.ops.gemm.cuda import QUANT_KERNELS
+from toygraph.ops.lowering.sources import layout_defines, read_source
 from toygraph.fixtures.tiny_models import write_tiny_llama
 from toygraph.models.model import GGUFModel
 from toygraph.core.optimizer import hp_row

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from support.cudaemu import lora_graph, training_plan
-from toygraph.core import buffer_plan, ops
-from toygraph.core.ops import groups
+from toygraph import ops
+from toygraph.core import buffer_plan
+from toygraph.ops import groups
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 

@@ -17,7 +17,7 @@ ON_HOST = os.environ.get("TOYGRAPH_CUDA_DEVICE") == "host"   # the CPU executor 
 if not driver.available() and not ON_HOST:
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.gguf import block_encode, blocks  # noqa: E402
 from toygraph.core.autodiff import accumulate_grads, backward  # noqa: E402
 from toygraph.cuda.backend import CudaBackend  # noqa: E402
@@ -284,7 +284,7 @@ def test_bad_quantized_size_is_a_cuda_error():
         Session(g, backend="cuda").realize()
 
 
-# --- frozen consts kept in block format (core/ops/qmatmul.cu) ----------------------------------
+# --- frozen consts kept in block format (ops/gemm/qmatmul.cu) ----------------------------------
 BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
 
 
@@ -427,7 +427,7 @@ def test_block_format_weights_use_less_device_memory(monkeypatch):
     assert used_f - used_q >= 0.9 * rep_q["saved_bytes"]
 
 
-# --- mixed precision: tensor-core matmuls (dtype "bf16" / "tf32", core/ops/tc_matmul.cu) -------
+# --- mixed precision: tensor-core matmuls (dtype "bf16" / "tf32", ops/gemm/tc_matmul.cu) -------
 MIXED_TOL = {"bf16": 2e-2, "tf32": 5e-3}
 MATMUL_CASES = [
     ((3, 4), (4, 5), False, False), ((3, 4), (5, 4), False, True),
@@ -472,7 +472,7 @@ def test_tc_matmul_is_exactly_the_matmul_of_rounded_inputs(prec, sa, sb, ta, tb)
     av, bv = rnd(rng, *sa), rnd(rng, *sb)
     got = run_phase(g, "cuda", {a: av, b: bv}, "forward", [y], prec)[0]
     want = np.zeros(y.shape)
-    from toygraph.core.ops import KERNELS
+    from toygraph.ops import KERNELS
     KERNELS["matmul"](want, [_round(av, prec), _round(bv, prec)], y.attrs)
     assert rel_err(got, want) <= 1e-5
     f32 = run_phase(g, "cuda", {a: av, b: bv}, "forward", [y])[0]
@@ -521,7 +521,7 @@ def test_f32_default_stays_on_the_plain_kernels():
 
 
 def _launched_kernels(s):
-    from toygraph.cuda.lowering.dispatch import lower
+    from toygraph.ops.lowering.dispatch import lower
     be = s.backend
     return [l.kernel for t in be.schedule if t.op is not None
             for l in lower(t, be._ptr, 0, be.raw_consts, be.precision)]
@@ -532,7 +532,7 @@ def test_other_precisions_are_refused():
         Session(Graph(), backend="cuda", precision="f16")
 
 
-# --- fused output head + cross-entropy (ops/loss.py _linear_cross_entropy: row chunks) -------------
+# --- fused output head + cross-entropy (ops/loss/ _linear_cross_entropy: row chunks) -------------
 def _lce_graph(seed, N, D, V, labels, reduction, head="param", fmt=None):
     """loss = linear_cross_entropy(h, w, labels) with h a param and w a param, an f32 const
     or a block-format const (reduction "none": the rows' weighted sum, so every row's own
@@ -566,7 +566,7 @@ def test_linear_cross_entropy_matches_numpy_and_is_deterministic(head, chunk_row
                                                                  labels, monkeypatch):
     """Loss, dh and (trainable head) dw within 1e-4 of numpy, bit-identical run to run, in
     one chunk and in 48-row chunks (a ragged last one); all-ignored gives zeros."""
-    from toygraph.core.ops import loss as loss_ops
+    from toygraph.ops.loss import cuda as loss_ops
     if chunk_rows:
         monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 1000 * chunk_rows)
     g, fetch, inputs, _ = _lce_graph(0, 200, 96, 1000, labels, reduction, head)
@@ -582,7 +582,7 @@ def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
     """Per chunk the same kernels run on the same values as the unfused head (tg_matmul's
     sums do not depend on the row tiling), so loss and dh are bit-identical to matmul +
     cross_entropy on the GPU; dw adds chunk sums, so it is only close."""
-    from toygraph.core.ops import loss as loss_ops
+    from toygraph.ops.loss import cuda as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 1000 * 64)
     rng = np.random.default_rng(4)
     hv, wv = rnd(rng, 200, 96), rnd(rng, 1000, 96, s=0.5)
@@ -606,7 +606,7 @@ def test_linear_cross_entropy_equals_the_unfused_head_on_the_gpu(monkeypatch):
 def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
     """A frozen quantized head (SmolLM2's tied Q8_0 token_embd) stays in its block format;
     loss and dh match numpy on the dequantized weight, deterministically."""
-    from toygraph.core.ops import loss as loss_ops
+    from toygraph.ops.loss import cuda as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 64)
     g, fetch, inputs, w = _lce_graph(1, 150, 256, 300, "some", "mean", fmt=fmt)
     cpu = run_phase(g, "cpu", inputs, "backward", fetch)

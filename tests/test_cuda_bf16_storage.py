@@ -12,11 +12,11 @@ import pytest
 
 from support.cudaemu import lora_graph, training_plan
 from support.hostparity import MIXED_TOL, rel_err, rnd, run_phase
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
 from toygraph.core.buffer_plan import plan_buffers
-from toygraph.cuda.lowering.registry import REGISTRY
+from toygraph.ops.lowering.registry import REGISTRY
 from toygraph.cuda.bf16_storage import plan_bf16
 
 
@@ -139,7 +139,7 @@ def test_every_lora_projection_runs_as_one_dual_gemm(tiny_llama):
     """x W^T + s (x A^T) B^T: the base product is absorbed by the adapter's matmul_add (one
     tg_tcg_gemm2_bf16, the base's weight decoded once into its copy, s in B's copy), and
     so is the backward's dy W of dx = dy W + du A; at f32 nothing is."""
-    from toygraph.cuda.lowering import dispatch
+    from toygraph.ops.lowering import dispatch
     from toygraph.cuda.bf16_storage import plan_storage
     g = lora_graph(tiny_llama, targets=("q", "k", "v", "o", "gate", "up", "down"))
     order, pinned, _, outputs = training_plan(g)
@@ -249,7 +249,7 @@ def test_the_switches_turn_them_off(monkeypatch, tiny_llama):
 
 def test_a_store_that_truncates_instead_of_rounding_fails(monkeypatch):
     from toygraph.cuda import backend as cuda_backend
-    from toygraph.cuda.lowering import sources
+    from toygraph.ops.lowering import sources
     old = "return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);"
     real = sources.backend_source("bf16")
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
@@ -267,7 +267,7 @@ def test_a_store_that_truncates_instead_of_rounding_fails(monkeypatch):
 def test_a_product_reads_a_canonical_bf16_operand_as_it_is():
     """act [40, 48] (k contiguous, 48 a multiple of 8) is A of act @ Wd: no copy of it; nor
     in dWd = act^T dz, which reads it k-major (tg_tcg_gemm_ta*)."""
-    from toygraph.cuda.lowering import dispatch
+    from toygraph.ops.lowering import dispatch
     g, fetch, act = _ffn()
     order, pinned, _, _ = training_plan(g)
     half = plan_bf16(order, pinned, "bf16")
@@ -289,7 +289,7 @@ def test_a_product_reads_a_canonical_bf16_operand_as_it_is():
 def test_a_scaled_canonical_bf16_operand_is_scaled_in_the_store():
     """(s act) @ W with act kept in bf16 in the copy's layout: no pass over act; the GEMM's
     store multiplies by s (alpha), and the result tracks numpy's f32 (s act) @ W."""
-    from toygraph.cuda.lowering import dispatch
+    from toygraph.ops.lowering import dispatch
     rng = np.random.default_rng(4)
     g = Graph()
     gate, up = g.param("gate", rnd(rng, 64, 40)), g.param("up", rnd(rng, 64, 40))
@@ -337,7 +337,7 @@ def test_k_major_bf16_operands_are_read_as_they_lie_and_change_no_bit(a_half, b_
     """No transposing copy of a k-major bf16 operand: the GEMM stages its [k][r] rows and
     takes fragments with ldmatrix.trans -- the same bf16 products in the same k order as
     the copied operand, so the same bits as with every buffer f32."""
-    from toygraph.cuda.lowering import dispatch
+    from toygraph.ops.lowering import dispatch
     g, fetch, z = _k_major(a_half, b_half)
     order, pinned, _, _ = training_plan(g)
     half = plan_bf16(order, pinned, "bf16")
@@ -361,7 +361,7 @@ def test_k_major_bf16_operands_are_read_as_they_lie_and_change_no_bit(a_half, b_
 ])
 def test_a_broken_k_major_fragment_or_bound_fails(old, new, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
-    from toygraph.cuda.lowering import sources
+    from toygraph.ops.lowering import sources
     real = sources.backend_source("bf16")
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
     g, fetch, _ = _k_major(True, True, T=70)
@@ -474,7 +474,7 @@ NORM_MUTATIONS = {
 @pytest.mark.parametrize("mutation", sorted(NORM_MUTATIONS))
 def test_a_wrong_bf16_access_in_the_norms_fails(mutation, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
-    from toygraph.cuda.lowering import sources
+    from toygraph.ops.lowering import sources
     old, new = NORM_MUTATIONS[mutation]
     real = sources.backend_source("bf16")
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
@@ -516,7 +516,7 @@ def test_attention_reads_bf16_q_k_v_as_they_lie_and_changes_no_bit(hd, monkeypat
     bf16. Either way the kernels get the values the copies of f32 q, k, v rounded to, so
     every output and gradient is the bits of the step with q, k, v f32 (dO kept f32 here:
     attention_back's bf16 read of dO is off)."""
-    from toygraph.cuda.lowering import dispatch
+    from toygraph.ops.lowering import dispatch
     _attention_reads(monkeypatch, (0, 1, 2), (0, 1, 2))
     g, fetch = _attention_block(hd)
     order, pinned, plan, _ = training_plan(g)
@@ -545,7 +545,7 @@ def test_attention_back_reading_bf16_do_tracks_the_f32_do(monkeypatch):
     (asis 15, the prep copies nothing) and D = rowsum(dO o) sums its rounded values, as
     dP = dO v^T does. The forward is the same bits; the gradients within bf16's tolerance
     of the step with dO f32, and not equal to it (D differs)."""
-    from toygraph.cuda.lowering import dispatch
+    from toygraph.ops.lowering import dispatch
     g, fetch = _attention_block(64)
     order, pinned, _, _ = training_plan(g)
     half = plan_bf16(order, pinned, "bf16")

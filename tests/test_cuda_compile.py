@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from support.cudaemu import needs_nvrtc
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.gguf import blocks
-from toygraph.cuda.lowering import dispatch
-from toygraph.core.ops.gemm import DEQUANT_KERNELS
+from toygraph.ops.lowering import dispatch
+from toygraph.ops.gemm.cuda import DEQUANT_KERNELS
 from support.kernelsrc import KERNEL_NAMES
-from toygraph.cuda.lowering.sources import backend_source
-from toygraph.cuda.lowering.launch import collapse
+from toygraph.ops.lowering.sources import backend_source
+from toygraph.ops.lowering.launch import collapse
 from support.kernelsrc import OP_KERNELS
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from support.cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.gguf import blocks
 from toygraph.cuda import devmem
-from toygraph.cuda.lowering import dispatch
-from toygraph.core.ops.gemm import QUANT_KERNELS
+from toygraph.ops.lowering import dispatch
+from toygraph.ops.gemm.cuda import QUANT_KERNELS
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
 

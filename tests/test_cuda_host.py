@@ -10,11 +10,11 @@ import pytest
 
 from support.hostparity import (ELEMENTWISE, MIXED_TOL, REDUCTION, compare_op, op_case, rel_err, rnd,
                         run_phase)
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.cuda import backend as cuda_backend
-from toygraph.cuda.lowering import sources
+from toygraph.ops.lowering import sources
 from toygraph.cuda.host.device import by_value, run_kernel
-from toygraph.cuda.lowering.launch import strided
+from toygraph.ops.lowering.launch import strided
 from toygraph.errors import CudaError, SettingError
 
 
@@ -328,7 +328,7 @@ def test_attention_forward_and_backward_match_numpy(B, H, KV, T, hd, causal, lay
 @pytest.mark.parametrize("head", ["param", "const"])
 def test_linear_cross_entropy_in_ragged_chunks(head, reduction, labels, monkeypatch):
     """Loss, dh and (trainable head) dw over 24-row chunks of 70 rows (ragged last one)."""
-    from toygraph.core.ops import loss as loss_ops
+    from toygraph.ops.loss import cuda as loss_ops
     from toygraph.core.graph import Graph
     from toygraph.core.autodiff import accumulate_grads, backward
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
@@ -354,8 +354,9 @@ def test_linear_cross_entropy_in_ragged_chunks(head, reduction, labels, monkeypa
 def capped_grids(monkeypatch):
     """Grids capped far below the work (as MAX_GRID / MAX_GRID_YZ / SUMSQ_BLOCKS cap them
     for huge tensors on a GPU), so every grid-stride, row and batch loop takes more turns."""
-    from toygraph.cuda.lowering import launch
-    from toygraph.core.ops import gemm as matmul_ops, update as optim_ops
+    from toygraph.ops.lowering import launch
+    from toygraph.ops.gemm import cuda as matmul_ops
+    from toygraph.ops.update import cuda as optim_ops
     monkeypatch.setattr(launch, "MAX_GRID", 3)
     monkeypatch.setattr(matmul_ops, "MAX_GRID_YZ", 2)
     monkeypatch.setattr(optim_ops, "SUMSQ_BLOCKS", 2)

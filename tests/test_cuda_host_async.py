@@ -1,14 +1,14 @@
-"""The host executor's ldmatrix and cp.async (toygraph/cuda/host/shim.h, used through
-toygraph/core/ops/tc_async.cuh) against the PTX ISA's definitions, written out again here
+"""The host executor's ldmatrix and cp.async (toygraph/ops/include/host_shim.h, used through
+toygraph/ops/include/tc_async.cuh) against the PTX ISA's definitions, written out again here
 independently of the shim: the 8 x 8 matrix fragments of ldmatrix .x1/.x2/.x4 with and
 without .trans, and cp.async's sizes, zero fill, commit groups and wait_group -- including
 that a kernel which reads a tile before waiting for it sees poison, not the data."""
 import numpy as np
 import pytest
 
-from toygraph.core import ops  # noqa: F401  (the op families declare their kernel files)
+from toygraph import ops  # noqa: F401
 from toygraph.cuda.host.device import run_kernel
-from toygraph.cuda.lowering import sources
+from toygraph.ops.lowering import sources
 from toygraph.errors import CudaError
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from support.hostparity import MIXED_TOL, REDUCTION, qlinear, rel_err, rnd, run_phase
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.gguf import block_encode, blocks
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
@@ -104,7 +105,7 @@ def test_quantized_get_rows_and_tied_head(fmt):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
 def test_linear_cross_entropy_with_a_block_format_head(fmt, monkeypatch):
-    from toygraph.core.ops import loss as loss_ops
+    from toygraph.ops.loss import cuda as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 32)
     rng = np.random.default_rng(1)
     N, D, V = 50, 256, 300
@@ -183,8 +184,8 @@ def test_adamw_per_tensor_lr_scale_matches_numpy():
 def test_adamw_step_with_capped_grids_matches_numpy(monkeypatch):
     """The step with every grid capped at 3 blocks (2 partial sums per gradient norm), so
     AdamW, the norm, cross-entropy and the row kernels loop over what the grid misses."""
-    from toygraph.cuda.lowering import launch
-    from toygraph.core.ops import update as optim_ops
+    from toygraph.ops.lowering import launch
+    from toygraph.ops.update import cuda as optim_ops
     monkeypatch.setattr(launch, "MAX_GRID", 3)
     monkeypatch.setattr(optim_ops, "SUMSQ_BLOCKS", 2)
     cpu, got = _mlp_train("cpu", 0.05, n=70, h=300), _mlp_train("cuda", 0.05, n=70, h=300)
@@ -201,7 +202,7 @@ def test_results_do_not_depend_on_the_thread_schedule(case, monkeypatch):
     (TOYGRAPH_HOST_SCHEDULE=reverse): a read of shared memory another thread writes without
     a barrier in between sees a different value, so race-free kernels are bit-identical."""
     from support.hostparity import op_case
-    from toygraph.core.ops import loss as loss_ops
+    from toygraph.ops.loss import cuda as loss_ops
     monkeypatch.setattr(loss_ops, "LCE_CHUNK_BYTES", 4 * 300 * 24)
 
     def run():

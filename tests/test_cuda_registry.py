@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from toygraph.core import ops
-from toygraph.core.ops import gemm as matmul_ops
-from toygraph.cuda.lowering import constants, dispatch, registry, sources
-from toygraph.cuda.lowering.constants import DEFINES
-from toygraph.cuda.lowering.sources import backend_source, source_files
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
+from toygraph.ops.gemm import cuda as matmul_ops
+from toygraph.ops.lowering import constants, dispatch, registry, sources
+from toygraph.ops.lowering.constants import DEFINES
+from toygraph.ops.lowering.sources import backend_source, source_files
 from toygraph.errors import CudaError
 
 OPS_DIR = Path(ops.__file__).parent
@@ -73,31 +74,36 @@ def test_a_missing_lowering_is_a_clear_error_naming_the_op():
         dispatch.scratch_bytes(Node())
 
 
-def test_each_op_lives_in_one_family_module():
-    """One op, one place: every op of the op table has a numpy kernel and a CUDA lowering,
-    and both are defined in the same family module of toygraph.core.ops (with its rules)."""
+def test_each_op_lives_in_one_family_folder():
+    """One op, one place: every op of the op table has its rules, a numpy kernel and a CUDA
+    lowering, in the one family folder of toygraph/ops: <family>/__init__.py (the rules),
+    numpy.py and cuda.py (or a CUDA-only cuda_*.py helper beside it)."""
     assert set(ops.KERNELS) == set(ops.OPS) == set(registry.REGISTRY)
     for op in ops.OPS:
-        module = ops.KERNELS[op].__module__
-        assert module.startswith("toygraph.core.ops.") and module != "toygraph.core.ops.table", op
-        assert registry.REGISTRY[op].build.__module__ == module, op
+        family, _, half = ops.KERNELS[op].__module__.rpartition(".")
+        assert family.startswith("toygraph.ops.") and family.count(".") == 2, (op, family)
+        assert half == "numpy", op
+        assert registry.REGISTRY[op].build.__module__.startswith(family + ".cuda"), op
 
 
 # --- the kernel files: declared by the families, never listed by hand -------------------------
 def test_every_kernel_file_beside_the_ops_is_declared_by_the_family_beside_it():
-    """The .cu files of toygraph/core/ops/ are exactly the declared ones, each declared by
-    a family module in that folder (so a new family's file cannot be forgotten)."""
-    on_disk = {p.name for p in OPS_DIR.glob("*.cu*")}
-    assert on_disk == set(sources.FILES)
-    for f in sources.FILES.values():
-        assert f.path.parent == OPS_DIR
+    """The .cu files of toygraph/ops/<family>/ are exactly the declared ones, each declared
+    by the cuda.py beside it, and the family headers of include/ are declared too (so a new
+    family's file cannot be forgotten)."""
+    on_disk = {p.name for p in OPS_DIR.glob("*/*.cu")}
+    headers = {p.name for p in (OPS_DIR / "include").glob("*.cuh")} - set(sources.HEADERS)
+    assert on_disk | headers == set(sources.FILES)
     declaring = {}
-    for module in OPS_DIR.glob("*.py"):
+    for module in OPS_DIR.glob("*/cuda.py"):
         for node in ast.walk(ast.parse(module.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "declare_kernels":
                 for arg in node.args[1:]:
-                    declaring[arg.value] = module.name
-    assert set(declaring) == on_disk, declaring
+                    declaring[arg.value] = module.parent
+    assert set(declaring) == on_disk | headers, declaring
+    for name, folder in declaring.items():
+        f = sources.FILES[name]
+        assert f.path.parent == (OPS_DIR / "include" if name.endswith(".cuh") else folder), name
 
 
 def test_the_modules_order_files_by_what_they_need():
@@ -117,7 +123,7 @@ def test_the_modules_order_files_by_what_they_need():
 
 def test_a_kernel_file_declared_twice_or_missing_is_refused(tmp_path):
     with pytest.raises(CudaError, match="declared twice"):
-        sources.declare_kernels(ops.gemm.__file__, "matmul.cu")
+        sources.declare_kernels(matmul_ops.__file__, "matmul.cu")
     with pytest.raises(CudaError, match="does not exist"):
         sources.declare_kernels(str(tmp_path / "fam.py"), "nothing.cu")
     with pytest.raises(CudaError, match="not declared"):
@@ -125,12 +131,13 @@ def test_a_kernel_file_declared_twice_or_missing_is_refused(tmp_path):
 
 
 def test_the_lowering_api_is_all_the_families_import_from_cuda():
-    """Op families use the public toygraph.cuda.lowering API (and its constants), never the
+    """Op families use the public toygraph.ops.lowering API (and its constants), never the
     runtime or a private helper; the lowering package imports no op family."""
-    for module in OPS_DIR.glob("*.py"):
+    for module in OPS_DIR.glob("*/cuda*.py"):
         for node in ast.walk(ast.parse(module.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("toygraph.cuda"):
-                assert node.module in ("toygraph.cuda.lowering", "toygraph.cuda.lowering.constants"), \
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    ("toygraph.cuda", "toygraph.ops.lowering")):
+                assert node.module in ("toygraph.ops.lowering", "toygraph.ops.lowering.constants"), \
                     (module.name, node.module)
                 assert not any(a.name.startswith("_") for a in node.names), (module.name, node.module)
     lowering = Path(registry.__file__).parent

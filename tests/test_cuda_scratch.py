@@ -11,10 +11,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from toygraph.core import ops
-from toygraph.cuda.lowering import dispatch
+from toygraph import ops
+from toygraph.ops.lowering import dispatch
 from toygraph.cuda.backend import CudaBackend
-from toygraph.cuda.lowering.registry import REGISTRY
+from toygraph.ops.lowering.registry import REGISTRY
 from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session

@@ -1,4 +1,4 @@
-"""Data parallelism (distributed.py, ops/collective.py): the launcher's
+"""Data parallelism (distributed.py, ops/collective/): the launcher's
 environment, the all_reduce op, and real 2-rank jobs under MPICH's mpiexec on the tiny
 model — the same losses and adapter as one process, resume across rank counts, a killed
 or stalled rank ending the job, a one-process run importing nothing new.
@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toygraph.core import distributed, ops
+from toygraph import ops
+from toygraph import distributed
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
@@ -324,8 +325,9 @@ def test_a_stalled_rank_makes_the_others_abort_after_the_timeout(tmp_path, tiny_
 
 # --- the CUDA backend's collective --------------------------------------------------------
 def test_cuda_lowering_is_a_collective_then_a_copy_of_the_count():
-    from toygraph.cuda.lowering.launch import Collective
-    from toygraph.cuda.lowering.dispatch import Launch, lower
+    import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+    from toygraph.ops.lowering.launch import Collective
+    from toygraph.ops.lowering.dispatch import Launch, lower
     g = Graph()
     count = g.state("count", (), kind="count")
     grad = g.state("grad", (2, 3), kind="grad")

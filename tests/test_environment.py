@@ -1,5 +1,5 @@
 """toygraph/environment.py: the environment table, its typed accessors and errors, the cache
-layout, the README's copy of the table, and the warning when graph capture falls back."""
+layout, docs/settings.md's copy of the table, and the warning when graph capture falls back."""
 import logging
 import re
 import shutil
@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph import environment
 from toygraph.errors import CudaError, SettingError
 from toygraph.models import catalog
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SETTINGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 
 
 def test_defaults_and_typed_values(monkeypatch):
@@ -98,10 +98,8 @@ def test_smollm2_found_in_models_folder_and_where_earlier_versions_cached_it(mon
     assert catalog.find_smollm2() is None           # an explicit path that is missing
 
 
-def test_readme_settings_table_is_the_rendered_table():
-    text = README.read_text()
-    assert "\n## Settings\n" in text
-    section = text.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+def test_the_documented_settings_table_is_the_rendered_table():
+    section = SETTINGS_DOC.read_text()
     table = "".join(line + "\n" for line in section.splitlines() if line.startswith("|"))
     assert table == environment.markdown_table()
     assert table.count("\n") == len(environment.SETTINGS) + 2

@@ -7,7 +7,8 @@ it, and a plan that cannot fit is refused in one line."""
 import numpy as np
 import pytest
 
-from toygraph.core import frozen_base, ops
+from toygraph import ops
+from toygraph.core import frozen_base
 from toygraph.core.graph import Graph, topo_order
 from toygraph.core.buffer_plan import aligned, plan_buffers
 from toygraph.core.optimizer import hp_row
@@ -98,7 +99,7 @@ def test_f64_buffers_decode_too():
 
 
 def test_kernels_read_the_scratch_read_only(monkeypatch, no_engine):
-    from toygraph.core.ops import KERNELS
+    from toygraph.ops import KERNELS
     seen = []
     plain = KERNELS["matmul"]
 

@@ -92,7 +92,7 @@ def test_the_file_carries_every_part(gemma4):
 
 
 def test_every_norm_weight_is_read_inside_its_norm(gemma4):
-    """Per-layer projection norm, post norms, q/k norms: the weight in the norm's kernels (ops/norm.py)."""
+    """Per-layer projection norm, post norms, q/k norms: the weight in the norm's kernels (ops/norm/)."""
     from test_ops_norm import check_norm_weights_in_their_norms
     check_norm_weights_in_their_norms(gemma4[0])
 
@@ -191,7 +191,7 @@ def test_activation_checkpointing_gives_the_same_steps(gemma4):
 def test_the_fused_head_refuses_a_soft_capped_model(gemma4):
     """ops.linear_cross_entropy (the CUDA recipes' head) has no soft cap: it must refuse
     Gemma 4's head rather than compute another model's loss; lm_head caps."""
-    from toygraph.core import ops
+    from toygraph import ops
     from toygraph.core.graph import Graph
     from toygraph.errors import GraphError
     from toygraph.models.decoder import build_decoder, lm_head
@@ -291,7 +291,7 @@ def test_f64_gradients_equal_transformers_in_f64(gemma4, monkeypatch):
     fine-tuning, f64) is transformers' autograd gradient (f64 throughout, the layer scalars
     included) to 1e-9 of its largest entry. Weights are paired by value (every random
     tensor is distinct), so no name table can hide a swapped pair."""
-    from toygraph.core import ops
+    from toygraph import ops
     from toygraph.core.autodiff import accumulate_grads, backward
     from toygraph.core.graph import Graph
     from toygraph.core.session import Session

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from support.gradcheck import check_gradients
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session

@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 
 from support.cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.gguf import blocks
 from toygraph.core.autodiff import backward
 from toygraph.cuda import devmem
-from toygraph.cuda.lowering import dispatch
-from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS, LIST_TENSORS, TCA_HEAD_DIMS
+from toygraph.ops.lowering import dispatch
+from toygraph.ops.lowering.constants import ATTN_HEAD_DIMS, LIST_TENSORS, TCA_HEAD_DIMS
 from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
-from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
-from toygraph.cuda.lowering.sources import module_source
-from toygraph.cuda.lowering.launch import MAXD, Launch, f32_arg, f64_arg, i32_arg, ptr_arg, strided
+from toygraph.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
+from toygraph.ops.lowering.sources import module_source
+from toygraph.ops.lowering.launch import MAXD, Launch, f32_arg, f64_arg, i32_arg, ptr_arg, strided
 from toygraph.core.buffer_plan import plan_buffers
 from toygraph.core.graph import Graph, topo_order
-from toygraph.core.ops.flash_attention import backward_node
+from toygraph.ops.flash_attention import backward_node
 
 PRECISIONS = ("f32",) + TC_PRECISIONS
 BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
@@ -182,7 +182,7 @@ def _block_format_launches(rng):
 
 
 def _expert_launches(rng):
-    """The mixture-of-experts ops (ops/experts.py, and gpt-oss's swiglu_oai) forward and
+    """The mixture-of-experts ops (ops/experts/, and gpt-oss's swiglu_oai) forward and
     backward with f32 expert weights trained (their dW), and every block format's grouped
     GEMMs (nt and nn)."""
     g = Graph()
@@ -262,7 +262,7 @@ def _small_op_launches():
 
 
 def _preference_op_launches():
-    """The preference-loss ops (ops/preference.py), and the fused head's per-row log-probs
+    """The preference-loss ops (ops/preference/), and the fused head's per-row log-probs
     (linear_cross_entropy "none") the recipes use instead on CUDA, forward and backward."""
     g = Graph()
     x = g.param("x", np.ones((3, 5)))
@@ -276,7 +276,7 @@ def _preference_op_launches():
 
 
 def _policy_op_launches():
-    """The policy-gradient loss ops (ops/policy.py, GRPO), forward and backward."""
+    """The policy-gradient loss ops (ops/policy/, GRPO), forward and backward."""
     g = Graph()
     x = g.param("x", np.ones((3, 5)))
     c = g.input("c", (3, 5))

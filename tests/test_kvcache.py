@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from support.hostparity import run_phase
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.adapters.files import save_peft
 from toygraph.cli import main
 from toygraph.errors import DataError, GraphError

@@ -8,6 +8,7 @@ and the layers below, never from one above. docs/design.md draws the same pictur
 from __future__ import annotations
 
 import ast
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -18,18 +19,23 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"toygraph": ROOT / "toygraph", "toygraph.recipes": ROOT / "recipes",
            "toygraph.fixtures": ROOT / "fixtures"}
 
-#: Lowest first. The CUDA lowering API (the registry, launches and kernel sources the op
-#: families declare their CUDA side with) sits below the core; the CUDA runtime (driver,
-#: NVRTC, the backend, the host device) above it: it reads the op table and the buffer
-#: plan, and registers itself as a backend the session finds by name (core/backends.py).
+#: Lowest first. The op families' definitions and numpy kernels (toygraph/ops/<family>/
+#: __init__.py and numpy.py) are the vocabulary the graph core builds, differentiates and
+#: runs graphs with, so they sit below it; their CUDA halves (cuda.py, and the lowering API
+#: they are written against) sit above the core and below the CUDA runtime (driver, NVRTC,
+#: the backend, the host device), which loads them and registers itself as a backend the
+#: session finds by name (core/backends.py): the core imports no backend. A prefix may name
+#: a family folder with ``*``.
 LAYERS = [
     ("foundation", ("toygraph", "toygraph.errors", "toygraph.environment", "toygraph.atomic",
-                    "toygraph.bounded", "toygraph.limits")),
+                    "toygraph.bounded", "toygraph.limits", "toygraph.precision",
+                    "toygraph.distributed")),
     ("the GGUF file", ("toygraph.gguf",)),
     ("the CPU engine", ("toygraph.cpu",)),
-    ("CUDA lowering API", ("toygraph.cuda.lowering",)),
+    ("op definitions and numpy kernels", ("toygraph.ops",)),
     ("graph core", ("toygraph.core",)),
-    ("CUDA backend", ("toygraph.cuda",)),
+    ("CUDA lowering", ("toygraph.ops.lowering", "toygraph.ops.*.cuda", "toygraph.ops.*.cuda_*")),
+    ("CUDA runtime", ("toygraph.cuda",)),
     ("models", ("toygraph.models",)),
     ("adapters", ("toygraph.adapters",)),
     ("data", ("toygraph.data",)),
@@ -85,7 +91,7 @@ def layer_of(name: str) -> int:
     best, layer = -1, None
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (name == p or name.startswith(p + ".")) and len(p) > best:
+            if (fnmatch(name, p) or fnmatch(name, p + ".*")) and len(p) > best:
                 best, layer = len(p), i
     assert layer is not None, f"{name} is in no layer: add it to LAYERS"
     return layer
@@ -96,10 +102,11 @@ GRAPH = {name: imports(name, path, set(MODULES)) for name, path in MODULES.items
 
 
 def test_the_walk_sees_the_package():
-    assert {"toygraph.core.graph", "toygraph.core.ops.gemm", "toygraph.cuda.backend",
+    assert {"toygraph.core.graph", "toygraph.ops.gemm", "toygraph.ops.gemm.cuda",
+            "toygraph.ops.gemm.numpy", "toygraph.cuda.backend",
             "toygraph.recipes.base", "toygraph.fixtures.golden", "toygraph.cli.main"} <= set(MODULES)
     assert "toygraph.core.graph" in GRAPH["toygraph.core.session"]
-    assert "toygraph.core.ops.table" in GRAPH["toygraph.core.ops.norm"]   # relative or absolute
+    assert "toygraph.ops.table" in GRAPH["toygraph.ops.norm"]   # relative or absolute
 
 
 def test_no_import_cycles():
@@ -151,7 +158,8 @@ def test_the_top_level_stays_small():
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
 
 
-@pytest.mark.parametrize("name", ["toygraph.core.session", "toygraph.core.ops.norm"])
+@pytest.mark.parametrize("name", ["toygraph.core.session", "toygraph.ops.norm",
+                                  "toygraph.ops.norm.cuda"])
 def test_a_planted_upward_import_would_be_caught(name, tmp_path):
     """The layer check can fail: the same walk over a copy of a core module that imports
     the training loop reports it."""
@@ -159,3 +167,19 @@ def test_a_planted_upward_import_would_be_caught(name, tmp_path):
     fake.write_text(MODULES[name].read_text() + "\nfrom toygraph.training.loop import Trainer\n")
     got = imports(name, fake, set(MODULES))
     assert "toygraph.training.loop" in got and layer_of("toygraph.training.loop") > layer_of(name)
+
+
+def test_the_core_reaches_no_backend():
+    """Nothing the graph core imports, directly or through the op families, is CUDA: the
+    families' cuda.py halves and the lowering API are loaded by the CUDA runtime alone."""
+    seen, todo = set(), [m for m in GRAPH if m.startswith("toygraph.core")]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += GRAPH[m]
+    cuda = sorted(m for m in seen if layer_of(m) >= layer_of("toygraph.ops.lowering"))
+    assert not cuda, cuda
+    assert layer_of("toygraph.ops.norm.numpy") < layer_of("toygraph.core.graph") \
+        < layer_of("toygraph.ops.norm.cuda") == layer_of("toygraph.ops.gemm.cuda_tc") \
+        < layer_of("toygraph.cuda.backend")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from support.gradcheck import check_gradients
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.models.model import GGUFModel
 from toygraph.core.graph import Graph

@@ -224,7 +224,7 @@ def toygraph_masks(p: float, seed: int = 42):
     same elements drop on both sides: PEFT's own nn.Dropout draws from torch's RNG."""
     import re
     import zlib
-    from toygraph.core.ops.stochastic import keep_mask
+    from toygraph.ops.stochastic.numpy import keep_mask
     step = [0]
 
     class SameMask(torch.nn.Module):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.models.moe import moe_ffn
 from toygraph.models.parts import Dense, Experts

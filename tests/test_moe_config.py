@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from support.moe_references import gguf_path
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 from toygraph.errors import GGUFError

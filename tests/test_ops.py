@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet ops (ops/deltanet.py), narrow (ops/slicing.py) and sigmoid: f64 finite-difference gradients of
+"""The Gated DeltaNet ops (ops/deltanet/), narrow (ops/slicing/) and sigmoid: f64 finite-difference gradients of
 every input; the chunked (WY) forward against the step-wise recurrence written out here and
 against transformers' own torch functions; the state hand-over of generation; and the CUDA
 kernels on the host executor against numpy (forward and backward, ragged chunk edges)."""
@@ -7,7 +7,8 @@ import pytest
 
 from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
 from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, rel_err
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 from toygraph.errors import GraphError
@@ -206,7 +207,7 @@ DELTA_MUTATIONS = {
 @pytest.mark.parametrize("mutation", sorted(DELTA_MUTATIONS))
 def test_a_broken_delta_kernel_fails_its_parity_check(host_device, mutation, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
-    from toygraph.cuda.lowering import sources
+    from toygraph.ops.lowering import sources
     old, new = DELTA_MUTATIONS[mutation]
     real = sources.backend_source("f32")
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
@@ -234,6 +235,6 @@ def test_delta_rule_with_state_kernel_matches_numpy(host_device, T):
 
 
 def _launches(t):
-    from toygraph.cuda.lowering import dispatch
+    from toygraph.ops.lowering import dispatch
     node = t.srcs[0] if t.op != "delta_rule" else t
     return dispatch.lower(node, lambda s: 4096, scratch=8192)

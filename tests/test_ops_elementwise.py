@@ -1,4 +1,4 @@
-"""The elementwise ops (ops/elementwise.py: add, sub, mul, scale, silu, gelu, and the
+"""The elementwise ops (ops/elementwise/: add, sub, mul, scale, silu, gelu, and the
 swiglu/geglu/mean composites): f64 finite-difference gradients, GELU against torch's tanh
 approximation, and their CUDA launches replayed in numpy against the numpy kernels."""
 import numpy as np
@@ -6,8 +6,9 @@ import pytest
 
 from support.cudaemu import check_lowering, const_node
 from support.gradcheck import TOL, check_gradients, forward_f64, gradcheck_unary, rnd, weighted_sum
-from toygraph.core import ops
-from toygraph.cuda.lowering import dispatch
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
+from toygraph.ops.lowering import dispatch
 from support.kernelsrc import KERNEL_NAMES
 from support.kernelsrc import OP_KERNELS
 from toygraph.core.graph import Graph

@@ -1,4 +1,4 @@
-"""The mixture-of-experts ops (toygraph/core/ops/experts.py): top-k choice, grouping,
+"""The mixture-of-experts ops (toygraph/ops/experts/): top-k choice, grouping,
 take_along and the per-expert matmul, against plain numpy loops, and every gradient
 against f64 central differences (the routing weights' included; the choice is not
 differentiated, as in the references)."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.core.buffer_plan import aligned
 from toygraph.core.session import Session

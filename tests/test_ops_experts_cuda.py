@@ -1,4 +1,4 @@
-"""The mixture-of-experts kernels (ops/experts.cu) executed on the CPU by the host
+"""The mixture-of-experts kernels (ops/experts/experts.cu) executed on the CPU by the host
 executor (TOYGRAPH_CUDA_DEVICE=host) against the numpy kernels: top-k and the grouping
 exactly, the grouped GEMMs (f32 and block-format expert weights, ragged 64-row tiles,
 an unused expert) forward and backward within tests/test_cuda.py's tolerances, and a
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, op_case, rel_err, rnd, run_phase
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 from toygraph.cuda import backend as cuda_backend
-from toygraph.cuda.lowering import sources
+from toygraph.ops.lowering import sources
 from toygraph.gguf import block_encode, blocks
 
 

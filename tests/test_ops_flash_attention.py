@@ -1,4 +1,4 @@
-"""The fused attention op (ops/flash_attention.py), numpy side: f64 finite-difference gradients
+"""The fused attention op (ops/flash_attention/), numpy side: f64 finite-difference gradients
 (grouped-query, causal, sliding window, both layouts; the numpy kernels in one query block
 and in blocks of 2 rows), equality with the unfused softmax composition and with an
 explicitly masked softmax, the saved row log-sum-exp, the token-major layout bit for bit
@@ -11,7 +11,7 @@ import pytest
 
 from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
 from support.tcattn_reference import visible
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.autodiff import backward
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
@@ -30,7 +30,7 @@ ATTN_CASES = [  # (B, H, KV, T, hd, causal)
 def attn_rows(request, monkeypatch):
     """The numpy kernels' query-block size: the default, and 2 rows so that T splits into
     several blocks (and a ragged last one) even in these small tests."""
-    from toygraph.core.ops import flash_attention
+    from toygraph.ops.flash_attention import numpy as flash_attention
     monkeypatch.setattr(flash_attention, "ATTN_ROWS", request.param)
     return request.param
 
@@ -337,7 +337,7 @@ def _run_segmented(vals, segs, scale, causal, window):
 @pytest.fixture(params=[256, 3], ids=["one_block", "query_blocks_of_3"])
 def seg_attn_rows(request, monkeypatch):
     """Query blocks of 3 rows: segments of these lengths cross block edges."""
-    from toygraph.core.ops import flash_attention
+    from toygraph.ops.flash_attention import numpy as flash_attention
     monkeypatch.setattr(flash_attention, "ATTN_ROWS", request.param)
 
 

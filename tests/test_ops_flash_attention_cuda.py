@@ -1,4 +1,4 @@
-"""The fused attention op's CUDA side (ops/flash_attention.py, flash_attention.cu): the tiled
+"""The fused attention op's CUDA side (ops/flash_attention/, flash_attention.cu): the tiled
 algorithm of every launch replayed in numpy (following the kernels' tile loop bounds,
 failing on any visited tile with nothing visible in it) against the numpy kernels, with
 grouped-query heads, every head_dim bound, sliding windows and both layouts; the head-dim
@@ -12,16 +12,18 @@ import numpy as np
 import pytest
 
 from support.cudaemu import needs_nvrtc, resolve
-from toygraph.core import ops
-from toygraph.cuda.lowering import constants, dispatch
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
+from toygraph.ops.lowering import constants, dispatch
 from support.kernelsrc import KERNEL_NAMES
 from support.kernelsrc import OP_KERNELS
-from toygraph.cuda.lowering.constants import ATTN_HEAD_DIMS
-from toygraph.cuda.lowering.sources import read_source
+from toygraph.ops.lowering.constants import ATTN_HEAD_DIMS
+from toygraph.ops.lowering.sources import read_source
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
-from toygraph.core.ops import KERNELS as CPU_KERNELS
-from toygraph.core.ops import flash_attention as attention_ops
+from toygraph.ops import KERNELS as CPU_KERNELS
+from toygraph.ops import flash_attention as attention_ops
+from toygraph.ops.flash_attention import cuda as attention_cuda
 from support.hostparity import MIXED_TOL, REDUCTION, compare_op, rel_err, rnd, run_phase
 from test_ops_flash_attention import ragged_segments
 
@@ -287,7 +289,7 @@ def replay_attention_launches(B, H, KV, T, hd, causal, window=0, segments=None, 
 
 
 def test_attention_head_dim_selection_and_limit():
-    assert [attention_ops.attention_config(hd)[0] for hd in (1, 32, 33, 64, 65, 128)] == \
+    assert [attention_cuda.attention_config(hd)[0] for hd in (1, 32, 33, 64, 65, 128)] == \
         [32, 32, 64, 64, 128, 128]
     g = Graph()
     q = g.const("q", np.zeros((1, 2, 4, 160)))
@@ -299,7 +301,7 @@ def test_attention_instantiations_match_the_lowering_tiles():
     """flash_attention.cu's wrapper for head_dim bound HD passes (HD, TG_ATTN_BT_<HD>,
     TG_ATTN_TPR_<HD>), with __launch_bounds__(TG_ATTN_THREADS_<HD>), and those macros are
     the (BT, TPR, BT * TPR) that constants.ATTN_TILES launches with."""
-    from toygraph.cuda.lowering.constants import DEFINES
+    from toygraph.ops.lowering.constants import DEFINES
     src = read_source("flash_attention.cu")
     instantiated = {int(hd) for hd in re.findall(r"\btg_attn_fwd_(\d+)\(", src)}
     assert instantiated == set(ATTN_HEAD_DIMS) == set(constants.ATTN_TILES)

@@ -1,4 +1,4 @@
-"""The fused gated activations (ops/gated.py: glu, swiglu, geglu, glu_back): f64
+"""The fused gated activations (ops/gated/: glu, swiglu, geglu, glu_back): f64
 finite-difference gradients, bit-identity with the composed activation-and-mul ops they
 replace (numpy, and the CUDA kernels on the host executor), host-executor parity with numpy
 at ragged sizes, the backward's one launch with its two results handed out as views, and a
@@ -8,9 +8,9 @@ import pytest
 
 from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
 from support.hostparity import ELEMENTWISE, break_kernel, compare_op, op_case, rel_err, run_phase
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
-from toygraph.core.ops.gated import PACK_ALIGN, up_offset
+from toygraph.ops.gated import PACK_ALIGN, up_offset
 from toygraph.core.session import Session
 from toygraph.errors import GraphError
 

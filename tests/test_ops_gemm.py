@@ -1,4 +1,4 @@
-"""matmul and matmul_add (ops/gemm.py), f32 and block-format weights.
+"""matmul and matmul_add (ops/gemm/), f32 and block-format weights.
 
 matmul: f64 finite-difference gradients (batched, broadcast, transposed, grouped-query), and
 the CUDA launches replayed in numpy: tg_matmul's batch walks, and the fused kernels that
@@ -21,16 +21,18 @@ from support.cudaemu import (BLOCK_FORMATS, block_weight_const, check_lowering, 
                      emulate_quant, needs_nvrtc)
 from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
 from support.hostparity import MIXED_TOL, compare_op, rel_err, run_phase
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, backward
-from toygraph.core.ops import gemm, tc_gemm
+from toygraph.ops.gemm import cuda as gemm
+from toygraph.ops.gemm import cuda_tc as tc_gemm
 from toygraph.gguf import blocks
-from toygraph.cuda.lowering import dispatch
-from toygraph.core.ops.gemm import DEQUANT_KERNELS, QUANT_KERNELS
-from toygraph.cuda.lowering.sources import module_source
+from toygraph.ops.lowering import dispatch
+from toygraph.ops.gemm.cuda import DEQUANT_KERNELS, QUANT_KERNELS
+from toygraph.ops.lowering.sources import module_source
 from toygraph.core.graph import Graph, topo_order
 from toygraph.core.session import Session
-from toygraph.core.ops import KERNELS as CPU_KERNELS
+from toygraph.ops import KERNELS as CPU_KERNELS
 
 
 @pytest.mark.parametrize("sa,sb,ta,tb", [
@@ -276,7 +278,7 @@ MUTATIONS = {
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_a_broken_epilogue_index_fails(mutation, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
-    from toygraph.cuda.lowering import sources
+    from toygraph.ops.lowering import sources
     old, new = MUTATIONS[mutation]
     real = sources.backend_source("bf16")
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
@@ -431,7 +433,7 @@ DUAL_MUTATIONS = {
 @pytest.mark.parametrize("mutation", sorted(DUAL_MUTATIONS))
 def test_a_broken_dual_gemm_fails(mutation, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
-    from toygraph.cuda.lowering import sources
+    from toygraph.ops.lowering import sources
     old, new = (x.replace("\\n", "\n") for x in DUAL_MUTATIONS[mutation])
     real = sources.backend_source("bf16")
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"

@@ -1,4 +1,4 @@
-"""The op groups (core/ops/groups.py): who is in each, that membership is declared where the
+"""The op groups (ops/groups.py): who is in each, that membership is declared where the
 op is defined and nowhere else, and that the code reading a group picks a new member up
 without being edited."""
 import re
@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
-from toygraph.core.ops import groups
-from toygraph.core.ops.table import in_place
+from toygraph.ops import groups
+from toygraph.ops.table import in_place
 from toygraph.core.session import Session
 from toygraph.errors import GraphError
 

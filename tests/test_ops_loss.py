@@ -1,4 +1,4 @@
-"""The loss ops (ops/loss.py), numpy side: cross_entropy's f64 finite-difference gradient,
+"""The loss ops (ops/loss/), numpy side: cross_entropy's f64 finite-difference gradient,
 values and all-ignored rows; linear_cross_entropy (the fused head + loss) against the
 unfused head in one chunk and in chunks of 2 rows, its packed backward, no vocabulary-sized
 rows, shape errors and label checks at upload."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
@@ -55,7 +55,7 @@ LCE_LABELS = {  # N = 7 rows over a vocabulary of 9
 def lce_rows(request, monkeypatch):
     """The numpy kernels' chunk size: the default, and 2 rows, so the rows split into
     several chunks (and a ragged last one) even here."""
-    from toygraph.core.ops import loss
+    from toygraph.ops.loss import numpy as loss
     monkeypatch.setattr(loss, "LCE_ROWS", request.param)
     return request.param
 
@@ -185,7 +185,7 @@ def test_linear_cross_entropy_backward_packs_dw_only_when_w_trains():
 
 def test_linear_cross_entropy_never_builds_vocabulary_sized_rows(lce_rows, monkeypatch):
     """No array with N * V elements (or [N, V]) is made, forward or backward."""
-    from toygraph.core.ops import loss as loss_ops
+    from toygraph.ops.loss import numpy as loss_ops
     N, D, V = 150, 4, 13
     seen = []
     real_matmul = np.matmul

@@ -1,4 +1,4 @@
-"""The fused output head + cross-entropy on CUDA (ops/loss.py, loss.cu and the matmul
+"""The fused output head + cross-entropy on CUDA (ops/loss/, loss.cu and the matmul
 kernels it runs per chunk): the launch sequence over row chunks replayed in numpy against
 the numpy kernels (every reduction, ignored labels, chunk sizes, which gradients), a
 block-format head read through the fused kernels, tensor-core matmuls in mixed precision,
@@ -7,17 +7,18 @@ import numpy as np
 import pytest
 
 from support.cudaemu import needs_nvrtc, qmm_format, resolve
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.gguf import block_encode, blocks
-from toygraph.cuda.lowering import dispatch
+from toygraph.ops.lowering import dispatch
 from support.kernelsrc import KERNEL_NAMES
-from toygraph.core.ops.gemm import QUANT_KERNELS, TC_KERNELS
-from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
+from toygraph.ops.gemm.cuda import QUANT_KERNELS, TC_KERNELS
+from toygraph.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from support.kernelsrc import OP_KERNELS
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
-from toygraph.core.ops import KERNELS as CPU_KERNELS
-from toygraph.core.ops import loss as loss_ops
+from toygraph.ops import KERNELS as CPU_KERNELS
+from toygraph.ops.loss import cuda as loss_ops
 
 
 # --- fused output head + cross-entropy: launch sequence over row chunks, replayed in numpy ------

@@ -1,4 +1,4 @@
-"""The row-wise normalisations (ops/norm.py: rms_norm, softmax, inv_row_norm): f64
+"""The row-wise normalisations (ops/norm/: rms_norm, softmax, inv_row_norm): f64
 finite-difference gradients, the per-head q/k norm of Qwen3 and Gemma 3 (rms_norm of
 [B, T, H, hd] times a [hd] weight), and its CUDA launches (rows over head_dim); DoRA's
 detached norm and the gradients of the DoRA layer built on it; the weight in the norm's
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from support.gradcheck import TOL, check_gradients, gradcheck_unary, rnd, weighted_sum
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, backward
-from toygraph.cuda.lowering import dispatch
+from toygraph.ops.lowering import dispatch
 from toygraph.core.graph import Graph
 
 

@@ -1,4 +1,4 @@
-"""The policy-gradient loss ops (toygraph/core/ops/policy.py): values against torch in f64
+"""The policy-gradient loss ops (toygraph/ops/policy/): values against torch in f64
 (TRL's expressions), f64 finite-difference gradients, and their CUDA kernels on the host
 device against numpy (TOYGRAPH_CUDA_DEVICE=host, as tests/test_cuda_host.py)."""
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 
 from support.gradcheck import TOL, check_gradients, weighted_sum
 from support.hostparity import ELEMENTWISE, compare_op
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 

@@ -1,4 +1,4 @@
-"""The preference-loss ops (toygraph/core/ops/preference.py): values against torch in f64, f64
+"""The preference-loss ops (toygraph/ops/preference/): values against torch in f64, f64
 finite-difference gradients, and their CUDA kernels on the host device against numpy
 (TOYGRAPH_CUDA_DEVICE=host, as tests/test_cuda_host.py)."""
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 
 from support.gradcheck import check_gradients, weighted_sum
 from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, rnd
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 

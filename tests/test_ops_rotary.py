@@ -1,4 +1,4 @@
-"""rope (ops/rotary.py): f64 finite-difference gradients and values in both layouts, the
+"""rope (ops/rotary/): f64 finite-difference gradients and values in both layouts, the
 frequency factors and linear scaling against transformers' llama3 rope, their errors, and
 the CUDA launch's per-element index math replayed in numpy against the numpy kernel."""
 import math
@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from support.gradcheck import TOL, check_gradients, forward_f64, rnd, weighted_sum
-from toygraph.core import ops
-from toygraph.cuda.lowering import dispatch
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
+from toygraph.ops.lowering import dispatch
 from support.kernelsrc import OP_KERNELS
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
-from toygraph.core.ops import KERNELS as CPU_KERNELS
+from toygraph.ops import KERNELS as CPU_KERNELS
 
 
 @pytest.mark.parametrize("mode", ["normal", "neox"])

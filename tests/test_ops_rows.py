@@ -1,10 +1,10 @@
-"""get_rows (ops/rows.py): the f64 finite-difference gradient with repeated ids. Its CUDA
+"""get_rows (ops/rows/): the f64 finite-difference gradient with repeated ids. Its CUDA
 launches (dense and block-format tables) are replayed in test_ops_gemm.py's block-format
 test and run on the host device in test_cuda_host.py."""
 import numpy as np
 
 from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
 
 

@@ -1,4 +1,4 @@
-"""The shape ops (ops/shape.py: reshape, permute, contiguous, expand, sum_to, sum, unpack):
+"""The shape ops (ops/shape/: reshape, permute, contiguous, expand, sum_to, sum, unpack):
 f64 finite-difference gradients, unpack's values and errors, and their CUDA launches
 (Strided walks, copies, reductions) replayed in numpy against the numpy kernels."""
 import numpy as np
@@ -6,8 +6,9 @@ import pytest
 
 from support.cudaemu import check_lowering, const_node
 from support.gradcheck import TOL, gradcheck_unary
-from toygraph.core import ops
-from toygraph.cuda.lowering import dispatch
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
+from toygraph.ops.lowering import dispatch
 from support.kernelsrc import OP_KERNELS
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph

@@ -1,4 +1,4 @@
-"""dropout (ops/stochastic.py): the counter-based mask. Its statistics (keep rate, the
+"""dropout (ops/stochastic/): the counter-based mask. Its statistics (keep rate, the
 1/(1-p) scale), its keys (step, micro-batch, salt, seed: same key same mask, another key
 another), evaluation (step 0) as the identity, the backward's same mask, f64 finite
 differences, and the CUDA kernel on the host executor drawing the same bits as numpy."""
@@ -7,10 +7,11 @@ import pytest
 
 from support.gradcheck import TOL, check_gradients, rnd, weighted_sum
 from support.hostparity import compare_op, run_phase
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
-from toygraph.core.ops.stochastic import HP_MICRO, HP_STEP, keep_mask
+from toygraph.ops.stochastic import HP_MICRO, HP_STEP
+from toygraph.ops.stochastic.numpy import keep_mask
 from toygraph.core.optimizer import HP_SIZE, hp_row
 from toygraph.core.session import Session
 

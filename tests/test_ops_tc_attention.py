@@ -1,4 +1,4 @@
-"""The tensor-core flash attention kernels (toygraph/core/ops/tc_attention.cu) on the host
+"""The tensor-core flash attention kernels (toygraph/ops/flash_attention/tc_attention.cu) on the host
 executor against an f64 numpy reference (tests/support/tcattn_reference.py) at ragged shapes:
 sequence lengths off the 64-row and key-tile edges, grouped-query heads, head dims below
 their bound (zero-padded), sliding windows, packed segments and sinks, head dims 64, 128
@@ -22,10 +22,11 @@ from support.cudaemu import needs_nvrtc
 from support.hostparity import MIXED_TOL, compare_op
 from support.tcattn_reference import (BF16_U, backward_bounds, bf16_bits, bf16_value, reference,
                               run_backward, run_forward, tca_source)
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.core.graph import Graph
-from toygraph.core.ops.flash_attention import backward_node
-from toygraph.cuda.lowering import constants, dispatch
+from toygraph.ops.flash_attention import backward_node
+from toygraph.ops.lowering import constants, dispatch
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The bf16 tensor-core GEMM (toygraph/core/ops/tc_gemm.cu, lowered by tc_gemm.py) on the
+"""The bf16 tensor-core GEMM (toygraph/ops/gemm/tc_gemm.cu, lowered by tc_gemm.py) on the
 host executor: the launches a matmul lowers to, run against an f64 numpy product of the
 bf16-rounded operands at ragged shapes (tile edges, k off the 8/32 grid, transposes, batch
 broadcast, grouped-query), deterministic split-K (bit-identical run to run and under the
@@ -18,13 +18,14 @@ import pytest
 from support.cudaemu import needs_nvrtc
 from support.hostparity import MIXED_TOL, compare_op, rel_err
 from support.tcattn_reference import bf16_bits, bf16_value
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
-from toygraph.core.ops import gemm, tc_gemm
-from toygraph.core.ops import loss as loss_ops
-from toygraph.core.ops.tc_gemm import Gemm, gemm_launches, split_count
+from toygraph.ops.gemm import cuda as gemm
+from toygraph.ops.gemm import cuda_tc as tc_gemm
+from toygraph.ops.loss import cuda as loss_ops
+from toygraph.ops.gemm.cuda_tc import Gemm, gemm_launches, split_count
 from toygraph.cuda.host.device import by_value, run_kernel
-from toygraph.cuda.lowering import dispatch, sources
+from toygraph.ops.lowering import dispatch, sources
 
 FILES = ("tc_layout.cuh", "tc_matmul.cu", "tc_async.cuh", "tc_gemm.cu")
 
@@ -85,7 +86,7 @@ def matmul_case(sa, sb, ta, tb, seed=0):
     b = rng.normal(size=sb).astype(np.float32)
     g = Graph()
     node = ops.matmul(g.const("a", a), g.const("b", b), trans_a=ta, trans_b=tb)
-    from toygraph.core.ops import KERNELS
+    from toygraph.ops import KERNELS
     ref, mag = np.zeros(node.shape), np.zeros(node.shape)
     KERNELS["matmul"](ref, [rounded(a), rounded(b)], node.attrs)
     KERNELS["matmul"](mag, [np.abs(rounded(a)), np.abs(rounded(b))], node.attrs)
@@ -119,7 +120,7 @@ def test_gemm_matches_the_rounded_f64_product(name):
     check(g, got, ref, mag)
     # ... and within the mixed-precision tolerance of the unrounded product
     exact = np.zeros(ref.shape)
-    from toygraph.core.ops import KERNELS
+    from toygraph.ops import KERNELS
     ta, tb = SHAPES[name][2:]
     KERNELS["matmul"](exact, [a.astype(np.float64), b.astype(np.float64)],
                       {"trans_a": ta, "trans_b": tb})
@@ -183,7 +184,7 @@ def test_split_count_fills_the_sms_from_the_shape(name):
 
 
 def test_the_cost_model_picks_copies_for_long_k_and_the_direct_kernel_for_skinny_products():
-    """tc_gemm.prefers_copies on a training step's shapes (M, N, K; bench/roofline.py's
+    """tc_gemm.prefers_copies on a training step's shapes (M, N, K; bench/studies/roofline.py's
     constants): the copies' 8 bytes per operand element lose on memory-bound LoRA products
     (N or K = rank) and win where split-K fills idle SMs or the product is compute-bound."""
     def pick(M, N, K, sam, sak, sbk, sbn):

@@ -1,4 +1,4 @@
-"""The mixed-precision matmuls (ops/gemm.py, tc_layout.cuh + tc_matmul.cu): the kernels'
+"""The mixed-precision matmuls (ops/gemm/, tc_layout.cuh + tc_matmul.cu): the kernels'
 index math compiled for the host and replayed per lane and register through the mma
 emulator of tests/support/mmaemu.py, so a wrong (lane, register) -> (row, col) mapping
 shows up as a wrong matmul; the tiling's coverage and bank conflicts; whole launches (dense and
@@ -11,17 +11,17 @@ from support.cudaemu import (BLOCK_FORMATS, block_weight_const, host_library, lo
                      training_plan)
 from support.mmaemu import (MMA_K, ROUND, emulate_tc_launch, kernel_frags, mma_emulate, round_bf16,
                     round_tf32)
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.cuda import devmem
-from toygraph.cuda.lowering import dispatch
+from toygraph.ops.lowering import dispatch
 from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_KERNEL_NAMES
-from toygraph.core.ops.gemm import BF16_GEMM_KERNELS, TC_KERNELS
-from toygraph.core.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
-from toygraph.cuda.lowering.sources import backend_source, module_source
+from toygraph.ops.gemm.cuda import BF16_GEMM_KERNELS, TC_KERNELS
+from toygraph.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
+from toygraph.ops.lowering.sources import backend_source, module_source
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
-from toygraph.core.ops import KERNELS as CPU_KERNELS
-from toygraph.core.ops import gemm as matmul_ops
+from toygraph.ops import KERNELS as CPU_KERNELS
+from toygraph.ops.gemm import cuda as matmul_ops
 
 
 _TC_HOST_DRIVER = r"""
@@ -50,8 +50,8 @@ extern "C" void tc_consts(int* c) {
 def tc_layout(tmp_path_factory):
     """tc_layout.cuh compiled for the host: the kernels' own index functions as tables."""
     import ctypes
-    from toygraph.cuda.lowering.constants import constant_defines
-    from toygraph.cuda.lowering.sources import read_source
+    from toygraph.ops.lowering.constants import constant_defines
+    from toygraph.ops.lowering.sources import read_source
     so = host_library(tmp_path_factory, "tc_layout",
                       "#define __device__\n#define __forceinline__ inline\n"
                       + constant_defines() + read_source("tc_layout.cuh") + _TC_HOST_DRIVER)
@@ -258,7 +258,7 @@ def test_tc_kernel_table_and_the_f32_module_is_unchanged():
 
 
 def kernel_names_of(src):
-    from toygraph.cuda.lowering.sources import kernel_names
+    from toygraph.ops.lowering.sources import kernel_names
     return kernel_names(src)
 
 

@@ -1,4 +1,4 @@
-"""The optimizer ops' multi-tensor form (ops/update.py, update.cu): one adamw node updates
+"""The optimizer ops' multi-tensor form (ops/update/, update.cu): one adamw node updates
 every param exactly as one node per param did (numpy, and the CUDA kernels on the host
 executor), CUDA runs it and the gradient norm in ceil(params / LIST_TENSORS) launches over a
 table of tensors passed by value, at ragged sizes, with per-tensor learning-rate scales and
@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from support.hostparity import break_kernel, rel_err
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.core.optimizer import hp_row
 from toygraph.core.session import Session
-from toygraph.cuda.lowering.constants import LIST_TENSORS, THREADS
+from toygraph.ops.lowering.constants import LIST_TENSORS, THREADS
 from toygraph.errors import GraphError
 
 #: Sizes around a block's THREADS elements and a few large ones; 70 > LIST_TENSORS tensors.

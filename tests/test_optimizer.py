@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.optimizer import Schedule, build_training, hp_row

@@ -83,7 +83,7 @@ def test_the_file_is_read_as_written(qwen35):
 
 
 def test_every_norm_weight_is_read_inside_its_norm(qwen35):
-    """The gated deltanet output norm: the weight in the norm's kernels (ops/norm.py)."""
+    """The gated deltanet output norm: the weight in the norm's kernels (ops/norm/)."""
     from test_ops_norm import check_norm_weights_in_their_norms
     check_norm_weights_in_their_norms(qwen35[0])
 
@@ -169,7 +169,7 @@ def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
     gradients are ~2e-3 from its f64 ones), so both f32 backends are held to f64."""
     from support.hostparity import rel_err, run_phase
     from test_kvcache import greedy_steps, normwise
-    from toygraph.core import ops
+    from toygraph import ops
     from toygraph.core.autodiff import accumulate_grads, backward
     from toygraph.core.graph import Graph
     from toygraph.models.decoder import LoraConfig, build_decoder, lm_head

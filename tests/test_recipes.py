@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import ToygraphError
 from toygraph.recipes import RECIPES, LoRA, RecipeOptions, recipe_class
 from toygraph.recipes.registry import register

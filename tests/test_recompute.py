@@ -5,7 +5,7 @@ block recomputed, on every family, LoRA and full fine-tuning, CPU and the CUDA h
 import numpy as np
 import pytest
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.fixtures import tiny_models
 from toygraph.models.model import GGUFModel

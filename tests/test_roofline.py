@@ -1,4 +1,4 @@
-"""bench/roofline.py, the modelled step: per-launch FLOPs and bytes counted by hand for a
+"""bench/studies/roofline.py, the modelled step: per-launch FLOPs and bytes counted by hand for a
 few launches of a small plan, the plan's GEMM FLOPs against the textbook count, and the
 JSON's numbers consistent with each other."""
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "studies"))
 import roofline  # noqa: E402
 from roofline_plan import (RULES, kernel_params, launch_cost, plan_launches,  # noqa: E402
                            visible_tile_pairs)
@@ -50,7 +50,7 @@ def test_lora_a_forward_gemm_counted_from_its_launch(plan):
     n, l, c = _one(plan, "tg_tcg_gemm_bf16", where)
     M, K = B * T, D
     # one output tile, so k = D splits (split_count: 18 slices -> 4 splits of 5, 5, 5, 3)
-    from toygraph.core.ops.tc_gemm import split_count
+    from toygraph.ops.gemm.cuda_tc import split_count
     splits = split_count(1, K)
     assert splits == 4 and ceil(M / 128) == 1
     assert c.useful == 2 * M * R * K
@@ -63,7 +63,7 @@ def test_lora_a_forward_gemm_counted_from_its_launch(plan):
 
 def test_split_k_gemm_counts_every_split_as_blocks_and_the_sum():
     from roofline_plan import launch_cost as cost_of
-    from toygraph.core.ops.tc_gemm import Gemm, gemm_launches
+    from toygraph.ops.gemm.cuda_tc import Gemm, gemm_launches
     g = Gemm(576, 16, 4096, 1, 576, 16, 1)     # a LoRA dA at 8 x 512 tokens: K = tokens
     assert g.splits == 26
     costs = [cost_of(type("Node", (), {"name": "dA"})(), l) for l in gemm_launches(g, 1 << 32, 1 << 32, 1 << 32, 1 << 32, "t")]
@@ -82,11 +82,11 @@ def test_block_format_gemm_reads_block_bytes(plan):
     n, l, c = _one(plan, "tg_tcg_deq_nt_q8_0", up)
     assert c.bytes == FF * D // 32 * 34 + 2 * FF * D
     n, l, c = _one(plan, "tg_tcg_gemm_bf16", up)
-    from toygraph.core.ops.tc_gemm import split_count
+    from toygraph.ops.gemm.cuda_tc import split_count
     assert c.useful == 2 * B * T * FF * D
     assert c.blocks == ceil(FF / 128) * split_count(ceil(FF / 128), D) == 12 * 4
     # the direct kernel's cost of the same product reads the block bytes in its tile loop
-    from toygraph.core.ops.gemm import _qmatmul
+    from toygraph.ops.gemm.cuda import _qmatmul
     q = _qmatmul(n, 1 << 32, lambda t: 1 << 32, tile=128)
     q.kernel = "tg_tc_qmm_nt_q8_0_bf16"
     c = launch_cost(n, q, frozenset({n.srcs[1].id}))
@@ -135,7 +135,7 @@ def test_adamw_is_one_launch_moving_seven_f32_per_weight(plan):
 def test_the_gated_backward_reads_three_and_writes_two(plan, plan_f32):
     """gate, up and the gradient in, d gate and d up out: all in bf16 at bf16 (products
     make the three and only products read the two, cuda/bf16_storage.py), f32 at f32."""
-    from toygraph.core.ops.gated import up_offset
+    from toygraph.ops.gated import up_offset
     n = B * T * FF
     c = [c for nd, l, c in plan if l.kernel == "tg_glu_back"][0]
     assert c.bytes == 2 * (3 * n + up_offset(n) + n)
@@ -202,7 +202,7 @@ def test_f32_attention_runs_on_cuda_cores():
 def test_tensor_core_attention_counted_per_pass(plan, monkeypatch):
     """tc_attention.cu's forward (issue 25), costed from a launch with its arguments: blocks
     of 64 queries, key tiles of 64 at head dim 64; saving L adds its bytes, no pass."""
-    from toygraph.cuda.lowering import Launch, constants, i32_arg, ptr_arg
+    from toygraph.ops.lowering import Launch, constants, i32_arg, ptr_arg
     monkeypatch.setattr(constants, "TCA_BQ", 64, raising=False)
     monkeypatch.setattr(constants, "TCA_TILES", {64: 64}, raising=False)
     node = next(n for n, _, _ in plan if n.op == "attention")
@@ -239,7 +239,7 @@ def test_torch_trace_launches_flash_attention_and_f32_adapters(result):
 
 
 def test_unknown_kernel_is_refused(plan):
-    from toygraph.cuda.lowering import Launch
+    from toygraph.ops.lowering import Launch
     node = plan[0][0]
     with pytest.raises(ValueError, match="tg_new_kernel"):
         launch_cost(node, Launch("tg_new_kernel", (1, 1, 1)))
@@ -260,7 +260,7 @@ def test_every_kernel_an_op_lowers_to_in_the_step_has_a_rule(plan, plan_f32):
     """The ops of the modelled step lower to kernels listed in the registry; each of those
     kernels has a cost rule (launch_cost raises on a kernel without one)."""
     import re
-    from toygraph.cuda.lowering.registry import op_kernels
+    from toygraph.ops.lowering.registry import op_kernels
     ops_in_step = {n.op for n, _, _ in plan + plan_f32}
     listed = {k for op in ops_in_step for k in op_kernels()[op]}
     launched = {l.kernel for _, l, _ in plan + plan_f32}

@@ -16,7 +16,7 @@ import yaml
 from toygraph.cli import build_parser, main
 from toygraph.cli.finetune import run_config_from_args
 from toygraph.core.graph import Graph
-from toygraph.core.precision import PRECISIONS
+from toygraph.precision import PRECISIONS
 from toygraph.core.session import Session
 from toygraph.errors import GraphError, ToygraphError
 from toygraph.models.decoder import LoraConfig

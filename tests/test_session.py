@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.core.graph import Graph
 from toygraph.core.optimizer import Schedule, build_training, hp_row
@@ -217,7 +217,7 @@ from toygraph.core import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 runtime = [m for m in sys.modules if m.startswith("toygraph.cuda.")
-           and not m.startswith("toygraph.cuda.lowering")]   # the API below the core aside
+           and not m.startswith("toygraph.ops.lowering")]   # the API below the core aside
 assert not runtime, runtime
 g = Graph()
 x = g.input("x", (3,))

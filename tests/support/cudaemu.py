@@ -11,13 +11,14 @@ import subprocess
 import numpy as np
 import pytest
 
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.gguf import block_encode, blocks
-from toygraph.cuda.lowering import dispatch
-from toygraph.core.ops.gemm import QUANT_KERNELS
+from toygraph.ops.lowering import dispatch
+from toygraph.ops.gemm.cuda import QUANT_KERNELS
 from toygraph.core.graph import PHASES, Graph, topo_order
 from toygraph.core.buffer_plan import plan_buffers
-from toygraph.core.ops import KERNELS as CPU_KERNELS
+from toygraph.ops import KERNELS as CPU_KERNELS
 
 
 def has_nvrtc() -> bool:

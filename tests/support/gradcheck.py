@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session

@@ -3,7 +3,8 @@ the CPU (TOYGRAPH_CUDA_DEVICE=host) against the numpy backend, with tests/test_c
 tolerances. Errors are normwise: max|cuda - numpy| / max|numpy| per tensor."""
 import numpy as np
 
-from toygraph.core import ops
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops
 from toygraph.gguf import block_encode, blocks
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
@@ -82,7 +83,7 @@ def break_kernel(monkeypatch, old: str, new: str):
     """From now on the CUDA backend compiles its module with ``old`` (found exactly once)
     replaced by ``new``: a deliberately broken kernel for a parity check to catch."""
     from toygraph.cuda import backend as cuda_backend
-    from toygraph.cuda.lowering import sources
+    from toygraph.ops.lowering import sources
     real = sources.backend_source("f32")
     assert real.count(old) == 1, "the mutation no longer matches the kernel source"
     monkeypatch.setattr(cuda_backend, "backend_source",

@@ -1,9 +1,10 @@
 """The kernel files and kernel names the tests check against, derived as the backends
-derive them: from the files the op families declare (toygraph/cuda/lowering/sources.py)."""
-from toygraph.core import ops  # noqa: F401 (importing the families declares their files)
-from toygraph.cuda.lowering.registry import op_kernels
-from toygraph.cuda.lowering.sources import (backend_source, files_of, kernel_names, module_source,
-                                            only_in)
+derive them: from the files the op families declare (toygraph/ops/lowering/sources.py)."""
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph import ops  # noqa: F401
+from toygraph.ops.lowering.registry import op_kernels
+from toygraph.ops.lowering.sources import (backend_source, files_of, kernel_names, module_source,
+                                           only_in)
 
 #: The f32 module's files, and the tensor-core files the bf16/tf32 modules add.
 FAMILIES = files_of("f32")

@@ -1,4 +1,4 @@
-"""A numpy emulator of the warp-level mma.sync the tensor-core matmuls (ops/tc_matmul.cu)
+"""A numpy emulator of the warp-level mma.sync the tensor-core matmuls (ops/gemm/tc_matmul.cu)
 run, written from the PTX ISA's fragment layouts ("Matrix Fragments for mma.m16n8k16 with
 floating point type", "Matrix Fragments for mma.m16n8k8", .bf16 / .tf32 / f32 C), and a
 replay of a whole tc_matmul.cu launch through it, driven by the kernels' own index math
@@ -6,7 +6,8 @@ replay of a whole tc_matmul.cu launch through it, driven by the kernels' own ind
 import numpy as np
 
 from support.cudaemu import walk
-from toygraph.cuda.lowering.launch import MAX_GRID_YZ
+import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+from toygraph.ops.lowering.launch import MAX_GRID_YZ
 
 
 # The PTX ISA's fragment layouts, written from the documentation independently of the

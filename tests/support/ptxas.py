@@ -11,7 +11,7 @@ import functools
 @functools.cache
 def bf16_module(arch: str) -> tuple[bytes, dict[str, dict]]:
     """(cubin, nvrtc.resource_usage-style report) of backend_source("bf16") for ``arch``."""
-    import toygraph.core.ops  # noqa: F401  (the op families declare the kernel files)
-    from toygraph.cuda.lowering.sources import backend_source
+    import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
+    from toygraph.ops.lowering.sources import backend_source
     from toygraph.cuda.nvrtc import compile_report
     return compile_report(backend_source("bf16"), arch, name="toygraph_tc.cu")

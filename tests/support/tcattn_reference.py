@@ -4,9 +4,9 @@ supports (built as [T, T], small shapes only), and runs of the kernels on the ho
 executor with the operands laid out as tc_attention.cu expects."""
 import numpy as np
 
-from toygraph.core import ops  # noqa: F401  (the op families declare their kernel files)
+from toygraph import ops  # noqa: F401
 from toygraph.cuda.host.device import run_kernel
-from toygraph.cuda.lowering import constants, sources
+from toygraph.ops.lowering import constants, sources
 
 #: bf16's unit roundoff: 8 significant bits, round to nearest.
 BF16_U = 2.0 ** -8

@@ -20,7 +20,7 @@ def utf8(flag: str, text: str) -> str:
 def add_backend_args(p, precision: bool = True) -> None:
     """``--backend`` and ``--precision`` (the matmuls' input precision), with the defaults of
     RecipeOptions and the choices of session.py, for every command that runs a model."""
-    from toygraph.core.precision import BACKENDS, PRECISIONS
+    from toygraph.precision import BACKENDS, PRECISIONS
     from toygraph.recipes import RecipeOptions
     p.add_argument("--backend", default=RecipeOptions.backend, choices=list(BACKENDS))
     if precision:
@@ -64,7 +64,7 @@ def add_template_arg(p) -> None:
 def language_model_from_args(args):
     """The LanguageModel of eval, generate and chat: --model, --adapter, --backend,
     --precision, --template."""
-    from toygraph.core.precision import precision_error
+    from toygraph.precision import precision_error
     from toygraph.inference.language_model import LanguageModel
     why = precision_error(args.precision, args.backend)
     if why:

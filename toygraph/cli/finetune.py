@@ -11,7 +11,7 @@ import argparse
 import json
 from dataclasses import MISSING
 
-from toygraph.core.distributed import world
+from toygraph.distributed import world
 from toygraph.files import check_regular_file
 from toygraph.models.catalog import resolve_source
 from toygraph.models.stores import store_of

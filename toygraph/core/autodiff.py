@@ -1,4 +1,4 @@
-"""Reverse-mode differentiation over the graph, by the ops' backward rules (core/ops/).
+"""Reverse-mode differentiation over the graph, by the ops' backward rules (ops/).
 
 >>> grads = backward(loss_sum, params)             # doctest: +SKIP
 >>> accs = accumulate_grads(grads)                  # doctest: +SKIP
@@ -10,9 +10,9 @@ and no buffer. ``accumulate_grads`` adds each gradient into a ``state`` buffer d
 """
 from __future__ import annotations
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Tensor, topo_order
-from toygraph.core.ops.groups import PACKED, member
+from toygraph.ops.groups import PACKED, member
 from toygraph.errors import GraphError
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Callable
 
-from toygraph.core.precision import BACKENDS, precision_error
+from toygraph.precision import BACKENDS, precision_error
 from toygraph.errors import GraphError
 
 #: The entry-point group a package declares its backends in.

@@ -25,8 +25,8 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-from toygraph.core.ops.groups import VIEW, member
-from toygraph.core.ops.table import in_place
+from toygraph.ops.groups import VIEW, member
+from toygraph.ops.table import in_place
 
 ALIGN = 256  # bytes; what CUDA's allocator guarantees, and harmless for numpy
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from toygraph import environment
 from toygraph.core.buffer_plan import BufferPlan, aligned, nbytes
-from toygraph.core.ops.table import BLOCK_KERNELS
+from toygraph.ops.table import BLOCK_KERNELS
 from toygraph.cpu import engine
 from toygraph.errors import GraphError
 from toygraph.gguf import blocks

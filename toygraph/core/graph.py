@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.errors import GraphError
 
 FLOAT, INT = "f32", "i32"
@@ -75,7 +75,7 @@ class Tensor:
     def __neg__(self):
         return ops.scale(self, -1.0)
 
-    # Methods for everything else; each is a thin call into an op builder (core/ops/).
+    # Methods for everything else; each is a thin call into an op builder (ops/).
     def matmul(self, other, trans_a=False, trans_b=False):
         return ops.matmul(self, other, trans_a=trans_a, trans_b=trans_b)
 

@@ -1,5 +1,5 @@
 """The numpy backend: buffers from the shared plan, one kernel call per scheduled node. The
-kernels are the ops' own (``ops.KERNELS``, each in its family module of toygraph/core/ops/).
+kernels are the ops' own (``ops.KERNELS``, each in its family module of toygraph/ops/).
 
 A frozen base the plan keeps quantized (``plan.quantized``, core/frozen_base.py) is held as
 ``cpu.block_tensor.BlockTensor``s. A node whose op has a block kernel serving it reads the
@@ -17,7 +17,7 @@ import numpy as np
 
 from toygraph.core.buffer_plan import BufferPlan, Storage
 from toygraph.core.frozen_base import check_fits, scratch_layout
-from toygraph.core.ops import BLOCK_KERNELS, KERNELS
+from toygraph.ops import BLOCK_KERNELS, KERNELS
 from toygraph.cpu import engine, threads
 from toygraph.errors import GraphError
 from toygraph.cpu.block_tensor import BlockTensor

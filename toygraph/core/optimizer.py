@@ -5,7 +5,7 @@
 
 The update is decoupled-decay AdamW, reading the hp row
 ``[lr, beta1, beta2, eps, weight_decay, 1/(1-beta1^t), 1/(1-beta2^t), t, micro]`` (t from 1;
-t and the micro-batch index key the dropout masks, ops/stochastic.py):
+t and the micro-batch index key the dropout masks, ops/stochastic/):
 ``m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g;``
 ``w = w*(1 - lr*wd) - lr*(m*b1h) / (sqrt(v*b2h) + eps)``.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, gradient_map
 from toygraph.core.graph import Tensor
 from toygraph.core.recompute import CheckpointReport, checkpoint_regions
@@ -57,7 +57,7 @@ def build_training(loss: Tensor, params: list[Tensor], *, count: Tensor | None =
     input instead of keeping its activations (recompute.py).
     ``max_norm`` > 0 clips the averaged gradient to that global norm. ``ranks`` (data
     parallelism) sums the accumulated gradients and the count over that many ranks with an
-    ``all_reduce`` node between backward and the clip/AdamW nodes (ops/collective.py).
+    ``all_reduce`` node between backward and the clip/AdamW nodes (ops/collective/).
     ``lr_scales`` gives some params a learning rate of lr * scale (LoRA+), a constant of
     the graph: the hp row stays the same for every param.
     """

@@ -20,9 +20,9 @@ from toygraph.core import backends
 from toygraph.core.frozen_base import plan_base, resolve_mode
 from toygraph.core.graph import PHASES, Graph, Tensor, topo_order
 from toygraph.core.buffer_plan import BufferPlan, nbytes, plan_buffers
-from toygraph.core.ops.groups import PASS_THROUGH, member
-from toygraph.core.ops.table import INT32_MAX as _INT32_MAX
-from toygraph.core.ops.table import OPS, in_place
+from toygraph.ops.groups import PASS_THROUGH, member
+from toygraph.ops.table import INT32_MAX as _INT32_MAX
+from toygraph.ops.table import OPS, in_place
 from toygraph.errors import GraphError
 
 

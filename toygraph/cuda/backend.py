@@ -11,7 +11,7 @@ buffers); ``read`` is the only host<->device synchronisation.
 >>> sess.realize(); sess.reset(); sess.upload(x, data); sess.run("step")   # doctest: +SKIP
 
 ``precision="bf16"`` (or ``"tf32"``) is mixed precision: every matmul runs on tensor cores
-(ops/tc_matmul.cu) with its f32 operands rounded to bf16 (tf32) as they are staged in
+(ops/gemm/tc_matmul.cu) with its f32 operands rounded to bf16 (tf32) as they are staged in
 shared memory and block-format weights decoded straight to that type, accumulating in f32;
 the f32 master weights, the Adam moments, reductions and the residual stream stay f32. At
 "bf16" the activations that only bf16-reading kernels consume are also *stored* in bf16
@@ -21,7 +21,7 @@ the f32 master weights, the Adam moments, reductions and the residual stream sta
 >>> sess = Session(graph, backend="cuda", precision="bf16")   # doctest: +SKIP
 
 ``TOYGRAPH_CUDA_DEVICE=host`` (or ``CudaBackend(device="host")``) runs everything on the
-CPU instead: the same kernels compiled by g++ against host/shim.h and executed with their
+CPU instead: the same kernels compiled by g++ against ops/include/host_shim.h and executed with their
 grids and blocks (host/device.py), slowly but exactly as written; CI uses it to check every
 kernel without a GPU. Otherwise the variable (default 0) is the CUDA device ordinal.
 
@@ -44,14 +44,14 @@ import numpy as np
 from toygraph import environment
 from toygraph.core import backends
 from toygraph.core.buffer_plan import BufferPlan, Storage
-from toygraph.core.ops.table import in_place
-from toygraph.core.precision import PRECISIONS, TENSOR_CORE_PRECISIONS
+from toygraph.ops.table import in_place
+from toygraph.precision import PRECISIONS, TENSOR_CORE_PRECISIONS
 from toygraph.cuda import driver
 from toygraph.cuda.devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
-from toygraph.cuda.lowering.dispatch import lower
-from toygraph.cuda.lowering.launch import MAX_ELEMENTS, Collective, Launch
-from toygraph.cuda.lowering.registry import REGISTRY, decode_launch
-from toygraph.cuda.lowering.sources import backend_source
+from toygraph.ops.lowering.dispatch import lower
+from toygraph.ops.lowering.launch import MAX_ELEMENTS, Collective, Launch
+from toygraph.ops.lowering.registry import REGISTRY, decode_launch
+from toygraph.ops.lowering.sources import backend_source
 from toygraph.cuda.bf16_storage import plan_storage
 from toygraph.errors import CudaError
 
@@ -70,7 +70,7 @@ def open_device(device=None):
     if device is None:
         device = environment.get("TOYGRAPH_CUDA_DEVICE")
         if not environment.given("TOYGRAPH_CUDA_DEVICE"):  # one GPU per rank of a node
-            from toygraph.core.distributed import local_rank
+            from toygraph.distributed import local_rank
             device = local_rank()
     else:  # an explicit argument is checked like the variable
         device = environment.parse("TOYGRAPH_CUDA_DEVICE", str(device))

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from toygraph import environment
 from toygraph.core.buffer_plan import ALIGN, Storage, is_planned, view_offset, views
-from toygraph.core.ops.groups import VIEW, member
-from toygraph.cuda.lowering.registry import REGISTRY
+from toygraph.ops.groups import VIEW, member
+from toygraph.ops.lowering.registry import REGISTRY
 
 
 def plan_storage(schedule, pinned: set[int], precision: str) -> Storage:

@@ -2,11 +2,11 @@
 and what the backend allocates, worked out on the host with no device.
 
 A const stored as f16/bf16/q8_0/q4_0/q4_1/q4_k/q5_k/q6_k whose every consumer in the
-schedule reads it through a fused kernel of ops/qmatmul.cu (``x @ W^T``, ``dy @ W``, or
+schedule reads it through a fused kernel of ops/gemm/qmatmul.cu (``x @ W^T``, ``dy @ W``, or
 get_rows; see lowering.reads_block_format) keeps its block bytes on the device and gets no
 f32 copy: for Q4_1 weights that is 0.625 bytes per element instead of 4 (QLoRA-style).
 Any other consumer (or the const being a graph output) falls back to the f32 copy that
-realize decodes with ops/dequant.cu. ``TOYGRAPH_CUDA_QMATMUL=0`` forces the fallback
+realize decodes with ops/gemm/dequant.cu. ``TOYGRAPH_CUDA_QMATMUL=0`` forces the fallback
 for every const.
 
 Scratch is one buffer shared by every node that needs some (``scratch_bytes``, the
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from toygraph import environment
-from toygraph.core.ops.table import in_place
-from toygraph.cuda.lowering.dispatch import reads_block_format, scratch_bytes
-from toygraph.cuda.lowering.registry import block_storage
+from toygraph.ops.table import in_place
+from toygraph.ops.lowering.dispatch import reads_block_format, scratch_bytes
+from toygraph.ops.lowering.registry import block_storage
 from toygraph.gguf import blocks
 
 

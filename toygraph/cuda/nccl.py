@@ -1,4 +1,4 @@
-"""NCCL for the CUDA backend's ``all_reduce`` (ops/collective.py), through nccl4py.
+"""NCCL for the CUDA backend's ``all_reduce`` (ops/collective/), through nccl4py.
 
 >>> comm = communicator(ranks=2)                      # doctest: +SKIP
 >>> all_reduce(comm, [(dptr, n)], stream_handle)      # doctest: +SKIP
@@ -12,7 +12,7 @@ graph, which NCCL supports.
 """
 from __future__ import annotations
 
-from toygraph.core.distributed import world_of
+from toygraph.distributed import world_of
 from toygraph.errors import CudaError
 
 _COMMS: dict[int, object] = {}

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from toygraph.adapters.files import load_lora
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.session import Session
 from toygraph.errors import DataError

@@ -8,7 +8,7 @@ Both graphs live in one Graph and one Session, so they share the weights (bound 
 the cache: per attention layer a K and a V ``state`` tensor [1, its KV heads, cache_len,
 its head size] (``kv_caches``: the sizes of the layer's Attention part) in the session's
 buffer plan (core/buffer_plan.py), written in place by the ``cache_write`` op
-(ops/cache.py). Each is realized once per (prompt_len, cache_len) and replayed as a
+(ops/cache/). Each is realized once per (prompt_len, cache_len) and replayed as a
 session program.
 
 - **Prefill** is the decoder over the prompt right-padded to ``prompt_len`` tokens,
@@ -39,9 +39,9 @@ from __future__ import annotations
 import numpy as np
 
 from toygraph.adapters.files import load_lora
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
-from toygraph.core.ops.flash_attention import TOKEN_MAJOR
+from toygraph.ops.flash_attention import TOKEN_MAJOR
 from toygraph.core.session import Session
 from toygraph.models.decoder import build_decoder
 from toygraph.models.parts import Attention, DeltaNet

@@ -27,7 +27,7 @@ import numpy as np
 
 from toygraph.adapters.files import WEIGHTS_FILE, adapter_template, load_lora, read_peft
 from toygraph.adapters.merge import refuse_merged_twice
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.session import Session
 from toygraph.errors import DataError
@@ -66,7 +66,7 @@ class LanguageModel:
         self.cfg = self.model.config
         # the header the model parsed, read once
         self.tokenizer = Tokenizer.from_gguf(self.model.reader, source=str(model_path))
-        self.backend, self.precision = backend, precision  # precision: toygraph.core.precision.PRECISIONS
+        self.backend, self.precision = backend, precision  # precision: toygraph.precision.PRECISIONS
         self.seq_len = min(int(seq_len), self.cfg.n_ctx) if seq_len else self.cfg.n_ctx
         if self.seq_len < 2:
             raise DataError(f"seq_len must be >= 2, got {seq_len}")

@@ -13,7 +13,7 @@ values (Gemma 4's kv_from) takes them from that layer's build.
 """
 from __future__ import annotations
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Tensor
 from toygraph.models.parts import Attention
 

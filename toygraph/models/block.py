@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.models.attention import attention
 from toygraph.models.deltanet import deltanet

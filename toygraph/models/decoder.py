@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.optimizer import hp_input
 from toygraph.errors import GraphError
@@ -157,10 +157,6 @@ class Decoder:
         for name, (a, b) in self.lora.items():
             ps += [a, b] + ([self.magnitudes[name]] if name in self.magnitudes else [])
         return ps
-
-
-def weight_names(cfg) -> list[str]:
-    return list(tensor_shapes(cfg))
 
 
 def weight_shape(cfg, name: str) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
     qkv = silu(causal_conv1d(x W_qkv^T))            -> q, k [B, T, nk, dk], v [B, T, nv, dv]
     q, k = l2norm(q) / sqrt(dk), l2norm(k)          (then tiled up to the nv value heads)
     beta = sigmoid(x W_beta^T),  g = ssm_a * softplus(x W_alpha^T + dt_bias)
-    o = delta_rule(q, k, v, g, beta)                 (ops/deltanet.py)
+    o = delta_rule(q, k, v, g, beta)                 (ops/deltanet/)
     out = (rms_norm(o) * w_norm * silu(x W_z^T)) W_out^T
 
 as transformers' Qwen3_5GatedDeltaNet computes it. llama.cpp's converter stores ssm_a =
@@ -13,7 +13,7 @@ L2 normalisation is rms_norm with eps / d, divided by sqrt(d): x / sqrt(sum x^2 
 """
 from __future__ import annotations
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Tensor
 from toygraph.models.parts import DeltaNet
 

@@ -1,7 +1,7 @@
 """The dense gated feed-forward part, down(act(gate(x)) * up(x)), as graph ops."""
 from __future__ import annotations
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.models.parts import Dense
 
 # Gated FFN activations by name (parts.Dense/Experts.activation): act(gate) * up;

@@ -12,7 +12,7 @@ import os
 
 from toygraph.errors import GGUFError
 from toygraph.gguf.file import GGUFFile, WeightTensor  # noqa: F401 (WeightTensor: re-exported)
-from toygraph.models.config import ModelConfig, check_tensors, read_config, tensor_shapes
+from toygraph.models.config import ModelConfig, check_tensors, read_config
 
 
 class GGUFModel(GGUFFile):
@@ -47,10 +47,6 @@ class GGUFModel(GGUFFile):
         if n_tokens > rows:
             raise GGUFError(f"{self.path}: tokenizer.ggml.tokens lists {n_tokens} tokens, but "
                             f"token_embd.weight has only {rows} rows")
-
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor the config requires, with its numpy-order shape."""
-        return tensor_shapes(self.config)
 
     def __repr__(self) -> str:
         return f"GGUFModel({str(self.path)!r}, {self.config})"

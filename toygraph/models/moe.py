@@ -1,4 +1,4 @@
-"""The mixture-of-experts FFN of a decoder layer, as graph ops (toygraph/core/ops/experts.py).
+"""The mixture-of-experts FFN of a decoder layer, as graph ops (toygraph/ops/experts/).
 
 For N tokens x [N, n_embd], E experts, k chosen per token (llama.cpp's build_moe_ffn,
 transformers' Qwen3MoeSparseMoeBlock / GptOssMLP)::
@@ -16,7 +16,7 @@ probabilities' order. Each expert's GEMM runs over only the tokens that chose it
 """
 from __future__ import annotations
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.models.ffn import ACTIVATIONS, dense_ffn
 from toygraph.models.parts import Experts
 

@@ -11,9 +11,9 @@ passes subclasses that write and read caches instead.
 """
 from __future__ import annotations
 
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Tensor
-from toygraph.core.ops.flash_attention import TOKEN_MAJOR
+from toygraph.ops.flash_attention import TOKEN_MAJOR
 
 
 class SequenceOps:

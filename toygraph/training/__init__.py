@@ -13,7 +13,7 @@ def __getattr__(name):
     if name == "run_training":
         from toygraph.training.run import run_training
         return run_training
-    if name in ("RunConfig", "TrainConfig"):
+    if name == "RunConfig":
         from toygraph.training import run_config
         return getattr(run_config, name)
     raise AttributeError(f"module 'toygraph.training' has no attribute {name!r}")

@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from toygraph import __version__
-from toygraph.core.distributed import World, agreed_call, is_agreed, world
+from toygraph.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
 from toygraph.models.stores import store_of

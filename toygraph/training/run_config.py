@@ -28,7 +28,7 @@ from toygraph.adapters.files import MAX_LORA_SCALE, lora_scale
 from toygraph.adapters.modelfile import ollama_name_error
 from toygraph.bounded import excerpt
 from toygraph.core.frozen_base import MODES as BASE_MEMORY_MODES
-from toygraph.core.precision import BACKENDS, PRECISIONS, precision_error
+from toygraph.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
 from toygraph.models.decoder import LoraConfig, expand_targets
 from toygraph.recipes import RECIPES, LoRA, RecipeOptions, recipe_class
@@ -404,8 +404,6 @@ def _kind(hint) -> type:
 
 
 _KINDS = {name: _kind(_HINTS[name]) for name in _FIELDS}
-#: Earlier name of RunConfig, kept for one release (Python callers of run_training).
-TrainConfig = RunConfig
 
 
 def flag(name: str) -> str:

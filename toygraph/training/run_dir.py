@@ -297,6 +297,3 @@ def read_events(path: Path) -> list[dict]:
                 raise RunError(f"{path}:{i + 1}: not a JSON event") from None
     return out
 
-
-def is_disk_error(e: OSError) -> bool:
-    return e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EIO)

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from toygraph.core.distributed import World
+from toygraph.distributed import World
 from toygraph.training.checkpoints import (list_checkpoints, prune_checkpoints, save_checkpoint,
                                            step_dir_name, write_adapter)
 from toygraph.training.loop import Hooks, shard

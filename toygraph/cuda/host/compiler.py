@@ -1,7 +1,7 @@
 """Compile the CUDA kernel sources as host C++ (g++) into a shared library, with a disk cache.
 
 The library is the same translation unit NVRTC compiles (sources.backend_source), with
-``TG_HOST`` defined and shim.h in front, which supplies threadIdx & co, barriers,
+``TG_HOST`` defined and host_shim.h in front, which supplies threadIdx & co, barriers,
 warp shuffles, mma.sync and the cvt roundings; one ``tg_host_launch_<kernel>`` entry is
 appended per kernel. device.py loads it and launches kernels over host memory.
 
@@ -20,13 +20,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from toygraph import environment, native
-from toygraph.cuda.lowering.sources import kernel_names
+from toygraph.ops.lowering.sources import INCLUDE_DIR, kernel_names
 from toygraph.cuda.nvrtc import cache_dir
 from toygraph.errors import CudaError
 
 logger = logging.getLogger(__name__)
 
-SHIM = Path(__file__).with_name("shim.h")
+SHIM = INCLUDE_DIR / "host_shim.h"   # the CUDA builtins in C++, beside the kernel headers
 #: -O1 builds the whole kernel module about twice as fast as -O2; the kernels then run a
 #: little slower, which small test shapes do not notice (see bench/README.md); hence the
 #: default of ``$TOYGRAPH_HOST_OPT`` (toygraph/environment.py), read at each build.

@@ -3,7 +3,7 @@
 :class:`HostContext` has the interface of driver.Context (memory, copies, launches, graph
 capture), with host memory as "device" memory and a g++-built library of the kernel
 module (compiler.py) as the loaded module; a launch runs the kernel's body with the given
-grid and block through the fibers of shim.h. So the unchanged lowering and backend
+grid and block through the fibers of host_shim.h. So the unchanged lowering and backend
 run whole graphs on the CPU:
 
 >>> Session(graph, backend="cuda")    # with TOYGRAPH_CUDA_DEVICE=host   # doctest: +SKIP
@@ -190,7 +190,7 @@ class HostContext:
 
     def collective(self, c):
         """Collective ``c`` (launch.Collective) over host memory, through MPI."""
-        from toygraph.core.distributed import world_of
+        from toygraph.distributed import world_of
         w = world_of(c.ranks)
         views = [np.ctypeslib.as_array((ctypes.c_float * n).from_address(addr))
                  for addr, n in c.buffers]
@@ -233,7 +233,7 @@ def run_kernel(name: str, grid, block, args, shared_bytes: int = 0,
     >>> run_kernel("tg_scale", (1, 1, 1), (256, 1, 1),
     ...            [out, x, np.int32(x.size), np.float32(2.0)])   # doctest: +SKIP
     """
-    from toygraph.cuda.lowering.sources import backend_source
+    from toygraph.ops.lowering.sources import backend_source
     module = HostModule(source or backend_source("bf16"))
     keep = []
     for a in args:

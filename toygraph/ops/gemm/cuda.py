@@ -1,0 +1,406 @@
+"""The CUDA lowering of the gemm family (kernels in dequant.cu, matmul.cu, qmatmul.cu, tc_async.cuh, tc_gemm.cu, tc_layout.cuh, tc_matmul.cu; its ops and their rules
+are in __init__.py)."""
+from __future__ import annotations
+
+from math import prod
+
+
+from toygraph.ops.elementwise.cuda import grid_vec, vector_ok
+from toygraph.ops.gemm.cuda_tc import (Gemm, deq_launch, dual_gemm_launches, gemm_launches,
+                                       prefers_copies)
+from toygraph.precision import TENSOR_CORE_PRECISIONS
+from toygraph.ops.lowering import (MAX_GRID_YZ, At, Launch, contiguous_strides, declare_kernels,
+                                   decodes, f32_arg, grid_1d, i32_arg, lowers, pad_shape, ptr_arg,
+                                   strided)
+from toygraph.ops.lowering.constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
+from toygraph.errors import CudaError
+
+
+# The family's CUDA kernels, beside this module: f32 tiles, block-format weights read in
+# the matmul (qmatmul.cu uses matmul.cu's tile helper), the dequantizers, and the
+# tensor-core tiles, compiled only into the bf16/tf32 modules.
+declare_kernels(__file__, "matmul.cu", "dequant.cu")
+
+
+declare_kernels(__file__, "qmatmul.cu", needs=("matmul.cu",))
+
+
+declare_kernels(__file__, "tc_layout.cuh", precisions=TENSOR_CORE_PRECISIONS)
+
+
+declare_kernels(__file__, "tc_matmul.cu", needs=("tc_layout.cuh",),
+                precisions=TENSOR_CORE_PRECISIONS)
+
+
+declare_kernels(__file__, "tc_gemm.cu", needs=("tc_matmul.cu", "tc_async.cuh"),
+                precisions=TENSOR_CORE_PRECISIONS)
+
+
+#: Dequantization kernel per const storage format (f32 consts are used as they are).
+DEQUANT_KERNELS: dict[str, str] = {
+    fmt: f"tg_deq_{fmt}" for fmt in ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+                                     "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs",
+                                     "mxfp4")
+}
+
+
+#: Kernels that read a const in its block format (qmatmul.cu, rows.cu), per storage format:
+#: "nt" y = x @ W^T, "nn" dx = dy @ W, "rows" get_rows from a block-format table.
+QUANT_KERNELS: dict[str, dict[str, str]] = {
+    fmt: {"nt": f"tg_qmm_nt_{fmt}", "nn": f"tg_qmm_nn_{fmt}", "rows": f"tg_get_rows_{fmt}"}
+    for fmt in DEQUANT_KERNELS
+}
+
+
+#: Tensor-core kernels per precision: "matmul" takes tg_matmul's arguments, "nt"/"nn" per
+#: block format take the fused kernels' (QUANT_KERNELS) arguments. At bf16 a dense matmul
+#: the cost model prefers it for runs tc_gemm.cu's GEMM instead (BF16_GEMM_KERNELS).
+TC_KERNELS: dict[str, dict] = {
+    prec: {"matmul": f"tg_tc_matmul_{prec}",
+           "nt": {fmt: f"tg_tc_qmm_nt_{fmt}_{prec}" for fmt in DEQUANT_KERNELS},
+           "nn": {fmt: f"tg_tc_qmm_nn_{fmt}_{prec}" for fmt in DEQUANT_KERNELS}}
+    for prec in TENSOR_CORE_PRECISIONS
+}
+
+
+#: The precision whose dense matmuls run tc_gemm.cu, and its kernels.
+BF16_GEMM_PRECISION = "bf16"
+
+
+BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_gemm_ta_bf16",
+                     "tg_tcg_gemm_tb_bf16", "tg_tcg_gemm_tab_bf16", "tg_tcg_sum_splits",
+                     *(f"tg_tcg_deq_{kind}_{fmt}" for kind in ("nt", "nn")
+                       for fmt in DEQUANT_KERNELS))
+
+
+#: Output tile edge of the tensor-core kernels (square: TC_BM == TC_BN, checked by a test;
+#: so are the f32 tiles, MM_BM == MM_BN).
+TC_TILE = TC_BM
+
+
+def matmul_batch(a_shape, b_shape, out_batch):
+    """(dims, a strides, b strides) over the output batch axes; grouped axes are split into
+    (kv heads, group) with b's group stride 0, like the numpy kernel's reshape."""
+    n = len(out_batch)
+    ab, bb = pad_shape(a_shape[:-2], n), pad_shape(b_shape[:-2], n)
+    a_cs = contiguous_strides(pad_shape(a_shape, n + 2))[:n]
+    b_cs = contiguous_strides(pad_shape(b_shape, n + 2))[:n]
+    dims, sa, sb = [], [], []
+    for o, x, y, ca, cb in zip(out_batch, ab, bb, a_cs, b_cs):
+        xa = ca if x == o else 0
+        if y == o or y == 1:
+            dims.append(o), sa.append(xa), sb.append(cb if y == o else 0)
+        else:
+            g = o // y
+            dims += [y, g]
+            sa += [xa * g, xa]
+            sb += [cb, 0]
+    return dims, sa, sb
+
+
+def matmul_geometry(node):
+    """(M, N, K, sam, sak, sbk, sbn, nbatch, batch dims, a strides, b strides) of a dense
+    matmul: A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn], plus the batch walk."""
+    (x, y), ta, tb = node.srcs[-2:], node.attrs["trans_a"], node.attrs["trans_b"]
+    M, N = node.shape[-2], node.shape[-1]
+    K = x.shape[-2] if ta else x.shape[-1]
+    sam, sak = (1, M) if ta else (K, 1)
+    sbk, sbn = (1, K) if tb else (N, 1)
+    out_batch = node.shape[:-2]
+    nbatch = prod(out_batch)
+    dims, sa, sb = matmul_batch(x.shape, y.shape, out_batch)
+    return M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb
+
+
+def _row_tiles(what: str, M: int, tile: int) -> int:
+    """Tiles over M rows (grid y), or CudaError when they exceed the grid limit."""
+    gy = (M + tile - 1) // tile
+    if gy > MAX_GRID_YZ:
+        raise CudaError(f"{what}: {M} rows exceed the kernel's grid limit")
+    return gy
+
+
+def _matmul(node, out, ptr, tile: int = MM_BM, kernel: str = "tg_matmul",
+            threads: int = MM_THREADS) -> Launch:
+    M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
+    x, y = node.srcs[-2:]
+    gy = _row_tiles(f"matmul {node.name!r}", M, tile)
+    grid = ((N + tile - 1) // tile, gy, max(1, min(nbatch, MAX_GRID_YZ)))
+    return Launch(kernel, grid, [ptr_arg(out), ptr_arg(ptr(x)), ptr_arg(ptr(y)), i32_arg(M),
+                                 i32_arg(N), i32_arg(K), i32_arg(sam), i32_arg(sak), i32_arg(sbk),
+                                 i32_arg(sbn), i32_arg(nbatch),
+                                 strided(dims, sa, sb)], block=(threads, 1, 1))
+
+
+def matmul_gemm(node) -> Gemm:
+    """A dense matmul node as tc_gemm's Gemm (its batch walk from matmul_geometry)."""
+    M, N, K, sam, sak, sbk, sbn, nbatch, dims, sa, sb = matmul_geometry(node)
+    x, y = node.srcs[-2:]
+    return Gemm(M, N, K, sam, sak, sbk, sbn, na=x.size // (M * K) if M * K else 0,
+                nb=y.size // (K * N) if K * N else 0, nbatch=nbatch, dims=tuple(dims),
+                sa=tuple(sa), sb=tuple(sb))
+
+
+def _picks_copies(node, g: Gemm, b_bytes: int | None = None) -> bool:
+    """Whether the cost model runs this product as tc_gemm.cu's GEMM on copies (at bf16),
+    given what the node adds to the direct kernels: matmul_add's epilogue pass, scale_a's
+    prescaling pass (both free on the copies path)."""
+    return prefers_copies(g, b_bytes, epilogue=node.op == "matmul_add",
+                          scaled_a=_scale_a(node) != 1.0)
+
+
+def _scale_a(node) -> float:
+    return node.attrs.get("scale_a", 1.0)
+
+
+def _prescaled_bytes(node) -> int:
+    """Scratch for scale_a * a where the product's kernel cannot scale its operand."""
+    return 0 if _scale_a(node) == 1.0 else (4 * node.srcs[-2].size + 255) // 256 * 256
+
+
+def _matmul_scratch(node, precision: str) -> int:
+    """The bf16 GEMM's operand copies and split partials (tc_gemm.py), or a prescaled a
+    (scale_a) before any other kernel. Room for both ways a block-format b may be read
+    (the memory plan decides later): dense (matmul_gemm) and decoded once (block_gemm,
+    batch folded into M, so it may split k where the batched dense walk does not).
+    Scratch is one buffer shared by every node, so this only raises its size to the
+    largest node's. At bf16 the copies' room is kept whatever the cost model picks: an
+    operand kept in bf16 (decided after scratch, cuda/bf16_storage.py) always takes tc_gemm.cu."""
+    direct = _prescaled_bytes(node)
+    if precision != BF16_GEMM_PRECISION:
+        return direct
+    g, w = matmul_gemm(node), node.srcs[-1]
+    need = max(g.scratch(), direct)
+    if _decodes_once(node):
+        need = max(need, block_gemm(node).scratch())   # batch folded into M: its own split
+    if _absorbs(node, precision) is not None:          # the dual GEMM: both products' copies
+        need = max(need, max(_base_gemms(node.srcs[0]), key=Gemm.scratch).scratch()
+                   + g.scratch())
+    return need
+
+
+def _decodes_once(node) -> bool:
+    """Whether the product's weight may be a block-format const decoded once at bf16."""
+    w = node.srcs[-1]
+    return (_weight_in_blocks(node, len(node.srcs) - 1) and w.role == "const"
+            and w.storage in DEQUANT_KERNELS)
+
+
+def _base_gemms(base) -> list[Gemm]:
+    """The Gemms a product may run as: dense, and decoded once if its weight may be."""
+    return [matmul_gemm(base)] + ([block_gemm(base)] if _decodes_once(base) else [])
+
+
+def _absorbs(node, precision: str):
+    """matmul_add's base product -- x W^T of a LoRA projection, dy W of its backward --
+    computed in its own GEMM at bf16 (tg_tcg_gemm2_bf16: one accumulation over both
+    products' k, the base output never written apart): both unbatched, 2-D operands, the
+    base unscaled and too large to split k, and the scale of the other product free to go
+    into its B copy (not a block-format weight's decode). None otherwise (cuda/bf16_storage.py
+    then also checks that the base is an intermediate read only here)."""
+    base = node.srcs[0]
+    if (precision != BF16_GEMM_PRECISION or base.op != "matmul" or _scale_a(base) != 1.0
+            or any(len(t.shape) != 2 for t in (base, *base.srcs, *node.srcs[1:]))
+            or (_decodes_once(node) and node.attrs["alpha"] * _scale_a(node) != 1.0)):
+        return None
+    if any(g.splits != 1 for g in _base_gemms(base)) or matmul_gemm(node).nbatch != 1:
+        return None
+    return base
+
+
+def _prescale(node, at) -> tuple[list[Launch], At]:
+    """For a product with scale_a whose kernel reads a as it is: scale_a * a into the front
+    of scratch (tg_scale's arithmetic, the unfused scale node's), and where the node's
+    launches then read a and their own scratch. Nothing for a product without scale_a."""
+    if _scale_a(node) == 1.0:
+        return [], at
+    a, dst = node.srcs[-2], at.scratch
+    src, n = at.ptr(a), a.size
+    name, grid = ("tg_scale_vec", grid_vec(n)) if vector_ok(dst, src) else ("tg_scale", grid_1d(n))
+    ptr = at.ptr
+    return ([Launch(name, grid, [ptr_arg(dst), ptr_arg(src), i32_arg(n),
+                                 f32_arg(_scale_a(node))])],
+            at._replace(ptr=lambda t: dst if t is a else ptr(t),
+                        scratch=at.scratch + _prescaled_bytes(node)))
+
+
+def block_gemm(node) -> Gemm:
+    """x @ W^T / dy @ W with W a block-format weight, as tc_gemm's Gemm (x's batch axes
+    folded into M; B's strides unused: tg_tcg_deq_* writes its copy)."""
+    (x, w), tb = node.srcs[-2:], node.attrs["trans_b"]
+    K = x.shape[-1]
+    return Gemm(x.size // K if K else 0, w.shape[0] if tb else w.shape[1], K, K, 1, 0, 0)
+
+
+def _tc_matmul(node, at, add: int = 0, alpha: float = 1.0,
+               add_bf16: bool = False) -> tuple[list[Launch], bool]:
+    """The tensor-core launches for a matmul: at bf16 a dense one runs tc_gemm.cu where the
+    cost model prefers it (tc_gemm.prefers_copies: long k with few tiles, or large and
+    compute-bound); otherwise, and at tf32, dense operands take tg_matmul's arguments (so
+    every trans/batch/grouped-query case is covered); a block-format weight the fused
+    kernels' arguments. ``add`` (an address; 0: none): matmul_add's epilogue, which
+    tc_gemm.cu runs in its store; the second value says whether these launches did. An
+    operand, output or added tensor kept in bf16 (cuda/bf16_storage.py) is read and written only
+    by tc_gemm.cu."""
+    out, ptr, raw_consts, precision = at.out, at.ptr, at.raw_consts, at.precision
+    if precision not in TC_KERNELS:
+        raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
+                        f"{precision!r} (have {sorted(TC_KERNELS)})")
+    table = TC_KERNELS[precision]
+    (x, w), s_a = node.srcs[-2:], _scale_a(node)
+    half = dict(a_bf16=at.half(x), b_bf16=at.half(w), out_bf16=at.half(node),
+                add_bf16=add_bf16)
+    what = f"matmul {node.name!r}"
+    if w.id in raw_consts and precision == BF16_GEMM_PRECISION:
+        g = block_gemm(node)
+        if any(half.values()) or _picks_copies(node, g, row_bytes(w) * w.shape[0]):
+            kind = "nt" if node.attrs["trans_b"] else "nn"   # decoded once, then tc_gemm.cu
+            return gemm_launches(g, out, ptr(x), 0, at.scratch, what,
+                                 b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N,
+                                                               g.K, g.kp, row_bytes(w)),
+                                 add=add, alpha=alpha, a_scale=s_a, a_bf16=half["a_bf16"],
+                                 out_bf16=half["out_bf16"], add_bf16=add_bf16), True
+    g = matmul_gemm(node)
+    if (w.id not in raw_consts and precision == BF16_GEMM_PRECISION
+            and (any(half.values()) or _picks_copies(node, g))):
+        return gemm_launches(g, out, ptr(x), ptr(w), at.scratch, what, add=add, alpha=alpha,
+                             a_scale=s_a, **half), True
+    if any(half.values()):
+        raise CudaError(f"{what}: an operand or output kept in bf16 needs precision "
+                        f"{BF16_GEMM_PRECISION!r}'s GEMM")
+    pre, at = _prescale(node, at)
+    if w.id in raw_consts:
+        q = _qmatmul(node, out, at.ptr, tile=TC_TILE)
+        return pre + [Launch(table["nt" if node.attrs["trans_b"] else "nn"][w.storage],
+                             q.grid, q.args, block=(TC_THREADS, 1, 1))], False
+    return pre + [_matmul(node, out, at.ptr, tile=TC_TILE, kernel=table["matmul"],
+                          threads=TC_THREADS)], False
+
+
+def row_bytes(w) -> int:
+    """Bytes of one row of the 2-D block-format const ``w``."""
+    from toygraph.gguf import blocks
+    return blocks.nbytes(w.storage, (1, w.shape[1]))
+
+
+def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
+    """x @ W^T (trans_b) or dy @ W on a block-format W [rows, cols]; x's batch axes fold
+    into M since the 2-D W is shared by every batch entry and all buffers are contiguous."""
+    (x, w), tb = node.srcs[-2:], node.attrs["trans_b"]
+    K = x.shape[-1]
+    M = x.size // K if K else 0
+    N = w.shape[0] if tb else w.shape[1]
+    if K != (w.shape[1] if tb else w.shape[0]):
+        raise CudaError(f"matmul {node.name!r}: inner dimensions {x.shape} and {w.shape} differ")
+    gy = _row_tiles(f"matmul {node.name!r}", M, tile)
+    kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
+    return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
+                  [ptr_arg(out), ptr_arg(ptr(x)), ptr_arg(ptr(w)), i32_arg(M), i32_arg(N),
+                   i32_arg(K), i32_arg(row_bytes(w))],
+                  block=(MM_THREADS, 1, 1))
+
+
+def _weight_in_blocks(node, index: int) -> bool:
+    """A matmul (or matmul_add) reads its b, the last source, in block format as the weight
+    of ``x @ W^T`` / ``dy @ W``: a 2-D b, trans_a=False, a's batch axes folded into M."""
+    a, b = node.srcs[-2:]
+    return (index == len(node.srcs) - 1 and b.ndim == 2 and a is not b
+            and not node.attrs["trans_a"])
+
+
+@lowers("matmul", kernels=("tg_matmul", "tg_scale", "tg_scale_vec"), scratch=_matmul_scratch,
+        block_format=_weight_in_blocks, bf16_reads=(-2, -1), bf16_writes=True)
+def _lower_matmul(node, at):
+    """f32: tg_matmul, or the QUANT_KERNELS of a block-format weight; bf16/tf32: the
+    tensor-core kernels (_tc_matmul)."""
+    if at.precision != "f32":
+        return _tc_matmul(node, at)[0]
+    pre, at = _prescale(node, at)
+    if node.srcs[-1].id in at.raw_consts:
+        return pre + [_qmatmul(node, at.out, at.ptr)]
+    return pre + [_matmul(node, at.out, at.ptr)]
+
+
+# The add is read in f32: matmul_add chains are sums of gradient contributions (dx of the
+# q, k, v or gate and up projections and their adapters), and a bf16 partial sum would round
+# the reduction at every term. Only the product's operands may be bf16.
+@lowers("matmul_add", kernels=("tg_matmul", "tg_scale", "tg_scale_vec", "tg_matmul_add_epilogue"),
+        scratch=_matmul_scratch, block_format=_weight_in_blocks, bf16_reads=(1, 2),
+        bf16_writes=True, absorbs=_absorbs)
+def _lower_matmul_add(node, at):
+    """The product as matmul lowers it, and the epilogue out = add + alpha * product: in
+    tc_gemm.cu's store (or split sum) where the bf16 GEMM runs the product, else
+    tg_matmul_add_epilogue over the product in out."""
+    if at.absorbed.get(node.srcs[0].id) is node:
+        return _dual(node, at)
+    add, alpha = at.ptr(node.srcs[0]), node.attrs["alpha"]
+    if at.precision != "f32":
+        launches, done = _tc_matmul(node, at, add, alpha, at.half(node.srcs[0]))
+        if done:
+            return launches
+    else:
+        launches = _lower_matmul(node, at)
+    return launches + [Launch("tg_matmul_add_epilogue", grid_1d(node.size),
+                              [ptr_arg(at.out), ptr_arg(add), f32_arg(alpha), i32_arg(node.size)])]
+
+
+def _dual(node, at) -> list[Launch]:
+    """matmul_add with its base product absorbed (_absorbs): base + alpha * (s_a a) @ b as
+    one dual GEMM, the base's weight decoded once when it is a block-format const."""
+    base, ptr = node.srcs[0], at.ptr
+    (x, w), (u, b) = base.srcs, node.srcs[1:]
+    what = f"matmul {node.name!r}"
+    g2 = matmul_gemm(node)
+    common = dict(scale2=node.attrs["alpha"] * _scale_a(node), a2_bf16=at.half(u),
+                  b2_bf16=at.half(b), out_bf16=at.half(node))
+    if b.id in at.raw_consts:   # the second product's weight decoded once too
+        g2 = block_gemm(node)
+        kind2 = "nt" if node.attrs["trans_b"] else "nn"
+        common["b2_copy"] = lambda dst: deq_launch(b.storage, kind2, dst, ptr(b), g2.N, g2.K,
+                                                   g2.kp, row_bytes(b))
+    if w.id in at.raw_consts:
+        g = block_gemm(base)
+        kind = "nt" if base.attrs["trans_b"] else "nn"
+        return dual_gemm_launches(
+            g, g2, at.out, ptr(x), 0, ptr(u), ptr(b), at.scratch, what, a_bf16=at.half(x),
+            b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N, g.K, g.kp,
+                                          row_bytes(w)), **common)
+    return dual_gemm_launches(matmul_gemm(base), g2, at.out, ptr(x), ptr(w), ptr(u), ptr(b),
+                              at.scratch, what, a_bf16=at.half(x), b_bf16=at.half(w), **common)
+
+
+# --- unbatched launches for fused ops that run matmuls over raw addresses (loss.py's head) ---
+def dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matmul") -> Launch:
+    """One unbatched matmul launch, A(m, k) = a[m*sam + k*sak], B(k, n) = b[k*sbk + n*sbn];
+    tensor-core kernels (same arguments) for ``precision`` bf16/tf32 unless ``kernel`` is
+    tg_matmul_acc, which has no tensor-core twin."""
+    tile, block = MM_BM, (MM_THREADS, 1, 1)
+    if precision != "f32" and kernel == "tg_matmul":
+        kernel, tile, block = TC_KERNELS[precision]["matmul"], TC_TILE, (TC_THREADS, 1, 1)
+    gy = _row_tiles(kernel, M, tile)
+    return Launch(kernel, ((N + tile - 1) // tile, gy, 1),
+                  [ptr_arg(out), ptr_arg(a), ptr_arg(b), i32_arg(M), i32_arg(N), i32_arg(K),
+                   i32_arg(sam), i32_arg(sak), i32_arg(sbk), i32_arg(sbn), i32_arg(1),
+                   strided([], [])], block)
+
+
+def block_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
+    """x @ W^T ("nt") or dy @ W ("nn") with the block-format const ``w`` at ``w_ptr``, with
+    _qmatmul's arguments (tensor-core twins for bf16/tf32, as _tc_matmul picks them)."""
+    kernel, tile, threads = QUANT_KERNELS[w.storage][kind], MM_BM, MM_THREADS
+    if precision != "f32":
+        kernel, tile, threads = TC_KERNELS[precision][kind][w.storage], TC_TILE, TC_THREADS
+    gy = _row_tiles(kernel, M, tile)
+    return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
+                  [ptr_arg(out), ptr_arg(a), ptr_arg(w_ptr), i32_arg(M), i32_arg(N), i32_arg(K),
+                   i32_arg(row_bytes(w))],
+                  block=(threads, 1, 1))
+
+
+# --- the dequantizers (dequant.cu) -------------------------------------------------------------
+@decodes(*DEQUANT_KERNELS)
+def dequant_launch(name: str, storage: str, out: int, raw: int, n: int) -> Launch:
+    """The launch decoding ``n`` elements of const ``name`` stored as ``storage`` from its
+    block bytes at ``raw`` into f32 at ``out`` (the CUDA backend's realize runs it for a
+    const whose consumers cannot read its block format)."""
+    return Launch(DEQUANT_KERNELS[storage], grid_1d(n), [ptr_arg(out), ptr_arg(raw), i32_arg(n)])
