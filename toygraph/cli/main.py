@@ -57,9 +57,7 @@ def cmd_eval(args):
             raise ToygraphError(f"{args.data}: no example has a target token")
         loss, n = lm.loss([e.tokens for e in enc.items], [e.target_mask for e in enc.items])
     if not math.isfinite(loss):   # an adapter or model whose numbers overflow: say so, not "nan"
-        raise ToygraphError(f"the loss is {loss} over {n} tokens: the model"
-                            f"{' with its adapter' if args.adapter else ''} computes values that "
-                            "are not finite numbers")
+        raise lm.not_finite(f"the loss is {loss} over {n} tokens")
     result = {"loss": loss, "tokens": n, "perplexity": math.exp(min(loss, 700))}
     if args.json:
         print(json.dumps(result, allow_nan=False))

@@ -306,6 +306,8 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
         plot_losses(out)
     if status in ("interrupted", "diverged"):
         progress.message(f"run {status}: {reason}", always=True)
+    elif status == "unchanged":
+        progress.message(f"warning: run unchanged: {reason}; no result written", always=True)
     resume = (f"toygraph finetune --config {shlex.quote(str(out / RUN_FILE))} "
               f"--resume {shlex.quote(str(out))}")
     if w.rank == 0 and status not in COMPLETED and finishing:
@@ -349,12 +351,16 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]],
             sup.progress.message(line, always=always)
         if ended is not None:
             return None, ("early_stopped" if sup.pending_eval(trainer) else ended), None
-        if trainer.state.step == 0:
+        from_start = trainer.state.step == 0
+        if from_start:
             guard.reference(recipe.trainable())
             if sup.val:
                 sup.run_eval(trainer)  # the starting point: the curve shows what training changed
         trainer.run(sup)
         status = sup.stop_status or "completed"
+        unchanged = _unchanged(sup, trainer.state.step) if from_start else None
+        if status in COMPLETED and unchanged:
+            return None, "unchanged", unchanged
         signal_name = signals.name or "a signal to another MPI rank"
         return None, status, (f"stopped by {signal_name}" if status == "interrupted" else None)
     except KeyboardInterrupt:   # the state may be half a step: no checkpoint is taken of it
@@ -366,6 +372,22 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]],
         return None, "diverged", str(e)
     except Exception as e:  # recorded as the run's failure, then re-raised to the caller
         return e, "failed", _one_line(e)
+
+
+def _unchanged(sup, steps: int) -> str | None:
+    """Why a run trained from step 0 changed nothing, or None: every step's gradient was
+    exactly zero (so AdamW never moved a weight by more than its decay), with what made it
+    so when the options say."""
+    if sup.moved or steps == 0:
+        return None
+    why = ""
+    if sup.recipe.trains_adapter and sup.run_cfg.init_scale == 0:
+        why = ("; --init-scale 0 starts LoRA's A and B both at zero, so neither gets a "
+               "gradient: give --init-scale > 0")
+    elif sup.flat_rewards:
+        why = ("; no group's rewards differed (GRPO learns from the differences): give a "
+               "--reward that tells the completions apart")
+    return f"every gradient of the run's {steps} steps was zero: nothing was learned{why}"
 
 
 def _finish(trainer, sup, out, recipe, lora_meta, status, reason):

@@ -260,6 +260,9 @@ class RunSupervisor(Hooks):
         self.saved_step: int | None = None
         self.last_save = time.monotonic()
         self.losses: list[float] = []
+        # whether a step had a non-zero gradient, and whether every GRPO step's groups had
+        # equal rewards: a run that never moved says so (run.py _unchanged)
+        self.moved, self.flat_rewards = False, True
 
     # --- hooks ------------------------------------------------------------------------------
     def before_step(self, trainer):
@@ -287,6 +290,8 @@ class RunSupervisor(Hooks):
                        wall_ms=round(wall_s * 1000, 2), **metrics)
         self.guard.check_step(t, loss, grad_norm)
         self.losses.append(loss)
+        self.moved = self.moved or grad_norm != 0.0
+        self.flat_rewards = self.flat_rewards and metrics.get("frac_reward_zero_std") == 1.0
         self.progress.update(t, loss, real / max(wall_s, 1e-9),
                              metrics=self.recipe.metrics_text(metrics))
         if self.world.any([self.signals.count])[0]:   # asked to stop: no evaluation first
