@@ -14,7 +14,7 @@ import sys
 from importlib.metadata import entry_points
 
 from toygraph import __version__
-from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampling_args, add_template_arg,
+from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_other_base_arg, add_sampling_args, add_template_arg,
                                add_threads_arg, generation_kwargs, language_model_from_args,
                                use_threads_of, utf8)
 from toygraph.cli.chat import add_chat_parser
@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)
+    add_other_base_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)
+    add_other_base_arg(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("demo", help="short LoRA fine-tune of SmolLM2 on the capitals set")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from toygraph.adapters.base import check_base
 from toygraph.adapters.files import WEIGHTS_FILE, adapter_template, load_lora, read_peft
 from toygraph.adapters.merge import refuse_merged_twice
 from toygraph.core import ops
@@ -61,7 +62,7 @@ class LanguageModel:
 
     def __init__(self, model_path, adapter_dir=None, backend: str = "cpu", seq_len: int | None = None,
                  precision: str = "f32", template: str | None = None,
-                 allow_merged: bool = False):
+                 allow_merged: bool = False, other_base: bool = False):
         self.model = GGUFModel(model_path)
         self.cfg = self.model.config
         # the header the model parsed, read once
@@ -74,6 +75,7 @@ class LanguageModel:
         if adapter_dir is not None:
             a = read_peft(adapter_dir, self.cfg)
             refuse_merged_twice(self.model, Path(adapter_dir) / WEIGHTS_FILE, allow_merged)
+            check_base(adapter_dir, self.model, other_base)
             self.lora_config = LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
                                           rslora=a.rslora, dora=a.dora)
             self.adapter = a.lora

@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from toygraph import __version__
+from toygraph.adapters.base import base_record, check_base
 from toygraph.core.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
@@ -78,7 +79,7 @@ def _realize(run_cfg: RunConfig, prep: Prepared, ranks: int = 1):
     recipe = make_recipe(run_cfg)
     recipe.realize(prep.model, prep.model.config, recipe_options(run_cfg, ranks))
     if run_cfg.adapter_init:
-        _load_adapter_init(run_cfg, recipe)
+        _load_adapter_init(run_cfg, recipe, prep.model)
     if prep.resume_from is not None:
         _, weights, moments = load_checkpoint(prep.resume_from)
         want = {p.name for p in recipe.net.params}
@@ -93,9 +94,10 @@ def _realize(run_cfg: RunConfig, prep: Prepared, ranks: int = 1):
     return recipe
 
 
-def _load_adapter_init(run_cfg: RunConfig, recipe):
+def _load_adapter_init(run_cfg: RunConfig, recipe, model):
     from toygraph.adapters.files import read_peft
     adapter = read_peft(run_cfg.adapter_init, recipe.model_cfg)
+    check_base(run_cfg.adapter_init, model, run_cfg.other_base)
     rank, targets = adapter.rank, adapter.targets
     if rank != run_cfg.rank or set(targets) != set(run_cfg.targets):
         raise DataError(f"{run_cfg.adapter_init}: adapter has rank {rank} and targets {targets}; "
@@ -338,7 +340,8 @@ def _lora_meta(run_cfg: RunConfig, prep: Prepared, recipe) -> dict | None:
     return {"rank": run_cfg.rank, "alpha": run_cfg.alpha, "rslora": run_cfg.rslora,
             "dropout": run_cfg.lora_dropout, "targets": list(run_cfg.targets),
             "base": run_cfg.model if store_of(run_cfg.model) else Path(run_cfg.model).name,
-            "arch": prep.model.config.arch, "template": prep.template, "source": prep.source}
+            "arch": prep.model.config.arch, "template": prep.template, "source": prep.source,
+            "base_record": base_record(prep.model)}
 
 
 def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]],
