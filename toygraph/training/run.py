@@ -44,7 +44,7 @@ from toygraph.training.loop import Trainer
 from toygraph.training.plot import plot_losses
 from toygraph.training.prepare import Prepared, prepare
 from toygraph.training.reporting import open_reporters
-from toygraph.training.run_config import RunConfig, recipe_options
+from toygraph.training.run_config import RunConfig, flag, recipe_options
 from toygraph.training.lineage import check_claim, record_run_id, set_aside_newer
 from toygraph.training.result import (final_text, restore_result, result_complete,
                                       set_aside_result, settle_result, write_top_level)
@@ -147,6 +147,7 @@ def run_training(run_cfg: RunConfig) -> dict:
     try:
         say = _say if w.rank == 0 and not run_cfg.quiet else (lambda text: None)
         prep = agreed_call(w, prepare, run_cfg, w.size, say)
+        w.check_same_job(_job_facts(run_cfg, prep))
         # The model is mapped: a file truncated under the run is a SIGBUS (bus_error.py).
         with BusErrorGuard([prep.model.path], "toygraph finetune",
                            f"; restore it and continue with --resume {run_cfg.out}") as bus:
@@ -162,6 +163,16 @@ def run_training(run_cfg: RunConfig) -> dict:
         if w.size > 1 and not is_agreed(e):
             w.fail(f"failed: {_one_line(e)}")
         raise
+
+
+def _job_facts(run_cfg: RunConfig, prep: Prepared) -> dict:
+    """What must be the same on every rank of a job (World.check_same_job): every option,
+    the model and the data by their content (their paths may differ from node to node)."""
+    facts = {flag(k): v for k, v in run_cfg.options().items() if k not in ("model", "data")}
+    fingerprint = prep.state.model_fingerprint or {}
+    return {"--model (its size and sampled sha256)":
+            f"{fingerprint.get('size')} bytes, {str(fingerprint.get('sha256_sampled'))[:16]}",
+            "--data (its sha256)": str(prep.state.data_hash)[:16], **facts}
 
 
 def _say(text: str) -> None:
