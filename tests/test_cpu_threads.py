@@ -112,3 +112,37 @@ def test_the_engine_takes_a_64_bit_count_and_bounds_it():
     engine.set_threads(1)
     with pytest.raises(ToygraphError, match="at most"):
         engine.set_threads(2**32 + 1)
+
+
+THREAD_COUNTS = ["1", "2", "3", "0", "-1", "+2", " 2 ", "1e3", "2.0", "abc", "0x10", "\u00b2",
+                 "\u0661\u0662", "1_000", str(2**31), str(2**32 + 1), str(2**63), str(10**40)]
+
+
+@pytest.mark.parametrize("raw", THREAD_COUNTS)
+def test_any_thread_count_is_capped_or_refused_in_one_line(raw, monkeypatch, caplog):
+    """The variable's fuzz: every value is a count from 1 to the CPUs allowed, or a
+    SettingError naming the variable; never a traceback of another kind, never more."""
+    monkeypatch.setattr(threads, "allowed_cpus", lambda: 2)
+    monkeypatch.setattr(threads, "_warned", set())
+    monkeypatch.setenv("TOYGRAPH_THREADS", raw)
+    try:
+        n = threads.resolve(None)
+    except SettingError as e:
+        assert "TOYGRAPH_THREADS" in str(e) and "\n" not in str(e)
+    else:
+        assert 1 <= n <= 2
+        assert len(caplog.records) == (int(raw) > 2)
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "abc", str(2**63), str(10**40)])
+def test_any_threads_flag_is_capped_or_refused(raw, capsys, monkeypatch):
+    monkeypatch.setattr(threads, "_warned", set())
+    try:
+        rc = main(["eval", "--model", "nothing.gguf", "--text", "x", "--threads", raw])
+    except SystemExit as e:   # argparse's own refusal of a non-number: usage and one error
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if engine.library() is not None:
+        assert 1 <= engine.library().tg_threads() <= threads.allowed_cpus()
