@@ -58,7 +58,8 @@ def test_ranks_that_agree_still_train(tmp_path, tiny_llama):
 
 
 class _TwoRanks(distributed.World):
-    """Rank 0 of a pretend 2-rank job whose rank 1 gathers ``theirs``."""
+    """Rank 0 of a pretend 2-rank job whose rank 1 gathers ``theirs`` (what rank 1
+    differs in is the case under test)."""
     rank, size = 0, 2
 
     def __init__(self, theirs):
@@ -76,3 +77,27 @@ def test_a_divergence_one_rank_sees_stops_every_rank():
     agree_on_divergence(_TwoRanks(None), None)   # neither diverged: nothing happens
     with pytest.raises(Diverged, match="^step 2: mine$"):
         agree_on_divergence(_TwoRanks(None), Diverged("step 2: mine"))
+
+
+def _facts():
+    from test_run import cfg_for
+    from toygraph.training.run import _job_facts
+    from types import SimpleNamespace
+    cfg = cfg_for("m.gguf", "d.jsonl", "out")
+    prep = SimpleNamespace(state=SimpleNamespace(
+        model_fingerprint={"name": "m.gguf", "size": 10, "sha256_sampled": "ab" * 32},
+        data_hash="cd" * 32))
+    return _job_facts(cfg, prep)
+
+
+@pytest.mark.parametrize("key", list(_facts()))
+def test_each_fact_that_differs_is_named(key):
+    """The fuzz of rank mismatches: each fact changed alone on rank 1 is refused naming it;
+    the same facts pass."""
+    ours = _facts()
+    _TwoRanks(dict(ours)).check_same_job(ours)
+    theirs = {**ours, key: ["something", "else"]}
+    with pytest.raises(distributed.DistributedError) as e:
+        _TwoRanks(theirs).check_same_job(ours)
+    assert str(e.value).startswith(f"rank 1 of 2 does not run rank 0's job: {key} is ")
+    assert distributed.is_agreed(e.value) and "\n" not in str(e.value)
