@@ -107,7 +107,28 @@ class World:
 
     def gather_info(self) -> list[dict]:
         """[{rank, host, pid}] of every rank (rank 0's list is the one that is logged)."""
-        return [_my_info(self.rank)]
+        return self.gather(_my_info(self.rank))
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (plain JSON: None, numbers, strings, lists, dicts), by rank."""
+        return [obj]
+
+    def check_same_job(self, facts: dict) -> None:
+        """Refuse on every rank (an agreed DistributedError) when a rank's ``facts`` (what
+        makes its job that job: the options, digests of the model and data) differ from
+        rank 0's, naming the first rank and the first fact that differ. Ranks that run
+        different jobs would sum gradients of different models or data without a word."""
+        if self.size == 1:
+            return
+        everyone = self.gather(facts)
+        ours = everyone[0]
+        for r, theirs in enumerate(everyone[1:], 1):
+            key = next((k for k in [*ours, *theirs] if ours.get(k) != theirs.get(k)), None)
+            if key is not None:
+                raise _agreed(DistributedError(
+                    f"rank {r} of {self.size} does not run rank 0's job: {key} is "
+                    f"{_shown(theirs.get(key))} there and {_shown(ours.get(key))} on rank 0; "
+                    f"start every rank with the same options, model and data"))
 
     def bcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's ``data`` on every rank."""
@@ -116,6 +137,12 @@ class World:
     def fail(self, message: str, code: int = 1):
         """Report ``message`` and end the job (a single process just raises it)."""
         raise DistributedError(message)
+
+
+def _shown(value) -> str:
+    """A fact's value in a message: a string as it is (quoted when empty), else JSON."""
+    import json
+    return value if isinstance(value, str) and value else json.dumps(value)
 
 
 def _agreed(error: BaseException) -> BaseException:
@@ -197,10 +224,10 @@ class MpiWorld(World):
             r, m = failed[0]
             raise _agreed(DistributedError(f"rank {r} of {self.size} failed: {m}"))
 
-    def gather_info(self) -> list[dict]:
+    def gather(self, obj) -> list:
         import json
-        parts = self._allgather_bytes(json.dumps(_my_info(self.rank)).encode(),
-                                      "the gathering of the ranks' hosts")
+        parts = self._allgather_bytes(json.dumps(obj).encode(),
+                                      "the gathering of what every rank reports")
         return [json.loads(p) for p in parts]
 
     def bcast_bytes(self, data: bytes | None) -> bytes:

@@ -138,14 +138,19 @@ def parse(name: str, raw: str | None):
     if s.kind == "count":
         if not text:
             return None
-        if not text.isdigit() or int(text) < 1:
+        if not _whole(text) or int(text) < 1:
             raise SettingError(f"{name} must be a whole number >= 1, got {raw!r}")
         return int(text)
     if text == "host":  # kind "device"
         return text
-    if not text.isdigit():
+    if not _whole(text):
         raise SettingError(f"{name} must be a device ordinal or 'host', got {raw!r}")
     return int(text)
+
+
+def _whole(text: str) -> bool:
+    """Whether ``text`` is a whole number int() reads: str.isdigit alone also takes "²"."""
+    return text.isascii() and text.isdigit()
 
 
 def get(name: str):

@@ -33,6 +33,7 @@ from toygraph.bounded import excerpt, load_json, printable, regular_file_error
 from toygraph.errors import DataError
 from toygraph.gguf.reader import BoundedReader
 from toygraph.adapters import experts
+from toygraph.adapters.base import BASE_METADATA
 from toygraph.models.config import layer_shapes
 from toygraph.models.decoder import ALL_TARGETS, expand_targets, lora_shapes
 from toygraph.models.families import HF_LAYER_MODULES
@@ -151,14 +152,15 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
 # --- PEFT ----------------------------------------------------------------------------------
 def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "",
               template: tuple[str, str] | None = None, rslora: bool = False,
-              dropout: float = 0.0) -> Path:
+              dropout: float = 0.0, base: dict | None = None) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
     the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order).
     ``rslora``: the scale is alpha / sqrt(rank) (use_rslora); ``(A, B, m)`` entries make a
     DoRA adapter (use_dora, m saved as ``lora_magnitude_vector``, rows in HF order);
     ``dropout`` is recorded as lora_dropout (it acts in training only).
     ``template``: (name, Jinja source) of the chat template the adapter was trained with,
-    kept in the weights' metadata (:func:`adapter_template` reads it back)."""
+    kept in the weights' metadata (:func:`adapter_template` reads it back); so is ``base``,
+    the record of the base model (adapters/base.py base_record)."""
     dir = Path(dir)
     found = _check_lora(lora, cfg, str(dir))
     if found != rank:
@@ -209,6 +211,8 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     metadata = {"format": "pt", ARCH_METADATA: cfg.arch}
     if template is not None:
         metadata.update({TEMPLATE_NAME: template[0], TEMPLATE_SOURCE: template[1]})
+    if base is not None:
+        metadata[BASE_METADATA] = json.dumps(base, sort_keys=True)
     atomic_write(dir / WEIGHTS_FILE, lambda p: _save_sorted_metadata(tensors, p, metadata))
     atomic_write(dir / CONFIG_FILE,
                   lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
@@ -456,14 +460,15 @@ def read_peft(dir, cfg) -> PeftAdapter:
 
 # --- llama.cpp GGUF adapters ---------------------------------------------------------------
 def save_gguf_adapter(path, lora: dict, cfg, alpha: float, base_arch: str,
-                      rslora: bool = False) -> Path:
+                      rslora: bool = False, base: dict | None = None) -> Path:
     """Write a llama.cpp LoRA adapter GGUF (f32, rows in GGUF order).
 
     numpy shapes A [r, n_in] and B [n_out, r] are ggml shapes [n_in, r] and [r, n_out],
     which is what llama.cpp's loader checks against the base tensor. llama.cpp scales by
     adapter.lora.alpha / rank, so an rsLoRA adapter (alpha / sqrt(rank)) is written with
     alpha * sqrt(rank). llama.cpp has no DoRA: a DoRA adapter is refused. Expert adapters
-    are written per expert tensor, 3-D (adapters/experts.py).
+    are written per expert tensor, 3-D (adapters/experts.py). ``base``: the record of the
+    base model (adapters/base.py), written as the string key ``toygraph.base``.
     """
     import gguf
 
@@ -481,6 +486,8 @@ def save_gguf_adapter(path, lora: dict, cfg, alpha: float, base_arch: str,
         w.add_string("general.type", "adapter")
         w.add_string("adapter.type", "lora")
         w.add_float32("adapter.lora.alpha", float(alpha))
+        if base is not None:
+            w.add_string(BASE_METADATA, json.dumps(base, sort_keys=True))
         for name, (a, b) in lora.items():
             w.add_tensor(f"{name}.lora_a", np.ascontiguousarray(a, np.float32))
             w.add_tensor(f"{name}.lora_b", np.ascontiguousarray(b, np.float32))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from toygraph.adapters.base import check_base
 from toygraph.adapters.experts import per_base_tensor
 from toygraph.adapters.files import (WEIGHTS_FILE, adapter_template, load_gguf_adapter,
                                      read_peft)
@@ -123,12 +124,13 @@ def _copy_metadata(reader, writer, skip: set[str]) -> None:
 
 def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
                   template: str | None = None, allow_merged: bool = False,
-                  progress=None) -> Path:
+                  progress=None, other_base: bool = False) -> Path:
     """Write ``out_path``: the GGUF at ``model_path`` with the LoRA adapter ``adapter_dir``
     (run, checkpoint or PEFT directory, or a llama.cpp adapter ``.gguf`` file) merged into
     its target weights, stored as ``out_type`` (f32, f16, bf16 or q8_0), with the chat
     template ``template`` (a name or Jinja file; None: the one the adapter recorded, else
-    the base's). Returns the path; the file appears atomically (temp file + rename)."""
+    the base's). Returns the path; the file appears atomically (temp file + rename). An
+    adapter that records another base is refused unless ``other_base`` (adapters/base.py)."""
     import gguf
 
     from toygraph.gguf.tokenizer import Tokenizer
@@ -140,6 +142,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
     model = GGUFModel(model_path)
     lora, rank, alpha, scaling, source = load_adapter(adapter_dir, model.config)
     refuse_merged_twice(model, source, allow_merged)
+    check_base(adapter_dir, model, other_base)
     tok = Tokenizer.from_gguf(model.reader, source=str(model_path))
     trained = adapter_template(adapter_dir) if Path(adapter_dir).is_dir() else None
     if template is not None:

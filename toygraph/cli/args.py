@@ -54,6 +54,13 @@ def add_allow_merged_arg(p) -> None:
                         "(its update then counts twice)")
 
 
+def add_other_base_arg(p) -> None:
+    """``--other-base``: apply an adapter that records another base model."""
+    p.add_argument("--other-base", action="store_true",
+                   help="apply the adapter even though it records another base model "
+                        "(a one-line warning instead of the refusal)")
+
+
 def add_template_arg(p) -> None:
     """``--template``: the chat template conversations are rendered with."""
     p.add_argument("--template", metavar="NAME|FILE",
@@ -72,7 +79,8 @@ def language_model_from_args(args):
     return LanguageModel(resolve_model(args.model), adapter_dir=args.adapter,
                          backend=args.backend, precision=args.precision,
                          template=getattr(args, "template", None),
-                         allow_merged=getattr(args, "allow_merged", False))
+                         allow_merged=getattr(args, "allow_merged", False),
+                         other_base=getattr(args, "other_base", False))
 
 
 def add_sampling_args(p) -> None:

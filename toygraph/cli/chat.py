@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampling_args, add_template_arg,
+from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_other_base_arg,
+                               add_sampling_args, add_template_arg,
                                generation_kwargs, language_model_from_args, utf8)
 from toygraph.inference.chat import chat_loop
 
@@ -17,6 +18,7 @@ def add_chat_parser(sub) -> None:
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)
+    add_other_base_arg(p)
     p.set_defaults(fn=_cmd_chat, max_new_tokens=256)
 
 

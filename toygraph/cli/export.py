@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from toygraph.adapters.merge import OUT_TYPES, PROVENANCE, export_merged
-from toygraph.cli.args import add_allow_merged_arg, add_template_arg
+from toygraph.cli.args import add_allow_merged_arg, add_other_base_arg, add_template_arg
 from toygraph.errors import ToygraphError
 from toygraph.models.catalog import resolve_model
 from toygraph.models.model import GGUFModel
@@ -24,6 +24,7 @@ def add_export_parser(sub) -> None:
                    help="type of the merged weights; other tensors keep theirs (default: f16)")
     add_template_arg(p)
     add_allow_merged_arg(p)
+    add_other_base_arg(p)
     p.set_defaults(fn=_cmd_export)
 
 
@@ -54,6 +55,7 @@ def _cmd_export(args) -> int:
     check_out_is_not_read(args.out, args.adapter)
     out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
                         template=args.template, allow_merged=args.allow_merged,
+                        other_base=args.other_base,
                         progress=Ticker("merging, tensor", lambda text: print(text, file=sys.stderr)))
     merged = GGUFModel(out)
     meta = {k: merged.metadata(f"{PROVENANCE}.{k}") for k in ("rank", "alpha", "tensors", "template")}

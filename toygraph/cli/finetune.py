@@ -19,7 +19,8 @@ from toygraph.training.run_config import GROUPS, RunConfig, coerce, flag
 from toygraph.training.run_file import load_run_file
 
 #: Exit codes of ``finetune`` by run status (errors before or during the run exit 2).
-EXIT_CODES = {"completed": 0, "early_stopped": 0, "diverged": 3, "interrupted": 130}
+EXIT_CODES = {"completed": 0, "early_stopped": 0, "diverged": 3, "unchanged": 4,
+              "interrupted": 130}
 
 
 def add_finetune_parser(sub) -> None:

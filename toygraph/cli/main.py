@@ -14,7 +14,7 @@ import sys
 from importlib.metadata import entry_points
 
 from toygraph import __version__
-from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampling_args, add_template_arg,
+from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_other_base_arg, add_sampling_args, add_template_arg,
                                add_threads_arg, generation_kwargs, language_model_from_args,
                                use_threads_of, utf8)
 from toygraph.cli.chat import add_chat_parser
@@ -57,9 +57,7 @@ def cmd_eval(args):
             raise ToygraphError(f"{args.data}: no example has a target token")
         loss, n = lm.loss([e.tokens for e in enc.items], [e.target_mask for e in enc.items])
     if not math.isfinite(loss):   # an adapter or model whose numbers overflow: say so, not "nan"
-        raise ToygraphError(f"the loss is {loss} over {n} tokens: the model"
-                            f"{' with its adapter' if args.adapter else ''} computes values that "
-                            "are not finite numbers")
+        raise lm.not_finite(f"the loss is {loss} over {n} tokens")
     result = {"loss": loss, "tokens": n, "perplexity": math.exp(min(loss, 700))}
     if args.json:
         print(json.dumps(result, allow_nan=False))
@@ -110,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)
+    add_other_base_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
@@ -124,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)
+    add_other_base_arg(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("demo", help="short LoRA fine-tune of SmolLM2 on the capitals set")

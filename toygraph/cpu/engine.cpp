@@ -15,7 +15,8 @@ TG_EXPORT int tg_dot_q8() {
 #endif
 }
 
-TG_EXPORT int tg_set_threads(int n) { return pool_set_threads(n); }
+// A 64-bit count (ctypes once wrapped 2^32 + 1 to 1), bounded by pool.h's kMaxThreads.
+TG_EXPORT int tg_set_threads(int64_t n) { return pool_set_threads(n); }
 
 TG_EXPORT int tg_threads() { return pool_threads(); }
 

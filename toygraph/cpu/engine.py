@@ -103,7 +103,7 @@ def load(text: str, target: str = "-march=native"):
                                   "the CPU engine (toygraph/cpu/engine.cpp)")
     lib = ctypes.CDLL(str(path))
     lib.tg_simd.restype = ctypes.c_char_p
-    lib.tg_set_threads.argtypes, lib.tg_set_threads.restype = [ctypes.c_int], ctypes.c_int
+    lib.tg_set_threads.argtypes, lib.tg_set_threads.restype = [_I64], ctypes.c_int
     lib.tg_threads.restype = ctypes.c_int
     lib.tg_dot_q8.restype = ctypes.c_int
     lib.tg_decode.argtypes = [ctypes.c_int, _P, _P, _I64]
@@ -134,9 +134,16 @@ def dot_q8() -> bool:
     return bool(lib is not None and lib.tg_dot_q8())
 
 
+#: The most threads the pool takes (pool.h's kMaxThreads): a bound against a count gone
+#: wrong, far past any machine's cores (threads.resolve caps the user's count to those).
+MAX_THREADS = 256
+
+
 def set_threads(n: int) -> int:
-    """Size the engine's pool to ``n`` threads (the caller and n - 1 workers); returns the
-    size it has (the engine missing: 1)."""
+    """Size the engine's pool to ``n`` threads (the caller and n - 1 workers, n at most
+    MAX_THREADS); returns the size it has (the engine missing: 1)."""
+    if not 1 <= n <= MAX_THREADS:
+        raise ToygraphError(f"the CPU engine takes 1 to at most {MAX_THREADS} threads, got {n}")
     lib = library()
     return lib.tg_set_threads(int(n)) if lib is not None else 1
 
@@ -145,7 +152,7 @@ def use_threads(n: int | None = None) -> int:
     """Compute with ``n`` threads (``--threads``; None: threads.resolve's default): the
     engine's pool and BLAS's. Returns the count."""
     n = threads.resolve(n)
-    set_threads(n)
+    set_threads(min(n, MAX_THREADS))   # a machine past the pool's bound: BLAS still takes n
     threads.choose(n)
     threads.limit_blas(n)
     return n

@@ -122,15 +122,21 @@ static void pool_after_fork_in_child() {
 
 static int pool_threads() { return (int)g_pool.workers.size() + 1; }
 
-// Start n - 1 workers (n >= 1); returns the threads the pool now has.
-static int pool_set_threads(int n) {
+// The most threads the pool starts (engine.py's MAX_THREADS): a bound against a count gone
+// wrong, far past any machine's cores.
+static const int64_t kMaxThreads = 256;
+
+// Start n - 1 workers (n in 1..kMaxThreads, else the nearer end); returns the threads the
+// pool now has.
+static int pool_set_threads(int64_t n) {
     static bool registered = false;
     if (!registered) {
         pthread_atfork(nullptr, nullptr, pool_after_fork_in_child);
         registered = true;
     }
     if (n < 1) n = 1;
-    if (n == pool_threads()) return n;
+    if (n > kMaxThreads) n = kMaxThreads;
+    if (n == pool_threads()) return (int)n;
     pool_stop();
     for (int i = 1; i < n; i++) {
         pthread_t t;

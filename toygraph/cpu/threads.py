@@ -4,17 +4,21 @@ GEMMs never run more threads than the process may use).
 
 The count is ``--threads`` (every command has it), else ``$TOYGRAPH_THREADS``, else the CPUs
 this process may run on (``os.sched_getaffinity``: a container's or ``taskset``'s limit, not
-the machine's core count).
+the machine's core count). A count past those CPUs is capped to them, said once in one line:
+more threads than cores only contend for them, and ``--threads 32399`` once started 32,399.
 
 >>> resolve(None)    # on a 2-core machine, nothing set         # doctest: +SKIP
 2
 """
 from __future__ import annotations
 
+import logging
 import os
 
 from toygraph import environment
 from toygraph.errors import SettingError
+
+logger = logging.getLogger(__name__)
 
 
 def allowed_cpus() -> int:
@@ -26,14 +30,33 @@ def allowed_cpus() -> int:
 
 
 def resolve(n: int | None) -> int:
-    """``n``, else ``$TOYGRAPH_THREADS``, else :func:`allowed_cpus`; a SettingError names a
-    count below 1."""
+    """``n``, else ``$TOYGRAPH_THREADS``, else :func:`allowed_cpus`, capped to
+    :func:`allowed_cpus` (with a warning naming the flag or the variable); a SettingError
+    names a count below 1."""
+    source = "--threads {}"
     if n is None:
-        n = environment.get("TOYGRAPH_THREADS") or allowed_cpus()
+        n = environment.get("TOYGRAPH_THREADS")
+        source = "TOYGRAPH_THREADS={}"
+    if n is None:
+        return allowed_cpus()
     n = int(n)
     if n < 1:
         raise SettingError(f"--threads must be at least 1, got {n}")
-    return n
+    return _capped(n, source.format(n))
+
+
+_warned: set[str] = set()   # the capped counts said already (resolve runs for every step)
+
+
+def _capped(n: int, given: str) -> int:
+    allowed = allowed_cpus()
+    if n <= allowed:
+        return n
+    if given not in _warned:
+        _warned.add(given)
+        logger.warning("%s is more than the %d CPUs this process may use: computing with %d",
+                       given, allowed, allowed)
+    return allowed
 
 
 _chosen: int | None = None      # what engine.use_threads was last given (resolved)

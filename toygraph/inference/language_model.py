@@ -25,12 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from toygraph.adapters.base import check_base
 from toygraph.adapters.files import WEIGHTS_FILE, adapter_template, load_lora, read_peft
 from toygraph.adapters.merge import refuse_merged_twice
 from toygraph import ops
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.session import Session
-from toygraph.errors import DataError
+from toygraph.errors import DataError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.kvcache import CachedDecoder
 from toygraph.inference.sampling import SamplingOptions, TextStream, pick_token
@@ -61,7 +62,7 @@ class LanguageModel:
 
     def __init__(self, model_path, adapter_dir=None, backend: str = "cpu", seq_len: int | None = None,
                  precision: str = "f32", template: str | None = None,
-                 allow_merged: bool = False):
+                 allow_merged: bool = False, other_base: bool = False):
         self.model = GGUFModel(model_path)
         self.cfg = self.model.config
         # the header the model parsed, read once
@@ -74,6 +75,7 @@ class LanguageModel:
         if adapter_dir is not None:
             a = read_peft(adapter_dir, self.cfg)
             refuse_merged_twice(self.model, Path(adapter_dir) / WEIGHTS_FILE, allow_merged)
+            check_base(adapter_dir, self.model, other_base)
             self.lora_config = LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
                                           rslora=a.rslora, dora=a.dora)
             self.adapter = a.lora
@@ -92,6 +94,12 @@ class LanguageModel:
         if not self.stop_ids:
             logger.warning("%s names no end-of-sequence or end-of-turn token: generation stops "
                            "only at the token limit or a stop string", model_path)
+
+    def not_finite(self, what: str) -> ToygraphError:
+        """The one refusal of a model (with its adapter) that computes NaN or infinity, as
+        eval and generate give it: ``what`` says which numbers were not finite."""
+        return ToygraphError(f"{what}: the model{' with its adapter' if self.adapter else ''} "
+                             "computes values that are not finite numbers")
 
     # --- graphs ---------------------------------------------------------------------------
     def _forward(self, batch: int, seq_len: int) -> _Forward:
@@ -219,7 +227,11 @@ class LanguageModel:
         rng, stream = opts.rng(), TextStream(self.tokenizer, stop)
         emit = on_text or (lambda piece: None)
         while len(context) < end and not stream.stopped:
-            nxt = pick_token(next(logits).astype(np.float64), context, opts, rng)
+            row = next(logits)
+            if not np.isfinite(row).all():   # NaN scores pick a token no one chose
+                raise self.not_finite(f"the next-token scores after {len(context)} tokens "
+                                      f"include {'nan' if np.isnan(row).any() else 'inf'}")
+            nxt = pick_token(row.astype(np.float64), context, opts, rng)
             if nxt in self.stop_ids:
                 break
             context.append(nxt)

@@ -78,21 +78,26 @@ def check_keys(meta, meta_keys, fam: Family, path) -> None:
 
 
 def rope_scale(m: Metadata, fam: Family) -> tuple[str, float]:
-    """(scaling type, llama.cpp's rope_freq_scale): 1/factor when ``rope.scaling.factor``
-    (or the older ``rope.scale_linear``) is present; linear scaling is implemented, and
-    YaRN for the families whose parity tests cover it (Family.yarn)."""
+    """(scaling type, llama.cpp's rope_freq_scale), read as llama.cpp reads them: an absent
+    type is "linear"; "none" never scales, whatever the factor; else 1/factor, a factor of
+    0 meaning 1, the older ``rope.scale_linear`` read only when ``rope.scaling.factor`` is
+    absent. Linear scaling is implemented, and YaRN for the families whose parity tests
+    cover it (Family.yarn)."""
     kind = m.raw("rope.scaling.type")
     known = (None, "none", "linear") + (("yarn",) if fam.yarn else ())
     if kind not in known:
         raise GGUFError(f"{m.path}: {m.key('rope.scaling.type')} = {kind!r} is not supported "
                         f"(only {' and '.join(repr(x) for x in known[2:])} rope scaling)")
-    factor = m.num("rope.scaling.factor", float, 0.0, positive=False)
-    if factor == 0.0:
-        factor = m.num("rope.scale_linear", float, 0.0, positive=False)
+    name = "rope.scaling.factor" if m.raw("rope.scaling.factor") is not None else "rope.scale_linear"
+    factor = m.num(name, float, 0.0, positive=False)
     if factor < 0:
-        raise GGUFError(f"{m.path}: metadata {m.key('rope.scaling.factor')!r} must be >= 0, "
-                        f"found {factor}")
-    return kind or "none", 1.0 if factor == 0.0 else 1.0 / factor
+        raise GGUFError(f"{m.path}: metadata {m.key(name)!r} must be >= 0, found {factor}")
+    attn_factor = m.num("rope.scaling.attn_factor", float, 1.0)
+    if kind != "yarn" and attn_factor != 1.0:   # llama.cpp scales cos and sin by it
+        raise GGUFError(f"{m.path}: {m.key('rope.scaling.attn_factor')} = {attn_factor} is "
+                        "not supported without YaRN (only 1)")
+    kind = kind or "linear"
+    return kind, 1.0 if factor == 0.0 or kind == "none" else 1.0 / factor
 
 
 def yarn(m: Metadata, freq_scale: float, base: float, rope_dims: int, head_dim: int,
@@ -111,7 +116,11 @@ def yarn(m: Metadata, freq_scale: float, base: float, rope_dims: int, head_dim: 
     if rope_dims != head_dim:
         raise GGUFError(f"{m.path}: YaRN with partial rotary dims ({rope_dims} of {head_dim}) "
                         "is not supported")
-    orig = m.num("rope.scaling.original_context_length", int, n_ctx)
+    # llama.cpp's n_ctx_orig_yarn: 0 (or absent) means the training context
+    orig = m.num("rope.scaling.original_context_length", int, 0, positive=False) or n_ctx
+    if orig < 0:
+        raise GGUFError(f"{m.path}: metadata {m.key('rope.scaling.original_context_length')!r} "
+                        f"must be >= 0, found {orig}")
     fast = m.num("rope.scaling.yarn_beta_fast", float, 32.0)
     slow = m.num("rope.scaling.yarn_beta_slow", float, 1.0)
 

@@ -199,11 +199,12 @@ def write_adapter(dest: Path, recipe, meta: dict, gguf_too: bool = True, values:
     save_peft(dest, lora, recipe.model_cfg, rank=meta["rank"], alpha=meta["alpha"],
               targets=meta["targets"], base_model_name=meta["base"],
               template=meta.get("template"), rslora=meta.get("rslora", False),
-              dropout=meta.get("dropout", 0.0))
+              dropout=meta.get("dropout", 0.0), base=meta.get("base_record"))
     # llama.cpp has no DoRA: its adapter.gguf is left out (the merged export serves it)
     if gguf_too and not recipe.net.magnitudes:
         save_gguf_adapter(dest / "adapter.gguf", lora, recipe.model_cfg, alpha=meta["alpha"],
-                          base_arch=recipe.model_cfg.arch, rslora=meta.get("rslora", False))
+                          base_arch=recipe.model_cfg.arch, rslora=meta.get("rslora", False),
+                          base=meta.get("base_record"))
 
 
 def write_final(folder: Path, recipe, lora_meta: dict | None, values: dict | None = None):

@@ -51,9 +51,8 @@ def model_identity(model) -> dict:
     """What a checkpoint's weights fit: the architecture and every tensor's shape (hashed).
     Another file of the same model (requantized, moved) has the same identity; another
     model does not, and its checkpoint's adapters would be misread on it."""
-    shapes = sorted((name, tuple(model.tensor(name).shape)) for name in model.tensor_names())
-    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()
-    return {"arch": model.config.arch, "shapes_sha256": digest}
+    from toygraph.adapters.base import tensor_table_sha256
+    return {"arch": model.config.arch, "shapes_sha256": tensor_table_sha256(model)}
 
 
 class ResumeMismatch(ToygraphError):

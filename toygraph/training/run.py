@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from toygraph import __version__
+from toygraph.adapters.base import base_record, check_base
 from toygraph.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
@@ -43,7 +44,7 @@ from toygraph.training.loop import Trainer
 from toygraph.training.plot import plot_losses
 from toygraph.training.prepare import Prepared, prepare
 from toygraph.training.reporting import open_reporters
-from toygraph.training.run_config import RunConfig, recipe_options
+from toygraph.training.run_config import RunConfig, flag, recipe_options
 from toygraph.training.lineage import check_claim, record_run_id, set_aside_newer
 from toygraph.training.result import (final_text, restore_result, result_complete,
                                       set_aside_result, settle_result, write_top_level)
@@ -78,7 +79,7 @@ def _realize(run_cfg: RunConfig, prep: Prepared, ranks: int = 1):
     recipe = make_recipe(run_cfg)
     recipe.realize(prep.model, prep.model.config, recipe_options(run_cfg, ranks))
     if run_cfg.adapter_init:
-        _load_adapter_init(run_cfg, recipe)
+        _load_adapter_init(run_cfg, recipe, prep.model)
     if prep.resume_from is not None:
         _, weights, moments = load_checkpoint(prep.resume_from)
         want = {p.name for p in recipe.net.params}
@@ -93,9 +94,10 @@ def _realize(run_cfg: RunConfig, prep: Prepared, ranks: int = 1):
     return recipe
 
 
-def _load_adapter_init(run_cfg: RunConfig, recipe):
+def _load_adapter_init(run_cfg: RunConfig, recipe, model):
     from toygraph.adapters.files import read_peft
     adapter = read_peft(run_cfg.adapter_init, recipe.model_cfg)
+    check_base(run_cfg.adapter_init, model, run_cfg.other_base)
     rank, targets = adapter.rank, adapter.targets
     if rank != run_cfg.rank or set(targets) != set(run_cfg.targets):
         raise DataError(f"{run_cfg.adapter_init}: adapter has rank {rank} and targets {targets}; "
@@ -145,6 +147,7 @@ def run_training(run_cfg: RunConfig) -> dict:
     try:
         say = _say if w.rank == 0 and not run_cfg.quiet else (lambda text: None)
         prep = agreed_call(w, prepare, run_cfg, w.size, say)
+        w.check_same_job(_job_facts(run_cfg, prep))
         # The model is mapped: a file truncated under the run is a SIGBUS (bus_error.py).
         with BusErrorGuard([prep.model.path], "toygraph finetune",
                            f"; restore it and continue with --resume {run_cfg.out}") as bus:
@@ -160,6 +163,16 @@ def run_training(run_cfg: RunConfig) -> dict:
         if w.size > 1 and not is_agreed(e):
             w.fail(f"failed: {_one_line(e)}")
         raise
+
+
+def _job_facts(run_cfg: RunConfig, prep: Prepared) -> dict:
+    """What must be the same on every rank of a job (World.check_same_job): every option,
+    the model and the data by their content (their paths may differ from node to node)."""
+    facts = {flag(k): v for k, v in run_cfg.options().items() if k not in ("model", "data")}
+    fingerprint = prep.state.model_fingerprint or {}
+    return {"--model (its size and sampled sha256)":
+            f"{fingerprint.get('size')} bytes, {str(fingerprint.get('sha256_sampled'))[:16]}",
+            "--data (its sha256)": str(prep.state.data_hash)[:16], **facts}
 
 
 def _say(text: str) -> None:
@@ -306,6 +319,8 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
         plot_losses(out)
     if status in ("interrupted", "diverged"):
         progress.message(f"run {status}: {reason}", always=True)
+    elif status == "unchanged":
+        progress.message(f"warning: run unchanged: {reason}; no result written", always=True)
     resume = (f"toygraph finetune --config {shlex.quote(str(out / RUN_FILE))} "
               f"--resume {shlex.quote(str(out))}")
     if w.rank == 0 and status not in COMPLETED and finishing:
@@ -336,7 +351,8 @@ def _lora_meta(run_cfg: RunConfig, prep: Prepared, recipe) -> dict | None:
     return {"rank": run_cfg.rank, "alpha": run_cfg.alpha, "rslora": run_cfg.rslora,
             "dropout": run_cfg.lora_dropout, "targets": list(run_cfg.targets),
             "base": run_cfg.model if store_of(run_cfg.model) else Path(run_cfg.model).name,
-            "arch": prep.model.config.arch, "template": prep.template, "source": prep.source}
+            "arch": prep.model.config.arch, "template": prep.template, "source": prep.source,
+            "base_record": base_record(prep.model)}
 
 
 def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]],
@@ -349,12 +365,16 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]],
             sup.progress.message(line, always=always)
         if ended is not None:
             return None, ("early_stopped" if sup.pending_eval(trainer) else ended), None
-        if trainer.state.step == 0:
+        from_start = trainer.state.step == 0
+        if from_start:
             guard.reference(recipe.trainable())
             if sup.val:
                 sup.run_eval(trainer)  # the starting point: the curve shows what training changed
         trainer.run(sup)
         status = sup.stop_status or "completed"
+        unchanged = _unchanged(sup, trainer.state.step) if from_start else None
+        if status in COMPLETED and unchanged:
+            return None, "unchanged", unchanged
         signal_name = signals.name or "a signal to another MPI rank"
         return None, status, (f"stopped by {signal_name}" if status == "interrupted" else None)
     except KeyboardInterrupt:   # the state may be half a step: no checkpoint is taken of it
@@ -366,6 +386,22 @@ def _loop(trainer, sup, guard, recipe, signals, intro: list[tuple[str, bool]],
         return None, "diverged", str(e)
     except Exception as e:  # recorded as the run's failure, then re-raised to the caller
         return e, "failed", _one_line(e)
+
+
+def _unchanged(sup, steps: int) -> str | None:
+    """Why a run trained from step 0 changed nothing, or None: every step's gradient was
+    exactly zero (so AdamW never moved a weight by more than its decay), with what made it
+    so when the options say."""
+    if sup.moved or steps == 0:
+        return None
+    why = ""
+    if sup.recipe.trains_adapter and sup.run_cfg.init_scale == 0:
+        why = ("; --init-scale 0 starts LoRA's A and B both at zero, so neither gets a "
+               "gradient: give --init-scale > 0")
+    elif sup.flat_rewards:
+        why = ("; no group's rewards differed (GRPO learns from the differences): give a "
+               "--reward that tells the completions apart")
+    return f"every gradient of the run's {steps} steps was zero: nothing was learned{why}"
 
 
 def _finish(trainer, sup, out, recipe, lora_meta, status, reason):

@@ -146,6 +146,10 @@ class RunConfig:
     adapter_init: str | None = option(None, help="start from this PEFT adapter directory (dpo: "
                                                  "also the frozen reference)",
                                       group="adapter", used_by=_adapter_recipes, resume="free")
+    other_base: bool = option(False, help="apply --adapter-init although it records another "
+                                          "base model (a one-line warning instead of the "
+                                          "refusal)", group="adapter", used_by=_adapter_recipes,
+                              resume="free", file=False)
     beta: float = option(BETA, help="dpo: strength of the pull towards the "
                                                 "reference; orpo: odds-ratio weight",
                          group="adapter", used_by=_preference_recipes, low=0, open_low=True)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from toygraph.distributed import World
+from toygraph.training.guard import Diverged
 from toygraph.training.checkpoints import (list_checkpoints, prune_checkpoints, save_checkpoint,
                                            step_dir_name, write_adapter)
 from toygraph.training.loop import Hooks, shard
@@ -260,6 +261,9 @@ class RunSupervisor(Hooks):
         self.saved_step: int | None = None
         self.last_save = time.monotonic()
         self.losses: list[float] = []
+        # whether a step had a non-zero gradient, and whether every GRPO step's groups had
+        # equal rewards: a run that never moved says so (run.py _unchanged)
+        self.moved, self.flat_rewards = False, True
 
     # --- hooks ------------------------------------------------------------------------------
     def before_step(self, trainer):
@@ -285,8 +289,10 @@ class RunSupervisor(Hooks):
                        tokens=tokens, real_tokens=real,
                        targets=int(sum(b.n_targets for b in micro)),
                        wall_ms=round(wall_s * 1000, 2), **metrics)
-        self.guard.check_step(t, loss, grad_norm)
+        self._guarded(self.guard.check_step, t, loss, grad_norm)
         self.losses.append(loss)
+        self.moved = self.moved or grad_norm != 0.0
+        self.flat_rewards = self.flat_rewards and metrics.get("frac_reward_zero_std") == 1.0
         self.progress.update(t, loss, real / max(wall_s, 1e-9),
                              metrics=self.recipe.metrics_text(metrics))
         if self.world.any([self.signals.count])[0]:   # asked to stop: no evaluation first
@@ -309,6 +315,15 @@ class RunSupervisor(Hooks):
             self.stop_status = "interrupted"
         return self.stop_status is not None
 
+    def _guarded(self, check, *args) -> None:
+        """A guard's check, agreed by every rank (agree_on_divergence)."""
+        try:
+            check(*args)
+        except Diverged as e:
+            agree_on_divergence(self.world, e)
+        else:
+            agree_on_divergence(self.world, None)
+
     # --- evaluation and checkpoints -----------------------------------------------------------
     def run_eval(self, trainer) -> bool:
         """Evaluate, checkpoint (and mark best when it improved and passes the guard);
@@ -326,7 +341,7 @@ class RunSupervisor(Hooks):
         weights = moments = None
         if t > 0:  # the state after an update is checked before it may become best
             weights, moments = self.recipe.trainable(), self.recipe.optimizer_state()
-            self.guard.check_state(t, weights, moments)
+            self._guarded(self.guard.check_state, t, weights, moments)
         st.bad_evals = 0 if improved else st.bad_evals + 1
         if improved:
             st.best_val = vloss
@@ -364,7 +379,7 @@ class RunSupervisor(Hooks):
             return
         if weights is None:
             weights, moments = self.recipe.trainable(), self.recipe.optimizer_state()
-            self.guard.check_state(t, weights, moments)
+            self._guarded(self.guard.check_state, t, weights, moments)
         if self.world.rank != 0:  # rank 0 alone writes; the others only kept the guard's pace
             if kind != "best":
                 self.saved_step, self.last_save = t, time.monotonic()
@@ -382,3 +397,17 @@ class RunSupervisor(Hooks):
                 self.saved_step, self.last_save = t, time.monotonic()
                 prune_checkpoints(self.out, self.run_cfg.keep_checkpoints, trainer.state.run_id)
         self.log.write("checkpoint", step=t, kind=kind, path=str(dest))
+
+
+def agree_on_divergence(world: World, error: Diverged | None) -> None:
+    """Raise Diverged on every rank when any rank's guard saw a divergence (``error``:
+    this rank's, or None). The ranks hold the same weights, so one rank's divergence is
+    every rank's; a rank stopping alone would leave rank 0 recording "completed" beside a
+    rank that exited 3."""
+    if world.size > 1:
+        said = world.gather(None if error is None else str(error))
+        if error is None:
+            error = next((Diverged(f"rank {r} of {world.size}: {text}")
+                          for r, text in enumerate(said) if text is not None), None)
+    if error is not None:
+        raise error
