@@ -25,7 +25,7 @@ import numpy as np
 from toygraph.adapters.experts import per_base_tensor
 from toygraph.adapters.files import (WEIGHTS_FILE, adapter_template, load_gguf_adapter,
                                      read_peft)
-from toygraph.atomic import atomic_write
+from toygraph.atomic import atomic_write, check_replaceable
 from toygraph.errors import DataError
 from toygraph.models.model import GGUFModel
 
@@ -135,6 +135,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
 
     if out_type not in OUT_TYPES:
         raise DataError(f"--type {out_type!r}: choose one of {', '.join(OUT_TYPES)}")
+    check_replaceable(out_path, "--out")   # refused before minutes of merging
     if Path(out_path).resolve() == Path(model_path).resolve():
         raise DataError(f"--out {out_path}: would overwrite the base model; choose another path")
     model = GGUFModel(model_path)
