@@ -143,7 +143,7 @@ def test_a_hung_compiler_is_stopped_at_the_time_limit_and_said(tmp_path, monkeyp
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="toygraph.native"), \
             pytest.raises(ToygraphError, match="did not finish in 1.5 s"):
-        build(tmp_path / "cache", cxx=str(script))
+        build(tmp_path / "cache", cxx=str(script), say=True)
     assert time.monotonic() - t0 < 20
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("building the test library with") and "up to 1.5 s" in m

@@ -149,14 +149,15 @@ def _work_folder(folder: Path, what: str) -> tuple[Path, bool]:
         return work, True
 
 
-def _compile(cmd: list[str], what: str, error) -> subprocess.CompletedProcess:
+def _compile(cmd: list[str], what: str, error, say: bool) -> subprocess.CompletedProcess:
     """Run the compiler with a time limit, in its own process group (so the compiler's
-    own children are killed with it); a slow build says what it is doing."""
+    own children are killed with it); with ``say``, a slow build says what it is doing."""
     said = threading.Timer(SAY_AFTER_S, lambda: logger.warning(
         "building %s with %s (once; it is cached after) - up to %g s", what, cmd[0],
         BUILD_TIMEOUT_S))
     said.daemon = True
-    said.start()
+    if say:
+        said.start()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -182,11 +183,14 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def build_shared(source: str, flags, folder: Path, what: str, *, cxx: str | None = None,
-                 use_cache: bool = True, error=ToygraphError, symbols=()) -> tuple[Path, bool]:
+                 use_cache: bool = True, error=ToygraphError, symbols=(),
+                 say: bool = False) -> tuple[Path, bool]:
     """(path of the shared library of ``source`` built with ``flags``, whether it was
     compiled now rather than found in ``folder``). ``symbols``: names the library must
-    define (a cached one without them is rebuilt, a build without them is an error). A
-    failed compile raises ``error`` naming ``what`` with the compiler's log."""
+    define (a cached one without them is rebuilt, a build without them is an error).
+    ``say``: a build past SAY_AFTER_S says so (the CPU engine's, which a user waits for
+    on a first run; the host executor's test builds stay quiet). A failed compile raises
+    ``error`` naming ``what`` with the compiler's log."""
     cxx = cxx or compiler()
     if not cxx:
         raise error(f"building {what} needs a C++ compiler: g++ is not installed "
@@ -211,7 +215,7 @@ def build_shared(source: str, flags, folder: Path, what: str, *, cxx: str | None
     try:
         src, lib = work / "source.cpp", work / "lib.so"
         src.write_text(source)
-        res = _compile([cxx, *flags, "-o", str(lib), str(src)], what, error)
+        res = _compile([cxx, *flags, "-o", str(lib), str(src)], what, error, say)
         if res.returncode != 0:
             log = (res.stderr or res.stdout).strip()
             raise error(f"host compile of {what} failed ({cxx} {' '.join(flags)}):\n"

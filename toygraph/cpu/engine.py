@@ -103,7 +103,8 @@ def load(text: str, target: str = "-march=native"):
     x86-64 code paths; "" for the compiler's default) and loaded, its entry points typed."""
     flags = [f for f in FLAGS if not f.startswith("-march=")] + ([target] if target else [])
     path, _ = native.build_shared(text, flags, environment.cache_dir("kernels") / "cpu",
-                                  "the CPU engine (toygraph/cpu/engine.cpp)", symbols=SYMBOLS)
+                                  "the CPU engine (toygraph/cpu/engine.cpp)", symbols=SYMBOLS,
+                                  say=True)
     lib = ctypes.CDLL(str(path))
     lib.tg_simd.restype = ctypes.c_char_p
     lib.tg_set_threads.argtypes, lib.tg_set_threads.restype = [ctypes.c_int], ctypes.c_int
