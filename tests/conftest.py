@@ -8,6 +8,15 @@ from toygraph.models.catalog import gemma3_270m_path, smollm2_path
 from toygraph.fixtures.tiny_models import K_QUANT_TYPES, write_tiny_llama, write_tiny_qwen2
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_engine_built():
+    """The CPU engine built (or its cached library verified) before any test runs: its
+    one-time lines (a slow build says so, a damaged cache is rebuilt: toygraph/native.py)
+    would otherwise land in the output of whichever test happened to come first."""
+    from toygraph.cpu import engine
+    engine.library()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")

@@ -118,18 +118,83 @@ def test_unusable_out_is_a_one_line_error(tiny_llama, chat_data, tmp_path, out_o
 
 
 # --- failures are recorded as failures -----------------------------------------------------------
-def test_a_broken_pipe_mid_run_is_recorded_as_failed(tiny_llama, chat_data, tmp_path):
-    """stderr is a pipe whose reader went away (``finetune ... 2>&1 | head``)."""
-    out = tmp_path / "r"
-    cmd = [sys.executable, "-m", "toygraph.cli", "finetune", "--model", str(tiny_llama),
-           "--data", str(chat_data), "--out", str(out), "--steps", "40", "--batch", "2",
-           "--seq-len", "32", "--rank", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    proc.stderr.close()  # the reader is gone before the first progress line
-    assert proc.wait(timeout=120) == 1
+def _finetune(model, data, out, steps):
+    return [sys.executable, "-m", "toygraph.cli", "finetune", "--model", str(model),
+            "--data", str(data), "--out", str(out), "--steps", str(steps), "--batch", "2",
+            "--seq-len", "32", "--rank", "2", "--val-split", "0"]
+
+
+def _saved_and_resumable(out, steps_before):
+    """The run ended as Ctrl-C ends one: interrupted, its checkpoint verifies, and the log
+    says how to resume (stderr being gone, the log is where it can be read)."""
     end = events(out)[-1]
-    assert end["event"] == "run_end" and end["status"] == "failed" and "pipe" in end["reason"].lower()
+    assert end["event"] == "run_end" and end["status"] == "interrupted", end
+    assert "closed output" in end["reason"] and "pipe" in end["reason"].lower(), end
+    assert 0 < end["steps"] <= steps_before
+    assert verify_checkpoint(out / "checkpoints" / f"step-{end['steps']:06d}") is None
+    assert end["resume"] == f"toygraph finetune --config {out / 'run.yaml'} --resume {out}"
     assert not any((out / n).exists() for n in FINAL)
+
+
+def test_a_log_pipe_closed_before_the_run_saves_and_says_how_to_resume(tiny_llama, chat_data,
+                                                                      tmp_path):
+    """stderr is a pipe whose reader went away (``finetune ... 2>&1 | head``) before the
+    first progress line: the run stops after its first step and saves it."""
+    out = tmp_path / "r"
+    proc = subprocess.Popen(_finetune(tiny_llama, chat_data, out, 40), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    proc.stderr.close()  # the reader is gone before the first progress line
+    assert proc.wait(timeout=120) == 130
+    _saved_and_resumable(out, 40)
+
+
+def test_a_log_pipe_closed_mid_run_saves_what_was_trained(tiny_llama, chat_data, tmp_path):
+    """``| head -3``: the reader takes a few lines, then goes; the steps trained so far are
+    saved, not lost (issue 46: 1,200 steps were)."""
+    out = tmp_path / "r"
+    proc = subprocess.Popen(_finetune(tiny_llama, chat_data, out, 100000),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines = [proc.stderr.readline() for _ in range(3)]
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 130, lines
+    _saved_and_resumable(out, 100000)
+
+
+def test_a_closed_stdout_still_completes_cleanly(tiny_llama, chat_data, tmp_path):
+    """``finetune ... | head -0``: only the summary goes to stdout, at the end; the run
+    completes and the exit is its status, without an exit-time BrokenPipeError."""
+    out = tmp_path / "r"
+    proc = subprocess.Popen(_finetune(tiny_llama, chat_data, out, 2), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "BrokenPipeError" not in err and "Exception ignored" not in err, err
+    assert events(out)[-1]["status"] == "completed"
+
+
+def test_progress_that_cannot_write_asks_once_to_stop():
+    from toygraph.training.supervisor import Progress
+
+    class Closed:
+        writes = 0
+
+        def write(self, text):
+            Closed.writes += 1
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return False
+    told = []
+    progress = Progress(10, quiet=False, stream=Closed(), tty=False)
+    progress.on_lost = told.append
+    progress.update(1, 2.0, 100.0)
+    progress.message("more")
+    progress.update(2, 2.0, 100.0, extra="a note")
+    assert told == ["a closed output (Broken pipe)"] and Closed.writes == 1
 
 
 def test_an_exception_mid_loop_is_failed_with_no_final_artifacts(tiny_llama, chat_data, tmp_path,
@@ -356,6 +421,17 @@ def test_sigterm_is_handled_like_ctrl_c(tiny_llama, chat_data, tmp_path, monkeyp
     assert (state["status"], state["step"], state["options"]["lr"]) == ("interrupted", 2, 5e-3)
     assert state["model_fingerprint"]["size"] == tiny_llama.stat().st_size
     assert not (out / "adapter_model.safetensors").exists()
+
+
+def test_sighup_is_handled_like_ctrl_c(tiny_llama, chat_data, tmp_path, monkeypatch):
+    """A closed terminal or a dropped ssh session (SIGHUP) saves the steps trained."""
+    _signal_after(monkeypatch, 2, [signal.SIGHUP])
+    out = tmp_path / "r"
+    s = run_training(cfg_for(tiny_llama, chat_data, out, steps=6, val_split=0.0))
+    assert s["status"] == "interrupted" and "SIGHUP" in s["reason"] and s["steps"] == 2
+    assert verify_checkpoint(out / "checkpoints" / "step-000002") is None
+    assert s["resume"] == f"toygraph finetune --config {out / 'run.yaml'} --resume {out}"
+    assert events(out)[-1]["resume"] == s["resume"]
 
 
 def test_a_second_ctrl_c_during_a_save_neither_corrupts_nor_skips_it(tiny_llama, chat_data,

@@ -32,6 +32,7 @@ from toygraph.atomic import atomic_write
 from toygraph.bounded import excerpt, load_json, printable, regular_file_error
 from toygraph.errors import DataError
 from toygraph.gguf.reader import BoundedReader
+from toygraph.gguf.templates import shared_name
 from toygraph.adapters import experts
 from toygraph.adapters.base import BASE_METADATA
 from toygraph.models.config import layer_shapes
@@ -210,7 +211,7 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     # differs between architectures, so an adapter must not load onto another one.
     metadata = {"format": "pt", ARCH_METADATA: cfg.arch}
     if template is not None:
-        metadata.update({TEMPLATE_NAME: template[0], TEMPLATE_SOURCE: template[1]})
+        metadata.update({TEMPLATE_NAME: shared_name(template[0]), TEMPLATE_SOURCE: template[1]})
     if base is not None:
         metadata[BASE_METADATA] = json.dumps(base, sort_keys=True)
     atomic_write(dir / WEIGHTS_FILE, lambda p: _save_sorted_metadata(tensors, p, metadata))

@@ -12,7 +12,9 @@ except that the chat template becomes the one the adapter was trained with (reco
 run's adapter, or ``--template``) where that differs from the base's — a base model
 trained with the Alpaca default gets it written in, so the merged file prompts as
 training did; ``general.name`` gets a ``+ merged`` suffix and ``toygraph.merged_adapter.*``
-records which adapter went in. Which tensors are merged comes from the adapter's own names, so
+records which adapter went in, by names and digests only (``source``: the run directory's
+or adapter file's name; ``base``: the base GGUF's file name; ``sha256``: the adapter's
+weights), never a path: a merged file is meant to be shared. Which tensors are merged comes from the adapter's own names, so
 nothing here knows one architecture's tensor names.
 """
 from __future__ import annotations
@@ -26,8 +28,9 @@ from toygraph.adapters.base import check_base
 from toygraph.adapters.experts import per_base_tensor
 from toygraph.adapters.files import (WEIGHTS_FILE, adapter_template, load_gguf_adapter,
                                      read_peft)
-from toygraph.atomic import atomic_write
+from toygraph.atomic import atomic_write, check_replaceable
 from toygraph.errors import DataError
+from toygraph.gguf.templates import shared_name
 from toygraph.models.model import GGUFModel
 
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -137,6 +140,7 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
 
     if out_type not in OUT_TYPES:
         raise DataError(f"--type {out_type!r}: choose one of {', '.join(OUT_TYPES)}")
+    check_replaceable(out_path, "--out")   # refused before minutes of merging
     if Path(out_path).resolve() == Path(model_path).resolve():
         raise DataError(f"--out {out_path}: would overwrite the base model; choose another path")
     model = GGUFModel(model_path)
@@ -159,18 +163,20 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
     merged = _merged_tensors(model, lora, scaling, out_type, progress)
     reader, out_path = model.reader, Path(out_path)
     name = model.metadata("general.name") or Path(model_path).stem
-    source_dir = str(Path(adapter_dir).resolve())
+    # names, not paths: the merged file is meant to be shared, and a path names the machine
+    adapter_name = Path(adapter_dir).resolve().name   # the run's directory, or the .gguf file
 
     def write(tmp):
         w = gguf.GGUFWriter(tmp, model.config.arch, endianess=reader.endianess)
         w.data_alignment = int(model.metadata("general.alignment", w.data_alignment))
         _copy_metadata(reader, w, skip={"general.name"} | ({"tokenizer.chat_template"}
                                                            if chat_template else set()))
-        w.add_string("general.name", f"{name} + {Path(source_dir).name} (merged)")
+        w.add_string("general.name", f"{name} + {adapter_name} (merged)")
         if chat_template:   # the template the adapter was trained with, not the base's
             w.add_chat_template(chat_template)
-        w.add_string(f"{PROVENANCE}.template", template_name)
-        w.add_string(f"{PROVENANCE}.source", source_dir)
+        w.add_string(f"{PROVENANCE}.template", shared_name(template_name))
+        w.add_string(f"{PROVENANCE}.source", adapter_name)
+        w.add_string(f"{PROVENANCE}.base", Path(model_path).name)
         w.add_string(f"{PROVENANCE}.sha256", hashlib.sha256(source.read_bytes()).hexdigest())
         w.add_uint32(f"{PROVENANCE}.rank", rank)
         w.add_float32(f"{PROVENANCE}.alpha", alpha)

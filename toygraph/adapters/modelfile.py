@@ -33,15 +33,35 @@ import subprocess
 from pathlib import Path
 
 from toygraph.atomic import atomic_write
+from toygraph.bounded import printable
 from toygraph.gguf.tokenizer import Tokenizer
 
 MODELFILE = "Modelfile"
 
 
+def path_value(path: str) -> str | None:
+    """``path`` as a Modelfile value (FROM, ADAPTER), or None when none reads back as it:
+    Ollama's parser ends a value at a space or line break unless it is quoted, has no
+    escapes (a quote inside ends it) and drops characters that are not printable, so a
+    path with a line break, a quote or a control character is refused (a newline in the
+    base's file name would otherwise write directives of its own: issue 46). A path with
+    spaces is quoted."""
+    if '"' in path or not path.isprintable():   # isprintable: no line break, tab, control
+        return None
+    return f'"{path}"' if " " in path else path
+
+
+def _comment(text: str) -> str:
+    """A comment line: ``text`` with every control character (a line break above all,
+    which would end the comment and start a directive) written as an escape."""
+    return "# " + printable(text)
+
+
 def _quotable(token: str) -> bool:
     # Modelfile values are double-quoted strings; a token that would need escaping is
-    # left out rather than risk how Ollama's parser reads escapes.
-    return not any(c in token for c in '"\\\n\r')
+    # left out rather than risk how Ollama's parser reads escapes (and it drops what is
+    # not printable, which would change the token).
+    return token.isprintable() and not any(c in token for c in '"\\')
 
 
 # Ollama's template/chatml.gotmpl, and what it renders for a list of messages.
@@ -144,6 +164,8 @@ def _system_ok(system: str) -> bool:
 def _parameter(key: str, value) -> str | None:
     """``PARAMETER key value`` for one of Ollama's generation parameters, or None when the
     value is not one we write faithfully."""
+    if not re.fullmatch(r"[A-Za-z0-9_]+", key):   # Ollama's parameter names; nothing else
+        return None
     if isinstance(value, bool):
         return f"PARAMETER {key} {str(value).lower()}"
     if isinstance(value, (int, float)):
@@ -171,7 +193,8 @@ def _parameter_lines(stops: list[str], params: dict) -> list[str]:
             else:
                 lines.append(line)
     if skipped:
-        lines.append(f"# left out (values a Modelfile cannot quote): {', '.join(sorted(set(skipped)))}")
+        lines.append(_comment(f"left out (values a Modelfile cannot quote): "
+                              f"{', '.join(sorted(set(skipped)))}"))
     return lines
 
 
@@ -195,10 +218,17 @@ def modelfile_text(base_gguf, adapter: str = "./adapter.gguf",
         "# Or merge the adapter into one GGUF: toygraph export --model BASE --adapter . --out merged.gguf",
     ]
     if from_ollama:
-        lines.append(f"# The base is the Ollama model {source.ollama_name} (GGUF {base}).")
-    lines += [f"FROM {source.ollama_name if from_ollama else base}", f"ADAPTER {adapter}"]
+        lines.append(_comment(f"The base is the Ollama model {source.ollama_name} (GGUF {base})."))
+    base_value = path_value(source.ollama_name if from_ollama else str(base))
+    if base_value is None:   # left out, said: `ollama create` then fails with "no FROM line"
+        lines.append(_comment(f"No FROM: the base's path {base} holds a character a Modelfile "
+                              "cannot quote (a line break, a quote, a control character); "
+                              "link or copy the GGUF to a plain name and write FROM that path"))
+    else:
+        lines.append(f"FROM {base_value}")
+    lines.append(f"ADAPTER {path_value(adapter)}")
     template_lines, system = _template_lines(tokenizer, source)
-    lines += template_lines
+    lines += [_comment(line[2:]) if line.startswith("# ") else line for line in template_lines]
     layer_system = source.system if from_ollama else None
     if system is not None:
         lines.append(f'SYSTEM """{system}"""')

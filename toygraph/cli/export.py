@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from toygraph.adapters.merge import OUT_TYPES, PROVENANCE, export_merged
+from toygraph.atomic import check_replaceable
 from toygraph.cli.args import add_allow_merged_arg, add_other_base_arg, add_template_arg
 from toygraph.errors import ToygraphError
 from toygraph.models.catalog import resolve_model
@@ -52,6 +53,7 @@ def check_out_is_not_read(out: str, adapter: str) -> None:
 
 
 def _cmd_export(args) -> int:
+    check_replaceable(args.out, "--out")   # before the merge: /dev/null is no file to replace
     check_out_is_not_read(args.out, args.adapter)
     out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
                         template=args.template, allow_merged=args.allow_merged,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import MISSING
 
 from toygraph.distributed import world
@@ -93,5 +95,8 @@ def cmd_finetune(args):
     from toygraph.training.run import run_training   # the whole stack: only when running
     summary = run_training(run_config_from_args(args))
     if world().rank == 0:  # under mpirun every rank returns the same summary
-        print(json.dumps(summary))
+        try:
+            print(json.dumps(summary), flush=True)
+        except OSError:   # stdout closed (`finetune ... | head`): the run and its log stand
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no exit-time error
     return EXIT_CODES.get(summary["status"], 1)

@@ -51,6 +51,9 @@ FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_
 #: CPU it was not built for.
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
          "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden")
+#: The entry points engine.cpp exports; a cached library without one of them is rebuilt.
+SYMBOLS = ("tg_simd", "tg_set_threads", "tg_threads", "tg_dot_q8", "tg_decode",
+           "tg_decode_rows", "tg_matmul")
 #: Rows of x up to which the row-dot kernels run instead of the panels (dot.h's DOT_MAX_M).
 DOT_MAX_M = 4
 
@@ -100,7 +103,8 @@ def load(text: str, target: str = "-march=native"):
     x86-64 code paths; "" for the compiler's default) and loaded, its entry points typed."""
     flags = [f for f in FLAGS if not f.startswith("-march=")] + ([target] if target else [])
     path, _ = native.build_shared(text, flags, environment.cache_dir("kernels") / "cpu",
-                                  "the CPU engine (toygraph/cpu/engine.cpp)")
+                                  "the CPU engine (toygraph/cpu/engine.cpp)", symbols=SYMBOLS,
+                                  say=True)
     lib = ctypes.CDLL(str(path))
     lib.tg_simd.restype = ctypes.c_char_p
     lib.tg_set_threads.argtypes, lib.tg_set_threads.restype = [_I64], ctypes.c_int

@@ -13,6 +13,8 @@ import shlex
 import time
 from pathlib import Path
 
+from toygraph.errors import ToygraphError
+
 #: (question, the country it asks about). None of these phrasings is in capitals.jsonl;
 #: every country is, with its capital, so each answer can be checked against the data.
 QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
@@ -93,12 +95,37 @@ def loss_curve(events: Path, points: int = 5, window: int = 10) -> list[str]:
     return [f"{mean_up_to(end):.3f}@{end}" for end in ends]
 
 
+def is_demo_run(out) -> bool:
+    """Whether the run directory ``out`` holds an earlier demo: its run.yaml trains on a
+    capitals.jsonl shipped with toygraph (this version's or another's)."""
+    from toygraph.training.run_file import RUN_FILE, load_run_file
+    try:
+        data = load_run_file(Path(out) / RUN_FILE).get("data") or []
+    except (OSError, ToygraphError):   # no run file, or not one: not a demo's
+        return False
+    return bool(data) and all(Path(d).parts[-2:] == ("demo", data_path().name) for d in data)
+
+
+def check_demo_out(out: str) -> None:
+    """The demo replaces an earlier demo in ``out``, and nothing else: a directory holding
+    another run (or other files) is refused as finetune refuses it."""
+    from toygraph.training.run_dir import RunError, check_run_dir
+    try:
+        check_run_dir(out, resume=False, overwrite=False)
+    except RunError:
+        if not is_demo_run(out):
+            raise RunError(f"--out {out} holds a run that is not the demo's (or other files); "
+                           "the demo replaces only an earlier demo: choose another --out, "
+                           "or remove it") from None
+
+
 def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "cpu",
              precision: str = "f32") -> int:
     from toygraph.inference.language_model import LanguageModel
     from toygraph.models.catalog import smollm2_path
     from toygraph.training import RunConfig, run_training
 
+    check_demo_out(out)   # before the model is fetched or anything is trained
     model, data = str(smollm2_path()), data_path()
     taught = taught_answers(data)
     print(f"model: {Path(model).name}\ndata:  {data}\n")

@@ -50,6 +50,13 @@ DEFAULT = "alpaca"
 FROM_FILE = "gguf"
 
 
+def shared_name(name: str) -> str:
+    """A template's name as a file meant to be shared records it (an adapter, a merged
+    GGUF): a Jinja file's own name, not its path, which names the machine (a home
+    directory, a user). The built-in names pass unchanged."""
+    return Path(name).name if "/" in name else name
+
+
 def choose_template(tokenizer, choice: str | None) -> tuple[str, str]:
     """(name, Jinja source) of the template a model's conversations are rendered with:
     ``choice`` None is the GGUF's own template, or :data:`DEFAULT` when it has none;

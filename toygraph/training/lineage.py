@@ -16,7 +16,7 @@ import re
 import uuid
 from pathlib import Path
 
-from toygraph.atomic import atomic_write
+from toygraph.atomic import atomic_write, check_replaceable
 from toygraph.training.checkpoints import checkpoint_run_id, list_checkpoints
 from toygraph.training.run_dir import (EVENTS_FILE, RUN_ID_FILE, SUPERSEDED, RunError,
                                        io_error)
@@ -37,7 +37,7 @@ def directory_run_id(out: Path) -> str | None:
     before runs had ids (or whose file was lost) the id its newest checkpoint or ``best/``
     records; None when none is known."""
     out = Path(out)
-    f = out / RUN_ID_FILE
+    f = check_replaceable(out / RUN_ID_FILE)   # a FIFO would hang the read; a link, mislead
     if f.exists():
         try:
             text = f.read_text(encoding="ascii", errors="replace").strip()

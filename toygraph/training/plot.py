@@ -1,9 +1,9 @@
 """``loss.png`` of a run from its ``events.jsonl``, when matplotlib is installed (optional)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from toygraph.atomic import OutputPathError, atomic_write
 from toygraph.training.run_dir import EVENTS_FILE, read_events
 
 
@@ -29,11 +29,9 @@ def plot_losses(out: Path):
     ax.set_ylabel("cross-entropy")
     ax.legend()
     fig.tight_layout()
-    tmp = out / ".loss.png.tmp.png"
     try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, out / "loss.png")
-    except OSError:
-        tmp.unlink(missing_ok=True)  # the plot is a convenience; the events are the record
+        atomic_write(out / "loss.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    except (OSError, OutputPathError):  # the plot is a convenience; the events are the record
+        pass
     finally:
         plt.close(fig)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from toygraph.atomic import atomic_write, check_replaceable
 from toygraph.errors import ToygraphError
 
 #: What --report-to accepts ("none": nothing, the default).
@@ -84,6 +85,7 @@ class WandbReporter:
         folder = Path(out) / "wandb"
         folder.mkdir(parents=True, exist_ok=True)
         id_file = folder / "toygraph-run-id"
+        check_replaceable(id_file)   # read and rewritten: a regular file, never a link or FIFO
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "toygraph"),
@@ -93,7 +95,7 @@ class WandbReporter:
             reason = " ".join(str(e).split()) or type(e).__name__
             raise ToygraphError(f"--report-to wandb: could not start a W&B run: {reason} "
                                 f"(WANDB_MODE=offline logs without a network)") from None
-        id_file.write_text(run_id)
+        atomic_write(id_file, lambda tmp: Path(tmp).write_text(run_id))
 
     def write(self, event: str, fields: dict):
         found = scalars(event, fields)

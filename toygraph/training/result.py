@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from toygraph.adapters.modelfile import ollama_create, write_modelfile
-from toygraph.atomic import temp_dir
+from toygraph.atomic import check_replaceable, temp_dir
 from toygraph.training.checkpoints import load_checkpoint, step_dir_name, write_final
 from toygraph.training.run_dir import FINAL_ARTIFACTS, RESULT_ASIDE, RESULT_FILES, io_error
 
@@ -46,6 +46,8 @@ def publish(tmp: Path, out: Path) -> None:
     """Move every file of ``tmp`` into ``out``, the result file last; on any failure (or
     signal) take back what was moved, so ``out``'s top level is complete or holds none of it."""
     names = _result_last(p.name for p in tmp.iterdir())
+    for name in names:   # nothing moved over a device, a FIFO, a link or a directory
+        check_replaceable(out / name)
     moved = []
     try:
         for name in names:

@@ -293,6 +293,7 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
     lora_meta = _lora_meta(run_cfg, prep, recipe)
     guard = DivergenceGuard(prep.state, run_cfg.diverge_factor)
     with Signals() as signals:
+        progress.on_lost = signals.request_stop   # a closed log pipe stops as Ctrl-C does
         sup = RunSupervisor(run_cfg, out, recipe, log, progress, guard, signals, val=prep.val,
                             pad=prep.pad, lora_meta=lora_meta, world=w,
                             eval_every=(run_cfg.eval_every
@@ -310,10 +311,15 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
     finishing = trainer.state.status == "finishing" and sup.saved_step == trainer.state.step
     if w.rank == 0 and status not in COMPLETED and not finishing:
         restore_result(out)   # an extension that ended early: the finished run's result back
+    resume = (f"toygraph finetune --config {shlex.quote(str(out / RUN_FILE))} "
+              f"--resume {shlex.quote(str(out))}")
+    # the command is in the summary too, so the log keeps it when stderr is gone
+    resumable = w.rank == 0 and status not in COMPLETED and (
+        finishing or (status == "interrupted" and trainer.state.step > 0))
     summary = {"status": status, "reason": reason, "steps": trainer.state.step,
                "best_val_loss": trainer.state.best_val,
                "last_loss": sup.losses[-1] if sup.losses else None, "out": str(out),
-               **({"final": final} if final else {})}
+               **({"final": final} if final else {}), **({"resume": resume} if resumable else {})}
     _log_end(log, summary, error)
     if status != "failed" and w.rank == 0:
         plot_losses(out)
@@ -321,8 +327,6 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
         progress.message(f"run {status}: {reason}", always=True)
     elif status == "unchanged":
         progress.message(f"warning: run unchanged: {reason}; no result written", always=True)
-    resume = (f"toygraph finetune --config {shlex.quote(str(out / RUN_FILE))} "
-              f"--resume {shlex.quote(str(out))}")
     if w.rank == 0 and status not in COMPLETED and finishing:
         progress.message(f"the training is done and its final checkpoint saved; write its "
                          f"result with:\n  {resume}", always=True)

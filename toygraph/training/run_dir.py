@@ -19,6 +19,7 @@ import socket
 import time
 from pathlib import Path
 
+from toygraph.atomic import open_append
 from toygraph.bounded import parse_json
 from toygraph.errors import DataError, ToygraphError
 from toygraph.files import not_regular
@@ -57,7 +58,8 @@ def check_out_path(out: str) -> Path:
     path = Path(out)
     for parent in [path, *path.parents]:
         if parent.exists() and not parent.is_dir():
-            raise RunError(f"--out {out}: {parent} is a file, not a directory")
+            kind = not_regular(parent.stat().st_mode) or "a file"
+            raise RunError(f"--out {out}: {parent} is {kind}, not a directory")
         if parent.exists():
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise RunError(f"--out {out}: {parent} is not writable")
@@ -227,9 +229,9 @@ class EventLog:
 
     def __init__(self, path: Path, reporters=()):
         self.path, self.reporters = path, list(reporters)
-        try:
-            _drop_torn_tail(path)
-            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:   # never through a link, nor into a FIFO or device (open_append)
+            self.fd = open_append(path, "the event log")
+            _drop_torn_tail(self.fd)
         except OSError as e:
             raise io_error(f"the event log {path}", e) from None
 
@@ -269,15 +271,14 @@ class NullLog:
         pass
 
 
-def _drop_torn_tail(path: Path):
-    """Cut a last line that has no newline (written by a process that lost power)."""
-    if not path.is_file() or path.stat().st_size == 0:
+def _drop_torn_tail(fd: int):
+    """Cut a last line that has no newline (written by a process that lost power), in the
+    open log ``fd`` (the file checked is the file cut)."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
         return
-    data = path.read_bytes()
-    if data.endswith(b"\n"):
-        return
-    with open(path, "r+b") as f:
-        f.truncate(data.rfind(b"\n") + 1)
+    data = os.pread(fd, size, 0)
+    os.ftruncate(fd, data.rfind(b"\n") + 1)
 
 
 def read_events(path: Path) -> list[dict]:

@@ -66,6 +66,10 @@ class Progress:
     def __init__(self, total: int, quiet: bool, *, first_step: int = 0, every_s: float = 10.0,
                  stream=None, clock=time.monotonic, tty: bool | None = None):
         self.total, self.quiet, self.first_step, self.every_s = total, quiet, first_step, every_s
+        # told once, with the reason, when the stream cannot be written (a closed pipe:
+        # ``finetune ... 2>&1 | head``; a closed terminal): the run stops and saves
+        self.on_lost = None
+        self.lost: str | None = None
         self.stream, self.clock = stream, clock
         self.tty = (self._out().isatty() if tty is None else tty)
         self.start = self.last_print = clock()
@@ -78,9 +82,19 @@ class Progress:
         return self.stream or sys.stderr
 
     def _write(self, text: str, end: str = "\n"):
+        """Write a line; a stream that fails (a reader gone, a terminal closed) is not
+        written again, and ``on_lost`` is told, as a signal would be, so the run saves
+        its checkpoint and stops rather than failing with nothing saved."""
+        if self.lost:
+            return
         out = self._out()
-        out.write(text + end)
-        out.flush()
+        try:
+            out.write(text + end)
+            out.flush()
+        except (OSError, ValueError) as e:   # ValueError: a stream already closed
+            self.lost = f"a closed output ({getattr(e, 'strerror', None) or e})"
+            if self.on_lost is not None:
+                self.on_lost(self.lost)
 
     def update(self, t: int, loss: float, tok_s: float, extra: str = "", metrics: str = ""):
         """``extra`` is a note that always shows; ``metrics`` ride along on the line."""
@@ -121,10 +135,9 @@ class Progress:
                     continue
                 running = self.clock() - self.step_started
                 if running >= self.every_s:
-                    try:
-                        self._write(f"\r{self.line}  (step running {duration_text(running)})",
-                                    end="")
-                    except OSError:   # the terminal went away: the loop will meet it too
+                    self._write(f"\r{self.line}  (step running {duration_text(running)})",
+                                end="")
+                    if self.lost:   # the terminal went away: the loop stops the run
                         return
 
     def close(self):
@@ -136,8 +149,13 @@ class Progress:
                 self._write(("\n" if self.tty else "") + text)
 
 
+#: The signals that stop a run as Ctrl-C does: SIGHUP is a closed terminal or a dropped
+#: ssh session, which must not lose the steps trained.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class Signals:
-    """SIGINT (Ctrl-C) and SIGTERM ask the loop to stop between steps, so an update is
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP ask the loop to stop between steps, so an update is
     never cut in half; the first is acknowledged at once (``acknowledge(signal name)``
     gives the line to print). A second one stops at once wherever the run is in an
     ``abortable(phase)`` block -- a step (sampling and reward calls included), an
@@ -177,9 +195,15 @@ class Signals:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handler)
         return self
+
+    def request_stop(self, why: str) -> None:
+        """Stop between steps as a first signal does, for ``why`` (the run's output is
+        gone, so nothing is acknowledged); a signal already received keeps its name."""
+        if self.count == 0:
+            self.count, self.name = 1, why
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

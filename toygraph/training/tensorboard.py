@@ -22,6 +22,8 @@ import struct
 import time
 from pathlib import Path
 
+from toygraph.atomic import open_append
+
 
 def _crc32c_table() -> list[int]:
     table = []
@@ -94,7 +96,7 @@ class ScalarWriter:
         now = time.time()
         name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}"
         self.path = self.logdir / name
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.fd = open_append(self.path)   # a fresh name; never through a planted link
         os.write(self.fd, record(event(now, file_version="brain.Event:2")))
 
     def add_scalars(self, scalars: dict[str, float], step: int, wall_time: float | None = None):
