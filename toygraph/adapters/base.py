@@ -25,13 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from toygraph.adapters.files import BASE_METADATA, WEIGHTS_FILE
 from toygraph.bounded import printable
 from toygraph.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-#: The key of the record, in the safetensors metadata and in adapter.gguf.
-BASE_METADATA = "toygraph.base"
 
 
 def tensor_table_sha256(model) -> str:
@@ -64,7 +63,6 @@ def recorded_base(adapter) -> dict | None:
     try:
         if adapter.is_dir():
             from safetensors import safe_open
-            from toygraph.adapters.files import WEIGHTS_FILE
             with safe_open(str(adapter / WEIGHTS_FILE), "np") as f:
                 text = (f.metadata() or {}).get(BASE_METADATA)
         else:

@@ -34,12 +34,13 @@ from toygraph.errors import DataError
 from toygraph.gguf.reader import BoundedReader
 from toygraph.gguf.templates import shared_name
 from toygraph.adapters import experts
-from toygraph.adapters.base import BASE_METADATA
 from toygraph.models.config import layer_shapes
 from toygraph.models.decoder import ALL_TARGETS, expand_targets, lora_shapes
 from toygraph.models.families import HF_LAYER_MODULES
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+#: The metadata key of the base model's record (adapters/base.py), in both formats.
+BASE_METADATA = "toygraph.base"
 #: safetensors metadata key recording the architecture an adapter was trained for.
 ARCH_METADATA = "toygraph.arch"
 #: safetensors metadata keys recording the chat template the adapter was trained with (its
