@@ -1,5 +1,4 @@
-"""The CUDA lowering of the collective family (its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the collective family (its ops and their rules are in __init__.py)."""
 from __future__ import annotations
 
 from toygraph.ops.lowering import Collective, Launch, i32_arg, lowers, ptr_arg

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from toygraph.errors import GraphError
 from toygraph.ops.shape import unpack
 from toygraph.ops.table import F32, check, check_floats, define_op, make_node
-from toygraph.errors import GraphError
-
 
 #: Time steps per chunk of the WY forward (transformers' and FLA's default).
 CHUNK = 64
@@ -58,8 +57,6 @@ def _grad_conv(n, g, need):
 
 
 define_op("causal_conv1d", _infer_conv, _grad_conv)
-
-
 define_op("causal_conv1d_back", _infer_conv_back)
 
 
@@ -112,6 +109,4 @@ def _grad_delta(n, gout, need):
 
 
 define_op("delta_rule", _infer_delta, _grad_delta)
-
-
 define_op("delta_rule_back", _infer_delta_back)

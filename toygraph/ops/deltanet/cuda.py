@@ -1,12 +1,10 @@
-"""The CUDA lowering of the deltanet family (kernels in deltanet.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the deltanet family (kernels in deltanet.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
-
+from toygraph.errors import CudaError
 from toygraph.ops.lowering import Launch, declare_kernels, grid_1d, i32_arg, lowers, ptr_arg
 from toygraph.ops.lowering.constants import DELTA_CHUNK, DELTA_MAX_DK, THREADS
-from toygraph.errors import CudaError
-
 
 declare_kernels(__file__, "deltanet.cu")
 

@@ -5,12 +5,10 @@ builder, shape rule, backward rule, numpy kernel and CUDA lowering (elementwise.
 """
 from __future__ import annotations
 
-
-from toygraph.ops.shape import broadcast_shapes
-from toygraph.ops.shape import sum as _sum
-from toygraph.ops.shape import sum_to
-from toygraph.ops.table import F32, check, check_floats, define_op, make_node
 from toygraph.errors import GraphError
+from toygraph.ops.shape import broadcast_shapes, sum_to
+from toygraph.ops.shape import sum as _sum
+from toygraph.ops.table import F32, check, check_floats, define_op, make_node
 
 
 # --- builders and rules ------------------------------------------------------------------------
@@ -42,12 +40,8 @@ def mean(x, axis=None):
 
 
 define_op("add", _infer_binary, lambda n, g, need: [sum_to(g, s.shape) for s in n.srcs])
-
-
 define_op("sub", _infer_binary,
     lambda n, g, need: [sum_to(g, n.srcs[0].shape), sum_to(scale(g, -1.0), n.srcs[1].shape)])
-
-
 define_op("mul", _infer_binary, lambda n, g, need: [
     sum_to(mul(g, n.srcs[1]), n.srcs[0].shape) if need[0] else None,
     sum_to(mul(g, n.srcs[0]), n.srcs[1].shape) if need[1] else None])
@@ -78,8 +72,6 @@ def infer_same2(shapes, dtypes, attrs):
 
 
 define_op("silu", infer_unary, lambda n, g, need: [silu_back(n.srcs[0], g)])
-
-
 define_op("silu_back", infer_same2)
 
 
@@ -94,8 +86,6 @@ def gelu_back(x, g):
 
 
 define_op("gelu", infer_unary, lambda n, g, need: [gelu_back(n.srcs[0], g)])
-
-
 define_op("gelu_back", infer_same2)
 
 
@@ -109,8 +99,6 @@ def sigmoid_back(x, g):
 
 
 define_op("sigmoid", infer_unary, lambda n, g, need: [sigmoid_back(n.srcs[0], g)])
-
-
 define_op("sigmoid_back", infer_same2)
 
 
@@ -127,8 +115,6 @@ def softcap_back(x, g, cap: float):
 
 define_op("softcap", infer_unary,
           lambda n, g, need: [softcap_back(n.srcs[0], g, n.attrs["cap"])])
-
-
 define_op("softcap_back", infer_same2)
 
 
@@ -145,6 +131,4 @@ def _grad_swiglu_oai(n, g, need):
 
 
 define_op("swiglu_oai", infer_same2, _grad_swiglu_oai)
-
-
 define_op("swiglu_oai_back", lambda s, d, a: infer_same2(s[:2], d[:2], a))

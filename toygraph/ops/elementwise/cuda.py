@@ -2,10 +2,8 @@
 are in __init__.py)."""
 from __future__ import annotations
 
-
 from toygraph.ops.lowering import (Launch, contiguous_strides, declare_kernels, f32_arg, grid_1d,
                                    i32_arg, lowers, pad_shape, ptr_arg, strided)
-
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "elementwise.cu")
@@ -68,20 +66,10 @@ def pointwise(node, at):
 
 
 lowers("silu", kernels=("tg_silu",))(pointwise)
-
-
 lowers("silu_back", kernels=("tg_silu_back",))(pointwise)
-
-
 lowers("gelu", kernels=("tg_gelu",))(pointwise)
-
-
 lowers("gelu_back", kernels=("tg_gelu_back",))(pointwise)
-
-
 lowers("sigmoid", kernels=("tg_sigmoid_op",))(pointwise)
-
-
 lowers("sigmoid_back", kernels=("tg_sigmoid_back",))(pointwise)
 
 

@@ -22,10 +22,8 @@ the same order.
 """
 from __future__ import annotations
 
-
 from toygraph.ops.shape import sum as _sum
-from toygraph.ops.table import (F32, I32, check, check_floats, define_op, make_node)
-
+from toygraph.ops.table import F32, I32, check, check_floats, define_op, make_node
 
 # --- builders and rules ------------------------------------------------------------------------
 
@@ -121,21 +119,11 @@ def _grad_expert_matmul(n, g, need):
 
 
 define_op("topk", _infer_topk)
-
-
 define_op("take_along", _infer_take_along, lambda n, g, need: [
     make_node("put_along", [g, n.srcs[1]], width=n.srcs[0].shape[-1]), None],
     id_ranges=lambda n: {1: (0, n.srcs[0].shape[-1], f"the last axis of {n.srcs[0].name}")})
-
-
 define_op("put_along", _infer_put_along)
-
-
 define_op("group_by_expert", _infer_group,
           id_ranges=lambda n: {0: (0, n.attrs["n_expert"], "the experts")})
-
-
 define_op("expert_matmul", _infer_expert_matmul, _grad_expert_matmul)
-
-
 define_op("expert_matmul_dw", _infer_expert_matmul_dw)

@@ -1,14 +1,12 @@
-"""The CUDA lowering of the experts family (kernels in experts.cu, matmul.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the experts family (kernels in experts.cu, matmul.cu; its ops and their
+rules are in __init__.py)."""
 from __future__ import annotations
 
-
+from toygraph.errors import CudaError
 from toygraph.ops.gemm.cuda import DEQUANT_KERNELS
 from toygraph.ops.lowering import (MAX_GRID_YZ, Launch, declare_kernels, grid_1d, i32_arg, lowers,
                                    ptr_arg)
 from toygraph.ops.lowering.constants import MM_BM, MM_THREADS
-from toygraph.errors import CudaError
-
 
 # The family's CUDA kernels, beside this module; the grouped GEMMs use matmul.cu's tile.
 declare_kernels(__file__, "experts.cu", needs=("matmul.cu",))
@@ -42,8 +40,6 @@ def _along(node, at):
 
 
 lowers("take_along", kernels=("tg_take_along",))(_along)
-
-
 lowers("put_along", kernels=("tg_put_along",))(_along)
 
 

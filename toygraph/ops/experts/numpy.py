@@ -1,10 +1,10 @@
-"""The numpy kernels of the experts family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the experts family (the reference backend; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 import numpy as np
 
-from toygraph.ops.table import (block_kernel, kernel)
+from toygraph.ops.table import block_kernel, kernel
 
 
 @kernel("topk")

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from toygraph.errors import GraphError
 from toygraph.ops.groups import PACKED
 from toygraph.ops.shape import unpack
-from toygraph.ops.table import (F32, I32, INT32_MAX, check, check_floats, define_op, make_node)
-from toygraph.errors import GraphError
-
+from toygraph.ops.table import F32, I32, INT32_MAX, check, check_floats, define_op, make_node
 
 #: Operand layouts: heads first (q [B, H, T, hd], k and v [B, KV, T, hd]) or token-major
 #: (q [B, T, H, hd], k and v [B, T, KV, hd]: a projection's [B * T, heads * hd] rows
 #: reshaped, read by the kernels through strides instead of permuted into a copy).
 HEADS_FIRST, TOKEN_MAJOR = "bhtd", "bthd"
-
 
 LAYOUTS = (HEADS_FIRST, TOKEN_MAJOR)
 
@@ -167,10 +165,7 @@ def _grad_attention(n, views, need):
 #: Segment ids are only compared for equality; any non-negative int32 is one.
 _SEGMENT_IDS = {3: (0, INT32_MAX, "segment ids (>= 0)")}
 
-
 define_op("attention", _infer_attention, _grad_attention, groups={PACKED},
           id_ranges=lambda n: _SEGMENT_IDS if attention_operands(n)[3] is not None else {})
-
-
 define_op("attention_back", _infer_attention_back,
           id_ranges=lambda n: _SEGMENT_IDS if attention_operands(n)[3] is not None else {})

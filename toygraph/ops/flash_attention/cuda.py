@@ -1,27 +1,21 @@
-"""The CUDA lowering of the flash_attention family (kernels in flash_attention.cu, tc_async.cuh, tc_attention.cu, tc_matmul.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the flash_attention family (kernels in flash_attention.cu, tc_async.cuh,
+tc_attention.cu, tc_matmul.cu; its ops and their rules are in __init__.py)."""
 from __future__ import annotations
 
-
+from toygraph.errors import CudaError
+from toygraph.ops.flash_attention import TOKEN_MAJOR, attention_operands, heads_first
 from toygraph.ops.flash_attention.cuda_tc import (TC_ATTENTION_PRECISION, tc_attention_launches,
                                                   tc_scratch)
-from toygraph.precision import TENSOR_CORE_PRECISIONS
 from toygraph.ops.lowering import (MAX_GRID_YZ, Launch, declare_kernels, f32_arg, i32_arg, lowers,
                                    ptr_arg, rows_grid)
 from toygraph.ops.lowering.constants import ATTN_TILES
-from toygraph.errors import CudaError
-from toygraph.ops.flash_attention import (TOKEN_MAJOR, attention_operands, heads_first)
-
+from toygraph.precision import TENSOR_CORE_PRECISIONS
 
 # The family's CUDA kernels, beside this module: the f32 kernels in every module; ldmatrix /
 # cp.async (tc_async.cuh, usable by any tensor-core kernel) and the tensor-core attention
 # only in the tensor-core precisions' modules, so the f32 module stays as it is.
 declare_kernels(__file__, "flash_attention.cu")
-
-
 declare_kernels(__file__, "tc_async.cuh", precisions=TENSOR_CORE_PRECISIONS)
-
-
 declare_kernels(__file__, "tc_attention.cu", precisions=TENSOR_CORE_PRECISIONS,
                 needs=("flash_attention.cu", "tc_matmul.cu", "tc_async.cuh"))
 

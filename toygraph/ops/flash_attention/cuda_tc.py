@@ -21,10 +21,10 @@ Scratch (bytes, 16-byte aligned regions): q, k, v [and dO] as bf16 [rows, HD], t
 """
 from __future__ import annotations
 
+from toygraph.errors import CudaError
 from toygraph.ops.lowering import (MAX_ELEMENTS, Launch, f32_arg, grid_1d, i32_arg, ptr_arg,
                                    rows_grid)
 from toygraph.ops.lowering.constants import TCA_BQ, TCA_HEAD_DIMS, TCA_THREADS
-from toygraph.errors import CudaError
 
 #: The precision whose attention runs on tensor cores (tf32 keeps the f32 kernels).
 TC_ATTENTION_PRECISION = "bf16"

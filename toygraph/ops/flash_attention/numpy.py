@@ -1,12 +1,11 @@
-"""The numpy kernels of the flash_attention family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the flash_attention family (the reference backend; its ops and their rules
+are in __init__.py)."""
 from __future__ import annotations
 
 import numpy as np
 
-from toygraph.ops.table import (kernel)
-from toygraph.ops.flash_attention import (TOKEN_MAJOR, split_operands)
-
+from toygraph.ops.flash_attention import TOKEN_MAJOR, split_operands
+from toygraph.ops.table import kernel
 
 # Query rows per block: the scores of one block are [B, KV, group * rows, keys], never the
 # whole [B, H, T, T]. The grouped query heads that share a K/V head are folded into the

@@ -15,7 +15,6 @@ from toygraph.ops.elementwise.numpy import (_gelu_back_numpy, _gelu_numpy, _silu
 from toygraph.ops.shape import unpack
 from toygraph.ops.table import F32, check, check_floats, define_op, make_node
 
-
 #: The activations by name: (their code in gated.cu, numpy forward, numpy backward).
 ACTS = {"silu": (0, _silu_numpy, _silu_back_numpy), "gelu": (1, _gelu_numpy, _gelu_back_numpy)}
 
@@ -69,6 +68,4 @@ def _grad_glu(n, g, need):
 
 
 define_op("glu", _infer_glu, _grad_glu)
-
-
 define_op("glu_back", _infer_glu_back)

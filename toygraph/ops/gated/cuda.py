@@ -1,11 +1,9 @@
-"""The CUDA lowering of the gated family (kernels in elementwise.cu, gated.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the gated family (kernels in elementwise.cu, gated.cu; its ops and their
+rules are in __init__.py)."""
 from __future__ import annotations
 
-
+from toygraph.ops.gated import ACTS, up_offset
 from toygraph.ops.lowering import Launch, declare_kernels, grid_1d, i32_arg, lowers, ptr_arg
-from toygraph.ops.gated import (ACTS, up_offset)
-
 
 declare_kernels(__file__, "gated.cu", needs=("elementwise.cu",))
 

@@ -1,11 +1,11 @@
-"""The numpy kernels of the gated family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the gated family (the reference backend; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 import numpy as np
 
+from toygraph.ops.gated import ACTS, up_offset
 from toygraph.ops.table import kernel
-from toygraph.ops.gated import (ACTS, up_offset)
 
 
 @kernel("glu")

@@ -9,8 +9,6 @@ other block-format consts with at realize (dequant.cu).
 """
 from __future__ import annotations
 
-
-
 from toygraph.ops.elementwise import scale
 from toygraph.ops.shape import broadcast_shapes, sum_to
 from toygraph.ops.table import F32, check, check_floats, define_op, make_node
@@ -129,6 +127,4 @@ def _fold_add_matmul(node, other):
 
 
 define_op("matmul", _infer_matmul, _grad_matmul, fold_add=_fold_add_matmul)
-
-
 define_op("matmul_add", _infer_matmul_add, _grad_matmul_add)

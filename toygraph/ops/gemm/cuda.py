@@ -1,37 +1,28 @@
-"""The CUDA lowering of the gemm family (kernels in dequant.cu, matmul.cu, qmatmul.cu, tc_async.cuh, tc_gemm.cu, tc_layout.cuh, tc_matmul.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the gemm family (kernels in dequant.cu, matmul.cu, qmatmul.cu,
+tc_async.cuh, tc_gemm.cu, tc_layout.cuh, tc_matmul.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 from math import prod
 
-
+from toygraph.errors import CudaError
 from toygraph.ops.elementwise.cuda import grid_vec, vector_ok
 from toygraph.ops.gemm.cuda_tc import (Gemm, deq_launch, dual_gemm_launches, gemm_launches,
                                        prefers_copies)
-from toygraph.precision import TENSOR_CORE_PRECISIONS
 from toygraph.ops.lowering import (MAX_GRID_YZ, At, Launch, contiguous_strides, declare_kernels,
                                    decodes, f32_arg, grid_1d, i32_arg, lowers, pad_shape, ptr_arg,
                                    strided)
 from toygraph.ops.lowering.constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
-from toygraph.errors import CudaError
-
+from toygraph.precision import TENSOR_CORE_PRECISIONS
 
 # The family's CUDA kernels, beside this module: f32 tiles, block-format weights read in
 # the matmul (qmatmul.cu uses matmul.cu's tile helper), the dequantizers, and the
 # tensor-core tiles, compiled only into the bf16/tf32 modules.
 declare_kernels(__file__, "matmul.cu", "dequant.cu")
-
-
 declare_kernels(__file__, "qmatmul.cu", needs=("matmul.cu",))
-
-
 declare_kernels(__file__, "tc_layout.cuh", precisions=TENSOR_CORE_PRECISIONS)
-
-
 declare_kernels(__file__, "tc_matmul.cu", needs=("tc_layout.cuh",),
                 precisions=TENSOR_CORE_PRECISIONS)
-
-
 declare_kernels(__file__, "tc_gemm.cu", needs=("tc_matmul.cu", "tc_async.cuh"),
                 precisions=TENSOR_CORE_PRECISIONS)
 
@@ -65,7 +56,6 @@ TC_KERNELS: dict[str, dict] = {
 
 #: The precision whose dense matmuls run tc_gemm.cu, and its kernels.
 BF16_GEMM_PRECISION = "bf16"
-
 
 BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_gemm_ta_bf16",
                      "tg_tcg_gemm_tb_bf16", "tg_tcg_gemm_tab_bf16", "tg_tcg_sum_splits",
@@ -169,7 +159,7 @@ def _matmul_scratch(node, precision: str) -> int:
     direct = _prescaled_bytes(node)
     if precision != BF16_GEMM_PRECISION:
         return direct
-    g, w = matmul_gemm(node), node.srcs[-1]
+    g = matmul_gemm(node)
     need = max(g.scratch(), direct)
     if _decodes_once(node):
         need = max(need, block_gemm(node).scratch())   # batch folded into M: its own split

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toygraph.errors import CudaError
 from toygraph.ops.lowering import (MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32_arg, grid_1d, i32_arg,
                                    ptr_arg, strided)
 from toygraph.ops.lowering.constants import TC_BF16_BK, TC_BM, TC_BN, TC_THREADS
-from toygraph.errors import CudaError
 
 #: Blocks a GEMM should launch to fill the GPU: one per SM of an H100 SXM (132). A product
 #: with fewer output tiles splits k until it has about this many blocks.

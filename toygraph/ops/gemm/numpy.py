@@ -1,7 +1,6 @@
-"""The numpy kernels of the gemm family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the gemm family (the reference backend; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
-
 
 import numpy as np
 

@@ -6,10 +6,9 @@ head runs per chunk of rows).
 """
 from __future__ import annotations
 
-
-from toygraph.ops.shape import unpack
-from toygraph.ops.table import (F32, I32, INT32_MAX, LABELS, check, define_op, make_node)
 from toygraph.errors import GraphError
+from toygraph.ops.shape import unpack
+from toygraph.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, make_node
 
 
 def cross_entropy(logits, labels, reduction="mean"):
@@ -41,11 +40,7 @@ define_op("cross_entropy", _infer_ce, lambda n, g, need: [
     make_node("cross_entropy_back", [n.srcs[0], n.srcs[1], g],
               reduction=n.attrs["reduction"]),
     None], id_ranges=lambda n: {1: (-1, n.srcs[0].shape[1], LABELS)})
-
-
 define_op("cross_entropy_back", _infer_ce_back)
-
-
 define_op("count_valid",
           lambda s, d, a: (check(d[0] == I32, "labels must be i32") or ((), F32)),
           id_ranges=lambda n: {0: (-1, INT32_MAX, "labels (-1 to ignore)")})
@@ -107,6 +102,4 @@ def _grad_lce(n, g, need):
 
 define_op("linear_cross_entropy", _infer_lce, _grad_lce,
     id_ranges=lambda n: {2: (-1, n.srcs[1].shape[0], LABELS)})
-
-
 define_op("linear_cross_entropy_back", _infer_lce_back)

@@ -1,15 +1,13 @@
-"""The CUDA lowering of the loss family (kernels in loss.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the loss family (kernels in loss.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
-
+from toygraph.errors import CudaError
 from toygraph.ops.gemm.cuda import BF16_GEMM_PRECISION, block_mm, dense_mm, row_bytes
 from toygraph.ops.gemm.cuda_tc import K_ALIGN, Gemm, bf16_copy, deq_launch, gemm_launches
 from toygraph.ops.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
                                    ptr_arg, rows_grid)
 from toygraph.ops.lowering.constants import MM_BM
-from toygraph.errors import CudaError
-
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "loss.cu")

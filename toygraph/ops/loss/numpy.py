@@ -1,12 +1,11 @@
-"""The numpy kernels of the loss family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the loss family (the reference backend; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 import numpy as np
 
 from toygraph.ops.gemm.numpy import engine_multiplies
-from toygraph.ops.table import (block_kernel, kernel)
-
+from toygraph.ops.table import block_kernel, kernel
 
 _CE_ROWS = 64  # rows per chunk: keeps the exp temporaries in cache, not [N, vocab]
 

@@ -6,7 +6,6 @@ The attention of the models is the fused op of flash_attention.py; softmax serve
 probabilities."""
 from __future__ import annotations
 
-
 from toygraph.ops.elementwise import infer_same2
 from toygraph.ops.shape import sum_to
 from toygraph.ops.table import F32, check, check_floats, define_op, make_node
@@ -72,8 +71,6 @@ def _infer_rms_back(shapes, dtypes, attrs):
 
 
 define_op("rms_norm", _infer_rms, _grad_rms)
-
-
 define_op("rms_norm_back", _infer_rms_back, fold_add=_fold_add_rms_back)
 
 
@@ -93,8 +90,6 @@ def _infer_softmax(shapes, dtypes, attrs):
 
 define_op("softmax", _infer_softmax,
     lambda n, g, need: [make_node("softmax_back", [n, g], scale=n.attrs["scale"])])
-
-
 define_op("softmax_back", infer_same2)
 
 

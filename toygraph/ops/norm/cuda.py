@@ -1,11 +1,9 @@
-"""The CUDA lowering of the norm family (kernels in norm.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the norm family (kernels in norm.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
-
 
 from toygraph.ops.lowering import (Launch, declare_kernels, f32_arg, i32_arg, last_axis_rows,
                                    lowers, ptr_arg, rows_grid)
-
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "norm.cu")

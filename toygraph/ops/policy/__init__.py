@@ -9,7 +9,6 @@ backward rules, numpy kernels and CUDA lowering (policy.cu).
 """
 from __future__ import annotations
 
-
 from toygraph.ops.table import F32, check, check_floats, define_op, make_node
 
 
@@ -44,13 +43,7 @@ def _infer_same(n: int):
 
 define_op("clipped_surrogate", _infer_same(3), lambda n, g, need: [
     make_node("clipped_surrogate_back", [*n.srcs, g], **n.attrs), None, None])
-
-
 define_op("clipped_surrogate_back", _infer_same(4))
-
-
 define_op("kl_penalty", _infer_same(2), lambda n, g, need: [
     make_node("kl_penalty_back", [*n.srcs, g]), None])
-
-
 define_op("kl_penalty_back", _infer_same(3))

@@ -1,5 +1,5 @@
-"""The numpy kernels of the policy family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the policy family (the reference backend; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 import numpy as np

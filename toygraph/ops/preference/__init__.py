@@ -5,7 +5,6 @@ lowering (preference.cu).
 """
 from __future__ import annotations
 
-
 from toygraph.ops.elementwise import infer_same2, infer_unary
 from toygraph.ops.table import F32, I32, LABELS, check, define_op, make_node
 
@@ -59,13 +58,7 @@ def log1mexp(x):
 
 define_op("softplus", infer_unary,
           lambda n, g, need: [make_node("softplus_back", [n.srcs[0], g])])
-
-
 define_op("softplus_back", infer_same2)           # g * sigmoid(x)
-
-
 define_op("log1mexp", infer_unary,
           lambda n, g, need: [make_node("log1mexp_back", [n.srcs[0], g])])
-
-
 define_op("log1mexp_back", infer_same2)           # g * -1 / expm1(-x)

@@ -2,10 +2,8 @@
 are in __init__.py)."""
 from __future__ import annotations
 
-
 from toygraph.ops.elementwise.cuda import pointwise
 from toygraph.ops.lowering import Launch, declare_kernels, i32_arg, lowers, ptr_arg, rows_grid
-
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "preference.cu")
@@ -37,12 +35,6 @@ def _pointwise(node, at):
 
 
 lowers("softplus", kernels=("tg_softplus",))(_pointwise)
-
-
 lowers("softplus_back", kernels=("tg_softplus_back",))(_pointwise)
-
-
 lowers("log1mexp", kernels=("tg_log1mexp",))(_pointwise)
-
-
 lowers("log1mexp_back", kernels=("tg_log1mexp_back",))(_pointwise)

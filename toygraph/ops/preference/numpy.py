@@ -1,11 +1,10 @@
-"""The numpy kernels of the preference family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the preference family (the reference backend; its ops and their rules are
+in __init__.py)."""
 from __future__ import annotations
 
 import numpy as np
 
 from toygraph.ops.table import kernel
-
 
 #: Logit rows handled at once, so no [N, vocab] temporary beside the logits themselves.
 _ROWS = 256

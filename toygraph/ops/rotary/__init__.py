@@ -3,7 +3,6 @@ linear scaling): builder, shape rule, backward rule (the inverse rotation), nump
 and CUDA lowering (rotary.cu)."""
 from __future__ import annotations
 
-
 from toygraph.ops.table import F32, I32, INT32_MAX, check, define_op, make_node
 
 

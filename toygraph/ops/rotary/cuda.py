@@ -1,11 +1,9 @@
-"""The CUDA lowering of the rotary family (kernels in rotary.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the rotary family (kernels in rotary.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
-
 
 from toygraph.ops.lowering import (Launch, declare_kernels, f64_arg, grid_1d, i32_arg, lowers,
                                    ptr_arg)
-
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "rotary.cu")

@@ -1,5 +1,5 @@
-"""The numpy kernels of the rotary family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the rotary family (the reference backend; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +21,6 @@ def rope_angles(positions, dims, base, dtype, freq_factors=None, freq_scale=1.0)
 #: Angles of the last few small position sets (generation: every layer's q and k rope at
 #: the one new position, so each token's angles are worked out once, not 2 x layers times).
 _RECENT_ANGLES: dict = {}
-
 
 _SMALL_POSITIONS = 256
 

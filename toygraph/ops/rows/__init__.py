@@ -3,7 +3,6 @@ rule, backward rule, numpy kernels and CUDA lowering (rows.cu; a table kept in i
 block format is decoded row by row with blocks.cuh)."""
 from __future__ import annotations
 
-
 from toygraph.ops.table import F32, I32, check, define_op, make_node
 
 
@@ -25,6 +24,4 @@ def _infer_get_rows_back(shapes, dtypes, attrs):
 define_op("get_rows", _infer_get_rows, lambda n, g, need: [
     make_node("get_rows_back", [g, n.srcs[1]], rows=n.srcs[0].shape[0]), None],
     id_ranges=lambda n: {1: (0, n.srcs[0].shape[0], f"rows of {n.srcs[0].name}")})
-
-
 define_op("get_rows_back", _infer_get_rows_back)

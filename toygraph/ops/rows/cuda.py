@@ -1,12 +1,10 @@
-"""The CUDA lowering of the rows family (kernels in rows.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the rows family (kernels in rows.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
-
 
 from toygraph.ops.gemm.cuda import QUANT_KERNELS, row_bytes
 from toygraph.ops.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
                                    ptr_arg, rows_grid)
-
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "rows.cu")

@@ -5,12 +5,11 @@ strided gathers, fixed-order sums; every walk packed into a ``Strided`` on the h
 """
 from __future__ import annotations
 
-
 import numpy as np
 
+from toygraph.errors import GraphError
 from toygraph.ops.groups import PASS_THROUGH, VIEW
 from toygraph.ops.table import F32, check, check_floats, define_op, make_node
-from toygraph.errors import GraphError
 
 
 # --- broadcasting, including grouped-query sharing ---------------------------------------
@@ -62,8 +61,6 @@ def _infer_expand(shapes, dtypes, attrs):
 
 
 define_op("sum_to", _infer_sum_to, lambda n, g, need: [expand(g, n.srcs[0].shape)])
-
-
 define_op("expand", _infer_expand, lambda n, g, need: [sum_to(g, n.srcs[0].shape)])
 
 

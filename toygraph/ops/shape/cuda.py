@@ -1,13 +1,11 @@
-"""The CUDA lowering of the shape family (kernels in shape.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the shape family (kernels in shape.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 from math import prod
 
-
 from toygraph.ops.lowering import (Launch, contiguous_strides, declare_kernels, grid_1d, i32_arg,
                                    lowers, pad_shape, ptr_arg, rows_grid, strided)
-
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "shape.cu")

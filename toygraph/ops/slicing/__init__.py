@@ -26,6 +26,4 @@ def _infer_narrow_back(shapes, dtypes, attrs):
 
 define_op("narrow", _infer_narrow, lambda n, g, need: [make_node(
     "narrow_back", [g], start=n.attrs["start"], width=n.srcs[0].shape[-1])])
-
-
 define_op("narrow_back", _infer_narrow_back)

@@ -1,9 +1,8 @@
-"""The CUDA lowering of the slicing family (kernels in slicing.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the slicing family (kernels in slicing.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 from toygraph.ops.lowering import Launch, declare_kernels, grid_1d, i32_arg, lowers, ptr_arg
-
 
 declare_kernels(__file__, "slicing.cu")
 

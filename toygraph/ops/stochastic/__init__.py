@@ -12,13 +12,10 @@ arithmetic only. t = 0 (no optimizer step: evaluation) makes it the identity.
 """
 from __future__ import annotations
 
-
 from toygraph.ops.table import F32, check, check_floats, define_op, make_node
-
 
 #: Where the hp row (core/optimizer.hp_row) holds the optimizer step and the micro-batch.
 HP_STEP, HP_MICRO = 7, 8
-
 
 M32 = 0xFFFFFFFF
 

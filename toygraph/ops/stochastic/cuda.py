@@ -8,7 +8,6 @@ from toygraph.ops.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i3
                                    ptr_arg)
 from toygraph.ops.stochastic import threshold
 
-
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "stochastic.cu")
 

@@ -1,11 +1,11 @@
-"""The numpy kernels of the stochastic family (the reference backend; its ops
-and their rules are in __init__.py)."""
+"""The numpy kernels of the stochastic family (the reference backend; its ops and their rules are
+in __init__.py)."""
 from __future__ import annotations
 
 import numpy as np
 
+from toygraph.ops.stochastic import HP_MICRO, HP_STEP, M32, threshold
 from toygraph.ops.table import kernel
-from toygraph.ops.stochastic import (HP_MICRO, HP_STEP, M32, threshold)
 
 
 # --- the hash, as stochastic.cu computes it -----------------------------------------------------

@@ -5,10 +5,9 @@ rules, numpy kernels and CUDA lowering (update.cu). toygraph/core/optimizer.py b
 graph from them."""
 from __future__ import annotations
 
-
+from toygraph.errors import GraphError
 from toygraph.ops.groups import IN_PLACE
 from toygraph.ops.table import F32, NONE, check, check_floats, define_op, make_node
-from toygraph.errors import GraphError
 
 
 def accumulate(acc, value):
@@ -75,9 +74,5 @@ def _infer_adamw(shapes, dtypes, attrs):
 
 
 define_op("accumulate", _infer_accumulate, groups={IN_PLACE})
-
-
 define_op("global_norm", _infer_global_norm)
-
-
 define_op("adamw", _infer_adamw, groups={IN_PLACE})

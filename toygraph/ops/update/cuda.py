@@ -1,5 +1,5 @@
-"""The CUDA lowering of the update family (kernels in update.cu; its ops and their rules
-are in __init__.py)."""
+"""The CUDA lowering of the update family (kernels in update.cu; its ops and their rules are in
+__init__.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,6 @@ from toygraph.ops.lowering import (Launch, declare_kernels, f64_arg, grid_1d, i3
                                    ptr_arg)
 from toygraph.ops.lowering.constants import LIST_TENSORS, THREADS
 from toygraph.ops.update import adamw_groups
-
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "update.cu")
