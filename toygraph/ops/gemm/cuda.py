@@ -4,6 +4,7 @@ __init__.py)."""
 from __future__ import annotations
 
 from math import prod
+from typing import NamedTuple
 
 from toygraph.errors import CudaError
 from toygraph.ops.elementwise.cuda import grid_vec, vector_ok
@@ -222,51 +223,6 @@ def block_gemm(node) -> Gemm:
     return Gemm(x.size // K if K else 0, w.shape[0] if tb else w.shape[1], K, K, 1, 0, 0)
 
 
-def _tc_matmul(node, at, add: int = 0, alpha: float = 1.0,
-               add_bf16: bool = False) -> tuple[list[Launch], bool]:
-    """The tensor-core launches for a matmul: at bf16 a dense one runs tc_gemm.cu where the
-    cost model prefers it (tc_gemm.prefers_copies: long k with few tiles, or large and
-    compute-bound); otherwise, and at tf32, dense operands take tg_matmul's arguments (so
-    every trans/batch/grouped-query case is covered); a block-format weight the fused
-    kernels' arguments. ``add`` (an address; 0: none): matmul_add's epilogue, which
-    tc_gemm.cu runs in its store; the second value says whether these launches did. An
-    operand, output or added tensor kept in bf16 (cuda/bf16_storage.py) is read and written only
-    by tc_gemm.cu."""
-    out, ptr, raw_consts, precision = at.out, at.ptr, at.raw_consts, at.precision
-    if precision not in TC_KERNELS:
-        raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
-                        f"{precision!r} (have {sorted(TC_KERNELS)})")
-    table = TC_KERNELS[precision]
-    (x, w), s_a = node.srcs[-2:], _scale_a(node)
-    half = dict(a_bf16=at.half(x), b_bf16=at.half(w), out_bf16=at.half(node),
-                add_bf16=add_bf16)
-    what = f"matmul {node.name!r}"
-    if w.id in raw_consts and precision == BF16_GEMM_PRECISION:
-        g = block_gemm(node)
-        if any(half.values()) or _picks_copies(node, g, row_bytes(w) * w.shape[0]):
-            kind = "nt" if node.attrs["trans_b"] else "nn"   # decoded once, then tc_gemm.cu
-            return gemm_launches(g, out, ptr(x), 0, at.scratch, what,
-                                 b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N,
-                                                               g.K, g.kp, row_bytes(w)),
-                                 add=add, alpha=alpha, a_scale=s_a, a_bf16=half["a_bf16"],
-                                 out_bf16=half["out_bf16"], add_bf16=add_bf16), True
-    g = matmul_gemm(node)
-    if (w.id not in raw_consts and precision == BF16_GEMM_PRECISION
-            and (any(half.values()) or _picks_copies(node, g))):
-        return gemm_launches(g, out, ptr(x), ptr(w), at.scratch, what, add=add, alpha=alpha,
-                             a_scale=s_a, **half), True
-    if any(half.values()):
-        raise CudaError(f"{what}: an operand or output kept in bf16 needs precision "
-                        f"{BF16_GEMM_PRECISION!r}'s GEMM")
-    pre, at = _prescale(node, at)
-    if w.id in raw_consts:
-        q = _qmatmul(node, out, at.ptr, tile=TC_TILE)
-        return pre + [Launch(table["nt" if node.attrs["trans_b"] else "nn"][w.storage],
-                             q.grid, q.args, block=(TC_THREADS, 1, 1))], False
-    return pre + [_matmul(node, out, at.ptr, tile=TC_TILE, kernel=table["matmul"],
-                          threads=TC_THREADS)], False
-
-
 def row_bytes(w) -> int:
     """Bytes of one row of the 2-D block-format const ``w``."""
     from toygraph.gguf import blocks
@@ -298,17 +254,100 @@ def _weight_in_blocks(node, index: int) -> bool:
             and not node.attrs["trans_a"])
 
 
+# --- the dispatcher: which kernels a product runs, and why ------------------------------------
+class Route(NamedTuple):
+    kernels: str     # what it launches, spelled as the .cu files name them
+    why: str         # when the dispatcher takes it
+    epilogue: bool   # matmul_add's add + alpha * product is done inside (tc_gemm.cu's store)
+
+
+#: Every way a matmul or matmul_add runs, in the order the dispatcher tries them: the first
+#: whose condition (in ``route``) holds is taken. <fmt> is a GGUF block format, <p> bf16/tf32.
+ROUTES = {
+    "dual": Route("tg_tcg_gemm2_bf16", "bf16 matmul_add that absorbs its base product "
+                  "(_absorbs): both products in one accumulation", True),
+    "qmm": Route("tg_qmm_nt_<fmt> / tg_qmm_nn_<fmt>", "f32, the weight kept in its blocks", False),
+    "f32": Route("tg_matmul", "f32, dense operands", False),
+    "bf16_block": Route("tg_tcg_deq_nt_<fmt> / tg_tcg_deq_nn_<fmt> + tg_tcg_gemm*_bf16",
+                        "bf16, the weight in its blocks, decoded once into the GEMM's copy: an "
+                        "operand kept in bf16, or the cost model prefers it", True),
+    "bf16_dense": Route("tg_tcg_to_bf16 + tg_tcg_gemm*_bf16", "bf16, dense: an operand kept in "
+                        "bf16, or the cost model prefers the GEMM on copies", True),
+    "tc_block": Route("tg_tc_qmm_nt_<fmt>_<p> / tg_tc_qmm_nn_<fmt>_<p>",
+                      "bf16/tf32, the weight in its blocks, read in the tile loop", False),
+    "tc_dense": Route("tg_tc_matmul_<p>", "bf16/tf32, dense: tg_matmul's arguments on tensor "
+                      "cores (every trans/batch/grouped-query case)", False),
+}
+
+
+def route(node, at) -> str:
+    """The name (a key of ROUTES) of the way ``node`` runs."""
+    w, precision = node.srcs[-1], at.precision
+    in_blocks = w.id in at.raw_consts
+    if node.op == "matmul_add" and at.absorbed.get(node.srcs[0].id) is node:
+        return "dual"
+    if precision == "f32":
+        return "qmm" if in_blocks else "f32"
+    if precision not in TC_KERNELS:
+        raise CudaError(f"matmul {node.name!r}: no tensor-core kernels for precision "
+                        f"{precision!r} (have {sorted(TC_KERNELS)})")
+    half = _halves(node, at)
+    if precision == BF16_GEMM_PRECISION and in_blocks and (any(half.values()) or _picks_copies(
+            node, block_gemm(node), row_bytes(w) * w.shape[0])):
+        return "bf16_block"
+    if precision == BF16_GEMM_PRECISION and not in_blocks and (
+            any(half.values()) or _picks_copies(node, matmul_gemm(node))):
+        return "bf16_dense"
+    if any(half.values()):
+        raise CudaError(f"matmul {node.name!r}: an operand or output kept in bf16 needs "
+                        f"precision {BF16_GEMM_PRECISION!r}'s GEMM")
+    return "tc_block" if in_blocks else "tc_dense"
+
+
+def _halves(node, at) -> dict:
+    """Which of the product's tensors are kept in bf16 (cuda/bf16_storage.py): only tc_gemm.cu
+    reads and writes them. matmul_add's add is one of them."""
+    x, w = node.srcs[-2:]
+    return dict(a_bf16=at.half(x), b_bf16=at.half(w), out_bf16=at.half(node),
+                add_bf16=node.op == "matmul_add" and at.half(node.srcs[0]))
+
+
+def _launches(name: str, node, at, add: int = 0, alpha: float = 1.0) -> list[Launch]:
+    """The launches of route ``name`` (``add``, ``alpha``: matmul_add's epilogue, for the
+    routes that do it inside)."""
+    (x, w), s_a, ptr, what = node.srcs[-2:], _scale_a(node), at.ptr, f"matmul {node.name!r}"
+    kind = "nt" if node.attrs["trans_b"] else "nn"
+    if name == "dual":
+        return _dual(node, at)
+    if name == "bf16_block":
+        g = block_gemm(node)
+        half = _halves(node, at)
+        return gemm_launches(g, at.out, ptr(x), 0, at.scratch, what,
+                             b_copy=lambda dst: deq_launch(w.storage, kind, dst, ptr(w), g.N,
+                                                           g.K, g.kp, row_bytes(w)),
+                             add=add, alpha=alpha, a_scale=s_a, a_bf16=half["a_bf16"],
+                             out_bf16=half["out_bf16"], add_bf16=half["add_bf16"])
+    if name == "bf16_dense":
+        return gemm_launches(matmul_gemm(node), at.out, ptr(x), ptr(w), at.scratch, what,
+                             add=add, alpha=alpha, a_scale=s_a, **_halves(node, at))
+    pre, at = _prescale(node, at)
+    if name == "qmm":
+        return pre + [_qmatmul(node, at.out, at.ptr)]
+    if name == "f32":
+        return pre + [_matmul(node, at.out, at.ptr)]
+    table = TC_KERNELS[at.precision]
+    if name == "tc_block":
+        q = _qmatmul(node, at.out, at.ptr, tile=TC_TILE)
+        return pre + [Launch(table[kind][w.storage], q.grid, q.args, block=(TC_THREADS, 1, 1))]
+    return pre + [_matmul(node, at.out, at.ptr, tile=TC_TILE, kernel=table["matmul"],
+                          threads=TC_THREADS)]
+
+
 @lowers("matmul", kernels=("tg_matmul", "tg_scale", "tg_scale_vec"), scratch=_matmul_scratch,
         block_format=_weight_in_blocks, bf16_reads=(-2, -1), bf16_writes=True)
 def _lower_matmul(node, at):
-    """f32: tg_matmul, or the QUANT_KERNELS of a block-format weight; bf16/tf32: the
-    tensor-core kernels (_tc_matmul)."""
-    if at.precision != "f32":
-        return _tc_matmul(node, at)[0]
-    pre, at = _prescale(node, at)
-    if node.srcs[-1].id in at.raw_consts:
-        return pre + [_qmatmul(node, at.out, at.ptr)]
-    return pre + [_matmul(node, at.out, at.ptr)]
+    """The launches of the route the dispatcher picks (ROUTES)."""
+    return _launches(route(node, at), node, at)
 
 
 # The add is read in f32: matmul_add chains are sums of gradient contributions (dx of the
@@ -318,18 +357,16 @@ def _lower_matmul(node, at):
         scratch=_matmul_scratch, block_format=_weight_in_blocks, bf16_reads=(1, 2),
         bf16_writes=True, absorbs=_absorbs)
 def _lower_matmul_add(node, at):
-    """The product as matmul lowers it, and the epilogue out = add + alpha * product: in
-    tc_gemm.cu's store (or split sum) where the bf16 GEMM runs the product, else
-    tg_matmul_add_epilogue over the product in out."""
-    if at.absorbed.get(node.srcs[0].id) is node:
-        return _dual(node, at)
+    """The product by its route, and the epilogue out = add + alpha * product: inside the
+    routes that do it (tc_gemm.cu's store or split sum), else tg_matmul_add_epilogue over
+    the product in out."""
+    name = route(node, at)
+    if name == "dual":   # the base product is absorbed: it has no buffer to add from
+        return _launches(name, node, at)
     add, alpha = at.ptr(node.srcs[0]), node.attrs["alpha"]
-    if at.precision != "f32":
-        launches, done = _tc_matmul(node, at, add, alpha, at.half(node.srcs[0]))
-        if done:
-            return launches
-    else:
-        launches = _lower_matmul(node, at)
+    launches = _launches(name, node, at, add, alpha)
+    if ROUTES[name].epilogue:
+        return launches
     return launches + [Launch("tg_matmul_add_epilogue", grid_1d(node.size),
                               [ptr_arg(at.out), ptr_arg(add), f32_arg(alpha), i32_arg(node.size)])]
 
