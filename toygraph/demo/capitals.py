@@ -9,7 +9,6 @@ shows the training loss as it falls, and ends with the commands that use the res
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from pathlib import Path
 
@@ -95,50 +94,53 @@ def loss_curve(events: Path, points: int = 5, window: int = 10) -> list[str]:
 
 def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "cpu",
              precision: str = "f32") -> int:
+    from toygraph.bounded import terminal_text
     from toygraph.inference.language_model import LanguageModel
     from toygraph.models.catalog import smollm2_path
     from toygraph.training import RunConfig, run_training
+    from toygraph.training.result import use_text
+    from toygraph.training.run_config import check_value
 
+    steps = STEPS if steps is None else steps
+    check_value("steps", steps)   # --steps 0 is refused, not read as "the recipe's"
     model, data = str(smollm2_path()), data_path()
     taught = taught_answers(data)
-    print(f"model: {Path(model).name}\ndata:  {data}\n")
+    print(terminal_text(f"model: {Path(model).name}\ndata:  {data}\n"))
     base = LanguageModel(model, backend=backend, precision=precision)
     before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in PROMPTS}
     del base
-    steps = steps or STEPS
     t0 = time.perf_counter()
     run_cfg = RunConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
-                            backend=backend, precision=precision,
-                            overwrite=True, **RECIPE)  # a demo run replaces the previous demo
-    summary = run_training(run_cfg)
+                        backend=backend, precision=precision,
+                        overwrite=True, **RECIPE)  # a demo run replaces the previous demo
+    summary = run_training(run_cfg, show_use=False)   # the commands come once, at the end
+    if summary["status"] not in ("completed", "early_stopped"):
+        # interrupted (Ctrl-C) or diverged: run_training said what it saved and how to
+        # continue; there is no final adapter to ask the questions of
+        print(terminal_text(f"\nthe demo's fine-tune ended {summary['status']} after "
+                            f"{summary['steps']} steps; no answers after fine-tuning"))
+        from toygraph.cli.finetune import EXIT_CODES
+        return EXIT_CODES.get(summary["status"], 1)
     minutes = (time.perf_counter() - t0) / 60
     tuned = LanguageModel(model, adapter_dir=out, backend=backend, precision=precision)
     print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; training loss "
           f"{' -> '.join(loss_curve(Path(out) / 'events.jsonl'))}")
-    print(f"adapter: {out}/adapter_model.safetensors (PEFT) and {out}/adapter.gguf (llama.cpp)\n")
+    print(terminal_text(f"adapter: {out}/adapter_model.safetensors (PEFT) and "
+                        f"{out}/adapter.gguf (llama.cpp)\n"))
     right = 0
     for p in PROMPTS:
         after = tuned.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS)
         mark = verdict(after, taught[p])
         right += mark == "right"
-        print(f"Q: {p}\n  before: {before[p]!r}\n  after:  {after!r}  ({mark})")
+        print(terminal_text(f"Q: {p}\n  before: {before[p]!r}\n  after:  {after!r}  ({mark})"))
     print(f"\n{right}/{len(PROMPTS)} answers after fine-tuning are the ones capitals.jsonl teaches")
     print("\nuse the result:")
-    for command, why in next_steps(out):
-        print(f"  {command}\n      # {why}")
+    print(terminal_text(use_text(model, out, name="capitals")))
     return 0
 
 
 def next_steps(out: str, model: str = "smollm2") -> list[tuple[str, str]]:
-    """The commands that use a finished run directory ``out``, each with what it is for."""
-    # quoted so that a run directory with spaces stays one argument when pasted
-    run_dir, merged, modelfile = (shlex.quote(str(p)) for p in
-                                  (out, Path(out) / "merged.gguf", Path(out) / "Modelfile"))
-    return [
-        (f"toygraph chat --model {model} --adapter {run_dir}",
-         "talk to the fine-tuned model here (/reset, /exit)"),
-        (f"toygraph export --model {model} --adapter {run_dir} --out {merged}",
-         "one self-contained GGUF with the adapter merged in (llama.cpp, LM Studio, Ollama)"),
-        (f"ollama create capitals -f {modelfile} && ollama run capitals",
-         "Ollama: the base GGUF plus adapter.gguf, as the Modelfile beside it says"),
-    ]
+    """The commands that use a finished run directory ``out``, each with what it is for
+    (the ones ``finetune`` prints too: toygraph.training.result.use_commands)."""
+    from toygraph.training.result import use_commands
+    return use_commands(model, out, name="capitals")

@@ -134,9 +134,10 @@ def _epoch_batches(run_cfg: RunConfig, train: list, pad: int, recipe):
     return micro_batch, n
 
 
-def run_training(run_cfg: RunConfig) -> dict:
+def run_training(run_cfg: RunConfig, show_use: bool = True) -> dict:
     """Fine-tune per ``run_cfg``; returns a summary dict (also the run_end event). A run that
-    fails with an error records ``run_end: failed`` and re-raises it.
+    fails with an error records ``run_end: failed`` and re-raises it. ``show_use=False``
+    leaves the commands that use the result unsaid (the demo prints them at its end).
 
     Under ``mpirun -n N`` every rank calls this (data parallelism, see distributed.py):
     rank 0 alone writes into ``out``; an error every rank meets is raised on each, and a
@@ -152,7 +153,7 @@ def run_training(run_cfg: RunConfig) -> dict:
             try:
                 if lock is not None:
                     bus.last_words.append(lambda reason: lock.release())
-                return _run_locked(run_cfg, prep, out, w, say, bus.last_words)
+                return _run_locked(run_cfg, prep, out, w, say, bus.last_words, show_use)
             finally:
                 if lock is not None:
                     lock.release()
@@ -223,7 +224,7 @@ def _prepare_training(run_cfg: RunConfig, prep: Prepared, out: Path, say) -> Non
 
 
 def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
-                last_words: list) -> dict:
+                last_words: list, show_use: bool = True) -> dict:
     """The run in its locked directory. ``last_words``: what a bus error (bus_error.py)
     calls before the process ends; the run adds its run_end and, while an extension
     trains, putting the finished result back."""
@@ -314,7 +315,7 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
     elif status == "interrupted" and w.rank == 0 and trainer.state.step:
         progress.message(f"continue it with:\n  {resume}", always=True)
     if final and w.rank == 0:
-        progress.message(final_text(run_cfg, out, final, lora_meta is not None))
+        progress.message(final_text(run_cfg, out, final, lora_meta is not None, show_use))
     if error is not None:
         raise error
     return summary
