@@ -111,10 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity")
     add_model_arg(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="comma-separated token ids to score (one of --tokens, "
-                                      "--text, --data is required)")
-    src.add_argument("--text", help="a text to score, tokenized as generate would")
-    src.add_argument("--data", help="JSONL dataset: the loss on its target tokens")
+    one_of = " (one of --tokens, --text or --data is required)"
+    src.add_argument("--tokens", help="comma-separated token ids to score" + one_of)
+    src.add_argument("--text", help="a text to score, tokenized as generate would" + one_of)
+    src.add_argument("--data", help="JSONL dataset: the loss on its target tokens" + one_of)
     add_adapter_arg(p)
     add_backend_args(p)
     add_template_arg(p)
