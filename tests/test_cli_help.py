@@ -292,3 +292,16 @@ def test_demo_interrupted_says_what_it_saved(capsys, tiny_demo, tmp_path, monkey
     code, out, err = run(capsys, "demo", "--out", str(tmp_path / "demo"))
     assert code == 130, err
     assert "ended interrupted after 5 steps" in out and "PEFT" not in out + err
+
+
+def test_finetune_output_shows_hostile_file_names_escaped(capsys, tiny_llama, tmp_path):
+    """The loading, settings, tokenizing and result lines name the files as typed: a name
+    with a title-change sequence is shown escaped, never sent to the terminal."""
+    data = tmp_path / "d\x1b]0;pwned\x07.jsonl"
+    data.write_text(_data(tmp_path).read_text())
+    code, _, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data", str(data),
+                       "--out", str(tmp_path / "run\x1b[2J"), "--steps", "1", "--batch", "2",
+                       "--seq-len", "32", "--rank", "2", "--targets", "q", "--val-split", "0")
+    assert code == 0, err
+    assert "\x1b" not in err and "\x07" not in err
+    assert "d\\x1b]0;pwned\\x07.jsonl" in err and "run\\x1b[2J" in err

@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from toygraph import __version__
+from toygraph.bounded import terminal_text
 from toygraph.core.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
@@ -167,8 +168,8 @@ def _say(text: str) -> None:
     """A line for the user watching the run (rank 0, not --quiet). Before the run has a
     directory there is nothing to record a lost terminal in: the progress line of the run
     itself meets it again and the run records the failure."""
-    try:
-        print(text, file=sys.stderr, flush=True)
+    try:   # file names, paths and settings as typed: their escape sequences shown, not run
+        print(terminal_text(text), file=sys.stderr, flush=True)
     except OSError:
         pass
 

@@ -17,6 +17,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from toygraph.bounded import terminal_text
 from toygraph.core.distributed import World
 from toygraph.training.checkpoints import (list_checkpoints, prune_checkpoints, save_checkpoint,
                                            step_dir_name, write_adapter)
@@ -131,8 +132,8 @@ class Progress:
 
     def message(self, text: str, always: bool = False):
         if always or not self.quiet:
-            with self._lock:
-                self._write(("\n" if self.tty else "") + text)
+            with self._lock:   # a path or a name in the text: its escapes shown, not run
+                self._write(("\n" if self.tty else "") + terminal_text(text))
 
 
 class Signals:
