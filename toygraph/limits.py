@@ -16,6 +16,7 @@ core/frozen_base.py; the tokenized data, training/tokenized_size.py) read all th
 """
 from __future__ import annotations
 
+import os
 import re
 import resource
 from pathlib import Path
@@ -159,5 +160,5 @@ def disk_full_text(e: OSError, path=None) -> str | None:
     if e.errno not in (errno.ENOSPC, errno.EDQUOT) and short is None:
         return None
     where = path if path is not None else (e.filename or "a file")
-    missing = f" ({int(short[1]) - int(short[2]):,} bytes short)" if short else ""
-    return f"disk full writing {where}{missing}; free some space and run it again"
+    detail = f"{int(short[1]) - int(short[2]):,} bytes short" if short else os.strerror(e.errno)
+    return f"disk full writing {where} ({detail}); free some space and run it again"
