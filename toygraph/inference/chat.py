@@ -57,7 +57,7 @@ def chat_loop(lm, stdin, stdout, *, system: str | None = None, notices=None,
             reply = lm.generate(messages, chat=True, on_text=write, **generate_kwargs)
         except DataError as e:  # e.g. the history outgrew the context: keep the session
             messages.pop()
-            notices.write(f"({e}; /reset to start over)\n")
+            notices.write(terminal_text(f"({e}; /reset to start over)\n"))
             continue
         stdout.write("\n")
         stdout.flush()

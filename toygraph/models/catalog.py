@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toygraph import environment
+from toygraph.bounded import terminal_text
 from toygraph.errors import GGUFError, ToygraphError
 from toygraph.models.stores import (Source, hf_ggufs, lmstudio_ggufs, ollama_model_size,
                                     ollama_models, resolve_store, store_of)
@@ -85,7 +86,8 @@ def smollm2_path(download: bool = True) -> Path:
 
 
 def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)   # stderr: stdout stays the command's output
+    # stderr: stdout stays the command's output; the cache path as configured, escaped
+    print(terminal_text(text), file=sys.stderr, flush=True)
 
 
 def _mib(n: int) -> str:
@@ -251,7 +253,7 @@ def resolve_model(name: str) -> str:
     every command's --model goes through."""
     source = resolve_source(name)
     for warning in source.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+        print(terminal_text(f"warning: {warning}"), file=sys.stderr)
     return str(source.path)
 
 
