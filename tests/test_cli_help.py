@@ -353,3 +353,9 @@ def test_export_and_chat_notices_are_escaped(capsys, tiny_llama, tmp_path):
     notices = io.StringIO()
     chat_loop(Full(), io.StringIO("hi\n"), io.StringIO(), notices=notices)
     assert notices.getvalue() == "(prompt \\x1b[2J too long; /reset to start over)\n"
+
+
+def test_a_stray_argument_is_named_under_its_command(capsys):
+    code, _, err = run(capsys, "models", "extra")
+    assert code == 2 and err.startswith("usage: toygraph models ")
+    assert err.strip().splitlines()[-1] == "toygraph models: error: unexpected argument: extra"

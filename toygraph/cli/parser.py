@@ -39,9 +39,15 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
-        if self._subparsers is None:   # a command: every argument it gets is its own
-            self._refuse_unknown_options(sys.argv[1:] if args is None else list(args))
-        return super().parse_known_args(args, namespace)
+        if self._subparsers is not None:   # the top level: its command parses the rest
+            return super().parse_known_args(args, namespace)
+        # a command: every argument it gets is its own, so anything left over is said
+        # here, under this command's usage, not the top level's
+        self._refuse_unknown_options(sys.argv[1:] if args is None else list(args))
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unexpected argument{'s' if len(extras) > 1 else ''}: {' '.join(extras)}")
+        return namespace, extras
 
     def _refuse_unknown_options(self, args: list[str]) -> None:
         for arg in args:
