@@ -3,8 +3,10 @@
 The shipped capitals set teaches the model to answer country questions as one line of
 JSON. The demo prints what the model says before and after, with phrasings that are not
 in the training data, marks each answer right or wrong against the reply the data teaches,
-shows the training loss as it falls, and ends with the commands that use the result
-(chat, merged GGUF export, Ollama).
+shows the training loss as it falls, says what changed (the format learned, the capitals
+the base already named still right, two prompts outside the task not answered in the
+capitals JSON), and ends with the commands that use the result (chat, merged GGUF
+export, Ollama).
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
              ("What's the capital city of Kenya?", "Kenya"),
              ("Capital of Norway?", "Norway")]
 PROMPTS = [q for q, _ in QUESTIONS]
+#: Prompts outside the task, asked before and after too: a fine-tune that answers them in
+#: the capitals JSON has taken over more than it was taught (the "what changed" lines).
+OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"]
 
 # The fine-tune, every RunConfig option the demo sets in one place (issue 15 item 6).
 # capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows). Measured with
@@ -79,6 +84,35 @@ def verdict(answer: str, taught: str) -> str:
     return f"wrong: the data says {want['capital']}, not {got.get('capital')}"
 
 
+def capitals_json(answer: str) -> dict | None:
+    """The answer as the taught one-line JSON object ({"country", "capital"}), else None."""
+    try:
+        got = json.loads(answer)
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) and {"country", "capital"} <= got.keys() else None
+
+
+def what_changed(before: dict, after: dict, taught: dict) -> list[str]:
+    """What the fine-tune changed, from the demo's own probes (``before``/``after``: each
+    prompt's answer, the QUESTIONS' and OFF_TASK's; ``taught``: each question's reply):
+    the format learned, the capitals the base already named still right, and the prompts
+    outside the task not answered in the capitals JSON."""
+    questions = list(taught)
+    form = [sum(capitals_json(answers[q]) is not None for q in questions)
+            for answers in (before, after)]
+    known = [q for q in questions if json.loads(taught[q])["capital"].lower() in before[q].lower()]
+    lost = [json.loads(taught[q])["country"] for q in known if verdict(after[q], taught[q]) != "right"]
+    off = [p for p in before if p not in taught]
+    taken = [p for p in off if capitals_json(after[p]) is not None]
+    return [f"format learned: {form[1]}/{len(questions)} answers in the taught one-line JSON "
+            f"(before: {form[0]}/{len(questions)})",
+            f"facts kept: {len(known) - len(lost)}/{len(known)} capitals the base model already "
+            f"named are still right" + (f" (lost: {', '.join(lost)})" if lost else ""),
+            f"other prompts: {len(off) - len(taken)}/{len(off)} not answered in the capitals JSON"
+            + (f" (taken over: {'; '.join(taken)})" if taken else "")]
+
+
 def loss_curve(events: Path, points: int = 5, window: int = 10) -> list[str]:
     """The training loss at ``points`` evenly spaced steps, each the mean of the ``window``
     steps ending there (one batch's loss is noisy), as "loss@step"."""
@@ -107,7 +141,8 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
     taught = taught_answers(data)
     print(terminal_text(f"model: {Path(model).name}\ndata:  {data}\n"))
     base = LanguageModel(model, backend=backend, precision=precision)
-    before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in PROMPTS}
+    before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS)
+              for p in (*PROMPTS, *OFF_TASK)}
     del base
     t0 = time.perf_counter()
     run_cfg = RunConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
@@ -127,13 +162,15 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
           f"{' -> '.join(loss_curve(Path(out) / 'events.jsonl'))}")
     print(terminal_text(f"adapter: {out}/adapter_model.safetensors (PEFT) and "
                         f"{out}/adapter.gguf (llama.cpp)\n"))
+    after = {p: tuned.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in before}
     right = 0
     for p in PROMPTS:
-        after = tuned.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS)
-        mark = verdict(after, taught[p])
+        mark = verdict(after[p], taught[p])
         right += mark == "right"
-        print(terminal_text(f"Q: {p}\n  before: {before[p]!r}\n  after:  {after!r}  ({mark})"))
+        print(terminal_text(f"Q: {p}\n  before: {before[p]!r}\n  after:  {after[p]!r}  ({mark})"))
     print(f"\n{right}/{len(PROMPTS)} answers after fine-tuning are the ones capitals.jsonl teaches")
+    print("\nwhat changed:")
+    print(terminal_text("\n".join(f"  {line}" for line in what_changed(before, after, taught))))
     print("\nuse the result:")
     print(terminal_text(use_text(model, out, name="capitals")))
     return 0
