@@ -380,3 +380,9 @@ def test_what_changed_is_read_from_the_demos_own_probes():
     assert what_changed(before, {**after, kenya: taught[kenya], haiku: "Sea"}, taught)[1:] == [
         "facts kept: 2/2 capitals the base model already named are still right",
         "other prompts: 2/2 not answered in the capitals JSON"]
+
+
+def test_an_unknown_option_before_the_command_is_named(capsys):
+    code, _, err = run(capsys, "--vers")
+    assert code == 2 and err.strip().splitlines()[-1] == ("toygraph: error: unknown --vers; "
+                                                         "did you mean --version?")

@@ -39,11 +39,14 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
-        if self._subparsers is not None:   # the top level: its command parses the rest
+        args = sys.argv[1:] if args is None else list(args)
+        if self._subparsers is not None:   # the top level: its options, then the command's
+            command = next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))
+            self._refuse_unknown_options(args[:command])
             return super().parse_known_args(args, namespace)
         # a command: every argument it gets is its own, so anything left over is said
         # here, under this command's usage, not the top level's
-        self._refuse_unknown_options(sys.argv[1:] if args is None else list(args))
+        self._refuse_unknown_options(args)
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unexpected argument{'s' if len(extras) > 1 else ''}: {' '.join(extras)}")
