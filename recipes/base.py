@@ -131,6 +131,7 @@ class Recipe:
     the hooks below, its loss, data and metrics."""
 
     name = ""                 # the registered name (--recipe), set by registry.register
+    summary = ""              # what trains, in a few words (the --recipe help)
     weight_mode = "frozen"    # "frozen" (LoRA), "finetune" or "scratch" (every weight trains)
     trains_adapter = False    # True: the result is a LoRA adapter on the frozen base
     eval_unit = "tokens"      # what evaluate() counts: "tokens" (per-token loss) or "pairs"

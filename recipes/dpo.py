@@ -37,6 +37,8 @@ class DPO(PreferenceRecipe):
     DPO(targets=('q', 'v'), rank=8, alpha=16, beta=0.1, label_smoothing=0.0)
     """
 
+    summary = "preference pairs, against a frozen reference, with LoRA"   # the --recipe help
+
     def __init__(self, targets=LoraConfig.targets, rank: int = LoraConfig.rank,
                  alpha: float = LoraConfig.alpha, beta: float = BETA,
                  label_smoothing: float = LABEL_SMOOTHING, reference_adapter: bool = False):

@@ -9,6 +9,8 @@ from toygraph.recipes.registry import register
 class FullFinetune(Recipe):
     """Start from the GGUF weights; quantized ones become trainable f32 copies."""
 
+    summary = "every weight, from the GGUF"   # the --recipe help
+
     weight_mode = "finetune"
 
     def __repr__(self):

@@ -57,6 +57,8 @@ class GRPO(LoRA):
     """Group Relative Policy Optimization (and DAPO, Dr. GRPO, BNPO, GSPO through the
     objective's options) with LoRA, from reward functions on sampled completions."""
 
+    summary = "rewards on sampled completions, with LoRA"   # the --recipe help
+
     eval_unit = "prompts"
     load_data = staticmethod(load_prompts)
     encode_data = staticmethod(encode_prompts)

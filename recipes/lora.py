@@ -16,6 +16,8 @@ class LoRA(Recipe):
     LoRA(targets=('q', 'v'), rank=8, alpha=16)
     """
 
+    summary = "LoRA adapters on the frozen base"   # the --recipe help
+
     weight_mode = "frozen"
     trains_adapter = True
 

@@ -25,6 +25,8 @@ class ORPO(PreferenceRecipe):
     ORPO(targets=('q', 'v'), rank=8, alpha=16, beta=0.1)
     """
 
+    summary = "preference pairs, no reference pass, with LoRA"   # the --recipe help
+
     def __repr__(self):
         return f"ORPO(targets={self.targets}, rank={self.rank}, alpha={self.alpha}, beta={self.beta})"
 

@@ -9,6 +9,8 @@ from toygraph.recipes.registry import register
 class FromScratch(Recipe):
     """Random init (N(0, 0.02) matrices, unit norms), embeddings included."""
 
+    summary = "every weight, random"   # the --recipe help
+
     weight_mode = "scratch"
 
     def __repr__(self):

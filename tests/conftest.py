@@ -1,7 +1,31 @@
-"""Shared fixtures: tiny GGUF models written once per session, SmolLM2 and Gemma 3 270M."""
+"""Shared fixtures: tiny GGUF models written once per session, SmolLM2 and Gemma 3 270M;
+and a home and cache of the suite's own (support/isolation.py), checked at the end."""
 from __future__ import annotations
 
 import pytest
+
+from support.isolation import PrivateHome
+
+
+def pytest_configure(config):
+    """Before anything is collected: the suite's own HOME and caches (models the machine
+    has are used in place, read only)."""
+    config._toygraph_home = PrivateHome()
+    config._toygraph_home.enter()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run fails when anything in the user's real toygraph cache changed under it."""
+    home = getattr(session.config, "_toygraph_home", None)
+    if home is None:
+        return
+    changed = home.leave()
+    if changed:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        say = reporter.write_line if reporter else print
+        say(f"FAILED: the test run wrote into the user's cache {home.real_cache}: "
+            + ", ".join(changed[:10]) + (f" and {len(changed) - 10} more" if len(changed) > 10 else ""))
+        session.exitstatus = 1
 
 from toygraph import environment
 from toygraph.models.catalog import gemma3_270m_path, smollm2_path

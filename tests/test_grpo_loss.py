@@ -5,7 +5,7 @@ importance-sampling level, with and without the KL term and the old log-probs; f
 differences through the whole objective; the advantages, NaN rewards and degenerate groups."""
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="torch is the reference here: pip install -e '.[reference]'")
 
 from support.gradcheck import check_gradients
 from toygraph import ops

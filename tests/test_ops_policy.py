@@ -3,7 +3,7 @@
 device against numpy (TOYGRAPH_CUDA_DEVICE=host, as tests/test_cuda_host.py)."""
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="torch is the reference here: pip install -e '.[reference]'")
 
 from support.gradcheck import TOL, check_gradients, weighted_sum
 from support.hostparity import ELEMENTWISE, compare_op

@@ -3,7 +3,7 @@ finite-difference gradients, and their CUDA kernels on the host device against n
 (TOYGRAPH_CUDA_DEVICE=host, as tests/test_cuda_host.py)."""
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="torch is the reference here: pip install -e '.[reference]'")
 
 from support.gradcheck import check_gradients, weighted_sum
 from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, rnd

@@ -156,4 +156,4 @@ def test_cli_generate_prints_the_streamed_text(tiny_llama, capsys):
                  "--max-new-tokens", "16", "--stop", stop]) == 0
     assert capsys.readouterr().out == want + "\n"
     assert main(["generate", "--model", str(tiny_llama), "--prompt", "x", "--top-p", "0"]) == 2
-    assert "top_p=0.0 is out of range" in capsys.readouterr().err
+    assert "--top-p must be a number in (0, 1] (1 = off), got 0.0" in capsys.readouterr().err

@@ -213,7 +213,7 @@ def test_the_cuda_backend_is_found_by_name_without_the_core_importing_it(tmp_pat
     import sys
     code = """
 import sys
-from toygraph.core import ops
+from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.core.session import Session
 runtime = [m for m in sys.modules if m.startswith("toygraph.cuda.")

@@ -66,6 +66,15 @@ def printable(text, keep_newlines: bool = False) -> str:
     return _CONTROL.sub(escape, str(text))
 
 
+def terminal_text(text) -> str:
+    """Text a model or a file produced, safe to show: every control character (an OSC 52
+    clipboard write, a title change, a cursor move, the bidirectional overrides) escaped
+    as :func:`printable` writes it, except the line breaks and tabs that lay text out. The
+    one function for every place that prints a token, a file name, a path or a setting."""
+    return _CONTROL.sub(lambda m: m.group(0) if m.group(0) in "\n\t" else printable(m.group(0)),
+                        str(text))
+
+
 def utf8_error(text: str) -> str | None:
     """Why ``text`` is not valid Unicode (None when it is): undecodable bytes arrive as
     lone surrogates (Python's surrogateescape, for argv and a stdin so opened), which no

@@ -16,6 +16,7 @@ core/frozen_base.py; the tokenized data, training/tokenized_size.py) read all th
 """
 from __future__ import annotations
 
+import os
 import re
 import resource
 from pathlib import Path
@@ -144,3 +145,20 @@ def out_of_memory_text(e: MemoryError) -> str:
     what = f"needs {need.group(1)}" if need else "an allocation failed"
     detail = f" ({said[:200]})" if said else ""
     return f"out of memory: {what}{detail}; {may}"
+
+
+#: numpy's ``tofile`` (the GGUF writer's) reports a short write without an errno.
+_SHORT_WRITE = re.compile(r"(\d+) requested and (\d+) written")
+
+
+def disk_full_text(e: OSError, path=None) -> str | None:
+    """"disk full writing PATH (N bytes short)" when ``e`` is a full disk or quota (ENOSPC,
+    EDQUOT, or numpy's "65536 requested and 20768 written"), else None. ``path``: the
+    file being written, when the error does not name it."""
+    import errno
+    short = _SHORT_WRITE.search(str(e))
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT) and short is None:
+        return None
+    where = path if path is not None else (e.filename or "a file")
+    detail = f"{int(short[1]) - int(short[2]):,} bytes short" if short else os.strerror(e.errno)
+    return f"disk full writing {where} ({detail}); free some space and run it again"

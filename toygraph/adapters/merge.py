@@ -26,8 +26,8 @@ import numpy as np
 
 from toygraph.adapters.base import check_base
 from toygraph.adapters.experts import per_base_tensor
-from toygraph.adapters.files import (WEIGHTS_FILE, adapter_template, load_gguf_adapter,
-                                     read_peft)
+from toygraph.adapters.files import (WEIGHTS_FILE, PeftAdapter, adapter_template,
+                                     load_gguf_adapter, read_peft)
 from toygraph.atomic import atomic_write, check_replaceable
 from toygraph.errors import DataError
 from toygraph.gguf.templates import shared_name
@@ -37,18 +37,28 @@ OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
 PROVENANCE = "toygraph.merged_adapter"
 
 
+#: What ``--adapter`` may name, in eval, generate, chat and export alike (read_adapter).
+ADAPTER_FORMS = "a run, checkpoint or PEFT directory, or a llama.cpp adapter .gguf file"
+
+
+def read_adapter(adapter, cfg) -> tuple[PeftAdapter, Path]:
+    """(the adapter, the file whose bytes identify it) of ``--adapter``: a run/PEFT
+    directory or a llama.cpp ``.gguf`` adapter file (ADAPTER_FORMS)."""
+    adapter = Path(adapter)
+    if adapter.is_file() and adapter.suffix == ".gguf":
+        lora, rank, alpha, targets = load_gguf_adapter(adapter, cfg)
+        return PeftAdapter(lora, rank, alpha, targets), adapter
+    if not adapter.is_dir():
+        raise DataError(f"--adapter {adapter}: no such run directory or .gguf adapter file")
+    return read_peft(adapter, cfg), adapter / WEIGHTS_FILE
+
+
 def load_adapter(adapter, cfg) -> tuple[dict, int, float, float, Path]:
     """An adapter given as a run/PEFT directory or a llama.cpp ``.gguf`` adapter file:
     (lora in GGUF row order, DoRA's (A, B, m) included, rank, alpha, the scale of B A
     (alpha / rank, rsLoRA's alpha / sqrt(rank)), the file whose bytes identify it)."""
-    adapter = Path(adapter)
-    if adapter.is_file() and adapter.suffix == ".gguf":
-        lora, rank, alpha, _ = load_gguf_adapter(adapter, cfg)
-        return lora, rank, alpha, alpha / rank, adapter
-    if not adapter.is_dir():
-        raise DataError(f"--adapter {adapter}: no such run directory or .gguf adapter file")
-    a = read_peft(adapter, cfg)
-    return a.lora, a.rank, a.alpha, a.scaling, adapter / WEIGHTS_FILE
+    a, source = read_adapter(adapter, cfg)
+    return a.lora, a.rank, a.alpha, a.scaling, source
 
 
 def refuse_merged_twice(model, adapter_file: Path, allow: bool = False) -> None:

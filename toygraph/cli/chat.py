@@ -3,26 +3,29 @@ from __future__ import annotations
 
 import sys
 
-from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_other_base_arg,
-                               add_sampling_args, add_template_arg,
-                               generation_kwargs, language_model_from_args, utf8)
+from toygraph.cli.args import (add_adapter_arg, add_allow_merged_arg, add_backend_args,
+                               add_model_arg, add_other_base_arg, add_sampling_args,
+                               add_template_arg, check_sampling_args, generation_kwargs,
+                               language_model_from_args, utf8)
 from toygraph.inference.chat import chat_loop
 
 
 def add_chat_parser(sub) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn chat (reads stdin)")
-    p.add_argument("--model", required=True, help="GGUF file, or 'smollm2'")
-    p.add_argument("--adapter", help="run directory (PEFT adapter)")
-    p.add_argument("--system", help="system message to start every conversation with")
+    add_model_arg(p)
+    add_adapter_arg(p)
+    p.add_argument("--system", help="system message to start every conversation with "
+                                    "(default: none)")
     add_sampling_args(p)
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)
     add_other_base_arg(p)
-    p.set_defaults(fn=_cmd_chat, max_new_tokens=256)
+    p.set_defaults(fn=_cmd_chat)
 
 
 def _cmd_chat(args) -> int:
+    check_sampling_args(args)
     system = utf8("--system", args.system) if args.system is not None else None
     if hasattr(sys.stdin, "reconfigure"):   # undecodable bytes reach chat_loop, which says so
         sys.stdin.reconfigure(errors="surrogateescape")

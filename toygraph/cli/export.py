@@ -5,10 +5,12 @@ import os
 import sys
 from pathlib import Path
 
-from toygraph.adapters.merge import OUT_TYPES, PROVENANCE, export_merged
+from toygraph.adapters.merge import ADAPTER_FORMS, OUT_TYPES, PROVENANCE, export_merged
 from toygraph.atomic import check_replaceable
-from toygraph.cli.args import add_allow_merged_arg, add_other_base_arg, add_template_arg
+from toygraph.bounded import terminal_text
+from toygraph.cli.args import add_allow_merged_arg, add_model_arg, add_other_base_arg, add_template_arg
 from toygraph.errors import ToygraphError
+from toygraph.limits import disk_full_text
 from toygraph.models.catalog import resolve_model
 from toygraph.models.model import GGUFModel
 from toygraph.training.run_dir import FINAL_ARTIFACTS
@@ -17,12 +19,11 @@ from toygraph.training.supervisor import Ticker
 
 def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="merge a LoRA adapter into the base GGUF")
-    p.add_argument("--model", required=True, help="base GGUF file, or 'smollm2'")
-    p.add_argument("--adapter", required=True,
-                   help="run directory (PEFT files), or a llama.cpp adapter .gguf")
+    add_model_arg(p, "the base model: ")
+    p.add_argument("--adapter", required=True, help=f"the LoRA adapter to merge: {ADAPTER_FORMS}")
     p.add_argument("--out", required=True, help="merged GGUF to write")
     p.add_argument("--type", default="f16", choices=OUT_TYPES,
-                   help="type of the merged weights; other tensors keep theirs (default: f16)")
+                   help="type of the merged weights; other tensors keep theirs")
     add_template_arg(p)
     add_allow_merged_arg(p)
     add_other_base_arg(p)
@@ -55,14 +56,23 @@ def check_out_is_not_read(out: str, adapter: str) -> None:
 def _cmd_export(args) -> int:
     check_replaceable(args.out, "--out")   # before the merge: /dev/null is no file to replace
     check_out_is_not_read(args.out, args.adapter)
-    out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
-                        template=args.template, allow_merged=args.allow_merged,
-                        other_base=args.other_base,
-                        progress=Ticker("merging, tensor", lambda text: print(text, file=sys.stderr)))
+    try:
+        out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
+                            template=args.template, allow_merged=args.allow_merged,
+                            other_base=args.other_base,
+                            progress=Ticker("merging, tensor",
+                                            lambda text: print(text, file=sys.stderr)))
+    except OSError as e:   # the written file is a temporary one: --out is left as it was
+        full = disk_full_text(e, args.out)
+        if full is None:
+            raise
+        raise ToygraphError(full) from None
     merged = GGUFModel(out)
     meta = {k: merged.metadata(f"{PROVENANCE}.{k}") for k in ("rank", "alpha", "tensors", "template")}
-    print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): {Path(args.model).name} with "
-          f"the adapter {args.adapter} (rank {meta['rank']}, alpha {meta['alpha']:g}) merged "
-          f"into {len(meta['tensors'])} tensors stored as {args.type}; chat template "
-          f"{meta['template']}")
+    # the paths as typed and the template's name from the file: escapes shown, not run
+    print(terminal_text(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB): "
+                        f"{Path(args.model).name} with the adapter {args.adapter} (rank "
+                        f"{meta['rank']}, alpha {meta['alpha']:g}) merged into "
+                        f"{len(meta['tensors'])} tensors stored as {args.type}; chat template "
+                        f"{meta['template']}"))
     return 0

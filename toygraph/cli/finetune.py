@@ -32,7 +32,8 @@ def add_finetune_parser(sub) -> None:
                                    "here override it.")
     p.add_argument("--config", metavar="RUN.yaml",
                    help="YAML run file: option: value, the keys being these flags' names with "
-                        "_ (a run directory's run.yaml repeats that run)")
+                        "_ (a run directory's run.yaml repeats that run; default: none, the "
+                        "flags alone)")
     for group, title in GROUPS.items():
         g = p.add_argument_group(title)
         for name in RunConfig.names():

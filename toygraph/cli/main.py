@@ -14,17 +14,20 @@ import sys
 from importlib.metadata import entry_points
 
 from toygraph import __version__
-from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_other_base_arg, add_sampling_args, add_template_arg,
-                               add_threads_arg, generation_kwargs, language_model_from_args,
-                               use_threads_of, utf8)
+from toygraph.cli.args import (add_adapter_arg, add_allow_merged_arg, add_backend_args,
+                               add_model_arg, add_other_base_arg, add_sampling_args,
+                               add_template_arg, add_threads_arg, check_sampling_args,
+                               generation_kwargs, language_model_from_args, use_threads_of, utf8)
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
 from toygraph.cli.finetune import add_finetune_parser
 from toygraph.cli.models import add_models_parser
+from toygraph.cli.parser import CommandParser
 from toygraph.bounded import printable
+from toygraph.demo.capitals import STEPS as DEMO_STEPS
 from toygraph.errors import ToygraphError
 from toygraph.files import check_regular_file
-from toygraph.limits import out_of_memory_text
+from toygraph.limits import disk_full_text, out_of_memory_text
 from toygraph.models.catalog import resolve_model
 from toygraph.training.supervisor import rate_text
 
@@ -66,12 +69,7 @@ def cmd_eval(args):
 
 
 def cmd_generate(args):
-    if args.max_new_tokens < 0:
-        raise ToygraphError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ToygraphError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise ToygraphError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    check_sampling_args(args)
     prompt = utf8("--prompt", args.prompt)
     lm = language_model_from_args(args)
     lm.generate(prompt, chat=args.chat, **generation_kwargs(args, print_to=sys.stdout))
@@ -79,7 +77,18 @@ def cmd_generate(args):
     g = lm.last_generation   # on stderr, so stdout stays the text alone
     print(f"{g['new_tokens']} tokens in {g['seconds']:.2f}s "
           f"({rate_text(g['new_tokens'] / max(g['seconds'], 1e-9))} tokens/s) after a "
-          f"{g['prompt_tokens']}-token prompt", file=sys.stderr)
+          f"{g['prompt_tokens']}-token prompt{limit_text(g['stopped'], args, lm)}", file=sys.stderr)
+
+
+def limit_text(stopped: str, args, lm) -> str:
+    """What cut the text off when a limit did (the model did not end it): said, so a
+    code answer cut mid-docstring is not taken for the whole answer."""
+    if stopped == "max_new_tokens":
+        return (f"; stopped at --max-new-tokens {args.max_new_tokens}; raise it for longer "
+                "answers")
+    if stopped == "context":
+        return f"; stopped at the model's context of {lm.seq_len} tokens"
+    return ""
 
 
 def cmd_demo(args):
@@ -88,36 +97,38 @@ def cmd_demo(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="toygraph", description="Fine-tune language models "
-                                 "straight from GGUF files, and use the result.")
+    ap = CommandParser(prog="toygraph", description="Fine-tune language models straight from "
+                       "GGUF files, and use the result.")
     ap.add_argument("--version", action="version", version=f"toygraph {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tokenize", help="print token ids of a text as JSON")
-    p.add_argument("--model", required=True)
-    p.add_argument("--text", required=True)
+    add_model_arg(p)
+    p.add_argument("--text", required=True, help="the text to tokenize")
     p.set_defaults(fn=cmd_tokenize)
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity")
-    p.add_argument("--model", required=True)
+    add_model_arg(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="comma-separated token ids")
-    src.add_argument("--text")
-    src.add_argument("--data", help="JSONL dataset (loss on target tokens)")
-    p.add_argument("--adapter", help="PEFT adapter directory")
+    one_of = " (one of --tokens, --text or --data is required)"
+    src.add_argument("--tokens", help="comma-separated token ids to score" + one_of)
+    src.add_argument("--text", help="a text to score, tokenized as generate would" + one_of)
+    src.add_argument("--data", help="JSONL dataset: the loss on its target tokens" + one_of)
+    add_adapter_arg(p)
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)
     add_other_base_arg(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(fn=cmd_eval)
 
     add_finetune_parser(sub)
 
     p = sub.add_parser("generate", help="greedy or sampled text")
-    p.add_argument("--model", required=True)
-    p.add_argument("--adapter")
-    p.add_argument("--prompt", required=True)
+    add_model_arg(p)
+    add_adapter_arg(p)
+    p.add_argument("--prompt", required=True, help="the text to continue (or, with --chat, "
+                                                   "the user's message)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_sampling_args(p)
     add_backend_args(p)
@@ -127,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("demo", help="short LoRA fine-tune of SmolLM2 on the capitals set")
-    p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: the demo's recipe)")
+    p.add_argument("--out", default="runs/demo", help="run directory of the demo's fine-tune")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default: the demo's recipe, "
+                                             f"{DEMO_STEPS})")
     add_backend_args(p)
     p.set_defaults(fn=cmd_demo)
     add_export_parser(sub)
@@ -165,7 +177,7 @@ def main(argv=None) -> int:
         _report(args.command, e)
         return 2
     except OSError as e:  # e.g. a broken pipe on the output; the run (if any) recorded it
-        _report(args.command, e)
+        _report(args.command, disk_full_text(e) or e)
         return 1
     except MemoryError as e:  # a numpy allocation past ulimit -v, a cgroup limit, the machine
         _report(args.command, out_of_memory_text(e))

@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from toygraph.bounded import MAX_DEPTH, json_depth, regular_file_error
+from toygraph.bounded import MAX_DEPTH, json_depth, printable, regular_file_error
 from toygraph.data.tables import is_table, load_table
 from toygraph.errors import DataError
 
@@ -119,11 +119,21 @@ def _parse_line(line: bytes, p: Path, n: int, parse_row) -> Example | None:
     depth = json_depth(s)
     if depth > MAX_JSON_DEPTH:
         raise DataError(f"{where}: JSON nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+    s = s.rstrip("\r\n")   # else an unclosed object is reported at "line 2 column 1"
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as e:
-        raise DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from None
+        raise DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}: "
+                        f"{json_excerpt(s, e.pos)}") from None
     return parse_row(obj, where, n, str(p))
+
+
+def json_excerpt(line: str, pos: int, width: int = 30) -> str:
+    """The text of ``line`` around character ``pos`` (at most ``width`` either side,
+    escaped), with ``<here>`` where the JSON parser stopped."""
+    head = ("..." if pos > width else "") + line[max(0, pos - width):pos]
+    tail = line[pos:pos + width] + ("..." if len(line) > pos + width else "")
+    return printable(f"{head}<here>{tail}")
 
 
 def _parse_row(obj, where: str, line: int, path: str) -> Example:

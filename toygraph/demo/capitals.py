@@ -3,13 +3,14 @@
 The shipped capitals set teaches the model to answer country questions as one line of
 JSON. The demo prints what the model says before and after, with phrasings that are not
 in the training data, marks each answer right or wrong against the reply the data teaches,
-shows the training loss as it falls, and ends with the commands that use the result
-(chat, merged GGUF export, Ollama).
+shows the training loss as it falls, says what changed (the format learned, the capitals
+the base already named still right, two prompts outside the task not answered in the
+capitals JSON), and ends with the commands that use the result (chat, merged GGUF
+export, Ollama).
 """
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from pathlib import Path
 
@@ -21,6 +22,9 @@ QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
              ("What's the capital city of Kenya?", "Kenya"),
              ("Capital of Norway?", "Norway")]
 PROMPTS = [q for q, _ in QUESTIONS]
+#: Prompts outside the task, asked before and after too: a fine-tune that answers them in
+#: the capitals JSON has taken over more than it was taught (the "what changed" lines).
+OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"]
 
 # The fine-tune, every RunConfig option the demo sets in one place (issue 15 item 6).
 # capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows). Measured with
@@ -82,6 +86,35 @@ def verdict(answer: str, taught: str) -> str:
     return f"wrong: the data says {want['capital']}, not {got.get('capital')}"
 
 
+def capitals_json(answer: str) -> dict | None:
+    """The answer as the taught one-line JSON object ({"country", "capital"}), else None."""
+    try:
+        got = json.loads(answer)
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) and {"country", "capital"} <= got.keys() else None
+
+
+def what_changed(before: dict, after: dict, taught: dict) -> list[str]:
+    """What the fine-tune changed, from the demo's own probes (``before``/``after``: each
+    prompt's answer, the QUESTIONS' and OFF_TASK's; ``taught``: each question's reply):
+    the format learned, the capitals the base already named still right, and the prompts
+    outside the task not answered in the capitals JSON."""
+    questions = list(taught)
+    form = [sum(capitals_json(answers[q]) is not None for q in questions)
+            for answers in (before, after)]
+    known = [q for q in questions if json.loads(taught[q])["capital"].lower() in before[q].lower()]
+    lost = [json.loads(taught[q])["country"] for q in known if verdict(after[q], taught[q]) != "right"]
+    off = [p for p in before if p not in taught]
+    taken = [p for p in off if capitals_json(after[p]) is not None]
+    return [f"format learned: {form[1]}/{len(questions)} answers in the taught one-line JSON "
+            f"(before: {form[0]}/{len(questions)})",
+            f"facts kept: {len(known) - len(lost)}/{len(known)} capitals the base model already "
+            f"named are still right" + (f" (lost: {', '.join(lost)})" if lost else ""),
+            f"other prompts: {len(off) - len(taken)}/{len(off)} not answered in the capitals JSON"
+            + (f" (taken over: {'; '.join(taken)})" if taken else "")]
+
+
 def loss_curve(events: Path, points: int = 5, window: int = 10) -> list[str]:
     """The training loss at ``points`` evenly spaced steps, each the mean of the ``window``
     steps ending there (one batch's loss is noisy), as "loss@step"."""
@@ -121,51 +154,57 @@ def check_demo_out(out: str) -> None:
 
 def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "cpu",
              precision: str = "f32") -> int:
+    from toygraph.bounded import terminal_text
     from toygraph.inference.language_model import LanguageModel
     from toygraph.models.catalog import smollm2_path
     from toygraph.training import RunConfig, run_training
+    from toygraph.training.result import use_text
+    from toygraph.training.run_config import check_value
 
     check_demo_out(out)   # before the model is fetched or anything is trained
+    steps = STEPS if steps is None else steps
+    check_value("steps", steps)   # --steps 0 is refused, not read as "the recipe's"
     model, data = str(smollm2_path()), data_path()
     taught = taught_answers(data)
-    print(f"model: {Path(model).name}\ndata:  {data}\n")
+    print(terminal_text(f"model: {Path(model).name}\ndata:  {data}\n"))
     base = LanguageModel(model, backend=backend, precision=precision)
-    before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in PROMPTS}
+    before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS)
+              for p in (*PROMPTS, *OFF_TASK)}
     del base
-    steps = steps or STEPS
     t0 = time.perf_counter()
     run_cfg = RunConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
-                            backend=backend, precision=precision,
-                            overwrite=True, **RECIPE)  # a demo run replaces the previous demo
-    summary = run_training(run_cfg)
+                        backend=backend, precision=precision,
+                        overwrite=True, **RECIPE)  # a demo run replaces the previous demo
+    summary = run_training(run_cfg, show_use=False)   # the commands come once, at the end
+    if summary["status"] not in ("completed", "early_stopped"):
+        # interrupted (Ctrl-C) or diverged: run_training said what it saved and how to
+        # continue; there is no final adapter to ask the questions of
+        print(terminal_text(f"\nthe demo's fine-tune ended {summary['status']} after "
+                            f"{summary['steps']} steps; no answers after fine-tuning"))
+        from toygraph.cli.finetune import EXIT_CODES
+        return EXIT_CODES.get(summary["status"], 1)
     minutes = (time.perf_counter() - t0) / 60
     tuned = LanguageModel(model, adapter_dir=out, backend=backend, precision=precision)
     print(f"\nfine-tune: {summary['steps']} steps in {minutes:.1f} min; training loss "
           f"{' -> '.join(loss_curve(Path(out) / 'events.jsonl'))}")
-    print(f"adapter: {out}/adapter_model.safetensors (PEFT) and {out}/adapter.gguf (llama.cpp)\n")
+    print(terminal_text(f"adapter: {out}/adapter_model.safetensors (PEFT) and "
+                        f"{out}/adapter.gguf (llama.cpp)\n"))
+    after = {p: tuned.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in before}
     right = 0
     for p in PROMPTS:
-        after = tuned.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS)
-        mark = verdict(after, taught[p])
+        mark = verdict(after[p], taught[p])
         right += mark == "right"
-        print(f"Q: {p}\n  before: {before[p]!r}\n  after:  {after!r}  ({mark})")
+        print(terminal_text(f"Q: {p}\n  before: {before[p]!r}\n  after:  {after[p]!r}  ({mark})"))
     print(f"\n{right}/{len(PROMPTS)} answers after fine-tuning are the ones capitals.jsonl teaches")
+    print("\nwhat changed:")
+    print(terminal_text("\n".join(f"  {line}" for line in what_changed(before, after, taught))))
     print("\nuse the result:")
-    for command, why in next_steps(out):
-        print(f"  {command}\n      # {why}")
+    print(terminal_text(use_text(model, out, name="capitals")))
     return 0
 
 
 def next_steps(out: str, model: str = "smollm2") -> list[tuple[str, str]]:
-    """The commands that use a finished run directory ``out``, each with what it is for."""
-    # quoted so that a run directory with spaces stays one argument when pasted
-    run_dir, merged, modelfile = (shlex.quote(str(p)) for p in
-                                  (out, Path(out) / "merged.gguf", Path(out) / "Modelfile"))
-    return [
-        (f"toygraph chat --model {model} --adapter {run_dir}",
-         "talk to the fine-tuned model here (/reset, /exit)"),
-        (f"toygraph export --model {model} --adapter {run_dir} --out {merged}",
-         "one self-contained GGUF with the adapter merged in (llama.cpp, LM Studio, Ollama)"),
-        (f"ollama create capitals -f {modelfile} && ollama run capitals",
-         "Ollama: the base GGUF plus adapter.gguf, as the Modelfile beside it says"),
-    ]
+    """The commands that use a finished run directory ``out``, each with what it is for
+    (the ones ``finetune`` prints too: toygraph.training.result.use_commands)."""
+    from toygraph.training.result import use_commands
+    return use_commands(model, out, name="capitals")

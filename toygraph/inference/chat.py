@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from toygraph.bounded import utf8_error
+from toygraph.bounded import terminal_text, utf8_error
 from toygraph.errors import DataError
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "leave"}
@@ -23,14 +23,14 @@ def chat_loop(lm, stdin, stdout, *, system: str | None = None, notices=None,
     """Read user lines from ``stdin`` and answer each with ``lm`` until /exit or EOF."""
     notices = notices or sys.stderr
 
-    def write(piece: str) -> None:  # the reply streams out as it is generated
-        stdout.write(piece)
+    def write(piece: str) -> None:  # the reply streams out as it is generated, escaped
+        stdout.write(terminal_text(piece))
         stdout.flush()
 
     start = [{"role": "system", "content": system}] if system else []
     messages, interactive = list(start), stdin.isatty()
     if interactive:
-        stdout.write(f"chatting with {lm.model.path.name}; "
+        stdout.write(f"chatting with {terminal_text(lm.model.path.name)}; "
                      + ", ".join(f"{c} to {what}" for c, what in COMMANDS.items()) + "\n")
     while True:
         if interactive:
@@ -57,7 +57,7 @@ def chat_loop(lm, stdin, stdout, *, system: str | None = None, notices=None,
             reply = lm.generate(messages, chat=True, on_text=write, **generate_kwargs)
         except DataError as e:  # e.g. the history outgrew the context: keep the session
             messages.pop()
-            notices.write(f"({e}; /reset to start over)\n")
+            notices.write(terminal_text(f"({e}; /reset to start over)\n"))
             continue
         stdout.write("\n")
         stdout.flush()

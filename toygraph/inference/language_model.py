@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from toygraph.adapters.base import check_base
-from toygraph.adapters.files import WEIGHTS_FILE, adapter_template, load_lora, read_peft
-from toygraph.adapters.merge import refuse_merged_twice
 from toygraph import ops
+from toygraph.adapters.base import check_base
+from toygraph.adapters.files import adapter_template, load_lora
+from toygraph.adapters.merge import read_adapter, refuse_merged_twice
 from toygraph.core.graph import Graph, Tensor
 from toygraph.core.session import Session
 from toygraph.errors import DataError, ToygraphError
@@ -73,15 +73,16 @@ class LanguageModel:
             raise DataError(f"seq_len must be >= 2, got {seq_len}")
         self.lora_config, self.adapter = None, {}
         if adapter_dir is not None:
-            a = read_peft(adapter_dir, self.cfg)
-            refuse_merged_twice(self.model, Path(adapter_dir) / WEIGHTS_FILE, allow_merged)
+            a, source = read_adapter(adapter_dir, self.cfg)   # a directory or an adapter .gguf
+            refuse_merged_twice(self.model, source, allow_merged)
             check_base(adapter_dir, self.model, other_base)
             self.lora_config = LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
                                           rslora=a.rslora, dora=a.dora)
             self.adapter = a.lora
         # The chat template: the one asked for, else the one the adapter was trained with,
         # else the model's own (templates.py): prompts render as training rendered them.
-        trained = adapter_template(adapter_dir) if adapter_dir is not None else None
+        trained = (adapter_template(adapter_dir) if adapter_dir is not None and Path(adapter_dir).is_dir()
+                   else None)   # an adapter .gguf records no template
         if template is not None:
             self.tokenizer.use_template(template)
         elif trained is not None:
@@ -237,9 +238,16 @@ class LanguageModel:
             context.append(nxt)
             emit(stream.push(nxt))
         emit(stream.finish())
-        #: what the last call did: prompt and new tokens, and the seconds it took
+        if stream.stopped:
+            why = "stop"             # a --stop text
+        elif len(context) < end:
+            why = "end"              # the model's end-of-turn token
+        else:
+            why = "max_new_tokens" if end == len(ids) + max_new_tokens else "context"
+        #: what the last call did: prompt and new tokens, the seconds it took, and why it
+        #: stopped (end, stop, max_new_tokens or context)
         self.last_generation = {"prompt_tokens": len(ids), "new_tokens": len(context) - len(ids),
-                                "seconds": time.perf_counter() - t0}
+                                "seconds": time.perf_counter() - t0, "stopped": why}
         return stream.text
 
     def next_logits(self, context: list[int], end: int, kv_cache: bool = True):

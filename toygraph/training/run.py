@@ -32,6 +32,7 @@ from pathlib import Path
 
 from toygraph import __version__
 from toygraph.adapters.base import base_record, check_base
+from toygraph.bounded import terminal_text
 from toygraph.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
 from toygraph.errors import DataError
@@ -136,9 +137,10 @@ def _epoch_batches(run_cfg: RunConfig, train: list, pad: int, recipe):
     return micro_batch, n
 
 
-def run_training(run_cfg: RunConfig) -> dict:
+def run_training(run_cfg: RunConfig, show_use: bool = True) -> dict:
     """Fine-tune per ``run_cfg``; returns a summary dict (also the run_end event). A run that
-    fails with an error records ``run_end: failed`` and re-raises it.
+    fails with an error records ``run_end: failed`` and re-raises it. ``show_use=False``
+    leaves the commands that use the result unsaid (the demo prints them at its end).
 
     Under ``mpirun -n N`` every rank calls this (data parallelism, see distributed.py):
     rank 0 alone writes into ``out``; an error every rank meets is raised on each, and a
@@ -155,7 +157,7 @@ def run_training(run_cfg: RunConfig) -> dict:
             try:
                 if lock is not None:
                     bus.last_words.append(lambda reason: lock.release())
-                return _run_locked(run_cfg, prep, out, w, say, bus.last_words)
+                return _run_locked(run_cfg, prep, out, w, say, bus.last_words, show_use)
             finally:
                 if lock is not None:
                     lock.release()
@@ -179,8 +181,8 @@ def _say(text: str) -> None:
     """A line for the user watching the run (rank 0, not --quiet). Before the run has a
     directory there is nothing to record a lost terminal in: the progress line of the run
     itself meets it again and the run records the failure."""
-    try:
-        print(text, file=sys.stderr, flush=True)
+    try:   # file names, paths and settings as typed: their escape sequences shown, not run
+        print(terminal_text(text), file=sys.stderr, flush=True)
     except OSError:
         pass
 
@@ -236,7 +238,7 @@ def _prepare_training(run_cfg: RunConfig, prep: Prepared, out: Path, say) -> Non
 
 
 def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
-                last_words: list) -> dict:
+                last_words: list, show_use: bool = True) -> dict:
     """The run in its locked directory. ``last_words``: what a bus error (bus_error.py)
     calls before the process ends; the run adds its run_end and, while an extension
     trains, putting the finished result back."""
@@ -333,7 +335,7 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
     elif status == "interrupted" and w.rank == 0 and trainer.state.step:
         progress.message(f"continue it with:\n  {resume}", always=True)
     if final and w.rank == 0:
-        progress.message(final_text(run_cfg, out, final, lora_meta is not None))
+        progress.message(final_text(run_cfg, out, final, lora_meta is not None, show_use))
     if error is not None:
         raise error
     return summary

@@ -30,6 +30,7 @@ from toygraph.bounded import excerpt
 from toygraph.core.frozen_base import MODES as BASE_MEMORY_MODES
 from toygraph.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
+from toygraph.models.catalog import model_forms
 from toygraph.models.decoder import LoraConfig, expand_targets
 from toygraph.recipes import RECIPES, LoRA, RecipeOptions, recipe_class
 from toygraph.recipes.dpo import DPO, LABEL_SMOOTHING
@@ -44,6 +45,9 @@ from toygraph.recipes.rewards import REWARD_TIMEOUT
 #: is compared by content: model, data, the reference adapter); "never" shapes the
 #: trainable tensors, so a checkpoint cannot load across it.
 RESUME_RULES = ("same", "free", "never")
+#: The largest float32: every float option must fit one (the step's hyperparameters are an
+#: f32 tensor; --epochs times the rows is a step count).
+F32_MAX = 3.4028234663852886e38
 #: The groups of the help text and of the settings block, in order.
 GROUPS = {"run": "what to train", "adapter": "LoRA adapters", "steps": "steps and batches",
           "optimizer": "optimizer and schedule", "evaluation": "evaluation",
@@ -63,6 +67,12 @@ def option(default=MISSING, *, help: str, group: str, used_by=None, resume: str 
     meta = {"help": help, "group": group, "used_by": used_by, "resume": resume,
             "choices": choices, "low": low, "high": high, "open_low": open_low, "file": file}
     return field(default=default, metadata=meta)
+
+
+def _recipes_help() -> str:
+    """The --recipe help, from the registered recipes themselves."""
+    return "what trains: " + "; ".join(f"{name} ({cls.summary})" if cls.summary else name
+                                       for name, cls in RECIPES.items())
 
 
 def _adapter_recipes(recipe) -> bool:
@@ -93,9 +103,7 @@ class RunConfig:
     """Every option of a fine-tuning run (see the module docstring)."""
 
     # --- what to train ---------------------------------------------------------------------
-    model: str = option(help="GGUF file, or a model name: smollm2, gemma3-270m, ollama:NAME[:TAG], "
-                             "hf:ORG/REPO/FILE.gguf, lmstudio:NAME (`toygraph models` lists them)",
-                        group="run", resume="free")
+    model: str = option(help=model_forms(), group="run", resume="free")
     # data files, mixed by weight (toygraph/data/mixing.py): one per flag
     data: list[str] = option(help="JSONL: instruction/response, alpaca, chat (tool calls too), "
                                   "ShareGPT, prompt/completion or text rows; {prompt, chosen, "
@@ -104,9 +112,7 @@ class RunConfig:
                              group="run", resume="free")
     out: str = option(help="run directory: adapter, checkpoints, events.jsonl, run.yaml",
                       group="run", resume="free")
-    recipe: str = option("lora", help="what trains: lora (adapters), full (every weight, from "
-                                      "the GGUF), scratch (every weight, random), dpo/orpo "
-                                      "(preference tuning with LoRA)",
+    recipe: str = option("lora", help=_recipes_help(),
                          group="run", resume="never", choices=lambda: tuple(RECIPES))
     max_examples: int | None = option(None, help="use only the first N rows of each data file",
                                       group="run", low=1)
@@ -205,7 +211,7 @@ class RunConfig:
     top_p: float = option(TOP_P, help="grpo: nucleus sampling mass, in (0, 1]; 1 = off",
                           group="steps", used_by=_grpo_recipes, low=0, open_low=True)
     seed: int = option(RecipeOptions.seed, help="seed of the data order and the adapters' init",
-                       group="steps", low=0)
+                       group="steps", low=0, high=2**63)
     init_scale: float = option(RecipeOptions.init_scale, help="std of the LoRA A init",
                                group="steps", low=0)
     # --- optimizer and schedule ------------------------------------------------------------
@@ -443,8 +449,10 @@ def check_value(name: str, value) -> None:
         return
     low, high, open_low = meta["low"], meta["high"], meta["open_low"]
     if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-            raise ToygraphError(f"{flag(name)} must be an integer >= {low}, got {excerpt(value)}")
+        if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low) \
+                or (high is not None and value >= high):
+            rng = f">= {low}" + (f" and < {high}" if high is not None else "")
+            raise ToygraphError(f"{flag(name)} must be an integer {rng}, got {excerpt(value)}")
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (low is None or (value > low if open_low else value >= low))
@@ -453,6 +461,9 @@ def check_value(name: str, value) -> None:
         rng = (f"{'>' if open_low else '>='} {low}" if low is not None else "") \
             + (f" and < {high}" if high is not None else "")
         raise ToygraphError(f"{flag(name)} must be a finite number {rng}, got {excerpt(value)}")
+    if abs(value) > F32_MAX:   # the hyperparameters reach the graph as 32-bit floats: inf
+        raise ToygraphError(f"{flag(name)} must be at most {F32_MAX:.3g} (a 32-bit float), "
+                            f"got {excerpt(value)}")
 
 
 def coerce(name: str, value):

@@ -23,6 +23,7 @@ from toygraph.atomic import open_append
 from toygraph.bounded import parse_json
 from toygraph.errors import DataError, ToygraphError
 from toygraph.files import not_regular
+from toygraph.limits import disk_full_text
 
 LOCK_FILE = ".lock"
 EVENTS_FILE = "events.jsonl"
@@ -46,6 +47,9 @@ class RunError(ToygraphError):
 
 def io_error(what: str, e: OSError, intact: str = "") -> RunError:
     """A one-line error for a failed write: what was written, why, and what survives."""
+    full = disk_full_text(e, what)
+    if full is not None:
+        return RunError(full + (f"; {intact}" if intact else ""))
     reason = os.strerror(e.errno) if e.errno else str(e)
     return RunError(f"could not write {what}: {reason}" + (f"; {intact}" if intact else ""))
 

@@ -17,6 +17,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from toygraph.bounded import terminal_text
 from toygraph.distributed import World
 from toygraph.training.guard import Diverged
 from toygraph.training.checkpoints import (list_checkpoints, prune_checkpoints, save_checkpoint,
@@ -145,8 +146,8 @@ class Progress:
 
     def message(self, text: str, always: bool = False):
         if always or not self.quiet:
-            with self._lock:
-                self._write(("\n" if self.tty else "") + text)
+            with self._lock:   # a path or a name in the text: its escapes shown, not run
+                self._write(("\n" if self.tty else "") + terminal_text(text))
 
 
 #: The signals that stop a run as Ctrl-C does: SIGHUP is a closed terminal or a dropped
