@@ -552,7 +552,7 @@ def render(rows: list, a, facts: dict, device_desc: str, argv: list) -> str:
         f"- date: {date}; python {platform.python_version()}; {vers}",
         f"- command: `{' '.join(shlex.quote(x) for x in argv)}`",
         f"- model: `{Path(a.gguf_path).name}` ({cfg.n_layer} layers, d={cfg.n_embd}, "
-        f"heads {cfg.n_head}/{cfg.n_head_kv}, ff {cfg.n_ff}, vocab {cfg.n_vocab}, "
+        f"heads {cfg.attention[0].heads}/{cfg.attention[0].kv_heads} (layer 0), ff {cfg.n_ff}, vocab {cfg.n_vocab}, "
         f"{'tied' if cfg.tied_output else 'untied'} head); N = {facts['n_base'] / 1e6:.1f} M "
         f"base matmul weights, N_lora = {facts['n_lora'] / 1e6:.3f} M",
         f"- step: batch {a.batch} x seq {a.seq} = {a.batch * a.seq} tokens; LoRA "

@@ -335,3 +335,20 @@ def test_f64_gradients_equal_transformers_in_f64(gemma4, monkeypatch):
         worst = max(worst, np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
     print(f"gemma4 f64 gradients of {len(net.params)} weights: worst rel {worst:.2e}")
     assert worst <= 1e-9 and not theirs   # every trainable weight of theirs was compared
+
+
+def test_head_facts_are_read_per_layer(gemma4):
+    """The sliding layers have 16-wide heads, the global ones 32: no one head size stands for
+    the model, so asking for one is an error, and the checks that need one (the rank against
+    the matrices' widths) read every layer's."""
+    from toygraph.errors import GGUFError, ToygraphError
+    from toygraph.training.run_config import RunConfig, check_against_model
+    path, _ = gemma4
+    cfg = GGUFModel(path).config
+    assert {a.head_dim for a in cfg.attention} == {16, 32}
+    with pytest.raises(GGUFError, match="head_dim varies by layer"):
+        cfg.head_dim
+    run = dict(model="m.gguf", data="d.jsonl", out="o", targets=["q"], seq_len=16)
+    check_against_model(RunConfig(**run, rank=48), cfg)   # q: d = 48 -> 64 or 128
+    with pytest.raises(ToygraphError, match="exceeds the q matrix's smaller side 48"):
+        check_against_model(RunConfig(**run, rank=49), cfg)

@@ -74,7 +74,8 @@ def hf_row_order(rows: np.ndarray, cfg, name: str, to_hf: bool) -> np.ndarray:
         return np.ascontiguousarray(rows[order] if to_hf else rows[np.argsort(order)])
     if not cfg.family.qk_permuted or proj not in ("attn_q", "attn_k"):
         return rows
-    n_head = cfg.n_head if proj == "attn_q" else cfg.n_head_kv
+    attn = cfg.layers[int(name.split(".")[1])].attention   # name: blk.<i>.attn_q.weight
+    n_head = attn.heads if proj == "attn_q" else attn.kv_heads
     half = rows.shape[0] // n_head // 2
     split = (n_head, half, 2) if to_hf else (n_head, 2, half)
     return np.ascontiguousarray(rows.reshape(*split, *rows.shape[1:]).swapaxes(1, 2)

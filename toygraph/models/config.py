@@ -55,17 +55,27 @@ class ModelConfig:
         """The attention parts, in layer order (the DeltaNet layers have none)."""
         return tuple(layer.attention for layer in self.layers if layer.attention)
 
+    def uniform(self, what: str):
+        """``what`` (heads, kv_heads, head_dim) of the attention layers, which must all have
+        the same: a fact that varies by layer (Gemma 4's sliding and global layers) is read
+        per layer, from ``layer.attention``, and asking for one value of it is an error."""
+        values = {getattr(a, what) for a in self.attention}
+        if len(values) != 1:
+            raise GGUFError(f"{self.arch}: attention {what} varies by layer ({sorted(values)}); "
+                            "read it per layer (layer.attention)")
+        return values.pop()
+
     @property
     def n_head(self) -> int:
-        return self.attention[0].heads
+        return self.uniform("heads")
 
     @property
-    def n_head_kv(self) -> int:   # the first attention layer's (Gemma 4 varies them)
-        return self.attention[0].kv_heads
+    def n_head_kv(self) -> int:
+        return self.uniform("kv_heads")
 
     @property
-    def head_dim(self) -> int:    # the first attention layer's (Gemma 4 varies them)
-        return self.attention[0].head_dim
+    def head_dim(self) -> int:
+        return self.uniform("head_dim")
 
     @property
     def n_ff(self) -> int:        # the first dense FFN's width (0: every FFN a mixture)

@@ -498,7 +498,9 @@ def check_against_model(run_cfg: RunConfig, model_cfg) -> None:
         return
     LoraConfig(targets=tuple(run_cfg.targets), rank=run_cfg.rank, alpha=run_cfg.alpha)  # names checked
     d, ff = model_cfg.n_embd, model_cfg.n_ff
-    q, kv = model_cfg.n_head * model_cfg.head_dim, model_cfg.n_head_kv * model_cfg.head_dim
+    # per layer: Gemma 4's sliding and global layers have different head sizes and counts
+    q = min(a.heads * a.head_dim for a in model_cfg.attention)
+    kv = min(a.kv_heads * a.head_dim for a in model_cfg.attention)
     widths = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d),
               "gate": (d, ff), "up": (d, ff), "down": (ff, d)}
     if model_cfg.n_expert:   # the experts' matrices (a dense model refuses these targets)
