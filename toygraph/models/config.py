@@ -183,8 +183,9 @@ def _layers(m: readers.Metadata, fam: Family, n_layer: int, n_embd: int, n_ctx: 
     dense_ff = n_dense > 0
     ffs = m.per_layer("feed_forward_length", n_layer, None if dense_ff else 0, positive=dense_ff)
     sources = readers.kv_sources(m, fam, n_layer, is_global)
+    # Gemma 4's per-layer input embeddings: where the family reads the key (its extra_keys)
     ple = m.num("embedding_length_per_layer_input", int, 0, positive=False) \
-        if fam.per_layer_inputs else 0
+        if "embedding_length_per_layer_input" in fam.extra_keys else 0
     recurrent, delta = readers.deltanet(m, n_layer) if fam.deltanet else ([False] * n_layer, None)
     has_freqs = fam.rope_freqs != "" and ROPE_FREQS in tensors
     bias = attn.bias and "blk.0.attn_q.bias" in tensors

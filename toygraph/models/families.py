@@ -90,13 +90,14 @@ class Family:
     ``attn_scale_embd_layers``: layer counts where the attention scale is
     1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim) (Gemma 3 27B, as llama.cpp does).
     ``embed_scale_sqrt``: token embeddings multiplied by sqrt(n_embd).
-    ``per_layer_inputs``: Gemma 4's per-layer input embeddings (``per_layer_token_embd``,
-    ``per_layer_model_proj``; per block ``inp_gate``/``proj``/``post_norm``).
     ``kv_sharing``: the last ``attention.shared_kv_layers`` layers attend with the K/V of
     the last earlier layer of their kind (sliding or global), Gemma 4.
     ``extra_keys``: metadata keys understood beyond COMMON_KEYS (and MOE_KEYS, which every
     family with Experts understands). Per-layer head sizes, KV-head counts and FFN widths
-    come from the file (``*_swa`` keys, arrays) for any family that lists those keys.
+    come from the file (``*_swa`` keys, arrays) for any family that lists those keys, and
+    so do Gemma 4's per-layer input embeddings (``embedding_length_per_layer_input``:
+    ``per_layer_token_embd``, ``per_layer_model_proj``; per block ``inp_gate``/``proj``/
+    ``post_norm``).
     ``hf_modules``: Hugging Face module paths by GGUF projection, for PEFT export;
     ``hf_gate_up``: how transformers' fused ``mlp.experts.gate_up_proj`` orders the gate and
     up rows, "halves" (gate then up) or "interleaved" (gpt-oss); expert LoRA export follows
@@ -111,7 +112,6 @@ class Family:
     default_rope_base: float | None = 10000.0
     attn_scale_embd_layers: tuple[int, ...] = ()
     embed_scale_sqrt: bool = False
-    per_layer_inputs: bool = False
     kv_sharing: bool = False
     deltanet: bool = False
     extra_keys: frozenset = frozenset()
@@ -162,7 +162,7 @@ FAMILIES = {f.arch: f for f in (
                                  keys_as_values=True),
                        Dense(activation="geglu"), post_norms=True, output_scale=True),
            sliding=Sliding(period=6, rope_base=10000.0), rope_freqs="global",
-           default_rope_base=None, embed_scale_sqrt=True, per_layer_inputs=True,
+           default_rope_base=None, embed_scale_sqrt=True,
            kv_sharing=True,
            extra_keys=SWA_KEYS | {
                "attention.key_length_swa", "attention.value_length_swa",
