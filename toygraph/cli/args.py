@@ -17,6 +17,14 @@ def utf8(flag: str, text: str) -> str:
     return text
 
 
+def parse_ids(text: str) -> list[int]:
+    """``--tokens``: comma-separated token ids."""
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ToygraphError(f"--tokens must be comma-separated integers, got {text!r}") from None
+
+
 def add_backend_args(p, precision: bool = True) -> None:
     """``--backend`` and ``--precision`` (the matmuls' input precision), with the defaults of
     RecipeOptions and the choices of session.py, for every command that runs a model."""
@@ -73,6 +81,25 @@ def language_model_from_args(args):
                          backend=args.backend, precision=args.precision,
                          template=getattr(args, "template", None),
                          allow_merged=getattr(args, "allow_merged", False))
+
+
+def eval_sequences(args, lm) -> tuple[list, list | None]:
+    """(sequences, target masks) of ``toygraph eval``'s --tokens, --text or --data (None
+    when none is given), tokenized by ``lm``'s tokenizer."""
+    if args.tokens is not None:
+        return [parse_ids(args.tokens)], None
+    if args.text is not None:
+        return [lm.tokenizer.encode(utf8("--text", args.text), add_bos=None)], None
+    if args.data is None:
+        return None
+    from toygraph.data.batches import encode_dataset
+    from toygraph.data.examples import load_examples
+    from toygraph.files import check_regular_file
+    check_regular_file(args.data, "--data")   # a FIFO or a device would hang the reader
+    enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
+    if not enc.items:
+        raise ToygraphError(f"{args.data}: no example has a target token")
+    return [e.tokens for e in enc.items], [e.target_mask for e in enc.items]
 
 
 def add_sampling_args(p) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from toygraph.adapters.merge import OUT_TYPES, PROVENANCE, export_merged
 from toygraph.cli.args import add_allow_merged_arg, add_template_arg
+from toygraph.cli.fidelity import add_check_arg, print_merge_check
 from toygraph.errors import ToygraphError
 from toygraph.models.catalog import resolve_model
 from toygraph.models.model import GGUFModel
@@ -24,6 +25,7 @@ def add_export_parser(sub) -> None:
                    help="type of the merged weights; other tensors keep theirs (default: f16)")
     add_template_arg(p)
     add_allow_merged_arg(p)
+    add_check_arg(p)
     p.set_defaults(fn=_cmd_export)
 
 
@@ -52,7 +54,8 @@ def check_out_is_not_read(out: str, adapter: str) -> None:
 
 def _cmd_export(args) -> int:
     check_out_is_not_read(args.out, args.adapter)
-    out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
+    model_path = resolve_model(args.model)
+    out = export_merged(model_path, args.adapter, args.out, args.type,
                         template=args.template, allow_merged=args.allow_merged,
                         progress=Ticker("merging, tensor", lambda text: print(text, file=sys.stderr)))
     merged = GGUFModel(out)
@@ -61,4 +64,5 @@ def _cmd_export(args) -> int:
           f"the adapter {args.adapter} (rank {meta['rank']}, alpha {meta['alpha']:g}) merged "
           f"into {len(meta['tensors'])} tensors stored as {args.type}; chat template "
           f"{meta['template']}")
+    print_merge_check(args, model_path, out)
     return 0

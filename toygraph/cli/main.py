@@ -15,25 +15,18 @@ from importlib.metadata import entry_points
 
 from toygraph import __version__
 from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampling_args, add_template_arg,
-                               add_threads_arg, generation_kwargs, language_model_from_args,
-                               use_threads_of, utf8)
+                               add_threads_arg, eval_sequences, generation_kwargs,
+                               language_model_from_args, use_threads_of, utf8)
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
+from toygraph.cli.fidelity import add_fidelity_args, cmd_fidelity
 from toygraph.cli.finetune import add_finetune_parser
 from toygraph.cli.models import add_models_parser
 from toygraph.bounded import printable
 from toygraph.errors import ToygraphError
-from toygraph.files import check_regular_file
 from toygraph.limits import out_of_memory_text
 from toygraph.models.catalog import resolve_model
 from toygraph.training.supervisor import rate_text
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ToygraphError(f"--tokens must be comma-separated integers, got {text!r}") from None
 
 
 def cmd_tokenize(args):
@@ -43,19 +36,13 @@ def cmd_tokenize(args):
 
 
 def cmd_eval(args):
+    if args.quants is not None:   # the fidelity report: its data may be the run's own
+        return cmd_fidelity(args)
+    if args.tokens is None and args.text is None and args.data is None:
+        raise ToygraphError("one of the arguments --tokens --text --data is required "
+                            "(or --quants with a run directory's --adapter)")
     lm = language_model_from_args(args)
-    if args.tokens is not None:
-        loss, n = lm.loss(_parse_ids(args.tokens))
-    elif args.text is not None:
-        loss, n = lm.loss(lm.tokenizer.encode(utf8("--text", args.text), add_bos=None))
-    else:
-        from toygraph.data.batches import encode_dataset
-        from toygraph.data.examples import load_examples
-        check_regular_file(args.data, "--data")   # a FIFO or a device would hang the reader
-        enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
-        if not enc.items:
-            raise ToygraphError(f"{args.data}: no example has a target token")
-        loss, n = lm.loss([e.tokens for e in enc.items], [e.target_mask for e in enc.items])
+    loss, n = lm.loss(*eval_sequences(args, lm))
     if not math.isfinite(loss):   # an adapter or model whose numbers overflow: say so, not "nan"
         raise ToygraphError(f"the loss is {loss} over {n} tokens: the model"
                             f"{' with its adapter' if args.adapter else ''} computes values that "
@@ -102,11 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity")
     p.add_argument("--model", required=True)
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()   # one is required, but for --quants (cmd_eval)
     src.add_argument("--tokens", help="comma-separated token ids")
     src.add_argument("--text")
     src.add_argument("--data", help="JSONL dataset (loss on target tokens)")
     p.add_argument("--adapter", help="PEFT adapter directory")
+    add_fidelity_args(p)
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)

@@ -159,14 +159,15 @@ class LanguageModel:
             raise DataError("loss: the target mask selects no predictable token")
         return total / count, count
 
-    def target_logits(self, token_ids, target_mask=None):
+    def target_logits(self, token_ids, target_mask=None, tokens_per_batch: int = _TOKENS_PER_BATCH):
         """The forward passes of ``loss`` (same arguments), one ``TargetLogits`` per graph
-        run: the logits at the counted positions, their labels, and the loss summed over
-        them as the graph computed it. Two models given the same sequences yield chunks
-        of the same positions, in the same order (inference/fidelity.py compares them)."""
+        run of about ``tokens_per_batch`` tokens (a graph holds [tokens, vocab] logits):
+        the logits at the counted positions, their labels, and the loss summed over them
+        as the graph computed it. Two models given the same sequences yield chunks of the
+        same positions, in the same order (inference/fidelity.py compares them)."""
         rows = self._labelled_rows(token_ids, target_mask)
         T = self._graph_len(max(len(ids) for ids, _ in rows))
-        B = min(len(rows), max(1, _TOKENS_PER_BATCH // T))
+        B = min(len(rows), max(1, tokens_per_batch // T))
         for start in range(0, len(rows), B):
             # The last chunk is padded with fully ignored rows so one graph serves all.
             tokens = np.zeros((B, T), np.int32)
