@@ -258,3 +258,33 @@ def test_export_of_a_plain_adapter_directory_says_it_is_not_checked(files, capsy
     assert refused.value.code == 2
     assert "--check: expected a whole number >= 0, got '-1'" in capsys.readouterr().err
     assert not (d / "m2.gguf").exists()   # refused before anything is written
+
+
+def test_a_lora_run_with_a_validation_split_ends_with_the_fidelity_line(tiny_llama, tmp_path,
+                                                                        capsys):
+    from test_run import cfg_for, write_chat_data
+    from toygraph.training import run_training
+    from toygraph.training.validation import END_ROWS
+    out = tmp_path / "run"
+    run_training(cfg_for(tiny_llama, write_chat_data(tmp_path / "chat.jsonl"), out,
+                         quiet=False, fidelity=("q8_0", "q4_1")))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("fidelity on 6 validation rows (toygraph eval --quants for all 6): ")
+    # the same numbers as the report over those rows
+    pair = LanguageModel(tiny_llama, adapter_dir=out)
+    from toygraph.training.validation import run_validation
+    seqs, masks = run_validation(out, pair.tokenizer)
+    report = fidelity_report(tiny_llama, out, seqs[:END_ROWS], masks[:END_ROWS],
+                             quants=("q8_0", "q4_1"), merged_types=())
+    assert last.endswith(report.verdict())
+
+
+def test_fidelity_off_and_bad_types(tiny_llama, tmp_path, capsys):
+    from test_run import cfg_for, write_chat_data
+    from toygraph.errors import ToygraphError
+    from toygraph.training import run_training
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    run_training(cfg_for(tiny_llama, data, tmp_path / "a", quiet=False, fidelity=("none",)))
+    assert "fidelity on" not in capsys.readouterr().err
+    with pytest.raises(ToygraphError, match="--fidelity: 'q9' is not a block type"):
+        run_training(cfg_for(tiny_llama, data, tmp_path / "b", fidelity=("q9",)))

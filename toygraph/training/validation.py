@@ -60,3 +60,23 @@ def run_sample(run_dir, tokenizer, n: int) -> tuple[list, list, str]:
     _, _, train, val = _run_split(run_dir, tokenizer)
     items, what = (val, "validation") if val else (train, "training")
     return (*_as_lists(items[:n]), f"{min(n, len(items))} of the run's {len(items)} {what} rows")
+
+
+#: Validation rows the line at the end of a run evaluates (``--fidelity``).
+END_ROWS = 8
+
+
+def end_of_run_fidelity(run_cfg, prep, out) -> str | None:
+    """The line a LoRA run with a validation split ends with: ``--fidelity``'s verdict on
+    the first END_ROWS validation rows of the adapter just written to ``out``; None when
+    there is nothing to say (off, no validation rows, not token sequences)."""
+    from toygraph.inference.fidelity import fidelity_report
+    quants = [t for t in run_cfg.fidelity if t != "none"]
+    rows = [e for e in prep.val[:END_ROWS] if hasattr(e, "target_mask")]
+    if not quants or not rows:
+        return None
+    report = fidelity_report(prep.model.path, out, [e.tokens for e in rows],
+                             [e.target_mask for e in rows], quants=quants, merged_types=(),
+                             backend=run_cfg.backend, precision=run_cfg.precision)
+    return (f"fidelity on {len(rows)} validation rows (toygraph eval --quants for all "
+            f"{len(prep.val)}): {report.verdict()}")
