@@ -288,3 +288,20 @@ def test_fidelity_off_and_bad_types(tiny_llama, tmp_path, capsys):
     assert "fidelity on" not in capsys.readouterr().err
     with pytest.raises(ToygraphError, match="--fidelity: 'q9' is not a block type"):
         run_training(cfg_for(tiny_llama, data, tmp_path / "b", fidelity=("q9",)))
+
+
+def test_write_quants_writes_the_files_the_rows_describe(files, tmp_path, capsys):
+    d, base, direct, seqs, _ = files
+    folder = tmp_path / "q"
+    argv = ["eval", "--model", str(base), "--adapter", str(d / "adapter"), "--quants",
+            "q6_k", "--merged-types", "none", "--tokens", ",".join(map(str, seqs[0])),
+            "--write-quants", str(folder), "--json"]
+    assert cli_main(argv) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][1]
+    written = folder / "base.q6_k.gguf"
+    assert written.read_bytes() != base.read_bytes()
+    assert row["loss"] == LanguageModel(written, adapter_dir=d / "adapter").loss(seqs[0])[0]
+    before = written.stat().st_mtime_ns
+    assert cli_main(argv) == 2   # never replaced
+    assert "--write-quants: " in capsys.readouterr().err
+    assert written.stat().st_mtime_ns == before

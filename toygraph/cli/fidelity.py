@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from toygraph.errors import ToygraphError
 from toygraph.inference.fidelity import MERGED_TYPES, QUANTS, TOLERANCE
@@ -20,6 +21,9 @@ def add_fidelity_args(p) -> None:
     p.add_argument("--merged-types", metavar="LIST", default=",".join(MERGED_TYPES),
                    help="with --quants: also the merged export at each of these --type values "
                         "('none' for no merged rows; default: %(default)s)")
+    p.add_argument("--write-quants", metavar="DIR",
+                   help="with --quants: also write each requantized base there as "
+                        "<model>.<type>.gguf (by default nothing is written)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, metavar="NATS",
                    help="with --quants: a type holds while its loss and KL rise at most this "
                         "(default: %(default)s)")
@@ -53,6 +57,8 @@ def cmd_fidelity(args) -> int:
         from toygraph.training.validation import run_validation
         given = run_validation(args.adapter, lm.tokenizer)
     sequences, masks = given
+    if args.write_quants:   # first: a file in the way is said before the report's passes
+        _write_quants(lm.model.path, quants, Path(args.write_quants))
     report = fidelity_report(lm.model.path, args.adapter, sequences, masks, quants=quants,
                              merged_types=merged, tolerance=args.tolerance,
                              backend=args.backend, precision=args.precision,
@@ -66,6 +72,20 @@ def cmd_fidelity(args) -> int:
         print(report.table())
         print(report.verdict())
     return 0
+
+
+def _write_quants(model_path: Path, quants: list[str], folder: Path) -> None:
+    """--write-quants: each requantized base as a file; an existing one is not replaced."""
+    from toygraph.inference.fidelity import write_requantized
+    outs = [folder / f"{model_path.stem}.{q}.gguf" for q in quants]
+    for out in outs:
+        if out.exists() or out.is_symlink():
+            raise ToygraphError(f"--write-quants: {out} exists; remove it or choose another "
+                                "folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    for q, out in zip(quants, outs):
+        write_requantized(model_path, q, out)
+        print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB)", file=sys.stderr)
 
 
 #: Rows of the run's data ``toygraph export`` checks the merged file on, by default.
@@ -93,8 +113,6 @@ def add_check_arg(p) -> None:
 def print_merge_check(args, model_path, out, say=print) -> None:
     """``toygraph export``'s check of the file it wrote (``--check`` rows of the run's data),
     or a line saying why there is none."""
-    from pathlib import Path
-
     from toygraph.inference.fidelity import merge_check
     from toygraph.inference.language_model import LanguageModel
     from toygraph.training.run_file import RUN_FILE
