@@ -19,8 +19,10 @@ the SFT encoder (data/encoding.py) a row whose loss covers only the model's toke
 
 What is wired: nothing in the trainer yet. GRPO's batched sampler still samples one
 completion per prompt; ``--tools``, ``--environment``, ``--max-tool-calls``, the group
-advantage over whole episodes, the environment process and resuming an episode are not
-built. This module is the loop they will run.
+advantage over whole episodes, combining an environment's reward with the reward
+functions, and resuming an episode are not built. This module is the loop they will run,
+with recipes/tools.py's ToolBox and recipes/environments.py's ``environments(spec)``
+(the user's environments in a process of their own).
 """
 from __future__ import annotations
 

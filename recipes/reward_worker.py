@@ -23,6 +23,11 @@ GRPO's tools (recipes/tools.py) run here too, in a worker of their own: the run 
 defines, described as a JSON schema from its type hints and docstring) or ``("raised",
 type name, message, 0)``; then ``("tool", index, kwargs)`` per call, answered as a reward
 call is, except that ``("ok", value)`` carries any value the tool returned.
+
+And GRPO's environments (recipes/environments.py): ``("environment", module, name)``
+loads the factory (answered as "import" is), ``("new", key)`` makes an environment
+object under ``key`` (``("ok", None)``), ``("method", key, name, args)`` calls one of its
+methods (answered as a tool call) and ``("drop", key)`` lets it go.
 """
 import importlib
 import importlib.util
@@ -170,7 +175,7 @@ def main(fd: int) -> None:
     os.register_at_fork(after_in_child=lambda: os._exit(0),
                         after_in_parent=lambda: forked.append(True))
     sock = socket.socket(fileno=fd)
-    functions = []
+    functions, objects, factory = [], {}, None
     while (message := receive(sock)) is not None:
         if message[0] == "import":
             functions, answer = [], ("ok", None)
@@ -186,6 +191,19 @@ def main(fd: int) -> None:
                 answer = ("ok", schemas)
             except BaseException as e:   # the user's file: reported by the run
                 answer = ("raised", type(e).__name__, " ".join(str(e).split()), 0)
+        elif message[0] == "environment":
+            try:
+                factory, answer = _load(message[1], message[2]), ("ok", None)
+            except BaseException as e:   # the user's module: reported by the run
+                answer = ("raised", type(e).__name__, " ".join(str(e).split()), 0)
+        elif message[0] == "new":
+            answer = _call(lambda: objects.__setitem__(message[1], factory()), {}, True)
+        elif message[0] == "method":
+            _, key, name, args = message
+            answer = _call(lambda: getattr(objects[key], name)(*args), {}, any_value=True)
+        elif message[0] == "drop":
+            objects.pop(message[1], None)
+            answer = ("ok", None)
         else:
             answer = _call(functions[message[1]], message[2], any_value=message[0] == "tool")
         try:

@@ -134,3 +134,80 @@ def test_model_generate_runs_a_real_model_through_an_episode(box, tiny_llama):
     ep = tool_episode(generate, box, USER, "qwen", max_tool_calls=1)
     said = lm.generate(USER, chat=True, max_new_tokens=6, stop=["</tool_call>"])
     assert ep.messages[1]["content"].startswith(said)   # greedy: the same first turn
+
+
+ENV = '''
+import time
+
+
+class Counter:
+    """Counts the turns; done when the model says stop."""
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self, prompt):
+        self.turns = 0
+        return f"count with me: {prompt}"
+
+    def step(self, text):
+        self.turns += 1
+        if text == "boom":
+            raise ValueError("no\\nboom")
+        if text == "hang":
+            time.sleep(60)
+        if text == "shape":
+            return "only", 1.0
+        if text == "nan":
+            return "x", float("nan"), False
+        return f"turn {self.turns}", 0.5, text == "stop"
+'''
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory):
+    from toygraph.recipes.environments import environments
+    path = tmp_path_factory.mktemp("env") / "env.py"
+    path.write_text(ENV)
+    return lambda: environments(f"{path}:Counter", timeout=1.0)
+
+
+def test_a_user_environment_runs_in_its_own_process_one_object_per_episode(counter):
+    envs = counter()
+    a, b = envs.new(), envs.new()
+    ep = environment_episode(Scripted("one", "two", "stop"), a, "go", max_turns=5)
+    assert [m["content"] for m in ep.messages] == ["count with me: go", "one", "turn 1", "two",
+                                                  "turn 2", "stop"]
+    assert ep.rewards == [0.5, 0.5, 0.5] and ep.done
+    b.reset("other")
+    assert b.step("x") == ("turn 1", 0.5, False)   # its own count, not a's
+    envs.close()
+
+
+@pytest.mark.parametrize("turn, error", [
+    ("boom", "environment .*env.py:Counter failed in step: ValueError: no boom$"),
+    ("hang", "environment .*env.py:Counter did not return within 1 s .the environments' time "
+             "limit.; its process was stopped"),
+    ("shape", r"step returned \('only', 1.0\); expected \(observation, reward, done\)"),
+    ("nan", "step's reward is nan; expected a finite number"),
+])
+def test_an_environment_that_misbehaves_is_a_one_line_error(counter, turn, error):
+    from toygraph.recipes.rewards import RewardError
+    envs = counter()
+    env = envs.new()
+    env.reset("p")
+    with pytest.raises(RewardError, match=error) as e:
+        env.step(turn)
+    assert "\n" not in str(e.value)
+    envs.close()
+
+
+def test_environment_specs_that_cannot_load_are_one_line_errors(tmp_path):
+    from toygraph.recipes.environments import environments
+    from toygraph.recipes.rewards import RewardError
+    with pytest.raises(RewardError, match="expected module:Factory"):
+        environments("nonsense")
+    with pytest.raises(RewardError, match=r"cannot import it \(FileNotFoundError"):
+        environments(f"{tmp_path / 'none.py'}:Game")
+    g = environments("guess").new()
+    assert g.reset("p").startswith("p\nI am thinking")
