@@ -185,6 +185,9 @@ def test_cli_eval_quants_over_a_data_file(files, tmp_path, capsys):
     (["--quants", "q4_k", "--merged-types", "q4_k", "--adapter", "A"],
      "--merged-types 'q4_k': unknown type"),
     ([], "one of the arguments --tokens --text --data is required"),
+    (["--text", "hi", "--write-quants", "d"], "--write-quants is for the fidelity report: give "
+                                              "--quants too"),
+    (["--text", "hi", "--merged-types", "f16"], "--merged-types is for the fidelity report"),
 ])
 def test_cli_eval_quants_errors_are_one_line(files, capsys, argv, needle):
     _, base, _, _, _ = files

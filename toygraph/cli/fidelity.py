@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -40,6 +41,15 @@ def _type_list(flag: str, text: str, allowed) -> list[str]:
     return names
 
 
+def refuse_report_flags(args) -> None:
+    """The report's flags do nothing without --quants: said, not ignored."""
+    for flag, given in (("--merged-types", args.merged_types != ",".join(MERGED_TYPES)),
+                        ("--write-quants", args.write_quants is not None),
+                        ("--tolerance", args.tolerance != TOLERANCE)):
+        if given:
+            raise ToygraphError(f"{flag} is for the fidelity report: give --quants too")
+
+
 def cmd_fidelity(args) -> int:
     from toygraph.cli.args import eval_sequences, language_model_from_args
     from toygraph.inference.fidelity import fidelity_report
@@ -64,10 +74,11 @@ def cmd_fidelity(args) -> int:
                              backend=args.backend, precision=args.precision,
                              template=args.template,
                              progress=lambda text: print(text, file=sys.stderr))
-    if args.json:
+    if args.json:   # a candidate whose numbers overflow: null, as JSON has no nan
+        rows = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in vars(r).items()} for r in report.rows]
         print(json.dumps({"tokens": report.tokens, "tolerance": report.tolerance,
-                          "verdict": report.verdict(),
-                          "rows": [vars(r) for r in report.rows]}, allow_nan=False))
+                          "verdict": report.verdict(), "rows": rows}, allow_nan=False))
     else:
         print(report.table())
         print(report.verdict())

@@ -19,7 +19,7 @@ from toygraph.cli.args import (add_allow_merged_arg, add_backend_args, add_sampl
                                language_model_from_args, use_threads_of, utf8)
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
-from toygraph.cli.fidelity import add_fidelity_args, cmd_fidelity
+from toygraph.cli.fidelity import add_fidelity_args, cmd_fidelity, refuse_report_flags
 from toygraph.cli.finetune import add_finetune_parser
 from toygraph.cli.models import add_models_parser
 from toygraph.bounded import printable
@@ -38,6 +38,7 @@ def cmd_tokenize(args):
 def cmd_eval(args):
     if args.quants is not None:   # the fidelity report: its data may be the run's own
         return cmd_fidelity(args)
+    refuse_report_flags(args)
     if args.tokens is None and args.text is None and args.data is None:
         raise ToygraphError("one of the arguments --tokens --text --data is required "
                             "(or --quants with a run directory's --adapter)")

@@ -28,7 +28,7 @@ over the counted tokens.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -173,7 +173,6 @@ class FidelityReport:
     tokens: int
     tolerance: float = TOLERANCE
     reference_type: str = ""
-    notes: list[str] = field(default_factory=list)
 
     @property
     def reference(self) -> FidelityRow:
@@ -183,11 +182,11 @@ class FidelityReport:
         return [r for r in self.rows if r.kind == kind]
 
     def table(self) -> str:
-        head = f"{'weights':<22} {'loss':>9} {'vs trained':>11} {'KL (nats)':>10}  notes"
+        head = f"{'weights':<26} {'loss':>9} {'vs trained':>11} {'KL (nats)':>10}  notes"
         lines = [head, "-" * len(head)]
         for r in self.rows:
             if r.kind == "reference":
-                lines.append(f"{r.label:<22} {r.loss:9.4f} {'':>11} {'':>10}  the trained pair")
+                lines.append(f"{r.label:<26} {r.loss:9.4f} {'':>11} {'':>10}  the trained pair")
                 continue
             notes = []
             if r.fallbacks:
@@ -195,7 +194,7 @@ class FidelityReport:
                              f"{r.qtype} blocks)")
             if r.kept:
                 notes.append(f"{r.kept} matrices kept as they are")
-            lines.append(f"{r.label:<22} {r.loss:9.4f} {r.cost:+11.4f} {r.kl:10.5f}  "
+            lines.append(f"{r.label:<26} {r.loss:9.4f} {r.cost:+11.4f} {r.kl:10.5f}  "
                          f"{'; '.join(notes)}")
         if self.of("requantized") and self.reference_type not in ("f32", "f16", "bf16"):
             lines.append(f"(requantized from the trained base's own {self.reference_type} blocks, "
@@ -243,11 +242,15 @@ def _holds_text(quants: list[FidelityRow], tolerance: float) -> str:
     return f"holds up to {quants[held - 1].qtype}; {cost}"
 
 
-def _kl_sum(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
-    """Sum over rows of KL(softmax(p) || softmax(q)), in float64."""
-    lp = _log_softmax(p_logits.astype(np.float64))
-    lq = _log_softmax(q_logits.astype(np.float64))
-    return float((np.exp(lp) * (lp - lq)).sum())
+def _kl_sum(p_logits: np.ndarray, q_logits: np.ndarray, rows: int = 32) -> float:
+    """Sum over rows of KL(softmax(p) || softmax(q)), in float64, ``rows`` at a time (a
+    block's float64 temporaries stay a few MiB at any vocabulary)."""
+    total = 0.0
+    for i in range(0, len(p_logits), rows):
+        lp = _log_softmax(p_logits[i:i + rows].astype(np.float64))
+        lq = _log_softmax(q_logits[i:i + rows].astype(np.float64))
+        total += float((np.exp(lp) * (lp - lq)).sum())
+    return total
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -328,6 +331,9 @@ def fidelity_report(model_path, adapter_dir, sequences, masks=None, *,
               + [MergedModel(base, adapter_dir, t) for t in merged_types])
     candidates = [(m.label, lambda m=m: make(m.kind, m.qtype)) for m in models]
     ref_loss, measured, count = compare(reference, candidates, sequences, masks, progress)
+    if not np.isfinite(ref_loss):   # nothing to compare against: as toygraph eval says it
+        raise DataError(f"the loss of {model_path} with its adapter is {ref_loss}: the trained "
+                        "pair computes values that are not finite numbers")
     ref_type = _main_type(base)
     rows = [FidelityRow(f"trained ({ref_type}) + adapter", "reference", ref_type, ref_loss)]
     for m, (loss, kl) in zip(models, measured):
