@@ -83,7 +83,7 @@ def language_model_from_args(args):
                          allow_merged=getattr(args, "allow_merged", False))
 
 
-def eval_sequences(args, lm) -> tuple[list, list | None]:
+def eval_sequences(args, lm) -> tuple[list, list | None] | None:
     """(sequences, target masks) of ``toygraph eval``'s --tokens, --text or --data (None
     when none is given), tokenized by ``lm``'s tokenizer."""
     if args.tokens is not None:
