@@ -17,12 +17,17 @@ An episode is its messages: the assistant turns are the model's own text, every 
 turn (a tool's reply, an environment's observation) is not, so ``episode_example`` gives
 the SFT encoder (data/encoding.py) a row whose loss covers only the model's tokens.
 
-What is wired: nothing in the trainer yet. GRPO's batched sampler still samples one
-completion per prompt; ``--tools``, ``--environment``, ``--max-tool-calls``, the group
-advantage over whole episodes, combining an environment's reward with the reward
-functions, and resuming an episode are not built. This module is the loop they will run,
-with recipes/tools.py's ToolBox and recipes/environments.py's ``environments(spec)``
-(the user's environments in a process of their own).
+What is wired: nothing in the trainer yet. The pieces GRPO's batched sampler needs exist
+and are tested apart: generate_rows' ``call_ids``/``tool_turn``/``own`` (a tool round fed
+through a row's KV cache as forced tokens, marked as not the model's) and ``ToolRounds``
+here (each closed call parsed, run and answered with the template's own tool turn,
+``tool_turn_ids``). Not built: ``--tools``, ``--max-tool-calls`` and ``--environment`` in
+RunConfig, GRPO prompts rendered with the tools' schemas, its labels masked by ``own``,
+rewards and the group advantage over whole episodes, combining an environment's reward
+with the reward functions, environments inside the batched sampler, the Llama 3.x call
+stop (``<|eom_id|>``), and resuming an episode. The loops above (``tool_episode``,
+``environment_episode``) run one episode at a time on any ``generate``; the user's
+environments run in a process of their own (recipes/environments.py).
 """
 from __future__ import annotations
 
@@ -110,3 +115,53 @@ def model_generate(lm, tools: list[dict] | None = None, max_new_tokens: int = 12
         return lm.generate(ids, max_new_tokens=max_new_tokens, stop=list(stop), **sampling)
 
     return generate
+
+
+def tool_turn_ids(tok, messages: list[dict], call_text: str, reply: str,
+                  tools: list[dict] | None = None) -> list[int]:
+    """The tokens a tool round feeds a row after the model's call (generate_rows'
+    ``tool_turn``): the rest of the assistant turn as the template closes it, the tool
+    turn holding ``reply``, and the next assistant turn's start -- the template's own
+    rendering of the round, past what the model wrote (``call_text``, after the rendering
+    of ``messages`` with the generation prompt). A DataError when the template does not
+    render the round as a continuation of the turn (not prefix-consistent)."""
+    from toygraph.errors import DataError
+    before = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    turn = messages + [{"role": "assistant", "content": call_text}]
+    closed = tok.apply_chat_template(turn, tools=tools)
+    after = tok.apply_chat_template(turn + [{"role": "tool", "content": reply}],
+                                    add_generation_prompt=True, tools=tools)
+    if not (closed.startswith(before + call_text) and after.startswith(closed)):
+        raise DataError(f"the chat template ({tok.template_name}) does not render a tool round "
+                        "as a continuation of the assistant's turn; tool rounds need a "
+                        "prefix-consistent template (--template FILE.jinja)")
+    return tok.encode(closed[len(before) + len(call_text):] + after[len(closed):],
+                      add_bos=False, add_eos=False)
+
+
+class ToolRounds:
+    """generate_rows' ``tool_turn`` for rows whose prompts are ``prompts`` (chat messages,
+    rendered with ``box.schemas`` as the template's tools). Sampling stops at each call's
+    closing token, so each round is one call: the one the row's text since its last tool
+    turn closes, run by ``box`` and answered with ``tool_turn_ids``. After
+    ``max_tool_calls`` calls in a row, or for text holding no call, nothing is fed."""
+
+    def __init__(self, tok, box: ToolBox, style: str, prompts: list[list[dict]],
+                 max_tool_calls: int):
+        self.tok, self.box, self.style, self.max = tok, box, style, max_tool_calls
+        self.messages = [list(p) for p in prompts]   # per row: the conversation so far
+        self.fed = [0] * len(prompts)                # per row: completion tokens rendered
+        self.calls = [0] * len(prompts)
+
+    def __call__(self, r: int, completion: list[int]) -> list[int]:
+        text = self.tok.decode(completion[self.fed[r]:])
+        calls = parse_tool_calls(text, self.style)
+        if not calls or self.calls[r] >= self.max:
+            return []
+        reply = self.box.reply(calls[-1])
+        ids = tool_turn_ids(self.tok, self.messages[r], text, reply, self.box.schemas)
+        self.messages[r] += [{"role": "assistant", "content": text},
+                             {"role": "tool", "content": reply}]
+        self.calls[r] += 1
+        self.fed[r] = len(completion) + len(ids)
+        return ids

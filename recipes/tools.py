@@ -21,10 +21,8 @@ A call that cannot be run -- not JSON, no name, arguments that are not an object
 error to the model; so are a tool that raises, exits, forks, overruns its time limit, or
 is unknown. A reply longer than ``max_chars`` is cut, saying how much was left out.
 
-What is wired: nothing in the trainer yet. ``--tools``, stopping a completion at a call,
-rendering the reply as a tool turn and sampling on, masking tool turns out of the loss
-and ``--max-tool-calls`` are not built; this module is the parser and the executor they
-will use.
+What is wired: nothing in the trainer yet (recipes/episodes.py says which pieces exist
+and which do not); this module is the parser and the executor they use.
 """
 from __future__ import annotations
 

@@ -211,3 +211,38 @@ def test_environment_specs_that_cannot_load_are_one_line_errors(tmp_path):
         environments(f"{tmp_path / 'none.py'}:Game")
     g = environments("guess").new()
     assert g.reset("p").startswith("p\nI am thinking")
+
+
+def qwen_tokenizer(tiny_llama):
+    tok = LanguageModel(tiny_llama).tokenizer
+    tok.use_template(str(TEMPLATES / "qwen2_5.jinja"))
+    return tok
+
+
+def test_a_tool_turn_is_the_templates_own_rendering_of_the_round(box, tiny_llama):
+    from toygraph.recipes.episodes import tool_turn_ids
+    tok = qwen_tokenizer(tiny_llama)
+    call = CALL + "</tool_call>"
+    ids = tool_turn_ids(tok, USER, call, "ZEBRA", box.schemas)
+    assert tok.decode(ids) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\nZEBRA\n"
+                               "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # the prompt, the model's call and these ids are the template's rendering of it all
+    whole = tok.apply_chat_template(USER + [{"role": "assistant", "content": call},
+                                            {"role": "tool", "content": "ZEBRA"}],
+                                    add_generation_prompt=True, tools=box.schemas)
+    before = tok.apply_chat_template(USER, add_generation_prompt=True, tools=box.schemas)
+    assert before + call + tok.decode(ids) == whole
+
+
+def test_tool_rounds_answer_each_closed_call_once_and_stop_at_the_limit(box, tiny_llama):
+    from toygraph.recipes.episodes import ToolRounds
+    tok = qwen_tokenizer(tiny_llama)
+    rounds = ToolRounds(tok, box, "qwen", [USER, USER], max_tool_calls=1)
+    said = tok.encode(CALL + "</tool_call>", add_bos=False)
+    fed = rounds(0, said)
+    assert "ZEBRA" in tok.decode(fed) and rounds.calls == [1, 0]
+    assert rounds.messages[0][-1] == {"role": "tool", "content": "ZEBRA"}
+    # the row's next call is over its limit; the other row's first is answered
+    assert rounds(0, said + fed + said) == []
+    assert rounds(1, tok.encode("no call here", add_bos=False)) == []
+    assert "ZEBRA" in tok.decode(rounds(1, said))
