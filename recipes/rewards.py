@@ -167,9 +167,21 @@ class RewardWorker:
     each call bounded by ``timeout`` seconds (0: none). Whatever the worker reports or
     does wrong -- an exception, sys.exit, os.fork, os._exit, no answer in time -- is a
     one-line RewardError naming the reward; the worker is then stopped."""
+    #: how errors name the time limit's flag and the process (recipes/tools.py's differ)
+    timeout_flag, process = "--reward-timeout", "the process rewards run in"
 
     def __init__(self, specs: list[str], timeout: float):
         self.specs, self.timeout = specs, float(timeout)
+        self._start(f"--reward {specs[0]}: cannot start the process rewards run in")
+        targets = [tuple(s.partition(":")[::2]) for s in specs]   # (module, function)
+        answer = self._ask(("import", targets), f"--reward {specs[0]}")
+        if answer[0] == "raised":
+            _, kind, msg, i = answer
+            self._stop()
+            raise RewardError(f"--reward {specs[i]}: cannot import it ({kind}: {msg})")
+
+    def _start(self, cannot: str) -> None:
+        """Start the worker process; ``cannot`` begins the error when it does not start."""
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
@@ -177,18 +189,11 @@ class RewardWorker:
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             mine.close()
-            raise RewardError(f"--reward {specs[0]}: cannot start the process rewards run in "
-                              f"({e.strerror or e})") from None
+            raise RewardError(f"{cannot} ({e.strerror or e})") from None
         finally:
             theirs.close()
         self.sock = mine
         self._stop = weakref.finalize(self, _stop_worker, self.proc, mine)
-        targets = [tuple(s.partition(":")[::2]) for s in specs]   # (module, function)
-        answer = self._ask(("import", targets), f"--reward {specs[0]}")
-        if answer[0] == "raised":
-            _, kind, msg, i = answer
-            self._stop()
-            raise RewardError(f"--reward {specs[i]}: cannot import it ({kind}: {msg})")
 
     def function(self, i: int) -> Callable:
         def reward(prompts, completions, **fields):
@@ -218,13 +223,12 @@ class RewardWorker:
         """Send ``message``, wait for the answer within the time limit. A signal that ends
         the run (KeyboardInterrupt) stops the worker on the way out."""
         if not self._stop.alive:
-            raise RewardError(f"{name}: the process rewards run in was stopped by an earlier "
-                              f"error")
+            raise RewardError(f"{name}: {self.process} was stopped by an earlier error")
         try:
             reward_worker.send(self.sock, message)
             if not self._answered():
                 raise RewardError(f"{name} did not return within {self.timeout:g} s "
-                                  f"(--reward-timeout); its process was stopped")
+                                  f"({self.timeout_flag}); its process was stopped")
             answer = reward_worker.receive(self.sock)
         except (BrokenPipeError, ConnectionResetError):
             answer = None   # the worker is gone: said below
@@ -235,7 +239,7 @@ class RewardWorker:
             code = self.proc.wait()
             self._stop()
             how = f"signal {-code}" if code < 0 else f"exit status {code}"
-            raise RewardError(f"{name} ended the process rewards run in ({how})")
+            raise RewardError(f"{name} ended {self.process} ({how})")
         return answer
 
     def _answered(self) -> bool:

@@ -30,6 +30,12 @@ def add_adapter_arg(p) -> None:
     """``--adapter``: the adapter eval, generate and chat apply (none: the base alone)."""
     p.add_argument("--adapter", help=f"the LoRA adapter to apply: {ADAPTER_FORMS} (default: "
                                      "none, the base model alone)")
+def parse_ids(text: str) -> list[int]:
+    """``--tokens``: comma-separated token ids."""
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ToygraphError(f"--tokens must be comma-separated integers, got {text!r}") from None
 
 
 def add_backend_args(p, precision: bool = True) -> None:
@@ -105,6 +111,25 @@ def language_model_from_args(args):
 MAX_NEW_TOKENS = 256
 #: numpy's generators take seeds of 0 .. 2**128 - 1; a seed past 2**63 is surely a typo.
 MAX_SEED = 2**63 - 1
+
+
+def eval_sequences(args, lm) -> tuple[list, list | None] | None:
+    """(sequences, target masks) of ``toygraph eval``'s --tokens, --text or --data (None
+    when none is given), tokenized by ``lm``'s tokenizer."""
+    if args.tokens is not None:
+        return [parse_ids(args.tokens)], None
+    if args.text is not None:
+        return [lm.tokenizer.encode(utf8("--text", args.text), add_bos=None)], None
+    if args.data is None:
+        return None
+    from toygraph.data.batches import encode_dataset
+    from toygraph.data.examples import load_examples
+    from toygraph.files import check_regular_file
+    check_regular_file(args.data, "--data")   # a FIFO or a device would hang the reader
+    enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
+    if not enc.items:
+        raise ToygraphError(f"{args.data}: no example has a target token")
+    return [e.tokens for e in enc.items], [e.target_mask for e in enc.items]
 
 
 def add_sampling_args(p) -> None:

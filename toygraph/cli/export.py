@@ -9,6 +9,7 @@ from toygraph.adapters.merge import ADAPTER_FORMS, OUT_TYPES, PROVENANCE, export
 from toygraph.atomic import check_replaceable
 from toygraph.bounded import terminal_text
 from toygraph.cli.args import add_allow_merged_arg, add_model_arg, add_other_base_arg, add_template_arg
+from toygraph.cli.fidelity import add_check_arg, print_merge_check
 from toygraph.errors import ToygraphError
 from toygraph.limits import disk_full_text
 from toygraph.models.catalog import resolve_model
@@ -27,6 +28,7 @@ def add_export_parser(sub) -> None:
     add_template_arg(p)
     add_allow_merged_arg(p)
     add_other_base_arg(p)
+    add_check_arg(p)
     p.set_defaults(fn=_cmd_export)
 
 
@@ -56,8 +58,9 @@ def check_out_is_not_read(out: str, adapter: str) -> None:
 def _cmd_export(args) -> int:
     check_replaceable(args.out, "--out")   # before the merge: /dev/null is no file to replace
     check_out_is_not_read(args.out, args.adapter)
+    model_path = resolve_model(args.model)
     try:
-        out = export_merged(resolve_model(args.model), args.adapter, args.out, args.type,
+        out = export_merged(model_path, args.adapter, args.out, args.type,
                             template=args.template, allow_merged=args.allow_merged,
                             other_base=args.other_base,
                             progress=Ticker("merging, tensor",
@@ -75,4 +78,5 @@ def _cmd_export(args) -> int:
                         f"{meta['rank']}, alpha {meta['alpha']:g}) merged into "
                         f"{len(meta['tensors'])} tensors stored as {args.type}; chat template "
                         f"{meta['template']}"))
+    print_merge_check(args, model_path, out)
     return 0

@@ -17,9 +17,11 @@ from toygraph import __version__
 from toygraph.cli.args import (add_adapter_arg, add_allow_merged_arg, add_backend_args,
                                add_model_arg, add_other_base_arg, add_sampling_args,
                                add_template_arg, add_threads_arg, check_sampling_args,
-                               generation_kwargs, language_model_from_args, use_threads_of, utf8)
+                               eval_sequences, generation_kwargs, language_model_from_args,
+                               use_threads_of, utf8)
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
+from toygraph.cli.fidelity import add_fidelity_args, cmd_fidelity, refuse_report_flags
 from toygraph.cli.finetune import add_finetune_parser
 from toygraph.cli.models import add_models_parser
 from toygraph.cli.parser import CommandParser
@@ -32,13 +34,6 @@ from toygraph.models.catalog import resolve_model
 from toygraph.training.supervisor import rate_text
 
 
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ToygraphError(f"--tokens must be comma-separated integers, got {text!r}") from None
-
-
 def cmd_tokenize(args):
     from toygraph.gguf.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(resolve_model(args.model))
@@ -46,19 +41,14 @@ def cmd_tokenize(args):
 
 
 def cmd_eval(args):
+    if args.quants is not None:   # the fidelity report: its data may be the run's own
+        return cmd_fidelity(args)
+    refuse_report_flags(args)
+    if args.tokens is None and args.text is None and args.data is None:
+        raise ToygraphError("one of the arguments --tokens --text --data is required "
+                            "(or --quants with a run directory's --adapter)")
     lm = language_model_from_args(args)
-    if args.tokens is not None:
-        loss, n = lm.loss(_parse_ids(args.tokens))
-    elif args.text is not None:
-        loss, n = lm.loss(lm.tokenizer.encode(utf8("--text", args.text), add_bos=None))
-    else:
-        from toygraph.data.batches import encode_dataset
-        from toygraph.data.examples import load_examples
-        check_regular_file(args.data, "--data")   # a FIFO or a device would hang the reader
-        enc = encode_dataset(load_examples(args.data), lm.tokenizer, lm.cfg.n_ctx - 1)
-        if not enc.items:
-            raise ToygraphError(f"{args.data}: no example has a target token")
-        loss, n = lm.loss([e.tokens for e in enc.items], [e.target_mask for e in enc.items])
+    loss, n = lm.loss(*eval_sequences(args, lm))
     if not math.isfinite(loss):   # an adapter or model whose numbers overflow: say so, not "nan"
         raise lm.not_finite(f"the loss is {loss} over {n} tokens")
     result = {"loss": loss, "tokens": n, "perplexity": math.exp(min(loss, 700))}
@@ -109,12 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy and perplexity")
     add_model_arg(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    one_of = " (one of --tokens, --text or --data is required)"
+    src = p.add_mutually_exclusive_group()   # one is required, but for --quants (cmd_eval)
+    one_of = " (one of --tokens, --text or --data is required, but with --quants)"
     src.add_argument("--tokens", help="comma-separated token ids to score" + one_of)
     src.add_argument("--text", help="a text to score, tokenized as generate would" + one_of)
     src.add_argument("--data", help="JSONL dataset: the loss on its target tokens" + one_of)
     add_adapter_arg(p)
+    add_fidelity_args(p)
     add_backend_args(p)
     add_template_arg(p)
     add_allow_merged_arg(p)

@@ -172,11 +172,20 @@ def decode_masks(gen: BatchedGraphs, lengths, j: int, windows) -> dict[int, np.n
 
 def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
                   max_new_tokens: int, opts: SamplingOptions = SamplingOptions(), rng=None,
-                  stop_ids=(), pad: int = 0, trace: list | None = None) -> list[list[int]]:
+                  stop_ids=(), pad: int = 0, trace: list | None = None, *,
+                  call_ids=(), tool_turn=None, own: list | None = None) -> list[list[int]]:
     """Sample a completion for each of the R ``prompts`` (token ids); each ends at its first
     ``stop_ids`` token (kept: the model chose to stop) or after ``max_new_tokens``. ``rng``
     (a numpy Generator, default ``opts.rng()``) draws every row's tokens in row order.
-    ``trace``, a list, receives the logits [R, vocab] each step's tokens were drawn from."""
+    ``trace``, a list, receives the logits [R, vocab] each step's tokens were drawn from.
+
+    Tool rounds (recipes/tools.py): when row r samples one of ``call_ids`` (the token that
+    closes a tool call), ``tool_turn(r, completion so far)`` gives the tokens that follow
+    it -- the tool's reply as the template renders a tool turn, then the next assistant
+    turn's start -- and they are fed to the row one per decode step, as forced tokens, in
+    the row's completion and cache like its own, after which it samples again; no stop id
+    among them stops the row. ``own``, a list, receives per row whether each completion
+    token was sampled (True) or forced (False): the loss covers the sampled ones only."""
     R, P, L = gen.rows, gen.prompt_len, gen.cache_len
     if len(prompts) != R:
         raise DataError(f"batched generation: {len(prompts)} prompts for {R} rows")
@@ -201,16 +210,26 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
     sess.run_program(prefill)
     logits = sess.download(gen.prefill_logits)
     out: list[list[int]] = [[] for _ in range(R)]
+    sampled: list[list[bool]] = [[] for _ in range(R)]
+    forced: list[list[int]] = [[] for _ in range(R)]
     done = [False] * R
-    stop = set(int(s) for s in stop_ids)
+    stop, calls = set(int(s) for s in stop_ids), set(int(c) for c in call_ids)
     for j in range(max_new_tokens):
         if trace is not None:
             trace.append(logits)
         for r in range(R):
-            if not done[r]:
-                t = pick_token(logits[r].astype(np.float64), list(prompts[r]) + out[r], opts, rng)
-                out[r].append(t)
-                done[r] = t in stop
+            if done[r]:
+                continue
+            if forced[r]:   # a tool turn being fed: its logits are not drawn from
+                out[r].append(forced[r].pop(0))
+                sampled[r].append(False)
+                continue
+            t = pick_token(logits[r].astype(np.float64), list(prompts[r]) + out[r], opts, rng)
+            out[r].append(t)
+            sampled[r].append(True)
+            done[r] = t in stop
+            if t in calls and tool_turn is not None and not done[r]:
+                forced[r] = [int(x) for x in tool_turn(r, list(out[r]))]
         if all(done) or j == max_new_tokens - 1:
             break
         last = np.array([o[-1] for o in out], np.int32)[:, None]
@@ -223,6 +242,8 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
             gen.recurrent.upload_decode(sess, lengths, j)
         sess.run_program(decode)
         logits = sess.download(gen.decode_logits)
+    if own is not None:
+        own.extend(sampled)
     return out
 
 
@@ -248,6 +269,8 @@ class BatchedGenerator:
         load_lora(self.sess, self.gen.prefill, adapter or {})
 
     def generate(self, prompts, max_new_tokens: int, opts: SamplingOptions = SamplingOptions(),
-                 rng=None, stop_ids=(), pad: int = 0, trace: list | None = None) -> list[list[int]]:
+                 rng=None, stop_ids=(), pad: int = 0, trace: list | None = None,
+                 **tool_rounds) -> list[list[int]]:
+        """generate_rows on these graphs (``tool_rounds``: its call_ids, tool_turn, own)."""
         return generate_rows(self.sess, self.gen, prompts, max_new_tokens, opts, rng, stop_ids,
-                             pad, trace)
+                             pad, trace, **tool_rounds)

@@ -57,16 +57,28 @@ class _Forward:
     count: Tensor
 
 
+@dataclass
+class TargetLogits:
+    """One forward pass of ``LanguageModel.target_logits``: logits [count, vocab] at the
+    counted positions, their labels [count], and the graph's summed cross-entropy."""
+    logits: np.ndarray
+    labels: np.ndarray
+    loss_sum: float
+    count: int
+
+
 class LanguageModel:
     """A GGUF model (plus optional PEFT LoRA adapter) for loss evaluation and generation."""
 
     def __init__(self, model_path, adapter_dir=None, backend: str = "cpu", seq_len: int | None = None,
                  precision: str = "f32", template: str | None = None,
                  allow_merged: bool = False, other_base: bool = False):
-        self.model = GGUFModel(model_path)
+        # a GGUFModel may be given as it is: one whose weights were replaced in memory
+        # (inference/fidelity.py's requantized or merged bases)
+        self.model = model_path if isinstance(model_path, GGUFModel) else GGUFModel(model_path)
         self.cfg = self.model.config
         # the header the model parsed, read once
-        self.tokenizer = Tokenizer.from_gguf(self.model.reader, source=str(model_path))
+        self.tokenizer = Tokenizer.from_gguf(self.model.reader, source=str(self.model.path))
         self.backend, self.precision = backend, precision  # precision: toygraph.precision.PRECISIONS
         self.seq_len = min(int(seq_len), self.cfg.n_ctx) if seq_len else self.cfg.n_ctx
         if self.seq_len < 2:
@@ -148,6 +160,40 @@ class LanguageModel:
         count, e.g. the response of an instruction example. The mean is token-weighted
         over all sequences.
         """
+        total, count = 0.0, 0
+        for chunk in self.target_logits(token_ids, target_mask):
+            total += chunk.loss_sum
+            count += chunk.count
+        if count == 0:
+            raise DataError("loss: the target mask selects no predictable token")
+        return total / count, count
+
+    def target_logits(self, token_ids, target_mask=None, tokens_per_batch: int = _TOKENS_PER_BATCH):
+        """The forward passes of ``loss`` (same arguments), one ``TargetLogits`` per graph
+        run of about ``tokens_per_batch`` tokens (a graph holds [tokens, vocab] logits):
+        the logits at the counted positions, their labels, and the loss summed over them
+        as the graph computed it. Two models given the same sequences yield chunks of the
+        same positions, in the same order (inference/fidelity.py compares them)."""
+        rows = self._labelled_rows(token_ids, target_mask)
+        T = self._graph_len(max(len(ids) for ids, _ in rows))
+        B = min(len(rows), max(1, tokens_per_batch // T))
+        for start in range(0, len(rows), B):
+            # The last chunk is padded with fully ignored rows so one graph serves all.
+            tokens = np.zeros((B, T), np.int32)
+            labels = np.full((B, T), -1, np.int32)
+            for r, (ids, lab) in enumerate(rows[start:start + B]):
+                tokens[r, :len(ids)] = ids
+                labels[r, :len(lab)] = lab
+            f = self._forward(B, T)
+            self._run(f, tokens, labels)
+            counted = labels.reshape(-1) >= 0
+            yield TargetLogits(logits=f.sess.download(f.logits)[counted],
+                               labels=labels.reshape(-1)[counted],
+                               loss_sum=float(f.sess.download(f.loss_sum)),
+                               count=int(f.sess.download(f.count)))
+
+    def _labelled_rows(self, token_ids, target_mask) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, labels) per sequence, labels -1 where not counted; checked."""
         if len(token_ids) == 0:
             raise DataError("loss: no tokens given")
         single = np.isscalar(token_ids[0])  # one flat sequence rather than a list of them
@@ -167,23 +213,7 @@ class LanguageModel:
                     raise DataError(f"sequence {i}: mask has {m.size} entries for {len(ids)} tokens")
                 lab[~m[1:]] = -1
             rows.append((ids, lab))
-        T = self._graph_len(max(len(ids) for ids, _ in rows))
-        B = min(len(rows), max(1, _TOKENS_PER_BATCH // T))
-        total, count = 0.0, 0
-        for start in range(0, len(rows), B):
-            # The last chunk is padded with fully ignored rows so one graph serves all.
-            tokens = np.zeros((B, T), np.int32)
-            labels = np.full((B, T), -1, np.int32)
-            for r, (ids, lab) in enumerate(rows[start:start + B]):
-                tokens[r, :len(ids)] = ids
-                labels[r, :len(lab)] = lab
-            f = self._forward(B, T)
-            self._run(f, tokens, labels)
-            total += float(f.sess.download(f.loss_sum))
-            count += int(f.sess.download(f.count))
-        if count == 0:
-            raise DataError("loss: the target mask selects no predictable token")
-        return total / count, count
+        return rows
 
     # --- generation -----------------------------------------------------------------------
     def encode_prompt(self, prompt, chat: bool = False) -> list[int]:

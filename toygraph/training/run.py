@@ -35,7 +35,7 @@ from toygraph.adapters.base import base_record, check_base
 from toygraph.bounded import terminal_text
 from toygraph.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
-from toygraph.errors import DataError
+from toygraph.errors import DataError, ToygraphError
 from toygraph.models.stores import store_of
 from toygraph.recipes import recipe_class
 from toygraph.training.bus_error import BusErrorGuard
@@ -53,6 +53,7 @@ from toygraph.training.run_dir import (EVENTS_FILE, FINAL_ARTIFACTS, SUPERSEDED,
                                        NullLog, RunError, io_error, open_run_dir)
 from toygraph.training.run_file import RUN_FILE, write_run_file
 from toygraph.training.supervisor import Progress, RunSupervisor, Signals
+from toygraph.training.validation import end_of_run_fidelity
 
 __all__ = ["RunConfig", "run_training", "make_recipe"]
 
@@ -336,6 +337,13 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
         progress.message(f"continue it with:\n  {resume}", always=True)
     if final and w.rank == 0:
         progress.message(final_text(run_cfg, out, final, lora_meta is not None, show_use))
+        if lora_meta is not None and not run_cfg.quiet:   # nobody would read it when quiet
+            try:
+                line = end_of_run_fidelity(run_cfg, prep, out)
+            except (ToygraphError, MemoryError) as e:   # a report: the run has completed
+                line = f"fidelity: not measured ({e})"
+            if line:
+                progress.message(line)
     if error is not None:
         raise error
     return summary

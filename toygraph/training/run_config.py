@@ -258,6 +258,13 @@ class RunConfig:
                              group="evaluation", low=0)
     patience: int = option(0, help="stop after N evaluations without a gain; 0 = off",
                            group="evaluation", low=0)
+    fidelity: tuple[str, ...] = option(("q8_0", "q4_k"),
+                                       help="at the end, when there is a validation split: the "
+                                            "adapter's loss and KL with the base requantized to "
+                                            "these block types, on its first 8 rows (`toygraph "
+                                            "eval --quants` for the whole split); none: off",
+                                       group="evaluation", used_by=_adapter_recipes,
+                                       resume="free")
     log_completions: int = option(0, help="grpo: put a sampled completion in the step event "
                                           "every N steps; 0 = never",
                                   group="evaluation", used_by=_grpo_recipes, resume="free", low=0)
@@ -397,6 +404,11 @@ class RunConfig:
             raise ToygraphError("--out must name a directory, got an empty string")
         if self.to_ollama is not None and ollama_name_error(self.to_ollama):
             raise ToygraphError(f"--to-ollama {ollama_name_error(self.to_ollama)}")
+        from toygraph.inference.fidelity import QUANTS
+        bad = [t for t in self.fidelity if t not in (*QUANTS, "none")]
+        if bad:
+            raise ToygraphError(f"--fidelity: {bad[0]!r} is not a block type; choose among "
+                                f"{', '.join(QUANTS)}, or none")
         unknown = sorted(set(self.allow_change) - set(self.names()))
         if unknown:
             raise ToygraphError(f"--allow-change: no options named {unknown}")

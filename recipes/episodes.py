@@ -1,0 +1,167 @@
+"""Episodes over turns for GRPO (issue 50, items 1 and 2): a completion that calls tools
+gets their replies as tool turns and goes on, up to ``max_tool_calls`` rounds; an
+environment (``reset(prompt) -> observation``, ``step(text) -> (observation, reward,
+done)``) drives several turns.
+
+>>> ep = tool_episode(generate, box, [{"role": "user", "content": "12*7?"}], "qwen",
+...                   max_tool_calls=2)                                  # doctest: +SKIP
+>>> ep.messages[-1]["content"], ep.tool_calls                            # doctest: +SKIP
+('84', 1)
+
+Both loops take ``generate(messages, stop) -> text``: the model's next assistant turn
+after ``messages``, sampling stopped at an end of turn or one of the ``stop`` strings
+(cut off before it, as ``LanguageModel.generate`` does). ``model_generate`` makes one
+from a LanguageModel, rendering the tools' schemas into the chat template's ``tools``.
+
+An episode is its messages: the assistant turns are the model's own text, every other
+turn (a tool's reply, an environment's observation) is not, so ``episode_example`` gives
+the SFT encoder (data/encoding.py) a row whose loss covers only the model's tokens.
+
+What is wired: nothing in the trainer yet. The pieces GRPO's batched sampler needs exist
+and are tested apart: generate_rows' ``call_ids``/``tool_turn``/``own`` (a tool round fed
+through a row's KV cache as forced tokens, marked as not the model's) and ``ToolRounds``
+here (each closed call parsed, run and answered with the template's own tool turn,
+``tool_turn_ids``). Not built: ``--tools``, ``--max-tool-calls`` and ``--environment`` in
+RunConfig, GRPO prompts rendered with the tools' schemas, its labels masked by ``own``,
+rewards and the group advantage over whole episodes, combining an environment's reward
+with the reward functions, environments inside the batched sampler, the Llama 3.x call
+stop (``<|eom_id|>``), and resuming an episode. The loops above (``tool_episode``,
+``environment_episode``) run one episode at a time on any ``generate``; the user's
+environments run in a process of their own (recipes/environments.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toygraph.data.examples import Example
+from toygraph.recipes.tools import ToolBox, parse_tool_calls
+
+#: Where sampling stops so that a call can be run: the closing tag (Hermes, Qwen2.5); a
+#: Llama 3.x call ends its turn (<|eom_id|>, an end-of-turn token) and needs no string.
+CALL_STOPS = {"qwen": ("</tool_call>",), "hermes": ("</tool_call>",), "llama3": ()}
+
+
+@dataclass
+class Episode:
+    messages: list[dict]             # the prompt's, then the turns the episode added
+    tool_calls: int = 0              # calls run (each a tool turn)
+    rewards: list[float] = field(default_factory=list)   # the environment's, per step
+    done: bool = False               # the environment said so, or the model answered
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.rewards))
+
+
+def tool_episode(generate, box: ToolBox, messages: list[dict], style: str,
+                 max_tool_calls: int) -> Episode:
+    """The model answers ``messages``; each turn with tool calls gets one tool turn per
+    call (``box.reply``: the value, or a one-line error) and the model goes on, until a
+    turn calls nothing or ``max_tool_calls`` calls have run (the last turn is then the
+    model's, whatever it holds)."""
+    ep = Episode(list(messages))
+    stop = CALL_STOPS[style]
+    while True:
+        text = _closed(generate(ep.messages, stop), style)
+        ep.messages.append({"role": "assistant", "content": text})
+        calls = parse_tool_calls(text, style)
+        if not calls or ep.tool_calls >= max_tool_calls:
+            ep.done = not calls
+            return ep
+        for call in calls[:max_tool_calls - ep.tool_calls]:
+            ep.messages.append({"role": "tool", "content": box.reply(call),
+                                **({"name": call.name} if hasattr(call, "name") else {})})
+            ep.tool_calls += 1
+
+
+def _closed(text: str, style: str) -> str:
+    """The turn as the model wrote it: sampling cut the closing tag it stopped on."""
+    if style in ("qwen", "hermes") and text.count("<tool_call>") > text.count("</tool_call>"):
+        return text + "</tool_call>"
+    return text
+
+
+def environment_episode(generate, env, prompt, max_turns: int) -> Episode:
+    """``env.reset(prompt)``'s observation as the first user turn, then up to
+    ``max_turns`` model turns, each answered by ``env.step(text)``: its reward recorded,
+    its observation the next user turn unless it says done."""
+    ep = Episode([{"role": "user", "content": str(env.reset(prompt))}])
+    for _ in range(max_turns):
+        text = generate(ep.messages, ())
+        ep.messages.append({"role": "assistant", "content": text})
+        observation, reward, done = env.step(text)
+        ep.rewards.append(float(reward))
+        if done:
+            ep.done = True
+            break
+        ep.messages.append({"role": "user", "content": str(observation)})
+    return ep
+
+
+def episode_example(ep: Episode, tools: list[dict] | None = None) -> Example:
+    """The episode as a chat row for the SFT encoder: its assistant turns the targets."""
+    return Example(messages=ep.messages, tools=tools)
+
+
+def model_generate(lm, tools: list[dict] | None = None, max_new_tokens: int = 128, **sampling):
+    """``generate(messages, stop)`` of a LanguageModel: the chat template rendered with
+    ``tools`` and the generation prompt, then ``lm.generate`` from those ids."""
+    tok = lm.tokenizer
+
+    def generate(messages, stop):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        double = tok.bos_token is not None and text.startswith(tok.bos_token)
+        ids = tok.encode(text, add_bos=False if double else None)
+        return lm.generate(ids, max_new_tokens=max_new_tokens, stop=list(stop), **sampling)
+
+    return generate
+
+
+def tool_turn_ids(tok, messages: list[dict], call_text: str, reply: str,
+                  tools: list[dict] | None = None) -> list[int]:
+    """The tokens a tool round feeds a row after the model's call (generate_rows'
+    ``tool_turn``): the rest of the assistant turn as the template closes it, the tool
+    turn holding ``reply``, and the next assistant turn's start -- the template's own
+    rendering of the round, past what the model wrote (``call_text``, after the rendering
+    of ``messages`` with the generation prompt). A DataError when the template does not
+    render the round as a continuation of the turn (not prefix-consistent)."""
+    from toygraph.errors import DataError
+    before = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    turn = messages + [{"role": "assistant", "content": call_text}]
+    closed = tok.apply_chat_template(turn, tools=tools)
+    after = tok.apply_chat_template(turn + [{"role": "tool", "content": reply}],
+                                    add_generation_prompt=True, tools=tools)
+    if not (closed.startswith(before + call_text) and after.startswith(closed)):
+        raise DataError(f"the chat template ({tok.template_name}) does not render a tool round "
+                        "as a continuation of the assistant's turn; tool rounds need a "
+                        "prefix-consistent template (--template FILE.jinja)")
+    return tok.encode(closed[len(before) + len(call_text):] + after[len(closed):],
+                      add_bos=False, add_eos=False)
+
+
+class ToolRounds:
+    """generate_rows' ``tool_turn`` for rows whose prompts are ``prompts`` (chat messages,
+    rendered with ``box.schemas`` as the template's tools). Sampling stops at each call's
+    closing token, so each round is one call: the one the row's text since its last tool
+    turn closes, run by ``box`` and answered with ``tool_turn_ids``. After
+    ``max_tool_calls`` calls in a row, or for text holding no call, nothing is fed."""
+
+    def __init__(self, tok, box: ToolBox, style: str, prompts: list[list[dict]],
+                 max_tool_calls: int):
+        self.tok, self.box, self.style, self.max = tok, box, style, max_tool_calls
+        self.messages = [list(p) for p in prompts]   # per row: the conversation so far
+        self.fed = [0] * len(prompts)                # per row: completion tokens rendered
+        self.calls = [0] * len(prompts)
+
+    def __call__(self, r: int, completion: list[int]) -> list[int]:
+        text = self.tok.decode(completion[self.fed[r]:])
+        calls = parse_tool_calls(text, self.style)
+        if not calls or self.calls[r] >= self.max:
+            return []
+        reply = self.box.reply(calls[-1])
+        ids = tool_turn_ids(self.tok, self.messages[r], text, reply, self.box.schemas)
+        self.messages[r] += [{"role": "assistant", "content": text},
+                             {"role": "tool", "content": reply}]
+        self.calls[r] += 1
+        self.fed[r] = len(completion) + len(ids)
+        return ids
