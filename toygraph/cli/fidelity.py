@@ -18,7 +18,7 @@ def add_fidelity_args(p) -> None:
                    help="fidelity report: the adapter's loss and KL against the trained base "
                         "with the base requantized in memory to each of these block types "
                         f"(comma-separated: {','.join(QUANTS)}); data: the run's validation "
-                        "split unless --data/--text/--tokens")
+                        "split unless --data/--text/--tokens (default: none, no report)")
     p.add_argument("--merged-types", metavar="LIST", default=",".join(MERGED_TYPES),
                    help="with --quants: also the merged export at each of these --type values "
                         "('none' for no merged rows; default: %(default)s)")

@@ -21,8 +21,6 @@ from toygraph.training.run_config import GROUPS, RunConfig, coerce, flag
 from toygraph.training.run_file import load_run_file
 
 #: Exit codes of ``finetune`` by run status (errors before or during the run exit 2).
-EXIT_CODES = {"completed": 0, "early_stopped": 0, "diverged": 3, "unchanged": 4,
-              "interrupted": 130}
 
 
 def add_finetune_parser(sub) -> None:
@@ -93,7 +91,7 @@ def run_config_from_args(args) -> RunConfig:
 
 
 def cmd_finetune(args):
-    from toygraph.training.run import run_training   # the whole stack: only when running
+    from toygraph.training.run import EXIT_CODES, run_training   # the whole stack: when running
     summary = run_training(run_config_from_args(args))
     if world().rank == 0:  # under mpirun every rank returns the same summary
         try:

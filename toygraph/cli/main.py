@@ -28,7 +28,6 @@ from toygraph.cli.parser import CommandParser
 from toygraph.bounded import printable
 from toygraph.demo.capitals import STEPS as DEMO_STEPS
 from toygraph.errors import ToygraphError
-from toygraph.files import check_regular_file
 from toygraph.limits import disk_full_text, out_of_memory_text
 from toygraph.models.catalog import resolve_model
 from toygraph.training.supervisor import rate_text

@@ -181,7 +181,7 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
         # continue; there is no final adapter to ask the questions of
         print(terminal_text(f"\nthe demo's fine-tune ended {summary['status']} after "
                             f"{summary['steps']} steps; no answers after fine-tuning"))
-        from toygraph.cli.finetune import EXIT_CODES
+        from toygraph.training.run import EXIT_CODES
         return EXIT_CODES.get(summary["status"], 1)
     minutes = (time.perf_counter() - t0) / 60
     tuned = LanguageModel(model, adapter_dir=out, backend=backend, precision=precision)

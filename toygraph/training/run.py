@@ -59,6 +59,9 @@ __all__ = ["RunConfig", "run_training", "make_recipe"]
 
 #: Exit statuses of a run that reached its end (the adapter at the top is its result).
 COMPLETED = ("completed", "early_stopped")
+#: The exit status of a process whose run ended so (finetune's and the demo's).
+EXIT_CODES = {"completed": 0, "early_stopped": 0, "diverged": 3, "unchanged": 4,
+              "interrupted": 130}
 
 
 def _versions() -> dict:
