@@ -152,8 +152,10 @@ def _report(command: str, e: BaseException | str):
     # an error may quote text from a file (a template's raise_exception, a name): its
     # control characters are shown escaped, never sent to the terminal
     try:
-        print(f"toygraph {command}: error: {printable(e, keep_newlines=True)}", file=sys.stderr,
-              flush=True)
+        # one write, newline included: ranks of one job share the stream, and a line
+        # written in two parts interleaves with another rank's
+        sys.stderr.write(f"toygraph {command}: error: {printable(e, keep_newlines=True)}\n")
+        sys.stderr.flush()
     except OSError:  # stderr itself is gone (a closed pipe): the exit code still says it
         pass
 
