@@ -104,8 +104,6 @@ struct TgExpertBlocks {
 template <class L, bool NT>
 __device__ __forceinline__ void tg_expert_mm(float* out, const float* x, L w, const int* routes,
                                              int N, int K, int E, int k, int x_by_token) {
-    __shared__ float As[MM_BK][MM_BM + 1];
-    __shared__ float Bs[MM_BK][MM_BN + 1];
     int e = blockIdx.z;
     int lo = routes[e], M = routes[e + 1] - lo;
     int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
@@ -113,33 +111,19 @@ __device__ __forceinline__ void tg_expert_mm(float* out, const float* x, L w, co
     const int* perm = routes + E + 1 + lo;
     int t = threadIdx.x, tx = t % 16, ty = t / 16;
     float acc[4][4];
-    tg_mm_zero(acc);
-    for (int k0 = 0; k0 < K; k0 += MM_BK) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            int idx = t + MM_THREADS * r;
-            int ak = idx % MM_BK, am = idx / MM_BK;
-            int gm = m0 + am, gk = k0 + ak;
-            if (gm < M && gk < K) {
-                int slot = perm[gm];
-                As[ak][am] = x[(long long)(x_by_token ? slot / k : slot) * K + gk];
-            } else {
-                As[ak][am] = 0.0f;
-            }
-            if (NT) {
-                int bk = idx % MM_BK, bn = idx / MM_BK;
-                int gn = n0 + bn, gk2 = k0 + bk;
-                Bs[bk][bn] = (gn < N && gk2 < K) ? w.at(gn, gk2) : 0.0f;
-            } else {
-                int bn = idx % MM_BN, bk = idx / MM_BN;
-                int gn = n0 + bn, gk2 = k0 + bk;
-                Bs[bk][bn] = (gn < N && gk2 < K) ? w.at(gk2, gn) : 0.0f;
-            }
-        }
-        __syncthreads();
-        tg_mm_tile_fma(As, Bs, acc, tx, ty);
-        __syncthreads();
-    }
+    tg_mm_tile_loop<false, NT>(   // NT: B(k, n) = W[e][n][k], walked along W's rows
+        acc, K,
+        [&](int am, int gk) {
+            int gm = m0 + am;
+            if (gm >= M || gk >= K) return 0.0f;
+            int slot = perm[gm];
+            return x[(long long)(x_by_token ? slot / k : slot) * K + gk];
+        },
+        [&](int gk, int bn) {
+            int gn = n0 + bn;
+            if (gn >= N || gk >= K) return 0.0f;
+            return NT ? w.at(gn, gk) : w.at(gk, gn);
+        });
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         int gm = m0 + ty + 16 * i;
@@ -214,39 +198,25 @@ extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_mxfp4(T
 extern "C" __global__ void __launch_bounds__(MM_THREADS)
 tg_expert_mm_dw(float* out, const float* a, int a_by_token, const float* b, int b_by_token,
                 const int* routes, int M, int N, int E, int k) {
-    __shared__ float As[MM_BK][MM_BM + 1];
-    __shared__ float Bs[MM_BK][MM_BN + 1];
     int e = blockIdx.z;
     int lo = routes[e], K = routes[e + 1] - lo;
     const int* perm = routes + E + 1 + lo;
     int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
     int t = threadIdx.x, tx = t % 16, ty = t / 16;
     float acc[4][4];
-    tg_mm_zero(acc);
-    for (int k0 = 0; k0 < K; k0 += MM_BK) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            int idx = t + MM_THREADS * r;
-            int am = idx % MM_BM, ak = idx / MM_BM;   // m fastest: a's rows are contiguous
-            int gm = m0 + am, gk = k0 + ak;
-            if (gm < M && gk < K) {
-                int s = perm[gk];
-                As[ak][am] = a[(long long)(a_by_token ? s / k : s) * M + gm];
-            } else {
-                As[ak][am] = 0.0f;
-            }
-            int bn = idx % MM_BN, bk = idx / MM_BN;
-            int gn = n0 + bn, gk2 = k0 + bk;
-            if (gn < N && gk2 < K) {
-                int s = perm[gk2];
-                Bs[bk][bn] = b[(long long)(b_by_token ? s / k : s) * N + gn];
-            } else {
-                Bs[bk][bn] = 0.0f;
-            }
-        }
-        __syncthreads();
-        tg_mm_tile_fma(As, Bs, acc, tx, ty);
-        __syncthreads();
-    }
+    tg_mm_tile_loop<true, false>(   // A(m, k) = a[row_a(s_k)][m]: m fastest, a's rows
+        acc, K,
+        [&](int am, int gk) {
+            int gm = m0 + am;
+            if (gm >= M || gk >= K) return 0.0f;
+            int s = perm[gk];
+            return a[(long long)(a_by_token ? s / k : s) * M + gm];
+        },
+        [&](int gk, int bn) {
+            int gn = n0 + bn;
+            if (gn >= N || gk >= K) return 0.0f;
+            int s = perm[gk];
+            return b[(long long)(b_by_token ? s / k : s) * N + gn];
+        });
     tg_mm_store(out + (long long)e * M * N, acc, m0, n0, M, N, tx, ty);
 }

@@ -56,12 +56,42 @@ __device__ __forceinline__ void tg_mm_store(float* C, const float (&acc)[4][4], 
     }
 }
 
+// The one 64x64 tile loop every f32 CUDA-core product runs (tg_matmul here, the block-format
+// weights of qmatmul.cu, the experts' products of experts.cu): for each MM_BK-deep k slice
+// the 256 threads stage A(m, k) and B(k, n) through the caller's loaders, which take tile-
+// local m (or n) and the global k and return 0 outside the matrices, then one
+// tg_mm_tile_fma. The threads walk A with k fastest (m fastest: A_M_FASTEST, a^T read
+// along a's rows) and B with n fastest (k fastest: B_K_FASTEST, a weight read along its
+// rows), so every output is the same fmaf chain over k, in increasing order, whatever the
+// loaders read from.
+template <bool A_M_FASTEST, bool B_K_FASTEST, class LoadA, class LoadB>
+__device__ __forceinline__ void tg_mm_tile_loop(float (&acc)[4][4], int K, LoadA load_a,
+                                                LoadB load_b) {
+    __shared__ float As[MM_BK][MM_BM + 1];
+    __shared__ float Bs[MM_BK][MM_BN + 1];
+    int t = threadIdx.x, tx = t % 16, ty = t / 16;
+    tg_mm_zero(acc);
+    for (int k0 = 0; k0 < K; k0 += MM_BK) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            int idx = t + MM_THREADS * r;
+            int am = A_M_FASTEST ? idx % MM_BM : idx / MM_BK;
+            int ak = A_M_FASTEST ? idx / MM_BM : idx % MM_BK;
+            As[ak][am] = load_a(am, k0 + ak);
+            int bn = B_K_FASTEST ? idx / MM_BK : idx % MM_BN;
+            int bk = B_K_FASTEST ? idx % MM_BK : idx / MM_BN;
+            Bs[bk][bn] = load_b(k0 + bk, bn);
+        }
+        __syncthreads();
+        tg_mm_tile_fma(As, Bs, acc, tx, ty);
+        __syncthreads();
+    }
+}
+
 template <bool ACC>
 __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, const float* b,
                                                 int M, int N, int K, int sam, int sak, int sbk,
                                                 int sbn, int nbatch, const Strided& batch) {
-    __shared__ float As[MM_BK][MM_BM + 1];
-    __shared__ float Bs[MM_BK][MM_BN + 1];
     int t = threadIdx.x, tx = t % 16, ty = t / 16;
     int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
     for (int z = blockIdx.z; z < nbatch; z += gridDim.z) {
@@ -70,22 +100,16 @@ __device__ __forceinline__ void tg_matmul_tiles(float* out, const float* a, cons
         const float* A = a + oa;
         const float* B = b + ob;
         float acc[4][4];
-        tg_mm_zero(acc);
-        for (int k0 = 0; k0 < K; k0 += MM_BK) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                int idx = t + MM_THREADS * r;
-                int ak = idx % MM_BK, am = idx / MM_BK;        // A tile: k fastest
-                int gm = m0 + am, gk = k0 + ak;
-                As[ak][am] = (gm < M && gk < K) ? A[gm * sam + gk * sak] : 0.0f;
-                int bn = idx % MM_BN, bk = idx / MM_BN;        // B tile: n fastest
-                int gn = n0 + bn, gk2 = k0 + bk;
-                Bs[bk][bn] = (gn < N && gk2 < K) ? B[gk2 * sbk + gn * sbn] : 0.0f;
-            }
-            __syncthreads();
-            tg_mm_tile_fma(As, Bs, acc, tx, ty);
-            __syncthreads();
-        }
+        tg_mm_tile_loop<false, false>(
+            acc, K,
+            [&](int am, int gk) {
+                int gm = m0 + am;
+                return (gm < M && gk < K) ? A[gm * sam + gk * sak] : 0.0f;
+            },
+            [&](int gk, int bn) {
+                int gn = n0 + bn;
+                return (gn < N && gk < K) ? B[gk * sbk + gn * sbn] : 0.0f;
+            });
         tg_mm_store<ACC>(out + (long long)z * M * N, acc, m0, n0, M, N, tx, ty);
     }
 }

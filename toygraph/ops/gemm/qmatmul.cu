@@ -13,35 +13,21 @@
 template <class F, bool NT>
 __device__ __forceinline__ void tg_qmm(float* out, const float* a, const unsigned char* w,
                                        int M, int N, int K, int row_bytes) {
-    __shared__ float As[MM_BK][MM_BM + 1];
-    __shared__ float Bs[MM_BK][MM_BN + 1];
     int t = threadIdx.x, tx = t % 16, ty = t / 16;
     int m0 = blockIdx.y * MM_BM, n0 = blockIdx.x * MM_BN;
     float acc[4][4];
-    tg_mm_zero(acc);
-    for (int k0 = 0; k0 < K; k0 += MM_BK) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            int idx = t + MM_THREADS * r;
-            int ak = idx % MM_BK, am = idx / MM_BK;            // A tile: k fastest
-            int gm = m0 + am, gk = k0 + ak;
-            As[ak][am] = (gm < M && gk < K) ? a[(long long)gm * K + gk] : 0.0f;
-            if (NT) {  // B(k, n) = W[n][k]: walk along W's rows, k fastest
-                int bk = idx % MM_BK, bn = idx / MM_BK;
-                int gn = n0 + bn, gk2 = k0 + bk;
-                Bs[bk][bn] = (gn < N && gk2 < K)
-                                 ? tg_dequant_at<F>(w + (long long)gn * row_bytes, gk2) : 0.0f;
-            } else {   // B(k, n) = W[k][n]: walk across W's rows, n fastest
-                int bn = idx % MM_BN, bk = idx / MM_BN;
-                int gn = n0 + bn, gk2 = k0 + bk;
-                Bs[bk][bn] = (gn < N && gk2 < K)
-                                 ? tg_dequant_at<F>(w + (long long)gk2 * row_bytes, gn) : 0.0f;
-            }
-        }
-        __syncthreads();
-        tg_mm_tile_fma(As, Bs, acc, tx, ty);
-        __syncthreads();
-    }
+    tg_mm_tile_loop<false, NT>(   // NT: B(k, n) = W[n][k], walked along W's rows
+        acc, K,
+        [&](int am, int gk) {
+            int gm = m0 + am;
+            return (gm < M && gk < K) ? a[(long long)gm * K + gk] : 0.0f;
+        },
+        [&](int gk, int bn) {
+            int gn = n0 + bn;
+            if (gn >= N || gk >= K) return 0.0f;
+            return NT ? tg_dequant_at<F>(w + (long long)gn * row_bytes, gk)
+                      : tg_dequant_at<F>(w + (long long)gk * row_bytes, gn);
+        });
     tg_mm_store(out, acc, m0, n0, M, N, tx, ty);
 }
 
