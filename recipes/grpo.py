@@ -42,14 +42,37 @@ from toygraph.inference.batched import build_batched_generation, generate_rows
 from toygraph.inference.sampling import SamplingOptions
 from toygraph.models.decoder import LoraConfig, build_decoder
 from toygraph.recipes.base import RecipeOptions, fused_head
+from toygraph.recipes.environments import environments
 from toygraph.recipes.grpo_loss import Objective, build_objective, clipped, group_advantages
 from toygraph.recipes.lora import LoRA
 from toygraph.recipes.registry import register
-from toygraph.recipes.rewards import (REWARD_TIMEOUT, nan_mean, nan_std, parse_rewards, score,
-                                      weighted_total)
+from toygraph.recipes.rewards import (REWARD_TIMEOUT, RewardError, nan_mean, nan_std,
+                                      parse_rewards, score, weighted_total)
+from toygraph.recipes.tools import ToolBox
 
 #: Defaults the run configuration reads from here (TRL's, but a CPU-sized completion).
 NUM_GENERATIONS, TEMPERATURE, TOP_P, MAX_COMPLETION_LENGTH, NUM_ITERATIONS = 8, 1.0, 1.0, 128, 1
+#: Tool calls one completion may make (--max-tool-calls).
+MAX_TOOL_CALLS = 4
+
+
+def _environment_weight(rewards, weights, environment):
+    """(the reward functions' weights, the environment's): with an environment,
+    ``--reward-weights`` may hold one more number, its weight (default 1)."""
+    n = len(list(rewards))
+    if environment is None or not weights or len(weights) != n + 1:
+        if environment is not None and weights and not n:
+            raise RewardError(f"--reward-weights: one number needed, the --environment's, got "
+                              f"{list(weights)}")
+        return weights, 1.0
+    try:
+        last = float(weights[-1])
+    except (TypeError, ValueError):
+        raise RewardError(f"--reward-weights must be numbers, got {list(weights)}") from None
+    if not math.isfinite(last):
+        raise RewardError(f"--reward-weights: the --environment's weight must be finite, got "
+                          f"{weights[-1]}")
+    return (tuple(weights[:-1]) or None), last
 
 
 @register("grpo")
@@ -68,9 +91,19 @@ class GRPO(LoRA):
                  num_generations: int = NUM_GENERATIONS, temperature: float = TEMPERATURE,
                  top_p: float = TOP_P, max_completion_length: int = MAX_COMPLETION_LENGTH,
                  num_iterations: int = NUM_ITERATIONS, objective: Objective | None = None,
-                 log_completions: int = 0, reward_timeout: float = REWARD_TIMEOUT):
+                 log_completions: int = 0, reward_timeout: float = REWARD_TIMEOUT,
+                 tools: str | None = None, max_tool_calls: int = MAX_TOOL_CALLS,
+                 environment: str | None = None, template: str | None = None):
         super().__init__(targets, rank, alpha)
-        self.rewards = parse_rewards(rewards, reward_weights, reward_timeout)
+        if max_tool_calls < 1:
+            raise GraphError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
+        weights, self.environment_weight = _environment_weight(rewards, reward_weights,
+                                                               environment)
+        self.rewards = (parse_rewards(rewards, weights, reward_timeout)
+                        if rewards or environment is None else [])
+        self.template, self.max_tool_calls = template, int(max_tool_calls)
+        self.box = ToolBox(tools) if tools is not None else None
+        self.envs = environments(environment, reward_timeout) if environment is not None else None
         if num_generations < 2:
             raise GraphError(f"num_generations must be >= 2 (a group to compare), got {num_generations}")
         if not (temperature > 0 and math.isfinite(temperature)):
@@ -102,11 +135,22 @@ class GRPO(LoRA):
                    temperature=cfg.temperature, top_p=cfg.top_p,
                    max_completion_length=cfg.max_completion_length,
                    num_iterations=cfg.num_iterations, objective=objective,
-                   log_completions=cfg.log_completions, reward_timeout=cfg.reward_timeout)
+                   log_completions=cfg.log_completions, reward_timeout=cfg.reward_timeout,
+                   tools=cfg.tools, max_tool_calls=cfg.max_tool_calls,
+                   environment=cfg.environment, template=cfg.template)
+
+    @property
+    def reward_names(self) -> list[str]:
+        """The columns of a rollout's rewards: the functions', then the environment's."""
+        return [r.name for r in self.rewards] + (["environment"] if self.envs else [])
+
+    @property
+    def reward_weights(self) -> list[float]:
+        return [r.weight for r in self.rewards] + ([self.environment_weight] if self.envs else [])
 
     def __repr__(self):
         return (f"GRPO(targets={self.targets}, rank={self.rank}, alpha={self.alpha}, "
-                f"rewards={[r.name for r in self.rewards]}, "
+                f"rewards={self.reward_names}, "
                 f"num_generations={self.num_generations}, {self.objective})")
 
     # --- data ------------------------------------------------------------------------------------
@@ -250,7 +294,7 @@ class GRPO(LoRA):
         completions = generate_rows(self.sess, self.gen, prompts, C, opts or self.sampling, rng,
                                     self.stop_ids, self.pad)
         rewards = self.score(group, completions)
-        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        total = weighted_total(rewards, self.reward_weights)
         adv, degenerate = group_advantages(total, G, self.objective.scale_rewards)
         R, T = len(group), P + C
         tokens = np.full((R, T), self.pad, np.int32)
@@ -300,16 +344,16 @@ class GRPO(LoRA):
         """TRL's step metrics: rewards (total and per function), degenerate groups,
         completion lengths, clip ratios and, with beta > 0, the KL to the reference."""
         rewards = rollout["rewards"]
-        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        total = weighted_total(rewards, self.reward_weights)
         mask = rollout["labels"].reshape(self.rows, -1) >= 0
         lengths = mask.sum(axis=1)
         out = {"loss": loss, "reward": nan_mean(total), "reward_std": nan_std(total),
                "frac_reward_zero_std": float(np.mean(rollout["degenerate"])),
                "completions/mean_length": float(lengths.mean()),
                "completions/max_length": int(lengths.max())}
-        for j, r in enumerate(self.rewards):
-            out[f"rewards/{r.name}/mean"] = nan_mean(rewards[:, j])
-            out[f"rewards/{r.name}/std"] = nan_std(rewards[:, j])
+        for j, name in enumerate(self.reward_names):
+            out[f"rewards/{name}/mean"] = nan_mean(rewards[:, j])
+            out[f"rewards/{name}/std"] = nan_std(rewards[:, j])
         logp = self.sess.download(self.logp).astype(np.float64)
         old = rollout.get("old_logp", logp).astype(np.float64)
         adv = rollout["advantages"][:, None]
@@ -330,8 +374,8 @@ class GRPO(LoRA):
         c = rollout["labels"].reshape(self.rows, -1)[0]
         return {"prompt": prompt_text(item.row, self.tok),
                 "completion": self.tok.decode([int(x) for x in c[c >= 0]], skip_special_tokens=True),
-                "rewards": {r.name: (None if math.isnan(v) else float(v))
-                            for r, v in zip(self.rewards, rollout["rewards"][0])}}
+                "rewards": {name: (None if math.isnan(v) else float(v))
+                            for name, v in zip(self.reward_names, rollout["rewards"][0])}}
 
     @staticmethod
     def metrics_text(metrics: dict) -> str:
@@ -363,10 +407,10 @@ class GRPO(LoRA):
                                     self.stop_ids, self.pad)
         n = int(real.sum())
         rewards = self.score(items[:n], completions[:n])
-        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        total = weighted_total(rewards, self.reward_weights)
         self.last_metrics = {"reward": nan_mean(total)}
-        self.last_metrics.update({f"rewards/{r.name}/mean": nan_mean(rewards[:, j])
-                                  for j, r in enumerate(self.rewards)})
+        self.last_metrics.update({f"rewards/{name}/mean": nan_mean(rewards[:, j])
+                                  for j, name in enumerate(self.reward_names)})
         return -float(np.nansum(total)), n
 
     # --- state a checkpoint keeps ----------------------------------------------------------------
