@@ -17,15 +17,13 @@ An episode is its messages: the assistant turns are the model's own text, every 
 turn (a tool's reply, an environment's observation) is not, so ``episode_example`` gives
 the SFT encoder (data/encoding.py) a row whose loss covers only the model's tokens.
 
-What is wired: nothing in the trainer yet. The pieces GRPO's batched sampler needs exist
-and are tested apart: generate_rows' ``call_ids``/``tool_turn``/``own`` (a tool round fed
-through a row's KV cache as forced tokens, marked as not the model's) and ``ToolRounds``
-here (each closed call parsed, run and answered with the template's own tool turn,
-``tool_turn_ids``). Not built: ``--tools``, ``--max-tool-calls`` and ``--environment`` in
-RunConfig, GRPO prompts rendered with the tools' schemas, its labels masked by ``own``,
-rewards and the group advantage over whole episodes, combining an environment's reward
-with the reward functions, environments inside the batched sampler, the Llama 3.x call
-stop (``<|eom_id|>``), and resuming an episode. The loops above (``tool_episode``,
+GRPO (recipes/grpo.py, ``--tools``, ``--max-tool-calls``, ``--environment``) samples
+its episodes with ``ToolRounds`` here inside the batched sampler (generate_rows'
+``call_ids``/``tool_turn``/``own``: a tool's reply or an environment's observation fed
+through the row's KV cache as forced tokens, marked as not the model's, so their labels
+are masked). Not wired: the Llama 3.x call stop (``<|eom_id|>``; ``call_style`` knows only
+Hermes/Qwen2.5's ``<tool_call>``), a per-episode turn limit for environments (the
+completion's token budget bounds an episode). The loops above (``tool_episode``,
 ``environment_episode``) run one episode at a time on any ``generate``; the user's
 environments run in a process of their own (recipes/environments.py).
 """

@@ -24,25 +24,42 @@ sampler). Sampling at step t draws from ``default_rng([seed, t])``, so the compl
 a function of the seed, the step and the weights; the rollout being reused and the step
 count ride in the checkpoint (:meth:`GRPO.optimizer_state`), so a resumed run continues
 bit for bit.
+
+Over turns (recipes/episodes.py): with ``tools`` (a Python file, recipes/tools.py) the
+prompts are rendered with the tools' schemas in the chat template's ``tools``, sampling
+stops at each closed ``<tool_call>``, the call runs in its own process and the reply is
+fed to the row as the template's tool turn, up to ``max_tool_calls`` calls; with an
+``environment`` (recipes/environments.py) each episode's prompt is its environment's
+first observation, and each end of turn is answered by ``step`` until it says done or the
+completion's ``max_completion_length`` tokens are spent. Every episode of the batch stays
+in the one batched sampler; the tokens fed (tool and environment turns) carry no label, so
+the loss covers the model's own tokens; the reward functions see the episode's turns and
+the environment's summed reward is one more reward column (weight: ``reward_weights``'
+last), so the group advantage is over the whole episode. Episodes end inside their
+rollout, so a resumed run replays them exactly when the environment is a function of the
+prompt and the turns (the built-in ``guess`` is).
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from toygraph import ops
 from toygraph.core.graph import PHASES, Graph
 from toygraph.data.batches import pad_id_for, steps_per_epoch
-from toygraph.data.prompts import encode_prompts, load_prompts, prompt_batches, prompt_text
-from toygraph.errors import GraphError
+from toygraph.data.prompts import (encode_prompts, load_prompts, prompt_batches,
+                                   prompt_text, prompt_token_ids)
+from toygraph.errors import DataError, GraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.batched import build_batched_generation, generate_rows
 from toygraph.inference.sampling import SamplingOptions
 from toygraph.models.decoder import LoraConfig, build_decoder
 from toygraph.recipes.base import RecipeOptions, fused_head
 from toygraph.recipes.environments import environments
+from toygraph.recipes.episodes import ToolRounds, call_ids, call_style
 from toygraph.recipes.grpo_loss import Objective, build_objective, clipped, group_advantages
 from toygraph.recipes.lora import LoRA
 from toygraph.recipes.registry import register
@@ -159,11 +176,25 @@ class GRPO(LoRA):
         """Training (``shuffle``): each batch of ``batch`` prompts ``num_iterations`` times.
         Evaluation: batches of ``batch x num_generations`` prompts, one greedy completion
         each, so every row of the sampler holds a prompt."""
-        self.prompts.update({item.index: item for item in items})
+        self.prompts.update({item.index: self.with_tools(item, seq_len) for item in items
+                             if item.index not in self.prompts})
         if not shuffle:
             batch *= self.num_generations
         return prompt_batches(items, batch, seq_len, pad, shuffle=shuffle, seed=seed,
                               epoch=epoch, repeat=self.num_iterations if shuffle else 1)
+
+    def with_tools(self, item, seq_len: int):
+        """The prompt rendered with the tools' schemas in the chat template's ``tools``
+        (the item as it is without --tools). Not cut to fit: the tools' description comes
+        first, and the model must read it."""
+        if self.box is None:
+            return item
+        ids = prompt_token_ids(prompt_text(item.row, self.tok, self.box.schemas), self.tok)
+        if len(ids) > seq_len:
+            raise DataError(f"{item.row.path or '<data>'}:{item.line}: the prompt with the "
+                            f"tools' schemas is {len(ids)} tokens, over --seq-len {seq_len}; "
+                            "raise --seq-len")
+        return replace(item, tokens=ids, truncated=False)
 
     def batches_per_epoch(self, items, batch: int, seq_len: int) -> int:
         return steps_per_epoch(len(items), batch) * self.num_iterations
@@ -200,7 +231,18 @@ class GRPO(LoRA):
             raise GraphError(f"--seq-len {P} + --max-completion-length {C} exceed the model's "
                              f"context length {model_cfg.n_ctx}")
         self.tok = Tokenizer.from_gguf(gguf.reader)
+        self.tok.use_template(self.template)   # the prompts' (training/prepare.py)
         self.stop_ids, self.pad = self.tok.end_of_turn_ids, pad_id_for(self.tok)
+        self.style, self.call_ids = None, set()
+        if self.box is not None:
+            self.style = call_style(self.tok)
+            if self.style is None:
+                raise GraphError(f"--tools: the chat template ({self.tok.template_name}) shows "
+                                 "no tool-call format GRPO's sampler stops on (Qwen2.5's and "
+                                 "Hermes' <tool_call>); give one with --template FILE.jinja")
+            self.call_ids = call_ids(self.tok, self.style)
+        if self.envs is not None:   # each end of turn is the environment's
+            self.call_ids |= set(self.stop_ids)
         self.graph = g = Graph()
         lora = self.lora_config(opts)
         self.net = build_decoder(g, model_cfg, batch=R, seq_len=T, model=gguf,
@@ -284,16 +326,17 @@ class GRPO(LoRA):
         return loss
 
     def make_rollout(self, prompt_ids, rng, opts: SamplingOptions | None = None) -> dict:
-        """Sample ``num_generations`` completions of each prompt, score them and build the
-        training rows: tokens [R, T], keep and labels [R * C], advantages [R], the rewards
-        [R, F] (NaN: not applied), and the old log-probs [R, C] when num_iterations > 1."""
+        """Sample ``num_generations`` episodes of each prompt, score them and build the
+        training rows: tokens [R, T], keep and labels [R * C] (-1 on the tokens the model
+        did not write: tool and environment turns), advantages [R] (of each whole
+        episode's reward), the rewards [R, F] (NaN: not applied; the environment's last),
+        the old log-probs [R, C] when num_iterations > 1, and the tool calls / environment
+        steps [R] of each episode where there are tools / an environment."""
         items = [self.prompts[int(i)] for i in prompt_ids]
         G, P, C = self.num_generations, self.opts.seq_len, self.max_completion_length
         group = [it for it in items for _ in range(G)]
-        prompts = [it.tokens for it in group]
-        completions = generate_rows(self.sess, self.gen, prompts, C, opts or self.sampling, rng,
-                                    self.stop_ids, self.pad)
-        rewards = self.score(group, completions)
+        prompts, completions, own, rounds = self.sample_episodes(group, opts or self.sampling, rng)
+        rewards = self.score(group, completions, rounds)
         total = weighted_total(rewards, self.reward_weights)
         adv, degenerate = group_advantages(total, G, self.objective.scale_rewards)
         R, T = len(group), P + C
@@ -303,27 +346,80 @@ class GRPO(LoRA):
         for r, (p, c) in enumerate(zip(prompts, completions)):
             tokens[r, :len(p) + len(c)] = p + c
             keep[r] = r * T + len(p) - 1 + np.arange(C)
-            labels[r, :len(c)] = c
+            labels[r, :len(c)] = np.where(own[r], c, -1) if own is not None else c
         out = {"prompts": np.asarray(prompt_ids, np.int64), "tokens": tokens,
                "keep": keep.reshape(-1), "labels": labels.reshape(-1), "advantages": adv,
                "rewards": rewards, "degenerate": degenerate}
+        if rounds is not None and self.box is not None:
+            out["tool_calls"] = np.array(rounds.calls, np.int32)
+        if rounds is not None and self.envs is not None:
+            out["environment_steps"] = np.array([len(x) for x in rounds.rewards], np.int32)
         if self.old_logp is not None:
             self.upload_rows(out)
             self.sess.run_program(self.old_program)
             out["old_logp"] = self.sess.download(self.logp)
         return out
 
-    def score(self, group: list, completions: list[list[int]]) -> np.ndarray:
+    def sample_episodes(self, group: list, opts: SamplingOptions, rng):
+        """(prompts, completions, own, rounds) of one batch of the sampler's rows: each
+        row's prompt ids and completion, and with tools or an environment whether each
+        completion token is the model's (generate_rows' ``own``) and the ToolRounds that
+        fed the others (None, None without)."""
+        C = self.max_completion_length
+        if self.box is None and self.envs is None:
+            prompts = [it.tokens for it in group]
+            return prompts, generate_rows(self.sess, self.gen, prompts, C, opts, rng,
+                                          self.stop_ids, self.pad), None, None
+        envs = [self.envs.new() for _ in group] if self.envs is not None else None
+        chats = ([it.row.prompt for it in group] if envs is None else
+                 [[{"role": "user", "content": env.reset(it.row.prompt)}]
+                  for env, it in zip(envs, group)])
+        prompts = ([it.tokens for it in group] if envs is None else
+                   [self.first_observation_ids(chat, it) for chat, it in zip(chats, group)])
+        rounds = ToolRounds(self.tok, self.box, self.style, chats, self.max_tool_calls,
+                            envs=envs, stop_ids=self.stop_ids)
+        own: list = []
+        try:
+            completions = generate_rows(self.sess, self.gen, prompts, C, opts, rng,
+                                        self.stop_ids, self.pad, call_ids=self.call_ids,
+                                        tool_turn=rounds, own=own)
+        finally:
+            for env in envs or ():
+                env.close()
+        return prompts, completions, own, rounds
+
+    def first_observation_ids(self, chat: list[dict], item) -> list[int]:
+        """The prompt of an environment's episode: its first observation as the user turn,
+        rendered with the generation prompt (and the tools' schemas)."""
+        tools = self.box.schemas if self.box is not None else None
+        text = self.tok.apply_chat_template(chat, add_generation_prompt=True, tools=tools)
+        ids = prompt_token_ids(text, self.tok)
+        if len(ids) > self.opts.seq_len:
+            raise DataError(f"{item.row.path or '<data>'}:{item.line}: the environment's first "
+                            f"observation of this prompt is {len(ids)} tokens as a user turn, "
+                            f"over --seq-len {self.opts.seq_len}; raise --seq-len")
+        return ids
+
+    def score(self, group: list, completions: list[list[int]], rounds=None) -> np.ndarray:
         """The rewards [R, F] of the completions (TRL's arguments: the prompts as given,
-        the completions as text, or as an assistant message for a chat prompt)."""
+        the completions as text, or as messages for a chat prompt: an assistant message,
+        or an episode's turns after its prompt), the environment's summed reward last."""
         texts = [self.tok.decode(c, skip_special_tokens=True) for c in completions]
-        chat = [it.row.conversational for it in group]
+        chat = [it.row.conversational or self.envs is not None for it in group]
         keys = sorted({k for it in group for k in it.row.fields})
         fields = {k: [it.row.fields.get(k) for it in group] for k in keys}
         fields["completion_ids"] = [list(c) for c in completions]
-        return score(self.rewards, [it.row.prompt for it in group],
-                     [[{"role": "assistant", "content": x}] if c else x
-                      for x, c in zip(texts, chat)], fields)
+        if rounds is None:
+            given = [[{"role": "assistant", "content": x}] if c else x
+                     for x, c in zip(texts, chat)]
+        else:
+            given = [rounds.completion_messages(r, c) if chat[r] else texts[r]
+                     for r, c in enumerate(completions)]
+        out = score(self.rewards, [it.row.prompt for it in group], given, fields)
+        if self.envs is None:
+            return out
+        episode = np.array([sum(x) for x in rounds.rewards], np.float64)
+        return np.concatenate([out, episode[:, None]], axis=1)
 
     def upload_rows(self, rollout: dict) -> None:
         s, R, T = self.sess, self.rows, self.opts.seq_len + self.max_completion_length
@@ -351,6 +447,10 @@ class GRPO(LoRA):
                "frac_reward_zero_std": float(np.mean(rollout["degenerate"])),
                "completions/mean_length": float(lengths.mean()),
                "completions/max_length": int(lengths.max())}
+        for key, name in (("tool_calls", "tools/calls_mean"),
+                          ("environment_steps", "environment/steps_mean")):
+            if key in rollout:
+                out[name] = float(np.mean(rollout[key]))
         for j, name in enumerate(self.reward_names):
             out[f"rewards/{name}/mean"] = nan_mean(rewards[:, j])
             out[f"rewards/{name}/std"] = nan_std(rewards[:, j])
@@ -402,11 +502,9 @@ class GRPO(LoRA):
             raise GraphError(f"evaluate: {len(labels)} prompts for {self.rows} sampler rows")
         ids = list(labels[real, 0]) + [labels[0, 0]] * (self.rows - int(real.sum()))
         items = [self.prompts[int(i)] for i in ids]
-        completions = generate_rows(self.sess, self.gen, [it.tokens for it in items],
-                                    self.max_completion_length, SamplingOptions(), None,
-                                    self.stop_ids, self.pad)
+        _, completions, _, rounds = self.sample_episodes(items, SamplingOptions(), None)
         n = int(real.sum())
-        rewards = self.score(items[:n], completions[:n])
+        rewards = self.score(items[:n], completions[:n], rounds)
         total = weighted_total(rewards, self.reward_weights)
         self.last_metrics = {"reward": nan_mean(total)}
         self.last_metrics.update({f"rewards/{name}/mean": nan_mean(rewards[:, j])
@@ -434,7 +532,7 @@ class GRPO(LoRA):
         saved = {k.split(".", 2)[2]: state.pop(k) for k in list(state)
                  if k.startswith("grpo.rollout.")}
         if saved:
-            ints = ("prompts", "tokens", "keep", "labels")
+            ints = ("prompts", "tokens", "keep", "labels", "tool_calls", "environment_steps")
             r = {k: (v.astype(np.int64 if k == "prompts" else np.int32) if k in ints else v)
                  for k, v in saved.items()}
             r["rewards"] = np.where(r.pop("scored") > 0, r["rewards"].astype(np.float64), np.nan)
