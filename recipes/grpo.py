@@ -77,11 +77,11 @@ def _environment_weight(rewards, weights, environment):
     """(the reward functions' weights, the environment's): with an environment,
     ``--reward-weights`` may hold one more number, its weight (default 1)."""
     n = len(list(rewards))
-    if environment is None or not weights or len(weights) != n + 1:
-        if environment is not None and weights and not n:
-            raise RewardError(f"--reward-weights: one number needed, the --environment's, got "
-                              f"{list(weights)}")
+    if environment is None or not weights or len(weights) == n:
         return weights, 1.0
+    if len(weights) != n + 1:
+        raise RewardError(f"--reward-weights: {n} or {n + 1} numbers needed, one per --reward "
+                          f"({n}) and optionally the --environment's, last; got {list(weights)}")
     try:
         last = float(weights[-1])
     except (TypeError, ValueError):
@@ -176,8 +176,7 @@ class GRPO(LoRA):
         """Training (``shuffle``): each batch of ``batch`` prompts ``num_iterations`` times.
         Evaluation: batches of ``batch x num_generations`` prompts, one greedy completion
         each, so every row of the sampler holds a prompt."""
-        self.prompts.update({item.index: self.with_tools(item, seq_len) for item in items
-                             if item.index not in self.prompts})
+        self.prompts.update({item.index: self.with_tools(item, seq_len) for item in items})
         if not shuffle:
             batch *= self.num_generations
         return prompt_batches(items, batch, seq_len, pad, shuffle=shuffle, seed=seed,
@@ -189,6 +188,9 @@ class GRPO(LoRA):
         first, and the model must read it."""
         if self.box is None:
             return item
+        known = self.prompts.get(item.index)
+        if known is not None and known.row is item.row:   # rendered at an earlier epoch
+            return known
         ids = prompt_token_ids(prompt_text(item.row, self.tok, self.box.schemas), self.tok)
         if len(ids) > seq_len:
             raise DataError(f"{item.row.path or '<data>'}:{item.line}: the prompt with the "
@@ -472,8 +474,14 @@ class GRPO(LoRA):
         """The first completion of the rollout with its prompt and rewards (--log-completions)."""
         item = self.prompts[int(rollout["prompts"][0])]
         c = rollout["labels"].reshape(self.rows, -1)[0]
-        return {"prompt": prompt_text(item.row, self.tok),
-                "completion": self.tok.decode([int(x) for x in c[c >= 0]], skip_special_tokens=True),
+        prompt, completion = prompt_text(item.row, self.tok), [int(x) for x in c[c >= 0]]
+        if self.box is not None or self.envs is not None:   # the episode, its fed turns too
+            n, mine = int(rollout["keep"][0]) + 1, np.nonzero(c >= 0)[0]
+            end = n + (int(mine[-1]) + 1 if len(mine) else 0)
+            prompt = self.tok.decode(rollout["tokens"][0, :n])
+            completion = [int(x) for x in rollout["tokens"][0, n:end]]
+        return {"prompt": prompt,
+                "completion": self.tok.decode(completion, skip_special_tokens=True),
                 "rewards": {name: (None if math.isnan(v) else float(v))
                             for name, v in zip(self.reward_names, rollout["rewards"][0])}}
 

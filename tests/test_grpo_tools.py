@@ -91,7 +91,8 @@ def test_the_python_api_takes_tools_and_environments(tools_file):
     for kw, needle in ((dict(environment="nonsense"), "expected module:Factory"),
                        (dict(rewards=[]), "GRPO needs at least one --reward"),
                        (dict(environment="guess", reward_weights=("1", "2")),
-                        "one number needed, the --environment's"),
+                        r"0 or 1 numbers needed, one per --reward \(0\) and optionally the "
+                        "--environment's"),
                        (dict(rewards=["json"], tools="/nonexistent/tools.py"),
                         "--tools /nonexistent/tools.py: cannot load it"),
                        (dict(rewards=["json"], tools="x.py", max_tool_calls=0),
@@ -329,7 +330,10 @@ def test_a_finetune_with_a_tools_file_completes(long_llama, tmp_path, tools_file
                            recipe="grpo", reward=(reward_file(tmp_path),), tools=str(tools_file),
                            max_tool_calls=1, template=str(tmp_path / "hermes.jinja"), steps=2,
                            batch=1, num_generations=2, seq_len=80, max_completion_length=140,
-                           val_split=0, quiet=True, seed=3))
+                           val_split=0, quiet=True, seed=3, log_completions=1))
     steps = env_steps(out)
     assert [e["tools/calls_mean"] for e in steps] == [1.0, 1.0]
+    logged = steps[0]["sample"]   # the episode, its tool turn in it
+    assert "tools: shout hang boom" in logged["prompt"]
+    assert logged["completion"].startswith(SHOUT + "\nuser\n<tool_response>HI!</tool_response>")
     assert all(e["completions/mean_length"] < 140 - 40 for e in steps)   # the tool turns: not counted
