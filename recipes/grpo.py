@@ -118,9 +118,6 @@ class GRPO(LoRA):
                                                                environment)
         self.rewards = (parse_rewards(rewards, weights, reward_timeout)
                         if rewards or environment is None else [])
-        self.template, self.max_tool_calls = template, int(max_tool_calls)
-        self.box = ToolBox(tools) if tools is not None else None
-        self.envs = environments(environment, reward_timeout) if environment is not None else None
         if num_generations < 2:
             raise GraphError(f"num_generations must be >= 2 (a group to compare), got {num_generations}")
         if not (temperature > 0 and math.isfinite(temperature)):
@@ -137,6 +134,9 @@ class GRPO(LoRA):
         if self.objective.max_completion_length != self.max_completion_length:
             raise GraphError("the objective's max_completion_length must be the recipe's")
         self.log_completions = int(log_completions)
+        self.template, self.max_tool_calls = template, int(max_tool_calls)
+        self.box = ToolBox(tools) if tools is not None else None
+        self.envs = environments(environment, reward_timeout) if environment is not None else None
         self.prompts: dict[int, object] = {}   # prompt id -> EncodedPrompt (make_batches)
         self.rollout: dict | None = None
         self.last_metrics: dict = {}
@@ -420,7 +420,7 @@ class GRPO(LoRA):
         out = score(self.rewards, [it.row.prompt for it in group], given, fields)
         if self.envs is None:
             return out
-        episode = np.array([sum(x) for x in rounds.rewards], np.float64)
+        episode = np.array([sum(x) for x in rounds.rewards[:len(completions)]], np.float64)
         return np.concatenate([out, episode[:, None]], axis=1)
 
     def upload_rows(self, rollout: dict) -> None:

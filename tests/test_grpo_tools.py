@@ -318,6 +318,10 @@ def test_an_environment_episode_feeds_its_observations_as_user_turns(long_llama,
         own = tok.decode([int(x) for x in labels[labels >= 0]])
         assert re.fullmatch(r"(\d<\|im_end\|>)+\d?", own), own
         assert rollout["environment_steps"][r] == own.count("<|im_end|>")
+    # validation: greedy episodes, the rows that only fill the sampler left out
+    loss, n = recipe.evaluate(None, None, np.array([[0, 0]]))
+    assert n == 1 and loss == -recipe.last_metrics["reward"]
+    assert recipe.last_metrics["rewards/environment/mean"] in (0.0, 1.0)
 
 
 def test_a_finetune_with_a_tools_file_completes(long_llama, tmp_path, tools_file, monkeypatch):
