@@ -21,11 +21,13 @@ GRPO (recipes/grpo.py, ``--tools``, ``--max-tool-calls``, ``--environment``) sam
 its episodes with ``ToolRounds`` here inside the batched sampler (generate_rows'
 ``call_ids``/``tool_turn``/``own``: a tool's reply or an environment's observation fed
 through the row's KV cache as forced tokens, marked as not the model's, so their labels
-are masked). Not wired: the Llama 3.x call stop (``<|eom_id|>``; ``call_style`` knows only
-Hermes/Qwen2.5's ``<tool_call>``), a per-episode turn limit for environments (the
-completion's token budget bounds an episode). The loops above (``tool_episode``,
-``environment_episode``) run one episode at a time on any ``generate``; the user's
-environments run in a process of their own (recipes/environments.py).
+are masked); a Hermes/Qwen2.5 call stops sampling at its ``</tool_call>``, a Llama 3.x
+JSON call at the end of its turn. Not wired: a per-episode turn limit for environments
+(the completion's token budget bounds an episode); Llama 3.x's calls are tested on a
+Llama-3-layout template over the tiny vocabulary, not on a real Llama 3.x file. The loops
+above (``tool_episode``, ``environment_episode``) run one episode at a time on any
+``generate``; the user's environments run in a process of their own
+(recipes/environments.py).
 """
 from __future__ import annotations
 
@@ -123,25 +125,30 @@ def tool_turn_ids(tok, messages: list[dict], call_text: str, reply: str,
     rendering of the round, past what the model wrote (``call_text``, after the rendering
     of ``messages`` with the generation prompt). A DataError when the template does not
     render the round as a continuation of the turn (not prefix-consistent)."""
-    return round_ids(tok, messages, call_text, {"role": "tool", "content": reply}, tools)
+    return round_ids(tok, messages, call_text, [{"role": "tool", "content": reply}], tools)
 
 
-def round_ids(tok, messages: list[dict], said: str, turn: dict, tools: list[dict] | None = None,
-              emitted: str = "") -> list[int]:
-    """tool_turn_ids for any next ``turn`` (a tool's reply, an environment's observation
+def round_ids(tok, messages: list[dict], said: str, turns: list[dict],
+              tools: list[dict] | None = None, emitted: str = "") -> list[int]:
+    """tool_turn_ids for any next ``turns`` (tools' replies, an environment's observation
     as a user turn). ``emitted``: what the model wrote of the turn's closing itself (the
-    end-of-turn token it stopped on), left out of the tokens fed."""
+    end-of-turn token it stopped on), left out of the tokens fed. A template that trims
+    the assistant's text (Llama 3.x's ``content | trim``) is followed from the trimmed
+    text."""
     from toygraph.errors import DataError
     before = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    mine = messages + [{"role": "assistant", "content": said}]
-    closed = tok.apply_chat_template(mine, tools=tools)
-    after = tok.apply_chat_template(mine + [turn], add_generation_prompt=True, tools=tools)
-    if not (closed.startswith(before + said) and after.startswith(closed)):
+    for shown in dict.fromkeys((said, said.strip())):
+        mine = messages + [{"role": "assistant", "content": shown}]
+        closed = tok.apply_chat_template(mine, tools=tools)
+        after = tok.apply_chat_template(mine + turns, add_generation_prompt=True, tools=tools)
+        if closed.startswith(before + shown) and after.startswith(closed):
+            break
+    else:
         raise DataError(f"the chat template ({tok.template_name}) does not render a "
-                        f"{turn['role']} turn as a continuation of the assistant's turn; tool "
-                        "rounds and environments need a prefix-consistent template "
+                        f"{turns[0]['role']} turn as a continuation of the assistant's turn; "
+                        "tool rounds and environments need a prefix-consistent template "
                         "(--template FILE.jinja)")
-    closing = closed[len(before) + len(said):]
+    closing = closed[len(before) + len(shown):]
     if emitted and closing.startswith(emitted):
         closing = closing[len(emitted):]
     return tok.encode(closing + after[len(closed):], add_bos=False, add_eos=False)
@@ -153,16 +160,24 @@ CALL_CLOSE = {"qwen": "</tool_call>", "hermes": "</tool_call>"}
 
 def call_style(tok) -> str | None:
     """The tool-call format the chat template in use shows (tools.STYLES), or None: a
-    template that writes ``<tool_call>`` is Hermes' (Qwen2.5's); Llama 3.x's JSON calls
-    end the turn with ``<|eom_id|>``, which GRPO's sampler does not stop on yet."""
+    template that writes ``<tool_call>`` is Hermes' (Qwen2.5's); one with an ``ipython``
+    role and ``"parameters"`` (or ``<|python_tag|>``) Llama 3.x's JSON calls."""
     source = tok.chat_template or ""
-    return "hermes" if "<tool_call>" in source else None
+    if "<tool_call>" in source:
+        return "hermes"
+    if "<|python_tag|>" in source or ("ipython" in source and '"parameters"' in source):
+        return "llama3"
+    return None
 
 
 def call_ids(tok, style: str) -> set[int]:
-    """The tokens on which a call may close (generate_rows' ``call_ids``): the closing
-    tag's own token where the vocabulary has one, else every token ending with its last
-    character (ToolRounds then answers only a text that ends with the tag)."""
+    """The tokens on which a call may close (generate_rows' ``call_ids``): Llama 3.x's
+    calls end the turn (``<|eot_id|>``/``<|eom_id|>``: the end-of-turn tokens); a
+    Hermes call its closing tag, the tag's own token where the vocabulary has one, else
+    every token ending with its last character (ToolRounds then answers only a text that
+    ends with the tag)."""
+    if style == "llama3":
+        return set(tok.end_of_turn_ids)
     close = CALL_CLOSE[style]
     single = tok.token_to_id(close)
     if single is not None:
@@ -173,9 +188,10 @@ def call_ids(tok, style: str) -> set[int]:
 class ToolRounds:
     """generate_rows' ``tool_turn`` for rows whose prompts are ``prompts`` (chat messages,
     rendered with ``box.schemas`` as the template's tools). Sampling stops at each call's
-    closing token, so each round is one call: the one the row's text since its last tool
-    turn closes, run by ``box`` and answered with ``tool_turn_ids``. After
-    ``max_tool_calls`` calls in a row, or for text holding no call, nothing is fed.
+    closing token, so each Hermes round is one call: the one the row's text since its
+    last tool turn closes, run by ``box`` and answered with ``tool_turn_ids``; a Llama 3.x
+    call ends its turn (one of ``stop_ids``), and each call of that turn gets a tool turn.
+    After ``max_tool_calls`` calls in a row, or for text holding no call, nothing is fed.
 
     With ``envs`` (one environment per row, reset already; ``prompts`` then hold its first
     observation as the user turn) the row's turn ending on one of ``stop_ids`` is its
@@ -197,21 +213,30 @@ class ToolRounds:
 
     def __call__(self, r: int, completion: list[int]) -> list[int]:
         said = completion[self.fed[r]:]
-        if self.envs is not None and said and said[-1] in self.stop:
+        ended = bool(said) and said[-1] in self.stop   # the turn's end (a Llama 3.x call's)
+        if self.box is not None and ended == (self.style == "llama3"):
+            ids = self._tool_round(r, completion, said, ended)
+            if ids:
+                return ids
+        if self.envs is not None and ended:
             return self._environment_turn(r, completion, said)
-        if self.box is None:
-            return []
-        text = self.tok.decode(said)
+        return []
+
+    def _tool_round(self, r: int, completion: list[int], said: list[int], ended: bool):
+        """A Hermes turn's one closed call, or a Llama 3.x turn's calls, each answered by a
+        tool turn; [] when the text holds no call or the row has made its calls."""
+        text = self.tok.decode(said[:-1] if ended else said)
         if self.style in CALL_CLOSE and not text.endswith(CALL_CLOSE[self.style]):
             return []
         calls = parse_tool_calls(text, self.style)
         if not calls or self.calls[r] >= self.max:
             return []
-        reply = self.box.reply(calls[-1])
-        ids = tool_turn_ids(self.tok, self.messages[r], text, reply, self.tools)
-        self.messages[r] += [{"role": "assistant", "content": text},
-                             {"role": "tool", "content": reply}]
-        self.calls[r] += 1
+        calls = calls[-1:] if self.style in CALL_CLOSE else calls[:self.max - self.calls[r]]
+        replies = [{"role": "tool", "content": self.box.reply(c)} for c in calls]
+        ids = round_ids(self.tok, self.messages[r], text, replies, self.tools,
+                        emitted=self.tok.decode(said[-1:]) if ended else "")
+        self.messages[r] += [{"role": "assistant", "content": text}, *replies]
+        self.calls[r] += len(calls)
         self.fed[r] = len(completion) + len(ids)
         return ids
 
@@ -225,7 +250,7 @@ class ToolRounds:
             self.done[r] = True
             return []
         turn = {"role": "user", "content": observation}
-        ids = round_ids(self.tok, self.messages[r][:-1], text, turn, self.tools,
+        ids = round_ids(self.tok, self.messages[r][:-1], text, [turn], self.tools,
                         emitted=self.tok.decode(said[-1:]))
         self.messages[r].append(turn)
         self.fed[r] += len(ids)

@@ -27,8 +27,9 @@ bit for bit.
 
 Over turns (recipes/episodes.py): with ``tools`` (a Python file, recipes/tools.py) the
 prompts are rendered with the tools' schemas in the chat template's ``tools``, sampling
-stops at each closed ``<tool_call>``, the call runs in its own process and the reply is
-fed to the row as the template's tool turn, up to ``max_tool_calls`` calls; with an
+stops at each closed ``<tool_call>`` (a Llama 3.x call: at its end of turn), the call
+runs in its own process and the reply is fed to the row as the template's tool turn, up
+to ``max_tool_calls`` calls; with an
 ``environment`` (recipes/environments.py) each episode's prompt is its environment's
 first observation, and each end of turn is answered by ``step`` until it says done or the
 completion's ``max_completion_length`` tokens are spent. Every episode of the batch stays
@@ -241,7 +242,8 @@ class GRPO(LoRA):
             if self.style is None:
                 raise GraphError(f"--tools: the chat template ({self.tok.template_name}) shows "
                                  "no tool-call format GRPO's sampler stops on (Qwen2.5's and "
-                                 "Hermes' <tool_call>); give one with --template FILE.jinja")
+                                 "Hermes' <tool_call>, Llama 3.x's JSON calls); give one "
+                                 "with --template FILE.jinja")
             self.call_ids = call_ids(self.tok, self.style)
         if self.envs is not None:   # each end of turn is the environment's
             self.call_ids |= set(self.stop_ids)

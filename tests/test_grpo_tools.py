@@ -124,7 +124,7 @@ def reward_file(folder):
     return f"{path}:varied"
 
 
-def scripted(monkeypatch, calls):
+def scripted(monkeypatch, calls, turn_start="<|im_start|>assistant\n", reply="<tool_response>"):
     """The sampler writes ``calls[n]`` at the start of an assistant turn that follows n
     tool replies (then samples as usual): a tiny random model makes no calls itself.
     The real sampler still draws each token (the same random stream)."""
@@ -134,8 +134,8 @@ def scripted(monkeypatch, calls):
     def pick(logits, context, opts, rng):
         t = real(logits, context, opts, rng)
         text = tok["tok"].decode(context)
-        turn = text.rsplit("<|im_start|>assistant\n", 1)
-        n = text.count("<tool_response>")
+        turn = text.rsplit(turn_start, 1)
+        n = text.count(reply)
         if len(turn) == 2 and n < len(calls) and calls[n].startswith(turn[1]) \
                 and turn[1] != calls[n]:
             want = tok["tok"].encode(calls[n][len(turn[1]):], add_bos=False)
@@ -224,6 +224,47 @@ def test_a_broken_tool_is_a_reply_and_the_run_goes_on(long_llama, tmp_path, tool
             assert len(replies) == 1 and replies[0].startswith(reply), text
             assert len(replies[0]) < 600   # the exception's long text is cut
         assert list(rollout["tool_calls"]) == [1] * 4
+    recipe.box.close()
+
+
+
+#: Llama 3.x's layout (headers, an ipython role for tool replies, the assistant's text
+#: trimmed, JSON calls with "parameters"), its end of turn the tiny vocabulary's <|im_end|>.
+LLAMA3 = (
+    "{%- if tools %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\n\"parameters\":' }}"
+    "{%- for t in tools %}"
+    "{{- ' ' + t.function.name }}{%- endfor %}{{- '<|im_end|>' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role in ('tool', 'ipython') %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|im_end|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim"
+    " + '<|im_end|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}")
+
+
+def test_a_llama3_json_call_ends_its_turn_and_is_answered(tmp_path, tools_file, monkeypatch):
+    from toygraph.data.prompts import encode_prompts, load_prompts
+    (tmp_path / "llama3.jinja").write_text(LLAMA3)
+    model = GGUFModel(write_tiny_llama(tmp_path / "tiny-384.gguf", n_ctx=384))   # long headers
+    recipe = GRPO(rewards=[reward_file(tmp_path)], num_generations=2, max_completion_length=140,
+                  tools=str(tools_file), max_tool_calls=2, template=str(tmp_path / "llama3.jinja"))
+    recipe.realize(model, model.config, RecipeOptions(seq_len=144, batch=1, seed=3))
+    assert recipe.style == "llama3" and recipe.call_ids == set(recipe.stop_ids)
+    items = encode_prompts(load_prompts(chat_prompts(tmp_path)), recipe.tok, 144).items
+    recipe.make_batches(items, 1, 144, recipe.pad, shuffle=False, seed=0, epoch=0)
+    call = ' {"name": "shout", "parameters": {"text": "hi"}}<|im_end|>'   # trimmed by the template
+    scripted(monkeypatch, [call], "assistant<|end_header_id|>\n\n",
+             "ipython<|end_header_id|>")["tok"] = recipe.tok
+    rollout = recipe.make_rollout(np.array([0]), np.random.default_rng(0))
+    assert list(rollout["tool_calls"]) == [1, 1]
+    tok, C = recipe.tok, 140
+    for r in range(2):
+        text = tok.decode(rollout["tokens"][r])
+        assert call + "<|start_header_id|>ipython<|end_header_id|>\n\nHI!<|im_end|>" \
+               "<|start_header_id|>assistant<|end_header_id|>\n\n" in text
+        labels = rollout["labels"].reshape(2, C)[r]
+        own = tok.decode([int(x) for x in labels[labels >= 0]])
+        assert own.startswith(call) and "ipython" not in own and "HI!" not in own
     recipe.box.close()
 
 
