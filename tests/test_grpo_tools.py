@@ -382,3 +382,20 @@ def test_a_finetune_with_a_tools_file_completes(long_llama, tmp_path, tools_file
     assert "tools: shout hang boom" in logged["prompt"]
     assert logged["completion"].startswith(SHOUT + "\nuser\n<tool_response>HI!</tool_response>")
     assert all(e["completions/mean_length"] < 140 - 40 for e in steps)   # the tool turns: not counted
+
+
+def test_sampling_stops_on_the_closing_tag_however_it_is_spelled(tmp_path, long_llama):
+    """A vocabulary with a </tool_call> token stops on it alone; one without stops on
+    every token that can end the tag (and ToolRounds answers only a closed call)."""
+    from toygraph.fixtures.tiny_vocab import write_vocab_gguf
+    from toygraph.gguf.tokenizer import Tokenizer
+    from toygraph.recipes.episodes import call_ids, call_style
+    qwen3 = Tokenizer.from_gguf(write_vocab_gguf(tmp_path / "qwen3.gguf", "qwen3"))
+    assert call_style(qwen3) == "hermes"
+    assert call_ids(qwen3, "hermes") == {qwen3.token_to_id("</tool_call>")}
+    tiny = Tokenizer.from_gguf(str(long_llama))
+    assert tiny.token_to_id("</tool_call>") is None
+    ids = call_ids(tiny, "hermes")
+    for text in (SHOUT, "x</tool_call>", "</tool_call>", '{"a": "b>"}</tool_call>'):
+        assert tiny.encode(text, add_bos=False)[-1] in ids
+    assert tiny.encode("hello", add_bos=False)[-1] not in ids
