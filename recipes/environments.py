@@ -101,6 +101,9 @@ class _Checked:
     def step(self, text: str) -> tuple[str, float, bool]:
         return checked_step(self.env.step(text), self.spec)
 
+    def close(self) -> None:
+        pass
+
 
 def checked_step(result, spec: str) -> tuple[str, float, bool]:
     if not (isinstance(result, (tuple, list)) and len(result) == 3):
@@ -172,3 +175,9 @@ class _Remote:
 
     def step(self, text: str) -> tuple[str, float, bool]:
         return checked_step(self._method("step", text), self.worker.spec)
+
+    def close(self) -> None:
+        """Let the worker drop the object (an episode's end); nothing if it is gone."""
+        w = self.worker
+        if w._stop.alive:
+            w._ask(("drop", self.key), f"environment {w.spec}")

@@ -17,17 +17,17 @@ An episode is its messages: the assistant turns are the model's own text, every 
 turn (a tool's reply, an environment's observation) is not, so ``episode_example`` gives
 the SFT encoder (data/encoding.py) a row whose loss covers only the model's tokens.
 
-What is wired: nothing in the trainer yet. The pieces GRPO's batched sampler needs exist
-and are tested apart: generate_rows' ``call_ids``/``tool_turn``/``own`` (a tool round fed
-through a row's KV cache as forced tokens, marked as not the model's) and ``ToolRounds``
-here (each closed call parsed, run and answered with the template's own tool turn,
-``tool_turn_ids``). Not built: ``--tools``, ``--max-tool-calls`` and ``--environment`` in
-RunConfig, GRPO prompts rendered with the tools' schemas, its labels masked by ``own``,
-rewards and the group advantage over whole episodes, combining an environment's reward
-with the reward functions, environments inside the batched sampler, the Llama 3.x call
-stop (``<|eom_id|>``), and resuming an episode. The loops above (``tool_episode``,
-``environment_episode``) run one episode at a time on any ``generate``; the user's
-environments run in a process of their own (recipes/environments.py).
+GRPO (recipes/grpo.py, ``--tools``, ``--max-tool-calls``, ``--environment``) samples
+its episodes with ``ToolRounds`` here inside the batched sampler (generate_rows'
+``call_ids``/``tool_turn``/``own``: a tool's reply or an environment's observation fed
+through the row's KV cache as forced tokens, marked as not the model's, so their labels
+are masked); a Hermes/Qwen2.5 call stops sampling at its ``</tool_call>``, a Llama 3.x
+JSON call at the end of its turn. Not wired: a per-episode turn limit for environments
+(the completion's token budget bounds an episode); Llama 3.x's calls are tested on a
+Llama-3-layout template over the tiny vocabulary, not on a real Llama 3.x file. The loops
+above (``tool_episode``, ``environment_episode``) run one episode at a time on any
+``generate``; the user's environments run in a process of their own
+(recipes/environments.py).
 """
 from __future__ import annotations
 
@@ -125,43 +125,140 @@ def tool_turn_ids(tok, messages: list[dict], call_text: str, reply: str,
     rendering of the round, past what the model wrote (``call_text``, after the rendering
     of ``messages`` with the generation prompt). A DataError when the template does not
     render the round as a continuation of the turn (not prefix-consistent)."""
+    return round_ids(tok, messages, call_text, [{"role": "tool", "content": reply}], tools)
+
+
+def round_ids(tok, messages: list[dict], said: str, turns: list[dict],
+              tools: list[dict] | None = None, emitted: str = "") -> list[int]:
+    """tool_turn_ids for any next ``turns`` (tools' replies, an environment's observation
+    as a user turn). ``emitted``: what the model wrote of the turn's closing itself (the
+    end-of-turn token it stopped on), left out of the tokens fed. A template that trims
+    the assistant's text (Llama 3.x's ``content | trim``) is followed from the trimmed
+    text."""
     from toygraph.errors import DataError
     before = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    turn = messages + [{"role": "assistant", "content": call_text}]
-    closed = tok.apply_chat_template(turn, tools=tools)
-    after = tok.apply_chat_template(turn + [{"role": "tool", "content": reply}],
-                                    add_generation_prompt=True, tools=tools)
-    if not (closed.startswith(before + call_text) and after.startswith(closed)):
-        raise DataError(f"the chat template ({tok.template_name}) does not render a tool round "
-                        "as a continuation of the assistant's turn; tool rounds need a "
-                        "prefix-consistent template (--template FILE.jinja)")
-    return tok.encode(closed[len(before) + len(call_text):] + after[len(closed):],
-                      add_bos=False, add_eos=False)
+    for shown in dict.fromkeys((said, said.strip())):
+        mine = messages + [{"role": "assistant", "content": shown}]
+        closed = tok.apply_chat_template(mine, tools=tools)
+        after = tok.apply_chat_template(mine + turns, add_generation_prompt=True, tools=tools)
+        if closed.startswith(before + shown) and after.startswith(closed):
+            break
+    else:
+        raise DataError(f"the chat template ({tok.template_name}) does not render a "
+                        f"{turns[0]['role']} turn as a continuation of the assistant's turn; "
+                        "tool rounds and environments need a prefix-consistent template "
+                        "(--template FILE.jinja)")
+    closing = closed[len(before) + len(shown):]
+    if emitted and closing.startswith(emitted):
+        closing = closing[len(emitted):]
+    return tok.encode(closing + after[len(closed):], add_bos=False, add_eos=False)
+
+
+#: The text that closes a call, where sampling stops to run it (CALL_STOPS' strings).
+CALL_CLOSE = {"qwen": "</tool_call>", "hermes": "</tool_call>"}
+
+
+def call_style(tok) -> str | None:
+    """The tool-call format the chat template in use shows (tools.STYLES), or None: a
+    template that writes ``<tool_call>`` is Hermes' (Qwen2.5's); one with an ``ipython``
+    role and ``"parameters"`` (or ``<|python_tag|>``) Llama 3.x's JSON calls."""
+    source = tok.chat_template or ""
+    if "<tool_call>" in source:
+        return "hermes"
+    if "<|python_tag|>" in source or ("ipython" in source and '"parameters"' in source):
+        return "llama3"
+    return None
+
+
+def call_ids(tok, style: str) -> set[int]:
+    """The tokens on which a call may close (generate_rows' ``call_ids``): Llama 3.x's
+    calls end the turn (``<|eot_id|>``/``<|eom_id|>``: the end-of-turn tokens); a
+    Hermes call its closing tag, the tag's own token where the vocabulary has one, else
+    every token ending with its last character (ToolRounds then answers only a text that
+    ends with the tag)."""
+    if style == "llama3":
+        return set(tok.end_of_turn_ids)
+    close = CALL_CLOSE[style]
+    single = tok.token_to_id(close)
+    if single is not None:
+        return {single}
+    return {i for i in range(tok.vocab_size) if tok.decode([i]).endswith(close[-1])}
 
 
 class ToolRounds:
     """generate_rows' ``tool_turn`` for rows whose prompts are ``prompts`` (chat messages,
     rendered with ``box.schemas`` as the template's tools). Sampling stops at each call's
-    closing token, so each round is one call: the one the row's text since its last tool
-    turn closes, run by ``box`` and answered with ``tool_turn_ids``. After
-    ``max_tool_calls`` calls in a row, or for text holding no call, nothing is fed."""
+    closing token, so each Hermes round is one call: the one the row's text since its
+    last tool turn closes, run by ``box`` and answered with ``tool_turn_ids``; a Llama 3.x
+    call ends its turn (one of ``stop_ids``), and each call of that turn gets a tool turn.
+    After ``max_tool_calls`` calls in a row, or for text holding no call, nothing is fed.
 
-    def __init__(self, tok, box: ToolBox, style: str, prompts: list[list[dict]],
-                 max_tool_calls: int):
+    With ``envs`` (one environment per row, reset already; ``prompts`` then hold its first
+    observation as the user turn) the row's turn ending on one of ``stop_ids`` is its
+    environment's ``step``: the reward is kept (``rewards``), and unless the environment
+    says done its observation is fed as the next user turn, the model's end-of-turn token
+    being the first of the template's closing. ``box`` may be None (no tools)."""
+
+    def __init__(self, tok, box: ToolBox | None, style: str | None, prompts: list[list[dict]],
+                 max_tool_calls: int, envs: list | None = None, stop_ids=()):
         self.tok, self.box, self.style, self.max = tok, box, style, max_tool_calls
+        self.envs, self.stop = envs, {int(i) for i in stop_ids}
+        self.tools = box.schemas if box is not None else None
+        self.prompt_turns = [len(p) for p in prompts]
         self.messages = [list(p) for p in prompts]   # per row: the conversation so far
         self.fed = [0] * len(prompts)                # per row: completion tokens rendered
         self.calls = [0] * len(prompts)
+        self.rewards: list[list[float]] = [[] for _ in prompts]   # per row: each step's
+        self.done = [False] * len(prompts)           # the environment said so
 
     def __call__(self, r: int, completion: list[int]) -> list[int]:
-        text = self.tok.decode(completion[self.fed[r]:])
+        said = completion[self.fed[r]:]
+        ended = bool(said) and said[-1] in self.stop   # the turn's end (a Llama 3.x call's)
+        if self.box is not None and ended == (self.style == "llama3"):
+            ids = self._tool_round(r, completion, said, ended)
+            if ids:
+                return ids
+        if self.envs is not None and ended:
+            return self._environment_turn(r, completion, said)
+        return []
+
+    def _tool_round(self, r: int, completion: list[int], said: list[int], ended: bool):
+        """A Hermes turn's one closed call, or a Llama 3.x turn's calls, each answered by a
+        tool turn; [] when the text holds no call or the row has made its calls."""
+        text = self.tok.decode(said[:-1] if ended else said)
+        if self.style in CALL_CLOSE and not text.endswith(CALL_CLOSE[self.style]):
+            return []
         calls = parse_tool_calls(text, self.style)
         if not calls or self.calls[r] >= self.max:
             return []
-        reply = self.box.reply(calls[-1])
-        ids = tool_turn_ids(self.tok, self.messages[r], text, reply, self.box.schemas)
-        self.messages[r] += [{"role": "assistant", "content": text},
-                             {"role": "tool", "content": reply}]
-        self.calls[r] += 1
+        calls = calls[-1:] if self.style in CALL_CLOSE else calls[:self.max - self.calls[r]]
+        replies = [{"role": "tool", "content": self.box.reply(c)} for c in calls]
+        ids = round_ids(self.tok, self.messages[r], text, replies, self.tools,
+                        emitted=self.tok.decode(said[-1:]) if ended else "")
+        self.messages[r] += [{"role": "assistant", "content": text}, *replies]
+        self.calls[r] += len(calls)
         self.fed[r] = len(completion) + len(ids)
         return ids
+
+    def _environment_turn(self, r: int, completion: list[int], said: list[int]) -> list[int]:
+        text = self.tok.decode(said[:-1])
+        observation, reward, done = self.envs[r].step(text)
+        self.rewards[r].append(reward)
+        self.messages[r].append({"role": "assistant", "content": text})
+        self.fed[r] = len(completion)
+        if done:
+            self.done[r] = True
+            return []
+        turn = {"role": "user", "content": observation}
+        ids = round_ids(self.tok, self.messages[r][:-1], text, [turn], self.tools,
+                        emitted=self.tok.decode(said[-1:]))
+        self.messages[r].append(turn)
+        self.fed[r] += len(ids)
+        return ids
+
+    def completion_messages(self, r: int, completion: list[int]) -> list[dict]:
+        """Row r's episode after its prompt: the turns it added, and the model's last
+        one (its text since the last turn fed, special tokens left out)."""
+        turns = self.messages[r][self.prompt_turns[r]:]
+        rest = self.tok.decode(completion[self.fed[r]:], skip_special_tokens=True)
+        return turns + ([{"role": "assistant", "content": rest}] if rest else [])

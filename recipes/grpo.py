@@ -24,32 +24,73 @@ sampler). Sampling at step t draws from ``default_rng([seed, t])``, so the compl
 a function of the seed, the step and the weights; the rollout being reused and the step
 count ride in the checkpoint (:meth:`GRPO.optimizer_state`), so a resumed run continues
 bit for bit.
+
+Over turns (recipes/episodes.py): with ``tools`` (a Python file, recipes/tools.py) the
+prompts are rendered with the tools' schemas in the chat template's ``tools``, sampling
+stops at each closed ``<tool_call>`` (a Llama 3.x call: at its end of turn), the call
+runs in its own process and the reply is fed to the row as the template's tool turn, up
+to ``max_tool_calls`` calls; with an
+``environment`` (recipes/environments.py) each episode's prompt is its environment's
+first observation, and each end of turn is answered by ``step`` until it says done or the
+completion's ``max_completion_length`` tokens are spent. Every episode of the batch stays
+in the one batched sampler; the tokens fed (tool and environment turns) carry no label, so
+the loss covers the model's own tokens; the reward functions see the episode's turns and
+the environment's summed reward is one more reward column (weight: ``reward_weights``'
+last), so the group advantage is over the whole episode. Episodes end inside their
+rollout, so a resumed run replays them exactly when the environment is a function of the
+prompt and the turns (the built-in ``guess`` is).
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from toygraph import ops
 from toygraph.core.graph import PHASES, Graph
 from toygraph.data.batches import pad_id_for, steps_per_epoch
-from toygraph.data.prompts import encode_prompts, load_prompts, prompt_batches, prompt_text
-from toygraph.errors import GraphError
+from toygraph.data.prompts import (encode_prompts, load_prompts, prompt_batches,
+                                   prompt_text, prompt_token_ids)
+from toygraph.errors import DataError, GraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.batched import build_batched_generation, generate_rows
 from toygraph.inference.sampling import SamplingOptions
 from toygraph.models.decoder import LoraConfig, build_decoder
 from toygraph.recipes.base import RecipeOptions, fused_head
+from toygraph.recipes.environments import environments
+from toygraph.recipes.episodes import ToolRounds, call_ids, call_style
 from toygraph.recipes.grpo_loss import Objective, build_objective, clipped, group_advantages
 from toygraph.recipes.lora import LoRA
 from toygraph.recipes.registry import register
-from toygraph.recipes.rewards import (REWARD_TIMEOUT, nan_mean, nan_std, parse_rewards, score,
-                                      weighted_total)
+from toygraph.recipes.rewards import (REWARD_TIMEOUT, RewardError, nan_mean, nan_std,
+                                      parse_rewards, score, weighted_total)
+from toygraph.recipes.tools import ToolBox
 
 #: Defaults the run configuration reads from here (TRL's, but a CPU-sized completion).
 NUM_GENERATIONS, TEMPERATURE, TOP_P, MAX_COMPLETION_LENGTH, NUM_ITERATIONS = 8, 1.0, 1.0, 128, 1
+#: Tool calls one completion may make (--max-tool-calls).
+MAX_TOOL_CALLS = 4
+
+
+def _environment_weight(rewards, weights, environment):
+    """(the reward functions' weights, the environment's): with an environment,
+    ``--reward-weights`` may hold one more number, its weight (default 1)."""
+    n = len(list(rewards))
+    if environment is None or not weights or len(weights) == n:
+        return weights, 1.0
+    if len(weights) != n + 1:
+        raise RewardError(f"--reward-weights: {n} or {n + 1} numbers needed, one per --reward "
+                          f"({n}) and optionally the --environment's, last; got {list(weights)}")
+    try:
+        last = float(weights[-1])
+    except (TypeError, ValueError):
+        raise RewardError(f"--reward-weights must be numbers, got {list(weights)}") from None
+    if not math.isfinite(last):
+        raise RewardError(f"--reward-weights: the --environment's weight must be finite, got "
+                          f"{weights[-1]}")
+    return (tuple(weights[:-1]) or None), last
 
 
 @register("grpo")
@@ -68,9 +109,16 @@ class GRPO(LoRA):
                  num_generations: int = NUM_GENERATIONS, temperature: float = TEMPERATURE,
                  top_p: float = TOP_P, max_completion_length: int = MAX_COMPLETION_LENGTH,
                  num_iterations: int = NUM_ITERATIONS, objective: Objective | None = None,
-                 log_completions: int = 0, reward_timeout: float = REWARD_TIMEOUT):
+                 log_completions: int = 0, reward_timeout: float = REWARD_TIMEOUT,
+                 tools: str | None = None, max_tool_calls: int = MAX_TOOL_CALLS,
+                 environment: str | None = None, template: str | None = None):
         super().__init__(targets, rank, alpha)
-        self.rewards = parse_rewards(rewards, reward_weights, reward_timeout)
+        if max_tool_calls < 1:
+            raise GraphError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
+        weights, self.environment_weight = _environment_weight(rewards, reward_weights,
+                                                               environment)
+        self.rewards = (parse_rewards(rewards, weights, reward_timeout)
+                        if rewards or environment is None else [])
         if num_generations < 2:
             raise GraphError(f"num_generations must be >= 2 (a group to compare), got {num_generations}")
         if not (temperature > 0 and math.isfinite(temperature)):
@@ -87,6 +135,9 @@ class GRPO(LoRA):
         if self.objective.max_completion_length != self.max_completion_length:
             raise GraphError("the objective's max_completion_length must be the recipe's")
         self.log_completions = int(log_completions)
+        self.template, self.max_tool_calls = template, int(max_tool_calls)
+        self.box = ToolBox(tools) if tools is not None else None
+        self.envs = environments(environment, reward_timeout) if environment is not None else None
         self.prompts: dict[int, object] = {}   # prompt id -> EncodedPrompt (make_batches)
         self.rollout: dict | None = None
         self.last_metrics: dict = {}
@@ -102,11 +153,22 @@ class GRPO(LoRA):
                    temperature=cfg.temperature, top_p=cfg.top_p,
                    max_completion_length=cfg.max_completion_length,
                    num_iterations=cfg.num_iterations, objective=objective,
-                   log_completions=cfg.log_completions, reward_timeout=cfg.reward_timeout)
+                   log_completions=cfg.log_completions, reward_timeout=cfg.reward_timeout,
+                   tools=cfg.tools, max_tool_calls=cfg.max_tool_calls,
+                   environment=cfg.environment, template=cfg.template)
+
+    @property
+    def reward_names(self) -> list[str]:
+        """The columns of a rollout's rewards: the functions', then the environment's."""
+        return [r.name for r in self.rewards] + (["environment"] if self.envs else [])
+
+    @property
+    def reward_weights(self) -> list[float]:
+        return [r.weight for r in self.rewards] + ([self.environment_weight] if self.envs else [])
 
     def __repr__(self):
         return (f"GRPO(targets={self.targets}, rank={self.rank}, alpha={self.alpha}, "
-                f"rewards={[r.name for r in self.rewards]}, "
+                f"rewards={self.reward_names}, "
                 f"num_generations={self.num_generations}, {self.objective})")
 
     # --- data ------------------------------------------------------------------------------------
@@ -115,11 +177,27 @@ class GRPO(LoRA):
         """Training (``shuffle``): each batch of ``batch`` prompts ``num_iterations`` times.
         Evaluation: batches of ``batch x num_generations`` prompts, one greedy completion
         each, so every row of the sampler holds a prompt."""
-        self.prompts.update({item.index: item for item in items})
+        self.prompts.update({item.index: self.with_tools(item, seq_len) for item in items})
         if not shuffle:
             batch *= self.num_generations
         return prompt_batches(items, batch, seq_len, pad, shuffle=shuffle, seed=seed,
                               epoch=epoch, repeat=self.num_iterations if shuffle else 1)
+
+    def with_tools(self, item, seq_len: int):
+        """The prompt rendered with the tools' schemas in the chat template's ``tools``
+        (the item as it is without --tools). Not cut to fit: the tools' description comes
+        first, and the model must read it."""
+        if self.box is None:
+            return item
+        known = self.prompts.get(item.index)
+        if known is not None and known.row is item.row:   # rendered at an earlier epoch
+            return known
+        ids = prompt_token_ids(prompt_text(item.row, self.tok, self.box.schemas), self.tok)
+        if len(ids) > seq_len:
+            raise DataError(f"{item.row.path or '<data>'}:{item.line}: the prompt with the "
+                            f"tools' schemas is {len(ids)} tokens, over --seq-len {seq_len}; "
+                            "raise --seq-len")
+        return replace(item, tokens=ids, truncated=False)
 
     def batches_per_epoch(self, items, batch: int, seq_len: int) -> int:
         return steps_per_epoch(len(items), batch) * self.num_iterations
@@ -156,7 +234,19 @@ class GRPO(LoRA):
             raise GraphError(f"--seq-len {P} + --max-completion-length {C} exceed the model's "
                              f"context length {model_cfg.n_ctx}")
         self.tok = Tokenizer.from_gguf(gguf.reader)
+        self.tok.use_template(self.template)   # the prompts' (training/prepare.py)
         self.stop_ids, self.pad = self.tok.end_of_turn_ids, pad_id_for(self.tok)
+        self.style, self.call_ids = None, set()
+        if self.box is not None:
+            self.style = call_style(self.tok)
+            if self.style is None:
+                raise GraphError(f"--tools: the chat template ({self.tok.template_name}) shows "
+                                 "no tool-call format GRPO's sampler stops on (Qwen2.5's and "
+                                 "Hermes' <tool_call>, Llama 3.x's JSON calls); give one "
+                                 "with --template FILE.jinja")
+            self.call_ids = call_ids(self.tok, self.style)
+        if self.envs is not None:   # each end of turn is the environment's
+            self.call_ids |= set(self.stop_ids)
         self.graph = g = Graph()
         lora = self.lora_config(opts)
         self.net = build_decoder(g, model_cfg, batch=R, seq_len=T, model=gguf,
@@ -240,17 +330,18 @@ class GRPO(LoRA):
         return loss
 
     def make_rollout(self, prompt_ids, rng, opts: SamplingOptions | None = None) -> dict:
-        """Sample ``num_generations`` completions of each prompt, score them and build the
-        training rows: tokens [R, T], keep and labels [R * C], advantages [R], the rewards
-        [R, F] (NaN: not applied), and the old log-probs [R, C] when num_iterations > 1."""
+        """Sample ``num_generations`` episodes of each prompt, score them and build the
+        training rows: tokens [R, T], keep and labels [R * C] (-1 on the tokens the model
+        did not write: tool and environment turns), advantages [R] (of each whole
+        episode's reward), the rewards [R, F] (NaN: not applied; the environment's last),
+        the old log-probs [R, C] when num_iterations > 1, and the tool calls / environment
+        steps [R] of each episode where there are tools / an environment."""
         items = [self.prompts[int(i)] for i in prompt_ids]
         G, P, C = self.num_generations, self.opts.seq_len, self.max_completion_length
         group = [it for it in items for _ in range(G)]
-        prompts = [it.tokens for it in group]
-        completions = generate_rows(self.sess, self.gen, prompts, C, opts or self.sampling, rng,
-                                    self.stop_ids, self.pad)
-        rewards = self.score(group, completions)
-        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        prompts, completions, own, rounds = self.sample_episodes(group, opts or self.sampling, rng)
+        rewards = self.score(group, completions, rounds)
+        total = weighted_total(rewards, self.reward_weights)
         adv, degenerate = group_advantages(total, G, self.objective.scale_rewards)
         R, T = len(group), P + C
         tokens = np.full((R, T), self.pad, np.int32)
@@ -259,27 +350,80 @@ class GRPO(LoRA):
         for r, (p, c) in enumerate(zip(prompts, completions)):
             tokens[r, :len(p) + len(c)] = p + c
             keep[r] = r * T + len(p) - 1 + np.arange(C)
-            labels[r, :len(c)] = c
+            labels[r, :len(c)] = np.where(own[r], c, -1) if own is not None else c
         out = {"prompts": np.asarray(prompt_ids, np.int64), "tokens": tokens,
                "keep": keep.reshape(-1), "labels": labels.reshape(-1), "advantages": adv,
                "rewards": rewards, "degenerate": degenerate}
+        if rounds is not None and self.box is not None:
+            out["tool_calls"] = np.array(rounds.calls, np.int32)
+        if rounds is not None and self.envs is not None:
+            out["environment_steps"] = np.array([len(x) for x in rounds.rewards], np.int32)
         if self.old_logp is not None:
             self.upload_rows(out)
             self.sess.run_program(self.old_program)
             out["old_logp"] = self.sess.download(self.logp)
         return out
 
-    def score(self, group: list, completions: list[list[int]]) -> np.ndarray:
+    def sample_episodes(self, group: list, opts: SamplingOptions, rng):
+        """(prompts, completions, own, rounds) of one batch of the sampler's rows: each
+        row's prompt ids and completion, and with tools or an environment whether each
+        completion token is the model's (generate_rows' ``own``) and the ToolRounds that
+        fed the others (None, None without)."""
+        C = self.max_completion_length
+        if self.box is None and self.envs is None:
+            prompts = [it.tokens for it in group]
+            return prompts, generate_rows(self.sess, self.gen, prompts, C, opts, rng,
+                                          self.stop_ids, self.pad), None, None
+        envs = [self.envs.new() for _ in group] if self.envs is not None else None
+        chats = ([it.row.prompt for it in group] if envs is None else
+                 [[{"role": "user", "content": env.reset(it.row.prompt)}]
+                  for env, it in zip(envs, group)])
+        prompts = ([it.tokens for it in group] if envs is None else
+                   [self.first_observation_ids(chat, it) for chat, it in zip(chats, group)])
+        rounds = ToolRounds(self.tok, self.box, self.style, chats, self.max_tool_calls,
+                            envs=envs, stop_ids=self.stop_ids)
+        own: list = []
+        try:
+            completions = generate_rows(self.sess, self.gen, prompts, C, opts, rng,
+                                        self.stop_ids, self.pad, call_ids=self.call_ids,
+                                        tool_turn=rounds, own=own)
+        finally:
+            for env in envs or ():
+                env.close()
+        return prompts, completions, own, rounds
+
+    def first_observation_ids(self, chat: list[dict], item) -> list[int]:
+        """The prompt of an environment's episode: its first observation as the user turn,
+        rendered with the generation prompt (and the tools' schemas)."""
+        tools = self.box.schemas if self.box is not None else None
+        text = self.tok.apply_chat_template(chat, add_generation_prompt=True, tools=tools)
+        ids = prompt_token_ids(text, self.tok)
+        if len(ids) > self.opts.seq_len:
+            raise DataError(f"{item.row.path or '<data>'}:{item.line}: the environment's first "
+                            f"observation of this prompt is {len(ids)} tokens as a user turn, "
+                            f"over --seq-len {self.opts.seq_len}; raise --seq-len")
+        return ids
+
+    def score(self, group: list, completions: list[list[int]], rounds=None) -> np.ndarray:
         """The rewards [R, F] of the completions (TRL's arguments: the prompts as given,
-        the completions as text, or as an assistant message for a chat prompt)."""
+        the completions as text, or as messages for a chat prompt: an assistant message,
+        or an episode's turns after its prompt), the environment's summed reward last."""
         texts = [self.tok.decode(c, skip_special_tokens=True) for c in completions]
-        chat = [it.row.conversational for it in group]
+        chat = [it.row.conversational or self.envs is not None for it in group]
         keys = sorted({k for it in group for k in it.row.fields})
         fields = {k: [it.row.fields.get(k) for it in group] for k in keys}
         fields["completion_ids"] = [list(c) for c in completions]
-        return score(self.rewards, [it.row.prompt for it in group],
-                     [[{"role": "assistant", "content": x}] if c else x
-                      for x, c in zip(texts, chat)], fields)
+        if rounds is None:
+            given = [[{"role": "assistant", "content": x}] if c else x
+                     for x, c in zip(texts, chat)]
+        else:
+            given = [rounds.completion_messages(r, c) if chat[r] else texts[r]
+                     for r, c in enumerate(completions)]
+        out = score(self.rewards, [it.row.prompt for it in group], given, fields)
+        if self.envs is None:
+            return out
+        episode = np.array([sum(x) for x in rounds.rewards[:len(completions)]], np.float64)
+        return np.concatenate([out, episode[:, None]], axis=1)
 
     def upload_rows(self, rollout: dict) -> None:
         s, R, T = self.sess, self.rows, self.opts.seq_len + self.max_completion_length
@@ -300,16 +444,20 @@ class GRPO(LoRA):
         """TRL's step metrics: rewards (total and per function), degenerate groups,
         completion lengths, clip ratios and, with beta > 0, the KL to the reference."""
         rewards = rollout["rewards"]
-        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        total = weighted_total(rewards, self.reward_weights)
         mask = rollout["labels"].reshape(self.rows, -1) >= 0
         lengths = mask.sum(axis=1)
         out = {"loss": loss, "reward": nan_mean(total), "reward_std": nan_std(total),
                "frac_reward_zero_std": float(np.mean(rollout["degenerate"])),
                "completions/mean_length": float(lengths.mean()),
                "completions/max_length": int(lengths.max())}
-        for j, r in enumerate(self.rewards):
-            out[f"rewards/{r.name}/mean"] = nan_mean(rewards[:, j])
-            out[f"rewards/{r.name}/std"] = nan_std(rewards[:, j])
+        for key, name in (("tool_calls", "tools/calls_mean"),
+                          ("environment_steps", "environment/steps_mean")):
+            if key in rollout:
+                out[name] = float(np.mean(rollout[key]))
+        for j, name in enumerate(self.reward_names):
+            out[f"rewards/{name}/mean"] = nan_mean(rewards[:, j])
+            out[f"rewards/{name}/std"] = nan_std(rewards[:, j])
         logp = self.sess.download(self.logp).astype(np.float64)
         old = rollout.get("old_logp", logp).astype(np.float64)
         adv = rollout["advantages"][:, None]
@@ -328,10 +476,16 @@ class GRPO(LoRA):
         """The first completion of the rollout with its prompt and rewards (--log-completions)."""
         item = self.prompts[int(rollout["prompts"][0])]
         c = rollout["labels"].reshape(self.rows, -1)[0]
-        return {"prompt": prompt_text(item.row, self.tok),
-                "completion": self.tok.decode([int(x) for x in c[c >= 0]], skip_special_tokens=True),
-                "rewards": {r.name: (None if math.isnan(v) else float(v))
-                            for r, v in zip(self.rewards, rollout["rewards"][0])}}
+        prompt, completion = prompt_text(item.row, self.tok), [int(x) for x in c[c >= 0]]
+        if self.box is not None or self.envs is not None:   # the episode, its fed turns too
+            n, mine = int(rollout["keep"][0]) + 1, np.nonzero(c >= 0)[0]
+            end = n + (int(mine[-1]) + 1 if len(mine) else 0)
+            prompt = self.tok.decode(rollout["tokens"][0, :n])
+            completion = [int(x) for x in rollout["tokens"][0, n:end]]
+        return {"prompt": prompt,
+                "completion": self.tok.decode(completion, skip_special_tokens=True),
+                "rewards": {name: (None if math.isnan(v) else float(v))
+                            for name, v in zip(self.reward_names, rollout["rewards"][0])}}
 
     @staticmethod
     def metrics_text(metrics: dict) -> str:
@@ -358,15 +512,13 @@ class GRPO(LoRA):
             raise GraphError(f"evaluate: {len(labels)} prompts for {self.rows} sampler rows")
         ids = list(labels[real, 0]) + [labels[0, 0]] * (self.rows - int(real.sum()))
         items = [self.prompts[int(i)] for i in ids]
-        completions = generate_rows(self.sess, self.gen, [it.tokens for it in items],
-                                    self.max_completion_length, SamplingOptions(), None,
-                                    self.stop_ids, self.pad)
+        _, completions, _, rounds = self.sample_episodes(items, SamplingOptions(), None)
         n = int(real.sum())
-        rewards = self.score(items[:n], completions[:n])
-        total = weighted_total(rewards, [r.weight for r in self.rewards])
+        rewards = self.score(items[:n], completions[:n], rounds)
+        total = weighted_total(rewards, self.reward_weights)
         self.last_metrics = {"reward": nan_mean(total)}
-        self.last_metrics.update({f"rewards/{r.name}/mean": nan_mean(rewards[:, j])
-                                  for j, r in enumerate(self.rewards)})
+        self.last_metrics.update({f"rewards/{name}/mean": nan_mean(rewards[:, j])
+                                  for j, name in enumerate(self.reward_names)})
         return -float(np.nansum(total)), n
 
     # --- state a checkpoint keeps ----------------------------------------------------------------
@@ -390,7 +542,7 @@ class GRPO(LoRA):
         saved = {k.split(".", 2)[2]: state.pop(k) for k in list(state)
                  if k.startswith("grpo.rollout.")}
         if saved:
-            ints = ("prompts", "tokens", "keep", "labels")
+            ints = ("prompts", "tokens", "keep", "labels", "tool_calls", "environment_steps")
             r = {k: (v.astype(np.int64 if k == "prompts" else np.int32) if k in ints else v)
                  for k, v in saved.items()}
             r["rewards"] = np.where(r.pop("scored") > 0, r["rewards"].astype(np.float64), np.nan)

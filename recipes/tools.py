@@ -21,8 +21,8 @@ A call that cannot be run -- not JSON, no name, arguments that are not an object
 error to the model; so are a tool that raises, exits, forks, overruns its time limit, or
 is unknown. A reply longer than ``max_chars`` is cut, saying how much was left out.
 
-What is wired: nothing in the trainer yet (recipes/episodes.py says which pieces exist
-and which do not); this module is the parser and the executor they use.
+GRPO's ``--tools`` runs its calls through these (recipes/episodes.py says what is
+wired); the llama3 style is parsed here but GRPO's sampler does not stop on its calls yet.
 """
 from __future__ import annotations
 

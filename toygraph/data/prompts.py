@@ -104,17 +104,30 @@ def _parse_prompt(obj, where: str, line: int, path: str) -> PromptRow:
     return PromptRow(prompt, fields, line=line, path=path)
 
 
-def prompt_text(row: PromptRow, tok) -> str:
+def prompt_text(row: PromptRow, tok, tools: list[dict] | None = None) -> str:
     """The text the model continues: the string itself, or the messages rendered with the
     chat template in use (the model's, or its default: gguf/templates.py) and its generation
-    prompt."""
+    prompt; ``tools`` (JSON schemas, GRPO's --tools) reach the template's ``tools``, as the
+    SFT rows' do (data/encoding.py), so only a chat prompt can have them."""
+    where = f"{row.path or '<data>'}:{row.line}"
     if not row.conversational:
+        if tools:
+            raise DataError(f"{where}: --tools needs chat prompts (a list of messages, whose "
+                            "rendering describes the tools); this prompt is a string")
         return row.prompt
     try:
-        return tok.apply_chat_template(row.prompt, add_generation_prompt=True)
+        return tok.apply_chat_template(row.prompt, add_generation_prompt=True,
+                                       **({"tools": tools} if tools else {}))
     except Exception as e:  # the template's own error (raise_exception, ...): add the data line
-        raise DataError(f"{row.path or '<data>'}:{row.line}: the chat template failed on this "
-                        f"prompt: {e}") from None
+        raise DataError(f"{where}: the chat template failed on this prompt: {e}") from None
+
+
+def prompt_token_ids(text: str, tok) -> list[int]:
+    """``text``'s token ids, with the BOS the GGUF asks for unless the text (a template's
+    rendering) begins with it already."""
+    bos_text = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
+    double = bool(bos_text) and text.startswith(bos_text)
+    return tok.encode(text, add_bos=False if double else None, add_eos=False)
 
 
 def encode_prompts(rows: list[PromptRow], tok, max_len: int, progress=None) -> PromptDataset:
@@ -124,14 +137,11 @@ def encode_prompts(rows: list[PromptRow], tok, max_len: int, progress=None) -> P
         raise DataError(f"max_len must be >= 1, got {max_len}")
     check_special_tokens(tok)
     report = PromptReport(prompts=len(rows), max_len=max_len)
-    bos_text = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
     items = []
     for i, row in enumerate(rows):
         if progress is not None:
             progress(i, len(rows))
-        text = prompt_text(row, tok)
-        double = bool(bos_text) and text.startswith(bos_text)
-        ids = tok.encode(text, add_bos=False if double else None, add_eos=False)
+        ids = prompt_token_ids(prompt_text(row, tok), tok)
         if not ids:
             raise DataError(f"{row.path or '<data>'}:{row.line}: the prompt encodes to no tokens")
         cut = len(ids) > max_len

@@ -184,8 +184,10 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
     it -- the tool's reply as the template renders a tool turn, then the next assistant
     turn's start -- and they are fed to the row one per decode step, as forced tokens, in
     the row's completion and cache like its own, after which it samples again; no stop id
-    among them stops the row. ``own``, a list, receives per row whether each completion
-    token was sampled (True) or forced (False): the loss covers the sampled ones only."""
+    among them stops the row. A stop id may be a call id too (an environment answers
+    each end of turn): it stops the row only when ``tool_turn`` feeds it nothing.
+    ``own``, a list, receives per row whether each completion token was sampled (True) or
+    forced (False): the loss covers the sampled ones only."""
     R, P, L = gen.rows, gen.prompt_len, gen.cache_len
     if len(prompts) != R:
         raise DataError(f"batched generation: {len(prompts)} prompts for {R} rows")
@@ -227,9 +229,9 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
             t = pick_token(logits[r].astype(np.float64), list(prompts[r]) + out[r], opts, rng)
             out[r].append(t)
             sampled[r].append(True)
-            done[r] = t in stop
-            if t in calls and tool_turn is not None and not done[r]:
+            if t in calls and tool_turn is not None:
                 forced[r] = [int(x) for x in tool_turn(r, list(out[r]))]
+            done[r] = t in stop and not forced[r]   # an environment's next turn goes on
         if all(done) or j == max_new_tokens - 1:
             break
         last = np.array([o[-1] for o in out], np.int32)[:, None]

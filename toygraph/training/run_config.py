@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
 
 from toygraph.adapters.files import MAX_LORA_SCALE, lora_scale
 from toygraph.adapters.modelfile import ollama_name_error
@@ -34,8 +35,8 @@ from toygraph.models.catalog import model_forms
 from toygraph.models.decoder import LoraConfig, expand_targets
 from toygraph.recipes import RECIPES, LoRA, RecipeOptions, recipe_class
 from toygraph.recipes.dpo import DPO, LABEL_SMOOTHING
-from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, NUM_GENERATIONS, NUM_ITERATIONS,
-                                   TEMPERATURE, TOP_P)
+from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, MAX_TOOL_CALLS, NUM_GENERATIONS,
+                                   NUM_ITERATIONS, TEMPERATURE, TOP_P)
 from toygraph.recipes.grpo_loss import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS, Objective
 from toygraph.recipes.preference import BETA, PreferenceRecipe
 from toygraph.recipes.rewards import REWARD_TIMEOUT
@@ -128,9 +129,29 @@ class RunConfig:
                                                       "comma-separated; none: 1 each",
                                              group="run", used_by=_grpo_recipes)
     reward_timeout: float = option(REWARD_TIMEOUT, help="grpo: seconds a module:function "
-                                                        "reward may take per call (it runs in "
-                                                        "a process of its own); 0 = no limit",
+                                                        "reward or an environment may take per "
+                                                        "call (each runs in a process of its "
+                                                        "own); 0 = no limit",
                                    group="run", used_by=_grpo_recipes, resume="free", low=0)
+    # GRPO over turns (issue 50, recipes/episodes.py): tools the completions call, an
+    # environment that answers each turn
+    tools: str | None = option(None, help="grpo: a Python file whose functions (type hints and "
+                                          "a docstring each) the model may call: their JSON "
+                                          "schemas reach the chat template's tools, each call "
+                                          "is run (10 s at most) and its reply fed back as a "
+                                          "tool turn",
+                               group="run", used_by=_grpo_recipes)
+    max_tool_calls: int = option(MAX_TOOL_CALLS, help="grpo: tool calls one completion may make "
+                                                      "(with --tools); past them its calls get "
+                                                      "no reply",
+                                 group="run", used_by=_grpo_recipes, low=1)
+    environment: str | None = option(None, help="grpo: what answers each turn of an episode: "
+                                                "env.py:Factory or module:Factory (reset(prompt) "
+                                                "-> observation, step(text) -> (observation, "
+                                                "reward, done)), or guess (a built-in guessing "
+                                                "game); its reward takes one more "
+                                                "--reward-weights entry, the last",
+                                     group="run", used_by=_grpo_recipes)
     # models by name (issue 26): hand the trained adapter back to Ollama under a new name
     to_ollama: str | None = option(None, help="after training, `ollama create` this model name "
                                               "from the run's Modelfile (FROM the base, ADAPTER "
@@ -409,6 +430,10 @@ class RunConfig:
         if bad:
             raise ToygraphError(f"--fidelity: {bad[0]!r} is not a block type; choose among "
                                 f"{', '.join(QUANTS)}, or none")
+        if self.max_tool_calls != self.default("max_tool_calls") and self.tools is None:
+            raise ToygraphError("--max-tool-calls needs --tools (the functions to call)")
+        if self.tools is not None and not Path(self.tools).is_file():
+            raise ToygraphError(f"--tools {self.tools}: no such file")
         unknown = sorted(set(self.allow_change) - set(self.names()))
         if unknown:
             raise ToygraphError(f"--allow-change: no options named {unknown}")
