@@ -187,3 +187,22 @@ def test_the_demo_replaces_an_earlier_demo(tmp_path):
     assert is_demo_run(out)
     check_demo_out(str(out))          # accepted: the demo overwrites its own run
     check_demo_out(str(tmp_path / "fresh"))
+
+
+def test_the_demo_replaces_an_earlier_mixed_demo(tmp_path, monkeypatch):
+    """A demo trained on its data mix (capitals.jsonl and general.jsonl, weighted or not)
+    is the demo's; a mix with any other file is not."""
+    from toygraph.demo import capitals
+    monkeypatch.setattr(capitals, "DATA", {"capitals.jsonl": 0.8, "general.jsonl": 0.2})
+    here = capitals.data_path().parent
+
+    def written(data):
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        _run_dir(out, "x")
+        (out / "run.yaml").write_text(f"data: {json.dumps(data)}\nmodel: m.gguf\n")
+        return out
+    assert capitals.data_files() == [f"{here / 'capitals.jsonl'}:0.8",
+                                     f"{here / 'general.jsonl'}:0.2"]
+    assert capitals.is_demo_run(written(capitals.data_files()))
+    assert capitals.is_demo_run(written([str(here / n) for n in capitals.DATA]))
+    assert not capitals.is_demo_run(written([*capitals.data_files(), str(tmp_path / "mine.jsonl")]))

@@ -42,12 +42,28 @@ RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha
               batch=4, lr=5e-3, warmup=10, schedule="cosine", clip=1.0, seq_len=66,
               val_split=0.0, seed=42)
 STEPS = 170
+#: The training files beside this module and each one's weight in the mix
+#: (toygraph/data/mixing.py; None for all: concatenated).
+DATA = {"capitals.jsonl": None}
+#: What each file beside capitals.jsonl is for (the demo's "data:" lines say it).
+DATA_WHY = {name: why for name, why in
+            {"general.jsonl": "the base model's own answers to general prompts, so that "
+                              "prompts outside the task keep their answers"}.items()
+            if name in DATA}
 MAX_NEW_TOKENS = 24
 
 
 def data_path() -> Path:
     """The capitals.jsonl the demo ships beside this module."""
     return Path(__file__).resolve().with_name("capitals.jsonl")
+
+
+def data_files() -> list[str]:
+    """The demo's --data: each DATA file beside this module, as PATH:WEIGHT when weighted
+    (a weight of None concatenates the files, each its own size's share)."""
+    here = data_path().parent
+    return [str(here / name) if weight is None else f"{here / name}:{weight}"
+            for name, weight in DATA.items()]
 
 
 def replies_by_country(data: Path) -> dict[str, str]:
@@ -129,14 +145,20 @@ def loss_curve(events: Path, points: int = 5, window: int = 10) -> list[str]:
 
 
 def is_demo_run(out) -> bool:
-    """Whether the run directory ``out`` holds an earlier demo: its run.yaml trains on a
-    capitals.jsonl shipped with toygraph (this version's or another's)."""
+    """Whether the run directory ``out`` holds an earlier demo: its run.yaml trains only on
+    the DATA files shipped with toygraph (this version's or another's), weighted or not."""
     from toygraph.training.run_file import RUN_FILE, load_run_file
     try:
         data = load_run_file(Path(out) / RUN_FILE).get("data") or []
     except (OSError, ToygraphError):   # no run file, or not one: not a demo's
         return False
-    return bool(data) and all(Path(d).parts[-2:] == ("demo", data_path().name) for d in data)
+    from toygraph.data.mixing import parse_data_spec
+    shipped = {("demo", name) for name in DATA}
+    try:
+        return bool(data) and all(Path(parse_data_spec(d).path).parts[-2:] in shipped
+                                  for d in data)
+    except ToygraphError:   # a weight that is not one: not what the demo writes
+        return False
 
 
 def check_demo_out(out: str) -> None:
@@ -166,13 +188,16 @@ def run_demo(out: str = "runs/demo", steps: int | None = None, backend: str = "c
     check_value("steps", steps)   # --steps 0 is refused, not read as "the recipe's"
     model, data = str(smollm2_path()), data_path()
     taught = taught_answers(data)
-    print(terminal_text(f"model: {Path(model).name}\ndata:  {data}\n"))
+    print(terminal_text(f"model: {Path(model).name}\ndata:  {data}"))
+    for name, why in DATA_WHY.items():
+        print(terminal_text(f"       + {data.with_name(name)} ({why})"))
+    print()
     base = LanguageModel(model, backend=backend, precision=precision)
     before = {p: base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS)
               for p in (*PROMPTS, *OFF_TASK)}
     del base
     t0 = time.perf_counter()
-    run_cfg = RunConfig(model=model, data=str(data), out=out, recipe="lora", steps=steps,
+    run_cfg = RunConfig(model=model, data=data_files(), out=out, recipe="lora", steps=steps,
                         backend=backend, precision=precision,
                         overwrite=True, **RECIPE)  # a demo run replaces the previous demo
     summary = run_training(run_cfg, show_use=False)   # the commands come once, at the end
