@@ -30,6 +30,17 @@ def _data(tmp_path, n=8):
     return data
 
 
+def _trained(capsys, model, tmp_path, steps: int, targets: str):
+    """A tiny LoRA run directory, trained quietly through the CLI."""
+    out_dir = tmp_path / "run"
+    code, _, err = run(capsys, "finetune", "--model", str(model), "--data",
+                       str(_data(tmp_path)), "--out", str(out_dir), "--steps", str(steps),
+                       "--batch", "2", "--seq-len", "32", "--rank", "2", "--targets", targets,
+                       "--val-split", "0", "--quiet")
+    assert code == 0, err
+    return out_dir
+
+
 def _commands():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices
@@ -157,12 +168,7 @@ def test_run_numbers_are_refused_naming_the_flag(capsys, tiny_llama, tmp_path, f
 
 # --- adapters: every form export takes -------------------------------------------------------
 def test_eval_and_generate_take_the_adapter_gguf_export_takes(capsys, tiny_llama, tmp_path):
-    out_dir = tmp_path / "run"
-    code, _, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data",
-                       str(_data(tmp_path)), "--out", str(out_dir), "--steps", "2", "--batch",
-                       "2", "--seq-len", "32", "--rank", "2", "--targets", "q,v", "--val-split",
-                       "0", "--quiet")
-    assert code == 0, err
+    out_dir = _trained(capsys, tiny_llama, tmp_path, 2, "q,v")
     losses = []
     for adapter in (out_dir, out_dir / "adapter.gguf"):
         code, out, err = run(capsys, "eval", "--model", str(tiny_llama), "--text", "the cat sat",
@@ -242,12 +248,7 @@ def test_a_bad_json_line_names_the_column_where_it_breaks(tmp_path):
 ])
 def test_a_full_disk_on_export_says_so(capsys, tiny_llama, tmp_path, monkeypatch, error, shown):
     from toygraph.training.run_dir import io_error
-    out_dir = tmp_path / "run"
-    code, _, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data",
-                       str(_data(tmp_path)), "--out", str(out_dir), "--steps", "1", "--batch",
-                       "2", "--seq-len", "32", "--rank", "2", "--targets", "q", "--val-split",
-                       "0", "--quiet")
-    assert code == 0, err
+    out_dir = _trained(capsys, tiny_llama, tmp_path, 1, "q")
 
     def full(path, write):
         raise error
@@ -332,12 +333,7 @@ def test_a_catalog_fetch_says_what_it_fetches_and_where(tmp_path, monkeypatch):
 
 
 def test_export_and_chat_notices_are_escaped(capsys, tiny_llama, tmp_path):
-    out_dir = tmp_path / "run"
-    code, _, err = run(capsys, "finetune", "--model", str(tiny_llama), "--data",
-                       str(_data(tmp_path)), "--out", str(out_dir), "--steps", "1", "--batch",
-                       "2", "--seq-len", "32", "--rank", "2", "--targets", "q", "--val-split",
-                       "0", "--quiet")
-    assert code == 0, err
+    out_dir = _trained(capsys, tiny_llama, tmp_path, 1, "q")
     merged = tmp_path / "m\x1b]0;t\x07.gguf"
     code, out, err = run(capsys, "export", "--model", str(tiny_llama), "--adapter", str(out_dir),
                          "--out", str(merged))
