@@ -20,6 +20,7 @@ from toygraph.ops.lowering.launch import collapse
 from support.kernelsrc import OP_KERNELS
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
+from support.ptxas import ARCHS  # noqa: E402
 
 
 # --- the kernel table ------------------------------------------------------------------------
@@ -34,7 +35,7 @@ def test_every_op_and_storage_has_a_kernel():
 
 # --- NVRTC ---------------------------------------------------------------------------------------
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_whole_module_compiles(arch, cache):
     from toygraph.cuda.nvrtc import compile_cubin
     cubin = compile_cubin(backend_source("f32"), arch=arch)

@@ -26,6 +26,7 @@ from toygraph.ops import flash_attention as attention_ops
 from toygraph.ops.flash_attention import cuda as attention_cuda
 from support.hostparity import MIXED_TOL, REDUCTION, compare_op, rel_err, rnd, run_phase
 from test_ops_flash_attention import ragged_segments
+from support.ptxas import ARCHS  # noqa: E402
 
 
 def _attn_tile(mem, addr, r0, T, hd, BT, HD, ld):
@@ -316,7 +317,7 @@ def test_attention_instantiations_match_the_lowering_tiles():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_attention_kernels_compile_without_spills(arch):
     """Register arrays indexed by unrolled constants only (no stack, no spills) and static
     shared memory within the 48 KB a block gets without an opt-in (none in the prep

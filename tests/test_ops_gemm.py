@@ -33,6 +33,7 @@ from toygraph.ops.lowering.sources import module_source
 from toygraph.core.graph import Graph, topo_order
 from toygraph.core.session import Session
 from toygraph.ops import KERNELS as CPU_KERNELS
+from support.ptxas import ARCHS  # noqa: E402
 
 
 @pytest.mark.parametrize("sa,sb,ta,tb", [
@@ -78,7 +79,7 @@ def test_lowering_matmul_batches_match_numpy(sa, sb, ta, tb):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_matmul_kernels_compile_for_every_format(arch, cache):
     from toygraph.cuda.nvrtc import compile_cubin
     cubin = compile_cubin(module_source(("matmul.cu", "dequant.cu", "qmatmul.cu", "rows.cu")),

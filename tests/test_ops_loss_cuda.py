@@ -19,6 +19,7 @@ from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
 from toygraph.ops import KERNELS as CPU_KERNELS
 from toygraph.ops.loss import cuda as loss_ops
+from support.ptxas import ARCHS  # noqa: E402
 
 
 # --- fused output head + cross-entropy: launch sequence over row chunks, replayed in numpy ------
@@ -329,7 +330,7 @@ def test_linear_cross_entropy_chunk_rows():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_linear_cross_entropy_kernels_compile_without_spills(arch):
     """tg_matmul_acc (tg_matmul's tiles adding into out), tg_lce_grad_scale and
     tg_ce_back_rows compile for sm_80 and sm_90; the accumulating matmul costs no more

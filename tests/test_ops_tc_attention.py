@@ -27,6 +27,7 @@ from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.ops.flash_attention import backward_node
 from toygraph.ops.lowering import constants, dispatch
+from support.ptxas import ARCHS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -297,7 +298,7 @@ def test_bf16_lowers_attention_to_the_tensor_core_kernels_and_f32_does_not():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_the_kernels_compile_for_the_gpus_within_static_shared_memory(arch):
     """NVRTC compiles the inline PTX (ldmatrix, cp.async, mma.sync) for sm_80 and sm_90;
     ptxas's report: every block's static shared memory is the constants' TCA buffer (under

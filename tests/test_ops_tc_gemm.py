@@ -26,6 +26,7 @@ from toygraph.ops.loss import cuda as loss_ops
 from toygraph.ops.gemm.cuda_tc import Gemm, gemm_launches, split_count
 from toygraph.cuda.host.device import by_value, run_kernel
 from toygraph.ops.lowering import dispatch, sources
+from support.ptxas import ARCHS  # noqa: E402
 
 FILES = ("tc_layout.cuh", "tc_matmul.cu", "tc_async.cuh", "tc_gemm.cu")
 
@@ -285,7 +286,7 @@ def test_the_heads_dh_splits_over_the_vocabulary_on_a_bf16_session():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_ptxas_fits_two_blocks_per_sm_without_spills(arch):
     """128 registers x 256 threads and 40 KB of static shared memory per block: two blocks
     per SM (the old tc_matmul kernel: 216-222 registers, one). No stack, no spills."""

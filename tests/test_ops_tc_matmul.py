@@ -22,6 +22,7 @@ from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
 from toygraph.ops import KERNELS as CPU_KERNELS
 from toygraph.ops.gemm import cuda as matmul_ops
+from support.ptxas import ARCHS  # noqa: E402
 
 
 _TC_HOST_DRIVER = r"""
@@ -263,7 +264,7 @@ def kernel_names_of(src):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tc_module_compiles_without_spills(arch):
     """Every tensor-core kernel compiles for sm_80 and sm_90 (inline-PTX mma.sync, cvt to
     bf16/tf32) into the mixed-precision module, and ptxas reports no stack frame or spills

@@ -7,6 +7,13 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
+#: The archs the compile checks run for: sm_90 (the H200 the device tool lends) in the
+#: default run; sm_80 adds a second full compile of each module (~90 s and ~25 s), so it
+#: runs in the slow tier (-m slow).
+ARCHS = ["sm_90", pytest.param("sm_80", marks=pytest.mark.slow)]
+
 
 @functools.cache
 def bf16_module(arch: str) -> tuple[bytes, dict[str, dict]]:
