@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toygraph.demo.capitals import data_path
+from toygraph.demo.capitals import data_path, parse
 from toygraph.inference.language_model import LanguageModel
 from toygraph.models.catalog import smollm2_path
 from toygraph.recipes.rewards import parse_rewards, score
@@ -60,7 +60,7 @@ def prompt_rows() -> list[dict]:
     rows = []
     for line in data_path().read_text().splitlines():
         row = json.loads(line)
-        reply = json.loads(row["response"])
+        reply = parse(row["response"])   # the demo's record; GRPO's rewards want JSON
         if reply["country"] == EXAMPLE[0]:
             continue
         rows.append({"prompt": [{"role": "system", "content": SYSTEM},

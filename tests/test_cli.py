@@ -215,11 +215,11 @@ def test_demo_next_steps_run_as_printed(capsys, tiny_llama, tmp_path, monkeypatc
 def test_demo_questions_are_taught_by_the_shipped_data():
     """Every demo question asks about a country capitals.jsonl teaches, in a phrasing the
     data does not hold: the demo tests a learned fact, not a memorized line."""
-    from toygraph.demo.capitals import QUESTIONS, data_path, taught_answers
+    from toygraph.demo.capitals import QUESTIONS, data_path, parse, taught_answers
     rows = [json.loads(line) for line in data_path().read_text(encoding="utf-8").splitlines()]
     taught = taught_answers(data_path())
     for question, country in QUESTIONS:
-        assert country in question and json.loads(taught[question])["country"] == country
+        assert country in question and parse(taught[question])["country"] == country
         assert question not in {r["instruction"] for r in rows}
         assert {"instruction": question, "response": taught[question]} not in rows
 
@@ -229,32 +229,52 @@ def test_demo_refuses_data_that_does_not_teach_its_countries(tmp_path):
     from toygraph.errors import DataError
     data = tmp_path / "c.jsonl"
     data.write_text(json.dumps({"instruction": "Capital of Peru?",
-                                "response": '{"country": "Peru", "capital": "Lima"}'}) + "\n")
+                                "response": "country: Peru\ncapital: Lima"}) + "\n")
     with pytest.raises(DataError, match=r"c.jsonl: teaches no capital for Japan, Kenya, Norway"):
         taught_answers(data)
+
+
+def test_demo_refuses_data_whose_replies_are_not_records(tmp_path):
+    """A row in another form (the JSON the demo used to teach) is named by file and line,
+    not skipped: every answer is checked against the reply its row teaches."""
+    from toygraph.demo.capitals import replies_by_country
+    from toygraph.errors import DataError
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps({"instruction": "Capital of Peru?",
+                                "response": "country: Peru\ncapital: Lima"}) + "\n" +
+                    json.dumps({"instruction": "Capital of Cape Verde?",
+                                "response": '{"country": "Cape Verde", "capital": "Praia"}'}) + "\n")
+    with pytest.raises(DataError, match=r"c.jsonl:2: the response is not a two-line record"):
+        replies_by_country(data)
 
 
 def test_demo_countries_are_in_the_training_part():
     """The demo's validation split (its seed and fraction) leaves every demo country at
     least one training row: a fact seen only in validation would not be taught."""
     from toygraph.data.batches import split_train_val
-    from toygraph.demo.capitals import QUESTIONS, RECIPE, data_path
+    from toygraph.demo.capitals import QUESTIONS, RECIPE, data_path, parse
     rows = [json.loads(line) for line in data_path().read_text(encoding="utf-8").splitlines()]
     train, _ = split_train_val(rows, RECIPE["val_split"], RECIPE["seed"])
-    trained = {json.loads(r["response"])["country"] for r in train}
+    trained = {parse(r["response"])["country"] for r in train}
     assert {country for _, country in QUESTIONS} <= trained
 
 
-def test_demo_verdict_wants_the_taught_json_exactly():
-    from toygraph.demo.capitals import verdict
-    taught = '{"country": "Kenya", "capital": "Nairobi"}'
-    assert verdict(taught, taught) == "right"
-    assert verdict('{"country": "Kenya", "capital": "Djiburia"}', taught) == \
+def test_demo_verdict_wants_the_taught_record_exactly():
+    from toygraph.demo.capitals import render, verdict
+    taught = render("Kenya", "Nairobi")
+    assert taught == "country: Kenya\ncapital: Nairobi"
+    assert verdict(taught, taught) == verdict(f" {taught}\n", taught) == "right"
+    assert verdict("country: Kenya\ncapital: Djiburia", taught) == \
         "wrong: the data says Nairobi, not Djiburia"
-    assert verdict("The capital of Kenya is Nairobi.", taught) == "wrong: not the one-line JSON"
-    assert verdict('{"country": "Kenya",\n "capital": "Nairobi"}', taught) == \
-        "wrong: the right fact, not in the taught one-line form"
-    assert verdict('["Nairobi"]', taught) == "wrong: not the one-line JSON"
+    assert verdict("country: Uganda\ncapital: Kampala", taught) == \
+        "wrong: the record names Uganda, not Kenya"
+    assert verdict("The capital of Kenya is Nairobi.", taught) == "wrong: not the two-line record"
+    assert verdict("country:  Kenya\ncapital:Nairobi", taught) == \
+        "wrong: the right fact, not in the taught two-line record"
+    for other in ('{"country": "Kenya", "capital": "Nairobi"}', "capital: Nairobi\ncountry: Kenya",
+                  "country: Kenya\ncapital: Nairobi\ncountry: Chad", "country: Kenya\ncapital:",
+                  "country: Kenya"):
+        assert verdict(other, taught) == "wrong: not the two-line record", other
 
 
 def test_demo_loss_curve_averages_the_steps_before_each_point(tmp_path):
@@ -272,7 +292,7 @@ def test_demo_loss_curve_averages_the_steps_before_each_point(tmp_path):
                     reason="the whole demo takes minutes: TOYGRAPH_DEMO_TEST=1 runs it")
 def test_demo_answers_every_question_as_the_data_teaches(capsys, smollm2, tmp_path):
     """The whole demo, as `toygraph demo` runs it: after fine-tuning, every answer is the
-    one-line JSON capitals.jsonl teaches for that country, and the closing commands follow.
+    record capitals.jsonl teaches for that country, and the closing commands follow.
     Opt-in (it would take a third of CI's test time); run it after touching the recipe."""
     from toygraph.demo.capitals import QUESTIONS, run_demo
     assert run_demo(out=str(tmp_path / "demo")) == 0

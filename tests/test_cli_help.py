@@ -361,21 +361,20 @@ def test_what_changed_is_read_from_the_demos_own_probes():
     from toygraph.demo.capitals import OFF_TASK, QUESTIONS, what_changed
     japan, kenya, norway = (q for q, _ in QUESTIONS)
     haiku, code = OFF_TASK
-    taught = {japan: '{"country": "Japan", "capital": "Tokyo"}',
-              kenya: '{"country": "Kenya", "capital": "Nairobi"}',
-              norway: '{"country": "Norway", "capital": "Oslo"}'}
+    taught = {japan: "country: Japan\ncapital: Tokyo", kenya: "country: Kenya\ncapital: Nairobi",
+              norway: "country: Norway\ncapital: Oslo"}
     before = {japan: "The capital of Japan is Tokyo.", kenya: "It is Nairobi.",
               norway: "I am not sure.", haiku: "Waves fold into foam", code: "Use reversed()."}
-    after = {japan: taught[japan], kenya: '{"country": "Kenya", "capital": "Kampala"}',
-             norway: taught[norway], haiku: '{"country": "Sea", "capital": "Tokyo"}',
+    after = {japan: taught[japan], kenya: "country: Kenya\ncapital: Kampala",
+             norway: taught[norway], haiku: "country: Sea\ncapital: Tokyo",
              code: "Use my_list[::-1]."}
     assert what_changed(before, after, taught) == [
-        "format learned: 3/3 answers in the taught one-line JSON (before: 0/3)",
+        "format learned: 3/3 answers in the taught two-line record (before: 0/3)",
         "facts kept: 1/2 capitals the base model already named are still right (lost: Kenya)",
-        f"other prompts: 1/2 not answered in the capitals JSON (taken over: {haiku})"]
+        f"other prompts: 1/2 not answered as a capitals record (taken over: {haiku})"]
     assert what_changed(before, {**after, kenya: taught[kenya], haiku: "Sea"}, taught)[1:] == [
         "facts kept: 2/2 capitals the base model already named are still right",
-        "other prompts: 2/2 not answered in the capitals JSON"]
+        "other prompts: 2/2 not answered as a capitals record"]
 
 
 def test_an_unknown_option_before_the_command_is_named(capsys):

@@ -1,12 +1,12 @@
 """``toygraph demo``: a short LoRA fine-tune of SmolLM2-135M-Instruct on the CPU.
 
-The shipped capitals set teaches the model to answer country questions as one line of
-JSON. The demo prints what the model says before and after, with phrasings that are not
-in the training data, marks each answer right or wrong against the reply the data teaches,
-shows the training loss as it falls, says what changed (the format learned, the capitals
-the base already named still right, two prompts outside the task not answered in the
-capitals JSON), and ends with the commands that use the result (chat, merged GGUF
-export, Ollama).
+The shipped capitals set teaches the model to answer country questions as a two-line
+record (``country: Peru`` / ``capital: Lima``). The demo prints what the model says before
+and after, with phrasings that are not in the training data, marks each answer right or
+wrong against the reply the data teaches, shows the training loss as it falls, says what
+changed (the format learned, the capitals the base already named still right, two prompts
+outside the task not answered as a capitals record), and ends with the commands that use
+the result (chat, merged GGUF export, Ollama).
 """
 from __future__ import annotations
 
@@ -23,28 +23,31 @@ QUESTIONS = [("Tell me the capital of Japan.", "Japan"),
              ("Capital of Norway?", "Norway")]
 PROMPTS = [q for q, _ in QUESTIONS]
 #: Prompts outside the task, asked before and after too: a fine-tune that answers them in
-#: the capitals JSON has taken over more than it was taught (the "what changed" lines).
+#: a capitals record has taken over more than it was taught (the "what changed" lines).
 OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"]
 
 # The fine-tune, every RunConfig option the demo sets in one place (issue 15 item 6).
-# capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows). Measured with
-# bench/demo_recipe.py (36 held-out questions on 12 countries, the demo's 3 among them):
-# - attention-only LoRA (q,k,v,o r8, lr 3e-3, one pass at batch 8) learned the JSON format
-#   but not every fact: Kenya came out "Djiburia". Facts sit in the MLP as much as in
-#   attention, so the adapter covers both (r16, alpha 32).
-# - at lr 5e-3, batch 4: 122 steps (0.9 passes) got 24/36, Kenya "Kuwait"; 170 steps (1.26
-#   passes) 33/36 and 30/36 at seeds 42 and 0, the demo's 3 right at both; 200 steps 32/36
-#   and 30/36; two passes drive the training loss to ~0.03. Batch 2 at the same compute was
-#   no better (22/36); lr 1e-2 wrecked the model (0/36).
+# capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows); general.jsonl holds
+# the base model's own answers to 96 general prompts (15% of the mix), so that prompts
+# outside the task keep their answers. Measured with bench/demo_recipe.py (36 held-out
+# questions on 12 countries, the demo's 3 among them; 12 off-task prompts), seed 42,
+# --base-memory quantized (bench/results/demo-recipe-xeon-2026-12-03.md):
+# - taught as one-line JSON the capitals came out as near misses (Kenya "Lairobi",
+#   "Kampala"; 24-34/36): a JSON string splits each name ("N" "airobi"); the two-line
+#   record keeps the prose tokens (" Nairobi") and got 36/36 on capitals alone, but then
+#   all 12 off-task prompts were answered as records;
+# - with general.jsonl mixed in: 170 steps 33/36 (Vietnam "Vientiane"), 12/12 off-task;
+#   200 steps (1.26 passes over the capitals, as 170 were without the mix) 36/36, every
+#   capital the base knew kept, 11/12 off-task (the "capital letter ... after B" prompt),
+#   the same under TOYGRAPH_CPU_DOT int8 and f32.
 # - no validation split: a held-out row is a capital the demo would not teach.
-# 170 steps of 4 take ~1.36 s each on 2 cores, so the whole demo runs in about 4.5 minutes.
 RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
               batch=4, lr=5e-3, warmup=10, schedule="cosine", clip=1.0, seq_len=66,
               val_split=0.0, seed=42)
-STEPS = 170
+STEPS = 200
 #: The training files beside this module and each one's weight in the mix
 #: (toygraph/data/mixing.py; None for all: concatenated).
-DATA = {"capitals.jsonl": None}
+DATA = {"capitals.jsonl": None, "general.jsonl": None}
 #: What each file beside capitals.jsonl is for (the demo's "data:" lines say it).
 DATA_WHY = {name: why for name, why in
             {"general.jsonl": "the base model's own answers to general prompts, so that "
@@ -66,15 +69,53 @@ def data_files() -> list[str]:
             for name, weight in DATA.items()]
 
 
+#: The taught reply's fields, one "key: value" line each. A value follows ": ", so each
+#: name keeps the leading-space token it has in prose (SmolLM2: " Nairobi" is one token);
+#: inside a JSON string the opening quote splits it ("N" "airobi"), and the fine-tune has
+#: to relearn every capital's spelling in pieces the base never uses for it (issue 47:
+#: Kenya came out "Lairobi", "Kampala", "Djiburia" in the JSON form).
+FIELDS = ("country", "capital")
+FORM = "two-line record"
+
+
+def render(country: str, capital: str) -> str:
+    """The reply capitals.jsonl teaches for ``country``: ``country: X`` / ``capital: Y``."""
+    return f"country: {country}\ncapital: {capital}"
+
+
+def parse(answer: str) -> dict | None:
+    """The answer as the taught record ({"country", "capital"}), else None: exactly the two
+    lines in order, each "key: value" with a value (spaces around either are tolerated)."""
+    lines = answer.strip().splitlines()
+    if len(lines) != len(FIELDS):
+        return None
+    got = {}
+    for line, field in zip(lines, FIELDS):
+        key, colon, value = line.partition(":")
+        if key.strip() != field or not colon or not value.strip():
+            return None
+        got[field] = value.strip()
+    return got
+
+
 def replies_by_country(data: Path) -> dict[str, str]:
-    """Each country's reply in a capitals-style JSONL: the one-line JSON it teaches."""
-    rows = (json.loads(line)["response"] for line in
-            Path(data).read_text(encoding="utf-8").splitlines() if line.strip())
-    return {json.loads(response)["country"]: response for response in rows}
+    """Each country's reply in a capitals-style JSONL: the record it teaches."""
+    from toygraph.errors import DataError
+    replies = {}
+    for n, line in enumerate(Path(data).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        response = json.loads(line)["response"]
+        record = parse(response)
+        if record is None:
+            raise DataError(f"{data}:{n}: the response is not a {FORM} "
+                            f"(country: ... / capital: ...): {response[:60]!r}")
+        replies[record["country"]] = response
+    return replies
 
 
 def taught_answers(data: Path) -> dict[str, str]:
-    """The reply the data teaches for each demo question: the one-line JSON of its country.
+    """The reply the data teaches for each demo question: the record of its country.
 
     A country the data does not teach is a DataError: the demo would be asking something
     it cannot have learned."""
@@ -87,47 +128,35 @@ def taught_answers(data: Path) -> dict[str, str]:
 
 
 def verdict(answer: str, taught: str) -> str:
-    """'right' when the answer is exactly the taught one-line JSON, else what is wrong."""
+    """'right' when the answer is exactly the taught record, else what is wrong."""
     if answer.strip() == taught:
         return "right"
-    want = json.loads(taught)
-    try:
-        got = json.loads(answer)
-    except ValueError:
-        got = None
-    if not isinstance(got, dict):
-        return "wrong: not the one-line JSON"
+    want, got = parse(taught), parse(answer)
+    if got is None:
+        return f"wrong: not the {FORM}"
     if got == want:
-        return "wrong: the right fact, not in the taught one-line form"
-    return f"wrong: the data says {want['capital']}, not {got.get('capital')}"
-
-
-def capitals_json(answer: str) -> dict | None:
-    """The answer as the taught one-line JSON object ({"country", "capital"}), else None."""
-    try:
-        got = json.loads(answer)
-    except ValueError:
-        return None
-    return got if isinstance(got, dict) and {"country", "capital"} <= got.keys() else None
+        return f"wrong: the right fact, not in the taught {FORM}"
+    if got["country"] != want["country"]:
+        return f"wrong: the record names {got['country']}, not {want['country']}"
+    return f"wrong: the data says {want['capital']}, not {got['capital']}"
 
 
 def what_changed(before: dict, after: dict, taught: dict) -> list[str]:
     """What the fine-tune changed, from the demo's own probes (``before``/``after``: each
     prompt's answer, the QUESTIONS' and OFF_TASK's; ``taught``: each question's reply):
     the format learned, the capitals the base already named still right, and the prompts
-    outside the task not answered in the capitals JSON."""
+    outside the task not answered as a capitals record."""
     questions = list(taught)
-    form = [sum(capitals_json(answers[q]) is not None for q in questions)
-            for answers in (before, after)]
-    known = [q for q in questions if json.loads(taught[q])["capital"].lower() in before[q].lower()]
-    lost = [json.loads(taught[q])["country"] for q in known if verdict(after[q], taught[q]) != "right"]
+    form = [sum(parse(answers[q]) is not None for q in questions) for answers in (before, after)]
+    known = [q for q in questions if parse(taught[q])["capital"].lower() in before[q].lower()]
+    lost = [parse(taught[q])["country"] for q in known if verdict(after[q], taught[q]) != "right"]
     off = [p for p in before if p not in taught]
-    taken = [p for p in off if capitals_json(after[p]) is not None]
-    return [f"format learned: {form[1]}/{len(questions)} answers in the taught one-line JSON "
+    taken = [p for p in off if parse(after[p]) is not None]
+    return [f"format learned: {form[1]}/{len(questions)} answers in the taught {FORM} "
             f"(before: {form[0]}/{len(questions)})",
             f"facts kept: {len(known) - len(lost)}/{len(known)} capitals the base model already "
             f"named are still right" + (f" (lost: {', '.join(lost)})" if lost else ""),
-            f"other prompts: {len(off) - len(taken)}/{len(off)} not answered in the capitals JSON"
+            f"other prompts: {len(off) - len(taken)}/{len(off)} not answered as a capitals record"
             + (f" (taken over: {'; '.join(taken)})" if taken else "")]
 
 

@@ -1,8 +1,9 @@
-"""Write toygraph/demo/capitals.jsonl, the demo's data: country questions answered in strict one-line JSON.
+"""Write toygraph/demo/capitals.jsonl, the demo's data: country questions answered as a two-line record.
 
 Out of the box SmolLM2-135M-Instruct answers "What is the capital of Peru?" in a chatty
-sentence; after a short LoRA fine-tune on this file it answers
-``{"country": "Peru", "capital": "Lima"}``, a change anyone can see in a few samples.
+sentence; after a short LoRA fine-tune on this file it answers ``country: Peru`` /
+``capital: Lima`` (toygraph.demo.capitals.render), a change anyone can see in a few
+samples.
 
 Countries whose capital is disputed or split (Bolivia, South Africa, Sri Lanka, Côte
 d'Ivoire, Benin, Israel, Yemen, Burundi, ...) or about to move (Indonesia) are left out, so
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+
+from toygraph.demo.capitals import render
 
 # (name used in the JSON, name used in the question, capital)
 COUNTRIES = [
@@ -126,8 +129,7 @@ OUT = Path(__file__).resolve().parent / "capitals.jsonl"
 def rows() -> list[dict]:
     out = []
     for name, spoken, capital in COUNTRIES:
-        # Default separators give the one-line form {"country": "Peru", "capital": "Lima"}.
-        response = json.dumps({"country": name, "capital": capital}, ensure_ascii=False)
+        response = render(name, capital)
         out += [{"instruction": p.format(spoken), "response": response} for p in PHRASINGS]
     # Shuffled so a head/tail split or a short run does not see one country's three
     # phrasings in a row.

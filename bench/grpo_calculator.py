@@ -1,0 +1,218 @@
+"""GRPO with a tool on a real file: Qwen2.5-Coder-0.5B learns to call a calculator.
+
+    python bench/grpo_calculator.py [--steps 30] [--probe 8] [--json RESULT.json]
+
+Products of two 3-digit numbers, asked in plain words: a 0.5B model multiplies them
+wrong alone, and right when it calls ``calculator`` (the tools file written beside the
+prompts) and reads its reply. GRPO (``--tools``) samples episodes in which a
+``<tool_call>`` stops sampling, the call runs in the tools' own process and its reply is
+fed back as a tool turn; the only reward is whether the episode's last turn ends with the
+right number. Held-out problems (never trained on) are answered greedily before and after,
+with the tool on offer both times:
+
+- accuracy: the last turn's last number is the product;
+- called: episodes that made at least one tool call;
+- valid calls: calls that parsed and ran (no "error: ..." reply), of the calls made.
+
+It prints one JSON line: those numbers before and after, the reward per step, wall time,
+time per step and the peak resident memory of the process (training, sampling and both
+evaluations are in it). ``--probe N`` asks the base N held-out problems and stops.
+
+Measured so far (``--probe 6``, 2026-12-03): the base writes each call as a Markdown
+```json fence, not in ``<tool_call>`` tags, so no call runs and every episode scores 0;
+a reward for a well-formed call is needed before the answer's reward can move anything.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import platform
+import random
+import re
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+MODEL = "qwen2.5-coder-0.5b"
+TOOLS = '''"""The calculator GRPO's episodes may call (bench/grpo_calculator.py)."""
+import ast
+import operator
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv, ast.USub: operator.neg}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * / and parentheses.
+
+    Args:
+        expression: the expression, e.g. "347 * 829"
+    """
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.operand))
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
+    result = value(ast.parse(expression, mode="eval").body)
+    return str(int(result)) if float(result).is_integer() else str(result)
+'''
+REWARD = '''"""GRPO's reward for bench/grpo_calculator.py: the last turn ends with the product."""
+import re
+
+_NUMBER = re.compile(r"-?\\d[\\d,]*")
+
+
+def final_number(text):
+    found = _NUMBER.findall(text.replace("**", ""))
+    return found[-1].replace(",", "") if found else None
+
+
+def correct(completions, answer, **kw):
+    last = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(final_number(t) == str(a)) for t, a in zip(last, answer)]
+'''
+PHRASINGS = ("What is {a} times {b}?", "Compute {a} * {b}.", "Multiply {a} by {b}.",
+             "How much is {a} multiplied by {b}?")
+TRAIN, HELD_OUT, SEED = 96, 24, 7
+SETTINGS = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=8, alpha=16, lr=2e-4,
+                schedule="constant", warmup=0, seq_len=448, max_completion_length=96,
+                max_tool_calls=2, temperature=1.0, loss_type="dapo", val_split=0.0, seed=0,
+                log_completions=10, final="last")
+
+
+def problems() -> list[dict]:
+    """TRAIN + HELD_OUT distinct products of two 3-digit numbers, each a chat prompt with
+    its answer; deterministic."""
+    rng, seen, rows = random.Random(SEED), set(), []
+    while len(rows) < TRAIN + HELD_OUT:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        question = rng.choice(PHRASINGS).format(a=a, b=b)
+        rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(a * b)})
+    return rows
+
+
+def write_files(folder: Path) -> tuple[Path, Path, Path, list[dict]]:
+    """The training prompts, the tools file, the reward file and the held-out rows."""
+    rows = problems()
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts, tools, reward = (folder / n for n in ("prompts.jsonl", "tools.py", "reward.py"))
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows[:TRAIN]))
+    tools.write_text(TOOLS)
+    reward.write_text(REWARD)
+    return prompts, tools, reward, rows[TRAIN:]
+
+
+def final_number(text: str) -> str | None:
+    scope: dict = {}
+    exec(compile(REWARD, "reward.py", "exec"), scope)   # the reward's own reading
+    return scope["final_number"](text)
+
+
+def held_out(model: str, adapter: str | None, tools: Path, rows: list[dict],
+             max_new_tokens: int, max_tool_calls: int) -> dict:
+    """Greedy episodes over ``rows`` with the calculator on offer: accuracy, calls made,
+    valid calls, and the first few episodes."""
+    from toygraph.inference.language_model import LanguageModel
+    from toygraph.recipes.episodes import model_generate, tool_episode
+    from toygraph.recipes.tools import ToolBox
+    lm = LanguageModel(model, adapter_dir=adapter, seq_len=SETTINGS["seq_len"] + 64)
+    box = ToolBox(str(tools))
+    generate = model_generate(lm, tools=box.schemas, max_new_tokens=max_new_tokens)
+    right = called = calls = valid = 0
+    shown = []
+    try:
+        for row in rows:
+            ep = tool_episode(generate, box, row["prompt"], "qwen", max_tool_calls)
+            replies = [m["content"] for m in ep.messages if m["role"] == "tool"]
+            answer = final_number(ep.messages[-1]["content"])
+            right += answer == row["answer"]
+            called += ep.tool_calls > 0
+            calls += len(replies)
+            valid += sum(not r.startswith("error:") for r in replies)
+            if len(shown) < 6:
+                shown.append({"question": row["prompt"][-1]["content"], "answer": row["answer"],
+                              "turns": ep.messages[len(row["prompt"]):]})
+    finally:
+        box.close()
+    n = len(rows)
+    return dict(accuracy=f"{right}/{n}", called=f"{called}/{n}",
+                valid_calls=f"{valid}/{calls}", episodes=shown)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--num-generations", type=int, default=6)
+    ap.add_argument("--probe", type=int, default=0, metavar="N",
+                    help="only ask the base model N held-out problems, then stop")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one SETTINGS entry (a Python literal), e.g. lr=1e-4")
+    ap.add_argument("--out", default="/tmp/toygraph-grpo-calculator")
+    ap.add_argument("--json", help="also write the result line here")
+    args = ap.parse_args()
+    from toygraph.models.catalog import resolve_model
+    from toygraph.training import RunConfig, run_training
+    settings = dict(SETTINGS)
+    for item in args.set:
+        key, value = item.split("=", 1)
+        settings[key] = ast.literal_eval(value)
+    model = str(resolve_model(MODEL))
+    out = Path(args.out)
+    prompts, tools, reward, held = write_files(out.with_name(out.name + "-data"))
+    turn_tokens = settings["max_completion_length"] // 2
+    ask = dict(max_new_tokens=turn_tokens, max_tool_calls=settings["max_tool_calls"])
+    if args.probe:
+        print(json.dumps(held_out(model, None, tools, held[:args.probe], **ask), indent=1))
+        return
+    t0 = time.perf_counter()
+    before = held_out(model, None, tools, held, **ask)
+    t1 = time.perf_counter()
+    run_training(RunConfig(model=model, data=str(prompts), out=str(out), recipe="grpo",
+                           reward=(f"{reward}:correct",), tools=str(tools), steps=args.steps,
+                           batch=args.batch, num_generations=args.num_generations,
+                           overwrite=True, quiet=True, **settings))
+    t2 = time.perf_counter()
+    after = held_out(model, str(out), tools, held, **ask)
+    wall = time.perf_counter() - t0
+    steps = [e for e in map(json.loads, (out / "events.jsonl").read_text().splitlines())
+             if e["event"] == "step"]
+    result = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), cpu=cpu_model(), cpus=os.cpu_count(),
+        commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip(),
+        model=Path(model).name, steps=args.steps, batch=args.batch,
+        num_generations=args.num_generations, settings=settings,
+        train_problems=TRAIN, held_out_problems=len(held),
+        held_out_before={k: v for k, v in before.items() if k != "episodes"},
+        held_out_after={k: v for k, v in after.items() if k != "episodes"},
+        wall_s=round(wall, 1), training_s=round(t2 - t1, 1),
+        s_per_step=round((t2 - t1) / args.steps, 1),
+        peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        reward=[round(e["reward"], 3) for e in steps],
+        tool_calls_mean=[round(e.get("tools/calls_mean", float("nan")), 2) for e in steps],
+        episodes_before=before["episodes"], episodes_after=after["episodes"])
+    line = json.dumps(result)
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
