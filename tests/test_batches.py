@@ -292,8 +292,8 @@ def test_pad_id_and_hash(tmp_path):
 def test_capitals_fixture_loads():
     exs = load_examples(CAPITALS)
     assert len(exs) >= 300
-    answer = json.loads(exs[0].messages[-1]["content"])
-    assert set(answer) == {"country", "capital"}
+    from toygraph.demo.capitals import parse
+    assert all(set(parse(e.messages[-1]["content"])) == {"country", "capital"} for e in exs)
 
 
 # ------------------------------------------------------------------------- real SmolLM2 tokenizer
