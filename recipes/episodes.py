@@ -22,7 +22,7 @@ its episodes with ``ToolRounds`` here inside the batched sampler (generate_rows'
 ``call_ids``/``tool_turn``/``own``: a tool's reply or an environment's observation fed
 through the row's KV cache as forced tokens, marked as not the model's, so their labels
 are masked); a Hermes/Qwen2.5 call stops sampling at its ``</tool_call>``, a Llama 3.x
-JSON call at the end of its turn. Not wired: a per-episode turn limit for environments
+JSON call (and a ``json`` style one, tools.py) at the end of its turn. Not wired: a per-episode turn limit for environments
 (the completion's token budget bounds an episode); Llama 3.x's calls are tested on a
 Llama-3-layout template over the tiny vocabulary, not on a real Llama 3.x file. The loops
 above (``tool_episode``, ``environment_episode``) run one episode at a time on any
@@ -34,11 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from toygraph.data.examples import Example
-from toygraph.recipes.tools import ToolBox, parse_tool_calls
+from toygraph.recipes.tools import TURN_STYLES, ToolBox, parse_tool_calls
 
 #: Where sampling stops so that a call can be run: the closing tag (Hermes, Qwen2.5); a
 #: Llama 3.x call ends its turn (<|eom_id|>, an end-of-turn token) and needs no string.
-CALL_STOPS = {"qwen": ("</tool_call>",), "hermes": ("</tool_call>",), "llama3": ()}
+CALL_STOPS = {"qwen": ("</tool_call>",), "hermes": ("</tool_call>",), "llama3": (),
+              "json": ()}
 
 
 @dataclass
@@ -176,7 +177,7 @@ def call_ids(tok, style: str) -> set[int]:
     Hermes call its closing tag, the tag's own token where the vocabulary has one, else
     every token ending with its last character (ToolRounds then answers only a text that
     ends with the tag)."""
-    if style == "llama3":
+    if style in TURN_STYLES:
         return set(tok.end_of_turn_ids)
     close = CALL_CLOSE[style]
     single = tok.token_to_id(close)
@@ -214,7 +215,7 @@ class ToolRounds:
     def __call__(self, r: int, completion: list[int]) -> list[int]:
         said = completion[self.fed[r]:]
         ended = bool(said) and said[-1] in self.stop   # the turn's end (a Llama 3.x call's)
-        if self.box is not None and ended == (self.style == "llama3"):
+        if self.box is not None and ended == (self.style in TURN_STYLES):
             ids = self._tool_round(r, completion, said, ended)
             if ids:
                 return ids

@@ -27,7 +27,8 @@ bit for bit.
 
 Over turns (recipes/episodes.py): with ``tools`` (a Python file, recipes/tools.py) the
 prompts are rendered with the tools' schemas in the chat template's ``tools``, sampling
-stops at each closed ``<tool_call>`` (a Llama 3.x call: at its end of turn), the call
+stops at each closed ``<tool_call>`` (a Llama 3.x call, or a ``tool_call_style="json"``
+one: at its end of turn), the call
 runs in its own process and the reply is fed to the row as the template's tool turn, up
 to ``max_tool_calls`` calls; with an
 ``environment`` (recipes/environments.py) each episode's prompt is its environment's
@@ -66,7 +67,7 @@ from toygraph.recipes.lora import LoRA
 from toygraph.recipes.registry import register
 from toygraph.recipes.rewards import (REWARD_TIMEOUT, RewardError, nan_mean, nan_std,
                                       parse_rewards, score, weighted_total)
-from toygraph.recipes.tools import ToolBox
+from toygraph.recipes.tools import STYLES, ToolBox
 
 #: Defaults the run configuration reads from here (TRL's, but a CPU-sized completion).
 NUM_GENERATIONS, TEMPERATURE, TOP_P, MAX_COMPLETION_LENGTH, NUM_ITERATIONS = 8, 1.0, 1.0, 128, 1
@@ -111,7 +112,8 @@ class GRPO(LoRA):
                  num_iterations: int = NUM_ITERATIONS, objective: Objective | None = None,
                  log_completions: int = 0, reward_timeout: float = REWARD_TIMEOUT,
                  tools: str | None = None, max_tool_calls: int = MAX_TOOL_CALLS,
-                 environment: str | None = None, template: str | None = None):
+                 environment: str | None = None, template: str | None = None,
+                 tool_call_style: str | None = None):
         super().__init__(targets, rank, alpha)
         if max_tool_calls < 1:
             raise GraphError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
@@ -136,6 +138,10 @@ class GRPO(LoRA):
             raise GraphError("the objective's max_completion_length must be the recipe's")
         self.log_completions = int(log_completions)
         self.template, self.max_tool_calls = template, int(max_tool_calls)
+        if tool_call_style is not None and tool_call_style not in STYLES:
+            raise GraphError(f"tool_call_style {tool_call_style!r}: choose one of "
+                             f"{', '.join(STYLES)}")
+        self.tool_call_style = tool_call_style
         self.box = ToolBox(tools) if tools is not None else None
         self.envs = environments(environment, reward_timeout) if environment is not None else None
         self.prompts: dict[int, object] = {}   # prompt id -> EncodedPrompt (make_batches)
@@ -155,7 +161,8 @@ class GRPO(LoRA):
                    num_iterations=cfg.num_iterations, objective=objective,
                    log_completions=cfg.log_completions, reward_timeout=cfg.reward_timeout,
                    tools=cfg.tools, max_tool_calls=cfg.max_tool_calls,
-                   environment=cfg.environment, template=cfg.template)
+                   environment=cfg.environment, template=cfg.template,
+                   tool_call_style=cfg.tool_call_style)
 
     @property
     def reward_names(self) -> list[str]:
@@ -238,12 +245,13 @@ class GRPO(LoRA):
         self.stop_ids, self.pad = self.tok.end_of_turn_ids, pad_id_for(self.tok)
         self.style, self.call_ids = None, set()
         if self.box is not None:
-            self.style = call_style(self.tok)
+            self.style = self.tool_call_style or call_style(self.tok)
             if self.style is None:
                 raise GraphError(f"--tools: the chat template ({self.tok.template_name}) shows "
                                  "no tool-call format GRPO's sampler stops on (Qwen2.5's and "
-                                 "Hermes' <tool_call>, Llama 3.x's JSON calls); give one "
-                                 "with --template FILE.jinja")
+                                 "Hermes' <tool_call>, Llama 3.x's JSON calls); name the "
+                                 "model's with --tool-call-style or give a template with "
+                                 "--template FILE.jinja")
             self.call_ids = call_ids(self.tok, self.style)
         if self.envs is not None:   # each end of turn is the environment's
             self.call_ids |= set(self.stop_ids)

@@ -15,6 +15,12 @@ Formats (``STYLES``):
 - ``llama3``: Llama 3.1-3.3's JSON tool calls, the reply being one object
   ``{"name": ..., "parameters": {...}}`` (``arguments`` accepted too), optionally after
   ``<|python_tag|>``; several separated by ``;``.
+- ``json``: a turn that opens with ``{"name": ..., "arguments": {...}}`` -- bare, or in a
+  Markdown ```` ```json ```` fence -- and ends there; several separated by ``;`` or
+  newlines. Not a template's format but what small models write when shown one: asked
+  with Qwen2.5's template and a tool, Qwen2.5-Coder-0.5B writes its calls this way and
+  never in ``<tool_call>`` tags (bench/grpo_calculator.py). Chosen with
+  ``--tool-call-style json``, never guessed; like Llama 3.x's, such a call ends its turn.
 
 A call that cannot be run -- not JSON, no name, arguments that are not an object -- is a
 ``ToolCallError`` whose one-line text becomes the tool's reply, as TRL returns a tool's
@@ -22,7 +28,7 @@ error to the model; so are a tool that raises, exits, forks, overruns its time l
 is unknown. A reply longer than ``max_chars`` is cut, saying how much was left out.
 
 GRPO's ``--tools`` runs its calls through these (recipes/episodes.py says what is
-wired); the llama3 style is parsed here but GRPO's sampler does not stop on its calls yet.
+wired); the llama3 style is parsed here and GRPO's sampler stops on its calls (an end of turn).
 """
 from __future__ import annotations
 
@@ -32,7 +38,9 @@ from dataclasses import dataclass
 
 from toygraph.recipes.rewards import RewardError, RewardWorker
 
-STYLES = ("qwen", "hermes", "llama3")
+STYLES = ("qwen", "hermes", "llama3", "json")
+#: The styles whose calls end the turn (sampling stops on an end-of-turn token).
+TURN_STYLES = ("llama3", "json")
 #: Seconds one tool call may take.
 TOOL_TIMEOUT = 10.0
 #: Characters of a tool's reply the model gets back.
@@ -42,6 +50,7 @@ ERROR_CHARS = 500
 
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+_FENCE = re.compile(r"\A```(?:json)?[ \t]*\n(.*?)(?:\n```|\Z)", re.DOTALL)
 
 
 @dataclass
@@ -68,6 +77,13 @@ def parse_tool_calls(text: str, style: str) -> list[ToolCall | ToolCallError]:
         if not body.startswith("{"):   # a plain answer: no call
             return []
         bodies, key = _split_objects(body), "parameters"
+    elif style == "json":
+        body = text.strip()
+        fenced = _FENCE.match(body)
+        body = fenced.group(1).strip() if fenced else body
+        if not body.startswith("{"):   # a plain answer: no call
+            return []
+        bodies, key = _split_objects(body), "arguments"
     else:
         raise ValueError(f"tool-call style {style!r}: choose one of {', '.join(STYLES)}")
     return [_call(body, key, i + 1) for i, body in enumerate(bodies)]

@@ -71,6 +71,9 @@ def test_the_options_are_checked_naming_the_flag(tools_file, tmp_path):
                        (dict(recipe="lora", reward=(), environment="guess"),
                         "--environment is for --recipe grpo"),
                        (dict(max_tool_calls=2), "--max-tool-calls needs --tools"),
+                       (dict(tool_call_style="json"), "--tool-call-style needs --tools"),
+                       (dict(tools=str(tools_file), tool_call_style="xml"),
+                        "--tool-call-style must be one of qwen, hermes, llama3, json"),
                        (dict(tools=str(tools_file), max_tool_calls=0),
                         "--max-tool-calls must be an integer >= 1"),
                        (dict(tools=str(tmp_path / "none.py")), "--tools .*none.py: no such file")):
@@ -265,6 +268,28 @@ def test_a_llama3_json_call_ends_its_turn_and_is_answered(tmp_path, tools_file, 
         labels = rollout["labels"].reshape(2, C)[r]
         own = tok.decode([int(x) for x in labels[labels >= 0]])
         assert own.startswith(call) and "ipython" not in own and "HI!" not in own
+    recipe.box.close()
+
+
+def test_a_bare_json_call_ends_its_turn_when_the_style_says_so(long_llama, tmp_path, tools_file,
+                                                                 monkeypatch):
+    """--tool-call-style json over a Hermes template: the turn that is one JSON object (what
+    Qwen2.5-Coder-0.5B writes instead of <tool_call> tags) is run at its end of turn."""
+    recipe, items = tool_recipe(long_llama, chat_prompts(tmp_path), tmp_path, tools_file,
+                                max_tool_calls=1, tool_call_style="json")
+    assert recipe.style == "json" and recipe.call_ids == set(recipe.stop_ids)
+    call = '{"name": "shout", "arguments": {"text": "hi"}}<|im_end|>'
+    scripted(monkeypatch, [call])["tok"] = tok = recipe.tok
+    rollout = recipe.make_rollout(np.array([0]), np.random.default_rng(0))
+    assert list(rollout["tool_calls"]) == [1] * 4
+    C = recipe.max_completion_length
+    for r in range(4):
+        text = tok.decode(rollout["tokens"][r])
+        assert call + "\n<|im_start|>user\n<tool_response>HI!</tool_response><|im_end|>\n" \
+                      "<|im_start|>assistant\n" in text
+        labels = rollout["labels"].reshape(4, C)[r]
+        own = tok.decode([int(x) for x in labels[labels >= 0]])
+        assert own.startswith(call) and "HI!" not in own and "tool_response" not in own
     recipe.box.close()
 
 

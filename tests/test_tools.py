@@ -80,6 +80,9 @@ def box(tmp_path_factory):
     ("qwen", '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'),   # stopped at the tag
     ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}'),
     ("llama3", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+    ("json", '{"name": "add", "arguments": {"a": 2, "b": 3}}'),
+    ("json", '```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```\nThat adds them.'),
+    ("json", '  ```\n{"name": "add", "arguments": {"a": 2, "b": 3}}'),   # stopped in the fence
 ])
 def test_a_call_in_each_format_is_parsed_and_run(box, style, text):
     calls = parse_tool_calls(text, style)
@@ -96,6 +99,12 @@ def test_several_calls_and_none():
     assert [c.name for c in parse_tool_calls(two, "llama3")] == ["add", "huge"]
     assert parse_tool_calls("The answer is 5.", "qwen") == []
     assert parse_tool_calls("The answer is 5.", "llama3") == []
+    assert parse_tool_calls("The answer is 5.", "json") == []
+    # json: only a turn that opens with the object calls; an answer quoting one does not
+    assert parse_tool_calls('It is {"name": "add"}.', "json") == []
+    assert parse_tool_calls("```python\nprint(5)\n```", "json") == []
+    lines = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n{"name": "shout", "arguments": {}}'
+    assert [c.name for c in parse_tool_calls(lines, "json")] == ["add", "shout"]
 
 
 def test_schemas_come_from_hints_and_docstrings(box):

@@ -40,6 +40,7 @@ from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, MAX_TOOL_CALLS, 
 from toygraph.recipes.grpo_loss import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS, Objective
 from toygraph.recipes.preference import BETA, PreferenceRecipe
 from toygraph.recipes.rewards import REWARD_TIMEOUT
+from toygraph.recipes.tools import STYLES as TOOL_CALL_STYLES
 
 #: How a resumed run treats an option: "same" must match the checkpoint unless
 #: ``--allow-change`` lists it; "free" may change (it steers how the run is carried out, or
@@ -145,6 +146,14 @@ class RunConfig:
                                                       "(with --tools); past them its calls get "
                                                       "no reply",
                                  group="run", used_by=_grpo_recipes, low=1)
+    tool_call_style: str | None = option(None, help="grpo: how the model writes a tool call "
+                                                    "(with --tools): hermes/qwen (<tool_call> "
+                                                    "tags), llama3, or json (a turn that is a "
+                                                    "bare or ```json-fenced {\"name\", "
+                                                    "\"arguments\"} object); default: the "
+                                                    "format the chat template shows",
+                                         group="run", used_by=_grpo_recipes,
+                                         choices=TOOL_CALL_STYLES)
     environment: str | None = option(None, help="grpo: what answers each turn of an episode: "
                                                 "env.py:Factory or module:Factory (reset(prompt) "
                                                 "-> observation, step(text) -> (observation, "
@@ -432,6 +441,8 @@ class RunConfig:
                                 f"{', '.join(QUANTS)}, or none")
         if self.max_tool_calls != self.default("max_tool_calls") and self.tools is None:
             raise ToygraphError("--max-tool-calls needs --tools (the functions to call)")
+        if self.tool_call_style is not None and self.tools is None:
+            raise ToygraphError("--tool-call-style needs --tools (the functions to call)")
         if self.tools is not None and not Path(self.tools).is_file():
             raise ToygraphError(f"--tools {self.tools}: no such file")
         unknown = sorted(set(self.allow_change) - set(self.names()))
