@@ -4,13 +4,14 @@
 
 Products of two 3-digit numbers, asked in plain words: a 0.5B model multiplies them
 wrong alone, and right when it calls ``calculator`` (the tools file written beside the
-prompts) and reads its reply. GRPO (``--tools``) samples episodes in which a
-``<tool_call>`` stops sampling, the call runs in the tools' own process and its reply is
-fed back as a tool turn; the only reward is whether the episode's last turn ends with the
-right number. Held-out problems (never trained on) are answered greedily before and after,
-with the tool on offer both times:
+prompts) and reads its reply. GRPO (``--tools``) samples episodes in which a call stops
+sampling, runs in the tools' own process and has its reply fed back as a tool turn; the
+only reward is whether the episode ends in a plain answer (not one more call) whose last
+number is the product. Held-out problems (never trained on) are answered greedily before
+and after, with the tool on offer both times, and once by the base with no tool:
 
-- accuracy: the last turn's last number is the product;
+- accuracy: the episode's last turn answers, and its last number is the product;
+- answered: episodes whose last turn is an answer, not a call;
 - called: episodes that made at least one tool call;
 - valid calls: calls that parsed and ran (no "error: ..." reply), of the calls made.
 
@@ -18,15 +19,28 @@ It prints one JSON line: those numbers before and after, the reward per step, wa
 time per step and the peak resident memory of the process (training, sampling and both
 evaluations are in it). ``--probe N`` asks the base N held-out problems and stops.
 
-Measured so far (``--probe 6``, 2026-12-03): the base writes each call as a Markdown
-```json fence, not in ``<tool_call>`` tags, so no call runs and every episode scores 0;
-a reward for a well-formed call is needed before the answer's reward can move anything.
+The calls are read in the ``json`` style (``--tool-call-style json``, recipes/tools.py):
+shown Qwen2.5's template and the tool, this model writes each call as a bare or
+```json-fenced object and never in ``<tool_call>`` tags -- 0 of 24 sampled episodes used
+the tags (temperature 1, 4 held-out problems x 6 samples, 2026-12-03). Read that way its
+calls are valid from the start; what it lacks is the next step: given the tool's reply
+it calls the calculator again on the result instead of answering (``--probe 6``: 6/6
+called, 12/12 valid calls, 0/6 answered).
+
+Not yet measured to the end: ``--steps 30`` under ``timeout 3600`` on a 2-vCPU Intel Xeon
+(2026-12-03) was stopped by SIGTERM after step 13 (its checkpoint saved, resumable), at
+about 250 s per step (12 episodes of up to 96 tokens, batch 2 x 6). Mean reward per step
+went 0.67, 0.75, 0.92, 0.92, then 1.0 on 8 of the next 9 steps: the groups were all
+right, so their advantages and the loss were 0 -- the reward has to be harder (more
+problems per step, or 4-digit numbers) before more steps teach anything. The held-out
+"after" numbers need a finished run; a stopped one now exits with its resume command.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import json
+import sys
 import os
 import platform
 import random
@@ -62,7 +76,9 @@ def calculator(expression: str) -> str:
     result = value(ast.parse(expression, mode="eval").body)
     return str(int(result)) if float(result).is_integer() else str(result)
 '''
-REWARD = '''"""GRPO's reward for bench/grpo_calculator.py: the last turn ends with the product."""
+REWARD = '''"""GRPO's reward for bench/grpo_calculator.py: the episode ends in a plain answer
+whose last number is the product. A last turn that is itself a call (a JSON object, bare
+or fenced: the calls ran out) has not answered, whatever numbers its arguments hold."""
 import re
 
 _NUMBER = re.compile(r"-?\\d[\\d,]*")
@@ -73,16 +89,20 @@ def final_number(text):
     return found[-1].replace(",", "") if found else None
 
 
+def answered(text):
+    return not text.strip().startswith(("{", "```"))
+
+
 def correct(completions, answer, **kw):
     last = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [float(final_number(t) == str(a)) for t, a in zip(last, answer)]
+    return [float(answered(t) and final_number(t) == str(a)) for t, a in zip(last, answer)]
 '''
 PHRASINGS = ("What is {a} times {b}?", "Compute {a} * {b}.", "Multiply {a} by {b}.",
              "How much is {a} multiplied by {b}?")
 TRAIN, HELD_OUT, SEED = 96, 24, 7
 SETTINGS = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=8, alpha=16, lr=2e-4,
                 schedule="constant", warmup=0, seq_len=448, max_completion_length=96,
-                max_tool_calls=2, temperature=1.0, loss_type="dapo", val_split=0.0, seed=0,
+                max_tool_calls=2, tool_call_style="json", temperature=1.0, loss_type="dapo", val_split=0.0, seed=0,
                 log_completions=10, final="last")
 
 
@@ -111,14 +131,16 @@ def write_files(folder: Path) -> tuple[Path, Path, Path, list[dict]]:
     return prompts, tools, reward, rows[TRAIN:]
 
 
-def final_number(text: str) -> str | None:
+def reward_functions() -> dict:
+    """The reward file's own functions (``correct``, ``answered``), so the held-out
+    accuracy is read exactly as training scores it."""
     scope: dict = {}
-    exec(compile(REWARD, "reward.py", "exec"), scope)   # the reward's own reading
-    return scope["final_number"](text)
+    exec(compile(REWARD, "reward.py", "exec"), scope)
+    return scope
 
 
 def held_out(model: str, adapter: str | None, tools: Path, rows: list[dict],
-             max_new_tokens: int, max_tool_calls: int) -> dict:
+             max_new_tokens: int, max_tool_calls: int, style: str) -> dict:
     """Greedy episodes over ``rows`` with the calculator on offer: accuracy, calls made,
     valid calls, and the first few episodes."""
     from toygraph.inference.language_model import LanguageModel
@@ -127,14 +149,17 @@ def held_out(model: str, adapter: str | None, tools: Path, rows: list[dict],
     lm = LanguageModel(model, adapter_dir=adapter, seq_len=SETTINGS["seq_len"] + 64)
     box = ToolBox(str(tools))
     generate = model_generate(lm, tools=box.schemas, max_new_tokens=max_new_tokens)
-    right = called = calls = valid = 0
+    plain = model_generate(lm, tools=None, max_new_tokens=2 * max_new_tokens)
+    reward = reward_functions()
+    right = called = calls = valid = answered = 0
     shown = []
     try:
         for row in rows:
-            ep = tool_episode(generate, box, row["prompt"], "qwen", max_tool_calls)
+            ep = tool_episode(generate, box, row["prompt"], style, max_tool_calls)
             replies = [m["content"] for m in ep.messages if m["role"] == "tool"]
-            answer = final_number(ep.messages[-1]["content"])
-            right += answer == row["answer"]
+            turns = ep.messages[len(row["prompt"]):]
+            right += reward["correct"]([turns], [row["answer"]])[0] == 1.0
+            answered += reward["answered"](turns[-1]["content"])
             called += ep.tool_calls > 0
             calls += len(replies)
             valid += sum(not r.startswith("error:") for r in replies)
@@ -144,8 +169,12 @@ def held_out(model: str, adapter: str | None, tools: Path, rows: list[dict],
     finally:
         box.close()
     n = len(rows)
-    return dict(accuracy=f"{right}/{n}", called=f"{called}/{n}",
-                valid_calls=f"{valid}/{calls}", episodes=shown)
+    alone = 0 if adapter is not None else sum(   # the base with no tool on offer
+        reward["correct"]([[{"role": "assistant", "content": plain(row["prompt"], ())}]],
+                          [row["answer"]])[0] == 1.0 for row in rows)
+    return dict(accuracy=f"{right}/{n}", answered=f"{answered}/{n}", called=f"{called}/{n}",
+                valid_calls=f"{valid}/{calls}", episodes=shown,
+                **({} if adapter is not None else {"accuracy_without_tool": f"{alone}/{n}"}))
 
 
 def cpu_model() -> str:
@@ -177,18 +206,23 @@ def main():
     out = Path(args.out)
     prompts, tools, reward, held = write_files(out.with_name(out.name + "-data"))
     turn_tokens = settings["max_completion_length"] // 2
-    ask = dict(max_new_tokens=turn_tokens, max_tool_calls=settings["max_tool_calls"])
+    ask = dict(max_new_tokens=turn_tokens, max_tool_calls=settings["max_tool_calls"],
+               style=settings["tool_call_style"])
     if args.probe:
         print(json.dumps(held_out(model, None, tools, held[:args.probe], **ask), indent=1))
         return
     t0 = time.perf_counter()
     before = held_out(model, None, tools, held, **ask)
     t1 = time.perf_counter()
-    run_training(RunConfig(model=model, data=str(prompts), out=str(out), recipe="grpo",
-                           reward=(f"{reward}:correct",), tools=str(tools), steps=args.steps,
-                           batch=args.batch, num_generations=args.num_generations,
-                           overwrite=True, quiet=True, **settings))
+    end = run_training(RunConfig(model=model, data=str(prompts), out=str(out), recipe="grpo",
+                                 reward=(f"{reward}:correct",), tools=str(tools),
+                                 steps=args.steps, batch=args.batch,
+                                 num_generations=args.num_generations,
+                                 overwrite=True, quiet=True, **settings))
     t2 = time.perf_counter()
+    if end["status"] in ("interrupted", "failed"):   # no adapter in out/ to ask
+        sys.exit(f"{out}: training {end['status']} ({end['reason']}); "
+                 f"continue it with: {end.get('resume')}")
     after = held_out(model, str(out), tools, held, **ask)
     wall = time.perf_counter() - t0
     steps = [e for e in map(json.loads, (out / "events.jsonl").read_text().splitlines())
