@@ -22,8 +22,8 @@ its episodes with ``ToolRounds`` here inside the batched sampler (generate_rows'
 ``call_ids``/``tool_turn``/``own``: a tool's reply or an environment's observation fed
 through the row's KV cache as forced tokens, marked as not the model's, so their labels
 are masked); a Hermes/Qwen2.5 call stops sampling at its ``</tool_call>``, a Llama 3.x
-JSON call (and a ``json`` style one, tools.py) at the end of its turn. Not wired: a per-episode turn limit for environments
-(the completion's token budget bounds an episode); Llama 3.x's calls are tested on a
+JSON call (and a ``json``-style one, tools.py) at the end of its turn. Not wired: a
+per-episode turn limit for environments (the completion's token budget bounds an episode); Llama 3.x's calls are tested on a
 Llama-3-layout template over the tiny vocabulary, not on a real Llama 3.x file. The loops
 above (``tool_episode``, ``environment_episode``) run one episode at a time on any
 ``generate``; the user's environments run in a process of their own

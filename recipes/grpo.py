@@ -28,9 +28,8 @@ bit for bit.
 Over turns (recipes/episodes.py): with ``tools`` (a Python file, recipes/tools.py) the
 prompts are rendered with the tools' schemas in the chat template's ``tools``, sampling
 stops at each closed ``<tool_call>`` (a Llama 3.x call, or a ``tool_call_style="json"``
-one: at its end of turn), the call
-runs in its own process and the reply is fed to the row as the template's tool turn, up
-to ``max_tool_calls`` calls; with an
+one: at its end of turn), the call runs in its own process and the reply is fed to the
+row as the template's tool turn, up to ``max_tool_calls`` calls; with an
 ``environment`` (recipes/environments.py) each episode's prompt is its environment's
 first observation, and each end of turn is answered by ``step`` until it says done or the
 completion's ``max_completion_length`` tokens are spent. Every episode of the batch stays

@@ -28,7 +28,7 @@ error to the model; so are a tool that raises, exits, forks, overruns its time l
 is unknown. A reply longer than ``max_chars`` is cut, saying how much was left out.
 
 GRPO's ``--tools`` runs its calls through these (recipes/episodes.py says what is
-wired); the llama3 style is parsed here and GRPO's sampler stops on its calls (an end of turn).
+wired); the llama3 and json styles' calls end the turn, and GRPO's sampler stops there.
 """
 from __future__ import annotations
 
@@ -65,25 +65,27 @@ class ToolCallError:
     text: str
 
 
+def _unwrap_turn(text: str, style: str) -> str:
+    """A turn-style completion with its wrapper taken off: Llama 3.x's ``<|python_tag|>``
+    prefix, or the json style's Markdown fence."""
+    if style == "llama3":
+        return (text.split(_PYTHON_TAG, 1)[1] if _PYTHON_TAG in text else text).strip()
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    return fenced.group(1).strip() if fenced else body
+
+
 def parse_tool_calls(text: str, style: str) -> list[ToolCall | ToolCallError]:
     """The tool calls in a completion's ``text`` written in ``style`` (STYLES), in order;
     an empty list when it makes none."""
     if style in ("qwen", "hermes"):
         bodies = [m.group(1) for m in _HERMES_CALL.finditer(text)]
         key = "arguments"
-    elif style == "llama3":
-        body = text.split(_PYTHON_TAG, 1)[1] if _PYTHON_TAG in text else text
-        body = body.strip()
+    elif style in TURN_STYLES:   # the turn opens with the call objects, or is no call
+        body = _unwrap_turn(text, style)
         if not body.startswith("{"):   # a plain answer: no call
             return []
-        bodies, key = _split_objects(body), "parameters"
-    elif style == "json":
-        body = text.strip()
-        fenced = _FENCE.match(body)
-        body = fenced.group(1).strip() if fenced else body
-        if not body.startswith("{"):   # a plain answer: no call
-            return []
-        bodies, key = _split_objects(body), "arguments"
+        bodies, key = _split_objects(body), "parameters" if style == "llama3" else "arguments"
     else:
         raise ValueError(f"tool-call style {style!r}: choose one of {', '.join(STYLES)}")
     return [_call(body, key, i + 1) for i, body in enumerate(bodies)]

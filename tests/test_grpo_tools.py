@@ -259,16 +259,22 @@ def test_a_llama3_json_call_ends_its_turn_and_is_answered(tmp_path, tools_file, 
     scripted(monkeypatch, [call], "assistant<|end_header_id|>\n\n",
              "ipython<|end_header_id|>")["tok"] = recipe.tok
     rollout = recipe.make_rollout(np.array([0]), np.random.default_rng(0))
-    assert list(rollout["tool_calls"]) == [1, 1]
-    tok, C = recipe.tok, 140
-    for r in range(2):
-        text = tok.decode(rollout["tokens"][r])
-        assert call + "<|start_header_id|>ipython<|end_header_id|>\n\nHI!<|im_end|>" \
-               "<|start_header_id|>assistant<|end_header_id|>\n\n" in text
-        labels = rollout["labels"].reshape(2, C)[r]
-        own = tok.decode([int(x) for x in labels[labels >= 0]])
-        assert own.startswith(call) and "ipython" not in own and "HI!" not in own
+    assert_answered(rollout, recipe.tok, 2, 140, call,
+                    "<|start_header_id|>ipython<|end_header_id|>\n\nHI!<|im_end|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n", "ipython")
     recipe.box.close()
+
+
+def assert_answered(rollout, tok, rows, C, call, reply, tag):
+    """Each of ``rows`` episodes made ``call`` once and got ``reply`` (the template's tool turn
+    and the next assistant header) right after it; its own labels hold the call, never the
+    reply or its ``tag``."""
+    assert list(rollout["tool_calls"]) == [1] * rows
+    for r in range(rows):
+        assert call + reply in tok.decode(rollout["tokens"][r])
+        labels = rollout["labels"].reshape(rows, C)[r]
+        own = tok.decode([int(x) for x in labels[labels >= 0]])
+        assert own.startswith(call) and tag not in own and "HI!" not in own
 
 
 def test_a_bare_json_call_ends_its_turn_when_the_style_says_so(long_llama, tmp_path, tools_file,
@@ -281,15 +287,9 @@ def test_a_bare_json_call_ends_its_turn_when_the_style_says_so(long_llama, tmp_p
     call = '{"name": "shout", "arguments": {"text": "hi"}}<|im_end|>'
     scripted(monkeypatch, [call])["tok"] = tok = recipe.tok
     rollout = recipe.make_rollout(np.array([0]), np.random.default_rng(0))
-    assert list(rollout["tool_calls"]) == [1] * 4
-    C = recipe.max_completion_length
-    for r in range(4):
-        text = tok.decode(rollout["tokens"][r])
-        assert call + "\n<|im_start|>user\n<tool_response>HI!</tool_response><|im_end|>\n" \
-                      "<|im_start|>assistant\n" in text
-        labels = rollout["labels"].reshape(4, C)[r]
-        own = tok.decode([int(x) for x in labels[labels >= 0]])
-        assert own.startswith(call) and "HI!" not in own and "tool_response" not in own
+    assert_answered(rollout, tok, 4, recipe.max_completion_length, call,
+                    "\n<|im_start|>user\n<tool_response>HI!</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n", "tool_response")
     recipe.box.close()
 
 
