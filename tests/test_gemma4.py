@@ -227,8 +227,9 @@ def exact_f64_reference(hf_dir, monkeypatch):
     vocabulary) to 2.7e-5 (262144) from an f64 computation (bench/results/cpu-qwen35-gemma4-shapes-2026-11-25.md, "Fidelity")."""
     import transformers.models.gemma4.modeling_gemma4 as gemma4_hf
 
-    def rms_norm(self, x):
-        y = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+    def rms_norm(self, x):   # transformers 5.25 renamed the norm's eps to variance_epsilon
+        eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
+        y = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
         return y * self.weight if self.with_scale else y
 
     def rotary(self, x, position_ids, layer_type):
