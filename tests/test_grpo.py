@@ -2,6 +2,7 @@
 trained (the same tensors, no copy), the completion log-probs are the model's, a seed
 reproduces the run, resume continues bit for bit (mid-rollout too), rewards that break
 their contract stop the run on one line, and (slow) the mean reward rises."""
+import dataclasses
 import json
 import shutil
 
@@ -295,3 +296,39 @@ def test_a_second_ctrl_c_stops_a_hung_reward_at_once(tiny_llama, prompts, tmp_pa
     assert time.time() - t0 < 30   # not the reward's 120 s
     assert s["status"] == "interrupted"
     assert s["reason"] == "SIGINT twice: aborted during step 1, no checkpoint written for it"
+
+
+def test_a_mix_of_prompt_files_keeps_every_prompt_its_own_id(tiny_llama, tmp_path):
+    """Each file numbers its prompts from 0, and that number is the prompt's id in GRPO's
+    batches (the labels' column 0); in a mix the second file's ids are offset, so no
+    rollout is scored against another file's row."""
+    from toygraph.training.prepare import prepare
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"cat {w}", "answer": f"a{i}"}) + "\n"
+                         for i, w in enumerate(WORDS[:5])))
+    b.write_text("".join(json.dumps({"prompt": f"mat {w}", "answer": f"b{i}"}) + "\n"
+                         for i, w in enumerate(WORDS[:3])))
+    prep = prepare(dataclasses.replace(cfg(tiny_llama, a, tmp_path / "run"), data=(str(a), str(b))))
+    answer_of = {}
+    for item in prep.train:
+        assert answer_of.setdefault(item.index, item.row.fields["answer"]) == item.row.fields["answer"]
+    assert sorted(answer_of.values()) == ["a0", "a1", "a2", "a3", "a4", "b0", "b1", "b2"]
+    recipe = GRPO(rewards=["regex:[0-9]"], num_generations=4, max_completion_length=6)
+    recipe.make_batches(prep.train, 2, 16, prep.pad, shuffle=False, seed=0, epoch=0)
+    assert {i: p.row.fields["answer"] for i, p in recipe.prompts.items()} == answer_of
+
+
+def test_a_run_that_fails_to_build_leaves_no_directory_it_made(tiny_llama, prompts, tmp_path):
+    """A reward file without the named function is found when the recipe is built, after
+    the run directory was made: the failed run takes away the folder it created, and
+    leaves a folder it did not create as it found it."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def other(completions, **kw):\n    return [0.0 for _ in completions]\n")
+    out = tmp_path / "runs" / "new"
+    with pytest.raises(ToygraphError, match="missing"):
+        run_training(cfg(tiny_llama, prompts, out, reward=(f"{reward}:missing",)))
+    assert not out.exists() and out.parent.is_dir()
+    out.mkdir()
+    with pytest.raises(ToygraphError, match="missing"):
+        run_training(cfg(tiny_llama, prompts, out, reward=(f"{reward}:missing",)))
+    assert out.is_dir() and not any(out.iterdir())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from toygraph.data.batches import data_hash, pad_id_for, split_train_val
 from toygraph.data.mixing import mix_hash, mix_rows, mix_summary, parse_data_specs
+from toygraph.data.prompts import EncodedPrompt
 from toygraph.errors import DataError, GGUFError, ToygraphError
 from toygraph.files import check_regular_file
 from toygraph.gguf.tokenizer import Tokenizer
@@ -120,6 +121,7 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
         if not enc.items:
             raise DataError(f"{spec.path}: no example has a target token within "
                             f"--seq-len {run_cfg.seq_len}")
+    encoded = _prompt_ids_across_files(encoded)
     enc = encoded[0] if len(encoded) == 1 else _merged(encoded)
     say(f"tokenized in {time.perf_counter() - t0:.1f}s: {enc.report}")
     splits = [split_train_val(e.items, run_cfg.val_split, run_cfg.seed) for e in encoded]
@@ -150,6 +152,21 @@ def prepare(run_cfg: RunConfig, ranks: int = 1, say=lambda text: None) -> Prepar
             setattr(state, name, getattr(saved, name))
         prep.saved = saved
     return prep
+
+
+def _prompt_ids_across_files(encoded: list) -> list:
+    """A prompt's ``index`` is its id in GRPO's batches (data/prompts.py), numbered from 0
+    in each file; in a mix of files the later files' ids are offset, so that no two prompts
+    share one and a rollout is scored against its own row's fields."""
+    offset, out = 0, []
+    for enc in encoded:
+        if enc.items and isinstance(enc.items[0], EncodedPrompt):
+            if offset:
+                enc = replace(enc, items=[replace(item, index=item.index + offset)
+                                          for item in enc.items])
+            offset = max(item.index for item in enc.items) + 1
+        out.append(enc)
+    return out
 
 
 def _merged(encoded: list):

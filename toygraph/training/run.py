@@ -157,18 +157,34 @@ def run_training(run_cfg: RunConfig, show_use: bool = True) -> dict:
         # The model is mapped: a file truncated under the run is a SIGBUS (bus_error.py).
         with BusErrorGuard([prep.model.path], "toygraph finetune",
                            f"; restore it and continue with --resume {run_cfg.out}") as bus:
+            new_dir = w.rank == 0 and not Path(run_cfg.out).exists()
             out, lock = agreed_call(w, _open_out, run_cfg, prep, w.rank)
+            failed = True
             try:
                 if lock is not None:
                     bus.last_words.append(lambda reason: lock.release())
-                return _run_locked(run_cfg, prep, out, w, say, bus.last_words, show_use)
+                result = _run_locked(run_cfg, prep, out, w, say, bus.last_words, show_use)
+                failed = False
+                return result
             finally:
                 if lock is not None:
                     lock.release()
+                    if failed and new_dir:
+                        _remove_if_empty(out)
     except BaseException as e:
         if w.size > 1 and not is_agreed(e):
             w.fail(f"failed: {_one_line(e)}")
         raise
+
+
+def _remove_if_empty(out: Path) -> None:
+    """A run that failed before writing anything (a reward file that does not load, a
+    graph that does not build) takes away the directory it made: the user's --out is as
+    it was, not an empty folder that looks like a run's."""
+    try:
+        out.rmdir()
+    except OSError:   # it holds what the run wrote (its events, a checkpoint): kept
+        pass
 
 
 def _job_facts(run_cfg: RunConfig, prep: Prepared) -> dict:
