@@ -121,6 +121,7 @@ def test_gguf_py_agrees_on_a_q8_0_file_layout():
     np.testing.assert_array_equal(bits(out), bits(reference(raw, "q8_0", x.shape)))
 
 
+@pytest.mark.slow
 def test_a_compiler_without_march_native_builds_for_its_default_target(monkeypatch, tmp_path,
                                                                           caplog):
     """A g++ that refuses -march=native (some cross or older compilers): the engine is

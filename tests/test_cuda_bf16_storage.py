@@ -12,6 +12,7 @@ import pytest
 
 from support.cudaemu import lora_graph, training_plan
 from support.hostparity import MIXED_TOL, rel_err, rnd, run_phase
+from support.tiers import one_by_default
 from toygraph import ops
 from toygraph.core.autodiff import accumulate_grads, backward
 from toygraph.core.graph import Graph
@@ -353,12 +354,12 @@ def test_k_major_bf16_operands_are_read_as_they_lie_and_change_no_bit(a_half, b_
     assert np.array_equal(stored[0], plain[0]), float(np.abs(stored[0] - plain[0]).max())
 
 
-@pytest.mark.parametrize("old,new", [
+@pytest.mark.parametrize("old,new", one_by_default([
     ("tg_ldmatrix<4, true>(a, As + (kk + 8 * (lane >> 4) + (lane & 7)) * TCG_LDT",
      "tg_ldmatrix<4, true>(a, As + (kk + 8 * ((lane >> 3) & 1) + (lane & 7)) * TCG_LDT"),
     ("+ wn + 8 * j + 8 * (lane >> 4));", "+ wn + 8 * j + 8 * ((lane >> 3) & 1));"),
     ("const bool in = k0 + k < K && r0 + rc < R;", "const bool in = k0 + k <= K && r0 + rc < R;"),
-])
+]))
 def test_a_broken_k_major_fragment_or_bound_fails(old, new, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
     from toygraph.ops.lowering import sources
@@ -471,7 +472,7 @@ NORM_MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("mutation", sorted(NORM_MUTATIONS))
+@pytest.mark.parametrize("mutation", one_by_default(NORM_MUTATIONS))
 def test_a_wrong_bf16_access_in_the_norms_fails(mutation, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
     from toygraph.ops.lowering import sources

@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from support.tiers import one_by_default
 
 from toygraph import ops
 from toygraph.ops.lowering import dispatch
@@ -78,7 +79,7 @@ def test_every_scratch_node_gets_the_one_buffer_of_the_largest_need(monkeypatch)
                                         + report["block_format_bytes"] + max(needs.values()))
 
 
-@pytest.mark.parametrize("name", ["dpo_qv_tiny_llama", "lora_qv_tiny_llama"])
+@pytest.mark.parametrize("name", one_by_default(["lora_qv_tiny_llama", "dpo_qv_tiny_llama"]))
 def test_poisoning_the_shared_scratch_before_each_node_changes_nothing(name, monkeypatch):
     """DPO (linear_cross_entropy "none" forward x2 and backward) and LoRA SFT (its "mean"
     forward's row losses and backward's weight), attention_back, global_norm."""

@@ -11,6 +11,7 @@ from toygraph import ops
 from toygraph.ops.lowering import dispatch
 from support.kernelsrc import KERNEL_NAMES
 from support.kernelsrc import OP_KERNELS
+from support.tiers import one_by_default
 from toygraph.core.graph import Graph
 
 
@@ -173,7 +174,7 @@ VEC_MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("mutation", sorted(VEC_MUTATIONS))
+@pytest.mark.parametrize("mutation", one_by_default(VEC_MUTATIONS))
 def test_a_broken_vector_index_fails_the_parity_check(mutation, monkeypatch):
     from support.hostparity import break_kernel, op_case, rel_err, run_phase
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")

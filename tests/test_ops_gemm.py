@@ -34,6 +34,7 @@ from toygraph.core.graph import Graph, topo_order
 from toygraph.core.session import Session
 from toygraph.ops import KERNELS as CPU_KERNELS
 from support.ptxas import ARCHS  # noqa: E402
+from support.tiers import one_by_default
 
 
 @pytest.mark.parametrize("sa,sb,ta,tb", [
@@ -276,7 +277,7 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+@pytest.mark.parametrize("mutation", one_by_default(MUTATIONS))
 def test_a_broken_epilogue_index_fails(mutation, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
     from toygraph.ops.lowering import sources
@@ -431,7 +432,7 @@ DUAL_MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("mutation", sorted(DUAL_MUTATIONS))
+@pytest.mark.parametrize("mutation", one_by_default(DUAL_MUTATIONS))
 def test_a_broken_dual_gemm_fails(mutation, monkeypatch):
     from toygraph.cuda import backend as cuda_backend
     from toygraph.ops.lowering import sources
