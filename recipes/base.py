@@ -30,6 +30,7 @@ from toygraph.core.frozen_base import MODES as BASE_MEMORY_MODES
 from toygraph.distributed import world
 from toygraph.core.graph import Graph
 from toygraph.ops.stochastic import HP_MICRO
+from toygraph.recipes.options import PackingOptions
 from toygraph.core.optimizer import build_training
 from toygraph.precision import BACKENDS, precision_error
 from toygraph.core.session import Session
@@ -135,6 +136,7 @@ class Recipe:
     weight_mode = "frozen"    # "frozen" (LoRA), "finetune" or "scratch" (every weight trains)
     trains_adapter = False    # True: the result is a LoRA adapter on the frozen base
     eval_unit = "tokens"      # what evaluate() counts: "tokens" (per-token loss) or "pairs"
+    Options = PackingOptions  # the run options it takes besides every run's (options.py)
     last_metrics: dict = {}   # metrics of the last step or evaluation besides the loss
 
     @classmethod

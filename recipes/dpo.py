@@ -16,16 +16,29 @@ ref_r)``, rewards ``b (pi - ref)``. Pairs and metrics are the preference recipes
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.models.decoder import LoraConfig, build_decoder
-from toygraph.recipes.preference import BETA, PreferenceRecipe
+from toygraph.recipes.options import option
+from toygraph.recipes.preference import BETA, PreferenceOptions, PreferenceRecipe
 from toygraph.recipes.registry import register
 
-#: The default of --label-smoothing (the run configuration reads it from here).
+#: The default of --label-smoothing.
 LABEL_SMOOTHING = 0.0
+
+
+@dataclass(kw_only=True)
+class DPOOptions(PreferenceOptions):
+    """DPO's besides the preference strength."""
+
+    label_smoothing: float = option(LABEL_SMOOTHING,
+                                    help="dpo: assumed chance a pair's preference is flipped "
+                                         "(conservative DPO)",
+                                    group="adapter", low=0, high=0.5)
 
 
 @register("dpo")
@@ -38,6 +51,7 @@ class DPO(PreferenceRecipe):
     """
 
     summary = "preference pairs, against a frozen reference, with LoRA"   # the --recipe help
+    Options = DPOOptions
 
     def __init__(self, targets=LoraConfig.targets, rank: int = LoraConfig.rank,
                  alpha: float = LoraConfig.alpha, beta: float = BETA,

@@ -12,7 +12,7 @@ and takes one optimizer step on the objective (recipes/grpo_loss.py, TRL's seman
 
 One graph holds it all: the training decoder over rows of ``seq_len + max_completion_length``
 tokens (the prompt, its completion, padding), the reference pass (adapter off, as DPO's)
-when ``beta`` > 0, and the batched prefill + decode graphs of the sampler
+when ``kl_beta`` > 0, and the batched prefill + decode graphs of the sampler
 (toygraph/inference/batched.py) built over the training decoder's own weight and adapter
 tensors, so the completions come from the adapter as it is being trained, without a copy.
 The session runs each as a program: sampling, the forward for the old log-probs
@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -53,7 +54,7 @@ from toygraph.core.graph import PHASES, Graph
 from toygraph.data.batches import pad_id_for, steps_per_epoch
 from toygraph.data.prompts import (encode_prompts, load_prompts, prompt_batches,
                                    prompt_text, prompt_token_ids)
-from toygraph.errors import DataError, GraphError
+from toygraph.errors import DataError, GraphError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.batched import build_batched_generation, generate_rows
 from toygraph.inference.sampling import SamplingOptions
@@ -61,17 +62,103 @@ from toygraph.models.decoder import LoraConfig, build_decoder
 from toygraph.recipes.base import RecipeOptions, fused_head
 from toygraph.recipes.environments import environments
 from toygraph.recipes.episodes import ToolRounds, call_ids, call_style
-from toygraph.recipes.grpo_loss import Objective, build_objective, clipped, group_advantages
+from toygraph.recipes.grpo_loss import (IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS, Objective,
+                                        build_objective, clipped, group_advantages)
 from toygraph.recipes.lora import LoRA
+from toygraph.recipes.options import AdapterOptions, option
 from toygraph.recipes.registry import register
 from toygraph.recipes.rewards import (REWARD_TIMEOUT, RewardError, nan_mean, nan_std,
                                       parse_rewards, score, weighted_total)
 from toygraph.recipes.tools import STYLES, ToolBox
 
-#: Defaults the run configuration reads from here (TRL's, but a CPU-sized completion).
+#: Defaults (TRL's, but a CPU-sized completion).
 NUM_GENERATIONS, TEMPERATURE, TOP_P, MAX_COMPLETION_LENGTH, NUM_ITERATIONS = 8, 1.0, 1.0, 128, 1
 #: Tool calls one completion may make (--max-tool-calls).
 MAX_TOOL_CALLS = 4
+
+
+
+@dataclass(kw_only=True)
+class GRPOOptions(AdapterOptions):
+    """GRPO's: the rewards, the tools and environment of an episode, the sampling and the
+    objective (TRL's names, but ``kl_beta``: ``beta`` is the preference recipes')."""
+
+    reward: list[str] = option((), help="grpo: a reward function (repeat the flag for more): "
+                                        "regex:PATTERN, exact:FIELD, json, json-schema:FILE, "
+                                        "length:MIN:MAX, or module:function (TRL's signature)",
+                               group="run")
+    reward_weights: tuple[str, ...] | None = option(None, help="grpo: the --reward functions' "
+                                                               "weights, comma-separated; none: "
+                                                               "1 each", group="run")
+    reward_timeout: float = option(REWARD_TIMEOUT, help="grpo: seconds a module:function "
+                                                        "reward or an environment may take per "
+                                                        "call (each runs in a process of its "
+                                                        "own); 0 = no limit",
+                                   group="run", resume="free", low=0)
+    # over turns (recipes/episodes.py): tools the completions call, an environment that
+    # answers each turn
+    tools: str | None = option(None, help="grpo: a Python file whose functions (type hints and "
+                                          "a docstring each) the model may call: their JSON "
+                                          "schemas reach the chat template's tools, each call "
+                                          "is run (10 s at most) and its reply fed back as a "
+                                          "tool turn", group="run")
+    max_tool_calls: int = option(MAX_TOOL_CALLS, help="grpo: tool calls one completion may make "
+                                                      "(with --tools); past them its calls get "
+                                                      "no reply", group="run", low=1)
+    tool_call_style: str | None = option(None, help="grpo: how the model writes a tool call "
+                                                    "(with --tools): hermes/qwen (<tool_call> "
+                                                    "tags), llama3, or json (a turn that is a "
+                                                    "bare or ```json-fenced {\"name\", "
+                                                    "\"arguments\"} object); default: the "
+                                                    "format the chat template shows",
+                                         group="run", choices=STYLES)
+    environment: str | None = option(None, help="grpo: what answers each turn of an episode: "
+                                                "env.py:Factory or module:Factory (reset(prompt) "
+                                                "-> observation, step(text) -> (observation, "
+                                                "reward, done)), or guess (a built-in guessing "
+                                                "game); its reward takes one more "
+                                                "--reward-weights entry, the last", group="run")
+    num_generations: int = option(NUM_GENERATIONS, help="grpo: completions sampled per prompt "
+                                                        "(a group)", group="steps", low=2)
+    max_completion_length: int = option(MAX_COMPLETION_LENGTH,
+                                        help="grpo: tokens a completion has at most (--seq-len "
+                                             "bounds the prompt)", group="steps", low=1)
+    temperature: float = option(TEMPERATURE, help="grpo: sampling temperature (the log-probs "
+                                                  "are taken at it too, as TRL does)",
+                                group="steps", low=0, open_low=True)
+    top_p: float = option(TOP_P, help="grpo: nucleus sampling mass, in (0, 1]; 1 = off",
+                          group="steps", low=0, open_low=True)
+    num_iterations: int = option(NUM_ITERATIONS, help="grpo: optimizer steps per sampled batch "
+                                                      "(the old log-probs are kept)",
+                                 group="optimizer", low=1)
+    loss_type: str = option(Objective.loss_type, help="grpo: how per-token losses are averaged "
+                                                      "(TRL's loss_type)",
+                            group="optimizer", choices=LOSS_TYPES)
+    scale_rewards: str = option(Objective.scale_rewards,
+                                help="grpo: divide advantages by the group's or the batch's "
+                                     "reward std, or not", group="optimizer", choices=SCALE_REWARDS)
+    importance_sampling: str = option(Objective.importance_sampling,
+                                      help="grpo: importance ratio per token, or per sequence "
+                                           "(GSPO)", group="optimizer", choices=IMPORTANCE_SAMPLING)
+    epsilon: float = option(Objective.epsilon, help="grpo: clip the ratio below 1 - epsilon",
+                            group="optimizer", low=0, high=1)
+    epsilon_high: float | None = option(Objective.epsilon_high,
+                                        help="grpo: clip the ratio above 1 + epsilon-high; none: "
+                                             "epsilon (DAPO: 0.28)", group="optimizer", low=0)
+    kl_beta: float = option(Objective.kl_beta, help="grpo: weight of the KL to the reference (the "
+                                                    "adapter off); 0 = no reference pass",
+                            group="optimizer", low=0)
+    log_completions: int = option(0, help="grpo: put a sampled completion in the step event "
+                                          "every N steps; 0 = never",
+                                  group="evaluation", resume="free", low=0)
+
+    def check(cfg):
+        if cfg.max_tool_calls != MAX_TOOL_CALLS and cfg.tools is None:
+            raise ToygraphError("--max-tool-calls needs --tools (the functions to call)")
+        if cfg.tool_call_style is not None and cfg.tools is None:
+            raise ToygraphError("--tool-call-style needs --tools (the functions to call)")
+        if cfg.tools is not None and not Path(cfg.tools).is_file():
+            raise ToygraphError(f"--tools {cfg.tools}: no such file")
 
 
 def _environment_weight(rewards, weights, environment):
@@ -99,6 +186,7 @@ class GRPO(LoRA):
     objective's options) with LoRA, from reward functions on sampled completions."""
 
     summary = "rewards on sampled completions, with LoRA"   # the --recipe help
+    Options = GRPOOptions
 
     eval_unit = "prompts"
     load_data = staticmethod(load_prompts)
@@ -151,7 +239,7 @@ class GRPO(LoRA):
     def from_options(cls, cfg) -> "GRPO":
         objective = Objective(loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
                               importance_sampling=cfg.importance_sampling, epsilon=cfg.epsilon,
-                              epsilon_high=cfg.epsilon_high, beta=cfg.kl_beta,
+                              epsilon_high=cfg.epsilon_high, kl_beta=cfg.kl_beta,
                               max_completion_length=cfg.max_completion_length)
         return cls(targets=cfg.targets, rank=cfg.rank, alpha=cfg.alpha, rewards=cfg.reward,
                    reward_weights=cfg.reward_weights, num_generations=cfg.num_generations,
@@ -229,7 +317,7 @@ class GRPO(LoRA):
 
     def build_graph(self, gguf, model_cfg, opts: RecipeOptions) -> Graph:
         """The training decoder over rows of prompt + completion, the per-token log-probs
-        of the completions, the reference's (beta > 0), the objective and the sampler."""
+        of the completions, the reference's (kl_beta > 0), the objective and the sampler."""
         self.check_model(model_cfg, opts)
         self.check_options(opts)
         self.opts, self.model_cfg = opts, model_cfg
@@ -264,7 +352,7 @@ class GRPO(LoRA):
         self.logp = g.output(self.completion_logprobs(self.net))
         old = g.input("grpo.old_logp", (R, C)) if self.num_iterations > 1 else self.logp
         self.ref_logp = None
-        if self.objective.beta:
+        if self.objective.kl_beta:
             self.ref_net = build_decoder(g, model_cfg, batch=R, seq_len=T, logits=False,
                                          reference_of=self.net)
             self.ref_logp = g.output(self.completion_logprobs(self.ref_net))
@@ -449,7 +537,7 @@ class GRPO(LoRA):
     # --- metrics ---------------------------------------------------------------------------------
     def metrics(self, rollout: dict, loss: float) -> dict:
         """TRL's step metrics: rewards (total and per function), degenerate groups,
-        completion lengths, clip ratios and, with beta > 0, the KL to the reference."""
+        completion lengths, clip ratios and, with kl_beta > 0, the KL to the reference."""
         rewards = rollout["rewards"]
         total = weighted_total(rewards, self.reward_weights)
         mask = rollout["labels"].reshape(self.rows, -1) >= 0

@@ -8,7 +8,7 @@ clipped-surrogate loss with its variants (in the graph).
 Each completion r has per-token log-probs ``logp[r, t]`` of its tokens (t < its length,
 ``mask[r, t]`` = 1) and an advantage ``A[r]``. With ``ratio = exp(logp - old)`` (token
 level) or ``exp(mean_t(logp - old))`` per row (sequence level, GSPO), the per-token loss
-is ``-min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + beta * kl`` (kl: the k3
+is ``-min(ratio A, clip(ratio, 1 - eps, 1 + eps_high) A) + kl_beta * kl`` (kl: the k3
 estimate to the reference), and the loss types differ only in how the tokens are summed:
 
 - ``grpo``: the mean over each completion's tokens, then over the completions;
@@ -45,7 +45,7 @@ class Objective:
     importance_sampling: str = "token"
     epsilon: float = 0.2
     epsilon_high: float | None = None
-    beta: float = 0.0
+    kl_beta: float = 0.0
     max_completion_length: int = 256
 
     def __post_init__(self):
@@ -58,8 +58,8 @@ class Objective:
             raise GraphError(f"epsilon must be in [0, 1), got {self.epsilon}")
         if not (self.eps_high >= 0 and math.isfinite(self.eps_high)):
             raise GraphError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
-        if not (self.beta >= 0 and math.isfinite(self.beta)):
-            raise GraphError(f"beta must be >= 0, got {self.beta}")
+        if not (self.kl_beta >= 0 and math.isfinite(self.kl_beta)):
+            raise GraphError(f"kl_beta must be >= 0, got {self.kl_beta}")
         if self.max_completion_length < 1:
             raise GraphError(f"max_completion_length must be >= 1, got {self.max_completion_length}")
 
@@ -156,11 +156,11 @@ def build_objective(g, logp, old, ref, objective: Objective, prefix: str = "grpo
     """The loss of ``logp`` [R, C] (a graph tensor, 0 off the mask), ``old`` (the log-probs
     the completions were sampled under: an input, or ``logp`` itself for one update per
     rollout, as TRL's ``logp.detach()``) and ``ref`` (the reference's, or None when
-    ``beta`` is 0). Returns (loss, ObjectiveInputs, per-token kl or None)."""
+    ``kl_beta`` is 0). Returns (loss, ObjectiveInputs, per-token kl or None)."""
     o = objective
     R, C = logp.shape
     inputs = ObjectiveInputs(o, g.input(prefix + "advantages", (R, 1)))
-    if o.importance_sampling == "token" or o.beta:
+    if o.importance_sampling == "token" or o.kl_beta:
         inputs.token_weights = g.input(prefix + "token_weights", (R, C))
     if o.importance_sampling == "token":
         lp, lo = logp, old
@@ -174,9 +174,9 @@ def build_objective(g, logp, old, ref, objective: Objective, prefix: str = "grpo
     per = ops.clipped_surrogate(lp, lo, adv, o.epsilon, o.eps_high)
     loss = ops.sum(ops.mul(per, weights))
     kl = None
-    if o.beta:
+    if o.kl_beta:
         if ref is None:
-            raise GraphError("beta > 0 needs the reference's log-probs")
+            raise GraphError("kl_beta > 0 needs the reference's log-probs")
         kl = ops.kl_penalty(logp, ref)
-        loss = ops.add(loss, ops.scale(ops.sum(ops.mul(kl, inputs.token_weights)), o.beta))
+        loss = ops.add(loss, ops.scale(ops.sum(ops.mul(kl, inputs.token_weights)), o.kl_beta))
     return loss, inputs, kl

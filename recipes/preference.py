@@ -10,6 +10,7 @@ accumulated micro-batches average their losses (as TRL does).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,14 +22,25 @@ from toygraph.errors import GraphError
 from toygraph.models.decoder import LoraConfig, lm_head
 from toygraph.recipes.base import RecipeOptions, fused_head
 from toygraph.recipes.lora import LoRA
+from toygraph.recipes.options import AdapterOptions, option
 
-#: The default of the preference strength (the run configuration reads it from here).
+#: The default of the preference strength.
 BETA = 0.1
+
+
+@dataclass(kw_only=True)
+class PreferenceOptions(AdapterOptions):
+    """What the preference recipes take besides the adapter's shape."""
+
+    beta: float = option(BETA, help="dpo: strength of the pull towards the reference; orpo: "
+                                    "odds-ratio weight", group="adapter", low=0, open_low=True)
 
 
 class PreferenceRecipe(LoRA):
     """LoRA trained on chosen/rejected pairs; a subclass gives the loss of the pairs
     (:meth:`preference_loss`) and the values its metrics are made of (:meth:`pair_values`)."""
+
+    Options = PreferenceOptions
 
     eval_unit = "pairs"
     load_data = staticmethod(load_pairs)

@@ -49,10 +49,10 @@ def trl_loss(logits, ids, mask, old, ref, adv, o: Objective):
     coef_1 = torch.exp(log_importance_weights)
     coef_2 = torch.clamp(coef_1, 1 - o.epsilon, 1 + o.eps_high)
     per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if o.beta != 0.0:
+    if o.kl_beta != 0.0:
         ref = torch.tensor(ref)
         per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
-        per_token_loss = per_token_loss + o.beta * per_token_kl
+        per_token_loss = per_token_loss + o.kl_beta * per_token_kl
     if o.loss_type == "grpo":
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     elif o.loss_type == "bnpo":
@@ -71,7 +71,7 @@ def _graph(o: Objective, with_old: bool, dtype_f64=True):
     labels = g.input("labels", (R * C,), "i32")
     logp = ops.token_logprobs(ops.scale(x, 1.0 / TEMPERATURE), labels).reshape(R, C)
     old = g.input("old", (R, C)) if with_old else logp
-    ref = g.input("ref", (R, C)) if o.beta else None
+    ref = g.input("ref", (R, C)) if o.kl_beta else None
     loss, inputs, _ = build_objective(g, logp, old, ref, o)
     return g, x, labels, old, ref, g.output(loss), inputs
 
@@ -89,13 +89,13 @@ def _upload(sess, case, graph, with_old):
 
 
 OBJECTIVES = [Objective(loss_type=t, importance_sampling=s, epsilon=0.2, epsilon_high=0.28,
-                        beta=b, max_completion_length=C + 3)
+                        kl_beta=b, max_completion_length=C + 3)
               for t in LOSS_TYPES for s in ("token", "sequence") for b in (0.0, 0.04)]
 
 
 @pytest.mark.parametrize("with_old", [True, False], ids=["old", "detached"])
 @pytest.mark.parametrize("o", OBJECTIVES,
-                         ids=[f"{o.loss_type}-{o.importance_sampling}-b{o.beta}" for o in OBJECTIVES])
+                         ids=[f"{o.loss_type}-{o.importance_sampling}-b{o.kl_beta}" for o in OBJECTIVES])
 def test_loss_and_gradient_equal_trls(o, with_old):
     case = _case()
     graph = _graph(o, with_old)

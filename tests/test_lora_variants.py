@@ -49,7 +49,7 @@ def check_variant(path, tmp_path, rank=4, alpha=8, lr=2e-3, peft_hook=None, **va
     trained = total / count
     out = tmp_path / "trained"
     save_peft(out, lora_arrays(recipe), cfg, rank=rank, alpha=alpha, targets=ALL,
-              rslora=variant.get("rslora", False), dropout=variant.get("dropout", 0.0))
+              rslora=variant.get("rslora", False), lora_dropout=variant.get("lora_dropout", 0.0))
     model = peft_model(path, out)
     theirs = _peft_loss(model, tokens, labels)
     print(f"  exported: toygraph {trained:.7f} peft {theirs:.7f} (rel {rel(trained, theirs):.1e})")
@@ -81,7 +81,7 @@ def test_rslora_gguf_adapter_carries_the_sqrt_rank_scale(tiny_llama, tmp_path):
 
 
 def test_lora_plus_trains_as_peft_loraplus_optimizer(tiny_llama, tmp_path):
-    _, mine = check_variant(tiny_llama, tmp_path, plus_ratio=16.0, lr=5e-4)
+    _, mine = check_variant(tiny_llama, tmp_path, lora_plus_ratio=16.0, lr=5e-4)
     plain, _, _ = train_both(tiny_llama, tmp_path / "plain", targets=ALL, rank=4, alpha=8,
                              tokens=token_batch(tiny_llama, True, 24), n_prompt=6, steps=STEPS,
                              lr=5e-4)
@@ -97,7 +97,7 @@ def test_dora_trains_and_exports_as_peft_does(tiny_llama, tmp_path):
 def test_dora_plus_lora_plus_rslora_together(tiny_qwen2, tmp_path):
     """All three at once, on a model with q/k/v biases (DoRA scales W x + s B A x, then
     adds the bias); PEFT puts DoRA's magnitudes in LoRA+'s B group."""
-    check_variant(tiny_qwen2, tmp_path, dora=True, rslora=True, plus_ratio=4.0, lr=1e-3)
+    check_variant(tiny_qwen2, tmp_path, dora=True, rslora=True, lora_plus_ratio=4.0, lr=1e-3)
 
 
 def test_dora_magnitude_starts_at_the_row_norms_of_w(tiny_llama):
@@ -254,7 +254,7 @@ def test_dropout_trains_as_peft_with_the_same_masks(tiny_llama, tmp_path):
     """3 steps with p = 0.3 against PEFT given the very masks toygraph drew; the exported
     adapter records lora_dropout and evaluates (no dropout) as PEFT's eval mode does."""
     p = 0.3
-    out, mine = check_variant(tiny_llama, tmp_path, dropout=p, peft_hook=toygraph_masks(p))
+    out, mine = check_variant(tiny_llama, tmp_path, lora_dropout=p, peft_hook=toygraph_masks(p))
     import json
     assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == p
     plain, _, _ = train_both(tiny_llama, tmp_path / "plain", targets=ALL, rank=4, alpha=8,
@@ -275,7 +275,7 @@ def test_dropout_is_off_in_evaluation_and_each_micro_batch_draws_its_own(tiny_ll
     lora = random_lora(model.config, ("q", "v"), 4, b_std=0.2)
 
     def recipe_with(p, accum=1):
-        r = LoRA(targets=("q", "v"), rank=4, dropout=p)
+        r = LoRA(targets=("q", "v"), rank=4, lora_dropout=p)
         r.realize(model, model.config, RecipeOptions(seq_len=T, batch=B, grad_accum=accum))
         r.load_trainable(trainable_values(lora))
         return r

@@ -37,7 +37,7 @@ def test_experts_names_both_expert_targets_and_refuses_what_peft_cannot_do():
     with pytest.raises(GraphError, match="experts .* neither DoRA nor dropout"):
         LoraConfig(targets=("experts",), dora=True)
     with pytest.raises(GraphError, match="experts .* neither DoRA nor dropout"):
-        LoraConfig(targets=("down_exps",), dropout=0.1)
+        LoraConfig(targets=("down_exps",), lora_dropout=0.1)
 
 
 def test_expert_targets_are_refused_on_a_dense_model(tiny_llama):

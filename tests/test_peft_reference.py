@@ -105,7 +105,7 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
                keep=None, peft_hook=None, **variants):
     """Per-step losses of toygraph's LoRA recipe and of torch + PEFT (on the model
     ``reference(path)``) from the same init. ``variants``: the LoRA recipe's rslora, dora,
-    plus_ratio (LoRA+: PEFT's create_loraplus_optimizer). ``keep`` (a dict) receives the
+    lora_plus_ratio (LoRA+: PEFT's create_loraplus_optimizer). ``keep`` (a dict) receives the
     recipe, the PEFT model, the labels. ``peft_hook(model, cfg)`` may adjust the PEFT model
     and return a function called with each step's number before its forward."""
     model_file = GGUFModel(path)
@@ -136,10 +136,10 @@ def train_both(path, tmp_path, *, targets, rank, alpha, tokens, n_prompt, steps=
     params = [p for p in model.parameters() if p.requires_grad]
     assert len(params) == sum(len(pair) for pair in lora.values())
     before_step = peft_hook(model, cfg) if peft_hook else (lambda t: None)
-    if variants.get("plus_ratio", 1.0) != 1.0:   # PEFT's weight decay for LoRA+ is its own kwarg
+    if variants.get("lora_plus_ratio", 1.0) != 1.0:   # PEFT's weight decay for LoRA+ is its own kwarg
         from peft.optimizers import create_loraplus_optimizer
         opt = create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr,
-                                        loraplus_lr_ratio=variants["plus_ratio"], betas=betas,
+                                        loraplus_lr_ratio=variants["lora_plus_ratio"], betas=betas,
                                         eps=eps, loraplus_weight_decay=wd)
     else:
         opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd)

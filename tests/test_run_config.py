@@ -96,6 +96,74 @@ def test_an_option_a_recipe_does_not_use_is_refused():
     RunConfig(**base, recipe="full").validate()          # defaults are never in the way
 
 
+# --- each recipe declares its own options -------------------------------------------------------
+def _names(options) -> set[str]:
+    return {f.name for f in dataclasses.fields(options)}
+
+
+def test_a_recipe_takes_exactly_the_options_it_declares():
+    """RunConfig declares what every run takes; each recipe's Options (declared beside it)
+    the rest. No option is declared twice, each recipe uses exactly its Options' fields
+    and an adapter recipe's Options are the adapter options'."""
+    from toygraph.recipes.options import AdapterOptions
+    shared = {n for n in RunConfig.names() if RunConfig.for_every_recipe(n)}
+    assert {"model", "data", "out", "lr", "steps", "seq_len"} <= shared
+    declared = set()
+    for name, cls in RECIPES.items():
+        own = _names(cls.Options)
+        assert not own & shared, (name, own & shared)
+        assert own <= set(RunConfig.names()), name
+        assert issubclass(cls.Options, AdapterOptions) == cls.trains_adapter, name
+        for option in RunConfig.names():
+            assert (name in RunConfig.recipes_using(option)) == (option in shared | own), \
+                (name, option)
+        declared |= own
+    assert declared | shared == set(RunConfig.names())   # no option nobody takes
+    assert len(shared) < 50 and "num_generations" not in shared and "dora" not in shared
+
+
+def test_a_knob_has_one_name_from_the_flag_to_the_kernel():
+    """--lora-dropout is LoRA(lora_dropout=), its variants["lora_dropout"] and
+    LoraConfig.lora_dropout; GRPO's objective options are Objective's fields by name."""
+    import inspect
+    from toygraph.recipes.grpo import GRPOOptions
+    from toygraph.recipes.grpo_loss import Objective
+    from toygraph.recipes.lora import LoRAOptions
+    from toygraph.recipes.options import AdapterOptions, PackingOptions
+    variants = _names(LoRAOptions) - _names(AdapterOptions) - _names(PackingOptions)
+    assert variants == {"rslora", "dora", "lora_plus_ratio", "lora_dropout"}
+    assert variants <= {f.name for f in dataclasses.fields(LoraConfig)}
+    assert variants <= set(inspect.signature(LoRA).parameters)
+    cfg = RunConfig(model="m", data="d", out="o", rslora=True, lora_plus_ratio=2.0,
+                    lora_dropout=0.25)
+    assert LoRA.from_options(cfg).variants == {n: getattr(cfg, n) for n in variants}
+    objective = {f.name for f in dataclasses.fields(Objective)}
+    assert objective <= _names(GRPOOptions)
+    grpo = RECIPES["grpo"].from_options(RunConfig(model="m", data="d", out="o", recipe="grpo",
+                                                  reward=("json",), kl_beta=0.05, epsilon=0.1))
+    assert (grpo.objective.kl_beta, grpo.objective.epsilon) == (0.05, 0.1)
+
+
+def test_a_recipe_whose_options_the_run_lacks_is_one_line():
+    from toygraph.recipes.lora import LoRAOptions
+    from toygraph.recipes.options import option
+    from toygraph.recipes.registry import register
+
+    @dataclasses.dataclass(kw_only=True)
+    class WiderOptions(LoRAOptions):
+        width: int = option(3, help="a width", group="adapter")
+
+    class Wider(LoRA):
+        Options = WiderOptions
+    register("wider")(Wider)
+    try:
+        with pytest.raises(ToygraphError, match=r"--recipe wider: its options \['width'\] are "
+                                                r"not run options"):
+            RunConfig(model="m", data="d", out="o", recipe="wider").validate()
+    finally:
+        del RECIPES["wider"]
+
+
 # --- the run file -----------------------------------------------------------------------------
 def test_the_run_file_sets_options_and_flags_override_it(tmp_path):
     run = tmp_path / "run.yaml"

@@ -155,12 +155,12 @@ def _check_lora(lora: dict, cfg, where: str) -> int:
 # --- PEFT ----------------------------------------------------------------------------------
 def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model_name: str = "",
               template: tuple[str, str] | None = None, rslora: bool = False,
-              dropout: float = 0.0, base: dict | None = None) -> Path:
+              lora_dropout: float = 0.0, base: dict | None = None) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as PEFT saves them for
     the Hugging Face model of ``cfg.arch`` (q/k lora_B rows converted to HF order).
     ``rslora``: the scale is alpha / sqrt(rank) (use_rslora); ``(A, B, m)`` entries make a
     DoRA adapter (use_dora, m saved as ``lora_magnitude_vector``, rows in HF order);
-    ``dropout`` is recorded as lora_dropout (it acts in training only).
+    ``lora_dropout`` is recorded as PEFT names it (it acts in training only).
     ``template``: (name, Jinja source) of the chat template the adapter was trained with,
     kept in the weights' metadata (:func:`adapter_template` reads it back); so is ``base``,
     the record of the base model (adapters/base.py base_record)."""
@@ -195,7 +195,7 @@ def save_peft(dir, lora: dict, cfg, rank: int, alpha: float, targets, base_model
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name or None, "revision": None,
-        "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": float(dropout),
+        "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": float(lora_dropout),
         "target_modules": sorted(cfg.family.hf_modules[ALL_TARGETS[t]].split(".")[1] for t in targets
                                  if ALL_TARGETS[t] not in experts.HF_EXPERT_PARAMS),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": bool(rslora), "use_dora": dora,

@@ -46,7 +46,7 @@ def _add_option(g, name: str) -> None:
     kind, meta, default = RunConfig.kind(name), RunConfig.meta(name), RunConfig.default(name)
     shown = "required" if default is MISSING else _shown(default)
     used = RunConfig.recipes_using(name)
-    for_recipes = "" if meta["used_by"] is None else f"[{', '.join(used)}] "
+    for_recipes = "" if RunConfig.for_every_recipe(name) else f"[{', '.join(used)}] "
     help_text = f"{for_recipes}{meta['help']} (default: {shown})"
     kwargs = dict(dest=name, default=argparse.SUPPRESS, help=help_text)
     if kind is bool:

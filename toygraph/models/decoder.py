@@ -81,10 +81,10 @@ class LoraConfig:
     The variants (PEFT's names in brackets): ``rslora`` scales by alpha / sqrt(rank)
     [use_rslora]; ``dora`` adds a trainable magnitude per output row, initialised to the
     row norms of W, and computes ``y = m / ||W + s B A||_row * (W x + s B A x)`` with the
-    norm detached from the gradient as PEFT does [use_dora]; ``plus_ratio`` (LoRA+) is the
+    norm detached from the gradient as PEFT does [use_dora]; ``lora_plus_ratio`` (LoRA+) is the
     learning-rate multiplier of B (and of DoRA's magnitudes, as PEFT's
     create_loraplus_optimizer groups every 1-D tensor with B), A keeping the base rate;
-    ``dropout`` drops elements of each adapter's input x with that probability while
+    ``lora_dropout`` drops elements of each adapter's input x with that probability while
     training, ``B A dropout(x)`` [lora_dropout] (ops.dropout: its own mask per module, keyed
     by the step in the hp row; ``dropout_stream`` tells data-parallel ranks apart)."""
 
@@ -96,8 +96,8 @@ class LoraConfig:
     # LoRA variants (issue 26 item 4)
     rslora: bool = False
     dora: bool = False
-    plus_ratio: float = 1.0
-    dropout: float = 0.0
+    lora_plus_ratio: float = 1.0
+    lora_dropout: float = 0.0
     dropout_stream: int = 0
 
     def __post_init__(self):
@@ -107,14 +107,14 @@ class LoraConfig:
             raise GraphError(f"LoRA targets must be a non-empty subset of {list(ALL_TARGETS)}, got {list(self.targets)}")
         if self.rank < 1:
             raise GraphError(f"LoRA rank must be >= 1, got {self.rank}")
-        if not (self.plus_ratio > 0 and np.isfinite(self.plus_ratio)):
-            raise GraphError(f"LoRA+ ratio must be > 0, got {self.plus_ratio}")
-        if not 0 <= self.dropout < 1:
-            raise GraphError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if self.dropout and self.dora:  # PEFT then drops DoRA's base term's input too
+        if not (self.lora_plus_ratio > 0 and np.isfinite(self.lora_plus_ratio)):
+            raise GraphError(f"LoRA+ ratio must be > 0, got {self.lora_plus_ratio}")
+        if not 0 <= self.lora_dropout < 1:
+            raise GraphError(f"LoRA dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_dropout and self.dora:  # PEFT then drops DoRA's base term's input too
             raise GraphError("LoRA dropout together with DoRA is not supported")
         experts = [t for t in self.targets if t in EXPERT_TARGETS]
-        if experts and (self.dora or self.dropout):  # as PEFT's ParamWrapper refuses them
+        if experts and (self.dora or self.lora_dropout):  # as PEFT's ParamWrapper refuses them
             raise GraphError(f"LoRA on the experts ({', '.join(experts)}) supports neither "
                              f"DoRA nor dropout")
 
@@ -328,8 +328,8 @@ class Projections:
         if adapted:
             a, b = self._pair(name)
             xa = x
-            if lora.dropout:   # each module its own mask: the name's crc32 salts it
-                xa = ops.dropout(x, hp_input(self.g), p=lora.dropout,
+            if lora.lora_dropout:   # each module its own mask: the name's crc32 salts it
+                xa = ops.dropout(x, hp_input(self.g), p=lora.lora_dropout,
                                  seed=lora.seed + (lora.dropout_stream << 20),
                                  salt=zlib.crc32((self.prefix + name).encode()))
             low = ops.matmul(xa, a, trans_b=True)   # x A^T [N, rank]

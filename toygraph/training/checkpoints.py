@@ -199,7 +199,7 @@ def write_adapter(dest: Path, recipe, meta: dict, gguf_too: bool = True, values:
     save_peft(dest, lora, recipe.model_cfg, rank=meta["rank"], alpha=meta["alpha"],
               targets=meta["targets"], base_model_name=meta["base"],
               template=meta.get("template"), rslora=meta.get("rslora", False),
-              dropout=meta.get("dropout", 0.0), base=meta.get("base_record"))
+              lora_dropout=meta.get("lora_dropout", 0.0), base=meta.get("base_record"))
     # llama.cpp has no DoRA: its adapter.gguf is left out (the merged export serves it)
     if gguf_too and not recipe.net.magnitudes:
         save_gguf_adapter(dest / "adapter.gguf", lora, recipe.model_cfg, alpha=meta["alpha"],

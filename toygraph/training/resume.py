@@ -92,7 +92,8 @@ def check_resume(saved: dict, now: dict, where: str, allow: set[str]) -> list[st
     # DPO's reference model is base + the --adapter-init adapter: the path may change,
     # the adapter may not (its content is compared, like the data's).
     pairs.append(("adapter_init", saved.get("reference_hash"), now.get("reference_hash")))
-    for name, old, new in pairs:
+    # a change no --allow-change can permit is named first: it is the one that decides
+    for name, old, new in sorted(pairs, key=lambda p: p[0] not in SHAPE):
         if _same(old, new):
             continue
         if name in SHAPE or name not in allow:

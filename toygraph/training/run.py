@@ -382,7 +382,7 @@ def _lora_meta(run_cfg: RunConfig, prep: Prepared, recipe) -> dict | None:
     if not recipe.trains_adapter:
         return None
     return {"rank": run_cfg.rank, "alpha": run_cfg.alpha, "rslora": run_cfg.rslora,
-            "dropout": run_cfg.lora_dropout, "targets": list(run_cfg.targets),
+            "lora_dropout": run_cfg.lora_dropout, "targets": list(run_cfg.targets),
             "base": run_cfg.model if store_of(run_cfg.model) else Path(run_cfg.model).name,
             "arch": prep.model.config.arch, "template": prep.template, "source": prep.source,
             "base_record": base_record(prep.model)}

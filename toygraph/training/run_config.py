@@ -1,8 +1,10 @@
 """The options of a fine-tuning run, declared once: ``RunConfig``.
 
-Every field carries its type, its default, a help text, the recipes that use it (None:
-every recipe), how a resumed run treats it and its bounds. Everything else comes from
-here: the ``toygraph finetune`` flags (toygraph/cli/finetune.py), the YAML run file
+Every field carries its type, its default, a help text, how a resumed run treats it and
+its bounds (``option``, recipes/options.py). The fields declared here every run takes;
+each recipe declares the ones only it takes beside its class (its ``Options``: GRPO's in
+recipes/grpo.py, the LoRA variants in recipes/lora.py), and RunConfig inherits them all,
+so a recipe uses exactly its ``Options``' fields. Everything else comes from here: the ``toygraph finetune`` flags (toygraph/cli/finetune.py), the YAML run file
 (``--config run.yaml``; the keys are the field names), the ``run.yaml`` kept in the run
 directory, which repeats the run, and the settings block printed when a run starts (all
 three run_file.py), the resume-compatibility check (resume.py) and ``run_start`` in
@@ -13,8 +15,8 @@ three run_file.py), the resume-compatibility check (resume.py) and ``run_start``
 
 Defaults are written once, in the lowest layer that uses them: the LoRA shape, seed and
 init scale in ``LoraConfig`` (models/decoder.py), the step shape, clip, precision and
-backend in ``RecipeOptions`` (recipes/base.py), the preference strengths in their recipe
-modules; the fields here read them from there. ``validate`` checks each option on its
+backend in ``RecipeOptions`` (recipes/base.py), the recipes' own beside their options;
+the fields here read them from there. ``validate`` checks each option on its
 own and against the others; ``check_against_model`` what depends on the model. Errors
 name the flag.
 """
@@ -22,53 +24,23 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import MISSING, asdict, dataclass, fields
 
-from toygraph.adapters.files import MAX_LORA_SCALE, lora_scale
-from toygraph.adapters.modelfile import ollama_name_error
 from toygraph.bounded import excerpt
 from toygraph.core.frozen_base import MODES as BASE_MEMORY_MODES
 from toygraph.precision import BACKENDS, PRECISIONS, precision_error
 from toygraph.errors import ToygraphError
 from toygraph.models.catalog import model_forms
 from toygraph.models.decoder import LoraConfig, expand_targets
-from toygraph.recipes import RECIPES, LoRA, RecipeOptions, recipe_class
-from toygraph.recipes.dpo import DPO, LABEL_SMOOTHING
-from toygraph.recipes.grpo import (GRPO, MAX_COMPLETION_LENGTH, MAX_TOOL_CALLS, NUM_GENERATIONS,
-                                   NUM_ITERATIONS, TEMPERATURE, TOP_P)
-from toygraph.recipes.grpo_loss import IMPORTANCE_SAMPLING, LOSS_TYPES, SCALE_REWARDS, Objective
-from toygraph.recipes.preference import BETA, PreferenceRecipe
-from toygraph.recipes.rewards import REWARD_TIMEOUT
-from toygraph.recipes.tools import STYLES as TOOL_CALL_STYLES
+from toygraph.recipes import RECIPES, RecipeOptions, recipe_class
+from toygraph.recipes.dpo import DPOOptions
+from toygraph.recipes.grpo import GRPOOptions
+from toygraph.recipes.lora import LoRAOptions
+from toygraph.recipes.options import GROUPS, checks_of, option  # noqa: F401 (GROUPS: the CLI's)
 
-#: How a resumed run treats an option: "same" must match the checkpoint unless
-#: ``--allow-change`` lists it; "free" may change (it steers how the run is carried out, or
-#: is compared by content: model, data, the reference adapter); "never" shapes the
-#: trainable tensors, so a checkpoint cannot load across it.
-RESUME_RULES = ("same", "free", "never")
 #: The largest float32: every float option must fit one (the step's hyperparameters are an
 #: f32 tensor; --epochs times the rows is a step count).
 F32_MAX = 3.4028234663852886e38
-#: The groups of the help text and of the settings block, in order.
-GROUPS = {"run": "what to train", "adapter": "LoRA adapters", "steps": "steps and batches",
-          "optimizer": "optimizer and schedule", "evaluation": "evaluation",
-          "safety": "checkpoints, resume and safety", "compute": "where and how to compute"}
-
-
-def option(default=MISSING, *, help: str, group: str, used_by=None, resume: str = "same",
-           choices=None, low=None, high=None, open_low: bool = False, file: bool = True):
-    """A RunConfig field. ``used_by``: a test on the recipe class saying which recipes use
-    the option (None: every recipe), so a new recipe gets the options of what it is (an
-    adapter recipe, a preference recipe) without being listed; ``low``/``high``: bounds
-    (``high`` exclusive, ``low`` exclusive when ``open_low``); ``choices``: the allowed
-    values (a callable gives them late: the registered recipes); ``file``: whether the run
-    file the run directory keeps holds it (False for the options that only steer one
-    invocation: resume, overwrite, allow_change)."""
-    assert group in GROUPS and resume in RESUME_RULES
-    meta = {"help": help, "group": group, "used_by": used_by, "resume": resume,
-            "choices": choices, "low": low, "high": high, "open_low": open_low, "file": file}
-    return field(default=default, metadata=meta)
 
 
 def _recipes_help() -> str:
@@ -77,32 +49,11 @@ def _recipes_help() -> str:
                                        for name, cls in RECIPES.items())
 
 
-def _adapter_recipes(recipe) -> bool:
-    return recipe.trains_adapter
-
-
-def _lora_recipe(recipe) -> bool:
-    # the plain LoRA recipe only: the preference and GRPO recipes (its subclasses) build
-    # reference and sampling passes that do not take the variants
-    return recipe is LoRA
-
-
-def _preference_recipes(recipe) -> bool:
-    return issubclass(recipe, PreferenceRecipe)
-
-
-def _grpo_recipes(recipe) -> bool:
-    return issubclass(recipe, GRPO)
-
-
-def _packing_recipes(recipe) -> bool:
-    # a pair is two rows of one batch; a GRPO row is a prompt and its sampled completion
-    return not issubclass(recipe, (PreferenceRecipe, GRPO))
-
-
-@dataclass
-class RunConfig:
-    """Every option of a fine-tuning run (see the module docstring)."""
+@dataclass(kw_only=True)
+class RunConfig(GRPOOptions, DPOOptions, LoRAOptions):
+    """Every option of a fine-tuning run (see the module docstring): the ones every run
+    shares, declared here, and every built-in recipe's, declared beside it (its
+    ``Options``, recipes/options.py)."""
 
     # --- what to train ---------------------------------------------------------------------
     model: str = option(help=model_forms(), group="run", resume="free")
@@ -122,91 +73,6 @@ class RunConfig:
                                              "gguf (the model's own), alpaca, chatml, or a Jinja "
                                              "file; none: the model's own, alpaca without one",
                                   group="run")
-    reward: list[str] = option((), help="grpo: a reward function (repeat the flag for more): "
-                                        "regex:PATTERN, exact:FIELD, json, json-schema:FILE, "
-                                        "length:MIN:MAX, or module:function (TRL's signature)",
-                               group="run", used_by=_grpo_recipes)
-    reward_weights: tuple[str, ...] | None = option(None, help="grpo: the --reward functions' weights, "
-                                                      "comma-separated; none: 1 each",
-                                             group="run", used_by=_grpo_recipes)
-    reward_timeout: float = option(REWARD_TIMEOUT, help="grpo: seconds a module:function "
-                                                        "reward or an environment may take per "
-                                                        "call (each runs in a process of its "
-                                                        "own); 0 = no limit",
-                                   group="run", used_by=_grpo_recipes, resume="free", low=0)
-    # GRPO over turns (issue 50, recipes/episodes.py): tools the completions call, an
-    # environment that answers each turn
-    tools: str | None = option(None, help="grpo: a Python file whose functions (type hints and "
-                                          "a docstring each) the model may call: their JSON "
-                                          "schemas reach the chat template's tools, each call "
-                                          "is run (10 s at most) and its reply fed back as a "
-                                          "tool turn",
-                               group="run", used_by=_grpo_recipes)
-    max_tool_calls: int = option(MAX_TOOL_CALLS, help="grpo: tool calls one completion may make "
-                                                      "(with --tools); past them its calls get "
-                                                      "no reply",
-                                 group="run", used_by=_grpo_recipes, low=1)
-    tool_call_style: str | None = option(None, help="grpo: how the model writes a tool call "
-                                                    "(with --tools): hermes/qwen (<tool_call> "
-                                                    "tags), llama3, or json (a turn that is a "
-                                                    "bare or ```json-fenced {\"name\", "
-                                                    "\"arguments\"} object); default: the "
-                                                    "format the chat template shows",
-                                         group="run", used_by=_grpo_recipes,
-                                         choices=TOOL_CALL_STYLES)
-    environment: str | None = option(None, help="grpo: what answers each turn of an episode: "
-                                                "env.py:Factory or module:Factory (reset(prompt) "
-                                                "-> observation, step(text) -> (observation, "
-                                                "reward, done)), or guess (a built-in guessing "
-                                                "game); its reward takes one more "
-                                                "--reward-weights entry, the last",
-                                     group="run", used_by=_grpo_recipes)
-    # models by name (issue 26): hand the trained adapter back to Ollama under a new name
-    to_ollama: str | None = option(None, help="after training, `ollama create` this model name "
-                                              "from the run's Modelfile (FROM the base, ADAPTER "
-                                              "the adapter, the run's template), or print that "
-                                              "command when ollama is not on PATH",
-                                   group="run", used_by=_adapter_recipes, resume="free")
-    # --- LoRA adapters ---------------------------------------------------------------------
-    targets: tuple[str, ...] = option(LoraConfig.targets,
-                                      help="LoRA targets among q,k,v,o,gate,up,down (Qwen3.5's DeltaNet "
-                                           "layers: qkv,z,alpha,beta,ssm_out; a mixture of "
-                                           "experts' experts: gate_up_exps,down_exps, or "
-                                           "both as experts)",
-                                      group="adapter", used_by=_adapter_recipes, resume="never")
-    rank: int = option(LoraConfig.rank, help="LoRA rank", group="adapter", used_by=_adapter_recipes,
-                       resume="never", low=1)
-    alpha: float = option(LoraConfig.alpha, help="LoRA alpha (the update is scaled by "
-                                                 "alpha / rank)",
-                          group="adapter", used_by=_adapter_recipes, low=0, open_low=True)
-    adapter_init: str | None = option(None, help="start from this PEFT adapter directory (dpo: "
-                                                 "also the frozen reference)",
-                                      group="adapter", used_by=_adapter_recipes, resume="free")
-    other_base: bool = option(False, help="apply --adapter-init although it records another "
-                                          "base model (a one-line warning instead of the "
-                                          "refusal)", group="adapter", used_by=_adapter_recipes,
-                              resume="free", file=False)
-    beta: float = option(BETA, help="dpo: strength of the pull towards the "
-                                                "reference; orpo: odds-ratio weight",
-                         group="adapter", used_by=_preference_recipes, low=0, open_low=True)
-    label_smoothing: float = option(LABEL_SMOOTHING,
-                                    help="dpo: assumed chance a pair's preference is flipped "
-                                         "(conservative DPO)",
-                                    group="adapter", used_by=lambda recipe: issubclass(recipe, DPO), low=0, high=0.5)
-    # --- LoRA variants (issue 26 item 4; LoraConfig's docstring) ---
-    rslora: bool = option(LoraConfig.rslora, help="rsLoRA: scale the update by alpha / "
-                                                  "sqrt(rank) instead of alpha / rank",
-                          group="adapter", used_by=_lora_recipe)
-    dora: bool = option(LoraConfig.dora, help="DoRA: a trainable magnitude per output row "
-                                              "times the direction of W + scale * B A",
-                        group="adapter", used_by=_lora_recipe, resume="never")
-    lora_plus_ratio: float = option(LoraConfig.plus_ratio,
-                                    help="LoRA+: the B matrices' learning rate is the peak "
-                                         "learning rate times this (A's: that rate)",
-                                    group="adapter", used_by=_lora_recipe, low=0, open_low=True)
-    lora_dropout: float = option(LoraConfig.dropout, help="dropout on each adapter's input "
-                                                          "while training (not with --dora)",
-                                 group="adapter", used_by=_lora_recipe, low=0, high=1)
     # --- steps and batches -----------------------------------------------------------------
     steps: int | None = option(None, help="optimizer steps; none: one epoch, or what --epochs says",
                                group="steps", low=1)
@@ -225,21 +91,6 @@ class RunConfig:
     seq_len: int = option(RecipeOptions.seq_len, help="tokens per sequence (longer examples "
                                                       "are cut)",
                           group="steps", low=1)
-    pack: bool = option(RecipeOptions.pack, help="pack several examples into each --seq-len "
-                                                 "row (attention stays inside each)",
-                        group="steps", used_by=_packing_recipes)
-    num_generations: int = option(NUM_GENERATIONS, help="grpo: completions sampled per prompt "
-                                                        "(a group)",
-                                  group="steps", used_by=_grpo_recipes, low=2)
-    max_completion_length: int = option(MAX_COMPLETION_LENGTH,
-                                        help="grpo: tokens a completion has at most (--seq-len "
-                                             "bounds the prompt)",
-                                        group="steps", used_by=_grpo_recipes, low=1)
-    temperature: float = option(TEMPERATURE, help="grpo: sampling temperature (the log-probs "
-                                                  "are taken at it too, as TRL does)",
-                                group="steps", used_by=_grpo_recipes, low=0, open_low=True)
-    top_p: float = option(TOP_P, help="grpo: nucleus sampling mass, in (0, 1]; 1 = off",
-                          group="steps", used_by=_grpo_recipes, low=0, open_low=True)
     seed: int = option(RecipeOptions.seed, help="seed of the data order and the adapters' init",
                        group="steps", low=0, high=2**63)
     init_scale: float = option(RecipeOptions.init_scale, help="std of the LoRA A init",
@@ -257,30 +108,6 @@ class RunConfig:
     beta1: float = option(0.9, help="AdamW beta1", group="optimizer", low=0, high=1)
     beta2: float = option(0.999, help="AdamW beta2", group="optimizer", low=0, high=1)
     eps: float = option(1e-8, help="AdamW epsilon", group="optimizer", low=0, open_low=True)
-    num_iterations: int = option(NUM_ITERATIONS, help="grpo: optimizer steps per sampled batch "
-                                                      "(the old log-probs are kept)",
-                                 group="optimizer", used_by=_grpo_recipes, low=1)
-    loss_type: str = option(Objective.loss_type, help="grpo: how per-token losses are averaged "
-                                                      "(TRL's loss_type)",
-                            group="optimizer", used_by=_grpo_recipes, choices=LOSS_TYPES)
-    scale_rewards: str = option(Objective.scale_rewards,
-                                help="grpo: divide advantages by the group's or the batch's "
-                                     "reward std, or not",
-                                group="optimizer", used_by=_grpo_recipes, choices=SCALE_REWARDS)
-    importance_sampling: str = option(Objective.importance_sampling,
-                                      help="grpo: importance ratio per token, or per sequence "
-                                           "(GSPO)",
-                                      group="optimizer", used_by=_grpo_recipes,
-                                      choices=IMPORTANCE_SAMPLING)
-    epsilon: float = option(Objective.epsilon, help="grpo: clip the ratio below 1 - epsilon",
-                            group="optimizer", used_by=_grpo_recipes, low=0, high=1)
-    epsilon_high: float | None = option(Objective.epsilon_high,
-                                        help="grpo: clip the ratio above 1 + epsilon-high; none: "
-                                             "epsilon (DAPO: 0.28)",
-                                        group="optimizer", used_by=_grpo_recipes, low=0)
-    kl_beta: float = option(Objective.beta, help="grpo: weight of the KL to the reference (the "
-                                                 "adapter off); 0 = no reference pass",
-                            group="optimizer", used_by=_grpo_recipes, low=0)
     # --- evaluation ------------------------------------------------------------------------
     val_split: float = option(0.1, help="fraction held out for validation; 0 = none",
                               group="evaluation", low=0, high=1)
@@ -288,16 +115,6 @@ class RunConfig:
                              group="evaluation", low=0)
     patience: int = option(0, help="stop after N evaluations without a gain; 0 = off",
                            group="evaluation", low=0)
-    fidelity: tuple[str, ...] = option(("q8_0", "q4_k"),
-                                       help="at the end, when there is a validation split: the "
-                                            "adapter's loss and KL with the base requantized to "
-                                            "these block types, on its first 8 rows (`toygraph "
-                                            "eval --quants` for the whole split); none: off",
-                                       group="evaluation", used_by=_adapter_recipes,
-                                       resume="free")
-    log_completions: int = option(0, help="grpo: put a sampled completion in the step event "
-                                          "every N steps; 0 = never",
-                                  group="evaluation", used_by=_grpo_recipes, resume="free", low=0)
     # --report-to (toygraph/training/reporting.py): the event log's scalars elsewhere too
     report_to: list[str] = option((), help="also log the scalars of events.jsonl to tensorboard "
                                            "(event files in RUN_DIR/tensorboard) and/or wandb "
@@ -376,13 +193,21 @@ class RunConfig:
 
     def options(self) -> dict:
         """Every option as plain JSON (what a checkpoint and ``run_start`` record)."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        values = asdict(self)
+        return {k: (list(values[k]) if isinstance(values[k], tuple) else values[k])
+                for k in _FIELDS}
+
+    @classmethod
+    def for_every_recipe(cls, name: str) -> bool:
+        """Whether option ``name`` is one every run takes (declared here, not by a recipe)."""
+        return name in _SHARED
 
     @classmethod
     def recipes_using(cls, name: str) -> tuple[str, ...]:
-        """The registered recipes that use option ``name``."""
-        test = cls.meta(name)["used_by"]
-        return tuple(r for r, c in RECIPES.items() if test is None or test(c))
+        """The registered recipes that use option ``name``: every one, or those whose
+        ``Options`` declare it."""
+        return tuple(r for r, c in RECIPES.items()
+                     if name in _SHARED or name in _option_names(c.Options))
 
     def used(self, name: str) -> bool:
         """Whether this run's recipe uses option ``name``."""
@@ -403,6 +228,11 @@ class RunConfig:
         """Raise ToygraphError naming the flag of the first option that is out of range,
         of the wrong type, or set for a recipe that does not use it."""
         check_value("recipe", self.recipe)
+        options = recipe_class(self.recipe).Options
+        missing = sorted(_option_names(options) - set(self.names()))
+        if missing:   # a recipe registered later with options of its own
+            raise ToygraphError(f"--recipe {self.recipe}: its options {missing} are not run "
+                                "options (a recipe's Options may only use RunConfig's fields)")
         for name in self.names():
             value = getattr(self, name)
             check_value(name, value)
@@ -414,14 +244,8 @@ class RunConfig:
         why = precision_error(self.precision, self.backend)
         if why:
             raise ToygraphError(f"--precision {why}")
-        scale = lora_scale(self.alpha, self.rank, self.rslora)
-        if self.used("alpha") and scale > MAX_LORA_SCALE:
-            raise ToygraphError(f"--alpha {self.alpha:g} with --rank {self.rank} scales the update "
-                                f"by {scale:.4g}, above {MAX_LORA_SCALE:g}: LoRA uses about 0.5 to "
-                                "4 (--alpha of one to two times --rank), and far above that the "
-                                "update drowns the model (a typo?)")
-        if self.dora and self.lora_dropout:   # PEFT would drop DoRA's base term's input too
-            raise ToygraphError("--lora-dropout together with --dora is not supported")
+        for check in checks_of(options):   # the recipe's options against each other
+            check(self)
         if self.min_lr > self.lr:
             raise ToygraphError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if 0 < self.diverge_factor <= 1:
@@ -432,25 +256,18 @@ class RunConfig:
             raise ToygraphError("give --resume or --overwrite, not both")
         if not str(self.out).strip():
             raise ToygraphError("--out must name a directory, got an empty string")
-        if self.to_ollama is not None and ollama_name_error(self.to_ollama):
-            raise ToygraphError(f"--to-ollama {ollama_name_error(self.to_ollama)}")
-        from toygraph.inference.fidelity import QUANTS
-        bad = [t for t in self.fidelity if t not in (*QUANTS, "none")]
-        if bad:
-            raise ToygraphError(f"--fidelity: {bad[0]!r} is not a block type; choose among "
-                                f"{', '.join(QUANTS)}, or none")
-        if self.max_tool_calls != self.default("max_tool_calls") and self.tools is None:
-            raise ToygraphError("--max-tool-calls needs --tools (the functions to call)")
-        if self.tool_call_style is not None and self.tools is None:
-            raise ToygraphError("--tool-call-style needs --tools (the functions to call)")
-        if self.tools is not None and not Path(self.tools).is_file():
-            raise ToygraphError(f"--tools {self.tools}: no such file")
         unknown = sorted(set(self.allow_change) - set(self.names()))
         if unknown:
             raise ToygraphError(f"--allow-change: no options named {unknown}")
 
 
-_FIELDS = {f.name: f for f in fields(RunConfig)}
+def _option_names(options: type) -> set[str]:
+    return {f.name for f in fields(options)}
+
+
+#: The options every run takes: the ones RunConfig declares itself (first, in its order).
+_SHARED = tuple(RunConfig.__annotations__)
+_FIELDS = {f.name: f for f in sorted(fields(RunConfig), key=lambda f: f.name not in _SHARED)}
 _HINTS = typing.get_type_hints(RunConfig)
 
 
