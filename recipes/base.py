@@ -38,7 +38,7 @@ from toygraph.data.batches import encode_dataset
 from toygraph.data.examples import load_examples
 from toygraph.data.packing import batches_per_epoch, epoch_batches, packing_efficiency
 from toygraph.errors import GraphError
-from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
+from toygraph.models.decoder import LoraConfig, build_decoder, fused_head_loss, lm_head
 
 #: Whether the CPU backend always uses the fused head + loss. On CUDA the fused op is always
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
@@ -67,7 +67,7 @@ def fused_head(backend: str, model_cfg=None, rows: int | None = None) -> bool:
 def head_loss(net, labels, backend: str):
     """The summed cross-entropy of the model's next-token logits against ``labels``."""
     if fused_head(backend, net.cfg, net.hidden.shape[0]):
-        return ops.linear_cross_entropy(net.hidden, net.head, labels, reduction="sum")
+        return fused_head_loss(net, net.hidden, labels, "sum")
     return ops.cross_entropy(lm_head(net), labels, reduction="sum")
 
 

@@ -58,7 +58,7 @@ from toygraph.errors import DataError, GraphError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.batched import build_batched_generation, generate_rows
 from toygraph.inference.sampling import SamplingOptions
-from toygraph.models.decoder import LoraConfig, build_decoder
+from toygraph.models.decoder import LoraConfig, build_decoder, fused_head_loss
 from toygraph.recipes.base import RecipeOptions, fused_head
 from toygraph.recipes.environments import environments
 from toygraph.recipes.episodes import ToolRounds, call_ids, call_style
@@ -378,7 +378,7 @@ class GRPO(LoRA):
             return ops.token_logprobs(logits, self.labels).reshape(R, C)
         h = ops.scale(rows, 1.0 / self.sampling.temperature)
         if fused_head(self.opts.backend, self.model_cfg, h.shape[0]):
-            nll = ops.linear_cross_entropy(h, net.head, self.labels, reduction="none")
+            nll = fused_head_loss(net, h, self.labels, "none")
             return ops.scale(nll, -1.0).reshape(R, C)
         logits = ops.matmul(h, net.head, trans_b=True)
         return ops.token_logprobs(logits, self.labels).reshape(R, C)

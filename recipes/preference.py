@@ -19,7 +19,7 @@ from toygraph.core.graph import Graph
 from toygraph.data.batches import steps_per_epoch
 from toygraph.data.preference import encode_pairs, load_pairs, pair_batches
 from toygraph.errors import GraphError
-from toygraph.models.decoder import LoraConfig, lm_head
+from toygraph.models.decoder import LoraConfig, fused_head_loss, lm_head
 from toygraph.recipes.base import RecipeOptions, fused_head
 from toygraph.recipes.lora import LoRA
 from toygraph.recipes.options import AdapterOptions, option
@@ -98,7 +98,7 @@ class PreferenceRecipe(LoRA):
         [2B * seq_len, vocab] logits exist."""
         T = self.opts.seq_len
         if fused_head(self.opts.backend, self.model_cfg, net.hidden.shape[0]):
-            nll = ops.linear_cross_entropy(net.hidden, net.head, self.labels, reduction="none")
+            nll = fused_head_loss(net, net.hidden, self.labels, "none")
             return ops.scale(ops.sum(nll.reshape(self.rows, T), axis=1), -1.0)
         lp = ops.token_logprobs(lm_head(net), self.labels)
         return ops.sum(lp.reshape(self.rows, T), axis=1)

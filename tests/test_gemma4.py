@@ -189,19 +189,20 @@ def test_activation_checkpointing_gives_the_same_steps(gemma4):
 
 
 def test_the_fused_head_refuses_a_soft_capped_model(gemma4):
-    """ops.linear_cross_entropy (the CUDA recipes' head) has no soft cap: it must refuse
-    Gemma 4's head rather than compute another model's loss; lm_head caps."""
+    """ops.linear_cross_entropy (the CUDA recipes' head) has no soft cap: fused_head_loss
+    must refuse Gemma 4's head rather than compute another model's loss; lm_head caps."""
     from toygraph import ops
     from toygraph.core.graph import Graph
     from toygraph.errors import GraphError
-    from toygraph.models.decoder import build_decoder, lm_head
+    from toygraph.models.decoder import build_decoder, fused_head_loss, lm_head
     path, _ = gemma4
     m = GGUFModel(path)
     g = Graph()
     net = build_decoder(g, m.config, batch=1, seq_len=4, model=m, logits=False)
     labels = g.input("labels", (4,), "i32")
     with pytest.raises(GraphError, match="soft-capped at 3.0"):
-        ops.linear_cross_entropy(net.hidden, net.head, labels)
+        fused_head_loss(net, net.hidden, labels, "mean")
+    assert "logit_softcap" not in net.head.attrs   # the fact is the model's, not the tensor's
     assert lm_head(net).op == "softcap"
 
 

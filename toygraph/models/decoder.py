@@ -279,8 +279,6 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
             r.output = h
     net.hidden = ops.rms_norm(h, cfg.rms_eps, weight=net.weights["output_norm.weight"])
     net.head = net.weights["token_embd.weight" if cfg.tied_output else "output.weight"]
-    if cfg.logit_softcap:  # so the fused head (no soft cap) refuses it: see lm_head
-        net.head.attrs["logit_softcap"] = cfg.logit_softcap
     if logits:
         net.logits = lm_head(net)
     return net
@@ -359,3 +357,15 @@ def lm_head(net: Decoder) -> Tensor:
     training on the CPU; ops.linear_cross_entropy (the fused head) has no soft cap."""
     logits = ops.matmul(net.hidden, net.head, trans_b=True)
     return ops.softcap(logits, net.cfg.logit_softcap) if net.cfg.logit_softcap else logits
+
+
+def fused_head_loss(net: Decoder, h: Tensor, labels: Tensor, reduction: str) -> Tensor:
+    """ops.linear_cross_entropy over the model's head (no [rows, vocab] logits), refused
+    for a model that soft-caps its logits (Gemma 4): the fused op has no soft cap, so its
+    loss would be another model's. The model's fact stays with the model; the op knows
+    none."""
+    if net.cfg.logit_softcap:
+        raise GraphError(f"the fused head: {net.cfg.arch}'s logits are soft-capped at "
+                         f"{net.cfg.logit_softcap}, and the fused head has no soft cap (use "
+                         "lm_head + cross_entropy)")
+    return ops.linear_cross_entropy(h, net.head, labels, reduction=reduction)

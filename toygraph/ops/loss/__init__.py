@@ -6,7 +6,6 @@ head runs per chunk of rows).
 """
 from __future__ import annotations
 
-from toygraph.errors import GraphError
 from toygraph.ops.shape import unpack
 from toygraph.ops.table import F32, I32, INT32_MAX, LABELS, check, define_op, make_node
 
@@ -61,13 +60,9 @@ def linear_cross_entropy(h, w, labels, reduction="mean"):
 
     >>> loss = linear_cross_entropy(h, head, labels, reduction="sum")   # doctest: +SKIP
 
-    A head whose model soft-caps its logits (models/decoder.py marks it, Gemma 4) is refused:
-    the fused kernels have no soft cap, so the loss would be another model's.
+    It has no soft cap: models/decoder.py fused_head_loss refuses a model that caps its
+    logits (Gemma 4).
     """
-    cap = w.attrs.get("logit_softcap") if w.op is None else None
-    if cap:
-        raise GraphError(f"linear_cross_entropy: the head {w.name!r} belongs to a model whose logits are "
-                         f"soft-capped at {cap}; the fused head has no soft cap (use lm_head + cross_entropy)")
     return make_node("linear_cross_entropy", [h, w, labels], reduction=reduction)
 
 
