@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-RTOL = 1e-4   # the backends' usual agreement on a loss (tests/test_cuda.py)
+RTOL = 1e-4   # the backends' usual agreement on a loss (tests/cuda/test_cuda.py)
 
 
 def gpu_backend() -> str:

@@ -10,11 +10,11 @@
 #   info      nvidia-smi name/driver, versions, toygraph.cuda.driver.available()   (always)
 #   kernels   unpack .gpu/kernels.tar.xz (bench/precompile.py, made here) into the cubin cache
 #             and say how many modules hit (same kernel sources and NVRTC major.minor)  (always)
-#   tests     pytest tests/test_cuda.py (the GPU suite)                -> $OUT/cuda-tests.log
+#   tests     pytest tests/cuda/test_cuda.py (the GPU suite)                -> $OUT/cuda-tests.log
 #             (the NVRTC/ptxas compile tests need no GPU and CI runs them: here they took
 #             465 s of NVRTC, so they stay out; the kernels stage checks the carried cubins
 #             against the device's NVRTC)
-#   nographs  TOYGRAPH_CUDA_GRAPHS=0 pytest tests/test_cuda.py       -> $OUT/cuda-tests-nographs.log
+#   nographs  TOYGRAPH_CUDA_GRAPHS=0 pytest tests/cuda/test_cuda.py       -> $OUT/cuda-tests-nographs.log
 #   gate      toygraph gate --backend $GS_BACKEND <tiny experiments>  -> $OUT/checks.log
 #   golden    each tiny experiment on CUDA twice (+ once with graph replay off): losses
 #             vs the CPU golden (its rtol) and bit-identical run to run  -> $OUT/checks.log
@@ -56,7 +56,7 @@
 #   stage      host executor: wall / in launches (count) / host work   expect on GPU   cap
 #   setup      (pip: wheels into /tmp/site, toygraph editable)             ~40 s   60+90
 #   info, kernels                                                          ~10 s   30+30
-#   tests      217 s / 194 s (27,943) / 23 s  (tests/test_cuda.py)        ~60 s     120
+#   tests      217 s / 194 s (27,943) / 23 s  (tests/cuda/test_cuda.py)        ~60 s     120
 #   nographs   217 s / 194 s (27,943) / 23 s                               ~60 s     120
 #   gate        85 s /  82 s (18,538) /  3 s                               ~15 s      60
 #   golden     237 s / 233 s (55,614) /  5 s                               ~25 s      90
@@ -241,11 +241,11 @@ $PY -c 'import pytest_timeout' 2>/dev/null && PT_OPTS="$PT_OPTS --timeout=120 --
 
 if want tests; then
     stage tests 120 "$OUT/cuda-tests.log" "$(pytest_detail "$OUT/cuda-tests.log")" \
-        "$PY -m pytest $PT_OPTS tests/test_cuda.py"
+        "$PY -m pytest $PT_OPTS tests/cuda/test_cuda.py"
 fi
 if want nographs; then
     stage nographs 120 "$OUT/cuda-tests-nographs.log" "$(pytest_detail "$OUT/cuda-tests-nographs.log")" \
-        "TOYGRAPH_CUDA_GRAPHS=0 $PY -m pytest $PT_OPTS tests/test_cuda.py"
+        "TOYGRAPH_CUDA_GRAPHS=0 $PY -m pytest $PT_OPTS tests/cuda/test_cuda.py"
 fi
 if want gate; then
     stage gate 60 "$CHECKS_LOG" "$PY bench/gpu_session.py check-detail '$CHECKS_LOG' gate" \

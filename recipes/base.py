@@ -44,7 +44,7 @@ from toygraph.models.decoder import LoraConfig, build_decoder, fused_head_loss, 
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
 #: the CPU the fused backward recomputes the head matmul, which made a SmolLM2 LoRA step
 #: (batch 8 x seq 64, 2 cores) slower: 2.91 s against 2.67 s unfused; the two agree to
-#: rounding (tests/test_ops_loss.py, tests/test_llama.py). So the CPU fuses only where the
+#: rounding (tests/ops/test_ops_loss.py, tests/families/test_llama.py). So the CPU fuses only where the
 #: logits and their gradient would take FUSED_HEAD_CPU_BYTES or more: a 151,936-token
 #: vocabulary at 4 x 512 tokens, 2.5 GB, where a QLoRA step's base is a few hundred MB.
 FUSED_HEAD_ON_CPU = False

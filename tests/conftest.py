@@ -2,9 +2,19 @@
 and a home and cache of the suite's own (support/isolation.py), checked at the end."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from support.isolation import PrivateHome
+
+# The tests sit in one folder per package they test (tests/ops, tests/training, ...); a test
+# module may import another's helpers by its module name (from test_run import ...), so
+# every test folder is on the path. Module names stay unique across the folders.
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and _folder.name not in ("support", "__pycache__"):
+        sys.path.insert(0, str(_folder))
 
 
 def pytest_configure(config):

@@ -12,7 +12,7 @@ weight records (block format, no bytes) with the config's dimensions.
 its arguments, by the names the kernel's parameter list gives them; attention's tiles from
 its kernel's head-dim bound and the node's shapes) and returns a :class:`Cost`: FLOPs by
 unit, global-memory bytes, the kernel class. A kernel this file has no rule for is an error
-naming it: a new kernel needs its cost written down here; tests/test_roofline.py checks
+naming it: a new kernel needs its cost written down here; tests/bench/test_roofline.py checks
 every rule against the kernels the sources define.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ no docstring. The rows here answer with the function alone: builtin type hints, 
 "Return ..." docstring, one return. Each request is drawn from a template (arithmetic,
 strings, lists) with random names and constants; each row carries tests computed by the
 template's reference function, written apart from the reply's text, so that every
-training reply is checked (tests/test_coder_example_data.py) and every held-out reply can
+training reply is checked (tests/bench/test_coder_example_data.py) and every held-out reply can
 be scored (examples/typed_functions/coder_example.py).
 
 heldout.jsonl holds requests that are not in train.jsonl: new names and constants on the

@@ -1,4 +1,4 @@
-"""Helpers of the CUDA tests that need no GPU (tests/test_ops_*.py, test_cuda_*.py): the
+"""Helpers of the CUDA tests that need no GPU (tests/cuda/test_cuda_*.py): the
 NVRTC skip marker and cache fixture, a numpy replay of the launches' index arithmetic
 (``emulate``: the Strided walks, copies, gathers, reductions, tg_matmul; ``emulate_quant``:
 the block-format kernels), a check of one node's launches against its numpy kernel, and the

@@ -1,5 +1,5 @@
-"""Helpers of the host-executor tests (tests/test_cuda_host*.py): the CUDA backend run on
-the CPU (TOYGRAPH_CUDA_DEVICE=host) against the numpy backend, with tests/test_cuda.py's
+"""Helpers of the host-executor tests (tests/cuda/test_cuda_host*.py): the CUDA backend run on
+the CPU (TOYGRAPH_CUDA_DEVICE=host) against the numpy backend, with tests/cuda/test_cuda.py's
 tolerances. Errors are normwise: max|cuda - numpy| / max|numpy| per tensor."""
 import numpy as np
 

@@ -2,7 +2,7 @@
 run, written from the PTX ISA's fragment layouts ("Matrix Fragments for mma.m16n8k16 with
 floating point type", "Matrix Fragments for mma.m16n8k8", .bf16 / .tf32 / f32 C), and a
 replay of a whole tc_matmul.cu launch through it, driven by the kernels' own index math
-(tc_layout.cuh compiled for the host; tests/test_ops_tc_matmul.py)."""
+(tc_layout.cuh compiled for the host; tests/cuda/test_cuda_tc_matmul.py)."""
 import numpy as np
 
 from support.cudaemu import walk

@@ -2,7 +2,7 @@
 built by transformers from a config, saved as a Hugging Face directory, and converted to
 GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (not by toygraph or its fixtures).
 
-The outputs are committed under tests/data/moe/<name>/ (config.json, model.safetensors,
+The outputs are committed under tests/support/files/moe/<name>/ (config.json, model.safetensors,
 tokenizer files, model.gguf), so the tests need neither network nor llama.cpp. Regenerate
 them with::
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parents[1] / "data" / "moe"
+HERE = Path(__file__).resolve().parent / "files" / "moe"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"   # the sdist the committed files came from
 VOCAB = 288          # 256 byte tokens, 3 specials, the rest padding the converter names
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

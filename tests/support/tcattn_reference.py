@@ -1,4 +1,4 @@
-"""Helpers of the tensor-core attention tests (tests/test_ops_tc_attention*.py): bf16
+"""Helpers of the tensor-core attention tests (tests/cuda/test_cuda_tc_attention.py): bf16
 rounding written from its definition, the f64 reference attention with every mask the op
 supports (built as [T, T], small shapes only), and runs of the kernels on the host
 executor with the operands laid out as tc_attention.cu expects."""

@@ -22,7 +22,7 @@ decoded to f32 once at realize.
 
 The engine's products sum in their own order (one fused multiply-add chain per output, the
 same whatever the threads), BLAS in its own: the two modes agree to f32 rounding, not bit
-for bit (tests/test_cpu_gemm.py states the bound; tests/test_frozen_base.py the losses).
+for bit (tests/cpu/test_cpu_gemm.py states the bound; tests/core/test_frozen_base.py the losses).
 
 The mode is ``Session(base_memory=...)``, else ``$TOYGRAPH_BASE_MEMORY``. The decision
 and its bytes land in the BufferPlan (its summary is the realize line). Before it

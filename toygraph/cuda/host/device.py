@@ -38,7 +38,7 @@ HOST_ARCH = "sm_80"
 def schedule() -> str:
     """``$TOYGRAPH_HOST_SCHEDULE``: "forward" (default) runs the threads of a block first to
     last between barriers, "reverse" last to first. Race-free kernels give bit-identical
-    results either way (tests/test_cuda_host_training.py checks)."""
+    results either way (tests/cuda/test_cuda_host_training.py checks)."""
     return environment.get("TOYGRAPH_HOST_SCHEDULE")
 
 

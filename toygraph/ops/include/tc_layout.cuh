@@ -1,6 +1,6 @@
 // Index math of the tensor-core matmuls (tc_matmul.cu), kept apart as plain integer
 // functions so the tests can compile this file for the host and replay it through a numpy
-// emulator of the warp-level mma (tests/support/mmaemu.py, tests/test_ops_tc_matmul.py).
+// emulator of the warp-level mma (tests/support/mmaemu.py, tests/cuda/test_cuda_tc_matmul.py).
 // Nothing here touches memory.
 //
 // A block computes a TC_BM x TC_BN output tile with TC_THREADS threads (8 warps, 2 x 4);

@@ -30,7 +30,7 @@ def _token_logprobs_back(node, at):
 def _pointwise(node, at):
     """out[i] = kernel(x[i]) or, for the backward ops, kernel(x[i], g[i]): elementwise's
     launch under a name of this module, where every op's lowering must be defined beside
-    its numpy kernel (tests/test_cuda_registry.py)."""
+    its numpy kernel (tests/cuda/test_cuda_registry.py)."""
     return pointwise(node, at)
 
 

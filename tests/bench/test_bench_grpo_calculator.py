@@ -1,0 +1,41 @@
+"""bench/grpo_calculator.py's data, tool and reward (issue 50 item 3): no model runs."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import grpo_calculator  # noqa: E402
+
+
+def test_the_problems_are_distinct_deterministic_and_held_out_apart(tmp_path):
+    rows = grpo_calculator.problems()
+    assert rows == grpo_calculator.problems()
+    questions = [r["prompt"][-1]["content"] for r in rows]
+    assert len(set(questions)) == len(rows) == grpo_calculator.TRAIN + grpo_calculator.HELD_OUT
+    prompts, tools, reward, held = grpo_calculator.write_files(tmp_path)
+    trained = prompts.read_text().splitlines()
+    assert len(trained) == grpo_calculator.TRAIN and len(held) == grpo_calculator.HELD_OUT
+    assert not {q for q in questions[grpo_calculator.TRAIN:]} & set(questions[:grpo_calculator.TRAIN])
+
+
+def test_the_calculator_computes_and_refuses_what_is_not_arithmetic(tmp_path):
+    scope = {}
+    exec(grpo_calculator.TOOLS, scope)
+    assert scope["calculator"]("347 * 829") == str(347 * 829)
+    assert scope["calculator"]("(2 + 3) * -4") == "-20" and scope["calculator"]("7 / 2") == "3.5"
+    try:
+        scope["calculator"]("__import__('os')")
+    except ValueError as e:
+        assert "not arithmetic" in str(e)
+    else:
+        raise AssertionError("a call was evaluated")
+
+
+def test_the_reward_reads_the_last_number_of_the_last_turn():
+    scope = {}
+    exec(grpo_calculator.REWARD, scope)
+    turns = [[{"role": "assistant", "content": "<tool_call>...</tool_call>"},
+              {"role": "tool", "content": "287663"},
+              {"role": "assistant", "content": "347 * 829 = **287,663**"}],
+             [{"role": "assistant", "content": "It is 287662."}], "no number"]
+    assert scope["correct"](turns, ["287663"] * 3) == [1.0, 0.0, 0.0]
