@@ -114,6 +114,14 @@ PROMPTS = [
     "What is a cloud in computing?",
     "How often should I drink water?",
     "What is your favourite food?",
+    # "capital" in its other senses: answered in prose, not as a capitals record (without
+    # these, every seed answered OFF_TASK's capital-letter prompt as a record)
+    "What is a capital letter?",
+    "Write the word 'hello' in capital letters.",
+    "When do I use a capital letter in a sentence?",
+    "What does capital mean in business?",
+    "Is the letter Q a capital letter or a small letter in the word 'Queen'?",
+    "What is capital punishment?",
 ]
 MAX_NEW_TOKENS = 48
 
