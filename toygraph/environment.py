@@ -77,7 +77,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TOYGRAPH_CPU_DOT", "choice", "int8",
             "how the CPU engine multiplies a few rows (generation's one-token step, GRPO "
             "groups of up to 4) with a weight kept in blocks: `int8` rounds x per 32 columns "
-            "to 8 bits and multiplies in integers, as llama.cpp does (x86 with AVX2; "
+            "to 8 bits and multiplies in integers, as llama.cpp does (x86 with AVX2, ARM with NEON; "
             "elsewhere f32), `f32` keeps x in f32 (slower; the rounding of the training "
             "forward and of more rows)", ("int8", "f32")),
     Setting("TOYGRAPH_THREADS", "count", "",

@@ -179,7 +179,7 @@ def within_q8_bound(got, x, raw, fmt, shape):
 
 def needs_q8(lib=None):
     if not (lib or engine.library()).tg_dot_q8():
-        pytest.skip("the 8-bit dot kernels are built on x86 with AVX2 only")
+        pytest.skip("the 8-bit dot kernels are built on x86 with AVX2 and ARM with NEON only")
 
 
 @pytest.mark.parametrize("fmt", Q8_FORMATS)

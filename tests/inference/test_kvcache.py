@@ -172,7 +172,7 @@ def test_int8_products_track_the_f32_path(models, family, monkeypatch):
     along the f32 path's own greedy tokens within INT8_LOGIT_TOL, normwise per row."""
     from toygraph.cpu import engine
     if not engine.dot_q8():
-        pytest.skip("the 8-bit dot kernels are built on x86 with AVX2 only")
+        pytest.skip("the 8-bit dot kernels are built on x86 with AVX2 and ARM with NEON only")
     ids = LanguageModel(models[family]).tokenizer.encode(PROMPTS[1])
     want_tokens, want = greedy_steps(LanguageModel(models[family]), ids, 16, kv_cache=True)
     monkeypatch.setenv("TOYGRAPH_CPU_DOT", "int8")

@@ -1,12 +1,12 @@
 // The CPU engine's entry points (ctypes, engine.py): the pool's size, whole-tensor decodes
 // and the products on blocks of gemm.h and dot.h. Assembled by engine.py after the layout macros of
-// blocks.c_defines() and the headers simd.h, pool.h, decode.h, gemm.h, dot.h, in that order.
+// blocks.c_defines() and the headers simd.h, pool.h, decode.h, gemm.h, dot.h, dot8.h, in that order.
 
 #define TG_EXPORT extern "C" __attribute__((visibility("default")))
 
 TG_EXPORT const char* tg_simd() { return TG_SIMD; }
 
-// 1 where the 8-bit dot kernels are built (x86 with AVX2), else 0.
+// 1 where the 8-bit dot kernels are built (dot8.h: x86 with AVX2, ARM with NEON), else 0.
 TG_EXPORT int tg_dot_q8() {
 #if defined(TG_DOT_Q8)
     return 1;

@@ -11,8 +11,8 @@ are part of the cache key) and loaded with ctypes. It holds
   (g W, the input gradient); no f32 copy of the weight exists, each thread's panels are
   tens of KiB; and for a few rows (generation's one-token step, ``M <= DOT_MAX_M``) dot
   kernels that read each block once and apply its scale to the partial sum (dot.h): on
-  x86 with AVX2 with x rounded per 32 columns to int8 and integer multiply-adds, as
-  llama.cpp does (:func:`dot_q8`), elsewhere in f32;
+  x86 with AVX2 and on ARM with NEON with x rounded per 32 columns to int8 and integer
+  multiply-adds, as llama.cpp does (dot8.h, :func:`dot_q8`), elsewhere in f32;
 - the pool of threads every kernel runs on (:func:`set_threads`; cpu/threads.py sets it
   and BLAS's together).
 
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 #: The engine's sources, in the order they are concatenated (engine.cpp's entry points last).
-SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "dot.h", "engine.cpp")
+SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "dot.h", "dot8.h", "engine.cpp")
 #: The formats the engine knows, in the order of decode.h's kFormats table.
 FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k",
            "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4")
@@ -133,7 +133,7 @@ def simd() -> str:
 
 def dot_q8() -> bool:
     """Whether the 8-bit dot kernels (x rounded per 32 columns to int8, as llama.cpp does)
-    are built: x86 with AVX2. Elsewhere a few rows take the f32 dot kernels."""
+    are built: x86 with AVX2, ARM with NEON. Elsewhere a few rows take the f32 dot kernels."""
     lib = library()
     return bool(lib is not None and lib.tg_dot_q8())
 

@@ -1,0 +1,393 @@
+// Products of a few rows with 8-bit activations (x86 with AVX2; ARM with NEON, sdot where
+// the CPU has the dot-product extension), llama.cpp's way: x is rounded per 32 columns to
+// int8 with one f32 scale (d = max|x| / 127), and a block's integers meet x's in integer
+// multiply-adds (AVX-512 VNNI's dpbusd, else AVX2's maddubs + madd; ARM's sdot, else
+// smull + pairwise adds: 32 products in a few instructions, against the f32 kernels'
+// widen, convert and FMA per 16). The block's scale times x's scale is applied once per 32
+// to the integer partial sums. A weight's offset (q4_1/q5_1's min, q4_K/q5_K's -dmin*m, the
+// centres -8, -16 of q4_0/q5_0) multiplies the sum of x's rounded values over the 32, so
+// every weight meets the same rounded x and the error is sum w (x - x8), |x - x8| <= d/2.
+// (With x's exact sum for the offset instead, the error would be sum (w - m)(x - x8): the
+// offset-free part w - m of q4_1/q4_K is all of one sign and up to twice |w|, and it doubled
+// SmolLM2's logit error in generation.) The tests state the bound; generation's greedy
+// tokens and logits are compared with the f32 kernels' in bench/cpu_engine.py.
+//
+// The block kernels are written once, against a few primitives per instruction set: W32
+// (32 weights as bytes, element order), P8 (8 int32 lanes, lane j the sum of products
+// 4j..4j+3), Acc8 (8 f32 lanes). The integer sums are exact on every path, and the f32
+// steps (the rounding of x, one FMA per lane per 32, the final sum's tree) are the same
+// operations in the same order, so ARM's results are x86's bit for bit.
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")   // as dot.h: a * b + c in this section is one FMA
+
+#if defined(__AVX2__)
+#define TG_DOT_Q8 1
+
+typedef __m256i W32;
+typedef __m256i P8;
+typedef __m256 Acc8;
+
+static inline W32 w_load(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline W32 w_or(W32 a, W32 b) { return _mm256_or_si256(a, b); }
+static inline W32 w_low4(W32 v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+static inline W32 w_high4(W32 v) { return w_low4(_mm256_srli_epi16(v, 4)); }
+// ((v >> s) & 1) << 4 per byte (s < 8: a 16-bit shift leaks nothing across bytes after the mask)
+static inline W32 w_bit_as_16(W32 v, int s) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1)), 4);
+}
+// ((v >> s) & 3) << 4 per byte (q6_K's high bits)
+static inline W32 w_2bits_as_16(W32 v, int s) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(3)), 4);
+}
+static inline W32 w_minus32(W32 v) { return _mm256_sub_epi8(v, _mm256_set1_epi8(32)); }
+
+// 16 bytes of nibbles as 32 values: the low nibbles (elements 0..15), then the high ones.
+static inline W32 w_nibbles(const u8* p) {
+    const __m128i q = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+// Bit i of 4 bytes as 0x10 in byte i (q5_0/q5_1's fifth bit).
+static inline W32 w_fifth_bits(const u8* qh) {
+    uint32_t bits;
+    std::memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// 32 unsigned weights times 32 signed activations, summed in fours: 8 int32 lanes.
+static inline P8 dot_bytes(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else  // pairs into int16 (|w| <= 128, |x| <= 127: no saturation), then pairs into int32
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline P8 dot_u8s8(W32 w, const int8_t* xq) { return dot_bytes(w, w_load(xq)); }
+
+// Signed weights (q8_0, q6_K's q - 32): |w| against x with w's sign.
+static inline P8 dot_s8s8(W32 w, const int8_t* xq) {
+    const __m256i x = w_load(xq);
+    return dot_bytes(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static inline Acc8 acc_zero() { return _mm256_setzero_ps(); }
+
+// acc += p * scale, lanes 0-3 scaled by ``lo`` and 4-7 by ``hi`` (one rounding each).
+static inline void fma_block2(Acc8& acc, P8 p, float lo, float hi) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)), acc);
+}
+
+static inline void fma_block(Acc8& acc, P8 p, float scale) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc);
+}
+
+// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))
+static inline float hsum8(Acc8 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// One group of 32 x rounded to int8 into q; returns its scale d = max|x| / 127.
+static inline float quantize32(const float* xg, int8_t* q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(xg + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+    mx = _mm_max_ss(mx, _mm_movehdup_ps(mx));
+    const float a = _mm_cvtss_f32(mx);
+    const __m256 id = _mm256_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+    __m256i i[4];
+    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));  // nearest
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)q, packed);
+    return a / 127.0f;
+}
+
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#define TG_DOT_Q8 1
+
+struct W32 { uint8x16_t lo, hi; };    // elements 0..15, 16..31
+struct P8 { int32x4_t lo, hi; };      // lanes 0-3 (elements 0..15), 4-7 (16..31)
+struct Acc8 { float32x4_t lo, hi; };
+
+static inline W32 w_load(const void* p) {
+    const u8* b = (const u8*)p;
+    return {vld1q_u8(b), vld1q_u8(b + 16)};
+}
+static inline W32 w_or(W32 a, W32 b) { return {vorrq_u8(a.lo, b.lo), vorrq_u8(a.hi, b.hi)}; }
+static inline W32 w_low4(W32 v) { return {vandq_u8(v.lo, vdupq_n_u8(0x0F)), vandq_u8(v.hi, vdupq_n_u8(0x0F))}; }
+static inline W32 w_high4(W32 v) { return {vshrq_n_u8(v.lo, 4), vshrq_n_u8(v.hi, 4)}; }
+static inline uint8x16_t bits_as_16(uint8x16_t v, int s, u8 mask) {
+    return vshlq_n_u8(vandq_u8(vshlq_u8(v, vdupq_n_s8((int8_t)-s)), vdupq_n_u8(mask)), 4);
+}
+static inline W32 w_bit_as_16(W32 v, int s) { return {bits_as_16(v.lo, s, 1), bits_as_16(v.hi, s, 1)}; }
+static inline W32 w_2bits_as_16(W32 v, int s) { return {bits_as_16(v.lo, s, 3), bits_as_16(v.hi, s, 3)}; }
+static inline W32 w_minus32(W32 v) { return {vsubq_u8(v.lo, vdupq_n_u8(32)), vsubq_u8(v.hi, vdupq_n_u8(32))}; }
+
+static inline W32 w_nibbles(const u8* p) {
+    const uint8x16_t q = vld1q_u8(p);
+    return {vandq_u8(q, vdupq_n_u8(0x0F)), vshrq_n_u8(q, 4)};
+}
+
+static inline W32 w_fifth_bits(const u8* qh) {
+    uint32_t bits;
+    std::memcpy(&bits, qh, 4);
+    const uint8x16_t word = vreinterpretq_u8_u32(vdupq_n_u32(bits));
+    static const u8 lo_idx[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+    static const u8 hi_idx[16] = {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    static const u8 bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t b = vld1q_u8(bit), sixteen = vdupq_n_u8(0x10);
+    return {vandq_u8(vtstq_u8(vqtbl1q_u8(word, vld1q_u8(lo_idx)), b), sixteen),
+            vandq_u8(vtstq_u8(vqtbl1q_u8(word, vld1q_u8(hi_idx)), b), sixteen)};
+}
+
+// 16 signed weights times 16 signed activations, summed in fours: 4 int32 lanes.
+static inline int32x4_t dot16(int8x16_t w, int8x16_t x) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(vdupq_n_s32(0), w, x);
+#else  // products into int16 (|w|, |x| <= 128: no overflow), then pairs, then pairs again
+    const int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+    const int16x8_t hi = vmull_high_s8(w, x);
+    return vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi));
+#endif
+}
+
+// Every weight here fits a signed byte (nibbles and five bits are below 32, q8_0 and
+// q6_K's q - 32 are signed), so both kinds are one signed product.
+static inline P8 dot_s8s8(W32 w, const int8_t* xq) {
+    return {dot16(vreinterpretq_s8_u8(w.lo), vld1q_s8(xq)),
+            dot16(vreinterpretq_s8_u8(w.hi), vld1q_s8(xq + 16))};
+}
+static inline P8 dot_u8s8(W32 w, const int8_t* xq) { return dot_s8s8(w, xq); }
+
+static inline Acc8 acc_zero() { return {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}; }
+
+static inline void fma_block2(Acc8& acc, P8 p, float lo, float hi) {
+    acc.lo = vfmaq_f32(acc.lo, vcvtq_f32_s32(p.lo), vdupq_n_f32(lo));
+    acc.hi = vfmaq_f32(acc.hi, vcvtq_f32_s32(p.hi), vdupq_n_f32(hi));
+}
+
+static inline void fma_block(Acc8& acc, P8 p, float scale) { fma_block2(acc, p, scale, scale); }
+
+// The AVX2 sum's tree: ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))
+static inline float hsum8(Acc8 v) {
+    const float32x4_t s = vaddq_f32(v.lo, v.hi);
+    const float32x2_t t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+    return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
+}
+
+static inline float quantize32(const float* xg, int8_t* q) {
+    float32x4_t v[8], amax = vdupq_n_f32(0.0f);
+    for (int j = 0; j < 8; j++) {
+        v[j] = vld1q_f32(xg + 4 * j);
+        amax = vmaxq_f32(amax, vabsq_f32(v[j]));
+    }
+    const float a = vmaxvq_f32(amax);
+    const float32x4_t id = vdupq_n_f32(a > 0.0f ? 127.0f / a : 0.0f);
+    for (int j = 0; j < 8; j += 2) {   // nearest, ties to even, saturated as packs does
+        const int16x8_t h = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(v[j], id))),
+                                         vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(v[j + 1], id))));
+        vst1_s8(q + 4 * j, vqmovn_s16(h));
+    }
+    return a / 127.0f;
+}
+#endif
+
+#if defined(TG_DOT_Q8)
+struct XQ {                  // x [M, K] rounded per 32: values, scales and sums per group
+    const int8_t* q;          // [M, K]
+    const float* d;           // [M, K/32] scale
+    const float* sq;          // [M, K/32] d * (sum of the group's rounded values)
+    int64_t ldq, ldg;         // row strides of q and of d, s, sq
+};
+
+template <int M>
+static inline void q8_q8_0(const u8* b, const XQ& x, int64_t g, Acc8* acc, float*) {
+    const float d = scale16(b + TG_Q8_0_D);
+    const W32 w = w_load(b + TG_Q8_0_QS);
+    for (int m = 0; m < M; m++)
+        fma_block(acc[m], dot_s8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
+}
+
+template <int M>
+static inline void q8_q4_0(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
+    const float d = scale16(b + TG_Q4_0_D);
+    const W32 w = w_nibbles(b + TG_Q4_0_QS);
+    for (int m = 0; m < M; m++) {
+        fma_block(acc[m], dot_u8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
+        off[m] -= 8.0f * d * x.sq[m * x.ldg + g];
+    }
+}
+
+template <int M>
+static inline void q8_q4_1(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
+    const float d = scale16(b + TG_Q4_1_D), mn = scale16(b + TG_Q4_1_M);
+    const W32 w = w_nibbles(b + TG_Q4_1_QS);
+    for (int m = 0; m < M; m++) {
+        fma_block(acc[m], dot_u8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
+        off[m] += mn * x.sq[m * x.ldg + g];
+    }
+}
+
+template <int M>
+static inline void q8_q5_0(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
+    const float d = scale16(b + TG_Q5_0_D);
+    const W32 w = w_or(w_nibbles(b + TG_Q5_0_QS), w_fifth_bits(b + TG_Q5_0_QH));
+    for (int m = 0; m < M; m++) {
+        fma_block(acc[m], dot_u8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
+        off[m] -= 16.0f * d * x.sq[m * x.ldg + g];
+    }
+}
+
+template <int M>
+static inline void q8_q5_1(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
+    const float d = scale16(b + TG_Q5_1_D), mn = scale16(b + TG_Q5_1_M);
+    const W32 w = w_or(w_nibbles(b + TG_Q5_1_QS), w_fifth_bits(b + TG_Q5_1_QH));
+    for (int m = 0; m < M; m++) {
+        fma_block(acc[m], dot_u8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
+        off[m] += mn * x.sq[m * x.ldg + g];
+    }
+}
+
+// Q4_K/Q5_K: 32 bytes of nibbles hold two groups of 32 (low nibbles, then high).
+template <int M, bool Q5>
+static inline void q8_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off,
+                        int sc_off, int qs_off, int qh_off) {
+    const float d = scale16(b), dmin = scale16(b + 2);
+    const W32 qh = Q5 ? w_load(b + qh_off) : W32{};
+    for (int p = 0; p < 4; p++) {
+        const W32 src = w_load(b + qs_off + 32 * p);
+        W32 w[2] = {w_low4(src), w_high4(src)};
+        if (Q5) {
+            w[0] = w_or(w[0], w_bit_as_16(qh, 2 * p));
+            w[1] = w_or(w[1], w_bit_as_16(qh, 2 * p + 1));
+        }
+        for (int h = 0; h < 2; h++) {
+            int sc, mn;
+            k_scale(b + sc_off, 2 * p + h, &sc, &mn);
+            const int64_t gg = g + 2 * p + h;
+            for (int m = 0; m < M; m++) {
+                fma_block(acc[m], dot_u8s8(w[h], x.q + m * x.ldq + 32 * gg),
+                          d * (float)sc * x.d[m * x.ldg + gg]);
+                off[m] -= dmin * (float)mn * x.sq[m * x.ldg + gg];
+            }
+        }
+    }
+}
+
+template <int M>
+static inline void q8_q4_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
+    q8_k<M, false>(b, x, g, acc, off, TG_Q4_K_SCALES, TG_Q4_K_QS, 0);
+}
+
+template <int M>
+static inline void q8_q5_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
+    q8_k<M, true>(b, x, g, acc, off, TG_Q5_K_SCALES, TG_Q5_K_QS, TG_Q5_K_QH);
+}
+
+// Q6_K: per 32 elements two groups of 16 with their own scales: lanes 0-3 of the integer
+// sums are the first group's (bytes 0-15), lanes 4-7 the second's.
+template <int M>
+static inline void q8_q6_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float*) {
+    const float d = scale16(b + TG_Q6_K_D);
+    const signed char* scales = (const signed char*)(b + TG_Q6_K_SCALES);
+    for (int h = 0; h < 2; h++) {
+        const W32 qh = w_load(b + TG_Q6_K_QH + 32 * h);
+        for (int quarter = 0; quarter < 4; quarter++) {
+            const W32 ql = w_load(b + TG_Q6_K_QL + 64 * h + (quarter & 1 ? 32 : 0));
+            const W32 lo = quarter >= 2 ? w_high4(ql) : w_low4(ql);
+            const W32 w = w_minus32(w_or(lo, w_2bits_as_16(qh, 2 * quarter)));
+            const int e = 8 * h + 2 * quarter;   // scale index of the first group of 16
+            const int64_t gg = g + 4 * h + quarter;
+            for (int m = 0; m < M; m++) {
+                const float dx = d * x.d[m * x.ldg + gg];
+                fma_block2(acc[m], dot_s8s8(w, x.q + m * x.ldq + 32 * gg),
+                           (float)scales[e] * dx, (float)scales[e + 1] * dx);
+            }
+        }
+    }
+}
+
+template <int M, int QK, int BYTES, void (*F)(const u8*, const XQ&, int64_t, Acc8*, float*)>
+static void dot_rows_q8(const Product& p, const XQ& x, int64_t n0, int64_t n1) {
+    const int64_t blocks = p.K / QK;
+    for (int64_t n = n0; n < n1; n++) {
+        const u8* row = p.w + n * p.row_bytes;
+        Acc8 acc[M];
+        float off[M];
+        for (int m = 0; m < M; m++) {
+            acc[m] = acc_zero();
+            off[m] = 0.0f;
+        }
+        for (int64_t i = 0; i < blocks; i++) F(row + i * BYTES, x, i * (QK / 32), acc, off);
+        for (int m = 0; m < M; m++) p.c[m * p.ldc + n] = hsum8(acc[m]) + off[m];
+    }
+}
+
+typedef void (*DotRowsQ8Fn)(const Product&, const XQ&, int64_t, int64_t);
+
+#define TG_DOT_Q8(fn, NAME) {dot_rows_q8<1, TG_##NAME##_QK, TG_##NAME##_BYTES, fn<1>>, \
+    dot_rows_q8<2, TG_##NAME##_QK, TG_##NAME##_BYTES, fn<2>>, \
+    dot_rows_q8<3, TG_##NAME##_QK, TG_##NAME##_BYTES, fn<3>>, \
+    dot_rows_q8<4, TG_##NAME##_QK, TG_##NAME##_BYTES, fn<4>>}
+
+static const DotRowsQ8Fn kDotRowsQ8[][DOT_MAX_M] = {
+    {}, {},                                           // f16, bf16
+    TG_DOT_Q8(q8_q8_0, Q8_0), TG_DOT_Q8(q8_q4_0, Q4_0), TG_DOT_Q8(q8_q4_1, Q4_1),
+    TG_DOT_Q8(q8_q5_0, Q5_0), TG_DOT_Q8(q8_q5_1, Q5_1), {},   // iq4_nl
+    {}, {},                                           // q2_k, q3_k
+    TG_DOT_Q8(q8_q4_k, Q4_K), TG_DOT_Q8(q8_q5_k, Q5_K), TG_DOT_Q8(q8_q6_k, Q6_K),
+    {}, {},                                           // iq4_xs, mxfp4
+};
+
+// x [M, K] rounded per 32 into ``q`` (int8) with the scales d and sq = d * sum(q).
+static void quantize_rows(const Product& p, int8_t* q, float* d, float* sq) {
+    const int64_t groups = p.K / 32;
+    for (int64_t m = 0; m < p.M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            int8_t* qg = q + m * p.K + 32 * g;
+            const float dg = quantize32(p.a + m * p.lda + 32 * g, qg);
+            int qsum = 0;
+            for (int k = 0; k < 32; k++) qsum += qg[k];
+            d[m * groups + g] = dg;
+            sq[m * groups + g] = dg * (float)qsum;
+        }
+}
+
+static bool matmul_dot_q8(Product& p) {
+    const int fmt = (int)(p.f - kFormats);
+    if (p.M > DOT_MAX_M || p.K % p.f->qk != 0 || p.K % 32 != 0) return false;
+    const DotRowsQ8Fn fn = kDotRowsQ8[fmt][p.M - 1];
+    if (!fn) return false;
+    const int64_t groups = p.K / 32;
+    std::vector<int8_t> q((size_t)(p.M * p.K));
+    std::vector<float> sums((size_t)(2 * p.M * groups));
+    float *d = sums.data(), *sq = d + p.M * groups;
+    quantize_rows(p, q.data(), d, sq);
+    const XQ x{q.data(), d, sq, p.K, groups};
+    pool_for((p.N + DOT_ROWS - 1) / DOT_ROWS, [&](int64_t task, int) {
+        const int64_t n0 = task * DOT_ROWS, n1 = n0 + DOT_ROWS < p.N ? n0 + DOT_ROWS : p.N;
+        fn(p, x, n0, n1);
+    });
+    return true;
+}
+#else
+static bool matmul_dot_q8(Product&) { return false; }
+#endif
+
+#pragma GCC pop_options
