@@ -33,6 +33,18 @@ pytestmark = pytest.mark.gpu
 from support.hostparity import ELEMENTWISE, REDUCTION, compare_op, qlinear, rel_err, rnd, run_phase  # noqa: E402,F401
 
 
+def test_the_backend_lowers_for_its_devices_sm_count():
+    """split-K's target is the opened device's SM count (an H200: 132), said at realize."""
+    from toygraph.ops.lowering import device
+    b = CudaBackend()
+    g = Graph()
+    g.output(ops.scale(g.input("x", (4, 4)), 2.0))
+    sess = Session(g, backend="cuda")
+    sess.realize()
+    assert b.ctx.sm_count > 0 and device.sm_count() == sess.backend.ctx.sm_count
+    print(f"{b.ctx.arch}: {b.ctx.sm_count} SMs")
+
+
 @pytest.mark.parametrize("name,build,shapes,tol", [
     ("scale", lambda x: ops.scale(x, -1.7), [(3, 4)], ELEMENTWISE),
     ("silu", ops.silu, [(3, 5)], ELEMENTWISE),

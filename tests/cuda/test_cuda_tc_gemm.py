@@ -168,20 +168,49 @@ STEP_SHAPES = {
 }
 
 
+@pytest.mark.parametrize("sms", [132, 78, 16])   # an H100/H200 SXM, an L40S-sized GPU, a small one
 @pytest.mark.parametrize("name", sorted(STEP_SHAPES))
-def test_split_count_fills_the_sms_from_the_shape(name):
+def test_split_count_fills_the_sms_from_the_shape(name, sms):
     M, N, K = STEP_SHAPES[name]
     tiles = -(-M // 128) * -(-N // 128)
-    s = split_count(tiles, K)
+    s = split_count(tiles, K, sms)
     slices = -(-K // 32)
     per = -(-slices // s)
     assert -(-slices // per) == s, "a split is left empty"
-    if tiles >= tc_gemm.TARGET_BLOCKS:
+    if tiles >= sms:
         assert s == 1
     else:
         # enough blocks for every SM, unless k is too short for more splits
-        assert tiles * s >= 0.9 * tc_gemm.TARGET_BLOCKS or per <= 2 * tc_gemm.MIN_SPLIT_SLICES
+        assert tiles * s >= 0.9 * sms or per <= 2 * tc_gemm.MIN_SPLIT_SLICES
         assert per >= tc_gemm.MIN_SPLIT_SLICES
+
+
+def test_the_split_follows_the_device_the_backend_opened(monkeypatch):
+    """split_count's default is the SM count the runtime said (ops/lowering/device.py): the
+    host executor's stand-in 132 (what the goldens ran with), or what a device reports."""
+    from toygraph.core.session import Session
+    from toygraph.cuda.host.device import HostContext
+    from toygraph.errors import CudaError
+    from toygraph.ops.lowering import device
+    monkeypatch.setattr(device, "_sm_count", device.DEFAULT_SM_COUNT)
+    tiles, K = 2, 8192   # LoRA's dA: two output tiles, a long k
+    assert split_count(tiles, K) == split_count(tiles, K, 132)
+    assert split_count(tiles, K, 16) < split_count(tiles, K, 132)
+    monkeypatch.setattr(HostContext, "__init__", _host_with(HostContext.__init__, 16))
+    monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
+    g = Graph()
+    g.output(ops.scale(g.input("x", (4, 4)), 2.0))
+    Session(g, backend="cuda").realize()
+    assert device.sm_count() == 16 and split_count(tiles, K) == split_count(tiles, K, 16)
+    with pytest.raises(CudaError, match="SM count"):
+        device.use_sm_count(0)
+
+
+def _host_with(init, sms):
+    def patched(self):
+        init(self)
+        self.sm_count = sms
+    return patched
 
 
 def test_the_cost_model_picks_copies_for_long_k_and_the_direct_kernel_for_skinny_products():

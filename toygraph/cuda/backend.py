@@ -48,6 +48,7 @@ from toygraph.ops.table import in_place
 from toygraph.precision import PRECISIONS, TENSOR_CORE_PRECISIONS
 from toygraph.cuda import driver
 from toygraph.cuda.devmem import DeviceMemoryPlan, plan_device_memory, qmatmul_enabled
+from toygraph.ops.lowering.device import use_sm_count
 from toygraph.ops.lowering.dispatch import lower
 from toygraph.ops.lowering.launch import MAX_ELEMENTS, Collective, Launch
 from toygraph.ops.lowering.registry import REGISTRY, decode_launch
@@ -123,6 +124,7 @@ class CudaBackend:
     def realize(self, graph, schedule, plan: BufferPlan, pinned: set[int]):
         """Compile, allocate the arena and pinned buffers, upload consts and params."""
         self.ctx.make_current()
+        use_sm_count(self.ctx.sm_count)   # what split-K fills (ops/lowering/device.py)
         missing = sorted({t.op for t in schedule if t.op is not None and t.op not in REGISTRY})
         if missing:
             raise CudaError(f"the cuda backend has no kernel for ops {missing}")

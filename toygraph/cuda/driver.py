@@ -94,6 +94,14 @@ def device_arch(ordinal: int = 0) -> str:
     return f"sm_{int(major)}{int(minor)}"
 
 
+def device_sm_count(ordinal: int = 0) -> int:
+    """The streaming multiprocessors of device ``ordinal``."""
+    init()
+    dev = call("cuDeviceGet", ordinal)
+    attr = bindings().CUdevice_attribute
+    return int(call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))
+
+
 def ptr(p) -> int:
     """A device or host pointer (CUdeviceptr, int...) as a plain int."""
     return int(p)
@@ -128,6 +136,7 @@ class Context:
         cu = bindings()
         self.stream = call("cuStreamCreate", int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
         self.arch = device_arch(ordinal)
+        self.sm_count = device_sm_count(ordinal)
 
     def make_current(self):
         call("cuCtxSetCurrent", self.ctx)

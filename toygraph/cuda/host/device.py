@@ -33,6 +33,9 @@ _GUARD = bytes([0xA5]) * 64
 #: The architecture the host executor stands in for: the kernels' sm_80 features
 #: (bf16/tf32 mma.sync) are emulated.
 HOST_ARCH = "sm_80"
+#: The SMs it stands in for (split-K's target, ops/lowering/device.py): an H100/H200 SXM's,
+#: so the host runs the launches that GPU runs.
+HOST_SM_COUNT = 132
 
 
 def schedule() -> str:
@@ -104,7 +107,7 @@ class HostContext:
     name = "host"
 
     def __init__(self):
-        self.arch = HOST_ARCH
+        self.arch, self.sm_count = HOST_ARCH, HOST_SM_COUNT
         self._mem: dict[int, tuple] = {}   # address -> (owning array, its guard bytes)
         self._capture: list | None = None
         self._module: HostModule | None = None

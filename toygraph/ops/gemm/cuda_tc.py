@@ -8,7 +8,8 @@ activation kept in bf16 (cuda/bf16_storage.py) where it must be transposed, padd
 one already in that layout is read as it is); the GEMM then stages 16-byte chunks of the
 copies with cp.async and reads fragments with ldmatrix.
 
-Split-K: a 2-D product whose output tiles cannot fill the GPU (TARGET_BLOCKS) and whose
+Split-K: a 2-D product whose output tiles cannot fill the GPU (one block per SM: the
+device's count, ops/lowering/device.py) and whose
 k is long -- the weight gradients dW = x^T dy, LoRA's dA and dB (K = tokens), the head's
 dh (K = vocab) -- runs ``splits`` blocks per tile over consecutive k ranges, each writing
 its partial product to scratch, and tg_tcg_sum_splits adds them in split order. The
@@ -23,12 +24,8 @@ from dataclasses import dataclass
 
 from toygraph.errors import CudaError
 from toygraph.ops.lowering import (MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32_arg, grid_1d, i32_arg,
-                                   ptr_arg, strided)
+                                   ptr_arg, sm_count, strided)
 from toygraph.ops.lowering.constants import TC_BF16_BK, TC_BM, TC_BN, TC_THREADS
-
-#: Blocks a GEMM should launch to fill the GPU: one per SM of an H100 SXM (132). A product
-#: with fewer output tiles splits k until it has about this many blocks.
-TARGET_BLOCKS = 132
 #: Fewest k slices (of TC_BF16_BK, 128 k) one split handles, so its pipeline fills and its
 #: partial's store and sum stay small against its mma work.
 MIN_SPLIT_SLICES = 4
@@ -42,14 +39,15 @@ def _align(n: int, to: int = 256) -> int:
     return (n + to - 1) // to * to
 
 
-def split_count(tiles: int, k: int) -> int:
+def split_count(tiles: int, k: int, sms: int | None = None) -> int:
     """Splits of k for a product of ``tiles`` output tiles and inner dimension ``k``: enough
-    for TARGET_BLOCKS blocks, each split at least MIN_SPLIT_SLICES slices, and no split
-    left empty."""
+    for one block per SM (``sms``, default the device's: a GEMM should launch that many to
+    fill the GPU), each split at least MIN_SPLIT_SLICES slices, and no split left empty."""
+    target = sm_count() if sms is None else sms
     slices = -(-k // TC_BF16_BK)
-    if tiles <= 0 or tiles >= TARGET_BLOCKS:
+    if tiles <= 0 or tiles >= target:
         return 1
-    want = min(-(-TARGET_BLOCKS // tiles), slices // MIN_SPLIT_SLICES)
+    want = min(-(-target // tiles), slices // MIN_SPLIT_SLICES)
     if want <= 1:
         return 1
     per = -(-slices // want)
@@ -105,7 +103,6 @@ class Gemm:
 RIDGE_FLOPS_PER_BYTE = 989 / 3.35
 DIRECT_EFF = (0.45, 0.70)    # tc_matmul.cu: f32 operands read and rounded in the tile loop
 COPIES_EFF = (0.55, 0.75)    # this GEMM: bf16 copies, cp.async, ldmatrix, split-K
-SMS = TARGET_BLOCKS
 LAUNCH_FLOPS = 1e-6 * 989e12  # a launch of a replayed CUDA graph, ~1 us, in peak flops
 
 
@@ -130,11 +127,12 @@ def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False,
     M, N, K, kp = g.M, g.N, g.K, g.kp
     gx, gy = g.tiles
     tiles = gx * gy * g.nbatch
+    sms = sm_count()
     out = g.nbatch * M * N
     tile = 2.0 * TC_BM * TC_BN
 
     def seconds(eff, waves, slices_per_tile, nbytes):
-        compute = waves * tile * slices_per_tile * TC_BF16_BK / (eff[0] / SMS)
+        compute = waves * tile * slices_per_tile * TC_BF16_BK / (eff[0] / sms)
         return max(compute, nbytes * RIDGE_FLOPS_PER_BYTE / eff[1])
 
     slices = -(-kp // TC_BF16_BK)
@@ -144,8 +142,8 @@ def prefers_copies(g: Gemm, b_bytes: int | None = None, epilogue: bool = False,
         eff, direct_b, copy_b = DIRECT_EFF, 4 * b_elems, 8 * b_elems
     else:   # the block bytes once, then the bf16 copy written and read
         eff, direct_b, copy_b = BLOCKS_DIRECT_EFF, b_bytes, b_bytes + 4 * b_elems
-    direct = seconds(eff, -(-tiles // SMS), slices, 4 * (a_elems + out) + direct_b)
-    copies = seconds(COPIES_EFF, -(-tiles * s // SMS), -(-slices // s),
+    direct = seconds(eff, -(-tiles // sms), slices, 4 * (a_elems + out) + direct_b)
+    copies = seconds(COPIES_EFF, -(-tiles * s // sms), -(-slices // s),
                      8 * a_elems + copy_b + 4 * out * (2 * s + 1 if s > 1 else 1))
     copies += (3 if s > 1 else 2) * LAUNCH_FLOPS     # the copies and the split sum
     if epilogue:
