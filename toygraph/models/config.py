@@ -155,56 +155,82 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
 def _layers(m: readers.Metadata, fam: Family, n_layer: int, n_embd: int, n_ctx: int,
             tensors: dict) -> tuple[tuple[Layer, ...], tuple[float, ...]]:
     """The family's layer prototype filled in from the file, one per block, and YaRN's
-    per-pair divisors (empty without YaRN)."""
+    per-pair divisors (empty without YaRN): each part from its reader below."""
     is_global = readers.global_layers(m, fam, n_layer)
+    attentions, yarn = _attentions(m, fam, n_layer, n_embd, n_ctx, tensors, is_global)
+    recurrent, delta = readers.deltanet(m, n_layer) if fam.deltanet else ([False] * n_layer, None)
+    ffns = _ffns(m, fam.layer.ffn, n_layer)
+    # Gemma 4's per-layer input embeddings: where the family reads the key (its extra_keys)
+    ple = m.num("embedding_length_per_layer_input", int, 0, positive=False) \
+        if "embedding_length_per_layer_input" in fam.extra_keys else 0
+    return tuple(replace(fam.layer, mixer=delta if recurrent[i] else attentions[i], ffn=ffns[i],
+                         per_layer_input=ple) for i in range(n_layer)), yarn
+
+
+def _attentions(m: readers.Metadata, fam: Family, n_layer: int, n_embd: int, n_ctx: int,
+                tensors: dict, is_global: list[bool]) -> tuple[list[Attention], tuple[float, ...]]:
+    """Each block's attention part (the recurrent blocks' go unused), and YaRN's divisors:
+    heads and head size per layer, the sliding window on the sliding layers, the score
+    scale, the bias where the file has one, which layers read another's keys and values
+    (Gemma 4), and each layer's rope."""
     heads = readers.heads(m, n_embd, n_layer, is_global)
-    n_head, head_dim, rope_dims = heads["n_head"], heads["head"][0], heads["rope"][0]
-    rope_base = m.num("rope.freq_base", float, fam.default_rope_base)
-    kind, scale = readers.rope_scale(m, fam)
-    yarn, mscale = (), 1.0
-    if kind == "yarn":
-        yarn, mscale = readers.yarn(m, scale, rope_base, rope_dims, head_dim, n_ctx)
-        scale = 1.0   # the interpolation is in the per-pair factors
+    ropes, yarn, mscale = _ropes(m, fam, n_ctx, heads, is_global, tensors)
     window = m.num("attention.sliding_window", int, 0, positive=False) if fam.sliding else 0
     if fam.sliding and window <= 0:
         raise GGUFError(f"{m.path}: {fam.arch} needs a positive "
                         f"{m.key('attention.sliding_window')}")
-    swa_base = m.num("rope.freq_base_swa", float,
-                     (fam.sliding.rope_base if fam.sliding else None) or rope_base)
-    proto = fam.layer
-    attn = proto.mixer
-    attn_scale = attn.scale if attn.scale is not None else \
-        (n_embd // n_head if n_layer in fam.attn_scale_embd_layers else head_dim) ** -0.5
+    attn = fam.layer.mixer
+    scale = attn.scale if attn.scale is not None else \
+        (n_embd // heads["n_head"] if n_layer in fam.attn_scale_embd_layers else heads["head"][0]) ** -0.5
     # YaRN scales cos and sin by mscale, so every score q.k by mscale^2 (all dims rotate).
-    attn_scale *= mscale * mscale
-    moe, n_dense = (readers.experts(m, proto.ffn, n_layer) if isinstance(proto.ffn, Experts)
+    scale *= mscale * mscale
+    sources = readers.kv_sources(m, fam, n_layer, is_global)
+    bias = attn.bias and "blk.0.attn_q.bias" in tensors
+    parts = []
+    for i, g in enumerate(is_global):
+        shares = sources[i] != i
+        parts.append(replace(
+            attn, heads=heads["n_head"], kv_heads=heads["kv"][i], head_dim=heads["head"][i],
+            rope=ropes[i], scale=scale, window=0 if g else window, bias=bias,
+            keys_as_values=(attn.keys_as_values and not shares
+                            and f"blk.{i}.attn_v.weight" not in tensors),
+            kv_from=sources[i] if shares else None))
+    return parts, yarn
+
+
+def _ropes(m: readers.Metadata, fam: Family, n_ctx: int, heads: dict, is_global: list[bool],
+           tensors: dict) -> tuple[list, tuple[float, ...], float]:
+    """Each layer's rope (its rotated dims, base, linear scale and frequency factors: the
+    file's rope_freqs.weight, or YaRN's divisors), YaRN's divisors and its mscale (1.0
+    without YaRN). A family's sliding layers may have a base of their own and no scaling."""
+    proto = fam.layer.mixer.rope
+    base = m.num("rope.freq_base", float, fam.default_rope_base)
+    kind, scale = readers.rope_scale(m, fam)
+    yarn, mscale = (), 1.0
+    if kind == "yarn":
+        yarn, mscale = readers.yarn(m, scale, base, heads["rope"][0], heads["head"][0], n_ctx)
+        scale = 1.0   # the interpolation is in the per-pair factors
+    swa_base = m.num("rope.freq_base_swa", float,
+                     (fam.sliding.rope_base if fam.sliding else None) or base)
+    has_freqs = fam.rope_freqs != "" and ROPE_FREQS in tensors
+    ropes = []
+    for i, g in enumerate(is_global):
+        freqs = has_freqs and (fam.rope_freqs == "all" or g)
+        ropes.append(replace(proto, dims=heads["rope"][i], base=base if g else swa_base,
+                             scale=scale if g or fam.sliding.rope_scaled else 1.0,
+                             factors=ROPE_FREQS if freqs else YARN_FACTORS if yarn else None))
+    return ropes, yarn, mscale
+
+
+def _ffns(m: readers.Metadata, proto, n_layer: int) -> list:
+    """Each block's feed-forward part: a dense FFN of its own width, or the mixture of
+    experts (whose file may keep its first blocks dense)."""
+    moe, n_dense = (readers.experts(m, proto, n_layer) if isinstance(proto, Experts)
                     else (None, n_layer))
     # An all-MoE file's dense width is never used (Qwen3-MoE writes one anyway).
     dense_ff = n_dense > 0
     ffs = m.per_layer("feed_forward_length", n_layer, None if dense_ff else 0, positive=dense_ff)
-    sources = readers.kv_sources(m, fam, n_layer, is_global)
-    # Gemma 4's per-layer input embeddings: where the family reads the key (its extra_keys)
-    ple = m.num("embedding_length_per_layer_input", int, 0, positive=False) \
-        if "embedding_length_per_layer_input" in fam.extra_keys else 0
-    recurrent, delta = readers.deltanet(m, n_layer) if fam.deltanet else ([False] * n_layer, None)
-    has_freqs = fam.rope_freqs != "" and ROPE_FREQS in tensors
-    bias = attn.bias and "blk.0.attn_q.bias" in tensors
-    layers = []
-    for i, g in enumerate(is_global):
-        freqs = has_freqs and (fam.rope_freqs == "all" or g)
-        rope = replace(attn.rope, dims=heads["rope"][i], base=rope_base if g else swa_base,
-                       scale=scale if g or fam.sliding.rope_scaled else 1.0,
-                       factors=ROPE_FREQS if freqs else YARN_FACTORS if yarn else None)
-        shares = sources[i] != i
-        mixer = delta if recurrent[i] else replace(
-            attn, heads=n_head, kv_heads=heads["kv"][i], head_dim=heads["head"][i], rope=rope,
-            scale=attn_scale, window=0 if g else window, bias=bias,
-            keys_as_values=(attn.keys_as_values and not shares
-                            and f"blk.{i}.attn_v.weight" not in tensors),
-            kv_from=sources[i] if shares else None)
-        ffn = moe if i >= n_dense else Dense(ffs[i], proto.ffn.activation)
-        layers.append(replace(proto, mixer=mixer, ffn=ffn, per_layer_input=ple))
-    return tuple(layers), yarn
+    return [moe if i >= n_dense else Dense(ffs[i], proto.activation) for i in range(n_layer)]
 
 
 def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
