@@ -1,6 +1,7 @@
 """GRPO with a tool on a real file: Qwen2.5-Coder-0.5B learns to call a calculator.
 
-    python bench/grpo_calculator.py [--steps 30] [--probe 8] [--json RESULT.json]
+    python bench/grpo_calculator.py [--steps 8] [--probe 8] [--json RESULT.json]
+    python bench/grpo_calculator.py --evaluate RUN_DIR [--samples 3]
 
 Products of two 3-digit numbers, asked in plain words: a 0.5B model multiplies them
 wrong alone, and right when it calls ``calculator`` (the tools file written beside the
@@ -76,9 +77,13 @@ def calculator(expression: str) -> str:
     result = value(ast.parse(expression, mode="eval").body)
     return str(int(result)) if float(result).is_integer() else str(result)
 '''
-REWARD = '''"""GRPO's reward for bench/grpo_calculator.py: the episode ends in a plain answer
-whose last number is the product. A last turn that is itself a call (a JSON object, bare
-or fenced: the calls ran out) has not answered, whatever numbers its arguments hold."""
+REWARD = '''"""GRPO's rewards for bench/grpo_calculator.py, read from the model's last turn
+(never a tool's reply: an episode cut right after one ends in an empty turn of the
+model's). ``correct``: that turn is a plain answer whose last number is the product.
+``answered``: it is a plain answer at all -- a small weight beside ``correct``, so that a
+group in which nobody is right yet still prefers the episodes that answer after reading
+the tool's reply over those that call again. A turn that is itself a call (a JSON object,
+bare or fenced: the calls ran out) has not answered, whatever numbers it holds."""
 import re
 
 _NUMBER = re.compile(r"-?\\d[\\d,]*")
@@ -89,21 +94,38 @@ def final_number(text):
     return found[-1].replace(",", "") if found else None
 
 
-def answered(text):
-    return not text.strip().startswith(("{", "```"))
+def is_answer(text):
+    text = text.strip()
+    return bool(text) and not text.startswith(("{", "```"))
+
+
+def last_reply(completion):
+    if not isinstance(completion, list):
+        return completion
+    return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
 def correct(completions, answer, **kw):
-    last = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [float(answered(t) and final_number(t) == str(a)) for t, a in zip(last, answer)]
+    last = [last_reply(c) for c in completions]
+    return [float(is_answer(t) and final_number(t) == str(a)) for t, a in zip(last, answer)]
+
+
+def answered(completions, **kw):
+    return [float(is_answer(last_reply(c))) for c in completions]
 '''
 PHRASINGS = ("What is {a} times {b}?", "Compute {a} * {b}.", "Multiply {a} by {b}.",
              "How much is {a} multiplied by {b}?")
 TRAIN, HELD_OUT, SEED = 96, 24, 7
+#: correct, answered (the REWARD file's functions)
+REWARD_WEIGHTS = ("1.0", "0.2")
 SETTINGS = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=8, alpha=16, lr=2e-4,
                 schedule="constant", warmup=0, seq_len=448, max_completion_length=96,
                 max_tool_calls=2, tool_call_style="json", temperature=1.0, loss_type="dapo", val_split=0.0, seed=0,
-                log_completions=10, final="last")
+                log_completions=10, final="last",
+                # 12 rows of 448 + 96 tokens: every block's activations kept planned a 17.6
+                # GiB arena (19.1 GiB peak RSS, 2026-12-04); recomputed, 1.5 GiB, the same
+                # gradients bit for bit
+                checkpoint_activations=True)
 
 
 def problems() -> list[dict]:
@@ -140,26 +162,33 @@ def reward_functions() -> dict:
 
 
 def held_out(model: str, adapter: str | None, tools: Path, rows: list[dict],
-             max_new_tokens: int, max_tool_calls: int, style: str) -> dict:
-    """Greedy episodes over ``rows`` with the calculator on offer: accuracy, calls made,
-    valid calls, and the first few episodes."""
+             max_new_tokens: int, max_tool_calls: int, style: str, samples: int = 0) -> dict:
+    """Episodes over ``rows`` with the calculator on offer: accuracy, calls made, valid
+    calls, and the first few episodes. Greedy (``samples`` 0), or ``samples`` episodes a
+    row sampled at the training temperature (episode j of row i seeded 1000 j + i, so
+    before and after meet the same draws)."""
     from toygraph.inference.language_model import LanguageModel
     from toygraph.recipes.episodes import model_generate, tool_episode
     from toygraph.recipes.tools import ToolBox
     lm = LanguageModel(model, adapter_dir=adapter, seq_len=SETTINGS["seq_len"] + 64)
     box = ToolBox(str(tools))
-    generate = model_generate(lm, tools=box.schemas, max_new_tokens=max_new_tokens)
     plain = model_generate(lm, tools=None, max_new_tokens=2 * max_new_tokens)
     reward = reward_functions()
     right = called = calls = valid = answered = 0
     shown = []
+    draws = [(i, j) for j in range(max(samples, 1)) for i in range(len(rows))]
     try:
-        for row in rows:
+        for i, j in draws:
+            row = rows[i]
+            sampling = (dict(temperature=SETTINGS["temperature"], seed=1000 * j + i)
+                        if samples else {})
+            generate = model_generate(lm, tools=box.schemas, max_new_tokens=max_new_tokens,
+                                      **sampling)
             ep = tool_episode(generate, box, row["prompt"], style, max_tool_calls)
             replies = [m["content"] for m in ep.messages if m["role"] == "tool"]
             turns = ep.messages[len(row["prompt"]):]
             right += reward["correct"]([turns], [row["answer"]])[0] == 1.0
-            answered += reward["answered"](turns[-1]["content"])
+            answered += reward["answered"]([turns])[0] == 1.0
             called += ep.tool_calls > 0
             calls += len(replies)
             valid += sum(not r.startswith("error:") for r in replies)
@@ -168,13 +197,14 @@ def held_out(model: str, adapter: str | None, tools: Path, rows: list[dict],
                               "turns": ep.messages[len(row["prompt"]):]})
     finally:
         box.close()
-    n = len(rows)
-    alone = 0 if adapter is not None else sum(   # the base with no tool on offer
+    n = len(draws)
+    alone = 0 if adapter is not None or samples else sum(   # the base with no tool on offer
         reward["correct"]([[{"role": "assistant", "content": plain(row["prompt"], ())}]],
                           [row["answer"]])[0] == 1.0 for row in rows)
     return dict(accuracy=f"{right}/{n}", answered=f"{answered}/{n}", called=f"{called}/{n}",
                 valid_calls=f"{valid}/{calls}", episodes=shown,
-                **({} if adapter is not None else {"accuracy_without_tool": f"{alone}/{n}"}))
+                **({} if adapter is not None or samples else
+                   {"accuracy_without_tool": f"{alone}/{n}"}))
 
 
 def cpu_model() -> str:
@@ -186,7 +216,7 @@ def cpu_model() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--num-generations", type=int, default=6)
     ap.add_argument("--probe", type=int, default=0, metavar="N",
@@ -195,6 +225,12 @@ def main():
                     help="override one SETTINGS entry (a Python literal), e.g. lr=1e-4")
     ap.add_argument("--out", default="/tmp/toygraph-grpo-calculator")
     ap.add_argument("--json", help="also write the result line here")
+    ap.add_argument("--samples", type=int, default=0, metavar="N",
+                    help="held-out episodes sampled at the training temperature, N a problem "
+                         "(default 0: greedy, one a problem)")
+    ap.add_argument("--evaluate", metavar="RUN_DIR",
+                    help="train nothing: the held-out numbers of the base and of RUN_DIR's "
+                         "adapter (a finished run of this script)")
     args = ap.parse_args()
     from toygraph.models.catalog import resolve_model
     from toygraph.training import RunConfig, run_training
@@ -211,11 +247,29 @@ def main():
     if args.probe:
         print(json.dumps(held_out(model, None, tools, held[:args.probe], **ask), indent=1))
         return
+    if args.evaluate:
+        t0 = time.perf_counter()
+        before = held_out(model, None, tools, held, samples=args.samples, **ask)
+        after = held_out(model, args.evaluate, tools, held, samples=args.samples, **ask)
+        line = json.dumps(dict(
+            date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), cpu=cpu_model(), cpus=os.cpu_count(),
+            model=Path(model).name, adapter=args.evaluate, samples=args.samples,
+            temperature=SETTINGS["temperature"] if args.samples else 0.0,
+            held_out_before={k: v for k, v in before.items() if k != "episodes"},
+            held_out_after={k: v for k, v in after.items() if k != "episodes"},
+            wall_s=round(time.perf_counter() - t0, 1),
+            peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            episodes_before=before["episodes"], episodes_after=after["episodes"]))
+        print(line)
+        if args.json:
+            Path(args.json).write_text(line + "\n")
+        return
     t0 = time.perf_counter()
     before = held_out(model, None, tools, held, **ask)
     t1 = time.perf_counter()
     end = run_training(RunConfig(model=model, data=str(prompts), out=str(out), recipe="grpo",
-                                 reward=(f"{reward}:correct",), tools=str(tools),
+                                 reward=(f"{reward}:correct", f"{reward}:answered"),
+                                 reward_weights=REWARD_WEIGHTS, tools=str(tools),
                                  steps=args.steps, batch=args.batch,
                                  num_generations=args.num_generations,
                                  overwrite=True, quiet=True, **settings))

@@ -259,7 +259,11 @@ class ToolRounds:
 
     def completion_messages(self, r: int, completion: list[int]) -> list[dict]:
         """Row r's episode after its prompt: the turns it added, and the model's last
-        one (its text since the last turn fed, special tokens left out)."""
+        one (its text since the last turn fed, special tokens left out). An episode always
+        ends in a turn of the model's: when the completion's tokens ran out right after a
+        tool reply or an observation was fed, that turn is empty, so a reward reading the
+        last turn reads the model's silence, never the tool's reply as the model's answer."""
         turns = self.messages[r][self.prompt_turns[r]:]
         rest = self.tok.decode(completion[self.fed[r]:], skip_special_tokens=True)
-        return turns + ([{"role": "assistant", "content": rest}] if rest else [])
+        unanswered = bool(turns) and turns[-1]["role"] != "assistant"
+        return turns + ([{"role": "assistant", "content": rest}] if rest or unanswered else [])

@@ -39,3 +39,20 @@ def test_the_reward_reads_the_last_number_of_the_last_turn():
               {"role": "assistant", "content": "347 * 829 = **287,663**"}],
              [{"role": "assistant", "content": "It is 287662."}], "no number"]
     assert scope["correct"](turns, ["287663"] * 3) == [1.0, 0.0, 0.0]
+
+
+def test_the_reward_never_reads_a_tool_reply_as_the_answer():
+    """An episode cut right after the tool replied (recipes/episodes.py then ends it in an
+    empty model turn) has not answered, though the reply is the product; a turn that is
+    one more call has not either. ``answered`` counts plain answers, right or not."""
+    scope = {}
+    exec(grpo_calculator.REWARD, scope)
+    call = {"role": "assistant", "content": '```json\n{"name": "calculator"}\n```'}
+    reply = {"role": "tool", "content": "287663"}
+    cut = [call, reply, {"role": "assistant", "content": ""}]
+    old_style_cut = [call, reply]              # the last message a tool's
+    again = [call, reply, call]
+    wrong = [call, reply, {"role": "assistant", "content": "It is 5."}]
+    turns = [cut, old_style_cut, again, wrong]
+    assert scope["correct"](turns, ["287663"] * 4) == [0.0, 0.0, 0.0, 0.0]
+    assert scope["answered"](turns) == [0.0, 0.0, 0.0, 1.0]

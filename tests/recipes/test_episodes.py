@@ -234,6 +234,25 @@ def test_a_tool_turn_is_the_templates_own_rendering_of_the_round(box, tiny_llama
     assert before + call + tok.decode(ids) == whole
 
 
+def test_an_episode_whose_tokens_ran_out_after_a_tool_reply_ends_in_an_empty_model_turn(
+        box, tiny_llama):
+    """Cut right after the tool turn was fed, the episode's last turn is the model's, empty:
+    a reward reading the last turn must not take the tool's reply for the model's answer
+    (bench/grpo_calculator.py's first run learned exactly that: to end on the reply)."""
+    from toygraph.recipes.episodes import ToolRounds
+    tok = qwen_tokenizer(tiny_llama)
+    rounds = ToolRounds(tok, box, "qwen", [USER], max_tool_calls=2)
+    said = tok.encode(CALL + "</tool_call>", add_bos=False)
+    fed = rounds(0, said)
+    turns = rounds.completion_messages(0, said + fed)   # no token of the model's after it
+    assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"]
+    assert turns[-1]["content"] == "" and turns[-2]["content"] == "ZEBRA"
+    answer = tok.encode("It is ZEBRA.", add_bos=False)
+    assert rounds.completion_messages(0, said + fed + answer)[-1] == \
+        {"role": "assistant", "content": "It is ZEBRA."}
+    assert rounds.completion_messages(0, said)[-1]["role"] == "assistant"   # before any round
+
+
 def test_tool_rounds_answer_each_closed_call_once_and_stop_at_the_limit(box, tiny_llama):
     from toygraph.recipes.episodes import ToolRounds
     tok = qwen_tokenizer(tiny_llama)
