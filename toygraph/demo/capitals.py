@@ -28,8 +28,8 @@ OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"
 
 # The fine-tune, every RunConfig option the demo sets in one place (issue 15 item 6).
 # capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows); general.jsonl holds
-# the base model's own answers to 96 general prompts (15% of the mix), so that prompts
-# outside the task keep their answers. Measured with bench/demo_recipe.py (36 held-out
+# the base model's own answers to 102 general prompts (16% of the mix; 6 use "capital" in
+# its other senses), so that prompts outside the task keep their answers. Measured with bench/demo_recipe.py (36 held-out
 # questions on 12 countries, the demo's 3 among them; 12 off-task prompts), seed 42,
 # --base-memory quantized (bench/results/demo-recipe-xeon-2026-12-03.md):
 # - taught as one-line JSON the capitals came out as near misses (Kenya "Lairobi",
@@ -39,7 +39,10 @@ OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"
 # - with general.jsonl mixed in: 170 steps 33/36 (Vietnam "Vientiane"), 12/12 off-task;
 #   200 steps (1.26 passes over the capitals, as 170 were without the mix) 36/36, every
 #   capital the base knew kept, 11/12 off-task (the "capital letter ... after B" prompt),
-#   the same under TOYGRAPH_CPU_DOT int8 and f32.
+#   the same under TOYGRAPH_CPU_DOT int8 and f32;
+# - with the 6 "capital" prompts (2026-12-04, EPYC, seed 0, decode and quantized):
+#   off-task 12/12, every capital the base knew kept, held-out 33/36 (Mongolia
+#   "Astana", a capital the base did not know) -- bench/results/demo-recipe-epyc-2026-12-04.md.
 # - no validation split: a held-out row is a capital the demo would not teach.
 RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
               batch=4, lr=5e-3, warmup=10, schedule="cosine", clip=1.0, seq_len=66,
