@@ -28,13 +28,15 @@ calls are valid from the start; what it lacks is the next step: given the tool's
 it calls the calculator again on the result instead of answering (``--probe 6``: 6/6
 called, 12/12 valid calls, 0/6 answered).
 
-Not yet measured to the end: ``--steps 30`` under ``timeout 3600`` on a 2-vCPU Intel Xeon
-(2026-12-03) was stopped by SIGTERM after step 13 (its checkpoint saved, resumable), at
-about 250 s per step (12 episodes of up to 96 tokens, batch 2 x 6). Mean reward per step
-went 0.67, 0.75, 0.92, 0.92, then 1.0 on 8 of the next 9 steps: the groups were all
-right, so their advantages and the loss were 0 -- the reward has to be harder (more
-problems per step, or 4-digit numbers) before more steps teach anything. The held-out
-"after" numbers need a finished run; a stopped one now exits with its resume command.
+Measured to the end (2-core AMD EPYC, 2026-12-04;
+bench/results/grpo-calculator-epyc-2026-12-04.md): the first run learned a reward hack.
+Its reward read the episode's last message, and an episode cut right after a tool reply
+(two calls and their replies fill the 96 tokens) ended with the calculator's product:
+training reward 0.67 -> 1.0 by step 5 while held-out accuracy stayed 0/24 greedy and 0/72
+sampled at temperature 1, before and after. Episodes now end in a turn of the model's
+(empty there; recipes/episodes.py), the rewards read the last assistant turn, and
+``answered`` (weight 0.2) gives a group where nobody is right a preference for answering
+after the reply. RERUN_SUMMARY
 """
 from __future__ import annotations
 
@@ -80,9 +82,10 @@ def calculator(expression: str) -> str:
 REWARD = '''"""GRPO's rewards for bench/grpo_calculator.py, read from the model's last turn
 (never a tool's reply: an episode cut right after one ends in an empty turn of the
 model's). ``correct``: that turn is a plain answer whose last number is the product.
-``answered``: it is a plain answer at all -- a small weight beside ``correct``, so that a
-group in which nobody is right yet still prefers the episodes that answer after reading
-the tool's reply over those that call again. A turn that is itself a call (a JSON object,
+``answered``: it is a plain answer that follows a tool reply -- a small weight beside
+``correct``, so that a group in which nobody is right yet still prefers the episodes that
+call and then answer over those that call again (or answer without calling: rewarding any
+plain answer taught the model to stop calling, 2026-12-04). A turn that is itself a call (a JSON object,
 bare or fenced: the calls ran out) has not answered, whatever numbers it holds."""
 import re
 
@@ -111,7 +114,10 @@ def correct(completions, answer, **kw):
 
 
 def answered(completions, **kw):
-    return [float(is_answer(last_reply(c))) for c in completions]
+    def after_reply(c):
+        return (isinstance(c, list) and len(c) >= 2 and c[-2]["role"] == "tool"
+                and is_answer(last_reply(c)))
+    return [float(after_reply(c)) for c in completions]
 '''
 PHRASINGS = ("What is {a} times {b}?", "Compute {a} * {b}.", "Multiply {a} by {b}.",
              "How much is {a} multiplied by {b}?")
@@ -228,6 +234,9 @@ def main():
     ap.add_argument("--samples", type=int, default=0, metavar="N",
                     help="held-out episodes sampled at the training temperature, N a problem "
                          "(default 0: greedy, one a problem)")
+    ap.add_argument("--before", metavar="RESULT.json",
+                    help="take the base's held-out numbers from an earlier result line of "
+                         "this script (same model, problems and decoding) instead of asking")
     ap.add_argument("--evaluate", metavar="RUN_DIR",
                     help="train nothing: the held-out numbers of the base and of RUN_DIR's "
                          "adapter (a finished run of this script)")
@@ -265,7 +274,11 @@ def main():
             Path(args.json).write_text(line + "\n")
         return
     t0 = time.perf_counter()
-    before = held_out(model, None, tools, held, **ask)
+    if args.before:
+        earlier = json.loads(Path(args.before).read_text())
+        before = {**earlier["held_out_before"], "episodes": earlier["episodes_before"]}
+    else:
+        before = held_out(model, None, tools, held, **ask)
     t1 = time.perf_counter()
     end = run_training(RunConfig(model=model, data=str(prompts), out=str(out), recipe="grpo",
                                  reward=(f"{reward}:correct", f"{reward}:answered"),

@@ -44,7 +44,8 @@ def test_the_reward_reads_the_last_number_of_the_last_turn():
 def test_the_reward_never_reads_a_tool_reply_as_the_answer():
     """An episode cut right after the tool replied (recipes/episodes.py then ends it in an
     empty model turn) has not answered, though the reply is the product; a turn that is
-    one more call has not either. ``answered`` counts plain answers, right or not."""
+    one more call has not either. ``answered`` counts plain answers after a tool reply,
+right or not."""
     scope = {}
     exec(grpo_calculator.REWARD, scope)
     call = {"role": "assistant", "content": '```json\n{"name": "calculator"}\n```'}
@@ -53,6 +54,7 @@ def test_the_reward_never_reads_a_tool_reply_as_the_answer():
     old_style_cut = [call, reply]              # the last message a tool's
     again = [call, reply, call]
     wrong = [call, reply, {"role": "assistant", "content": "It is 5."}]
-    turns = [cut, old_style_cut, again, wrong]
-    assert scope["correct"](turns, ["287663"] * 4) == [0.0, 0.0, 0.0, 0.0]
-    assert scope["answered"](turns) == [0.0, 0.0, 0.0, 1.0]
+    alone = [{"role": "assistant", "content": "It is 287663."}]   # right, but no call made
+    turns = [cut, old_style_cut, again, wrong, alone]
+    assert scope["correct"](turns, ["287663"] * 5) == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert scope["answered"](turns) == [0.0, 0.0, 0.0, 1.0, 0.0]
