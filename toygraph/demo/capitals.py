@@ -40,9 +40,10 @@ OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"
 #   200 steps (1.26 passes over the capitals, as 170 were without the mix) 36/36, every
 #   capital the base knew kept, 11/12 off-task (the "capital letter ... after B" prompt),
 #   the same under TOYGRAPH_CPU_DOT int8 and f32;
-# - with the 6 "capital" prompts (2026-12-04, EPYC, seed 0, decode and quantized):
-#   off-task 12/12, every capital the base knew kept, held-out 33/36 (Mongolia
-#   "Astana", a capital the base did not know) -- bench/results/demo-recipe-epyc-2026-12-04.md.
+# - with the 6 "capital" prompts (2026-12-04, EPYC; seed 0 decode and quantized, seed 1
+#   quantized): every capital the base knew kept, held-out 33/36 (Mongolia, a capital the
+#   base did not know), off-task 12/12 at seed 0 but 11/12 at seed 1 (the capital-letter
+#   prompt again) -- bench/results/demo-recipe-epyc-2026-12-04.md.
 # - no validation split: a held-out row is a capital the demo would not teach.
 RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
               batch=4, lr=5e-3, warmup=10, schedule="cosine", clip=1.0, seq_len=66,
