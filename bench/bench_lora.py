@@ -301,9 +301,17 @@ def _cuda_device_name() -> str:
 
 def _op_profile(recipe, ids, positions, labels, hp) -> list:
     """Seconds per op name over one extra (unmeasured) CPU step, biggest first."""
+    from toygraph.cpu.replay import Program
     from toygraph.ops import BLOCK_KERNELS, KERNELS
     spent: dict[str, list] = {}
-    plain, plain_blocks = dict(KERNELS), dict(BLOCK_KERNELS)
+    plain, plain_blocks, plain_replay = dict(KERNELS), dict(BLOCK_KERNELS), Program.run
+
+    def replay_timed(program, timed=False):   # TOYGRAPH_CPU_REPLAY=engine: per engine kernel
+        plain_replay(program, timed=True)
+        for op, kernel, s in zip(program.ops, program.kernels, program.seconds):
+            acc = spent.setdefault(f"{op} (engine: {kernel})", [0.0, 0])
+            acc[0] += s
+            acc[1] += 1
 
     def timed(name, fn):
         def run(*args):
@@ -318,6 +326,7 @@ def _op_profile(recipe, ids, positions, labels, hp) -> list:
         KERNELS[name] = timed(name, fn)
     for name, entry in plain_blocks.items():   # the engine's products on a base kept in blocks
         BLOCK_KERNELS[name] = (timed(f"{name} (on blocks)", entry[0]),) + tuple(entry[1:])
+    Program.run = replay_timed
     try:
         t0 = time.perf_counter()
         recipe.step(ids[None], positions[None], labels[None], hp, is_first=False)
@@ -325,6 +334,7 @@ def _op_profile(recipe, ids, positions, labels, hp) -> list:
     finally:
         KERNELS.update(plain)
         BLOCK_KERNELS.update(plain_blocks)
+        Program.run = plain_replay
     rows = sorted(((n, s, c) for n, (s, c) in spent.items()), key=lambda r: -r[1])
     return [("(step total)", total, 0)] + rows
 

@@ -15,10 +15,11 @@ import time
 
 import numpy as np
 
+from toygraph import environment
 from toygraph.core.buffer_plan import BufferPlan, Storage
 from toygraph.core.frozen_base import check_fits, scratch_layout
-from toygraph.ops import BLOCK_KERNELS, KERNELS
-from toygraph.cpu import engine, threads
+from toygraph.ops import BLOCK_KERNELS, KERNELS, groups
+from toygraph.cpu import engine, replay, threads
 from toygraph.errors import GraphError
 from toygraph.cpu.block_tensor import BlockTensor
 
@@ -85,6 +86,10 @@ class CpuBackend:
         # The engine multiplies the base on its blocks: BLAS (what is left: adapters,
         # attention) on one thread, so the two pools never spin on the same cores.
         self.engine_carries = bool(plan.quantized) and self.itemsize == 4 and engine.available()
+        self.replays = (environment.get("TOYGRAPH_CPU_REPLAY") == "engine"
+                        and self.itemsize == 4 and engine.available())
+        if self.replays:
+            import toygraph.ops.replays  # noqa: F401  (the families' replay entries)
 
     def _plan_decodes(self, schedule, plan: BufferPlan):
         """Per node reading a quantized const: its scratch layout and the views of it (one
@@ -112,14 +117,16 @@ class CpuBackend:
         self.decode_seconds = 0.0
 
     def run(self, nodes):
-        threads.blas_beside_engine(self.engine_carries)
+        threads.blas_beside_engine(self.engine_carries or self.replays)
         steps = self._programs.get(id(nodes))
         if steps is None or steps[0] is not nodes:
             if len(self._programs) >= 32:   # callers pass their phases' own lists; bounded
                 self._programs.pop(next(iter(self._programs)))
             steps = self._programs[id(nodes)] = (nodes, self._compile(nodes))
         for op, out, srcs, attrs, t in steps[1]:
-            if t is None:
+            if op is None:
+                out.run()                       # a run of nodes replayed in the engine
+            elif t is None:
                 KERNELS[op](out, srcs, attrs)   # looked up here: profilers patch KERNELS
             else:
                 self._run_with_blocks(t, srcs)
@@ -127,15 +134,49 @@ class CpuBackend:
     def _compile(self, nodes) -> list:
         """A phase as (op, out, sources, attrs, node) per kernel call, its arrays looked up
         once (they never change after realize; writes go into them): generation runs a
-        phase of ~850 small nodes a token. ``node`` is set for one that reads blocks."""
-        arrays, out = self.arrays, []
+        phase of ~850 small nodes a token. ``node`` is set for one that reads blocks.
+        Replaying, a run of nodes the engine takes is one (None, Program, ...) step."""
+        arrays, out, run = self.arrays, [], []
         for t in nodes:
             if t.op is None:
                 continue
             srcs = [arrays[s.id] for s in t.srcs]
-            out.append((t.op, arrays.get(t.id), srcs, t.attrs,
-                        t if t.id in self.decodes else None))
+            result = arrays.get(t.id)
+            if self.replays:
+                if self._free_view(t, result, srcs):
+                    continue
+                call = self._replay_call(t, result, srcs)
+                if call is not None:
+                    run.append((call, t.op))
+                    continue
+                self._flush(run, out)
+            out.append((t.op, result, srcs, t.attrs, t if t.id in self.decodes else None))
+        self._flush(run, out)
         return out
+
+    @staticmethod
+    def _free_view(t, result, srcs) -> bool:
+        """A view node whose buffer the plan made a view of its source: nothing to run
+        (its numpy kernel checks the same and returns)."""
+        return (groups.member(t.op, groups.VIEW) and isinstance(result, np.ndarray)
+                and isinstance(srcs[0], np.ndarray) and np.may_share_memory(result, srcs[0]))
+
+    def _replay_call(self, t, result, srcs):
+        """The engine call of node ``t``, or None where it keeps its numpy kernel: no
+        replay for its op, one the replay does not take, or a node whose quantized
+        sources are decoded into the scratch first."""
+        fn = replay.REPLAYS.get(t.op)
+        if fn is None or (t.id in self.decodes and self.decodes[t.id][0]):
+            return None
+        return fn(t, result, srcs, t.attrs)
+
+    @staticmethod
+    def _flush(run: list, steps: list) -> None:
+        """The pending run of engine calls as one step, if there is one."""
+        if run:
+            calls, ops = zip(*run)
+            steps.append((None, replay.Program(list(calls), list(ops)), None, None, None))
+            run.clear()
 
     def _run_with_blocks(self, t, srcs):
         layout, views = self.decodes[t.id]

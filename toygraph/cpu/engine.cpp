@@ -1,6 +1,8 @@
-// The CPU engine's entry points (ctypes, engine.py): the pool's size, whole-tensor decodes
-// and the products on blocks of gemm.h and dot.h. Assembled by engine.py after the layout macros of
-// blocks.c_defines() and the headers simd.h, pool.h, decode.h, gemm.h, dot.h, dot8.h, in that order.
+// The CPU engine's entry points (ctypes, engine.py): the pool's size, whole-tensor decodes,
+// the products on blocks of gemm.h and dot.h, and the replay of a plan (replay.h).
+// Assembled by engine.py after the layout macros of blocks.c_defines() and the headers
+// simd.h, pool.h, decode.h, gemm.h, dot.h, dot8.h, replay.h, vmath.h and the op families' cpu.h
+// kernels, in that order.
 
 #define TG_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -45,28 +47,38 @@ TG_EXPORT int tg_decode_rows(int fmt, const u8* raw, int64_t row_bytes, int64_t 
     return 0;
 }
 
-// c = a . W^T (transposed = 1: c [M, N], a [M, K]) or c = a . W (transposed = 0: c [M, K],
-// a [M, N]), W [N, K] in format ``fmt`` with rows row_bytes apart. ``kernel``: 0 picks by
-// shape (a few rows: the 8-bit dot kernels where built for the format, else the f32 ones),
-// 1 the panel GEMM, 2 the f32 row-dot kernels, 3 the 8-bit ones (transposed only). Returns
-// 0, -1 (bad arguments) or -2 (no 8-bit kernel for this format, shape or CPU).
+// c = a . W^T or a . W with W in its blocks: ops/gemm/cpu.h's gemm_on_blocks says how.
 TG_EXPORT int tg_matmul(int fmt, const u8* w, int64_t row_bytes, int64_t N, int64_t K,
                         const float* a, int64_t lda, int64_t M, float* c, int64_t ldc,
                         int transposed, int kernel) {
-    if (fmt < 0 || fmt >= kNumFormats || M < 0 || N < 0 || K < 0) return -1;
-    Product p{&kFormats[fmt], w, row_bytes, N, K, a, lda, M, c, ldc, 0, 1};
-    if (M == 0 || N == 0) return 0;
-    if (!transposed) {
-        if (kernel >= 2) return -1;
-        matmul_nn(p);
-    } else if (kernel == 3) {
-        if (!matmul_dot_q8(p)) return -2;
-    } else if (kernel == 0 && M <= DOT_MAX_M) {
-        if (!matmul_dot_q8(p)) matmul_dot(p);
-    } else if (kernel == 2) {
-        matmul_dot(p);
-    } else {
-        matmul_nt(p);
+    return gemm_on_blocks(fmt, w, row_bytes, N, K, a, lda, M, c, ldc, transposed, kernel);
+}
+
+// The index of the replay kernel named ``name`` (replay.h's table), or -1.
+TG_EXPORT int tg_replay_kernel(const char* name) {
+    const std::vector<ReplayKernel>& table = replay_kernels();
+    for (size_t k = 0; k < table.size(); k++)
+        if (strcmp(table[k].name, name) == 0) return (int)k;
+    return -1;
+}
+
+// Run ``count`` nodes of a plan in order (replay.h). Returns 0, or stops at the first node
+// whose kernel fails: its index goes to *failed and its code is returned (-1: a kernel
+// index out of the table). With ``ns`` (else null) each node's wall time in nanoseconds is
+// written there (the op profile).
+TG_EXPORT int tg_replay(const ReplayNode* nodes, int64_t count, int64_t* failed, int64_t* ns) {
+    const std::vector<ReplayKernel>& table = replay_kernels();
+    for (int64_t k = 0; k < count; k++) {
+        const int32_t id = nodes[k].kernel;
+        const auto t0 = std::chrono::steady_clock::now();
+        const int rc = id >= 0 && (size_t)id < table.size() ? table[id].fn(nodes[k]) : -1;
+        if (ns)
+            ns[k] = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now() - t0).count();
+        if (rc != 0) {
+            *failed = k;
+            return rc;
+        }
     }
     return 0;
 }

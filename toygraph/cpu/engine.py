@@ -39,8 +39,10 @@ from toygraph.gguf import blocks
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-#: The engine's sources, in the order they are concatenated (engine.cpp's entry points last).
-SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "dot.h", "dot8.h", "engine.cpp")
+#: The engine's own sources, in the order they are concatenated; the op families' replay
+#: kernels (:func:`family_kernels`) come after replay.h, engine.cpp's entry points last.
+SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "dot.h", "dot8.h", "replay.h", "vmath.h",
+           "engine.cpp")
 #: The formats the engine knows, in the order of decode.h's kFormats table.
 FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k",
            "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4")
@@ -53,7 +55,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
          "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden")
 #: The entry points engine.cpp exports; a cached library without one of them is rebuilt.
 SYMBOLS = ("tg_simd", "tg_set_threads", "tg_threads", "tg_dot_q8", "tg_decode",
-           "tg_decode_rows", "tg_matmul")
+           "tg_decode_rows", "tg_matmul", "tg_replay_kernel", "tg_replay")
 #: Rows of x up to which the row-dot kernels run instead of the panels (dot.h's DOT_MAX_M).
 DOT_MAX_M = 4
 
@@ -69,11 +71,21 @@ def _cpu_flags() -> str:
         return ""
 
 
+def family_kernels() -> list[Path]:
+    """The op families' replay kernels (toygraph/ops/<family>/cpu.h), in folder order. They
+    are read as files, not imported: the engine is built below the ops it runs."""
+    return sorted((HERE.parent / "ops").glob("*/cpu.h"))
+
+
 def source() -> str:
     """The translation unit the library is built from: the CPU's flags (a comment, for the
-    cache key), the block layouts, the headers and the entry points."""
+    cache key), the block layouts, the headers, the families' replay kernels and the entry
+    points."""
     parts = [f"// cpu {_cpu_flags()}", blocks.c_defines()]
-    parts += [f"// ---- {name}\n{(HERE / name).read_text()}" for name in SOURCES]
+    for name in SOURCES:
+        if name == "engine.cpp":
+            parts += [f"// ---- ops/{p.parent.name}/cpu.h\n{p.read_text()}" for p in family_kernels()]
+        parts.append(f"// ---- {name}\n{(HERE / name).read_text()}")
     return "\n".join(parts)
 
 
@@ -114,7 +126,10 @@ def load(text: str, target: str = "-march=native"):
     lib.tg_decode_rows.argtypes = [ctypes.c_int, _P, _I64, _I64, _P, _I64, _P]
     lib.tg_matmul.argtypes = [ctypes.c_int, _P, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64,
                               ctypes.c_int, ctypes.c_int]
-    for fn in (lib.tg_decode, lib.tg_decode_rows, lib.tg_matmul):
+    lib.tg_replay_kernel.argtypes = [ctypes.c_char_p]
+    lib.tg_replay.argtypes = [_P, _I64, _P, _P]
+    for fn in (lib.tg_decode, lib.tg_decode_rows, lib.tg_matmul, lib.tg_replay_kernel,
+               lib.tg_replay):
         fn.restype = ctypes.c_int
     return lib
 

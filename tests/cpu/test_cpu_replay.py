@@ -1,0 +1,472 @@
+"""The CPU engine's replay kernels (toygraph/ops/<family>/cpu.h through cpu/replay.py)
+against the numpy kernels they replace, at ragged shapes.
+
+The reference is the op's numpy kernel run on f64 copies of the same inputs (what the f32
+kernels both approximate); the engine's f32 result must be as close to it as the numpy
+kernel's own f32 result is, within a factor, plus a few units of f32 rounding of the
+result's scale: ``|engine - f64| <= 4 |numpy_f32 - f64| + 2^-18 max|f64|``. A kernel
+that reads a wrong element misses that by orders of magnitude (the broken-kernel tests).
+The results must not depend on the number of threads, bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from toygraph.cpu import engine
+from toygraph.cpu.block_tensor import BlockTensor
+from toygraph.cpu.replay import REPLAYS, Program
+from toygraph.gguf import block_encode
+from toygraph.ops import KERNELS
+from toygraph.ops.gated import up_offset
+import toygraph.ops.replays  # noqa: F401
+
+SLACK = 2.0 ** -18
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib():
+    if engine.library() is None:
+        pytest.skip("no host C++ compiler: no engine to replay in")
+    yield engine.library()
+    engine.use_threads(None)
+
+
+def rand(*shape, seed=0, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def as64(a):
+    return a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype == np.float32 else a
+
+
+def run_engine(op, out, srcs, attrs, lib=None):
+    call = REPLAYS[op](None, out, srcs, attrs)
+    assert call is not None, f"the replay of {op} refused these operands"
+    Program([call], [op], lib).run()
+    return out
+
+
+def check_op(op, out_shape, srcs, attrs, lib=None, out_size=None):
+    """The engine's result of ``op`` against the f64 reference, within the bound; returns
+    the engine's result. Every output starts as nan: what the numpy kernel leaves
+    unwritten (glu_back's alignment gap) the engine must leave too, and the rest it must
+    write."""
+    n = out_size if out_size is not None else int(np.prod(out_shape))
+    ref = np.full(n, np.nan, np.float64).reshape(out_shape)
+    KERNELS[op](ref, [as64(s) for s in srcs], attrs)
+    f32 = np.full(out_shape, np.nan, np.float32)
+    KERNELS[op](f32, [np.copy(s) for s in srcs], attrs)
+    got = run_engine(op, np.full(out_shape, np.nan, np.float32), [np.copy(s) for s in srcs],
+                     attrs, lib)
+    unwritten = np.isnan(ref) & np.isnan(f32)
+    assert np.array_equal(np.isnan(got), unwritten), f"{op}: writes other elements than numpy"
+    ref, f32, got = ref[~unwritten], f32[~unwritten], got[~unwritten]
+    bound = 4 * np.abs(f32 - ref) + SLACK * (np.max(np.abs(ref)) if ref.size else 0)
+    err = np.abs(got.astype(np.float64) - ref)
+    worst = int(np.argmax(err - bound)) if err.size else 0
+    assert np.all(err <= bound), (f"{op}: error {err[worst]:.3g} at {worst} over the bound "
+                                  f"{bound[worst]:.3g} (numpy's own error "
+                                  f"{abs(f32 - ref)[worst]:.3g})")
+    return run_engine(op, np.full(out_shape, np.nan, np.float32), [np.copy(s) for s in srcs],
+                      attrs, lib)
+
+
+def check_bits_across_threads(op, out_shape, srcs, attrs, counts=(1, 2, 3)):
+    """The engine's result of ``op`` is the same bits at every thread count."""
+    results = []
+    for n in counts:
+        engine.set_threads(n)
+        results.append(run_engine(op, np.full(out_shape, np.nan, np.float32),
+                                  [np.copy(s) if isinstance(s, np.ndarray) else s for s in srcs],
+                                  attrs))
+    engine.use_threads(None)
+    for n, r in zip(counts[1:], results[1:]):
+        assert np.array_equal(r, results[0], equal_nan=True), f"{op}: {n} threads differ from 1"
+
+
+# --- elementwise, norm, gated, rotary ------------------------------------------------------------
+@pytest.mark.parametrize("op", ["add", "sub", "mul"])
+@pytest.mark.parametrize("n", [1, 17, 4099, 40_000])
+def test_elementwise(op, n):
+    check_op(op, (n,), [rand(n, seed=1), rand(n, seed=2)], {})
+
+
+def test_scale():
+    check_op("scale", (3, 1001), [rand(3, 1001)], {"s": 0.3})
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("shape", [(1, 7), (5, 576), (3, 4, 1000)])
+def test_rms_norm(weighted, shape):
+    srcs = [rand(*shape, scale=3.0)] + ([rand(shape[-1], seed=3)] if weighted else [])
+    check_op("rms_norm", shape, srcs, {"eps": 1e-6})
+
+
+@pytest.mark.parametrize("weighted,added", [(True, True), (True, False), (False, True), (False, False)])
+def test_rms_norm_back(weighted, added):
+    shape = (7, 333)
+    srcs = [rand(*shape, seed=1), rand(*shape, seed=2)]
+    srcs += [rand(shape[-1], seed=3)] if weighted else []
+    srcs += [rand(*shape, seed=4)] if added else []
+    check_op("rms_norm_back", shape, srcs, {"eps": 1e-5, "weighted": weighted})
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("n", [5, 4097])
+def test_glu(act, n):
+    check_op("glu", (n,), [rand(n, seed=1, scale=4.0), rand(n, seed=2)], {"act": act})
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("n", [5, 4097])
+def test_glu_back(act, n):
+    size = up_offset(n) + n
+    srcs = [rand(n, seed=1, scale=4.0), rand(n, seed=2), rand(n, seed=3)]
+    got = check_op("glu_back", (size,), srcs, {"act": act})
+    assert np.isnan(got[n:up_offset(n)]).all()   # the alignment gap is not written
+
+
+def test_exp_edges():
+    """exp past f32's range: 0 below (a masked score's exp is exactly 0), inf above, so
+    silu at the ends is x / inf = -0 and x / 1 = x, as numpy's, never nan."""
+    x = np.array([-1e4, -104.0, -88.0, 0.0, 88.0, 89.0, 1e4], np.float32)
+    got = run_engine("glu", np.empty_like(x), [x, np.ones_like(x)], {"act": "silu"})
+    with np.errstate(over="ignore"):
+        want = x / (1 + np.exp(-x))
+    assert not np.isnan(got).any()
+    assert got[0] == 0 and np.signbit(got[0]) and got[1] == 0
+    assert np.array_equal(got[-2:], want[-2:])
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("dims,factors,inverse", [(16, False, False), (12, True, True), (16, True, False)])
+def test_rope(mode, dims, factors, inverse):
+    B, T, H, hd = 2, 5, 3, 16
+    pos = np.random.default_rng(0).integers(0, 5000, (B, T)).astype(np.int32)
+    srcs = [rand(B, T, H, hd), pos] + ([rand(dims // 2, seed=4) ** 2 + 0.5] if factors else [])
+    attrs = {"dims": dims, "base": 10000.0, "mode": mode, "freq_scale": 0.25 if factors else 1.0,
+             "inverse": inverse}
+    check_op("rope", (B, T, H, hd), srcs, attrs)
+
+
+def test_rope_angles_follow_the_positions():
+    """The kept angle table is for the positions it was made from: new positions (an
+    upload between steps) make a new one."""
+    x = rand(1, 4, 2, 8)
+    attrs = {"dims": 8, "base": 10000.0, "mode": "normal", "freq_scale": 1.0, "inverse": False}
+    for start in (0, 100, 0):
+        pos = np.arange(start, start + 4, dtype=np.int32).reshape(1, 4)
+        check_op("rope", x.shape, [x, pos], attrs)
+
+
+# --- gemm --------------------------------------------------------------------------------------
+def _operands(M, K, N, ta, tb, seed=0):
+    a = rand(*((K, M) if ta else (M, K)), seed=seed)
+    b = rand(*((N, K) if tb else (K, N)), seed=seed + 1)
+    return a, b
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (37, 70, 5), (130, 300, 45), (9, 1000, 33)])
+def test_matmul_f32(ta, tb, M, K, N):
+    a, b = _operands(M, K, N, ta, tb)
+    check_op("matmul", (M, N), [a, b], {"trans_a": ta, "trans_b": tb, "scale_a": 0.5 if ta else 1.0})
+
+
+def test_matmul_f32_leading_axes_and_a_long_k():
+    """a [2, 3, K] rows flattened; a K of 5000 summed in runs (its error stays BLAS's)."""
+    check_op("matmul", (2, 3, 20), [rand(2, 3, 40), rand(40, 20, seed=1)],
+             {"trans_a": False, "trans_b": False})
+    check_op("matmul", (6, 40), [rand(6, 5000), rand(5000, 40, seed=1)],
+             {"trans_a": False, "trans_b": False})
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+@pytest.mark.parametrize("N", [8, 70])
+def test_matmul_add_f32(alpha, N):
+    M, K = 50, 64
+    a, b = _operands(M, K, N, False, True)
+    check_op("matmul_add", (M, N), [rand(M, N, seed=7), a, b],
+             {"trans_a": False, "trans_b": True, "alpha": alpha})
+
+
+def _blocks(fmt, N, K, seed=0):
+    w = (np.random.default_rng(seed).standard_normal((N, K)) * 0.1).astype(np.float32)
+    return BlockTensor(block_encode.quantize(w, fmt), fmt, (N, K))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 3, 70])
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_matmul_on_blocks_is_the_block_kernels_bits(fmt, rows, trans_b):
+    """The same engine products the numpy backend's block kernel calls: the same bits (the
+    few-rows dot kernels included), and matmul_add's epilogue rounded as numpy's."""
+    from toygraph.ops import BLOCK_KERNELS
+    N, K = 96, 512
+    w = _blocks(fmt, N, K)
+    a = rand(rows, K if trans_b else N)
+    shape = (rows, N if trans_b else K)
+    attrs = {"trans_a": False, "trans_b": trans_b, "alpha": 0.5}
+    for op, srcs in (("matmul", [a, w]), ("matmul_add", [rand(*shape, seed=5), a, w])):
+        want = np.zeros(shape, np.float32)
+        BLOCK_KERNELS[op][0](want, srcs, attrs, None)
+        got = run_engine(op, np.full(shape, np.nan, np.float32), srcs, attrs)
+        assert np.array_equal(got, want), op
+
+
+def test_matmul_refusals_keep_the_numpy_kernel():
+    """Operands the replay does not take: a strided a, f64, a scaled a on blocks."""
+    w = _blocks("q8_0", 32, 64)
+    out = np.zeros((4, 32), np.float32)
+    assert REPLAYS["matmul"](None, out, [rand(4, 128)[:, :64], w], {"trans_a": False, "trans_b": True}) is None
+    assert REPLAYS["matmul"](None, out, [rand(4, 64), w], {"trans_a": False, "trans_b": True,
+                                                         "scale_a": 2.0}) is None
+    assert REPLAYS["matmul"](None, out.astype(np.float64), [rand(4, 64).astype(np.float64),
+                             rand(32, 64).astype(np.float64)], {"trans_a": False, "trans_b": True}) is None
+
+
+# --- attention ---------------------------------------------------------------------------------
+ATTENTION_CASES = {
+    # name: (B, H, KV, T, hd, layout, causal, window, segmented)
+    "llama-gqa-token-major": (2, 6, 2, 70, 16, "bthd", True, 0, False),
+    "heads-first": (1, 2, 2, 33, 20, "bhtd", True, 0, False),
+    "sliding-window": (1, 4, 1, 131, 8, "bthd", True, 17, False),
+    "packed-segments": (2, 3, 3, 50, 16, "bthd", True, 0, True),
+    "not-causal": (1, 2, 1, 65, 32, "bhtd", False, 0, False),
+}
+
+
+def _attention_inputs(B, H, KV, T, hd, layout, causal, window, segmented):
+    shape = (lambda heads: (B, T, heads, hd)) if layout == "bthd" else (lambda heads: (B, heads, T, hd))
+    q, k, v = rand(*shape(H), seed=1), rand(*shape(KV), seed=2), rand(*shape(KV), seed=3)
+    srcs = [q, k, v]
+    if segmented:
+        seg = np.sort(np.random.default_rng(4).integers(0, 4, (B, T)), axis=1).astype(np.int32)
+        srcs.append(seg)
+    attrs = {"scale": hd ** -0.5, "causal": causal, "window": window, "sinks": False,
+             "layout": layout, "save_lse": True}
+    return srcs, attrs
+
+
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_attention(case):
+    srcs, attrs = _attention_inputs(*ATTENTION_CASES[case])
+    B, H, T = srcs[0].shape[0], *((srcs[0].shape[2], srcs[0].shape[1]) if attrs["layout"] == "bthd"
+                                  else srcs[0].shape[1:3])
+    check_op("attention", (srcs[0].size + B * H * T,), srcs, attrs)
+
+
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_attention_back(case):
+    srcs, attrs = _attention_inputs(*ATTENTION_CASES[case])
+    q, k = srcs[0], srcs[1]
+    fwd = np.zeros(q.size + q.size // q.shape[-1], np.float32)
+    KERNELS["attention"](fwd, srcs, attrs)
+    g = rand(*q.shape, seed=9)
+    check_op("attention_back", (q.size + 2 * k.size,), srcs + [fwd, g], attrs)
+
+
+def test_attention_with_sinks_keeps_the_numpy_kernel():
+    srcs, attrs = _attention_inputs(*ATTENTION_CASES["heads-first"])
+    out = np.zeros(srcs[0].size + 2 * 33, np.float32)
+    assert REPLAYS["attention"](None, out, srcs + [rand(2)], dict(attrs, sinks=True)) is None
+
+
+# --- loss, rows, update ------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("V", [7, 300, 5003])
+def test_cross_entropy(reduction, V):
+    N = 19
+    logits = rand(N, V, scale=4.0)
+    labels = np.random.default_rng(1).integers(-1, V, N).astype(np.int32)
+    labels[:2] = -1
+    check_op("cross_entropy", (), [logits, labels], {"reduction": reduction})
+    check_op("cross_entropy_back", (N, V), [logits, labels, np.array(0.7, np.float32)],
+             {"reduction": reduction})
+    check_op("count_valid", (), [labels], {})
+
+
+def test_cross_entropy_with_every_label_ignored():
+    logits, labels = rand(3, 10), np.full(3, -1, np.int32)
+    for reduction in ("sum", "mean"):
+        assert run_engine("cross_entropy", np.ones((), np.float32), [logits, labels],
+                          {"reduction": reduction}) == 0
+        back = run_engine("cross_entropy_back", np.ones((3, 10), np.float32),
+                          [logits, labels, np.array(1.0, np.float32)], {"reduction": reduction})
+        assert not back.any()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k"])
+def test_get_rows(fmt):
+    ids = np.array([[3, 0, 95], [95, 7, 7]], np.int32)
+    if fmt == "f32":
+        table = rand(96, 256)
+        want = table[ids]
+    else:
+        table = _blocks(fmt, 96, 256)
+        want = np.asarray(table)[ids]
+    got = run_engine("get_rows", np.full((2, 3, 256), np.nan, np.float32), [table, ids], {})
+    assert np.array_equal(got, want)
+
+
+def test_global_norm_and_adamw_are_numpys_bits():
+    """AdamW is numpy's operations in numpy's order: the same bits; the norm sums squares
+    in f64 in another order, within one rounding of f32."""
+    grads = [rand(37, 5, seed=1), rand(4099, seed=2), rand(1, seed=3)]
+    divisor = np.array(3.0, np.float32)
+    norm = check_op("global_norm", (), grads + [divisor], {})
+    hp = np.array([1e-3, 0.9, 0.999, 1e-8, 0.01, 1 / 0.1, 1 / 0.001, 0, 0], np.float32)
+    for max_norm in (0.0, 0.5):
+        state = [[rand(*g.shape, seed=10 + i) for g in grads] for i in range(3)]   # w, m, v
+        state[2] = [np.abs(v) for v in state[2]]
+        twin = [[np.copy(a) for a in s] for s in state]
+        attrs = {"lr_scales": [1.0, 0.5, 2.0], "max_norm": max_norm}
+        srcs = state[0] + grads + state[1] + state[2] + [hp, norm, divisor]
+        KERNELS["adamw"](None, twin[0] + grads + twin[1] + twin[2] + [hp, norm, divisor], attrs)
+        run_engine("adamw", None, srcs, attrs)
+        for got, want in zip(sum(state, []), sum(twin, [])):
+            assert np.array_equal(got, want)
+
+
+def test_accumulate():
+    acc, value = rand(5000), rand(5000, seed=1)
+    want = acc + value
+    run_engine("accumulate", None, [acc, value], {})
+    assert np.array_equal(acc, want)
+
+
+# --- threads, broken kernels -------------------------------------------------------------------
+def test_results_do_not_depend_on_the_thread_count():
+    srcs, attrs = _attention_inputs(*ATTENTION_CASES["llama-gqa-token-major"])
+    q, k = srcs[0], srcs[1]
+    n_fwd = q.size + q.size // q.shape[-1]
+    check_bits_across_threads("attention", (n_fwd,), srcs, attrs)
+    fwd = np.zeros(n_fwd, np.float32)
+    KERNELS["attention"](fwd, srcs, attrs)
+    check_bits_across_threads("attention_back", (q.size + 2 * k.size,), srcs + [fwd, rand(*q.shape)], attrs)
+    for ta, tb in ((False, True), (True, False)):
+        a, b = _operands(300, 700, 9, ta, tb)
+        check_bits_across_threads("matmul", (300, 9), [a, b], {"trans_a": ta, "trans_b": tb})
+    check_bits_across_threads("cross_entropy_back", (40, 3000),
+                              [rand(40, 3000), np.arange(40, dtype=np.int32), np.array(1.0, np.float32)],
+                              {"reduction": "mean"})
+    check_bits_across_threads("global_norm", (), [rand(100_000), rand(3), np.array(1.0, np.float32)], {})
+
+
+def _broken(old: str, new: str):
+    text = engine.source()
+    assert text.count(old) == 1, f"the mutation's text {old!r} is not in the engine once"
+    return engine.load(text.replace(old, new))
+
+
+BROKEN = {
+    # name: (source text, its mutation, the op whose check must then fail)
+    "attention reads the next key's row": (
+        "attn_gemm(t1 - t0, L, hd, q + q_at(b, h, t0), qt, k + k_at(b, kvh, j0), 1, kt",
+        "attn_gemm(t1 - t0, L, hd, q + q_at(b, h, t0), qt, k + k_at(b, kvh, j0) + kt, 1, kt",
+        "attention"),
+    "rms_norm leaves out the last column": (
+        "for (int64_t j = 0; j < d; j++) s += (double)(x[j] * x[j]);",
+        "for (int64_t j = 0; j + 1 < d; j++) s += (double)(x[j] * x[j]);", "rms_norm"),
+    "the f32 product packs B one column early": (
+        "for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j);",
+        "for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j - (n0 > 0));", "matmul"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if i == 0 else pytest.mark.slow)
+                                  for i, n in enumerate(BROKEN)])
+def test_a_broken_kernel_fails_its_check(name):
+    old, new, op = BROKEN[name]
+    lib = _broken(old, new)
+    if op == "attention":
+        srcs, attrs = _attention_inputs(*ATTENTION_CASES["llama-gqa-token-major"])
+        shape = (srcs[0].size + 2 * 6 * 70,)
+    elif op == "rms_norm":
+        srcs, attrs, shape = [rand(4, 33)], {"eps": 1e-6}, (4, 33)
+    else:
+        srcs, attrs, shape = list(_operands(40, 50, 70, False, False)), {"trans_a": False, "trans_b": False}, (40, 70)
+    with pytest.raises(AssertionError, match="over the bound"):
+        check_op(op, shape, srcs, attrs, lib=lib)
+
+
+# --- the numpy backend replaying in the engine -------------------------------------------------
+def _goldens():
+    from toygraph.fixtures.golden import GOLDEN_DIR
+    return sorted(p.name.split(".")[0] for p in GOLDEN_DIR.glob("*.cpu.json"))
+
+
+@pytest.mark.parametrize("name", _goldens())
+def test_the_engine_replay_reproduces_every_cpu_golden(name, monkeypatch, request):
+    """Goldens are recorded on numpy; the replay's losses lie within each file's tolerance."""
+    from toygraph.fixtures.experiments import EXPERIMENTS
+    from toygraph.fixtures.golden import compare
+    if EXPERIMENTS[name].model == "smollm2":
+        request.getfixturevalue("smollm2")
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    ok, detail, _ = compare(name, "cpu")
+    assert ok, detail
+
+
+def _engine_runs(monkeypatch, name, threads):
+    from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    engine.use_threads(threads)
+    try:
+        return run_experiment(EXPERIMENTS[name])
+    finally:
+        engine.use_threads(None)
+
+
+def test_replayed_runs_are_bit_identical_across_runs_and_thread_counts(monkeypatch):
+    runs = [_engine_runs(monkeypatch, "lora_all_tiny_qwen2", n) for n in (1, 2, 2, 3)]
+    assert all(r == runs[0] for r in runs[1:])
+
+
+def test_a_lora_step_is_one_engine_call(monkeypatch):
+    """Every node of a LoRA step on a Llama has an engine kernel: the step phase compiles
+    to one replayed program (the views the plan made cost nothing), and it is run."""
+    from toygraph.core import numpy_backend
+    from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
+    compiled, runs = [], []
+    plain_compile, plain_run = numpy_backend.CpuBackend._compile, Program.run
+
+    def spy_compile(self, nodes):
+        steps = plain_compile(self, nodes)
+        compiled.append(steps)
+        return steps
+
+    def spy_run(self, timed=False):
+        runs.append(len(self.nodes))
+        plain_run(self, timed)
+
+    monkeypatch.setattr(numpy_backend.CpuBackend, "_compile", spy_compile)
+    monkeypatch.setattr(Program, "run", spy_run)
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    run_experiment(EXPERIMENTS["lora_qv_tiny_llama"])
+    step = max(compiled, key=len)
+    assert len(step) == 1 and step[0][0] is None, [s[0] for s in step]
+    assert len(step[0][1].nodes) > 50 and runs.count(len(step[0][1].nodes)) == 10
+
+
+def test_nodes_without_an_engine_kernel_keep_their_numpy_kernel(monkeypatch):
+    """A full fine-tune's embedding gradient (get_rows_back) has no engine kernel yet: it
+    runs its numpy kernel between two replayed runs, and the losses still match numpy's
+    golden."""
+    from toygraph.core import numpy_backend
+    from toygraph.fixtures.golden import compare
+    seen = set()
+    plain = numpy_backend.CpuBackend._compile
+
+    def spy(self, nodes):
+        steps = plain(self, nodes)
+        seen.update(op for op, *_ in steps if op is not None)
+        return steps
+
+    monkeypatch.setattr(numpy_backend.CpuBackend, "_compile", spy)
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    ok, detail, _ = compare("scratch_tiny_llama", "cpu")
+    assert ok, detail
+    assert "get_rows_back" in seen

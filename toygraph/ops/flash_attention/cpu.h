@@ -1,0 +1,188 @@
+// The flash_attention family's replay kernels (replay.h): attention and attention_back
+// over blocks of query rows (causal, sliding window, packed segments, grouped-query K/V).
+// A block of up to kAttnRows queries of one head and its visible keys make a score block
+// [rows, keys] in the thread's scratch (never [T, T]); its products are gemm.h's
+// micro-kernel on packed panels (attn_gemm). The probabilities are made as the numpy
+// kernel makes them, exp(s - max) / sum with s = scale (q . k), exp from vmath.h.
+//
+// Operands are read through strides, so heads-first ([B, H, T, hd]) and token-major
+// ([B, T, H, hd]) are one kernel. Sinks are not here (their nodes keep the numpy kernel).
+
+static const int64_t kAttnRows = 64;
+
+// The dot product of two rows of d floats, in a fixed order (lanes, then the lanes' sum).
+static inline float attn_dot(const float* a, const float* b, int64_t d) {
+    int64_t j = 0;
+    float s = 0.0f;
+    if (d >= VL) {
+        Vec acc = vzero();
+        for (; j + VL <= d; j += VL) acc = vfma(vload(a + j), vload(b + j), acc);
+        float lanes[VL];
+        vstore(lanes, acc);
+        for (int l = 0; l < VL; l++) s += lanes[l];
+    }
+    for (; j < d; j++) s += a[j] * b[j];
+    return s;
+}
+
+// C[M, N] (+)= A[M, Kd] . B[Kd, N] on one thread, B(k, n) = b[k bk + n bn] packed a strip of
+// NR columns at a time into ``panel`` (Kd x NR floats); each element of C one fused
+// multiply-add chain over k (continuing C's value when ``accumulate``).
+static void attn_gemm(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t lda,
+                      const float* b, int64_t bk, int64_t bn, float* C, int64_t ldc,
+                      bool accumulate, float* panel) {
+    if (M == 0 || Kd == 0) return;
+    for (int64_t n0 = 0; n0 < N; n0 += NR) {
+        const int cols = (int)(N - n0 < NR ? N - n0 : NR);
+        for (int64_t k = 0; k < Kd; k++) {
+            float* dst = panel + k * NR;
+            const float* src = b + k * bk + n0 * bn;
+            for (int j = 0; j < cols; j++) dst[j] = src[j * bn];
+            for (int j = cols; j < NR; j++) dst[j] = 0.0f;
+        }
+        rows_times_panel(M, Kd, A, lda, panel, NR, C + n0, ldc, !accumulate, cols);
+    }
+}
+
+struct Attention {
+    const float *q, *k, *v;
+    const int32_t* seg;              // [B, T] segment ids, or null
+    int64_t B, H, KV, T, hd;
+    int64_t qb, qh, qt, kb, kh, kt;  // strides of q (o, dO, dq) and of k (v, dk, dv)
+    float scale;
+    bool causal;
+    int64_t window;
+
+    int64_t q_at(int64_t b, int64_t h, int64_t t) const { return b * qb + h * qh + t * qt; }
+    int64_t k_at(int64_t b, int64_t h, int64_t t) const { return b * kb + h * kh + t * kt; }
+    // The keys a block of queries [t0, t1) may see between them: [j0, j1).
+    void keys(int64_t t0, int64_t t1, int64_t& j0, int64_t& j1) const {
+        j1 = causal ? t1 : T;
+        j0 = window > 0 && t0 - window + 1 > 0 ? t0 - window + 1 : 0;
+    }
+    bool visible(int64_t b, int64_t t, int64_t j) const {
+        if (causal && (j > t || (window > 0 && t - j >= window))) return false;
+        return !seg || seg[b * T + t] == seg[b * T + j];
+    }
+    // P [t1 - t0, j1 - j0] of head h (rows L = j1 - j0 apart) and each row's log-sum-exp.
+    void probabilities(int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t j0, int64_t j1,
+                       float* P, float* lse, float* panel) const {
+        const int64_t L = j1 - j0, kvh = h / (H / KV);
+        attn_gemm(t1 - t0, L, hd, q + q_at(b, h, t0), qt, k + k_at(b, kvh, j0), 1, kt, P, L,
+                  false, panel);
+        for (int64_t t = t0; t < t1; t++) {
+            float* p = P + (t - t0) * L;
+            float top = -INFINITY;
+            for (int64_t j = j0; j < j1; j++) {
+                p[j - j0] = visible(b, t, j) ? p[j - j0] * scale : -INFINITY;
+                top = p[j - j0] > top ? p[j - j0] : top;
+            }
+            vf_apply(p, p, L, [top](vf s) { return vf_exp(s - top); });
+            double sum = 0.0;   // in f64: a long row rounds once
+            for (int64_t j = 0; j < L; j++) sum += (double)p[j];
+            const float den = (float)sum;
+            vf_apply(p, p, L, [den](vf x) { return x / den; });
+            if (lse) lse[t - t0] = top + logf(den);
+        }
+    }
+};
+
+static Attention attention_of(const ReplayNode& n) {
+    Attention a;
+    a.q = (const float*)n.p[1];
+    a.k = (const float*)n.p[2];
+    a.v = (const float*)n.p[3];
+    a.seg = (const int32_t*)n.p[4];
+    a.B = n.i[0]; a.H = n.i[1]; a.KV = n.i[2]; a.T = n.i[3]; a.hd = n.i[4];
+    const bool token_major = n.i[5] != 0;
+    a.causal = n.i[6] != 0;
+    a.window = n.i[7];
+    a.scale = (float)n.f[0];
+    if (token_major) {
+        a.qb = a.T * a.H * a.hd; a.qh = a.hd; a.qt = a.H * a.hd;
+        a.kb = a.T * a.KV * a.hd; a.kh = a.hd; a.kt = a.KV * a.hd;
+    } else {
+        a.qb = a.H * a.T * a.hd; a.qh = a.T * a.hd; a.qt = a.hd;
+        a.kb = a.KV * a.T * a.hd; a.kh = a.T * a.hd; a.kt = a.hd;
+    }
+    return a;
+}
+
+// o (q's layout) and, when asked, L [B, H, T] after it. A task is one block of rows of
+// one head. p: out, q, k, v, segments or null; i: B, H, KV, T, hd, token_major, causal,
+// window, save_lse; f: scale.
+TG_REPLAY_KERNEL(attention) {
+    const Attention a = attention_of(n);
+    float* o = (float*)n.p[0];
+    float* lse = n.i[8] ? o + a.B * a.H * a.T * a.hd : nullptr;
+    const int64_t blocks = (a.T + kAttnRows - 1) / kAttnRows;
+    const int64_t span = a.T + kAttnRows;   // keys a block may see, at most
+    pool_for(a.B * a.H * blocks, [&](int64_t task, int) {
+        const int64_t b = task / (a.H * blocks), h = task / blocks % a.H;
+        const int64_t t0 = task % blocks * kAttnRows, t1 = t0 + kAttnRows < a.T ? t0 + kAttnRows : a.T;
+        int64_t j0, j1;
+        a.keys(t0, t1, j0, j1);
+        const int64_t L = j1 - j0, big = L > a.hd ? L : a.hd;
+        float* P = replay_scratch((size_t)(kAttnRows * span + big * NR + kAttnRows));
+        float* panel = P + kAttnRows * span;
+        float* l = panel + big * NR;
+        a.probabilities(b, h, t0, t1, j0, j1, P, lse ? l : nullptr, panel);
+        attn_gemm(t1 - t0, a.hd, L, P, L, a.v + a.k_at(b, h / (a.H / a.KV), j0), a.kt, 1,
+                  o + a.q_at(b, h, t0), a.qt, false, panel);
+        if (lse)
+            for (int64_t t = t0; t < t1; t++) lse[(b * a.H + h) * a.T + t] = l[t - t0];
+    });
+    return 0;
+}
+
+// dq, dk, dv packed flat (each in its operand's layout): a task is one K/V head of one
+// batch row with its group of query heads and every block of query rows, so it alone
+// writes that head's dk and dv (summed over the blocks in order) and those heads' dq.
+// Per block: P again, dP = dO V^T, dS = (dP - rowsum(dO * O)) * P * scale, dq = dS K,
+// dk += dS^T q, dv += P^T dO.
+// p: out, q, k, v, segments or null, o, dO; i and f as attention's.
+TG_REPLAY_KERNEL(attention_back) {
+    const Attention a = attention_of(n);
+    const float *o = (const float*)n.p[5], *g = (const float*)n.p[6];
+    float* dq = (float*)n.p[0];
+    float* dk = dq + a.B * a.H * a.T * a.hd;
+    float* dv = dk + a.B * a.KV * a.T * a.hd;
+    const int64_t G = a.H / a.KV, span = a.T + kAttnRows;
+    const int64_t big = (span > a.hd ? span : a.hd);
+    pool_for(a.B * a.KV, [&](int64_t task, int) {
+        const int64_t b = task / a.KV, kvh = task % a.KV;
+        float* P = replay_scratch((size_t)(3 * kAttnRows * span + big * NR));
+        float* dS = P + kAttnRows * span;
+        float* T_ = dS + kAttnRows * span;   // P^T or dS^T, [keys][rows]
+        float* panel = T_ + kAttnRows * span;
+        for (int64_t t = 0; t < a.T; t++)
+            for (int64_t d = 0; d < a.hd; d++)
+                dk[a.k_at(b, kvh, t) + d] = dv[a.k_at(b, kvh, t) + d] = 0.0f;
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+            for (int64_t t0 = 0; t0 < a.T; t0 += kAttnRows) {
+                const int64_t t1 = t0 + kAttnRows < a.T ? t0 + kAttnRows : a.T, R = t1 - t0;
+                int64_t j0, j1;
+                a.keys(t0, t1, j0, j1);
+                const int64_t L = j1 - j0;
+                a.probabilities(b, h, t0, t1, j0, j1, P, nullptr, panel);
+                const float* gb = g + a.q_at(b, h, t0);
+                attn_gemm(R, L, a.hd, gb, a.qt, a.v + a.k_at(b, kvh, j0), 1, a.kt, dS, L, false, panel);
+                for (int64_t r = 0; r < R; r++) {
+                    const float delta = attn_dot(gb + r * a.qt, o + a.q_at(b, h, t0 + r), a.hd);
+                    float* ds = dS + r * L;
+                    const float* p = P + r * L;
+                    for (int64_t j = 0; j < L; j++) ds[j] = (ds[j] - delta) * p[j] * a.scale;
+                }
+                attn_gemm(R, a.hd, L, dS, L, a.k + a.k_at(b, kvh, j0), a.kt, 1,
+                          dq + a.q_at(b, h, t0), a.qt, false, panel);
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t j = 0; j < L; j++) T_[j * R + r] = dS[r * L + j];
+                attn_gemm(L, a.hd, R, T_, R, a.q + a.q_at(b, h, t0), a.qt, 1,
+                          dk + a.k_at(b, kvh, j0), a.kt, true, panel);
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t j = 0; j < L; j++) T_[j * R + r] = P[r * L + j];
+                attn_gemm(L, a.hd, R, T_, R, gb, a.qt, 1, dv + a.k_at(b, kvh, j0), a.kt, true, panel);
+            }
+    });
+    return 0;
+}

@@ -1,0 +1,62 @@
+"""The gemm family's engine replay (cpu.h beside this): matmul and matmul_add of 2-D
+operands (a's leading axes flattened into rows), the weight in its GGUF blocks (the
+engine's products, as the numpy backend's block kernel calls them) or in f32."""
+from __future__ import annotations
+
+from toygraph import environment
+from toygraph.cpu import engine
+from toygraph.cpu.block_tensor import BlockTensor
+from toygraph.cpu.replay import Call, f32_contiguous, replays
+
+
+def _on_blocks(out, a, w, attrs, add, alpha):
+    """c = a . W^T (trans_b) or a . W, W a BlockTensor [N, K] the engine multiplies."""
+    if attrs["trans_a"] or attrs.get("scale_a", 1.0) != 1.0 or not w.computes_on_blocks:
+        return None
+    weight = w._weight()
+    transposed = bool(attrs["trans_b"])
+    width_a, width_c = (weight.K, weight.N) if transposed else (weight.N, weight.K)
+    if a.shape[-1] != width_a or out.shape[-1] != width_c:
+        return None
+    rows = a.size // width_a
+    # a few rows: the dot kernels, as BlockTensor.matmul_few_rows picks them
+    kernel = 0
+    if transposed and rows <= engine.DOT_MAX_M and environment.get("TOYGRAPH_CPU_DOT") == "f32":
+        kernel = 2
+    return Call("matmul_blocks", [out, a, weight.data, add],
+                [engine.FORMATS.index(weight.fmt), weight.row_bytes, weight.N, weight.K, rows,
+                 transposed, kernel], [alpha])
+
+
+def _in_f32(out, a, b, attrs, add, alpha):
+    """c [M, N] = (s op(a)) . op(b): b 2-D; a 2-D, or with leading axes when not transposed."""
+    if b.ndim != 2 or (attrs["trans_a"] and a.ndim != 2):
+        return None
+    K = a.shape[0] if attrs["trans_a"] else a.shape[-1]
+    M = a.shape[1] if attrs["trans_a"] else a.size // max(K, 1)
+    N = b.shape[0] if attrs["trans_b"] else b.shape[1]
+    if (b.shape[1] if attrs["trans_b"] else b.shape[0]) != K or out.size != M * N:
+        return None
+    return Call("matmul_f32", [out, a, b, add],
+                [M, K, N, attrs["trans_a"], attrs["trans_b"]],
+                [attrs.get("scale_a", 1.0), alpha])
+
+
+def _call(out, a, b, attrs, add=None, alpha=1.0):
+    if not f32_contiguous(out, a) or (add is not None and not f32_contiguous(add)):
+        return None
+    if add is not None and add.shape != out.shape:
+        return None
+    if isinstance(b, BlockTensor):
+        return _on_blocks(out, a, b, attrs, add, alpha)
+    return _in_f32(out, a, b, attrs, add, alpha) if f32_contiguous(b) else None
+
+
+@replays("matmul")
+def _matmul(node, out, srcs, attrs):
+    return _call(out, srcs[0], srcs[1], attrs)
+
+
+@replays("matmul_add")
+def _matmul_add(node, out, srcs, attrs):
+    return _call(out, srcs[1], srcs[2], attrs, srcs[0], attrs["alpha"])
