@@ -229,23 +229,26 @@ def test_matmul_refusals_keep_the_numpy_kernel():
 
 # --- attention ---------------------------------------------------------------------------------
 ATTENTION_CASES = {
-    # name: (B, H, KV, T, hd, layout, causal, window, segmented)
-    "llama-gqa-token-major": (2, 6, 2, 70, 16, "bthd", True, 0, False),
-    "heads-first": (1, 2, 2, 33, 20, "bhtd", True, 0, False),
-    "sliding-window": (1, 4, 1, 131, 8, "bthd", True, 17, False),
-    "packed-segments": (2, 3, 3, 50, 16, "bthd", True, 0, True),
-    "not-causal": (1, 2, 1, 65, 32, "bhtd", False, 0, False),
+    # name: (B, H, KV, T, hd, layout, causal, window, segmented, sinks)
+    "llama-gqa-token-major": (2, 6, 2, 70, 16, "bthd", True, 0, False, False),
+    "heads-first": (1, 2, 2, 33, 20, "bhtd", True, 0, False, False),
+    "sliding-window": (1, 4, 1, 131, 8, "bthd", True, 17, False, False),
+    "packed-segments": (2, 3, 3, 50, 16, "bthd", True, 0, True, False),
+    "not-causal": (1, 2, 1, 65, 32, "bhtd", False, 0, False, False),
+    "gpt-oss-sinks-window": (2, 4, 2, 70, 16, "bthd", True, 9, False, True),
 }
 
 
-def _attention_inputs(B, H, KV, T, hd, layout, causal, window, segmented):
+def _attention_inputs(B, H, KV, T, hd, layout, causal, window, segmented, sinks=False):
     shape = (lambda heads: (B, T, heads, hd)) if layout == "bthd" else (lambda heads: (B, heads, T, hd))
     q, k, v = rand(*shape(H), seed=1), rand(*shape(KV), seed=2), rand(*shape(KV), seed=3)
     srcs = [q, k, v]
     if segmented:
         seg = np.sort(np.random.default_rng(4).integers(0, 4, (B, T)), axis=1).astype(np.int32)
         srcs.append(seg)
-    attrs = {"scale": hd ** -0.5, "causal": causal, "window": window, "sinks": False,
+    if sinks:
+        srcs.append(rand(H, seed=5, scale=2.0))
+    attrs = {"scale": hd ** -0.5, "causal": causal, "window": window, "sinks": sinks,
              "layout": layout, "save_lse": True}
     return srcs, attrs
 
@@ -265,13 +268,8 @@ def test_attention_back(case):
     fwd = np.zeros(q.size + q.size // q.shape[-1], np.float32)
     KERNELS["attention"](fwd, srcs, attrs)
     g = rand(*q.shape, seed=9)
-    check_op("attention_back", (q.size + 2 * k.size,), srcs + [fwd, g], attrs)
-
-
-def test_attention_with_sinks_keeps_the_numpy_kernel():
-    srcs, attrs = _attention_inputs(*ATTENTION_CASES["heads-first"])
-    out = np.zeros(srcs[0].size + 2 * 33, np.float32)
-    assert REPLAYS["attention"](None, out, srcs + [rand(2)], dict(attrs, sinks=True)) is None
+    H = srcs[-1].size if attrs["sinks"] else 0
+    check_op("attention_back", (q.size + 2 * k.size + H,), srcs + [fwd, g], attrs)
 
 
 # --- loss, rows, update ------------------------------------------------------------------------
@@ -470,3 +468,122 @@ def test_nodes_without_an_engine_kernel_keep_their_numpy_kernel(monkeypatch):
     ok, detail, _ = compare("scratch_tiny_llama", "cpu")
     assert ok, detail
     assert "get_rows_back" in seen
+
+
+# --- the fused head, the KV cache --------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("head", ["f32", "q8_0", "q4_k"])
+def test_linear_cross_entropy(reduction, head):
+    """Rows over two chunks of 128 and a few-row last chunk; ignored rows."""
+    N, D, V = 133, 256, 300
+    h = rand(N, D, seed=1)
+    w = rand(V, D, seed=2, scale=0.2) if head == "f32" else _blocks(head, V, D, seed=2)
+    labels = np.random.default_rng(3).integers(-1, V, N).astype(np.int32)
+    out_shape = (N,) if reduction == "none" else ()
+    if head == "f32":
+        check_op("linear_cross_entropy", out_shape, [h, w, labels], {"reduction": reduction})
+    else:   # the head in blocks: the numpy backend's block kernel is the reference's twin
+        from toygraph.ops import BLOCK_KERNELS
+        want = np.zeros(out_shape, np.float32)
+        BLOCK_KERNELS["linear_cross_entropy"][0](want, [h, w, labels], {"reduction": reduction})
+        got = run_engine("linear_cross_entropy", np.full(out_shape, np.nan, np.float32),
+                         [h, w, labels], {"reduction": reduction})
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("head,grad_w", [("f32", True), ("f32", False), ("q6_k", False)])
+def test_linear_cross_entropy_back(reduction, head, grad_w):
+    N, D, V = 133, 96 if head == "f32" else 256, 70
+    h = rand(N, D, seed=1)
+    w = rand(V, D, seed=2, scale=0.2) if head == "f32" else _blocks(head, V, D, seed=2)
+    labels = np.random.default_rng(3).integers(-1, V, N).astype(np.int32)
+    g = rand(N, seed=4) if reduction == "none" else np.array(0.7, np.float32)
+    attrs = {"reduction": reduction, "grad_h": True, "grad_w": grad_w}
+    size = N * D + (V * D if grad_w else 0)
+    if head == "f32":
+        check_op("linear_cross_entropy_back", (size,), [h, w, labels, g], attrs)
+    else:
+        from toygraph.ops import BLOCK_KERNELS
+        want = np.zeros(size, np.float32)
+        BLOCK_KERNELS["linear_cross_entropy_back"][0](want, [h, w, labels, g], attrs)
+        got = run_engine("linear_cross_entropy_back", np.full(size, np.nan, np.float32),
+                         [h, w, labels, g], attrs)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("start,T", [(0, 5), (7, 1), (11, 1)])
+def test_cache_write(start, T):
+    cache, value = rand(2, 3, 12, 8), rand(2, 3, T, 8, seed=1)
+    want = cache.copy()
+    KERNELS["cache_write"](want, [want, value, np.array([start], np.int32)], {})
+    run_engine("cache_write", cache, [cache, value, np.array([start], np.int32)], {})
+    assert np.array_equal(cache, want)
+
+
+def test_cache_write_never_writes_past_the_cache():
+    from toygraph.errors import ToygraphError
+    cache = rand(1, 2, 8, 4)
+    with pytest.raises(ToygraphError, match="cache_write.*failed"):
+        run_engine("cache_write", cache, [cache, rand(1, 2, 2, 4), np.array([7], np.int32)], {})
+
+
+@pytest.mark.parametrize("R,mask_rows", [(1, False), (3, True)])
+def test_cache_attention_reads_only_the_open_rows(R, mask_rows):
+    """The fused decode attention against the four numpy kernels it replaces, then again
+    with the closed rows holding garbage: they must not be read."""
+    from types import SimpleNamespace as Node
+    from toygraph.cpu.replay import FUSIONS
+    KV, G, L, hd = 2, 3, 40, 16
+    q, kc, vc = rand(R, KV, G, hd, seed=1), rand(R, KV, L, hd, seed=2), rand(R, KV, L, hd, seed=3)
+    open_len = np.array([9, 1, 40])[:R]
+    closed = np.arange(L)[None] >= open_len[:, None]                   # [R, L]
+    mask = np.where(closed, -1e30, 0.0).astype(np.float32)
+    mask = mask.reshape(R, 1, 1, L) if mask_rows else mask[0]
+    nodes = [Node(op="matmul", attrs={"trans_a": False, "trans_b": True}), Node(op="add", attrs={}),
+             Node(op="softmax", attrs={"scale": 0.25, "causal": False}),
+             Node(op="matmul", attrs={"trans_a": False, "trans_b": False})]
+    s = np.zeros((R, KV, G, L), np.float32)
+    KERNELS["matmul"](s, [q, kc], nodes[0].attrs)
+    p = np.zeros_like(s)
+    KERNELS["softmax"](p, [s + mask], nodes[2].attrs)
+    want = np.zeros((R, KV, G, hd), np.float32)
+    KERNELS["matmul"](want, [p, vc], nodes[3].attrs)
+    for garbage in (False, True):
+        if garbage:
+            for c in (kc, vc):
+                c[np.broadcast_to(closed[:, None, :, None], c.shape)] = np.nan
+        got = np.full((R, KV, G, hd), np.nan, np.float32)
+        calls = FUSIONS[("matmul", "add", "softmax", "matmul")](
+            nodes, [s, s + mask, p, got], [[q, kc], [s, mask], [s + mask], [p, vc]])
+        Program([c for _, c in calls], ["scores", "values"]).run()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _logits_along(path, mode, monkeypatch, n=12, context=None):
+    """Next-token logits after each prefix of the numpy path's greedy continuation."""
+    from toygraph.inference import LanguageModel
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", mode)
+    lm = LanguageModel(str(path))
+    ctx = list(context or [1, 5, 9, 2])
+    it = lm.next_logits(ctx, len(ctx) + n)
+    rows = []
+    for _ in range(n):
+        rows.append(next(it).copy())
+        ctx.append(int(np.argmax(rows[-1])) if context is None else ctx[len(rows)])
+    return rows, ctx
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+def test_generation_replayed_follows_numpy(model, monkeypatch):
+    """Prefill and cached decode replayed in the engine (the decode attention fused, over
+    the open cache rows only): the logits along numpy's greedy tokens within 1e-5 of their
+    scale, the same greedy tokens (f32 dot products for a few rows, so the two differ only
+    by the kernels' f32 rounding)."""
+    from toygraph.fixtures.experiments import model_path
+    monkeypatch.setenv("TOYGRAPH_CPU_DOT", "f32")
+    want, tokens = _logits_along(model_path(model), "numpy", monkeypatch)
+    got, got_tokens = _logits_along(model_path(model), "engine", monkeypatch)
+    scale = max(np.abs(w).max() for w in want)
+    assert max(np.abs(g - w).max() for g, w in zip(got, want)) < 1e-5 * scale
+    assert got_tokens == tokens

@@ -81,6 +81,11 @@ class CpuBackend:
             if t.op == "cache_write" and t.srcs[0].role == "state":
                 self.arrays[t.id] = self.arrays[t.srcs[0].id]
         self.schedule = schedule
+        self._pinned = pinned                # read by the host: never fused away
+        self._readers: dict[int, int] = {}   # how many nodes read each tensor (fusions)
+        for t in schedule:
+            for src in t.srcs:
+                self._readers[src.id] = self._readers.get(src.id, 0) + 1
         self._programs: dict[int, tuple] = {}   # run's compiled phases, by id of the list
         self._plan_decodes(schedule, plan)
         # The engine multiplies the base on its blocks: BLAS (what is left: adapters,
@@ -137,12 +142,17 @@ class CpuBackend:
         phase of ~850 small nodes a token. ``node`` is set for one that reads blocks.
         Replaying, a run of nodes the engine takes is one (None, Program, ...) step."""
         arrays, out, run = self.arrays, [], []
-        for t in nodes:
-            if t.op is None:
-                continue
+        order = [t for t in nodes if t.op is not None]
+        fused, inside = self._fusions(order) if self.replays else ({}, set())
+        for t in order:
+            if t.id in inside:
+                continue   # computed by the fused call at the chain's last node
             srcs = [arrays[s.id] for s in t.srcs]
             result = arrays.get(t.id)
             if self.replays:
+                if t.id in fused:
+                    run.append(fused[t.id])
+                    continue
                 if self._free_view(t, result, srcs):
                     continue
                 call = self._replay_call(t, result, srcs)
@@ -153,6 +163,39 @@ class CpuBackend:
             out.append((t.op, result, srcs, t.attrs, t if t.id in self.decodes else None))
         self._flush(run, out)
         return out
+
+    def _fusions(self, order):
+        """The chains of nodes engine kernels compute together (replay.FUSIONS): each
+        node's result read by the next one alone (as its first source), by nothing else,
+        and not by the host. A fusion gives its calls with the chain node each runs at
+        (where that node's sources are ready); the results in between are never written.
+        Returns ({node id: (call, name)}, the ids of the chain nodes that run nothing)."""
+        readers: dict[int, list] = {}
+        for t in order:
+            for src in t.srcs:
+                readers.setdefault(src.id, []).append(t)
+        fused, inside = {}, set()
+        for t in order:
+            for ops, fn in replay.FUSIONS.items():
+                chain = [t]
+                while len(chain) < len(ops) and chain[-1].op == ops[len(chain) - 1]:
+                    a = chain[-1]
+                    nxt = readers.get(a.id, [])
+                    if (len(nxt) != 1 or self._readers.get(a.id) != 1 or a.id in self._pinned
+                            or nxt[0].srcs[0] is not a):
+                        break
+                    chain.append(nxt[0])
+                if (tuple(n.op for n in chain) != ops or any(n.id in self.decodes for n in chain)
+                        or any(n.id in inside or n.id in fused for n in chain)):
+                    continue
+                calls = fn(chain, [self.arrays.get(n.id) for n in chain],
+                           [[self.arrays[s.id] for s in n.srcs] for n in chain])
+                if calls:
+                    at = {chain[i].id: (call, f"{'+'.join(ops)} ({call.kernel})")
+                          for i, call in calls}
+                    fused.update(at)
+                    inside.update(n.id for n in chain if n.id not in at)
+        return fused, inside
 
     @staticmethod
     def _free_view(t, result, srcs) -> bool:

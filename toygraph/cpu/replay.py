@@ -6,7 +6,8 @@ becomes a call of its kernel: ``@replays("rms_norm")`` registers a function
 holds for the node (``out``, the sources; a frozen const kept in its blocks is a
 ``cpu.block_tensor.BlockTensor``) and returns the kernel's name and operands, or None for
 a node it does not take (a layout, dtype or option its kernel lacks: that node keeps its
-numpy kernel). The kernels themselves are C++ in the same folder (``cpu.h``, built into the
+numpy kernel); ``@fuses(op, op, ...)`` one for a chain of nodes computed as one (generation's
+attention over its cache). The kernels themselves are C++ in the same folder (``cpu.h``, built into the
 engine: replay.h says how).
 
 :class:`Program` turns the calls of a run of nodes into the engine's node array once (at
@@ -54,6 +55,23 @@ def replays(op: str):
         if op in REPLAYS:
             raise ToygraphError(f"op {op!r} has two engine replays")
         REPLAYS[op] = fn
+        return fn
+    return register
+
+
+#: Chains of nodes engine kernels compute together: a tuple of ops (each node the next
+#: one's first source, and read by nothing else) -> (nodes, outs, srcs per node) -> a list
+#: of (index of the chain node a call runs at, Call), or None. A call runs where its node
+#: would (its sources ready there; a value it hands to a later call of the chain lives in
+#: memory of their own, never in the buffer plan's slots); the chain's other results are
+#: never written.
+FUSIONS: dict[tuple[str, ...], Callable] = {}
+
+
+def fuses(*ops: str):
+    """Register the decorated function as the engine calls of a chain of ``ops``."""
+    def register(fn):
+        FUSIONS[tuple(ops)] = fn
         return fn
     return register
 

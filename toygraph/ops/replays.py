@@ -14,4 +14,5 @@ import toygraph.ops.gemm.cpu  # noqa: F401
 import toygraph.ops.rows.cpu  # noqa: F401
 import toygraph.ops.loss.cpu  # noqa: F401
 import toygraph.ops.update.cpu  # noqa: F401
+import toygraph.ops.cache.cpu  # noqa: F401
 # isort: on

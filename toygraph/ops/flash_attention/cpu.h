@@ -6,7 +6,8 @@
 // kernel makes them, exp(s - max) / sum with s = scale (q . k), exp from vmath.h.
 //
 // Operands are read through strides, so heads-first ([B, H, T, hd]) and token-major
-// ([B, T, H, hd]) are one kernel. Sinks are not here (their nodes keep the numpy kernel).
+// ([B, T, H, hd]) are one kernel. Sinks (gpt-oss: a logit sinks[h] of value 0 in every row's
+// softmax) join each row's max and sum as the numpy kernel adds them.
 
 static const int64_t kAttnRows = 64;
 
@@ -47,6 +48,7 @@ static void attn_gemm(int64_t M, int64_t N, int64_t Kd, const float* A, int64_t 
 struct Attention {
     const float *q, *k, *v;
     const int32_t* seg;              // [B, T] segment ids, or null
+    const float* sinks;              // [H] sink logits, or null
     int64_t B, H, KV, T, hd;
     int64_t qb, qh, qt, kb, kh, kt;  // strides of q (o, dO, dq) and of k (v, dk, dv)
     float scale;
@@ -64,9 +66,10 @@ struct Attention {
         if (causal && (j > t || (window > 0 && t - j >= window))) return false;
         return !seg || seg[b * T + t] == seg[b * T + j];
     }
-    // P [t1 - t0, j1 - j0] of head h (rows L = j1 - j0 apart) and each row's log-sum-exp.
+    // P [t1 - t0, j1 - j0] of head h (rows L = j1 - j0 apart), each row's log-sum-exp and,
+    // with sinks, each row's sink probability.
     void probabilities(int64_t b, int64_t h, int64_t t0, int64_t t1, int64_t j0, int64_t j1,
-                       float* P, float* lse, float* panel) const {
+                       float* P, float* lse, float* panel, float* psink = nullptr) const {
         const int64_t L = j1 - j0, kvh = h / (H / KV);
         attn_gemm(t1 - t0, L, hd, q + q_at(b, h, t0), qt, k + k_at(b, kvh, j0), 1, kt, P, L,
                   false, panel);
@@ -77,11 +80,18 @@ struct Attention {
                 p[j - j0] = visible(b, t, j) ? p[j - j0] * scale : -INFINITY;
                 top = p[j - j0] > top ? p[j - j0] : top;
             }
+            if (sinks) top = sinks[h] > top ? sinks[h] : top;
             vf_apply(p, p, L, [top](vf s) { return vf_exp(s - top); });
             double sum = 0.0;   // in f64: a long row rounds once
             for (int64_t j = 0; j < L; j++) sum += (double)p[j];
-            const float den = (float)sum;
+            float den = (float)sum, sink = 0.0f;
+            if (sinks) {
+                float one[VW] = {sinks[h] - top};
+                sink = vf_exp(vf_load(one))[0];
+                den = den + sink;
+            }
             vf_apply(p, p, L, [den](vf x) { return x / den; });
+            if (psink) psink[t - t0] = sink / den;
             if (lse) lse[t - t0] = top + logf(den);
         }
     }
@@ -93,6 +103,7 @@ static Attention attention_of(const ReplayNode& n) {
     a.k = (const float*)n.p[2];
     a.v = (const float*)n.p[3];
     a.seg = (const int32_t*)n.p[4];
+    a.sinks = (const float*)n.p[7];
     a.B = n.i[0]; a.H = n.i[1]; a.KV = n.i[2]; a.T = n.i[3]; a.hd = n.i[4];
     const bool token_major = n.i[5] != 0;
     a.causal = n.i[6] != 0;
@@ -109,8 +120,8 @@ static Attention attention_of(const ReplayNode& n) {
 }
 
 // o (q's layout) and, when asked, L [B, H, T] after it. A task is one block of rows of
-// one head. p: out, q, k, v, segments or null; i: B, H, KV, T, hd, token_major, causal,
-// window, save_lse; f: scale.
+// one head. p: out, q, k, v, segments or null, -, -, sinks or null; i: B, H, KV, T, hd,
+// token_major, causal, window, save_lse; f: scale.
 TG_REPLAY_KERNEL(attention) {
     const Attention a = attention_of(n);
     float* o = (float*)n.p[0];
@@ -135,12 +146,13 @@ TG_REPLAY_KERNEL(attention) {
     return 0;
 }
 
-// dq, dk, dv packed flat (each in its operand's layout): a task is one K/V head of one
-// batch row with its group of query heads and every block of query rows, so it alone
-// writes that head's dk and dv (summed over the blocks in order) and those heads' dq.
-// Per block: P again, dP = dO V^T, dS = (dP - rowsum(dO * O)) * P * scale, dq = dS K,
-// dk += dS^T q, dv += P^T dO.
-// p: out, q, k, v, segments or null, o, dO; i and f as attention's.
+// dq, dk, dv (and d sinks [H]) packed flat (each in its operand's layout): a task is one
+// K/V head of one batch row with its group of query heads and every block of query rows,
+// so it alone writes that head's dk and dv (summed over the blocks in order) and those
+// heads' dq; its part of d sinks, -sum of P_sink rowsum(dO * O) over its rows, is added
+// to the others' in batch order at the end. Per block: P again, dP = dO V^T,
+// dS = (dP - rowsum(dO * O)) * P * scale, dq = dS K, dk += dS^T q, dv += P^T dO.
+// p: out, q, k, v, segments or null, o, dO, sinks or null; i and f as attention's.
 TG_REPLAY_KERNEL(attention_back) {
     const Attention a = attention_of(n);
     const float *o = (const float*)n.p[5], *g = (const float*)n.p[6];
@@ -149,12 +161,14 @@ TG_REPLAY_KERNEL(attention_back) {
     float* dv = dk + a.B * a.KV * a.T * a.hd;
     const int64_t G = a.H / a.KV, span = a.T + kAttnRows;
     const int64_t big = (span > a.hd ? span : a.hd);
+    std::vector<float> dsink_parts(a.sinks ? (size_t)(a.B * a.H) : 0, 0.0f);   // [B, H]
     pool_for(a.B * a.KV, [&](int64_t task, int) {
         const int64_t b = task / a.KV, kvh = task % a.KV;
-        float* P = replay_scratch((size_t)(3 * kAttnRows * span + big * NR));
+        float* P = replay_scratch((size_t)(3 * kAttnRows * span + big * NR + kAttnRows));
         float* dS = P + kAttnRows * span;
         float* T_ = dS + kAttnRows * span;   // P^T or dS^T, [keys][rows]
         float* panel = T_ + kAttnRows * span;
+        float* psink = panel + big * NR;
         for (int64_t t = 0; t < a.T; t++)
             for (int64_t d = 0; d < a.hd; d++)
                 dk[a.k_at(b, kvh, t) + d] = dv[a.k_at(b, kvh, t) + d] = 0.0f;
@@ -164,11 +178,12 @@ TG_REPLAY_KERNEL(attention_back) {
                 int64_t j0, j1;
                 a.keys(t0, t1, j0, j1);
                 const int64_t L = j1 - j0;
-                a.probabilities(b, h, t0, t1, j0, j1, P, nullptr, panel);
+                a.probabilities(b, h, t0, t1, j0, j1, P, nullptr, panel, psink);
                 const float* gb = g + a.q_at(b, h, t0);
                 attn_gemm(R, L, a.hd, gb, a.qt, a.v + a.k_at(b, kvh, j0), 1, a.kt, dS, L, false, panel);
                 for (int64_t r = 0; r < R; r++) {
                     const float delta = attn_dot(gb + r * a.qt, o + a.q_at(b, h, t0 + r), a.hd);
+                    if (a.sinks) dsink_parts[b * a.H + h] -= psink[r] * delta;
                     float* ds = dS + r * L;
                     const float* p = P + r * L;
                     for (int64_t j = 0; j < L; j++) ds[j] = (ds[j] - delta) * p[j] * a.scale;
@@ -183,6 +198,87 @@ TG_REPLAY_KERNEL(attention_back) {
                     for (int64_t j = 0; j < L; j++) T_[j * R + r] = P[r * L + j];
                 attn_gemm(L, a.hd, R, T_, R, gb, a.qt, 1, dv + a.k_at(b, kvh, j0), a.kt, true, panel);
             }
+    });
+    if (a.sinks) {
+        float* dsinks = dv + a.B * a.KV * a.T * a.hd;
+        for (int64_t h = 0; h < a.H; h++) {
+            dsinks[h] = 0.0f;
+            for (int64_t b = 0; b < a.B; b++) dsinks[h] += dsink_parts[b * a.H + h];
+        }
+    }
+    return 0;
+}
+
+// Generation's attention over a KV cache, four graph nodes computed by two kernels (the
+// numpy backend's fusion of matmul(q, K^T) + mask, softmax(scale), matmul(P, V); see
+// replay.py's @fuses): o = softmax(scale (q K^T + mask)) V for q [R, KV, G, hd] against the
+// caches [R, KV, L, hd]. Only the rows the mask opens are read: a row whose additive mask
+// is -1e29 or less (kvcache.py's MASKED, -1e30) has weight exactly 0 in numpy's softmax
+// (exp of about -1e29 is 0), so leaving it out changes no value, and a token costs its
+// filled rows, not the cache's length. The mask is [L] (one sequence) or [R, 1, 1, L].
+//
+// cache_scores runs where the scores' matmul would (q is ready there, and its buffer may be
+// another's later) and leaves the probabilities of the open rows and their indices in the
+// fusion's own memory ``mem``: [R * KV * G][L] probabilities, then per batch row r an
+// int32 count and the open rows, L + 1 ints. cache_values runs where the last matmul would
+// (V's row for the token is written there).
+
+// p: mem, q, kc, mask; i: R, KV, G, L, hd, mask per row (0/1); f: scale.
+TG_REPLAY_KERNEL(cache_scores) {
+    float* probs = (float*)n.p[0];
+    const float *q = (const float*)n.p[1], *kc = (const float*)n.p[2], *mask = (const float*)n.p[3];
+    const int64_t R = n.i[0], KV = n.i[1], G = n.i[2], L = n.i[3], hd = n.i[4];
+    const bool per_row = n.i[5] != 0;
+    const float scale = (float)n.f[0];
+    int32_t* open_rows = (int32_t*)(probs + R * KV * G * L);
+    for (int64_t r = 0; r < R; r++) {
+        const float* m = mask + (per_row ? r * L : 0);
+        int32_t* rows = open_rows + r * (L + 1);
+        int32_t open = 0;
+        for (int64_t j = 0; j < L; j++)
+            if (m[j] > -1e29f) rows[1 + open++] = (int32_t)j;
+        if (open == 0)   // nothing open: numpy's softmax is uniform over every row
+            for (int64_t j = 0; j < L; j++) rows[1 + open++] = (int32_t)j;
+        rows[0] = open;
+    }
+    pool_for(R * KV * G, [&](int64_t task, int) {
+        const int64_t r = task / (KV * G), kvh = task / G;
+        const float* m = mask + (per_row ? r * L : 0);
+        const int32_t* rows = open_rows + r * (L + 1);
+        const int64_t open = rows[0];
+        const float *qr = q + task * hd, *k = kc + kvh * L * hd;
+        float* p = probs + task * L;
+        float top = -INFINITY;
+        for (int64_t i = 0; i < open; i++) {
+            const int64_t j = rows[1 + i];
+            p[i] = (attn_dot(qr, k + j * hd, hd) + m[j]) * scale;
+            top = p[i] > top ? p[i] : top;
+        }
+        vf_apply(p, p, open, [top](vf s) { return vf_exp(s - top); });
+        double sum = 0.0;
+        for (int64_t i = 0; i < open; i++) sum += (double)p[i];
+        const float den = (float)sum;
+        vf_apply(p, p, open, [den](vf x) { return x / den; });
+    });
+    return 0;
+}
+
+// p: out, mem, vc; i: R, KV, G, L, hd.
+TG_REPLAY_KERNEL(cache_values) {
+    float* out = (float*)n.p[0];
+    const float *probs = (const float*)n.p[1], *vc = (const float*)n.p[2];
+    const int64_t R = n.i[0], KV = n.i[1], G = n.i[2], L = n.i[3], hd = n.i[4];
+    const int32_t* open_rows = (const int32_t*)(probs + R * KV * G * L);
+    pool_for(R * KV * G, [&](int64_t task, int) {
+        const int64_t r = task / (KV * G), kvh = task / G;
+        const int32_t* rows = open_rows + r * (L + 1);
+        const float *p = probs + task * L, *v = vc + kvh * L * hd;
+        float* o = out + task * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+        for (int64_t i = 0; i < rows[0]; i++) {
+            const float* vr = v + (int64_t)rows[1 + i] * hd;
+            for (int64_t d = 0; d < hd; d++) o[d] += p[i] * vr[d];
+        }
     });
     return 0;
 }

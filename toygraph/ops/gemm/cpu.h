@@ -128,18 +128,11 @@ static void gemm_f32(int64_t M, int64_t N, int64_t K, Strided A, Strided B, floa
     });
 }
 
-// c [M, N] = (s op(a)) [M, K] . op(b) [K, N] in f32 (op: transposed or not), then the
-// epilogue when ``add`` is given. A narrow product (N below a strip, the LoRA rank: x A^T,
-// x^T g) is computed as c^T = op(b)^T (s op(a))^T, so its strips are full, and transposed
-// into c.
-// p: c, a, b, add or null; i: M, K, N, trans_a, trans_b; f: s, alpha.
-TG_REPLAY_KERNEL(matmul_f32) {
-    float* c = (float*)n.p[0];
-    const float *a = (const float*)n.p[1], *b = (const float*)n.p[2], *add = (const float*)n.p[3];
-    const int64_t M = n.i[0], K = n.i[1], N = n.i[2];
-    const bool ta = n.i[3] != 0, tb = n.i[4] != 0;
-    const float s = (float)n.f[0], alpha = (float)n.f[1];
-    if (M == 0 || N == 0) return 0;
+// c [M, N] = (s op(a)) [M, K] . op(b) [K, N] in f32 (op: transposed or not). A narrow
+// product (N below a strip, the LoRA rank: x A^T, x^T g) is computed as
+// c^T = op(b)^T (s op(a))^T, so its strips are full, and transposed into c.
+static void matmul_f32_one(float* c, const float* a, const float* b, int64_t M, int64_t K,
+                           int64_t N, bool ta, bool tb, float s) {
     const Strided A{a, ta ? 1 : K, ta ? M : 1, s}, B{b, tb ? 1 : N, tb ? K : 1, 1.0f};
     if (N < NR && M > N) {
         std::vector<float> ct((size_t)(N * M));
@@ -151,8 +144,22 @@ TG_REPLAY_KERNEL(matmul_f32) {
     } else {
         gemm_f32(M, N, K, A, B, c, N);
     }
+}
+
+// matmul(_add) in f32 over ``batch`` products (batched operands of one shape: each a's,
+// b's and c's matrix a whole number of them apart), then the epilogue when ``add`` is
+// given. p: c, a, b, add or null; i: M, K, N, trans_a, trans_b, batch; f: s, alpha.
+TG_REPLAY_KERNEL(matmul_f32) {
+    float* c = (float*)n.p[0];
+    const float *a = (const float*)n.p[1], *b = (const float*)n.p[2], *add = (const float*)n.p[3];
+    const int64_t M = n.i[0], K = n.i[1], N = n.i[2], batch = n.i[5] > 0 ? n.i[5] : 1;
+    const float alpha = (float)n.f[1];
+    if (M == 0 || N == 0) return 0;
+    for (int64_t i = 0; i < batch; i++)
+        matmul_f32_one(c + i * M * N, a + i * M * K, b + i * K * N, M, K, N, n.i[3] != 0,
+                       n.i[4] != 0, (float)n.f[0]);
     if (add)
-        replay_for(M, N, [&](int64_t m0, int64_t m1) {
+        replay_for(batch * M, N, [&](int64_t m0, int64_t m1) {
             gemm_epilogue(c, N, add, N, alpha, m0, m1, 0, N);
         });
     return 0;

@@ -3,6 +3,8 @@ operands (a's leading axes flattened into rows), the weight in its GGUF blocks (
 engine's products, as the numpy backend's block kernel calls them) or in f32."""
 from __future__ import annotations
 
+import numpy as np
+
 from toygraph import environment
 from toygraph.cpu import engine
 from toygraph.cpu.block_tensor import BlockTensor
@@ -29,16 +31,25 @@ def _on_blocks(out, a, w, attrs, add, alpha):
 
 
 def _in_f32(out, a, b, attrs, add, alpha):
-    """c [M, N] = (s op(a)) . op(b): b 2-D; a 2-D, or with leading axes when not transposed."""
-    if b.ndim != 2 or (attrs["trans_a"] and a.ndim != 2):
+    """c [M, N] = (s op(a)) . op(b): b 2-D (a 2-D, or with leading axes when not
+    transposed), or a batch of products: a and b of one rank with the same leading axes."""
+    ta, tb = attrs["trans_a"], attrs["trans_b"]
+    batch = 1
+    if b.ndim > 2:
+        if a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2] or out.shape[:-2] != a.shape[:-2]:
+            return None
+        batch = int(np.prod(a.shape[:-2]))
+        a2, b2 = a.shape[-2:], b.shape[-2:]
+    elif ta and a.ndim != 2:
         return None
-    K = a.shape[0] if attrs["trans_a"] else a.shape[-1]
-    M = a.shape[1] if attrs["trans_a"] else a.size // max(K, 1)
-    N = b.shape[0] if attrs["trans_b"] else b.shape[1]
-    if (b.shape[1] if attrs["trans_b"] else b.shape[0]) != K or out.size != M * N:
+    else:
+        a2, b2 = (a.shape if ta else (a.size // max(a.shape[-1], 1), a.shape[-1])), b.shape
+    K = a2[0] if ta else a2[1]
+    M = a2[1] if ta else a2[0]
+    N = b2[0] if tb else b2[1]
+    if (b2[1] if tb else b2[0]) != K or out.size != batch * M * N:
         return None
-    return Call("matmul_f32", [out, a, b, add],
-                [M, K, N, attrs["trans_a"], attrs["trans_b"]],
+    return Call("matmul_f32", [out, a, b, add], [M, K, N, ta, tb, batch],
                 [attrs.get("scale_a", 1.0), alpha])
 
 

@@ -95,3 +95,150 @@ TG_REPLAY_KERNEL(count_valid) {
     *(float*)n.p[0] = (float)counted;
     return 0;
 }
+
+// The fused head and loss (linear_cross_entropy): z = h W^T a chunk of the counted rows at
+// a time (kLceRows, as the numpy kernel's LCE_ROWS), so only [chunk, V] logits exist; W is
+// the head [V, D] in f32 or in its GGUF blocks (gemm_on_blocks: the products the numpy
+// backend's block kernel makes, the same kernel choice for a chunk of a few rows).
+static const int64_t kLceRows = 128;
+
+struct Head {
+    const float* f32;     // W [V, D] in f32, or null
+    const u8* blocks;     // else its blocks: format fmt, rows row_bytes apart
+    int fmt, few;         // few: the kernel for a chunk of a few rows (0 auto, 2 f32 dots)
+    int64_t row_bytes, V, D;
+
+    // z [c, V] = hc [c, D] . W^T
+    int logits(const float* hc, int64_t c, float* z) const {
+        if (f32) {
+            gemm_f32(c, V, D, Strided{hc, D, 1, 1.0f}, Strided{f32, 1, D, 1.0f}, z, V);
+            return 0;
+        }
+        return gemm_on_blocks(fmt, blocks, row_bytes, V, D, hc, D, c, z, V, 1,
+                              c <= DOT_MAX_M ? few : 0);
+    }
+    // dh [c, D] = dz [c, V] . W
+    int input_grad(const float* dz, int64_t c, float* dh) const {
+        if (f32) {
+            gemm_f32(c, D, V, Strided{dz, V, 1, 1.0f}, Strided{f32, D, 1, 1.0f}, dh, D);
+            return 0;
+        }
+        return gemm_on_blocks(fmt, blocks, row_bytes, V, D, dz, V, c, dh, D, 0, 1);
+    }
+};
+
+static Head head_of(const ReplayNode& n, const void* w) {
+    Head h;
+    h.fmt = (int)n.i[2];
+    h.f32 = h.fmt < 0 ? (const float*)w : nullptr;
+    h.blocks = h.fmt < 0 ? nullptr : (const u8*)w;
+    h.row_bytes = n.i[3];
+    h.V = n.i[1];
+    h.D = n.i[4];
+    h.few = (int)n.i[5];
+    return h;
+}
+
+// The counted rows (label >= 0), in order.
+static std::vector<int64_t> lce_rows(const int32_t* labels, int64_t N) {
+    std::vector<int64_t> rows;
+    for (int64_t r = 0; r < N; r++)
+        if (labels[r] >= 0) rows.push_back(r);
+    return rows;
+}
+
+// Chunk [start, start + c) of the counted rows of h gathered into hc, and z = hc W^T.
+static int lce_logits(const Head& w, const float* h, const std::vector<int64_t>& rows,
+                      int64_t start, int64_t c, float* hc, float* z) {
+    for (int64_t i = 0; i < c; i++) memcpy(hc + i * w.D, h + rows[start + i] * w.D, (size_t)w.D * 4);
+    return w.logits(hc, c, z);
+}
+
+// The per-row losses log(sum) + max - z[label] (0 on ignored rows) for "none", else their
+// sum (f64, row order) or mean. p: out, h [N, D], W, labels; i: N, V, fmt (-1: f32),
+// row_bytes, D, few, reduction (0 none, 1 sum, 2 mean).
+TG_REPLAY_KERNEL(linear_cross_entropy) {
+    float* out = (float*)n.p[0];
+    const float* h = (const float*)n.p[1];
+    const int32_t* labels = (const int32_t*)n.p[3];
+    const Head w = head_of(n, n.p[2]);
+    const int64_t N = n.i[0], reduction = n.i[6];
+    const std::vector<int64_t> rows = lce_rows(labels, N);
+    const int64_t chunk = (int64_t)rows.size() < kLceRows ? (int64_t)rows.size() : kLceRows;
+    std::vector<float> hc((size_t)(chunk * w.D)), z((size_t)(chunk * w.V)), top(chunk), sum(chunk);
+    if (reduction == 0)
+        for (int64_t r = 0; r < N; r++) out[r] = 0.0f;
+    double total = 0.0;
+    for (int64_t start = 0; start < (int64_t)rows.size(); start += kLceRows) {
+        const int64_t c = (int64_t)rows.size() - start < kLceRows ? (int64_t)rows.size() - start : kLceRows;
+        const int rc = lce_logits(w, h, rows, start, c, hc.data(), z.data());
+        if (rc != 0) return rc;
+        pool_for(c, [&](int64_t i, int) {
+            float* zr = z.data() + i * w.V;
+            top[i] = ce_max(zr, w.V);
+            sum[i] = ce_sum_exp(zr, w.V, top[i], nullptr);
+        });
+        for (int64_t i = 0; i < c; i++) {
+            const float picked = z[i * w.V + labels[rows[start + i]]];
+            const float loss = logf(sum[i]) + top[i] - picked;
+            if (reduction == 0) out[rows[start + i]] = loss;
+            total += (double)loss;
+        }
+    }
+    if (reduction == 1) *out = (float)total;
+    if (reduction == 2) *out = (float)(rows.empty() ? 0.0 : total / (double)rows.size());
+    return 0;
+}
+
+// dh (when asked) then dw (when asked) packed flat: dz = (softmax(z) - onehot) times g
+// (per row for "none", / counted rows for a mean), dh rows = dz W, dw += dz^T h chunk by
+// chunk in row order. p: out, h, W, labels, g; i: N, V, fmt, row_bytes, D, few,
+// reduction, grad_h, grad_w.
+TG_REPLAY_KERNEL(linear_cross_entropy_back) {
+    float* out = (float*)n.p[0];
+    const float *h = (const float*)n.p[1], *g = (const float*)n.p[4];
+    const int32_t* labels = (const int32_t*)n.p[3];
+    const Head w = head_of(n, n.p[2]);
+    const int64_t N = n.i[0], reduction = n.i[6];
+    const bool grad_h = n.i[7] != 0, grad_w = n.i[8] != 0;
+    float* dh = grad_h ? out : nullptr;
+    float* dw = grad_w ? out + (grad_h ? N * w.D : 0) : nullptr;
+    if (grad_w && !w.f32) return -1;   // a head in blocks is frozen
+    const int64_t size = (grad_h ? N * w.D : 0) + (grad_w ? w.V * w.D : 0);
+    replay_for(size, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; i++) out[i] = 0.0f;
+    });
+    const std::vector<int64_t> rows = lce_rows(labels, N);
+    const float counted = (float)rows.size();
+    const float scale = reduction == 2 ? (rows.empty() ? 0.0f * g[0] : g[0] / counted) : g[0];
+    const int64_t chunk = (int64_t)rows.size() < kLceRows ? (int64_t)rows.size() : kLceRows;
+    std::vector<float> hc((size_t)(chunk * w.D)), z((size_t)(chunk * w.V));
+    std::vector<float> dhc(grad_h ? (size_t)(chunk * w.D) : 0), tmp(grad_w ? (size_t)(w.V * w.D) : 0);
+    for (int64_t start = 0; start < (int64_t)rows.size(); start += kLceRows) {
+        const int64_t c = (int64_t)rows.size() - start < kLceRows ? (int64_t)rows.size() - start : kLceRows;
+        const int rc = lce_logits(w, h, rows, start, c, hc.data(), z.data());
+        if (rc != 0) return rc;
+        pool_for(c, [&](int64_t i, int) {   // z = (exp(z - max) / sum - onehot) k
+            float* zr = z.data() + i * w.V;
+            const int64_t r = rows[start + i];
+            const float s = ce_sum_exp(zr, w.V, ce_max(zr, w.V), zr), k = reduction == 0 ? g[r] : scale;
+            vf_apply(zr, zr, w.V, [s](vf x) { return x / s; });
+            zr[labels[r]] -= 1.0f;
+            vf_apply(zr, zr, w.V, [k](vf x) { return x * k; });
+        });
+        if (grad_h) {
+            const int rc2 = w.input_grad(z.data(), c, dhc.data());
+            if (rc2 != 0) return rc2;
+            for (int64_t i = 0; i < c; i++)
+                memcpy(dh + rows[start + i] * w.D, dhc.data() + i * w.D, (size_t)w.D * 4);
+        }
+        if (grad_w) {
+            gemm_f32(w.V, w.D, c, Strided{z.data(), 1, w.V, 1.0f}, Strided{hc.data(), w.D, 1, 1.0f},
+                     tmp.data(), w.D);
+            replay_for(w.V * w.D, 1, [&](int64_t i0, int64_t i1) {
+                for (int64_t i = i0; i < i1; i++) dw[i] += tmp[i];
+            });
+        }
+    }
+    return 0;
+}

@@ -1,9 +1,13 @@
 """The loss family's engine replay (cpu.h beside this): cross_entropy ("sum" and "mean"),
-its backward and count_valid, on f32 logits [N, V] and i32 labels [N]."""
+its backward and count_valid, on f32 logits [N, V] and i32 labels [N]; the fused head and
+loss (linear_cross_entropy and its backward), the head in f32 or in its GGUF blocks."""
 from __future__ import annotations
 
 import numpy as np
 
+from toygraph import environment
+from toygraph.cpu import engine
+from toygraph.cpu.block_tensor import BlockTensor
 from toygraph.cpu.replay import Call, f32_contiguous, replays
 
 
@@ -36,3 +40,45 @@ def _count_valid(node, out, srcs, attrs):
     if (f32_contiguous(out) and out.size == 1 and labels.dtype == np.int32
             and labels.flags.c_contiguous):
         return Call("count_valid", [out, labels], [labels.size])
+
+
+_REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+
+
+def _head(w):
+    """(address of W, fmt (-1: f32), row bytes, V, D, the few-rows kernel) of the head, or
+    None where the engine does not take it."""
+    if isinstance(w, BlockTensor):
+        if not w.computes_on_blocks:
+            return None
+        weight = w._weight()
+        few = 2 if environment.get("TOYGRAPH_CPU_DOT") == "f32" else 0
+        return weight.data, engine.FORMATS.index(weight.fmt), weight.row_bytes, weight.N, weight.K, few
+    if f32_contiguous(w) and w.ndim == 2:
+        return w, -1, 4 * w.shape[1], w.shape[0], w.shape[1], 0
+    return None
+
+
+@replays("linear_cross_entropy")
+def _linear_cross_entropy(node, out, srcs, attrs):
+    h, w, labels = srcs
+    head = _head(w)
+    if head is None or not (f32_contiguous(out, h) and h.ndim == 2 and _labels_fit(h, labels)):
+        return None
+    data, fmt, row_bytes, V, D, few = head
+    return Call("linear_cross_entropy", [out, h, data, labels],
+                [h.shape[0], V, fmt, row_bytes, D, few, _REDUCTIONS[attrs["reduction"]]])
+
+
+@replays("linear_cross_entropy_back")
+def _linear_cross_entropy_back(node, out, srcs, attrs):
+    h, w, labels, g = srcs
+    head = _head(w)
+    if head is None or not (f32_contiguous(out, h, g) and h.ndim == 2 and _labels_fit(h, labels)):
+        return None
+    data, fmt, row_bytes, V, D, few = head
+    if attrs["grad_w"] and fmt >= 0:
+        return None
+    return Call("linear_cross_entropy_back", [out, h, data, labels, g],
+                [h.shape[0], V, fmt, row_bytes, D, few, _REDUCTIONS[attrs["reduction"]],
+                 attrs["grad_h"], attrs["grad_w"]])
