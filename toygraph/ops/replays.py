@@ -15,4 +15,6 @@ import toygraph.ops.rows.cpu  # noqa: F401
 import toygraph.ops.loss.cpu  # noqa: F401
 import toygraph.ops.update.cpu  # noqa: F401
 import toygraph.ops.cache.cpu  # noqa: F401
+import toygraph.ops.shape.cpu  # noqa: F401
+import toygraph.ops.slicing.cpu  # noqa: F401
 # isort: on
