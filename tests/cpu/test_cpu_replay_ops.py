@@ -1,8 +1,8 @@
 """The CPU engine's replay kernels of the elementwise activations and broadcasts, the shape
-and slicing copies and sums, against the numpy kernels they replace (test_cpu_replay.py's
+and slicing copies and sums, get_rows_back, softmax(+back) and inv_row_norm, against the numpy kernels they replace (test_cpu_replay.py's
 check_op: within 4x numpy's own f32 error of the f64 reference, plus 2^-18 of the
 result's scale), at ragged shapes and edge values; bit for bit where the kernel does
-numpy's exact operations (copies)."""
+numpy's exact operations (copies, add.at's order)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +11,7 @@ from test_cpu_replay import _broken, check_bits_across_threads, check_op, rand, 
 from test_cpu_replay import lib  # noqa: F401  (autouse: skips without a compiler)
 
 from toygraph.cpu.replay import REPLAYS
+from toygraph.errors import ToygraphError
 from toygraph.ops import KERNELS
 import toygraph.ops.replays  # noqa: F401
 
@@ -205,13 +206,70 @@ def test_reduce_and_copies_do_not_depend_on_the_thread_count():
     check_bits_across_threads("gelu_back", (x.size,), [x.reshape(-1), rand(x.size)], {})
 
 
-# --- slicing ----------------------------------------------------------------------------------------
+# --- slicing, rows ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("start,length", [(0, 7), (3, 7), (13, 7), (0, 20)])
 def test_narrow_and_its_backward_are_numpys_bits(start, length):
     x = rand(3, 5, 20)
     assert_numpys_bits("narrow", (3, 5, length), [x], {"start": start, "length": length})
     g = rand(3, 5, length, seed=1)
     assert_numpys_bits("narrow_back", (3, 5, 20), [g], {"start": start, "width": 20})
+
+
+@pytest.mark.parametrize("K", [1, 64, 200])
+def test_get_rows_back_is_add_ats_bits(K):
+    """Each output row the sum of its ids' gradient rows in the ids' order, in f32: numpy's
+    np.add.at, bit for bit (rows no id names are zeros)."""
+    ids = np.random.default_rng(0).integers(0, 50, (3, 17)).astype(np.int32)
+    ids[0, :4] = 7                                                    # repeats
+    g = rand(3, 17, K, scale=10.0)
+    attrs = {"rows": 60}
+    check_op("get_rows_back", (60, K), [g, ids], attrs)
+    assert_numpys_bits("get_rows_back", (60, K), [g, ids], attrs)
+    check_bits_across_threads("get_rows_back", (60, K), [g, ids], attrs)
+
+
+def test_get_rows_back_refuses_an_id_out_of_range():
+    ids = np.array([0, 60], np.int32)
+    with pytest.raises(ToygraphError, match="get_rows_back"):
+        run_engine("get_rows_back", np.zeros((60, 8), np.float32), [rand(2, 8), ids], {"rows": 60})
+
+
+# --- norm ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,scale,causal", [
+    ((3, 17), 0.7, False),
+    ((2, 3, 33, 33), 0.125, True),
+    ((1, 1, 5003), 1.0, False),            # the sum of exps in runs
+    ((4, 7, 7), 50.0, True),               # large |x|: most exps underflow
+])
+def test_softmax(shape, scale, causal):
+    x = rand(*shape, scale=3.0)
+    attrs = {"scale": scale, "causal": causal}
+    check_op("softmax", shape, [x], attrs)
+    check_bits_across_threads("softmax", shape, [x], attrs)
+
+
+def test_softmax_over_masked_decode_rows():
+    """Generation's decode: [R, KV, G, L] scores plus a -inf mask, not causal."""
+    x = rand(2, 2, 3, 40, scale=3.0)
+    x[0, ..., 25:] = -np.inf
+    check_op("softmax", x.shape, [x], {"scale": 0.125, "causal": False})
+
+
+def test_softmax_back():
+    x = rand(5, 333, scale=2.0)
+    y = numpy_f32("softmax", x.shape, [x], {"scale": 1.0, "causal": False})
+    check_op("softmax_back", x.shape, [y, rand(5, 333, seed=1)], {"scale": 0.3})
+
+
+@pytest.mark.parametrize("shape", [(7, 333), (4,), (2, 3, 17)])
+def test_inv_row_norm(shape):
+    check_op("inv_row_norm", shape[:-1], [rand(*shape)], {})
+
+
+def test_rms_norm_weighted_by_a_tensor_of_xs_shape():
+    """The weight gradient's recomputed x r, weighted by g (norm/__init__.py's _grad_rms)."""
+    x, w = rand(5, 576, scale=3.0), rand(5, 576, seed=1)
+    check_op("rms_norm", x.shape, [x, w], {"eps": 1e-6})
 
 
 # --- broken kernels --------------------------------------------------------------------------------
@@ -225,6 +283,14 @@ BROKEN = {
         "for (int64_t s = 0; s < S; s++) acc += (double)row[s * sstep];",
         "for (int64_t s = 1; s < S; s++) acc += (double)row[s * sstep];",
         "sum", (6,), [rand(6, 40)], {"axis": 1}),
+    "softmax leaves out the last column of its sum": (
+        "const float sum = ce_sum_exp(o, valid, top, o);",
+        "const float sum = ce_sum_exp(o, valid, top, o) - o[valid - 1];",
+        "softmax", (4, 33), [rand(4, 33)], {"scale": 1.0, "causal": False}),
+    "get_rows_back adds every row once more": (
+        "for (int64_t c = c0; c < c1; c++) o[c] += gk[c];",
+        "for (int64_t c = c0; c < c1; c++) o[c] += gk[c] + gk[c] * (k == 0);",
+        "get_rows_back", (10, 8), [rand(4, 8), np.array([1, 3, 3, 9], np.int32)], {"rows": 10}),
 }
 
 

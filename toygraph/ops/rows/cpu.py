@@ -1,5 +1,7 @@
 """The rows family's engine replay (cpu.h beside this): get_rows from an f32 table or one
-kept in its GGUF blocks (ids checked on upload: the session's id ranges)."""
+kept in its GGUF blocks (ids checked on upload: the session's id ranges), and
+get_rows_back into an f32 table (its kernel checks the ids again: a row out of range fails
+the replay instead of writing outside)."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,3 +29,11 @@ def _get_rows(node, out, srcs, attrs):
     else:
         return None
     return Call("get_rows", [out, data, ids], [ids.size, K, fmt, row_bytes])
+
+
+@replays("get_rows_back")
+def _get_rows_back(node, out, srcs, attrs):
+    g, ids = srcs
+    if (f32_contiguous(out, g) and out.ndim == 2 and ids.dtype == np.int32
+            and ids.flags.c_contiguous and g.shape == ids.shape + out.shape[1:]):
+        return Call("get_rows_back", [out, g, ids], [ids.size, out.shape[1], out.shape[0]])
