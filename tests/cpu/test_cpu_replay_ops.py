@@ -1,8 +1,9 @@
 """The CPU engine's replay kernels of the elementwise activations and broadcasts, the shape
-and slicing copies and sums, get_rows_back, softmax(+back) and inv_row_norm, against the numpy kernels they replace (test_cpu_replay.py's
+and slicing copies and sums, get_rows_back, softmax(+back), inv_row_norm, the preference
+and policy losses and dropout, against the numpy kernels they replace (test_cpu_replay.py's
 check_op: within 4x numpy's own f32 error of the f64 reference, plus 2^-18 of the
 result's scale), at ragged shapes and edge values; bit for bit where the kernel does
-numpy's exact operations (copies, add.at's order)."""
+numpy's exact operations (copies, add.at's order, dropout's hash)."""
 from __future__ import annotations
 
 import numpy as np
@@ -270,6 +271,105 @@ def test_rms_norm_weighted_by_a_tensor_of_xs_shape():
     """The weight gradient's recomputed x r, weighted by g (norm/__init__.py's _grad_rms)."""
     x, w = rand(5, 576, scale=3.0), rand(5, 576, seed=1)
     check_op("rms_norm", x.shape, [x, w], {"eps": 1e-6})
+
+
+# --- preference, policy ----------------------------------------------------------------------------
+@pytest.mark.parametrize("V", [7, 300, 5003])
+def test_token_logprobs(V):
+    N = 19
+    logits = rand(N, V, scale=4.0)
+    logits[3] *= 1000.0                                               # a large-|z| row
+    labels = np.random.default_rng(1).integers(-1, V, N).astype(np.int32)
+    labels[:2] = -1
+    labels[3] = int(np.argmin(logits[3]))                             # far below the max
+    check_op("token_logprobs", (N,), [logits, labels], {})
+    check_op("token_logprobs_back", (N, V), [logits, labels, rand(N, seed=3)], {})
+    check_bits_across_threads("token_logprobs_back", (N, V), [logits, labels, rand(N, seed=3)], {})
+
+
+def test_token_logprobs_with_every_label_ignored_is_zeros():
+    logits, labels = rand(3, 10), np.full(3, -1, np.int32)
+    assert not run_engine("token_logprobs", np.ones(3, np.float32), [logits, labels], {}).any()
+    back = run_engine("token_logprobs_back", np.ones((3, 10), np.float32),
+                      [logits, labels, rand(3)], {})
+    assert not back.any()
+
+
+def test_softplus_and_its_backward():
+    x, g = with_edges(4099, scale=10.0), rand(4099, seed=1)
+    check_op("softplus", x.shape, [x], {})
+    check_op("softplus_back", x.shape, [x, g], {})
+
+
+def test_log1mexp_and_its_backward():
+    x = -np.abs(rand(4099, scale=3.0)) - np.float32(1e-4)
+    x[:4] = [np.float32(-np.log(2.0)), np.nextafter(np.float32(-np.log(2.0)), 0), -1e-6, -80.0]
+    check_op("log1mexp", x.shape, [x], {})
+    check_op("log1mexp_back", x.shape, [x, rand(4099, seed=1)], {})
+
+
+def test_log1mexp_edges_are_numpys():
+    """-inf at 0, nan above, as log(1 - e^x); the backward's -g / 0 is an infinity."""
+    x, g = np.array([0.0, 0.5, -0.0], np.float32), np.ones(3, np.float32)
+    for op, srcs in (("log1mexp", [x]), ("log1mexp_back", [x, g])):
+        with np.errstate(all="ignore"):
+            want = numpy_f32(op, x.shape, srcs, {})
+        got = engine_result(op, x.shape, srcs, {})
+        assert np.array_equal(got, want, equal_nan=True), (op, got, want)
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_clipped_surrogate(same):
+    n = 4099
+    logp = rand(n, seed=1)
+    old = logp if same else logp + rand(n, seed=2, scale=0.3)
+    adv = rand(n, seed=3)
+    attrs = {"lo": 0.8, "hi": 1.28}
+    check_op("clipped_surrogate", (n,), [logp, old, adv], attrs)
+    got = check_op("clipped_surrogate_back", (n,), [logp, old, adv, rand(n, seed=4)], attrs)
+    want = numpy_f32("clipped_surrogate_back", (n,), [logp, old, adv, rand(n, seed=4)], attrs)
+    assert np.array_equal(got == 0, want == 0), "the clipped elements are the same"
+
+
+def test_kl_penalty():
+    n = 4099
+    logp, ref = rand(n, seed=1), rand(n, seed=2)
+    ref[:3] = logp[:3] + np.float32(1e-7)                             # expm1 keeps small d's digits
+    check_op("kl_penalty", (n,), [logp, ref], {})
+    check_op("kl_penalty_back", (n,), [logp, ref, rand(n, seed=3)], {})
+
+
+# --- dropout ---------------------------------------------------------------------------------------
+def _hp(step, micro):
+    hp = np.zeros(9, np.float32)
+    hp[7], hp[8] = step, micro
+    return hp
+
+
+@pytest.mark.parametrize("p,seed,salt,step,micro", [
+    (0.1, 0, 0, 1, 0), (0.5, 123, 7, 99, 3), (0.05, 2**32 - 1, 2**31, 1000, 1),
+    (0.3, 5, 1, 0, 0),                     # step 0: evaluation, the identity
+    (0.0, 5, 1, 3, 0),                     # nothing drops
+])
+def test_dropout_is_numpys_mask_bit_for_bit(p, seed, salt, step, micro):
+    x, attrs = rand(3, 4099), {"p": p, "seed": seed, "salt": salt}
+    assert_numpys_bits("dropout", x.shape, [x, _hp(step, micro)], attrs)
+    check_bits_across_threads("dropout", x.shape, [x, _hp(step, micro)], attrs)
+
+
+def test_dropout_reads_the_step_when_it_runs():
+    """The hp row changes between steps without a new program: a new mask each step."""
+    from toygraph.cpu.replay import Program
+    x, hp, out = rand(5000), _hp(1, 0), np.zeros(5000, np.float32)
+    attrs = {"p": 0.5, "seed": 1, "salt": 2}
+    prog = Program([REPLAYS["dropout"](None, out, [x, hp], attrs)], ["dropout"])
+    masks = []
+    for step in (1, 2):
+        hp[7] = step
+        prog.run()
+        assert np.array_equal(out, numpy_f32("dropout", x.shape, [x, hp], attrs))
+        masks.append(out != 0)
+    assert not np.array_equal(*masks)
 
 
 # --- broken kernels --------------------------------------------------------------------------------

@@ -17,4 +17,7 @@ import toygraph.ops.update.cpu  # noqa: F401
 import toygraph.ops.cache.cpu  # noqa: F401
 import toygraph.ops.shape.cpu  # noqa: F401
 import toygraph.ops.slicing.cpu  # noqa: F401
+import toygraph.ops.preference.cpu  # noqa: F401
+import toygraph.ops.policy.cpu  # noqa: F401
+import toygraph.ops.stochastic.cpu  # noqa: F401
 # isort: on
