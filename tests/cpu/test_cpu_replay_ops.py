@@ -401,3 +401,54 @@ def test_a_broken_kernel_fails_its_check(name):
     with pytest.raises(AssertionError, match="over the bound"):
         check_op(op, shape, srcs, attrs, lib=_broken(old, new))
 
+
+# --- whole steps -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["full_tiny_llama", "scratch_tiny_llama", "dpo_qv_tiny_llama",
+                                  "orpo_qv_tiny_llama"])
+def test_the_step_is_one_engine_call(name, monkeypatch):
+    """With these kernels every node of a full fine-tune's, a from-scratch run's, DPO's and
+    ORPO's step has one: each phase compiles to one replayed program, and the losses
+    match numpy's golden (test_cpu_replay.py checks every golden's tolerance)."""
+    from toygraph.core import numpy_backend
+    from toygraph.fixtures.golden import compare
+    compiled = []
+    plain = numpy_backend.CpuBackend._compile
+
+    def spy(self, nodes):
+        steps = plain(self, nodes)
+        compiled.append([op for op, *_ in steps])
+        return steps
+
+    monkeypatch.setattr(numpy_backend.CpuBackend, "_compile", spy)
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    ok, detail, _ = compare(name, "cpu")
+    assert ok, detail
+    assert compiled and all(steps == [None] for steps in compiled), compiled
+
+
+def test_generation_is_one_engine_call_a_phase(tiny_llama, monkeypatch):
+    """The prefill's permutes and the mask adds run in the engine (the decode's softmax is
+    in the cache attention the backend fuses): greedy tokens equal numpy's, and nothing
+    stays on numpy, so the prefill and the decode step are one engine call each (without
+    permute's replay the prefill is 9 steps, without add's both are)."""
+    from toygraph.core import numpy_backend
+    from toygraph.inference.language_model import LanguageModel
+    seen, phases = set(), []
+    plain = numpy_backend.CpuBackend._compile
+
+    def spy(self, nodes):
+        steps = plain(self, nodes)
+        seen.update(op for op, *_ in steps if op is not None)
+        phases.append(len(steps))
+        return steps
+
+    monkeypatch.setattr(numpy_backend.CpuBackend, "_compile", spy)
+    monkeypatch.setenv("TOYGRAPH_CPU_DOT", "f32")
+    text = {}
+    for mode in ("numpy", "engine"):
+        monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", mode)
+        seen.clear()
+        phases.clear()
+        text[mode] = LanguageModel(tiny_llama).generate("the cat sat on", max_new_tokens=12)
+    assert text["engine"] == text["numpy"]
+    assert not seen and phases == [1, 1], (seen, phases)
