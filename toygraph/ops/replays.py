@@ -14,4 +14,6 @@ import toygraph.ops.gemm.cpu  # noqa: F401
 import toygraph.ops.rows.cpu  # noqa: F401
 import toygraph.ops.loss.cpu  # noqa: F401
 import toygraph.ops.update.cpu  # noqa: F401
+import toygraph.ops.experts.cpu  # noqa: F401
+import toygraph.ops.deltanet.cpu  # noqa: F401
 # isort: on
