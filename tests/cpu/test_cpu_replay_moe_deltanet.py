@@ -357,3 +357,116 @@ def test_a_broken_kernel_fails_its_check(name):
             {"trans_b": True}, (N, k, n_out)
     with pytest.raises(AssertionError, match="over the bound"):
         check_op(op, shape, srcs, attrs, lib=broken)
+
+
+# --- the whole step ----------------------------------------------------------------------------
+ATTENTION = ("q", "k", "v", "o")
+EXPERT_OPS = {"topk", "take_along", "put_along", "group_by_expert", "expert_matmul",
+              "expert_matmul_dw"}
+DELTANET_OPS = {"causal_conv1d", "causal_conv1d_back", "delta_rule", "delta_rule_back"}
+
+
+def lora_steps(path, targets, replay, monkeypatch, steps=3, seq=16, batch=2, base_memory=None):
+    """(the losses of ``steps`` LoRA steps on the GGUF at ``path``, the ops of the nodes
+    that kept their numpy kernel, the engine kernels the replayed runs call), the numpy
+    backend replaying in the engine or not (``replay``: TOYGRAPH_CPU_REPLAY). Non-zero A
+    and B on every target, rank 4, AdamW at lr 2e-3, clip 0.5."""
+    from toygraph.core import numpy_backend
+    from toygraph.core.optimizer import hp_row
+    from toygraph.models.decoder import ALL_TARGETS, lora_shapes
+    from toygraph.models.model import GGUFModel
+    from toygraph.recipes import LoRA, RecipeOptions
+    kept, kernels = set(), set()
+    plain = numpy_backend.CpuBackend._compile
+
+    def spy(self, nodes):
+        compiled = plain(self, nodes)
+        for op, program, *_ in compiled:
+            if op is None:
+                kernels.update(program.kernels)
+            else:
+                kept.add(op)
+        return compiled
+
+    monkeypatch.setattr(numpy_backend.CpuBackend, "_compile", spy)
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", replay)
+    model = GGUFModel(path)
+    cfg, present = model.config, model.tensor_names()
+    rng = np.random.default_rng(0)
+    lora = {}
+    for i in range(cfg.n_layer):
+        for t in targets:
+            name = f"blk.{i}.{ALL_TARGETS[t]}.weight"
+            if name.replace("gate_up", "gate") in present:
+                a, b = lora_shapes(cfg, name, 4)
+                lora[f"{name}.lora_a"] = (rng.normal(size=a) / np.sqrt(a[-1])).astype(np.float32)
+                lora[f"{name}.lora_b"] = (rng.normal(size=b) * 0.5).astype(np.float32)
+    recipe = LoRA(targets=targets, rank=4, alpha=8)
+    recipe.realize(model, cfg, RecipeOptions(seq_len=seq, batch=batch, clip=0.5,
+                                             base_memory=base_memory))
+    recipe.load_trainable(lora)
+    tokens = np.random.default_rng(1).integers(0, cfg.n_vocab, (1, batch, seq)).astype(np.int32)
+    labels = np.concatenate([tokens[..., 1:], np.full((1, batch, 1), -1)], -1).astype(np.int32)
+    positions = np.tile(np.arange(seq, dtype=np.int32), (1, batch, 1))
+    losses = [recipe.step(tokens, positions, labels, hp_row(t, 2e-3, 0.9, 0.99, 1e-8, 0.05),
+                          is_first=(t == 1)) for t in range(1, steps + 1)]
+    return losses, kept, kernels
+
+
+def worst_rel(got, want):
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "gpt-oss"])
+def test_a_moe_lora_step_replays_as_numpy(name, monkeypatch):
+    """tests/support/files/moe's tiny models (test_moe_models.py), LoRA on the attention
+    and on the experts: 3 steps within 1e-5 of numpy's losses, every experts op in the
+    engine (what still keeps its numpy kernel is other families': gpt-oss's sinks and
+    swiglu_oai, broadcast elementwise ops, softmax, narrow, sum...)."""
+    from support.moe_references import gguf_path
+    targets = ATTENTION + ("gate_up_exps", "down_exps")
+    want, _, _ = lora_steps(gguf_path(name), targets, "numpy", monkeypatch)
+    got, kept, kernels = lora_steps(gguf_path(name), targets, "engine", monkeypatch)
+    assert worst_rel(got, want) <= 1e-5, (got, want)
+    assert not kept & EXPERT_OPS and EXPERT_OPS <= kernels, kept
+
+
+def test_a_moe_step_with_its_experts_in_blocks(monkeypatch, tmp_path):
+    """qwen3moe with its experts in q8_0, kept in their blocks: the engine multiplies on
+    them (expert_matmul_blocks, forward and dx), numpy decodes each chosen expert; and the
+    steps are the same bits at 1 and 2 threads."""
+    from support.moe_references import requantize
+    path = requantize("qwen3moe", tmp_path / "q8.gguf", {"_exps.weight": "q8_0"})
+    targets = ATTENTION + ("gate_up_exps", "down_exps")
+    want, _, _ = lora_steps(path, targets, "numpy", monkeypatch, base_memory="quantized")
+    runs = []
+    for threads in (1, 2):
+        engine.use_threads(threads)
+        try:
+            runs.append(lora_steps(path, targets, "engine", monkeypatch, base_memory="quantized"))
+        finally:
+            engine.use_threads(None)
+    (got, kept, kernels), (again, _, _) = runs
+    assert worst_rel(got, want) <= 1e-5 and got == again, (got, again, want)
+    assert "expert_matmul_blocks" in kernels and not kept & EXPERT_OPS, kept
+
+
+@pytest.mark.slow
+def test_a_qwen35_lora_step_replays_as_numpy(monkeypatch, tmp_path):
+    """test_qwen35.py's tiny Qwen3.5 (transformers' model through llama.cpp's converter),
+    2 x 80 tokens: two chunks of the delta rule. LoRA on the attention and ssm_out, 2 steps
+    within 1e-5 of numpy's losses (their gradients cross the DeltaNet layers' backward:
+    the attention layers are the 4th and 8th); with every projection targeted (the
+    DeltaNet's qkv, z, alpha, beta too) the first step's loss. This fixture's steps
+    amplify rounding: numpy's own f32 steps leave its f64 steps by 2e-4 at the second with
+    every projection, by 3e-6 at the third with ssm_out, so later steps would compare
+    rounding orders, not kernels (the engine is as near f64 as numpy is)."""
+    from support.converted import convert
+    from test_qwen35 import build
+    path, _ = convert(tmp_path, "qwen35", *build(2, 4), pre="qwen35", args=("--no-mtp",))
+    for targets, steps in ((ATTENTION + ("ssm_out",), 2),
+                           (ATTENTION + ("qkv", "z", "alpha", "beta", "ssm_out"), 1)):
+        want, _, _ = lora_steps(path, targets, "numpy", monkeypatch, steps=steps, seq=80)
+        got, kept, kernels = lora_steps(path, targets, "engine", monkeypatch, steps=steps, seq=80)
+        assert worst_rel(got, want) <= 1e-5, (targets, got, want)
+        assert not kept & DELTANET_OPS and DELTANET_OPS <= kernels, kept
