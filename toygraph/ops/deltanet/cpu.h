@@ -129,11 +129,16 @@ static void dn_transpose(int64_t rows, int64_t cols, const float* src, int64_t l
         }
 }
 
-// The sum of a[j] b[j] over n in f64 (the scalar sums of the backward: a handful per row).
+// The sum of a[j] b[j] over n in f64 (the scalar sums of the backward: a handful per row,
+// and one over the state): in 8 lanes (j mod 8), so the adds do not wait on each other,
+// then the lanes' sums in order.
 static inline double dn_dot(const float* a, const float* b, int64_t n) {
-    double s = 0.0;
-    for (int64_t j = 0; j < n; j++) s += (double)a[j] * (double)b[j];
-    return s;
+    double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) lane[l] += (double)a[j + l] * (double)b[j + l];
+    for (; j < n; j++) lane[j % 8] += (double)a[j] * (double)b[j];
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
 // The operands of a delta_rule node. p: out, q, k, v, g, beta, then the initial state or
@@ -242,11 +247,19 @@ static void delta_prepare(const DeltaOps& o, DeltaWork& w, int64_t b, int64_t h,
     }
 }
 
+// dst [cols][n] (rows ldd apart) = (diag(s) src)^T, src [n][cols] rows lds apart: K^T or Q^T
+// with each step's column scaled.
+static void dn_scaled_transpose(int64_t n, int64_t cols, const float* src, int64_t lds,
+                                const float* s, float* dst, int64_t ldd) {
+    dn_transpose(n, cols, src, lds, dst, ldd);
+    for (int64_t d = 0; d < cols; d++)
+        for (int64_t i = 0; i < n; i++) dst[d * ldd + i] = s[i] * dst[d * ldd + i];
+}
+
 // S = gam_{n-1} S + (diag(cdec) K)^T U: the state after the chunk, in place.
 static void delta_advance(const DeltaOps& o, DeltaWork& w, int64_t n, float* S) {
     const int64_t dk = o.dk, dv = o.dv;
-    for (int64_t d = 0; d < dk; d++)
-        for (int64_t i = 0; i < n; i++) w.kdt[d * w.ldn + i] = w.cdec[i] * w.k[i * w.ldk + d];
+    dn_scaled_transpose(n, dk, w.k, w.ldk, w.cdec, w.kdt, w.ldn);
     const float last = w.gam[n - 1];
     for (int64_t d = 0; d < dk; d++)
         for (int64_t j = 0; j < dv; j++) S[d * w.ldv + j] = last * S[d * w.ldv + j];
@@ -292,7 +305,7 @@ TG_REPLAY_KERNEL(delta_rule) {
 
 // One chunk's backward (deltanet.cu's tg_delta_chunked_back, line for line in matrix
 // form), the chunk prepared from its start state S0; reads dS (the gradient of the state
-// after the chunk) and leaves the gradient of S0 in dSn. ``dcg``: n doubles of scratch.
+// after the chunk) and leaves the gradient of S0 in dSn. ``dcg``: 2n doubles of scratch.
 static void delta_chunk_back(const DeltaOps& o, DeltaWork& w, int64_t b, int64_t h, int64_t t0,
                              int64_t n, const float* S0, double* dcg) {
     const int64_t dk = o.dk, dv = o.dv, ldk = w.ldk, ldv = w.ldv, ldn = w.ldn;
@@ -367,15 +380,22 @@ static void delta_chunk_back(const DeltaOps& o, DeltaWork& w, int64_t b, int64_t
     // gam_i (dO_i.QS_i - beta_i dR_i.KS_i) - cdec_i U_i.KdS_i, F = dM * M + dA * A; and
     // at i = n-1 also the sums of cdec_l U_l.KdS_l and gam_{n-1} sum(dS * S0)
     double last = 0.0, dss = 0.0;
+    double* colF = dcg + n;   // colsum_l(F), rows added in order
+    for (int64_t l = 0; l < n; l++) colF[l] = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t l = 0; l < n; l++) {
+            const int64_t il = i * ldn + l;
+            colF[l] += (double)w.dM[il] * w.M[il] + (double)w.dA[il] * w.beta[i] * w.P[il];
+        }
     for (int64_t i = 0; i < n; i++) {
         const double rk = dn_dot(w.dR + i * ldv, w.KS + i * ldv, dv);
         const double rv = dn_dot(w.dR + i * ldv, w.v + i * ldv, dv);
-        double pa = 0.0, fa = 0.0, fb = 0.0;
+        double pa = 0.0, fa = 0.0;
+        const double fb = colF[i];
         for (int64_t l = 0; l < n; l++) {
-            const int64_t il = i * ldn + l, li = l * ldn + i;
+            const int64_t il = i * ldn + l;
             pa += (double)w.dA[il] * w.P[il];
             fa += (double)w.dM[il] * w.M[il] + (double)w.dA[il] * w.beta[i] * w.P[il];
-            fb += (double)w.dM[li] * w.M[li] + (double)w.dA[li] * w.beta[l] * w.P[li];
         }
         dbeta[o.row(b, t0 + i, h)] = (float)(rv - (double)w.gam[i] * rk + pa);
         const double uk = (double)w.cdec[i] * dn_dot(w.U + i * ldv, w.KdS + i * ldv, dv);
@@ -388,11 +408,9 @@ static void delta_chunk_back(const DeltaOps& o, DeltaWork& w, int64_t b, int64_t
     double acc = 0.0;   // dg: the running sum of d cg from the chunk's end
     for (int64_t i = n - 1; i >= 0; i--) dg[o.row(b, t0 + i, h)] = (float)(acc += dcg[i]);
     // dS0 = gam_{n-1} dS + Q^T diag(gam) dO - K^T diag(gam beta) dR
-    for (int64_t d = 0; d < dk; d++)
-        for (int64_t i = 0; i < n; i++) {
-            w.qg[d * ldn + i] = w.gam[i] * w.q[i * ldk + d];
-            w.kgb[d * ldn + i] = -(w.gam[i] * w.beta[i]) * w.k[i * ldk + d];
-        }
+    for (int64_t i = 0; i < n; i++) w.row[i] = -(w.gam[i] * w.beta[i]);
+    dn_scaled_transpose(n, dk, w.q, ldk, w.gam, w.qg, ldn);
+    dn_scaled_transpose(n, dk, w.k, ldk, w.row, w.kgb, ldn);
     for (int64_t d = 0; d < dk; d++)
         for (int64_t j = 0; j < dv; j++) w.dSn[d * ldv + j] = w.gam[n - 1] * w.dS[d * ldv + j];
     dn_gemm(dk, dv, n, w.qg, ldn, w.dO, ldv, w.dSn, ldv, true);
@@ -416,7 +434,7 @@ TG_REPLAY_KERNEL(delta_rule_back) {
         delta_carve(w, base, o, true, chunks);
         // zeros where the GEMMs read past a row's end (the pads) and the first start state
         memset(base, 0, (size_t)(w.starts - base + plane) * 4);
-        std::vector<double> dcg((size_t)o.C);
+        std::vector<double> dcg((size_t)(2 * o.C));
         for (int64_t c = 0; c + 1 < chunks; c++) {
             float* S = w.starts + c * plane;
             delta_prepare(o, w, b, h, c * o.C, o.C, S);
