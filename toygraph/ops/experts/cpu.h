@@ -218,11 +218,23 @@ static void moe_gemm_tile(const MoeGemm& g, int64_t m0, int64_t m1, int64_t n0) 
     const int64_t rows = m1 - m0;
     float* panel = replay_scratch((size_t)(g.K * NR + rows * NR));
     float* part = panel + g.K * NR;   // one run of k's sums, [rows][NR]
-    for (int64_t k = 0; k < g.K; k++) {
-        float* dst = panel + k * NR;
-        const float* src = g.b + k * g.bk + n0 * g.bn;
-        for (int j = 0; j < cols; j++) dst[j] = src[j * g.bn];
-        for (int j = cols; j < NR; j++) dst[j] = 0.0f;
+    // B read along its unit stride: a row of k at a time (W[e] [n_in, n_out]), or by
+    // tiles of 64 k a column at a time (W[e]^T: its columns are W[e]'s rows, often a
+    // power of two apart, and one k of NR such rows at a time would map every load to one
+    // cache set).
+    for (int64_t k = 0; k < g.K; k++)
+        for (int j = cols; j < NR; j++) panel[k * NR + j] = 0.0f;
+    if (g.bn == 1) {
+        for (int64_t k = 0; k < g.K; k++)
+            memcpy(panel + k * NR, g.b + k * g.bk + n0, (size_t)cols * 4);
+    } else {
+        for (int64_t k0 = 0; k0 < g.K; k0 += 64) {
+            const int64_t k1 = k0 + 64 < g.K ? k0 + 64 : g.K;
+            for (int j = 0; j < cols; j++) {
+                const float* src = g.b + (n0 + j) * g.bn;
+                for (int64_t k = k0; k < k1; k++) panel[k * NR + j] = src[k * g.bk];
+            }
+        }
     }
     float* tile = g.c + m0 * g.ldc + n0;
     const float* a = g.a + m0 * g.lda;
