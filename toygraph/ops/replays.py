@@ -20,4 +20,6 @@ import toygraph.ops.slicing.cpu  # noqa: F401
 import toygraph.ops.preference.cpu  # noqa: F401
 import toygraph.ops.policy.cpu  # noqa: F401
 import toygraph.ops.stochastic.cpu  # noqa: F401
+import toygraph.ops.experts.cpu  # noqa: F401
+import toygraph.ops.deltanet.cpu  # noqa: F401
 # isort: on
