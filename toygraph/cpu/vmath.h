@@ -5,8 +5,8 @@
 // Both are Cephes' single-precision algorithms (exp: a degree-6 polynomial on
 // x - n ln 2 split in two parts, times 2^n; tanh: a polynomial near 0, else
 // 1 - 2 / (exp(2|x|) + 1)): about 1 to 2 units in the last place from the true value,
-// where numpy's are about 1. Below -87.3 exp is 0 (the f32 normal range's end), so a
-// masked score of -inf gives exactly 0; above 88.7 it is inf.
+// where numpy's are about 1. exp runs into the subnormals down to -103.97 and is 0 below
+// (a masked score of -inf gives exactly 0), inf above 88.72, as numpy's.
 
 static const int VW = VL >= 4 ? VL : 4;
 typedef float vf __attribute__((vector_size(VW * 4)));
@@ -26,11 +26,12 @@ static inline vf vf_floor(vf y) {
 }
 
 static inline vf vf_exp(vf x) {
-    const vf hi = vf_set(88.72283935546875f), lo = vf_set(-87.33654022216797f);
-    const vf big = x > hi ? vf_set(INFINITY) : vf{};
-    const vi tiny = x < lo, over = x > hi;
-    x = x > hi ? hi : x;
+    // Past these ends the f32 result is 0 (below ln 2^-150: under half the least subnormal)
+    // or inf (above ln of the largest float).
+    const float lo = -103.97207708f, hi = 88.72283935546875f;
+    const vi zero = x < lo, over = x > hi;
     x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
     const vf n = vf_floor(x * 1.44269504088896341f + 0.5f);
     vf r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -41,10 +42,12 @@ static inline vf vf_exp(vf x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
-    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf y = p * (vf)e;
-    y = tiny ? vf{} : y;
-    return over ? big : y;
+    // 2^n in two factors, each a normal float for n in [-150, 128], so exp(88.5) is not
+    // inf and a result below 2^-126 is rounded once into the subnormals.
+    const vi e = __builtin_convertvector(n, vi), e1 = e >> 1, e2 = e - e1;
+    vf y = p * (vf)((e1 + 127) << 23) * (vf)((e2 + 127) << 23);
+    y = zero ? vf{} : y;
+    return over ? vf_set(INFINITY) : y;
 }
 
 static inline vf vf_tanh(vf x) {

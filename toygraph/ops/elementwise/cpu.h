@@ -131,27 +131,12 @@ static void ew_map(float* out, const float* const* in, int n_in, int64_t n, F&& 
 // (the index it passes as i[1]).
 enum EwAct { kSilu, kSiluBack, kGelu, kGeluBack, kSigmoid, kSigmoidBack, kSoftcap, kSoftcapBack };
 
-// exp(x) over f32's whole range, as numpy's: vf_exp is 0 below the normal range (-87.3)
-// and inf from 88.38 on (its 2^n overflows the exponent field before exp(x) passes f32's
-// largest value at 88.72), so outside [-87.3, 88.3] it is exp(x / 2)^2: x / 2 exact, the
-// square rounded once, into the subnormals or up to inf. silu(-88.5) is then -3.3e-37 as
-// numpy's, not -0, and a sigmoid far below 0 keeps its subnormal digits (its only ones).
-static inline vf ew_exp(vf x) {
-    const vf e = vf_exp(x);
-    const vi ends = (x < -87.33654022216797f) | (x > 88.3f);
-    int any = 0;
-    for (int l = 0; l < VW; l++) any |= ends[l];
-    if (!any) return e;
-    const vf h = vf_exp(0.5f * x);
-    return ends ? h * h : e;
-}
-
 // x / (1 + exp(-x)): exp overflows to inf below -88.7 and the quotient is then -0, as numpy's.
-static inline vf ew_silu(vf x) { return x / (1.0f + ew_exp(-x)); }
+static inline vf ew_silu(vf x) { return x / (1.0f + vf_exp(-x)); }
 
 // ((1 + x (1 - s)) s) g, s = 1 / (1 + exp(-x)): numpy's in-place steps in order.
 static inline vf ew_silu_back(vf x, vf g) {
-    const vf s = 1.0f / (1.0f + ew_exp(-x));
+    const vf s = 1.0f / (1.0f + vf_exp(-x));
     return (1.0f + x * (1.0f - s)) * s * g;
 }
 
@@ -171,7 +156,7 @@ static inline vf ew_gelu_back(vf x, vf g) {
 
 // numpy's _sigmoid: exp of -|x| only, 1 / (1 + e) at x >= 0, e / (1 + e) below.
 static inline vf ew_sigmoid(vf x) {
-    const vf e = ew_exp(-(x < 0.0f ? -x : x));
+    const vf e = vf_exp(-(x < 0.0f ? -x : x));
     return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
 }
 
@@ -230,7 +215,7 @@ static inline EwOai ew_oai(vf gate, vf up, float alpha, float limit) {
     const vf hi = vf_set(limit), lo = vf_set(-limit);
     p.gc = gate > hi ? hi : gate;   // a nan stays nan, as numpy's minimum and clip keep it
     p.uc = up > hi ? hi : (up < lo ? lo : up);
-    p.s = 1.0f / (1.0f + ew_exp(-alpha * p.gc));
+    p.s = 1.0f / (1.0f + vf_exp(-alpha * p.gc));
     return p;
 }
 

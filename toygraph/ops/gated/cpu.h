@@ -1,25 +1,7 @@
 // The gated family's replay kernels (replay.h): glu and glu_back, act(gate) * up with act
-// silu (0) or gelu's tanh form (1), each element computed with the operations of the
-// elementwise family's numpy kernels, exp and tanh from vmath.h.
-
-static inline vf glu_silu(vf x) { return x / (1.0f + vf_exp(-x)); }
-
-static inline vf glu_silu_back(vf x, vf g) {
-    const vf s = 1.0f / (1.0f + vf_exp(-x));
-    return (1.0f + x * (1.0f - s)) * s * g;
-}
-
-static const float kGeluC = 0.7978845608028654f, kGeluA = 0.044715f;
-
-static inline vf glu_gelu_tanh(vf x) { return vf_tanh(kGeluC * (x + kGeluA * x * x * x)); }
-
-static inline vf glu_gelu(vf x) { return x * (0.5f * (1.0f + glu_gelu_tanh(x))); }
-
-static inline vf glu_gelu_back(vf x, vf g) {
-    const vf t = glu_gelu_tanh(x);
-    const float a3 = (float)(3 * 0.044715);
-    return g * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluC * (1.0f + a3 * x * x));
-}
+// silu (0) or gelu's tanh form (1), each element computed by the elementwise family's
+// activations (ops/elementwise/cpu.h, assembled before this file), as the numpy kernels
+// call the elementwise ones.
 
 // Over n elements of up to four inputs and two outputs, whole vectors then a padded tail:
 // f(x[0..3], y[0..1]) reads vectors x and writes vectors y.
@@ -56,7 +38,7 @@ TG_REPLAY_KERNEL(glu) {
     float* out[1] = {(float*)n.p[0]};
     const bool gelu = n.i[1] == 1;
     glu_map(n.i[0], in, 2, out, 1, [gelu](const vf* x, vf* y) {
-        y[0] = (gelu ? glu_gelu(x[0]) : glu_silu(x[0])) * x[1];
+        y[0] = (gelu ? ew_gelu(x[0]) : ew_silu(x[0])) * x[1];
     });
     return 0;
 }
@@ -69,8 +51,8 @@ TG_REPLAY_KERNEL(glu_back) {
     const bool gelu = n.i[1] == 1;
     glu_map(n.i[0], in, 3, out, 2, [gelu](const vf* x, vf* y) {
         const vf gu = x[2] * x[1];
-        y[0] = gelu ? glu_gelu_back(x[0], gu) : glu_silu_back(x[0], gu);
-        y[1] = x[2] * (gelu ? glu_gelu(x[0]) : glu_silu(x[0]));
+        y[0] = gelu ? ew_gelu_back(x[0], gu) : ew_silu_back(x[0], gu);
+        y[1] = x[2] * (gelu ? ew_gelu(x[0]) : ew_silu(x[0]));
     });
     return 0;
 }
