@@ -8,17 +8,21 @@ Sections (``--sections``, comma-separated; all by default):
   and sum over 256 MiB).
 - ``step``: a LoRA step (targets q,k,v,o, rank 8, one sequence of 128 tokens unless told)
   on each model row: toygraph with the base decoded to f32 (``--base-memory decode``),
-  toygraph on the blocks (the default), torch + PEFT (transformers loading the same GGUF);
+  toygraph on the blocks (the default), the blocks with the step replayed in the engine
+  (``TOYGRAPH_CPU_REPLAY=engine``), torch + PEFT (transformers loading the same GGUF);
   tokens/s, peak RSS, the blocks' speed against the decoded step's and the file's size.
   Each in its own child (bench_lora.py's); ``--rounds N`` alternates the decoded and blocks
   children N times and pools their step times (the host's slow spells fall on both). ``llama8b4-q4_k`` is the 8B's matrices and head
   with 4 of its 32 layers; the whole ``llama8b-q4_k`` runs on the blocks only (its f32
   copy, 32 GB, fits neither the decoded path nor torch).
-- ``interleaved``: the fair speed comparison of the step rows: both base modes realized
-  in one process and their steps alternating (2 x --steps of each, the first dropped);
-  the median step of each and the range of the step-by-step ratio.
+- ``interleaved``: the fair speed comparison of the step rows: both base modes and the
+  engine's replay realized in one process and their steps alternating (2 x --steps of
+  each, the first dropped); the median step of each and the range of the step-by-step
+  ratio of the replay to the blocks.
 - ``generate``: greedy generation, the same prompt, 64 new tokens, the same threads:
-  toygraph on the blocks, toygraph decoded to f32 (the reference arithmetic: BLAS),
+  toygraph on the blocks (numpy's replay, and replayed in the engine:
+  ``TOYGRAPH_CPU_REPLAY=engine``, also at caches of ``--caches`` rows, most of them empty),
+  toygraph decoded to f32 (the reference arithmetic: BLAS),
   llama.cpp (llama-cpp-python) on the same file; tokens/s after the first token, the greedy
   tokens against the f32 path and the logits' largest difference along the f32 path's
   tokens; and GRPO's rollouts (the batched sampler, a group of 4) in tokens/s. With
@@ -158,8 +162,10 @@ def section_decode(a) -> tuple[str, dict]:
 # --- step --------------------------------------------------------------------------------------
 def section_step(a, work: Path) -> tuple[str, dict]:
     lines = ["| model | file GiB | toygraph decoded: tok/s | peak RSS GiB | toygraph blocks: "
-             "tok/s | peak RSS GiB | blocks / decoded | torch + PEFT: tok/s | peak RSS GiB | "
-             "loss step 1: decoded / blocks / torch |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "tok/s | peak RSS GiB | blocks / decoded | toygraph blocks, replayed in the engine: "
+             "tok/s | peak RSS GiB | torch + PEFT: tok/s | peak RSS GiB | replayed / torch | "
+             "loss step 1: decoded / blocks / replayed / torch |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     doc = []
     for name in a.models_step:
         path = model_file(name)
@@ -180,6 +186,8 @@ def section_step(a, work: Path) -> tuple[str, dict]:
         for rnd in range(a.rounds):
             for tag, impl, env in (("decoded", "toygraph", {"TOYGRAPH_BASE_MEMORY": "decode"}),
                                    ("blocks", "toygraph", {"TOYGRAPH_BASE_MEMORY": "auto"}),
+                                   ("replay", "toygraph", {"TOYGRAPH_BASE_MEMORY": "auto",
+                                                           "TOYGRAPH_CPU_REPLAY": "engine"}),
                                    ("torch", "torch-eager", {})):
                 if tag != "blocks" and name.startswith("llama8b-"):
                     got[tag] = {"error": "not run: its f32 weights (32 GB) do not fit"}
@@ -209,7 +217,7 @@ def step_row(name: str, size: int, got: dict, tokens: int, warmup: int) -> str:
         return tokens / statistics.median(r["step_s"][warmup:]) if "step_s" in r else None
 
     cells, rates = [], {}
-    for tag in ("decoded", "blocks", "torch"):
+    for tag in ("decoded", "blocks", "replay", "torch"):
         r = got[tag]
         if "error" in r:
             cells += [r["error"][:60], "—"]
@@ -219,16 +227,19 @@ def step_row(name: str, size: int, got: dict, tokens: int, warmup: int) -> str:
         cells += [f"{rates[tag]:.1f}", f"{peak / GIB:.2f}"]
     ratio = (f"{rates['blocks'] / rates['decoded']:.0%}" if {"blocks", "decoded"} <= rates.keys()
              else "—")
+    vs_torch = (f"{rates['replay'] / rates['torch']:.2f}x" if {"replay", "torch"} <= rates.keys()
+                else "—")
     first = " / ".join(f"{got[t]['losses'][0]:.5f}" if "losses" in got[t] else "—"
-                       for t in ("decoded", "blocks", "torch"))
+                       for t in ("decoded", "blocks", "replay", "torch"))
     return (f"| {name} | {size / GIB:.2f} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} "
-            f"| {ratio} | {cells[4]} | {cells[5]} | {first} |")
+            f"| {ratio} | {cells[4]} | {cells[5]} | {cells[6]} | {cells[7]} | {vs_torch} | {first} |")
 
 
 def child_interleaved(spec: dict) -> dict:
-    """Both base modes realized in this process and their LoRA steps interleaved (decoded,
-    blocks, then blocks, decoded, ...): the same tokens, so a slow spell of the host falls
-    on both; the times of every step after the first."""
+    """Both base modes, and the blocks replayed in the engine, realized in this process and
+    their LoRA steps interleaved (decoded, blocks, replayed, then the reverse order, ...):
+    the same tokens, so a slow spell of the host falls on all; the times of every step
+    after the first."""
     from toygraph.core.optimizer import hp_row
     from toygraph.cpu import engine
     from toygraph.models.model import GGUFModel
@@ -236,10 +247,12 @@ def child_interleaved(spec: dict) -> dict:
     engine.use_threads(spec["threads"])
     model = GGUFModel(spec["gguf"])
     recipes = {}
-    for mode in ("decode", "quantized"):
+    for mode, base, replay in (("decode", "decode", "numpy"), ("quantized", "quantized", "numpy"),
+                               ("replay", "quantized", "engine")):
+        os.environ["TOYGRAPH_CPU_REPLAY"] = replay   # read when the session realizes
         r = LoRA(targets=tuple(spec["targets"]), rank=spec["rank"], alpha=2.0 * spec["rank"])
         r.realize(model, model.config, RecipeOptions(seq_len=spec["seq"], batch=spec["batch"],
-                                                     seed=42, base_memory=mode))
+                                                     seed=42, base_memory=base))
         recipes[mode] = r
     rng = np.random.default_rng(42)
     ids = rng.integers(0, model.config.n_vocab, (1, spec["batch"], spec["seq"])).astype(np.int32)
@@ -255,8 +268,9 @@ def child_interleaved(spec: dict) -> dict:
 
 
 def section_interleaved(a, work: Path) -> tuple[str, dict]:
-    lines = ["| model | decoded: s/step (median) | blocks: s/step | blocks / decoded | "
-             "pairwise, least..most |", "|---|---:|---:|---:|---|"]
+    lines = ["| model | decoded: s/step (median) | blocks: s/step | replayed: s/step | "
+             "blocks / decoded | replayed / blocks | pairwise, least..most |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     doc = []
     for name in a.models_step:
         if name.startswith("llama8b-"):
@@ -269,10 +283,10 @@ def section_interleaved(a, work: Path) -> tuple[str, dict]:
         if "error" in got:
             lines.append(f"| {name} | {got['error'][:60]} | | | |")
             continue
-        d, b = (statistics.median(got[m]) for m in ("decode", "quantized"))
-        pairs = [x / y for x, y in zip(got["decode"], got["quantized"])]
-        lines.append(f"| {name} | {d:.2f} | {b:.2f} | {d / b:.0%} | "
-                     f"{min(pairs):.0%}..{max(pairs):.0%} |")
+        d, b, r = (statistics.median(got[m]) for m in ("decode", "quantized", "replay"))
+        pairs = [x / y for x, y in zip(got["quantized"], got["replay"])]
+        lines.append(f"| {name} | {d:.2f} | {b:.2f} | {r:.2f} | {d / b:.0%} | {b / r:.2f}x | "
+                     f"{min(pairs):.2f}x..{max(pairs):.2f}x |")
     return "\n".join(lines), {"rows": doc}
 
 
@@ -304,12 +318,16 @@ def child_generate(spec: dict) -> dict:
             res["max_logit_diff"] = float(np.abs(along - ref).max())
         return res
     os.environ["TOYGRAPH_BASE_MEMORY"] = spec["base_memory"]
+    os.environ["TOYGRAPH_CPU_REPLAY"] = spec.get("replay", "numpy")
     from toygraph.cpu import engine
     from toygraph.inference.language_model import LanguageModel
     engine.use_threads(spec["threads"])
     lm = LanguageModel(spec["gguf"])
     prompt = lm.tokenizer.encode(PROMPT)
     end = len(prompt) + spec["new"]
+    if spec.get("cache"):   # the speed with a cache of this many rows (most of them empty)
+        _, stamps, _ = greedy(lm, prompt, end, cache=max(spec["cache"], end))
+        return {"tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
     ids, stamps, rows = greedy(lm, prompt, end)
     out = {"ids": ids, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "prompt": prompt}
     if spec.get("keep_logits"):
@@ -329,11 +347,12 @@ def child_generate(spec: dict) -> dict:
     return out
 
 
-def greedy(lm, prompt: list[int], end: int, follow=None):
+def greedy(lm, prompt: list[int], end: int, follow=None, cache: int | None = None):
     """(new ids, the time each logits row arrived, the rows): greedy picks, or ``follow``'s
-    tokens fed in turn (the rows along another path's sequence)."""
+    tokens fed in turn (the rows along another path's sequence), up to ``end`` tokens;
+    ``cache``: the KV cache's rows (default ``end``)."""
     context = list(prompt)
-    logits = lm.next_logits(context, end)
+    logits = lm.next_logits(context, cache or end)
     stamps, rows = [], []
     while len(context) < end:
         row = np.asarray(next(logits), np.float64)
@@ -372,10 +391,12 @@ def run_child_here(spec: dict, work: Path, tag: str) -> dict:
 
 
 def section_generate(a, work: Path) -> tuple[str, dict]:
-    lines = [f"| model | toygraph blocks: tok/s | toygraph decoded (f32 path) | llama.cpp | "
-             f"blocks / llama.cpp | greedy tokens = f32 path | logits max diff along it "
-             f"(llama.cpp's; max |logit|) "
-             f"| GRPO rollouts, group of {a.group}: tok/s |", "|---|---:|---:|---:|---:|---|---|---:|"]
+    lines = [f"| model | toygraph blocks: tok/s | replayed in the engine | toygraph decoded "
+             f"(f32 path) | llama.cpp | blocks / llama.cpp | replayed / llama.cpp | greedy "
+             f"tokens = f32 path (blocks; replayed) | logits max diff along it (replayed's; "
+             f"llama.cpp's; max |logit|) | GRPO rollouts, group of {a.group}: tok/s (replayed) "
+             f"| replayed at a cache of {' / '.join(str(c) for c in a.caches)} rows: tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|---|"]
     doc = []
     for name in a.models_gen:
         path = str(model_file(name))
@@ -385,23 +406,35 @@ def section_generate(a, work: Path) -> tuple[str, dict]:
         follow = {} if "error" in f32 else {"follow": f32["ids"], "follow_logits": f32["logits"]}
         blk = run_child_here(dict(base, impl="toygraph", base_memory="auto",
                                       rollouts=a.group, **follow), work, f"{name}-gen-blocks")
+        rep = run_child_here(dict(base, impl="toygraph", base_memory="auto", replay="engine",
+                                  rollouts=a.group, **follow), work, f"{name}-gen-replay")
+        caches = [run_child_here(dict(base, impl="toygraph", base_memory="auto", replay="engine",
+                                      cache=c), work, f"{name}-gen-replay-cache{c}").get("tok_s")
+                  for c in a.caches]
         # llama.cpp's logits along the f32 path too, fed toygraph's prompt ids
         ref = run_child_here(dict(base, impl="llama.cpp", **follow, follow_prompt=f32.get("prompt")),
                              work, f"{name}-gen-llama")
         # --rounds: more runs of the two timed paths in turn (speed only), so a slow spell
         # of a shared host falls on both; the table gives medians and the rounds' ratios
-        speeds = {"blocks": [blk.get("tok_s")], "llama.cpp": [ref.get("tok_s")]}
+        speeds = {"blocks": [blk.get("tok_s")], "replay": [rep.get("tok_s")],
+                  "llama.cpp": [ref.get("tok_s")]}
         for rnd in range(1, a.rounds):
             for tag, spec in (("blocks", dict(base, impl="toygraph", base_memory="auto")),
+                              ("replay", dict(base, impl="toygraph", base_memory="auto",
+                                              replay="engine")),
                               ("llama.cpp", dict(base, impl="llama.cpp"))):
                 speeds[tag].append(run_child_here(spec, work, f"{name}-gen-{tag}-{rnd}").get("tok_s"))
         f32.pop("logits", None)
-        doc.append({"model": name, "blocks": blk, "f32": f32, "llama.cpp": ref, "rounds": speeds})
-        if any("error" in r for r in (f32, blk, ref)) or None in speeds["blocks"] + speeds["llama.cpp"]:
-            lines.append(f"| {name} | " + " | ".join(r.get("error", "ok")[:50] for r in (blk, f32, ref))
-                         + " | | | | |")
+        doc.append({"model": name, "blocks": blk, "replay": rep, "f32": f32, "llama.cpp": ref,
+                    "rounds": speeds, "caches": dict(zip(a.caches, caches))})
+        if (any("error" in r for r in (f32, blk, rep, ref))
+                or None in speeds["blocks"] + speeds["replay"] + speeds["llama.cpp"]):
+            lines.append(f"| {name} | " + " | ".join(r.get("error", "ok")[:50]
+                                                     for r in (blk, rep, f32, ref))
+                         + " | | | | | | |")
             continue
         same = blk["ids"] == f32["ids"]
+        rep_first = next((i for i, (x, y) in enumerate(zip(rep["ids"], f32["ids"])) if x != y), None)
         first = next((i for i, (x, y) in enumerate(zip(blk["ids"], f32["ids"])) if x != y), None)
         theirs_first = next((i for i, (x, y) in enumerate(zip(ref["ids"], f32["ids"])) if x != y), None)
         if same:
@@ -409,16 +442,23 @@ def section_generate(a, work: Path) -> tuple[str, dict]:
         else:
             agree = (f"no: from token {first} (f32 margin there {blk['f32_margins'][first]:.2f}, "
                      f"error {blk['row_diffs'][first]:.2f})")
+        agree += "; replayed " + (f"from token {rep_first}" if rep_first is not None else "all")
         agree += "; llama.cpp " + (f"from token {theirs_first}" if theirs_first is not None else "all")
-        mine, theirs = (statistics.median(speeds[t]) for t in ("blocks", "llama.cpp"))
-        ratios = [x / y for x, y in zip(speeds["blocks"], speeds["llama.cpp"])]
-        spread = f" ({min(ratios):.0%}..{max(ratios):.0%})" if len(ratios) > 1 else ""
-        lines.append(f"| {name} | {mine:.1f} | {f32['tok_s']:.1f} | {theirs:.1f} | "
-                     f"{mine / theirs:.0%}{spread} | "
-                     f"{agree} | "
-                     f"{blk['max_logit_diff']:.2f} ({ref.get('max_logit_diff', float('nan')):.2f}; "
-                     f"{blk['logit_scale']:.1f}) | "
-                     f"{blk.get('rollouts_tok_s', float('nan')):.1f} |")
+        mine, replayed, theirs = (statistics.median(speeds[t])
+                                  for t in ("blocks", "replay", "llama.cpp"))
+
+        def spread(tag):
+            ratios = [x / y for x, y in zip(speeds[tag], speeds["llama.cpp"])]
+            return f" ({min(ratios):.0%}..{max(ratios):.0%})" if len(ratios) > 1 else ""
+
+        lines.append(f"| {name} | {mine:.1f} | {replayed:.1f} | {f32['tok_s']:.1f} | {theirs:.1f} | "
+                     f"{mine / theirs:.0%}{spread('blocks')} | "
+                     f"{replayed / theirs:.0%}{spread('replay')} | {agree} | "
+                     f"{blk['max_logit_diff']:.2f} ({rep['max_logit_diff']:.2f}; "
+                     f"{ref.get('max_logit_diff', float('nan')):.2f}; {blk['logit_scale']:.1f}) | "
+                     f"{blk.get('rollouts_tok_s', float('nan')):.1f} "
+                     f"({rep.get('rollouts_tok_s', float('nan')):.1f}) | "
+                     + " / ".join("—" if c is None else f"{c:.1f}" for c in caches) + " |")
     return "\n".join(lines), {"rows": doc}
 
 
@@ -488,10 +528,13 @@ def main(argv=None) -> int:
                          "generate: blocks and llama.cpp alternate, medians")
     ap.add_argument("--new", type=int, default=64, help="new tokens per generation")
     ap.add_argument("--group", type=int, default=4, help="GRPO rollouts' group size")
+    ap.add_argument("--caches", default="64,1200",
+                    help="the KV cache lengths (rows) of the replayed generation's speed rows")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--md")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    a.caches = [int(c) for c in a.caches.split(",") if c]
     ensure_toygraph()
     from toygraph.cpu import threads
     a.threads_n = threads.resolve(a.threads)
