@@ -1,11 +1,12 @@
-"""Every golden experiment's per-step losses as exact float hex, on the numpy backend and
-on the CUDA kernels run by the host executor, as JSON: two runs of this on two commits
-say whether a change moved any loss by even one bit.
+"""Every golden experiment's per-step losses as exact float hex, on the CPU backend's numpy
+kernels ("cpu"), its engine replay ("engine") and the CUDA kernels run by the host
+executor ("cuda"), as JSON: two runs of this on two commits say whether a change moved any
+loss by even one bit.
 
     python bench/golden_hex.py before.json            # all experiments
     python bench/golden_hex.py after.json lora_qv_tiny_llama dpo_qv_tiny_llama
     python bench/golden_hex.py --compare before.json after.json
-    TOYGRAPH_BASE_MEMORY=quantized python bench/golden_hex.py --cpu q.json   # numpy only
+    TOYGRAPH_BASE_MEMORY=quantized python bench/golden_hex.py --cpu q.json   # no CUDA
 
 ``--compare`` compares the runs both files hold and lists the ones only one holds.
 SmolLM2 (lora_qv_smollm2) runs on numpy only: 135M parameters through the host executor's
@@ -22,7 +23,12 @@ import os
 import sys
 
 
-def record(path: str, names: list[str], backends=("cpu", "cuda")) -> None:
+#: The CPU backend's two replays: "cpu" its numpy kernels (the reference, the key older
+#: files hold), "engine" the CPU engine's replay of each phase.
+REPLAYS = {"cpu": "numpy", "engine": "engine"}
+
+
+def record(path: str, names: list[str], backends=("cpu", "engine", "cuda")) -> None:
     os.environ.setdefault("TOYGRAPH_CUDA_DEVICE", "host")
     from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
     out = {}
@@ -30,7 +36,8 @@ def record(path: str, names: list[str], backends=("cpu", "cuda")) -> None:
         for backend in backends:
             if backend == "cuda" and name == "lora_qv_smollm2":
                 continue
-            losses = run_experiment(EXPERIMENTS[name], backend)
+            os.environ["TOYGRAPH_CPU_REPLAY"] = REPLAYS.get(backend, "numpy")
+            losses = run_experiment(EXPERIMENTS[name], "cuda" if backend == "cuda" else "cpu")
             out[f"{name}.{backend}"] = [float(x).hex() for x in losses]
             print(name, backend, out[f"{name}.{backend}"][-1], flush=True)
     with open(path, "w") as f:
@@ -51,6 +58,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--compare"]:
         sys.exit(compare(sys.argv[2], sys.argv[3]))
     if sys.argv[1:2] == ["--cpu"]:
-        record(sys.argv[2], sys.argv[3:], backends=("cpu",))
+        record(sys.argv[2], sys.argv[3:], backends=("cpu", "engine"))
     else:
         record(sys.argv[1], sys.argv[2:])

@@ -80,12 +80,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "to 8 bits and multiplies in integers, as llama.cpp does (x86 with AVX2, ARM with NEON; "
             "elsewhere f32), `f32` keeps x in f32 (slower; the rounding of the training "
             "forward and of more rows)", ("int8", "f32")),
-    Setting("TOYGRAPH_CPU_REPLAY", "choice", "numpy",
-            "how the numpy backend runs a step's nodes: `numpy` one numpy kernel per node "
-            "from Python (the reference), `engine` every run of nodes that has CPU engine "
-            "kernels (toygraph/ops/<family>/cpu.h) as one engine call on its pool of "
-            "threads, the other nodes on their numpy kernels (in progress: not yet every op)",
-            ("numpy", "engine")),
+    Setting("TOYGRAPH_CPU_REPLAY", "choice", "engine",
+            "how the numpy backend runs a step's nodes: `engine` every run of nodes that has "
+            "CPU engine kernels (toygraph/ops/<family>/cpu.h: all but all_reduce) as one "
+            "engine call on its pool of threads, `numpy` one numpy kernel per node from "
+            "Python (the reference the goldens are recorded on; also what runs where the "
+            "engine is not built)", ("engine", "numpy")),
     Setting("TOYGRAPH_THREADS", "count", "",
             "threads the CPU engine and BLAS compute with (`--threads` overrides it); unset: "
             "the CPUs this process may run on"),

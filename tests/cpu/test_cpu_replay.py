@@ -391,23 +391,6 @@ def test_a_broken_kernel_fails_its_check(name):
 
 
 # --- the numpy backend replaying in the engine -------------------------------------------------
-def _goldens():
-    from toygraph.fixtures.golden import GOLDEN_DIR
-    return sorted(p.name.split(".")[0] for p in GOLDEN_DIR.glob("*.cpu.json"))
-
-
-@pytest.mark.parametrize("name", _goldens())
-def test_the_engine_replay_reproduces_every_cpu_golden(name, monkeypatch, request):
-    """Goldens are recorded on numpy; the replay's losses lie within each file's tolerance."""
-    from toygraph.fixtures.experiments import EXPERIMENTS
-    from toygraph.fixtures.golden import compare
-    if EXPERIMENTS[name].model == "smollm2":
-        request.getfixturevalue("smollm2")
-    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
-    ok, detail, _ = compare(name, "cpu")
-    assert ok, detail
-
-
 def _engine_runs(monkeypatch, name, threads):
     from toygraph.fixtures.experiments import EXPERIMENTS, run_experiment
     monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")

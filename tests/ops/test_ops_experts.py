@@ -168,6 +168,9 @@ def _run_block_graph(g, outs, feed, mode):
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
 def test_quantized_experts_decode_only_the_chosen_ones_bit_for_bit(qtype, monkeypatch):
+    """The numpy backend's block kernel (its numpy kernels: the engine's replay multiplies
+    on the chosen experts' blocks instead, tests/cpu/test_cpu_replay_moe_deltanet.py)."""
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "numpy")
     g, w, outs, feed, chosen = _block_expert_graph(qtype)
     _, ref = _run_block_graph(g, outs, feed, "decode")
     parts, whole = [], []

@@ -15,10 +15,14 @@ def test_every_experiment_has_a_cpu_golden():
     assert set(CPU_GOLDENS) == set(EXPERIMENTS)
 
 
+@pytest.mark.parametrize("replay", ["engine", "numpy"])
 @pytest.mark.parametrize("name", CPU_GOLDENS)
-def test_cpu_golden(name, request):
+def test_cpu_golden(name, replay, request, monkeypatch):
+    """Both of the CPU backend's replays: its numpy kernels (the goldens' own) and the
+    engine's (the default)."""
     if EXPERIMENTS[name].model == "smollm2":
         request.getfixturevalue("smollm2")  # skips when the model cannot be had
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", replay)
     ok, detail, losses = compare(name, "cpu")
     assert ok, detail
     # The loss falls: the last two steps average below the first two.
