@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toygraph.errors import CudaError
-from toygraph.ops.lowering import (MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32_arg, grid_1d, i32_arg,
-                                   ptr_arg, sm_count, strided)
+from toygraph.ops.lowering import (FORMAT_KERNELS, MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32_arg,
+                                   grid_1d, i32_arg, ptr_arg, sm_count, strided)
 from toygraph.ops.lowering.constants import TC_BF16_BK, TC_BM, TC_BN, TC_THREADS
+
 #: Fewest k slices (of TC_BF16_BK, 128 k) one split handles, so its pipeline fills and its
 #: partial's store and sum stay small against its mma work.
 MIN_SPLIT_SLICES = 4
@@ -188,11 +189,16 @@ def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat
                                             i32_arg(rows * k), f32_arg(scale), i32_arg(bf16)])]
 
 
+#: The kernels decoding a block-format weight into the bf16 B copy, by direction: patterns
+#: of FORMAT_KERNELS ("nt": the copy is W's rows, "nn": its columns).
+DEQ_KERNELS = {"nt": "tg_tcg_deq_nt_<fmt>", "nn": "tg_tcg_deq_nn_<fmt>"}
+
+
 def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp: int,
                row_bytes: int) -> Launch:
-    """tg_tcg_deq_<kind>_<storage>: the block-format weight at ``w`` decoded into the bf16
-    B copy [rows][kp] at ``dst`` ("nt": rows of W, "nn": its columns)."""
-    return Launch(f"tg_tcg_deq_{kind}_{storage}", (-(-kp // 32), -(-rows // 32), 1),
+    """tg_tcg_deq_nt_<fmt> / tg_tcg_deq_nn_<fmt>: the block-format weight at ``w`` decoded
+    into the bf16 B copy [rows][kp] at ``dst`` ("nt": rows of W, "nn": its columns)."""
+    return Launch(FORMAT_KERNELS[DEQ_KERNELS[kind]][storage], (-(-kp // 32), -(-rows // 32), 1),
                   [ptr_arg(dst), ptr_arg(w), i32_arg(rows), i32_arg(k), i32_arg(kp),
                    i32_arg(row_bytes)])
 
