@@ -203,6 +203,12 @@ def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp:
                    i32_arg(row_bytes)])
 
 
+#: The GEMM by which operands it reads k-major as they lie (a, b): neither, a (ta), b (tb),
+#: both (tab).
+K_MAJOR_GEMMS = {(False, False): "tg_tcg_gemm_bf16", (True, False): "tg_tcg_gemm_ta_bf16",
+                 (False, True): "tg_tcg_gemm_tb_bf16", (True, True): "tg_tcg_gemm_tab_bf16"}
+
+
 def dual_gemm_launches(g: Gemm, g2: Gemm, out: int, a: int, b: int, a2: int, b2: int,
                        scratch: int, what: str, b_copy=None, b2_copy=None,
                        scale2: float = 1.0,
@@ -304,9 +310,8 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
             i32_arg(splits), i32_arg(per), i32_arg(g.nbatch), strided(list(g.dims), sa, sb),
             ptr_arg(add if splits == 1 else 0), f32_arg(alpha if splits == 1 else 1.0),
             i32_arg((OUT_BF16 if out_bf16 and splits == 1 else 0) | add_bf16)]
-    name = "tg_tcg_gemm_bf16"
+    name = K_MAJOR_GEMMS[bool(a_km), bool(b_km)]
     if a_km or b_km:   # read k-major as it lies: the true k, the operands' row strides
-        name = f"tg_tcg_gemm_{'ta' * a_km}{'b' if a_km and b_km else 'tb' * b_km}_bf16"
         args += [i32_arg(K), i32_arg(g.sak if a_km else 0), i32_arg(g.sbk if b_km else 0)]
     launches.append(Launch(name, (gx * -(-zs // gz), gy, gz), args, block=(TC_THREADS, 1, 1)))
     if splits > 1:
