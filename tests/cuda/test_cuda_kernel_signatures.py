@@ -151,12 +151,12 @@ def _model_launches(path, **lora_graph_kw):
 
 def _full_finetune_launches(path):
     from toygraph.models.model import GGUFModel
-    from toygraph.models.decoder import build_decoder
+    from toygraph.models.decoder import BuildOptions, WeightSource, build_decoder
     from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, model.config, batch=1, seq_len=4, model=model, weights="finetune",
-                      logits=False)
+    net = build_decoder(g, model.config, WeightSource(model, "finetune"), batch=1, seq_len=4,
+                        options=BuildOptions(logits=False))
     lab = g.input("labels", (4,), "i32")   # the fused head, trained: tg_matmul_acc
     loss = ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum")
     build_training(g.output(loss), net.params)

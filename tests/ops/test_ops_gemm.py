@@ -256,10 +256,10 @@ def test_autodiff_folds_a_shared_inputs_contributions_into_the_products():
 
 
 def test_lora_projection_has_no_scale_or_add_on_the_adapters_path(tiny_llama):
-    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
     from toygraph.models.model import GGUFModel
     cfg = GGUFModel(tiny_llama).config
-    net = build_decoder(Graph(), cfg, batch=1, seq_len=4, weights="scratch",
+    net = build_decoder(Graph(), cfg, WeightSource(mode="scratch"), batch=1, seq_len=4,
                         lora=LoraConfig(rank=2, alpha=4, targets=("q", "v")))
     order = topo_order([net.logits])
     fused = [t for t in order if t.op == "matmul_add"]
@@ -355,11 +355,11 @@ def test_scale_a_gradients_match_finite_differences_in_f64(ta, tb):
 def test_lora_backward_reads_the_scaled_gradient_without_a_scale_pass(tiny_llama):
     """A LoRA projection's dB and du read s dy through scale_a: the backward has no scale
     node over the output gradient of a LoRA up-projection."""
-    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
     from toygraph.models.model import GGUFModel
     cfg = GGUFModel(tiny_llama).config
     g = Graph()
-    net = build_decoder(g, cfg, batch=1, seq_len=4, weights="scratch",
+    net = build_decoder(g, cfg, WeightSource(mode="scratch"), batch=1, seq_len=4,
                         lora=LoraConfig(rank=2, alpha=4, targets=("q", "v")))
     params = [t for t in topo_order([net.logits]) if t.role == "param"]
     loss = ops.sum(net.logits)

@@ -167,12 +167,12 @@ def training_plan(graph):
 
 def lora_graph(path, targets=("q", "v")):
     from toygraph.models.model import GGUFModel
-    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
     from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, model.config, batch=2, seq_len=8, model=model,
-                      lora=LoraConfig(targets=targets, rank=4, alpha=8))
+    net = build_decoder(g, model.config, WeightSource(model), batch=2, seq_len=8,
+                        lora=LoraConfig(targets=targets, rank=4, alpha=8))
     lab = g.input("labels", (16,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, lab, reduction="sum"))
     build_training(loss, net.params, count=g.output(ops.count_valid(lab)), max_norm=1.0)
@@ -181,12 +181,14 @@ def lora_graph(path, targets=("q", "v")):
 
 def smollm2_training_graph(path, fused, batch, seq, build_training_too=True):
     from toygraph.models.model import GGUFModel
-    from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
+    from toygraph.models.decoder import (BuildOptions, LoraConfig, WeightSource, build_decoder,
+                                         lm_head)
     from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, model.config, batch=batch, seq_len=seq, model=model, logits=False,
-                      lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
+    net = build_decoder(g, model.config, WeightSource(model), batch=batch, seq_len=seq,
+                        lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16),
+                        options=BuildOptions(logits=False))
     lab = g.input("labels", (batch * seq,), "i32")
     loss = (ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum") if fused else
             ops.cross_entropy(lm_head(net), lab, reduction="sum"))
