@@ -190,14 +190,14 @@ def make_inputs(work: Path, gguf_path: Path, a) -> dict:
     from toygraph.adapters.files import save_peft
     from toygraph.models.model import GGUFModel
     from toygraph.core.graph import Graph
-    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
 
     model = GGUFModel(gguf_path)
     cfg = model.config
     # Build (not realize) the graph the LoRA recipe builds, for its seeded initial adapter.
-    net = build_decoder(Graph(), cfg, batch=1, seq_len=1, model=model, weights="frozen",
-                      lora=LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
-                                      seed=a.seed, init_scale=a.init_scale), seed=a.seed)
+    net = build_decoder(Graph(), cfg, WeightSource(model), batch=1, seq_len=1,
+                        lora=LoraConfig(targets=a.targets, rank=a.rank, alpha=a.alpha,
+                                        seed=a.seed, init_scale=a.init_scale))
     lora = {name: (np.asarray(A.data, np.float32), np.asarray(B.data, np.float32))
             for name, (A, B) in net.lora.items()}
     save_peft(work / "adapter", lora, cfg, rank=a.rank, alpha=a.alpha, targets=a.targets)

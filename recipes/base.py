@@ -38,7 +38,8 @@ from toygraph.data.batches import encode_dataset
 from toygraph.data.examples import load_examples
 from toygraph.data.packing import batches_per_epoch, epoch_batches, packing_efficiency
 from toygraph.errors import GraphError
-from toygraph.models.decoder import LoraConfig, build_decoder, fused_head_loss, lm_head
+from toygraph.models.decoder import (BuildOptions, LoraConfig, WeightSource, build_decoder,
+                                     fused_head_loss, lm_head)
 
 #: Whether the CPU backend always uses the fused head + loss. On CUDA the fused op is always
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
@@ -210,9 +211,10 @@ class Recipe:
         self.opts, self.model_cfg = opts, model_cfg
         self.graph = g = Graph()
         R, T = self.rows_per_batch(opts), opts.seq_len
-        self.net = build_decoder(g, model_cfg, batch=R, seq_len=T, model=gguf,
-                                 weights=self.weight_mode, lora=self.lora_config(opts),
-                                 seed=opts.seed, logits=False, packed=opts.pack)
+        source = WeightSource(gguf, self.weight_mode, seed=opts.seed)
+        self.net = build_decoder(g, model_cfg, source, batch=R, seq_len=T,
+                                 lora=self.lora_config(opts),
+                                 options=BuildOptions(logits=False, packed=opts.pack))
         self.labels = g.input("labels", (R * T,), "i32")
         self.loss, self.count = self.build_loss(g, opts)
         return g

@@ -22,7 +22,7 @@ import numpy as np
 
 from toygraph import ops
 from toygraph.errors import GraphError
-from toygraph.models.decoder import LoraConfig, build_decoder
+from toygraph.models.decoder import BuildOptions, LoraConfig, WeightSource, build_decoder
 from toygraph.recipes.options import option
 from toygraph.recipes.preference import BETA, PreferenceOptions, PreferenceRecipe
 from toygraph.recipes.registry import register
@@ -78,10 +78,10 @@ class DPO(PreferenceRecipe):
                 f"beta={self.beta}, label_smoothing={self.label_smoothing})")
 
     def preference_loss(self, g, opts):
-        self.ref_net = build_decoder(g, self.model_cfg, batch=self.rows, seq_len=opts.seq_len,
-                                     logits=False,
+        self.ref_net = build_decoder(g, self.model_cfg, WeightSource(reference_of=self.net),
+                                     batch=self.rows, seq_len=opts.seq_len,
                                      lora=self.lora_config(opts) if self.reference_adapter else None,
-                                     reference_of=self.net)
+                                     options=BuildOptions(logits=False))
         self.reference = g.output(self.sequence_logprobs(self.ref_net))
         z = ops.scale(self.chosen_minus_rejected(ops.sub(self.policy, self.reference)), self.beta)
         ls = self.label_smoothing

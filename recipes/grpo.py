@@ -58,7 +58,8 @@ from toygraph.errors import DataError, GraphError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.batched import build_batched_generation, generate_rows
 from toygraph.inference.sampling import SamplingOptions
-from toygraph.models.decoder import LoraConfig, build_decoder, fused_head_loss
+from toygraph.models.decoder import (BuildOptions, LoraConfig, WeightSource, build_decoder,
+                                     fused_head_loss)
 from toygraph.recipes.base import RecipeOptions, fused_head
 from toygraph.recipes.environments import environments
 from toygraph.recipes.episodes import ToolRounds, call_ids, call_style
@@ -344,8 +345,9 @@ class GRPO(LoRA):
             self.call_ids |= set(self.stop_ids)
         self.graph = g = Graph()
         lora = self.lora_config(opts)
-        self.net = build_decoder(g, model_cfg, batch=R, seq_len=T, model=gguf,
-                                 weights=self.weight_mode, lora=lora, seed=opts.seed, logits=False)
+        source = WeightSource(gguf, self.weight_mode, seed=opts.seed)
+        self.net = build_decoder(g, model_cfg, source, batch=R, seq_len=T, lora=lora,
+                                 options=BuildOptions(logits=False))
         # The hidden row predicting each completion token, and the token (-1 past its end).
         self.keep = g.input("grpo.keep", (R * C,), "i32")
         self.labels = g.input("grpo.labels", (R * C,), "i32")
@@ -353,8 +355,8 @@ class GRPO(LoRA):
         old = g.input("grpo.old_logp", (R, C)) if self.num_iterations > 1 else self.logp
         self.ref_logp = None
         if self.objective.kl_beta:
-            self.ref_net = build_decoder(g, model_cfg, batch=R, seq_len=T, logits=False,
-                                         reference_of=self.net)
+            self.ref_net = build_decoder(g, model_cfg, WeightSource(reference_of=self.net),
+                                         batch=R, seq_len=T, options=BuildOptions(logits=False))
             self.ref_logp = g.output(self.completion_logprobs(self.ref_net))
         loss, self.objective_inputs, _ = build_objective(g, self.logp, old, self.ref_logp,
                                                          self.objective)

@@ -145,11 +145,12 @@ def plan_launches(dims: dict, *, batch: int, seq: int, wtype: str, precision: st
 @lru_cache(maxsize=None)
 def kernel_params() -> dict[str, tuple[str, ...]]:
     """kernel name -> its parameter names, parsed from the kernel sources (the bf16 module:
-    every kernel), so a cost rule reads a launch's arguments by the name the kernel gives
-    them: a parameter renamed or moved is an error or is followed, never a wrong count."""
+    every kernel; the per-format kernels of its TG_BLOCK_FORMATS lines expanded), so a cost
+    rule reads a launch's arguments by the name the kernel gives them: a parameter renamed
+    or moved is an error or is followed, never a wrong count."""
     import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
-    from toygraph.ops.lowering.sources import backend_source
-    src = backend_source("bf16")
+    from toygraph.ops.lowering.sources import backend_source, expand_block_formats
+    src = expand_block_formats(backend_source("bf16"))
     macros = {m[1]: m[2].strip() for m in re.finditer(r"^\s*#define\s+(\w+)[ \t]+(.*)$",
                                                       src.replace("\\\n", " "), re.M)}
     decl = (r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'

@@ -15,7 +15,7 @@ from toygraph.adapters.files import read_peft, save_peft
 from toygraph.core.graph import Graph
 from toygraph.errors import DataError, GraphError
 from toygraph.inference.language_model import LanguageModel
-from toygraph.models.decoder import LoraConfig, build_decoder
+from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
 from toygraph.models.model import GGUFModel
 
 torch = pytest.importorskip("torch")
@@ -43,7 +43,7 @@ def test_experts_names_both_expert_targets_and_refuses_what_peft_cannot_do():
 def test_expert_targets_are_refused_on_a_dense_model(tiny_llama):
     cfg = GGUFModel(tiny_llama).config
     with pytest.raises(GraphError, match=r"LoRA targets \['gate_up_exps'\] name no weight"):
-        build_decoder(Graph(), cfg, batch=1, seq_len=4, weights="scratch",
+        build_decoder(Graph(), cfg, WeightSource(mode="scratch"), batch=1, seq_len=4,
                       lora=LoraConfig(targets=("q", "gate_up_exps")))
 
 

@@ -297,7 +297,7 @@ def test_bad_quantized_size_is_a_cuda_error():
 
 
 # --- frozen consts kept in block format (ops/gemm/qmatmul.cu) ----------------------------------
-BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
+BLOCK_FORMATS = blocks.BLOCK_FORMATS
 
 
 def _qcols(fmt):  # f16/bf16 get a row length that leaves a partial 16-deep k tile

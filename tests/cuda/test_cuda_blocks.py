@@ -2,24 +2,31 @@
 blocks against gguf-py, and a tiny model whose tensors mix block types the way K_M/K_S
 downloads do — loaded, compared with transformers, planned for the GPU in block format,
 and trained a few LoRA steps."""
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import gguf.quants as gq
-from support.cudaemu import BLOCK_FORMATS, host_library, lora_graph, training_plan
+from support.cudaemu import (BLOCK_FORMATS, QUANT_PATTERNS, host_library, lora_graph,
+                             quant_kernels, training_plan)
 from test_llama import transformers_loss
 from test_blocks import random_blocks
 from toygraph.gguf import block_encode, blocks
 from toygraph.cuda import devmem
 from toygraph.ops.lowering import dispatch, registry
 from support.kernelsrc import KERNEL_NAMES
-from toygraph.ops.gemm.cuda import QUANT_KERNELS
-from toygraph.ops.lowering.sources import layout_defines, read_source
+from toygraph.ops.lowering import generate
+from toygraph.ops.lowering.format_kernels import FORMAT_KERNELS
+from toygraph.ops.lowering.sources import kernel_names, layout_defines, read_source
 from toygraph.fixtures.tiny_models import write_tiny_llama
 from toygraph.models.model import GGUFModel
 from toygraph.core.optimizer import hp_row
 from toygraph.recipes import LoRA, RecipeOptions
 
+OPS_DIR = Path(dispatch.__file__).parents[1]
 BLOCK_TYPES = sorted(set(blocks.BLOCK) - {"f32", "f16", "bf16"})
 NEW_TYPES = ("q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "iq4_xs")
 
@@ -117,7 +124,7 @@ def test_mixed_model_stays_in_block_format_on_the_gpu_plan(mixed_model):
         if raw:
             kernels = [launch.kernel for launch in dispatch.lower(
                 node, lambda t: addr[t.id], 1 << 40, frozenset(mem.raw_consts))]
-            fused = set(QUANT_KERNELS[raw[0].storage].values())   # (matmul_add's add after it)
+            fused = set(quant_kernels(raw[0].storage).values())   # (matmul_add's add after it)
             assert set(kernels) & fused, (node.op, kernels)
             assert set(kernels) <= fused | {"tg_matmul_add_epilogue"}, (node.op, kernels)
             seen.add(raw[0].storage)
@@ -125,11 +132,44 @@ def test_mixed_model_stays_in_block_format_on_the_gpu_plan(mixed_model):
 
 
 def test_quant_kernel_table_covers_every_block_format():
-    assert set(QUANT_KERNELS) == set(BLOCK_FORMATS) == set(registry.block_storage())
-    for fmt, names in QUANT_KERNELS.items():
-        assert set(names) == {"nt", "nn", "rows"}
-        for n in names.values():
+    assert set(BLOCK_FORMATS) == set(registry.block_storage())
+    for pattern in QUANT_PATTERNS.values():
+        assert tuple(FORMAT_KERNELS[pattern]) == BLOCK_FORMATS, pattern
+        for fmt, n in FORMAT_KERNELS[pattern].items():
             assert n in KERNEL_NAMES, f"{fmt}: kernel {n} missing from the sources"
+
+
+# --- one list of block formats: the X-macro TG_BLOCK_FORMATS, and the names it spells --------
+def test_format_kernels_is_current():
+    """format_kernels.py spells out the kernels of every TG_BLOCK_FORMATS line of the .cu
+    files for every format; after a new format or per-format kernel, run
+    ``python -m toygraph.ops.lowering.generate``."""
+    assert generate.TARGET.read_text() == generate.format_kernels_text(), (
+        "toygraph/ops/lowering/format_kernels.py is out of date: run "
+        "python -m toygraph.ops.lowering.generate")
+    assert all(tuple(kernels) == BLOCK_FORMATS for kernels in FORMAT_KERNELS.values())
+    assert FORMAT_KERNELS["tg_tc_qmm_nt_<fmt>_bf16"]["q4_k"] == "tg_tc_qmm_nt_q4_k_bf16"
+    assert FORMAT_KERNELS["tg_deq_<fmt>"]["bf16"] == "tg_deq_bf16"
+
+
+def test_no_kernel_file_lists_the_block_formats_itself():
+    """The per-format kernels are spelled out only in the X-macro's expansion: no .cu names
+    a format's decoder (TgQ4_K ...) but blocks.cuh, which defines them."""
+    for path in sorted(OPS_DIR.glob("*/*.cu")):
+        text = path.read_text()
+        assert not re.search(r"\bTg(Q\d|IQ\d|MXFP4|F16|BF16)\w*\b", text), path.name
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_the_kernel_names_read_from_the_source_are_the_preprocessors(precision):
+    """kernel_names expands TG_BLOCK_FORMATS itself (the host executor exports, and the
+    signature tests check, what it finds); g++ -E's expansion defines the same kernels."""
+    from toygraph.ops.lowering.sources import _KERNEL, backend_source
+    source = backend_source(precision)
+    expanded = subprocess.run(["g++", "-E", "-P", "-x", "c++", "-"], input=source, text=True,
+                              capture_output=True, check=True).stdout
+    assert sorted(_KERNEL.findall(expanded)) == sorted(kernel_names(source))
+    assert "tg_qmm_nt_mxfp4" in kernel_names(source)
 
 
 def test_kernels_take_block_layouts_from_quant_py():
@@ -172,14 +212,11 @@ template <class F> static void run(const unsigned char* raw, long long n, int ro
     for (long long e = 0; e < n; ++e)
         out[e] = tg_dequant_at<F>(raw + (e / cols) * row_bytes, e % cols);
 }
-extern "C" int decode(const char* fmt, const unsigned char* raw, long long n, int rows,
+extern "C" int decode(const char* f, const unsigned char* raw, long long n, int rows,
                       int row_bytes, float* out) {
-#define TG_CASE(name, F) if (!strcmp(fmt, name)) { run<F>(raw, n, rows, row_bytes, out); return 0; }
-    TG_CASE("f16", TgF16) TG_CASE("bf16", TgBF16) TG_CASE("q8_0", TgQ8_0)
-    TG_CASE("q4_0", TgQ4_0) TG_CASE("q4_1", TgQ4_1) TG_CASE("q4_k", TgQ4_K)
-    TG_CASE("q5_k", TgQ5_K) TG_CASE("q6_k", TgQ6_K) TG_CASE("q5_0", TgQ5_0)
-    TG_CASE("q5_1", TgQ5_1) TG_CASE("iq4_nl", TgIQ4_NL) TG_CASE("q2_k", TgQ2_K)
-    TG_CASE("q3_k", TgQ3_K) TG_CASE("iq4_xs", TgIQ4_XS) TG_CASE("mxfp4", TgMXFP4)
+#define TG_CASE(fmt, NAME) \
+    if (!strcmp(f, #fmt)) { run<Tg##NAME>(raw, n, rows, row_bytes, out); return 0; }
+    TG_BLOCK_FORMATS(TG_CASE)
     return 1;
 }
 """

@@ -13,7 +13,7 @@ import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
 from toygraph import ops
 from toygraph.gguf import blocks
 from toygraph.ops.lowering import dispatch
-from toygraph.ops.gemm.cuda import DEQUANT_KERNELS
+from toygraph.ops.lowering.format_kernels import FORMAT_KERNELS
 from support.kernelsrc import KERNEL_NAMES
 from toygraph.ops.lowering.sources import backend_source, kernel_names
 from toygraph.ops.lowering.launch import collapse
@@ -29,8 +29,8 @@ def test_every_op_and_storage_has_a_kernel():
     for op, names in OP_KERNELS.items():
         for n in names:
             assert n in KERNEL_NAMES, f"{op}: kernel {n} missing from the sources"
-    assert set(DEQUANT_KERNELS) == set(blocks.BLOCK) - {"f32"}
-    assert set(DEQUANT_KERNELS.values()) <= set(KERNEL_NAMES)
+    assert set(FORMAT_KERNELS["tg_deq_<fmt>"]) == set(blocks.BLOCK) - {"f32"}
+    assert set(FORMAT_KERNELS["tg_deq_<fmt>"].values()) <= set(KERNEL_NAMES)
 
 
 # --- NVRTC ---------------------------------------------------------------------------------------

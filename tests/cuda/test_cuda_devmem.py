@@ -5,12 +5,12 @@ where no fused kernel reads it."""
 import numpy as np
 import pytest
 
-from support.cudaemu import lora_graph, qweight, smollm2_training_graph, training_plan
+from support.cudaemu import (BLOCK_FORMATS, lora_graph, quant_kernels, qweight,
+                             smollm2_training_graph, training_plan)
 from toygraph import ops
 from toygraph.gguf import blocks
 from toygraph.cuda import devmem
 from toygraph.ops.lowering import dispatch
-from toygraph.ops.gemm.cuda import QUANT_KERNELS
 from toygraph.errors import CudaError
 from toygraph.core.graph import Graph
 
@@ -48,7 +48,7 @@ def test_realize_plan_keeps_frozen_weights_in_block_format(model, request):
     assert mem.saved_bytes == saved == old.resident_bytes - mem.resident_bytes > 0
     assert mem.report()["saved_bytes"] == saved and old.report()["saved_bytes"] == 0
     # every node lowers, and the ones reading a block-format const use a fused kernel
-    fused = {n for names in QUANT_KERNELS.values() for n in names.values()}
+    fused = {n for fmt in BLOCK_FORMATS for n in quant_kernels(fmt).values()}
     addr = {t.id: (i + 1) << 20 for i, t in enumerate(order)}
     for node in order:
         if node.op is None:

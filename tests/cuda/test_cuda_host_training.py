@@ -18,7 +18,7 @@ from toygraph.core.graph import Graph
 from toygraph.core.optimizer import build_training, hp_row
 from toygraph.core.session import Session
 
-BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
+BLOCK_FORMATS = blocks.BLOCK_FORMATS
 
 
 @pytest.fixture(autouse=True)

@@ -24,14 +24,14 @@ from toygraph.ops.lowering import dispatch
 from toygraph.ops.lowering.constants import ATTN_HEAD_DIMS, LIST_TENSORS, TCA_HEAD_DIMS
 from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_FAMILIES, TC_KERNEL_NAMES
 from toygraph.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
-from toygraph.ops.lowering.sources import module_source
+from toygraph.ops.lowering.sources import expand_block_formats, module_source
 from toygraph.ops.lowering.launch import MAXD, Launch, f32_arg, f64_arg, i32_arg, ptr_arg, strided
 from toygraph.core.buffer_plan import plan_buffers
 from toygraph.core.graph import Graph, topo_order
 from toygraph.ops.flash_attention import backward_node
 
 PRECISIONS = ("f32",) + TC_PRECISIONS
-BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
+BLOCK_FORMATS = blocks.BLOCK_FORMATS
 
 #: C parameter type -> (numpy dtype, number of elements) of its packed launch argument.
 SCALAR_TYPES = {"int": (np.int32, 1), "float": (np.float32, 1), "double": (np.float64, 1),
@@ -50,7 +50,9 @@ def _object_macros(src: str) -> dict[str, str]:
 
 
 def kernel_signatures(src: str) -> dict[str, list[str]]:
-    """kernel name -> its parameter types, e.g. ``["float*", "int", "Strided"]``."""
+    """kernel name -> its parameter types, e.g. ``["float*", "int", "Strided"]``; the
+    kernels TG_BLOCK_FORMATS defines per block format read from its expansion."""
+    src = expand_block_formats(src)
     macros = _object_macros(src)
     sigs = {}
     pattern = (r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
@@ -149,12 +151,12 @@ def _model_launches(path, **lora_graph_kw):
 
 def _full_finetune_launches(path):
     from toygraph.models.model import GGUFModel
-    from toygraph.models.decoder import build_decoder
+    from toygraph.models.decoder import BuildOptions, WeightSource, build_decoder
     from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, model.config, batch=1, seq_len=4, model=model, weights="finetune",
-                      logits=False)
+    net = build_decoder(g, model.config, WeightSource(model, "finetune"), batch=1, seq_len=4,
+                        options=BuildOptions(logits=False))
     lab = g.input("labels", (4,), "i32")   # the fused head, trained: tg_matmul_acc
     loss = ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum")
     build_training(g.output(loss), net.params)

@@ -12,7 +12,8 @@ from toygraph import ops
 from toygraph.gguf import block_encode, blocks
 from toygraph.ops.lowering import dispatch
 from support.kernelsrc import KERNEL_NAMES
-from toygraph.ops.gemm.cuda import QUANT_KERNELS, TC_KERNELS
+from toygraph.ops.gemm.cuda import TC_KERNELS
+from toygraph.ops.lowering.format_kernels import FORMAT_KERNELS
 from toygraph.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from support.kernelsrc import OP_KERNELS
 from toygraph.errors import CudaError
@@ -45,7 +46,8 @@ def _lce_emulate(launch, mem):
         prod_ = A[oa + m * sam + kk * sak] @ B[ob + kk.T * sbk + n * sbn]
         out = view(sc[0], M * N)
         out[:] = (out if k == "tg_matmul_acc" else 0) + prod_.ravel()
-    elif k in {n for names in QUANT_KERNELS.values() for n in (names["nt"], names["nn"])}:
+    elif k in {*FORMAT_KERNELS["tg_qmm_nt_<fmt>"].values(),
+               *FORMAT_KERNELS["tg_qmm_nn_<fmt>"].values()}:
         fmt, kind = qmm_format(k)
         out, x, w, M, N, K, rb = (int(v) for v in sc)
         raw, off = resolve(mem, w)
@@ -261,7 +263,8 @@ def test_linear_cross_entropy_reads_a_block_format_head_through_the_fused_kernel
     for node, vals in ((loss, [hv, wv, labv]), (back, [hv, wv, labv, 0.9])):
         launches, got, _ = _lce_replay(node, vals, raw)
         mm = [l.kernel for l in launches if "mm" in l.kernel or l.kernel == "tg_matmul"]
-        assert mm and set(mm) <= {QUANT_KERNELS[fmt]["nt"], QUANT_KERNELS[fmt]["nn"]}
+        assert mm and set(mm) <= {FORMAT_KERNELS["tg_qmm_nt_<fmt>"][fmt],
+                                  FORMAT_KERNELS["tg_qmm_nn_<fmt>"][fmt]}
         want = np.zeros(node.shape)
         CPU_KERNELS[node.op](want, [hv, wv, labv] + ([np.array(0.9)] if node is back else []),
                              node.attrs)

@@ -16,6 +16,7 @@ from toygraph.cuda import devmem
 from toygraph.ops.lowering import dispatch
 from support.kernelsrc import FAMILIES, KERNEL_NAMES, TC_KERNEL_NAMES
 from toygraph.ops.gemm.cuda import BF16_GEMM_KERNELS, TC_KERNELS
+from toygraph.ops.lowering.format_kernels import FORMAT_KERNELS
 from toygraph.precision import TENSOR_CORE_PRECISIONS as TC_PRECISIONS
 from toygraph.ops.lowering.sources import backend_source, module_source
 from toygraph.errors import CudaError
@@ -220,7 +221,7 @@ def test_tc_quantized_matmul_replayed_through_the_mma_emulator(prec, fmt, build,
            addr[node.id]: np.full(node.size, np.nan)}
     launches = dispatch.lower(node, lambda t: addr[t.id], raw_consts={w.id}, precision=prec)
     kind = "nn" if build == "backward" else "nt"
-    assert [l.kernel for l in launches] == [TC_KERNELS[prec][kind][fmt]]
+    assert [l.kernel for l in launches] == [FORMAT_KERNELS[TC_KERNELS[prec][kind]][fmt]]
     q = dispatch.lower(node, lambda t: addr[t.id], raw_consts={w.id})[0]  # the f32 kernel's
     assert [a.tolist() for a in launches[0].args] == [a.tolist() for a in q.args]
     emulate_tc_launch(tc_layout, launches[0], mem, raw=wv.astype(np.float64))
@@ -248,8 +249,9 @@ def test_tc_kernel_table_and_the_f32_module_is_unchanged():
     names = set()
     for prec, table in TC_KERNELS.items():
         names.add(table["matmul"])
-        assert set(table["nt"]) == set(table["nn"]) == set(BLOCK_FORMATS)
-        names |= set(table["nt"].values()) | set(table["nn"].values())
+        for kind in ("nt", "nn"):
+            assert tuple(FORMAT_KERNELS[table[kind]]) == BLOCK_FORMATS
+            names |= set(FORMAT_KERNELS[table[kind]].values())
     attention = {n for n in TC_KERNEL_NAMES if n.startswith("tg_tca_")}   # tc_attention.cu
     assert set(BF16_GEMM_KERNELS) == {n for n in TC_KERNEL_NAMES if n.startswith("tg_tcg_")}
     names |= set(BF16_GEMM_KERNELS)                                          # tc_gemm.cu

@@ -10,7 +10,7 @@ from toygraph.errors import DataError, GraphError
 from toygraph.fixtures import tiny_models
 from toygraph.models.model import GGUFModel
 from toygraph.core.graph import Graph
-from toygraph.models.decoder import build_decoder
+from toygraph.models.decoder import BuildOptions, WeightSource, build_decoder
 from toygraph.data.packing import (batches_per_epoch, first_fit_decreasing, packed_batches,
                               packing_efficiency)
 from toygraph.recipes import LoRA, RecipeOptions
@@ -216,7 +216,8 @@ def test_changing_one_example_leaves_the_others_logits_bit_identical(model):
     items = make_items(rng, 5, 12, vocab=model.config.n_vocab)
     b = packed_batches(items, 1, T, 0, shuffle=False, seed=0, epoch=0)[0]
     g = Graph()
-    net = build_decoder(g, model.config, batch=1, seq_len=T, model=model, packed=True)
+    net = build_decoder(g, model.config, WeightSource(model), batch=1, seq_len=T,
+                        options=BuildOptions(packed=True))
     g.output(net.logits)
     s = Session(g)
     s.realize()

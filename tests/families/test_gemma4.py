@@ -194,11 +194,13 @@ def test_the_fused_head_refuses_a_soft_capped_model(gemma4):
     from toygraph import ops
     from toygraph.core.graph import Graph
     from toygraph.errors import GraphError
-    from toygraph.models.decoder import build_decoder, fused_head_loss, lm_head
+    from toygraph.models.decoder import (BuildOptions, WeightSource, build_decoder,
+                                         fused_head_loss, lm_head)
     path, _ = gemma4
     m = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, m.config, batch=1, seq_len=4, model=m, logits=False)
+    net = build_decoder(g, m.config, WeightSource(m), batch=1, seq_len=4,
+                        options=BuildOptions(logits=False))
     labels = g.input("labels", (4,), "i32")
     with pytest.raises(GraphError, match="soft-capped at 3.0"):
         fused_head_loss(net, net.hidden, labels, "mean")
@@ -258,11 +260,11 @@ def toygraph_logits(path, tokens, dtype):
     """The logits [batch, seq, vocab] of our graph on the numpy backend at ``dtype``."""
     from toygraph.core.graph import Graph
     from toygraph.core.session import Session
-    from toygraph.models.decoder import build_decoder
+    from toygraph.models.decoder import WeightSource, build_decoder
     m = GGUFModel(path)
     B, T = tokens.shape
     g = Graph()
-    net = build_decoder(g, m.config, batch=B, seq_len=T, model=m)
+    net = build_decoder(g, m.config, WeightSource(m), batch=B, seq_len=T)
     out = g.output(net.logits)
     s = Session(g, dtype=dtype)
     s.realize()
@@ -297,14 +299,14 @@ def test_f64_gradients_equal_transformers_in_f64(gemma4, monkeypatch):
     from toygraph.core.autodiff import accumulate_grads, backward
     from toygraph.core.graph import Graph
     from toygraph.core.session import Session
-    from toygraph.models.decoder import build_decoder
+    from toygraph.models.decoder import WeightSource, build_decoder
     path, hf_dir = gemma4
     m = GGUFModel(path)
     tokens = tokens_for(m.config.n_vocab, seq=12)
     B, T = tokens.shape
     labels = np.concatenate([tokens[:, 1:], np.full((B, 1), -1)], 1).astype(np.int32)
     g = Graph()
-    net = build_decoder(g, m.config, batch=B, seq_len=T, model=m, weights="finetune")
+    net = build_decoder(g, m.config, WeightSource(m, "finetune"), batch=B, seq_len=T)
     lab = g.input("labels", (B * T,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, lab))
     accumulate_grads(backward(loss, net.params))

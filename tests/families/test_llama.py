@@ -8,7 +8,7 @@ from toygraph import ops
 from toygraph.errors import GraphError
 from toygraph.models.model import GGUFModel
 from toygraph.core.graph import Graph
-from toygraph.models.decoder import LoraConfig, build_decoder
+from toygraph.models.decoder import BuildOptions, LoraConfig, WeightSource, build_decoder
 from toygraph.core.session import Session
 
 
@@ -17,7 +17,7 @@ def toygraph_loss(path, tokens):
     m = GGUFModel(path)
     B, T = tokens.shape
     g = Graph()
-    net = build_decoder(g, m.config, batch=B, seq_len=T, model=m)
+    net = build_decoder(g, m.config, WeightSource(m), batch=B, seq_len=T)
     labels = g.input("labels", (B * T,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, labels))
     s = Session(g)
@@ -74,7 +74,7 @@ def test_lora_gradients_through_the_whole_model(tiny_qwen2):
     g = Graph()
     lora = LoraConfig(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=2, alpha=4,
                       init_scale=0.3)
-    net = build_decoder(g, m.config, batch=2, seq_len=5, model=m, lora=lora)
+    net = build_decoder(g, m.config, WeightSource(m), batch=2, seq_len=5, lora=lora)
     rng = np.random.default_rng(1)
     for a, b in net.lora.values():
         b.data = (rng.normal(size=b.shape) * 0.3).astype(np.float32)
@@ -95,7 +95,7 @@ def lora_step_graph(path, T=12):
     from toygraph.core.autodiff import backward
     m = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, m.config, batch=2, seq_len=T, model=m,
+    net = build_decoder(g, m.config, WeightSource(m), batch=2, seq_len=T,
                         lora=LoraConfig(targets=("q", "k", "v", "o")))
     labels = g.input("labels", (2 * T,), "i32")
     backward(ops.cross_entropy(net.logits, labels), net.params)
@@ -131,17 +131,17 @@ def test_attention_never_materialises_seq_by_seq_scores(tiny_llama):
 def test_build_errors(tiny_llama):
     m = GGUFModel(tiny_llama)
     with pytest.raises(GraphError, match="exceeds the model's context length"):
-        build_decoder(Graph(), m.config, batch=1, seq_len=m.config.n_ctx + 1, model=m)
+        build_decoder(Graph(), m.config, WeightSource(m), batch=1, seq_len=m.config.n_ctx + 1)
     with pytest.raises(GraphError, match="LoRA targets"):
         LoraConfig(targets=("q", "query"))
     with pytest.raises(GraphError, match="needs a GGUF model"):
-        build_decoder(Graph(), m.config, batch=1, seq_len=4)
+        build_decoder(Graph(), m.config, WeightSource(), batch=1, seq_len=4)
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
 @pytest.mark.parametrize("weights", ["frozen", "finetune"])
 def test_fused_head_training_graph_equals_the_unfused_one(model, weights, request):
-    """build_decoder(logits=False) stops at hidden/head; the recipe's fused loss
+    """BuildOptions(logits=False) stops at hidden/head; the recipe's fused loss
     (linear_cross_entropy, used on CUDA) gives the unfused head's loss and gradients (f64),
     tied (tiny_llama) and untied (tiny_qwen2) heads, frozen (LoRA) or trainable."""
     from toygraph.core.autodiff import accumulate_grads, backward
@@ -155,9 +155,9 @@ def test_fused_head_training_graph_equals_the_unfused_one(model, weights, reques
     results = []
     for backend in ("cuda", "cpu"):   # only picks the head: both graphs run on numpy here
         g = Graph()
-        net = build_decoder(g, m.config, batch=B, seq_len=T, model=m, weights=weights, logits=False,
-                          lora=LoraConfig(targets=("q", "v"), init_scale=0.1)
-                          if weights == "frozen" else None)
+        lora = LoraConfig(targets=("q", "v"), init_scale=0.1) if weights == "frozen" else None
+        net = build_decoder(g, m.config, WeightSource(m, weights), batch=B, seq_len=T,
+                            lora=lora, options=BuildOptions(logits=False))
         assert net.logits is None and net.hidden.shape == (B * T, m.config.n_embd)
         assert net.head.shape == (m.config.n_vocab, m.config.n_embd)
         assert (net.head.name == "token_embd.weight") == m.config.tied_output
@@ -179,7 +179,7 @@ def test_logits_are_built_when_asked(tiny_llama):
     from toygraph.models.decoder import lm_head
     m = GGUFModel(tiny_llama)
     g = Graph()
-    net = build_decoder(g, m.config, batch=1, seq_len=4, model=m)
+    net = build_decoder(g, m.config, WeightSource(m), batch=1, seq_len=4)
     assert net.logits is not None and net.logits.shape == (4, m.config.n_vocab)
     assert net.logits.op == "matmul" and list(net.logits.srcs) == [net.hidden, net.head]
     assert lm_head(net).shape == net.logits.shape

@@ -22,7 +22,7 @@ from toygraph.adapters.files import save_peft
 from toygraph.core.graph import Graph
 from toygraph.errors import GraphError
 from toygraph.inference.language_model import LanguageModel
-from toygraph.models.decoder import LoraConfig, build_decoder
+from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
 from toygraph.models.model import GGUFModel
 
 torch = pytest.importorskip("torch")
@@ -212,7 +212,7 @@ def test_exported_peft_adapter_reproduces_the_loss(name, targets, b_std, tmp_pat
 def test_dense_ffn_targets_are_refused_on_an_all_experts_model():
     cfg = GGUFModel(gguf_path("qwen3moe")).config
     with pytest.raises(GraphError, match=r"LoRA targets \['gate', 'down'\] name no weight"):
-        build_decoder(Graph(), cfg, batch=1, seq_len=4, weights="scratch",
+        build_decoder(Graph(), cfg, WeightSource(mode="scratch"), batch=1, seq_len=4,
                       lora=LoraConfig(targets=("q", "gate", "down")))
 
 

@@ -172,13 +172,15 @@ def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
     from toygraph import ops
     from toygraph.core.autodiff import accumulate_grads, backward
     from toygraph.core.graph import Graph
-    from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
+    from toygraph.models.decoder import (BuildOptions, LoraConfig, WeightSource, build_decoder,
+                                         lm_head)
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")
     path, _ = qwen35
     m, T = GGUFModel(path), 70
     g = Graph()
-    net = build_decoder(g, m.config, batch=1, seq_len=T, model=m, logits=False,
-                        lora=LoraConfig(targets=ALL, rank=4, alpha=8, init_scale=0.3))
+    net = build_decoder(g, m.config, WeightSource(m), batch=1, seq_len=T,
+                        lora=LoraConfig(targets=ALL, rank=4, alpha=8, init_scale=0.3),
+                        options=BuildOptions(logits=False))
     for _, b in net.lora.values():   # B = 0 would leave A without a gradient
         b.data = np.random.default_rng(1).normal(size=b.shape).astype(np.float32) * 0.1
     labels = g.input("labels", (T,), "i32")
@@ -208,7 +210,8 @@ def test_activation_checkpointing_gives_the_same_steps(qwen35):
 def test_sample_packing_is_refused(qwen35):
     from toygraph.core.graph import Graph
     from toygraph.errors import GraphError
-    from toygraph.models.decoder import build_decoder
+    from toygraph.models.decoder import BuildOptions, WeightSource, build_decoder
     m = GGUFModel(qwen35[0])
     with pytest.raises(GraphError, match="packing is not supported for qwen35"):
-        build_decoder(Graph(), m.config, batch=1, seq_len=8, model=m, packed=True)
+        build_decoder(Graph(), m.config, WeightSource(m), batch=1, seq_len=8,
+                      options=BuildOptions(packed=True))

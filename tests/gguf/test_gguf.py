@@ -33,7 +33,7 @@ def test_tiny_llama_config(tiny):
     layer = Layer(Attention(heads=4, kv_heads=2, head_dim=16, scale=0.25,
                             rope=Rope(mode="normal", dims=16, base=10000.0)), Dense(96))
     assert cfg == ModelConfig(
-        arch="llama", n_layer=2, n_embd=64, n_vocab=cfg.n_vocab, n_ctx=128, rms_eps=cfg.rms_eps,
+        arch="llama", n_embd=64, n_vocab=cfg.n_vocab, n_ctx=128, rms_eps=cfg.rms_eps,
         tied_output=True, layers=(layer, layer))
     assert (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.qkv_bias) == (4, 2, 16, 96, False)
     assert cfg.rms_eps == pytest.approx(1e-5) and 256 < cfg.n_vocab <= 512

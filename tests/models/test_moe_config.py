@@ -12,7 +12,7 @@ from toygraph.core.session import Session
 from toygraph.errors import GGUFError
 from toygraph.gguf.file import GGUFFile
 from toygraph.models.config import check_tensors, layer_shapes, read_config
-from toygraph.models.decoder import build_decoder
+from toygraph.models.decoder import WeightSource, build_decoder
 
 
 def config_with(changes: dict, name="qwen3moe"):
@@ -79,7 +79,7 @@ def test_leading_dense_layers_have_a_plain_ffn():
         check_tensors(cfg, shapes, "m.gguf")
     # The builder follows the config: a dense layer 0, an expert layer 1, finite loss.
     g = Graph()
-    net = build_decoder(g, cfg, batch=1, seq_len=5, weights="scratch")
+    net = build_decoder(g, cfg, WeightSource(mode="scratch"), batch=1, seq_len=5)
     labels = g.input("labels", (5,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, labels))
     assert "ffn_gate_exps" not in " ".join(n for n in net.weights if n.startswith("blk.0."))

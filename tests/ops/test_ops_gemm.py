@@ -28,7 +28,7 @@ from toygraph.ops.gemm import cuda as gemm
 from toygraph.ops.gemm import cuda_tc as tc_gemm
 from toygraph.gguf import blocks
 from toygraph.ops.lowering import dispatch
-from toygraph.ops.gemm.cuda import DEQUANT_KERNELS, QUANT_KERNELS
+from toygraph.ops.lowering.format_kernels import FORMAT_KERNELS
 from toygraph.ops.lowering.sources import module_source
 from toygraph.core.graph import Graph, topo_order
 from toygraph.core.session import Session
@@ -87,8 +87,9 @@ def test_quantized_matmul_kernels_compile_for_every_format(arch, cache):
                           arch=arch,
                           name="qmatmul.cu")
     assert cubin[:4] == b"\x7fELF"
-    for fmt in BLOCK_FORMATS:
-        for name in [DEQUANT_KERNELS[fmt], *QUANT_KERNELS[fmt].values()]:
+    for pattern in ("tg_deq_<fmt>", "tg_qmm_nt_<fmt>", "tg_qmm_nn_<fmt>", "tg_get_rows_<fmt>"):
+        assert set(FORMAT_KERNELS[pattern]) == set(BLOCK_FORMATS)
+        for name in FORMAT_KERNELS[pattern].values():
             assert name.encode() in cubin, name
 
 
@@ -115,8 +116,9 @@ def test_quantized_lowering_matches_numpy_on_the_dequantized_weight(fmt, build):
     mem = {addr[w.id]: blocks.as_bytes(raw), addr[x.id]: np.asarray(xv).ravel(),
            addr[node.id]: np.zeros(node.size)}
     launches = dispatch.lower(node, lambda t: addr[t.id], raw_consts={w.id})
-    assert [l.kernel for l in launches] == [QUANT_KERNELS[fmt][
-        {"forward": "nt", "forward3d": "nt", "backward": "nn", "get_rows": "rows"}[build]]]
+    pattern = {"forward": "tg_qmm_nt_<fmt>", "forward3d": "tg_qmm_nt_<fmt>",
+               "backward": "tg_qmm_nn_<fmt>", "get_rows": "tg_get_rows_<fmt>"}[build]
+    assert [l.kernel for l in launches] == [FORMAT_KERNELS[pattern][fmt]]
     for launch in launches:
         assert all(isinstance(v, np.ndarray) and v.dtype in (np.int32, np.uint64)
                    for v in launch.args)
@@ -254,10 +256,10 @@ def test_autodiff_folds_a_shared_inputs_contributions_into_the_products():
 
 
 def test_lora_projection_has_no_scale_or_add_on_the_adapters_path(tiny_llama):
-    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
     from toygraph.models.model import GGUFModel
     cfg = GGUFModel(tiny_llama).config
-    net = build_decoder(Graph(), cfg, batch=1, seq_len=4, weights="scratch",
+    net = build_decoder(Graph(), cfg, WeightSource(mode="scratch"), batch=1, seq_len=4,
                         lora=LoraConfig(rank=2, alpha=4, targets=("q", "v")))
     order = topo_order([net.logits])
     fused = [t for t in order if t.op == "matmul_add"]
@@ -353,11 +355,11 @@ def test_scale_a_gradients_match_finite_differences_in_f64(ta, tb):
 def test_lora_backward_reads_the_scaled_gradient_without_a_scale_pass(tiny_llama):
     """A LoRA projection's dB and du read s dy through scale_a: the backward has no scale
     node over the output gradient of a LoRA up-projection."""
-    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
     from toygraph.models.model import GGUFModel
     cfg = GGUFModel(tiny_llama).config
     g = Graph()
-    net = build_decoder(g, cfg, batch=1, seq_len=4, weights="scratch",
+    net = build_decoder(g, cfg, WeightSource(mode="scratch"), batch=1, seq_len=4,
                         lora=LoraConfig(rank=2, alpha=4, targets=("q", "v")))
     params = [t for t in topo_order([net.logits]) if t.role == "param"]
     loss = ops.sum(net.logits)

@@ -262,11 +262,11 @@ def check_norm_weights_in_their_norms(path):
     """Model ``path`` built with trainable weights (full fine-tuning: the norm weights get
     gradients too): every ``*norm.weight`` is read by rms_norm (forward, and its gradient's
     g (x r)) and rms_norm_back only, never by a mul."""
-    from toygraph.models.decoder import build_decoder
+    from toygraph.models.decoder import WeightSource, build_decoder
     from toygraph.models.model import GGUFModel
     model = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, model.config, batch=1, seq_len=4, model=model, weights="finetune")
+    net = build_decoder(g, model.config, WeightSource(model, "finetune"), batch=1, seq_len=4)
     weights = [t for name, t in net.weights.items() if name.endswith("norm.weight")]
     backward(ops.sum(net.logits), weights)
     readers = {(t.op, i) for w in weights for t in g.nodes for i, s in enumerate(t.srcs) if s is w}

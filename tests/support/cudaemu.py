@@ -15,7 +15,7 @@ import toygraph.cuda  # noqa: F401  (loads every family's CUDA lowering)
 from toygraph import ops
 from toygraph.gguf import block_encode, blocks
 from toygraph.ops.lowering import dispatch
-from toygraph.ops.gemm.cuda import QUANT_KERNELS
+from toygraph.ops.lowering.format_kernels import FORMAT_KERNELS
 from toygraph.core.graph import PHASES, Graph, topo_order
 from toygraph.core.buffer_plan import plan_buffers
 from toygraph.ops import KERNELS as CPU_KERNELS
@@ -107,12 +107,20 @@ def const_node(build, *shapes, seed=0):
     return build(*leaves), vals
 
 
-BLOCK_FORMATS = sorted(set(blocks.BLOCK) - {"f32"})
+BLOCK_FORMATS = blocks.BLOCK_FORMATS
+#: The f32 kernels that read a weight in its block format (patterns of FORMAT_KERNELS): y =
+#: x @ W^T ("nt"), dx = dy @ W ("nn"), get_rows from a block-format table ("rows").
+QUANT_PATTERNS = {"nt": "tg_qmm_nt_<fmt>", "nn": "tg_qmm_nn_<fmt>", "rows": "tg_get_rows_<fmt>"}
+
+
+def quant_kernels(fmt: str) -> dict[str, str]:
+    """Format ``fmt``'s kernels of QUANT_PATTERNS, by kind."""
+    return {kind: FORMAT_KERNELS[pattern][fmt] for kind, pattern in QUANT_PATTERNS.items()}
 
 
 def qmm_format(kernel: str) -> tuple[str, str]:
-    for fmt, names in QUANT_KERNELS.items():
-        for kind, name in names.items():
+    for fmt in BLOCK_FORMATS:
+        for kind, name in quant_kernels(fmt).items():
             if name == kernel:
                 return fmt, kind
     raise AssertionError(f"not a quantized kernel: {kernel}")
@@ -159,12 +167,12 @@ def training_plan(graph):
 
 def lora_graph(path, targets=("q", "v")):
     from toygraph.models.model import GGUFModel
-    from toygraph.models.decoder import LoraConfig, build_decoder
+    from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
     from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, model.config, batch=2, seq_len=8, model=model,
-                      lora=LoraConfig(targets=targets, rank=4, alpha=8))
+    net = build_decoder(g, model.config, WeightSource(model), batch=2, seq_len=8,
+                        lora=LoraConfig(targets=targets, rank=4, alpha=8))
     lab = g.input("labels", (16,), "i32")
     loss = g.output(ops.cross_entropy(net.logits, lab, reduction="sum"))
     build_training(loss, net.params, count=g.output(ops.count_valid(lab)), max_norm=1.0)
@@ -173,12 +181,14 @@ def lora_graph(path, targets=("q", "v")):
 
 def smollm2_training_graph(path, fused, batch, seq, build_training_too=True):
     from toygraph.models.model import GGUFModel
-    from toygraph.models.decoder import LoraConfig, build_decoder, lm_head
+    from toygraph.models.decoder import (BuildOptions, LoraConfig, WeightSource, build_decoder,
+                                         lm_head)
     from toygraph.core.optimizer import build_training
     model = GGUFModel(path)
     g = Graph()
-    net = build_decoder(g, model.config, batch=batch, seq_len=seq, model=model, logits=False,
-                      lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
+    net = build_decoder(g, model.config, WeightSource(model), batch=batch, seq_len=seq,
+                        lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16),
+                        options=BuildOptions(logits=False))
     lab = g.input("labels", (batch * seq,), "i32")
     loss = (ops.linear_cross_entropy(net.hidden, net.head, lab, reduction="sum") if fused else
             ops.cross_entropy(lm_head(net), lab, reduction="sum"))

@@ -389,13 +389,22 @@ static inline void iq4_xs(const u8* __restrict b, float* __restrict y) {
 // --- runs of blocks ----------------------------------------------------------------------
 typedef void (*BlockFn)(const u8* __restrict, float* __restrict);
 
+// f16 and bf16 are one-element blocks, so that every format has a block function of its
+// name for the table below; a run of them is their vector loop above.
+static inline void f16(const u8* __restrict b, float* __restrict y) { f16_run(b, y, 1); }
+static inline void bf16(const u8* __restrict b, float* __restrict y) { bf16_run(b, y, 1); }
+
+// n blocks of format F: its inlined block function in a loop (f16, bf16: their runs).
 template <BlockFn F, int QK, int BYTES>
 static void decode_blocks(const u8* __restrict raw, float* __restrict out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) F(raw + i * BYTES, out + i * QK);
+    if constexpr (F == f16) {
+        f16_run(raw, out, n);
+    } else if constexpr (F == bf16) {
+        bf16_run(raw, out, n);
+    } else {
+        for (int64_t i = 0; i < n; i++) F(raw + i * BYTES, out + i * QK);
+    }
 }
-
-static void f16_blocks(const u8* raw, float* out, int64_t n) { f16_run(raw, out, n); }
-static void bf16_blocks(const u8* raw, float* out, int64_t n) { bf16_run(raw, out, n); }
 
 typedef void (*RunFn)(const u8*, float*, int64_t);
 
@@ -406,17 +415,11 @@ struct Format {
     int qk, bytes;
 };
 
-#define TG_FORMAT(fn, NAME) {decode_blocks<fn, TG_##NAME##_QK, TG_##NAME##_BYTES>, TG_##NAME##_QK, TG_##NAME##_BYTES}
+#define TG_FORMAT(fmt, NAME) \
+    {decode_blocks<fmt, TG_##NAME##_QK, TG_##NAME##_BYTES>, TG_##NAME##_QK, TG_##NAME##_BYTES},
 
-// In the order of engine.py's FORMATS.
-static const Format kFormats[] = {
-    {f16_blocks, 1, 2}, {bf16_blocks, 1, 2},
-    TG_FORMAT(q8_0, Q8_0), TG_FORMAT(q4_0, Q4_0), TG_FORMAT(q4_1, Q4_1),
-    TG_FORMAT(q5_0, Q5_0), TG_FORMAT(q5_1, Q5_1), TG_FORMAT(iq4_nl, IQ4_NL),
-    TG_FORMAT(q2_k, Q2_K), TG_FORMAT(q3_k, Q3_K), TG_FORMAT(q4_k, Q4_K),
-    TG_FORMAT(q5_k, Q5_K), TG_FORMAT(q6_k, Q6_K), TG_FORMAT(iq4_xs, IQ4_XS),
-    TG_FORMAT(mxfp4, MXFP4),
-};
+// One per format of TG_BLOCK_FORMATS (blocks.c_defines), in its order: engine.py's FORMATS.
+static const Format kFormats[] = {TG_BLOCK_FORMATS(TG_FORMAT)};
 static const int kNumFormats = sizeof(kFormats) / sizeof(kFormats[0]);
 
 // Elements [k0, k1) of one row (k0, k1 multiples of the block's qk, or k1 the row's end)

@@ -43,9 +43,9 @@ HERE = Path(__file__).parent
 #: kernels (:func:`family_kernels`) come after replay.h, engine.cpp's entry points last.
 SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "dot.h", "dot8.h", "replay.h", "vmath.h",
            "engine.cpp")
-#: The formats the engine knows, in the order of decode.h's kFormats table.
-FORMATS = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k",
-           "q4_k", "q5_k", "q6_k", "iq4_xs", "mxfp4")
+#: The formats the engine knows, by index: decode.h's kFormats table expands the same list
+#: (TG_BLOCK_FORMATS, from blocks.c_defines) in the same order.
+FORMATS = blocks.BLOCK_FORMATS
 #: -ffp-contract=off and no fast-math keep blocks.py's f32 rounding order bit for bit in the
 #: decoders (the products use explicit FMA intrinsics, which the flag does not touch);
 #: -march=native is safe for the values (IEEE ops whatever the vector width), and the

@@ -27,7 +27,10 @@ from toygraph.errors import GGUFError
 
 QK_K = 256  # super-block size of the K-quants
 
-# name -> (elements per block, bytes per block)
+# name -> (elements per block, bytes per block). A new format goes at the end: the C tables
+# that expand TG_BLOCK_FORMATS (BLOCK_FORMATS below) keep this order, and the CPU engine's
+# fused-kernel tables (cpu/dot.h, dot8.h) are positional, so a format appended there takes
+# the decoded-row path until it gets a kernel.
 BLOCK: dict[str, tuple[int, int]] = {
     "f32": (1, 4),
     "f16": (1, 2),
@@ -55,6 +58,11 @@ GGML_TYPE: dict[str, _T] = {
     "iq4_xs": _T.IQ4_XS, "mxfp4": _T.MXFP4,
 }
 _NAME_OF = {v: k for k, v in GGML_TYPE.items()}
+
+#: Every format a kernel decodes (all but f32, which is used as it is), in BLOCK's order:
+#: the one list the C and CUDA tables expand (``TG_BLOCK_FORMATS`` in :func:`c_defines`),
+#: and the CPU engine's formats.
+BLOCK_FORMATS: tuple[str, ...] = tuple(f for f in BLOCK if f != "f32")
 
 # Byte offsets inside one block (all little-endian; d/dmin/m are f16).
 #   q8_0: d | qs int8[32]                      x[i] = qs[i] * d
@@ -114,15 +122,26 @@ MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 _MXFP4 = np.array(MXFP4_VALUES, np.float32)
 
 
+def c_formats() -> tuple[tuple[str, str], ...]:
+    """(name, C name) of each of BLOCK_FORMATS, ``("q4_k", "Q4_K")``: the arguments
+    ``TG_BLOCK_FORMATS(X)`` passes to ``X``, from which the tables name each format's
+    decoders: ``TgQ4_K`` in ops/include/blocks.cuh, ``q4_k`` in cpu/decode.h."""
+    return tuple((fmt, fmt.upper()) for fmt in BLOCK_FORMATS)
+
+
 def c_defines() -> str:
     """BLOCK, LAYOUT, IQ4NL_VALUES and MXFP4_VALUES as C macros (``TG_Q4_K_QK``,
     ``TG_Q4_K_BYTES``, ``TG_Q4_K_SCALES``..., ``TG_IQ4NL_VALUES``, ``TG_MXFP4_VALUES``) for
     every stored format but f32: the one description of each block that the C and CUDA
-    decoders compile against."""
+    decoders compile against. And BLOCK_FORMATS as an X-macro, ``TG_BLOCK_FORMATS(X)``:
+    ``X(f16, F16) X(bf16, BF16) X(q8_0, Q8_0) ...``, which every per-format table (the
+    CUDA kernels, the CPU engine's decoders) expands, so none lists the formats itself."""
+    xs = " ".join(f"X({fmt}, {name})" for fmt, name in c_formats())
     lines = ["// generated from toygraph.gguf.blocks BLOCK, LAYOUT, IQ4NL_VALUES, MXFP4_VALUES",
              f"#define TG_IQ4NL_VALUES {', '.join(map(str, IQ4NL_VALUES))}",
-             f"#define TG_MXFP4_VALUES {', '.join(map(str, MXFP4_VALUES))}"]
-    for fmt in (f for f in BLOCK if f != "f32"):
+             f"#define TG_MXFP4_VALUES {', '.join(map(str, MXFP4_VALUES))}",
+             f"#define TG_BLOCK_FORMATS(X) {xs}"]
+    for fmt in BLOCK_FORMATS:
         elems, size = BLOCK[fmt]
         name = fmt.upper()
         lines += [f"#define TG_{name}_QK {elems}", f"#define TG_{name}_BYTES {size}"]

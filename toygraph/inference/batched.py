@@ -42,7 +42,7 @@ from toygraph.core.session import Session
 from toygraph.errors import DataError
 from toygraph.inference.kvcache import MASKED, CacheDecode, CachePrefill, kv_caches, windows
 from toygraph.inference.sampling import SamplingOptions, pick_token
-from toygraph.models.decoder import Decoder, build_decoder
+from toygraph.models.decoder import BuildOptions, Decoder, WeightSource, build_decoder
 from toygraph.models.parts import DeltaNet
 
 
@@ -91,14 +91,15 @@ def build_batched_generation(g: Graph, cfg, *, rows: int, prompt_len: int, cache
     rec = _BatchedRecurrent(g, cfg, R, P, L, prefix) if cfg.ssm else None
     prefill, decode = CachePrefill(g, caches, zero, rec), _Decode(g, caches, start, masks,
                                                                   sink_col, rec)
-    first = build_decoder(g, cfg, batch=R, seq_len=P, model=model, lora=lora, shared=shared,
-                          prefix=prefix + "prefill.", logits=False, sequence=prefill)
+    first = build_decoder(g, cfg, WeightSource(model, shared=shared), batch=R, seq_len=P,
+                          lora=lora, options=BuildOptions(logits=False, prefix=prefix + "prefill.",
+                                                          sequence=prefill))
     last = g.input(prefix + "prefill.last", (R,), "i32")
     prefill_logits = ops.matmul(ops.get_rows(first.hidden, last), first.head, trans_b=True)
     if cfg.logit_softcap:   # as lm_head caps the decode step's logits
         prefill_logits = ops.softcap(prefill_logits, cfg.logit_softcap)
-    step = build_decoder(g, cfg, batch=R, seq_len=1, lora=lora, shared=first,
-                         prefix=prefix + "decode.", sequence=decode)
+    step = build_decoder(g, cfg, WeightSource(shared=first), batch=R, seq_len=1, lora=lora,
+                         options=BuildOptions(prefix=prefix + "decode.", sequence=decode))
     return BatchedGraphs(R, P, L, first, step, last, start, zero, masks, g.output(prefill_logits),
                          g.output(step.logits), prefill.writes, decode.writes, sink_row, rec)
 

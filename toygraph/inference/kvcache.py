@@ -43,7 +43,7 @@ from toygraph import ops
 from toygraph.core.graph import Graph
 from toygraph.ops.flash_attention import TOKEN_MAJOR
 from toygraph.core.session import Session
-from toygraph.models.decoder import build_decoder
+from toygraph.models.decoder import BuildOptions, WeightSource, build_decoder
 from toygraph.models.parts import Attention, DeltaNet
 from toygraph.models.sequence import SequenceOps
 
@@ -93,16 +93,17 @@ class CachedDecoder:
         self.pos = g.input("decode.pos", (1,), "i32")       # the decode position again, [1]
         rec = _Recurrent(g, cfg, prompt_len, cache_len) if cfg.ssm else None
         prefill = CachePrefill(g, self.caches, self.start, rec)
-        self.first = build_decoder(g, cfg, batch=1, seq_len=prompt_len, model=model, lora=lora,
-                                   sequence=prefill)
+        self.first = build_decoder(g, cfg, WeightSource(model), batch=1, seq_len=prompt_len,
+                                   lora=lora, options=BuildOptions(sequence=prefill))
         self.masks = {w: g.input(f"decode.mask{w}", (cache_len + self.sink_row,))
                       for w in windows(cfg)}
         # 1 on the sink's row: times sinks[h] / scale, added to the scores
         sink_col = (g.const("decode.sink_col", np.eye(cache_len + 1, dtype=np.float32)[-1])
                     if self.sink_row else None)
         decode = CacheDecode(g, self.caches, self.pos, self.masks, sink_col, rec)
-        self.step = build_decoder(g, cfg, batch=1, seq_len=1, lora=lora, shared=self.first,
-                                  prefix="decode.", sequence=decode)
+        self.step = build_decoder(g, cfg, WeightSource(shared=self.first), batch=1, seq_len=1,
+                                  lora=lora, options=BuildOptions(prefix="decode.",
+                                                                  sequence=decode))
         for net in (self.first, self.step):
             g.output(net.logits)
         self.recurrent = rec

@@ -35,7 +35,7 @@ from toygraph.errors import DataError, ToygraphError
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.kvcache import CachedDecoder
 from toygraph.inference.sampling import SamplingOptions, TextStream, pick_token
-from toygraph.models.decoder import LoraConfig, build_decoder
+from toygraph.models.decoder import LoraConfig, WeightSource, build_decoder
 from toygraph.models.model import GGUFModel
 
 logger = logging.getLogger(__name__)
@@ -119,8 +119,8 @@ class LanguageModel:
         key = (batch, seq_len)
         if key not in self._graphs:
             g = Graph()
-            net = build_decoder(g, self.cfg, batch=batch, seq_len=seq_len, model=self.model,
-                                lora=self.lora_config)
+            net = build_decoder(g, self.cfg, WeightSource(self.model), batch=batch,
+                                seq_len=seq_len, lora=self.lora_config)
             labels = g.input("labels", (batch * seq_len,), "i32")
             f = _Forward(sess=Session(g, backend=self.backend, precision=self.precision), tokens=net.tokens,
                          positions=net.positions, labels=labels, logits=g.output(net.logits),

@@ -28,13 +28,13 @@ class ModelConfig:
     """A decoder read from (and checked against) a GGUF: its ``layers`` (models/parts.py),
     one per block, and the parts around them: the token embedding (times
     ``embed_scale``), the final norm, the output head (``tied_output``: token_embd.weight
-    reused), the final logits' soft cap (0: none), Gemma 4's per-layer input embeddings
-    (``ple_dim`` wide, 0: none), and YaRN's per-pair frequency divisors ``rope_yarn`` (the
-    const YARN_FACTORS the layers' rope reads). The properties below summarise the layers
-    for messages and checks; what builds or sizes a layer reads the layer."""
+    reused), the final logits' soft cap (0: none), and YaRN's per-pair frequency divisors
+    ``rope_yarn`` (the const YARN_FACTORS the layers' rope reads). The properties below
+    summarise the layers for messages, checks and the tensors outside them (Gemma 4's
+    per-layer input embeddings, ``ple_dim`` wide); what builds or sizes a layer reads the
+    layer."""
 
     arch: str
-    n_layer: int
     n_embd: int
     n_vocab: int
     n_ctx: int
@@ -43,12 +43,17 @@ class ModelConfig:
     layers: tuple[Layer, ...]
     embed_scale: float = 1.0
     logit_softcap: float = 0.0
-    ple_dim: int = 0
     rope_yarn: tuple[float, ...] = ()
 
     @property
     def family(self) -> Family:
         return FAMILIES[self.arch]
+
+    @property
+    def n_layer(self) -> int:
+        """The number of blocks: one layer each (the file's block_count, checked against
+        its ``blk.N.`` tensors)."""
+        return len(self.layers)
 
     @property
     def attention(self) -> tuple[Attention, ...]:
@@ -76,6 +81,13 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.uniform("head_dim")
+
+    @property
+    def ple_dim(self) -> int:
+        """The width of Gemma 4's per-layer inputs (each layer's ``per_layer_input``, the
+        same in every layer; 0: none), which the embedding tables outside the layers hold
+        for all of them."""
+        return self.layers[0].per_layer_input if self.layers else 0
 
     @property
     def n_ff(self) -> int:        # the first dense FFN's width (0: every FFN a mixture)
@@ -141,7 +153,7 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
     n_ctx = m.num("context_length", int, 2048)
     layers, yarn = _layers(m, fam, n_layer, n_embd, n_ctx, tensors)
     return ModelConfig(
-        arch=arch, n_layer=n_layer, n_embd=n_embd,
+        arch=arch, n_embd=n_embd,
         # The embedding's row count is what the weights actually hold.
         n_vocab=int(tensors["token_embd.weight"][0]), n_ctx=n_ctx,
         # Required, as llama.cpp requires it (the two references' defaults differ).
@@ -149,7 +161,7 @@ def read_config(meta, meta_keys, tensors: dict, path) -> ModelConfig:
         tied_output="output.weight" not in tensors, layers=layers,
         embed_scale=math.sqrt(n_embd) if fam.embed_scale_sqrt else 1.0,
         logit_softcap=m.num("final_logit_softcapping", float, 0.0, positive=False),
-        ple_dim=layers[0].per_layer_input, rope_yarn=yarn)
+        rope_yarn=yarn)
 
 
 def _layers(m: readers.Metadata, fam: Family, n_layer: int, n_embd: int, n_ctx: int,

@@ -1,7 +1,7 @@
 """The one decoder graph builder, for every family in models/families.py, with LoRA wiring.
 
 >>> g = Graph()                                                        # doctest: +SKIP
->>> net = build_decoder(g, cfg, batch=4, seq_len=128, model=gguf_model,
+>>> net = build_decoder(g, cfg, WeightSource(gguf_model), batch=4, seq_len=128,
 ...                     lora=LoraConfig(targets=("q", "v"), rank=8, alpha=16))
 >>> net.tokens, net.positions, net.logits   # inputs [4, 128] i32 and logits [512, vocab]
 
@@ -10,25 +10,12 @@ the other: each layer's parts by their builders (BUILDERS: models/attention.py,
 deltanet.py, ffn.py, moe.py), the norms around them by ``_layer``. Nothing here reads the
 family's name; a family's differences arrive as the parts of its layers.
 
-``build_decoder``'s arguments beyond the shape:
-
-- ``model``, ``weights``, ``seed``: the GGUF (a models/model.GGUFModel) and how its
-  tensors enter the graph (WEIGHT_MODES: "frozen" consts in their block formats,
-  "finetune" trainable f32 copies, "scratch" new random params drawn from ``seed``).
-- ``lora``: adapters on the targeted projections (LoraConfig).
-- ``logits=False`` stops at ``net.hidden`` / ``net.head``: training graphs feed them to
-  the fused ``ops.linear_cross_entropy``, so no [tokens, vocab] logits are built;
-  :func:`lm_head` builds them when wanted.
-- ``packed`` adds the input ``net.segments`` [batch, seq_len] (sample packing): attention
-  then stays inside each segment (toygraph.data.packing).
-- ``reference_of`` builds a second forward pass over that decoder's own inputs and
-  weight tensors, making no new weights (DPO's reference model reads the same frozen
-  base); its adapters, when ``lora`` is given, are named ``reference.<weight>.lora_a/b``.
-- ``shared``, a Decoder built earlier on the same graph, lends its weights and LoRA pairs
-  (a second graph over the same parameters), and ``prefix`` names this one's
-  ``tokens``/``positions`` inputs apart from its.
-- ``sequence`` (models/sequence.SequenceOps): how attention and the DeltaNet's conv and
-  delta rule run; generation with a cache passes its own (inference/kvcache.py).
+``build_decoder(g, cfg, source, *, batch, seq_len, lora, options)`` takes the model's
+parts (``cfg``, its layers), where its weights come from (``source``, a
+:class:`WeightSource`: a GGUF's tensors, new random ones, or a decoder's built earlier on
+the same graph), the graph's shape, the adapters on the targeted projections (``lora``,
+a LoraConfig) and how to build it (``options``, :class:`BuildOptions`: stop before the
+logits, packed rows, the inputs' names, how attention runs).
 
 Weights keep their GGUF names and layout: a projection ``W`` is [n_out, n_in] and
 ``y = x W^T``. Q/K rows are in the order the GGUF stores them, so rope uses the mode the
@@ -185,10 +172,6 @@ def _scratch_init(name: str, shape, rng) -> np.ndarray:
 
 
 def _make_weights(g: Graph, cfg, model, mode: str, seed: int) -> dict[str, Tensor]:
-    if mode not in WEIGHT_MODES:
-        raise GraphError(f"weight mode must be one of {WEIGHT_MODES}, got {mode!r}")
-    if mode != "scratch" and model is None:
-        raise GraphError(f"weight mode {mode!r} needs a GGUF model")
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in tensor_shapes(cfg).items():
@@ -250,28 +233,81 @@ def _check_targets(cfg, wanted: set[str]) -> None:
         raise GraphError(f"LoRA targets {short} name no weight of this {cfg.arch} model{hint}")
 
 
-def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weights: str = "frozen",
-                  lora: LoraConfig | None = None, seed: int = LoraConfig.seed,
-                  logits: bool = True, packed: bool = False, reference_of: Decoder | None = None,
-                  shared: Decoder | None = None, prefix: str = "",
-                  sequence: SequenceOps | None = None) -> Decoder:
-    """The forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens, one
-    layer of ``cfg.layers`` after the other (the arguments: module docstring)."""
-    _check_request(cfg, batch, seq_len, packed, reference_of)
-    if reference_of is not None:   # its inputs and weights, new adapters
-        net = Decoder(cfg, reference_of.tokens, reference_of.positions, None,
-                      reference_of.weights, segments=reference_of.segments)
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a decoder's weight tensors come from.
+
+    From a GGUF: ``model`` (a models/model.GGUFModel) in ``mode`` (WEIGHT_MODES: "frozen"
+    consts in their block formats, "finetune" trainable f32 copies, "scratch" new random
+    params drawn from ``seed``, which needs the model only for the tensors FIXED names).
+    Or from a Decoder built earlier on the same graph: ``shared`` lends its weights and LoRA
+    pairs (a second graph over the same parameters, with inputs of its own: generation
+    beside training); ``reference_of`` builds a second forward pass over its inputs and
+    weight tensors, making no new weights (DPO's reference model reads the same frozen
+    base), its adapters, when ``lora`` is given, named ``reference.<weight>.lora_a/b``.
+    ``model`` still serves DoRA's magnitudes of new adapters."""
+
+    model: object = None
+    mode: str = "frozen"
+    seed: int = LoraConfig.seed
+    shared: Decoder | None = None
+    reference_of: Decoder | None = None
+
+    def __post_init__(self):
+        if self.mode not in WEIGHT_MODES:
+            raise GraphError(f"weight mode must be one of {WEIGHT_MODES}, got {self.mode!r}")
+        if self.shared is not None and self.reference_of is not None:
+            raise GraphError("a decoder's weights are either shared or a reference pass's, "
+                             "not both")
+        if self.mode != "scratch" and self.model is None and self.earlier is None:
+            raise GraphError(f"weight mode {self.mode!r} needs a GGUF model")
+
+    @property
+    def earlier(self) -> Decoder | None:
+        """The decoder this one's weights come from, if any."""
+        return self.shared or self.reference_of
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How build_decoder builds the graph.
+
+    - ``logits=False`` stops at ``net.hidden`` / ``net.head``: training graphs feed them to
+      the fused ``ops.linear_cross_entropy``, so no [tokens, vocab] logits are built;
+      :func:`lm_head` builds them when wanted.
+    - ``packed`` adds the input ``net.segments`` [batch, seq_len] (sample packing):
+      attention then stays inside each segment (toygraph.data.packing).
+    - ``prefix`` names this graph's ``tokens``/``positions``/``segments`` inputs apart from
+      another decoder's on the same graph.
+    - ``sequence`` (models/sequence.SequenceOps): how attention and the DeltaNet's conv and
+      delta rule run; generation with a cache passes its own (inference/kvcache.py)."""
+
+    logits: bool = True
+    packed: bool = False
+    prefix: str = ""
+    sequence: SequenceOps | None = None
+
+
+def build_decoder(g: Graph, cfg, source: WeightSource, *, batch: int, seq_len: int,
+                  lora: LoraConfig | None = None,
+                  options: BuildOptions = BuildOptions()) -> Decoder:
+    """The forward graph of ``cfg`` for ``batch`` sequences of ``seq_len`` tokens, its
+    weights from ``source``, one layer of ``cfg.layers`` after the other (the arguments:
+    module docstring)."""
+    ref, prefix = source.reference_of, options.prefix
+    _check_request(cfg, batch, seq_len, options.packed, ref)
+    if ref is not None:   # its inputs and weights, new adapters
+        net = Decoder(cfg, ref.tokens, ref.positions, None, ref.weights, segments=ref.segments)
     else:
-        if weights != "scratch" and model is None and shared is None:
-            raise GraphError(f"weight mode {weights!r} needs a GGUF model")
-        W = shared.weights if shared else _make_weights(g, cfg, model, weights, seed)
+        W = (source.shared.weights if source.shared else
+             _make_weights(g, cfg, source.model, source.mode, source.seed))
         net = Decoder(cfg, g.input(prefix + "tokens", (batch, seq_len), "i32"),
                       g.input(prefix + "positions", (batch, seq_len), "i32"), None, W)
-        if packed:
+        if options.packed:
             net.segments = g.input(prefix + "segments", (batch, seq_len), "i32")
-    proj = Projections(g, net, lora, model, shared, "reference." if reference_of else "")
-    h = embed(g, net, batch, seq_len, shared or reference_of)
-    seq = sequence or SequenceOps()
+    proj = Projections(g, net, lora, source)
+    h = embed(g, net, batch, seq_len, source.earlier)
+    seq = options.sequence or SequenceOps()
     for start, stop in regions(cfg):   # one region per block (recompute.py; Gemma 4: joined)
         with g.region(f"blk.{start}" if stop == start + 1 else f"blk.{start}-{stop - 1}", h) as r:
             for i in range(start, stop):
@@ -279,7 +315,7 @@ def build_decoder(g: Graph, cfg, *, batch: int, seq_len: int, model=None, weight
             r.output = h
     net.hidden = ops.rms_norm(h, cfg.rms_eps, weight=net.weights["output_norm.weight"])
     net.head = net.weights["token_embd.weight" if cfg.tied_output else "output.weight"]
-    if logits:
+    if options.logits:
         net.logits = lm_head(net)
     return net
 
@@ -299,13 +335,14 @@ def _check_request(cfg, batch: int, seq_len: int, packed: bool, reference_of) ->
 
 class Projections:
     """``proj(x, name)``: x [N, n_in] -> [N, n_out] through GGUF weight ``name`` (+ its
-    bias, + its LoRA adapter when ``lora`` targets it: made here, or ``shared``'s);
-    ``expert_adapter(name)``: an expert stack's (A, B, scaling) or None (models/moe.py)."""
+    bias, + its LoRA adapter when ``lora`` targets it: made here, or the source's shared
+    decoder's); ``expert_adapter(name)``: an expert stack's (A, B, scaling) or None
+    (models/moe.py)."""
 
-    def __init__(self, g: Graph, net: Decoder, lora: LoraConfig | None, model, shared,
-                 prefix: str):
-        self.g, self.net, self.lora, self.model, self.shared, self.prefix = \
-            g, net, lora, model, shared, prefix
+    def __init__(self, g: Graph, net: Decoder, lora: LoraConfig | None, source: WeightSource):
+        self.g, self.net, self.lora, self.model, self.shared = \
+            g, net, lora, source.model, source.shared
+        self.prefix = "reference." if source.reference_of else ""   # its adapters' names
         self.rng = np.random.default_rng(lora.seed) if lora else None
         self.wanted = {ALL_TARGETS[t] for t in lora.targets} if lora else set()
         _check_targets(net.cfg, self.wanted)

@@ -3,7 +3,9 @@
 The library is the same translation unit NVRTC compiles (sources.backend_source), with
 ``TG_HOST`` defined and host_shim.h in front, which supplies threadIdx & co, barriers,
 warp shuffles, mma.sync and the cvt roundings; one ``tg_host_launch_<kernel>`` entry is
-appended per kernel. device.py loads it and launches kernels over host memory.
+appended per kernel (sources.kernel_names, which reads the kernels a TG_BLOCK_FORMATS line
+defines per block format from the X-macro's expansion). device.py loads it and launches
+kernels over host memory.
 
 The cache key is the sha256 of the full host source, the flags and ``g++ --version``; the
 library lives in ``$TOYGRAPH_CACHE/kernels/host`` (the folder nvrtc.py caches cubins in, plus

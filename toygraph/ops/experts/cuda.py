@@ -3,21 +3,19 @@ rules are in __init__.py)."""
 from __future__ import annotations
 
 from toygraph.errors import CudaError
-from toygraph.ops.gemm.cuda import DEQUANT_KERNELS
-from toygraph.ops.lowering import (MAX_GRID_YZ, Launch, declare_kernels, grid_1d, i32_arg, lowers,
-                                   ptr_arg)
+from toygraph.ops.lowering import (FORMAT_KERNELS, MAX_GRID_YZ, Launch, declare_kernels, grid_1d,
+                                   i32_arg, lowers, ptr_arg)
 from toygraph.ops.lowering.constants import MM_BM, MM_THREADS
 
 # The family's CUDA kernels, beside this module; the grouped GEMMs use matmul.cu's tile.
 declare_kernels(__file__, "experts.cu", needs=("matmul.cu",))
 
 
-#: Grouped-GEMM kernels reading the expert weights in their block format, per format:
-#: "nt" y = x @ W[e]^T, "nn" dx = dy @ W[e] (experts.cu).
-EXPERT_KERNELS: dict[str, dict[str, str]] = {
-    fmt: {"nt": f"tg_expert_mm_nt_{fmt}", "nn": f"tg_expert_mm_nn_{fmt}"}
-    for fmt in DEQUANT_KERNELS
-}
+#: The grouped GEMMs by direction, "nt" y = x @ W[e]^T, "nn" dx = dy @ W[e] (experts.cu):
+#: over f32 expert weights, and over weights in their block format (patterns of
+#: FORMAT_KERNELS, the kernels experts.cu defines once per format).
+EXPERT_KERNELS = {"nt": "tg_expert_mm_nt", "nn": "tg_expert_mm_nn"}
+EXPERT_BLOCK_KERNELS = {"nt": "tg_expert_mm_nt_<fmt>", "nn": "tg_expert_mm_nn_<fmt>"}
 
 
 @lowers("topk", kernels=("tg_topk",))
@@ -67,7 +65,7 @@ def _weight_in_blocks(node, index: int) -> bool:
 @lowers("expert_matmul", kernels=("tg_expert_mm_nt", "tg_expert_mm_nn"),
         block_format=_weight_in_blocks)
 def _expert_matmul(node, at):
-    """f32 weights: tg_expert_mm_nt/nn; block-format weights: EXPERT_KERNELS[fmt]."""
+    """f32 weights: tg_expert_mm_nt/nn; block-format weights: tg_expert_mm_nt/nn_<fmt>."""
     x, w, routes = node.srcs
     E, rows, cols = w.shape
     N, k, n_out = node.shape
@@ -75,9 +73,9 @@ def _expert_matmul(node, at):
     if w.id in at.raw_consts:
         from toygraph.gguf import blocks
         row = blocks.nbytes(w.storage, (1, cols))
-        kernel = EXPERT_KERNELS[w.storage][kind]
+        kernel = FORMAT_KERNELS[EXPERT_BLOCK_KERNELS[kind]][w.storage]
     else:
-        row, kernel = cols, f"tg_expert_mm_{kind}"
+        row, kernel = cols, EXPERT_KERNELS[kind]
     grid = _grid(f"expert_matmul {node.name!r}", n_out, N * k, E)
     return [Launch(kernel, grid, [ptr_arg(at.out), ptr_arg(at.ptr(x)), ptr_arg(at.ptr(w)),
                                   ptr_arg(at.ptr(routes)), i32_arg(n_out), i32_arg(x.shape[-1]),

@@ -159,37 +159,16 @@ __device__ __forceinline__ void tg_expert_qmm(TG_EMM_ARGS) {
 }
 
 #define TG_EMM_PASS out, x, w, routes, N, K, E, k, x_by_token, expert_stride, row_arg
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_f16(TG_EMM_ARGS) { tg_expert_qmm<TgF16, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_bf16(TG_EMM_ARGS) { tg_expert_qmm<TgBF16, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q8_0(TG_EMM_ARGS) { tg_expert_qmm<TgQ8_0, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q4_0(TG_EMM_ARGS) { tg_expert_qmm<TgQ4_0, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q4_1(TG_EMM_ARGS) { tg_expert_qmm<TgQ4_1, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q5_0(TG_EMM_ARGS) { tg_expert_qmm<TgQ5_0, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q5_1(TG_EMM_ARGS) { tg_expert_qmm<TgQ5_1, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_iq4_nl(TG_EMM_ARGS) { tg_expert_qmm<TgIQ4_NL, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q2_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ2_K, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q3_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ3_K, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q4_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ4_K, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q5_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ5_K, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_q6_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ6_K, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_iq4_xs(TG_EMM_ARGS) { tg_expert_qmm<TgIQ4_XS, true>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_mxfp4(TG_EMM_ARGS) { tg_expert_qmm<TgMXFP4, true>(TG_EMM_PASS); }
-
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_f16(TG_EMM_ARGS) { tg_expert_qmm<TgF16, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_bf16(TG_EMM_ARGS) { tg_expert_qmm<TgBF16, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q8_0(TG_EMM_ARGS) { tg_expert_qmm<TgQ8_0, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q4_0(TG_EMM_ARGS) { tg_expert_qmm<TgQ4_0, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q4_1(TG_EMM_ARGS) { tg_expert_qmm<TgQ4_1, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q5_0(TG_EMM_ARGS) { tg_expert_qmm<TgQ5_0, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q5_1(TG_EMM_ARGS) { tg_expert_qmm<TgQ5_1, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_iq4_nl(TG_EMM_ARGS) { tg_expert_qmm<TgIQ4_NL, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q2_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ2_K, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q3_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ3_K, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q4_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ4_K, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q5_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ5_K, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_q6_k(TG_EMM_ARGS) { tg_expert_qmm<TgQ6_K, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_iq4_xs(TG_EMM_ARGS) { tg_expert_qmm<TgIQ4_XS, false>(TG_EMM_PASS); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_mxfp4(TG_EMM_ARGS) { tg_expert_qmm<TgMXFP4, false>(TG_EMM_PASS); }
+// tg_expert_mm_nt_<fmt> and tg_expert_mm_nn_<fmt>, one each per block format of
+// TG_BLOCK_FORMATS (blocks.c_defines).
+#define TG_EMM_KERNELS(fmt, NAME)                                                         \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nt_##fmt(TG_EMM_ARGS) { \
+        tg_expert_qmm<Tg##NAME, true>(TG_EMM_PASS);                                       \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_expert_mm_nn_##fmt(TG_EMM_ARGS) { \
+        tg_expert_qmm<Tg##NAME, false>(TG_EMM_PASS);                                      \
+    }
+TG_BLOCK_FORMATS(TG_EMM_KERNELS)
 
 
 // dW[e] [M, N] = sum over expert e's slots s, in slot order, of a[row_a(s), m] * b[row_b(s), n]

@@ -20,6 +20,18 @@ declare_kernels(__file__, "tc_attention.cu", precisions=TENSOR_CORE_PRECISIONS,
                 needs=("flash_attention.cu", "tc_matmul.cu", "tc_async.cuh"))
 
 
+#: The f32 kernels of each head_dim bound HD (constants.ATTN_TILES; flash_attention.cu
+#: instantiates each bound's): the forward, and the backward's D, dk/dv and dq.
+ATTN_KERNELS = {
+    32: {"fwd": "tg_attn_fwd_32", "prep": "tg_attn_bwd_prep_32", "dkdv": "tg_attn_bwd_dkdv_32",
+         "dq": "tg_attn_bwd_dq_32"},
+    64: {"fwd": "tg_attn_fwd_64", "prep": "tg_attn_bwd_prep_64", "dkdv": "tg_attn_bwd_dkdv_64",
+         "dq": "tg_attn_bwd_dq_64"},
+    128: {"fwd": "tg_attn_fwd_128", "prep": "tg_attn_bwd_prep_128",
+          "dkdv": "tg_attn_bwd_dkdv_128", "dq": "tg_attn_bwd_dq_128"},
+}
+
+
 def attention_dims(node) -> tuple[int, int, int, int, int]:
     """(B, H, KV, T, hd) of an attention or attention_back node, whatever its layout."""
     B, H, T, hd = heads_first(node.srcs[0].shape, node.attrs["layout"])
@@ -44,11 +56,9 @@ def _attention_scratch(node, precision: str) -> int:
 
 
 @lowers("attention", scratch=_attention_scratch, bf16_reads=(0, 1, 2),
-        kernels=("tg_attn_fwd_32", "tg_attn_fwd_64", "tg_attn_fwd_128"))
+        kernels=tuple(ks["fwd"] for ks in ATTN_KERNELS.values()))
 @lowers("attention_back", scratch=_attention_scratch, bf16_reads=(0, 1, 2, -1),
-        kernels=("tg_attn_bwd_prep_32", "tg_attn_bwd_prep_64", "tg_attn_bwd_prep_128",
-                 "tg_attn_bwd_dkdv_32", "tg_attn_bwd_dkdv_64", "tg_attn_bwd_dkdv_128",
-                 "tg_attn_bwd_dq_32", "tg_attn_bwd_dq_64", "tg_attn_bwd_dq_128",
+        kernels=(*(ks[part] for part in ("prep", "dkdv", "dq") for ks in ATTN_KERNELS.values()),
                  "tg_attn_bwd_sinks"))
 def _attention(node, at) -> list[Launch]:
     """attention: one launch, a block per (query tile, head, batch), writing o and L into
@@ -82,7 +92,7 @@ def _attention(node, at) -> list[Launch]:
     block = (BT * TPR, 1, 1)
     per_head, per_kv = (tiles, H, B), (tiles, KV, B)
     if node.op == "attention":
-        return [Launch(f"tg_attn_fwd_{HD}", per_head,
+        return [Launch(ATTN_KERNELS[HD]["fwd"], per_head,
                        [ptr_arg(out), ptr_arg(lse), ptr_arg(ptr(q)), ptr_arg(ptr(k)),
                         ptr_arg(ptr(v)), segs, sink, *common],
                        block)]
@@ -91,13 +101,13 @@ def _attention(node, at) -> list[Launch]:
     dq, dk, dv = out, out + 4 * q.size, out + 4 * (q.size + k.size)
     stats = [ptr_arg(lse), ptr_arg(delta), segs]
     qkvg = [ptr_arg(ptr(q)), ptr_arg(ptr(k)), ptr_arg(ptr(v)), ptr_arg(ptr(g))]
-    launches = [Launch(f"tg_attn_bwd_prep_{HD}", per_head,
+    launches = [Launch(ATTN_KERNELS[HD]["prep"], per_head,
                        [ptr_arg(delta), ptr_arg(packed), ptr_arg(ptr(g)), i32_arg(H), i32_arg(T),
                         i32_arg(hd), tok], block),
-                Launch(f"tg_attn_bwd_dkdv_{HD}", per_kv,
+                Launch(ATTN_KERNELS[HD]["dkdv"], per_kv,
                        [ptr_arg(dk), ptr_arg(dv), *qkvg, *stats, *common], block),
-                Launch(f"tg_attn_bwd_dq_{HD}", per_head, [ptr_arg(dq), *qkvg, *stats,
-                                                          *common], block)]
+                Launch(ATTN_KERNELS[HD]["dq"], per_head, [ptr_arg(dq), *qkvg, *stats,
+                                                         *common], block)]
     if sinks is not None:
         dsinks = out + 4 * (q.size + 2 * k.size)
         launches.append(Launch("tg_attn_bwd_sinks", rows_grid(H),

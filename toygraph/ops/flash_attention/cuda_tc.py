@@ -30,6 +30,15 @@ from toygraph.ops.lowering.constants import TCA_BQ, TCA_HEAD_DIMS, TCA_THREADS
 TC_ATTENTION_PRECISION = "bf16"
 
 
+#: The kernels of each head_dim bound HD (constants.TCA_TILES; tc_attention.cu instantiates
+#: each bound's): the forward, and the backward's dk/dv and dq.
+TCA_KERNELS = {
+    64: {"fwd": "tg_tca_fwd_64", "dkdv": "tg_tca_bwd_dkdv_64", "dq": "tg_tca_bwd_dq_64"},
+    128: {"fwd": "tg_tca_fwd_128", "dkdv": "tg_tca_bwd_dkdv_128", "dq": "tg_tca_bwd_dq_128"},
+    256: {"fwd": "tg_tca_fwd_256", "dkdv": "tg_tca_bwd_dkdv_256", "dq": "tg_tca_bwd_dq_256"},
+}
+
+
 def tc_head_dim(hd: int) -> int:
     """The smallest kernel bound HD >= head_dim ``hd``."""
     for HD in TCA_HEAD_DIMS:
@@ -95,7 +104,7 @@ def tc_attention_launches(node, at, dims, token_major: bool, lse: int,
             launches.append(_to_bf16(copy, at.ptr(x), rows, hd, HD, heads_t, at.half(x)))
             read.append(ptr_arg(copy))
     if node.op == "attention":
-        return launches + [Launch(f"tg_tca_fwd_{HD}", (tiles, H, B),
+        return launches + [Launch(TCA_KERNELS[HD]["fwd"], (tiles, H, B),
                                   [ptr_arg(at.out), ptr_arg(lse), *read, segs, sink, *common,
                                    i32_arg(asis)],
                                   block)]
@@ -114,9 +123,9 @@ def tc_attention_launches(node, at, dims, token_major: bool, lse: int,
                                                     ptr_arg(at.ptr(fwd)), ptr_arg(at.ptr(g)),
                                                     i32_arg(q_rows), i32_arg(hd), i32_arg(HD),
                                                     *q_heads, i32_arg(2 * at.half(g))]),
-        Launch(f"tg_tca_bwd_dkdv_{HD}", (tiles, KV, B), [ptr_arg(dk), ptr_arg(dv),
-                                                         *operands], block),
-        Launch(f"tg_tca_bwd_dq_{HD}", (tiles, H, B), [ptr_arg(dq), *operands], block)]
+        Launch(TCA_KERNELS[HD]["dkdv"], (tiles, KV, B), [ptr_arg(dk), ptr_arg(dv),
+                                                        *operands], block),
+        Launch(TCA_KERNELS[HD]["dq"], (tiles, H, B), [ptr_arg(dq), *operands], block)]
     if sinks is not None:
         dsinks = at.out + 4 * (q.size + 2 * k.size)
         launches.append(Launch("tg_attn_bwd_sinks", rows_grid(H),

@@ -10,9 +10,9 @@ from toygraph.errors import CudaError
 from toygraph.ops.elementwise.cuda import grid_vec, vector_ok
 from toygraph.ops.gemm.cuda_tc import (Gemm, deq_launch, dual_gemm_launches, gemm_launches,
                                        prefers_copies)
-from toygraph.ops.lowering import (MAX_GRID_YZ, At, Launch, contiguous_strides, declare_kernels,
-                                   decodes, f32_arg, grid_1d, i32_arg, lowers, pad_shape, ptr_arg,
-                                   strided)
+from toygraph.ops.lowering import (FORMAT_KERNELS, MAX_GRID_YZ, At, Launch, contiguous_strides,
+                                   declare_kernels, decodes, f32_arg, grid_1d, i32_arg, lowers,
+                                   pad_shape, ptr_arg, strided)
 from toygraph.ops.lowering.constants import MM_BM, MM_THREADS, TC_BM, TC_THREADS
 from toygraph.precision import TENSOR_CORE_PRECISIONS
 
@@ -28,40 +28,32 @@ declare_kernels(__file__, "tc_gemm.cu", needs=("tc_matmul.cu", "tc_async.cuh"),
                 precisions=TENSOR_CORE_PRECISIONS)
 
 
-#: Dequantization kernel per const storage format (f32 consts are used as they are).
-DEQUANT_KERNELS: dict[str, str] = {
-    fmt: f"tg_deq_{fmt}" for fmt in ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
-                                     "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs",
-                                     "mxfp4")
+#: The kernels that read a weight in its block format, by direction: "nt" y = x @ W^T, "nn"
+#: dx = dy @ W (qmatmul.cu). Each is a pattern of FORMAT_KERNELS, the kernels the .cu
+#: files define once per block format, spelled out there: FORMAT_KERNELS[pattern][fmt].
+QMM_KERNELS = {"nt": "tg_qmm_nt_<fmt>", "nn": "tg_qmm_nn_<fmt>"}
+
+
+#: Tensor-core kernels per precision (tc_matmul.cu): "matmul" takes tg_matmul's arguments,
+#: "nt"/"nn" a block-format weight's (QMM_KERNELS'), patterns of FORMAT_KERNELS. At bf16
+#: a dense matmul the cost model prefers it for runs tc_gemm.cu's GEMM instead
+#: (BF16_GEMM_KERNELS).
+TC_KERNELS: dict[str, dict[str, str]] = {
+    "bf16": {"matmul": "tg_tc_matmul_bf16", "nt": "tg_tc_qmm_nt_<fmt>_bf16",
+             "nn": "tg_tc_qmm_nn_<fmt>_bf16"},
+    "tf32": {"matmul": "tg_tc_matmul_tf32", "nt": "tg_tc_qmm_nt_<fmt>_tf32",
+             "nn": "tg_tc_qmm_nn_<fmt>_tf32"},
 }
 
 
-#: Kernels that read a const in its block format (qmatmul.cu, rows.cu), per storage format:
-#: "nt" y = x @ W^T, "nn" dx = dy @ W, "rows" get_rows from a block-format table.
-QUANT_KERNELS: dict[str, dict[str, str]] = {
-    fmt: {"nt": f"tg_qmm_nt_{fmt}", "nn": f"tg_qmm_nn_{fmt}", "rows": f"tg_get_rows_{fmt}"}
-    for fmt in DEQUANT_KERNELS
-}
-
-
-#: Tensor-core kernels per precision: "matmul" takes tg_matmul's arguments, "nt"/"nn" per
-#: block format take the fused kernels' (QUANT_KERNELS) arguments. At bf16 a dense matmul
-#: the cost model prefers it for runs tc_gemm.cu's GEMM instead (BF16_GEMM_KERNELS).
-TC_KERNELS: dict[str, dict] = {
-    prec: {"matmul": f"tg_tc_matmul_{prec}",
-           "nt": {fmt: f"tg_tc_qmm_nt_{fmt}_{prec}" for fmt in DEQUANT_KERNELS},
-           "nn": {fmt: f"tg_tc_qmm_nn_{fmt}_{prec}" for fmt in DEQUANT_KERNELS}}
-    for prec in TENSOR_CORE_PRECISIONS
-}
-
-
-#: The precision whose dense matmuls run tc_gemm.cu, and its kernels.
+#: The precision whose dense matmuls run tc_gemm.cu, and its kernels (with each block
+#: format's decoders into the B copy, tg_tcg_deq_nt_<fmt> / tg_tcg_deq_nn_<fmt>).
 BF16_GEMM_PRECISION = "bf16"
 
 BF16_GEMM_KERNELS = ("tg_tcg_to_bf16", "tg_tcg_gemm_bf16", "tg_tcg_gemm2_bf16", "tg_tcg_gemm_ta_bf16",
                      "tg_tcg_gemm_tb_bf16", "tg_tcg_gemm_tab_bf16", "tg_tcg_sum_splits",
-                     *(f"tg_tcg_deq_{kind}_{fmt}" for kind in ("nt", "nn")
-                       for fmt in DEQUANT_KERNELS))
+                     *FORMAT_KERNELS["tg_tcg_deq_nt_<fmt>"].values(),
+                     *FORMAT_KERNELS["tg_tcg_deq_nn_<fmt>"].values())
 
 
 #: Output tile edge of the tensor-core kernels (square: TC_BM == TC_BN, checked by a test;
@@ -174,7 +166,7 @@ def _decodes_once(node) -> bool:
     """Whether the product's weight may be a block-format const decoded once at bf16."""
     w = node.srcs[-1]
     return (_weight_in_blocks(node, len(node.srcs) - 1) and w.role == "const"
-            and w.storage in DEQUANT_KERNELS)
+            and w.storage in FORMAT_KERNELS["tg_deq_<fmt>"])
 
 
 def _base_gemms(base) -> list[Gemm]:
@@ -239,7 +231,7 @@ def _qmatmul(node, out, ptr, tile: int = MM_BM) -> Launch:
     if K != (w.shape[1] if tb else w.shape[0]):
         raise CudaError(f"matmul {node.name!r}: inner dimensions {x.shape} and {w.shape} differ")
     gy = _row_tiles(f"matmul {node.name!r}", M, tile)
-    kernel = QUANT_KERNELS[w.storage]["nt" if tb else "nn"]
+    kernel = FORMAT_KERNELS[QMM_KERNELS["nt" if tb else "nn"]][w.storage]
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
                   [ptr_arg(out), ptr_arg(ptr(x)), ptr_arg(ptr(w)), i32_arg(M), i32_arg(N),
                    i32_arg(K), i32_arg(row_bytes(w))],
@@ -338,7 +330,8 @@ def _launches(name: str, node, at, add: int = 0, alpha: float = 1.0) -> list[Lau
     table = TC_KERNELS[at.precision]
     if name == "tc_block":
         q = _qmatmul(node, at.out, at.ptr, tile=TC_TILE)
-        return pre + [Launch(table[kind][w.storage], q.grid, q.args, block=(TC_THREADS, 1, 1))]
+        return pre + [Launch(FORMAT_KERNELS[table[kind]][w.storage], q.grid, q.args,
+                             block=(TC_THREADS, 1, 1))]
     return pre + [_matmul(node, at.out, at.ptr, tile=TC_TILE, kernel=table["matmul"],
                           threads=TC_THREADS)]
 
@@ -414,9 +407,10 @@ def dense_mm(out, a, b, M, N, K, sam, sak, sbk, sbn, precision, kernel="tg_matmu
 def block_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
     """x @ W^T ("nt") or dy @ W ("nn") with the block-format const ``w`` at ``w_ptr``, with
     _qmatmul's arguments (tensor-core twins for bf16/tf32, as _tc_matmul picks them)."""
-    kernel, tile, threads = QUANT_KERNELS[w.storage][kind], MM_BM, MM_THREADS
+    pattern, tile, threads = QMM_KERNELS[kind], MM_BM, MM_THREADS
     if precision != "f32":
-        kernel, tile, threads = TC_KERNELS[precision][kind][w.storage], TC_TILE, TC_THREADS
+        pattern, tile, threads = TC_KERNELS[precision][kind], TC_TILE, TC_THREADS
+    kernel = FORMAT_KERNELS[pattern][w.storage]
     gy = _row_tiles(kernel, M, tile)
     return Launch(kernel, (max(1, (N + tile - 1) // tile), max(1, gy), 1),
                   [ptr_arg(out), ptr_arg(a), ptr_arg(w_ptr), i32_arg(M), i32_arg(N), i32_arg(K),
@@ -425,9 +419,10 @@ def block_mm(out, a, w, w_ptr, M, N, K, kind, precision) -> Launch:
 
 
 # --- the dequantizers (dequant.cu) -------------------------------------------------------------
-@decodes(*DEQUANT_KERNELS)
+@decodes(*FORMAT_KERNELS["tg_deq_<fmt>"])
 def dequant_launch(name: str, storage: str, out: int, raw: int, n: int) -> Launch:
     """The launch decoding ``n`` elements of const ``name`` stored as ``storage`` from its
     block bytes at ``raw`` into f32 at ``out`` (the CUDA backend's realize runs it for a
     const whose consumers cannot read its block format)."""
-    return Launch(DEQUANT_KERNELS[storage], grid_1d(n), [ptr_arg(out), ptr_arg(raw), i32_arg(n)])
+    return Launch(FORMAT_KERNELS["tg_deq_<fmt>"][storage], grid_1d(n),
+                  [ptr_arg(out), ptr_arg(raw), i32_arg(n)])

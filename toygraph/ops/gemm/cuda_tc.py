@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toygraph.errors import CudaError
-from toygraph.ops.lowering import (MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32_arg, grid_1d, i32_arg,
-                                   ptr_arg, sm_count, strided)
+from toygraph.ops.lowering import (FORMAT_KERNELS, MAX_ELEMENTS, MAX_GRID_YZ, Launch, f32_arg,
+                                   grid_1d, i32_arg, ptr_arg, sm_count, strided)
 from toygraph.ops.lowering.constants import TC_BF16_BK, TC_BM, TC_BN, TC_THREADS
+
 #: Fewest k slices (of TC_BF16_BK, 128 k) one split handles, so its pipeline fills and its
 #: partial's store and sum stay small against its mma work.
 MIN_SPLIT_SLICES = 4
@@ -188,13 +189,24 @@ def _copy(dst: int, src: int, rows: int, k: int, kp: int, sr: int, sk: int, nmat
                                             i32_arg(rows * k), f32_arg(scale), i32_arg(bf16)])]
 
 
+#: The kernels decoding a block-format weight into the bf16 B copy, by direction: patterns
+#: of FORMAT_KERNELS ("nt": the copy is W's rows, "nn": its columns).
+DEQ_KERNELS = {"nt": "tg_tcg_deq_nt_<fmt>", "nn": "tg_tcg_deq_nn_<fmt>"}
+
+
 def deq_launch(storage: str, kind: str, dst: int, w: int, rows: int, k: int, kp: int,
                row_bytes: int) -> Launch:
-    """tg_tcg_deq_<kind>_<storage>: the block-format weight at ``w`` decoded into the bf16
-    B copy [rows][kp] at ``dst`` ("nt": rows of W, "nn": its columns)."""
-    return Launch(f"tg_tcg_deq_{kind}_{storage}", (-(-kp // 32), -(-rows // 32), 1),
+    """tg_tcg_deq_nt_<fmt> / tg_tcg_deq_nn_<fmt>: the block-format weight at ``w`` decoded
+    into the bf16 B copy [rows][kp] at ``dst`` ("nt": rows of W, "nn": its columns)."""
+    return Launch(FORMAT_KERNELS[DEQ_KERNELS[kind]][storage], (-(-kp // 32), -(-rows // 32), 1),
                   [ptr_arg(dst), ptr_arg(w), i32_arg(rows), i32_arg(k), i32_arg(kp),
                    i32_arg(row_bytes)])
+
+
+#: The GEMM by which operands it reads k-major as they lie (a, b): neither, a (ta), b (tb),
+#: both (tab).
+K_MAJOR_GEMMS = {(False, False): "tg_tcg_gemm_bf16", (True, False): "tg_tcg_gemm_ta_bf16",
+                 (False, True): "tg_tcg_gemm_tb_bf16", (True, True): "tg_tcg_gemm_tab_bf16"}
 
 
 def dual_gemm_launches(g: Gemm, g2: Gemm, out: int, a: int, b: int, a2: int, b2: int,
@@ -298,9 +310,8 @@ def gemm_launches(g: Gemm, out: int, a: int, b: int, scratch: int, what: str,
             i32_arg(splits), i32_arg(per), i32_arg(g.nbatch), strided(list(g.dims), sa, sb),
             ptr_arg(add if splits == 1 else 0), f32_arg(alpha if splits == 1 else 1.0),
             i32_arg((OUT_BF16 if out_bf16 and splits == 1 else 0) | add_bf16)]
-    name = "tg_tcg_gemm_bf16"
+    name = K_MAJOR_GEMMS[bool(a_km), bool(b_km)]
     if a_km or b_km:   # read k-major as it lies: the true k, the operands' row strides
-        name = f"tg_tcg_gemm_{'ta' * a_km}{'b' if a_km and b_km else 'tb' * b_km}_bf16"
         args += [i32_arg(K), i32_arg(g.sak if a_km else 0), i32_arg(g.sbk if b_km else 0)]
     launches.append(Launch(name, (gx * -(-zs // gz), gy, gz), args, block=(TC_THREADS, 1, 1)))
     if splits > 1:

@@ -33,34 +33,12 @@ __device__ __forceinline__ void tg_qmm(float* out, const float* a, const unsigne
 
 #define TG_QMM_ARGS float* out, const float* a, const unsigned char* w, int M, int N, int K, int row_bytes
 
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_f16(TG_QMM_ARGS) { tg_qmm<TgF16, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q8_0(TG_QMM_ARGS) { tg_qmm<TgQ8_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_0(TG_QMM_ARGS) { tg_qmm<TgQ4_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_1(TG_QMM_ARGS) { tg_qmm<TgQ4_1, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_mxfp4(TG_QMM_ARGS) { tg_qmm<TgMXFP4, true>(out, a, w, M, N, K, row_bytes); }
-
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_f16(TG_QMM_ARGS) { tg_qmm<TgF16, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_bf16(TG_QMM_ARGS) { tg_qmm<TgBF16, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q8_0(TG_QMM_ARGS) { tg_qmm<TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_0(TG_QMM_ARGS) { tg_qmm<TgQ4_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_1(TG_QMM_ARGS) { tg_qmm<TgQ4_1, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q4_k(TG_QMM_ARGS) { tg_qmm<TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_k(TG_QMM_ARGS) { tg_qmm<TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q6_k(TG_QMM_ARGS) { tg_qmm<TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_0(TG_QMM_ARGS) { tg_qmm<TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q5_1(TG_QMM_ARGS) { tg_qmm<TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_nl(TG_QMM_ARGS) { tg_qmm<TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q2_k(TG_QMM_ARGS) { tg_qmm<TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_q3_k(TG_QMM_ARGS) { tg_qmm<TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_iq4_xs(TG_QMM_ARGS) { tg_qmm<TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_mxfp4(TG_QMM_ARGS) { tg_qmm<TgMXFP4, false>(out, a, w, M, N, K, row_bytes); }
+// tg_qmm_nt_<fmt> and tg_qmm_nn_<fmt>, one each per block format of TG_BLOCK_FORMATS.
+#define TG_QMM_KERNELS(fmt, NAME)                                                         \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nt_##fmt(TG_QMM_ARGS) { \
+        tg_qmm<Tg##NAME, true>(out, a, w, M, N, K, row_bytes);                            \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MM_THREADS) tg_qmm_nn_##fmt(TG_QMM_ARGS) { \
+        tg_qmm<Tg##NAME, false>(out, a, w, M, N, K, row_bytes);                           \
+    }
+TG_BLOCK_FORMATS(TG_QMM_KERNELS)

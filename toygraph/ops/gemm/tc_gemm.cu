@@ -102,39 +102,20 @@ __device__ __forceinline__ void tcg_deq(unsigned short* dst, const unsigned char
     }
 }
 
-// One kernel per block format and direction, written out (kernel_names reads the source).
+// tg_tcg_deq_nt_<fmt> and tg_tcg_deq_nn_<fmt>, one each per block format of TG_BLOCK_FORMATS
+// (blocks.c_defines): the shared tile declared in the kernel, not the template (host_shim.h).
 #define TG_TCG_DEQ_ARGS unsigned short* dst, const unsigned char* w, int R, int K, int Kp, \
     int row_bytes
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_f16(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_f16[32][33]; tcg_deq<TgF16, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_f16); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_bf16(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_bf16[32][33]; tcg_deq<TgBF16, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_bf16); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q8_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q8_0[32][33]; tcg_deq<TgQ8_0, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q8_0); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q4_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q4_0[32][33]; tcg_deq<TgQ4_0, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q4_0); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q4_1(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q4_1[32][33]; tcg_deq<TgQ4_1, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q4_1); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q5_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q5_0[32][33]; tcg_deq<TgQ5_0, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q5_0); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q5_1(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q5_1[32][33]; tcg_deq<TgQ5_1, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q5_1); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_iq4_nl(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_iq4_nl[32][33]; tcg_deq<TgIQ4_NL, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_iq4_nl); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q2_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q2_k[32][33]; tcg_deq<TgQ2_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q2_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q3_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q3_k[32][33]; tcg_deq<TgQ3_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q3_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q4_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q4_k[32][33]; tcg_deq<TgQ4_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q4_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q5_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q5_k[32][33]; tcg_deq<TgQ5_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q5_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_q6_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_q6_k[32][33]; tcg_deq<TgQ6_K, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_q6_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_iq4_xs(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_iq4_xs[32][33]; tcg_deq<TgIQ4_XS, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_iq4_xs); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_mxfp4(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nt_mxfp4[32][33]; tcg_deq<TgMXFP4, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_mxfp4); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_f16(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_f16[32][33]; tcg_deq<TgF16, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_f16); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_bf16(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_bf16[32][33]; tcg_deq<TgBF16, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_bf16); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q8_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q8_0[32][33]; tcg_deq<TgQ8_0, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q8_0); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q4_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q4_0[32][33]; tcg_deq<TgQ4_0, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q4_0); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q4_1(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q4_1[32][33]; tcg_deq<TgQ4_1, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q4_1); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q5_0(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q5_0[32][33]; tcg_deq<TgQ5_0, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q5_0); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q5_1(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q5_1[32][33]; tcg_deq<TgQ5_1, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q5_1); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_iq4_nl(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_iq4_nl[32][33]; tcg_deq<TgIQ4_NL, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_iq4_nl); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q2_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q2_k[32][33]; tcg_deq<TgQ2_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q2_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q3_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q3_k[32][33]; tcg_deq<TgQ3_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q3_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q4_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q4_k[32][33]; tcg_deq<TgQ4_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q4_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q5_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q5_k[32][33]; tcg_deq<TgQ5_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q5_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_q6_k(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_q6_k[32][33]; tcg_deq<TgQ6_K, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_q6_k); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_iq4_xs(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_iq4_xs[32][33]; tcg_deq<TgIQ4_XS, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_iq4_xs); }
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_mxfp4(TG_TCG_DEQ_ARGS) { __shared__ float tcg_t_nn_mxfp4[32][33]; tcg_deq<TgMXFP4, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_mxfp4); }
+#define TG_TCG_DEQ_KERNELS(fmt, NAME)                                                     \
+    extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nt_##fmt(TG_TCG_DEQ_ARGS) { \
+        __shared__ float tcg_t_nt_##fmt[32][33];                                          \
+        tcg_deq<Tg##NAME, true>(dst, w, R, K, Kp, row_bytes, tcg_t_nt_##fmt);             \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_tcg_deq_nn_##fmt(TG_TCG_DEQ_ARGS) { \
+        __shared__ float tcg_t_nn_##fmt[32][33];                                          \
+        tcg_deq<Tg##NAME, false>(dst, w, R, K, Kp, row_bytes, tcg_t_nn_##fmt);            \
+    }
+TG_BLOCK_FORMATS(TG_TCG_DEQ_KERNELS)
 
 // Rows [r0, r0 + 128) x k [k0, k0 + 32) of X [R][Kp] into S[128][LD] with cp.async.
 __device__ __forceinline__ void tcg_issue(unsigned short* S, const unsigned short* X, int r0,

@@ -288,64 +288,18 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_matmul_tf32(TG_TC
 #define TG_TC_QMM_ARGS float* out, const float* a, const unsigned char* w, int M, int N, int K, \
     int row_bytes
 
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_f16_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgF16, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_bf16_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgBF16, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q8_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ8_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ4_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_1_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ4_1, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q6_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_1_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_nl_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q2_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q3_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_xs_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_mxfp4_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgMXFP4, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_f16_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgF16, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_bf16_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgBF16, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q8_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ4_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_1_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ4_1, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q6_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_0_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_1_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_nl_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q2_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q3_k_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_xs_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_mxfp4_bf16(TG_TC_QMM_ARGS) { tg_tc_qmm<TcBF16, TgMXFP4, false>(out, a, w, M, N, K, row_bytes); }
-
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_f16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgF16, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_bf16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgBF16, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q8_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ8_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ4_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_1_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ4_1, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q4_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ4_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q6_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ6_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_0, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q5_1_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_1, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_nl_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_NL, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q2_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ2_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_q3_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ3_K, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_iq4_xs_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_XS, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_mxfp4_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgMXFP4, true>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_f16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgF16, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_bf16_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgBF16, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q8_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ8_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ4_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_1_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ4_1, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q4_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ4_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q6_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ6_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_0_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_0, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q5_1_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ5_1, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_nl_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_NL, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q2_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ2_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_q3_k_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgQ3_K, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_iq4_xs_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgIQ4_XS, false>(out, a, w, M, N, K, row_bytes); }
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_mxfp4_tf32(TG_TC_QMM_ARGS) { tg_tc_qmm<TcTF32, TgMXFP4, false>(out, a, w, M, N, K, row_bytes); }
+// tg_tc_qmm_{nt,nn}_<fmt>_{bf16,tf32}: four per block format of TG_BLOCK_FORMATS.
+#define TG_TC_QMM_KERNELS(fmt, NAME)                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_##fmt##_bf16(TG_TC_QMM_ARGS) { \
+        tg_tc_qmm<TcBF16, Tg##NAME, true>(out, a, w, M, N, K, row_bytes);                 \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_##fmt##_bf16(TG_TC_QMM_ARGS) { \
+        tg_tc_qmm<TcBF16, Tg##NAME, false>(out, a, w, M, N, K, row_bytes);                \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nt_##fmt##_tf32(TG_TC_QMM_ARGS) { \
+        tg_tc_qmm<TcTF32, Tg##NAME, true>(out, a, w, M, N, K, row_bytes);                 \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) tg_tc_qmm_nn_##fmt##_tf32(TG_TC_QMM_ARGS) { \
+        tg_tc_qmm<TcTF32, Tg##NAME, false>(out, a, w, M, N, K, row_bytes);                \
+    }
+TG_BLOCK_FORMATS(TG_TC_QMM_KERNELS)

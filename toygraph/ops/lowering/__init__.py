@@ -18,6 +18,10 @@ kernel, its CUDA side, written against this API only:
   from the graph's dtypes ``F32``/``I32``) and ``strided`` (the ``Strided``
   struct of include/common.cuh, from ``contiguous_strides``); grids by ``grid_1d(n)``,
   ``rows_grid(rows)``, with ``pad_shape`` and ``last_axis_rows`` for shapes.
+- :data:`FORMAT_KERNELS`: the kernels a .cu file defines once per block format (its
+  ``TG_BLOCK_FORMATS(M)`` lines), spelled out by pattern and format:
+  ``FORMAT_KERNELS["tg_qmm_nt_<fmt>"]["q4_k"]`` is ``"tg_qmm_nt_q4_k"`` (format_kernels.py,
+  written by ``python -m toygraph.ops.lowering.generate``).
 - :func:`sm_count`: the SMs of the GPU being lowered for (device.py; what split-K fills).
 - :mod:`constants`: the numbers kernels and launches share (``THREADS``, the matmul and
   attention tiles), emitted into every module as ``#define``s.
@@ -35,6 +39,7 @@ nothing here imports an op family, and the families import nothing of the runtim
 """
 from toygraph.ops.lowering import constants  # noqa: F401
 from toygraph.ops.lowering.device import sm_count  # noqa: F401
+from toygraph.ops.lowering.format_kernels import FORMAT_KERNELS  # noqa: F401
 from toygraph.ops.lowering.launch import (MAX_ELEMENTS, MAX_GRID, MAX_GRID_YZ, THREADS, Collective,  # noqa: F401
                                           Launch, contiguous_strides, f32_arg, f64_arg, grid_1d,  # noqa: F401
                                           i32_arg, last_axis_rows, pad_shape, ptr_arg, rows_grid,  # noqa: F401

@@ -148,7 +148,70 @@ def backend_source(precision: str = "f32") -> str:
     return module_source(files_of(precision))
 
 
+# --- the kernels of a source, with the per-format kernels of TG_BLOCK_FORMATS expanded -----
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)')
+_FUNCTION_MACRO = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\(([^)]*)\)[ \t]*(.*)$", re.M)
+_FORMATS_LINE = re.compile(r"^[ \t]*TG_BLOCK_FORMATS\((\w+)\)[ \t]*$", re.M)
+
+
+def _x_macros(source: str) -> list[tuple[re.Match, re.Match]]:
+    """(the line, the #define of its M) for every ``TG_BLOCK_FORMATS(M)`` line of
+    ``source``, whose continuation lines are joined."""
+    defines = {m[1]: m for m in _FUNCTION_MACRO.finditer(source)}
+    uses = []
+    for line in _FORMATS_LINE.finditer(source):
+        if line[1] not in defines:
+            raise CudaError(f"TG_BLOCK_FORMATS({line[1]}): no macro {line[1]}(fmt, NAME) is "
+                            "defined in the source")
+        uses.append((line, defines[line[1]]))
+    return uses
+
+
+def _expand(define: re.Match, args) -> str:
+    """The body of the function-like macro ``define`` for ``args``, as the preprocessor
+    makes it: ``#p`` made a string, ``p`` replaced, then ``a ## b`` pasted."""
+    body = define[3]
+    for p, a in zip((p.strip() for p in define[2].split(",")), args):
+        body = re.sub(rf"(?<!#)#\s*{p}\b", f'"{a}"', body)
+        body = re.sub(rf"\b{p}\b", a, body)
+    return re.sub(r"\s*##\s*", "", body)
+
+
+def expand_block_formats(source: str) -> str:
+    """``source`` as the preprocessor leaves its X-macro lines: every ``TG_BLOCK_FORMATS(M)``
+    replaced by M's body once per block format of blocks.BLOCK_FORMATS (``X(q4_k, Q4_K)``),
+    M's #define gone. The compilers expand the X-macro themselves; this is for reading the
+    kernels it defines from the text (kernel_names, so the host executor's exports, and the
+    signature tests), checked against g++ -E by a test."""
+    from toygraph.gguf import blocks
+    source = source.replace("\\\n", " ")
+    uses = _x_macros(source)
+    edits = {define.span(): "" for _, define in uses}
+    edits.update({line.span(): "\n".join(_expand(define, f) for f in blocks.c_formats())
+                  for line, define in uses})
+    out, end = [], 0
+    for (start, stop), text in sorted(edits.items()):
+        out += [source[end:start], text]
+        end = stop
+    return "".join(out) + source[end:]
+
+
 def kernel_names(source: str) -> list[str]:
-    """The ``extern "C" __global__`` kernels of a source."""
-    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)',
-                      source)
+    """The ``extern "C" __global__`` kernels of a source, TG_BLOCK_FORMATS lines expanded."""
+    return _KERNEL.findall(expand_block_formats(source))
+
+
+def format_kernels(source: str) -> dict[str, dict[str, str]]:
+    """The kernels ``source`` defines once per block format (its TG_BLOCK_FORMATS lines), as
+    {pattern: {format: kernel}}, the pattern being the kernel's name with the format as
+    ``<fmt>``: ``{"tg_qmm_nt_<fmt>": {"f16": "tg_qmm_nt_f16", ...}, ...}``."""
+    from toygraph.gguf import blocks
+    table: dict[str, dict[str, str]] = {}
+    for _, define in _x_macros(source.replace("\\\n", " ")):
+        placeholder = _expand(define, ("FMT", "NAME"))
+        patterns = [k.replace("FMT", "<fmt>") for k in _KERNEL.findall(placeholder)]
+        for fmt, name in blocks.c_formats():
+            kernels = _KERNEL.findall(_expand(define, (fmt, name)))
+            for pattern, kernel in zip(patterns, kernels, strict=True):
+                table.setdefault(pattern, {})[fmt] = kernel
+    return table

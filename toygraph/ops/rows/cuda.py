@@ -2,9 +2,9 @@
 __init__.py)."""
 from __future__ import annotations
 
-from toygraph.ops.gemm.cuda import QUANT_KERNELS, row_bytes
-from toygraph.ops.lowering import (Launch, declare_kernels, f32_arg, grid_1d, i32_arg, lowers,
-                                   ptr_arg, rows_grid)
+from toygraph.ops.gemm.cuda import row_bytes
+from toygraph.ops.lowering import (FORMAT_KERNELS, Launch, declare_kernels, f32_arg, grid_1d,
+                                   i32_arg, lowers, ptr_arg, rows_grid)
 
 # The family's CUDA kernels, beside this module.
 declare_kernels(__file__, "rows.cu")
@@ -17,12 +17,12 @@ def _table_in_blocks(node, index) -> bool:
 
 @lowers("get_rows", kernels=("tg_get_rows",), block_format=_table_in_blocks)
 def _get_rows(node, at):
-    """Dense table: tg_get_rows; block-format table: QUANT_KERNELS[fmt]["rows"]."""
+    """Dense table: tg_get_rows; block-format table: tg_get_rows_<fmt>."""
     table, ids = node.srcs
     n, D = node.size, table.shape[1]
     args = [ptr_arg(at.out), ptr_arg(at.ptr(table)), ptr_arg(at.ptr(ids)), i32_arg(n), i32_arg(D)]
     if table.id in at.raw_consts:
-        return [Launch(QUANT_KERNELS[table.storage]["rows"], grid_1d(n),
+        return [Launch(FORMAT_KERNELS["tg_get_rows_<fmt>"][table.storage], grid_1d(n),
                        [*args, i32_arg(row_bytes(table))])]
     return [Launch("tg_get_rows", grid_1d(n), args)]
 

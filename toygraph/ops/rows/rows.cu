@@ -47,18 +47,9 @@ __device__ __forceinline__ void tg_get_rows_q(float* out, const unsigned char* t
 
 #define TG_QROWS_ARGS float* out, const unsigned char* table, const int* ids, int n, int D, int row_bytes
 
-extern "C" __global__ void tg_get_rows_f16(TG_QROWS_ARGS) { tg_get_rows_q<TgF16>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_bf16(TG_QROWS_ARGS) { tg_get_rows_q<TgBF16>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q8_0(TG_QROWS_ARGS) { tg_get_rows_q<TgQ8_0>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q4_0(TG_QROWS_ARGS) { tg_get_rows_q<TgQ4_0>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q4_1(TG_QROWS_ARGS) { tg_get_rows_q<TgQ4_1>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q4_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ4_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q5_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q6_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ6_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q5_0(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_0>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q5_1(TG_QROWS_ARGS) { tg_get_rows_q<TgQ5_1>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_iq4_nl(TG_QROWS_ARGS) { tg_get_rows_q<TgIQ4_NL>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q2_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ2_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_q3_k(TG_QROWS_ARGS) { tg_get_rows_q<TgQ3_K>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_iq4_xs(TG_QROWS_ARGS) { tg_get_rows_q<TgIQ4_XS>(out, table, ids, n, D, row_bytes); }
-extern "C" __global__ void tg_get_rows_mxfp4(TG_QROWS_ARGS) { tg_get_rows_q<TgMXFP4>(out, table, ids, n, D, row_bytes); }
+// tg_get_rows_<fmt>, one per block format of TG_BLOCK_FORMATS (blocks.c_defines).
+#define TG_QROWS_KERNEL(fmt, NAME)                                                        \
+    extern "C" __global__ void tg_get_rows_##fmt(TG_QROWS_ARGS) {                         \
+        tg_get_rows_q<Tg##NAME>(out, table, ids, n, D, row_bytes);                        \
+    }
+TG_BLOCK_FORMATS(TG_QROWS_KERNEL)
