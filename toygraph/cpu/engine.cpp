@@ -1,8 +1,8 @@
 // The CPU engine's entry points (ctypes, engine.py): the pool's size, whole-tensor decodes,
-// the products on blocks of gemm.h and dot.h, and the replay of a plan (replay.h).
-// Assembled by engine.py after the layout macros of blocks.c_defines() and the headers
-// simd.h, pool.h, decode.h, gemm.h, dot.h, dot8.h, replay.h, vmath.h and the op families' cpu.h
-// kernels, in that order.
+// the products on blocks (products.h), and the replay of a plan (replay.h). Assembled by
+// engine.py after the layout macros of blocks.c_defines() and the headers simd.h, pool.h,
+// decode.h, gemm.h, dot.h, dot8.h, replay.h, vmath.h, products.h and the op families'
+// cpu.h kernels, in that order.
 
 #define TG_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -47,7 +47,7 @@ TG_EXPORT int tg_decode_rows(int fmt, const u8* raw, int64_t row_bytes, int64_t 
     return 0;
 }
 
-// c = a . W^T or a . W with W in its blocks: ops/gemm/cpu.h's gemm_on_blocks says how.
+// c = a . W^T or a . W with W in its blocks: products.h's gemm_on_blocks says how.
 TG_EXPORT int tg_matmul(int fmt, const u8* w, int64_t row_bytes, int64_t N, int64_t K,
                         const float* a, int64_t lda, int64_t M, float* c, int64_t ldc,
                         int transposed, int kernel) {

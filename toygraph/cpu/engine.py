@@ -42,7 +42,7 @@ HERE = Path(__file__).parent
 #: The engine's own sources, in the order they are concatenated; the op families' replay
 #: kernels (:func:`family_kernels`) come after replay.h, engine.cpp's entry points last.
 SOURCES = ("simd.h", "pool.h", "decode.h", "gemm.h", "dot.h", "dot8.h", "replay.h", "vmath.h",
-           "engine.cpp")
+           "products.h", "engine.cpp")
 #: The formats the engine knows, by index: decode.h's kFormats table expands the same list
 #: (TG_BLOCK_FORMATS, from blocks.c_defines) in the same order.
 FORMATS = blocks.BLOCK_FORMATS

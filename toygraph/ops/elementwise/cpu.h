@@ -16,22 +16,22 @@ struct Walk {
     const int64_t* w;
 
     int nd() const { return (int)w[0]; }
-    int64_t size(int d) const { return w[1 + d]; }
+    int64_t extent(int d) const { return w[1 + d]; }
     int64_t stride(int k, int d) const { return w[1 + kWalkDims * (k + 1) + d]; }
     // The last axis: its length and operand k's step along it.
-    int64_t row() const { return size(nd() - 1); }
+    int64_t row() const { return extent(nd() - 1); }
     int64_t step(int k) const { return stride(k, nd() - 1); }
     int64_t rows() const {
         int64_t r = 1;
-        for (int d = 0; d + 1 < nd(); d++) r *= size(d);
+        for (int d = 0; d + 1 < nd(); d++) r *= extent(d);
         return r;
     }
     // Operand k's element offset of the first element of row r.
     int64_t at(int k, int64_t r) const {
         int64_t off = 0;
         for (int d = nd() - 2; d >= 0; d--) {
-            off += (r % size(d)) * stride(k, d);
-            r /= size(d);
+            off += (r % extent(d)) * stride(k, d);
+            r /= extent(d);
         }
         return off;
     }

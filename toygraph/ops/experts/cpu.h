@@ -9,16 +9,11 @@
 // the rows back to the slots. Every element of a result is one chain of sums whose order
 // is fixed by the routes and the shapes, never by the threads.
 //
-// This file is assembled before ops/gemm/cpu.h (folder order), so the f32 GEMM here is
-// its own loop over gemm.h's micro-kernel (rows_times_panel), and the products on blocks
-// call gemm_on_blocks through the declaration below.
+// The f32 GEMM here is its own loop over gemm.h's micro-kernel (rows_times_panel), packing
+// W[e]^T along W's rows; the products on blocks are cpu/products.h's gemm_on_blocks.
 
 #include <sys/mman.h>
 #include <unistd.h>
-
-static int gemm_on_blocks(int fmt, const u8* w, int64_t row_bytes, int64_t N, int64_t K,
-                          const float* a, int64_t lda, int64_t M, float* c, int64_t ldc,
-                          int transposed, int kernel);
 
 // Codes a kernel returns for operands it cannot take (replay.py names the node).
 static const int kMoeBadIds = -3;      // an id outside [0, E)
@@ -208,7 +203,7 @@ struct MoeGemm {
 };
 
 // k is summed in runs of this many, each run one fused multiply-add chain, the runs' sums
-// added in order (as gemm/cpu.h's gemm_f32: a long K rounds like BLAS's blocked sums).
+// added in order (as cpu/products.h's gemm_f32: a long K rounds like BLAS's blocked sums).
 static const int64_t kMoeRun = 256;
 
 // Rows m0..m1 and columns n0..n0 + NR (or to N) of one group's C: B's strip packed as a
