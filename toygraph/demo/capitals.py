@@ -44,6 +44,10 @@ OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"
 #   passes in 190 steps (packing keeps attention and positions per example:
 #   toygraph/data/packing.py). Packed rows are whole, so general.jsonl's replies end at a
 #   full sentence: a reply cut mid-sentence would teach the model to stop mid-sentence.
+#   The 20-cell matrix (5 seeds x dot x base memory, 2026-12-07 EPYC): 8 pass; the demo's
+#   questions 3/3 in all, but Nigeria -> "Abu Dhabi" (seeds 0 decode, 3), Mongolia
+#   "Ulaanba" (seed 42) and the capital-letter prompt as a record (seed 2 decode, 3
+#   quantized) -- bench/results/demo-recipe-epyc-2026-12-07.md.
 # - no validation split: a held-out row is a capital the demo would not teach.
 RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
               batch=2, seq_len=140, pack=True, lr=5e-3, warmup=10, schedule="cosine",
