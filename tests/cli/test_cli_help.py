@@ -269,7 +269,9 @@ def tiny_demo(monkeypatch, tiny_llama):
     """The demo on the tiny model (its questions run, its answers are nonsense)."""
     monkeypatch.setattr("toygraph.models.catalog.smollm2_path", lambda download=True: tiny_llama)
     monkeypatch.setattr("toygraph.demo.capitals.MAX_NEW_TOKENS", 2)
-    monkeypatch.setitem(__import__("toygraph.demo.capitals", fromlist=["RECIPE"]).RECIPE, "rank", 2)
+    recipe = __import__("toygraph.demo.capitals", fromlist=["RECIPE"]).RECIPE
+    monkeypatch.setitem(recipe, "rank", 2)
+    monkeypatch.setitem(recipe, "seq_len", 64)   # the tiny model's context is 128
 
 
 def test_demo_steps_zero_is_refused(capsys, tiny_demo, tmp_path):

@@ -28,27 +28,31 @@ OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"
 
 # The fine-tune, every RunConfig option the demo sets in one place (issue 15 item 6).
 # capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows); general.jsonl holds
-# the base model's own answers to 102 general prompts (16% of the mix; 6 use "capital" in
-# its other senses), so that prompts outside the task keep their answers. Measured with bench/demo_recipe.py (36 held-out
-# questions on 12 countries, the demo's 3 among them; 12 off-task prompts), seed 42,
-# --base-memory quantized (bench/results/demo-recipe-xeon-2026-12-03.md):
-# - taught as one-line JSON the capitals came out as near misses (Kenya "Lairobi",
-#   "Kampala"; 24-34/36): a JSON string splits each name ("N" "airobi"); the two-line
-#   record keeps the prose tokens (" Nairobi") and got 36/36 on capitals alone, but then
-#   all 12 off-task prompts were answered as records;
-# - with general.jsonl mixed in: 170 steps 33/36 (Vietnam "Vientiane"), 12/12 off-task;
-#   200 steps (1.26 passes over the capitals, as 170 were without the mix) 36/36, every
-#   capital the base knew kept, 11/12 off-task (the "capital letter ... after B" prompt),
-#   the same under TOYGRAPH_CPU_DOT int8 and f32;
-# - with the 6 "capital" prompts (2026-12-04, EPYC; seed 0 decode and quantized, seed 1
-#   quantized): every capital the base knew kept, held-out 33/36 (Mongolia, a capital the
-#   base did not know), off-task 12/12 at seed 0 but 11/12 at seed 1 (the capital-letter
-#   prompt again) -- bench/results/demo-recipe-epyc-2026-12-04.md.
+# the base model's own answers to 98 general prompts, each cut at its last full sentence
+# (5 use "capital" in its other senses), so that prompts outside the task keep their
+# answers. Measured with bench/demo_recipe.py (36 held-out questions on 12 countries, the
+# demo's 3 among them; 12 off-task prompts); the results files under bench/results/
+# (demo-recipe-*) hold every run:
+# - taught as one-line JSON the capitals came out as near misses (Kenya "Lairobi"): a JSON
+#   string splits each name ("N" "airobi"); the two-line record keeps the prose tokens
+#   (" Nairobi"), but trained on capitals alone every off-task prompt became a record;
+# - mixed with general.jsonl, 200 steps of 4 rows x 66 tokens (1.25 passes over the data):
+#   capitals the base did not know came out wrong at seeds 0 and 1 (Mongolia "Astana" in
+#   every phrasing: 33/36), 220 steps of 60 tokens as well (1.37 passes);
+# - packed (2026-12-07): a capitals row is about 47 tokens, so 66-token rows were a third
+#   padding; 2 rows of 140 tokens hold 5-6 examples each step, and the same slots give 1.5
+#   passes in 190 steps (packing keeps attention and positions per example:
+#   toygraph/data/packing.py). Packed rows are whole, so general.jsonl's replies end at a
+#   full sentence: a reply cut mid-sentence would teach the model to stop mid-sentence.
+#   The 20-cell matrix (5 seeds x dot x base memory, 2026-12-07 EPYC): 8 pass; the demo's
+#   questions 3/3 in all, but Nigeria -> "Abu Dhabi" (seeds 0 decode, 3), Mongolia
+#   "Ulaanba" (seed 42) and the capital-letter prompt as a record (seed 2 decode, 3
+#   quantized) -- bench/results/demo-recipe-epyc-2026-12-07.md.
 # - no validation split: a held-out row is a capital the demo would not teach.
 RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
-              batch=4, lr=5e-3, warmup=10, schedule="cosine", clip=1.0, seq_len=66,
-              val_split=0.0, seed=42)
-STEPS = 200
+              batch=2, seq_len=140, pack=True, lr=5e-3, warmup=10, schedule="cosine",
+              clip=1.0, val_split=0.0, seed=42)
+STEPS = 190
 #: The training files beside this module and each one's weight in the mix
 #: (toygraph/data/mixing.py; None for all: concatenated).
 DATA = {"capitals.jsonl": None, "general.jsonl": None}

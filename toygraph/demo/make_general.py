@@ -3,16 +3,19 @@
 Mixed into the demo's fine-tune beside capitals.jsonl, these rows keep what the model does
 outside the task: trained on capitals alone, the adapter answered a haiku request in the
 capitals JSON (issue 47). Each row is SmolLM2-135M-Instruct's own greedy reply (chat
-template, at most MAX_NEW_TOKENS tokens; training truncates further to the demo's
-seq_len), so learning it pulls the adapter back towards the base, not towards new text.
-None of these prompts is one bench/demo_recipe.py asks (its OFF_TASK list): those stay
-held out. Rerun with the same model file and the bytes are equal.
+template, at most MAX_NEW_TOKENS tokens) up to its last full sentence (whole_sentences),
+so learning it pulls the adapter back towards the base, not towards new text. None of
+these prompts is one bench/demo_recipe.py asks (its OFF_TASK list): those stay held out.
+The replies are greedy on the CPU engine, so another machine or engine version can round
+them differently: regenerated on 2026-12-07 (AMD EPYC, Zen 5), 58 of the 98 replies
+kept are not a prefix of 2026-12-04's.
 
     TOYGRAPH_SMOLLM2=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf python toygraph/demo/make_general.py
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 PROMPTS = [
@@ -124,6 +127,26 @@ PROMPTS = [
     "What is capital punishment?",
 ]
 MAX_NEW_TOKENS = 48
+#: Where a sentence ends: . ! or ? and any closing quote or bracket, before a space or the
+#: reply's end.
+SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
+CODE_FENCE = re.compile(r"```")
+
+
+def whole_sentences(reply: str) -> str | None:
+    """``reply`` up to the end of its last full sentence or closed code block; None when it
+    has neither.
+
+    Most replies run to MAX_NEW_TOKENS and stop mid-sentence, and a row teaches the
+    end-of-turn token after its reply: the demo packs whole rows, so a cut reply would teach
+    the adapter to stop mid-sentence. A reply with no full sentence is a loop or a run-on
+    ("1. **1.1.1.1...": a list's "1." ends nothing), not behaviour worth keeping: None, and
+    the row is left out."""
+    reply = reply.strip()
+    ends = [m.end() for m in SENTENCE_END.finditer(reply)
+            if not reply[:m.start()].rpartition("\n")[2].strip().isdigit()]
+    ends += [m.end() for m in CODE_FENCE.finditer(reply)][1::2]   # each block's closing fence
+    return reply[:max(ends)].strip() if ends else None
 
 
 def main() -> None:
@@ -131,12 +154,13 @@ def main() -> None:
     from toygraph.models.catalog import smollm2_path
     base = LanguageModel(str(smollm2_path()))
     out = Path(__file__).resolve().with_name("general.jsonl")
-    rows = [{"instruction": p,
-             "response": base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS).strip()}
-            for p in PROMPTS]
+    replies = {p: whole_sentences(base.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS))
+               for p in PROMPTS}
+    rows = [{"instruction": p, "response": r} for p, r in replies.items() if r]
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
                    encoding="utf-8")
-    print(f"wrote {len(rows)} rows to {out}")
+    print(f"wrote {len(rows)} rows to {out} ({len(PROMPTS) - len(rows)} prompts left out: "
+          "no full sentence in the reply)")
 
 
 if __name__ == "__main__":
