@@ -13,8 +13,19 @@
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")   // a * b + c in this section is one FMA
 
-static const int DOT_ROWS = 16;   // rows of W per task
+static const int DOT_ROWS = 16;   // rows of W per task at least: a 64-byte line of output
 static const int DOT_MAX_M = 4;   // rows of x up to which these kernels beat the panels
+
+// Rows of W per task: a whole number of DOT_ROWS, so that about four tasks fall to each
+// thread. A task of 16 rows of a 576-wide weight is a quarter of a microsecond, and at two
+// threads the pool's shared task counters then cost more than the work (generation ran
+// slower on two threads than on one); which thread takes which rows changes no value.
+static int64_t dot_rows_per_task(int64_t N) {
+    const int64_t want = 4 * (int64_t)pool_threads();
+    int64_t rows = (N + want - 1) / want;
+    rows = (rows + DOT_ROWS - 1) / DOT_ROWS * DOT_ROWS;
+    return rows < DOT_ROWS ? DOT_ROWS : rows;
+}
 
 // A block's f16 scale as f32 by the CPU's own conversion where it has one (one instruction
 // instead of decode.h's exact branches; the two differ only in a signalling NaN's quiet
@@ -235,8 +246,9 @@ static void matmul_dot(Product& p) {
                 xs[m * ldxs + g] = s;
             }
     }
-    pool_for((p.N + DOT_ROWS - 1) / DOT_ROWS, [&](int64_t task, int) {
-        const int64_t n0 = task * DOT_ROWS, n1 = n0 + DOT_ROWS < p.N ? n0 + DOT_ROWS : p.N;
+    const int64_t per = dot_rows_per_task(p.N);
+    pool_for((p.N + per - 1) / per, [&](int64_t task, int) {
+        const int64_t n0 = task * per, n1 = n0 + per < p.N ? n0 + per : p.N;
         if (fused) fused(p, xs.data(), ldxs, n0, n1);
         else dot_rows_decoded(p, n0, n1);
     });

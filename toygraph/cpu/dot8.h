@@ -380,8 +380,9 @@ static bool matmul_dot_q8(Product& p) {
     float *d = sums.data(), *sq = d + p.M * groups;
     quantize_rows(p, q.data(), d, sq);
     const XQ x{q.data(), d, sq, p.K, groups};
-    pool_for((p.N + DOT_ROWS - 1) / DOT_ROWS, [&](int64_t task, int) {
-        const int64_t n0 = task * DOT_ROWS, n1 = n0 + DOT_ROWS < p.N ? n0 + DOT_ROWS : p.N;
+    const int64_t per = dot_rows_per_task(p.N);
+    pool_for((p.N + per - 1) / per, [&](int64_t task, int) {
+        const int64_t n0 = task * per, n1 = n0 + per < p.N ? n0 + per : p.N;
         fn(p, x, n0, n1);
     });
     return true;
