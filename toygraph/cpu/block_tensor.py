@@ -90,7 +90,7 @@ class BlockTensor:
 
     def matmul_nt(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` [M, N] = x [M, K] . W^T, this tensor W [N, K] read in its blocks."""
-        return self._weight().matmul(x, out, transposed=True)
+        return self.weight().matmul(x, out, transposed=True)
 
     def matmul_few_rows(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` [..., N] = x [..., K] . W^T for C-contiguous x and out of at most
@@ -100,14 +100,14 @@ class BlockTensor:
         c = self._few
         if c is None or c[0] is not x or c[1] is not out:
             c = self._few = (x, out, x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1]))
-        self._weight().matmul_again(c[2], c[3])
+        self.weight().matmul_again(c[2], c[3])
         return out
 
     def matmul_nn(self, g: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` [M, K] = g [M, N] . W, this tensor W [N, K] read in its blocks."""
-        return self._weight().matmul(g, out, transposed=False)
+        return self.weight().matmul(g, out, transposed=False)
 
-    def _weight(self) -> "engine.Weight":
+    def weight(self) -> "engine.Weight":
         """The engine's handle on these bytes (checked once, then reused every step)."""
         if self._engine_weight is None:
             self._engine_weight = engine.Weight(self.data, self.storage, self.shape)

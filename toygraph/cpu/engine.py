@@ -227,7 +227,7 @@ class Weight:
         self.lib = lib or library()
         self._args = (FORMATS.index(fmt), self.data.ctypes.data, self.row_bytes, self.N, self.K)
         # TOYGRAPH_CPU_DOT, read when the weight is made: f32 sends a few rows to kernel 2
-        self._few_rows = 2 if environment.get("TOYGRAPH_CPU_DOT") == "f32" else 0
+        self.few_rows_kernel = 2 if environment.get("TOYGRAPH_CPU_DOT") == "f32" else 0
         self._last = None   # matmul_again's operands
 
     def matmul(self, a: np.ndarray, out: np.ndarray, transposed: bool, kernel: int = 0) -> np.ndarray:
@@ -259,7 +259,7 @@ class Weight:
             _rows(out, out_width, "out")
             raise ToygraphError(f"CPU engine: out has {out.shape[0]} rows, {name} {a.shape[0]}")
         if kernel == 0 and transposed and a.shape[0] <= DOT_MAX_M:
-            kernel = self._few_rows
+            kernel = self.few_rows_kernel
         return (a.ctypes.data, a.strides[0] >> 2, a.shape[0], out.ctypes.data,
                 out.strides[0] >> 2, int(transposed), kernel if transposed else 1)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph import environment
 from toygraph.cpu import engine
 from toygraph.cpu.block_tensor import BlockTensor
 from toygraph.cpu.replay import Call, f32_contiguous, replays
@@ -15,16 +14,14 @@ def _on_blocks(out, a, w, attrs, add, alpha):
     """c = a . W^T (trans_b) or a . W, W a BlockTensor [N, K] the engine multiplies."""
     if attrs["trans_a"] or attrs.get("scale_a", 1.0) != 1.0 or not w.computes_on_blocks:
         return None
-    weight = w._weight()
+    weight = w.weight()
     transposed = bool(attrs["trans_b"])
     width_a, width_c = (weight.K, weight.N) if transposed else (weight.N, weight.K)
     if a.shape[-1] != width_a or out.shape[-1] != width_c:
         return None
     rows = a.size // width_a
-    # a few rows: the dot kernels, as BlockTensor.matmul_few_rows picks them
-    kernel = 0
-    if transposed and rows <= engine.DOT_MAX_M and environment.get("TOYGRAPH_CPU_DOT") == "f32":
-        kernel = 2
+    # a few rows: the dot kernels the weight picks for them (TOYGRAPH_CPU_DOT)
+    kernel = weight.few_rows_kernel if transposed and rows <= engine.DOT_MAX_M else 0
     return Call("matmul_blocks", [out, a, weight.data, add],
                 [engine.FORMATS.index(weight.fmt), weight.row_bytes, weight.N, weight.K, rows,
                  transposed, kernel], [alpha])

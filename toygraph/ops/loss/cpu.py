@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from toygraph import environment
 from toygraph.cpu import engine
 from toygraph.cpu.block_tensor import BlockTensor
 from toygraph.cpu.replay import Call, f32_contiguous, replays
@@ -51,9 +50,9 @@ def _head(w):
     if isinstance(w, BlockTensor):
         if not w.computes_on_blocks:
             return None
-        weight = w._weight()
-        few = 2 if environment.get("TOYGRAPH_CPU_DOT") == "f32" else 0
-        return weight.data, engine.FORMATS.index(weight.fmt), weight.row_bytes, weight.N, weight.K, few
+        weight = w.weight()
+        return (weight.data, engine.FORMATS.index(weight.fmt), weight.row_bytes, weight.N,
+                weight.K, weight.few_rows_kernel)
     if f32_contiguous(w) and w.ndim == 2:
         return w, -1, 4 * w.shape[1], w.shape[0], w.shape[1], 0
     return None
