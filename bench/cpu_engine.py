@@ -7,18 +7,19 @@ Sections (``--sections``, comma-separated; all by default):
   into a 64 MiB tensor (memory-bound), beside this machine's memory bandwidth (numpy copy
   and sum over 256 MiB).
 - ``step``: a LoRA step (targets q,k,v,o, rank 8, one sequence of 128 tokens unless told)
-  on each model row: toygraph with the base decoded to f32 (``--base-memory decode``),
-  toygraph on the blocks (the default), the blocks with the step replayed in the engine
-  (``TOYGRAPH_CPU_REPLAY=engine``), torch + PEFT (transformers loading the same GGUF);
-  tokens/s, peak RSS, the blocks' speed against the decoded step's and the file's size.
+  on each model row: toygraph with the base decoded to f32 (``--base-memory decode``) and
+  on the blocks (the default), both replayed in the engine (the default,
+  ``TOYGRAPH_CPU_REPLAY=engine``); the blocks on numpy's kernels (``TOYGRAPH_CPU_REPLAY=numpy``,
+  the reference); torch + PEFT (transformers loading the same GGUF); tokens/s, peak RSS,
+  the blocks' speed against the decoded step's and the file's size.
   Each in its own child (bench_lora.py's); ``--rounds N`` alternates the decoded and blocks
   children N times and pools their step times (the host's slow spells fall on both). ``llama8b4-q4_k`` is the 8B's matrices and head
   with 4 of its 32 layers; the whole ``llama8b-q4_k`` runs on the blocks only (its f32
   copy, 32 GB, fits neither the decoded path nor torch).
-- ``interleaved``: the fair speed comparison of the step rows: both base modes and the
-  engine's replay realized in one process and their steps alternating (2 x --steps of
-  each, the first dropped); the median step of each and the range of the step-by-step
-  ratio of the replay to the blocks.
+- ``interleaved``: the fair speed comparison of the step rows: both base modes replayed in
+  the engine and the blocks on numpy's kernels, realized in one process and their steps
+  alternating (2 x --steps of each, the first dropped); the median step of each and the
+  range of the step-by-step ratio of the engine's replay to numpy's kernels.
 - ``generate``: greedy generation, the same prompt, 64 new tokens, the same threads:
   toygraph on the blocks (numpy's replay, and replayed in the engine:
   ``TOYGRAPH_CPU_REPLAY=engine``, also at caches of ``--caches`` rows, most of them empty),
@@ -161,10 +162,11 @@ def section_decode(a) -> tuple[str, dict]:
 
 # --- step --------------------------------------------------------------------------------------
 def section_step(a, work: Path) -> tuple[str, dict]:
-    lines = ["| model | file GiB | toygraph decoded: tok/s | peak RSS GiB | toygraph blocks: "
-             "tok/s | peak RSS GiB | blocks / decoded | toygraph blocks, replayed in the engine: "
-             "tok/s | peak RSS GiB | torch + PEFT: tok/s | peak RSS GiB | replayed / torch | "
-             "loss step 1: decoded / blocks / replayed / torch |",
+    lines = ["| model | file GiB | toygraph decoded (engine): tok/s | peak RSS GiB | toygraph "
+             "blocks, numpy's kernels: tok/s | peak RSS GiB | toygraph blocks (engine, the "
+             "default): tok/s | peak RSS GiB | blocks / decoded (engine) | torch + PEFT: tok/s | "
+             "peak RSS GiB | blocks (engine) / torch | loss step 1: decoded / numpy's / blocks / "
+             "torch |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     doc = []
     for name in a.models_step:
@@ -184,12 +186,16 @@ def section_step(a, work: Path) -> tuple[str, dict]:
         # decoded and blocks alternate --rounds times (their step times pooled), so a slow
         # spell of a shared host falls on both; torch + PEFT runs once
         for rnd in range(a.rounds):
-            for tag, impl, env in (("decoded", "toygraph", {"TOYGRAPH_BASE_MEMORY": "decode"}),
-                                   ("blocks", "toygraph", {"TOYGRAPH_BASE_MEMORY": "auto"}),
+            # decoded and replay are the engine's replay (the default) of the two base
+            # modes; blocks is the same step on numpy's kernels, the reference
+            for tag, impl, env in (("decoded", "toygraph", {"TOYGRAPH_BASE_MEMORY": "decode",
+                                                            "TOYGRAPH_CPU_REPLAY": "engine"}),
+                                   ("blocks", "toygraph", {"TOYGRAPH_BASE_MEMORY": "auto",
+                                                           "TOYGRAPH_CPU_REPLAY": "numpy"}),
                                    ("replay", "toygraph", {"TOYGRAPH_BASE_MEMORY": "auto",
                                                            "TOYGRAPH_CPU_REPLAY": "engine"}),
                                    ("torch", "torch-eager", {})):
-                if tag != "blocks" and name.startswith("llama8b-"):
+                if tag != "replay" and name.startswith("llama8b-"):
                     got[tag] = {"error": "not run: its f32 weights (32 GB) do not fit"}
                     continue
                 if tag == "torch" and rnd < a.rounds - 1:
@@ -225,19 +231,20 @@ def step_row(name: str, size: int, got: dict, tokens: int, warmup: int) -> str:
         rates[tag] = speed(r)
         peak = r.get("peak_rss", r.get("peak_bytes", 0))
         cells += [f"{rates[tag]:.1f}", f"{peak / GIB:.2f}"]
-    ratio = (f"{rates['blocks'] / rates['decoded']:.0%}" if {"blocks", "decoded"} <= rates.keys()
+    ratio = (f"{rates['replay'] / rates['decoded']:.0%}" if {"replay", "decoded"} <= rates.keys()
              else "—")
     vs_torch = (f"{rates['replay'] / rates['torch']:.2f}x" if {"replay", "torch"} <= rates.keys()
                 else "—")
     first = " / ".join(f"{got[t]['losses'][0]:.5f}" if "losses" in got[t] else "—"
                        for t in ("decoded", "blocks", "replay", "torch"))
     return (f"| {name} | {size / GIB:.2f} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} "
-            f"| {ratio} | {cells[4]} | {cells[5]} | {cells[6]} | {cells[7]} | {vs_torch} | {first} |")
+            f"| {cells[4]} | {cells[5]} | {ratio} | {cells[6]} | {cells[7]} | {vs_torch} | {first} |")
 
 
 def child_interleaved(spec: dict) -> dict:
-    """Both base modes, and the blocks replayed in the engine, realized in this process and
-    their LoRA steps interleaved (decoded, blocks, replayed, then the reverse order, ...):
+    """Both base modes replayed in the engine, and the blocks on numpy's kernels, realized in
+    this process and their LoRA steps interleaved (decoded, numpy's, blocks, then the
+    reverse order, ...):
     the same tokens, so a slow spell of the host falls on all; the times of every step
     after the first."""
     from toygraph.core.optimizer import hp_row
@@ -247,7 +254,7 @@ def child_interleaved(spec: dict) -> dict:
     engine.use_threads(spec["threads"])
     model = GGUFModel(spec["gguf"])
     recipes = {}
-    for mode, base, replay in (("decode", "decode", "numpy"), ("quantized", "quantized", "numpy"),
+    for mode, base, replay in (("decode", "decode", "engine"), ("quantized", "quantized", "numpy"),
                                ("replay", "quantized", "engine")):
         os.environ["TOYGRAPH_CPU_REPLAY"] = replay   # read when the session realizes
         r = LoRA(targets=tuple(spec["targets"]), rank=spec["rank"], alpha=2.0 * spec["rank"])
@@ -268,8 +275,9 @@ def child_interleaved(spec: dict) -> dict:
 
 
 def section_interleaved(a, work: Path) -> tuple[str, dict]:
-    lines = ["| model | decoded: s/step (median) | blocks: s/step | replayed: s/step | "
-             "blocks / decoded | replayed / blocks | pairwise, least..most |",
+    lines = ["| model | decoded (engine): s/step (median) | blocks, numpy's kernels: s/step | "
+             "blocks (engine): s/step | blocks / decoded (engine) | engine / numpy's kernels | "
+             "pairwise engine / numpy's, least..most |",
              "|---|---:|---:|---:|---:|---:|---|"]
     doc = []
     for name in a.models_step:
@@ -285,7 +293,7 @@ def section_interleaved(a, work: Path) -> tuple[str, dict]:
             continue
         d, b, r = (statistics.median(got[m]) for m in ("decode", "quantized", "replay"))
         pairs = [x / y for x, y in zip(got["quantized"], got["replay"])]
-        lines.append(f"| {name} | {d:.2f} | {b:.2f} | {r:.2f} | {d / b:.0%} | {b / r:.2f}x | "
+        lines.append(f"| {name} | {d:.2f} | {b:.2f} | {r:.2f} | {d / r:.0%} | {b / r:.2f}x | "
                      f"{min(pairs):.2f}x..{max(pairs):.2f}x |")
     return "\n".join(lines), {"rows": doc}
 
