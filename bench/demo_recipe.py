@@ -15,6 +15,9 @@ JSON line with every cell issue 47 item 1 asks of it:
   after, "k/n" with the n the base knew;
 - off_task: OFF_TASK prompts (a haiku, code, small talk, ...; none in the training data)
   NOT answered as a capitals record after, of len(OFF_TASK);
+- looping (reported, not a bar): the off-task prompts whose answer after repeats one pair
+  of words three times where the base's answer did not ("a mountain, a mountain, a
+  mountain"): harm that "not a record" lets through;
 - train_s, and every wrong answer.
 
 `--dot` sets TOYGRAPH_CPU_DOT (how the CPU engine multiplies a few rows: generation's
@@ -58,6 +61,14 @@ def in_capitals_record(answer: str) -> bool:
     return parse(answer) is not None or answer.lstrip().startswith("country:")
 
 
+def loops(answer: str) -> bool:
+    """Whether ``answer`` repeats one pair of words (case and punctuation aside) three times
+    or more: the degenerate loop a fine-tune can leave in replies it was not taught."""
+    words = ["".join(ch for ch in w.lower() if ch.isalnum()) for w in answer.split()]
+    pairs = [p for p in zip(words, words[1:]) if all(p)]
+    return any(pairs.count(p) >= 3 for p in set(pairs))
+
+
 def ask(model, prompts) -> dict[str, str]:
     return {p: model.generate(p, chat=True, max_new_tokens=MAX_NEW_TOKENS) for p in prompts}
 
@@ -87,11 +98,13 @@ def cells(before: dict, after: dict, replies: dict) -> dict:
              if any(capital[c] in before[p.format(c)].lower() for p in PHRASINGS)]
     lost = [c for c in known if any(marks[p.format(c)] != "right" for p in PHRASINGS)]
     taken = [p for p in OFF_TASK if in_capitals_record(after[p])]
+    looping = [p for p in OFF_TASK if loops(after[p]) and not loops(before[p])]
     right = sum(m == "right" for m in marks.values())
     demo3 = sum(marks[q] == "right" for q, _ in QUESTIONS)
     return dict(demo3=f"{demo3}/{len(QUESTIONS)}", held_out=f"{right}/{len(asked)}",
                 kept=f"{len(known) - len(lost)}/{len(known)}", lost=lost,
                 off_task=f"{len(OFF_TASK) - len(taken)}/{len(OFF_TASK)}", taken_over=taken,
+                looping=looping,
                 passed=(demo3 == len(QUESTIONS) and right >= HELD_OUT_BAR and not lost
                         and not taken),
                 wrong=[(q, after[q]) for q, _ in asked if marks[q] != "right"])
@@ -103,7 +116,7 @@ def table_row(result: dict) -> str:
     return (f"| {recipe} | {r['steps']} | {r['seed']} | {r['dot']} | {r['base_memory']} | "
             f"{r['demo3']} | {r['held_out']} | {r['kept']}"
             f"{' (lost ' + ', '.join(r['lost']) + ')' if r['lost'] else ''} | {r['off_task']} | "
-            f"{r['train_s']} | {'pass' if r['passed'] else 'FAIL'} |")
+            f"{len(r.get('looping', []))} | {r['train_s']} | {'pass' if r['passed'] else 'FAIL'} |")
 
 
 def parse_args(argv=None):

@@ -73,3 +73,16 @@ def test_the_modes_reach_the_run(monkeypatch):
     assert demo_recipe.parse_args([]).dot == ["int8"]
     both = demo_recipe.parse_args(["--dot", "int8", "--dot", "f32", "--dot", "int8"])
     assert both.dot == ["int8", "f32"]   # trained under the first, asked in each
+
+
+def test_a_reply_that_starts_looping_is_reported_and_a_base_loop_is_not():
+    """looping names an off-task reply that repeats a pair of words three times after
+    training when the base's did not; a loop the base already had is not the fine-tune's."""
+    before, after = _answers(right=False), _answers()
+    after["Write a haiku about a mountain."] = "A mountain, a mountain, a mountain,\nA"
+    before["Give me a recipe for pancakes."] = after["Give me a recipe for pancakes."] = \
+        "Mix, stir; mix, stir; mix, stir."
+    cells = demo_recipe.cells(before, after, REPLIES)
+    assert cells["looping"] == ["Write a haiku about a mountain."]
+    assert cells["passed"]   # reported beside the bars, not one of them
+    assert not demo_recipe.loops("a humble soul, a humble soul, then the mountain")
