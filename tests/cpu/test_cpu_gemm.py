@@ -199,6 +199,54 @@ def test_8bit_dot_kernels_are_within_the_rounding_bound(fmt, M):
     np.testing.assert_array_equal(auto.view(np.uint32), y.view(np.uint32))  # kernel 0 picks it
 
 
+def rows_and_one_row_each(fmt: str, M: int, lib=None, N: int = 67, K: int = 512):
+    """The 8-bit kernel's product of M rows, and the M one-row products stacked."""
+    raw, x = weight(fmt, N, K), inputs(M, K, seed=5)
+    rows = engine.matmul_nt(x, raw, fmt, (N, K), np.full((M, N), np.nan, np.float32), kernel=3,
+                            lib=lib)
+    one = np.concatenate([engine.matmul_nt(x[m:m + 1], raw, fmt, (N, K), np.empty((1, N), np.float32),
+                                           kernel=3, lib=lib) for m in range(M)])
+    return rows, one
+
+
+def _avx512_pairs() -> bool:
+    """Whether this machine's build takes dot8.h's AVX-512 row pairs (VNNI, BW, DQ, VL)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = set(engine._cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags
+
+
+@pytest.mark.parametrize("fmt", Q8_FORMATS)
+def test_8bit_dot_kernels_give_each_row_its_one_row_result_bit_for_bit(fmt):
+    """A block is decoded once for all M rows (with AVX-512 two rows share each register),
+    and every row sees the one-row kernel's operations in its order: M rows give the M
+    one-row products bit for bit, and on an AVX-512 machine the AVX2 build (row by row)
+    gives this build's bits."""
+    needs_q8()
+    avx2 = _other_target("-march=x86-64-v3") if _avx512_pairs() else None
+    for M in (2, 3, 4):
+        rows, one = rows_and_one_row_each(fmt, M)
+        np.testing.assert_array_equal(rows.view(np.uint32), one.view(np.uint32), err_msg=str(M))
+        if avx2 is not None:
+            other, _ = rows_and_one_row_each(fmt, M, lib=avx2)
+            np.testing.assert_array_equal(other.view(np.uint32), rows.view(np.uint32),
+                                          err_msg=f"avx2 {M}")
+
+
+def test_a_broken_avx512_row_pair_fails_the_one_row_check():
+    """The second row of each AVX-512 pair scaled with the first row's scale."""
+    needs_q8()
+    if not _avx512_pairs():
+        pytest.skip("dot8.h's row pairs are built on x86 with AVX-512 VNNI, BW, DQ and VL")
+    lib = _broken("_mm256_set1_epi32(2 * j + 1), 1);", "_mm256_set1_epi32(2 * j), 1);")
+    rows, one = rows_and_one_row_each("q4_k", 2, lib=lib)
+    assert not np.array_equal(rows, one)
+    good, _ = rows_and_one_row_each("q4_k", 2)
+    np.testing.assert_array_equal(one.view(np.uint32), good.view(np.uint32))  # one row: no pairs
+
+
 def test_8bit_dot_kernels_take_ragged_x_and_refuse_what_they_lack():
     """x and out as row views of wider arrays; a format without an 8-bit kernel (iq4_nl,
     f16) is a one-line error when asked for one, and kernel 0 takes the f32 dot kernels."""
