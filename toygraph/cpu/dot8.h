@@ -214,11 +214,13 @@ static inline float quantize32(const float* xg, int8_t* q) {
 #if defined(TG_DOT_Q8)
 // x [M, K] rounded per 32, group by group: group g's M rows of 32 values lie together
 // (q + 32 * (g * M + m)), as do their scales d and sums sq (at g * M + m), so that two
-// rows' values are one 64-byte load for the AVX-512 pairs below.
+// rows' values are one 64-byte load for the AVX-512 pairs below, which also read each
+// pair's two scales spread over 16 lanes (d2, a shuffle fewer per block and pair).
 struct XQ {
     const int8_t* q;          // [K/32, M, 32]
     const float* d;           // [K/32, M] scale
     const float* sq;          // [K/32, M] d * (sum of the group's rounded values)
+    const float* d2;          // [K/32, M/2, 16]: rows 2j and 2j + 1's d, 8 lanes each
 };
 
 // The sums of M rows of one row of W: per row 8 f32 lanes of block sums (Acc8) and the
@@ -281,11 +283,9 @@ struct RowPairs {
     static __m256 row_floats(const float* p) {   // lanes 0..M-1 of p, the rest 0
         return _mm256_maskz_loadu_ps((__mmask8)((1u << M) - 1), p);
     }
-    // lanes 0-7 the scale of row 2j, 8-15 of row 2j + 1
-    static __m512 pair_scale(__m256 s, int j) {
-        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * j),
-                                               _mm256_set1_epi32(2 * j + 1), 1);
-        return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(s));
+    // a * d of rows 2j (lanes 0-7) and 2j + 1 (8-15), group g
+    static __m512 pair_scale(const XQ& x, int64_t g, int j, float a) {
+        return _mm512_mul_ps(_mm512_set1_ps(a), _mm512_loadu_ps(x.d2 + 16 * (g * P + j)));
     }
     template <bool S>
     static __m512i dot_pair(__m512i w2, const int8_t* xq) {
@@ -297,42 +297,31 @@ struct RowPairs {
     }
     template <bool S>
     void dot(W32 w, const XQ& x, int64_t g, float a) {
-        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(a), row_floats(x.d + g * M));
         const int8_t* xq = x.q + 32 * g * M;
         if (P > 0) {
             const __m512i w2 = _mm512_broadcast_i64x4(w);
             for (int j = 0; j < P; j++)
                 pair[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_pair<S>(w2, xq + 64 * j)),
-                                          pair_scale(s, j), pair[j]);
+                                          pair_scale(x, g, j, a), pair[j]);
         }
         if (M % 2) {
             const __m256i p = S ? dot_s8s8(w, xq + 32 * (M - 1)) : dot_u8s8(w, xq + 32 * (M - 1));
-            last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                   _mm256_permutexvar_ps(_mm256_set1_epi32(M - 1), s), last);
+            fma_block(last, p, a * x.d[g * M + M - 1]);
         }
     }
     void dot_halves(W32 w, const XQ& x, int64_t g, float a, float lo, float hi) {
-        const __m256 dx = _mm256_mul_ps(_mm256_set1_ps(a), row_floats(x.d + g * M));
-        const __m256 slo = _mm256_mul_ps(_mm256_set1_ps(lo), dx), shi = _mm256_mul_ps(_mm256_set1_ps(hi), dx);
         const int8_t* xq = x.q + 32 * g * M;
         if (P > 0) {
             const __m512i w2 = _mm512_broadcast_i64x4(w);
-            for (int j = 0; j < P; j++) {
-                // lanes 0-3 lo of row 2j, 4-7 its hi, 8-11 lo of row 2j + 1, 12-15 its hi
-                const __m512i idx = _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j,
-                    16 + 2 * j, 16 + 2 * j, 16 + 2 * j, 16 + 2 * j, 2 * j + 1, 2 * j + 1,
-                    2 * j + 1, 2 * j + 1, 17 + 2 * j, 17 + 2 * j, 17 + 2 * j, 17 + 2 * j);
-                const __m512 sc = _mm512_permutex2var_ps(_mm512_castps256_ps512(slo), idx,
-                                                         _mm512_castps256_ps512(shi));
+            // lo in lanes 0-3 and 8-11 (each row's first 16 weights), hi in 4-7 and 12-15
+            const __m512 lohi = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(lo), _mm512_set1_ps(hi));
+            for (int j = 0; j < P; j++)
                 pair[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_pair<true>(w2, xq + 64 * j)),
-                                          sc, pair[j]);
-            }
+                                          _mm512_mul_ps(lohi, pair_scale(x, g, j, a)), pair[j]);
         }
         if (M % 2) {
-            const int t = M - 1;
-            const __m256 sc = _mm256_permutex2var_ps(
-                slo, _mm256_setr_epi32(t, t, t, t, 8 + t, 8 + t, 8 + t, 8 + t), shi);
-            last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(w, xq + 32 * t)), sc, last);
+            const float dx = a * x.d[g * M + M - 1];
+            fma_block2(last, dot_s8s8(w, xq + 32 * (M - 1)), lo * dx, hi * dx);
         }
     }
     void offset(float b, const XQ& x, int64_t g) {
@@ -479,6 +468,14 @@ static void quantize_rows(const Product& p, int8_t* q, float* d, float* sq) {
         }
 }
 
+// XQ's d2 from d: per group and row pair, row 2j's scale in 8 lanes then row 2j + 1's
+// (filled on every target: a few floats per group of 32).
+static void spread_pair_scales(int64_t M, int64_t groups, const float* d, float* d2) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t j = 0; j < M / 2; j++)
+            for (int l = 0; l < 16; l++) d2[16 * (g * (M / 2) + j) + l] = d[g * M + 2 * j + l / 8];
+}
+
 static bool matmul_dot_q8(Product& p) {
     const int fmt = (int)(p.f - kFormats);
     if (p.M > DOT_MAX_M || p.K % p.f->qk != 0 || p.K % 32 != 0) return false;
@@ -486,10 +483,11 @@ static bool matmul_dot_q8(Product& p) {
     if (!fn) return false;
     const int64_t groups = p.K / 32;
     std::vector<int8_t> q((size_t)(p.M * p.K));
-    std::vector<float> sums((size_t)(2 * p.M * groups));
-    float *d = sums.data(), *sq = d + p.M * groups;
+    std::vector<float> sums((size_t)(2 * p.M * groups + 16 * (p.M / 2) * groups));
+    float *d = sums.data(), *sq = d + p.M * groups, *d2 = sq + p.M * groups;
     quantize_rows(p, q.data(), d, sq);
-    const XQ x{q.data(), d, sq};
+    spread_pair_scales(p.M, groups, d, d2);
+    const XQ x{q.data(), d, sq, d2};
     const int64_t per = dot_rows_per_task(p.N);
     pool_for((p.N + per - 1) / per, [&](int64_t task, int) {
         const int64_t n0 = task * per, n1 = n0 + per < p.N ? n0 + per : p.N;
