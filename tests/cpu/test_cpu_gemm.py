@@ -112,10 +112,15 @@ def _broken(old: str, new: str):
     return engine.load(text.replace(old, new))
 
 
-def test_a_broken_forward_panel_index_fails_the_bound():
-    """The forward panel's transposition reading the neighbouring column of a decoded row:
-    the check above must catch it."""
-    lib = _broken("dst[j] = rows[(size_t)j * KC + k];", "dst[j] = rows[(size_t)j * KC + (k + 1) % kk];")
+@pytest.mark.parametrize("old,new", [
+    # the scalar tail (the partial strip, k past the last 8) reading the next column
+    ("dst[j] = rows[j * ld + k];", "dst[j] = rows[j * ld + (k + 1) % kk];"),
+    # the 8 x 8 transpose (full strips) swapping two columns in its first round
+    ("r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);", "r[i + 1], 0, 8, 1, 9, 5, 13, 4, 12);")])
+def test_a_broken_forward_panel_index_fails_the_bound(old, new):
+    """The forward panel's transposition (the decoded rows into [k][NR]) moving a value to
+    the wrong place, in its vector blocks or its scalar tail: the check above catches it."""
+    lib = _broken(old, new)
     N, K, M = 40, 288, 7
     raw = weight("q8_0", N, K)
     w = blocks.dequantize(raw, "q8_0", (N, K))
