@@ -29,6 +29,12 @@ Sections (``--sections``, comma-separated; all by default):
   tokens; and GRPO's rollouts (the batched sampler, a group of 4) in tokens/s. With
   ``--rounds N`` the blocks and llama.cpp runs are repeated in turn N times: medians, and
   the range of the rounds' ratios.
+- ``rollouts``: GRPO's rollouts against one sequence, replayed in the engine: one sequence's
+  greedy tokens/s (as ``generate``) and the batched sampler's (a group of ``--group``, 32
+  new tokens at temperature 1), over the whole call and after its prefill (the prompts'
+  forward, in the whole call's time), and their ratios; with ``--against REV`` the same
+  children also run on git revision REV's toygraph (``git archive``'d to a temporary
+  folder), the two alternating ``--rounds`` times, medians.
 - ``contention``: the demo's LoRA step (SmolLM2, rank 16 on attention and MLP, 4 x 64
   tokens) alone and beside one and two CPU-bound processes, toygraph and torch + PEFT: the
   slowdown (ideal: 2x and 3x on 2 cores... the step's share of the CPUs).
@@ -351,7 +357,8 @@ def child_generate(spec: dict) -> dict:
         top2 = np.sort(ref, axis=1)[:, -2:]
         out["f32_margins"] = (top2[:, 1] - top2[:, 0]).tolist()
     if spec.get("rollouts"):
-        out["rollouts_tok_s"] = rollout_speed(lm, prompt, spec["rollouts"])
+        out["rollouts_tok_s"], out["rollouts_after_prefill_tok_s"] = rollout_speed(
+            lm, prompt, spec["rollouts"], split=True)
     return out
 
 
@@ -370,27 +377,42 @@ def greedy(lm, prompt: list[int], end: int, follow=None, cache: int | None = Non
     return context[len(prompt):], stamps, rows
 
 
-def rollout_speed(lm, prompt: list[int], group: int, new: int = 32) -> float:
+def rollout_speed(lm, prompt: list[int], group: int, new: int = 32, split: bool = False):
     """GRPO's batched sampler (inference/batched.py): a group of completions of one prompt,
-    sampled at temperature 1; tokens/s over the group, after a first (realizing) round."""
+    sampled at temperature 1; tokens/s over the group, after a first (realizing) round.
+    ``split``: (that, the tokens after each row's first / the time after the prefill)."""
     from toygraph.inference.batched import BatchedGenerator
     from toygraph.inference.sampling import SamplingOptions
     gen = BatchedGenerator(lm.model, rows=group, prompt_len=len(prompt),
                            cache_len=len(prompt) + new)
     opts = SamplingOptions(temperature=1.0, seed=0)
     gen.generate([prompt] * group, new, opts)
+    ends, run = [], gen.sess.run_program
+
+    def timed(program):   # the prefill is the call's first program
+        run(program)
+        ends.append(time.perf_counter())
+
+    gen.sess.run_program = timed
     t0 = time.perf_counter()
     done = gen.generate([prompt] * group, new, opts)
-    return sum(len(c) for c in done) / (time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    n = sum(len(c) for c in done)
+    return (n / (t1 - t0), (n - group) / (t1 - ends[0])) if split else n / (t1 - t0)
 
 
-def run_child_here(spec: dict, work: Path, tag: str) -> dict:
-    """Run child_generate (or child_interleaved) on ``spec`` in a process of its own."""
+def run_child_here(spec: dict, work: Path, tag: str, root: Path | None = None) -> dict:
+    """Run child_generate (or child_interleaved) on ``spec`` in a process of its own, with
+    the toygraph of the checkout at ``root`` first on its path (``--against``) if given."""
     spec_path, out_path = work / f"{tag}.json", work / f"{tag}.out.json"
     spec_path.write_text(json.dumps(spec))
     log(f"{tag}: starting")
+    env = None
+    if root is not None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     proc = subprocess.run([sys.executable, __file__, "--_child", str(spec_path), str(out_path)],
-                          stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+                          stdout=sys.stderr, stderr=subprocess.PIPE, text=True, env=env)
     if proc.returncode != 0 or not out_path.is_file():
         last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["?"]
         log(f"{tag}: FAILED: {last[0]}")
@@ -470,6 +492,44 @@ def section_generate(a, work: Path) -> tuple[str, dict]:
     return "\n".join(lines), {"rows": doc}
 
 
+# --- rollouts ----------------------------------------------------------------------------------
+def section_rollouts(a, work: Path) -> tuple[str, dict]:
+    sides = [("this tree", HERE.parent)]
+    if a.against:
+        ref = work / "against"
+        ref.mkdir()
+        archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", a.against],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
+        sides.append((a.against, ref))
+    lines = [f"| model | toygraph | one sequence: tok/s | rollouts, group of {a.group}: tok/s "
+             f"| rollouts / one sequence | rollouts after the prefill: tok/s | after the "
+             f"prefill / one sequence |", "|---|---|---:|---:|---:|---:|---:|"]
+    doc = []
+    for name in a.models_gen:
+        spec = dict(gguf=str(model_file(name)), threads=a.threads_n, new=a.new, impl="toygraph",
+                    base_memory="auto", replay="engine", rollouts=a.group)
+        runs = {side: [] for side, _ in sides}
+        for rnd in range(a.rounds):   # the sides alternate, so a slow spell falls on both
+            for side, root in sides:
+                got = run_child_here(spec, work, f"{name}-rollouts-{len(doc)}-{rnd}-{side[:8]}",
+                                     root)
+                runs[side].append({k: got.get(k) for k in
+                                   ("tok_s", "rollouts_tok_s", "rollouts_after_prefill_tok_s",
+                                    "error")})
+        doc.append({"model": name, "runs": runs})
+        for side, _ in sides:
+            rs = runs[side]
+            if any(r["error"] or r["rollouts_tok_s"] is None for r in rs):
+                lines.append(f"| {name} | {side} | {(rs[0]['error'] or 'failed')[:60]} | | | | |")
+                continue
+            one, roll, after = (statistics.median(r[k] for r in rs) for k in
+                                ("tok_s", "rollouts_tok_s", "rollouts_after_prefill_tok_s"))
+            lines.append(f"| {name} | {side} | {one:.1f} | {roll:.1f} | {roll / one:.2f}x | "
+                         f"{after:.1f} | {after / one:.2f}x |")
+    return "\n".join(lines), {"rows": doc}
+
+
 # --- contention --------------------------------------------------------------------------------
 def busy_loop() -> None:
     x = 0
@@ -522,7 +582,7 @@ def main(argv=None) -> int:
         Path(argv[2]).write_text(json.dumps(child(spec)))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="decode,step,interleaved,generate,contention")
+    ap.add_argument("--sections", default="decode,step,interleaved,generate,rollouts,contention")
     ap.add_argument("--models", help="step and generate rows (default: their own lists)")
     ap.add_argument("--threads", type=int, help="default: the CPUs this process may use")
     ap.add_argument("--targets", default="q,k,v,o")
@@ -536,6 +596,8 @@ def main(argv=None) -> int:
                          "generate: blocks and llama.cpp alternate, medians")
     ap.add_argument("--new", type=int, default=64, help="new tokens per generation")
     ap.add_argument("--group", type=int, default=4, help="GRPO rollouts' group size")
+    ap.add_argument("--against", metavar="REV",
+                    help="rollouts: also run on this git revision's toygraph, in turn")
     ap.add_argument("--caches", default="64,1200",
                     help="the KV cache lengths (rows) of the replayed generation's speed rows")
     ap.add_argument("--repeat", type=int, default=5)
@@ -557,6 +619,7 @@ def main(argv=None) -> int:
     sections = {"decode": lambda w: section_decode(a), "step": lambda w: section_step(a, w),
                 "interleaved": lambda w: section_interleaved(a, w),
                 "generate": lambda w: section_generate(a, w),
+                "rollouts": lambda w: section_rollouts(a, w),
                 "contention": lambda w: section_contention(a, w)}
     with tempfile.TemporaryDirectory(prefix="cpu_engine.") as tmp:
         for name in a.sections.split(","):

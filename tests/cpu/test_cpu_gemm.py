@@ -112,10 +112,15 @@ def _broken(old: str, new: str):
     return engine.load(text.replace(old, new))
 
 
-def test_a_broken_forward_panel_index_fails_the_bound():
-    """The forward panel's transposition reading the neighbouring column of a decoded row:
-    the check above must catch it."""
-    lib = _broken("dst[j] = rows[(size_t)j * KC + k];", "dst[j] = rows[(size_t)j * KC + (k + 1) % kk];")
+@pytest.mark.parametrize("old,new", [
+    # the scalar tail (the partial strip, k past the last 8) reading the next column
+    ("dst[j] = rows[j * ld + k];", "dst[j] = rows[j * ld + (k + 1) % kk];"),
+    # the 8 x 8 transpose (full strips) swapping two columns in its first round
+    ("r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);", "r[i + 1], 0, 8, 1, 9, 5, 13, 4, 12);")])
+def test_a_broken_forward_panel_index_fails_the_bound(old, new):
+    """The forward panel's transposition (the decoded rows into [k][NR]) moving a value to
+    the wrong place, in its vector blocks or its scalar tail: the check above catches it."""
+    lib = _broken(old, new)
     N, K, M = 40, 288, 7
     raw = weight("q8_0", N, K)
     w = blocks.dequantize(raw, "q8_0", (N, K))
@@ -197,6 +202,54 @@ def test_8bit_dot_kernels_are_within_the_rounding_bound(fmt, M):
     assert ok and 0.005 < worst < 0.5, worst
     auto = engine.matmul_nt(x, raw, fmt, (N, K), np.full((M, N), np.nan, np.float32))
     np.testing.assert_array_equal(auto.view(np.uint32), y.view(np.uint32))  # kernel 0 picks it
+
+
+def rows_and_one_row_each(fmt: str, M: int, lib=None, N: int = 67, K: int = 512):
+    """The 8-bit kernel's product of M rows, and the M one-row products stacked."""
+    raw, x = weight(fmt, N, K), inputs(M, K, seed=5)
+    rows = engine.matmul_nt(x, raw, fmt, (N, K), np.full((M, N), np.nan, np.float32), kernel=3,
+                            lib=lib)
+    one = np.concatenate([engine.matmul_nt(x[m:m + 1], raw, fmt, (N, K), np.empty((1, N), np.float32),
+                                           kernel=3, lib=lib) for m in range(M)])
+    return rows, one
+
+
+def _avx512_pairs() -> bool:
+    """Whether this machine's build takes dot8.h's AVX-512 row pairs (VNNI, BW, DQ, VL)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = set(engine._cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags
+
+
+@pytest.mark.parametrize("fmt", Q8_FORMATS)
+def test_8bit_dot_kernels_give_each_row_its_one_row_result_bit_for_bit(fmt):
+    """A block is decoded once for all M rows (with AVX-512 two rows share each register),
+    and every row sees the one-row kernel's operations in its order: M rows give the M
+    one-row products bit for bit, and on an AVX-512 machine the AVX2 build (row by row)
+    gives this build's bits."""
+    needs_q8()
+    avx2 = _other_target("-march=x86-64-v3") if _avx512_pairs() else None
+    for M in (2, 3, 4):
+        rows, one = rows_and_one_row_each(fmt, M)
+        np.testing.assert_array_equal(rows.view(np.uint32), one.view(np.uint32), err_msg=str(M))
+        if avx2 is not None:
+            other, _ = rows_and_one_row_each(fmt, M, lib=avx2)
+            np.testing.assert_array_equal(other.view(np.uint32), rows.view(np.uint32),
+                                          err_msg=f"avx2 {M}")
+
+
+def test_a_broken_avx512_row_pair_fails_the_one_row_check():
+    """The second row of each AVX-512 pair scaled with the first row's scale."""
+    needs_q8()
+    if not _avx512_pairs():
+        pytest.skip("dot8.h's row pairs are built on x86 with AVX-512 VNNI, BW, DQ and VL")
+    lib = _broken("d[g * M + 2 * j + l / 8];", "d[g * M + 2 * j];")
+    rows, one = rows_and_one_row_each("q4_k", 2, lib=lib)
+    assert not np.array_equal(rows, one)
+    good, _ = rows_and_one_row_each("q4_k", 2)
+    np.testing.assert_array_equal(one.view(np.uint32), good.view(np.uint32))  # one row: no pairs
 
 
 def test_8bit_dot_kernels_take_ragged_x_and_refuse_what_they_lack():

@@ -86,6 +86,25 @@ def test_pick_token_greedy_seeded_and_within_filters():
     assert [pick_token(z, [], other, r) for r in (other.rng(),) for _ in range(300)] != draws
 
 
+def test_pick_token_draws_what_rng_choice_draws():
+    """pick_token's own draw (no checks of p) gives numpy's Generator.choice token for the
+    same generator state, draw after draw, and leaves the generator where choice does; NaN
+    logits are refused as choice refuses them."""
+    rng = np.random.default_rng(5)
+    for V, opts in [(49152, SamplingOptions(temperature=1.0, seed=3)),
+                    (1000, SamplingOptions(temperature=0.7, top_p=0.9, seed=4)),
+                    (7, SamplingOptions(temperature=2.0, top_k=3, seed=5))]:
+        z = rng.normal(size=V) * 3
+        mine, theirs = opts.rng(), opts.rng()
+        for _ in range(200):
+            zz = min_p_filter(top_p_filter(top_k_filter(z / opts.temperature, opts.top_k),
+                                           opts.top_p), opts.min_p)
+            assert pick_token(z, [], opts, mine) == int(theirs.choice(V, p=softmax(zz)))
+        assert mine.random() == theirs.random()
+    with pytest.raises(ValueError, match="NaN"):
+        pick_token(np.full(5, np.nan), [], SamplingOptions(temperature=1.0), np.random.default_rng(0))
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5),
                                  dict(min_p=2.0), dict(repetition_penalty=0.0), dict(top_k=-1),
                                  # not finite (issue 39): inf passed both checks

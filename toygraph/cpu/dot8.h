@@ -16,7 +16,10 @@
 // (32 weights as bytes, element order), P8 (8 int32 lanes, lane j the sum of products
 // 4j..4j+3), Acc8 (8 f32 lanes). The integer sums are exact on every path, and the f32
 // steps (the rounding of x, one FMA per lane per 32, the final sum's tree) are the same
-// operations in the same order, so ARM's results are x86's bit for bit.
+// operations in the same order, so ARM's results are x86's bit for bit. A block is decoded
+// once for all M rows of x (Rows below: row by row, or with AVX-512 two rows to a 512-bit
+// register, which makes GRPO's 4-row step about half the dot work it was), and each row
+// meets it in the one-row kernel's operations, so M rows give M one-row results.
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")   // as dot.h: a * b + c in this section is one FMA
@@ -209,64 +212,172 @@ static inline float quantize32(const float* xg, int8_t* q) {
 #endif
 
 #if defined(TG_DOT_Q8)
-struct XQ {                  // x [M, K] rounded per 32: values, scales and sums per group
-    const int8_t* q;          // [M, K]
-    const float* d;           // [M, K/32] scale
-    const float* sq;          // [M, K/32] d * (sum of the group's rounded values)
-    int64_t ldq, ldg;         // row strides of q and of d, s, sq
+// x [M, K] rounded per 32, group by group: group g's M rows of 32 values lie together
+// (q + 32 * (g * M + m)), as do their scales d and sums sq (at g * M + m), so that two
+// rows' values are one 64-byte load for the AVX-512 pairs below, which also read each
+// pair's two scales spread over 16 lanes (d2, a shuffle fewer per block and pair).
+struct XQ {
+    const int8_t* q;          // [K/32, M, 32]
+    const float* d;           // [K/32, M] scale
+    const float* sq;          // [K/32, M] d * (sum of the group's rounded values)
+    const float* d2;          // [K/32, M/2, 16]: rows 2j and 2j + 1's d, 8 lanes each
 };
 
+// The sums of M rows of one row of W: per row 8 f32 lanes of block sums (Acc8) and the
+// offsets' sum. A block kernel below decodes its weights once and hands them here with
+// its scale a (and offset b): acc_m += (w . x_m) * (a * d_m), off_m += b * sq_m, the same
+// operations for every row whatever M is, so a row's result is the one-row kernel's bit
+// for bit. Row by row (everywhere but AVX-512, and there for one row):
 template <int M>
-static inline void q8_q8_0(const u8* b, const XQ& x, int64_t g, Acc8* acc, float*) {
-    const float d = scale16(b + TG_Q8_0_D);
-    const W32 w = w_load(b + TG_Q8_0_QS);
-    for (int m = 0; m < M; m++)
-        fma_block(acc[m], dot_s8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
+struct RowByRow {
+    Acc8 acc[M];
+    float off[M];
+
+    RowByRow() {
+        for (int m = 0; m < M; m++) {
+            acc[m] = acc_zero();
+            off[m] = 0.0f;
+        }
+    }
+    // weights as unsigned bytes (S false) or signed (q8_0, q6_K)
+    template <bool S>
+    void dot(W32 w, const XQ& x, int64_t g, float a) {
+        for (int m = 0; m < M; m++) {
+            const int8_t* xq = x.q + 32 * (g * M + m);
+            fma_block(acc[m], S ? dot_s8s8(w, xq) : dot_u8s8(w, xq), a * x.d[g * M + m]);
+        }
+    }
+    // q6_K: lanes 0-3 scaled by lo * (a * d_m), lanes 4-7 by hi * (a * d_m)
+    void dot_halves(W32 w, const XQ& x, int64_t g, float a, float lo, float hi) {
+        for (int m = 0; m < M; m++) {
+            const float dx = a * x.d[g * M + m];
+            fma_block2(acc[m], dot_s8s8(w, x.q + 32 * (g * M + m)), lo * dx, hi * dx);
+        }
+    }
+    void offset(float b, const XQ& x, int64_t g) {
+        for (int m = 0; m < M; m++) off[m] += b * x.sq[g * M + m];
+    }
+    float result(int m) const { return hsum8(acc[m]) + off[m]; }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__)
+// AVX-512 (VNNI, BW, DQ, VL), two rows or more: two rows in one 512-bit register, row 2j in
+// the low 256 bits and 2j + 1 in the high ones, so one dpbusd, one convert and one FMA
+// serve both (a row's lanes see exactly the 256-bit code's operations); an odd last row
+// takes the 256-bit path. The rows' scales and offsets are one vector of M lanes. (One
+// row stays row by row: through this struct it measured slower, 31 -> 40 us a product.)
+template <int M>
+struct RowPairs {
+    static const int P = M / 2;     // row pairs
+    __m512 pair[P > 0 ? P : 1];
+    Acc8 last;                      // row M - 1 when M is odd
+    __m256 off;                     // lane m: row m's offsets (M <= 8)
+
+    RowPairs() {
+        static_assert(M <= 8, "one 8-lane vector of row offsets");
+        for (int j = 0; j < P; j++) pair[j] = _mm512_setzero_ps();
+        last = acc_zero();
+        off = _mm256_setzero_ps();
+    }
+    static __m256 row_floats(const float* p) {   // lanes 0..M-1 of p, the rest 0
+        return _mm256_maskz_loadu_ps((__mmask8)((1u << M) - 1), p);
+    }
+    // a * d of rows 2j (lanes 0-7) and 2j + 1 (8-15), group g
+    static __m512 pair_scale(const XQ& x, int64_t g, int j, float a) {
+        return _mm512_mul_ps(_mm512_set1_ps(a), _mm512_loadu_ps(x.d2 + 16 * (g * P + j)));
+    }
+    template <bool S>
+    static __m512i dot_pair(__m512i w2, const int8_t* xq) {
+        const __m512i x = _mm512_loadu_si512(xq), zero = _mm512_setzero_si512();
+        if (!S) return _mm512_dpbusd_epi32(zero, w2, x);
+        // |w| against x with w's sign (no 512-bit sign_epi8; where w = 0 the product is 0)
+        return _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w2),
+                                   _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w2), zero, x));
+    }
+    template <bool S>
+    void dot(W32 w, const XQ& x, int64_t g, float a) {
+        const int8_t* xq = x.q + 32 * g * M;
+        if (P > 0) {
+            const __m512i w2 = _mm512_broadcast_i64x4(w);
+            for (int j = 0; j < P; j++)
+                pair[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_pair<S>(w2, xq + 64 * j)),
+                                          pair_scale(x, g, j, a), pair[j]);
+        }
+        if (M % 2) {
+            const __m256i p = S ? dot_s8s8(w, xq + 32 * (M - 1)) : dot_u8s8(w, xq + 32 * (M - 1));
+            fma_block(last, p, a * x.d[g * M + M - 1]);
+        }
+    }
+    void dot_halves(W32 w, const XQ& x, int64_t g, float a, float lo, float hi) {
+        const int8_t* xq = x.q + 32 * g * M;
+        if (P > 0) {
+            const __m512i w2 = _mm512_broadcast_i64x4(w);
+            // lo in lanes 0-3 and 8-11 (each row's first 16 weights), hi in 4-7 and 12-15
+            const __m512 lohi = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(lo), _mm512_set1_ps(hi));
+            for (int j = 0; j < P; j++)
+                pair[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_pair<true>(w2, xq + 64 * j)),
+                                          _mm512_mul_ps(lohi, pair_scale(x, g, j, a)), pair[j]);
+        }
+        if (M % 2) {
+            const float dx = a * x.d[g * M + M - 1];
+            fma_block2(last, dot_s8s8(w, xq + 32 * (M - 1)), lo * dx, hi * dx);
+        }
+    }
+    void offset(float b, const XQ& x, int64_t g) {
+        off = _mm256_fmadd_ps(_mm256_set1_ps(b), row_floats(x.sq + g * M), off);
+    }
+    float result(int m) const {
+        float o[8];
+        _mm256_storeu_ps(o, off);
+        const Acc8 a = m >= 2 * P ? last
+                     : m % 2 ? _mm512_extractf32x8_ps(pair[m / 2], 1)
+                             : _mm512_castps512_ps256(pair[m / 2]);
+        return hsum8(a) + o[m];
+    }
+};
+
+template <int M> struct Rows : RowPairs<M> {};
+template <> struct Rows<1> : RowByRow<1> {};
+#else
+template <int M> struct Rows : RowByRow<M> {};
+#endif
+
+template <int M>
+static inline void q8_q8_0(const u8* b, const XQ& x, int64_t g, Rows<M>& r) {
+    r.template dot<true>(w_load(b + TG_Q8_0_QS), x, g, scale16(b + TG_Q8_0_D));
 }
 
 template <int M>
-static inline void q8_q4_0(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
+static inline void q8_q4_0(const u8* b, const XQ& x, int64_t g, Rows<M>& r) {
     const float d = scale16(b + TG_Q4_0_D);
-    const W32 w = w_nibbles(b + TG_Q4_0_QS);
-    for (int m = 0; m < M; m++) {
-        fma_block(acc[m], dot_u8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
-        off[m] -= 8.0f * d * x.sq[m * x.ldg + g];
-    }
+    r.template dot<false>(w_nibbles(b + TG_Q4_0_QS), x, g, d);
+    r.offset(-(8.0f * d), x, g);
 }
 
 template <int M>
-static inline void q8_q4_1(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
-    const float d = scale16(b + TG_Q4_1_D), mn = scale16(b + TG_Q4_1_M);
-    const W32 w = w_nibbles(b + TG_Q4_1_QS);
-    for (int m = 0; m < M; m++) {
-        fma_block(acc[m], dot_u8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
-        off[m] += mn * x.sq[m * x.ldg + g];
-    }
+static inline void q8_q4_1(const u8* b, const XQ& x, int64_t g, Rows<M>& r) {
+    r.template dot<false>(w_nibbles(b + TG_Q4_1_QS), x, g, scale16(b + TG_Q4_1_D));
+    r.offset(scale16(b + TG_Q4_1_M), x, g);
 }
 
 template <int M>
-static inline void q8_q5_0(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
+static inline void q8_q5_0(const u8* b, const XQ& x, int64_t g, Rows<M>& r) {
     const float d = scale16(b + TG_Q5_0_D);
-    const W32 w = w_or(w_nibbles(b + TG_Q5_0_QS), w_fifth_bits(b + TG_Q5_0_QH));
-    for (int m = 0; m < M; m++) {
-        fma_block(acc[m], dot_u8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
-        off[m] -= 16.0f * d * x.sq[m * x.ldg + g];
-    }
+    r.template dot<false>(w_or(w_nibbles(b + TG_Q5_0_QS), w_fifth_bits(b + TG_Q5_0_QH)), x, g, d);
+    r.offset(-(16.0f * d), x, g);
 }
 
 template <int M>
-static inline void q8_q5_1(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
-    const float d = scale16(b + TG_Q5_1_D), mn = scale16(b + TG_Q5_1_M);
-    const W32 w = w_or(w_nibbles(b + TG_Q5_1_QS), w_fifth_bits(b + TG_Q5_1_QH));
-    for (int m = 0; m < M; m++) {
-        fma_block(acc[m], dot_u8s8(w, x.q + m * x.ldq + 32 * g), d * x.d[m * x.ldg + g]);
-        off[m] += mn * x.sq[m * x.ldg + g];
-    }
+static inline void q8_q5_1(const u8* b, const XQ& x, int64_t g, Rows<M>& r) {
+    r.template dot<false>(w_or(w_nibbles(b + TG_Q5_1_QS), w_fifth_bits(b + TG_Q5_1_QH)), x, g,
+                          scale16(b + TG_Q5_1_D));
+    r.offset(scale16(b + TG_Q5_1_M), x, g);
 }
 
 // Q4_K/Q5_K: 32 bytes of nibbles hold two groups of 32 (low nibbles, then high).
 template <int M, bool Q5>
-static inline void q8_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off,
+static inline void q8_k(const u8* b, const XQ& x, int64_t g, Rows<M>& r,
                         int sc_off, int qs_off, int qh_off) {
     const float d = scale16(b), dmin = scale16(b + 2);
     const W32 qh = Q5 ? w_load(b + qh_off) : W32{};
@@ -281,29 +392,26 @@ static inline void q8_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* o
             int sc, mn;
             k_scale(b + sc_off, 2 * p + h, &sc, &mn);
             const int64_t gg = g + 2 * p + h;
-            for (int m = 0; m < M; m++) {
-                fma_block(acc[m], dot_u8s8(w[h], x.q + m * x.ldq + 32 * gg),
-                          d * (float)sc * x.d[m * x.ldg + gg]);
-                off[m] -= dmin * (float)mn * x.sq[m * x.ldg + gg];
-            }
+            r.template dot<false>(w[h], x, gg, d * (float)sc);
+            r.offset(-(dmin * (float)mn), x, gg);
         }
     }
 }
 
 template <int M>
-static inline void q8_q4_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
-    q8_k<M, false>(b, x, g, acc, off, TG_Q4_K_SCALES, TG_Q4_K_QS, 0);
+static inline void q8_q4_k(const u8* b, const XQ& x, int64_t g, Rows<M>& r) {
+    q8_k<M, false>(b, x, g, r, TG_Q4_K_SCALES, TG_Q4_K_QS, 0);
 }
 
 template <int M>
-static inline void q8_q5_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float* off) {
-    q8_k<M, true>(b, x, g, acc, off, TG_Q5_K_SCALES, TG_Q5_K_QS, TG_Q5_K_QH);
+static inline void q8_q5_k(const u8* b, const XQ& x, int64_t g, Rows<M>& r) {
+    q8_k<M, true>(b, x, g, r, TG_Q5_K_SCALES, TG_Q5_K_QS, TG_Q5_K_QH);
 }
 
 // Q6_K: per 32 elements two groups of 16 with their own scales: lanes 0-3 of the integer
 // sums are the first group's (bytes 0-15), lanes 4-7 the second's.
 template <int M>
-static inline void q8_q6_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float*) {
+static inline void q8_q6_k(const u8* b, const XQ& x, int64_t g, Rows<M>& r) {
     const float d = scale16(b + TG_Q6_K_D);
     const signed char* scales = (const signed char*)(b + TG_Q6_K_SCALES);
     for (int h = 0; h < 2; h++) {
@@ -313,29 +421,19 @@ static inline void q8_q6_k(const u8* b, const XQ& x, int64_t g, Acc8* acc, float
             const W32 lo = quarter >= 2 ? w_high4(ql) : w_low4(ql);
             const W32 w = w_minus32(w_or(lo, w_2bits_as_16(qh, 2 * quarter)));
             const int e = 8 * h + 2 * quarter;   // scale index of the first group of 16
-            const int64_t gg = g + 4 * h + quarter;
-            for (int m = 0; m < M; m++) {
-                const float dx = d * x.d[m * x.ldg + gg];
-                fma_block2(acc[m], dot_s8s8(w, x.q + m * x.ldq + 32 * gg),
-                           (float)scales[e] * dx, (float)scales[e + 1] * dx);
-            }
+            r.dot_halves(w, x, g + 4 * h + quarter, d, (float)scales[e], (float)scales[e + 1]);
         }
     }
 }
 
-template <int M, int QK, int BYTES, void (*F)(const u8*, const XQ&, int64_t, Acc8*, float*)>
+template <int M, int QK, int BYTES, void (*F)(const u8*, const XQ&, int64_t, Rows<M>&)>
 static void dot_rows_q8(const Product& p, const XQ& x, int64_t n0, int64_t n1) {
     const int64_t blocks = p.K / QK;
     for (int64_t n = n0; n < n1; n++) {
         const u8* row = p.w + n * p.row_bytes;
-        Acc8 acc[M];
-        float off[M];
-        for (int m = 0; m < M; m++) {
-            acc[m] = acc_zero();
-            off[m] = 0.0f;
-        }
-        for (int64_t i = 0; i < blocks; i++) F(row + i * BYTES, x, i * (QK / 32), acc, off);
-        for (int m = 0; m < M; m++) p.c[m * p.ldc + n] = hsum8(acc[m]) + off[m];
+        Rows<M> r;
+        for (int64_t i = 0; i < blocks; i++) F(row + i * BYTES, x, i * (QK / 32), r);
+        for (int m = 0; m < M; m++) p.c[m * p.ldc + n] = r.result(m);
     }
 }
 
@@ -355,18 +453,27 @@ static const DotRowsQ8Fn kDotRowsQ8[][DOT_MAX_M] = {
     {}, {},                                           // iq4_xs, mxfp4
 };
 
-// x [M, K] rounded per 32 into ``q`` (int8) with the scales d and sq = d * sum(q).
+// x [M, K] rounded per 32 into ``q`` (int8) with the scales d and sq = d * sum(q), in
+// XQ's layout (group by group).
 static void quantize_rows(const Product& p, int8_t* q, float* d, float* sq) {
     const int64_t groups = p.K / 32;
     for (int64_t m = 0; m < p.M; m++)
         for (int64_t g = 0; g < groups; g++) {
-            int8_t* qg = q + m * p.K + 32 * g;
+            int8_t* qg = q + 32 * (g * p.M + m);
             const float dg = quantize32(p.a + m * p.lda + 32 * g, qg);
             int qsum = 0;
             for (int k = 0; k < 32; k++) qsum += qg[k];
-            d[m * groups + g] = dg;
-            sq[m * groups + g] = dg * (float)qsum;
+            d[g * p.M + m] = dg;
+            sq[g * p.M + m] = dg * (float)qsum;
         }
+}
+
+// XQ's d2 from d: per group and row pair, row 2j's scale in 8 lanes then row 2j + 1's
+// (filled on every target: a few floats per group of 32).
+static void spread_pair_scales(int64_t M, int64_t groups, const float* d, float* d2) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t j = 0; j < M / 2; j++)
+            for (int l = 0; l < 16; l++) d2[16 * (g * (M / 2) + j) + l] = d[g * M + 2 * j + l / 8];
 }
 
 static bool matmul_dot_q8(Product& p) {
@@ -376,10 +483,11 @@ static bool matmul_dot_q8(Product& p) {
     if (!fn) return false;
     const int64_t groups = p.K / 32;
     std::vector<int8_t> q((size_t)(p.M * p.K));
-    std::vector<float> sums((size_t)(2 * p.M * groups));
-    float *d = sums.data(), *sq = d + p.M * groups;
+    std::vector<float> sums((size_t)(2 * p.M * groups + 16 * (p.M / 2) * groups));
+    float *d = sums.data(), *sq = d + p.M * groups, *d2 = sq + p.M * groups;
     quantize_rows(p, q.data(), d, sq);
-    const XQ x{q.data(), d, sq, p.K, groups};
+    spread_pair_scales(p.M, groups, d, d2);
+    const XQ x{q.data(), d, sq, d2};
     const int64_t per = dot_rows_per_task(p.N);
     pool_for((p.N + per - 1) / per, [&](int64_t task, int) {
         const int64_t n0 = task * per, n1 = n0 + per < p.N ? n0 + per : p.N;
