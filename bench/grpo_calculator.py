@@ -45,10 +45,15 @@ sampled at temperature 1, before and after. Episodes now end in a turn of the mo
 ``answered`` (weight 0.2) gives a group where nobody is right a preference for answering
 after the reply. With the honest reward no sampled episode answered after a reply (the
 base calls again: 66 of 72 sampled held-out episodes), every group's rewards were equal
-and nothing trained (2 steps, grad norm 0). Not yet a worked example of learning: a run
-that can learn needs episodes that sometimes answer after the reply -- a demonstrated call,
-reply and answer in the prompt, or SFT on such episodes first -- and a completion budget
-with room for the answer after the calls.
+and nothing trained (2 steps, grad norm 0): a run that can learn needs episodes that
+sometimes answer after the reply, and a completion budget with room for the answer.
+
+With a demonstrated exchange (2026-12-07; bench/results/grpo-calculator-epyc-2026-12-07.md)
+the base answers after the reply: shown a product, it was already right on 24/24 held-out
+products greedy, so the task became ``two-step`` with a sum demonstrated (greedy 18/24,
+no tool 0/24). 16 steps (128 completion tokens): greedy 24/24 after; sampled at
+temperature 1, 33/48 -> 47/48 right and 39/48 -> 47/48 calling; training reward 0.47 ->
+1.2 (all right), 143 s a step (75-250 s with the other jobs' load), peak RSS 2.5 GiB.
 """
 from __future__ import annotations
 
