@@ -2,16 +2,23 @@
 
     python bench/grpo_calculator.py [--steps 8] [--probe 8] [--json RESULT.json]
     python bench/grpo_calculator.py --evaluate RUN_DIR [--samples 3]
+    (--task two-step|products, --demo sum|product|none: the problems and the
+    demonstrated exchange before each; the defaults are the 2026-12-07 run's)
 
-Products of two 3-digit numbers, asked in plain words: a 0.5B model multiplies them
-wrong alone, and right when it calls ``calculator`` (the tools file written beside the
-prompts) and reads its reply. GRPO (``--tools``) samples episodes in which a call stops
-sampling, runs in the tools' own process and has its reply fed back as a tool turn; the
-only reward is whether the episode ends in a plain answer (not one more call) whose last
-number is the product. Held-out problems (never trained on) are answered greedily before
-and after, with the tool on offer both times, and once by the base with no tool:
+``two-step`` (the default): a * b + c or a * b - c on 3-digit numbers, asked in plain
+words; ``products`` (runs 1-3): a * b. A 0.5B model gets them wrong alone, and right
+when it calls ``calculator`` (the tools file written beside the prompts) and reads its
+reply. Each prompt, held-out ones too, before and after training, starts with one
+demonstrated exchange (``DEMOS``: a call, the calculator's reply, an answer quoting it):
+without one the base, given the reply, calls again and never answers (runs 1-3 below).
+GRPO (``--tools``) samples episodes in which a call stops sampling, runs in the tools'
+own process and has its reply fed back as a tool turn; the reward is whether the episode
+ends in a plain answer (not one more call) whose last number is the problem's answer
+(and 0.2 for answering after a tool reply). Held-out problems (never trained on) are
+answered greedily before and after, with the tool on offer both times, and once by the
+base with no tool and no demonstration (the question alone):
 
-- accuracy: the episode's last turn answers, and its last number is the product;
+- accuracy: the episode's last turn answers, and its last number is the answer;
 - answered: episodes whose last turn is an answer, not a call;
 - called: episodes that made at least one tool call;
 - valid calls: calls that parsed and ran (no "error: ..." reply), of the calls made.
@@ -38,10 +45,15 @@ sampled at temperature 1, before and after. Episodes now end in a turn of the mo
 ``answered`` (weight 0.2) gives a group where nobody is right a preference for answering
 after the reply. With the honest reward no sampled episode answered after a reply (the
 base calls again: 66 of 72 sampled held-out episodes), every group's rewards were equal
-and nothing trained (2 steps, grad norm 0). Not yet a worked example of learning: a run
-that can learn needs episodes that sometimes answer after the reply -- a demonstrated call,
-reply and answer in the prompt, or SFT on such episodes first -- and a completion budget
-with room for the answer after the calls.
+and nothing trained (2 steps, grad norm 0): a run that can learn needs episodes that
+sometimes answer after the reply, and a completion budget with room for the answer.
+
+With a demonstrated exchange (2026-12-07; bench/results/grpo-calculator-epyc-2026-12-07.md)
+the base answers after the reply: shown a product, it was already right on 24/24 held-out
+products greedy, so the task became ``two-step`` with a sum demonstrated (greedy 18/24,
+no tool 0/24). 16 steps (128 completion tokens): greedy 24/24 after; sampled at
+temperature 1, 33/48 -> 47/48 right and 39/48 -> 47/48 calling; training reward 0.47 ->
+1.2 (all right), 143 s a step (75-250 s with the other jobs' load), peak RSS 2.5 GiB.
 """
 from __future__ import annotations
 
@@ -124,38 +136,79 @@ def answered(completions, **kw):
                 and is_answer(last_reply(c)))
     return [float(after_reply(c)) for c in completions]
 '''
-PHRASINGS = ("What is {a} times {b}?", "Compute {a} * {b}.", "Multiply {a} by {b}.",
-             "How much is {a} multiplied by {b}?")
+#: The question's wordings and how each combines the numbers: ``products`` (runs 1-3,
+#: 2026-12-04) asks a * b; ``two-step`` asks a * b + c or a * b - c, one call away when
+#: the model writes the whole expression, two when it computes a * b first.
+TASKS = {
+    "products": (("What is {a} times {b}?", None), ("Compute {a} * {b}.", None),
+                 ("Multiply {a} by {b}.", None), ("How much is {a} multiplied by {b}?", None)),
+    "two-step": (("What is {a} times {b} plus {c}?", 1), ("Compute {a} * {b} - {c}.", -1),
+                 ("Multiply {a} by {b}, then subtract {c}.", -1),
+                 ("How much is {a} multiplied by {b}, plus {c}?", 1)),
+}
 TRAIN, HELD_OUT, SEED = 96, 24, 7
 #: correct, answered (the REWARD file's functions)
 REWARD_WEIGHTS = ("1.0", "0.2")
 SETTINGS = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=8, alpha=16, lr=2e-4,
-                schedule="constant", warmup=0, seq_len=448, max_completion_length=96,
+                schedule="constant", warmup=0, seq_len=448, max_completion_length=128,
                 max_tool_calls=2, tool_call_style="json", temperature=1.0, loss_type="dapo", val_split=0.0, seed=0,
                 log_completions=10, final="last",
-                # 12 rows of 448 + 96 tokens: every block's activations kept planned a 17.6
-                # GiB arena (19.1 GiB peak RSS, 2026-12-04); recomputed, 1.5 GiB, the same
-                # gradients bit for bit
+                # 12 rows of 448 + 96 tokens (runs 1-3): every block's activations kept
+                # planned a 17.6 GiB arena (19.1 GiB peak RSS, 2026-12-04); recomputed,
+                # 1.5 GiB, the same gradients bit for bit
                 checkpoint_activations=True)
 
 
-def problems() -> list[dict]:
-    """TRAIN + HELD_OUT distinct products of two 3-digit numbers, each a chat prompt with
-    its answer; deterministic."""
+#: One demonstrated exchange before each question (training and held-out alike, before
+#: and after): a call, the calculator's reply and a plain answer that quotes it. Its
+#: numbers are in no problem. ``sum`` shows another operation than the task's, so the
+#: model must still write the question's own expression (with ``product`` and the
+#: ``products`` task the base was already right on 24/24 held-out, greedy); ``none``
+#: leaves it out (runs 1-3, 2026-12-04).
+DEMOS = {
+    "sum": [
+        {"role": "user", "content": "What is 218 plus 537?"},
+        {"role": "assistant",
+         "content": '{"name": "calculator", "arguments": {"expression": "218 + 537"}}'},
+        {"role": "tool", "content": "755"},
+        {"role": "assistant", "content": "218 plus 537 is 755."}],
+    "product": [
+        {"role": "user", "content": "What is 218 times 537?"},
+        {"role": "assistant",
+         "content": '{"name": "calculator", "arguments": {"expression": "218 * 537"}}'},
+        {"role": "tool", "content": "117066"},
+        {"role": "assistant", "content": "218 times 537 is 117066."}],
+    "none": [],
+}
+DEMO_NUMBERS = {218, 537}   # no problem holds them
+
+
+def problems(task: str = "two-step", demo: str = "sum") -> list[dict]:
+    """TRAIN + HELD_OUT distinct problems of ``task`` on 3-digit numbers, each a chat
+    prompt (the demonstrated exchange ``DEMOS[demo]``, then the question) with its
+    answer; deterministic, and the same problems whatever the demonstration (``products``
+    draws exactly as runs 1-3 did)."""
     rng, seen, rows = random.Random(SEED), set(), []
     while len(rows) < TRAIN + HELD_OUT:
         a, b = rng.randint(100, 999), rng.randint(100, 999)
-        if (a, b) in seen:
+        c = rng.randint(100, 999) if task != "products" else None
+        if (a, b, c) in seen:
             continue
-        seen.add((a, b))
-        question = rng.choice(PHRASINGS).format(a=a, b=b)
-        rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(a * b)})
+        seen.add((a, b, c))
+        phrasing, sign = rng.choice(TASKS[task])
+        question = phrasing.format(a=a, b=b, c=c)
+        if {a, b, c} & DEMO_NUMBERS:
+            continue
+        answer = a * b + sign * c if sign else a * b
+        rows.append({"prompt": [*DEMOS[demo], {"role": "user", "content": question}],
+                     "question": question, "answer": str(answer)})
     return rows
 
 
-def write_files(folder: Path) -> tuple[Path, Path, Path, list[dict]]:
+def write_files(folder: Path, task: str = "two-step", demo: str = "sum"
+                ) -> tuple[Path, Path, Path, list[dict]]:
     """The training prompts, the tools file, the reward file and the held-out rows."""
-    rows = problems()
+    rows = problems(task, demo)
     folder.mkdir(parents=True, exist_ok=True)
     prompts, tools, reward = (folder / n for n in ("prompts.jsonl", "tools.py", "reward.py"))
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows[:TRAIN]))
@@ -186,7 +239,7 @@ def held_out(model: str, adapter: str | None, tools: Path, rows: list[dict],
     plain = model_generate(lm, tools=None, max_new_tokens=2 * max_new_tokens)
     reward = reward_functions()
     right = called = calls = valid = answered = 0
-    shown = []
+    shown, wrong = [], []   # the first few episodes, and the first few not right
     draws = [(i, j) for j in range(max(samples, 1)) for i in range(len(rows))]
     try:
         for i, j in draws:
@@ -196,24 +249,28 @@ def held_out(model: str, adapter: str | None, tools: Path, rows: list[dict],
             generate = model_generate(lm, tools=box.schemas, max_new_tokens=max_new_tokens,
                                       **sampling)
             ep = tool_episode(generate, box, row["prompt"], style, max_tool_calls)
-            replies = [m["content"] for m in ep.messages if m["role"] == "tool"]
-            turns = ep.messages[len(row["prompt"]):]
-            right += reward["correct"]([turns], [row["answer"]])[0] == 1.0
+            turns = ep.messages[len(row["prompt"]):]   # not the demonstration's
+            replies = [m["content"] for m in turns if m["role"] == "tool"]
+            ok = reward["correct"]([turns], [row["answer"]])[0] == 1.0
+            right += ok
             answered += reward["answered"]([turns])[0] == 1.0
             called += ep.tool_calls > 0
             calls += len(replies)
             valid += sum(not r.startswith("error:") for r in replies)
+            episode = {"question": row["question"], "answer": row["answer"], "turns": turns}
             if len(shown) < 6:
-                shown.append({"question": row["prompt"][-1]["content"], "answer": row["answer"],
-                              "turns": ep.messages[len(row["prompt"]):]})
+                shown.append(episode)
+            if not ok and len(wrong) < 8:
+                wrong.append(episode)
     finally:
         box.close()
     n = len(draws)
     alone = 0 if adapter is not None or samples else sum(   # the base with no tool on offer
-        reward["correct"]([[{"role": "assistant", "content": plain(row["prompt"], ())}]],
+        reward["correct"]([[{"role": "assistant", "content": plain(
+            [{"role": "user", "content": row["question"]}], ())}]],
                           [row["answer"]])[0] == 1.0 for row in rows)
     return dict(accuracy=f"{right}/{n}", answered=f"{answered}/{n}", called=f"{called}/{n}",
-                valid_calls=f"{valid}/{calls}", episodes=shown,
+                valid_calls=f"{valid}/{calls}", episodes=shown, wrong=wrong,
                 **({} if adapter is not None or samples else
                    {"accuracy_without_tool": f"{alone}/{n}"}))
 
@@ -234,6 +291,10 @@ def main():
                     help="only ask the base model N held-out problems, then stop")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one SETTINGS entry (a Python literal), e.g. lr=1e-4")
+    ap.add_argument("--task", choices=sorted(TASKS), default="two-step",
+                    help="the problems (default: two-step, a * b + c or a * b - c)")
+    ap.add_argument("--demo", choices=sorted(DEMOS), default="sum",
+                    help="the demonstrated exchange before each question (default: sum)")
     ap.add_argument("--out", default="/tmp/toygraph-grpo-calculator")
     ap.add_argument("--json", help="also write the result line here")
     ap.add_argument("--samples", type=int, default=0, metavar="N",
@@ -254,7 +315,7 @@ def main():
         settings[key] = ast.literal_eval(value)
     model = str(resolve_model(MODEL))
     out = Path(args.out)
-    prompts, tools, reward, held = write_files(out.with_name(out.name + "-data"))
+    prompts, tools, reward, held = write_files(out.with_name(out.name + "-data"), args.task, args.demo)
     turn_tokens = settings["max_completion_length"] // 2
     ask = dict(max_new_tokens=turn_tokens, max_tool_calls=settings["max_tool_calls"],
                style=settings["tool_call_style"])
@@ -267,13 +328,15 @@ def main():
         after = held_out(model, args.evaluate, tools, held, samples=args.samples, **ask)
         line = json.dumps(dict(
             date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), cpu=cpu_model(), cpus=os.cpu_count(),
-            model=Path(model).name, adapter=args.evaluate, samples=args.samples,
+            model=Path(model).name, task=args.task, demo=args.demo, adapter=args.evaluate,
+            samples=args.samples,
             temperature=SETTINGS["temperature"] if args.samples else 0.0,
-            held_out_before={k: v for k, v in before.items() if k != "episodes"},
-            held_out_after={k: v for k, v in after.items() if k != "episodes"},
+            held_out_before={k: v for k, v in before.items() if k not in ("episodes", "wrong")},
+            held_out_after={k: v for k, v in after.items() if k not in ("episodes", "wrong")},
             wall_s=round(time.perf_counter() - t0, 1),
             peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            episodes_before=before["episodes"], episodes_after=after["episodes"]))
+            episodes_before=before["episodes"], episodes_after=after["episodes"],
+            wrong_before=before["wrong"], wrong_after=after["wrong"]))
         print(line)
         if args.json:
             Path(args.json).write_text(line + "\n")
@@ -303,17 +366,18 @@ def main():
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), cpu=cpu_model(), cpus=os.cpu_count(),
         commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip(),
-        model=Path(model).name, steps=args.steps, batch=args.batch,
-        num_generations=args.num_generations, settings=settings,
+        model=Path(model).name, task=args.task, demo=args.demo, steps=args.steps,
+        batch=args.batch, num_generations=args.num_generations, settings=settings,
         train_problems=TRAIN, held_out_problems=len(held),
-        held_out_before={k: v for k, v in before.items() if k != "episodes"},
-        held_out_after={k: v for k, v in after.items() if k != "episodes"},
+        held_out_before={k: v for k, v in before.items() if k not in ("episodes", "wrong")},
+        held_out_after={k: v for k, v in after.items() if k not in ("episodes", "wrong")},
         wall_s=round(wall, 1), training_s=round(t2 - t1, 1),
         s_per_step=round((t2 - t1) / args.steps, 1),
         peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         reward=[round(e["reward"], 3) for e in steps],
         tool_calls_mean=[round(e.get("tools/calls_mean", float("nan")), 2) for e in steps],
-        episodes_before=before["episodes"], episodes_after=after["episodes"])
+        episodes_before=before["episodes"], episodes_after=after["episodes"],
+        wrong_before=before.get("wrong", []), wrong_after=after["wrong"])
     line = json.dumps(result)
     print(line)
     if args.json:
