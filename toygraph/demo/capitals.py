@@ -47,12 +47,15 @@ OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"
 #   The 20-cell matrix (5 seeds x dot x base memory, 2026-12-07 EPYC): 8 pass; the demo's
 #   questions 3/3 in all, but Nigeria -> "Abu Dhabi" (seeds 0 decode, 3), Mongolia
 #   "Ulaanba" (seed 42) and the capital-letter prompt as a record (seed 2 decode, 3
-#   quantized) -- bench/results/demo-recipe-epyc-2026-12-07.md.
+#   quantized) -- bench/results/demo-recipe-epyc-2026-12-07.md;
+# - the same at lr 3e-3 for 250 steps (2 passes; 2026-12-07, the engine's replay):
+#   the adapter keeps more of what the base knew and sees each capital a third more often
+#   -- bench/results/demo-recipe-engine-epyc-2026-12-07.md.
 # - no validation split: a held-out row is a capital the demo would not teach.
 RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
-              batch=2, seq_len=140, pack=True, lr=5e-3, warmup=10, schedule="cosine",
+              batch=2, seq_len=140, pack=True, lr=3e-3, warmup=10, schedule="cosine",
               clip=1.0, val_split=0.0, seed=42)
-STEPS = 190
+STEPS = 250
 #: The training files beside this module and each one's weight in the mix
 #: (toygraph/data/mixing.py; None for all: concatenated).
 DATA = {"capitals.jsonl": None, "general.jsonl": None}
