@@ -501,6 +501,11 @@ def section_rollouts(a, work: Path) -> tuple[str, dict]:
         archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", a.against],
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(ref)], input=archive, check=True)
+        # pyproject maps toygraph.recipes and toygraph.fixtures to top-level folders; an
+        # editable install would import this tree's for them, so the copy links its own
+        for sub in ("recipes", "fixtures"):
+            if (ref / sub).is_dir() and not (ref / "toygraph" / sub).exists():
+                (ref / "toygraph" / sub).symlink_to(ref / sub, target_is_directory=True)
         sides.append((a.against, ref))
     lines = [f"| model | toygraph | one sequence: tok/s | rollouts, group of {a.group}: tok/s "
              f"| rollouts / one sequence | rollouts after the prefill: tok/s | after the "
