@@ -165,21 +165,20 @@ SETTINGS = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=8, alph
 #: model must still write the question's own expression (with ``product`` and the
 #: ``products`` task the base was already right on 24/24 held-out, greedy); ``none``
 #: leaves it out (runs 1-3, 2026-12-04).
-DEMOS = {
-    "sum": [
-        {"role": "user", "content": "What is 218 plus 537?"},
-        {"role": "assistant",
-         "content": '{"name": "calculator", "arguments": {"expression": "218 + 537"}}'},
-        {"role": "tool", "content": "755"},
-        {"role": "assistant", "content": "218 plus 537 is 755."}],
-    "product": [
-        {"role": "user", "content": "What is 218 times 537?"},
-        {"role": "assistant",
-         "content": '{"name": "calculator", "arguments": {"expression": "218 * 537"}}'},
-        {"role": "tool", "content": "117066"},
-        {"role": "assistant", "content": "218 times 537 is 117066."}],
-    "none": [],
-}
+def exchange(a: int, word: str, op: str, b: int) -> list[dict]:
+    """A question on ``a`` and ``b``, the calculator's call, its reply and an answer quoting
+    it: the turns of one demonstrated exchange."""
+    expression = f"{a} {op} {b}"
+    result = str(eval(expression))   # two literal ints and an operator of ours
+    call = {"name": "calculator", "arguments": {"expression": expression}}
+    return [{"role": "user", "content": f"What is {a} {word} {b}?"},
+            {"role": "assistant", "content": json.dumps(call)},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": f"{a} {word} {b} is {result}."}]
+
+
+DEMOS = {"sum": exchange(218, "plus", "+", 537), "product": exchange(218, "times", "*", 537),
+         "none": []}
 DEMO_NUMBERS = {218, 537}   # no problem holds them
 
 
