@@ -36,38 +36,51 @@ from toygraph.precision import BACKENDS, precision_error
 from toygraph.core.session import Session
 from toygraph.data.batches import encode_dataset
 from toygraph.data.examples import load_examples
-from toygraph.data.packing import batches_per_epoch, epoch_batches, packing_efficiency
+from toygraph.data.packing import (batches_per_epoch, epoch_batches, labelled_share,
+                                   packing_efficiency)
 from toygraph.errors import GraphError
 from toygraph.models.decoder import (BuildOptions, LoraConfig, WeightSource, build_decoder,
                                      fused_head_loss, lm_head)
 
 #: Whether the CPU backend always uses the fused head + loss. On CUDA the fused op is always
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
-#: the CPU the fused backward recomputes the head matmul, which made a SmolLM2 LoRA step
-#: (batch 8 x seq 64, 2 cores) slower: 2.91 s against 2.67 s unfused; the two agree to
-#: rounding (tests/ops/test_ops_loss.py, tests/families/test_llama.py). So the CPU fuses only where the
-#: logits and their gradient would take FUSED_HEAD_CPU_BYTES or more: a 151,936-token
-#: vocabulary at 4 x 512 tokens, 2.5 GB, where a QLoRA step's base is a few hundred MB.
+#: the CPU the fused backward recomputes the head's product, but it computes on the
+#: labelled rows only (ops/loss/cpu.h), where the unfused head multiplies every row twice
+#: (forward and input gradient). So the CPU fuses where the data labels few of the slots
+#: (FUSED_HEAD_CPU_SHARE or less: chat and instruction data, whose prompts carry no label)
+#: and where the logits and their gradient would take FUSED_HEAD_CPU_BYTES or more (a
+#: 151,936-token vocabulary at 4 x 512 tokens, 2.5 GB, where a QLoRA step's base is a few
+#: hundred MB). Measured on the engine replay (2-vCPU AMD EPYC Zen 5, 2 threads, SmolLM2
+#: Q4_1, the demo's LoRA r16 on 7 targets, 2 x 140 tokens; the two agree to rounding,
+#: tests/ops/test_ops_loss.py): every slot labelled, fused 681 ms a step against 596
+#: unfused (bench_lora.py); the demo's data, 24% of the slots labelled, 545 against 581
+#: (40 demo steps, the median of events.jsonl's wall_ms): break-even near 48%.
 FUSED_HEAD_ON_CPU = False
+FUSED_HEAD_CPU_SHARE = 0.4
 FUSED_HEAD_CPU_BYTES = 256 << 20
 
 
-def fused_head(backend: str, model_cfg=None, rows: int | None = None) -> bool:
+def fused_head(backend: str, model_cfg=None, rows: int | None = None,
+               labelled_share: float | None = None) -> bool:
     """Whether the head and the loss run as one fused op: on CUDA, and on the CPU where
-    ``rows`` rows of logits and their gradient would take FUSED_HEAD_CPU_BYTES (or
-    FUSED_HEAD_ON_CPU), unless the model soft-caps its logits (Gemma 4), which the fused op
+    ``rows`` rows of logits and their gradient would take FUSED_HEAD_CPU_BYTES, or the data
+    labels at most FUSED_HEAD_CPU_SHARE of the slots (``labelled_share``, None: unknown), or
+    FUSED_HEAD_ON_CPU; unless the model soft-caps its logits (Gemma 4), which the fused op
     does not do."""
     if model_cfg is not None and getattr(model_cfg, "logit_softcap", 0.0):
         return False
     if backend == "cuda" or FUSED_HEAD_ON_CPU:
         return True
+    if labelled_share is not None and labelled_share <= FUSED_HEAD_CPU_SHARE:
+        return True
     return (rows is not None and model_cfg is not None
             and 2 * 4 * rows * model_cfg.n_vocab >= FUSED_HEAD_CPU_BYTES)
 
 
-def head_loss(net, labels, backend: str):
-    """The summed cross-entropy of the model's next-token logits against ``labels``."""
-    if fused_head(backend, net.cfg, net.hidden.shape[0]):
+def head_loss(net, labels, fused: bool):
+    """The summed cross-entropy of the model's next-token logits against ``labels``, the
+    head fused with the loss or not (fused_head decides)."""
+    if fused:
         return fused_head_loss(net, net.hidden, labels, "sum")
     return ops.cross_entropy(lm_head(net), labels, reduction="sum")
 
@@ -105,6 +118,8 @@ class RecipeOptions:
     pack: bool = False      # packed rows: step/evaluate take segment ids (toygraph.data.packing)
     base_memory: str | None = None   # numpy backend: a block-format base decoded or kept
     #                                  quantized (core/frozen_base.py); None: $TOYGRAPH_BASE_MEMORY
+    labelled_share: float | None = None   # the data's labelled share of the slots
+    #                                       (Recipe.labelled_share; None: unknown), fused_head's
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "grad_accum"):
@@ -173,6 +188,11 @@ class Recipe:
         """Real tokens per slot with and without packing (None: the recipe never packs)."""
         return packing_efficiency(items, batch, seq_len)
 
+    def labelled_share(self, items, batch: int, seq_len: int, pack: bool) -> float | None:
+        """The share of an epoch's row slots that carry a label (None: not counted), which
+        decides whether the CPU fuses the head with the loss (fused_head)."""
+        return labelled_share(items, batch, seq_len, pack)
+
     @classmethod
     def reference_adapter_dir(cls, cfg) -> str | None:
         """The adapter directory a frozen reference model of the run includes (whose content
@@ -223,7 +243,9 @@ class Recipe:
         """The loss hook: (the loss the gradients are of, the target count it is divided by
         or None). Here one cross-entropy serves both: its sum drives the gradients
         (token-weighted accumulation) and sum / count is the reported mean loss."""
-        self.loss_sum = g.output(head_loss(self.net, self.labels, opts.backend))
+        self.head_fused = fused_head(opts.backend, self.net.cfg, self.net.hidden.shape[0],
+                                     opts.labelled_share)
+        self.loss_sum = g.output(head_loss(self.net, self.labels, self.head_fused))
         return self.loss_sum, g.output(ops.count_valid(self.labels))
 
     def realize(self, gguf, model_cfg, opts: RecipeOptions) -> None:

@@ -301,6 +301,9 @@ class GRPO(LoRA):
     def packing_report(items, batch: int, seq_len: int) -> None:
         return None
 
+    def labelled_share(self, items, batch: int, seq_len: int, pack: bool) -> None:
+        return None   # completions are sampled: their share is not known before the run
+
     # --- the graph -------------------------------------------------------------------------------
     def check_options(self, opts: RecipeOptions) -> None:
         for bad, why in ((opts.data_parallel, "does not run data parallel (under mpirun) yet"),

@@ -55,6 +55,9 @@ class PreferenceRecipe(LoRA):
     def packing_report(items, batch: int, seq_len: int) -> None:
         return None   # a pair is two rows of one batch: its rows are never packed
 
+    def labelled_share(self, items, batch: int, seq_len: int, pack: bool) -> None:
+        return None   # pairs: their per-token log-probs keep fused_head's other rules
+
     def __init__(self, targets=LoraConfig.targets, rank: int = LoraConfig.rank,
                  alpha: float = LoraConfig.alpha, beta: float = BETA):
         super().__init__(targets, rank, alpha)

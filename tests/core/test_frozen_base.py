@@ -319,5 +319,8 @@ def test_the_cpu_fuses_the_head_where_the_logits_would_be_large():
     assert not recipe_base.fused_head("cpu", Cfg(), rows=128)        # 156 MB of logits + grads
     assert recipe_base.fused_head("cpu", Cfg(), rows=512)            # 622 MB
     assert recipe_base.fused_head("cuda", Cfg(), rows=1)
+    # few slots labelled (chat data): the fused head skips the rest, so the CPU fuses it
+    assert recipe_base.fused_head("cpu", Cfg(), rows=128, labelled_share=0.25)
+    assert not recipe_base.fused_head("cpu", Cfg(), rows=128, labelled_share=0.9)
     Cfg.logit_softcap = 30.0
     assert not recipe_base.fused_head("cpu", Cfg(), rows=4096)

@@ -11,8 +11,8 @@ from toygraph.fixtures import tiny_models
 from toygraph.models.model import GGUFModel
 from toygraph.core.graph import Graph
 from toygraph.models.decoder import BuildOptions, WeightSource, build_decoder
-from toygraph.data.packing import (batches_per_epoch, first_fit_decreasing, packed_batches,
-                              packing_efficiency)
+from toygraph.data.packing import (batches_per_epoch, epoch_batches, first_fit_decreasing,
+                                   labelled_share, packed_batches, packing_efficiency)
 from toygraph.recipes import LoRA, RecipeOptions
 from toygraph.core.session import Session
 
@@ -287,8 +287,23 @@ def test_packed_runs_of_every_data_format(tiny_llama, tmp_path, rows, capsys):
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = cfg_for(tiny_llama, data, tmp_path / "r", pack=True, seq_len=64, steps=2, quiet=False)
     assert run_training(cfg)["status"] == "completed"
-    assert "packing efficiency (real tokens / slots):" in capsys.readouterr().err
-    assert [e["event"] for e in events(tmp_path / "r")].count("step") == 2
+    err = capsys.readouterr().err
+    assert "packing efficiency (real tokens / slots):" in err
+    ev = events(tmp_path / "r")
+    assert [e["event"] for e in ev].count("step") == 2
+    # text labels every token, a chat only the assistant's: the CPU fuses the head (which
+    # computes on labelled rows only) for the chat, where few slots carry a label
+    share, fused = ev[0]["labelled_share"], ev[0]["head_fused"]
+    assert (share > 0.4 and not fused) if "text" in rows[0] else (share <= 0.4 and fused)
+    assert f"labelled: {share:.1%} of the slots" in err
+
+
+def test_labelled_share_counts_the_labels_of_an_epochs_batches():
+    items = make_items(np.random.default_rng(3), 30, 20)
+    for pack in (False, True):
+        bs = epoch_batches(items, 3, 32, 0, pack=pack, shuffle=True, seed=1, epoch=0)
+        labels = sum(int((b.labels != -1).sum()) for b in bs)
+        assert labelled_share(items, 3, 32, pack) == labels / (len(bs) * 3 * 32)
 
 
 def test_packed_lora_steps_on_the_host_executor_match_numpy(tiny_llama, monkeypatch):

@@ -21,7 +21,7 @@ from toygraph.data.batches import Batch, EpochBatches, batches, steps_per_epoch
 from toygraph.errors import DataError
 
 __all__ = ["first_fit_decreasing", "packed_batches", "epoch_batches", "batches_per_epoch",
-           "packing_efficiency"]
+           "packing_efficiency", "labelled_share"]
 
 
 def _slots(item) -> int:
@@ -120,3 +120,12 @@ def packing_efficiency(items: list, batch_size: int, seq_len: int) -> dict:
     slots = {p: batches_per_epoch(items, batch_size, seq_len, p) * batch_size * seq_len
              for p in (False, True)}
     return {"real_tokens": real, "unpacked": real / slots[False], "packed": real / slots[True]}
+
+
+def labelled_share(items: list, batch_size: int, seq_len: int, pack: bool) -> float:
+    """The share of one epoch's row slots that carry a label (a target token): what a head
+    fused with the loss computes on (it skips the unlabelled rows, recipes/base.py's
+    fused_head)."""
+    labelled = sum(int(np.count_nonzero(np.asarray(x.target_mask[1:], bool))) for x in items)
+    slots = batches_per_epoch(items, batch_size, seq_len, pack) * batch_size * seq_len
+    return labelled / slots if slots else 0.0

@@ -27,7 +27,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from toygraph import __version__
@@ -82,7 +82,9 @@ def make_recipe(run_cfg: RunConfig):
 
 def _realize(run_cfg: RunConfig, prep: Prepared, ranks: int = 1):
     recipe = make_recipe(run_cfg)
-    recipe.realize(prep.model, prep.model.config, recipe_options(run_cfg, ranks))
+    share = recipe.labelled_share(prep.train, run_cfg.batch, run_cfg.seq_len, run_cfg.pack)
+    recipe.realize(prep.model, prep.model.config,
+                   replace(recipe_options(run_cfg, ranks), labelled_share=share))
     if run_cfg.adapter_init:
         _load_adapter_init(run_cfg, recipe, prep.model)
     if prep.resume_from is not None:
@@ -309,6 +311,10 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
     if packing:
         intro += [f"packing efficiency (real tokens / slots): {packing['unpacked']:.1%} unpacked, "
                   f"{packing['packed']:.1%} packed{' (--pack)' if run_cfg.pack else ''}"]
+    if recipe.opts.labelled_share is not None:
+        intro += [f"labelled: {recipe.opts.labelled_share:.1%} of the slots; the head "
+                  + ("fused with the loss (it computes on the labelled rows only)"
+                     if getattr(recipe, "head_fused", False) else "and the loss apart")]
     # (line, shown even with --quiet): skipped checkpoints always show
     intro = [(line, False) for line in intro]
     intro += [(f"resume: skipped {path} ({why})", True) for path, why in prep.skipped]
@@ -492,6 +498,8 @@ def _log_start(run_cfg, prep: Prepared, log, recipe, total: int, realize_s: floa
               **({"packing": {"pack": run_cfg.pack,
                               "efficiency": packing["packed" if run_cfg.pack else "unpacked"],
                               **packing}} if packing else {}),
+              labelled_share=recipe.opts.labelled_share,
+              head_fused=getattr(recipe, "head_fused", None),
               **({"ranks": ranks} if ranks else {}),
               **({"data_mix": prep.mix} if prep.mix else {}))
 
