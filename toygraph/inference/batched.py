@@ -146,7 +146,7 @@ def _prompt_rows(prompt_rows, R: int) -> list[int]:
 def _prompt_pass(g, cfg, P: int, seq: "_Prefill", source, lora, name: str) -> PromptPass:
     """The decoder over ``seq``'s U prompt rows of P tokens, and its logits at each one's
     last token."""
-    U = seq.rows
+    U = seq.prompt_rows
     net = build_decoder(g, cfg, source, batch=U, seq_len=P, lora=lora,
                         options=BuildOptions(logits=False, prefix=name, sequence=seq))
     last = g.input(name + "last", (U,), "i32")
@@ -182,10 +182,10 @@ class _BatchedRecurrent:
     def for_prompts(self, g, U: int, name: str) -> "_PromptStates":
         """What a prefill over U prompt rows reads: the R-row states it writes, and its own
         rows' padding mask and zero start state."""
-        zero = np.zeros((U, *self.state_shape[1:]), np.float32)
-        return _PromptStates(self.rows, self.states, g.input(name + "valid",
-                                                             (U, self.prompt_len, 1)),
-                             g.const(name + "delta_state.zero", zero))
+        valid = g.input(name + "valid", (U, self.prompt_len, 1))
+        zero = g.const(name + "delta_state.zero",
+                       np.zeros((U, *self.state_shape[1:]), np.float32))
+        return _PromptStates(self.rows, self.states, valid, zero)
 
     def upload_decode(self, sess, lengths, j: int) -> None:
         """Step j's selection: row r's taps read positions n_r + j - (width - 1) .. n_r + j,
@@ -216,7 +216,7 @@ class _Prefill(CachePrefill):
 
     def __init__(self, g, caches: dict, start, rec, U: int, R: int, name: str):
         super().__init__(g, caches, start, rec.for_prompts(g, U, name) if rec else None)
-        self.rows = U
+        self.prompt_rows = U
         self.map = g.input(name + "map", (R,), "i32") if U < R else None
 
     def _write(self, cache, x, at):
