@@ -31,10 +31,11 @@ Sections (``--sections``, comma-separated; all by default):
   the range of the rounds' ratios.
 - ``rollouts``: GRPO's rollouts against one sequence, replayed in the engine: one sequence's
   greedy tokens/s (as ``generate``) and the batched sampler's (a group of ``--group``, 32
-  new tokens at temperature 1), over the whole call and after its prefill (the prompts'
-  forward, in the whole call's time), and their ratios; with ``--against REV`` the same
-  children also run on git revision REV's toygraph (``git archive``'d to a temporary
-  folder), the two alternating ``--rounds`` times, medians.
+  new tokens at temperature 1; the group's one prompt through the prefill once, as GRPO
+  runs it, where the revision's sampler can), over the whole call and after its prefill
+  (the prompt's forward, in the whole call's time), and their ratios; with
+  ``--against REV`` the same children also run on git revision REV's toygraph (``git
+  archive``'d to a temporary folder), the two alternating ``--rounds`` times, medians.
 - ``contention``: the demo's LoRA step (SmolLM2, rank 16 on attention and MLP, 4 x 64
   tokens) alone and beside one and two CPU-bound processes, toygraph and torch + PEFT: the
   slowdown (ideal: 2x and 3x on 2 cores... the step's share of the CPUs).
@@ -48,6 +49,7 @@ after each section. Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -383,8 +385,12 @@ def rollout_speed(lm, prompt: list[int], group: int, new: int = 32, split: bool 
     ``split``: (that, the tokens after each row's first / the time after the prefill)."""
     from toygraph.inference.batched import BatchedGenerator
     from toygraph.inference.sampling import SamplingOptions
+    # One prefill row for the group's one prompt (GRPO's); an --against revision older
+    # than that runs the prefill over every row
+    shared = ({"prompt_rows": 1} if "prompt_rows" in
+              inspect.signature(BatchedGenerator).parameters else {})
     gen = BatchedGenerator(lm.model, rows=group, prompt_len=len(prompt),
-                           cache_len=len(prompt) + new)
+                           cache_len=len(prompt) + new, **shared)
     opts = SamplingOptions(temperature=1.0, seed=0)
     gen.generate([prompt] * group, new, opts)
     ends, run = [], gen.sess.run_program

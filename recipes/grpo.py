@@ -14,7 +14,8 @@ One graph holds it all: the training decoder over rows of ``seq_len + max_comple
 tokens (the prompt, its completion, padding), the reference pass (adapter off, as DPO's)
 when ``kl_beta`` > 0, and the batched prefill + decode graphs of the sampler
 (toygraph/inference/batched.py) built over the training decoder's own weight and adapter
-tensors, so the completions come from the adapter as it is being trained, without a copy.
+tensors, so the completions come from the adapter as it is being trained, without a copy;
+a group's prompt runs through the prefill once (``prompt_rows``).
 The session runs each as a program: sampling, the forward for the old log-probs
 (``num_iterations`` > 1) and the training step.
 
@@ -365,8 +366,12 @@ class GRPO(LoRA):
                                                          self.objective)
         self.loss, self.count = g.output(loss), None
         self.old_logp = old if old is not self.logp else None
+        # The rollouts' G rows of a prompt share one prefill row (batch rows in all); a
+        # prefill over every row serves evaluation (a prompt per row) and environments
+        # whose first observations differ within a group.
         self.gen = build_batched_generation(g, model_cfg, rows=R, prompt_len=P, cache_len=T,
-                                            lora=lora, shared=self.net)
+                                            prompt_rows=(opts.batch, R), lora=lora,
+                                            shared=self.net)
         return g
 
     def completion_logprobs(self, net):

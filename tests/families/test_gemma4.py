@@ -181,6 +181,14 @@ def test_batched_generation_rows_are_one_row_generation(gemma4):
     assert_rows_are_one_row_generation(LanguageModel(path), tol=3e-5)
 
 
+def test_a_shared_prefill_gives_each_row_its_own_tokens(gemma4):
+    """One prefill per distinct prompt, spread to the rows: the shared layers' caches too
+    (tolerance as above)."""
+    from test_batched import assert_shared_prefill_is_each_rows_own
+    path, _ = gemma4
+    assert_shared_prefill_is_each_rows_own(LanguageModel(path), tol=3e-5)
+
+
 def test_activation_checkpointing_gives_the_same_steps(gemma4):
     """Recomputing each block in the backward: the shared layers read keys and values made
     in an earlier block, and every block reads the per-layer inputs made before the first."""

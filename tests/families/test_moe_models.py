@@ -328,6 +328,13 @@ def test_batched_generation_rows_are_one_row_generation(name):
     assert_rows_are_one_row_generation(LanguageModel(gguf_path(name)))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_shared_prefill_gives_each_row_its_own_tokens(name):
+    """One prefill per distinct prompt (gpt-oss: the sink row stays unwritten)."""
+    from test_batched import assert_shared_prefill_is_each_rows_own
+    assert_shared_prefill_is_each_rows_own(LanguageModel(gguf_path(name)))
+
+
 def test_batched_gpt_oss_on_the_cuda_kernels(monkeypatch):
     from test_batched import PROMPTS, _batched
     monkeypatch.setenv("TOYGRAPH_CUDA_DEVICE", "host")

@@ -162,6 +162,14 @@ def test_batched_generation_carries_each_rows_recurrent_state(qwen35):
     assert_rows_are_one_row_generation(LanguageModel(path), tol=3e-5)
 
 
+def test_a_shared_prefill_spreads_the_recurrent_state(qwen35):
+    """One prefill per distinct prompt: the conv rows and delta-rule states spread to the
+    rows that share a prompt (tolerance as above)."""
+    from test_batched import assert_shared_prefill_is_each_rows_own
+    path, _ = qwen35
+    assert_shared_prefill_is_each_rows_own(LanguageModel(path), tol=3e-5)
+
+
 def test_gradients_and_generation_on_the_cuda_kernels(qwen35, monkeypatch):
     """Every op of a Qwen3.5 LoRA backward (all projections, 70 tokens: past the delta rule's
     64-step chunk) and of cached generation through the CUDA backend, its kernels run by

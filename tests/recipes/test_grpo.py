@@ -97,6 +97,9 @@ def check_the_sampler_shares_the_trained_tensors(tiny_llama, prompts, rewards=("
     want = standalone.generate(group, 6, stop_ids=recipe.stop_ids)
     labels = rollout["labels"].reshape(recipe.rows, -1)
     assert [list(l[l >= 0]) for l in labels] == want
+    # the rollout ran the prefill over one row per prompt, the standalone one over all
+    assert [p.rows for p in gen.passes] == [2, recipe.rows]
+    assert {key for _, key in gen.programs} == {2, 0}
 
 
 def test_completion_logprobs_are_the_models(tiny_llama, prompts):

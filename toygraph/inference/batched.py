@@ -21,6 +21,17 @@ optimizer updates (no copy). Per layer the cache is a K and a V ``state``
   than the window behind by position. So each row sees exactly what one-row generation
   (kvcache.py) shows it, and its tokens at temperature 0 are the same.
 
+**One prefill per distinct prompt.** GRPO samples a group of G completions of each prompt,
+so its R rows hold R / G prompts. A prefill may run over U <= R *prompt rows*
+(``prompt_rows``): every cache or state it writes is first spread to the R rows, cache row
+r taking prompt row map[r] (an uploaded [R] i32 map, one get_rows along the row axis), and
+row r's first logits are its prompt row's, picked on the host. The forward over a prompt
+thus runs once for its group; the decode steps are per row as above. ``prompt_rows`` may
+name several sizes (GRPO: U for its groups, R for evaluation, where every row is its own
+prompt): each is a prefill of its own over the same weights and caches, and
+:func:`generate_rows` runs the smallest that holds the request's distinct prompts. With
+U == R (the default) there is no map and no gather: the prefill is the one above.
+
 Every family: per layer the cache has that layer's K/V heads and head dim (Gemma 4; its
 KV-sharing layers get their source layer's keys and values and cache them again), gpt-oss's
 sinks are one more never-written cache row as in kvcache.py, and Qwen3.5's DeltaNet layers
@@ -47,37 +58,57 @@ from toygraph.models.parts import DeltaNet
 
 
 @dataclass
+class PromptPass:
+    """One prefill graph over U prompt rows (module docstring)."""
+    rows: int                      # U
+    net: Decoder
+    last: Tensor                   # [U] i32: prompt row u's last token, u * P + n_u - 1
+    map: Tensor | None             # [R] i32: each cache row's prompt row; None when U == R
+    valid: Tensor | None           # [U, P, 1]: 1 on the prompts' tokens (DeltaNet layers)
+    logits: Tensor                 # [U, vocab]
+    writes: list[Tensor]           # its cache and state writes (effects)
+
+    @property
+    def targets(self) -> list[Tensor]:
+        return [self.logits, *self.writes]
+
+
+@dataclass
 class BatchedGraphs:
     """Handles into the prefill and decode graphs :func:`build_batched_generation` built."""
     rows: int
     prompt_len: int
     cache_len: int
-    prefill: Decoder
+    passes: list[PromptPass]       # the prefills, by their prompt rows U, smallest first
     decode: Decoder
-    last: Tensor                   # [R] i32: row r's last prompt token, r * P + n_r - 1
     start: Tensor                  # [1] i32: the cache row the decode step writes
     prefill_start: Tensor          # [1] i32: 0, where the prefill writes its P rows
     masks: dict[int, Tensor]       # window (0: none) -> [R, 1, 1, L (+ the sink row)] mask
-    prefill_logits: Tensor         # [R, vocab]
     decode_logits: Tensor          # [R, vocab]
-    writes: list[Tensor]           # the prefill's cache and state writes (effects)
     decode_writes: list[Tensor]    # the decode step's recurrent state writes (effects)
     sink_row: int = 0              # 1 where the family has attention sinks (kvcache.py)
     recurrent: "_BatchedRecurrent | None" = None
-    programs: dict = field(default_factory=dict)   # session id -> (prefill, decode) programs
+    programs: dict = field(default_factory=dict)   # (session id, U or 0) -> program
+
+    @property
+    def prefill(self) -> Decoder:
+        """The first prefill's decoder: it holds the weights and LoRA pairs all share."""
+        return self.passes[0].net
 
     @property
     def targets(self) -> list[Tensor]:
-        """Every output and effect of the two graphs (what a shared training graph leaves
+        """Every output and effect of the graphs (what a shared training graph leaves
         out of its own programs)."""
-        return [self.prefill_logits, self.decode_logits, *self.writes, *self.decode_writes]
+        return [t for p in self.passes for t in p.targets] + [self.decode_logits,
+                                                               *self.decode_writes]
 
 
 def build_batched_generation(g: Graph, cfg, *, rows: int, prompt_len: int, cache_len: int,
-                             model=None, lora=None, shared: Decoder | None = None,
-                             prefix: str = "gen.") -> BatchedGraphs:
+                             prompt_rows=None, model=None, lora=None,
+                             shared: Decoder | None = None, prefix: str = "gen.") -> BatchedGraphs:
     """Add batched prefill and decode graphs to ``g`` (module docstring): over the GGUF's
-    weights (``model``), or over ``shared``'s weights and LoRA pairs."""
+    weights (``model``), or over ``shared``'s weights and LoRA pairs. ``prompt_rows``: the
+    prefills' numbers of prompt rows U (an int or several; default ``rows``)."""
     if not 0 < prompt_len < cache_len <= cfg.n_ctx:
         raise DataError(f"batched generation needs 0 < prompt_len {prompt_len} < cache_len "
                         f"{cache_len} <= the context length {cfg.n_ctx}")
@@ -89,28 +120,51 @@ def build_batched_generation(g: Graph, cfg, *, rows: int, prompt_len: int, cache
     sink_col = (g.const(prefix + "decode.sink_col", np.eye(L + 1, dtype=np.float32)[-1])
                 if sink_row else None)
     rec = _BatchedRecurrent(g, cfg, R, P, L, prefix) if cfg.ssm else None
-    prefill, decode = CachePrefill(g, caches, zero, rec), _Decode(g, caches, start, masks,
-                                                                  sink_col, rec)
-    first = build_decoder(g, cfg, WeightSource(model, shared=shared), batch=R, seq_len=P,
-                          lora=lora, options=BuildOptions(logits=False, prefix=prefix + "prefill.",
-                                                          sequence=prefill))
-    last = g.input(prefix + "prefill.last", (R,), "i32")
-    prefill_logits = ops.matmul(ops.get_rows(first.hidden, last), first.head, trans_b=True)
-    if cfg.logit_softcap:   # as lm_head caps the decode step's logits
-        prefill_logits = ops.softcap(prefill_logits, cfg.logit_softcap)
-    step = build_decoder(g, cfg, WeightSource(shared=first), batch=R, seq_len=1, lora=lora,
+    passes, source = [], WeightSource(model, shared=shared)
+    for U in _prompt_rows(prompt_rows, R):
+        name = prefix + ("prefill." if U == R else f"prefill{U}.")
+        seq = _Prefill(g, caches, zero, rec, U, R, name)
+        passes.append(_prompt_pass(g, cfg, P, seq, source, lora, name))
+        source = WeightSource(shared=passes[0].net)   # one set of weights for every graph
+    decode = _Decode(g, caches, start, masks, sink_col, rec)
+    step = build_decoder(g, cfg, source, batch=R, seq_len=1, lora=lora,
                          options=BuildOptions(prefix=prefix + "decode.", sequence=decode))
-    return BatchedGraphs(R, P, L, first, step, last, start, zero, masks, g.output(prefill_logits),
-                         g.output(step.logits), prefill.writes, decode.writes, sink_row, rec)
+    return BatchedGraphs(R, P, L, passes, step, start, zero, masks, g.output(step.logits),
+                         decode.writes, sink_row, rec)
+
+
+def _prompt_rows(prompt_rows, R: int) -> list[int]:
+    """The prefills' sizes U, smallest first: each 1 <= U <= R."""
+    sizes = sorted({R} if prompt_rows is None else
+                   {int(u) for u in np.atleast_1d(prompt_rows)})
+    if not sizes or not 1 <= sizes[0] <= sizes[-1] <= R:
+        raise DataError(f"batched generation: prompt_rows must be in [1, {R}] (the rows), "
+                        f"got {prompt_rows}")
+    return sizes
+
+
+def _prompt_pass(g, cfg, P: int, seq: "_Prefill", source, lora, name: str) -> PromptPass:
+    """The decoder over ``seq``'s U prompt rows of P tokens, and its logits at each one's
+    last token."""
+    U = seq.prompt_rows
+    net = build_decoder(g, cfg, source, batch=U, seq_len=P, lora=lora,
+                        options=BuildOptions(logits=False, prefix=name, sequence=seq))
+    last = g.input(name + "last", (U,), "i32")
+    logits = ops.matmul(ops.get_rows(net.hidden, last), net.head, trans_b=True)
+    if cfg.logit_softcap:   # as lm_head caps the decode step's logits
+        logits = ops.softcap(logits, cfg.logit_softcap)
+    return PromptPass(U, net, last, seq.map, seq.s.valid if seq.s else None, g.output(logits),
+                      seq.writes)
 
 
 class _BatchedRecurrent:
     """Qwen3.5's DeltaNet layers in batched generation: kvcache.py's two states per layer
     with a leading row axis. Row r's prompt has n_r tokens: the prefill zeroes the decay and
-    write strength of its padding (``valid`` [R, P, 1]), so its state is the state after its
-    own tokens; the conv rows it writes sit where the attention caches put that row's
-    tokens (prompt rows [0, n_r), generated ones from P), and decode step j reads, per row,
-    the conv window ending at its new token through a one-hot selection [R, width, L]."""
+    write strength of its padding (``valid``, per prefill: :class:`_PromptStates`), so its
+    state is the state after its own tokens; the conv rows it writes sit where the
+    attention caches put that row's tokens (prompt rows [0, n_r), generated ones from P),
+    and decode step j reads, per row, the conv window ending at its new token through a
+    one-hot selection [R, width, L]."""
 
     def __init__(self, g, cfg, R: int, P: int, L: int, prefix: str):
         nets = {i: layer.mixer for i, layer in enumerate(cfg.layers)
@@ -119,17 +173,19 @@ class _BatchedRecurrent:
         self.width, self.prompt_len, self.cache_len = ssm.conv, P, L
         self.rows = {i: g.state(f"{prefix}blk.{i}.conv_rows", (R, 1, L, d.channels),
                                 kind="cache") for i, d in nets.items()}
-        shape = (R, ssm.v_heads, ssm.k_dim, ssm.v_dim)
-        self.states = {i: g.state(f"{prefix}blk.{i}.delta_state", shape, kind="cache")
-                       for i in nets}
-        self.zero_state = g.const(prefix + "delta_state.zero", np.zeros(shape, np.float32))
-        self.valid = g.input(prefix + "prefill.valid", (R, P, 1))
+        self.state_shape = (R, ssm.v_heads, ssm.k_dim, ssm.v_dim)
+        self.states = {i: g.state(f"{prefix}blk.{i}.delta_state", self.state_shape,
+                                  kind="cache") for i in nets}
         self.select = g.input(prefix + "decode.conv_rows", (R, ssm.conv, L))
         self.zero = g.input(prefix + "decode.zero", (1,), "i32")
 
-    def upload_prefill(self, sess, lengths) -> None:
-        valid = (np.arange(self.prompt_len)[None] < np.asarray(lengths)[:, None])
-        sess.upload(self.valid, valid.astype(np.float32)[..., None])
+    def for_prompts(self, g, U: int, name: str) -> "_PromptStates":
+        """What a prefill over U prompt rows reads: the R-row states it writes, and its own
+        rows' padding mask and zero start state."""
+        valid = g.input(name + "valid", (U, self.prompt_len, 1))
+        zero = g.const(name + "delta_state.zero",
+                       np.zeros((U, *self.state_shape[1:]), np.float32))
+        return _PromptStates(self.rows, self.states, valid, zero)
 
     def upload_decode(self, sess, lengths, j: int) -> None:
         """Step j's selection: row r's taps read positions n_r + j - (width - 1) .. n_r + j,
@@ -142,6 +198,38 @@ class _BatchedRecurrent:
                     select[r, tap, pos if pos < n else self.prompt_len + pos - n] = 1.0
         sess.upload(self.select, select)
         sess.upload(self.zero, np.zeros(1, np.int32))
+
+
+@dataclass
+class _PromptStates:
+    """kvcache.CachePrefill's ``states`` for a prefill over U prompt rows."""
+    rows: dict             # layer -> conv rows [R, 1, L, channels]
+    states: dict           # layer -> delta-rule state [R, v_heads, k_dim, v_dim]
+    valid: Tensor          # [U, P, 1]
+    zero_state: Tensor     # [U, v_heads, k_dim, v_dim] zeros: where the prompt starts
+
+
+class _Prefill(CachePrefill):
+    """kvcache.py's prefill over U prompt rows. With U < R, each cache or state it writes
+    is spread to the R rows first: row r gets prompt row map[r], so a group's rows share
+    the one forward of their prompt."""
+
+    def __init__(self, g, caches: dict, start, rec, U: int, R: int, name: str):
+        super().__init__(g, caches, start, rec.for_prompts(g, U, name) if rec else None)
+        self.prompt_rows = U
+        self.map = g.input(name + "map", (R,), "i32") if U < R else None
+
+    def _write(self, cache, x, at):
+        super()._write(cache, self._spread(x), at)
+
+    def _spread(self, x):
+        """x [U, ...] -> [R, ...], row r being x's row map[r]: get_rows of x's rows
+        flattened (every write has the rows first: keys and values heads-first, conv rows,
+        delta-rule states)."""
+        if self.map is None:
+            return x
+        U, R = x.shape[0], self.map.shape[0]
+        return ops.get_rows(x.reshape(U, x.size // U), self.map).reshape(R, *x.shape[1:])
 
 
 class _Decode(CacheDecode):
@@ -179,6 +267,8 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
     ``stop_ids`` token (kept: the model chose to stop) or after ``max_new_tokens``. ``rng``
     (a numpy Generator, default ``opts.rng()``) draws every row's tokens in row order.
     ``trace``, a list, receives the logits [R, vocab] each step's tokens were drawn from.
+    Equal prompts share one prompt row of the prefill (module docstring); more distinct
+    prompts than the largest prefill's U are a DataError.
 
     Tool rounds (recipes/tools.py): when row r samples one of ``call_ids`` (the token that
     closes a tool call), ``tool_turn(r, completion so far)`` gives the tokens that follow
@@ -200,18 +290,8 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
         raise DataError(f"batched generation: max_new_tokens must be in [0, {L - P}], got "
                         f"{max_new_tokens}")
     rng = opts.rng() if rng is None else rng
-    prefill, decode = _programs(sess, gen)
-    tokens = np.full((R, P), pad, np.int32)
-    for r, p in enumerate(prompts):
-        tokens[r, :len(p)] = p
-    sess.upload(gen.prefill.tokens, tokens)
-    sess.upload(gen.prefill.positions, np.tile(np.arange(P, dtype=np.int32), (R, 1)))
-    sess.upload(gen.prefill_start, np.zeros(1, np.int32))
-    sess.upload(gen.last, (np.arange(R) * P + lengths - 1).astype(np.int32))
-    if gen.recurrent:
-        gen.recurrent.upload_prefill(sess, lengths)
-    sess.run_program(prefill)
-    logits = sess.download(gen.prefill_logits)
+    logits = _prefill(sess, gen, prompts, pad)
+    decode = _program(sess, gen, 0, [gen.decode_logits, *gen.decode_writes])
     out: list[list[int]] = [[] for _ in range(R)]
     sampled: list[list[bool]] = [[] for _ in range(R)]
     forced: list[list[int]] = [[] for _ in range(R)]
@@ -250,12 +330,57 @@ def generate_rows(sess: Session, gen: BatchedGraphs, prompts: list[list[int]],
     return out
 
 
-def _programs(sess: Session, gen: BatchedGraphs):
-    key = id(sess)
-    if key not in gen.programs:
-        gen.programs[key] = (sess.program([gen.prefill_logits, *gen.writes]),
-                             sess.program([gen.decode_logits, *gen.decode_writes]))
-    return gen.programs[key]
+def distinct_prompts(prompts) -> tuple[list[list[int]], np.ndarray]:
+    """The distinct prompts, first seen first, and each row's index among them [R] i32."""
+    index: dict[tuple, int] = {}
+    row_of = [index.setdefault(tuple(int(t) for t in p), len(index)) for p in prompts]
+    return [list(p) for p in index], np.array(row_of, np.int32)
+
+
+def _pick_pass(gen: BatchedGraphs, prompts) -> tuple[PromptPass, list, np.ndarray]:
+    """(the smallest prefill holding the distinct prompts, its U prompt rows, each row's
+    prompt row [R]). Prompt rows past the distinct prompts repeat the first: computed, but
+    no cache row is spread from them."""
+    distinct, row_of = distinct_prompts(prompts)
+    for p in gen.passes:
+        if p.map is None:   # U == R: every row is its own prompt row, as today
+            return p, list(prompts), np.arange(gen.rows, dtype=np.int32)
+        if len(distinct) <= p.rows:
+            return p, distinct + [distinct[0]] * (p.rows - len(distinct)), row_of
+    raise DataError(f"batched generation: {len(distinct)} distinct prompts, but the prefill "
+                    f"has {gen.passes[-1].rows} prompt rows (build it with prompt_rows up to "
+                    f"{gen.rows})")
+
+
+def _prefill(sess: Session, gen: BatchedGraphs, prompts, pad: int) -> np.ndarray:
+    """Run the prompts through the prefill (:func:`_pick_pass`), filling every row's cache;
+    returns each row's logits [R, vocab], its prompt row's."""
+    p, rows, row_of = _pick_pass(gen, prompts)
+    U, P = p.rows, gen.prompt_len
+    lengths = np.array([len(x) for x in rows])
+    tokens = np.full((U, P), pad, np.int32)
+    for u, ids in enumerate(rows):
+        tokens[u, :len(ids)] = ids
+    sess.upload(p.net.tokens, tokens)
+    sess.upload(p.net.positions, np.tile(np.arange(P, dtype=np.int32), (U, 1)))
+    sess.upload(gen.prefill_start, np.zeros(1, np.int32))
+    sess.upload(p.last, (np.arange(U) * P + lengths - 1).astype(np.int32))
+    if p.map is not None:
+        sess.upload(p.map, row_of)
+    if p.valid is not None:   # the delta rule's: 1 on each prompt row's own tokens
+        valid = np.arange(P)[None] < lengths[:, None]
+        sess.upload(p.valid, valid.astype(np.float32)[..., None])
+    sess.run_program(_program(sess, gen, U, p.targets))
+    return sess.download(p.logits)[row_of]
+
+
+def _program(sess: Session, gen: BatchedGraphs, key: int, targets):
+    """The session's program of ``targets`` (key: a prefill's U, or 0: the decode step),
+    made once."""
+    k = (id(sess), key)
+    if k not in gen.programs:
+        gen.programs[k] = sess.program(targets)
+    return gen.programs[k]
 
 
 class BatchedGenerator:
@@ -263,10 +388,12 @@ class BatchedGenerator:
     session of their own."""
 
     def __init__(self, model, *, rows: int, prompt_len: int, cache_len: int,
-                 backend: str = "cpu", precision: str = "f32", lora=None, adapter=None):
+                 prompt_rows=None, backend: str = "cpu", precision: str = "f32", lora=None,
+                 adapter=None):
         g = Graph()
         self.gen = build_batched_generation(g, model.config, rows=rows, prompt_len=prompt_len,
-                                            cache_len=cache_len, model=model, lora=lora)
+                                            cache_len=cache_len, prompt_rows=prompt_rows,
+                                            model=model, lora=lora)
         self.sess = Session(g, backend=backend, precision=precision)
         self.sess.realize()
         load_lora(self.sess, self.gen.prefill, adapter or {})
