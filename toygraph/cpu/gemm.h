@@ -92,7 +92,27 @@ struct Product {
     float* c;             // y [M, N] (nt) or [M, K] (nn), rows ldc apart
     int64_t ldc;
     int64_t slice, splits;  // nt: strips per task; nn: output columns per task, row splits
+    const float* add = nullptr;   // matmul_add: c = add + alpha c (rows ldc apart), or null
+    float alpha = 1.0f;
 };
+
+// c = add + alpha c over a tile of c (rows m0..m1, columns n0..n1), rounded as numpy's
+// matmul_add rounds it: the product scaled, then added (never one fma).
+static inline void gemm_epilogue(float* c, int64_t ldc, const float* add, int64_t ld_add,
+                                 float alpha, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    for (int64_t m = m0; m < m1; m++)
+        for (int64_t j = n0; j < n1; j++) {
+            float v = c[m * ldc + j];
+            if (alpha != 1.0f) v = v * alpha;
+            c[m * ldc + j] = add[m * ld_add + j] + v;
+        }
+}
+
+// The epilogue of a task's finished tile, while the tile is still in the core's cache (a
+// pass over the whole of c afterwards reads it back from memory: +8-15% of the product).
+static inline void tile_epilogue(const Product& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    if (p.add) gemm_epilogue(p.c, p.ldc, p.add, p.ldc, p.alpha, m0, m1, n0, n1);
+}
 
 // Per-thread scratch, grown on demand (the panels below: tens of KiB a thread).
 static thread_local std::vector<float> t_scratch;
@@ -157,6 +177,7 @@ static void nt_strip(const Product& p, int64_t n0) {
         rows_to_panel(rows, KC, cols, kk, panel + k0 * NR);
     }
     rows_times_panel(p.M, p.K, p.a, p.lda, panel, NR, p.c + n0, p.ldc, true, cols);
+    tile_epilogue(p, 0, p.M, n0, n0 + cols);
 }
 
 static void nn_task(void* ctx, int64_t task, int) {
@@ -186,6 +207,7 @@ static void nn_task(void* ctx, int64_t task, int) {
                              p.ldc, n0 == 0, cols);
         }
     }
+    tile_epilogue(p, m0, m1, k0, k0 + kk);
 }
 
 // A task is a run of neighbouring strips (p.slice of them), so the threads write apart:

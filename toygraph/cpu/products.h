@@ -7,25 +7,40 @@
 // in format ``fmt``, rows row_bytes apart. ``kernel``: 0 picks by shape (a few rows: the
 // 8-bit dot kernels where built for the format, else the f32 ones), 1 the panel GEMM, 2
 // the f32 row-dot kernels, 3 the 8-bit ones (transposed only). Returns 0, -1 (bad
-// arguments) or -2 (no 8-bit kernel for this format, shape or CPU). engine.cpp's
-// tg_matmul and the families' replay kernels call this function.
+// arguments) or -2 (no 8-bit kernel for this format, shape or CPU). ``add`` (else null):
+// c = add + alpha c after the product (matmul_add; add's rows ldc apart), by the panel
+// products tile by tile. engine.cpp's tg_matmul and the families' replay kernels call
+// this function.
 static int gemm_on_blocks(int fmt, const u8* w, int64_t row_bytes, int64_t N, int64_t K,
                           const float* a, int64_t lda, int64_t M, float* c, int64_t ldc,
-                          int transposed, int kernel) {
+                          int transposed, int kernel, const float* add = nullptr,
+                          float alpha = 1.0f) {
     if (fmt < 0 || fmt >= kNumFormats || M < 0 || N < 0 || K < 0) return -1;
     Product p{&kFormats[fmt], w, row_bytes, N, K, a, lda, M, c, ldc, 0, 1};
     if (M == 0 || N == 0) return 0;
+    bool tiled = true;   // whether the product applied the epilogue itself
     if (!transposed) {
         if (kernel >= 2) return -1;
+        p.add = add, p.alpha = alpha;
         matmul_nn(p);
     } else if (kernel == 3) {
         if (!matmul_dot_q8(p)) return -2;
+        tiled = false;
     } else if (kernel == 0 && M <= DOT_MAX_M) {
         if (!matmul_dot_q8(p)) matmul_dot(p);
+        tiled = false;
     } else if (kernel == 2) {
         matmul_dot(p);
+        tiled = false;
     } else {
+        p.add = add, p.alpha = alpha;
         matmul_nt(p);
+    }
+    if (add && !tiled) {
+        const int64_t width = transposed ? N : K;
+        replay_for(M, width, [&](int64_t m0, int64_t m1) {
+            gemm_epilogue(c, ldc, add, ldc, alpha, m0, m1, 0, width);
+        });
     }
     return 0;
 }

@@ -1,36 +1,17 @@
 // The gemm family's replay kernels (replay.h): matmul and matmul_add, with the weight kept
 // in its GGUF blocks or in f32 (the engine's two products, cpu/products.h).
 
-// c = add + alpha c over a tile of c (rows m0..m1, columns n0..n1), rounded as numpy's
-// matmul_add rounds it: the product scaled, then added (never one fma).
-static inline void gemm_epilogue(float* c, int64_t ldc, const float* add, int64_t ld_add,
-                                 float alpha, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-    for (int64_t m = m0; m < m1; m++)
-        for (int64_t j = n0; j < n1; j++) {
-            float v = c[m * ldc + j];
-            if (alpha != 1.0f) v = v * alpha;
-            c[m * ldc + j] = add[m * ld_add + j] + v;
-        }
-}
-
 // matmul(_add) with the weight in blocks: c [M, out] = a . W^T or a . W, then the
-// epilogue when ``add`` is given. p: c, a, W's bytes, add or null; i: fmt, row_bytes,
+// epilogue when ``add`` is given (gemm_on_blocks applies it). p: c, a, W's bytes, add or null; i: fmt, row_bytes,
 // N, K, M, transposed, kernel; f: alpha.
 TG_REPLAY_KERNEL(matmul_blocks) {
     float* c = (float*)n.p[0];
     const int64_t N = n.i[2], K = n.i[3], M = n.i[4];
     const int transposed = (int)n.i[5];
     const int64_t width_a = transposed ? K : N, width_c = transposed ? N : K;
-    const int rc = gemm_on_blocks((int)n.i[0], (const u8*)n.p[2], n.i[1], N, K,
-                                  (const float*)n.p[1], width_a, M, c, width_c, transposed,
-                                  (int)n.i[6]);
-    if (rc != 0 || !n.p[3]) return rc;
-    const float* add = (const float*)n.p[3];
-    const float alpha = (float)n.f[0];
-    replay_for(M, width_c, [&](int64_t m0, int64_t m1) {
-        gemm_epilogue(c, width_c, add, width_c, alpha, m0, m1, 0, width_c);
-    });
-    return 0;
+    return gemm_on_blocks((int)n.i[0], (const u8*)n.p[2], n.i[1], N, K, (const float*)n.p[1],
+                          width_a, M, c, width_c, transposed, (int)n.i[6],
+                          (const float*)n.p[3], (float)n.f[0]);
 }
 
 // c [M, N] = (s op(a)) [M, K] . op(b) [K, N] in f32 (op: transposed or not). A narrow
