@@ -90,10 +90,17 @@ static void gemm_f32(int64_t M, int64_t N, int64_t K, Strided A, Strided B, floa
         const int cols = (int)(N - n0 < NR ? N - n0 : NR);
         float* panel = replay_scratch((size_t)(K * NR + rows * NR));
         float* part = panel + K * NR;   // one run of k's sums, [rows][NR]
-        for (int64_t k = 0; k < K; k++) {
-            float* dst = panel + k * NR;
-            for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j);
-            for (int j = cols; j < NR; j++) dst[j] = 0.0f;
+        if (B.s0 == 1 && B.scale == 1.0f) {
+            // B transposed (x^T, g^T: LoRA's narrow products): the strip's columns are rows
+            // of memory, moved by 8 x 8 transposes (a strided scalar copy cost as much as
+            // the product of a rank-16 strip)
+            rows_to_panel(B.p + n0 * B.s1, B.s1, cols, K, panel);
+        } else {
+            for (int64_t k = 0; k < K; k++) {
+                float* dst = panel + k * NR;
+                for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j);
+                for (int j = cols; j < NR; j++) dst[j] = 0.0f;
+            }
         }
         float* tile = c + m0 * ldc + n0;
         if (K == 0)
