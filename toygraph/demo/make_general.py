@@ -7,8 +7,10 @@ template, at most MAX_NEW_TOKENS tokens) up to its last full sentence (whole_sen
 so learning it pulls the adapter back towards the base, not towards new text. None of
 these prompts is one bench/demo_recipe.py asks (its OFF_TASK list): those stay held out.
 The replies are greedy on the CPU engine, so another machine or engine version can round
-them differently: regenerated on 2026-12-07 (AMD EPYC, Zen 5), 58 of the 98 replies
-kept are not a prefix of 2026-12-04's.
+them differently: regenerated on 2026-12-07 at 4f8bec4's engine (the whole step and the
+generation replayed in it; AMD EPYC, Zen 5), twice with the same bytes; of the 98 rows
+02c73f2 wrote (before the engine replay), 42 came out the same, 55 differ and 1 has no
+full sentence now ("three tips for sleeping better").
 
     TOYGRAPH_SMOLLM2=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf python toygraph/demo/make_general.py
 """
@@ -125,6 +127,17 @@ PROMPTS = [
     "What does capital mean in business?",
     "Is the letter Q a capital letter or a small letter in the word 'Queen'?",
     "What is capital punishment?",
+    # more of them (seed 1 with the base decoded still answered the capital-letter prompt as
+    # a record with the six above): letters, money, words; none of OFF_TASK's wording
+    "Should a sentence start with a capital letter?",
+    "What is the lowercase form of the capital letter M?",
+    "Which words in 'the river Thames' need a capital letter?",
+    "What does it mean to capitalize a word?",
+    "What is a capital gain?",
+    "Do days of the week start with a capital letter in English?",
+    "Which letter comes after C in the alphabet?",
+    "What is the capital of a column in architecture?",
+    "How do I type a capital letter on a keyboard?",
 ]
 MAX_NEW_TOKENS = 48
 #: Where a sentence ends: . ! or ? and any closing quote or bracket, before a space or the
