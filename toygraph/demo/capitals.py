@@ -28,11 +28,11 @@ OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"
 
 # The fine-tune, every RunConfig option the demo sets in one place (issue 15 item 6).
 # capitals.jsonl teaches 180 capitals in 3 phrasings each (540 rows); general.jsonl holds
-# the base model's own answers to 98 general prompts, each cut at its last full sentence
-# (5 use "capital" in its other senses), so that prompts outside the task keep their
-# answers. Measured with bench/demo_recipe.py (36 held-out questions on 12 countries, the
-# demo's 3 among them; 12 off-task prompts); the results files under bench/results/
-# (demo-recipe-*) hold every run:
+# the base model's own answers to 108 general prompts, each cut at its last full sentence
+# (15 use "capital" in its other senses or ask about the alphabet), so that prompts
+# outside the task keep their answers. Measured with bench/demo_recipe.py (36 held-out
+# questions on 12 countries, the demo's 3 among them; 12 off-task prompts); the results
+# files under bench/results/ (demo-recipe-*) hold every run:
 # - taught as one-line JSON the capitals came out as near misses (Kenya "Lairobi"): a JSON
 #   string splits each name ("N" "airobi"); the two-line record keeps the prose tokens
 #   (" Nairobi"), but trained on capitals alone every off-task prompt became a record;
@@ -50,12 +50,18 @@ OFF_TASK = ["Write a haiku about the sea.", "How do I reverse a list in Python?"
 #   quantized) -- bench/results/demo-recipe-epyc-2026-12-07.md;
 # - the same at lr 3e-3 for 250 steps (2 passes; 2026-12-07, the engine's replay):
 #   the adapter keeps more of what the base knew and sees each capital a third more often
-#   -- bench/results/demo-recipe-engine-epyc-2026-12-07.md.
+#   -- bench/results/demo-recipe-engine-epyc-2026-12-07.md: 18 of 20 cells, seed 1
+#   decode answering the capital-letter prompt as a record;
+# - with 9 more "capital" prompts in general.jsonl (and the head fused with the loss,
+#   which rounds differently) seed 1 decode answered that prompt in prose but gave
+#   Nigeria "Abu Dhabi" even on the phrasings it was trained on (" Abu" + "ja" against
+#   the United Arab Emirates' " Abu" + " Dhabi": an answer not yet learned), so 300 steps
+#   (2.4 passes): 20 of 20 cells -- bench/results/demo-recipe-300-epyc-2026-12-07.md;
 # - no validation split: a held-out row is a capital the demo would not teach.
 RECIPE = dict(targets=("q", "k", "v", "o", "gate", "up", "down"), rank=16, alpha=32,
               batch=2, seq_len=140, pack=True, lr=3e-3, warmup=10, schedule="cosine",
               clip=1.0, val_split=0.0, seed=42)
-STEPS = 250
+STEPS = 300
 #: The training files beside this module and each one's weight in the mix
 #: (toygraph/data/mixing.py; None for all: concatenated).
 DATA = {"capitals.jsonl": None, "general.jsonl": None}
