@@ -96,6 +96,26 @@ def test_generate_greedy_is_deterministic(capsys, tiny_llama):
     assert s1 == s2
 
 
+def test_generate_system_message_goes_through_the_chat_template(capsys, tiny_llama):
+    """--system puts a system turn before the prompt (and implies --chat): the text is what
+    LanguageModel.generate gives for those two messages, from a prompt of their length."""
+    from toygraph.inference.language_model import LanguageModel
+    argv = ["generate", "--model", str(tiny_llama), "--prompt", "the cat", "--max-new-tokens", "6"]
+    code, with_system, err = run(capsys, *argv, "--system", "Answer in one word.")
+    assert code == 0, err
+    messages = [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "the cat"}]
+    lm = LanguageModel(str(tiny_llama))
+    assert with_system == lm.generate(messages, chat=True, max_new_tokens=6) + "\n"
+    code, same, _ = run(capsys, *argv, "--system", "Answer in one word.", "--chat")
+    assert code == 0 and same == with_system
+    # the system turn reached the model: the prompt it reports is the two messages'
+    n_prompt = len(lm.encode_prompt(messages, chat=True))
+    assert f"after a {n_prompt}-token prompt" in err, err
+    code, _, plain = run(capsys, *argv, "--chat")
+    assert code == 0 and f"after a {n_prompt}-token prompt" not in plain
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--batch", "0"], "--batch must be an integer >= 1, got 0"),
     (["--grad-accum", "0"], "--grad-accum must be an integer >= 1"),

@@ -30,6 +30,14 @@ def add_adapter_arg(p) -> None:
     """``--adapter``: the adapter eval, generate and chat apply (none: the base alone)."""
     p.add_argument("--adapter", help=f"the LoRA adapter to apply: {ADAPTER_FORMS} (default: "
                                      "none, the base model alone)")
+
+
+def add_system_arg(p, what: str) -> None:
+    """``--system``: the system message chat and generate put before the user's."""
+    p.add_argument("--system", help=f"system message {what}, rendered by the chat template "
+                                    "(default: none)")
+
+
 def parse_ids(text: str) -> list[int]:
     """``--tokens``: comma-separated token ids."""
     try:

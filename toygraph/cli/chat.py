@@ -5,8 +5,8 @@ import sys
 
 from toygraph.cli.args import (add_adapter_arg, add_allow_merged_arg, add_backend_args,
                                add_model_arg, add_other_base_arg, add_sampling_args,
-                               add_template_arg, check_sampling_args, generation_kwargs,
-                               language_model_from_args, utf8)
+                               add_system_arg, add_template_arg, check_sampling_args,
+                               generation_kwargs, language_model_from_args, utf8)
 from toygraph.inference.chat import chat_loop
 
 
@@ -14,8 +14,7 @@ def add_chat_parser(sub) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn chat (reads stdin)")
     add_model_arg(p)
     add_adapter_arg(p)
-    p.add_argument("--system", help="system message to start every conversation with "
-                                    "(default: none)")
+    add_system_arg(p, "to start every conversation with")
     add_sampling_args(p)
     add_backend_args(p)
     add_template_arg(p)

@@ -16,9 +16,9 @@ from importlib.metadata import entry_points
 from toygraph import __version__
 from toygraph.cli.args import (add_adapter_arg, add_allow_merged_arg, add_backend_args,
                                add_model_arg, add_other_base_arg, add_sampling_args,
-                               add_template_arg, add_threads_arg, check_sampling_args,
-                               eval_sequences, generation_kwargs, language_model_from_args,
-                               use_threads_of, utf8)
+                               add_system_arg, add_template_arg, add_threads_arg,
+                               check_sampling_args, eval_sequences, generation_kwargs,
+                               language_model_from_args, use_threads_of, utf8)
 from toygraph.cli.chat import add_chat_parser
 from toygraph.cli.export import add_export_parser
 from toygraph.cli.fidelity import add_fidelity_args, cmd_fidelity, refuse_report_flags
@@ -60,8 +60,12 @@ def cmd_eval(args):
 def cmd_generate(args):
     check_sampling_args(args)
     prompt = utf8("--prompt", args.prompt)
+    chat = args.chat or args.system is not None
+    if args.system is not None:   # a system message only exists in a chat's turns
+        prompt = [{"role": "system", "content": utf8("--system", args.system)},
+                  {"role": "user", "content": prompt}]
     lm = language_model_from_args(args)
-    lm.generate(prompt, chat=args.chat, **generation_kwargs(args, print_to=sys.stdout))
+    lm.generate(prompt, chat=chat, **generation_kwargs(args, print_to=sys.stdout))
     print()
     g = lm.last_generation   # on stderr, so stdout stays the text alone
     print(f"{g['new_tokens']} tokens in {g['seconds']:.2f}s "
@@ -120,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the text to continue (or, with --chat, "
                                                    "the user's message)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_system_arg(p, "before the prompt (implies --chat)")
     add_sampling_args(p)
     add_backend_args(p)
     add_template_arg(p)
