@@ -16,7 +16,8 @@ from toygraph.data.encoding import encode_example
 from toygraph.data.examples import Example
 from toygraph.errors import DataError
 from toygraph.fixtures.tiny_models import write_tiny_llama
-from toygraph.gguf.templates import ALPACA, CHATML, DEFAULT, TEMPLATES, choose_template
+from toygraph.gguf.templates import (ALPACA, CHATML, DEFAULT, TEMPLATES, bos_first,
+                                      choose_template)
 from toygraph.gguf.tokenizer import Tokenizer
 from toygraph.inference.chat import chat_loop
 from toygraph.inference.language_model import LanguageModel
@@ -96,6 +97,41 @@ def test_the_merged_gguf_is_written_with_the_template(trained, base_model, tmp_p
     conv = [{"role": "user", "content": QUESTION}]
     assert tok.apply_chat_template(conv, add_generation_prompt=True) == \
         base_tok.apply_chat_template(conv, add_generation_prompt=True)
+
+
+def test_a_merged_gguf_whose_vocabulary_adds_bos_prints_it_first(tmp_path):
+    """A reader that renders the file's template and adds no BOS itself (llama-cpp-python's
+    chat completion; a Gemma 3 base asked that way answered nothing) gets the BOS from the
+    template; toygraph (and llama.cpp) strip it where they add their own: one BOS."""
+    base = write_tiny_llama(tmp_path / "bos.gguf", chat_template="", add_bos=True)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Name colour {i}.", "response": c}) + "\n"
+                            for i, c in enumerate(["red", "green", "blue", "teal"] * 2)))
+    run = tmp_path / "run"
+    run_training(RunConfig(model=str(base), data=str(data), out=str(run), steps=1, batch=2,
+                           seq_len=48, val_split=0, rank=2, quiet=True))
+    merged = export_merged(base, run, tmp_path / "m.gguf", "f32")
+    tok, base_tok = Tokenizer.from_gguf(merged), Tokenizer.from_gguf(base)
+    assert base_tok.add_bos_token and base_tok.bos_token
+    assert tok.file_chat_template == "{{ bos_token }}" + ALPACA
+    conv = [{"role": "user", "content": QUESTION}]
+    assert tok.apply_chat_template(conv, add_generation_prompt=True) == \
+        base_tok.bos_token + base_tok.apply_chat_template(conv, add_generation_prompt=True)
+    ids = LanguageModel(merged, allow_merged=True).encode_prompt(conv, chat=True)
+    assert ids == LanguageModel(base, adapter_dir=run).encode_prompt(conv, chat=True)
+    assert ids.count(base_tok.bos_id) == 1
+
+
+def test_bos_first_leaves_a_template_that_prints_it_and_a_vocabulary_without_it(base_model):
+    tok = Tokenizer.from_gguf(base_model)
+    tok.add_bos_token = True
+    printed = "{{ bos_token }}" + ALPACA
+    tok.use_template("mine", printed)
+    assert bos_first(printed, tok) == printed
+    tok.use_template("alpaca", ALPACA)
+    assert bos_first(ALPACA, tok) == "{{ bos_token }}" + ALPACA
+    tok.add_bos_token = False   # a BPE vocabulary that adds none (SmolLM2, Qwen)
+    assert bos_first(ALPACA, tok) == ALPACA
 
 
 def test_template_flags(trained, base_model, tiny_llama, tmp_path, capsys):

@@ -30,7 +30,7 @@ from toygraph.adapters.files import (WEIGHTS_FILE, PeftAdapter, adapter_template
                                      load_gguf_adapter, read_peft)
 from toygraph.atomic import atomic_write, check_replaceable
 from toygraph.errors import DataError
-from toygraph.gguf.templates import shared_name
+from toygraph.gguf.templates import bos_first, shared_name
 from toygraph.models.model import GGUFModel
 
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
@@ -170,6 +170,8 @@ def export_merged(model_path, adapter_dir, out_path, out_type: str = "f16",
                      else None)
     template_name = (tok.template_name if chat_template
                      else "gguf" if tok.file_chat_template else "none")
+    if chat_template:
+        chat_template = bos_first(chat_template, tok)
     merged = _merged_tensors(model, lora, scaling, out_type, progress)
     reader, out_path = model.reader, Path(out_path)
     name = model.metadata("general.name") or Path(model_path).stem

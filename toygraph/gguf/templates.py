@@ -50,6 +50,20 @@ DEFAULT = "alpaca"
 FROM_FILE = "gguf"
 
 
+def bos_first(source: str, tokenizer) -> str:
+    """``source`` (the template ``tokenizer`` uses) as a merged GGUF stores it: printing the
+    BOS token first where the tokenizer adds one and the template does not print it.
+    llama-cpp-python's chat completion renders the file's template and adds no BOS of its
+    own (a Gemma 3 model asked that way answered nothing); llama.cpp, which adds BOS,
+    strips a rendered one (common/chat.cpp), and so does LanguageModel.encode_prompt."""
+    bos = tokenizer.bos_token
+    if not tokenizer.add_bos_token or not bos:
+        return source
+    probe = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                          add_generation_prompt=True)
+    return source if probe.startswith(bos) else "{{ bos_token }}" + source
+
+
 def shared_name(name: str) -> str:
     """A template's name as a file meant to be shared records it (an adapter, a merged
     GGUF): a Jinja file's own name, not its path, which names the machine (a home
