@@ -217,6 +217,89 @@ def test_matmul_on_blocks_is_the_block_kernels_bits(fmt, rows, trans_b, N, K):
         assert np.array_equal(got, want), op
 
 
+class _Node:
+    """What a sibling replay reads of a node: its attributes."""
+    def __init__(self, **attrs):
+        self.attrs = {"trans_a": False, "trans_b": True, **attrs}
+
+
+def _shared_x_outputs(x, weights, lib=None):
+    from toygraph.cpu.replay import SIBLINGS
+    outs = [np.full((x.shape[0], w.shape[0]), np.nan, np.float32) for w in weights]
+    call = SIBLINGS["matmul"]([_Node() for _ in weights], outs, [[x, w] for w in weights])
+    assert call is not None and call.kernel == "matmul_blocks_shared_x"
+    Program([call], ["matmul"], lib).run()
+    return outs
+
+
+@pytest.mark.parametrize("dot", ["int8", "f32"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_products_of_one_x_are_the_separate_products_bits(monkeypatch, dot, rows):
+    """Generation's q, k, v (and gate, up) of one x as one call, x quantized once: every
+    output the separate product's, bit for bit, weights of different formats and rows in
+    one call (Qwen's v is q8_0 beside a q5_0 q and k), under both product modes."""
+    if dot == "f32":
+        monkeypatch.setenv("TOYGRAPH_CPU_DOT", "f32")
+    x = rand(rows, 256)
+    weights = [_blocks(fmt, n, 256, seed=i) for i, (fmt, n) in
+               enumerate([("q5_0", 96), ("q5_0", 32), ("q8_0", 32), ("q6_k", 200)])]
+    for group in (weights[:3], weights[:2], weights):
+        separate = [run_engine("matmul", np.full((rows, w.shape[0]), np.nan, np.float32),
+                               [x, w], _Node().attrs) for w in group]
+        together = _shared_x_outputs(x, group)
+        assert all(np.array_equal(a, b) for a, b in zip(separate, together))
+
+
+def test_products_of_one_x_refuse_what_they_do_not_take():
+    from toygraph.cpu.replay import SIBLINGS
+    x, w = rand(2, 256), _blocks("q8_0", 32, 256)
+    outs = [np.zeros((2, 32), np.float32)] * 2
+
+    def call(x=x, ws=(w, w), outs=outs, **attrs):
+        return SIBLINGS["matmul"]([_Node(**attrs) for _ in ws], list(outs), [[x, v] for v in ws])
+    assert call() is not None
+    assert call(x=rand(5, 256), outs=[np.zeros((5, 32), np.float32)] * 2) is None  # rows > 4
+    assert call(trans_b=False) is None
+    assert call(ws=(w, rand(32, 256))) is None                      # an f32 weight
+    assert call(ws=(w, _blocks("q8_0", 32, 288))) is None            # another K
+    assert call(ws=(w,) * 5, outs=[np.zeros((2, 32), np.float32)] * 5) is None   # > 4
+
+
+def test_generation_computes_q_k_v_and_gate_up_together_with_the_same_bits(monkeypatch,
+                                                                          tiny_llama):
+    """The one-token step replays q, k, v and gate, up of one x as one call each (a later
+    product's result written aside and moved in where the plan lends its memory in
+    between), and every logit is what the separate products give."""
+    from toygraph.core import numpy_backend
+    from toygraph.cpu import replay
+    from toygraph.inference.language_model import LanguageModel
+    kernels = []
+    plain = numpy_backend.CpuBackend._compile
+
+    def spy(self, nodes):
+        steps = plain(self, nodes)
+        kernels.extend(k for op, prog, *_ in steps if op is None for k in prog.kernels)
+        return steps
+
+    def logits(lm, n=6):
+        context, rows = lm.encode_prompt("the cat", chat=True), []
+        stream = lm.next_logits(context, len(context) + n)
+        for _ in range(n):
+            rows.append(next(stream).copy())
+            context.append(int(np.argmax(rows[-1])))
+        return rows
+
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    monkeypatch.setattr(numpy_backend.CpuBackend, "_compile", spy)
+    together = logits(LanguageModel(str(tiny_llama)))
+    assert kernels.count("matmul_blocks_shared_x") == 2 * 2   # 2 layers: q,k,v; gate,up
+    monkeypatch.setattr(replay, "SIBLINGS", {})
+    kernels.clear()
+    separate = logits(LanguageModel(str(tiny_llama)))
+    assert "matmul_blocks_shared_x" not in kernels
+    assert all(np.array_equal(a, b) for a, b in zip(together, separate))
+
+
 def test_matmul_refusals_keep_the_numpy_kernel():
     """Operands the replay does not take: a strided a, f64, a scaled a on blocks."""
     w = _blocks("q8_0", 32, 64)
@@ -369,6 +452,9 @@ BROKEN = {
     "rms_norm leaves out the last column": (
         "for (int64_t j = 0; j < d; j++) s += (double)(x[j] * x[j]);",
         "for (int64_t j = 0; j + 1 < d; j++) s += (double)(x[j] * x[j]);", "rms_norm"),
+    "one x's products give a weight's tasks to the next weight": (
+        "while (task < parts[i].first_task) i--;",
+        "while (i > 0 && task <= parts[i].first_task) i--;", "shared_x"),
     "the f32 product packs B one column early": (
         "for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j);",
         "for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j - (n0 > 0));", "matmul"),
@@ -380,6 +466,14 @@ BROKEN = {
 def test_a_broken_kernel_fails_its_check(name):
     old, new, op = BROKEN[name]
     lib = _broken(old, new)
+    if op == "shared_x":
+        x = rand(1, 256)
+        weights = [_blocks("q8_0", 96, 256, seed=1), _blocks("q4_k", 64, 256, seed=2)]
+        separate = [run_engine("matmul", np.zeros((1, w.shape[0]), np.float32), [x, w],
+                               _Node().attrs) for w in weights]
+        together = _shared_x_outputs(x, weights, lib=lib)
+        assert not all(np.array_equal(a, b) for a, b in zip(separate, together))
+        return
     if op == "attention":
         srcs, attrs = _attention_inputs(*ATTENTION_CASES["llama-gqa-token-major"])
         shape = (srcs[0].size + 2 * 6 * 70,)

@@ -144,6 +144,8 @@ class CpuBackend:
         arrays, out, run = self.arrays, [], []
         order = [t for t in nodes if t.op is not None]
         fused, inside = self._fusions(order) if self.replays else ({}, set())
+        if self.replays:
+            self._siblings(order, fused, inside)
         for t in order:
             if t.id in inside:
                 continue   # computed by the fused call at the chain's last node
@@ -196,6 +198,55 @@ class CpuBackend:
                     fused.update(at)
                     inside.update(n.id for n in chain if n.id not in at)
         return fused, inside
+
+    def _siblings(self, order, fused: dict, inside: set) -> None:
+        """Nodes of an op in replay.SIBLINGS that read the same first source (generation's
+        q, k and v of one x), computed by one call at the first one's place (into
+        ``fused``). A later node's result is written there directly when no node in between
+        reads or writes its memory (the node then runs nothing: ``inside``); else the call
+        writes it aside, into memory of its own, and a copy at the node's place moves it
+        in (the buffer plan may lend that memory to a value that dies before the node)."""
+        groups: dict[tuple, list] = {}
+        for i, t in enumerate(order):
+            if (t.op in replay.SIBLINGS and t.srcs and t.id not in fused and t.id not in inside
+                    and not (t.id in self.decodes and self.decodes[t.id][0])
+                    and isinstance(self.arrays.get(t.id), np.ndarray)):
+                groups.setdefault((t.op, t.srcs[0].id), []).append(i)
+        for (op, _), places in groups.items():
+            if len(places) < 2:
+                continue
+            nodes = [order[i] for i in places]
+            source = self.arrays[nodes[0].srcs[0].id]
+            outs, aside = [], {}
+            for i, t in zip(places, nodes):
+                out = self.arrays[t.id]
+                clear = i == places[0] or (
+                    not np.may_share_memory(out, source)
+                    and not any(self._touches(order[j], out) for j in range(places[0] + 1, i)))
+                if not clear:
+                    aside[t.id] = np.empty_like(out)
+                outs.append(aside.get(t.id, out))
+            call = replay.SIBLINGS[op](nodes, outs,
+                                       [[self.arrays[s.id] for s in n.srcs] for n in nodes])
+            if call is None:
+                continue
+            call.keep.append(list(aside.values()))
+            fused[nodes[0].id] = (call, f"{op} x{len(nodes)} ({call.kernel})")
+            for t in nodes[1:]:
+                if t.id in aside:
+                    out = self.arrays[t.id]
+                    fused[t.id] = (replay.Call("copy_flat", [out, aside[t.id]], [out.size],
+                                               keep=[aside[t.id]]), f"{op} (copy_flat)")
+                else:
+                    inside.add(t.id)
+
+    def _touches(self, t, memory: np.ndarray) -> bool:
+        """Whether node ``t`` reads or writes ``memory`` (by its arrays' bounds; a node that
+        decodes blocks into the plan's scratch counts as touching everything)."""
+        if t.id in self.decodes:
+            return True
+        arrays = [self.arrays.get(t.id)] + [self.arrays.get(s.id) for s in t.srcs]
+        return any(isinstance(a, np.ndarray) and np.may_share_memory(a, memory) for a in arrays)
 
     @staticmethod
     def _free_view(t, result, srcs) -> bool:

@@ -76,6 +76,21 @@ def fuses(*ops: str):
     return register
 
 
+#: Nodes of one op that read one first source and that an engine kernel computes together
+#: (generation's q, k and v products of one x): op -> (nodes, outs, srcs per node) -> Call
+#: or None. The call runs at the first node's place; the backend makes sure that no node in
+#: between reads or writes what the later ones write (numpy_backend's ``_siblings``).
+SIBLINGS: dict[str, Callable] = {}
+
+
+def siblings(op: str):
+    """Register the decorated function as the engine call of sibling nodes of ``op``."""
+    def register(fn):
+        SIBLINGS[op] = fn
+        return fn
+    return register
+
+
 def address(a) -> int:
     """The address an operand is read or written at: an array's data (0 for None)."""
     if a is None:

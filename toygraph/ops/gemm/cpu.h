@@ -14,6 +14,24 @@ TG_REPLAY_KERNEL(matmul_blocks) {
                           (const float*)n.p[3], (float)n.f[0]);
 }
 
+// Products of one x [M, K] of a few rows with up to 4 weights in blocks (generation's q, k,
+// v; gate, up): c_i [M, N_i] = x . W_i^T as one job (gemm_rows_shared_x). p: x, then c_i
+// and W_i's bytes for each; i: count, K, M, kernel, then fmt, row_bytes, N for each.
+TG_REPLAY_KERNEL(matmul_blocks_shared_x) {
+    const int count = (int)n.i[0];
+    const int64_t K = n.i[1], M = n.i[2];
+    if (count < 1 || count > 4) return -1;
+    Product ps[4];
+    for (int j = 0; j < count; j++) {
+        const int fmt = (int)n.i[4 + 3 * j];
+        if (fmt < 0 || fmt >= kNumFormats) return -1;
+        const int64_t N = n.i[6 + 3 * j];
+        ps[j] = Product{&kFormats[fmt], (const u8*)n.p[2 + 2 * j], n.i[5 + 3 * j], N, K,
+                        (const float*)n.p[0], K, M, (float*)n.p[1 + 2 * j], N, 0, 1};
+    }
+    return gemm_rows_shared_x(ps, count, (int)n.i[3]);
+}
+
 // c [M, N] = (s op(a)) [M, K] . op(b) [K, N] in f32 (op: transposed or not). A narrow
 // product (N below a strip, the LoRA rank: x A^T, x^T g) is computed as
 // c^T = op(b)^T (s op(a))^T, so its strips are full, and transposed into c.

@@ -1,13 +1,14 @@
 """The gemm family's engine replay (cpu.h beside this): matmul and matmul_add of 2-D
 operands (a's leading axes flattened into rows), the weight in its GGUF blocks (the
-engine's products, as the numpy backend's block kernel calls them) or in f32."""
+engine's products, as the numpy backend's block kernel calls them) or in f32; and the
+products of one x of a few rows with several weights in blocks as one call (siblings)."""
 from __future__ import annotations
 
 import numpy as np
 
 from toygraph.cpu import engine
 from toygraph.cpu.block_tensor import BlockTensor
-from toygraph.cpu.replay import Call, f32_contiguous, replays
+from toygraph.cpu.replay import Call, f32_contiguous, replays, siblings
 
 
 def _on_blocks(out, a, w, attrs, add, alpha):
@@ -68,3 +69,37 @@ def _matmul(node, out, srcs, attrs):
 @replays("matmul_add")
 def _matmul_add(node, out, srcs, attrs):
     return _call(out, srcs[1], srcs[2], attrs, srcs[0], attrs["alpha"])
+
+
+#: Weights one call multiplies with a shared x at most (the kernel's operand slots).
+SHARED_X_MAX = 4
+
+
+@siblings("matmul")
+def _shared_x(nodes, outs, srcs):
+    """Products of one x of a few rows with weights in blocks (generation's q, k and v; gate
+    and up) as one engine call, x quantized once and one job of the pool: the same bits as
+    the separate products (gemm_rows_shared_x). None where a node is not such a product."""
+    x = srcs[0][0]
+    if not 2 <= len(nodes) <= SHARED_X_MAX or not f32_contiguous(x) or x.ndim < 1:
+        return None
+    K = x.shape[-1]
+    rows = x.size // max(K, 1)
+    if not 1 <= rows <= engine.DOT_MAX_M or K % 32 != 0:
+        return None
+    pointers, ints, kernels = [x], [], set()
+    for t, out, (a, w) in zip(nodes, outs, srcs):
+        attrs = t.attrs
+        if (a is not x or not isinstance(w, BlockTensor) or not w.computes_on_blocks
+                or attrs["trans_a"] or not attrs["trans_b"] or attrs.get("scale_a", 1.0) != 1.0
+                or not f32_contiguous(out) or np.may_share_memory(out, x)):
+            return None
+        weight = w.weight()
+        if weight.K != K or out.size != rows * weight.N:
+            return None
+        pointers += [out, weight.data]
+        ints += [engine.FORMATS.index(weight.fmt), weight.row_bytes, weight.N]
+        kernels.add(weight.few_rows_kernel)
+    if len(kernels) != 1:
+        return None
+    return Call("matmul_blocks_shared_x", pointers, [len(nodes), K, rows, kernels.pop()] + ints)

@@ -1,6 +1,13 @@
 // The shape family's replay kernels (replay.h): copy (permute, expand, and the reshapes,
-// contiguous copies and unpacks the plan did not make views) and reduce (sum_to, sum).
-// Their layouts are elementwise/cpu.h's Walk, packed by shape/cpu.py's walk().
+// contiguous copies and unpacks the plan did not make views), copy_flat and reduce
+// (sum_to, sum). Their layouts are elementwise/cpu.h's Walk, packed by shape/cpu.py's walk().
+
+// out = src, n contiguous floats (a value another call wrote aside, moved to its place).
+// p: out, src; i: n.
+TG_REPLAY_KERNEL(copy_flat) {
+    memcpy(n.p[0], n.p[1], (size_t)n.i[0] * 4);
+    return 0;
+}
 
 // out = the source's elements as the walk reads them, 4 bytes each (f32, or i32 ids).
 // p: out, src, walk (1 operand); i: n.
