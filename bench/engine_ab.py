@@ -1,0 +1,116 @@
+"""Two builds of the CPU engine on the demo's training step, alternating step by step.
+
+    python bench/engine_ab.py --against HEAD~1              # 40 steps of toygraph demo's recipe
+    python bench/engine_ab.py --against main --steps 80 --threads 2
+
+On a machine shared with other work (or a VM whose neighbours are) two runs of one build
+differ by several percent, and a microbenchmark of one kernel by more: a kernel change
+worth a few percent of a step cannot be seen by timing one build, then the other. Here
+both are loaded into this process (two libraries: this tree's engine and the one built
+from ``--against``'s sources, each with its own pool of ``--threads`` threads), and the
+step's replay alternates between them from one step to the next, so both see the same
+batches and the same minutes of the machine. Printed: the median time of the step's
+replayed program under each build (the first two steps of each dropped), and the load
+average. Each step is computed by the build that ran it, so the run's losses are either
+build's alone where the change keeps the bits (as the engine's kernels must).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def source_at(rev: str) -> str:
+    """The engine's translation unit as revision ``rev`` assembles it (its own
+    toygraph/cpu/engine.py's ``source()`` over its own files, in a child process)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "toygraph"],
+                             capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"--against {rev}: {archive.stderr.decode().strip()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        child = subprocess.run(
+            [sys.executable, "-c", "import sys; from toygraph.cpu import engine; "
+             "sys.stdout.write(engine.source())"],
+            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tmp}, cwd=tmp)
+        if child.returncode != 0:
+            raise SystemExit(f"--against {rev}: its engine source: {child.stderr.strip()}")
+        return child.stdout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, help="the git revision whose engine is B")
+    ap.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    ap.add_argument("--threads", type=int, default=2, help="each pool's threads (default 2)")
+    ap.add_argument("--out", default="/tmp/toygraph-engine-ab",
+                    help="run directory, replaced (default /tmp/toygraph-engine-ab)")
+    args = ap.parse_args(argv)
+
+    from toygraph.cpu import engine
+    from toygraph.cpu.replay import Program, kernel_index
+    from toygraph.demo import capitals
+    from toygraph.models.catalog import smollm2_path
+    from toygraph.training import RunConfig, run_training
+
+    builds = {"this tree": engine.load(engine.source()),
+              f"--against {args.against}": engine.load(source_at(args.against))}
+    for lib in builds.values():
+        lib.tg_set_threads(args.threads)
+    names, turn = list(builds), [0]
+    seconds: dict[str, list] = {name: [] for name in names}
+    biggest = [0]   # the step's program is the phase with the most nodes
+    nodes: dict[tuple, tuple] = {}   # (program, build) -> its nodes with the build's indices
+
+    def operands(program, name):
+        # the builds number their kernels apart (a kernel added shifts the rest)
+        key = (program, name)
+        if key not in nodes:
+            table = program.nodes.copy()
+            table["kernel"] = [kernel_index(builds[name], k) for k in program.kernels]
+            nodes[key] = (table, (table.ctypes.data,) + program._args[1:])
+        return nodes[key][1]
+
+    def run(program, timed=False):
+        name = names[turn[0]]
+        args_ = operands(program, name)
+        t0 = time.perf_counter()
+        rc = builds[name].tg_replay(*args_, None)
+        elapsed = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"{name}: replay failed (code {rc})")
+        if len(program.nodes) >= biggest[0]:
+            biggest[0] = len(program.nodes)
+            seconds[name].append(elapsed)
+            turn[0] ^= 1
+
+    load = os.getloadavg()
+    Program.run = run
+    run_training(RunConfig(model=str(smollm2_path()), data=capitals.data_files(), out=args.out,
+                           recipe="lora", steps=args.steps, overwrite=True, quiet=True,
+                           **capitals.RECIPE), show_use=False)
+    medians = {name: float(np.median(s[2:])) for name, s in seconds.items()}
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start; "
+          f"{args.steps} steps of toygraph demo's recipe, {args.threads} threads, alternating")
+    for name in names:
+        print(f"  {name}: median {medians[name] * 1e3:.1f} ms a step over "
+              f"{len(seconds[name]) - 2} steps")
+    a, b = medians.values()
+    print(f"  this tree / {names[1]}: {a / b:.3f} of its time")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
