@@ -456,8 +456,8 @@ BROKEN = {
         "while (task < parts[i].first_task) i--;",
         "while (i > 0 && task <= parts[i].first_task) i--;", "shared_x"),
     "the f32 product packs B one column early": (
-        "for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j);",
-        "for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j - (n0 > 0));", "matmul"),
+        "std::memcpy(dst, B.p + k * B.s0 + n0, (size_t)cols * 4);",
+        "std::memcpy(dst, B.p + k * B.s0 + n0 - (n0 > 0), (size_t)cols * 4);", "matmul"),
 }
 
 

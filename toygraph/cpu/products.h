@@ -178,6 +178,13 @@ static void gemm_f32(int64_t M, int64_t N, int64_t K, Strided A, Strided B, floa
             // of memory, moved by 8 x 8 transposes (a strided scalar copy cost as much as
             // the product of a rank-16 strip)
             rows_to_panel(B.p + n0 * B.s1, B.s1, cols, K, panel);
+        } else if (B.s1 == 1 && B.scale == 1.0f) {
+            // B as it lies (the weight gradients' g, x): each k's strip is a run of memory
+            for (int64_t k = 0; k < K; k++) {
+                float* dst = panel + k * NR;
+                std::memcpy(dst, B.p + k * B.s0 + n0, (size_t)cols * 4);
+                for (int j = cols; j < NR; j++) dst[j] = 0.0f;
+            }
         } else {
             for (int64_t k = 0; k < K; k++) {
                 float* dst = panel + k * NR;
