@@ -91,7 +91,7 @@ struct Product {
     int64_t lda, M;
     float* c;             // y [M, N] (nt) or [M, K] (nn), rows ldc apart
     int64_t ldc;
-    int64_t slice, splits;  // nt: strips per task; nn: output columns per task, row splits
+    int64_t slice, splits;  // nt: strips per task; nn: slices of the output, row splits
     const float* add = nullptr;   // matmul_add: c = add + alpha c (rows ldc apart), or null
     float alpha = 1.0f;
 };
@@ -183,7 +183,11 @@ static void nt_strip(const Product& p, int64_t n0) {
 static void nn_task(void* ctx, int64_t task, int) {
     const Product& p = *(const Product*)ctx;
     const int64_t slice_i = task / p.splits, split = task % p.splits;
-    const int64_t k0 = slice_i * p.slice, kk = p.K - k0 < p.slice ? p.K - k0 : p.slice;
+    // slices of q or q + 1 of W's blocks, the wider ones first (matmul_nn)
+    const int64_t qk = p.f->qk, blocks = (p.K + qk - 1) / qk;
+    const int64_t q = blocks / p.slice, r = blocks % p.slice;
+    const int64_t k0 = (slice_i * q + (slice_i < r ? slice_i : r)) * qk;
+    const int64_t k1 = k0 + (q + (slice_i < r)) * qk, kk = (k1 < p.K ? k1 : p.K) - k0;
     const int64_t per = (p.M + p.splits - 1) / p.splits;
     const int64_t m0 = split * per, m1 = m0 + per < p.M ? m0 + per : p.M;
     if (m0 >= m1) return;
@@ -226,16 +230,17 @@ static void matmul_nt(Product& p) {
 }
 
 static void matmul_nn(Product& p) {
-    // Slices of the output: a whole number of W's blocks, at most about 256 columns, and at
-    // least two per thread when K allows, of equal widths where it divides (K = 896 on 2
-    // threads: four of 224); when K is too narrow for that the rows of g are split as well.
-    const int64_t qk = p.f->qk, threads = pool_threads();
-    int64_t want = (p.K + 255) / 256;
-    if (want < 2 * threads) want = 2 * threads;
-    int64_t slice = ((p.K + want - 1) / want + qk - 1) / qk * qk;
-    if (slice > p.K) slice = p.K;
-    const int64_t slices = (p.K + slice - 1) / slice;
-    p.slice = slice;
+    // Slices of the output (p.slice of them): a whole number of W's blocks each, at most
+    // about 256 columns, and at least two per thread when K allows; their widths differ by
+    // one block at most, the wider first, so the threads' shares come out even (K = 576 in
+    // blocks of 32 on 2 threads: 160, 160, 128, 128, where widths rounded up gave 160, 160,
+    // 160, 96 and one thread a tenth more than the other); when K is too narrow for that
+    // the rows of g are split as well.
+    const int64_t qk = p.f->qk, threads = pool_threads(), blocks = (p.K + qk - 1) / qk;
+    int64_t slices = (p.K + 255) / 256;
+    if (slices < 2 * threads) slices = 2 * threads;
+    if (slices > blocks) slices = blocks;
+    p.slice = slices;
     p.splits = 1;
     while (slices * p.splits < 2 * threads && p.splits * MR < p.M) p.splits++;
     pool_run(slices * p.splits, nn_task, &p);
