@@ -1,7 +1,7 @@
 """Two builds of the CPU engine on the demo's training step, alternating step by step.
 
     python bench/engine_ab.py --against HEAD~1              # 40 steps of toygraph demo's recipe
-    python bench/engine_ab.py --against main --steps 80 --threads 2
+    python bench/engine_ab.py --against main --steps 80 --model other.gguf
 
 On a machine shared with other work (or a VM whose neighbours are) two runs of one build
 differ by several percent, and a microbenchmark of one kernel by more: a kernel change
@@ -53,6 +53,7 @@ def source_at(rev: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", required=True, help="the git revision whose engine is B")
+    ap.add_argument("--model", help="another GGUF to train (default: the demo's SmolLM2)")
     ap.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     ap.add_argument("--threads", type=int, default=2, help="each pool's threads (default 2)")
     ap.add_argument("--out", default="/tmp/toygraph-engine-ab",
@@ -98,12 +99,14 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()
     Program.run = run
-    run_training(RunConfig(model=str(smollm2_path()), data=capitals.data_files(), out=args.out,
+    model = args.model or str(smollm2_path())
+    run_training(RunConfig(model=model, data=capitals.data_files(), out=args.out,
                            recipe="lora", steps=args.steps, overwrite=True, quiet=True,
                            **capitals.RECIPE), show_use=False)
     medians = {name: float(np.median(s[2:])) for name, s in seconds.items()}
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start; "
-          f"{args.steps} steps of toygraph demo's recipe, {args.threads} threads, alternating")
+          f"{args.steps} steps of toygraph demo's recipe on {Path(model).name}, "
+          f"{args.threads} threads, alternating")
     for name in names:
         print(f"  {name}: median {medians[name] * 1e3:.1f} ms a step over "
               f"{len(seconds[name]) - 2} steps")

@@ -15,12 +15,18 @@
 // in L1/L2) and runs the kernel over every row block of x, so each weight is decoded once
 // per product. matmul_nn: a task is a slice of the output's columns (a whole number of
 // blocks of W's rows); its thread decodes PN rows of W's slice at a time ([PN][slice]) and
-// the kernel sums over those rows for every row block of g; when there are fewer slices
+// the kernel sums over those rows for every row block of g (read in place, or copied a
+// panel's columns at a time where g's rows lie far apart); when there are fewer slices
 // than threads can share, the rows of g are split as well (each split decodes the slice
 // again). The per-thread panels are the engine's bounded scratch.
 
 static const int KC = 256;   // columns of W per forward panel (a K-quant block)
 static const int PN = 256;   // rows of W per backward panel
+// g's rows are read where they lie when at most this many floats apart (a LoRA step's g:
+// 1,536-14,336 wide; copying every panel's columns cost each of the slices' tasks the same
+// copy, 3% of SmolLM2's step); farther apart (a head's: a vocabulary wide, a page a row)
+// each task copies its panel's columns together.
+static const int64_t kGInPlace = 16384;
 
 template <int R>
 static inline void micro(int64_t kk, const float* A, int64_t lda, const float* B, int64_t ldb,
@@ -192,8 +198,8 @@ static void nn_task(void* ctx, int64_t task, int) {
     const int64_t m0 = split * per, m1 = m0 + per < p.M ? m0 + per : p.M;
     if (m0 >= m1) return;
     const int64_t ld = (kk + NR - 1) / NR * NR;   // whole vectors; the tail stays zero
-    // The panel of W, and g's columns n0..n0 + PN copied together ([rows][PN]): g's rows lie
-    // N apart (151,936 floats for a head), a page each.
+    // The panel of W, and (g's rows far apart: kGInPlace) g's columns n0..n0 + PN copied
+    // together ([rows][PN]).
     float* panel = scratch((size_t)PN * ld + (size_t)(m1 - m0) * PN);
     float* gp = panel + (size_t)PN * ld;
     for (int64_t n0 = 0; n0 < p.N; n0 += PN) {
@@ -203,11 +209,15 @@ static void nn_task(void* ctx, int64_t task, int) {
             decode_row_part(*p.f, p.w + (n0 + i) * p.row_bytes, k0, k0 + kk, dst);
             for (int64_t j = kk; j < ld; j++) dst[j] = 0.0f;
         }
-        for (int64_t m = m0; m < m1; m++)
-            std::memcpy(gp + (m - m0) * PN, p.a + m * p.lda + n0, (size_t)nn * 4);
+        const bool in_place = p.lda <= kGInPlace;
+        if (!in_place)
+            for (int64_t m = m0; m < m1; m++)
+                std::memcpy(gp + (m - m0) * PN, p.a + m * p.lda + n0, (size_t)nn * 4);
+        const float* a = in_place ? p.a + m0 * p.lda + n0 : gp;
+        const int64_t lda = in_place ? p.lda : PN;
         for (int64_t j = 0; j < kk; j += NR) {
             const int cols = (int)(kk - j < NR ? kk - j : NR);
-            rows_times_panel(m1 - m0, nn, gp, PN, panel + j, ld, p.c + m0 * p.ldc + k0 + j,
+            rows_times_panel(m1 - m0, nn, a, lda, panel + j, ld, p.c + m0 * p.ldc + k0 + j,
                              p.ldc, n0 == 0, cols);
         }
     }
