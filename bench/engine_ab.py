@@ -40,7 +40,10 @@ def source_at(rev: str) -> str:
         raise SystemExit(f"--against {rev}: {archive.stderr.decode().strip()}")
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
-            tar.extractall(tmp, filter="data")
+            if hasattr(tarfile, "data_filter"):   # Python 3.10.12+/3.11.4+: the safe filter
+                tar.extractall(tmp, filter="data")
+            else:   # git archive's own output: no links out of tmp
+                tar.extractall(tmp)
         child = subprocess.run(
             [sys.executable, "-c", "import sys; from toygraph.cpu import engine; "
              "sys.stdout.write(engine.source())"],
