@@ -231,21 +231,24 @@ static void dot_rows_decoded(const Product& p, int64_t n0, int64_t n1) {
     }
 }
 
+// x's sums over each 32 columns ([M][K / 32]), for the formats whose blocks have an offset.
+static void x_sums(const Product& p, std::vector<float>& xs) {
+    const int64_t ldxs = p.K / 32;
+    xs.resize((size_t)(p.M * ldxs));
+    for (int64_t m = 0; m < p.M; m++)
+        for (int64_t g = 0; g < ldxs; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < 32; i++) s += p.a[m * p.lda + 32 * g + i];
+            xs[m * ldxs + g] = s;
+        }
+}
+
 static void matmul_dot(Product& p) {
     const int fmt = (int)(p.f - kFormats);
     const DotRowsFn fused = p.M <= DOT_MAX_M && p.K % 32 == 0 ? kDotRows[fmt][p.M - 1] : nullptr;
-    // x's sums over each 32 columns, for the formats whose blocks have an offset
     std::vector<float> xs;
     const int64_t ldxs = p.K / 32;
-    if (fused) {
-        xs.resize((size_t)(p.M * ldxs));
-        for (int64_t m = 0; m < p.M; m++)
-            for (int64_t g = 0; g < ldxs; g++) {
-                float s = 0.0f;
-                for (int i = 0; i < 32; i++) s += p.a[m * p.lda + 32 * g + i];
-                xs[m * ldxs + g] = s;
-            }
-    }
+    if (fused) x_sums(p, xs);
     const int64_t per = dot_rows_per_task(p.N);
     pool_for((p.N + per - 1) / per, [&](int64_t task, int) {
         const int64_t n0 = task * per, n1 = n0 + per < p.N ? n0 + per : p.N;

@@ -476,18 +476,25 @@ static void spread_pair_scales(int64_t M, int64_t groups, const float* d, float*
             for (int l = 0; l < 16; l++) d2[16 * (g * (M / 2) + j) + l] = d[g * M + 2 * j + l / 8];
 }
 
+// p's x (M rows, K a multiple of 32) rounded for the 8-bit kernels, held in q and sums.
+static XQ quantize_x(const Product& p, std::vector<int8_t>& q, std::vector<float>& sums) {
+    const int64_t groups = p.K / 32;
+    q.resize((size_t)(p.M * p.K));
+    sums.resize((size_t)(2 * p.M * groups + 16 * (p.M / 2) * groups));
+    float *d = sums.data(), *sq = d + p.M * groups, *d2 = sq + p.M * groups;
+    quantize_rows(p, q.data(), d, sq);
+    spread_pair_scales(p.M, groups, d, d2);
+    return XQ{q.data(), d, sq, d2};
+}
+
 static bool matmul_dot_q8(Product& p) {
     const int fmt = (int)(p.f - kFormats);
     if (p.M > DOT_MAX_M || p.K % p.f->qk != 0 || p.K % 32 != 0) return false;
     const DotRowsQ8Fn fn = kDotRowsQ8[fmt][p.M - 1];
     if (!fn) return false;
-    const int64_t groups = p.K / 32;
-    std::vector<int8_t> q((size_t)(p.M * p.K));
-    std::vector<float> sums((size_t)(2 * p.M * groups + 16 * (p.M / 2) * groups));
-    float *d = sums.data(), *sq = d + p.M * groups, *d2 = sq + p.M * groups;
-    quantize_rows(p, q.data(), d, sq);
-    spread_pair_scales(p.M, groups, d, d2);
-    const XQ x{q.data(), d, sq, d2};
+    std::vector<int8_t> q;
+    std::vector<float> sums;
+    const XQ x = quantize_x(p, q, sums);
     const int64_t per = dot_rows_per_task(p.N);
     pool_for((p.N + per - 1) / per, [&](int64_t task, int) {
         const int64_t n0 = task * per, n1 = n0 + per < p.N ? n0 + per : p.N;

@@ -49,8 +49,8 @@ static int gemm_on_blocks(int fmt, const u8* w, int64_t row_bytes, int64_t N, in
 // N_i] = x . W_i^T for each of ``n`` weights (each its own format and rows; every Product's
 // a, lda, M and K the same), as one job of the pool over all their rows. x is quantized once
 // for the 8-bit kernels (its quantization depends on x alone), and the threads meet once
-// instead of once a weight: on 2 threads, 14-17% of the products' time for SmolLM2's
-// q, k, v and gate, up. Each product's rows go to the kernel gemm_on_blocks would give it
+// instead of once a weight (generation on 2 threads: 1-2% more tokens/s, bench/results/
+// shared-x-generation-*). Each product's rows go to the kernel gemm_on_blocks would give it
 // (``kernel`` as there: 0 by shape, 2 the f32 dot kernels, 3 the 8-bit ones) in the same
 // tasks, so every output is the separate product's, bit for bit. Returns as
 // gemm_on_blocks (-2: an 8-bit kernel asked for where one product has none).
@@ -88,31 +88,15 @@ static int gemm_rows_shared_x(Product* ps, int n, int kernel) {
         part.first_task = tasks;
         tasks += (p.N + part.per - 1) / part.per;
     }
-    const Product& p0 = ps[0];
     const int64_t groups = K / 32;
 #if defined(TG_DOT_Q8)
     std::vector<int8_t> q;
     std::vector<float> sums;
     XQ xq{};
-    if (any_q8) {   // matmul_dot_q8's quantization, once
-        q.resize((size_t)(M * K));
-        sums.resize((size_t)(2 * M * groups + 16 * (M / 2) * groups));
-        float *d = sums.data(), *sq = d + M * groups, *d2 = sq + M * groups;
-        quantize_rows(p0, q.data(), d, sq);
-        spread_pair_scales(M, groups, d, d2);
-        xq = XQ{q.data(), d, sq, d2};
-    }
+    if (any_q8) xq = quantize_x(ps[0], q, sums);   // once for every weight
 #endif
-    std::vector<float> xs;   // matmul_dot's sums of x over each 32 columns, once
-    if (any_f32) {   // (dot_rows_decoded reads none; they cost a pass over x)
-        xs.resize((size_t)(M * groups));
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < groups; g++) {
-                float s = 0.0f;
-                for (int k = 0; k < 32; k++) s += p0.a[m * p0.lda + 32 * g + k];
-                xs[m * groups + g] = s;
-            }
-    }
+    std::vector<float> xs;   // matmul_dot's sums of x, once
+    if (any_f32) x_sums(ps[0], xs);
     pool_for(tasks, [&](int64_t task, int) {
         int i = n - 1;
         while (task < parts[i].first_task) i--;
