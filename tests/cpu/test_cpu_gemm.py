@@ -131,10 +131,18 @@ def test_a_broken_forward_panel_index_fails_the_bound(old, new):
 
 
 @pytest.mark.slow
-def test_a_broken_backward_panel_index_fails_the_bound():
-    """The backward panel copying g's columns one early from the second panel on."""
-    lib = _broken("p.a + m * p.lda + n0, (size_t)nn * 4", "p.a + m * p.lda + (n0 ? n0 - 1 : 0), (size_t)nn * 4")
-    N, K, M = 600, 256, 5
+@pytest.mark.parametrize("old,new,N", [
+    # g read where it lies (its rows up to kGInPlace floats apart): one column early
+    ("in_place ? p.a + m0 * p.lda + n0 : gp", "in_place ? p.a + m0 * p.lda + (n0 ? n0 - 1 : 0) : gp",
+     600),
+    # g's columns copied per panel (rows farther apart, a head's): one column early
+    ("p.a + m * p.lda + n0, (size_t)nn * 4", "p.a + m * p.lda + (n0 ? n0 - 1 : 0), (size_t)nn * 4",
+     16400)])
+def test_a_broken_backward_panel_index_fails_the_bound(old, new, N):
+    """The backward product reading g's columns one early from the second panel on, where
+    it reads g in place and where it copies it."""
+    lib = _broken(old, new)
+    K, M = 256, 5
     raw = weight("q4_k", N, K)
     w = blocks.dequantize(raw, "q4_k", (N, K))
     g = inputs(M, N)
