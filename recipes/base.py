@@ -44,8 +44,9 @@ from toygraph.models.decoder import (BuildOptions, LoraConfig, WeightSource, bui
 
 #: Whether the CPU backend always uses the fused head + loss. On CUDA the fused op is always
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
-#: the CPU the fused backward recomputes the head's product, but it computes on the
-#: labelled rows only (ops/loss/cpu.h), where the unfused head multiplies every row twice
+#: the CPU the fused backward recomputed the head's product when the figures below were
+#: measured (the forward now hands over its last chunk: ops/loss/cpu.h's LceHandoff), but
+#: it computes on the labelled rows only, where the unfused head multiplies every row twice
 #: (forward and input gradient). So the CPU fuses where the data labels few of the slots
 #: (FUSED_HEAD_CPU_SHARE or less: chat and instruction data, whose prompts carry no label)
 #: and where the logits and their gradient would take FUSED_HEAD_CPU_BYTES or more (a

@@ -592,6 +592,97 @@ def test_linear_cross_entropy_back(reduction, head, grad_w):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+def _lce_pair(h, w, labels, g, reduction, grad_w, handed: bool, lib=None):
+    """The fused head's loss and its gradient as one program, the forward handing the
+    backward its last chunk (replay.HANDOFFS) or not; returns (loss, gradient, cell)."""
+    from toygraph.cpu.replay import HANDOFF_BYTES, HANDOFFS
+    (N, D), V = h.shape, w.shape[0]
+    attrs = {"reduction": reduction, "grad_h": True, "grad_w": grad_w}
+    loss = np.full((N,) if reduction == "none" else (), np.nan, np.float32)
+    grad = np.full(N * D + (V * D if grad_w else 0), np.nan, np.float32)
+    forward = REPLAYS["linear_cross_entropy"](None, loss, [h, w, labels], attrs)
+    backward = REPLAYS["linear_cross_entropy_back"](None, grad, [h, w, labels, g], attrs)
+    cell = np.zeros(HANDOFF_BYTES, np.uint8)
+    if handed:
+        HANDOFFS[("linear_cross_entropy", "linear_cross_entropy_back")](forward, backward, cell)
+    Program([forward, backward], ["linear_cross_entropy", "linear_cross_entropy_back"], lib).run()
+    return loss, grad, cell
+
+
+@pytest.mark.parametrize("N", [1, 77, 133])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("head,grad_w", [("f32", True), ("f32", False), ("q8_0", False)])
+def test_the_fused_heads_forward_hands_its_backward_the_same_bits(N, reduction, head, grad_w):
+    """The backward given the forward's last chunk of softmax(z) - onehot (one chunk at
+    77 rows, the second of two at 133) computes the same bits as the one that recomputes
+    it, and takes it from the cell (its address cleared: the memory freed; the chunk's
+    place and size left behind say what was handed)."""
+    D, V = 256, 300
+    h = rand(N, D, seed=1)
+    w = rand(V, D, seed=2, scale=0.2) if head == "f32" else _blocks(head, V, D, seed=2)
+    labels = np.random.default_rng(3).integers(-1, V, N).astype(np.int32)
+    g = rand(N, seed=4) if reduction == "none" else np.array(0.7, np.float32)
+    alone = _lce_pair(h, w, labels, g, reduction, grad_w, handed=False)
+    handed = _lce_pair(h, w, labels, g, reduction, grad_w, handed=True)
+    assert np.array_equal(handed[0], alone[0], equal_nan=True)
+    assert np.array_equal(handed[1], alone[1]) and not np.isnan(handed[1]).any()
+    address, start, rows, width = handed[2].view(np.int64)[:4]
+    counted = int(np.count_nonzero(labels >= 0))
+    assert address == 0, "the backward left the handed chunk in the cell"
+    assert counted == 0 or (start, rows, width) == ((counted - 1) // 128 * 128,
+                                                    counted - (counted - 1) // 128 * 128, V)
+
+
+def test_a_broken_handoff_changes_the_gradient():
+    """A forward that hands over softmax(z) without the onehot (the mutation) gives
+    another gradient than the backward that recomputes: the bits-equal test can fail."""
+    lib = _broken("zr[label] -= 1.0f;", "(void)label;")
+    N, D, V = 40, 256, 300
+    h, w = rand(N, D, seed=1), rand(V, D, seed=2, scale=0.2)
+    labels = np.random.default_rng(3).integers(0, V, N).astype(np.int32)
+    g = np.array(0.7, np.float32)
+    alone = _lce_pair(h, w, labels, g, "mean", False, handed=False, lib=lib)
+    handed = _lce_pair(h, w, labels, g, "mean", False, handed=True, lib=lib)
+    assert np.array_equal(handed[0], alone[0]) and not np.array_equal(handed[1], alone[1])
+
+
+def test_an_sft_run_hands_the_fused_heads_chunk_over_with_the_same_bits(tiny_llama, tmp_path,
+                                                                         monkeypatch):
+    """Three SFT steps and two evaluations with the head fused, replayed in the engine: the
+    backend pairs the step's head loss with its gradient (replay.HANDOFFS; the evaluation's
+    loss has no gradient to pair with), and every loss and the trained adapter are the
+    same bits as with no pairing."""
+    import json
+    import toygraph.recipes.base as recipe_base
+    from toygraph.cpu import replay
+    from toygraph.training import RunConfig, run_training
+    monkeypatch.setattr(recipe_base, "FUSED_HEAD_ON_CPU", True)
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": f"the number is {i}"})
+                            + "\n" for i in range(24)))
+    key = ("linear_cross_entropy", "linear_cross_entropy_back")
+    pair, paired = replay.HANDOFFS[key], []
+
+    def spy(forward, backward, cell):
+        paired.append(cell)
+        pair(forward, backward, cell)
+
+    runs = []
+    for name, handoffs in (("alone", {}), ("handed", {key: spy})):
+        monkeypatch.setattr(replay, "HANDOFFS", handoffs)
+        out = tmp_path / name
+        run_training(RunConfig(model=str(tiny_llama), data=str(data), out=str(out), targets=("q", "v"),
+                               rank=4, alpha=8, steps=3, batch=2, seq_len=32, lr=5e-3,
+                               val_split=0.25, eval_every=3, quiet=True, seed=7))
+        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        runs.append(([(e["event"], e.get("loss")) for e in events if e["event"] in ("step", "eval")],
+                     (out / "adapter_model.safetensors").read_bytes()))
+    assert len(paired) == 1, f"{len(paired)} pairs: the step's head loss and gradient, once"
+    assert [kind for kind, _ in runs[0][0]] == ["eval", "step", "step", "step", "eval"]
+    assert runs[1] == runs[0]
+
+
 @pytest.mark.parametrize("start,T", [(0, 5), (7, 1), (11, 1)])
 def test_cache_write(start, T):
     cache, value = rand(2, 3, 12, 8), rand(2, 3, T, 8, seed=1)

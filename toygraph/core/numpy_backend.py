@@ -146,6 +146,7 @@ class CpuBackend:
         fused, inside = self._fusions(order) if self.replays else ({}, set())
         if self.replays:
             self._siblings(order, fused, inside)
+            self._handoffs(order, fused, inside)
         for t in order:
             if t.id in inside:
                 continue   # computed by the fused call at the chain's last node
@@ -239,6 +240,46 @@ class CpuBackend:
                                                keep=[aside[t.id]]), f"{op} (copy_flat)")
                 else:
                     inside.add(t.id)
+
+    def _handoffs(self, order, fused: dict, inside: set) -> None:
+        """A forward and its backward paired by replay.HANDOFFS (the fused head's loss and
+        its gradient): both engine calls (into ``fused``) share one cell, through which the
+        forward hands the backward what the backward would recompute. Paired only where
+        the backward reads the forward's sources as its first ones, no node in between
+        writes their memory, and no other node of either op lies in between (so at most
+        one handed value is held at a time)."""
+        for (first, second), pair in replay.HANDOFFS.items():
+            forward = None
+            for j, t in enumerate(order):
+                if t.op not in (first, second):
+                    continue
+                if t.op == first:
+                    forward = (j, t)
+                    continue
+                if forward is None:
+                    continue
+                i, f = forward
+                forward = None
+                if ([s.id for s in t.srcs[:len(f.srcs)]] != [s.id for s in f.srcs] or any(n.id in fused or n.id in inside for n in (f, t))
+                        or any(self._writes(order[k], self.arrays[s.id])
+                               for k in range(i + 1, j) for s in f.srcs)):
+                    continue
+                calls = [self._replay_call(n, self.arrays.get(n.id), [self.arrays[s.id] for s in n.srcs])
+                         for n in (f, t)]
+                if None in calls:
+                    continue
+                cell = np.zeros(replay.HANDOFF_BYTES, np.uint8)
+                pair(*calls, cell)
+                for n, call in zip((f, t), calls):
+                    call.keep.append(cell)
+                    fused[n.id] = (call, n.op)
+
+    def _writes(self, t, memory) -> bool:
+        """Whether node ``t`` writes ``memory``: its result's bounds (decoding blocks writes
+        the plan's scratch, which is no tensor's memory)."""
+        result = self.arrays.get(t.id)
+        return (isinstance(memory, np.ndarray) and isinstance(result, np.ndarray)
+                and np.may_share_memory(result, memory))
 
     def _touches(self, t, memory: np.ndarray) -> bool:
         """Whether node ``t`` reads or writes ``memory`` (by its arrays' bounds; a node that

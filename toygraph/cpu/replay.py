@@ -91,6 +91,27 @@ def siblings(op: str):
     return register
 
 
+#: A node's forward and its backward where the forward's kernel can hand the backward a
+#: value the backward would recompute from the same sources (the fused head's last chunk
+#: of softmax(z) - onehot): (op, op) -> (first call, second call, cell) -> None, adding
+#: ``cell`` (a few words of memory both kernels address) to both calls. The backend pairs
+#: them (numpy_backend's ``_handoffs``) only where both run in the engine and nothing in
+#: between writes the sources they share.
+HANDOFFS: dict[tuple[str, str], Callable] = {}
+
+#: The cell's size in bytes: room for what a kernel hands over (an address and sizes).
+HANDOFF_BYTES = 64
+
+
+def hands_off(first: str, second: str):
+    """Register the decorated function as the way a node of ``first`` hands a node of
+    ``second`` (its backward) what it computed."""
+    def register(fn):
+        HANDOFFS[(first, second)] = fn
+        return fn
+    return register
+
+
 def address(a) -> int:
     """The address an operand is read or written at: an array's data (0 for None)."""
     if a is None:

@@ -7,7 +7,7 @@ import numpy as np
 
 from toygraph.cpu import engine
 from toygraph.cpu.block_tensor import BlockTensor
-from toygraph.cpu.replay import Call, f32_contiguous, replays
+from toygraph.cpu.replay import Call, f32_contiguous, hands_off, replays
 
 
 def _labels_fit(logits, labels) -> bool:
@@ -81,3 +81,12 @@ def _linear_cross_entropy_back(node, out, srcs, attrs):
     return Call("linear_cross_entropy_back", [out, h, data, labels, g],
                 [h.shape[0], V, fmt, row_bytes, D, few, _REDUCTIONS[attrs["reduction"]],
                  attrs["grad_h"], attrs["grad_w"]])
+
+
+@hands_off("linear_cross_entropy", "linear_cross_entropy_back")
+def _lce_handoff(forward: Call, backward: Call, cell) -> None:
+    """The forward leaves its last chunk's softmax(z) - onehot in ``cell`` (cpu.h's
+    LceHandoff) for the backward, which would recompute it: a product over the whole
+    vocabulary less per step, the same bits."""
+    forward.pointers.append(cell)
+    backward.pointers.append(cell)
