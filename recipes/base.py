@@ -44,18 +44,19 @@ from toygraph.models.decoder import (BuildOptions, LoraConfig, WeightSource, bui
 
 #: Whether the CPU backend always uses the fused head + loss. On CUDA the fused op is always
 #: used: it never holds [tokens, vocab] logits (SmolLM2 at batch 4 x seq 2048: GiBs). On
-#: the CPU the fused backward recomputed the head's product when the figures below were
-#: measured (the forward now hands over its last chunk: ops/loss/cpu.h's LceHandoff), but
-#: it computes on the labelled rows only, where the unfused head multiplies every row twice
-#: (forward and input gradient). So the CPU fuses where the data labels few of the slots
-#: (FUSED_HEAD_CPU_SHARE or less: chat and instruction data, whose prompts carry no label)
-#: and where the logits and their gradient would take FUSED_HEAD_CPU_BYTES or more (a
-#: 151,936-token vocabulary at 4 x 512 tokens, 2.5 GB, where a QLoRA step's base is a few
-#: hundred MB). Measured on the engine replay (2-vCPU AMD EPYC Zen 5, 2 threads, SmolLM2
-#: Q4_1, the demo's LoRA r16 on 7 targets, 2 x 140 tokens; the two agree to rounding,
-#: tests/ops/test_ops_loss.py): every slot labelled, fused 681 ms a step against 596
-#: unfused (bench_lora.py); the demo's data, 24% of the slots labelled, 545 against 581
-#: (40 demo steps, the median of events.jsonl's wall_ms): break-even near 48%.
+#: the CPU it computes on the labelled rows only (ops/loss/cpu.h), where the unfused head
+#: multiplies every row twice (forward and input gradient); its backward recomputes the
+#: logits of every chunk of 128 rows but the first, which the forward hands it. So the CPU
+#: fuses where the data labels few of the slots (FUSED_HEAD_CPU_SHARE or less: chat and
+#: instruction data, whose prompts carry no label) and where the logits and their gradient
+#: would take FUSED_HEAD_CPU_BYTES or more (a 151,936-token vocabulary at 4 x 512 tokens,
+#: 2.5 GB, where a QLoRA step's base is a few hundred MB). Measured on the engine replay
+#: (2-vCPU AMD EPYC Zen 5, 2 threads, SmolLM2 Q4_1, the demo's LoRA r16 on 7 targets,
+#: 2 x 140 tokens; the two agree to rounding, tests/ops/test_ops_loss.py): every slot
+#: labelled, fused 574-648 ms a step against 625-631 unfused (bench_lora.py, three
+#: alternations: even); the demo's data, 24% of the slots labelled, fused 545 against 581
+#: unfused before the handoff (40 demo steps, events.jsonl's wall_ms) and the handoff
+#: 0.93 of that (bench/engine_ab.py).
 FUSED_HEAD_ON_CPU = False
 FUSED_HEAD_CPU_SHARE = 0.4
 FUSED_HEAD_CPU_BYTES = 256 << 20

@@ -92,7 +92,7 @@ def siblings(op: str):
 
 
 #: A node's forward and its backward where the forward's kernel can hand the backward a
-#: value the backward would recompute from the same sources (the fused head's last chunk
+#: value the backward would recompute from the same sources (the fused head's first chunk
 #: of softmax(z) - onehot): (op, op) -> (first call, second call, cell) -> None, adding
 #: ``cell`` (a few words of memory both kernels address) to both calls. The backend pairs
 #: them (numpy_backend's ``_handoffs``) only where both run in the engine and nothing in

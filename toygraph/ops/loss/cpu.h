@@ -154,25 +154,23 @@ static int lce_logits(const Head& w, const float* h, const std::vector<int64_t>&
     return w.logits(hc, c, z);
 }
 
-// A chunk of logits [chunk, V] lives in one of two buffers kept by the calling thread,
-// grown on demand: a fresh one each call would cost the page faults of tens of megabytes
-// a step (a third of the head's time on Qwen2.5-Coder-0.5B). The forward computes in
-// buffer 0; the backward recomputes in buffer 1 where buffer 0 holds what the forward
-// handed it, else in buffer 0.
-static thread_local std::vector<float> t_lce_logits[2];
+// A chunk of logits [chunk, V] lives in a buffer kept by the calling thread, grown on
+// demand: a fresh one each call would cost the page faults of tens of megabytes a step (a
+// third of the head's time on Qwen2.5-Coder-0.5B).
+static thread_local std::vector<float> t_lce_logits;
 
-static float* lce_buffer(int which, int64_t floats) {
-    std::vector<float>& b = t_lce_logits[which];
-    if ((int64_t)b.size() < floats) b.resize((size_t)floats);
-    return b.data();
+static float* lce_buffer(int64_t floats) {
+    if ((int64_t)t_lce_logits.size() < floats) t_lce_logits.resize((size_t)floats);
+    return t_lce_logits.data();
 }
 
 // What the fused head's forward hands its backward when replay.py pairs them (the loss
-// family's cpu.py; numpy_backend's ``_handoffs``): the last chunk's softmax(z) - onehot in
-// buffer 0, which the backward would recompute from the same h, W and labels with the same
-// kernels, so reading it changes no bit and saves a product over the whole vocabulary.
-// The backend pairs a forward with its backward only where no other node of either op
-// runs between them (nothing else writes buffer 0 meanwhile); the backward clears ``dz``.
+// family's cpu.py; numpy_backend's ``_handoffs``): the first chunk's softmax(z) - onehot in
+// the buffer (the forward computes its chunks last to first, the backward first to last),
+// which the backward would recompute from the same h, W and labels with the same kernels,
+// so reading it changes no bit and saves a product over the whole vocabulary. The backend
+// pairs a forward with its backward only where no other node of either op runs between
+// them (nothing else writes the buffer meanwhile); the backward clears ``dz``.
 struct LceHandoff {
     float* dz;
     int64_t start, c, V;
@@ -188,9 +186,10 @@ static const float* lce_take(LceHandoff* cell, int64_t start, int64_t c, int64_t
 }
 
 // The per-row losses log(sum) + max - z[label] (0 on ignored rows) for "none", else their
-// sum (f64, row order) or mean. p: out, h [N, D], W, labels, the LceHandoff cell or null
-// (then the last chunk's softmax(z) - onehot is left in it); i: N, V, fmt (-1: f32),
-// row_bytes, D, few, reduction (0 none, 1 sum, 2 mean).
+// sum (f64, row order) or mean. The chunks run last to first, so that with an LceHandoff
+// cell (else null) the first chunk's softmax(z) - onehot is what the buffer holds at the
+// end. p: out, h [N, D], W, labels, the cell; i: N, V, fmt (-1: f32), row_bytes, D, few,
+// reduction (0 none, 1 sum, 2 mean).
 TG_REPLAY_KERNEL(linear_cross_entropy) {
     float* out = (float*)n.p[0];
     const float* h = (const float*)n.p[1];
@@ -203,13 +202,11 @@ TG_REPLAY_KERNEL(linear_cross_entropy) {
     const int64_t counted = (int64_t)rows.size();
     const int64_t chunk = counted < kLceRows ? counted : kLceRows;
     std::vector<float> hc((size_t)(chunk * w.D)), top(chunk), sum(chunk), picked(chunk);
-    float* z = lce_buffer(0, chunk * w.V);
-    if (reduction == 0)
-        for (int64_t r = 0; r < N; r++) out[r] = 0.0f;
-    double total = 0.0;
-    for (int64_t start = 0; start < counted; start += kLceRows) {
+    std::vector<float> losses((size_t)counted);
+    float* z = lce_buffer(chunk * w.V);
+    for (int64_t start = (counted - 1) / kLceRows * kLceRows; start >= 0 && counted; start -= kLceRows) {
         const int64_t c = counted - start < kLceRows ? counted - start : kLceRows;
-        const bool hand = cell && start + c == counted;
+        const bool hand = cell && start == 0;
         const int rc = lce_logits(w, h, rows, start, c, hc.data(), z);
         if (rc != 0) return rc;
         pool_for(c, [&](int64_t i, int) {
@@ -223,12 +220,15 @@ TG_REPLAY_KERNEL(linear_cross_entropy) {
             vf_apply(zr, zr, w.V, [s](vf x) { return x / s; });
             zr[label] -= 1.0f;
         });
-        for (int64_t i = 0; i < c; i++) {
-            const float loss = logf(sum[i]) + top[i] - picked[i];
-            if (reduction == 0) out[rows[start + i]] = loss;
-            total += (double)loss;
-        }
+        for (int64_t i = 0; i < c; i++) losses[start + i] = logf(sum[i]) + top[i] - picked[i];
         if (hand) *cell = LceHandoff{z, start, c, w.V};
+    }
+    if (reduction == 0)
+        for (int64_t r = 0; r < N; r++) out[r] = 0.0f;
+    double total = 0.0;
+    for (int64_t i = 0; i < counted; i++) {
+        if (reduction == 0) out[rows[i]] = losses[i];
+        total += (double)losses[i];
     }
     if (reduction == 1) *out = (float)total;
     if (reduction == 2) *out = (float)(rows.empty() ? 0.0 : total / (double)rows.size());
@@ -237,8 +237,8 @@ TG_REPLAY_KERNEL(linear_cross_entropy) {
 
 // dh (when asked) then dw (when asked) packed flat: dz = (softmax(z) - onehot) times g
 // (per row for "none", / counted rows for a mean), dh rows = dz W, dw += dz^T h chunk by
-// chunk in row order; the last chunk's softmax(z) - onehot taken from the forward where it
-// handed it over. p: out, h, W, labels, g, the LceHandoff cell or null; i: N, V, fmt,
+// chunk in row order; the first chunk's softmax(z) - onehot taken from the forward where
+// it handed it over. p: out, h, W, labels, g, the LceHandoff cell or null; i: N, V, fmt,
 // row_bytes, D, few, reduction, grad_h, grad_w.
 TG_REPLAY_KERNEL(linear_cross_entropy_back) {
     float* out = (float*)n.p[0];
@@ -251,21 +251,20 @@ TG_REPLAY_KERNEL(linear_cross_entropy_back) {
     float* dw = grad_w ? out + (grad_h ? N * w.D : 0) : nullptr;
     const std::vector<int64_t> rows = lce_rows(labels, N);
     const int64_t counted = (int64_t)rows.size();
-    const int64_t last = counted == 0 ? 0 : (counted - 1) / kLceRows * kLceRows;
-    float* handed = (float*)lce_take((LceHandoff*)n.p[5], last, counted - last, w.V);
+    const int64_t chunk = counted < kLceRows ? counted : kLceRows;
+    float* handed = (float*)lce_take((LceHandoff*)n.p[5], 0, chunk, w.V);
     if (grad_w && !w.f32) return -1;   // a head in blocks is frozen
     const int64_t size = (grad_h ? N * w.D : 0) + (grad_w ? w.V * w.D : 0);
     replay_for(size, 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; i++) out[i] = 0.0f;
     });
     const float scale = reduction == 2 ? (rows.empty() ? 0.0f * g[0] : g[0] / (float)counted) : g[0];
-    const int64_t chunk = counted < kLceRows ? counted : kLceRows;
     std::vector<float> hc((size_t)(chunk * w.D));
     std::vector<float> dhc(grad_h ? (size_t)(chunk * w.D) : 0), tmp(grad_w ? (size_t)(w.V * w.D) : 0);
     for (int64_t start = 0; start < counted; start += kLceRows) {
         const int64_t c = counted - start < kLceRows ? counted - start : kLceRows;
-        const bool given = handed && start == last;
-        float* zc = given ? handed : lce_buffer(handed ? 1 : 0, chunk * w.V);
+        const bool given = handed && start == 0;   // later chunks reuse its buffer
+        float* zc = given ? handed : lce_buffer(chunk * w.V);
         if (given) {
             for (int64_t i = 0; i < c; i++)
                 memcpy(hc.data() + i * w.D, h + rows[start + i] * w.D, (size_t)w.D * 4);

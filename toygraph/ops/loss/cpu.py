@@ -85,7 +85,7 @@ def _linear_cross_entropy_back(node, out, srcs, attrs):
 
 @hands_off("linear_cross_entropy", "linear_cross_entropy_back")
 def _lce_handoff(forward: Call, backward: Call, cell) -> None:
-    """The forward leaves its last chunk's softmax(z) - onehot in ``cell`` (cpu.h's
+    """The forward leaves its first chunk's softmax(z) - onehot in ``cell`` (cpu.h's
     LceHandoff) for the backward, which would recompute it: a product over the whole
     vocabulary less per step, the same bits."""
     forward.pointers.append(cell)
