@@ -645,6 +645,40 @@ def test_a_broken_handoff_changes_the_gradient():
     assert np.array_equal(handed[0], alone[0]) and not np.array_equal(handed[1], alone[1])
 
 
+def test_the_backend_pairs_a_forward_with_its_backward_only_where_it_is_safe():
+    """numpy_backend's _handoffs pairs the head's loss with its gradient, but not across a
+    node that writes h (here a node whose result is h's memory, and an in-place op writing
+    into h), nor across another head loss (one handed chunk is held at a time), nor a
+    backward of other sources."""
+    from types import SimpleNamespace as Node
+    from toygraph.core.numpy_backend import CpuBackend
+    from toygraph.cpu.replay import Call
+    arrays = {1: np.zeros((4, 8), np.float32), 2: np.zeros((5, 8), np.float32),
+              3: np.zeros(4, np.int32), 4: np.zeros((), np.float32), 9: np.zeros((4, 8), np.float32)}
+    h, w, labels, g, other = (Node(id=i, op=None, srcs=[]) for i in (1, 2, 3, 4, 9))
+    forward = Node(id=10, op="linear_cross_entropy", srcs=[h, w, labels])
+    backward = Node(id=11, op="linear_cross_entropy_back", srcs=[h, w, labels, g])
+    arrays[12] = arrays[1][1:3]   # a node writing into h
+    writes_h = Node(id=12, op="scale", srcs=[g])
+    accumulates_into_h = Node(id=13, op="accumulate", srcs=[h, other])
+    another = Node(id=14, op="linear_cross_entropy", srcs=[other, w, labels])
+    elsewhere = Node(id=15, op="linear_cross_entropy_back", srcs=[other, w, labels, g])
+    backend = Node(arrays=arrays, _writes=lambda t, m: CpuBackend._writes(backend, t, m),
+                   _replay_call=lambda t, out, srcs: Call(t.op, [out, *srcs]))
+
+    def paired(*order):
+        fused = {}
+        CpuBackend._handoffs(backend, list(order), fused, set())
+        return sorted(fused)
+
+    assert paired(forward, backward) == [10, 11]
+    assert paired(forward, writes_h, backward) == []
+    assert paired(forward, accumulates_into_h, backward) == []
+    assert paired(forward, another, backward) == []
+    assert paired(forward, elsewhere) == []
+    assert paired(another, forward, backward) == [10, 11]
+
+
 def test_an_sft_run_hands_the_fused_heads_chunk_over_with_the_same_bits(tiny_llama, tmp_path,
                                                                          monkeypatch):
     """Three SFT steps and two evaluations with the head fused, replayed in the engine: the

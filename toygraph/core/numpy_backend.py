@@ -275,11 +275,13 @@ class CpuBackend:
                     fused[n.id] = (call, n.op)
 
     def _writes(self, t, memory) -> bool:
-        """Whether node ``t`` writes ``memory``: its result's bounds (decoding blocks writes
-        the plan's scratch, which is no tensor's memory)."""
-        result = self.arrays.get(t.id)
-        return (isinstance(memory, np.ndarray) and isinstance(result, np.ndarray)
-                and np.may_share_memory(result, memory))
+        """Whether node ``t`` may write ``memory``: its result's bounds, and an in-place op's
+        operands (decoding blocks writes the plan's scratch, which is no tensor's memory)."""
+        written = [self.arrays.get(t.id)]
+        if groups.member(t.op, groups.IN_PLACE):
+            written += [self.arrays.get(s.id) for s in t.srcs]
+        return isinstance(memory, np.ndarray) and any(
+            isinstance(a, np.ndarray) and np.may_share_memory(a, memory) for a in written)
 
     def _touches(self, t, memory: np.ndarray) -> bool:
         """Whether node ``t`` reads or writes ``memory`` (by its arrays' bounds; a node that
