@@ -86,10 +86,23 @@ def test_pick_token_greedy_seeded_and_within_filters():
     assert [pick_token(z, [], other, r) for r in (other.rng(),) for _ in range(300)] != draws
 
 
-def test_pick_token_draws_what_rng_choice_draws():
+@pytest.fixture(params=["engine", "numpy"])
+def draw_path(request, monkeypatch):
+    """sampling.draw through the CPU engine's tg_draw (the engine loaded) or numpy's steps."""
+    from toygraph.cpu import engine
+    if request.param == "engine":
+        if engine.library() is None:
+            pytest.skip("no host C++ compiler: no engine")
+    else:
+        monkeypatch.setattr(engine, "loaded", lambda: None)
+    return request.param
+
+
+def test_pick_token_draws_what_rng_choice_draws(draw_path):
     """pick_token's own draw (no checks of p) gives numpy's Generator.choice token for the
     same generator state, draw after draw, and leaves the generator where choice does; NaN
-    logits are refused as choice refuses them."""
+    logits are refused as choice refuses them. Both ways of drawing: the engine's and
+    numpy's."""
     rng = np.random.default_rng(5)
     for V, opts in [(49152, SamplingOptions(temperature=1.0, seed=3)),
                     (1000, SamplingOptions(temperature=0.7, top_p=0.9, seed=4)),
@@ -103,6 +116,30 @@ def test_pick_token_draws_what_rng_choice_draws():
         assert mine.random() == theirs.random()
     with pytest.raises(ValueError, match="NaN"):
         pick_token(np.full(5, np.nan), [], SamplingOptions(temperature=1.0), np.random.default_rng(0))
+
+
+def test_the_engines_draw_is_numpys_index_where_the_sums_are_close():
+    """tg_draw against numpy's cumsum and searchsorted at the u that matter: each cdf value
+    itself and its neighbours one ulp away (where a sum added in another order, or a
+    division rounded otherwise, would move the index), with zeros, ties and a peaked p."""
+    from toygraph.cpu import engine
+    lib = engine.library()
+    if lib is None:
+        pytest.skip("no host C++ compiler: no engine")
+    rng = np.random.default_rng(0)
+    peaked = softmax(rng.normal(size=151936) * 12)
+    flat = np.full(1000, 1e-3)
+    zeros = rng.random(500) * (rng.random(500) < 0.3)
+    for p in (peaked, flat, zeros / zeros.sum(), np.array([1.0]), np.array([0.0, 0.5, 0.0, 0.5])):
+        cdf = np.cumsum(p)
+        cdf /= cdf[-1]
+        picks = rng.choice(cdf.size, size=min(cdf.size, 200), replace=False)
+        for u in np.concatenate([cdf[picks], np.nextafter(cdf[picks], 0), np.nextafter(cdf[picks], 2),
+                                 [0.0, np.nextafter(1.0, 0)]]):
+            if u >= 1.0:
+                continue
+            assert lib.tg_draw(p.ctypes.data, p.size, float(u)) == cdf.searchsorted(u, side="right"), u
+    assert lib.tg_draw(np.array([0.5, np.nan]).ctypes.data, 2, 0.3) == -1
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5),
