@@ -356,6 +356,37 @@ def test_attention_back(case):
     check_op("attention_back", (q.size + 2 * k.size + H,), srcs + [fwd, g], attrs)
 
 
+def _attention_back_by(scheme, srcs, attrs, threads):
+    """attention_back's result with its scheme forced (cpu.h's back_by_phases: 1 a task per
+    K/V head, 2 by phases) at ``threads`` threads."""
+    q, k = srcs[0], srcs[1]
+    fwd = np.zeros(q.size + q.size // q.shape[-1], np.float32)
+    KERNELS["attention"](fwd, srcs, attrs)
+    operands = srcs + [fwd, rand(*q.shape, seed=9)]
+    out = np.full(q.size + 2 * k.size + (srcs[-1].size if attrs["sinks"] else 0), np.nan, np.float32)
+    call = REPLAYS["attention_back"](None, out, operands, attrs)
+    call.ints = call.ints[:9] + [scheme]
+    engine.set_threads(threads)
+    try:
+        Program([call], ["attention_back"]).run()
+    finally:
+        engine.use_threads(None)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES) + ["long-groups"])
+def test_attention_back_by_phases_is_the_same_bits(case):
+    """The backward by phases (every block of query rows at once, then every strip of keys)
+    against a task per K/V head: the same bits, at 1 to 3 threads, in every case above and
+    at 4,200 rows, whose kept P and dS blocks take three groups."""
+    spec = ATTENTION_CASES.get(case, (1, 2, 1, 4200, 4, "bthd", True, 0, False, False))
+    srcs, attrs = _attention_inputs(*spec)
+    per_head = _attention_back_by(1, srcs, attrs, threads=2)
+    assert not np.isnan(per_head).any()
+    for threads in (1, 2, 3):
+        assert np.array_equal(_attention_back_by(2, srcs, attrs, threads), per_head), threads
+
+
 # --- loss, rows, update ------------------------------------------------------------------------
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("V", [7, 300, 5003])

@@ -146,64 +146,173 @@ TG_REPLAY_KERNEL(attention) {
     return 0;
 }
 
-// dq, dk, dv (and d sinks [H]) packed flat (each in its operand's layout): a task is one
-// K/V head of one batch row with its group of query heads and every block of query rows,
-// so it alone writes that head's dk and dv (summed over the blocks in order) and those
-// heads' dq; its part of d sinks, -sum of P_sink rowsum(dO * O) over its rows, is added
-// to the others' in batch order at the end. Per block: P again, dP = dO V^T,
-// dS = (dP - rowsum(dO * O)) * P * scale, dq = dS K, dk += dS^T q, dv += P^T dO.
-// p: out, q, k, v, segments or null, o, dO, sinks or null; i and f as attention's.
+// The backward of one block of query rows [t0, t1) of head h, first part: P again, dP = dO
+// V^T, dS = (dP - rowsum(dO * O)) * P * scale into dS, its rows of dq = dS K, and each
+// row's P_sink rowsum(dO * O) into sink_terms (with sinks). P, dS: [t1 - t0, L] for the
+// block's keys [j0, j0 + L).
+static void back_rows(const Attention& a, const float* o, const float* g, float* dq, int64_t b,
+                      int64_t h, int64_t t0, int64_t t1, float* P, float* dS, float* panel,
+                      float* psink, float* sink_terms) {
+    int64_t j0, j1;
+    a.keys(t0, t1, j0, j1);
+    const int64_t L = j1 - j0, R = t1 - t0, kvh = h / (a.H / a.KV);
+    a.probabilities(b, h, t0, t1, j0, j1, P, nullptr, panel, psink);
+    const float* gb = g + a.q_at(b, h, t0);
+    attn_gemm(R, L, a.hd, gb, a.qt, a.v + a.k_at(b, kvh, j0), 1, a.kt, dS, L, false, panel);
+    for (int64_t r = 0; r < R; r++) {
+        const float delta = attn_dot(gb + r * a.qt, o + a.q_at(b, h, t0 + r), a.hd);
+        if (a.sinks) sink_terms[r] = psink[r] * delta;
+        float* ds = dS + r * L;
+        const float* p = P + r * L;
+        for (int64_t j = 0; j < L; j++) ds[j] = (ds[j] - delta) * p[j] * a.scale;
+    }
+    attn_gemm(R, a.hd, L, dS, L, a.k + a.k_at(b, kvh, j0), a.kt, 1, dq + a.q_at(b, h, t0), a.qt,
+              false, panel);
+}
+
+// Second part, for the block's keys [ja, jb) (within its [j0, j0 + L)): dk += dS^T q and
+// dv += P^T dO on those rows. Each element of dk and dv is one multiply-add chain over the
+// block's rows, continued from its value, whichever keys a call takes.
+static void back_keys(const Attention& a, const float* g, float* dk, float* dv, int64_t b,
+                      int64_t h, int64_t t0, int64_t R, int64_t j0, int64_t L, const float* P,
+                      const float* dS, int64_t ja, int64_t jb, float* T_, float* panel) {
+    const int64_t w = jb - ja, kvh = h / (a.H / a.KV);
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = ja; j < jb; j++) T_[(j - ja) * R + r] = dS[r * L + j - j0];
+    attn_gemm(w, a.hd, R, T_, R, a.q + a.q_at(b, h, t0), a.qt, 1, dk + a.k_at(b, kvh, ja), a.kt,
+              true, panel);
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = ja; j < jb; j++) T_[(j - ja) * R + r] = P[r * L + j - j0];
+    attn_gemm(w, a.hd, R, T_, R, g + a.q_at(b, h, t0), a.qt, 1, dv + a.k_at(b, kvh, ja), a.kt,
+              true, panel);
+}
+
+// The P and dS blocks of one head that the backward by phases keeps between its parts,
+// kept by the calling thread and grown on demand (a fresh one each call would cost its
+// page faults), at most kAttnKept floats: longer sequences take their blocks in groups.
+static thread_local std::vector<float> t_attn_kept;
+static const int64_t kAttnKept = (int64_t)1 << 23;   // 32 MiB
+
+// Whether the backward goes by phases: per head, every block of query rows at once, then
+// every strip of keys at once, instead of a task per K/V head (which alone writes its dk
+// and dv). Both make every value with the same operations in the same order, so either
+// gives the same bits; the phases keep the threads busy where the K/V heads are fewer than
+// the threads or do not divide among them (SmolLM2's 3 on 2 threads: one thread idle half
+// the time; Gemma 3 270M's 1: one thread), at the cost of a meeting of the threads per
+// part. Counted in blocks of rows, each scheme's longest thread.
+static bool back_by_phases(const Attention& a, int64_t scheme) {
+    if (scheme != 0) return scheme == 2;
+    const int64_t threads = pool_threads(), blocks = (a.T + kAttnRows - 1) / kAttnRows;
+    const int64_t per_head = (a.B * a.KV + threads - 1) / threads * (a.H / a.KV) * blocks;
+    const int64_t phases = a.B * a.H * ((blocks + threads - 1) / threads);
+    return phases < per_head;
+}
+
+// dq, dk, dv (and d sinks [H]) packed flat (each in its operand's layout). Per head h and
+// block of query rows in order: back_rows, then back_keys over the block's keys, so each
+// dk and dv element sums the blocks in (h, block) order; d sinks [h] is -sum over the rows,
+// in order, of P_sink rowsum(dO * O), the batch rows' sums added in order. A task per K/V
+// head of a batch row (with its group of query heads), or by phases (back_by_phases).
+// p: out, q, k, v, segments or null, o, dO, sinks or null; i as attention's, then the scheme
+// (0: back_by_phases decides, 1: per K/V head, 2: by phases); f: scale.
 TG_REPLAY_KERNEL(attention_back) {
     const Attention a = attention_of(n);
     const float *o = (const float*)n.p[5], *g = (const float*)n.p[6];
     float* dq = (float*)n.p[0];
     float* dk = dq + a.B * a.H * a.T * a.hd;
     float* dv = dk + a.B * a.KV * a.T * a.hd;
-    const int64_t G = a.H / a.KV, span = a.T + kAttnRows;
+    const int64_t G = a.H / a.KV, span = a.T + kAttnRows, blocks = (a.T + kAttnRows - 1) / kAttnRows;
     const int64_t big = (span > a.hd ? span : a.hd);
-    std::vector<float> dsink_parts(a.sinks ? (size_t)(a.B * a.H) : 0, 0.0f);   // [B, H]
-    pool_for(a.B * a.KV, [&](int64_t task, int) {
-        const int64_t b = task / a.KV, kvh = task % a.KV;
-        float* P = replay_scratch((size_t)(3 * kAttnRows * span + big * NR + kAttnRows));
-        float* dS = P + kAttnRows * span;
-        float* T_ = dS + kAttnRows * span;   // P^T or dS^T, [keys][rows]
-        float* panel = T_ + kAttnRows * span;
-        float* psink = panel + big * NR;
-        for (int64_t t = 0; t < a.T; t++)
-            for (int64_t d = 0; d < a.hd; d++)
-                dk[a.k_at(b, kvh, t) + d] = dv[a.k_at(b, kvh, t) + d] = 0.0f;
-        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
-            for (int64_t t0 = 0; t0 < a.T; t0 += kAttnRows) {
-                const int64_t t1 = t0 + kAttnRows < a.T ? t0 + kAttnRows : a.T, R = t1 - t0;
-                int64_t j0, j1;
-                a.keys(t0, t1, j0, j1);
-                const int64_t L = j1 - j0;
-                a.probabilities(b, h, t0, t1, j0, j1, P, nullptr, panel, psink);
-                const float* gb = g + a.q_at(b, h, t0);
-                attn_gemm(R, L, a.hd, gb, a.qt, a.v + a.k_at(b, kvh, j0), 1, a.kt, dS, L, false, panel);
-                for (int64_t r = 0; r < R; r++) {
-                    const float delta = attn_dot(gb + r * a.qt, o + a.q_at(b, h, t0 + r), a.hd);
-                    if (a.sinks) dsink_parts[b * a.H + h] -= psink[r] * delta;
-                    float* ds = dS + r * L;
-                    const float* p = P + r * L;
-                    for (int64_t j = 0; j < L; j++) ds[j] = (ds[j] - delta) * p[j] * a.scale;
+    std::vector<float> sink_terms(a.sinks ? (size_t)(a.B * a.H * a.T) : 0);   // [B, H, T]
+    if (!back_by_phases(a, n.i[9])) {
+        pool_for(a.B * a.KV, [&](int64_t task, int) {
+            const int64_t b = task / a.KV, kvh = task % a.KV;
+            float* P = replay_scratch((size_t)(3 * kAttnRows * span + big * NR + kAttnRows));
+            float* dS = P + kAttnRows * span;
+            float* T_ = dS + kAttnRows * span;   // P^T or dS^T, [keys][rows]
+            float* panel = T_ + kAttnRows * span;
+            float* psink = panel + big * NR;
+            for (int64_t t = 0; t < a.T; t++)
+                for (int64_t d = 0; d < a.hd; d++)
+                    dk[a.k_at(b, kvh, t) + d] = dv[a.k_at(b, kvh, t) + d] = 0.0f;
+            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+                for (int64_t t0 = 0; t0 < a.T; t0 += kAttnRows) {
+                    const int64_t t1 = t0 + kAttnRows < a.T ? t0 + kAttnRows : a.T;
+                    int64_t j0, j1;
+                    a.keys(t0, t1, j0, j1);
+                    back_rows(a, o, g, dq, b, h, t0, t1, P, dS, panel, psink,
+                              a.sinks ? sink_terms.data() + (b * a.H + h) * a.T + t0 : nullptr);
+                    back_keys(a, g, dk, dv, b, h, t0, t1 - t0, j0, j1 - j0, P, dS, j0, j1, T_, panel);
                 }
-                attn_gemm(R, a.hd, L, dS, L, a.k + a.k_at(b, kvh, j0), a.kt, 1,
-                          dq + a.q_at(b, h, t0), a.qt, false, panel);
-                for (int64_t r = 0; r < R; r++)
-                    for (int64_t j = 0; j < L; j++) T_[j * R + r] = dS[r * L + j];
-                attn_gemm(L, a.hd, R, T_, R, a.q + a.q_at(b, h, t0), a.qt, 1,
-                          dk + a.k_at(b, kvh, j0), a.kt, true, panel);
-                for (int64_t r = 0; r < R; r++)
-                    for (int64_t j = 0; j < L; j++) T_[j * R + r] = P[r * L + j];
-                attn_gemm(L, a.hd, R, T_, R, gb, a.qt, 1, dv + a.k_at(b, kvh, j0), a.kt, true, panel);
+        });
+    } else {
+        replay_for(a.B * a.KV * a.T, a.hd, [&](int64_t i0, int64_t i1) {
+            for (int64_t i = i0; i < i1; i++) {
+                const int64_t b = i / (a.KV * a.T), kvh = i / a.T % a.KV, t = i % a.T;
+                for (int64_t d = 0; d < a.hd; d++) dk[a.k_at(b, kvh, t) + d] = dv[a.k_at(b, kvh, t) + d] = 0.0f;
             }
-    });
+        });
+        struct Block { int64_t t0, t1, j0, j1; float *P, *dS; };
+        std::vector<Block> group;
+        for (int64_t b = 0; b < a.B; b++)
+            for (int64_t h = 0; h < a.H; h++)
+                for (int64_t first = 0; first < blocks;) {
+                    // the next blocks whose P and dS fit the kept memory (one at least)
+                    group.clear();
+                    int64_t kept = 0;
+                    for (int64_t i = first; i < blocks; i++) {
+                        Block blk;
+                        blk.t0 = i * kAttnRows;
+                        blk.t1 = blk.t0 + kAttnRows < a.T ? blk.t0 + kAttnRows : a.T;
+                        a.keys(blk.t0, blk.t1, blk.j0, blk.j1);
+                        const int64_t need = 2 * (blk.t1 - blk.t0) * (blk.j1 - blk.j0);
+                        if (!group.empty() && kept + need > kAttnKept) break;
+                        group.push_back(blk);
+                        kept += need;
+                    }
+                    if ((int64_t)t_attn_kept.size() < kept) t_attn_kept.resize((size_t)kept);
+                    float* at = t_attn_kept.data();
+                    for (Block& blk : group) {
+                        const int64_t size = (blk.t1 - blk.t0) * (blk.j1 - blk.j0);
+                        blk.P = at;
+                        blk.dS = at + size;
+                        at += 2 * size;
+                    }
+                    pool_for((int64_t)group.size(), [&](int64_t i, int) {
+                        const Block& blk = group[(size_t)i];
+                        float* panel = replay_scratch((size_t)(big * NR + kAttnRows));
+                        back_rows(a, o, g, dq, b, h, blk.t0, blk.t1, blk.P, blk.dS, panel,
+                                  panel + big * NR,
+                                  a.sinks ? sink_terms.data() + (b * a.H + h) * a.T + blk.t0 : nullptr);
+                    });
+                    int64_t lo = a.T, hi = 0;   // the keys the group's blocks see
+                    for (const Block& blk : group) {
+                        lo = blk.j0 < lo ? blk.j0 : lo;
+                        hi = blk.j1 > hi ? blk.j1 : hi;
+                    }
+                    pool_for((hi - lo + kAttnRows - 1) / kAttnRows, [&](int64_t strip, int) {
+                        const int64_t ja = lo + strip * kAttnRows, jb = ja + kAttnRows < hi ? ja + kAttnRows : hi;
+                        float* T_ = replay_scratch((size_t)(kAttnRows * kAttnRows + big * NR));
+                        float* panel = T_ + kAttnRows * kAttnRows;
+                        for (const Block& blk : group) {   // in order: each chain as per head
+                            const int64_t s0 = ja > blk.j0 ? ja : blk.j0, s1 = jb < blk.j1 ? jb : blk.j1;
+                            if (s0 < s1)
+                                back_keys(a, g, dk, dv, b, h, blk.t0, blk.t1 - blk.t0, blk.j0,
+                                          blk.j1 - blk.j0, blk.P, blk.dS, s0, s1, T_, panel);
+                        }
+                    });
+                    first += (int64_t)group.size();
+                }
+    }
     if (a.sinks) {
         float* dsinks = dv + a.B * a.KV * a.T * a.hd;
         for (int64_t h = 0; h < a.H; h++) {
             dsinks[h] = 0.0f;
-            for (int64_t b = 0; b < a.B; b++) dsinks[h] += dsink_parts[b * a.H + h];
+            for (int64_t b = 0; b < a.B; b++) {
+                float part = 0.0f;
+                for (int64_t t = 0; t < a.T; t++) part -= sink_terms[(b * a.H + h) * a.T + t];
+                dsinks[h] += part;
+            }
         }
     }
     return 0;
