@@ -76,6 +76,12 @@ STEP_MODELS = ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "llama1b-q4_k", "
 #: decoded-vs-blocks can be compared on the 8B's matrices; ``llama8b`` is the whole model.
 RANDOM_SHAPES = {"llama1b": {}, "llama8b": {}, "llama8b4": {"n_layer": 4}}
 GEN_MODELS = ("smollm2", "qwen2.5-coder-0.5b")
+#: The variables that cap an instruction set (the engine's build, torch's kernels, MKL's and
+#: oneDNN's), named in a table's header when set: a comparison at AVX2 on a CPU with AVX-512
+#: sets all four (TOYGRAPH_CPU_TARGET=x86-64-v3 ATEN_CPU_CAPABILITY=avx2
+#: MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2).
+ISA_CAPS = ("TOYGRAPH_CPU_TARGET", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+            "ONEDNN_MAX_CPU_ISA")
 
 
 def model_file(name: str) -> Path:
@@ -621,9 +627,14 @@ def main(argv=None) -> int:
     a.threads_n = threads.resolve(a.threads)
     chosen = a.models.split(",") if a.models else None
     a.models_step, a.models_gen = chosen or STEP_MODELS, chosen or GEN_MODELS
+    from toygraph.cpu import engine
+    caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if k in os.environ]
     head = (f"## The CPU engine — {cpu_name()}, {a.threads_n} threads of "
             f"{len(os.sched_getaffinity(0))} CPUs, {time.strftime('%Y-%m-%d')}\n\n"
-            f"- `python bench/cpu_engine.py {' '.join(argv)}`\n- python {platform.python_version()}, "
+            f"- `python bench/cpu_engine.py {' '.join(argv)}`\n"
+            f"- the engine built for {engine.simd()}"
+            + (f"; set: {', '.join(caps)}" if caps else "") + "\n"
+            f"- python {platform.python_version()}, "
             f"numpy {np.__version__}, torch {version('torch')}, transformers "
             f"{version('transformers')}, llama-cpp-python {version('llama_cpp_python')}\n")
     parts, doc = [head], {"argv": argv, "threads": a.threads_n}

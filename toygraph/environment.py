@@ -80,6 +80,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "to 8 bits and multiplies in integers, as llama.cpp does (x86 with AVX2, ARM with NEON; "
             "elsewhere f32), `f32` keeps x in f32 (slower; the rounding of the training "
             "forward and of more rows)", ("int8", "f32")),
+    Setting("TOYGRAPH_CPU_TARGET", "choice", "native",
+            "the instruction set the CPU engine is built for: `native` this CPU's own, "
+            "`x86-64-v3` AVX2 and FMA only (what a CPU without AVX-512 runs; a benchmark "
+            "at the same instruction set as a reference capped to AVX2), `x86-64-v4` "
+            "AVX-512", ("native", "x86-64-v3", "x86-64-v4")),
     Setting("TOYGRAPH_CPU_REPLAY", "choice", "engine",
             "how the numpy backend runs a step's nodes: `engine` every run of nodes that has "
             "CPU engine kernels (toygraph/ops/<family>/cpu.h: all but all_reduce) as one "

@@ -147,3 +147,30 @@ def test_a_compiler_without_march_native_builds_for_its_default_target(monkeypat
         np.testing.assert_array_equal(bits(out), bits(blocks.dequantize(raw, "q4_k", shape)))
     finally:
         engine.library.cache_clear()
+
+
+def test_the_target_setting_chooses_the_engines_instruction_set(monkeypatch):
+    """TOYGRAPH_CPU_TARGET reaches the build as its -march (native by default), and a value
+    outside its choices is the setting's one-line error, not a build."""
+    from toygraph.errors import SettingError
+    from types import SimpleNamespace
+    targets = []
+
+    def load(text, target="-march=native"):
+        targets.append(target)
+        return SimpleNamespace(tg_set_threads=lambda n: n)
+
+    monkeypatch.setattr(engine, "load", load)
+    engine.library.cache_clear()
+    try:
+        engine.library()
+        monkeypatch.setenv("TOYGRAPH_CPU_TARGET", "x86-64-v3")
+        engine.library.cache_clear()
+        engine.library()
+        monkeypatch.setenv("TOYGRAPH_CPU_TARGET", "avx2")
+        engine.library.cache_clear()
+        with pytest.raises(SettingError, match="TOYGRAPH_CPU_TARGET must be one of"):
+            engine.library()
+    finally:
+        engine.library.cache_clear()
+    assert targets == ["-march=native", "-march=x86-64-v3"]

@@ -93,8 +93,9 @@ def source() -> str:
 def library():
     """The engine as a loaded library, or None (no compiler, or the build failed: logged
     once)."""
+    target = environment.get("TOYGRAPH_CPU_TARGET")
     try:
-        lib = load(source())
+        lib = load(source(), target=f"-march={target}")
     except (ToygraphError, OSError) as native_error:
         try:   # a compiler that does not know -march=native here: its default target
             lib = load(source(), target="")
