@@ -646,8 +646,8 @@ def _lce_pair(h, w, labels, g, reduction, grad_w, handed: bool, lib=None):
 def test_the_fused_heads_forward_hands_its_backward_the_same_bits(N, reduction, head, grad_w):
     """The backward given the forward's first chunk of softmax(z) - onehot (the only one
     at 77 rows, the first of two at 133: the forward computes them last to first)
-    computes the same bits as the one that recomputes it, and takes it from the cell (its address cleared: the memory freed; the chunk's
-    place and size left behind say what was handed)."""
+    computes the same bits as the one that recomputes it, and takes it from the cell (its
+    address cleared; the chunk's place and size left behind say what was handed)."""
     D, V = 256, 300
     h = rand(N, D, seed=1)
     w = rand(V, D, seed=2, scale=0.2) if head == "f32" else _blocks(head, V, D, seed=2)

@@ -260,12 +260,14 @@ class CpuBackend:
                     continue
                 i, f = forward
                 forward = None
-                if ([s.id for s in t.srcs[:len(f.srcs)]] != [s.id for s in f.srcs] or any(n.id in fused or n.id in inside for n in (f, t))
-                        or any(self._writes(order[k], self.arrays[s.id])
-                               for k in range(i + 1, j) for s in f.srcs)):
+                shared = [s.id for s in f.srcs]
+                if ([s.id for s in t.srcs[:len(shared)]] != shared
+                        or any(n.id in fused or n.id in inside for n in (f, t))
+                        or any(self._writes(order[k], self.arrays[s])
+                               for k in range(i + 1, j) for s in shared)):
                     continue
-                calls = [self._replay_call(n, self.arrays.get(n.id), [self.arrays[s.id] for s in n.srcs])
-                         for n in (f, t)]
+                calls = [self._replay_call(n, self.arrays.get(n.id),
+                                           [self.arrays[s.id] for s in n.srcs]) for n in (f, t)]
                 if None in calls:
                     continue
                 cell = np.zeros(replay.HANDOFF_BYTES, np.uint8)

@@ -107,7 +107,8 @@ def draw(p: np.ndarray, rng) -> int:
     the vocabulary, twice the time of the rest for a softmax's p, which is never negative
     and sums to 1. A NaN in p (from NaN logits) is still refused, as choice refuses it."""
     lib = engine.loaded()
-    if lib is not None and p.dtype == np.float64 and p.ndim == 1 and p.size and p.flags.c_contiguous:
+    if (lib is not None and p.dtype == np.float64 and p.ndim == 1 and p.size
+            and p.flags.c_contiguous):
         index = lib.tg_draw(p.ctypes.data, p.size, rng.random())   # the same index, 6x faster
         if index < 0:
             raise ValueError("Probabilities contain NaN")
