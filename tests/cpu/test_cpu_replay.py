@@ -747,6 +747,30 @@ def test_an_sft_run_hands_the_fused_heads_chunk_over_with_the_same_bits(tiny_lla
     assert runs[1] == runs[0]
 
 
+def test_a_training_run_releases_the_kernels_kept_memory(tiny_llama, tmp_path, monkeypatch):
+    """run_training frees the memory the engine's kernels keep between calls (the fused
+    head's chunk, attention's kept blocks: engine.release) when it ends, and a run after the
+    release computes the same losses as the first (the kept memory grows back)."""
+    import json
+    import toygraph.recipes.base as recipe_base
+    from toygraph.training import RunConfig, run_training
+    monkeypatch.setattr(recipe_base, "FUSED_HEAD_ON_CPU", True)
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": f"it is {i}"})
+                            + "\n" for i in range(16)))
+    released, release = [], engine.release
+    monkeypatch.setattr(engine, "release", lambda: released.append(1) or release())
+    losses = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        run_training(RunConfig(model=str(tiny_llama), data=str(data), out=str(out), steps=2,
+                               batch=2, seq_len=32, quiet=True, seed=3))
+        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        losses.append([e["loss"] for e in events if e["event"] == "step"])
+    assert released == [1, 1] and losses[1] == losses[0]
+
+
 @pytest.mark.parametrize("start,T", [(0, 5), (7, 1), (11, 1)])
 def test_cache_write(start, T):
     cache, value = rand(2, 3, 12, 8), rand(2, 3, T, 8, seed=1)

@@ -72,6 +72,12 @@ TG_EXPORT int64_t tg_draw(const double* p, int64_t n, double u) {
     return n;
 }
 
+// Free the memory the kernels keep between calls on this thread (replay.h's
+// KeptRegistration): a training run calls it when it is over.
+TG_EXPORT void tg_release() {
+    for (void (*release)() : kept_memory()) release();
+}
+
 // The index of the replay kernel named ``name`` (replay.h's table), or -1.
 TG_EXPORT int tg_replay_kernel(const char* name) {
     const std::vector<ReplayKernel>& table = replay_kernels();

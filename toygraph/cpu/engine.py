@@ -55,7 +55,8 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
          "-ffp-contract=off", "-fno-fast-math", "-fvisibility=hidden")
 #: The entry points engine.cpp exports; a cached library without one of them is rebuilt.
 SYMBOLS = ("tg_simd", "tg_set_threads", "tg_threads", "tg_dot_q8", "tg_decode",
-           "tg_decode_rows", "tg_matmul", "tg_replay_kernel", "tg_replay", "tg_draw")
+           "tg_decode_rows", "tg_matmul", "tg_replay_kernel", "tg_replay", "tg_draw",
+           "tg_release")
 #: Rows of x up to which the row-dot kernels run instead of the panels (dot.h's DOT_MAX_M).
 DOT_MAX_M = 4
 
@@ -116,6 +117,15 @@ def loaded():
     return library() if library.cache_info().currsize else None
 
 
+def release() -> None:
+    """Free the memory the engine's kernels keep between calls on this thread (the fused
+    head's chunk of logits, attention's kept blocks), where it is loaded: at the end of a
+    training run, so that what comes after it (generation, another run) does not carry it."""
+    lib = loaded()
+    if lib is not None:
+        lib.tg_release()
+
+
 def load(text: str, target: str = "-march=native"):
     """The engine built from ``text`` (:func:`source`, or a variant of it: the tests build
     deliberately broken ones) for ``target`` (the tests also build the AVX2 and the plain
@@ -136,6 +146,7 @@ def load(text: str, target: str = "-march=native"):
     lib.tg_replay_kernel.argtypes = [ctypes.c_char_p]
     lib.tg_replay.argtypes = [_P, _I64, _P, _P]
     lib.tg_draw.argtypes, lib.tg_draw.restype = [_P, _I64, ctypes.c_double], _I64
+    lib.tg_release.restype = None
     for fn in (lib.tg_decode, lib.tg_decode_rows, lib.tg_matmul, lib.tg_replay_kernel,
                lib.tg_replay):
         fn.restype = ctypes.c_int

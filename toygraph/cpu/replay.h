@@ -53,6 +53,19 @@ struct ReplayRegistration {
     static ReplayRegistration replay_registration_##name(#name, replay_##name); \
     static int replay_##name(const ReplayNode& n)
 
+// Memory a kernel keeps between calls on the calling thread (grown on demand, so that a
+// step does not fault tens of megabytes in again each time), entered here by the kernel's
+// family with the function that frees it: engine.cpp's tg_release calls them all when a
+// run is over.
+static std::vector<void (*)()>& kept_memory() {
+    static std::vector<void (*)()> list;
+    return list;
+}
+
+struct KeptRegistration {
+    explicit KeptRegistration(void (*release)()) { kept_memory().push_back(release); }
+};
+
 // Work of a few thousand elements or less is not worth waking the pool for.
 static const int64_t kReplayGrain = 4096;
 

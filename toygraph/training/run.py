@@ -35,6 +35,7 @@ from toygraph.adapters.base import base_record, check_base
 from toygraph.bounded import terminal_text
 from toygraph.distributed import World, agreed_call, is_agreed, world
 from toygraph.core.optimizer import AdamWSettings, Schedule
+from toygraph.cpu import engine
 from toygraph.errors import DataError, ToygraphError
 from toygraph.models.stores import store_of
 from toygraph.recipes import recipe_class
@@ -169,6 +170,7 @@ def run_training(run_cfg: RunConfig, show_use: bool = True) -> dict:
                 failed = False
                 return result
             finally:
+                engine.release()   # the kernels' kept memory serves training steps only
                 if lock is not None:
                     lock.release()
                     if failed and new_dir:

@@ -191,6 +191,7 @@ static void back_keys(const Attention& a, const float* g, float* dk, float* dv, 
 // kept by the calling thread and grown on demand (a fresh one each call would cost its
 // page faults), at most kAttnKept floats: longer sequences take their blocks in groups.
 static thread_local std::vector<float> t_attn_kept;
+static KeptRegistration attn_kept([] { std::vector<float>().swap(t_attn_kept); });
 static const int64_t kAttnKept = (int64_t)1 << 23;   // 32 MiB
 
 // Whether the backward goes by phases: per head, every block of query rows at once, then

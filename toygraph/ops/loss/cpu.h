@@ -158,6 +158,7 @@ static int lce_logits(const Head& w, const float* h, const std::vector<int64_t>&
 // demand: a fresh one each call would cost the page faults of tens of megabytes a step (a
 // third of the head's time on Qwen2.5-Coder-0.5B).
 static thread_local std::vector<float> t_lce_logits;
+static KeptRegistration lce_kept([] { std::vector<float>().swap(t_lce_logits); });
 
 static float* lce_buffer(int64_t floats) {
     if ((int64_t)t_lce_logits.size() < floats) t_lce_logits.resize((size_t)floats);
