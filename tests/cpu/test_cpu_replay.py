@@ -710,21 +710,35 @@ def test_the_backend_pairs_a_forward_with_its_backward_only_where_it_is_safe():
     assert paired(another, forward, backward) == [10, 11]
 
 
+def _head_fused_engine_runs(monkeypatch, tmp_path, names, before_each=lambda name: None,
+                            **options):
+    """run_training on the tiny Llama with the head fused, replayed in the engine, on
+    test_run's instruction rows, once per name (``before_each(name)`` first): each run's
+    step and eval losses and its adapter's bytes."""
+    import toygraph.recipes.base as recipe_base
+    from test_run import events, write_chat_data
+    from toygraph.training import RunConfig, run_training
+    monkeypatch.setattr(recipe_base, "FUSED_HEAD_ON_CPU", True)
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    runs = []
+    for name in names:
+        before_each(name)
+        out = tmp_path / name
+        run_training(RunConfig(data=str(data), out=str(out), **options))
+        runs.append(([(e["event"], e.get("loss")) for e in events(out)
+                      if e["event"] in ("step", "eval")],
+                     (out / "adapter_model.safetensors").read_bytes()))
+    return runs
+
+
 def test_an_sft_run_hands_the_fused_heads_chunk_over_with_the_same_bits(tiny_llama, tmp_path,
                                                                          monkeypatch):
     """Three SFT steps and two evaluations with the head fused, replayed in the engine: the
     backend pairs the step's head loss with its gradient (replay.HANDOFFS; the evaluation's
     loss has no gradient to pair with), and every loss and the trained adapter are the
     same bits as with no pairing."""
-    import json
-    import toygraph.recipes.base as recipe_base
     from toygraph.cpu import replay
-    from toygraph.training import RunConfig, run_training
-    monkeypatch.setattr(recipe_base, "FUSED_HEAD_ON_CPU", True)
-    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": f"the number is {i}"})
-                            + "\n" for i in range(24)))
     key = ("linear_cross_entropy", "linear_cross_entropy_back")
     pair, paired = replay.HANDOFFS[key], []
 
@@ -732,16 +746,12 @@ def test_an_sft_run_hands_the_fused_heads_chunk_over_with_the_same_bits(tiny_lla
         paired.append(cell)
         pair(forward, backward, cell)
 
-    runs = []
-    for name, handoffs in (("alone", {}), ("handed", {key: spy})):
-        monkeypatch.setattr(replay, "HANDOFFS", handoffs)
-        out = tmp_path / name
-        run_training(RunConfig(model=str(tiny_llama), data=str(data), out=str(out), targets=("q", "v"),
-                               rank=4, alpha=8, steps=3, batch=2, seq_len=32, lr=5e-3,
-                               val_split=0.25, eval_every=3, quiet=True, seed=7))
-        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-        runs.append(([(e["event"], e.get("loss")) for e in events if e["event"] in ("step", "eval")],
-                     (out / "adapter_model.safetensors").read_bytes()))
+    handoffs = {"alone": {}, "handed": {key: spy}}
+    runs = _head_fused_engine_runs(
+        monkeypatch, tmp_path, ["alone", "handed"],
+        lambda name: monkeypatch.setattr(replay, "HANDOFFS", handoffs[name]),
+        model=str(tiny_llama), targets=("q", "v"), rank=4, alpha=8, steps=3, batch=2,
+        seq_len=32, lr=5e-3, val_split=0.25, eval_every=3, quiet=True, seed=7)
     assert len(paired) == 1, f"{len(paired)} pairs: the step's head loss and gradient, once"
     assert [kind for kind, _ in runs[0][0]] == ["eval", "step", "step", "step", "eval"]
     assert runs[1] == runs[0]
@@ -751,23 +761,12 @@ def test_a_training_run_releases_the_kernels_kept_memory(tiny_llama, tmp_path, m
     """run_training frees the memory the engine's kernels keep between calls (the fused
     head's chunk, attention's kept blocks: engine.release) when it ends, and a run after the
     release computes the same losses as the first (the kept memory grows back)."""
-    import json
-    import toygraph.recipes.base as recipe_base
-    from toygraph.training import RunConfig, run_training
-    monkeypatch.setattr(recipe_base, "FUSED_HEAD_ON_CPU", True)
-    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"instruction": f"say {i}", "response": f"it is {i}"})
-                            + "\n" for i in range(16)))
     released, release = [], engine.release
     monkeypatch.setattr(engine, "release", lambda: released.append(1) or release())
-    losses = []
-    for name in ("first", "second"):
-        out = tmp_path / name
-        run_training(RunConfig(model=str(tiny_llama), data=str(data), out=str(out), steps=2,
-                               batch=2, seq_len=32, quiet=True, seed=3))
-        events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-        losses.append([e["loss"] for e in events if e["event"] == "step"])
+    runs = _head_fused_engine_runs(monkeypatch, tmp_path, ["first", "second"],
+                                   model=str(tiny_llama), steps=2, batch=2, seq_len=32,
+                                   quiet=True, seed=3)
+    losses = [[loss for kind, loss in run[0] if kind == "step"] for run in runs]
     assert released == [1, 1] and losses[1] == losses[0]
 
 
