@@ -68,12 +68,17 @@ def replays(op: str):
 FUSIONS: dict[tuple[str, ...], Callable] = {}
 
 
-def fuses(*ops: str):
-    """Register the decorated function as the engine calls of a chain of ``ops``."""
+def _enters(table: dict, key):
+    """A decorator entering its function in ``table`` under ``key``."""
     def register(fn):
-        FUSIONS[tuple(ops)] = fn
+        table[key] = fn
         return fn
     return register
+
+
+def fuses(*ops: str):
+    """Register the decorated function as the engine calls of a chain of ``ops``."""
+    return _enters(FUSIONS, tuple(ops))
 
 
 #: Nodes of one op that read one first source and that an engine kernel computes together
@@ -85,10 +90,7 @@ SIBLINGS: dict[str, Callable] = {}
 
 def siblings(op: str):
     """Register the decorated function as the engine call of sibling nodes of ``op``."""
-    def register(fn):
-        SIBLINGS[op] = fn
-        return fn
-    return register
+    return _enters(SIBLINGS, op)
 
 
 #: A node's forward and its backward where the forward's kernel can hand the backward a
@@ -106,10 +108,7 @@ HANDOFF_BYTES = 64
 def hands_off(first: str, second: str):
     """Register the decorated function as the way a node of ``first`` hands a node of
     ``second`` (its backward) what it computed."""
-    def register(fn):
-        HANDOFFS[(first, second)] = fn
-        return fn
-    return register
+    return _enters(HANDOFFS, (first, second))
 
 
 def address(a) -> int:
