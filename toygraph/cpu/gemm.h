@@ -202,6 +202,7 @@ static void nn_task(void* ctx, int64_t task, int) {
     // together ([rows][PN]).
     float* panel = scratch((size_t)PN * ld + (size_t)(m1 - m0) * PN);
     float* gp = panel + (size_t)PN * ld;
+    const bool in_place = p.lda <= kGInPlace;
     for (int64_t n0 = 0; n0 < p.N; n0 += PN) {
         const int64_t nn = p.N - n0 < PN ? p.N - n0 : PN;
         for (int64_t i = 0; i < nn; i++) {
@@ -209,7 +210,6 @@ static void nn_task(void* ctx, int64_t task, int) {
             decode_row_part(*p.f, p.w + (n0 + i) * p.row_bytes, k0, k0 + kk, dst);
             for (int64_t j = kk; j < ld; j++) dst[j] = 0.0f;
         }
-        const bool in_place = p.lda <= kGInPlace;
         if (!in_place)
             for (int64_t m = m0; m < m1; m++)
                 std::memcpy(gp + (m - m0) * PN, p.a + m * p.lda + n0, (size_t)nn * 4);
