@@ -457,7 +457,38 @@ def child_torch(spec: dict) -> dict:
     out["peak_bytes"] = (torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - rss0)
     if not cuda:
         out["peak_rss"] = peak_rss_bytes()   # the process's own, all of it
+        if spec.get("op_profile"):
+            x, y = torch.from_numpy(ids[0]), torch.from_numpy(labels[0])
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                loss = fn(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, spec["clip"])
+                opt.step()
+            out["op_profile"] = _torch_op_profile(step)
     return out
+
+
+#: torch's matrix products (their self time is the product; aten::linear and aten::matmul
+#: only call them)
+TORCH_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _torch_op_profile(step) -> list:
+    """Seconds of self time per aten op over one extra (unmeasured) CPU step of torch's,
+    biggest first, and its products' sum: the same shape as ``_op_profile``'s rows."""
+    import torch
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        total = time.perf_counter() - t0
+    rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()
+            if e.self_cpu_time_total > 0]
+    products = [r for r in rows if r[0] in TORCH_PRODUCTS]
+    summed = (f"products ({', '.join(r[0] for r in products)})",
+              sum(r[1] for r in products), sum(r[2] for r in products))
+    return [("(step total)", total, 0), summed] + sorted(rows, key=lambda r: -r[1])
 
 
 def child_main(spec_path: str, out_path: str) -> int:
@@ -625,22 +656,28 @@ def render(rows: list, a, facts: dict, device_desc: str, argv: list) -> str:
 
 
 def op_profile_text(rows: list) -> str:
+    out = []
     for r in rows:
         prof = r.get("op_profile")
         if prof and r.get("op_profile_unit") == "device":
             return device_profile_text(prof, r.get("top_launches") or [])
-        if prof:
+        if prof and r["impl"] == "toygraph":
             total = prof[0][1]
-            out = [f"\n\ntoygraph CPU time by op, one extra step ({1e3 * total:.0f} ms wall):", "",
-                   "| op | ms | share | calls |", "|---|---:|---:|---:|"]
-            kern = 0.0
+            out += [f"\n\ntoygraph CPU time by op, one extra step ({1e3 * total:.0f} ms wall):", "",
+                    "| op | ms | share | calls |", "|---|---:|---:|---:|"]
             for name, s, c in prof[1:13]:
                 out.append(f"| {name} | {1e3 * s:.1f} | {s / total:.1%} | {c} |")
             kern = sum(s for _, s, _ in prof[1:])
             out.append(f"| (outside kernels: uploads, dispatch, reset) | "
                        f"{1e3 * (total - kern):.1f} | {(total - kern) / total:.1%} | |")
-            return "\n".join(out)
-    return ""
+        elif prof:   # torch's: self time per aten op under torch.profiler, the products summed
+            total = prof[0][1]
+            out += [f"\n\n{r['impl']} CPU self time by aten op, one extra step under "
+                    f"torch.profiler ({1e3 * total:.0f} ms wall):", "",
+                    "| op | ms | share | calls |", "|---|---:|---:|---:|"]
+            for name, s, c in prof[1:14]:
+                out.append(f"| {name} | {1e3 * s:.1f} | {s / total:.1%} | {c} |")
+    return "\n".join(out)
 
 
 def device_profile_text(prof: list, top: list) -> str:
@@ -691,7 +728,8 @@ def parse_args(argv):
                          "(auto: on cuda only)")
     ap.add_argument("--op-profile", action="store_true",
                     help="time toygraph's kernels over one extra step: by op on the cpu, by "
-                         "CUDA kernel (timing events, graph replay off) on cuda")
+                         "CUDA kernel (timing events, graph replay off) on cuda; on the cpu "
+                         "torch's too (self time per aten op, torch.profiler)")
     ap.add_argument("--threads", type=int,
                     help="cpu: BLAS/OpenMP threads of both sides (OPENBLAS_NUM_THREADS, "
                          "OMP_NUM_THREADS, torch.set_num_threads); default: the environment's")
