@@ -2,6 +2,7 @@
 
     python bench/engine_ab.py --against HEAD~1              # 40 steps of toygraph demo's recipe
     python bench/engine_ab.py --against main --steps 80 --model other.gguf
+    python bench/engine_ab.py --against HEAD~1 --generate 200 --model m.gguf --adapter runs/x
 
 On a machine shared with other work (or a VM whose neighbours are) two runs of one build
 differ by several percent, and a microbenchmark of one kernel by more: a kernel change
@@ -13,6 +14,11 @@ batches and the same minutes of the machine. Printed: the median time of the ste
 replayed program under each build (the first two steps of each dropped), and the load
 average. Each step is computed by the build that ran it, so the run's losses are either
 build's alone where the change keeps the bits (as the engine's kernels must).
+
+``--generate N`` times generation's one-token decode instead: N tokens after a chat
+prompt (each next token forced, so that the count never depends on an end-of-turn token),
+the decode program alternating between the builds token by token, with ``--adapter``'s
+LoRA when given.
 """
 from __future__ import annotations
 
@@ -61,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="each pool's threads (default 2)")
     ap.add_argument("--out", default="/tmp/toygraph-engine-ab",
                     help="run directory, replaced (default /tmp/toygraph-engine-ab)")
+    ap.add_argument("--generate", type=int, metavar="N",
+                    help="time N decoded tokens instead of training steps")
+    ap.add_argument("--adapter", help="--generate: a LoRA adapter directory to decode with")
     args = ap.parse_args(argv)
 
     from toygraph.cpu import engine
@@ -95,7 +104,10 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"{name}: replay failed (code {rc})")
-        if len(program.nodes) >= biggest[0]:
+        if args.generate:   # every program; the decode's (the most runs) are kept below
+            seconds[name].append((id(program), elapsed))
+            turn[0] ^= 1
+        elif len(program.nodes) >= biggest[0]:   # the step: the program with the most nodes
             biggest[0] = len(program.nodes)
             seconds[name].append(elapsed)
             turn[0] ^= 1
@@ -103,18 +115,44 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     Program.run = run
     model = args.model or str(smollm2_path())
+    if args.generate:
+        return generate(args, model, names, seconds, load)
     run_training(RunConfig(model=model, data=capitals.data_files(), out=args.out,
                            recipe="lora", steps=args.steps, overwrite=True, quiet=True,
                            **capitals.RECIPE), show_use=False)
+    report(f"{args.steps} steps of toygraph demo's recipe on {Path(model).name}, "
+           f"{args.threads} threads", "step", seconds, load)
+    return 0
+
+
+def report(what: str, unit: str, seconds: dict, load) -> None:
+    """Each build's median (its first two times dropped) and their ratio."""
     medians = {name: float(np.median(s[2:])) for name, s in seconds.items()}
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start; "
-          f"{args.steps} steps of toygraph demo's recipe on {Path(model).name}, "
-          f"{args.threads} threads, alternating")
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start; {what}, "
+          f"alternating")
+    for name, median in medians.items():
+        print(f"  {name}: median {median * 1e3:.2f} ms a {unit} over {len(seconds[name]) - 2}")
+    (a, b), other = medians.values(), list(medians)[1]
+    print(f"  this tree / {other}: {a / b:.3f} of its time")
+
+
+def generate(args, model: str, names: list, seconds: dict, load) -> int:
+    from toygraph.inference.language_model import LanguageModel
+    lm = LanguageModel(model, adapter_dir=args.adapter)
+    ids = lm.encode_prompt("Write a Python function that returns the n-th Fibonacci number.", True)
+    context = list(ids)
+    rows = lm.next_logits(context, len(ids) + args.generate)
+    next(rows)   # the prefill
+    for i in range(args.generate - 1):
+        context.append(100 + i % 1000)
+        next(rows)
+    runs = [program for name in names for program, _ in seconds[name]]
+    decode = max(set(runs), key=runs.count)
     for name in names:
-        print(f"  {name}: median {medians[name] * 1e3:.1f} ms a step over "
-              f"{len(seconds[name]) - 2} steps")
-    a, b = medians.values()
-    print(f"  this tree / {names[1]}: {a / b:.3f} of its time")
+        seconds[name] = [s for program, s in seconds[name] if program == decode]
+    report(f"{args.generate} tokens decoded on {Path(model).name}"
+           f"{' with ' + args.adapter if args.adapter else ''}, {args.threads} threads",
+           "token", seconds, load)
     return 0
 
 

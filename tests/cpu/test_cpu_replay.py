@@ -192,6 +192,35 @@ def test_matmul_add_f32(alpha, N):
              {"trans_a": False, "trans_b": True, "alpha": alpha})
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 8960, 16), (4, 1536, 16), (3, 700, 40), (1, 16, 8960),
+                                   (4, 16, 1000), (12, 300, 20)])
+def test_few_rows_products_keep_their_bits_at_any_thread_count(M, K, N):
+    """Generation's LoRA products (a few rows): x A^T (N the rank, K up to the MLP's width)
+    shares its runs of k among the threads where its strips are fewer than them, and
+    s u B^T (K the rank) gives a task several strips; both within the f64 bound, and the
+    one-thread products (one task, no split) bit for bit at 2 and 3 threads."""
+    a, b = _operands(M, K, N, False, True)
+    attrs = {"trans_a": False, "trans_b": True}
+    check_op("matmul", (M, N), [a, b], attrs)
+    check_bits_across_threads("matmul", (M, N), [a, b], attrs)
+    check_bits_across_threads("matmul_add", (M, N), [rand(M, N, seed=3), a, b],
+                              dict(attrs, alpha=2.0))
+
+
+def test_k_runs_added_out_of_order_fail_the_thread_check():
+    """The runs of k shared among tasks must be added in k order, as one task adds them."""
+    old = "const float* run = sums.data() + (strip * k_runs + r) * M * NR;"
+    broken = _broken(old, "const float* run = sums.data() + (strip * k_runs + (r ? k_runs - r : 0)) * M * NR;")
+    a, b = _operands(1, 8960, 16, False, True)
+    attrs = {"trans_a": False, "trans_b": True}
+    engine.set_threads(1)
+    want = run_engine("matmul", np.zeros((1, 16), np.float32), [a, b], attrs)
+    engine.use_threads(None)
+    broken.tg_set_threads(2)
+    got = run_engine("matmul", np.zeros((1, 16), np.float32), [a, b], attrs, broken)
+    assert not np.array_equal(got, want)
+
+
 def _blocks(fmt, N, K, seed=0):
     w = (np.random.default_rng(seed).standard_normal((N, K)) * 0.1).astype(np.float32)
     return BlockTensor(block_encode.quantize(w, fmt), fmt, (N, K))
@@ -270,16 +299,9 @@ def test_generation_computes_q_k_v_and_gate_up_together_with_the_same_bits(monke
     """The one-token step replays q, k, v and gate, up of one x as one call each (a later
     product's result written aside and moved in where the plan lends its memory in
     between), and every logit is what the separate products give."""
-    from toygraph.core import numpy_backend
+    from support.replayed import replayed_kernels
     from toygraph.cpu import replay
     from toygraph.inference.language_model import LanguageModel
-    kernels = []
-    plain = numpy_backend.CpuBackend._compile
-
-    def spy(self, nodes):
-        steps = plain(self, nodes)
-        kernels.extend(k for op, prog, *_ in steps if op is None for k in prog.kernels)
-        return steps
 
     def logits(lm, n=6):
         context, rows = lm.encode_prompt("the cat", chat=True), []
@@ -290,7 +312,7 @@ def test_generation_computes_q_k_v_and_gate_up_together_with_the_same_bits(monke
         return rows
 
     monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
-    monkeypatch.setattr(numpy_backend.CpuBackend, "_compile", spy)
+    kernels = replayed_kernels(monkeypatch)
     together = logits(LanguageModel(str(tiny_llama)))
     assert kernels.count("matmul_blocks_shared_x") == 2 * 2   # 2 layers: q,k,v; gate,up
     monkeypatch.setattr(replay, "SIBLINGS", {})

@@ -124,13 +124,94 @@ struct Strided {
     }
 };
 
-// c [M, N] (unit column stride, rows ldc apart) = A [M, K] . B [K, N]. A task is a strip of
-// NR columns and a run of rows; it packs its strip of B as a [K][NR] panel. k is summed in
-// runs of kGemmRun: each run one fused multiply-add chain (gemm.h's micro-kernel), the
-// runs' sums added in order, so a long K (the head's 49152 rows in the backward) rounds
-// like BLAS's blocked sums, not like one chain of 49152, and no task split changes a bit.
-// A is read in place when its rows are unit-stride and unscaled, else packed once.
+// c [M, N] (unit column stride, rows ldc apart) = A [M, K] . B [K, N]. A task is a run of
+// rows and one or more strips of NR columns; it packs a strip of B as a [K][NR] panel. k is
+// summed in runs of kGemmRun: each run one fused multiply-add chain (gemm.h's micro-kernel),
+// the runs' sums added in order, so a long K (the head's 49152 rows in the backward)
+// rounds like BLAS's blocked sums, not like one chain of 49152, and no task split changes a
+// bit. A is read in place when its rows are unit-stride and unscaled, else packed once.
 static const int64_t kGemmRun = 256;
+// A task's least work in multiply-adds where several strips can share one: with a few rows
+// of A (generation's LoRA products: 1-4 rows, K = 16 for s u B^T) a strip is a few hundred,
+// less than the two threads' meeting at the pool's counter for it (8,960 columns, 280
+// one-strip tasks: 45-90 us a product, against 12 us at 9 tasks).
+static const int64_t kGemmTaskWork = 16384;
+
+// Strip n0 (cols columns) of B, k in [k0, k0 + kk), as a [kk][NR] panel (zeros past cols).
+static void pack_strip(const Strided& B, int64_t n0, int cols, int64_t k0, int64_t kk, float* panel) {
+    if (B.s0 == 1 && B.scale == 1.0f) {
+        // B transposed (x^T, g^T: LoRA's narrow products): the strip's columns are rows of
+        // memory, moved by 8 x 8 transposes (a strided scalar copy cost as much as the
+        // product of a rank-16 strip)
+        rows_to_panel(B.p + n0 * B.s1 + k0, B.s1, cols, kk, panel);
+    } else if (B.s1 == 1 && B.scale == 1.0f) {
+        // B as it lies (the weight gradients' g, x): each k's strip is a run of memory
+        for (int64_t k = 0; k < kk; k++) {
+            float* dst = panel + k * NR;
+            std::memcpy(dst, B.p + (k0 + k) * B.s0 + n0, (size_t)cols * 4);
+            for (int j = cols; j < NR; j++) dst[j] = 0.0f;
+        }
+    } else {
+        for (int64_t k = 0; k < kk; k++) {
+            float* dst = panel + k * NR;
+            for (int j = 0; j < cols; j++) dst[j] = B.at(k0 + k, n0 + j);
+            for (int j = cols; j < NR; j++) dst[j] = 0.0f;
+        }
+    }
+}
+
+// Rows [m0, m1) of strip n0 of c: the runs of k in order, the first written, each later
+// one's sum added (``part``: [rows][NR] of scratch).
+static void gemm_strip(int64_t m0, int64_t m1, int64_t n0, int64_t N, int64_t K, const float* a,
+                       int64_t lda, const Strided& B, float* c, int64_t ldc, float* panel, float* part) {
+    const int cols = (int)(N - n0 < NR ? N - n0 : NR);
+    pack_strip(B, n0, cols, 0, K, panel);
+    float* tile = c + m0 * ldc + n0;
+    if (K == 0)
+        for (int64_t m = 0; m < m1 - m0; m++)
+            for (int j = 0; j < cols; j++) tile[m * ldc + j] = 0.0f;
+    for (int64_t k0 = 0; k0 < K; k0 += kGemmRun) {
+        const int64_t kk = K - k0 < kGemmRun ? K - k0 : kGemmRun;
+        if (k0 == 0) {
+            rows_times_panel(m1 - m0, kk, a + m0 * lda, lda, panel, NR, tile, ldc, true, cols);
+            continue;
+        }
+        rows_times_panel(m1 - m0, kk, a + m0 * lda + k0, lda, panel + k0 * NR, NR, part, NR,
+                         true, NR);
+        for (int64_t m = 0; m < m1 - m0; m++)
+            for (int j = 0; j < cols; j++) tile[m * ldc + j] += part[m * NR + j];
+    }
+}
+
+// Fewer strips than threads and every row in one run (a few rows times a narrow B:
+// generation's x A^T, K up to the MLP's width): the runs of k are shared among the tasks
+// instead, each run's sum kept apart ([M][NR] per run and strip) and then added in k order
+// as gemm_strip adds them: the same bits, on every thread instead of one.
+static void gemm_f32_k_runs(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
+                            const Strided& B, float* c, int64_t ldc) {
+    const int64_t strips = (N + NR - 1) / NR, k_runs = (K + kGemmRun - 1) / kGemmRun;
+    std::vector<float> sums((size_t)(strips * k_runs * M * NR));
+    pool_for(strips * k_runs, [&](int64_t task, int) {
+        const int64_t strip = task / k_runs, k0 = (task % k_runs) * kGemmRun;
+        const int64_t kk = K - k0 < kGemmRun ? K - k0 : kGemmRun;
+        const int cols = (int)(N - strip * NR < NR ? N - strip * NR : NR);
+        float* panel = replay_scratch((size_t)(kGemmRun * NR));
+        pack_strip(B, strip * NR, cols, k0, kk, panel);
+        rows_times_panel(M, kk, a + k0, lda, panel, NR, sums.data() + task * M * NR, NR, true, NR);
+    });
+    for (int64_t strip = 0; strip < strips; strip++) {
+        const int64_t n0 = strip * NR;
+        const int cols = (int)(N - n0 < NR ? N - n0 : NR);
+        for (int64_t r = 0; r < k_runs; r++) {
+            const float* run = sums.data() + (strip * k_runs + r) * M * NR;
+            for (int64_t m = 0; m < M; m++)
+                for (int j = 0; j < cols; j++) {
+                    float& out = c[m * ldc + n0 + j];
+                    out = r == 0 ? run[m * NR + j] : out + run[m * NR + j];
+                }
+        }
+    }
+}
 
 static void gemm_f32(int64_t M, int64_t N, int64_t K, Strided A, Strided B, float* c, int64_t ldc) {
     std::vector<float> packed;
@@ -144,53 +225,30 @@ static void gemm_f32(int64_t M, int64_t N, int64_t K, Strided A, Strided B, floa
         a = packed.data();
         A.s0 = K;
     }
-    const int64_t lda = A.s0, strips = (N + NR - 1) / NR;
+    const int64_t lda = A.s0, strips = (N + NR - 1) / NR, threads = pool_threads();
     // Runs of rows (whole micro-kernel tiles) so that there are a few tasks per thread.
-    const int64_t want = 4 * (int64_t)pool_threads();
+    const int64_t want = 4 * threads;
     int64_t rows = (M * strips + want - 1) / want;
     rows = (rows + MR - 1) / MR * MR;
     if (rows < MR) rows = MR;
     const int64_t runs = (M + rows - 1) / rows;
-    pool_for(strips * runs, [&](int64_t task, int) {
-        const int64_t n0 = (task % strips) * NR, m0 = (task / strips) * rows;
+    if (runs == 1 && strips < threads && K > kGemmRun) {
+        gemm_f32_k_runs(M, N, K, a, lda, B, c, ldc);
+        return;
+    }
+    // strips a task takes: enough work to outweigh a task's cost, and a task per thread
+    const int64_t work = (M < rows ? M : rows) * NR * (K > 0 ? K : 1);
+    int64_t group = kGemmTaskWork / work;
+    if (group > strips / threads) group = strips / threads;
+    if (group < 1) group = 1;
+    const int64_t groups = (strips + group - 1) / group;
+    pool_for(groups * runs, [&](int64_t task, int) {
+        const int64_t s0 = (task % groups) * group, m0 = (task / groups) * rows;
+        const int64_t s1 = s0 + group < strips ? s0 + group : strips;
         const int64_t m1 = m0 + rows < M ? m0 + rows : M;
-        const int cols = (int)(N - n0 < NR ? N - n0 : NR);
         float* panel = replay_scratch((size_t)(K * NR + rows * NR));
-        float* part = panel + K * NR;   // one run of k's sums, [rows][NR]
-        if (B.s0 == 1 && B.scale == 1.0f) {
-            // B transposed (x^T, g^T: LoRA's narrow products): the strip's columns are rows
-            // of memory, moved by 8 x 8 transposes (a strided scalar copy cost as much as
-            // the product of a rank-16 strip)
-            rows_to_panel(B.p + n0 * B.s1, B.s1, cols, K, panel);
-        } else if (B.s1 == 1 && B.scale == 1.0f) {
-            // B as it lies (the weight gradients' g, x): each k's strip is a run of memory
-            for (int64_t k = 0; k < K; k++) {
-                float* dst = panel + k * NR;
-                std::memcpy(dst, B.p + k * B.s0 + n0, (size_t)cols * 4);
-                for (int j = cols; j < NR; j++) dst[j] = 0.0f;
-            }
-        } else {
-            for (int64_t k = 0; k < K; k++) {
-                float* dst = panel + k * NR;
-                for (int j = 0; j < cols; j++) dst[j] = B.at(k, n0 + j);
-                for (int j = cols; j < NR; j++) dst[j] = 0.0f;
-            }
-        }
-        float* tile = c + m0 * ldc + n0;
-        if (K == 0)
-            for (int64_t m = 0; m < m1 - m0; m++)
-                for (int j = 0; j < cols; j++) tile[m * ldc + j] = 0.0f;
-        for (int64_t k0 = 0; k0 < K; k0 += kGemmRun) {
-            const int64_t kk = K - k0 < kGemmRun ? K - k0 : kGemmRun;
-            if (k0 == 0) {
-                rows_times_panel(m1 - m0, kk, a + m0 * lda, lda, panel, NR, tile, ldc, true, cols);
-                continue;
-            }
-            rows_times_panel(m1 - m0, kk, a + m0 * lda + k0, lda, panel + k0 * NR, NR, part, NR,
-                             true, NR);
-            for (int64_t m = 0; m < m1 - m0; m++)
-                for (int j = 0; j < cols; j++) tile[m * ldc + j] += part[m * NR + j];
-        }
+        for (int64_t strip = s0; strip < s1; strip++)
+            gemm_strip(m0, m1, strip * NR, N, K, a, lda, B, c, ldc, panel, panel + K * NR);
     });
 }
 
