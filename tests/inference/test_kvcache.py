@@ -285,3 +285,23 @@ def test_smollm2_cached_generation_matches_the_full_window(smollm2):
     lm = LanguageModel(smollm2)
     ids = lm.encode_prompt("What is the capital of France?", chat=True)
     check_paths_agree(lm, ids, 32)
+
+
+def test_with_an_adapter_q_k_v_and_gate_up_are_still_one_call(monkeypatch, tiny_llama, tmp_path):
+    """With a LoRA adapter the one-token step's q, k and v (and gate, up) read x beside the
+    adapter's x A^T products: the products on blocks are still computed as one call each
+    (the adapter's products left to their own kernel), and every logit is what the separate
+    products give."""
+    from support.replayed import replayed_kernels
+    from toygraph.cpu import replay
+    monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
+    kernels = replayed_kernels(monkeypatch)
+    adapter = random_adapter(tiny_llama, tmp_path / "ad")
+    ids = LanguageModel(tiny_llama).encode_prompt("the cat", chat=True)
+    together = greedy_steps(LanguageModel(tiny_llama, adapter_dir=adapter), ids, 6, True)
+    assert kernels.count("matmul_blocks_shared_x") == 2 * 2   # 2 layers: q,k,v; gate,up
+    monkeypatch.setattr(replay, "SIBLINGS", {})
+    kernels.clear()
+    separate = greedy_steps(LanguageModel(tiny_llama, adapter_dir=adapter), ids, 6, True)
+    assert "matmul_blocks_shared_x" not in kernels
+    assert together[0] == separate[0] and np.array_equal(together[1], separate[1])

@@ -209,9 +209,11 @@ class CpuBackend:
         in (the buffer plan may lend that memory to a value that dies before the node)."""
         groups: dict[tuple, list] = {}
         for i, t in enumerate(order):
+            joins = replay.SIBLING_JOINS.get(t.op)
             if (t.op in replay.SIBLINGS and t.srcs and t.id not in fused and t.id not in inside
                     and not (t.id in self.decodes and self.decodes[t.id][0])
-                    and isinstance(self.arrays.get(t.id), np.ndarray)):
+                    and isinstance(self.arrays.get(t.id), np.ndarray)
+                    and (joins is None or joins(t, [self.arrays.get(s.id) for s in t.srcs]))):
                 groups.setdefault((t.op, t.srcs[0].id), []).append(i)
         for (op, _), places in groups.items():
             if len(places) < 2:

@@ -86,10 +86,17 @@ def fuses(*ops: str):
 #: or None. The call runs at the first node's place; the backend makes sure that no node in
 #: between reads or writes what the later ones write (numpy_backend's ``_siblings``).
 SIBLINGS: dict[str, Callable] = {}
+#: op -> (node, its source arrays) -> whether the node may join its siblings' call (absent:
+#: every node of the op may): generation's q, k and v products with a LoRA adapter read x
+#: beside the adapter's x A^T, which is not a product on blocks.
+SIBLING_JOINS: dict[str, Callable] = {}
 
 
-def siblings(op: str):
-    """Register the decorated function as the engine call of sibling nodes of ``op``."""
+def siblings(op: str, joins: Callable | None = None):
+    """Register the decorated function as the engine call of sibling nodes of ``op``, and
+    ``joins`` as which nodes of it may be siblings."""
+    if joins is not None:
+        SIBLING_JOINS[op] = joins
     return _enters(SIBLINGS, op)
 
 

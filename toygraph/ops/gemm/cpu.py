@@ -75,7 +75,12 @@ def _matmul_add(node, out, srcs, attrs):
 SHARED_X_MAX = 4
 
 
-@siblings("matmul")
+def _on_blocks_weight(node, srcs) -> bool:
+    """A product whose weight is kept in blocks (not a LoRA adapter's x A^T beside it)."""
+    return len(srcs) > 1 and isinstance(srcs[1], BlockTensor)
+
+
+@siblings("matmul", joins=_on_blocks_weight)
 def _shared_x(nodes, outs, srcs):
     """Products of one x of a few rows with weights in blocks (generation's q, k and v; gate
     and up) as one engine call, x quantized once and one job of the pool: the same bits as
