@@ -187,3 +187,29 @@ def test_adapter_init_starts_from_a_saved_adapter(tiny_llama, chat_data, tmp_pat
     lm_first = LanguageModel(str(tiny_llama), adapter_dir=str(first))
     ids = list(range(3, 20))
     assert lm.loss(ids)[0] == pytest.approx(lm_first.loss(ids)[0], rel=1e-6)
+
+
+def test_a_run_leaves_no_session_alive_when_it_returns(tiny_llama, chat_data, tmp_path, monkeypatch):
+    """The run's session (its arena of GiBs on a real model) sits in reference cycles;
+    run_training collects them before it returns, so the caller's next work (the demo's
+    questions, an evaluation) does not hold it too. The collector is off while the run
+    runs, so only run_training's own collection can free it."""
+    import gc
+    import weakref
+    from toygraph.core.session import Session
+    made, init = [], Session.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(Session, "__init__", spy)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        run_training(cfg_for(tiny_llama, chat_data, tmp_path / "run", steps=2))
+        alive = [ref for ref in made if ref() is not None]
+    finally:
+        if enabled:
+            gc.enable()
+    assert made and not alive

@@ -21,6 +21,7 @@ options, data and model are the ones it was made with.
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import platform
@@ -152,6 +153,18 @@ def run_training(run_cfg: RunConfig, show_use: bool = True) -> dict:
     Under ``mpirun -n N`` every rank calls this (data parallelism, see distributed.py):
     rank 0 alone writes into ``out``; an error every rank meets is raised on each, and a
     rank failing on its own aborts the job rather than leave the others waiting."""
+    try:
+        return _run_training(run_cfg, show_use)
+    finally:
+        # The run's session (arena, gradients, moments: GiBs on a 1.5B model) is held by
+        # reference cycles (the graph's nodes, closures over the recipe) until the
+        # collector next runs, which may be long after: collected here, once the run's
+        # frames are gone, what the process does next (the demo's questions, an
+        # evaluation) starts without it.
+        gc.collect()
+
+
+def _run_training(run_cfg: RunConfig, show_use: bool) -> dict:
     w = world()
     try:
         say = _say if w.rank == 0 and not run_cfg.quiet else (lambda text: None)
