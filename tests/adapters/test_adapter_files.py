@@ -185,3 +185,19 @@ def test_adapter_init_takes_the_adapters_alpha_or_says_so(tiny_llama, tmp_path, 
                                         r".*give --alpha 64"):
         run_training(RunConfig(out=str(tmp_path / "r16"), **kw))
     assert run_training(RunConfig(out=str(tmp_path / "r64"), alpha=64, **kw))["steps"] == 1
+
+
+def test_adapter_init_of_another_shape_names_the_flags_that_continue_it(tiny_llama, tmp_path):
+    """docs/usage.md's DPO example once passed --targets q,k,v,o to continue an SFT adapter
+    trained on the defaults (q, v): the refusal names the flags that match the adapter."""
+    from toygraph.training import RunConfig, run_training
+    cfg = GGUFModel(tiny_llama).config
+    init = _full_adapter(cfg, tmp_path / "init", alpha=4.0, rank=2)
+    kw = dict(model=str(tiny_llama), data=str(PREFERENCES), recipe="dpo", steps=1, batch=2,
+              seq_len=96, val_split=0.0, quiet=True, max_examples=8, adapter_init=str(init))
+    with pytest.raises(DataError, match="adapter has rank 2 and targets q,v; the run asks for "
+                                        "rank 8 and targets q,k,v,o: give --targets q,v --rank 2 "
+                                        "--alpha 4 to continue"):
+        run_training(RunConfig(out=str(tmp_path / "bad"), targets=("q", "k", "v", "o"), **kw))
+    ok = RunConfig(out=str(tmp_path / "ok"), targets=("q", "v"), rank=2, alpha=4, **kw)
+    assert run_training(ok)["steps"] == 1

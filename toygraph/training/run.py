@@ -109,8 +109,11 @@ def _load_adapter_init(run_cfg: RunConfig, recipe, model):
     check_base(run_cfg.adapter_init, model, run_cfg.other_base)
     rank, targets = adapter.rank, adapter.targets
     if rank != run_cfg.rank or set(targets) != set(run_cfg.targets):
-        raise DataError(f"{run_cfg.adapter_init}: adapter has rank {rank} and targets {targets}; "
-                        f"the run asks for rank {run_cfg.rank} and {list(run_cfg.targets)}")
+        raise DataError(f"{run_cfg.adapter_init}: adapter has rank {rank} and targets "
+                        f"{','.join(targets)}; the run asks for rank {run_cfg.rank} and targets "
+                        f"{','.join(run_cfg.targets)}: give "
+                        f"--targets {','.join(targets)} --rank {rank} --alpha {adapter.alpha:g} "
+                        f"to continue it as it was trained")
     if adapter.alpha != float(run_cfg.alpha):   # refused, as rank is: run.yaml says the scale
         raise DataError(f"{run_cfg.adapter_init}: adapter has lora_alpha {adapter.alpha:g}; the run "
                         f"asks for --alpha {run_cfg.alpha:g} (the update's scale): give --alpha "
