@@ -308,3 +308,20 @@ def test_write_quants_writes_the_files_the_rows_describe(files, tmp_path, capsys
     assert cli_main(argv) == 2   # never replaced
     assert "--write-quants: " in capsys.readouterr().err
     assert written.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("source,target", [("q8_0", "q4_k"), ("q4_k", "q8_0"), ("f32", "q6_k")])
+def test_requantizing_chunk_by_chunk_is_the_whole_matrix_bits(monkeypatch, source, target):
+    """requantize_tensor decodes and encodes a few rows at a time (never the whole matrix
+    in f32): the same bytes as encoding the whole decoded matrix, with a last chunk short."""
+    from toygraph.gguf import block_encode
+    from toygraph.gguf.file import WeightTensor
+    from toygraph.inference import fidelity
+    x = (np.random.default_rng(0).standard_normal((11, 512)) * 0.1).astype(np.float32)
+    raw = block_encode.quantize(x, source) if source != "f32" else x
+    w = WeightTensor("m", source, x.shape, np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
+    monkeypatch.setattr(fidelity, "_ROWS", 4)
+    got = fidelity.requantize_tensor(w, target)
+    want = block_encode.quantize(w.dequantize(), target)
+    assert got.qtype == target and got.shape == x.shape
+    assert np.array_equal(got.raw, np.ascontiguousarray(want).view(np.uint8).reshape(-1))

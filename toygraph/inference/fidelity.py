@@ -102,10 +102,15 @@ def requantized_type(qtype: str, shape) -> str | None:
 
 
 def requantize_tensor(w: WeightTensor, qtype: str) -> WeightTensor:
-    """``w`` decoded and encoded as ``qtype`` (a type ``requantized_type`` allows)."""
-    x = w.dequantize()
-    rows = x.reshape(-1, x.shape[-1])
-    raw = np.concatenate([quantize(rows[i:i + _ROWS], qtype) for i in range(0, len(rows), _ROWS)])
+    """``w`` decoded and encoded as ``qtype`` (a type ``requantized_type`` allows), _ROWS
+    rows at a time: never the whole matrix in f32 (Gemma 3's embedding: 672 MB, Llama 3
+    8B's: 2.1 GB), only the encoded result and one chunk."""
+    n_rows = int(np.prod(w.shape[:-1]))
+    row_bytes = w.raw.nbytes // max(n_rows, 1)
+    raw = np.concatenate([
+        quantize(blocks.dequantize(w.raw[i * row_bytes:min(i + _ROWS, n_rows) * row_bytes],
+                                   w.qtype, (min(_ROWS, n_rows - i), w.shape[-1])), qtype)
+        for i in range(0, n_rows, _ROWS)])
     return _weight_tensor(w.name, qtype, w.shape, raw)
 
 
