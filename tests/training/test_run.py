@@ -213,3 +213,34 @@ def test_a_run_leaves_no_session_alive_when_it_returns(tiny_llama, chat_data, tm
         if enabled:
             gc.enable()
     assert made and not alive
+
+
+def test_the_end_of_run_report_starts_after_the_training_session_is_gone(
+        tiny_llama, chat_data, tmp_path, monkeypatch):
+    """The fidelity line at the end of a LoRA run builds a model per block type; the
+    training's session is freed before it (not after the run), so the two never stack.
+    The collector is off, so only the run's own collection can free it."""
+    import gc
+    import weakref
+    from toygraph.core.session import Session
+    from toygraph.training import run
+    made, seen, init = [], [], Session.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    def report(run_cfg, prep, out):
+        seen.append(sum(ref() is not None for ref in made))
+        return "fidelity: (a stand-in)"
+
+    monkeypatch.setattr(Session, "__init__", spy)
+    monkeypatch.setattr(run, "end_of_run_fidelity", report)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        run_training(cfg_for(tiny_llama, chat_data, tmp_path / "run", steps=2, quiet=False))
+    finally:
+        if enabled:
+            gc.enable()
+    assert made and seen == [0]

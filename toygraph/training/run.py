@@ -315,8 +315,11 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
         record_run_id(out, prep.state.run_id)
     log = (EventLog(out / EVENTS_FILE, open_reporters(run_cfg.report_to, out, run_cfg.options()))
            if w.rank == 0 else NullLog())
+    def trainer_words(reason):
+        _last_words(log, trainer, out, reason)
+
     if w.rank == 0:
-        last_words.insert(0, lambda reason: _last_words(log, trainer, out, reason))
+        last_words.insert(0, trainer_words)
     packing = recipe.packing_report(prep.train, run_cfg.batch, run_cfg.seq_len)
     _log_start(run_cfg, prep, log, recipe, total, realize_s, packing, ranks)
     progress = Progress(total, run_cfg.quiet or w.rank != 0, first_step=prep.state.step)
@@ -381,6 +384,13 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
     if final and w.rank == 0:
         progress.message(final_text(run_cfg, out, final, lora_meta is not None, show_use))
         if lora_meta is not None and not run_cfg.quiet:   # nobody would read it when quiet
+            # The report builds a model per block type; the training's session (arena,
+            # gradients, moments) goes first, so that the two do not stack: every holder
+            # of the recipe let go, and the cycles among them collected.
+            last_words.remove(trainer_words)
+            signals.acknowledge = progress.on_lost = None
+            del trainer, sup, recipe, micro_batch, trainer_words
+            gc.collect()
             try:
                 line = end_of_run_fidelity(run_cfg, prep, out)
             except (ToygraphError, MemoryError) as e:   # a report: the run has completed
