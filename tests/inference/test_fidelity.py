@@ -250,6 +250,34 @@ def test_export_prints_the_merged_files_loss_and_kl_on_the_runs_data(tiny_llama,
                     f"over {n} tokens: the merge holds")
 
 
+def test_export_of_a_dpo_run_checks_the_chosen_replies(tiny_llama, tmp_path, capsys):
+    """A DPO run's examples are pairs: the export's check takes their chosen sequences
+    (it refused, exit 2, after writing the file); a GRPO run's prompts have no targets to
+    check on, which it says and exits 0."""
+    from pathlib import Path
+    from test_run import cfg_for
+    from toygraph.training import run_training
+    pairs = Path(__file__).resolve().parents[2] / "fixtures" / "data" / "preferences.jsonl"
+    run = tmp_path / "dpo"
+    run_training(cfg_for(tiny_llama, pairs, run, recipe="dpo", steps=2, seq_len=96))
+    capsys.readouterr()
+    out = tmp_path / "merged.gguf"
+    assert cli_main(["export", "--model", str(tiny_llama), "--adapter", str(run), "--out",
+                     str(out), "--type", "f32", "--check", "4"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("check on 4 of the run's 12 validation pairs' chosen replies: "
+                           "merged loss ") and line.endswith("the merge holds")
+    from test_grpo import cfg as grpo_cfg, write_prompts
+    grpo = tmp_path / "grpo"
+    run_training(grpo_cfg(tiny_llama, write_prompts(tmp_path), grpo))
+    capsys.readouterr()
+    assert cli_main(["export", "--model", str(tiny_llama), "--adapter", str(grpo), "--out",
+                     str(tmp_path / "grpo.gguf"), "--type", "f32"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        f"not checked: {grpo / 'run.yaml'}: the grpo run's examples are not token sequences")
+    assert (tmp_path / "grpo.gguf").is_file()
+
+
 def test_export_of_a_plain_adapter_directory_says_it_is_not_checked(files, capsys):
     d, base, _, _, _ = files
     assert cli_main(["export", "--model", str(base), "--adapter", str(d / "adapter"), "--out",

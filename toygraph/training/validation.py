@@ -20,7 +20,9 @@ from toygraph.training.run_file import RUN_FILE, load_run_file
 
 def _run_split(run_dir, tokenizer):
     """(run file, run config, training items, validation items) of the run in
-    ``run_dir``, each list in prepare's order (a mix's files one after another)."""
+    ``run_dir``, each list in prepare's order (a mix's files one after another); a
+    preference run's (DPO, ORPO) pairs as their chosen sequences, the reply the adapter
+    was trained to prefer as the targets."""
     run_file = Path(run_dir) / RUN_FILE
     if not run_file.is_file():
         raise DataError(f"{run_dir}: no {RUN_FILE} (not a run directory); give --data")
@@ -34,10 +36,13 @@ def _run_split(run_dir, tokenizer):
         items = cls.encode_data(rows, tokenizer, run_cfg.seq_len).items
         t, v = split_train_val(items, run_cfg.val_split, run_cfg.seed)
         train, val = train + t, val + v
+    pairs = isinstance((val or train or [None])[0], tuple)
+    if pairs:   # preference pairs: their chosen sequences
+        train, val = [pair[0] for pair in train], [pair[0] for pair in val]
     if not hasattr((val or train or [None])[0], "target_mask"):
         raise DataError(f"{run_file}: the {run_cfg.recipe} run's examples are not token "
                         "sequences with targets; give --data")
-    return run_file, run_cfg, train, val
+    return run_file, run_cfg, train, val, pairs
 
 
 def _as_lists(items) -> tuple[list[list[int]], list[list[bool]]]:
@@ -48,7 +53,7 @@ def run_validation(run_dir, tokenizer) -> tuple[list[list[int]], list[list[bool]
     """(token ids, target masks) of the validation examples of the run in ``run_dir``.
     A one-line DataError when the directory holds no run file, the run had no
     validation split, or its recipe's examples are not token sequences with targets."""
-    run_file, _, _, val = _run_split(run_dir, tokenizer)
+    run_file, _, _, val, _ = _run_split(run_dir, tokenizer)
     if not val:
         raise DataError(f"{run_file}: the run had no validation split (val_split 0); give --data")
     return _as_lists(val)
@@ -57,9 +62,10 @@ def run_validation(run_dir, tokenizer) -> tuple[list[list[int]], list[list[bool]
 def run_sample(run_dir, tokenizer, n: int) -> tuple[list, list, str]:
     """The first ``n`` validation examples of the run (its training examples when it had
     no validation split): (token ids, target masks, what they are, in words)."""
-    _, _, train, val = _run_split(run_dir, tokenizer)
+    _, _, train, val, pairs = _run_split(run_dir, tokenizer)
     items, what = (val, "validation") if val else (train, "training")
-    return (*_as_lists(items[:n]), f"{min(n, len(items))} of the run's {len(items)} {what} rows")
+    rows = f"{what} pairs' chosen replies" if pairs else f"{what} rows"
+    return (*_as_lists(items[:n]), f"{min(n, len(items))} of the run's {len(items)} {rows}")
 
 
 #: Validation rows the line at the end of a run evaluates (``--fidelity``).
