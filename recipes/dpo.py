@@ -77,12 +77,14 @@ class DPO(PreferenceRecipe):
         return (f"DPO(targets={self.targets}, rank={self.rank}, alpha={self.alpha}, "
                 f"beta={self.beta}, label_smoothing={self.label_smoothing})")
 
-    def preference_loss(self, g, opts):
+    def reference_logprobs(self, g, opts):
         self.ref_net = build_decoder(g, self.model_cfg, WeightSource(reference_of=self.net),
                                      batch=self.rows, seq_len=opts.seq_len,
                                      lora=self.lora_config(opts) if self.reference_adapter else None,
                                      options=BuildOptions(logits=False))
         self.reference = g.output(self.sequence_logprobs(self.ref_net))
+
+    def preference_loss(self, g, opts):
         z = ops.scale(self.chosen_minus_rejected(ops.sub(self.policy, self.reference)), self.beta)
         ls = self.label_smoothing
         losses = ops.scale(ops.softplus(ops.scale(z, -1.0)), 1.0 - ls)  # -logsigmoid(z) (1 - ls)

@@ -88,8 +88,16 @@ class PreferenceRecipe(LoRA):
         # 1 / (valid pairs of the micro-batch) on valid pairs, 0 on padding pairs.
         self.pair_weight = g.input("pair_weight", (R // 2,))
         self.sign = g.const("pair_sign", np.array([[1.0], [-1.0]], np.float32))
+        # A reference model's pass first: the step's plan then runs it before the policy's
+        # forward, so nothing of the fused head's lies between the policy's loss and its
+        # gradient, and the two pair up (replay.HANDOFFS: the gradient reads the loss's
+        # last chunk of softmax instead of recomputing it, the same bits).
+        self.reference_logprobs(g, opts)
         self.policy = g.output(self.sequence_logprobs(self.net))
         return g.output(self.preference_loss(g, opts)), None
+
+    def reference_logprobs(self, g: Graph, opts: RecipeOptions) -> None:
+        """Build the reference model's pass, where the recipe has one (DPO)."""
 
     def preference_loss(self, g: Graph, opts: RecipeOptions):
         raise NotImplementedError

@@ -733,16 +733,16 @@ def test_the_backend_pairs_a_forward_with_its_backward_only_where_it_is_safe():
 
 
 def _head_fused_engine_runs(monkeypatch, tmp_path, names, before_each=lambda name: None,
-                            **options):
+                            data=None, **options):
     """run_training on the tiny Llama with the head fused, replayed in the engine, on
-    test_run's instruction rows, once per name (``before_each(name)`` first): each run's
-    step and eval losses and its adapter's bytes."""
+    ``data`` (default: test_run's instruction rows), once per name (``before_each(name)``
+    first): each run's step and eval losses and its adapter's bytes."""
     import toygraph.recipes.base as recipe_base
     from test_run import events, write_chat_data
     from toygraph.training import RunConfig, run_training
     monkeypatch.setattr(recipe_base, "FUSED_HEAD_ON_CPU", True)
     monkeypatch.setenv("TOYGRAPH_CPU_REPLAY", "engine")
-    data = write_chat_data(tmp_path / "chat.jsonl")
+    data = data or write_chat_data(tmp_path / "chat.jsonl")
     runs = []
     for name in names:
         before_each(name)
@@ -754,12 +754,9 @@ def _head_fused_engine_runs(monkeypatch, tmp_path, names, before_each=lambda nam
     return runs
 
 
-def test_an_sft_run_hands_the_fused_heads_chunk_over_with_the_same_bits(tiny_llama, tmp_path,
-                                                                         monkeypatch):
-    """Three SFT steps and two evaluations with the head fused, replayed in the engine: the
-    backend pairs the step's head loss with its gradient (replay.HANDOFFS; the evaluation's
-    loss has no gradient to pair with), and every loss and the trained adapter are the
-    same bits as with no pairing."""
+def _pairing_switch(monkeypatch):
+    """(the fused head's pairs made, a ``before_each`` for _head_fused_engine_runs that
+    turns pairing off for the run named "alone" and on, spied, for "handed")."""
     from toygraph.cpu import replay
     key = ("linear_cross_entropy", "linear_cross_entropy_back")
     pair, paired = replay.HANDOFFS[key], []
@@ -769,12 +766,40 @@ def test_an_sft_run_hands_the_fused_heads_chunk_over_with_the_same_bits(tiny_lla
         pair(forward, backward, cell)
 
     handoffs = {"alone": {}, "handed": {key: spy}}
+    return paired, lambda name: monkeypatch.setattr(replay, "HANDOFFS", handoffs[name])
+
+
+def test_an_sft_run_hands_the_fused_heads_chunk_over_with_the_same_bits(tiny_llama, tmp_path,
+                                                                         monkeypatch):
+    """Three SFT steps and two evaluations with the head fused, replayed in the engine: the
+    backend pairs the step's head loss with its gradient (replay.HANDOFFS; the evaluation's
+    loss has no gradient to pair with), and every loss and the trained adapter are the
+    same bits as with no pairing."""
+    paired, pairing = _pairing_switch(monkeypatch)
     runs = _head_fused_engine_runs(
         monkeypatch, tmp_path, ["alone", "handed"],
-        lambda name: monkeypatch.setattr(replay, "HANDOFFS", handoffs[name]),
+        pairing,
         model=str(tiny_llama), targets=("q", "v"), rank=4, alpha=8, steps=3, batch=2,
         seq_len=32, lr=5e-3, val_split=0.25, eval_every=3, quiet=True, seed=7)
     assert len(paired) == 1, f"{len(paired)} pairs: the step's head loss and gradient, once"
+    assert [kind for kind, _ in runs[0][0]] == ["eval", "step", "step", "step", "eval"]
+    assert runs[1] == runs[0]
+
+
+def test_a_dpo_run_hands_the_policys_head_chunk_over_with_the_same_bits(tiny_llama, tmp_path,
+                                                                        monkeypatch):
+    """DPO's step runs the reference's pass first, so nothing of the fused head's lies
+    between the policy's head loss and its gradient: the two pair (once a step's plan),
+    and every loss and the adapter are the same bits as with no pairing."""
+    from pathlib import Path
+    paired, pairing = _pairing_switch(monkeypatch)
+    pairs = Path(__file__).resolve().parents[2] / "fixtures" / "data" / "preferences.jsonl"
+    runs = _head_fused_engine_runs(
+        monkeypatch, tmp_path, ["alone", "handed"],
+        pairing, data=pairs,
+        model=str(tiny_llama), recipe="dpo", targets=("q", "v"), rank=4, alpha=8, steps=3,
+        batch=2, seq_len=96, lr=5e-3, val_split=0.25, eval_every=3, quiet=True, seed=7)
+    assert len(paired) == 1, f"{len(paired)} pairs: the policy's head loss and gradient, once"
     assert [kind for kind, _ in runs[0][0]] == ["eval", "step", "step", "step", "eval"]
     assert runs[1] == runs[0]
 
