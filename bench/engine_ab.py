@@ -18,7 +18,8 @@ build's alone where the change keeps the bits (as the engine's kernels must).
 ``--generate N`` times generation's one-token decode instead: N tokens after a chat
 prompt (each next token forced, so that the count never depends on an end-of-turn token),
 the decode program alternating between the builds token by token, with ``--adapter``'s
-LoRA when given.
+LoRA when given; with ``--rows R``, GRPO's batched sampler: a group of R completions of up
+to N tokens at temperature 1, three rounds, the decode step alternating.
 """
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--generate", type=int, metavar="N",
                     help="time N decoded tokens instead of training steps")
     ap.add_argument("--adapter", help="--generate: a LoRA adapter directory to decode with")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="--generate: R > 1 times GRPO's batched decode of R rows")
     args = ap.parse_args(argv)
 
     from toygraph.cpu import engine
@@ -140,19 +143,30 @@ def generate(args, model: str, names: list, seconds: dict, load) -> int:
     from toygraph.inference.language_model import LanguageModel
     lm = LanguageModel(model, adapter_dir=args.adapter)
     ids = lm.encode_prompt("Write a Python function that returns the n-th Fibonacci number.", True)
-    context = list(ids)
-    rows = lm.next_logits(context, len(ids) + args.generate)
-    next(rows)   # the prefill
-    for i in range(args.generate - 1):
-        context.append(100 + i % 1000)
-        next(rows)
+    if args.rows > 1:
+        from toygraph.inference.batched import BatchedGenerator
+        from toygraph.inference.sampling import SamplingOptions
+        gen = BatchedGenerator(lm.model, rows=args.rows, prompt_len=len(ids),
+                               cache_len=len(ids) + args.generate, prompt_rows=1,
+                               lora=lm.lora_config, adapter=lm.adapter)
+        for seed in range(3):
+            gen.generate([ids] * args.rows, args.generate, SamplingOptions(temperature=1.0,
+                                                                           seed=seed))
+    else:
+        context = list(ids)
+        rows = lm.next_logits(context, len(ids) + args.generate)
+        next(rows)   # the prefill
+        for i in range(args.generate - 1):
+            context.append(100 + i % 1000)
+            next(rows)
     runs = [program for name in names for program, _ in seconds[name]]
     decode = max(set(runs), key=runs.count)
     for name in names:
         seconds[name] = [s for program, s in seconds[name] if program == decode]
     report(f"{args.generate} tokens decoded on {Path(model).name}"
+           f"{f' in groups of {args.rows}' if args.rows > 1 else ''}"
            f"{' with ' + args.adapter if args.adapter else ''}, {args.threads} threads",
-           "token", seconds, load)
+           "decode step", seconds, load)
     return 0
 
 
