@@ -315,7 +315,8 @@ def _run_locked(run_cfg: RunConfig, prep: Prepared, out: Path, w: World, say,
         record_run_id(out, prep.state.run_id)
     log = (EventLog(out / EVENTS_FILE, open_reporters(run_cfg.report_to, out, run_cfg.options()))
            if w.rank == 0 else NullLog())
-    def trainer_words(reason):
+
+    def trainer_words(reason):   # a bus error's run_end, while the trainer lives
         _last_words(log, trainer, out, reason)
 
     if w.rank == 0:

@@ -19,10 +19,10 @@ from toygraph.training.run_file import RUN_FILE, load_run_file
 
 
 def _run_split(run_dir, tokenizer):
-    """(run file, run config, training items, validation items) of the run in
-    ``run_dir``, each list in prepare's order (a mix's files one after another); a
-    preference run's (DPO, ORPO) pairs as their chosen sequences, the reply the adapter
-    was trained to prefer as the targets."""
+    """(run file, run config, training items, validation items, whether they are pairs)
+    of the run in ``run_dir``, each list in prepare's order (a mix's files one after
+    another); a preference run's (DPO, ORPO) pairs as their chosen sequences, the reply
+    the adapter was trained to prefer as the targets."""
     run_file = Path(run_dir) / RUN_FILE
     if not run_file.is_file():
         raise DataError(f"{run_dir}: no {RUN_FILE} (not a run directory); give --data")
