@@ -156,22 +156,15 @@ def run_training(run_cfg: RunConfig, show_use: bool = True) -> dict:
     Under ``mpirun -n N`` every rank calls this (data parallelism, see distributed.py):
     rank 0 alone writes into ``out``; an error every rank meets is raised on each, and a
     rank failing on its own aborts the job rather than leave the others waiting."""
-    # The run's session (arena, gradients, moments: GiBs on a 1.5B model) is held by
-    # reference cycles (the graph's nodes, closures over the recipe) until the collector
-    # next runs, which may be long after: collected once the run's frames are gone, what
-    # the process does next (the demo's questions, an evaluation) starts without it. What
-    # lived before the run is frozen meanwhile (unless the caller froze objects itself), so
-    # the collection walks the run's objects, not a long-lived process's whole heap (the
-    # test suite's: 0.4 s a run).
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
     try:
         return _run_training(run_cfg, show_use)
     finally:
+        # The run's session (arena, gradients, moments: GiBs on a 1.5B model) is held by
+        # reference cycles (the graph's nodes, closures over the recipe) until the
+        # collector next runs, which may be long after: collected here, once the run's
+        # frames are gone, what the process does next (the demo's questions, an
+        # evaluation) starts without it.
         gc.collect()
-        if freeze:
-            gc.unfreeze()
 
 
 def _run_training(run_cfg: RunConfig, show_use: bool) -> dict:
