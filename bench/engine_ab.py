@@ -36,6 +36,17 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The chat prompt whose decoding --generate times (adapter_decode.py's too).
+PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+
+
+def group_generator(lm, prompt_ids, rows: int, tokens: int):
+    """GRPO's batched sampler over ``lm``'s model and adapter: ``rows`` completions of
+    ``prompt_ids`` (one prefill row) of up to ``tokens`` new tokens."""
+    from toygraph.inference.batched import BatchedGenerator
+    return BatchedGenerator(lm.model, rows=rows, prompt_len=len(prompt_ids),
+                            cache_len=len(prompt_ids) + tokens, prompt_rows=1,
+                            lora=lm.lora_config, adapter=lm.adapter)
 
 
 def source_at(rev: str) -> str:
@@ -142,13 +153,10 @@ def report(what: str, unit: str, seconds: dict, load) -> None:
 def generate(args, model: str, names: list, seconds: dict, load) -> int:
     from toygraph.inference.language_model import LanguageModel
     lm = LanguageModel(model, adapter_dir=args.adapter)
-    ids = lm.encode_prompt("Write a Python function that returns the n-th Fibonacci number.", True)
+    ids = lm.encode_prompt(PROMPT, True)
     if args.rows > 1:
-        from toygraph.inference.batched import BatchedGenerator
         from toygraph.inference.sampling import SamplingOptions
-        gen = BatchedGenerator(lm.model, rows=args.rows, prompt_len=len(ids),
-                               cache_len=len(ids) + args.generate, prompt_rows=1,
-                               lora=lm.lora_config, adapter=lm.adapter)
+        gen = group_generator(lm, ids, args.rows, args.generate)
         for seed in range(3):
             gen.generate([ids] * args.rows, args.generate, SamplingOptions(temperature=1.0,
                                                                            seed=seed))

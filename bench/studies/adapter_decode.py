@@ -16,16 +16,21 @@ answered: why the worked example's adapter (q..down, rank 16) made a token 1.30x
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine_ab import PROMPT, group_generator  # noqa: E402
 
 
 def decode_profile(lm, tokens: int, warmup: int = 8):
     """(ms a token, {(op, kernel): [seconds, calls]}) over ``tokens`` decoded tokens."""
     from toygraph.cpu.replay import Program
-    ids = lm.encode_prompt("Write a Python function that returns the n-th Fibonacci number.", True)
+    ids = lm.encode_prompt(PROMPT, True)
     context = list(ids)
     rows = lm.next_logits(context, len(ids) + warmup + tokens + 1)
     next(rows)   # the prefill
@@ -55,12 +60,9 @@ def decode_profile(lm, tokens: int, warmup: int = 8):
 def rollout_step(lm, rows: int, tokens: int) -> tuple[float, int]:
     """(the median ms of a batched decode step of ``rows`` rows, the steps timed)."""
     from toygraph.cpu.replay import Program
-    from toygraph.inference.batched import BatchedGenerator
     from toygraph.inference.sampling import SamplingOptions
-    prompt = lm.encode_prompt("Write a Python function that returns the n-th Fibonacci number.", True)
-    gen = BatchedGenerator(lm.model, rows=rows, prompt_len=len(prompt),
-                           cache_len=len(prompt) + tokens, prompt_rows=1, lora=lm.lora_config,
-                           adapter=lm.adapter)
+    prompt = lm.encode_prompt(PROMPT, True)
+    gen = group_generator(lm, prompt, rows, tokens)
     gen.generate([prompt] * rows, tokens, SamplingOptions(temperature=1.0, seed=0))   # warm
     times, plain = {}, Program.run
 
